@@ -1,0 +1,3 @@
+"""seamline: one large language model served across several ordinary machines."""
+
+__version__ = "0.1.0"

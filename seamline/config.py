@@ -1,0 +1,201 @@
+"""Frozen model configuration, built once at the edge from a config.json dict.
+
+Every family seamline runs is described by one ``ModelConfig``; fields a family does not
+use keep their defaults. ``from_hf_dict`` is the only place that knows the spellings of
+Hugging Face configs (legacy ``rope_scaling`` and newer ``rope_parameters`` alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from seamline.errors import ConfigError
+
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling as found in config.json (``rope_type`` 'default' = none)."""
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float = 1.0  # yarn (DeepSeek)
+    mscale_all_dim: float = 0.0  # yarn (DeepSeek)
+    attention_factor: float | None = None  # yarn / longrope override
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    # Mixture of experts (Mixtral, Qwen3-MoE, DeepSeek)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()  # indices of layers whose feed-forward is MoE
+    # DeepSeek V2/V3
+    n_shared_experts: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
+    scoring_func: str = "softmax"  # softmax | sigmoid
+    routed_scaling_factor: float = 1.0
+    rope_interleave: bool = False  # DeepSeek's rope dims are stored pairwise-interleaved
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def is_mla(self) -> bool:
+        return self.family in MLA_FAMILIES
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        family = _family_of(d)
+        heads = _req(d, "num_attention_heads")
+        hidden = _req(d, "hidden_size")
+        layers = _req(d, "num_hidden_layers")
+        kwargs: dict[str, Any] = dict(
+            family=family,
+            vocab_size=_req(d, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=int(d.get("intermediate_size") or 0),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=_eos_ids(d.get("eos_token_id")),
+        )
+        kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_of(d)
+        kwargs.update(_moe_fields(family, d, layers))
+        if family in MLA_FAMILIES:
+            kwargs.update(_mla_fields(d))
+        return cls(**kwargs)
+
+
+def _req(d: dict[str, Any], key: str) -> int:
+    if key not in d or d[key] is None:
+        raise ConfigError(f"config.json has no '{key}'")
+    return int(d[key])
+
+
+def _family_of(d: dict[str, Any]) -> str:
+    family = d.get("model_type")
+    if family not in SUPPORTED_FAMILIES:
+        raise ConfigError(
+            f"unsupported model_type {family!r}; seamline runs {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    return str(family)
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _rope_of(d: dict[str, Any]) -> tuple[float, RopeScaling]:
+    """Read rope theta and scaling from either the legacy or the newer config spelling."""
+    params = dict(d.get("rope_parameters") or {})
+    legacy = d.get("rope_scaling") or {}
+    params = {**legacy, **params} if params else dict(legacy)
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    known = {f for f in RopeScaling.__dataclass_fields__ if f != "rope_type"}
+    values = {k: params[k] for k in known if params.get(k) is not None}
+    return theta, RopeScaling(rope_type=str(rope_type), **values)
+
+
+def _moe_fields(family: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
+    if family == "mixtral":
+        return dict(
+            num_experts=int(d["num_local_experts"]),
+            num_experts_per_tok=int(d["num_experts_per_tok"]),
+            moe_intermediate_size=int(d["intermediate_size"]),
+            norm_topk_prob=True,
+            moe_layers=tuple(range(layers)),
+        )
+    if family == "qwen3_moe":
+        step = int(d.get("decoder_sparse_step", 1) or 1)
+        dense_only = set(d.get("mlp_only_layers") or [])
+        moe = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        return dict(
+            num_experts=int(d["num_experts"]),
+            num_experts_per_tok=int(d["num_experts_per_tok"]),
+            moe_intermediate_size=int(d["moe_intermediate_size"]),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            moe_layers=moe if int(d["num_experts"]) > 0 else (),
+        )
+    if family in MLA_FAMILIES:
+        first_dense = int(d.get("first_k_dense_replace", 0) or 0)
+        freq = int(d.get("moe_layer_freq", 1) or 1)
+        experts = int(d.get("n_routed_experts") or 0)
+        moe = tuple(i for i in range(first_dense, layers) if i % freq == 0) if experts else ()
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            moe_layers=moe,
+            n_shared_experts=int(d.get("n_shared_experts") or 0),
+        )
+    return {}
+
+
+def _mla_fields(d: dict[str, Any]) -> dict[str, Any]:
+    family = d["model_type"]
+    default_method = "noaux_tc" if family == "deepseek_v3" else "greedy"
+    default_scoring = "sigmoid" if family == "deepseek_v3" else "softmax"
+    return dict(
+        q_lora_rank=d.get("q_lora_rank"),
+        kv_lora_rank=int(d["kv_lora_rank"]),
+        qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+        v_head_dim=int(d["v_head_dim"]),
+        head_dim=int(d["qk_nope_head_dim"]) + int(d["qk_rope_head_dim"]),
+        n_group=int(d.get("n_group") or 1),
+        topk_group=int(d.get("topk_group") or 1),
+        topk_method=str(d.get("topk_method") or default_method),
+        scoring_func=str(d.get("scoring_func") or default_scoring),
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        rope_interleave=bool(d.get("rope_interleave", True)),
+    )

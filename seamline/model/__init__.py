@@ -1,0 +1,1 @@
+"""Model code: one implementation per family, parameterised by what this process owns."""

@@ -1,0 +1,61 @@
+"""Grouped-query attention for the Llama family (Llama, SmolLM2, Qwen2 biases, Qwen3 q/k norm).
+
+q, k and v are one fused projection; RoPE is applied to q and k in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seamline.config import ModelConfig
+from seamline.model.cache import LayerKV
+from seamline.model.layers import RMSNorm, empty_param
+from seamline.model.rope import RotaryTable, apply_rotary
+
+
+def causal_mask(start: int, count: int) -> torch.Tensor | None:
+    """Boolean mask [count, start+count] for a chunk after ``start`` cached positions."""
+    if count == 1:
+        return None
+    keys = torch.arange(start + count)
+    queries = torch.arange(start, start + count).unsqueeze(1)
+    return keys <= queries
+
+
+class GQAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rope: RotaryTable) -> None:
+        super().__init__()
+        self.heads = config.num_heads
+        self.kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        rows = (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.qkv = empty_param(rows, config.hidden_size)
+        self.qkv_bias = empty_param(rows) if config.attention_bias else None
+        self.o = empty_param(config.hidden_size, self.heads * self.head_dim)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
+        count = x.shape[0]
+        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2*Hkv) * D]
+        qkv = qkv.view(count, self.heads + 2 * self.kv_heads, self.head_dim)
+        qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split((self.heads, self.kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        cos, sin = self.rope.lookup(start, count)
+        qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D]
+        q, k = qk.split((self.heads, self.kv_heads), dim=1)
+        keys, values = kv.update(k.transpose(0, 1), v.transpose(0, 1), start)  # [Hkv, S, D]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
+            keys.unsqueeze(0),
+            values.unsqueeze(0),
+            attn_mask=causal_mask(start, count),
+            enable_gqa=self.kv_heads != self.heads,
+        )  # [1, H, T, D]
+        out = out.squeeze(0).transpose(0, 1).reshape(count, self.heads * self.head_dim)
+        return F.linear(out, self.o)

@@ -1,0 +1,51 @@
+"""Per-sequence KV cache: one pair of growable buffers per owned layer.
+
+A buffer holds [heads, capacity, dim] (any trailing shape: latent-KV attention stores its
+compressed state here too). Writes go to explicit positions, so rewinding a sequence is
+just writing from an earlier position; nothing past ``start + count`` is ever read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MIN_CAPACITY = 256
+
+
+class LayerKV:
+    """Two growable buffers (keys, values), indexed by position along dim 1."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(
+        self, k: torch.Tensor, v: torch.Tensor, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v ([heads, T, dim]) at positions [start, start+T); return [heads, :start+T, dim]."""
+        end = start + k.shape[1]
+        self.k = _fit(self.k, k, end)
+        self.v = _fit(self.v, v, end)
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        return self.k[:, :end], self.v[:, :end]
+
+
+def _fit(buf: torch.Tensor | None, like: torch.Tensor, end: int) -> torch.Tensor:
+    if buf is not None and buf.shape[1] >= end:
+        return buf
+    capacity = max(end, _MIN_CAPACITY, 2 * (buf.shape[1] if buf is not None else 0))
+    grown = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
+    if buf is not None:
+        grown[:, : buf.shape[1]] = buf
+    return grown
+
+
+class SequenceCache:
+    """The KV state of one sequence for the layers one process owns."""
+
+    def __init__(self, layers: range) -> None:
+        self.layers = {i: LayerKV() for i in layers}
+
+    def layer(self, index: int) -> LayerKV:
+        return self.layers[index]

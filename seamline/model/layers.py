@@ -1,0 +1,38 @@
+"""Small building blocks: RMSNorm and the gated (SwiGLU) feed-forward."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def empty_param(*shape: int) -> nn.Parameter:
+    """An uninitialised parameter: the loader fills every one (no wasted random init)."""
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = empty_param(dim)
+        self.eps = eps
+        self.dim = dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2*rows, hidden] matrix."""
+
+    def __init__(self, hidden: int, rows: int) -> None:
+        super().__init__()
+        self.gate_up = empty_param(2 * rows, hidden)
+        self.down = empty_param(hidden, rows)
+        self.rows = rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up)  # [T, 2*rows]
+        gate, up = gate_up.split(self.rows, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)

@@ -1,0 +1,61 @@
+"""What one process owns of a model: a layer range, an expert range, a vocabulary range.
+
+Ranges are half-open ``(start, end)``. ``shard = (rank, world)`` divides the rows of dense
+and shared-expert feed-forwards between the ranks of a lockstep group; with ``world == 1``
+(the default) every row is owned. With everything owned, a Stage is the whole model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from seamline.config import ModelConfig
+from seamline.errors import ConfigError
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Ownership:
+    layers: Range
+    experts: Range | None = None  # None: every routed expert
+    vocab: Range | None = None  # None: the whole vocabulary (output head rows)
+    shard: tuple[int, int] = (0, 1)  # (rank, world) for feed-forward rows
+
+    @classmethod
+    def full(cls, config: ModelConfig) -> "Ownership":
+        return cls(layers=(0, config.num_layers))
+
+    def owns_embedding(self) -> bool:
+        return self.layers[0] == 0
+
+    def owns_head(self, config: ModelConfig) -> bool:
+        return self.layers[1] == config.num_layers
+
+    def layer_indices(self) -> range:
+        return range(*self.layers)
+
+    def expert_range(self, config: ModelConfig) -> Range:
+        return self.experts if self.experts is not None else (0, config.num_experts)
+
+    def vocab_range(self, config: ModelConfig) -> Range:
+        return self.vocab if self.vocab is not None else (0, config.vocab_size)
+
+    def shard_rows(self, rows: int) -> Range:
+        """The slice of ``rows`` feed-forward rows this shard owns (even split)."""
+        rank, world = self.shard
+        if rows % world:
+            raise ConfigError(f"{rows} feed-forward rows do not divide among {world} ranks")
+        per = rows // world
+        return (rank * per, (rank + 1) * per)
+
+    def validate(self, config: ModelConfig) -> None:
+        start, end = self.layers
+        if not 0 <= start < end <= config.num_layers:
+            raise ConfigError(f"layer range [{start},{end}) is not inside [0,{config.num_layers})")
+        e0, e1 = self.expert_range(config)
+        if not 0 <= e0 <= e1 <= config.num_experts:
+            raise ConfigError(f"expert range [{e0},{e1}) is not inside [0,{config.num_experts})")
+        v0, v1 = self.vocab_range(config)
+        if not 0 <= v0 < v1 <= config.vocab_size:
+            raise ConfigError(f"vocab range [{v0},{v1}) is not inside [0,{config.vocab_size})")

@@ -1,0 +1,94 @@
+"""Stage: the layers [start, end) of one model, plus the embedding and/or head if owned.
+
+With ``Ownership.full`` a Stage is the whole model. Input is token ids [T] when the stage
+owns the embedding, else the residual stream [T, hidden]; output is logits [T, vocab_owned]
+when it owns the head, else the residual stream for the next stage.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seamline.config import ModelConfig
+from seamline.model.attention import GQAttention
+from seamline.model.cache import LayerKV, SequenceCache
+from seamline.model.layers import GatedMLP, RMSNorm, empty_param
+from seamline.model.ownership import Ownership
+from seamline.model.rope import RotaryTable
+
+
+def make_rope(config: ModelConfig) -> RotaryTable:
+    dim = config.qk_rope_head_dim if config.is_mla else config.head_dim
+    return RotaryTable(dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
+
+
+def make_attention(config: ModelConfig, rope: RotaryTable) -> nn.Module:
+    if config.is_mla:
+        from seamline.model.mla import MLAttention
+
+        return MLAttention(config, rope)
+    return GQAttention(config, rope)
+
+
+def make_ffn(config: ModelConfig, layer: int, own: Ownership) -> nn.Module:
+    if config.is_moe_layer(layer):
+        from seamline.model.moe import MoE
+
+        return MoE(config, own)
+    rows = own.shard_rows(config.intermediate_size)
+    return GatedMLP(config.hidden_size, rows[1] - rows[0])
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, own: Ownership, rope: RotaryTable) -> None:
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = make_attention(config, rope)
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = make_ffn(config, layer, own)
+
+    def forward(self, x: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), start, kv)
+        return x + self.ffn(self.post_norm(x))
+
+
+class Stage(nn.Module):
+    def __init__(self, config: ModelConfig, own: Ownership) -> None:
+        super().__init__()
+        own.validate(config)
+        self.config = config
+        self.ownership = own
+        rope = make_rope(config)
+        self.embed = empty_param(config.vocab_size, config.hidden_size) if own.owns_embedding() else None
+        self.layers = nn.ModuleDict(
+            {str(i): Block(config, i, own, rope) for i in own.layer_indices()}
+        )
+        self.norm: RMSNorm | None = None
+        self.head: nn.Parameter | None = None
+        if own.owns_head(config):
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            v0, v1 = own.vocab_range(config)
+            self.head = self._tied_head(v0, v1) or empty_param(v1 - v0, config.hidden_size)
+
+    def _tied_head(self, v0: int, v1: int) -> nn.Parameter | None:
+        full = (v0, v1) == (0, self.config.vocab_size)
+        return self.embed if self.config.tie_word_embeddings and full else None
+
+    def new_cache(self) -> SequenceCache:
+        return SequenceCache(self.ownership.layer_indices())
+
+    @torch.inference_mode()
+    def forward(
+        self, inputs: torch.Tensor, start: int, cache: SequenceCache, last_only: bool = False
+    ) -> torch.Tensor:
+        """inputs: ids [T] or hidden [T, hidden]; start: position of inputs[0]."""
+        x = F.embedding(inputs, self.embed) if self.embed is not None else inputs
+        for index, block in self.layers.items():
+            x = block(x, start, cache.layer(int(index)))
+        if self.head is None or self.norm is None:
+            return x
+        if last_only:
+            x = x[-1:]
+        return F.linear(self.norm(x), self.head)  # [T, vocab_owned]

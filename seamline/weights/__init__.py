@@ -1,0 +1,1 @@
+"""Checkpoint readers: Hugging Face folders and GGUF files, behind one TensorSource."""

@@ -1,0 +1,102 @@
+"""Fill a Stage from a TensorSource, reading only the tensors its ownership names.
+
+Every load proves the checkpoint is complete and consistent: a tensor the model needs and
+the checkpoint lacks, a tensor the checkpoint has and no model of this config would read,
+a wrong shape or a non-float dtype each raise a CheckpointError naming the tensor.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from seamline.config import ModelConfig
+from seamline.errors import CheckpointError
+from seamline.model.ownership import Ownership
+from seamline.model.stage import Stage
+from seamline.weights.names import TensorPlan, ignorable, stage_plans
+from seamline.weights.source import TensorSource
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def open_source(path: str | Path) -> TensorSource:
+    """A Hugging Face folder or a .gguf file."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"model path {path} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        from seamline.weights.gguf import GGUFSource
+
+        return GGUFSource(path)
+    if path.is_file():
+        raise CheckpointError(f"{path} is neither a .gguf file nor a Hugging Face folder")
+    from seamline.weights.safetensors import HFFolderSource
+
+    return HFFolderSource(path)
+
+
+def check_names(source: TensorSource, config: ModelConfig) -> None:
+    """Nothing missing, nothing unexpected, over the whole model."""
+    expected = {n for p in stage_plans(config, Ownership.full(config)) for n in p.sources()}
+    present = source.names()
+    missing = sorted(expected - present)
+    if missing:
+        raise CheckpointError(f"checkpoint is missing tensor {missing[0]} ({len(missing)} missing)")
+    unexpected = sorted(n for n in present - expected if not ignorable(n, config))
+    if unexpected:
+        raise CheckpointError(
+            f"checkpoint has unexpected tensor {unexpected[0]} ({len(unexpected)} unexpected) "
+            f"for model_type {config.family}"
+        )
+
+
+def load_stage(
+    source: TensorSource,
+    own: Ownership | None = None,
+    dtype: torch.dtype = torch.float32,
+    config: ModelConfig | None = None,
+) -> Stage:
+    """Build the Stage this ownership describes and fill every parameter from ``source``."""
+    config = config or ModelConfig.from_hf_dict(source.config_dict())
+    own = own or Ownership.full(config)
+    check_names(source, config)
+    stage = Stage(config, own)
+    params = dict(stage.named_parameters(remove_duplicate=False))
+    plans = stage_plans(config, own)
+    unfilled = set(params) - {p.target for p in plans}
+    if unfilled:
+        raise CheckpointError(f"no checkpoint table entry for parameter {sorted(unfilled)[0]}")
+    for plan in plans:
+        target = params[plan.target]
+        if plan.target == "head" and target is stage.embed:
+            continue  # tied embeddings: the head is the embedding, already filled
+        value = _assemble(source, plan)
+        if tuple(value.shape) != tuple(target.shape):
+            raise CheckpointError(
+                f"tensor {plan.sources()[0]} gives {plan.target} shape {tuple(value.shape)}, "
+                f"the config needs {tuple(target.shape)}"
+            )
+        target.data = value.to(dtype).contiguous()
+    return stage
+
+
+def _assemble(source: TensorSource, plan: TensorPlan) -> torch.Tensor:
+    parts = [torch.cat([_read(source, name, plan) for name in part], dim=0) for part in plan.parts]
+    return torch.stack(parts) if plan.stack else parts[0]
+
+
+def _read(source: TensorSource, name: str, plan: TensorPlan) -> torch.Tensor:
+    tensor = source.get(name)
+    if tensor.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}, expected a float type")
+    if plan.slice is not None:
+        start, end = plan.slice
+        if tensor.dim() <= plan.slice_dim or tensor.shape[plan.slice_dim] < end:
+            raise CheckpointError(
+                f"tensor {name} shape {tuple(tensor.shape)} has no rows [{start},{end}) "
+                f"on dim {plan.slice_dim}"
+            )
+        tensor = tensor.narrow(plan.slice_dim, start, end - start)
+    return tensor
