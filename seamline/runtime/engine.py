@@ -1,0 +1,58 @@
+"""Engine: token ids in, token ids out, on one process that owns the whole model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from seamline.errors import RequestError
+from seamline.model.stage import Stage
+from seamline.runtime.sampling import SamplingParams, make_generator, sample
+
+PREFILL_CHUNK = 512
+
+
+class Engine:
+    def __init__(self, stage: Stage, context_length: int | None = None) -> None:
+        if stage.embed is None or stage.head is None:
+            raise ValueError("Engine needs a stage that owns the embedding and the head")
+        self.stage = stage
+        self.config = stage.config
+        self.context_length = context_length or self.config.max_position_embeddings
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        if not prompt:
+            raise RequestError("the prompt is empty")
+        if len(prompt) >= self.context_length:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; the model's context is {self.context_length}"
+            )
+
+    def prefill(self, prompt: list[int], cache: object) -> torch.Tensor:
+        """Run the prompt in chunks; return the logits of its last position."""
+        ids = torch.tensor(prompt, dtype=torch.long)
+        logits = torch.empty(0)
+        for start in range(0, len(prompt), PREFILL_CHUNK):
+            chunk = ids[start : start + PREFILL_CHUNK]
+            logits = self.stage(chunk, start, cache, last_only=True)
+        return logits[-1]
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        """Yield generated token ids until a stop token, max_tokens, or the context is full."""
+        params.validate()
+        self.check_prompt(prompt)
+        generator = make_generator(params.seed)
+        cache = self.stage.new_cache()
+        logits = self.prefill(prompt, cache)
+        position = len(prompt)
+        stops = set(params.stop_token_ids)
+        for _ in range(params.max_tokens):
+            token = sample(logits, params, generator)
+            if token in stops:
+                return
+            yield token
+            if position + 1 >= self.context_length:
+                return
+            logits = self.stage(torch.tensor([token]), position, cache)[-1]
+            position += 1

@@ -1,0 +1,71 @@
+"""Token sampling: greedy, or seeded temperature / top-k / top-p / min-p. Pure functions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from seamline.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(seed: int | None) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities [vocab] after temperature, top-k, top-p and min-p (in that order)."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
+        drop_sorted = before >= params.top_p  # keeps at least the most likely token
+        probs = probs.masked_fill(drop_sorted.scatter(0, order, drop_sorted), 0.0)
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from logits [vocab]."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    probs = filtered_probs(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,156 @@
+"""The text edge: tokenizer, chat template, streaming detokenisation and stop strings.
+
+The engine speaks token ids only; this module turns text and chat messages into ids and
+ids back into text, for Hugging Face folders (tokenizer.json) and GGUF files alike.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from seamline.errors import CheckpointError, RequestError
+
+
+@dataclass
+class TextCodec:
+    tokenizer: Tokenizer
+    chat_template: str | None = None
+    bos_token: str | None = None
+    eos_token: str | None = None
+    stop_ids: tuple[int, ...] = ()
+    _template: Any = field(default=None, repr=False)
+
+    @classmethod
+    def from_model(cls, path: str | Path, eos_ids: tuple[int, ...] = ()) -> "TextCodec":
+        path = Path(path)
+        if path.is_file() and path.suffix == ".gguf":
+            return _codec_from_gguf(path)
+        return _codec_from_folder(path, eos_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
+        """The prompt text for a chat, through the model's template (or a plain fallback)."""
+        if not self.chat_template:
+            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
+            self._template = env.from_string(self.chat_template)
+        return str(
+            self._template.render(
+                messages=messages,
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        )
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode(self.render_chat(messages))
+
+
+def _raise_template_error(message: str) -> None:
+    raise RequestError(f"chat template refused the messages: {message}")
+
+
+def _codec_from_gguf(path: Path) -> TextCodec:
+    from seamline.weights.gguf import GGUFSource, chat_template_from_gguf, tokenizer_from_gguf
+
+    tokenizer = tokenizer_from_gguf(path)
+    config = GGUFSource(path).config_dict()
+    eos = _ids(config.get("eos_token_id"))
+    bos_id = config.get("bos_token_id")
+    return TextCodec(
+        tokenizer=tokenizer,
+        chat_template=chat_template_from_gguf(path),
+        bos_token=tokenizer.id_to_token(bos_id) if bos_id is not None else None,
+        eos_token=tokenizer.id_to_token(eos[0]) if eos else None,
+        stop_ids=eos,
+    )
+
+
+def _codec_from_folder(folder: Path, eos_ids: tuple[int, ...]) -> TextCodec:
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise CheckpointError(f"{folder} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(path))
+    config = _read_json(folder / "tokenizer_config.json")
+    template = config.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
+    stops = set(eos_ids) | set(_ids(_read_json(folder / "generation_config.json").get("eos_token_id")))
+    if eos is not None and tokenizer.token_to_id(eos) is not None:
+        stops.add(tokenizer.token_to_id(eos))
+    return TextCodec(tokenizer, template, bos, eos, tuple(sorted(stops)))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return dict(json.loads(path.read_text())) if path.is_file() else {}
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return str(value.get("content"))
+    return str(value) if value is not None else None
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+class StreamDecoder:
+    """Turns generated ids into text pieces; holds back text that may start a stop string."""
+
+    def __init__(self, codec: TextCodec, stop_strings: tuple[str, ...] = ()) -> None:
+        self.codec = codec
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the decoded text already returned
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        """Add one token; return the new text that is safe to show (may be empty)."""
+        self.ids.append(token)
+        text = self.codec.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next token
+        for stop in self.stop_strings:
+            at = text.find(stop, max(0, self.emitted - len(stop)))
+            if at != -1:
+                self.stopped = True
+                return self._emit(text, at)
+        hold = max((_overlap(text, s) for s in self.stop_strings), default=0)
+        return self._emit(text, len(text) - hold)
+
+    def flush(self) -> str:
+        """What remains once generation ends without a stop string."""
+        return "" if self.stopped else self._emit(self.codec.decode(self.ids), None)
+
+    def _emit(self, text: str, end: int | None) -> str:
+        end = len(text) if end is None else end
+        piece = text[self.emitted : end] if end > self.emitted else ""
+        self.emitted = max(self.emitted, end)
+        return piece
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
+    for size in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:size]):
+            return size
+    return 0
