@@ -72,7 +72,7 @@ def load_stage(
         target = params[plan.target]
         if plan.target == "head" and target is stage.embed:
             continue  # tied embeddings: the head is the embedding, already filled
-        value = _assemble(source, plan)
+        value = _assemble(source, plan, tuple(target.shape[2 if plan.stack else 1 :]))
         if tuple(value.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"tensor {plan.sources()[0]} gives {plan.target} shape {tuple(value.shape)}, "
@@ -82,8 +82,18 @@ def load_stage(
     return stage
 
 
-def _assemble(source: TensorSource, plan: TensorPlan) -> torch.Tensor:
-    parts = [torch.cat([_read(source, name, plan) for name in part], dim=0) for part in plan.parts]
+def _assemble(source: TensorSource, plan: TensorPlan, trailing: tuple[int, ...]) -> torch.Tensor:
+    """Read, slice and combine a plan's sources; each must end in the target's ``trailing`` dims."""
+    parts = []
+    for part in plan.parts:
+        pieces = [_read(source, name, plan) for name in part]
+        for name, piece in zip(part, pieces):
+            if tuple(piece.shape[1:]) != trailing:
+                raise CheckpointError(
+                    f"tensor {name} gives {plan.target} shape {tuple(piece.shape)}, "
+                    f"the config needs trailing dims {trailing}"
+                )
+        parts.append(torch.cat(pieces, dim=0))
     return torch.stack(parts) if plan.stack else parts[0]
 
 

