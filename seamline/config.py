@@ -158,12 +158,14 @@ def _moe_fields(family: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
         step = int(d.get("decoder_sparse_step", 1) or 1)
         dense_only = set(d.get("mlp_only_layers") or [])
         moe = tuple(i for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+        # Hub checkpoints say num_experts; transformers 5 writes num_local_experts.
+        experts = int(d.get("num_experts") or d.get("num_local_experts") or 0)
         return dict(
-            num_experts=int(d["num_experts"]),
+            num_experts=experts,
             num_experts_per_tok=int(d["num_experts_per_tok"]),
             moe_intermediate_size=int(d["moe_intermediate_size"]),
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            moe_layers=moe if int(d["num_experts"]) > 0 else (),
+            moe_layers=moe if experts > 0 else (),
         )
     if family in MLA_FAMILIES:
         first_dense = int(d.get("first_k_dense_replace", 0) or 0)

@@ -19,6 +19,7 @@ from seamline.weights.names import TensorPlan, ignorable, stage_plans
 from seamline.weights.source import TensorSource
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FP32_SUFFIXES = (".router", ".router_bias")  # routing decisions stay in full precision
 
 
 def open_source(path: str | Path) -> TensorSource:
@@ -78,7 +79,8 @@ def load_stage(
                 f"tensor {plan.sources()[0]} gives {plan.target} shape {tuple(value.shape)}, "
                 f"the config needs {tuple(target.shape)}"
             )
-        target.data = value.to(dtype).contiguous()
+        keep_fp32 = plan.target.endswith(FP32_SUFFIXES)
+        target.data = value.to(torch.float32 if keep_fp32 else dtype).contiguous()
     return stage
 
 
