@@ -1,0 +1,22 @@
+"""Benchmarks behind `seamline bench NAME --json PATH`: each writes one JSON object."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any]:
+    if name == "single":
+        from seamline.bench.single import bench_single
+
+        result = bench_single(**options)
+    else:
+        raise ValueError(f"unknown benchmark {name!r}")
+    text = json.dumps(result, indent=2)
+    if json_path:
+        Path(json_path).write_text(text + "\n")
+    print(text, file=sys.stdout)
+    return result

@@ -1,0 +1,89 @@
+"""GGUF tensor names -> Hugging Face names, as data tables.
+
+llama.cpp names a block's tensors ``blk.{layer}.{key}.{weight|bias}``. A stacked MoE tensor
+(``blk.N.ffn_gate_exps.weight``, torch shape ``[E, out, in]``) becomes one HF name per expert;
+old Mixtral files store experts one by one as ``blk.N.ffn_gate.{e}.weight``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+# Whole-model tensors.
+GLOBAL_NAMES: dict[str, str] = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+# Tensors that describe the model rather than hold weights; config_dict consumes them.
+CONSUMED_NAMES: frozenset[str] = frozenset({"rope_freqs.weight"})
+
+# blk.{L}.<key> -> model.layers.{L}.<value>, same for every dense family.
+BLOCK_NAMES: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",  # Qwen3
+    "attn_k_norm": "self_attn.k_norm",  # Qwen3
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+class MoeNames(NamedTuple):
+    router: str  # blk.{L}.ffn_gate_inp -> model.layers.{L}.<router>
+    expert: str  # per-expert prefix, formatted with e
+    gate: str
+    up: str
+    down: str
+
+
+MOE_NAMES: dict[str, MoeNames] = {
+    "mixtral": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts.{e}", "w1", "w3", "w2"),
+    "qwen3_moe": MoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
+}
+
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?\.(weight|bias)")
+_EXPERT_KEYS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+_SPLIT_EXPERT_KEYS = {"ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+
+
+class HFName(NamedTuple):
+    name: str
+    expert: int | None  # index into a stacked [E, ...] GGUF tensor, or None
+
+
+def hf_names(gguf_name: str, family: str, leading: int) -> list[HFName] | None:
+    """The HF names one GGUF tensor provides; None when the tables do not know it.
+
+    ``leading`` is the tensor's first torch dimension (the expert count for stacked experts).
+    """
+    if gguf_name in GLOBAL_NAMES:
+        return [HFName(GLOBAL_NAMES[gguf_name], None)]
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    if m is None:
+        return None
+    layer, key, expert, suffix = m.group(1), m.group(2), m.group(3), m.group(4)
+    prefix = f"model.layers.{layer}."
+    moe = MOE_NAMES.get(family)
+    if expert is None and key in BLOCK_NAMES:
+        return [HFName(f"{prefix}{BLOCK_NAMES[key]}.{suffix}", None)]
+    if moe is None:
+        return None
+    if expert is None and key == "ffn_gate_inp":
+        return [HFName(f"{prefix}{moe.router}.{suffix}", None)]
+    if expert is None and key in _EXPERT_KEYS:
+        proj = getattr(moe, _EXPERT_KEYS[key])
+        return [
+            HFName(f"{prefix}{moe.expert.format(e=e)}.{proj}.{suffix}", e) for e in range(leading)
+        ]
+    if expert is not None and key in _SPLIT_EXPERT_KEYS:
+        proj = getattr(moe, _SPLIT_EXPERT_KEYS[key])
+        return [HFName(f"{prefix}{moe.expert.format(e=int(expert))}.{proj}.{suffix}", None)]
+    return None
