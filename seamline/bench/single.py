@@ -66,7 +66,7 @@ def _load_transformers(model: LocalModel) -> Any:
     except ImportError:
         raise SystemExit("bench single needs transformers: ./install.sh --test") from None
     path = model.path
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, torch_dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     return ref.eval()
 
 

@@ -46,7 +46,7 @@ class GQAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        cos, sin = self.rope.lookup(start, count)
+        cos, sin = self.rope.lookup(start, count, x.dtype)
         qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D]
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         keys, values = kv.update(k.transpose(0, 1), v.transpose(0, 1), start)  # [Hkv, S, D]
@@ -57,5 +57,5 @@ class GQAttention(nn.Module):
             attn_mask=causal_mask(start, count),
             enable_gqa=self.kv_heads != self.heads,
         )  # [1, H, T, D]
-        out = out.squeeze(0).transpose(0, 1).reshape(count, self.heads * self.head_dim)
+        out = out.transpose(1, 2).reshape(count, self.heads * self.head_dim)  # a view when T == 1
         return F.linear(out, self.o)

@@ -89,7 +89,7 @@ class MLAttention(nn.Module):
         q_nope, q_pe = q.split((self.nope, self.rope_dim), dim=-1)  # [T, H, N], [T, H, R]
         latent, k_pe = F.linear(x, self.kv_a).split((self.rank, self.rope_dim), dim=-1)
         latent = self.kv_a_norm(latent)  # [T, C]
-        cos, sin = self.rope.lookup(start, count)
+        cos, sin = self.rope.lookup(start, count, x.dtype)
         q_pe = apply_rotary(self._layout(q_pe), cos, sin)  # [T, H, R]
         k_pe = apply_rotary(self._layout(k_pe.unsqueeze(1)), cos, sin)  # [T, 1, R]
         latents, k_pes = kv.update(latent.unsqueeze(0), k_pe.transpose(0, 1), start)  # [1, S, C], [1, S, R]

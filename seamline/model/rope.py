@@ -79,19 +79,24 @@ class RotaryTable:
         self.cos = torch.empty(0, dim)
         self.sin = torch.empty(0, dim)
 
-    def lookup(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions [start, start+count), each [count, dim]."""
+    def lookup(
+        self, start: int, count: int, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions [start, start+count), each [count, dim], in ``dtype``."""
         end = start + count
         if end > self.cos.shape[0]:
             self._grow(max(end, 2 * self.cos.shape[0], 256))
+        if self.cos.dtype != dtype:  # converted once, not per call
+            self.cos, self.sin = self.cos.to(dtype), self.sin.to(dtype)
         return self.cos[start:end], self.sin[start:end]
 
     def _grow(self, length: int) -> None:
         positions = torch.arange(length, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq)  # [length, dim/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [length, dim]
-        self.cos = angles.cos() * self.attention_factor
-        self.sin = angles.sin() * self.attention_factor
+        dtype = self.cos.dtype
+        self.cos = (angles.cos() * self.attention_factor).to(dtype)
+        self.sin = (angles.sin() * self.attention_factor).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -101,6 +106,5 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, dim]; cos/sin: [T, dim] (half-split layout, as Hugging Face Llama)."""
-    cos = cos.unsqueeze(1).to(x.dtype)
-    sin = sin.unsqueeze(1).to(x.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
