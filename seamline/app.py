@@ -40,10 +40,12 @@ class LocalModel:
     codec: TextCodec
 
     @classmethod
-    def load(cls, path: str | Path | None = None, dtype: str = "float32") -> "LocalModel":
+    def load(
+        cls, path: str | Path | None = None, dtype: str = "float32", context: int | None = None
+    ) -> "LocalModel":
         path = Path(path) if path else default_model_path()
         source = open_source(path)
         config = ModelConfig.from_hf_dict(source.config_dict())
         stage = load_stage(source, dtype=DTYPES[dtype], config=config)
         codec = TextCodec.from_model(path, config.eos_token_ids)
-        return cls(path, config, Engine(stage), codec)
+        return cls(path, config, Engine(stage, context), codec)

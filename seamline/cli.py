@@ -34,6 +34,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
+    p.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -57,7 +58,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from seamline.app import LocalModel
 
     set_threads(args.threads)
-    model = LocalModel.load(args.model, args.dtype)
+    model = LocalModel.load(args.model, args.dtype, args.context or None)
     if args.prompt is not None:
         messages = [{"role": "user", "content": args.prompt}]
         _stream(model, messages, args, raw=args.raw)

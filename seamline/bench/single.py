@@ -67,6 +67,7 @@ def _load_transformers(model: LocalModel) -> Any:
         raise SystemExit("bench single needs transformers: ./install.sh --test") from None
     path = model.path
     ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ref.generation_config.eos_token_id = None  # always generate the full count, as seamline does
     return ref.eval()
 
 
@@ -85,12 +86,13 @@ def _decode_ours(model: LocalModel, prompt: list[int], params: SamplingParams) -
 def _decode_theirs(reference: Any, prompt: list[int], tokens: int) -> float:
     """Decode rate of transformers' generate, excluding its prefill (timed separately)."""
     ids = torch.tensor([prompt])
+    mask = torch.ones_like(ids)  # explicit: the prompt holds pad-id tokens (<|im_end|>)
     with torch.inference_mode():
         start = time.perf_counter()
-        reference.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        reference.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False)
         prefill = time.perf_counter() - start
         start = time.perf_counter()
-        reference.generate(ids, max_new_tokens=tokens + 1, min_new_tokens=tokens + 1, do_sample=False)
+        reference.generate(ids, attention_mask=mask, max_new_tokens=tokens + 1, do_sample=False)
         total = time.perf_counter() - start
     return tokens / max(total - prefill, 1e-9)
 

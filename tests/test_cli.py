@@ -1,0 +1,67 @@
+"""The command line as a user runs it: real processes, one-line errors, no tracebacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from seamline.app import default_model_path
+
+
+def seamline(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "seamline.cli", *args], input=stdin,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def assert_clean_error(proc: subprocess.CompletedProcess[str], fragment: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("seamline: error:"), proc.stderr
+    assert fragment in lines[0]
+
+
+def test_run_answers_paris() -> None:
+    proc = seamline("run", "-p", "What is the capital of France?", "--max-tokens", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_run_with_explicit_gguf_and_stop_string() -> None:
+    proc = seamline("run", "--model", str(default_model_path()), "-p", "What is the capital of France?",
+                    "--stop", "Paris", "--max-tokens", "32")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" not in proc.stdout and "France" in proc.stdout
+
+
+def test_interactive_chat_keeps_history() -> None:
+    proc = seamline("run", "--max-tokens", "24", stdin="What is the capital of France?\n/exit\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout
+
+
+def test_missing_model_path(tmp_path: Path) -> None:
+    assert_clean_error(seamline("run", "--model", str(tmp_path / "nope"), "-p", "hi"), "does not exist")
+
+
+def test_folder_without_config(tmp_path: Path) -> None:
+    assert_clean_error(seamline("run", "--model", str(tmp_path), "-p", "hi"), "has no config.json")
+
+
+def test_corrupt_gguf(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(default_model_path().read_bytes()[:100_000])
+    assert_clean_error(seamline("run", "--model", str(bad), "-p", "hi"), "bad.gguf")
+
+
+def test_prompt_longer_than_context() -> None:
+    proc = seamline("run", "--context", "16", "-p", "word " * 40)
+    assert_clean_error(proc, "context is 16")
+
+
+@pytest.mark.parametrize("flag", [["--temperature", "-1"], ["--top-p", "0"], ["--max-tokens", "0"]])
+def test_bad_sampling_flags(flag: list[str]) -> None:
+    assert_clean_error(seamline("run", "-p", "hi", *flag), "must be")
