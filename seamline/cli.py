@@ -9,7 +9,7 @@ from typing import Any
 
 from seamline.errors import SeamlineError
 
-BENCHES = ("single",)
+BENCHES = ("single", "split")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +27,50 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--tokens", type=int, default=128)
     bench.set_defaults(handler=cmd_bench)
+    _add_mesh_commands(sub)
     return parser
+
+
+def _add_mesh_commands(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="start a coordinator + OpenAI API (and a local node)")
+    serve.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--control-port", type=int, default=0, help="node control port (default: port+1)")
+    serve.add_argument("--advertise", action="append", default=[], help="address nodes use to reach this host")
+    serve.add_argument("--nodes-expected", type=int, default=1, help="wait for this many nodes before planning")
+    serve.add_argument("--no-local-node", action="store_true", help="contribute no layers from this host")
+    serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    serve.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
+    serve.add_argument("--invite-hours", type=float, default=24.0)
+    serve.add_argument("--lock", help="pin the plan in this JSON file (from `seamline plan --lock`)")
+    serve.set_defaults(handler=cmd_serve)
+    join = sub.add_parser("join", help="join a mesh as a node")
+    join.add_argument("token")
+    join.add_argument("--max-memory", type=float, default=None, help="GB this node may use")
+    join.add_argument("--node-id", default=None)
+    join.add_argument("--data-port", type=int, default=0)
+    join.add_argument("--quiet", action="store_true", help="log warnings only")
+    join.add_argument("--no-progress", action="store_true", help="no download progress bar")
+    join.set_defaults(handler=cmd_join)
+    demo = sub.add_parser("demo", help="a coordinator and N nodes on this machine answer one question")
+    demo.add_argument("--nodes", type=int, default=2)
+    demo.add_argument("--model", default=None)
+    demo.add_argument("-p", "--prompt", default="What is the capital of France?")
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.set_defaults(handler=cmd_demo)
+    package = sub.add_parser("package", help="split a checkpoint into per-layer fragments")
+    package.add_argument("model")
+    package.add_argument("--out", required=True)
+    package.set_defaults(handler=cmd_package)
+    plan = sub.add_parser("plan", help="print the layer plan for a pool of nodes")
+    plan.add_argument("--nodes", dest="nodes_json", help="JSON list of nodes")
+    plan.add_argument("--live", help="URL of a running coordinator (http://host:port)")
+    plan.add_argument("--model", default=None)
+    plan.add_argument("--lock", default=None, help="write (or check) the plan in this file")
+    plan.add_argument("--context", type=int, default=4096)
+    plan.add_argument("--batch", type=int, default=1)
+    plan.set_defaults(handler=cmd_plan)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -121,6 +164,58 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     run_bench(args.name, args.json_path, repeats=args.repeats, tokens=args.tokens)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from seamline.mesh.serve import ServeOptions, run_serve
+
+    _logging(quiet=False)
+    options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
+                           advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,
+                           local_node=not args.no_local_node, dtype=args.dtype, context=args.context,
+                           invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock)  # fmt: skip
+    return run_serve(options)
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    from seamline.mesh.node import NodeOptions, run_node
+
+    _logging(quiet=args.quiet)
+    options = NodeOptions(data_port=args.data_port, progress=not args.no_progress)
+    if args.max_memory is not None:
+        options.max_memory_bytes = int(args.max_memory * (1 << 30))
+    if args.node_id:
+        options.node_id = args.node_id
+    return run_node(args.token, options)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from seamline.mesh.demo import run_demo
+
+    _logging(quiet=True)
+    return run_demo(args.nodes, args.prompt, args.model, args.max_tokens)
+
+
+def cmd_package(args: argparse.Namespace) -> int:
+    from seamline.weights.fragments import package
+
+    manifest = package(args.model, args.out)
+    total = sum(f.bytes for f in manifest.fragments)
+    print(f"{len(manifest.fragments)} fragments, {total / 1e6:.1f} MB, model hash {manifest.model_hash[:16]} in {args.out}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from seamline.mesh.plan_cli import run_plan_command
+
+    return run_plan_command(args.nodes_json, args.model, args.lock, args.context, args.batch, live_url=args.live)
+
+
+def _logging(quiet: bool) -> None:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
+                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,10 @@ def open_source(path: str | Path) -> TensorSource:
         return GGUFSource(path)
     if path.is_file():
         raise CheckpointError(f"{path} is neither a .gguf file nor a Hugging Face folder")
+    if (path / "manifest.json").is_file():
+        from seamline.weights.fragments import FragmentSource
+
+        return FragmentSource(path)
     from seamline.weights.safetensors import HFFolderSource
 
     return HFFolderSource(path)

@@ -1,0 +1,1 @@
+"""The mesh: node and link descriptions, the pure planner, and the coordinator around it."""

@@ -1,0 +1,283 @@
+"""The coordinator: membership, planning, start-up order and the route; no model compute.
+
+Nodes join over the control port by answering a challenge with their invite secret. Once
+``nodes_expected`` have joined, the planner assigns layer ranges; stages are assigned and
+loaded downstream first, each reports READY with a descriptor checked against the plan, then
+the links are made downstream first and stage 0's route is published last. Only then is the
+mesh ready. A node that leaves fails the requests in flight and triggers a re-plan over the
+nodes that remain.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from seamline.mesh.invite import Invite, verify
+from seamline.mesh.planner import plan as make_plan
+from seamline.errors import SeamlineError
+from seamline.mesh.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
+from seamline.net.frames import FrameError, TokenFrame, TokenRow
+from seamline.net.link import Link, LinkClosed, listen
+from seamline.net.messages import (
+    PROTOCOL_VERSION, Assign, Challenge, Close, Failure, Join, Linked, Message, Open, Prompt, Ready,
+    Refuse, Route, Welcome,
+)  # fmt: skip
+
+log = logging.getLogger("seamline.coordinator")
+STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
+
+
+@dataclass
+class NodeHandle:
+    join: Join
+    link: Link
+    ready: Ready | None = None
+    linked: bool = False
+    events: threading.Condition = field(default_factory=threading.Condition)
+
+    @property
+    def node_id(self) -> str:
+        return self.join.node_id
+
+    def info(self) -> NodeInfo:
+        r = self.join.resources
+        return NodeInfo(self.node_id, r.free_memory_bytes, r.bytes_per_second,
+                        f"{self.join.data_host}:{self.join.data_port}", r.device)  # fmt: skip
+
+
+@dataclass
+class CoordinatorOptions:
+    nodes_expected: int = 1
+    dtype: str = "float32"
+    context_length: int = 4096
+    fragments_url: str = ""
+    locked_plan: Plan | None = None
+
+
+TokenSink = Callable[[list[TokenRow]], None]
+FailureSink = Callable[[int | None, str], None]
+
+
+class Coordinator:
+    def __init__(self, invite: Invite, model: ModelSpec, model_hash: str, options: CoordinatorOptions) -> None:
+        self.invite = invite
+        self.model = model
+        self.model_hash = model_hash
+        self.options = options
+        self.nodes: dict[str, NodeHandle] = {}
+        self.plan: Plan | None = None
+        self.plan_id = 0
+        self.state = "waiting for nodes"
+        self.ready = threading.Event()
+        self.lock = threading.RLock()
+        self.on_tokens: TokenSink = lambda rows: None
+        self.on_failure: FailureSink = lambda request, reason: None
+        self._server = None
+
+    # -- membership ---------------------------------------------------------------------
+    def start(self, host: str) -> int:
+        self._server = server = listen(host, self.invite.control_port)
+        threading.Thread(target=self._accept_loop, name="seamline-control", daemon=True).start()
+        return int(server.getsockname()[1])
+
+    def _accept_loop(self) -> None:
+        assert self._server is not None
+        while True:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                return
+            link = Link(sock, name="joining node")
+            threading.Thread(target=self._handshake, args=(link,), daemon=True).start()
+
+    def _handshake(self, link: Link) -> None:
+        peer = link.peer()
+        try:
+            nonce = secrets.token_hex(16)
+            link.send_message(Challenge(nonce=nonce))
+            join = link.recv()
+            reason = self._refusal(join, nonce)
+            if reason:
+                log.warning("refused node from %s: %s", peer, reason)
+                link.send_message(Refuse(reason=reason))
+                link.close()
+                return
+            assert isinstance(join, Join)
+            handle = NodeHandle(join, link)
+            link.name = f"node {join.node_id}"
+            with self.lock:
+                self.nodes[join.node_id] = handle
+            link.send_message(Welcome(node_id=join.node_id))
+        except (LinkClosed, FrameError) as exc:
+            log.warning("join from %s failed: %s", peer, exc)
+            link.close()
+            return
+        log.info("node %s joined from %s (%d of %d)", join.node_id, peer, len(self.nodes), self.options.nodes_expected)
+        threading.Thread(target=self._read_node, args=(handle,), daemon=True).start()
+        self._maybe_plan()
+
+    def _refusal(self, join: object, nonce: str) -> str:
+        if not isinstance(join, Join):
+            return f"expected a join message, got {type(join).__name__}"
+        if join.protocol_version != PROTOCOL_VERSION:
+            return f"protocol version {join.protocol_version} is not {PROTOCOL_VERSION}"
+        if time.time() > self.invite.expires:
+            return "the invite token has expired"
+        if not verify(self.invite.secret, nonce, join.proof):
+            return "wrong invite token"
+        if join.node_id in self.nodes:
+            return f"a node named {join.node_id} has already joined"
+        return ""
+
+    def _read_node(self, handle: NodeHandle) -> None:
+        while True:
+            try:
+                message = handle.link.recv()
+            except (LinkClosed, FrameError) as exc:
+                self._lost(handle, str(exc))
+                return
+            if isinstance(message, TokenFrame):
+                self.on_tokens(list(message.rows))
+            elif isinstance(message, (Ready, Linked)):
+                with handle.events:
+                    if isinstance(message, Ready):
+                        handle.ready = message
+                    else:
+                        handle.linked = True
+                    handle.events.notify_all()
+            elif isinstance(message, Failure):
+                log.warning("node %s reports: %s", handle.node_id, message.reason)
+                self.on_failure(message.request, f"node {handle.node_id}: {message.reason}")
+
+    def _lost(self, handle: NodeHandle, reason: str) -> None:
+        with self.lock:
+            if self.nodes.get(handle.node_id) is not handle:
+                return
+            del self.nodes[handle.node_id]
+            in_plan = self.plan is not None and any(s.node_id == handle.node_id for s in self.plan.stages)
+        log.warning("node %s left: %s", handle.node_id, reason)
+        with handle.events:
+            handle.events.notify_all()
+        if in_plan:
+            self.ready.clear()
+            self.state = f"node {handle.node_id} left; re-planning"
+            self.on_failure(None, f"node {handle.node_id} left the mesh mid-request")
+            self._maybe_plan(force=True)
+
+    # -- planning and start-up ----------------------------------------------------------
+    def _maybe_plan(self, force: bool = False) -> None:
+        with self.lock:
+            if len(self.nodes) < self.options.nodes_expected or (self.plan is not None and not force):
+                return
+            nodes = sorted((h.info() for h in self.nodes.values()), key=lambda n: n.node_id)
+            try:
+                chosen = self.options.locked_plan or make_plan(self.model, nodes, None, self._plan_options())
+            except PlanError as exc:
+                self.plan, self.state = None, f"cannot plan: {exc}"
+                log.error(self.state)
+                return
+            self.plan, self.plan_id = chosen, self.plan_id + 1
+        threading.Thread(target=self._start_up, args=(chosen, self.plan_id), daemon=True).start()
+
+    def _plan_options(self) -> PlanOptions:
+        return PlanOptions(context_tokens=self.options.context_length, batch=1)
+
+    def _start_up(self, plan: Plan, plan_id: int) -> None:
+        try:
+            handles = [self.nodes[s.node_id] for s in plan.stages]
+            for stage, handle in reversed(list(zip(plan.stages, handles))):
+                self.state = f"loading layers [{stage.start},{stage.end}) on {stage.node_id}"
+                self._assign(handle, stage, plan_id)
+            for index in reversed(range(len(handles))):
+                self.state = f"linking {handles[index].node_id}"
+                self._link(handles, index, plan_id)
+        except (StartupError, KeyError, LinkClosed) as exc:
+            self.state = f"start-up failed: {exc}"
+            log.error(self.state)
+            return
+        self.state = "ready"
+        self.ready.set()
+        log.info("route published: %s", " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in plan.stages))
+
+    def _assign(self, handle: NodeHandle, s: StageAssignment, plan_id: int) -> None:
+        with handle.events:
+            handle.ready, handle.linked = None, False
+        handle.link.send_message(Assign(plan_id=plan_id, model_hash=self.model_hash,
+                                        fragments_url=self.options.fragments_url, layers=(s.start, s.end),
+                                        owns_embedding=s.owns_embedding, owns_head=s.owns_head,
+                                        dtype=self.options.dtype, context_length=self.options.context_length))  # fmt: skip
+        ready = self._wait(handle, lambda: handle.ready, "READY")
+        d = ready.descriptor
+        expected = (plan_id, self.model_hash, (s.start, s.end), self.options.dtype, PROTOCOL_VERSION)
+        if (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.protocol_version) != expected:
+            raise StartupError(f"node {handle.node_id} reported {d} which does not match the plan {expected}")
+
+    def _link(self, handles: list[NodeHandle], index: int, plan_id: int) -> None:
+        handle = handles[index]
+        last = index == len(handles) - 1
+        downstream = None if last else (handles[index + 1].join.data_host, handles[index + 1].join.data_port)
+        stage0 = (handles[0].join.data_host, handles[0].join.data_port) if last and index > 0 else None
+        handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0))
+        self._wait(handle, lambda: handle.linked or None, "LINKED")
+
+    def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str) -> "Ready":
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        with handle.events:
+            while (got := value()) is None:
+                if handle.node_id not in self.nodes:
+                    raise StartupError(f"node {handle.node_id} left before {what}")
+                if not handle.events.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise StartupError(f"node {handle.node_id} sent no {what} within {STEP_TIMEOUT_S:.0f} s")
+        return got  # type: ignore[return-value]
+
+    # -- requests -----------------------------------------------------------------------
+    def pipeline(self) -> list[NodeHandle]:
+        with self.lock:
+            if self.plan is None or not self.ready.is_set():
+                raise StartupError(f"the mesh is not ready: {self.state}")
+            return [self.nodes[s.node_id] for s in self.plan.stages]
+
+    def open_request(self, open_msg: Open, prompt: Prompt) -> None:
+        handles = self.pipeline()
+        for handle in handles:  # session create is mirrored to every stage
+            handle.link.send_message(open_msg)
+        handles[0].link.send_message(prompt)
+
+    def close_request(self, request: int) -> None:
+        try:
+            handles = self.pipeline()
+        except StartupError:
+            return
+        for handle in handles:
+            try:
+                handle.link.send_message(Close(request=request))
+            except LinkClosed:
+                pass
+
+    def status(self) -> dict[str, object]:
+        with self.lock:
+            stages = [] if self.plan is None else [
+                {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding, "head": s.owns_head}
+                for s in self.plan.stages
+            ]  # fmt: skip
+            nodes = [{"node_id": h.node_id, "address": f"{h.join.data_host}:{h.join.data_port}",
+                      "free_memory_bytes": h.join.resources.free_memory_bytes,
+                      "bytes_per_second": h.join.resources.bytes_per_second,
+                      "bytes_downloaded": h.ready.bytes_downloaded if h.ready else None,
+                      "resident_bytes": h.ready.resident_bytes if h.ready else None}
+                     for h in self.nodes.values()]  # fmt: skip
+        predicted = self.plan.predicted_s_per_token * 1e3 if self.plan else None
+        return {"ready": self.ready.is_set(), "state": self.state, "stages": stages, "nodes": nodes,
+                "predicted_ms_per_token": predicted, "model": self.model.name}  # fmt: skip
+
+
+class StartupError(SeamlineError):
+    """Start-up could not finish: a node left, timed out, or reported the wrong descriptor."""
+
+
+__all__ = ["Coordinator", "CoordinatorOptions", "StartupError", "Message"]

@@ -1,0 +1,230 @@
+"""Fetch a stage's fragments over HTTP into a cache keyed by sha256, then lay them out.
+
+The cache holds ``<sha256>`` (complete, verified) and ``<sha256>.part`` (an interrupted
+download, resumed with ``Range: bytes=N-``). A file gets its hash as its name only after its
+content hashed to it, so a restarted node trusts a cached file whose size matches and
+downloads nothing (``rehash=True`` re-reads and re-checks every cached file instead).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from seamline.errors import CheckpointError, SeamlineError
+from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest, file_sha256
+
+log = logging.getLogger(__name__)
+
+
+class FetchError(SeamlineError):
+    """A fragment could not be fetched: refused (token), not served, or the link broke."""
+
+
+@dataclass
+class FetchReport:
+    bytes_downloaded: int = 0
+    fragments_downloaded: int = 0
+    fragments_from_cache: int = 0
+
+
+def fetch_manifest(base_url: str, token: str | None = None, timeout: float = 30.0) -> Manifest:
+    """The manifest served at ``<base_url>/fragments/manifest.json``."""
+    url = f"{base_url.rstrip('/')}/fragments/{MANIFEST_NAME}"
+    with httpx.Client(headers=_auth(token), timeout=timeout) as client:
+        try:
+            response = client.get(url)
+        except httpx.HTTPError as exc:
+            raise FetchError(f"cannot fetch the fragment manifest from {url}: {exc}") from None
+        _check_status(response, url, "the manifest")
+        try:
+            return Manifest.from_json(response.json())
+        except ValueError as exc:
+            raise CheckpointError(f"{url} did not answer a JSON manifest: {exc}") from None
+
+
+def fetch_fragments(
+    base_url: str,
+    entries: Iterable[FragmentEntry],
+    cache_dir: str | Path,
+    token: str | None = None,
+    progress: bool = True,
+    rehash: bool = False,
+    timeout: float = 60.0,
+) -> FetchReport:
+    """Make every entry's file present and verified as ``cache_dir/<sha256>``."""
+    cache = Path(cache_dir)
+    cache.mkdir(parents=True, exist_ok=True)
+    unique = list({e.sha256: e for e in entries}.values())
+    todo = [e for e in unique if not _cached(e, cache, rehash)]
+    report = FetchReport(fragments_from_cache=len(unique) - len(todo))
+    total = sum(e.bytes for e in todo)
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fragments",
+               disable=not progress or not todo)  # fmt: skip
+    with bar, httpx.Client(headers=_auth(token), timeout=timeout) as client:
+        for entry in todo:
+            url = f"{base_url.rstrip('/')}/fragments/{entry.sha256}"
+            report.bytes_downloaded += _download(client, url, entry, cache, bar)
+            report.fragments_downloaded += 1
+    return report
+
+
+def _auth(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def _cached(entry: FragmentEntry, cache: Path, rehash: bool) -> bool:
+    path = cache / entry.sha256
+    if not path.is_file():
+        return False
+    if path.stat().st_size == entry.bytes and (not rehash or file_sha256(path) == entry.sha256):
+        return True
+    log.warning("cached fragment %s at %s is damaged; downloading it again", entry.name, path)
+    path.unlink()
+    return False
+
+
+def _download(client: httpx.Client, url: str, entry: FragmentEntry, cache: Path, bar: Any) -> int:
+    """Download (or resume) one fragment, verify it and move it into place; bytes received."""
+    part = cache / f"{entry.sha256}.part"
+    have = part.stat().st_size if part.is_file() else 0
+    if have > entry.bytes:  # not a prefix of this fragment
+        part.unlink()
+        have = 0
+    received = 0
+    if have < entry.bytes:
+        if have:
+            log.info("resuming fragment %s at byte %d of %d", entry.name, have, entry.bytes)
+        try:
+            received = _stream(client, url, entry, part, have, bar)
+        except httpx.HTTPError as exc:
+            raise FetchError(
+                f"download of fragment {entry.name} from {url} broke off ({exc}); "
+                f"run again to resume from the {part.stat().st_size if part.is_file() else 0} bytes kept"
+            ) from None
+    else:
+        part.touch()  # a complete part (or an empty fragment): verify it as it is
+        bar.update(have)
+    _verify(part, entry, url)
+    os.replace(part, cache / entry.sha256)
+    return received
+
+
+def _stream(client: httpx.Client, url: str, entry: FragmentEntry, part: Path, have: int, bar: Any) -> int:
+    """GET the bytes after ``have`` into ``part``; a 200 answer to a Range restarts from 0."""
+    headers = {"Range": f"bytes={have}-"} if have else {}
+    with client.stream("GET", url, headers=headers) as response:
+        if response.status_code == 416:  # the server's file is shorter than our part: restart
+            response.close()
+            part.unlink(missing_ok=True)
+            return _stream(client, url, entry, part, 0, bar)
+        _check_status(response, url, f"fragment {entry.name}")
+        if have and not _resumes_at(response, have):
+            log.info("server sent fragment %s whole; restarting it from byte 0", entry.name)
+            have = 0
+        bar.update(have)
+        received = 0
+        with open(part, "ab" if have else "wb") as f:
+            for chunk in response.iter_bytes():  # as received: a broken link loses nothing
+                if have + received + len(chunk) > entry.bytes:
+                    _refuse(part, entry, f"the server sent more than the manifest's {entry.bytes} bytes")
+                f.write(chunk)
+                received += len(chunk)
+                bar.update(len(chunk))
+    return received
+
+
+def _resumes_at(response: httpx.Response, have: int) -> bool:
+    """A 206 whose Content-Range starts at ``have``; anything else is the whole file."""
+    if response.status_code != 206:
+        return False
+    content_range = response.headers.get("content-range", "")
+    return content_range.startswith(f"bytes {have}-")
+
+
+def _check_status(response: httpx.Response, url: str, what: str) -> None:
+    if response.status_code in (200, 206):
+        return
+    response.read()
+    detail = response.text[:200]
+    if response.status_code in (401, 403):
+        raise FetchError(
+            f"{url} refused {what} ({response.status_code}): the node's token is missing, "
+            f"wrong or expired: {detail}"
+        )
+    if response.status_code == 404:
+        raise FetchError(f"{url} does not serve {what} (404): {detail}")
+    raise FetchError(f"{url} answered {response.status_code} for {what}: {detail}")
+
+
+def _verify(part: Path, entry: FragmentEntry, url: str) -> None:
+    size = part.stat().st_size
+    if size != entry.bytes:
+        raise FetchError(
+            f"fragment {entry.name} from {url} ended at {size} of {entry.bytes} bytes; "
+            "run again to resume"
+        )
+    got = file_sha256(part)
+    if got != entry.sha256:
+        _refuse(part, entry, f"expected {entry.sha256}, got {got} (from {url})")
+
+
+def _refuse(part: Path, entry: FragmentEntry, why: str) -> None:
+    part.unlink(missing_ok=True)
+    message = f"fragment {entry.name} hash mismatch: {why}; the bad file was deleted"
+    log.error(message)
+    raise CheckpointError(message)
+
+
+def materialise(
+    manifest: Manifest, entries: Iterable[FragmentEntry], cache_dir: str | Path, dest_dir: str | Path
+) -> Path:
+    """Lay out ``entries`` (hard links to the cache, else symlinks, else copies) with the manifest.
+
+    Files of an earlier manifest in ``dest_dir`` are removed first, so a fragment file there
+    always belongs to the manifest beside it. The folder is what ``FragmentSource`` reads.
+    """
+    cache, dest = Path(cache_dir), Path(dest_dir)
+    entries = list(entries)
+    missing = [e.name for e in entries if not (cache / e.sha256).is_file()]
+    if missing:
+        raise CheckpointError(f"fragment {missing[0]} is not in the cache {cache}; fetch it first")
+    dest.mkdir(parents=True, exist_ok=True)
+    _clear(dest, manifest)
+    for entry in entries:
+        _link(cache / entry.sha256, dest / entry.file)
+    manifest.save(dest)
+    return dest
+
+
+def _clear(dest: Path, manifest: Manifest) -> None:
+    files = {f.file for f in manifest.fragments}
+    try:
+        files |= {f.file for f in Manifest.load(dest).fragments}
+    except CheckpointError:
+        pass  # no earlier manifest (or an unreadable one): its files are overwritten below
+    (dest / MANIFEST_NAME).unlink(missing_ok=True)
+    for file in files:
+        (dest / file).unlink(missing_ok=True)
+
+
+def _link(src: Path, dst: Path) -> None:
+    tmp = dst.with_name(f".{dst.name}.link-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:  # another filesystem, or no hard links
+        try:
+            os.symlink(src.resolve(), tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+

@@ -1,0 +1,80 @@
+"""Serve a package folder's fragments by sha256 over HTTP (the coordinator, or any peer).
+
+``GET /fragments/manifest.json`` answers the manifest; ``GET /fragments/{sha256}`` answers
+that fragment's file, with HTTP Range (starlette's FileResponse: 206 with Content-Range, 416
+past the end) so a node resumes an interrupted download. A request whose bearer token
+``check_token`` refuses gets 401; a hash the folder's manifest does not name, or whose file
+the folder lacks (a peer holding part of the model), gets 404. The manifest is re-read when
+its file changes, so a peer whose folder is re-materialised serves its new fragments.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, FastAPI, Header, HTTPException
+from fastapi.responses import FileResponse
+
+from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest
+
+TokenCheck = Callable[[str | None], bool]
+
+
+class _PackageIndex:
+    """sha256 -> fragment for one folder, reloaded when manifest.json changes."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._stamp: tuple[int, int] | None = None
+        self._by_hash: dict[str, FragmentEntry] = {}
+
+    def manifest_path(self) -> Path:
+        path = self.folder / MANIFEST_NAME
+        if not path.is_file():
+            raise HTTPException(404, f"no fragment manifest in {self.folder.name}")
+        return path
+
+    def lookup(self, sha256: str) -> Path:
+        path = self.manifest_path()
+        stat = path.stat()
+        if self._stamp != (stat.st_mtime_ns, stat.st_size):
+            manifest = Manifest.load(path)
+            self._by_hash = {f.sha256: f for f in manifest.fragments}
+            self._stamp = (stat.st_mtime_ns, stat.st_size)
+        entry = self._by_hash.get(sha256)
+        file = self.folder / entry.file if entry is not None else None
+        if file is None or not file.is_file():
+            raise HTTPException(404, f"no fragment with sha256 {sha256} is served here")
+        return file
+
+
+def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_token: TokenCheck) -> None:
+    """Add the two fragment routes for ``package_dir`` to ``app``."""
+    index = _PackageIndex(Path(package_dir))
+
+    def authorise(authorization: str | None) -> None:
+        if not check_token(_bearer(authorization)):
+            raise HTTPException(
+                401,
+                "fragment request refused: the bearer token is missing, wrong or expired",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+
+    @app.get(f"/fragments/{MANIFEST_NAME}")
+    def fragment_manifest(authorization: Annotated[str | None, Header()] = None) -> FileResponse:
+        authorise(authorization)
+        return FileResponse(index.manifest_path(), media_type="application/json")
+
+    @app.get("/fragments/{sha256}")
+    def fragment_file(sha256: str, authorization: Annotated[str | None, Header()] = None) -> FileResponse:
+        authorise(authorization)
+        return FileResponse(index.lookup(sha256.lower()), media_type="application/octet-stream")
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if authorization is None:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None

@@ -1,0 +1,89 @@
+"""MeshBackend: the API's Backend over a stage pipeline run by the coordinator.
+
+Each request is mirrored to every stage (open/close) and its prompt goes to stage 0; the
+last stage's tokens arrive on its control link and are routed to the waiting request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import AsyncIterator
+
+from seamline.errors import SeamlineError
+from seamline.mesh.coordinator import Coordinator
+from seamline.net.frames import RowFlag, TokenRow
+from seamline.net.messages import Open, Prompt, SamplingSpec
+from seamline.runtime.sampling import SamplingParams
+from seamline.server.backend import Readiness
+from seamline.text import TextCodec
+from seamline.errors import RequestError
+
+
+class RequestFailed(SeamlineError):
+    """A stage failed or left while the request was in flight."""
+
+
+class MeshBackend:
+    def __init__(self, coordinator: Coordinator, codec: TextCodec, model_name: str, context_length: int) -> None:
+        self.coordinator = coordinator
+        self.codec = codec
+        self.model_name = model_name
+        self.context_length = context_length
+        self._ids = itertools.count(1)
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]]] = {}
+        self._lock = threading.Lock()
+        coordinator.on_tokens = self._deliver
+        coordinator.on_failure = self._fail
+
+    def readiness(self) -> Readiness:
+        ready = self.coordinator.ready.is_set()
+        return Readiness(ready, "" if ready else self.coordinator.state)
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        params.validate()
+        if not prompt or len(prompt) >= self.context_length:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context_length}")
+        request = next(self._ids)
+        queue: asyncio.Queue[object] = asyncio.Queue()
+        with self._lock:
+            self._waiting[request] = (asyncio.get_running_loop(), queue)
+        spec = SamplingSpec(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
+                            seed=params.seed, max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids)  # fmt: skip
+        try:
+            self.coordinator.open_request(
+                Open(request=request, sampling=spec, prompt_len=len(prompt), context_length=self.context_length),
+                Prompt(request=request, tokens=tuple(prompt)),
+            )
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                assert isinstance(item, TokenRow)
+                if item.flags & RowFlag.STOPPED:
+                    return
+                yield item.token
+                if item.flags & RowFlag.DONE:
+                    return
+        finally:
+            with self._lock:
+                self._waiting.pop(request, None)
+            self.coordinator.close_request(request)
+
+    def _deliver(self, rows: list[TokenRow]) -> None:
+        for row in rows:
+            self._put(row.request, row)
+
+    def _fail(self, request: int | None, reason: str) -> None:
+        with self._lock:
+            targets = list(self._waiting) if request is None else [request]
+        for target in targets:
+            self._put(target, RequestFailed(reason))
+
+    def _put(self, request: int, item: object) -> None:
+        with self._lock:
+            waiting = self._waiting.get(request)
+        if waiting is not None:
+            loop, queue = waiting
+            loop.call_soon_threadsafe(queue.put_nowait, item)

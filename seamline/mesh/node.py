@@ -1,0 +1,222 @@
+"""A node: joins a coordinator with an invite, loads the layers it is assigned, serves them.
+
+Threads: the control link (coordinator messages), a data listener with one reader per
+connection (hidden-state and token frames), and one short-lived thread per prompt. Compute
+is serialised by the StageWorker's lock. A malformed frame closes only the connection that
+sent it; an out-of-step frame is refused and logged; the node keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from seamline.mesh.invite import Invite, InviteError, proof
+from seamline.mesh.stage_worker import StageWorker
+from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
+from seamline.net.link import Link, LinkClosed, listen
+from seamline.net.messages import (
+    PROTOCOL_VERSION, Assign, Challenge, Close, Descriptor, Failure, Join, Linked, Message, Open,
+    Prompt, Ready, Refuse, Resources, Route, Welcome,
+)  # fmt: skip
+
+log = logging.getLogger("seamline.node")
+
+
+@dataclass
+class NodeOptions:
+    max_memory_bytes: int | None = None
+    node_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
+    cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
+    data_port: int = 0
+    progress: bool = True
+
+
+def measure_rate(megabytes: int = 32, repeats: int = 3) -> float:
+    """Weight-streaming rate (bytes/s) of a matrix-vector product: decode is bound by it."""
+    rows = megabytes * (1 << 20) // (4 * 1024)
+    matrix, vector = torch.randn(rows, 1024), torch.randn(1024)
+    torch.mv(matrix, vector)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        torch.mv(matrix, vector)
+    return repeats * matrix.numel() * 4 / (time.perf_counter() - start)
+
+
+def local_resources(options: NodeOptions) -> Resources:
+    free = psutil.virtual_memory().available
+    if options.max_memory_bytes is not None:
+        free = min(free, options.max_memory_bytes)
+    return Resources(free_memory_bytes=int(free), bytes_per_second=measure_rate(),
+                     device="cpu", cores=os.cpu_count() or 1)  # fmt: skip
+
+
+def connect_to_coordinator(invite: Invite) -> Link:
+    errors = []
+    for host in invite.hosts:
+        try:
+            return Link.connect(host, invite.control_port, name=f"coordinator {host}")
+        except OSError as exc:
+            errors.append(f"{host}:{invite.control_port}: {exc}")
+    raise InviteError(f"cannot reach the coordinator ({'; '.join(errors)})")
+
+
+class Node:
+    def __init__(self, invite: Invite, options: NodeOptions) -> None:
+        self.invite = invite
+        self.options = options
+        self.control: Link | None = None
+        self.worker: StageWorker | None = None
+        self.assignment: Assign | None = None
+        self.data_server: socket.socket | None = None
+        self.peers: list[Link] = []
+        self.bytes_downloaded = 0
+
+    # -- joining ------------------------------------------------------------------------
+    def join(self) -> None:
+        self.invite.check_fresh()
+        self.control = control = connect_to_coordinator(self.invite)
+        challenge = control.recv()
+        if not isinstance(challenge, Challenge):
+            raise InviteError(f"coordinator sent {type(challenge).__name__} instead of a challenge")
+        data_host = control.sock.getsockname()[0]
+        self.data_server = listen(data_host, self.options.data_port)
+        join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce),
+                    protocol_version=PROTOCOL_VERSION, resources=local_resources(self.options),
+                    data_host=data_host, data_port=self.data_server.getsockname()[1],
+                    max_memory_bytes=self.options.max_memory_bytes)  # fmt: skip
+        control.send_message(join)
+        answer = control.recv()
+        if isinstance(answer, Refuse):
+            raise InviteError(f"coordinator refused this node: {answer.reason}")
+        if not isinstance(answer, Welcome):
+            raise InviteError(f"coordinator sent {type(answer).__name__} instead of a welcome")
+        log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
+
+    # -- serving ------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Handle coordinator messages until the coordinator goes away."""
+        assert self.control is not None and self.data_server is not None
+        threading.Thread(target=self._accept_loop, name="seamline-data-accept", daemon=True).start()
+        while True:
+            try:
+                message = self.control.recv()
+            except LinkClosed:
+                log.warning("coordinator link closed; node stops")
+                return
+            except FrameError as exc:
+                log.error("coordinator sent a malformed frame (%s); node stops", exc)
+                return
+            if isinstance(message, Message):
+                self._on_control(message)
+
+    def _on_control(self, message: Message) -> None:
+        try:
+            if isinstance(message, Assign):
+                self._load(message)
+            elif isinstance(message, Route):
+                self._route(message)
+            elif isinstance(message, Open) and self.worker:
+                self.worker.open(message)
+            elif isinstance(message, Prompt) and self.worker:
+                threading.Thread(target=self._prompt, args=(message,), daemon=True).start()
+            elif isinstance(message, Close) and self.worker:
+                self.worker.close(message)
+        except Exception as exc:  # a failed step is reported, never fatal to the node
+            log.exception("failed to handle %s", type(message).__name__)
+            self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {exc}")
+
+    def _prompt(self, message: Prompt) -> None:
+        assert self.worker is not None
+        try:
+            self.worker.prompt(message)
+        except Exception as exc:
+            log.exception("prompt %d failed", message.request)
+            self._report(message.request, f"stage 0 failed: {exc}")
+
+    def _report(self, request: int | None, reason: str) -> None:
+        if self.control is not None:
+            try:
+                self.control.send_message(Failure(request=request, reason=reason))
+            except LinkClosed:
+                pass
+
+    def _load(self, assign: Assign) -> None:
+        from seamline.mesh.node_loading import load_assignment
+
+        self.assignment = assign
+        self.worker = None  # a new assignment replaces the old stage
+        stage, downloaded = load_assignment(self.invite, assign, self.options)
+        self.bytes_downloaded += downloaded
+        self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head)
+        assert self.control is not None
+        self.worker.links.results = self.control.send_tokens
+        descriptor = Descriptor(node_id=self.options.node_id, plan_id=assign.plan_id, model_hash=assign.model_hash,
+                                layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION)  # fmt: skip
+        resident = psutil.Process().memory_info().rss
+        self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=downloaded, resident_bytes=resident))
+
+    def _route(self, route: Route) -> None:
+        assert self.worker is not None and self.control is not None
+        if route.downstream is not None:
+            link = Link.connect(*route.downstream, name=f"downstream {route.downstream[0]}:{route.downstream[1]}")
+            self.peers.append(link)
+            self.worker.links.downstream = link.send_hidden
+        if route.stage0 is not None:
+            link = Link.connect(*route.stage0, name=f"stage0 {route.stage0[0]}:{route.stage0[1]}")
+            self.peers.append(link)
+            self.worker.links.stage0 = link.send_tokens
+        self.control.send_message(Linked(plan_id=route.plan_id))
+
+    def _accept_loop(self) -> None:
+        assert self.data_server is not None
+        while True:
+            try:
+                sock, _ = self.data_server.accept()
+            except OSError:
+                return
+            link = Link(sock, name="inbound data")
+            threading.Thread(target=self._read_data, args=(link,), daemon=True).start()
+
+    def _read_data(self, link: Link) -> None:
+        peer = link.peer()
+        while True:
+            try:
+                frame = link.recv()
+            except LinkClosed:
+                return
+            except FrameError as exc:
+                log.warning("closing data link from %s: %s", peer, exc)
+                link.close()
+                return
+            self._on_frame(frame, peer)
+
+    def _on_frame(self, frame: object, peer: str) -> None:
+        worker = self.worker
+        if worker is None:
+            log.warning("frame from %s before this node was loaded; refused", peer)
+            return
+        if isinstance(frame, HiddenFrame) and not worker.is_first:
+            worker.hidden(frame)
+        elif isinstance(frame, TokenFrame) and worker.is_first:
+            worker.tokens(frame)
+        else:
+            worker.refused += 1
+            log.warning("refused %s from %s: not expected by this stage", type(frame).__name__, peer)
+
+
+def run_node(token: str, options: NodeOptions) -> int:
+    invite = Invite.decode(token)
+    node = Node(invite, options)
+    node.join()
+    node.serve()
+    return 0

@@ -1,0 +1,402 @@
+"""The planner: a pure function from a model, a pool of nodes and their links to a Plan.
+
+A plan is a pipeline: an ordered subset of nodes, each owning a contiguous half-open layer
+range, the ranges covering ``[0, L)`` exactly once; stage 0 also holds the embedding, the
+last stage the final norm and head. A node fits when its weights plus the KV cache of its
+layers (``context_tokens × batch``) fit in its free memory less headroom.
+
+Predicted seconds per decode step (one token for every sequence of the batch):
+  Σ stages (weight bytes read per token [+ head on the last]) / node rate      (memory-bound)
+  + Σ hops (latency + batch × hidden frame / bandwidth)
+  + the return hop last -> stage 0 carrying the token ids (none for a single node).
+Among plans of equal time the most even one wins: the DP minimises Σt + κΣt² over stage
+times t, with κ so small (1e-6 of the fastest single-node time) that it only breaks ties.
+
+Method. For a fixed node order the problem is a shortest path over states (node position
+j, layers covered e): node j takes ``[s, e)`` after any earlier node p took ``[.., s)``,
+paying the p -> j hop. Skipping is free, so every subsequence of the order and every cut
+point is searched: exact for that order (O(N²·L + N·L²), vectorised with NumPy). The return
+hop is charged to the first node of the best path into each final state (exact whenever
+its cost does not depend on the first node, e.g. uniform links). Orders tried: nodes by
+rate descending and ascending (the head, read every token, lands on the fastest or the
+slowest chosen node), and a nearest-link chain from the fastest node plus its reverse
+(keeps well-linked nodes adjacent); if none fits, by memory descending and ascending.
+With uniform links the objective depends on the order only through who is first and last
+and how uneven layers pack. Pools of at most ``EXHAUSTIVE_NODES`` nodes try every order
+with the first node fixed: exact, return hop included.
+
+Before the DP, a node is dropped when at least L others are at least as good in memory,
+rate, latency and bandwidth (ties broken by node_id): a plan uses at most L nodes, so one of
+them is free to replace it at no cost. Nodes named in explicit link pairs are never dropped.
+Deterministic: nodes are indexed by node_id and every argmin takes the first minimum.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from seamline.mesh.types import (
+    Link,
+    LinkTable,
+    ModelSpec,
+    NodeInfo,
+    Plan,
+    PlanError,
+    PlanOptions,
+    StageAssignment,
+)
+
+__all__ = ["PlanError", "check_plan", "plan", "price_route"]
+
+TOKEN_ID_BYTES = 8  # per sequence, on the return hop
+BALANCE_WEIGHT = 1e-6  # κ × (fastest single-node time): ties go to the most even plan
+EXHAUSTIVE_NODES = 5
+INF = float("inf")
+Route = Sequence[tuple[str, int, int]]  # (node_id, start, end) in pipeline order
+
+
+@dataclass(frozen=True)
+class _Model:
+    """Per-range costs as (L+1)×(L+1) tables indexed [start, end]; inf where start >= end."""
+
+    L: int
+    mem: np.ndarray  # bytes a node needs to own [s, e)
+    read: np.ndarray  # bytes read per token for [s, e), head included when e == L
+    min_need: float  # the least any range needs
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """The nodes worth planning over, indexed in node_id order, and every cost the DP reads."""
+
+    ids: tuple[str, ...]
+    cap: np.ndarray  # bytes after headroom
+    rate: np.ndarray  # bytes per second
+    hop: np.ndarray  # [p, j] seconds for a frame p -> j
+    ret: np.ndarray  # [p, j] seconds for the token ids p -> j
+    stage: np.ndarray  # [i, s, e] node i owning [s, e) in a pipeline: t + κt², inf if it does not fit
+    single: np.ndarray  # [i] node i owning the whole model alone, inf if it does not fit
+
+
+@dataclass(frozen=True)
+class _Found:
+    cost: float
+    route: tuple[tuple[int, int, int], ...]  # (pool index, start, end)
+
+
+def plan(
+    model: ModelSpec,
+    nodes: Sequence[NodeInfo],
+    links: LinkTable | Mapping[tuple[str, str], Link] | None,
+    options: PlanOptions,
+) -> Plan:
+    """The pipeline with the lowest predicted time per token; PlanError if nothing fits."""
+    _check_inputs(model, nodes, options)
+    table = LinkTable.of(links)
+    by_id = sorted(nodes, key=lambda n: n.node_id)
+    pool = _pool(model, by_id, table, options, _model_tables(model, options))
+    found = _search(pool) if pool.ids else None
+    if found is None:
+        raise PlanError(_refusal(model, by_id, options))
+    route = [(pool.ids[i], s, e) for i, s, e in found.route]
+    return price_route(model, by_id, table, options, route)
+
+
+def _search(pool: _Pool) -> _Found | None:
+    n, L = len(pool.ids), pool.stage.shape[1] - 1
+    alone = int(pool.single.argmin())
+    best = _Found(float(pool.single[alone]), ((alone, 0, L),)) if pool.single[alone] < INF else None
+    if n <= EXHAUSTIVE_NODES:
+        orders = [np.array(p) for p in itertools.permutations(range(n))]
+        return _best(pool, orders, True, best)
+    by_rate = np.lexsort((np.arange(n), -pool.cap, -pool.rate))
+    chain = _chain(pool.hop, by_rate)
+    by_mem = np.lexsort((np.arange(n), -pool.rate, -pool.cap))
+    orders = [by_rate, by_rate[::-1], _ends_first(by_mem), chain, chain[::-1]]
+    return _best(pool, _unique(orders), False, best)
+
+
+def _ends_first(ranked: np.ndarray) -> np.ndarray:
+    """The best-ranked nodes at both ends, the worst in the middle: 0, 2, 4, ..., 5, 3, 1."""
+    return np.concatenate((ranked[0::2], ranked[1::2][::-1]))
+
+
+def _best(
+    pool: _Pool, orders: list[np.ndarray], fixed_first: bool, best: _Found | None
+) -> _Found | None:
+    for order in orders:
+        found = _solve(pool, order, fixed_first)
+        if found is not None and (best is None or found.cost < best.cost):
+            best = found
+    return best
+
+
+def _unique(orders: list[np.ndarray]) -> list[np.ndarray]:
+    out: list[np.ndarray] = []
+    for order in orders:
+        if not any(np.array_equal(order, o) for o in out):
+            out.append(order)
+    return out
+
+
+def _chain(hop: np.ndarray, by_rate: np.ndarray) -> np.ndarray:
+    """From the fastest node, repeatedly the unvisited node nearest by link (ties: by rate)."""
+    n = len(by_rate)
+    dist = hop[np.ix_(by_rate, by_rate)]  # indices are positions in by_rate
+    seen = np.zeros(n, dtype=bool)
+    out = [0]
+    seen[0] = True
+    for _ in range(n - 1):
+        nxt = int(np.where(seen, INF, dist[out[-1]]).argmin())
+        out.append(nxt)
+        seen[nxt] = True
+    return by_rate[np.array(out)]
+
+
+def _solve(pool: _Pool, order: np.ndarray, fixed_first: bool) -> _Found | None:
+    """Best plan of two or more stages whose nodes follow ``order`` (see module doc).
+
+    F[j, e]: cheapest cover of [0, e) whose last stage is node j ending at e.
+    G[j, s]: cheapest cover of [0, s) with its frame delivered to node j (G[j, 0]: j starts).
+    """
+    n, L = len(order), pool.stage.shape[1] - 1
+    hop = pool.hop[np.ix_(order, order)]
+    F = np.full((n, L + 1), INF)
+    G = np.full((n, L + 1), INF)
+    for j in range(n):
+        g = G[j]
+        g[0] = INF if fixed_first and j else 0.0
+        if j:
+            g[1:L] = (F[:j, 1:L] + hop[:j, j, None]).min(axis=0)
+        F[j] = (g[:, None] + pool.stage[order[j]]).min(axis=0)
+    return _finish(pool, order, hop, F, G)
+
+
+def _finish(
+    pool: _Pool, order: np.ndarray, hop: np.ndarray, F: np.ndarray, G: np.ndarray
+) -> _Found | None:
+    """Add the return hop to the cheapest complete paths, walking back only while it can win."""
+    L = F.shape[1] - 1
+    ends = F[:, L]
+    floor = float(pool.ret.min())
+    best: _Found | None = None
+    for j in np.argsort(ends, kind="stable"):
+        if not ends[j] < INF or (best is not None and ends[j] + floor >= best.cost):
+            break
+        route = _walk(pool, order, hop, F, G, int(j))
+        cost = float(ends[j] + pool.ret[route[-1][0], route[0][0]])
+        if best is None or cost < best.cost:
+            best = _Found(cost, route)
+    return best
+
+
+def _walk(
+    pool: _Pool, order: np.ndarray, hop: np.ndarray, F: np.ndarray, G: np.ndarray, j: int
+) -> tuple[tuple[int, int, int], ...]:
+    """Recover the path into F[j, L] by redoing its argmins (same arithmetic, same ties)."""
+    e = F.shape[1] - 1
+    route: list[tuple[int, int, int]] = []
+    while True:
+        s = int((G[j] + pool.stage[order[j], :, e]).argmin())
+        route.append((int(order[j]), s, e))
+        if s == 0:
+            return tuple(reversed(route))
+        j, e = int((F[:j, s] + hop[:j, j]).argmin()), s
+
+
+def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
+    L = model.num_layers
+    kv_layer = model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch
+    held = np.concatenate(([0.0], np.cumsum(np.asarray(model.layer_bytes, dtype=np.float64))))
+    held += np.arange(L + 1) * float(kv_layer)
+    active = np.concatenate(([0.0], np.cumsum(np.asarray(model.active_bytes(), dtype=np.float64))))
+    at_end = np.zeros(L + 1)
+    at_end[L] = model.head_bytes
+    mem = held[None, :] - held[:, None] + at_end[None, :]
+    mem[0, :] += model.embed_bytes
+    if model.tied_embeddings:
+        mem[0, L] -= model.embed_bytes
+    mem[np.tril_indices(L + 1)] = INF  # no empty or reversed ranges
+    read = active[None, :] - active[:, None] + at_end[None, :]
+    return _Model(L, mem, read, float(mem.min()))
+
+
+def _pool(
+    model: ModelSpec, nodes: Sequence[NodeInfo], table: LinkTable, options: PlanOptions,
+    costs: _Model,
+) -> _Pool:  # fmt: skip
+    """The nodes worth planning over (indexed by node_id) and every cost the DP reads."""
+    cap = np.array([options.capacity(n.free_memory_bytes) for n in nodes], dtype=np.float64)
+    rate = np.array([n.bytes_per_second for n in nodes], dtype=np.float64)
+    access = [table.access.get(n.node_id, table.default) for n in nodes]
+    lat = np.array([a.latency_s for a in access], dtype=np.float64)
+    bw = np.array([a.bandwidth_bytes_per_s for a in access], dtype=np.float64)
+    paired = {x for pair in table.pairs for x in pair}
+    explicit = np.array([n.node_id in paired for n in nodes], dtype=bool)
+    keep = (cap >= costs.min_need) & ~_dominated(cap, rate, lat, bw, explicit, costs.L)
+    idx = np.flatnonzero(keep)
+    ids = tuple(nodes[i].node_id for i in idx)
+    lat_m, bw_m = np.maximum.outer(lat[idx], lat[idx]), np.minimum.outer(bw[idx], bw[idx])
+    where = {node_id: k for k, node_id in enumerate(ids)}
+    for (a, b), link in table.pairs.items():
+        if a in where and b in where:
+            for x, y in ((where[a], where[b]), (where[b], where[a])):
+                lat_m[x, y], bw_m[x, y] = link.latency_s, link.bandwidth_bytes_per_s
+    hop = lat_m + float(model.bytes_per_boundary_per_token * options.batch) / bw_m
+    ret = lat_m + float(TOKEN_ID_BYTES * options.batch) / bw_m
+    stage, single = _stage_costs(costs, cap[idx], rate[idx])
+    return _Pool(ids, cap[idx], rate[idx], hop, ret, stage, single)
+
+
+def _stage_costs(costs: _Model, cap: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per node: t + κt² for every range it can hold (t = seconds per token), inf elsewhere."""
+    L = costs.L
+    kappa = BALANCE_WEIGHT * rate.max() / costs.read[0, L] if len(rate) else 0.0
+    stage = np.empty((len(rate), L + 1, L + 1))
+    single = np.full(len(rate), INF)
+    for i in range(len(rate)):
+        t = costs.read / rate[i]
+        np.copyto(stage[i], np.where(costs.mem <= cap[i], t + kappa * t * t, INF))
+        if stage[i, 0, L] < INF:
+            single[i] = stage[i, 0, L]
+        stage[i, 0, L] = INF  # alone, a node has no hops: scored apart
+    return stage, single
+
+
+def _dominated(
+    cap: np.ndarray, rate: np.ndarray, lat: np.ndarray, bw: np.ndarray, explicit: np.ndarray,
+    max_stages: int,
+) -> np.ndarray:  # fmt: skip
+    """Nodes with at least ``max_stages`` others no worse in every respect (ties: node_id)."""
+    n = len(cap)
+    if n <= max_stages:
+        return np.zeros(n, dtype=bool)
+    good = np.stack([cap, rate, -lat, bw], axis=1)  # higher is better
+    ge = (good[:, None, :] >= good[None, :, :]).all(axis=2)  # [y, x]: y no worse than x
+    eq = (good[:, None, :] == good[None, :, :]).all(axis=2)
+    earlier = np.arange(n)[:, None] < np.arange(n)[None, :]
+    dom = ge & (~eq | earlier) & ~explicit[:, None] & ~explicit[None, :]
+    return dom.sum(axis=0) >= max_stages
+
+
+def price_route(
+    model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | Mapping[tuple[str, str], Link] | None,
+    options: PlanOptions, route: Route,
+) -> Plan:  # fmt: skip
+    """The Plan for an explicit route, every cost computed from scratch (no DP state)."""
+    _check_route(model, route)
+    table = LinkTable.of(links)
+    by_id = {n.node_id: n for n in nodes}
+    L = model.num_layers
+    stages = []
+    for node_id, s, e in route:
+        weights, kv, read = _range_bytes(model, options, s, e)
+        stages.append(StageAssignment(node_id, s, e, s == 0, e == L, weights, kv,
+                                      read / by_id[node_id].bytes_per_second))  # fmt: skip
+    frame = model.bytes_per_boundary_per_token * options.batch
+    ids = [n for n, _, _ in route]
+    network = sum(table.between(a, b).seconds(frame) for a, b in zip(ids, ids[1:]))
+    if len(ids) > 1:
+        network += table.between(ids[-1], ids[0]).seconds(TOKEN_ID_BYTES * options.batch)
+    total = sum(st.compute_s for st in stages) + network
+    return Plan(model.name, L, tuple(stages), total, network, options.context_tokens, options.batch)
+
+
+def _range_bytes(model: ModelSpec, options: PlanOptions, s: int, e: int) -> tuple[int, int, int]:
+    """(weight bytes held, KV bytes, weight bytes read per token) of owning [s, e)."""
+    L = model.num_layers
+    weights = sum(model.layer_bytes[s:e])
+    read = sum(model.active_bytes()[s:e])
+    if s == 0:
+        weights += model.embed_bytes
+    if e == L:
+        weights += model.head_bytes
+        read += model.head_bytes
+    if s == 0 and e == L and model.tied_embeddings:
+        weights -= model.embed_bytes
+    kv = model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch * (e - s)
+    return weights, kv, read
+
+
+def _check_route(model: ModelSpec, route: Route) -> None:
+    if not route:
+        raise PlanError("a plan has at least one stage")
+    expected = 0
+    for node_id, s, e in route:
+        if s != expected or not s < e <= model.num_layers:
+            raise PlanError(
+                f"stage ranges must be contiguous, non-empty and cover [0,{model.num_layers}) "
+                f"exactly once: node {node_id} has [{s},{e}) where [{expected},..) comes next"
+            )
+        expected = e
+    if expected != model.num_layers:
+        raise PlanError(f"stage ranges end at layer {expected}, not at {model.num_layers}")
+    ids = [n for n, _, _ in route]
+    if len(set(ids)) != len(ids):
+        raise PlanError(f"a node owns one stage at most: {sorted(ids)} repeats a node")
+
+
+def check_plan(
+    plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions
+) -> None:
+    """Refuse a locked plan that no longer matches the model or the live pool."""
+    if (plan.model_name, plan.num_layers) != (model.name, model.num_layers):
+        raise PlanError(
+            f"the locked plan is for model {plan.model_name!r} ({plan.num_layers} layers), "
+            f"not {model.name!r} ({model.num_layers} layers)"
+        )
+    _check_route(model, [(s.node_id, s.start, s.end) for s in plan.stages])
+    by_id = {n.node_id: n for n in nodes}
+    for st in plan.stages:
+        node = by_id.get(st.node_id)
+        if node is None:
+            raise PlanError(
+                f"the locked plan needs node {st.node_id!r}, which is not in the pool "
+                f"({', '.join(sorted(by_id)) or 'empty'})"
+            )
+        weights, kv, _ = _range_bytes(model, options, st.start, st.end)
+        cap = options.capacity(node.free_memory_bytes)
+        if weights + kv > cap:
+            raise PlanError(
+                f"node {st.node_id!r} no longer fits its locked layers [{st.start},{st.end}): "
+                f"they need {weights + kv} bytes, it has {cap} after headroom"
+            )
+
+
+def _refusal(model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions) -> str:
+    kv_layer = model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch
+    need = model.weight_bytes() + kv_layer * model.num_layers
+    have = sum(max(0, options.capacity(n.free_memory_bytes)) for n in nodes)
+    biggest = max(max(0, options.capacity(n.free_memory_bytes)) for n in nodes)
+    layer = max(range(model.num_layers), key=lambda i: model.layer_bytes[i])
+    layer_need = model.layer_bytes[layer] + kv_layer
+    why = "" if need > have else ", and no contiguous split of the layers fits them"
+    return (
+        f"the pool cannot hold model {model.name!r}: it needs {need} bytes (weights "
+        f"{model.weight_bytes()} + KV cache {kv_layer * model.num_layers} for "
+        f"{options.context_tokens} tokens x {options.batch} sequences), the {len(nodes)} "
+        f"nodes offer {have} after headroom{why}; the largest layer (layer {layer}) needs "
+        f"{layer_need} bytes, the largest node offers {biggest}"
+    )
+
+
+def _check_inputs(model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions) -> None:
+    L = model.num_layers
+    if L < 1 or len(model.layer_bytes) != L:
+        raise PlanError(f"a model spec needs one byte count per layer: {len(model.layer_bytes)} for {L} layers")
+    if model.layer_active_bytes and len(model.layer_active_bytes) != L:
+        raise PlanError(f"layer_active_bytes must have {L} entries, not {len(model.layer_active_bytes)}")
+    if not nodes:
+        raise PlanError("the pool cannot hold any model: it has no nodes")
+    ids = [n.node_id for n in nodes]
+    if len(set(ids)) != len(ids):
+        raise PlanError(f"node ids must be unique; {sorted(i for i in set(ids) if ids.count(i) > 1)[0]!r} repeats")
+    for n in nodes:
+        if not (n.bytes_per_second > 0 and np.isfinite(n.bytes_per_second)) or n.free_memory_bytes < 0:
+            raise PlanError(f"node {n.node_id!r} needs a positive finite rate and non-negative free memory")
+    if options.context_tokens < 1 or options.batch < 1 or not 0 <= options.headroom_fraction < 1:
+        raise PlanError("plan options need context_tokens >= 1, batch >= 1 and 0 <= headroom_fraction < 1")

@@ -1,0 +1,138 @@
+"""`seamline serve`: package the model, start the coordinator and the API, invite nodes."""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+
+from seamline.config import ModelConfig
+from seamline.mesh.coordinator import Coordinator, CoordinatorOptions
+from seamline.mesh.fragment_server import fragment_routes
+from seamline.mesh.invite import Invite, new_invite
+from seamline.mesh.mesh_backend import MeshBackend
+from seamline.mesh.types import ModelSpec, Plan
+from seamline.text import TextCodec
+from seamline.weights.fragments import Manifest, package_cached
+
+log = logging.getLogger("seamline.serve")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class ServeOptions:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    control_port: int = 0  # 0: port + 1
+    advertise: tuple[str, ...] = ()  # addresses nodes use to reach us (default: host)
+    nodes_expected: int = 1
+    local_node: bool = True
+    dtype: str = "float32"
+    context: int = 0  # 0: the model's own
+    invite_ttl_s: float = 24 * 3600
+    lock_path: str | None = None
+    cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
+
+
+@dataclass
+class Mesh:
+    """Everything `serve` builds before the HTTP server runs (also used by `demo`)."""
+
+    app: FastAPI
+    coordinator: Coordinator
+    invite: Invite
+    token: str
+    package_dir: Path
+
+
+def build_mesh(options: ServeOptions) -> Mesh:
+    from seamline.app import default_model_path
+    from seamline.server.openai_api import create_app
+
+    path = Path(options.model) if options.model else default_model_path()
+    package_dir = package_cached(path, options.cache_dir / "packages")
+    manifest = Manifest.load(package_dir)
+    config = ModelConfig.from_hf_dict(manifest.config)
+    context = options.context or config.max_position_embeddings
+    shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
+    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, DTYPE_BYTES[options.dtype])
+    hosts = options.advertise or (_reachable(options.host),)
+    invite = new_invite(hosts, options.control_port or options.port + 1, options.port, options.invite_ttl_s)
+    coordinator = Coordinator(invite, spec, manifest.model_hash, CoordinatorOptions(
+        nodes_expected=options.nodes_expected, dtype=options.dtype, context_length=context,
+        fragments_url=f"http://{_url_host(hosts[0])}:{options.port}", locked_plan=_locked(options.lock_path)))  # fmt: skip
+    codec = TextCodec.from_model(path, config.eos_token_ids)
+    backend = MeshBackend(coordinator, codec, manifest.model, context)
+    secret = invite.secret
+
+    def routes(app: FastAPI) -> None:
+        fragment_routes(app, package_dir, lambda token: token == secret)
+        app.get("/api/status")(lambda: coordinator.status())
+
+    return Mesh(create_app(backend, extra_routes=routes), coordinator, invite, invite.encode(), package_dir)
+
+
+def _reachable(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def _locked(path: str | None) -> Plan | None:
+    if not path or not Path(path).is_file():
+        return None
+    return Plan.from_json(json.loads(Path(path).read_text()))
+
+
+def spawn_node(token: str, node_id: str, cache_dir: Path | None = None, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
+    """A `seamline join` process; it is stopped when this process exits."""
+    args = [sys.executable, "-m", "seamline.cli", "join", token, "--node-id", node_id, "--quiet", *(extra or [])]
+    env = dict(os.environ)
+    if cache_dir is not None:
+        env["SEAMLINE_CACHE"] = str(cache_dir)
+    proc = subprocess.Popen(args, env=env)
+    atexit.register(_stop, proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run_serve(options: ServeOptions) -> int:
+    import uvicorn
+
+    mesh = build_mesh(options)
+    mesh.coordinator.start(options.host)
+    print(f"seamline: serving {mesh.coordinator.model.name} on http://{_url_host(options.host)}:{options.port}/v1", flush=True)
+    print(f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}", flush=True)
+    print(f"seamline: join with: seamline join {mesh.token}", flush=True)
+    if options.local_node:
+        spawn_node(mesh.token, "local")
+    uvicorn.run(mesh.app, host=options.host, port=options.port, log_level="warning")
+    return 0
+
+
+def wait_ready(coordinator: Coordinator, timeout_s: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    while not coordinator.ready.wait(timeout=0.2):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"mesh not ready after {timeout_s:.0f} s: {coordinator.state}")
+    return coordinator.status()

@@ -1,0 +1,194 @@
+"""StageWorker: one pipeline stage's data path, independent of how its links were made.
+
+Stage 0 embeds prompts and the tokens the last stage sends back; every stage runs its layers
+on the hidden-state frames it receives and passes them on; the last stage samples and sends
+the token id straight back to stage 0 (and a copy to the coordinator, which streams it to the
+client). Every row is checked against the sequence's record — position and prefix hash — so a
+frame that is out of step is refused instead of computing garbage.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from seamline.model.cache import SequenceCache
+from seamline.model.stage import Stage
+from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
+from seamline.net.messages import Close, Open, Prompt
+from seamline.runtime.sampling import SamplingParams, make_generator, sample
+
+log = logging.getLogger("seamline.stage")
+PREFILL_CHUNK = 512
+SendHidden = Callable[[list[Row], torch.Tensor], None]
+SendTokens = Callable[[list[TokenRow]], None]
+
+
+class OutOfStep(Exception):
+    """A row whose request, position or prefix hash does not match this stage's record."""
+
+
+@dataclass
+class Sequence:
+    cache: SequenceCache
+    params: SamplingParams
+    context_length: int
+    next_position: int = 0
+    hash: int = EMPTY_HASH
+    generated: int = 0
+    done: bool = False
+    generator: torch.Generator = field(default_factory=torch.Generator)
+
+
+@dataclass
+class StageLinks:
+    """Where this stage's output goes; None where the stage has no such neighbour."""
+
+    downstream: SendHidden | None = None  # next stage (hidden frames)
+    stage0: SendTokens | None = None  # last stage -> stage 0 (tokens)
+    results: SendTokens | None = None  # last stage -> coordinator (tokens)
+
+
+class StageWorker:
+    def __init__(self, stage: Stage, is_first: bool, is_last: bool) -> None:
+        self.stage = stage
+        self.is_first = is_first
+        self.is_last = is_last
+        self.links = StageLinks()
+        self.sequences: dict[int, Sequence] = {}
+        self.lock = threading.Lock()
+        self.refused = 0
+
+    # -- session calls (mirrored to every stage by the coordinator) --------------------
+    def open(self, msg: Open) -> None:
+        s = msg.sampling
+        params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                seed=s.seed, max_tokens=s.max_tokens, stop_token_ids=s.stop_token_ids)  # fmt: skip
+        with self.lock:
+            seq = Sequence(self.stage.new_cache(), params, msg.context_length)
+            seq.generator = make_generator(s.seed)
+            self.sequences[msg.request] = seq
+
+    def close(self, msg: Close) -> None:
+        seq = self.sequences.get(msg.request)
+        if seq is not None:
+            seq.done = True  # seen at once by a single-stage generation loop
+        with self.lock:
+            self.sequences.pop(msg.request, None)
+
+    # -- data path ----------------------------------------------------------------------
+    def prompt(self, msg: Prompt) -> None:
+        """Stage 0: run the prompt in chunks and pass each chunk on."""
+        looped: TokenRow | None = None
+        with self.lock:
+            seq = self._sequence(msg.request)
+            tokens = list(msg.tokens)
+            for start in range(0, len(tokens), PREFILL_CHUNK):
+                chunk = tokens[start : start + PREFILL_CHUNK]
+                flags = RowFlag.FIRST if start == 0 else RowFlag.NONE
+                if start + len(chunk) == len(tokens):
+                    flags |= RowFlag.SAMPLE
+                looped = self._embed_and_run(msg.request, seq, chunk, flags)
+        self._loop(looped)
+
+    def tokens(self, frame: TokenFrame) -> None:
+        """Stage 0: tokens sampled by the last stage come back to be embedded."""
+        with self.lock:
+            for row in frame.rows:
+                self._token_row(row)
+
+    def _loop(self, row: TokenRow | None) -> None:
+        """A stage that is both first and last feeds its own tokens back, one step per lock."""
+        while row is not None:
+            with self.lock:
+                row = self._token_row(row)
+
+    def hidden(self, frame: HiddenFrame) -> None:
+        """Stages after the first: run our layers on each row and pass it on."""
+        with self.lock:
+            offset = 0
+            for row in frame.rows:
+                x = frame.tensor[offset : offset + row.count]
+                offset += row.count
+                try:
+                    seq = self._check_row(row)
+                except OutOfStep as exc:
+                    self.refused += 1
+                    log.warning("refused frame: %s", exc)
+                    continue
+                self._run(row, seq, x)
+
+    # -- internals ----------------------------------------------------------------------
+    def _sequence(self, request: int) -> Sequence:
+        seq = self.sequences.get(request)
+        if seq is None:
+            raise OutOfStep(f"request {request} is not open on this stage")
+        return seq
+
+    def _check_row(self, row: Row) -> Sequence:
+        seq = self._sequence(row.request)
+        if row.position != seq.next_position or row.hash_before != seq.hash:
+            raise OutOfStep(
+                f"request {row.request}: frame at position {row.position} (prefix {row.hash_before:016x}) "
+                f"but this stage is at {seq.next_position} (prefix {seq.hash:016x})"
+            )
+        if seq.done:
+            raise OutOfStep(f"request {row.request} has already finished")
+        return seq
+
+    def _token_row(self, row: TokenRow) -> TokenRow | None:
+        try:
+            seq = self._sequence(row.request)
+            expected_after = prefix_hash(seq.hash, [row.token])
+            if row.position != seq.next_position or row.hash_before != seq.hash or row.hash_after != expected_after:
+                raise OutOfStep(f"request {row.request}: token for position {row.position}, stage 0 is at {seq.next_position}")
+        except OutOfStep as exc:
+            self.refused += 1
+            log.warning("refused token: %s", exc)
+            return None
+        if row.flags & RowFlag.DONE or (seq.done and not self.is_last):
+            seq.done = True
+            return None
+        return self._embed_and_run(row.request, seq, [row.token], RowFlag.SAMPLE)
+
+    def _embed_and_run(self, request: int, seq: Sequence, tokens: list[int], flags: int) -> TokenRow | None:
+        before = seq.hash
+        after = prefix_hash(before, tokens)
+        row = Row(request, seq.next_position, len(tokens), before, after, int(flags))
+        return self._run(row, seq, torch.tensor(tokens, dtype=torch.long))
+
+    def _run(self, row: Row, seq: Sequence, inputs: torch.Tensor) -> TokenRow | None:
+        """Run our layers; pass the result on, or sample. Returns a token to loop back, if any."""
+        out = self.stage(inputs, row.position, seq.cache, last_only=self.is_last)
+        seq.next_position += row.count
+        seq.hash = row.hash_after
+        if not self.is_last:
+            assert self.links.downstream is not None, "a middle stage needs a downstream link"
+            self.links.downstream([row], out)
+            return None
+        if row.flags & RowFlag.SAMPLE:
+            return self._sample_and_send(row, seq, out[-1])
+        return None
+
+    def _sample_and_send(self, row: Row, seq: Sequence, logits: torch.Tensor) -> TokenRow | None:
+        token = sample(logits, seq.params, seq.generator)
+        seq.generated += 1
+        position = row.position + row.count
+        flags = RowFlag.NONE
+        if token in seq.params.stop_token_ids:
+            flags |= RowFlag.DONE | RowFlag.STOPPED
+        elif seq.generated >= seq.params.max_tokens or position + 1 >= seq.context_length:
+            flags |= RowFlag.DONE
+        seq.done = bool(flags & RowFlag.DONE)
+        out = TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags))
+        if self.links.results is not None:
+            self.links.results([out])
+        if self.is_first:  # one stage owns everything: the caller loops the token back
+            return out
+        if self.links.stage0 is not None:
+            self.links.stage0([out])
+        return None

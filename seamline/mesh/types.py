@@ -1,0 +1,225 @@
+"""What the planner reads and writes: the model's byte costs, nodes, links, options, the plan.
+
+All frozen. ``ModelSpec`` reduces a model to bytes per layer: weights held (memory), weights
+read per decoded token (time: decode is memory-bound), KV cache per token, and the frame
+that crosses a stage boundary. ``Plan`` round-trips through JSON so a run can be pinned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from seamline.config import ModelConfig
+from seamline.errors import CheckpointError, SeamlineError
+from seamline.model.ownership import Ownership
+from seamline.weights.names import stage_plans
+
+PLAN_VERSION = 1
+FRAME_DTYPE_BYTES = 4  # hidden-state frames travel as float32
+_EXPERT_TARGETS = (".experts_gate_up", ".experts_down")  # routed experts: only top-k are read
+
+
+class PlanError(SeamlineError):
+    """No plan satisfies the pool's memory, or a locked plan no longer matches the pool."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    layer_bytes: tuple[int, ...]  # weight bytes held per layer
+    embed_bytes: int  # held by stage 0
+    head_bytes: int  # final norm + output head, held by the last stage
+    kv_bytes_per_token_per_layer: int
+    bytes_per_boundary_per_token: int  # one hidden-state frame row
+    tied_embeddings: bool = False  # one node owning both stores the shared matrix once
+    layer_active_bytes: tuple[int, ...] = ()  # weight bytes read per token; () = layer_bytes
+
+    def active_bytes(self) -> tuple[int, ...]:
+        return self.layer_active_bytes or self.layer_bytes
+
+    def weight_bytes(self) -> int:
+        """Every weight once (the single-node footprint without KV cache)."""
+        shared = self.embed_bytes if self.tied_embeddings else 0
+        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes - shared
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ModelConfig,
+        name: str,
+        layer_bytes: tuple[int, ...],
+        embed_bytes: int,
+        head_bytes: int,
+        dtype_bytes: int = 4,
+        layer_active_bytes: tuple[int, ...] = (),
+    ) -> "ModelSpec":
+        """A spec whose KV and frame sizes come from the config (KV in ``dtype_bytes``)."""
+        return cls(
+            name=name,
+            num_layers=config.num_layers,
+            hidden_size=config.hidden_size,
+            layer_bytes=tuple(layer_bytes),
+            embed_bytes=embed_bytes,
+            head_bytes=head_bytes,
+            kv_bytes_per_token_per_layer=kv_bytes_per_token(config, dtype_bytes),
+            bytes_per_boundary_per_token=config.hidden_size * FRAME_DTYPE_BYTES,
+            tied_embeddings=config.tie_word_embeddings,
+            layer_active_bytes=tuple(layer_active_bytes),
+        )
+
+    @classmethod
+    def from_checkpoint_shapes(
+        cls, config: ModelConfig, name: str, shapes: Mapping[str, tuple[int, ...]], dtype_bytes: int
+    ) -> "ModelSpec":
+        """Exact bytes per layer: the tensors ``stage_plans`` names for each one-layer stage."""
+        held = [0] * config.num_layers
+        active = [0] * config.num_layers
+        embed = head = 0
+        expert_share = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
+        for i in range(config.num_layers):
+            for p in stage_plans(config, Ownership(layers=(i, i + 1))):
+                nbytes = sum(_numel(shapes, src) for src in p.sources()) * dtype_bytes
+                if p.target == "embed":
+                    embed += nbytes
+                elif p.target in ("norm.weight", "head"):
+                    head += nbytes
+                else:
+                    held[i] += nbytes
+                    share = expert_share if p.target.endswith(_EXPERT_TARGETS) else 1.0
+                    active[i] += round(nbytes * share)
+        return cls.from_config(
+            config, name, tuple(held), embed, head, dtype_bytes, tuple(active)
+        )
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """Per layer: keys and values of every KV head, or MLA's latent plus rotary key."""
+    if config.is_mla:
+        return (config.kv_lora_rank + config.qk_rope_head_dim) * dtype_bytes
+    return 2 * config.num_kv_heads * config.head_dim * dtype_bytes
+
+
+def _numel(shapes: Mapping[str, tuple[int, ...]], name: str) -> int:
+    if name not in shapes:
+        raise CheckpointError(f"checkpoint has no tensor {name}, which the model's layers need")
+    return math.prod(shapes[name])
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    free_memory_bytes: int
+    bytes_per_second: float  # measured weight-streaming rate: a layer takes bytes / rate
+    address: str = ""  # informational
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class Link:
+    latency_s: float  # one-way
+    bandwidth_bytes_per_s: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+DEFAULT_LINK = Link(latency_s=0.0005, bandwidth_bytes_per_s=125e6)  # a 1 Gb/s LAN
+
+
+@dataclass(frozen=True)
+class LinkTable:
+    """Symmetric links. A pair's link: an explicit ``pairs`` entry, else the two nodes'
+    ``access`` links combined (as slow as the slower end: max latency, min bandwidth), a
+    node without one using ``default``."""
+
+    default: Link = DEFAULT_LINK
+    access: Mapping[str, Link] = field(default_factory=dict)
+    pairs: Mapping[tuple[str, str], Link] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, links: "LinkTable | Mapping[tuple[str, str], Link] | None") -> "LinkTable":
+        """A LinkTable as given, or one from a dict keyed by (node_a, node_b)."""
+        if isinstance(links, LinkTable):
+            return links
+        return cls(pairs=dict(links or {}))
+
+    def between(self, a: str, b: str) -> Link:
+        pair = self.pairs.get((a, b)) or self.pairs.get((b, a))
+        if pair is not None:
+            return pair
+        la, lb = self.access.get(a, self.default), self.access.get(b, self.default)
+        return Link(
+            max(la.latency_s, lb.latency_s), min(la.bandwidth_bytes_per_s, lb.bandwidth_bytes_per_s)
+        )
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    context_tokens: int = 4096
+    batch: int = 1  # sequences decoded together
+    headroom_fraction: float = 0.1  # of each node's free memory, kept free
+    headroom_bytes: int = 256 << 20  # the least headroom kept on any node
+
+    def headroom(self, free_memory_bytes: int) -> int:
+        return max(self.headroom_bytes, int(self.headroom_fraction * free_memory_bytes))
+
+    def capacity(self, free_memory_bytes: int) -> int:
+        """Bytes a node may fill with weights and KV cache."""
+        return free_memory_bytes - self.headroom(free_memory_bytes)
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    node_id: str
+    start: int  # layers [start, end)
+    end: int
+    owns_embedding: bool
+    owns_head: bool
+    weight_bytes: int  # layers + embedding/head owned
+    kv_bytes: int  # KV cache of its layers for the whole context and batch
+    compute_s: float  # predicted seconds per decode step
+
+    @property
+    def predicted_bytes(self) -> int:
+        return self.weight_bytes + self.kv_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    model_name: str
+    num_layers: int
+    stages: tuple[StageAssignment, ...]  # pipeline order
+    predicted_s_per_token: float  # compute + every hop, including last -> stage 0
+    network_s_per_token: float  # the hops' share of it
+    context_tokens: int
+    batch: int
+
+    def ranges(self) -> tuple[tuple[int, int], ...]:
+        return tuple((s.start, s.end) for s in self.stages)
+
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(s.node_id for s in self.stages)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        data["version"] = PLAN_VERSION
+        return json.dumps(data, indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | Mapping[str, Any]) -> "Plan":
+        """A plan from ``to_json()`` text or the dict it decodes to."""
+        try:
+            data = dict(json.loads(text) if isinstance(text, str) else text)
+            if data.pop("version", None) != PLAN_VERSION:
+                raise PlanError(f"a plan file must have version {PLAN_VERSION}")
+            stages = tuple(StageAssignment(**s) for s in data.pop("stages"))
+            return cls(stages=stages, **data)
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
+            raise PlanError(f"a plan file must be a JSON plan ({exc})") from None
+

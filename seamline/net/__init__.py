@@ -1,0 +1,1 @@
+"""The wire: frames (strict codec), typed control messages, and links that carry them."""

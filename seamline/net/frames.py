@@ -1,0 +1,184 @@
+"""The wire format: a fixed 12-byte header, then a typed payload. No pickle anywhere.
+
+Header (little-endian): magic ``b"SEAM"``, version u16, type u16, payload length u32.
+Everything is validated — magic, version, type, a per-type length cap, row counts, dtype,
+shape — before any payload buffer is allocated, so a garbage or oversized frame costs
+nothing but the closed connection.
+
+Payloads:
+- CONTROL: UTF-8 JSON of one typed message (see ``seamline.net.messages``).
+- HIDDEN: the residual stream for a batch of rows (one row = one sequence's tokens):
+  u16 rows, u8 dtype, u8 ndim, u32 × ndim shape, rows × ROW, then the raw tensor bytes.
+  ``shape[0]`` is the total token count; a row's ``count`` tokens are consecutive.
+- TOKEN: sampled token ids travelling from the last stage back to stage 0:
+  u16 rows, then rows × TOKEN_ROW.
+A ROW carries (request id, position, count, prefix hash before, prefix hash after, flags):
+the receiver refuses a row whose position or prefix hash is out of step with its record.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+import torch
+
+MAGIC = b"SEAM"
+VERSION = 1
+HEADER = struct.Struct("<4sHHI")
+ROW = struct.Struct("<QIIQQI")  # request, position, count, hash_before, hash_after, flags
+TOKEN_ROW = struct.Struct("<QIIQQI")  # request, position, token, hash_before, hash_after, flags
+MAX_ROWS = 4096
+MAX_NDIM = 4
+
+
+class FrameError(Exception):
+    """A frame broke the wire format; the connection that sent it is closed."""
+
+
+class FrameType(enum.IntEnum):
+    CONTROL = 1
+    HIDDEN = 2
+    TOKEN = 3
+
+
+class RowFlag(enum.IntFlag):
+    NONE = 0
+    FIRST = 1  # the row starts a new sequence at position 0
+    SAMPLE = 2  # the last stage samples after this row (end of the prompt, or a decode step)
+    DONE = 4  # (TOKEN) generation ended: stop token, max tokens or context full
+    STOPPED = 8  # (TOKEN) ended on a stop token (which is not part of the output)
+
+
+LIMITS = {FrameType.CONTROL: 1 << 20, FrameType.HIDDEN: 256 << 20, FrameType.TOKEN: 1 << 20}
+
+DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+
+
+@dataclass(frozen=True)
+class Row:
+    request: int
+    position: int
+    count: int
+    hash_before: int
+    hash_after: int
+    flags: int = 0
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    request: int
+    position: int  # where the token goes in the sequence
+    token: int
+    hash_before: int
+    hash_after: int
+    flags: int = 0
+
+
+@dataclass(frozen=True)
+class HiddenFrame:
+    rows: tuple[Row, ...]
+    tensor: torch.Tensor  # [tokens, ...]
+
+
+@dataclass(frozen=True)
+class TokenFrame:
+    rows: tuple[TokenRow, ...]
+
+
+def prefix_hash(previous: int, tokens: list[int]) -> int:
+    """Rolling 64-bit FNV-1a style hash of a token prefix."""
+    value = previous
+    for token in tokens:
+        value = ((value ^ (token + 1)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return value
+
+
+EMPTY_HASH = 0xCBF29CE484222325
+
+
+def parse_header(data: bytes) -> tuple[FrameType, int]:
+    """Validate a header; return (type, payload length)."""
+    magic, version, kind, length = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise FrameError(f"bad magic {magic!r}: not a seamline frame")
+    if version != VERSION:
+        raise FrameError(f"protocol version {version} is not {VERSION}")
+    try:
+        frame_type = FrameType(kind)
+    except ValueError:
+        raise FrameError(f"unknown frame type {kind}") from None
+    if length > LIMITS[frame_type]:
+        raise FrameError(f"{frame_type.name} frame of {length} bytes exceeds the {LIMITS[frame_type]} cap")
+    return frame_type, length
+
+
+def header(frame_type: FrameType, length: int) -> bytes:
+    return HEADER.pack(MAGIC, VERSION, int(frame_type), length)
+
+
+def encode_hidden(rows: list[Row] | tuple[Row, ...], tensor: torch.Tensor) -> list[bytes | memoryview]:
+    """Buffers of one HIDDEN frame (header included), ready for ``socket.sendmsg``."""
+    tensor = tensor.contiguous()
+    if sum(r.count for r in rows) != tensor.shape[0]:
+        raise FrameError(f"rows cover {sum(r.count for r in rows)} tokens, tensor has {tensor.shape[0]}")
+    meta = struct.pack(f"<HBB{tensor.dim()}I", len(rows), DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape)
+    meta += b"".join(ROW.pack(r.request, r.position, r.count, r.hash_before, r.hash_after, r.flags) for r in rows)
+    raw = tensor.view(torch.uint8).reshape(-1) if tensor.dtype != torch.float32 else tensor.reshape(-1)
+    body = memoryview(raw.numpy()).cast("B")
+    return [header(FrameType.HIDDEN, len(meta) + body.nbytes) + meta, body]
+
+
+def decode_hidden(payload: bytes | bytearray | memoryview) -> HiddenFrame:
+    view = memoryview(payload)
+    if len(view) < 4:
+        raise FrameError("HIDDEN frame too short for its row count")
+    n_rows, code, ndim = struct.unpack_from("<HBB", view, 0)
+    if n_rows == 0 or n_rows > MAX_ROWS:
+        raise FrameError(f"HIDDEN frame has {n_rows} rows (1..{MAX_ROWS} allowed)")
+    if code not in CODE_DTYPES:
+        raise FrameError(f"HIDDEN frame has unknown dtype code {code}")
+    if not 1 <= ndim <= MAX_NDIM:
+        raise FrameError(f"HIDDEN frame has {ndim} dims (1..{MAX_NDIM} allowed)")
+    offset = 4 + 4 * ndim
+    rows_end = offset + n_rows * ROW.size
+    if len(view) < rows_end:
+        raise FrameError("HIDDEN frame too short for its shape and rows")
+    shape = struct.unpack_from(f"<{ndim}I", view, 4)
+    rows = tuple(Row(*ROW.unpack_from(view, offset + i * ROW.size)) for i in range(n_rows))
+    dtype = CODE_DTYPES[code]
+    expected = _numel(shape) * torch.empty(0, dtype=dtype).element_size()
+    if len(view) - rows_end != expected:
+        raise FrameError(f"HIDDEN frame carries {len(view) - rows_end} tensor bytes, shape {shape} needs {expected}")
+    if sum(r.count for r in rows) != shape[0]:
+        raise FrameError(f"HIDDEN rows cover {sum(r.count for r in rows)} tokens, shape says {shape[0]}")
+    if not expected:
+        return HiddenFrame(rows, torch.empty(shape, dtype=dtype))
+    body = view[rows_end:] if not view.readonly else memoryview(bytearray(view[rows_end:]))
+    return HiddenFrame(rows, torch.frombuffer(body, dtype=dtype).view(shape))
+
+
+def encode_tokens(rows: list[TokenRow] | tuple[TokenRow, ...]) -> bytes:
+    body = struct.pack("<H", len(rows)) + b"".join(
+        TOKEN_ROW.pack(r.request, r.position, r.token, r.hash_before, r.hash_after, r.flags) for r in rows
+    )
+    return header(FrameType.TOKEN, len(body)) + body
+
+
+def decode_tokens(payload: bytes | bytearray | memoryview) -> TokenFrame:
+    view = memoryview(payload)
+    if len(view) < 2:
+        raise FrameError("TOKEN frame too short for its row count")
+    (n_rows,) = struct.unpack_from("<H", view, 0)
+    if n_rows == 0 or len(view) != 2 + n_rows * TOKEN_ROW.size:
+        raise FrameError(f"TOKEN frame of {len(view)} bytes does not hold {n_rows} rows")
+    return TokenFrame(tuple(TokenRow(*TOKEN_ROW.unpack_from(view, 2 + i * TOKEN_ROW.size)) for i in range(n_rows)))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total

@@ -1,0 +1,148 @@
+"""Link: one framed, full-duplex connection (connect, send frame, receive frame, close).
+
+Blocking sockets with TCP_NODELAY (the fastest option measured on these machines, see
+NETWORK.md); header and payload leave in one ``sendmsg``. Sends are serialised by a lock so
+several threads may share a link; one thread receives. TLS or a relay would be another
+implementation of the same four calls.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from typing import Union
+
+import torch
+
+from seamline.net.frames import (
+    HEADER,
+    FrameError,
+    FrameType,
+    HiddenFrame,
+    Row,
+    TokenFrame,
+    TokenRow,
+    decode_hidden,
+    decode_tokens,
+    encode_hidden,
+    encode_tokens,
+    parse_header,
+)
+from seamline.net.messages import Message, decode_message, encode_message
+
+Incoming = Union[Message, HiddenFrame, TokenFrame]
+
+
+class LinkClosed(Exception):
+    """The peer closed the connection (or it broke)."""
+
+
+def tune(sock: socket.socket) -> socket.socket:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:  # bbr adds milliseconds to small messages at LAN RTTs; cubic does not
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, b"cubic")
+    except OSError:
+        pass
+    return sock
+
+
+class Link:
+    def __init__(self, sock: socket.socket, name: str = "") -> None:
+        self.sock = tune(sock)
+        self.name = name
+        self._send_lock = threading.Lock()
+        self.closed = False
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float = 10.0, name: str = "") -> "Link":
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.settimeout(None)
+        return cls(sock, name or f"{host}:{port}")
+
+    def peer(self) -> str:
+        try:
+            host, port = self.sock.getpeername()[:2]
+            return f"{host}:{port}"
+        except OSError:
+            return self.name
+
+    def send_message(self, message: Message) -> None:
+        self._send([encode_message(message)])
+
+    def send_hidden(self, rows: list[Row], tensor: torch.Tensor) -> None:
+        self._send(encode_hidden(rows, tensor))
+
+    def send_tokens(self, rows: list[TokenRow]) -> None:
+        self._send([encode_tokens(rows)])
+
+    def send_raw(self, data: bytes) -> None:
+        """Send bytes as they are (tests use this to send malformed frames)."""
+        self._send([data])
+
+    def _send(self, buffers: list[bytes | memoryview]) -> None:
+        total = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in buffers)
+        try:
+            with self._send_lock:
+                sent = self.sock.sendmsg(buffers)
+                if sent < total:  # rare: the kernel took part of it; send the rest plainly
+                    self.sock.sendall(b"".join(bytes(b) for b in buffers)[sent:])
+        except OSError as exc:
+            self.closed = True
+            raise LinkClosed(f"link to {self.name} broke: {exc}") from None
+
+    def recv(self) -> Incoming:
+        """The next frame, decoded and validated; FrameError on anything malformed."""
+        frame_type, length = parse_header(bytes(self._read(HEADER.size)))
+        payload = self._read(length)
+        if frame_type is FrameType.CONTROL:
+            return decode_message(payload)
+        if frame_type is FrameType.HIDDEN:
+            return decode_hidden(payload)
+        return decode_tokens(payload)
+
+    def _read(self, size: int) -> bytearray:
+        buf = bytearray(size)
+        view = memoryview(buf)
+        got = 0
+        while got < size:
+            try:
+                n = self.sock.recv_into(view[got:], size - got)
+            except OSError as exc:
+                raise LinkClosed(f"link to {self.name} broke: {exc}") from None
+            if n == 0:
+                raise LinkClosed(f"link to {self.name} closed by peer")
+            got += n
+        return buf
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind((host, port))
+    server.listen(64)
+    return server
+
+
+__all__ = ["Link", "LinkClosed", "FrameError", "listen", "Incoming"]
+
+
+def free_port(host: str = "127.0.0.1", low: int = 20000, high: int = 30000) -> int:
+    """A port that is free now, outside the ephemeral range (where a dial can self-connect)."""
+    import random
+
+    for port in random.sample(range(low, high), 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {low}-{high} on {host}")

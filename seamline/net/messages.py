@@ -1,0 +1,156 @@
+"""Typed control messages, carried as JSON in CONTROL frames; one pydantic model per kind.
+
+Every message is validated on arrival against its declared fields (unknown kinds, missing or
+mistyped fields, extra fields are all refused), so a malformed control message is a clean
+``FrameError`` rather than a KeyError deep in a handler.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from seamline.net.frames import FrameError, FrameType, header
+
+PROTOCOL_VERSION = 1
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Challenge(Message):
+    kind: Literal["challenge"] = "challenge"
+    nonce: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Resources(Message):
+    free_memory_bytes: int
+    bytes_per_second: float  # measured weight-streaming rate
+    device: str = "cpu"
+    cores: int = 1
+
+
+class Join(Message):
+    kind: Literal["join"] = "join"
+    node_id: str
+    proof: str  # HMAC of the challenge nonce under the invite secret
+    protocol_version: int
+    resources: Resources
+    data_host: str
+    data_port: int
+    max_memory_bytes: int | None = None
+
+
+class Welcome(Message):
+    kind: Literal["welcome"] = "welcome"
+    node_id: str
+
+
+class Refuse(Message):
+    kind: Literal["refuse"] = "refuse"
+    reason: str
+
+
+class Assign(Message):
+    kind: Literal["assign"] = "assign"
+    plan_id: int
+    model_hash: str
+    fragments_url: str
+    layers: tuple[int, int]
+    owns_embedding: bool
+    owns_head: bool
+    dtype: str
+    context_length: int
+
+
+class Descriptor(Message):
+    """What a loaded stage is: checked against the plan before the route is published."""
+
+    node_id: str
+    plan_id: int
+    model_hash: str
+    layers: tuple[int, int]
+    dtype: str
+    protocol_version: int
+
+
+class Ready(Message):
+    kind: Literal["ready"] = "ready"
+    descriptor: Descriptor
+    bytes_downloaded: int = 0
+    resident_bytes: int = 0
+
+
+class Route(Message):
+    kind: Literal["route"] = "route"
+    plan_id: int
+    downstream: tuple[str, int] | None  # next stage's data address (None: last stage)
+    stage0: tuple[str, int] | None  # where the last stage sends tokens (None: not last)
+
+
+class Linked(Message):
+    kind: Literal["linked"] = "linked"
+    plan_id: int
+
+
+class SamplingSpec(Message):
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class Open(Message):
+    kind: Literal["open"] = "open"
+    request: int
+    sampling: SamplingSpec
+    prompt_len: int
+    context_length: int
+
+
+class Prompt(Message):
+    kind: Literal["prompt"] = "prompt"
+    request: int
+    tokens: tuple[int, ...]
+
+
+class Close(Message):
+    kind: Literal["close"] = "close"
+    request: int
+
+
+class Failure(Message):
+    kind: Literal["failure"] = "failure"
+    request: int | None = None
+    reason: str
+
+
+class Heartbeat(Message):
+    kind: Literal["heartbeat"] = "heartbeat"
+
+
+AnyMessage = Annotated[
+    Union[Challenge, Join, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Failure, Heartbeat],
+    Field(discriminator="kind"),
+]
+_ADAPTER: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)
+
+
+def encode_message(message: Message) -> bytes:
+    body = message.model_dump_json().encode()
+    return header(FrameType.CONTROL, len(body)) + body
+
+
+def decode_message(payload: bytes | bytearray | memoryview) -> Message:
+    try:
+        return _ADAPTER.validate_json(bytes(payload))
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise FrameError(f"malformed control message: {where}: {first.get('msg')}") from None

@@ -1,0 +1,392 @@
+"""The OpenAI-compatible HTTP API over a Backend: models, chat and text completions, health.
+
+Decisions (see also openai_schema.py for field policy):
+- ``model`` must be the backend's ``model_name`` or the alias ``"default"``; anything else
+  is 404 ``model_not_found``. Responses always carry the real name.
+- Omitted ``temperature`` is 1.0, as in OpenAI's API (send 0 for greedy); omitted
+  ``max_tokens`` means "up to the end of the context"; ``prompt + max_tokens`` beyond the
+  context is 400 ``context_length_exceeded``.
+- Order of checks: body (400) -> model (404) -> readiness (503) -> prompt (400).
+- The first token is awaited before a response is committed, so a request the backend
+  refuses is a proper 400/503 even when streaming; later failures of a stream arrive as an
+  SSE ``data: {"error": ...}`` event, after which the stream ends (no ``[DONE]``).
+- A client that goes away closes the backend's token iterator, which cancels the request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import jinja2
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from seamline.errors import RequestError, SeamlineError
+from seamline.runtime.sampling import SamplingParams
+from seamline.server.backend import Backend
+from seamline.server.openai_schema import (
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+    bad_request,
+    error_body,
+    validation_error,
+)
+from seamline.text import StreamDecoder
+
+log = logging.getLogger("seamline.server")
+
+MODEL_ALIAS = "default"  # accepted in place of the served model's name
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def create_app(backend: Backend, extra_routes: Callable[[FastAPI], None] | None = None) -> FastAPI:
+    """The FastAPI app serving ``backend``; ``extra_routes(app)`` may add more (e.g. a console)."""
+    app = FastAPI(title="seamline", summary="One model, one OpenAI-compatible endpoint.",
+                  strict_content_type=False)  # a JSON body without a Content-Type is still JSON
+    _install_error_handlers(app)
+    routes = _Routes(backend)
+    app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
+    app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
+    if extra_routes is not None:
+        extra_routes(app)
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    async def openai_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, OpenAIError)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def invalid(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        err = validation_error(list(exc.errors()))
+        return JSONResponse(err.body(), status_code=err.status)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        else:
+            message = str(exc.detail)
+        body = error_body(message, "invalid_request_error", None, _code_for(exc.status_code))
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+    async def crashed(_: Request, exc: Exception) -> Response:
+        err = backend_error(exc)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    app.add_exception_handler(OpenAIError, openai_error)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, crashed)
+
+
+def _code_for(status: int) -> str:
+    return {404: "not_found", 405: "method_not_allowed"}.get(status, f"http_{status}")
+
+
+def backend_error(exc: BaseException) -> OpenAIError:
+    """An exception raised while generating, as the OpenAI error a client should see."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, RequestError):
+        return bad_request(str(exc), None, "invalid_request")
+    if isinstance(exc, SeamlineError):
+        return OpenAIError(503, f"generation failed: {exc}", "service_unavailable", None, "backend_error")
+    log.error("generation crashed", exc_info=exc)
+    message = f"internal error: {type(exc).__name__}: {exc}"
+    return OpenAIError(500, message, "server_error", None, "internal_error")
+
+
+class Generation:
+    """One request's tokens as text: counts them, applies stop strings, knows why it ended."""
+
+    def __init__(self, backend: Backend, prompt: list[int], params: SamplingParams) -> None:
+        self.prompt_tokens = len(prompt)
+        self.completion_tokens = 0
+        self.finish_reason = "stop"
+        self._limit = min(params.max_tokens, backend.context_length - len(prompt))
+        self._decoder = StreamDecoder(backend.codec, params.stop_strings)
+        self._tokens = backend.generate(prompt, params)
+        self._first: int | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        """Await the first token, so that a refused request fails before any response."""
+        self._first = await self._next()
+
+    async def pieces(self) -> AsyncIterator[str]:
+        """The new text for each generated token ('' while text is held back)."""
+        try:
+            token = self._first
+            while token is not None:
+                self.completion_tokens += 1
+                yield self._decoder.push(token)
+                if self._decoder.stopped:
+                    self.finish_reason = "stop"  # a stop string
+                    return
+                token = await self._next()
+            yield self._decoder.flush()
+            self.finish_reason = "length" if self.completion_tokens >= self._limit else "stop"
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Close the backend's iterator (cancels the request if it is still running)."""
+        if self._closed:
+            return
+        self._closed = True
+        aclose = getattr(self._tokens, "aclose", None)
+        if aclose is not None:
+            with anyio.CancelScope(shield=True):
+                await aclose()
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+    async def _next(self) -> int | None:
+        try:
+            return int(await anext(self._tokens))  # type: ignore[arg-type]
+        except StopAsyncIteration:
+            return None
+
+
+@dataclass(frozen=True)
+class _Reply:
+    """The shape of one response: chat (``message``/``delta``) or text completion (``text``)."""
+
+    chat: bool
+    model: str
+    id: str
+    created: int
+
+    @classmethod
+    def new(cls, chat: bool, model: str) -> "_Reply":
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()))
+
+    def full(self, text: str, finish: str, usage: dict[str, int]) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=None, finish_reason=finish)
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [choice], "usage": usage}
+
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False,
+              usage: bool = False) -> dict[str, Any]:  # fmt: skip
+        """One stream chunk; ``usage`` adds ``"usage": null`` (OpenAI does when it will send usage)."""
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        choice.update(logprobs=None, finish_reason=finish)
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        out = {**self._head(obj), "choices": [choice]}
+        return {**out, "usage": None} if usage else out
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage}
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose source is always closed, however the response ends."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+async def _events(reply: _Reply, gen: Generation, include_usage: bool, echo: str) -> AsyncIterator[str]:
+    """The SSE body: first chunk, one chunk per text piece, the finish chunk, usage, [DONE]."""
+    try:
+        if reply.chat:
+            yield sse(reply.chunk("", role=True, usage=include_usage))
+        elif echo:
+            yield sse(reply.chunk(echo, usage=include_usage))
+        async for piece in gen.pieces():
+            if piece:
+                yield sse(reply.chunk(piece, usage=include_usage))
+        yield sse(reply.chunk(None if reply.chat else "", gen.finish_reason, usage=include_usage))
+        if include_usage:
+            yield sse(reply.usage_chunk(gen.usage()))
+    except Exception as exc:  # noqa: BLE001 - every failure becomes an error event
+        yield sse(backend_error(exc).body())
+        return
+    finally:
+        await gen.close()
+    yield "data: [DONE]\n\n"
+
+
+class _Routes:
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.created = int(time.time())
+
+    async def health(self) -> Response:
+        ready, reason = self._readiness()
+        if ready:
+            return JSONResponse({"status": "ok", "model": self.backend.model_name})
+        return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+
+    async def list_models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def get_model(self, model_id: str) -> dict[str, Any]:
+        self._check_model(model_id)
+        return self._model_card()
+
+    async def chat(self, body: ChatRequest, request: Request) -> Response:
+        """POST /v1/chat/completions."""
+        self._check_model(body.model)
+        self._check_ready()
+        messages = [m.as_template_dict() for m in body.messages]
+        prompt = self._render_chat(messages)
+        params = self._params(body, prompt, "messages")
+        return await self._respond(request, _Reply.new(True, self.backend.model_name), prompt, params,
+                                   bool(body.stream), body.include_usage, "")  # fmt: skip
+
+    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+        """POST /v1/completions."""
+        self._check_model(body.model)
+        self._check_ready()
+        prompt = self._encode_prompt(body.prompt)
+        params = self._params(body, prompt, "prompt")
+        echo = ""
+        if body.echo:
+            echo = body.prompt if isinstance(body.prompt, str) else self.backend.codec.decode(prompt)
+        return await self._respond(request, _Reply.new(False, self.backend.model_name), prompt, params,
+                                   bool(body.stream), body.include_usage, echo)  # fmt: skip
+
+    async def _respond(self, request: Request, reply: _Reply, prompt: list[int], params: SamplingParams,
+                       stream: bool, include_usage: bool, echo: str) -> Response:  # fmt: skip
+        gen = Generation(self.backend, prompt, params)
+        try:
+            await gen.start()
+        except Exception as exc:
+            await gen.close()
+            raise backend_error(exc) from exc
+        if stream:
+            events = _events(reply, gen, include_usage, echo)
+            return EventStream(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        parts = [echo]
+        try:
+            async for piece in gen.pieces():
+                parts.append(piece)
+                if await request.is_disconnected():
+                    log.info("client went away; request %s cancelled", reply.id)
+                    await gen.close()
+                    return Response(status_code=499)
+        except Exception as exc:
+            raise backend_error(exc) from exc
+        return JSONResponse(reply.full("".join(parts), gen.finish_reason, gen.usage()))
+
+    def _model_card(self) -> dict[str, Any]:
+        name = self.backend.model_name
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "seamline"}
+
+    def _check_model(self, name: str) -> None:
+        if name not in (self.backend.model_name, MODEL_ALIAS):
+            message = (f"the model '{name}' does not exist; this server serves "
+                       f"'{self.backend.model_name}' (or use '{MODEL_ALIAS}')")  # fmt: skip
+            raise OpenAIError(404, message, "invalid_request_error", "model", "model_not_found")
+
+    def _readiness(self) -> tuple[bool, str]:
+        try:
+            state = self.backend.readiness()
+        except Exception as exc:  # noqa: BLE001 - a failing probe means "not ready", with its reason
+            return False, f"readiness check failed: {exc}"
+        return state.ready, state.reason or ("" if state.ready else "the backend is not ready")
+
+    def _check_ready(self) -> None:
+        ready, reason = self._readiness()
+        if not ready:
+            message = f"the model '{self.backend.model_name}' is not ready to serve: {reason}"
+            raise OpenAIError(503, message, "service_unavailable", None, "model_not_ready")
+
+    def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        try:
+            return self.backend.codec.encode_chat(messages)
+        except RequestError as exc:
+            raise bad_request(str(exc), "messages", "invalid_messages") from exc
+        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
+            message = f"the chat template could not render the messages: {exc}"
+            raise bad_request(message, "messages", "invalid_messages") from exc
+
+    def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.backend.codec.encode(prompt)
+        vocab = self.backend.codec.tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt", "invalid_value")
+        return list(prompt)
+
+    def _params(self, body: ChatRequest | CompletionRequest, prompt: list[int], field: str) -> SamplingParams:
+        """Sampling parameters after the prompt-length checks against the context."""
+        context = self.backend.context_length
+        if not prompt:
+            raise bad_request("the prompt is empty", field, "invalid_value")
+        if len(prompt) >= context:
+            message = (f"the prompt has {len(prompt)} tokens; the model's context is {context} "
+                       f"tokens, so a prompt may have at most {context - 1}")  # fmt: skip
+            raise bad_request(message, field, "context_length_exceeded")
+        room = context - len(prompt)
+        limit = body.limit
+        if limit is not None and limit > room:
+            message = (f"max_tokens is {limit}, but the prompt ({len(prompt)} tokens) leaves "
+                       f"{room} of the model's {context}-token context")  # fmt: skip
+            raise bad_request(message, "max_tokens", "context_length_exceeded")
+        params = SamplingParams(
+            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            top_k=max(0, body.top_k or 0),
+            top_p=1.0 if body.top_p is None else body.top_p,
+            min_p=body.min_p or 0.0,
+            seed=body.seed,
+            max_tokens=room if limit is None else limit,
+            stop_token_ids=tuple(self.backend.codec.stop_ids),
+            stop_strings=tuple(s for s in body.stop or () if s),
+        )
+        try:
+            params.validate()
+        except RequestError as exc:
+            raise bad_request(str(exc), None, "invalid_value") from exc
+        return params

@@ -1,0 +1,278 @@
+"""OpenAI request bodies (pydantic) and the OpenAI error format.
+
+Policy, chosen to keep the official ``openai`` client and common tools working:
+- Types are strict (``"0.5"`` is not a number, ``true`` is not an integer).
+- Unknown fields are ignored, as vLLM does (``user``, ``metadata``, ``store``, ...).
+- Known OpenAI fields that would change the result and that seamline cannot honour
+  (``n`` > 1, ``logprobs``, ``tools``, penalties, ``logit_bias``, JSON ``response_format``,
+  ``suffix``, ``best_of`` > 1) are rejected with 400 instead of being silently dropped.
+- ``top_k`` and ``min_p`` are accepted as extensions (``extra_body`` in the client).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_STOP = 4  # OpenAI's limit on stop sequences
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class OpenAIError(Exception):
+    """An error answered as ``{"error": {message, type, param, code}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request_error", param, code)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None  # text parts are joined by the validator below
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_content(cls, value: Any) -> str | None:
+        return text_content(value)
+
+    @model_validator(mode="after")
+    def _content_required(self) -> "ChatMessage":
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs 'content' (only assistant content may be null)")
+        return self
+
+    def as_template_dict(self) -> dict[str, Any]:
+        """What the chat template sees: ``developer`` is rendered as ``system``."""
+        role = "system" if self.role == "developer" else self.role
+        out: dict[str, Any] = {"role": role, "content": self.content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def text_content(value: Any) -> str | None:
+    """A message's content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError("content must be a string or a list of text parts")
+    texts = []
+    for part in value:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"only text content parts are supported, got {kind!r}")
+        if not isinstance(part.get("text"), str):
+            raise ValueError("a text content part needs a string 'text'")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+class _Sampling(_Strict):
+    """Fields shared by chat and text completions."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1: off
+    min_p: float | None = Field(None, ge=0, le=1)  # extension
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    stop: list[str] | None = None
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> list[str] | None:
+        if value is None or isinstance(value, str):
+            return None if value is None else [value]
+        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+            raise ValueError("stop must be a string or a list of strings")
+        if len(value) > MAX_STOP:
+            raise ValueError(f"stop allows at most {MAX_STOP} strings, got {len(value)}")
+        return value
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"n must be 1 (seamline returns one choice per request), got {value}")
+        return value
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value not in (None, 0):
+            raise ValueError("presence and frequency penalties are not supported; send 0 or omit them")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value:
+            raise ValueError("logit_bias is not supported; send {} or omit it")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None  # the legacy spelling of tools
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        if value not in (None, False):
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
+        if value:
+            raise ValueError("tool calling is not supported; omit 'tools' and 'functions'")
+        return value
+
+    @field_validator("tool_choice", "function_call")
+    @classmethod
+    def _no_tool_choice(cls, value: Any) -> Any:
+        if value not in (None, "none", "auto"):
+            raise ValueError("tool calling is not supported; omit 'tool_choice' and 'function_call'")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return value
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> "ChatRequest":
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise ValueError(f"max_tokens ({a}) and max_completion_tokens ({b}) disagree; send one")
+        return self
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> str | list[int]:
+        """A string, a list of one string, a list of token ids, or a list of one such list."""
+        if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+            value = value[0]
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            return value
+        raise ValueError("prompt must be one string or one list of token ids (one prompt per request)")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, value: int | None) -> int | None:
+        if value is not None:
+            raise ValueError("logprobs are not supported")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, value: int | None) -> int | None:
+        if value not in (None, 1):
+            raise ValueError(f"best_of must be 1, got {value}")
+        return value
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_tokens
+
+
+def param_name(loc: tuple[Any, ...]) -> str | None:
+    """``("body", "messages", 0, "role")`` -> ``"messages[0].role"``."""
+    parts = [p for p in loc if p != "body"]
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or None
+
+
+def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
+    """The first pydantic/FastAPI validation error as an OpenAI 400."""
+    if not errors:
+        return bad_request("the request is invalid")
+    err = errors[0]
+    kind, loc = err.get("type", ""), tuple(err.get("loc", ()))
+    if kind == "json_invalid":
+        detail = (err.get("ctx") or {}).get("error", "")
+        return bad_request(f"the request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")
+    param = param_name(loc)
+    message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param is None and isinstance(err.get("input"), bytes):
+        return bad_request("the request body must be JSON (Content-Type: application/json)", None, "invalid_body")
+    if param is None and kind in ("missing", "model_attributes_type", "model_type", "dict_type"):
+        return bad_request("the request body must be a JSON object", None, "invalid_body")
+    if param is None:
+        return bad_request(f"invalid request: {message}", None, "invalid_value")
+    if kind == "missing":
+        return bad_request(f"missing required field '{param}'", param, "missing_required_parameter")
+    shown = repr(err["input"])[:80] if "input" in err and kind != "value_error" else None
+    suffix = f" (got {shown})" if shown is not None else ""
+    return bad_request(f"invalid '{param}': {message}{suffix}", param, "invalid_value")

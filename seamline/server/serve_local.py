@@ -1,0 +1,35 @@
+"""``seamline serve --single``: the OpenAI API over one process that owns the whole model."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from seamline.app import LocalModel, default_model_path
+from seamline.server.backend import LocalBackend
+from seamline.server.openai_api import create_app
+
+
+def model_name_for(path: str | Path) -> str:
+    """The served name: a file's name without its suffix, or a folder's name.
+
+    ``.../SmolLM2-135M-Instruct.Q4_1.gguf`` -> ``SmolLM2-135M-Instruct.Q4_1``;
+    ``.../Qwen2.5-0.5B-Instruct/`` -> ``Qwen2.5-0.5B-Instruct``.
+    """
+    path = Path(path)
+    return path.stem if path.is_file() else path.name
+
+
+def serve_local(model_path: str | None, host: str, port: int, dtype: str,
+                context: int | None = None) -> None:  # fmt: skip
+    """Load the model (the embedded default when ``model_path`` is None), then serve until stopped."""
+    path = Path(model_path) if model_path else default_model_path()
+    model = LocalModel.load(path, dtype, context)
+    backend = LocalBackend(model.engine, model.codec, model_name_for(path))
+    app = create_app(backend)
+    print(f"seamline: serving {backend.model_name} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    logging.getLogger("seamline").setLevel(logging.INFO)
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,427 @@
+"""Fragments: a checkpoint split into per-layer safetensors files plus a manifest.
+
+A package is one folder::
+
+    manifest.json             format, version, model, model_hash, config, fragments
+    embed.safetensors         model.embed_tokens.weight
+    layer.{i}.safetensors     every model.layers.{i}.* tensor, under its Hugging Face name
+    head.safetensors          model.norm.weight (+ lm_head.weight when the head is untied)
+    tokenizer.json, tokenizer_config.json [, generation_config.json, chat_template.jinja]
+
+Tensors are written exactly as the TensorSource reads them: a GGUF file dequantised to
+float32 (so a split model computes what the single-process engine computes), a Hugging Face
+folder in its stored dtype. With tied embeddings the head fragment holds only the norm and
+the manifest's ``tie_word_embeddings`` makes ``fragments_for`` give the last stage ``embed``
+too: no weight is stored twice. ``model_hash`` is sha256 over the canonical config JSON and
+the sorted ``"<name> <sha256>"`` lines of every fragment (tokenizer files included).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from seamline.config import ModelConfig
+from seamline.errors import CheckpointError, ConfigError
+from seamline.model.ownership import Ownership, Range
+from seamline.weights.loader import check_names, open_source
+from seamline.weights.names import stage_plans
+from seamline.weights.source import TensorSource
+
+FORMAT = "seamline-fragments"
+VERSION = 1
+MANIFEST_NAME = "manifest.json"
+KINDS = ("embed", "layer", "head", "tokenizer")
+# Files of a Hugging Face folder that the text edge (seamline.text) reads, copied as-is.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
+HEAD_TENSORS = ("model.norm.weight", "lm_head.weight")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    name: str  # Hugging Face name
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype without the "torch." prefix: "float32", "bfloat16"
+
+
+@dataclass(frozen=True)
+class FragmentEntry:
+    name: str  # "embed", "layer.3", "head", or the tokenizer file's name
+    kind: str  # one of KINDS
+    layer: int | None  # the layer index for kind "layer", else None
+    file: str  # file name inside a package folder
+    bytes: int
+    sha256: str
+    tensors: tuple[TensorEntry, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.tensors]
+        return {"name": self.name, "kind": self.kind, "layer": self.layer, "file": self.file,
+                "bytes": self.bytes, "sha256": self.sha256, "tensors": tensors}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "FragmentEntry":
+        tensors = tuple(TensorEntry(str(t["name"]), tuple(int(s) for s in t["shape"]), str(t["dtype"]))
+                        for t in d.get("tensors", []))  # fmt: skip
+        layer = d.get("layer")
+        return cls(str(d["name"]), str(d["kind"]), None if layer is None else int(layer),
+                   str(d["file"]), int(d["bytes"]), str(d["sha256"]), tensors)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Manifest:
+    model: str
+    model_hash: str
+    config: dict[str, Any]  # the Hugging Face config.json dict
+    fragments: tuple[FragmentEntry, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return ModelConfig.from_hf_dict(self.config).num_layers
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return bool(self.config.get("tie_word_embeddings", False))
+
+    def fragment(self, name: str) -> FragmentEntry:
+        for entry in self.fragments:
+            if entry.name == name:
+                return entry
+        raise CheckpointError(f"manifest of {self.model} has no fragment {name}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, "model": self.model,
+                "model_hash": self.model_hash, "tie_word_embeddings": self.tie_word_embeddings,
+                "num_layers": self.num_layers, "config": self.config,
+                "fragments": [f.to_json() for f in self.fragments]}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+        if d.get("format") != FORMAT or d.get("version") != VERSION:
+            raise CheckpointError(
+                f"manifest is format {d.get('format')!r} version {d.get('version')!r}; "
+                f"seamline reads {FORMAT!r} version {VERSION}"
+            )
+        try:
+            fragments = tuple(FragmentEntry.from_json(f) for f in d["fragments"])
+            manifest = cls(str(d["model"]), str(d["model_hash"]), dict(d["config"]), fragments)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"manifest is malformed: {exc!r}") from None
+        manifest.verify()
+        return manifest
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Manifest":
+        """From a package folder or its manifest.json."""
+        path = Path(path)
+        path = path / MANIFEST_NAME if path.is_dir() else path
+        if not path.is_file():
+            raise CheckpointError(f"no fragment manifest at {path}")
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
+
+    def save(self, folder: str | Path) -> Path:
+        path = Path(folder) / MANIFEST_NAME
+        text = json.dumps(self.to_json(), indent=1)
+        atomic_write(path, lambda tmp: tmp.write_text(text))
+        return path
+
+    def verify(self) -> None:
+        """Names and files unique, hashes well-formed, kinds known, model_hash consistent."""
+        for attr in ("name", "file"):
+            values = [getattr(f, attr) for f in self.fragments]
+            if len(set(values)) != len(values):
+                raise CheckpointError(f"manifest of {self.model} repeats a fragment {attr}")
+        for f in self.fragments:
+            if f.kind not in KINDS or not _SHA256.match(f.sha256) or Path(f.file).name != f.file:
+                raise CheckpointError(
+                    f"manifest fragment {f.name}: kind {f.kind!r}, sha256 {f.sha256!r} and "
+                    f"file {f.file!r} must be one of {KINDS}, 64 lowercase hex digits, a bare name"
+                )
+        expected = model_hash(self.config, self.fragments)
+        if expected != self.model_hash:
+            raise CheckpointError(
+                f"manifest model_hash {self.model_hash} does not match its fragments and config "
+                f"({expected})"
+            )
+
+
+def model_hash(config: dict[str, Any], fragments: Iterable[FragmentEntry]) -> str:
+    h = hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
+    for line in sorted(f"{f.name} {f.sha256}" for f in fragments):
+        h.update(b"\n" + line.encode())
+    return h.hexdigest()
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
+    """``write(tmp)`` then rename onto ``path``: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- packaging
+
+
+def package(model_path: str | Path, out_dir: str | Path, progress: bool = True) -> Manifest:
+    """Split a GGUF file or Hugging Face folder into fragments in ``out_dir``; write the manifest last."""
+    model_path, out_dir = Path(model_path), Path(out_dir)
+    source = open_source(model_path)
+    config_dict = json.loads(json.dumps(source.config_dict()))  # as the manifest will hold it
+    config = ModelConfig.from_hf_dict(config_dict)
+    check_names(source, config)  # nothing missing, nothing unexpected; ignorable ones are dropped
+    out_dir.mkdir(parents=True, exist_ok=True)
+    entries: list[FragmentEntry] = []
+    groups = _tensor_groups(config)
+    for name, names in tqdm(groups, desc=f"packaging {model_path.name}", unit="fragment",
+                            disable=not progress):  # fmt: skip
+        entries.append(_write_tensors(source, name, names, out_dir))
+    entries += _write_tokenizer(model_path, out_dir)
+    name = model_path.stem if model_path.is_file() else model_path.resolve().name
+    manifest = Manifest(name, model_hash(config_dict, entries), config_dict, tuple(entries))
+    manifest.save(out_dir)
+    return manifest
+
+
+def _tensor_groups(config: ModelConfig) -> list[tuple[str, list[str]]]:
+    """(fragment name, sorted tensor names): embed, layer.0 .. layer.{L-1}, head."""
+    names = {n for p in stage_plans(config, Ownership.full(config)) for n in p.sources()}
+    groups: dict[str, list[str]] = {"embed": []}
+    groups.update({f"layer.{i}": [] for i in range(config.num_layers)})
+    groups["head"] = []
+    for name in sorted(names):
+        match = _LAYER.match(name)
+        if match:
+            groups[f"layer.{int(match.group(1))}"].append(name)
+        elif name == "model.embed_tokens.weight":
+            groups["embed"].append(name)
+        elif name in HEAD_TENSORS:
+            groups["head"].append(name)
+        else:
+            raise CheckpointError(f"tensor {name} belongs to no fragment (embed, layer.i, head)")
+    return [(g, n) for g, n in groups.items() if n]
+
+
+def _write_tensors(source: TensorSource, name: str, names: list[str], out_dir: Path) -> FragmentEntry:
+    tensors = {n: source.get(n).contiguous() for n in names}
+    path = out_dir / f"{name}.safetensors"
+    atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
+    table = tuple(TensorEntry(n, tuple(t.shape), _dtype_name(t.dtype)) for n, t in tensors.items())
+    kind, _, index = name.partition(".")
+    layer = int(index) if kind == "layer" else None
+    return FragmentEntry(name, kind, layer, path.name, path.stat().st_size, file_sha256(path), table)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _write_tokenizer(model_path: Path, out_dir: Path) -> list[FragmentEntry]:
+    """tokenizer.json + tokenizer_config.json (+ generation_config.json) as tokenizer fragments."""
+    if model_path.is_file():
+        written = _write_gguf_tokenizer(model_path, out_dir)
+    else:
+        written = []
+        for file in TOKENIZER_FILES:
+            if (model_path / file).is_file():
+                written.append(out_dir / file)
+                atomic_write(written[-1], partial(shutil.copyfile, model_path / file))
+        if not written:
+            log.warning("%s has no tokenizer files: the package serves token ids only", model_path)
+    return [FragmentEntry(p.name, "tokenizer", None, p.name, p.stat().st_size, file_sha256(p))
+            for p in written]  # fmt: skip
+
+
+def _write_gguf_tokenizer(gguf: Path, out_dir: Path) -> list[Path]:
+    from seamline.weights.gguf import tokenizer_from_gguf, tokenizer_info_from_gguf
+
+    tokenizer = tokenizer_from_gguf(gguf)
+    info = tokenizer_info_from_gguf(gguf)
+    bos = tokenizer.id_to_token(info.bos_token_id) if info.bos_token_id is not None else None
+    eos = tokenizer.id_to_token(info.eos_token_ids[0]) if info.eos_token_ids else None
+    files: dict[str, dict[str, Any]] = {
+        "tokenizer_config.json": {"chat_template": info.chat_template, "bos_token": bos,
+                                  "eos_token": eos, "add_bos_token": info.add_bos_token},
+        "generation_config.json": {"bos_token_id": info.bos_token_id,
+                                   "eos_token_id": list(info.eos_token_ids)},
+    }  # fmt: skip
+    paths = [out_dir / "tokenizer.json"]
+    atomic_write(paths[0], lambda tmp: tokenizer.save(str(tmp)))
+    for file, content in files.items():
+        paths.append(out_dir / file)
+        atomic_write(paths[-1], partial(_write_json, content))
+    return paths
+
+
+def _write_json(content: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(content, indent=1))
+
+
+def source_key(model_path: str | Path) -> str:
+    """The identity of a checkpoint on disk: resolved path, and each file's size and mtime.
+
+    Cheap (no content hash: a 400 GB GGUF would take minutes to hash at every start);
+    rewriting or touching a checkpoint file changes the key and repackages it.
+    """
+    path = Path(model_path).resolve()
+    if not path.exists():
+        raise CheckpointError(f"model path {path} does not exist")
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    ident = [FORMAT, VERSION, str(path)] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    digest = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:24]
+    return f"{path.stem if path.is_file() else path.name}-{digest}"
+
+
+def package_cached(model_path: str | Path, cache_root: str | Path, progress: bool = True) -> Path:
+    """Package into ``cache_root/<source_key>``, or reuse a complete earlier package there.
+
+    A package is built in ``<key>.partial`` and renamed into place once its manifest is
+    written, so a package folder that exists is complete (one packager per cache at a time).
+    """
+    cache_root = Path(cache_root)
+    final = cache_root / source_key(model_path)
+    if is_complete(final):
+        log.info("reusing the package of %s at %s", model_path, final)
+        return final
+    partial = final.with_name(final.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    package(model_path, partial, progress)
+    shutil.rmtree(final, ignore_errors=True)  # an incomplete or damaged earlier package
+    os.replace(partial, final)
+    return final
+
+
+def is_complete(folder: Path) -> bool:
+    """A manifest that loads, and every fragment file it names at its stated size."""
+    try:
+        manifest = Manifest.load(folder)
+    except CheckpointError:
+        return False
+    return all(_has_file(folder, f) for f in manifest.fragments)
+
+
+def _has_file(folder: Path, entry: FragmentEntry) -> bool:
+    path = folder / entry.file
+    return path.is_file() and path.stat().st_size == entry.bytes
+
+
+# ---------------------------------------------------------------- reading
+
+
+def fragments_for(
+    manifest: Manifest, layer_range: Range, owns_embedding: bool, owns_head: bool
+) -> list[FragmentEntry]:
+    """The fragments a stage owning ``[start, end)`` (and the embedding / head) needs.
+
+    The last stage of a tied model also needs ``embed`` (its head is the embedding); stage 0
+    and the last stage get the tokenizer files.
+    """
+    start, end = layer_range
+    if not 0 <= start < end <= manifest.num_layers:
+        raise ConfigError(f"layer range [{start},{end}) is not inside [0,{manifest.num_layers})")
+    wants: dict[str, Callable[[FragmentEntry], bool]] = {
+        "layer": lambda f: f.layer is not None and start <= f.layer < end,
+        "embed": lambda f: owns_embedding or (owns_head and manifest.tie_word_embeddings),
+        "head": lambda f: owns_head,
+        "tokenizer": lambda f: owns_embedding or owns_head,
+    }
+    return [f for f in manifest.fragments if wants[f.kind](f)]
+
+
+class FragmentSource:
+    """TensorSource over a folder holding a manifest and some of its fragment files.
+
+    ``names()`` lists every tensor in the manifest, so the loader's whole-model check still
+    applies; ``get`` of a tensor whose fragment is absent raises a CheckpointError.
+    """
+
+    def __init__(self, folder: str | Path, manifest: Manifest | None = None) -> None:
+        self.folder = Path(folder)
+        self._manifest = manifest
+        self._where: dict[str, tuple[FragmentEntry, TensorEntry]] | None = None
+        self._handles: dict[str, Any] = {}
+
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            self._manifest = Manifest.load(self.folder)
+        return self._manifest
+
+    def names(self) -> set[str]:
+        return set(self._index())
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._lookup(name)[1].shape
+
+    def get(self, name: str) -> torch.Tensor:
+        fragment, _ = self._lookup(name)
+        try:
+            return self._open(fragment, name).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"cannot read tensor {name} from fragment {fragment.name}: {exc}") from None
+
+    def config_dict(self) -> dict[str, Any]:
+        return dict(self.manifest.config)
+
+    def present(self) -> list[FragmentEntry]:
+        """The manifest's fragments whose files are in the folder at their stated size."""
+        return [f for f in self.manifest.fragments if _has_file(self.folder, f)]
+
+    def _index(self) -> dict[str, tuple[FragmentEntry, TensorEntry]]:
+        if self._where is None:
+            self._where = {t.name: (f, t) for f in self.manifest.fragments for t in f.tensors}
+        return self._where
+
+    def _lookup(self, name: str) -> tuple[FragmentEntry, TensorEntry]:
+        found = self._index().get(name)
+        if found is None:
+            raise CheckpointError(f"manifest of {self.manifest.model} has no tensor {name}")
+        return found
+
+    def _open(self, fragment: FragmentEntry, name: str) -> Any:
+        if fragment.file not in self._handles:
+            path = self.folder / fragment.file
+            if not path.is_file():
+                raise CheckpointError(
+                    f"fragment {fragment.name} (holding {name}) is not present on this node "
+                    f"(no {path}); fetch the fragments of this stage's range first"
+                )
+            if path.stat().st_size != fragment.bytes:
+                raise CheckpointError(
+                    f"fragment {fragment.name} at {path} has {path.stat().st_size} bytes, "
+                    f"the manifest says {fragment.bytes}"
+                )
+            self._handles[fragment.file] = safe_open(str(path), framework="pt")
+        return self._handles[fragment.file]

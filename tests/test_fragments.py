@@ -1,0 +1,349 @@
+"""Fragments: package, load a range from its fragments only, serve and fetch with resume/cache.
+
+A tiny random Llama folder drives the fast tests; the embedded GGUF is packaged once per
+module (~540 MB of float32 fragments) for the real-weights equivalence and tokenizer checks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from seamline.app import default_model_path
+from seamline.errors import CheckpointError
+from seamline.mesh.fetch import FetchError, fetch_fragments, fetch_manifest, materialise
+from seamline.model.ownership import Ownership
+from seamline.text import TextCodec
+from seamline.weights.fragments import (
+    FragmentEntry,
+    FragmentSource,
+    Manifest,
+    file_sha256,
+    fragments_for,
+    package,
+    package_cached,
+)
+from seamline.weights.loader import load_stage, open_source
+from tests.reference import random_ids, save_random_model
+
+TOKEN = "s3cret"
+LAYERS = 4
+SMALL: dict[str, Any] = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+
+
+def _tokenizer_files(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(SMALL["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+              "bos_token": "w1", "eos_token": "w2"}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from transformers import LlamaConfig
+
+    folder = tmp_path_factory.mktemp("tiny")
+    save_random_model(LlamaConfig(**SMALL, tie_word_embeddings=False), folder)
+    _tokenizer_files(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_package(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Manifest]:
+    out = tmp_path_factory.mktemp("tiny_package")
+    return out, package(tiny, out, progress=False)
+
+
+@pytest.fixture(scope="module")
+def gguf_package(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Manifest]]:
+    out = tmp_path_factory.mktemp("gguf_package")
+    yield out, package(default_model_path(), out, progress=False)
+    shutil.rmtree(out, ignore_errors=True)  # ~540 MB: do not keep it among pytest's old tmp dirs
+
+
+def _subset(package_dir: Path, manifest: Manifest, entries: list[FragmentEntry], dest: Path) -> Path:
+    """A node's folder: the manifest plus only these fragment files."""
+    dest.mkdir()
+    for entry in entries:
+        shutil.copyfile(package_dir / entry.file, dest / entry.file)
+    manifest.save(dest)
+    return dest
+
+
+def _range(manifest: Manifest, start: int, end: int) -> list[FragmentEntry]:
+    return fragments_for(manifest, (start, end), start == 0, end == manifest.num_layers)
+
+
+# ---------------------------------------------------------------- packaging
+
+
+@pytest.mark.parametrize("which", ["tiny_package", "gguf_package"])
+def test_manifest_matches_files(which: str, request: pytest.FixtureRequest) -> None:
+    folder, manifest = request.getfixturevalue(which)
+    assert Manifest.load(folder) == manifest
+    for entry in manifest.fragments:
+        path = folder / entry.file
+        assert path.stat().st_size == entry.bytes and file_sha256(path) == entry.sha256
+    names = [f.name for f in manifest.fragments if f.kind != "tokenizer"]
+    layers = [f"layer.{i}" for i in range(manifest.num_layers)]
+    assert names == ["embed", *layers, "head"]
+    assert {f.name for f in manifest.fragments if f.kind == "tokenizer"} >= {"tokenizer.json", "tokenizer_config.json"}
+
+
+def test_fragment_source_names_equal_checkpoint(tiny: Path, tiny_package: tuple[Path, Manifest]) -> None:
+    folder, manifest = tiny_package
+    source = FragmentSource(folder, manifest)
+    assert source.names() == open_source(tiny).names()
+    assert all(t.dtype == "float32" for f in manifest.fragments for t in f.tensors)
+    assert source.config_dict() == json.loads((tiny / "config.json").read_text())
+
+
+def test_hf_dtype_is_kept(tiny: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bf16"
+    shutil.copytree(tiny, folder)
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) for k, v in weights.items()}, folder / "model.safetensors")
+    manifest = package(folder, tmp_path / "package", progress=False)
+    assert {t.dtype for f in manifest.fragments for t in f.tensors} == {"bfloat16"}
+    source = FragmentSource(tmp_path / "package")
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert torch.equal(source.get(name), weights[name].to(torch.bfloat16))
+
+
+def test_tampered_manifest_is_refused(tiny_package: tuple[Path, Manifest], tmp_path: Path) -> None:
+    folder, manifest = tiny_package
+    data = manifest.to_json()
+    data["fragments"][1]["sha256"] = "0" * 64
+    (tmp_path / "manifest.json").write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="model_hash .* does not match"):
+        Manifest.load(tmp_path)
+
+
+def test_gguf_tied_head_needs_embed(gguf_package: tuple[Path, Manifest]) -> None:
+    _, manifest = gguf_package
+    assert manifest.tie_word_embeddings
+    assert [t.name for t in manifest.fragment("head").tensors] == ["model.norm.weight"]
+    last = {f.name for f in _range(manifest, 28, 30)}
+    assert last == {"embed", "layer.28", "layer.29", "head", "tokenizer.json",
+                    "tokenizer_config.json", "generation_config.json"}  # fmt: skip
+    assert {f.name for f in _range(manifest, 10, 12)} == {"layer.10", "layer.11"}
+
+
+def test_gguf_package_tokenizer_equals_gguf(gguf_package: tuple[Path, Manifest]) -> None:
+    folder, manifest = gguf_package
+    ours, theirs = TextCodec.from_model(folder), TextCodec.from_model(default_model_path())
+    chat = [{"role": "user", "content": "What is the capital of France? 1234 ünïcode"}]
+    assert ours.encode_chat(chat) == theirs.encode_chat(chat)
+    assert (ours.bos_token, ours.eos_token) == (theirs.bos_token, theirs.eos_token)
+    assert set(theirs.stop_ids) <= set(ours.stop_ids)
+
+
+# ---------------------------------------------------------------- loading a range
+
+
+def _stage_outputs(stage: torch.nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    cache = stage.new_cache()  # type: ignore[operator]
+    return torch.cat([stage(inputs[:8], 0, cache), stage(inputs[8:9], 8, cache)])
+
+
+@pytest.mark.parametrize("which,path", [("tiny_package", "tiny"), ("gguf_package", "gguf")])
+def test_range_from_fragments_equals_checkpoint(
+    which: str, path: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    folder, manifest = request.getfixturevalue(which)
+    model = request.getfixturevalue("tiny") if path == "tiny" else default_model_path()
+    original = open_source(model)
+    layers = manifest.num_layers
+    for start, end in ((0, 2), (layers - 2, layers)):
+        node = _subset(folder, manifest, _range(manifest, start, end), tmp_path / f"{start}")
+        own = Ownership(layers=(start, end))
+        ours, theirs = load_stage(FragmentSource(node), own), load_stage(original, own)
+        if start == 0:
+            inputs = random_ids(ours.config.vocab_size, 9)
+        else:
+            inputs = torch.randn(9, ours.config.hidden_size, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(_stage_outputs(ours, inputs), _stage_outputs(theirs, inputs))
+
+
+def test_absent_fragment_is_named(tiny_package: tuple[Path, Manifest], tmp_path: Path) -> None:
+    folder, manifest = tiny_package
+    node = _subset(folder, manifest, _range(manifest, 2, LAYERS), tmp_path / "node")
+    load_stage(FragmentSource(node), Ownership(layers=(2, LAYERS)))  # its own range loads
+    with pytest.raises(CheckpointError, match=r"fragment embed \(holding model.embed_tokens.weight\) is not present on this node"):
+        load_stage(FragmentSource(node), Ownership(layers=(0, 2)))
+    with pytest.raises(CheckpointError, match=r"fragment layer.1 .* is not present"):
+        load_stage(FragmentSource(node), Ownership(layers=(1, LAYERS)))
+
+
+def test_package_cached_reuses(tiny: Path, tmp_path: Path) -> None:
+    first = package_cached(tiny, tmp_path, progress=False)
+    stamps = {p.name: p.stat().st_mtime_ns for p in first.iterdir()}
+    time.sleep(0.01)
+    second = package_cached(tiny, tmp_path, progress=False)
+    assert second == first
+    assert {p.name: p.stat().st_mtime_ns for p in second.iterdir()} == stamps
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial folder left
+
+
+# ---------------------------------------------------------------- serving and fetching
+
+
+def _free_port() -> int:
+    for port in random.sample(range(20000, 30000), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 20000-30000")
+
+
+@contextmanager
+def _serve(app: Any, log_level: str = "warning") -> Iterator[str]:
+    """Run ``app`` with a real uvicorn server on 127.0.0.1 in a thread; yield its base URL."""
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started, "uvicorn did not start"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.fixture()
+def served(tiny_package: tuple[Path, Manifest], tmp_path: Path) -> Iterator[tuple[str, Path, Manifest]]:
+    """A copy of the tiny package (so a test may tamper with it), served by real uvicorn."""
+    from fastapi import FastAPI
+
+    from seamline.mesh.fragment_server import fragment_routes
+
+    folder = tmp_path / "served"
+    shutil.copytree(tiny_package[0], folder)
+    app = FastAPI()
+    fragment_routes(app, folder, lambda token: token == TOKEN)
+    with _serve(app) as url:
+        yield url, folder, tiny_package[1]
+
+
+def _plain_server(data: bytes, cut: int | None = None) -> Any:
+    """A server without Range support; with ``cut`` it promises all of ``data`` and breaks off."""
+    from fastapi import FastAPI, Response
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/fragments/{sha256}")
+    def whole(sha256: str) -> Response:
+        if cut is None:
+            return Response(data, media_type="application/octet-stream")
+        headers = {"content-length": str(len(data))}
+        return StreamingResponse(iter([data[:cut]]), headers=headers)
+
+    return app
+
+
+def test_broken_download_resumes_and_whole_answer_restarts(
+    served: tuple[str, Path, Manifest], tmp_path: Path
+) -> None:
+    url, folder, manifest = served
+    entry = manifest.fragment("layer.0")
+    data, cache = (folder / entry.file).read_bytes(), tmp_path / "cache"
+    part = cache / f"{entry.sha256}.part"
+    with _serve(_plain_server(data, cut=entry.bytes // 2), "critical") as broken:
+        with pytest.raises(FetchError, match="broke off .* run again to resume"):
+            fetch_fragments(broken, [entry], cache, progress=False)
+    assert part.stat().st_size == entry.bytes // 2
+    with _serve(_plain_server(data)) as whole:  # answers a Range request with 200: restart
+        assert fetch_fragments(whole, [entry], cache, progress=False).bytes_downloaded == entry.bytes
+    (cache / entry.sha256).rename(part)  # complete but unverified: verified without a request
+    report = fetch_fragments(url, [entry], cache, TOKEN, progress=False)
+    assert report.bytes_downloaded == 0 and file_sha256(cache / entry.sha256) == entry.sha256
+
+
+def test_fetch_range_then_cache(served: tuple[str, Path, Manifest], tmp_path: Path) -> None:
+    url, _, manifest = served
+    assert fetch_manifest(url, TOKEN) == manifest
+    entries = _range(manifest, 2, LAYERS)
+    cache = tmp_path / "cache"
+    report = fetch_fragments(url, entries, cache, TOKEN, progress=False)
+    assert report.bytes_downloaded == sum(e.bytes for e in entries)
+    assert (report.fragments_downloaded, report.fragments_from_cache) == (len(entries), 0)
+    again = fetch_fragments(url, entries, cache, TOKEN, progress=False)
+    assert (again.bytes_downloaded, again.fragments_downloaded) == (0, 0)
+    assert again.fragments_from_cache == len(entries)
+    node = materialise(manifest, entries, cache, tmp_path / "node")
+    stage = load_stage(FragmentSource(node), Ownership(layers=(2, LAYERS)))
+    assert stage.head is not None and TextCodec.from_model(node).encode("w5 w6") == [5, 6]
+
+
+def test_interrupted_fetch_resumes(served: tuple[str, Path, Manifest], tmp_path: Path) -> None:
+    url, folder, manifest = served
+    entry = manifest.fragment("layer.1")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    kept = entry.bytes // 3
+    (cache / f"{entry.sha256}.part").write_bytes((folder / entry.file).read_bytes()[:kept])
+    report = fetch_fragments(url, [entry], cache, TOKEN, progress=True)
+    assert report.bytes_downloaded == entry.bytes - kept
+    assert file_sha256(cache / entry.sha256) == entry.sha256
+    assert not (cache / f"{entry.sha256}.part").exists()
+
+
+def test_corrupt_fragment_is_refused(
+    served: tuple[str, Path, Manifest], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url, folder, manifest = served
+    entry = manifest.fragment("layer.3")
+    data = bytearray((folder / entry.file).read_bytes())
+    data[-1] ^= 0xFF
+    (folder / entry.file).write_bytes(bytes(data))
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.ERROR), pytest.raises(CheckpointError, match=f"fragment layer.3 hash mismatch: expected {entry.sha256}, got"):
+        fetch_fragments(url, [entry], cache, TOKEN, progress=False)
+    assert list(cache.iterdir()) == []
+    assert "layer.3 hash mismatch" in caplog.text
+
+
+def test_bad_token_is_refused(served: tuple[str, Path, Manifest], tmp_path: Path) -> None:
+    import httpx
+
+    url, _, manifest = served
+    entry = manifest.fragment("embed")
+    assert httpx.get(f"{url}/fragments/{entry.sha256}").status_code == 401
+    assert httpx.get(f"{url}/fragments/{'a' * 64}", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
+    ranged = httpx.get(f"{url}/fragments/{entry.sha256}",
+                       headers={"Authorization": f"Bearer {TOKEN}", "Range": "bytes=10-19"})  # fmt: skip
+    assert ranged.status_code == 206 and len(ranged.content) == 10
+    with pytest.raises(FetchError, match="refused fragment embed \\(401\\): the node's token is missing, wrong or expired"):
+        fetch_fragments(url, [entry], tmp_path / "cache", "wrong", progress=False)
+    with pytest.raises(FetchError, match="401"):
+        fetch_manifest(url, None)

@@ -1,0 +1,340 @@
+"""The OpenAI API as a client sees it: the real ``openai`` client against a real uvicorn server.
+
+Generation runs on the embedded SmolLM2 through LocalBackend. Small wrappers around that
+backend stand in only for what the engine cannot do on demand: not being ready, failing
+mid-stream, and reporting that a cancelled request's iterator was closed.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from seamline.app import LocalModel
+from seamline.errors import SeamlineError
+from seamline.runtime.sampling import SamplingParams
+from seamline.server.backend import Backend, LocalBackend, Readiness
+from seamline.server.openai_api import create_app
+
+NAME = "SmolLM2-135M-Instruct.Q4_1"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _bind_free_port() -> socket.socket:
+    """A listening-ready socket on a free port in 20000-30000 (below the ephemeral range)."""
+    for port in random.sample(range(20000, 30000), 50):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("127.0.0.1", port))
+            return sock
+        except OSError:
+            sock.close()
+    raise RuntimeError("no free port in 20000-30000")
+
+
+@contextmanager
+def serve(backend: Backend) -> Iterator[str]:
+    """Run the API for ``backend`` on a real uvicorn server in a thread; yield its base URL."""
+    sock = _bind_free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(backend), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def client_for(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model() -> LocalModel:
+    return LocalModel.load()
+
+
+@pytest.fixture(scope="module")
+def backend(model: LocalModel) -> LocalBackend:
+    return LocalBackend(model.engine, model.codec, NAME)
+
+
+@pytest.fixture(scope="module")
+def url(backend: LocalBackend) -> Iterator[str]:
+    with serve(backend) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return client_for(url)
+
+
+@pytest.fixture(scope="module")
+def paris(client: openai.OpenAI) -> Any:
+    """The greedy, non-streaming answer to the capital question."""
+    return client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=32)
+
+
+# --- generation -----------------------------------------------------------------------------
+
+
+def test_chat_answers_paris_with_exact_usage(paris: Any, model: LocalModel) -> None:
+    prompt = model.codec.encode_chat(QUESTION)
+    params = SamplingParams(max_tokens=32, stop_token_ids=model.codec.stop_ids)
+    expected = list(model.engine.generate(prompt, params))
+    choice = paris.choices[0]
+    assert "Paris" in choice.message.content and choice.message.role == "assistant"
+    assert choice.finish_reason == "stop"
+    assert choice.message.content == model.codec.decode(expected)
+    assert paris.usage.prompt_tokens == len(prompt)
+    assert paris.usage.completion_tokens == len(expected)
+    assert paris.usage.total_tokens == len(prompt) + len(expected)
+    assert paris.object == "chat.completion" and paris.model == NAME and paris.id.startswith("chatcmpl-")
+
+
+def test_chat_stream_equals_non_streaming(client: openai.OpenAI, paris: Any) -> None:
+    chunks = list(client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=32,
+                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == paris.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.model_dump() == paris.usage.model_dump()
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+
+
+def test_max_tokens_ends_with_length(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=5)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None and out.usage.completion_tokens == 5
+
+
+def test_stop_string_cuts_the_answer(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=32,
+                                         stop=["Paris"])  # fmt: skip
+    text = out.choices[0].message.content
+    assert "Paris" not in text and "France" in text
+    assert out.choices[0].finish_reason == "stop"
+
+
+def test_same_seed_same_sample(client: openai.OpenAI) -> None:
+    def ask() -> str:
+        out = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=1.0, seed=1234,
+                                             max_tokens=8)  # fmt: skip
+        return str(out.choices[0].message.content)
+
+    first = ask()
+    assert first and ask() == first
+
+
+def test_top_k_extension_is_honoured(client: openai.OpenAI, paris: Any) -> None:
+    # top_k=1 leaves only the most likely token: sampling at temperature 1 becomes greedy.
+    out = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=1.0, max_tokens=32,
+                                         extra_body={"top_k": 1, "min_p": 0.05})  # fmt: skip
+    assert out.choices[0].message.content == paris.choices[0].message.content
+
+
+def test_text_parts_and_developer_role_render_like_strings(client: openai.OpenAI, paris: Any) -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION[0]["content"]}]}]
+    out = client.chat.completions.create(model=NAME, messages=parts, temperature=0, max_tokens=1)  # type: ignore[arg-type]
+    assert out.usage is not None and out.usage.prompt_tokens == paris.usage.prompt_tokens
+    dev = [{"role": "developer", "content": "Be brief."}, *QUESTION]
+    sys = [{"role": "system", "content": "Be brief."}, *QUESTION]
+    a = client.chat.completions.create(model="default", messages=dev, temperature=0, max_tokens=1)  # type: ignore[arg-type]
+    b = client.chat.completions.create(model=NAME, messages=sys, temperature=0, max_tokens=1)  # type: ignore[arg-type]
+    assert a.usage is not None and b.usage is not None and a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert a.model == NAME  # the alias answers with the real name
+
+
+def test_completions_streaming_and_not(client: openai.OpenAI, model: LocalModel) -> None:
+    prompt = "The capital of France is"
+    full = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=6)
+    assert full.object == "text_completion" and full.id.startswith("cmpl-")
+    assert full.choices[0].finish_reason == "length" and "Paris" in full.choices[0].text
+    assert full.usage is not None and full.usage.prompt_tokens == len(model.codec.encode(prompt))
+    assert full.usage.completion_tokens == 6
+    chunks = list(client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True}))  # fmt: skip
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    ids = client.completions.create(model=NAME, prompt=model.codec.encode(prompt), temperature=0, max_tokens=6,
+                                    echo=True)  # fmt: skip
+    assert ids.choices[0].text == prompt + full.choices[0].text
+
+
+def test_models_and_health(client: openai.OpenAI, url: str) -> None:
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [NAME]
+    assert listed[0].object == "model" and listed[0].owned_by == "seamline"
+    assert client.models.retrieve(NAME).id == NAME
+    health = httpx.get(f"{url}/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def _error(exc: openai.APIStatusError) -> dict[str, Any]:
+    body = exc.body
+    assert isinstance(body, dict), body  # the client unwraps {"error": {...}}
+    return body
+
+
+def test_unknown_model_is_404(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-4o", messages=QUESTION)  # type: ignore[arg-type]
+    assert info.value.status_code == 404
+    err = _error(info.value)
+    assert err["code"] == "model_not_found" and err["param"] == "model" and NAME in err["message"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": 5}, "temperature"),
+        ({"n": 2}, "n"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"logprobs": True}, "logprobs"),
+        ({"extra_body": {"top_k": "5"}}, "top_k"),
+    ],
+)
+def test_bad_fields_are_400_naming_the_field(client: openai.OpenAI, fields: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=QUESTION, **fields)  # type: ignore[call-overload]
+    assert info.value.status_code == 400
+    err = _error(info.value)
+    assert err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
+
+
+def test_missing_messages_is_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=openai.omit)
+    err = _error(info.value)
+    assert err["param"] == "messages" and err["code"] == "missing_required_parameter"
+
+
+def test_malformed_json_is_400_in_openai_format(url: str) -> None:
+    reply = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": ', headers={"Content-Type": "application/json"})
+    assert reply.status_code == 400
+    err = reply.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
+    assert "JSON" in err["message"]
+    missing = httpx.get(f"{url}/v1/nothing-here")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+
+
+def test_prompt_longer_than_context_is_400(client: openai.OpenAI, backend: LocalBackend) -> None:
+    long = [{"role": "user", "content": "word " * backend.context_length}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=NAME, messages=long, temperature=0, max_tokens=1)  # type: ignore[arg-type]
+    err = _error(info.value)
+    assert err["code"] == "context_length_exceeded" and str(backend.context_length) in err["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=NAME, prompt="hi", max_tokens=backend.context_length, stream=True)
+    assert _error(info.value)["param"] == "max_tokens"
+
+
+# --- readiness, failure, cancellation ----------------------------------------------------------
+
+
+class NotReady:
+    """Has the real codec but is still loading: must never be asked to generate."""
+
+    def __init__(self, real: LocalBackend) -> None:
+        self.model_name, self.codec, self.context_length = real.model_name, real.codec, real.context_length
+
+    def readiness(self) -> Readiness:
+        return Readiness(False, "loading layers 12/30")
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        raise AssertionError("generate called on a backend that is not ready")
+
+
+class Wrapped:
+    """The real backend, failing after ``fail_after`` tokens and noting when its iterator closes."""
+
+    def __init__(self, real: LocalBackend, fail_after: int | None = None) -> None:
+        self.real, self.fail_after = real, fail_after
+        self.model_name, self.codec, self.context_length = real.model_name, real.codec, real.context_length
+        self.closed = threading.Event()
+        self.tokens = 0
+
+    def readiness(self) -> Readiness:
+        return self.real.readiness()
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        inner = self.real.generate(prompt, params)
+        try:
+            async for token in inner:
+                if self.fail_after is not None and self.tokens >= self.fail_after:
+                    raise SeamlineError("stage 2 stopped answering")
+                self.tokens += 1
+                yield token
+        finally:
+            await inner.aclose()  # type: ignore[attr-defined]
+            self.closed.set()
+
+
+def test_not_ready_is_503_with_reason(backend: LocalBackend) -> None:
+    with serve(NotReady(backend)) as base:
+        health = httpx.get(f"{base}/health")
+        assert health.status_code == 503
+        assert health.json() == {"status": "not ready", "reason": "loading layers 12/30"}
+        with pytest.raises(openai.InternalServerError) as info:
+            client_for(base).chat.completions.create(model=NAME, messages=QUESTION, temperature=0)
+        assert info.value.status_code == 503
+        err = _error(info.value)
+        assert err["type"] == "service_unavailable" and "loading layers 12/30" in err["message"]
+
+
+def test_backend_failure_is_an_error_not_a_hang(backend: LocalBackend) -> None:
+    failing = Wrapped(backend, fail_after=2)
+    with serve(failing) as base:
+        client = client_for(base)
+        with pytest.raises(openai.APIError) as streamed:
+            for _ in client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, stream=True):
+                pass
+        assert "stage 2 stopped answering" in streamed.value.message
+        failing.tokens = 0
+        with pytest.raises(openai.InternalServerError) as whole:
+            client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0)
+        assert whole.value.status_code == 503 and "stage 2 stopped answering" in whole.value.message
+
+
+def test_client_disconnect_cancels_generation(backend: LocalBackend) -> None:
+    tracked = Wrapped(backend)
+    with serve(tracked) as base:
+        client = client_for(base)
+        stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Count to 500."}],
+                                                temperature=0, max_tokens=500, stream=True)  # fmt: skip
+        for _, _chunk in zip(range(3), stream):
+            pass
+        stream.close()
+        assert tracked.closed.wait(timeout=15), "the backend iterator was not closed after the client left"
+        assert tracked.tokens < 100
+        after = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=3)
+        assert after.usage is not None and after.usage.completion_tokens == 3
