@@ -65,6 +65,11 @@ def client_for(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+def chat(client: openai.OpenAI, messages: Any = QUESTION, **fields: Any) -> Any:
+    """``client.chat.completions.create`` with the served model and the capital question by default."""
+    return client.chat.completions.create(**{"model": NAME, "messages": messages, **fields})
+
+
 @pytest.fixture(scope="module")
 def model() -> LocalModel:
     return LocalModel.load()
@@ -89,7 +94,7 @@ def client(url: str) -> openai.OpenAI:
 @pytest.fixture(scope="module")
 def paris(client: openai.OpenAI) -> Any:
     """The greedy, non-streaming answer to the capital question."""
-    return client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=32)
+    return chat(client, temperature=0, max_tokens=32)
 
 
 # --- generation -----------------------------------------------------------------------------
@@ -110,8 +115,8 @@ def test_chat_answers_paris_with_exact_usage(paris: Any, model: LocalModel) -> N
 
 
 def test_chat_stream_equals_non_streaming(client: openai.OpenAI, paris: Any) -> None:
-    chunks = list(client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=32,
-                                                 stream=True, stream_options={"include_usage": True}))  # fmt: skip
+    usage = {"include_usage": True}
+    chunks = list(chat(client, temperature=0, max_tokens=32, stream=True, stream_options=usage))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == paris.choices[0].message.content
@@ -123,23 +128,21 @@ def test_chat_stream_equals_non_streaming(client: openai.OpenAI, paris: Any) -> 
 
 
 def test_max_tokens_ends_with_length(client: openai.OpenAI) -> None:
-    out = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=5)
+    out = chat(client, temperature=0, max_tokens=5)
     assert out.choices[0].finish_reason == "length"
     assert out.usage is not None and out.usage.completion_tokens == 5
 
 
 def test_stop_string_cuts_the_answer(client: openai.OpenAI) -> None:
-    out = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=32,
-                                         stop=["Paris"])  # fmt: skip
-    text = out.choices[0].message.content
+    out = chat(client, temperature=0, max_tokens=32, stop=["Paris"])
+    text = str(out.choices[0].message.content)
     assert "Paris" not in text and "France" in text
     assert out.choices[0].finish_reason == "stop"
 
 
 def test_same_seed_same_sample(client: openai.OpenAI) -> None:
     def ask() -> str:
-        out = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=1.0, seed=1234,
-                                             max_tokens=8)  # fmt: skip
+        out = chat(client, temperature=1.0, seed=1234, max_tokens=8)
         return str(out.choices[0].message.content)
 
     first = ask()
@@ -148,19 +151,18 @@ def test_same_seed_same_sample(client: openai.OpenAI) -> None:
 
 def test_top_k_extension_is_honoured(client: openai.OpenAI, paris: Any) -> None:
     # top_k=1 leaves only the most likely token: sampling at temperature 1 becomes greedy.
-    out = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=1.0, max_tokens=32,
-                                         extra_body={"top_k": 1, "min_p": 0.05})  # fmt: skip
+    out = chat(client, temperature=1.0, max_tokens=32, extra_body={"top_k": 1, "min_p": 0.05})
     assert out.choices[0].message.content == paris.choices[0].message.content
 
 
 def test_text_parts_and_developer_role_render_like_strings(client: openai.OpenAI, paris: Any) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION[0]["content"]}]}]
-    out = client.chat.completions.create(model=NAME, messages=parts, temperature=0, max_tokens=1)  # type: ignore[arg-type]
+    out = chat(client, parts, temperature=0, max_tokens=1)
     assert out.usage is not None and out.usage.prompt_tokens == paris.usage.prompt_tokens
     dev = [{"role": "developer", "content": "Be brief."}, *QUESTION]
     sys = [{"role": "system", "content": "Be brief."}, *QUESTION]
-    a = client.chat.completions.create(model="default", messages=dev, temperature=0, max_tokens=1)  # type: ignore[arg-type]
-    b = client.chat.completions.create(model=NAME, messages=sys, temperature=0, max_tokens=1)  # type: ignore[arg-type]
+    a = chat(client, dev, model="default", temperature=0, max_tokens=1)
+    b = chat(client, sys, temperature=0, max_tokens=1)
     assert a.usage is not None and b.usage is not None and a.usage.prompt_tokens == b.usage.prompt_tokens
     assert a.model == NAME  # the alias answers with the real name
 
@@ -172,14 +174,15 @@ def test_completions_streaming_and_not(client: openai.OpenAI, model: LocalModel)
     assert full.choices[0].finish_reason == "length" and "Paris" in full.choices[0].text
     assert full.usage is not None and full.usage.prompt_tokens == len(model.codec.encode(prompt))
     assert full.usage.completion_tokens == 6
-    chunks = list(client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=6, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    streamed = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=6, stream=True,
+                                         stream_options={"include_usage": True})  # fmt: skip
+    chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
-    ids = client.completions.create(model=NAME, prompt=model.codec.encode(prompt), temperature=0, max_tokens=6,
-                                    echo=True)  # fmt: skip
-    assert ids.choices[0].text == prompt + full.choices[0].text
+    ids = model.codec.encode(prompt)
+    echoed = client.completions.create(model=NAME, prompt=ids, temperature=0, max_tokens=6, echo=True)
+    assert echoed.choices[0].text == prompt + full.choices[0].text
 
 
 def test_models_and_health(client: openai.OpenAI, url: str) -> None:
@@ -188,7 +191,7 @@ def test_models_and_health(client: openai.OpenAI, url: str) -> None:
     assert listed[0].object == "model" and listed[0].owned_by == "seamline"
     assert client.models.retrieve(NAME).id == NAME
     health = httpx.get(f"{url}/health")
-    assert health.status_code == 200 and health.json()["status"] == "ok"
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
 # --- errors -----------------------------------------------------------------------------------
@@ -202,7 +205,7 @@ def _error(exc: openai.APIStatusError) -> dict[str, Any]:
 
 def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
-        client.chat.completions.create(model="gpt-4o", messages=QUESTION)  # type: ignore[arg-type]
+        chat(client, QUESTION, model="gpt-4o")
     assert info.value.status_code == 404
     err = _error(info.value)
     assert err["code"] == "model_not_found" and err["param"] == "model" and NAME in err["message"]
@@ -222,9 +225,9 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
         ({"extra_body": {"top_k": "5"}}, "top_k"),
     ],
 )
-def test_bad_fields_are_400_naming_the_field(client: openai.OpenAI, fields: dict[str, Any], param: str) -> None:
+def test_bad_fields_are_400_naming_the_field(client: openai.OpenAI, fields: Any, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=NAME, messages=QUESTION, **fields)  # type: ignore[call-overload]
+        chat(client, **fields)
     assert info.value.status_code == 400
     err = _error(info.value)
     assert err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
@@ -232,17 +235,20 @@ def test_bad_fields_are_400_naming_the_field(client: openai.OpenAI, fields: dict
 
 def test_missing_messages_is_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=NAME, messages=openai.omit)
+        client.chat.completions.create(model=NAME, messages=openai.omit)  # type: ignore[call-overload]
     err = _error(info.value)
     assert err["param"] == "messages" and err["code"] == "missing_required_parameter"
 
 
 def test_malformed_json_is_400_in_openai_format(url: str) -> None:
-    reply = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": ', headers={"Content-Type": "application/json"})
+    json_type = {"Content-Type": "application/json"}
+    reply = httpx.post(f"{url}/v1/chat/completions", content=b'{"model": ', headers=json_type)
     assert reply.status_code == 400
     err = reply.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
     assert "JSON" in err["message"]
+    form = httpx.post(f"{url}/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"})
+    assert form.status_code == 400 and "Content-Type: application/json" in form.json()["error"]["message"]
     missing = httpx.get(f"{url}/v1/nothing-here")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
@@ -250,7 +256,7 @@ def test_malformed_json_is_400_in_openai_format(url: str) -> None:
 def test_prompt_longer_than_context_is_400(client: openai.OpenAI, backend: LocalBackend) -> None:
     long = [{"role": "user", "content": "word " * backend.context_length}]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=NAME, messages=long, temperature=0, max_tokens=1)  # type: ignore[arg-type]
+        chat(client, long, temperature=0, max_tokens=1)
     err = _error(info.value)
     assert err["code"] == "context_length_exceeded" and str(backend.context_length) in err["message"]
     with pytest.raises(openai.BadRequestError) as info:
@@ -275,25 +281,30 @@ class NotReady:
 
 
 class Wrapped:
-    """The real backend, failing after ``fail_after`` tokens and noting when its iterator closes."""
+    """The real backend, raising ``error`` after ``fail_after`` tokens; notes when its iterator closes."""
 
-    def __init__(self, real: LocalBackend, fail_after: int | None = None) -> None:
+    def __init__(self, real: LocalBackend, fail_after: int | None = None,
+                 error: Exception | None = None) -> None:  # fmt: skip
         self.real, self.fail_after = real, fail_after
+        self.error = error or SeamlineError("stage 2 stopped answering")
         self.model_name, self.codec, self.context_length = real.model_name, real.codec, real.context_length
         self.closed = threading.Event()
         self.tokens = 0
+        self.ran_out = False  # the inner iterator ended by itself (not closed early)
 
     def readiness(self) -> Readiness:
         return self.real.readiness()
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        self.closed.clear()
         inner = self.real.generate(prompt, params)
         try:
             async for token in inner:
                 if self.fail_after is not None and self.tokens >= self.fail_after:
-                    raise SeamlineError("stage 2 stopped answering")
+                    raise self.error
                 self.tokens += 1
                 yield token
+            self.ran_out = True
         finally:
             await inner.aclose()  # type: ignore[attr-defined]
             self.closed.set()
@@ -305,7 +316,7 @@ def test_not_ready_is_503_with_reason(backend: LocalBackend) -> None:
         assert health.status_code == 503
         assert health.json() == {"status": "not ready", "reason": "loading layers 12/30"}
         with pytest.raises(openai.InternalServerError) as info:
-            client_for(base).chat.completions.create(model=NAME, messages=QUESTION, temperature=0)
+            chat(client_for(base), temperature=0)
         assert info.value.status_code == 503
         err = _error(info.value)
         assert err["type"] == "service_unavailable" and "loading layers 12/30" in err["message"]
@@ -316,25 +327,36 @@ def test_backend_failure_is_an_error_not_a_hang(backend: LocalBackend) -> None:
     with serve(failing) as base:
         client = client_for(base)
         with pytest.raises(openai.APIError) as streamed:
-            for _ in client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, stream=True):
+            for _ in chat(client, temperature=0, stream=True):
                 pass
         assert "stage 2 stopped answering" in streamed.value.message
         failing.tokens = 0
         with pytest.raises(openai.InternalServerError) as whole:
-            client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0)
+            chat(client, temperature=0)
         assert whole.value.status_code == 503 and "stage 2 stopped answering" in whole.value.message
+        failing.tokens, failing.error = 0, ZeroDivisionError("a bug")
+        reply = httpx.post(f"{base}/v1/chat/completions", json={"model": NAME, "messages": QUESTION})
+        assert reply.status_code == 500 and "Traceback" not in reply.text
+        assert reply.json()["error"]["type"] == "server_error" and "a bug" in reply.json()["error"]["message"]
 
 
-def test_client_disconnect_cancels_generation(backend: LocalBackend) -> None:
+COUNTING = "1, 2, 3, 4, 5, 6,"  # greedy SmolLM2 keeps counting: a generation that would run long
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_cancels_generation(backend: LocalBackend, stream: bool) -> None:
     tracked = Wrapped(backend)
-    with serve(tracked) as base:
-        client = client_for(base)
-        stream = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Count to 500."}],
-                                                temperature=0, max_tokens=500, stream=True)  # fmt: skip
-        for _, _chunk in zip(range(3), stream):
-            pass
-        stream.close()
+    body = {"model": NAME, "prompt": COUNTING, "temperature": 0, "max_tokens": 4000, "stream": stream}
+    with serve(tracked) as base, httpx.Client(base_url=base, timeout=httpx.Timeout(10, read=2)) as http:
+        if stream:
+            with http.stream("POST", "/v1/completions", json=body) as reply:
+                for _ in reply.iter_lines():
+                    if tracked.tokens >= 3:
+                        break  # the client leaves mid-stream
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post("/v1/completions", json=body)  # the client gives up waiting
         assert tracked.closed.wait(timeout=15), "the backend iterator was not closed after the client left"
-        assert tracked.tokens < 100
-        after = client.chat.completions.create(model=NAME, messages=QUESTION, temperature=0, max_tokens=3)
+        assert not tracked.ran_out and tracked.tokens < 4000
+        after = client_for(base).completions.create(model=NAME, prompt=COUNTING, temperature=0, max_tokens=3)
         assert after.usage is not None and after.usage.completion_tokens == 3

@@ -243,10 +243,10 @@ class Coordinator:
             return [self.nodes[s.node_id] for s in self.plan.stages]
 
     def open_request(self, open_msg: Open, prompt: Prompt) -> None:
-        handles = self.pipeline()
-        for handle in handles:  # session create is mirrored to every stage
-            handle.link.send_message(open_msg)
-        handles[0].link.send_message(prompt)
+        """Stage 0 opens the session and passes it down the pipeline ahead of the frames."""
+        stage0 = self.pipeline()[0]
+        stage0.link.send_message(open_msg)
+        stage0.link.send_message(prompt)
 
     def close_request(self, request: int) -> None:
         try:
@@ -262,7 +262,8 @@ class Coordinator:
     def status(self) -> dict[str, object]:
         with self.lock:
             stages = [] if self.plan is None else [
-                {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding, "head": s.owns_head}
+                {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding,
+                 "head": s.owns_head, "weight_bytes": s.weight_bytes}
                 for s in self.plan.stages
             ]  # fmt: skip
             nodes = [{"node_id": h.node_id, "address": f"{h.join.data_host}:{h.join.data_port}",

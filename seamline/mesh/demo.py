@@ -18,16 +18,24 @@ from seamline.mesh.serve import ServeOptions, build_mesh, spawn_node, wait_ready
 from seamline.net.link import free_port
 
 
+DEMO_CONTEXT = 2048
+
+
 def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port: int = 0) -> int:
     port = port or free_port()
-    options = ServeOptions(model=model, port=port, control_port=free_port(), nodes_expected=nodes, local_node=False)
+    options = ServeOptions(model=model, port=port, control_port=free_port(), nodes_expected=nodes,
+                           local_node=False, context=DEMO_CONTEXT)  # fmt: skip
     print(f"seamline demo: packaging the model and starting a coordinator on port {port}", flush=True)
     mesh = build_mesh(options)
     mesh.coordinator.start(options.host)
     server = uvicorn.Server(uvicorn.Config(mesh.app, host=options.host, port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="seamline-demo-") as tmp:
-        procs = [spawn_node(mesh.token, f"node{i}", Path(tmp) / f"node{i}", ["--no-progress"]) for i in range(nodes)]
+        cap = memory_cap_gb(model, nodes, DEMO_CONTEXT) if nodes > 1 else None
+        if cap is not None:
+            print(f"each node may use {cap:.2f} GB: none can hold the whole model", flush=True)
+        extra = ["--no-progress"] + (["--max-memory", f"{cap:.3f}"] if cap else [])
+        procs = [spawn_node(mesh.token, f"node{i}", Path(tmp) / f"node{i}", extra) for i in range(nodes)]
         try:
             status = wait_ready(mesh.coordinator, timeout_s=600)
             _print_plan(status)
@@ -68,3 +76,34 @@ def _ask(base: str, model: str, question: str, max_tokens: int) -> None:
     elapsed = time.perf_counter() - (first or start)
     rate = (tokens - 1) / elapsed if tokens > 1 and elapsed > 0 else 0.0
     print(f"\n{tokens} tokens, {rate:.1f} tokens/s after the first token", flush=True)
+
+
+def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int = 4) -> float:
+    """A per-node memory cap under which the planner needs exactly ``stages`` equal nodes.
+
+    The middle of the range of caps that give that many stages: no node can hold more than
+    its share, which is the situation the mesh exists for.
+    """
+    from seamline.app import default_model_path
+    from seamline.config import ModelConfig
+    from seamline.mesh.planner import plan
+    from seamline.mesh.types import ModelSpec, NodeInfo, PlanError, PlanOptions
+    from seamline.weights.loader import open_source
+
+    source = open_source(model or default_model_path())
+    config = ModelConfig.from_hf_dict(source.config_dict())
+    spec = ModelSpec.from_checkpoint_shapes(config, "cap", {n: source.shape(n) for n in source.names()}, dtype_bytes)
+    options = PlanOptions(context_tokens=context)
+    whole = spec.weight_bytes() + spec.kv_bytes_per_token_per_layer * config.num_layers * context
+    fitting = []
+    for step in range(1, 400):
+        cap = int(whole * 2 * step / 400) + options.headroom_bytes
+        nodes = [NodeInfo(f"n{i}", cap, 1e10) for i in range(stages)]
+        try:
+            if len(plan(spec, nodes, None, options).stages) == stages:
+                fitting.append(cap)
+        except PlanError:
+            continue
+    if not fitting:
+        raise ValueError(f"no memory cap makes {stages} equal nodes split this model")
+    return (fitting[0] + fitting[-1]) / 2 / (1 << 30)

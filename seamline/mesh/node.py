@@ -171,6 +171,7 @@ class Node:
             link = Link.connect(*route.downstream, name=f"downstream {route.downstream[0]}:{route.downstream[1]}")
             self.peers.append(link)
             self.worker.links.downstream = link.send_hidden
+            self.worker.links.downstream_open = link.send_message
         if route.stage0 is not None:
             link = Link.connect(*route.stage0, name=f"stage0 {route.stage0[0]}:{route.stage0[1]}")
             self.peers.append(link)
@@ -198,14 +199,19 @@ class Node:
                 log.warning("closing data link from %s: %s", peer, exc)
                 link.close()
                 return
-            self._on_frame(frame, peer)
+            try:
+                self._on_frame(frame, peer)
+            except Exception:  # one bad frame never stops the node
+                log.exception("frame from %s failed", peer)
 
     def _on_frame(self, frame: object, peer: str) -> None:
         worker = self.worker
         if worker is None:
             log.warning("frame from %s before this node was loaded; refused", peer)
             return
-        if isinstance(frame, HiddenFrame) and not worker.is_first:
+        if isinstance(frame, Open) and not worker.is_first:
+            worker.open(frame)
+        elif isinstance(frame, HiddenFrame) and not worker.is_first:
             worker.hidden(frame)
         elif isinstance(frame, TokenFrame) and worker.is_first:
             worker.tokens(frame)

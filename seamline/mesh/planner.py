@@ -15,19 +15,23 @@ times t, with κ so small (1e-6 of the fastest single-node time) that it only br
 Method. For a fixed node order the problem is a shortest path over states (node position
 j, layers covered e): node j takes ``[s, e)`` after any earlier node p took ``[.., s)``,
 paying the p -> j hop. Skipping is free, so every subsequence of the order and every cut
-point is searched: exact for that order (O(N²·L + N·L²), vectorised with NumPy). The return
-hop is charged to the first node of the best path into each final state (exact whenever
-its cost does not depend on the first node, e.g. uniform links). Orders tried: nodes by
-rate descending and ascending (the head, read every token, lands on the fastest or the
-slowest chosen node), and a nearest-link chain from the fastest node plus its reverse
-(keeps well-linked nodes adjacent); if none fits, by memory descending and ascending.
-With uniform links the objective depends on the order only through who is first and last
-and how uneven layers pack. Pools of at most ``EXHAUSTIVE_NODES`` nodes try every order
-with the first node fixed: exact, return hop included.
+point is searched: exact for that order, in O(N²·L + N·L·D) per order (D: the most layers
+one node can hold; O(N·L·D) with uniform links), vectorised with NumPy. The return hop is
+added to the cheapest paths into each final state, so it is exact whenever its cost does
+not depend on which node is first (uniform links). Orders tried: nodes by rate, descending
+and ascending (the head, read every token, ends on the slowest or fastest chosen node); by
+memory with the largest at both ends (they hold embedding and head), both ways; and a
+nearest-link chain from the fastest node, both ways (keeps well-linked nodes adjacent). If
+none fits, a last order puts first the node losing fewest layers to the embedding and last
+the one losing fewest to the head: with equal layers, a pool it cannot fit cannot hold the
+model. With uniform links the order matters only through who is first and last and how
+uneven layers pack. Pools of at most ``EXHAUSTIVE_NODES`` nodes try every order with the
+first node fixed: exact, return hop included (tests check it against brute force).
+Measured on random tight pools of 6-7 nodes, 98% of plans are optimal, the worst 6% slower.
 
-Before the DP, a node is dropped when at least L others are at least as good in memory,
-rate, latency and bandwidth (ties broken by node_id): a plan uses at most L nodes, so one of
-them is free to replace it at no cost. Nodes named in explicit link pairs are never dropped.
+Before the DP, a node is dropped when at least L others are no worse in memory, rate,
+latency and bandwidth (ties broken by node_id): a plan uses at most L nodes, so one of them
+is free to replace it at no cost. Nodes named in explicit link pairs are never dropped.
 Deterministic: nodes are indexed by node_id and every argmin takes the first minimum.
 """
 
@@ -61,12 +65,15 @@ Route = Sequence[tuple[str, int, int]]  # (node_id, start, end) in pipeline orde
 
 @dataclass(frozen=True)
 class _Model:
-    """Per-range costs as (L+1)×(L+1) tables indexed [start, end]; inf where start >= end."""
+    """Per-range costs in band form: [d, e] is the range [e-1-d, e); inf where it starts < 0."""
 
     L: int
-    mem: np.ndarray  # bytes a node needs to own [s, e)
-    read: np.ndarray  # bytes read per token for [s, e), head included when e == L
-    min_need: float  # the least any range needs
+    mem: np.ndarray  # [L, L+1] bytes a node needs to own the range
+    read: np.ndarray  # [L, L+1] bytes read per token, head included when e == L
+    span_need: np.ndarray  # [L] the least any range of d+1 layers needs (nondecreasing)
+    layer_need: float  # a layer's mean need (weights + KV)
+    embed: float  # bytes
+    head: float
 
 
 @dataclass(frozen=True)
@@ -78,8 +85,10 @@ class _Pool:
     rate: np.ndarray  # bytes per second
     hop: np.ndarray  # [p, j] seconds for a frame p -> j
     ret: np.ndarray  # [p, j] seconds for the token ids p -> j
-    stage: np.ndarray  # [i, s, e] node i owning [s, e) in a pipeline: t + κt², inf if it does not fit
+    stage: tuple[np.ndarray, ...]  # [i][d, e]: node i owning [e-1-d, e): t + κt², inf if it does not fit
     single: np.ndarray  # [i] node i owning the whole model alone, inf if it does not fit
+    flat_hop: float | None  # every hop costs this (uniform links): the DP keeps a running min
+    model: _Model
 
 
 @dataclass(frozen=True)
@@ -107,7 +116,7 @@ def plan(
 
 
 def _search(pool: _Pool) -> _Found | None:
-    n, L = len(pool.ids), pool.stage.shape[1] - 1
+    n, L = len(pool.ids), pool.stage[0].shape[1] - 1
     alone = int(pool.single.argmin())
     best = _Found(float(pool.single[alone]), ((alone, 0, L),)) if pool.single[alone] < INF else None
     if n <= EXHAUSTIVE_NODES:
@@ -116,8 +125,34 @@ def _search(pool: _Pool) -> _Found | None:
     by_rate = np.lexsort((np.arange(n), -pool.cap, -pool.rate))
     chain = _chain(pool.hop, by_rate)
     by_mem = np.lexsort((np.arange(n), -pool.rate, -pool.cap))
-    orders = [by_rate, by_rate[::-1], _ends_first(by_mem), chain, chain[::-1]]
-    return _best(pool, _unique(orders), False, best)
+    ends = _ends_first(by_mem)
+    orders = [by_rate, by_rate[::-1], ends, ends[::-1], chain, chain[::-1]]
+    found = _best(pool, _unique(orders), False, best)
+    if found is None:  # a last try to fit: the nodes that lose least to embedding and head
+        found = _best(pool, _fit_orders(pool, by_mem), False, None)
+    return found
+
+
+def _fit_orders(pool: _Pool, by_mem: np.ndarray) -> list[np.ndarray]:
+    """[first, rest by memory, last]: first the node losing fewest layers to the embedding,
+    last the one losing fewest to the head. With equal layers, if these do not fit none does."""
+    per, cap = pool.model.layer_need, pool.cap
+    plain = np.floor(cap / per)
+    with_embed, with_head = np.floor((cap - pool.model.embed) / per), np.floor((cap - pool.model.head) / per)
+    lose_embed = np.where(with_embed >= 1, plain - with_embed, INF)  # an end stage owns a layer too
+    lose_head = np.where(with_head >= 1, plain - with_head, INF)
+
+    def least(loss: np.ndarray, among: np.ndarray) -> int:
+        return int(among[np.argmin(loss[among])])  # by_mem order breaks ties
+
+    def order(first: int, last: int) -> np.ndarray:
+        return np.concatenate(([first], by_mem[(by_mem != first) & (by_mem != last)], [last]))
+
+    first, last = least(lose_embed, by_mem), least(lose_head, by_mem)
+    if first != last:
+        return [order(first, last)]
+    return [order(first, least(lose_head, by_mem[by_mem != first])),
+            order(least(lose_embed, by_mem[by_mem != last]), last)]  # fmt: skip
 
 
 def _ends_first(ranked: np.ndarray) -> np.ndarray:
@@ -163,16 +198,30 @@ def _solve(pool: _Pool, order: np.ndarray, fixed_first: bool) -> _Found | None:
     F[j, e]: cheapest cover of [0, e) whose last stage is node j ending at e.
     G[j, s]: cheapest cover of [0, s) with its frame delivered to node j (G[j, 0]: j starts).
     """
-    n, L = len(order), pool.stage.shape[1] - 1
+    n, L = len(order), pool.stage[0].shape[1] - 1
     hop = pool.hop[np.ix_(order, order)]
+    into = np.ascontiguousarray(hop.T)[:, :, None]  # [j, p, 1]: p -> j
     F = np.full((n, L + 1), INF)
     G = np.full((n, L + 1), INF)
+    via = np.empty((n, L - 1))  # scratch: every predecessor's offer
+    ranges = np.empty((L, L + 1))  # scratch: every start's offer, in band form
+    padded = np.full(2 * L + 1, INF)  # padded[L + s] = g[s]; before it, starts < 0
+    g = padded[L:]
+    starts = np.lib.stride_tricks.sliding_window_view(padded, L + 1)[::-1][1:]  # [d, e] = g[e-1-d]
+    done = np.full(L - 1, INF)  # uniform links: min over p < j of F[p, 1:L]
     for j in range(n):
-        g = G[j]
         g[0] = INF if fixed_first and j else 0.0
-        if j:
-            g[1:L] = (F[:j, 1:L] + hop[:j, j, None]).min(axis=0)
-        F[j] = (g[:, None] + pool.stage[order[j]]).min(axis=0)
+        if j and pool.flat_hop is not None:
+            np.add(done, pool.flat_hop, out=g[1:L])  # min(F) + h == min(F + h) exactly
+        elif j:
+            np.add(F[:j, 1:L], into[j, :j], out=via[:j])
+            via[:j].min(axis=0, out=g[1:L])
+        band = pool.stage[order[j]]
+        D = band.shape[0]
+        np.add(starts[:D], band, out=ranges[:D])
+        ranges[:D].min(axis=0, out=F[j])
+        np.minimum(done, F[j, 1:L], out=done)
+        G[j] = g
     return _finish(pool, order, hop, F, G)
 
 
@@ -201,7 +250,9 @@ def _walk(
     e = F.shape[1] - 1
     route: list[tuple[int, int, int]] = []
     while True:
-        s = int((G[j] + pool.stage[order[j], :, e]).argmin())
+        band = pool.stage[order[j]]
+        d = np.arange(min(band.shape[0], e))
+        s = e - 1 - int((G[j][e - 1 - d] + band[d, e]).argmin())
         route.append((int(order[j]), s, e))
         if s == 0:
             return tuple(reversed(route))
@@ -214,15 +265,19 @@ def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
     held = np.concatenate(([0.0], np.cumsum(np.asarray(model.layer_bytes, dtype=np.float64))))
     held += np.arange(L + 1) * float(kv_layer)
     active = np.concatenate(([0.0], np.cumsum(np.asarray(model.active_bytes(), dtype=np.float64))))
-    at_end = np.zeros(L + 1)
-    at_end[L] = model.head_bytes
-    mem = held[None, :] - held[:, None] + at_end[None, :]
-    mem[0, :] += model.embed_bytes
+    e = np.arange(L + 1)[None, :]
+    s = e - 1 - np.arange(L)[:, None]  # [d, e]: the range [s, e) of d+1 layers
+    valid = s >= 0
+    s = np.maximum(s, 0)
+    head = np.where(e == L, float(model.head_bytes), 0.0)
+    mem = held[e] - held[s] + head + np.where(s == 0, float(model.embed_bytes), 0.0)
     if model.tied_embeddings:
-        mem[0, L] -= model.embed_bytes
-    mem[np.tril_indices(L + 1)] = INF  # no empty or reversed ranges
-    read = active[None, :] - active[:, None] + at_end[None, :]
-    return _Model(L, mem, read, float(mem.min()))
+        mem[L - 1, L] -= model.embed_bytes  # one node owns both: the shared matrix once
+    mem = np.where(valid, mem, INF)
+    read = np.where(valid, active[e] - active[s] + head, INF)
+    span_need = np.maximum.accumulate(mem.min(axis=1))
+    layer_need = float(np.mean(model.layer_bytes)) + kv_layer
+    return _Model(L, mem, read, span_need, layer_need, float(model.embed_bytes), float(model.head_bytes))
 
 
 def _pool(
@@ -237,7 +292,7 @@ def _pool(
     bw = np.array([a.bandwidth_bytes_per_s for a in access], dtype=np.float64)
     paired = {x for pair in table.pairs for x in pair}
     explicit = np.array([n.node_id in paired for n in nodes], dtype=bool)
-    keep = (cap >= costs.min_need) & ~_dominated(cap, rate, lat, bw, explicit, costs.L)
+    keep = (cap >= costs.span_need[0]) & ~_dominated(cap, rate, lat, bw, explicit, costs.L)
     idx = np.flatnonzero(keep)
     ids = tuple(nodes[i].node_id for i in idx)
     lat_m, bw_m = np.maximum.outer(lat[idx], lat[idx]), np.minimum.outer(bw[idx], bw[idx])
@@ -249,22 +304,29 @@ def _pool(
     hop = lat_m + float(model.bytes_per_boundary_per_token * options.batch) / bw_m
     ret = lat_m + float(TOKEN_ID_BYTES * options.batch) / bw_m
     stage, single = _stage_costs(costs, cap[idx], rate[idx])
-    return _Pool(ids, cap[idx], rate[idx], hop, ret, stage, single)
+    off = hop[~np.eye(len(idx), dtype=bool)]
+    flat = float(off[0]) if len(off) and (off == off[0]).all() else None
+    return _Pool(ids, cap[idx], rate[idx], hop, ret, stage, single, flat, costs)
 
 
-def _stage_costs(costs: _Model, cap: np.ndarray, rate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per node: t + κt² for every range it can hold (t = seconds per token), inf elsewhere."""
+def _stage_costs(
+    costs: _Model, cap: np.ndarray, rate: np.ndarray
+) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """Per node: t + κt² for every range it can hold (t = seconds per token), inf elsewhere,
+    cut to the longest span it can hold; and its cost alone (inf if the model does not fit)."""
     L = costs.L
-    kappa = BALANCE_WEIGHT * rate.max() / costs.read[0, L] if len(rate) else 0.0
-    stage = np.empty((len(rate), L + 1, L + 1))
-    single = np.full(len(rate), INF)
+    kappa = BALANCE_WEIGHT * rate.max() / costs.read[L - 1, L] if len(rate) else 0.0
+    spans = np.searchsorted(costs.span_need, cap, side="right")
+    stages, single = [], np.full(len(rate), INF)
     for i in range(len(rate)):
-        t = costs.read / rate[i]
-        np.copyto(stage[i], np.where(costs.mem <= cap[i], t + kappa * t * t, INF))
-        if stage[i, 0, L] < INF:
-            single[i] = stage[i, 0, L]
-        stage[i, 0, L] = INF  # alone, a node has no hops: scored apart
-    return stage, single
+        D = int(spans[i])
+        t = costs.read[:D] / rate[i]
+        band = np.where(costs.mem[:D] <= cap[i], t + kappa * t * t, INF)
+        if D == L and band[L - 1, L] < INF:
+            single[i] = band[L - 1, L]
+            band[L - 1, L] = INF  # alone, a node has no hops: scored apart
+        stages.append(band)
+    return tuple(stages), single
 
 
 def _dominated(
@@ -299,7 +361,7 @@ def price_route(
                                       read / by_id[node_id].bytes_per_second))  # fmt: skip
     frame = model.bytes_per_boundary_per_token * options.batch
     ids = [n for n, _, _ in route]
-    network = sum(table.between(a, b).seconds(frame) for a, b in zip(ids, ids[1:]))
+    network = float(sum(table.between(a, b).seconds(frame) for a, b in zip(ids, ids[1:])))
     if len(ids) > 1:
         network += table.between(ids[-1], ids[0]).seconds(TOKEN_ID_BYTES * options.batch)
     total = sum(st.compute_s for st in stages) + network
@@ -374,7 +436,7 @@ def _refusal(model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions) 
     biggest = max(max(0, options.capacity(n.free_memory_bytes)) for n in nodes)
     layer = max(range(model.num_layers), key=lambda i: model.layer_bytes[i])
     layer_need = model.layer_bytes[layer] + kv_layer
-    why = "" if need > have else ", and no contiguous split of the layers fits them"
+    why = "" if need > have else ", yet the planner found no contiguous split of the layers that fits"
     return (
         f"the pool cannot hold model {model.name!r}: it needs {need} bytes (weights "
         f"{model.weight_bytes()} + KV cache {kv_layer * model.num_layers} for "

@@ -50,6 +50,7 @@ class Mesh:
 
     app: FastAPI
     coordinator: Coordinator
+    backend: MeshBackend
     invite: Invite
     token: str
     package_dir: Path
@@ -79,7 +80,7 @@ def build_mesh(options: ServeOptions) -> Mesh:
         fragment_routes(app, package_dir, lambda token: token == secret)
         app.get("/api/status")(lambda: coordinator.status())
 
-    return Mesh(create_app(backend, extra_routes=routes), coordinator, invite, invite.encode(), package_dir)
+    return Mesh(create_app(backend, extra_routes=routes), coordinator, backend, invite, invite.encode(), package_dir)
 
 
 def _reachable(host: str) -> str:

@@ -26,6 +26,8 @@ log = logging.getLogger("seamline.stage")
 PREFILL_CHUNK = 512
 SendHidden = Callable[[list[Row], torch.Tensor], None]
 SendTokens = Callable[[list[TokenRow]], None]
+SendOpen = Callable[[Open], None]
+RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
 
 
 class OutOfStep(Exception):
@@ -49,6 +51,7 @@ class StageLinks:
     """Where this stage's output goes; None where the stage has no such neighbour."""
 
     downstream: SendHidden | None = None  # next stage (hidden frames)
+    downstream_open: SendOpen | None = None  # next stage (session create, ahead of its frames)
     stage0: SendTokens | None = None  # last stage -> stage 0 (tokens)
     results: SendTokens | None = None  # last stage -> coordinator (tokens)
 
@@ -56,15 +59,19 @@ class StageLinks:
 class StageWorker:
     def __init__(self, stage: Stage, is_first: bool, is_last: bool) -> None:
         self.stage = stage
+        self.dtype = next(iter(stage.layers.values())).input_norm.weight.dtype
         self.is_first = is_first
         self.is_last = is_last
         self.links = StageLinks()
         self.sequences: dict[int, Sequence] = {}
+        self.closed: dict[int, None] = {}  # insertion-ordered set of recently closed requests
         self.lock = threading.Lock()
         self.refused = 0
 
     # -- session calls (mirrored to every stage by the coordinator) --------------------
     def open(self, msg: Open) -> None:
+        """Create the sequence here, then pass the call on down the pipeline: it travels on the
+        same link as the request's frames, so it always reaches the next stage before them."""
         s = msg.sampling
         params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                                 seed=s.seed, max_tokens=s.max_tokens, stop_token_ids=s.stop_token_ids)  # fmt: skip
@@ -72,6 +79,8 @@ class StageWorker:
             seq = Sequence(self.stage.new_cache(), params, msg.context_length)
             seq.generator = make_generator(s.seed)
             self.sequences[msg.request] = seq
+        if not self.is_last and self.links.downstream_open is not None:
+            self.links.downstream_open(msg)
 
     def close(self, msg: Close) -> None:
         seq = self.sequences.get(msg.request)
@@ -79,6 +88,9 @@ class StageWorker:
             seq.done = True  # seen at once by a single-stage generation loop
         with self.lock:
             self.sequences.pop(msg.request, None)
+            self.closed[msg.request] = None
+            if len(self.closed) > RECENTLY_CLOSED:
+                del self.closed[next(iter(self.closed))]
 
     # -- data path ----------------------------------------------------------------------
     def prompt(self, msg: Prompt) -> None:
@@ -109,6 +121,12 @@ class StageWorker:
 
     def hidden(self, frame: HiddenFrame) -> None:
         """Stages after the first: run our layers on each row and pass it on."""
+        expected = (self.stage.config.hidden_size,)
+        if tuple(frame.tensor.shape[1:]) != expected or frame.tensor.dtype != self.dtype:
+            self.refused += 1
+            log.warning("refused frame: tensor %s %s, this stage takes [tokens, %d] %s",
+                        frame.tensor.dtype, tuple(frame.tensor.shape), expected[0], self.dtype)  # fmt: skip
+            return
         with self.lock:
             offset = 0
             for row in frame.rows:
@@ -117,12 +135,17 @@ class StageWorker:
                 try:
                     seq = self._check_row(row)
                 except OutOfStep as exc:
-                    self.refused += 1
-                    log.warning("refused frame: %s", exc)
+                    self._refuse(row.request, "frame", exc)
                     continue
                 self._run(row, seq, x)
 
     # -- internals ----------------------------------------------------------------------
+    def _refuse(self, request: int, what: str, exc: OutOfStep) -> None:
+        if request in self.closed:
+            return  # in flight when the request was closed: expected, not an error
+        self.refused += 1
+        log.warning("refused %s: %s", what, exc)
+
     def _sequence(self, request: int) -> Sequence:
         seq = self.sequences.get(request)
         if seq is None:
@@ -147,8 +170,7 @@ class StageWorker:
             if row.position != seq.next_position or row.hash_before != seq.hash or row.hash_after != expected_after:
                 raise OutOfStep(f"request {row.request}: token for position {row.position}, stage 0 is at {seq.next_position}")
         except OutOfStep as exc:
-            self.refused += 1
-            log.warning("refused token: %s", exc)
+            self._refuse(row.request, "token", exc)
             return None
         if row.flags & RowFlag.DONE or (seq.done and not self.is_last):
             seq.done = True

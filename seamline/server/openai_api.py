@@ -53,8 +53,9 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 def create_app(backend: Backend, extra_routes: Callable[[FastAPI], None] | None = None) -> FastAPI:
     """The FastAPI app serving ``backend``; ``extra_routes(app)`` may add more (e.g. a console)."""
-    app = FastAPI(title="seamline", summary="One model, one OpenAI-compatible endpoint.",
-                  strict_content_type=False)  # a JSON body without a Content-Type is still JSON
+    # FastAPI's strict content type stays on: a body is JSON only with Content-Type: application/json,
+    # so a web page cannot make a visitor's browser spend this server's compute (no CORS preflight).
+    app = FastAPI(title="seamline", summary="One model, one OpenAI-compatible endpoint.")
     _install_error_handlers(app)
     routes = _Routes(backend)
     app.add_api_route("/health", routes.health, methods=["GET"])
@@ -79,10 +80,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
-        if exc.status_code == 404:
+        message = str(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
-        else:
-            message = str(exc.detail)
         body = error_body(message, "invalid_request_error", None, _code_for(exc.status_code))
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
@@ -101,14 +101,15 @@ def _code_for(status: int) -> str:
 
 
 def backend_error(exc: BaseException) -> OpenAIError:
-    """An exception raised while generating, as the OpenAI error a client should see."""
+    """An exception raised while serving a request, as the OpenAI error a client should see."""
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, RequestError):
         return bad_request(str(exc), None, "invalid_request")
     if isinstance(exc, SeamlineError):
+        log.warning("generation failed: %s", exc)
         return OpenAIError(503, f"generation failed: {exc}", "service_unavailable", None, "backend_error")
-    log.error("generation crashed", exc_info=exc)
+    log.error("request crashed", exc_info=exc)
     message = f"internal error: {type(exc).__name__}: {exc}"
     return OpenAIError(500, message, "server_error", None, "internal_error")
 
@@ -165,7 +166,7 @@ class Generation:
 
     async def _next(self) -> int | None:
         try:
-            return int(await anext(self._tokens))  # type: ignore[arg-type]
+            return int(await anext(self._tokens))
         except StopAsyncIteration:
             return None
 
@@ -180,7 +181,7 @@ class _Reply:
     created: int
 
     @classmethod
-    def new(cls, chat: bool, model: str) -> "_Reply":
+    def new(cls, chat: bool, model: str) -> _Reply:
         prefix = "chatcmpl-" if chat else "cmpl-"
         return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()))
 
@@ -264,7 +265,7 @@ class _Routes:
     async def health(self) -> Response:
         ready, reason = self._readiness()
         if ready:
-            return JSONResponse({"status": "ok", "model": self.backend.model_name})
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
 
     async def list_models(self) -> dict[str, Any]:
@@ -357,7 +358,8 @@ class _Routes:
         vocab = self.backend.codec.tokenizer.get_vocab_size(with_added_tokens=True)
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", "prompt", "invalid_value")
+            message = f"token id {bad} is outside the vocabulary [0, {vocab})"
+            raise bad_request(message, "prompt", "invalid_value")
         return list(prompt)
 
     def _params(self, body: ChatRequest | CompletionRequest, prompt: list[int], field: str) -> SamplingParams:
@@ -372,9 +374,10 @@ class _Routes:
         room = context - len(prompt)
         limit = body.limit
         if limit is not None and limit > room:
-            message = (f"max_tokens is {limit}, but the prompt ({len(prompt)} tokens) leaves "
+            name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+            message = (f"{name} is {limit}, but the prompt ({len(prompt)} tokens) leaves "
                        f"{room} of the model's {context}-token context")  # fmt: skip
-            raise bad_request(message, "max_tokens", "context_length_exceeded")
+            raise bad_request(message, name, "context_length_exceeded")
         params = SamplingParams(
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_k=max(0, body.top_k or 0),

@@ -63,7 +63,7 @@ class ChatMessage(_Strict):
         return text_content(value)
 
     @model_validator(mode="after")
-    def _content_required(self) -> "ChatMessage":
+    def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs 'content' (only assistant content may be null)")
         return self
@@ -78,18 +78,21 @@ class ChatMessage(_Strict):
 
 
 def text_content(value: Any) -> str | None:
-    """A message's content: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    """A message's content: a string, or a list of ``{"type": "text", "text": ...}`` parts.
+
+    Raises ValueError (not TypeError) throughout: pydantic turns only ValueError into a 400.
+    """
     if value is None or isinstance(value, str):
         return value
     if not isinstance(value, list):
-        raise ValueError("content must be a string or a list of text parts")
+        raise ValueError("content must be a string or a list of text parts")  # noqa: TRY004
     texts = []
     for part in value:
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             raise ValueError(f"only text content parts are supported, got {kind!r}")
         if not isinstance(part.get("text"), str):
-            raise ValueError("a text content part needs a string 'text'")
+            raise ValueError("a text content part needs a string 'text'")  # noqa: TRY004
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -189,7 +192,7 @@ class ChatRequest(_Sampling):
         return value
 
     @model_validator(mode="after")
-    def _one_limit(self) -> "ChatRequest":
+    def _one_limit(self) -> ChatRequest:
         a, b = self.max_tokens, self.max_completion_tokens
         if a is not None and b is not None and a != b:
             raise ValueError(f"max_tokens ({a}) and max_completion_tokens ({b}) disagree; send one")
@@ -262,11 +265,13 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     kind, loc = err.get("type", ""), tuple(err.get("loc", ()))
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
-        return bad_request(f"the request body is not valid JSON: {detail}".rstrip(": "), None, "invalid_json")
+        where = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return bad_request(f"the request body is not valid JSON: {detail}{where}", None, "invalid_json")
     param = param_name(loc)
     message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None and isinstance(err.get("input"), bytes):
-        return bad_request("the request body must be JSON (Content-Type: application/json)", None, "invalid_body")
+        message = "the request body must be JSON, sent with Content-Type: application/json"
+        return bad_request(message, None, "invalid_body")
     if param is None and kind in ("missing", "model_attributes_type", "model_type", "dict_type"):
         return bad_request("the request body must be a JSON object", None, "invalid_body")
     if param is None:

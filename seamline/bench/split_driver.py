@@ -1,0 +1,75 @@
+"""A mesh under measurement: coordinator + fragment server here, stage nodes as processes.
+
+Runs as its own process (so a benchmark can place it inside a network namespace) and takes
+commands on stdin: ``measure TOKENS`` prints one JSON line with the decode rate of a greedy
+generation through the mesh, as the coordinator receives the tokens; ``quit`` ends it.
+Nodes are started by the command lines given with ``--node-cmd`` (``{token}`` is replaced),
+or locally when none are given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import subprocess
+import sys
+import threading
+import time
+
+import uvicorn
+
+from seamline.mesh.demo import memory_cap_gb
+from seamline.mesh.serve import ServeOptions, build_mesh, spawn_node, wait_ready
+from seamline.net.link import free_port
+from seamline.runtime.sampling import SamplingParams
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+CONTEXT = 2048
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--node-cmd", action="append", default=[], help="shell command per node, {token}")
+    args = parser.parse_args()
+    port = free_port(args.host)
+    options = ServeOptions(host=args.host, port=port, control_port=free_port(args.host),
+                           nodes_expected=args.stages, local_node=False, context=CONTEXT)  # fmt: skip
+    mesh = build_mesh(options)
+    mesh.coordinator.start(args.host)
+    server = uvicorn.Server(uvicorn.Config(mesh.app, host=args.host, port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    cap = f"{memory_cap_gb(None, args.stages, CONTEXT):.3f}"
+    if args.node_cmd:
+        procs = [subprocess.Popen(shlex.split(c.format(token=mesh.token, cap=cap))) for c in args.node_cmd]
+    else:
+        procs = [spawn_node(mesh.token, f"node{i}", None, ["--no-progress", "--max-memory", cap])
+                 for i in range(args.stages)]  # fmt: skip
+    status = wait_ready(mesh.coordinator, timeout_s=600)
+    print(json.dumps({"ready": True, "stages": status["stages"]}), flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if not words or words[0] == "quit":
+            break
+        print(json.dumps(asyncio.run(_measure(mesh, int(words[1])))), flush=True)
+    for proc in procs:
+        proc.terminate()
+    server.should_exit = True
+    return 0
+
+
+async def _measure(mesh: object, tokens: int) -> dict[str, float]:
+    backend = mesh.backend  # type: ignore[attr-defined]
+    prompt = backend.codec.encode_chat([{"role": "user", "content": PROMPT}])
+    times = []
+    async for _ in backend.generate(prompt, SamplingParams(max_tokens=tokens + 1)):
+        times.append(time.perf_counter())
+    decode = times[-1] - times[0]
+    return {"tok_s": (len(times) - 1) / decode, "ms_per_token": decode / (len(times) - 1) * 1e3, "tokens": len(times) - 1}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

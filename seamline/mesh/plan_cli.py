@@ -1,0 +1,214 @@
+"""`seamline plan`: the plan for a pool of nodes, printed, and optionally pinned in a lock file.
+
+The pool comes from a JSON file (``--nodes FILE``) or, once the coordinator serves it, from a
+running mesh (``--live URL``, see ``live_pool``). The file is a list of nodes, or an object
+``{"nodes": [...], "links": [...]}`` when some pairs of nodes have a link of their own::
+
+    [{"node_id": "a", "free_memory_gb": 8, "bytes_per_second": 2e10,
+      "latency_ms": 0.25, "bandwidth_mbps": 1000}, ...]
+    "links": [{"a": "a", "b": "c", "latency_ms": 40, "bandwidth_mbps": 50}]
+
+``free_memory_gb`` is in GiB (2**30 bytes; ``free_memory_bytes`` may be given instead);
+``bytes_per_second`` is the node's measured weight-streaming rate. ``latency_ms`` (one-way)
+and ``bandwidth_mbps`` (megabits per second) describe the node's own link: a pair of nodes
+is as slow as its slower end unless ``links`` names the pair. ``address`` and ``device``
+are optional and informational.
+
+Lock files: when ``--lock FILE`` does not exist, the new plan is written to it; when it
+exists, the pinned plan is loaded and checked against the pool (same model, every node
+present, every node's layers still fit) and printed with its time re-predicted for the
+pool's links -- nothing is re-planned and the file is not rewritten.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from seamline.config import ModelConfig
+from seamline.mesh.planner import check_plan, plan, price_route
+from seamline.mesh.types import (
+    DEFAULT_LINK,
+    Link,
+    LinkTable,
+    ModelSpec,
+    NodeInfo,
+    Plan,
+    PlanError,
+    PlanOptions,
+)
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+NODE_KEYS = {"node_id", "free_memory_gb", "free_memory_bytes", "bytes_per_second", "latency_ms",
+             "bandwidth_mbps", "address", "device"}  # fmt: skip
+LINK_KEYS = {"a", "b", "latency_ms", "bandwidth_mbps"}
+
+
+def run_plan_command(
+    nodes_json_path: str | None,
+    model_path: str | None,
+    lock_path: str | None,
+    context: int,
+    batch: int,
+    live_url: str | None = None,
+    dtype: str = "float32",
+) -> int:
+    """Print the plan (or the checked lock) for the pool; raise PlanError when none fits."""
+    if nodes_json_path is not None:
+        nodes, links = read_pool(nodes_json_path)
+    elif live_url is not None:
+        nodes, links = live_pool(live_url)
+    else:
+        raise PlanError("seamline plan needs a pool: --nodes FILE (JSON list of nodes) or --live URL")
+    spec, own_context = model_spec(model_path, DTYPE_BYTES[dtype])
+    options = PlanOptions(context_tokens=context or own_context, batch=batch)
+    lock = Path(lock_path) if lock_path else None
+    if lock is not None and lock.exists():
+        pinned = Plan.from_json(lock.read_text())
+        check_plan(pinned, spec, nodes, options)
+        route = [(s.node_id, s.start, s.end) for s in pinned.stages]
+        print(f"locked plan from {lock} (checked against the pool; not re-planned)")
+        print(format_plan(price_route(spec, nodes, links, options, route), nodes))
+        return 0
+    chosen = plan(spec, nodes, links, options)
+    print(format_plan(chosen, nodes))
+    if lock is not None:
+        lock.write_text(chosen.to_json())
+        print(f"plan written to {lock}")
+    return 0
+
+
+def live_pool(coordinator_url: str) -> tuple[list[NodeInfo], LinkTable]:
+    """Hook: the live mesh's nodes and links from a coordinator's GET /api/plan (not built yet)."""
+    raise PlanError(
+        f"planning for a live mesh ({coordinator_url}) is not available yet: "
+        "describe the pool in a JSON file and pass --nodes FILE"
+    )
+
+
+def model_spec(model_path: str | None, dtype_bytes: int) -> tuple[ModelSpec, int]:
+    """The planner's view of a checkpoint (exact bytes from its shapes) and its own context."""
+    from seamline.app import default_model_path
+    from seamline.weights.loader import open_source
+
+    path = Path(model_path) if model_path else default_model_path()
+    source = open_source(path)
+    config = ModelConfig.from_hf_dict(source.config_dict())
+    shapes = {name: tuple(source.shape(name)) for name in source.names()}
+    name = path.stem if path.is_file() else path.resolve().name  # as `seamline package` names it
+    spec = ModelSpec.from_checkpoint_shapes(config, name, shapes, dtype_bytes)
+    return spec, config.max_position_embeddings
+
+
+def read_pool(path: str) -> tuple[list[NodeInfo], LinkTable]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"the nodes file {path} must be readable JSON ({exc})") from None
+    return parse_pool(data, path)
+
+
+def parse_pool(data: Any, where: str = "the nodes file") -> tuple[list[NodeInfo], LinkTable]:
+    """Nodes and links from the JSON described in the module docstring, strictly checked."""
+    if isinstance(data, dict) and set(data) <= {"nodes", "links"}:
+        items, pairs = data.get("nodes"), data.get("links") or []
+    else:
+        items, pairs = data, []
+    if not isinstance(items, list) or not items or not isinstance(pairs, list):
+        raise PlanError(f"{where} must be a non-empty JSON list of nodes, or an object with one")
+    nodes, access = [], {}
+    for i, item in enumerate(items):
+        node, link = _parse_node(_object(item, NODE_KEYS, f"{where}: node {i}"), f"{where}: node {i}")
+        nodes.append(node)
+        if link is not None:
+            access[node.node_id] = link
+    links = {}
+    for i, item in enumerate(pairs):
+        obj = _object(item, LINK_KEYS, f"{where}: link {i}")
+        if not all(isinstance(obj.get(k), str) for k in ("a", "b")):
+            raise PlanError(f"{where}: link {i} needs node ids a and b")
+        links[(str(obj["a"]), str(obj["b"]))] = _link(obj, f"{where}: link {i}", DEFAULT_LINK)
+    return nodes, LinkTable(access=access, pairs=links)
+
+
+def _object(item: Any, allowed: set[str], where: str) -> dict[str, Any]:
+    if not isinstance(item, dict):
+        raise PlanError(f"{where} must be a JSON object")
+    unknown = sorted(set(item) - allowed)
+    if unknown:
+        raise PlanError(f"{where} has unknown field {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
+    return item
+
+
+def _parse_node(obj: dict[str, Any], where: str) -> tuple[NodeInfo, Link | None]:
+    if not isinstance(obj.get("node_id"), str) or not obj["node_id"]:
+        raise PlanError(f"{where} needs a non-empty string node_id")
+    where = f"{where} ({obj['node_id']})"
+    if ("free_memory_gb" in obj) == ("free_memory_bytes" in obj):
+        raise PlanError(f"{where} needs exactly one of free_memory_gb and free_memory_bytes")
+    if "free_memory_bytes" in obj:
+        free = _number(obj, "free_memory_bytes", where)
+    else:
+        free = _number(obj, "free_memory_gb", where) * GIB
+    rate = _number(obj, "bytes_per_second", where)
+    if rate <= 0:
+        raise PlanError(f"{where} needs bytes_per_second > 0")
+    has_link = "latency_ms" in obj or "bandwidth_mbps" in obj
+    link = _link(obj, where, DEFAULT_LINK) if has_link else None
+    address, device = str(obj.get("address", "")), str(obj.get("device", "cpu"))
+    return NodeInfo(obj["node_id"], int(free), rate, address, device), link
+
+
+def _link(obj: dict[str, Any], where: str, default: Link) -> Link:
+    latency, bandwidth = default.latency_s, default.bandwidth_bytes_per_s
+    if "latency_ms" in obj:
+        latency = _number(obj, "latency_ms", where) / 1e3
+    if "bandwidth_mbps" in obj:
+        bandwidth = _number(obj, "bandwidth_mbps", where) * 1e6 / 8  # megabits -> bytes
+    if bandwidth <= 0:
+        raise PlanError(f"{where} needs bandwidth_mbps > 0")
+    return Link(latency, bandwidth)
+
+
+def _number(obj: dict[str, Any], key: str, where: str) -> float:
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise PlanError(f"{where} needs {key} as a non-negative finite number, not {value!r}")
+    return float(value)
+
+
+def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
+    """A human table: one row per stage, then the predicted time per token."""
+    free = {n.node_id: n.free_memory_bytes for n in nodes}
+    width = max(4, *(len(s.node_id) for s in p.stages))
+    rows = [
+        f"plan for {p.model_name} ({p.num_layers} layers), context {p.context_tokens} x {p.batch} "
+        f"sequence{'s' if p.batch > 1 else ''}",
+        f"{'stage':>5}  {'node':<{width}}  {'layers':<11} {'owns':<11} {'weights':>10} "
+        f"{'KV cache':>10} {'free':>10} {'compute':>11}",
+    ]
+    for i, s in enumerate(p.stages):
+        owns = "+".join(x for x, o in (("embed", s.owns_embedding), ("head", s.owns_head)) if o) or "-"
+        rows.append(
+            f"{i:>5}  {s.node_id:<{width}}  {f'[{s.start},{s.end})':<11} {owns:<11} "
+            f"{_size(s.weight_bytes):>10} {_size(s.kv_bytes):>10} {_size(free.get(s.node_id, 0)):>10} "
+            f"{s.compute_s * 1e3:>8.3f} ms"
+        )
+    rows.append(
+        f"predicted {p.predicted_s_per_token * 1e3:.3f} ms/token "
+        f"(network {p.network_s_per_token * 1e3:.3f} ms over {len(p.stages) - 1} hop"
+        f"{'' if len(p.stages) == 2 else 's'} + return)"
+        if len(p.stages) > 1
+        else f"predicted {p.predicted_s_per_token * 1e3:.3f} ms/token (one node, no network)"
+    )
+    return "\n".join(rows)
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

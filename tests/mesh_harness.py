@@ -1,0 +1,113 @@
+"""Start real `seamline serve` and `seamline join` processes on loopback for mesh tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from seamline.net.link import free_port
+
+TOKEN_LINE = re.compile(r"invite token .*: (seamline-\S+)")
+
+
+def seamline_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "seamline.cli", *args]
+
+
+@dataclass
+class MeshProcesses:
+    root: Path
+    nodes: int
+    model: str | None = None
+    node_memory_gb: float | None = None
+    serve_args: tuple[str, ...] = ()
+    port: int = field(default_factory=free_port)
+    control_port: int = field(default_factory=free_port)
+    serve: subprocess.Popen[str] | None = None
+    node_procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    output: list[str] = field(default_factory=list)
+    token: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, join: bool = True) -> "MeshProcesses":
+        args = ["serve", "--no-local-node", "--nodes-expected", str(self.nodes), "--port", str(self.port),
+                "--control-port", str(self.control_port), *self.serve_args]  # fmt: skip
+        if self.model:
+            args += ["--model", self.model]
+        env = {**os.environ, "SEAMLINE_CACHE": str(self.root / "coordinator")}
+        self.serve = subprocess.Popen(seamline_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=env)  # fmt: skip
+        threading.Thread(target=self._collect, daemon=True).start()
+        self.token = self._wait_token(timeout=180)
+        if join:
+            for i in range(self.nodes):
+                self.join(f"node{i}")
+        return self
+
+    def join(self, node_id: str, token: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+        args = ["join", token or self.token, "--node-id", node_id, "--quiet", "--no-progress", *extra]
+        if self.node_memory_gb is not None:
+            args += ["--max-memory", str(self.node_memory_gb)]
+        env = {**os.environ, "SEAMLINE_CACHE": str(self.root / node_id)}
+        proc = subprocess.Popen(seamline_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.node_procs.append(proc)
+        return proc
+
+    def _collect(self) -> None:
+        assert self.serve is not None and self.serve.stdout is not None
+        for line in self.serve.stdout:
+            self.output.append(line)
+
+    def _wait_token(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.output):
+                if match := TOKEN_LINE.search(line):
+                    return match.group(1)
+            if self.serve is not None and self.serve.poll() is not None:
+                raise RuntimeError("serve exited:\n" + "".join(self.output))
+            time.sleep(0.1)
+        raise TimeoutError("serve printed no invite token:\n" + "".join(self.output))
+
+    def wait_ready(self, timeout: float = 240) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                    return self.status()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"mesh not ready: {self.status_or_output()}")
+
+    def status(self) -> dict[str, Any]:
+        return dict(httpx.get(f"{self.base_url}/api/status", timeout=10).json())
+
+    def status_or_output(self) -> str:
+        try:
+            return str(self.status())
+        except httpx.HTTPError:
+            return "".join(self.output)
+
+    def stop(self) -> None:
+        for proc in [*self.node_procs, self.serve]:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        for proc in [*self.node_procs, self.serve]:
+            if proc is not None:
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()

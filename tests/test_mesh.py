@@ -1,0 +1,147 @@
+"""Stage split in real processes over real sockets: the mesh equals the single-process engine.
+
+Nodes are given a memory cap (`seamline join --max-memory`) so that no node can hold the
+whole model and the planner must split it into the number of stages under test.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+
+from seamline.app import LocalModel
+from seamline.mesh.demo import memory_cap_gb
+from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, encode_hidden, header
+from seamline.runtime.sampling import SamplingParams
+from tests.mesh_harness import MeshProcesses
+
+import torch
+
+QUESTION = "Name three rivers in Europe and one fact about each."
+TOKENS = 48
+CONTEXT = 1024
+RSS_MARGIN = 1.3  # resident memory beyond an idle process: at most 1.3 × the node's weights
+
+
+@pytest.fixture(scope="module")
+def model() -> LocalModel:
+    return LocalModel.load(context=CONTEXT)
+
+
+def expected_text(model: LocalModel, question: str, tokens: int) -> str:
+    ids = model.codec.encode_chat([{"role": "user", "content": question}])
+    params = SamplingParams(max_tokens=tokens, stop_token_ids=model.codec.stop_ids)
+    return model.codec.decode(list(model.engine.generate(ids, params)))
+
+
+def ask(mesh: MeshProcesses, question: str, tokens: int) -> dict:
+    body = {"model": "default", "messages": [{"role": "user", "content": question}],
+            "temperature": 0, "max_tokens": tokens}  # fmt: skip
+    reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+def start_mesh(root: Path, stages: int) -> MeshProcesses:
+    mesh = MeshProcesses(root, nodes=stages, node_memory_gb=memory_cap_gb(None, stages, CONTEXT),
+                         serve_args=("--context", str(CONTEXT)))  # fmt: skip
+    return mesh.start()
+
+
+@pytest.fixture(scope="module")
+def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    mesh = start_mesh(tmp_path_factory.mktemp("mesh2"), 2)
+    try:
+        mesh.wait_ready()
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def test_two_stage_mesh_matches_single_process(mesh2: MeshProcesses, model: LocalModel) -> None:
+    status = mesh2.status()
+    assert [s["layers"] for s in status["stages"]][0][0] == 0 and len(status["stages"]) == 2
+    reply = ask(mesh2, QUESTION, TOKENS)
+    assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, TOKENS)
+
+
+def test_nodes_download_exactly_their_fragments(mesh2: MeshProcesses) -> None:
+    from seamline.weights.fragments import Manifest, fragments_for
+
+    status = mesh2.status()
+    package = next((mesh2.root / "coordinator" / "packages").glob("*/manifest.json")).parent
+    manifest = Manifest.load(package)
+    downloaded = {n["node_id"]: n["bytes_downloaded"] for n in status["nodes"]}
+    for stage in status["stages"]:
+        entries = fragments_for(manifest, tuple(stage["layers"]), stage["embedding"], stage["head"])
+        assert downloaded[stage["node_id"]] == sum(e.bytes for e in entries)
+
+
+def test_node_memory_is_its_share(mesh2: MeshProcesses) -> None:
+    idle = subprocess.run([sys.executable, "-c", "import psutil, seamline.mesh.node, seamline.mesh.node_loading;"
+                           "print(psutil.Process().memory_info().rss)"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    baseline = int(idle.stdout)  # an idle process with everything imported
+    status = mesh2.status()
+    shares = {s["node_id"]: s for s in status["stages"]}
+    total_weights = sum(s["weight_bytes"] for s in status["stages"])
+    for proc in mesh2.node_procs:
+        node_id = proc.args[proc.args.index("--node-id") + 1]  # type: ignore[union-attr]
+        rss = psutil.Process(proc.pid).memory_info().rss
+        share = shares[node_id]["weight_bytes"]
+        assert share < 0.75 * total_weights
+        assert rss - baseline <= RSS_MARGIN * share + (64 << 20), (node_id, rss, baseline, share)
+        assert rss - baseline >= 0.8 * share, (node_id, rss, baseline, share)
+
+
+def _data_address(mesh: MeshProcesses, index: int) -> tuple[str, int]:
+    status = mesh.status()
+    node_id = status["stages"][index]["node_id"]
+    host, port = next(n["address"] for n in status["nodes"] if n["node_id"] == node_id).rsplit(":", 1)
+    return host, int(port)
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(10)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_bad_frames_are_refused_and_the_mesh_keeps_serving(mesh2: MeshProcesses, model: LocalModel) -> None:
+    address = _data_address(mesh2, 1)
+    with socket.create_connection(address) as garbage:
+        garbage.sendall(b"this is not a seamline frame at all")
+        assert _closed_by_peer(garbage)
+    with socket.create_connection(address) as oversized:
+        oversized.sendall(header(FrameType.HIDDEN, 1 << 31))
+        assert _closed_by_peer(oversized)
+    with socket.create_connection(address) as out_of_step:
+        row = Row(request=999, position=7, count=1, hash_before=EMPTY_HASH, hash_after=1, flags=int(RowFlag.SAMPLE))
+        for buf in encode_hidden([row], torch.zeros(1, model.config.hidden_size)):
+            out_of_step.sendall(bytes(buf))
+        malformed = header(FrameType.HIDDEN, 8) + struct.pack("<HBBI", 1, 99, 1, 4)  # unknown dtype code
+        out_of_step.sendall(malformed)
+        assert _closed_by_peer(out_of_step)  # the out-of-step frame was refused, the malformed one closed it
+    reply = ask(mesh2, QUESTION, 16)
+    assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, 16)
+
+
+def test_three_stage_mesh_matches_single_process(tmp_path: Path, model: LocalModel) -> None:
+    mesh = start_mesh(tmp_path, 3)
+    try:
+        status = mesh.wait_ready()
+        assert len(status["stages"]) == 3
+        reply = ask(mesh, QUESTION, TOKENS)
+        assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, TOKENS)
+    finally:
+        mesh.stop()

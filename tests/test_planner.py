@@ -1,0 +1,361 @@
+"""The planner on simulated pools: placement, refusals, validity on random pools, speed, locks."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from seamline.config import ModelConfig
+from seamline.mesh.plan_cli import parse_pool, run_plan_command
+from seamline.mesh.planner import check_plan, plan, price_route
+from seamline.mesh.types import (
+    Link,
+    LinkTable,
+    ModelSpec,
+    NodeInfo,
+    Plan,
+    PlanError,
+    PlanOptions,
+)
+from seamline.model.ownership import Ownership
+from seamline.weights.names import stage_plans
+
+MIB = 1 << 20
+GIB = 1 << 30
+EXACT = PlanOptions(context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0)
+
+
+def spec(layers: int, layer: int = 100 * MIB, embed: int = 0, head: int = 0, kv: int = 0,
+         name: str = "m", tied: bool = False) -> ModelSpec:  # fmt: skip
+    return ModelSpec(name, layers, 1024, (layer,) * layers, embed, head, kv, 4096, tied)
+
+
+def node(node_id: str, free: int, rate: float = 1e10) -> NodeInfo:
+    return NodeInfo(node_id, free, rate)
+
+
+def need(model: ModelSpec, options: PlanOptions, s: int, e: int) -> int:
+    """Bytes owning [s, e) takes, computed here independently of the planner."""
+    L = model.num_layers
+    weights = sum(model.layer_bytes[s:e]) + (model.embed_bytes if s == 0 else 0)
+    weights += model.head_bytes if e == L else 0
+    if s == 0 and e == L and model.tied_embeddings:
+        weights -= model.embed_bytes
+    return weights + model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch * (e - s)
+
+
+def assert_valid(p: Plan, model: ModelSpec, nodes: list[NodeInfo], options: PlanOptions) -> None:
+    """Contiguous ranges covering [0, L) exactly once, distinct nodes, every node within memory."""
+    by_id = {n.node_id: n for n in nodes}
+    covered = [r for s in p.stages for r in range(s.start, s.end)]
+    assert covered == list(range(model.num_layers))
+    assert all(s.start < s.end for s in p.stages)
+    assert len(set(p.node_ids())) == len(p.stages)
+    assert p.stages[0].owns_embedding and p.stages[-1].owns_head
+    assert not any(s.owns_embedding for s in p.stages[1:]) and not any(s.owns_head for s in p.stages[:-1])
+    for s in p.stages:
+        assert s.predicted_bytes == need(model, options, s.start, s.end)
+        assert s.predicted_bytes <= options.capacity(by_id[s.node_id].free_memory_bytes)
+
+
+def test_one_node_owns_the_whole_model() -> None:
+    model = spec(12, embed=50 * MIB, head=60 * MIB, kv=1024)
+    nodes = [node("solo", 4 * GIB, 2e10)]
+    p = plan(model, nodes, None, EXACT)
+    assert p.ranges() == ((0, 12),) and p.node_ids() == ("solo",)
+    assert p.stages[0].owns_embedding and p.stages[0].owns_head
+    assert p.network_s_per_token == 0.0
+    assert p.predicted_s_per_token == pytest.approx((12 * 100 * MIB + 60 * MIB) / 2e10)
+    assert_valid(p, model, nodes, EXACT)
+
+
+def test_two_equal_nodes_split_evenly() -> None:
+    for layers in (10, 11, 30):
+        model = spec(layers)
+        nodes = [node("a", int(0.7 * layers) * 100 * MIB), node("b", int(0.7 * layers) * 100 * MIB)]
+        p = plan(model, nodes, None, EXACT)
+        assert len(p.stages) == 2
+        sizes = [s.end - s.start for s in p.stages]
+        assert abs(sizes[0] - sizes[1]) <= 1, sizes
+        assert_valid(p, model, nodes, EXACT)
+
+
+def test_fewer_hops_when_compute_is_equal() -> None:
+    model = spec(20)
+    nodes = [node(x, 12 * 100 * MIB) for x in "abcd"]  # two suffice, four could
+    p = plan(model, nodes, None, EXACT)
+    assert p.node_ids() == ("a", "b")  # ties go to the first node ids
+
+
+def test_heterogeneous_memory_small_node_gets_few_layers() -> None:
+    model = spec(20, embed=10 * MIB, head=10 * MIB)
+    nodes = [node("small", 4 * 100 * MIB + 20 * MIB), node("big", 17 * 100 * MIB + 20 * MIB)]
+    p = plan(model, nodes, None, EXACT)
+    sizes = {s.node_id: s.end - s.start for s in p.stages}
+    assert sizes["small"] <= 4 and sizes["big"] >= 16
+    assert_valid(p, model, nodes, EXACT)
+
+
+def test_fast_node_with_little_memory_is_filled() -> None:
+    model = spec(20)
+    nodes = [node("fast", 5 * 100 * MIB, 1e11), node("slow1", 30 * 100 * MIB, 1e10),
+             node("slow2", 30 * 100 * MIB, 1e10)]  # fmt: skip
+    p = plan(model, nodes, None, EXACT)
+    sizes = {s.node_id: s.end - s.start for s in p.stages}
+    assert sizes["fast"] == 5 and len(p.stages) == 2
+    assert_valid(p, model, nodes, EXACT)
+
+
+def test_slow_link_is_avoided_while_others_suffice() -> None:
+    model = spec(20)
+    nodes = [node("a", 12 * 100 * MIB), node("b", 12 * 100 * MIB), node("far", 12 * 100 * MIB, 1.2e10)]
+    slow = LinkTable(access={"far": Link(0.5, 1e6)})  # half a second away
+    p = plan(model, nodes, slow, EXACT)
+    assert set(p.node_ids()) == {"a", "b"}
+    p = plan(model, nodes[:1] + nodes[2:], slow, EXACT)  # without b, far is needed
+    assert set(p.node_ids()) == {"a", "far"}
+    assert p.network_s_per_token == pytest.approx(0.5 + 4096 / 1e6 + 0.5 + 8 / 1e6)  # frame, token id
+    pairs = {("a", "b"): Link(0.5, 1e6)}  # a dict of pairs works as the links argument
+    p = plan(model, nodes, pairs, EXACT)
+    assert "far" in p.node_ids()
+
+
+def test_pool_that_cannot_hold_the_model_is_refused_with_numbers() -> None:
+    model = spec(10, embed=10 * MIB, head=10 * MIB, kv=1024)
+    nodes = [node("a", 3 * 100 * MIB), node("b", 4 * 100 * MIB)]
+    with pytest.raises(PlanError) as err:
+        plan(model, nodes, None, EXACT)
+    text = str(err.value)
+    needed = 10 * 100 * MIB + 20 * MIB + 10 * 1024 * 1024
+    assert "cannot hold" in text and str(needed) in text and str(7 * 100 * MIB) in text
+    assert f"needs {100 * MIB + 1024 * 1024} bytes" in text  # the largest layer with its KV
+    many_small = [node(f"n{i}", 90 * MIB) for i in range(30)]  # enough in sum, no layer fits
+    with pytest.raises(PlanError, match="no contiguous split"):
+        plan(spec(10), many_small, None, EXACT)
+
+
+def test_invalid_inputs_name_the_invariant() -> None:
+    with pytest.raises(PlanError, match="unique"):
+        plan(spec(2), [node("a", GIB), node("a", GIB)], None, EXACT)
+    with pytest.raises(PlanError, match="positive finite rate"):
+        plan(spec(2), [node("a", GIB, 0.0)], None, EXACT)
+    with pytest.raises(PlanError, match="no nodes"):
+        plan(spec(2), [], None, EXACT)
+
+
+def random_case(rng: random.Random, n: int, layers: int) -> tuple[ModelSpec, list[NodeInfo], LinkTable, PlanOptions]:
+    layer_bytes = tuple(rng.choice((60, 100, 100, 150)) * MIB for _ in range(layers))
+    model = ModelSpec("r", layers, 1024, layer_bytes, rng.choice((0, 50, 200)) * MIB,
+                      rng.choice((10, 80, 200)) * MIB, rng.choice((0, 256)), 4096, rng.random() < 0.3)  # fmt: skip
+    total = sum(layer_bytes)
+    nodes = [node(f"n{i:03d}", int(total * rng.uniform(0.3, 2.5) / max(1, n // 3)), rng.uniform(1e9, 1e11))
+             for i in range(n)]  # fmt: skip
+    kind = rng.randrange(3)
+    if kind == 0:
+        links = LinkTable(default=Link(rng.choice((1e-4, 1e-3, 2e-2)), 1.25e8))
+    elif kind == 1:
+        links = LinkTable(access={x.node_id: Link(rng.uniform(1e-4, 5e-2), rng.uniform(1e6, 1e9)) for x in nodes})
+    else:
+        few = rng.sample(nodes, min(n, 6))
+        links = LinkTable(pairs={(a.node_id, b.node_id): Link(rng.uniform(1e-4, 0.1), 1e7)
+                                 for a, b in itertools.combinations(few, 2)})  # fmt: skip
+    options = PlanOptions(context_tokens=rng.choice((128, 4096)), batch=rng.choice((1, 4)),
+                          headroom_fraction=0.05, headroom_bytes=8 * MIB)  # fmt: skip
+    return model, nodes, links, options
+
+
+def test_random_pools_give_valid_plans_from_1_to_500_nodes() -> None:
+    rng = random.Random(20240611)
+    planned = 0
+    for n in (1, 2, 3, 4, 5, 6, 8, 13, 21, 40, 77, 150, 300, 500):
+        for _ in range(6 if n < 100 else 2):
+            model, nodes, links, options = random_case(rng, n, rng.randint(1, 128))
+            try:
+                p = plan(model, nodes, links, options)
+            except PlanError as exc:
+                assert "cannot hold" in str(exc)
+                continue
+            assert_valid(p, model, nodes, options)
+            again = price_route(model, nodes, links, options, [(s.node_id, s.start, s.end) for s in p.stages])
+            assert again == p  # the reported costs are the route's own, recomputed from scratch
+            planned += 1
+    assert planned >= 50
+
+
+def test_a_hidden_feasible_plan_is_always_found() -> None:
+    """Pools built around a known feasible route among random distractors: never refused."""
+    rng = random.Random(7)
+    for _ in range(150):
+        layers = rng.randint(2, 90)
+        model = spec(layers, embed=rng.choice((0, 300)) * MIB, head=rng.choice((0, 300)) * MIB, kv=512)
+        k = rng.randint(1, min(layers, 12))
+        cuts = [0, *sorted(rng.sample(range(1, layers), k - 1)), layers]
+        hidden = [node(f"h{i}", need(model, EXACT, cuts[i], cuts[i + 1]), rng.uniform(1e9, 1e11)) for i in range(k)]
+        noise = [node(f"x{i}", rng.randint(1, 250) * MIB, rng.uniform(1e9, 1e11)) for i in range(rng.randint(0, 60))]
+        nodes = hidden + noise
+        rng.shuffle(nodes)
+        assert_valid(plan(model, nodes, None, EXACT), model, nodes, EXACT)
+
+
+def brute_force(model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, options: PlanOptions) -> float:
+    best = math.inf
+    L = model.num_layers
+    for k in range(1, min(len(nodes), L) + 1):
+        for chosen in itertools.permutations(nodes, k):
+            for inner in itertools.combinations(range(1, L), k - 1):
+                cuts = (0, *inner, L)
+                route = [(x.node_id, cuts[i], cuts[i + 1]) for i, x in enumerate(chosen)]
+                if all(need(model, options, s, e) <= options.capacity(x.free_memory_bytes)
+                       for x, (_, s, e) in zip(chosen, route)):  # fmt: skip
+                    best = min(best, price_route(model, nodes, links, options, route).predicted_s_per_token)
+    return best
+
+
+def test_small_pools_match_exhaustive_search() -> None:
+    """Up to five nodes the planner is exact: it matches brute force over every route."""
+    rng = random.Random(11)
+    for _ in range(40):
+        model, nodes, links, options = random_case(rng, rng.randint(1, 5), rng.randint(1, 4))
+        best = brute_force(model, nodes, links, options)
+        if best == math.inf:
+            with pytest.raises(PlanError):
+                plan(model, nodes, links, options)
+            continue
+        assert plan(model, nodes, links, options).predicted_s_per_token == pytest.approx(best, rel=1e-5)
+
+
+def test_deterministic_whatever_the_input_order() -> None:
+    rng = random.Random(3)
+    model, nodes, links, options = random_case(rng, 60, 61)
+    first = plan(model, nodes, links, options)
+    shuffled = nodes[:]
+    rng.shuffle(shuffled)
+    assert plan(model, shuffled, links, options) == first
+    twins = [node("b", 30 * 100 * MIB), node("a", 30 * 100 * MIB)]
+    assert plan(spec(20), twins, None, EXACT).node_ids() == ("a",)
+
+
+def test_plan_round_trips_through_json() -> None:
+    model, nodes, links, options = random_case(random.Random(5), 30, 40)
+    p = plan(model, nodes, links, options)
+    assert Plan.from_json(p.to_json()) == p
+    assert Plan.from_json(json.loads(p.to_json())) == p
+    with pytest.raises(PlanError, match="JSON plan"):
+        Plan.from_json("{not json")
+    with pytest.raises(PlanError, match="version"):
+        Plan.from_json(json.dumps({"stages": []}))
+
+
+def test_check_plan_refuses_a_stale_lock() -> None:
+    model = spec(20, kv=1024)
+    nodes = [node("a", 12 * 100 * MIB), node("b", 12 * 100 * MIB)]
+    p = plan(model, nodes, None, EXACT)
+    check_plan(p, model, nodes, EXACT)  # still good
+    with pytest.raises(PlanError, match="not in the pool"):
+        check_plan(p, model, nodes[:1] + [node("c", 30 * GIB)], EXACT)
+    with pytest.raises(PlanError, match="no longer fits"):
+        check_plan(p, model, [node("a", 2 * 100 * MIB), nodes[1]], EXACT)
+    with pytest.raises(PlanError, match="no longer fits"):  # a longer context needs more KV cache
+        check_plan(p, model, nodes, PlanOptions(context_tokens=10**6, headroom_fraction=0, headroom_bytes=0))
+    with pytest.raises(PlanError, match="locked plan is for model"):
+        check_plan(p, spec(21, kv=1024), nodes, EXACT)
+    gap = Plan.from_json(p.to_json().replace(f'"start": {p.stages[1].start}', '"start": 1'))
+    with pytest.raises(PlanError, match="contiguous"):
+        check_plan(gap, model, nodes, EXACT)
+
+
+def big_pool(links_kind: str) -> tuple[ModelSpec, list[NodeInfo], LinkTable | None]:
+    rng = random.Random(500)
+    model = ModelSpec("deep", 128, 7168, (1400 * MIB,) * 128, 1800 * MIB, 1800 * MIB, 1152, 7168 * 4)
+    nodes = [node(f"n{i:03d}", rng.randint(4, 96) * GIB, rng.uniform(2e10, 3e11)) for i in range(500)]
+    if links_kind == "uniform":
+        return model, nodes, None
+    return model, nodes, LinkTable(access={x.node_id: Link(rng.uniform(1e-4, 5e-3), rng.uniform(1e8, 1.25e9))
+                                           for x in nodes})  # fmt: skip
+
+
+@pytest.mark.parametrize("links_kind", ["uniform", "per-node"])
+def test_500_nodes_128_layers_in_under_a_second(links_kind: str) -> None:
+    model, nodes, links = big_pool(links_kind)
+    options = PlanOptions(context_tokens=8192, batch=1)
+    start = time.perf_counter()
+    p = plan(model, nodes, links, options)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 1.0, f"planning 500 nodes took {elapsed:.3f} s"
+    assert_valid(p, model, nodes, options)
+
+
+def test_model_spec_from_the_embedded_checkpoint() -> None:
+    from seamline.app import default_model_path
+    from seamline.weights.loader import open_source
+
+    source = open_source(default_model_path())
+    config = ModelConfig.from_hf_dict(source.config_dict())
+    shapes = {n: source.shape(n) for n in source.names()}
+    model = ModelSpec.from_checkpoint_shapes(config, "smollm2", shapes, 4)
+    assert model.num_layers == 30 and len(set(model.layer_bytes)) == 1
+    assert model.weight_bytes() == 4 * sum(math.prod(s) for s in shapes.values())  # tied: once
+    assert model.kv_bytes_per_token_per_layer == 2 * config.num_kv_heads * config.head_dim * 4
+    assert model.bytes_per_boundary_per_token == config.hidden_size * 4
+    options = PlanOptions(context_tokens=2048)
+    half = options.headroom_bytes + model.weight_bytes() * 6 // 10 + 30 * 2048 * 1536
+    nodes = [node("a", half, 2e10), node("b", half, 2e10)]
+    p = plan(model, nodes, None, options)
+    assert len(p.stages) == 2
+    assert_valid(p, model, nodes, options)
+
+
+def test_model_spec_counts_mla_kv_and_active_experts() -> None:
+    config = ModelConfig.from_hf_dict(dict(
+        model_type="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        n_shared_experts=1, first_k_dense_replace=1))  # fmt: skip
+    names = {n for p in stage_plans(config, Ownership.full(config)) for n in p.sources()}
+    shapes = {n: (4, 8) for n in names}
+    model = ModelSpec.from_checkpoint_shapes(config, "tiny-v3", shapes, 2)
+    assert model.kv_bytes_per_token_per_layer == (16 + 4) * 2
+    assert model.layer_active_bytes[0] == model.layer_bytes[0]  # dense layer: all read
+    assert model.layer_active_bytes[1] < model.layer_bytes[1]  # 2 of 8 experts read
+    del shapes["model.layers.2.mlp.gate.weight"]
+    with pytest.raises(Exception, match="model.layers.2.mlp.gate.weight"):
+        ModelSpec.from_checkpoint_shapes(config, "tiny-v3", shapes, 2)
+
+
+def test_plan_command_writes_then_checks_a_lock(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pool = [{"node_id": "a", "free_memory_gb": 0.6, "bytes_per_second": 2e10, "latency_ms": 0.25, "bandwidth_mbps": 1000},
+            {"node_id": "b", "free_memory_gb": 0.6, "bytes_per_second": 2e10, "latency_ms": 0.25, "bandwidth_mbps": 1000}]  # fmt: skip
+    nodes_file, lock = tmp_path / "nodes.json", tmp_path / "plan.lock.json"
+    nodes_file.write_text(json.dumps(pool))
+    assert run_plan_command(str(nodes_file), None, str(lock), 2048, 1) == 0
+    out = capsys.readouterr().out
+    assert "ms/token" in out and "[0," in out and lock.exists()
+    pinned = Plan.from_json(lock.read_text())
+    assert pinned.node_ids() == ("a", "b")
+    assert run_plan_command(str(nodes_file), None, str(lock), 2048, 1) == 0
+    assert "locked plan" in capsys.readouterr().out
+    nodes_file.write_text(json.dumps(pool[:1] + [dict(pool[1], node_id="c")]))
+    with pytest.raises(PlanError, match="not in the pool"):
+        run_plan_command(str(nodes_file), None, str(lock), 2048, 1)
+    with pytest.raises(PlanError, match="not available yet"):
+        run_plan_command(None, None, None, 2048, 1, live_url="http://127.0.0.1:8000")
+
+
+def test_nodes_file_is_checked_strictly() -> None:
+    nodes, links = parse_pool({"nodes": [{"node_id": "a", "free_memory_bytes": 10, "bytes_per_second": 1.0}],
+                               "links": [{"a": "a", "b": "z", "latency_ms": 2, "bandwidth_mbps": 8}]})  # fmt: skip
+    assert nodes[0].free_memory_bytes == 10 and links.between("z", "a") == Link(0.002, 1e6)
+    with pytest.raises(PlanError, match="unknown field 'ram'"):
+        parse_pool([{"node_id": "a", "ram": 1, "bytes_per_second": 1.0}])
+    with pytest.raises(PlanError, match="exactly one of free_memory_gb"):
+        parse_pool([{"node_id": "a", "bytes_per_second": 1.0}])
+    with pytest.raises(PlanError, match="bytes_per_second"):
+        parse_pool([{"node_id": "a", "free_memory_gb": 1, "bytes_per_second": "fast"}])
+    with pytest.raises(PlanError, match="non-empty JSON list"):
+        parse_pool([])
