@@ -147,12 +147,17 @@ def test_invalid_inputs_name_the_invariant() -> None:
         plan(spec(2), [node("a", GIB, 0.0)], None, EXACT)
     with pytest.raises(PlanError, match="no nodes"):
         plan(spec(2), [], None, EXACT)
+    with pytest.raises(PlanError, match="bandwidth > 0"):
+        plan(spec(2), [node("a", GIB)], {("a", "b"): Link(0.001, 0.0)}, EXACT)
 
 
-def random_case(rng: random.Random, n: int, layers: int) -> tuple[ModelSpec, list[NodeInfo], LinkTable, PlanOptions]:
+Case = tuple[ModelSpec, list[NodeInfo], LinkTable, PlanOptions]
+
+
+def random_case(rng: random.Random, n: int, layers: int) -> Case:
     layer_bytes = tuple(rng.choice((60, 100, 100, 150)) * MIB for _ in range(layers))
-    model = ModelSpec("r", layers, 1024, layer_bytes, rng.choice((0, 50, 200)) * MIB,
-                      rng.choice((10, 80, 200)) * MIB, rng.choice((0, 256)), 4096, rng.random() < 0.3)  # fmt: skip
+    embed, head = rng.choice((0, 50, 200)) * MIB, rng.choice((10, 80, 200)) * MIB
+    model = ModelSpec("r", layers, 1024, layer_bytes, embed, head, rng.choice((0, 256)), 4096, rng.random() < 0.3)
     total = sum(layer_bytes)
     nodes = [node(f"n{i:03d}", int(total * rng.uniform(0.3, 2.5) / max(1, n // 3)), rng.uniform(1e9, 1e11))
              for i in range(n)]  # fmt: skip
@@ -160,7 +165,8 @@ def random_case(rng: random.Random, n: int, layers: int) -> tuple[ModelSpec, lis
     if kind == 0:
         links = LinkTable(default=Link(rng.choice((1e-4, 1e-3, 2e-2)), 1.25e8))
     elif kind == 1:
-        links = LinkTable(access={x.node_id: Link(rng.uniform(1e-4, 5e-2), rng.uniform(1e6, 1e9)) for x in nodes})
+        access = {x.node_id: Link(rng.uniform(1e-4, 5e-2), rng.uniform(1e6, 1e9)) for x in nodes}
+        links = LinkTable(access=access)
     else:
         few = rng.sample(nodes, min(n, 6))
         links = LinkTable(pairs={(a.node_id, b.node_id): Link(rng.uniform(1e-4, 0.1), 1e7)
@@ -196,8 +202,10 @@ def test_a_hidden_feasible_plan_is_always_found() -> None:
         model = spec(layers, embed=rng.choice((0, 300)) * MIB, head=rng.choice((0, 300)) * MIB, kv=512)
         k = rng.randint(1, min(layers, 12))
         cuts = [0, *sorted(rng.sample(range(1, layers), k - 1)), layers]
-        hidden = [node(f"h{i}", need(model, EXACT, cuts[i], cuts[i + 1]), rng.uniform(1e9, 1e11)) for i in range(k)]
-        noise = [node(f"x{i}", rng.randint(1, 250) * MIB, rng.uniform(1e9, 1e11)) for i in range(rng.randint(0, 60))]
+        hidden = [node(f"h{i}", need(model, EXACT, cuts[i], cuts[i + 1]), rng.uniform(1e9, 1e11))
+                  for i in range(k)]  # fmt: skip
+        noise = [node(f"x{i}", rng.randint(1, 250) * MIB, rng.uniform(1e9, 1e11))
+                 for i in range(rng.randint(0, 60))]  # fmt: skip
         nodes = hidden + noise
         rng.shuffle(nodes)
         assert_valid(plan(model, nodes, None, EXACT), model, nodes, EXACT)
@@ -329,8 +337,8 @@ def test_model_spec_counts_mla_kv_and_active_experts() -> None:
 
 
 def test_plan_command_writes_then_checks_a_lock(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pool = [{"node_id": "a", "free_memory_gb": 0.6, "bytes_per_second": 2e10, "latency_ms": 0.25, "bandwidth_mbps": 1000},
-            {"node_id": "b", "free_memory_gb": 0.6, "bytes_per_second": 2e10, "latency_ms": 0.25, "bandwidth_mbps": 1000}]  # fmt: skip
+    pool = [{"node_id": x, "free_memory_gb": 0.6, "bytes_per_second": 2e10, "latency_ms": 0.25,
+             "bandwidth_mbps": 1000} for x in "ab"]  # fmt: skip
     nodes_file, lock = tmp_path / "nodes.json", tmp_path / "plan.lock.json"
     nodes_file.write_text(json.dumps(pool))
     assert run_plan_command(str(nodes_file), None, str(lock), 2048, 1) == 0
@@ -348,8 +356,10 @@ def test_plan_command_writes_then_checks_a_lock(tmp_path: Path, capsys: pytest.C
 
 
 def test_nodes_file_is_checked_strictly() -> None:
-    nodes, links = parse_pool({"nodes": [{"node_id": "a", "free_memory_bytes": 10, "bytes_per_second": 1.0}],
-                               "links": [{"a": "a", "b": "z", "latency_ms": 2, "bandwidth_mbps": 8}]})  # fmt: skip
+    nodes, links = parse_pool({
+        "nodes": [{"node_id": "a", "free_memory_bytes": 10, "bytes_per_second": 1.0}],
+        "links": [{"a": "a", "b": "z", "latency_ms": 2, "bandwidth_mbps": 8}],
+    })
     assert nodes[0].free_memory_bytes == 10 and links.between("z", "a") == Link(0.002, 1e6)
     with pytest.raises(PlanError, match="unknown field 'ram'"):
         parse_pool([{"node_id": "a", "ram": 1, "bytes_per_second": 1.0}])

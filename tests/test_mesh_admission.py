@@ -1,0 +1,86 @@
+"""Admission and failure: not ready until planned, bad tokens refused, a lost node fails cleanly."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from seamline.mesh.demo import memory_cap_gb
+from seamline.mesh.invite import Invite
+from tests.mesh_harness import MeshProcesses
+
+CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    mesh = MeshProcesses(tmp_path_factory.mktemp("admission"), nodes=2,
+                         node_memory_gb=memory_cap_gb(None, 2, CONTEXT), serve_args=("--context", str(CONTEXT)))  # fmt: skip
+    mesh.start(join=False)
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def _client(mesh: MeshProcesses) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _wait_http(mesh: MeshProcesses) -> httpx.Response:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return httpx.get(f"{mesh.base_url}/health", timeout=5)
+        except httpx.HTTPError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def _refused(mesh: MeshProcesses, token: str, fragment: str) -> None:
+    proc = mesh.join(f"bad{len(mesh.node_procs)}", token=token)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert fragment in stderr and "Traceback" not in stderr, stderr
+
+
+def test_not_ready_until_the_expected_nodes_join(mesh: MeshProcesses) -> None:
+    health = _wait_http(mesh)
+    assert health.status_code == 503 and "waiting for nodes" in health.json()["reason"]
+    with pytest.raises(openai.APIStatusError) as error:
+        _client(mesh).chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}])
+    assert error.value.status_code == 503 and "waiting for nodes" in str(error.value)
+
+
+def test_wrong_expired_and_corrupt_tokens_are_refused(mesh: MeshProcesses) -> None:
+    good = Invite.decode(mesh.token)
+    wrong = Invite(good.hosts, good.control_port, good.http_port, "0" * 32, good.expires).encode()
+    _refused(mesh, wrong, "wrong invite token")
+    expired = Invite(good.hosts, good.control_port, good.http_port, good.secret, time.time() - 5).encode()
+    _refused(mesh, expired, "expired")
+    _refused(mesh, mesh.token[:-6], "corrupt")
+    assert len(mesh.status()["nodes"]) == 0  # none of them was admitted
+
+
+def test_a_node_lost_mid_generation_ends_the_request_with_a_clear_error(mesh: MeshProcesses) -> None:
+    first, second = mesh.join("node0"), mesh.join("node1")
+    mesh.wait_ready()
+    client = _client(mesh)
+    stream = client.chat.completions.create(model="default", max_tokens=400, temperature=0, stream=True,
+                                            messages=[{"role": "user", "content": "Tell me a very long story."}])  # fmt: skip
+    pieces = []
+    with pytest.raises(openai.APIError) as error:
+        for chunk in stream:
+            pieces.append(chunk)
+            if len(pieces) == 5:
+                second.kill()
+    assert "left the mesh" in str(error.value)
+    health = httpx.get(f"{mesh.base_url}/health", timeout=10)
+    assert health.status_code == 503 and "node1" in health.json()["reason"]
+    assert first.poll() is None  # the surviving node is still running
