@@ -13,6 +13,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.single import bench_single
 
         result = bench_single(**options)
+    elif name == "split":
+        from seamline.bench.split import bench_split
+
+        result = bench_split(**options)
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     text = json.dumps(result, indent=2)

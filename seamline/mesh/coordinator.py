@@ -16,8 +16,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from seamline.mesh.invite import Invite, verify
+from seamline.mesh.planner import check_plan
 from seamline.mesh.planner import plan as make_plan
 from seamline.errors import SeamlineError
 from seamline.mesh.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
@@ -25,7 +27,7 @@ from seamline.net.frames import FrameError, TokenFrame, TokenRow
 from seamline.net.link import Link, LinkClosed, listen
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Failure, Join, Linked, Message, Open, Prompt, Ready,
-    Refuse, Route, Welcome,
+    Refuse, Route, Stats, StatsRequest, Welcome,
 )  # fmt: skip
 
 log = logging.getLogger("seamline.coordinator")
@@ -38,6 +40,7 @@ class NodeHandle:
     link: Link
     ready: Ready | None = None
     linked: bool = False
+    stats: Stats | None = None
     events: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -150,6 +153,10 @@ class Coordinator:
                     else:
                         handle.linked = True
                     handle.events.notify_all()
+            elif isinstance(message, Stats):
+                with handle.events:
+                    handle.stats = message
+                    handle.events.notify_all()
             elif isinstance(message, Failure):
                 log.warning("node %s reports: %s", handle.node_id, message.reason)
                 self.on_failure(message.request, f"node {handle.node_id}: {message.reason}")
@@ -176,13 +183,20 @@ class Coordinator:
                 return
             nodes = sorted((h.info() for h in self.nodes.values()), key=lambda n: n.node_id)
             try:
-                chosen = self.options.locked_plan or make_plan(self.model, nodes, None, self._plan_options())
+                chosen = self._choose_plan(nodes)
             except PlanError as exc:
                 self.plan, self.state = None, f"cannot plan: {exc}"
                 log.error(self.state)
                 return
             self.plan, self.plan_id = chosen, self.plan_id + 1
         threading.Thread(target=self._start_up, args=(chosen, self.plan_id), daemon=True).start()
+
+    def _choose_plan(self, nodes: list[NodeInfo]) -> Plan:
+        locked = self.options.locked_plan
+        if locked is None:
+            return make_plan(self.model, nodes, None, self._plan_options())
+        check_plan(locked, self.model, nodes, self._plan_options())  # a stale lock is refused, not bent
+        return locked
 
     def _plan_options(self) -> PlanOptions:
         return PlanOptions(context_tokens=self.options.context_length, batch=1)
@@ -225,15 +239,15 @@ class Coordinator:
         handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0))
         self._wait(handle, lambda: handle.linked or None, "LINKED")
 
-    def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str) -> "Ready":
-        deadline = time.monotonic() + STEP_TIMEOUT_S
+    def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float = STEP_TIMEOUT_S) -> Any:
+        deadline = time.monotonic() + timeout_s
         with handle.events:
             while (got := value()) is None:
                 if handle.node_id not in self.nodes:
                     raise StartupError(f"node {handle.node_id} left before {what}")
                 if not handle.events.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise StartupError(f"node {handle.node_id} sent no {what} within {STEP_TIMEOUT_S:.0f} s")
-        return got  # type: ignore[return-value]
+                    raise StartupError(f"node {handle.node_id} sent no {what} within {timeout_s:.0f} s")
+        return got
 
     # -- requests -----------------------------------------------------------------------
     def pipeline(self) -> list[NodeHandle]:
@@ -258,6 +272,15 @@ class Coordinator:
                 handle.link.send_message(Close(request=request))
             except LinkClosed:
                 pass
+
+    def stage_stats(self, timeout_s: float = 10.0) -> list[Stats]:
+        """Fresh counters from every stage of the pipeline, in pipeline order."""
+        handles = self.pipeline()
+        for handle in handles:
+            with handle.events:
+                handle.stats = None
+            handle.link.send_message(StatsRequest())
+        return [self._wait(h, lambda h=h: h.stats, "STATS", timeout_s) for h in handles]  # type: ignore[misc]
 
     def status(self) -> dict[str, object]:
         with self.lock:

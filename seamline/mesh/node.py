@@ -26,7 +26,7 @@ from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, listen
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Descriptor, Failure, Join, Linked, Message, Open,
-    Prompt, Ready, Refuse, Resources, Route, Welcome,
+    Prompt, Ready, Refuse, Resources, Route, Stats, StatsRequest, Welcome,
 )  # fmt: skip
 
 log = logging.getLogger("seamline.node")
@@ -131,6 +131,10 @@ class Node:
                 threading.Thread(target=self._prompt, args=(message,), daemon=True).start()
             elif isinstance(message, Close) and self.worker:
                 self.worker.close(message)
+            elif isinstance(message, StatsRequest) and self.worker and self.control:
+                w = self.worker
+                self.control.send_message(Stats(node_id=self.options.node_id, decode_steps=w.decode_steps,
+                                                decode_seconds=w.decode_seconds, refused_frames=w.refused))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
             self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {exc}")

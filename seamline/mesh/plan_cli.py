@@ -82,11 +82,22 @@ def run_plan_command(
 
 
 def live_pool(coordinator_url: str) -> tuple[list[NodeInfo], LinkTable]:
-    """Hook: the live mesh's nodes and links from a coordinator's GET /api/plan (not built yet)."""
-    raise PlanError(
-        f"planning for a live mesh ({coordinator_url}) is not available yet: "
-        "describe the pool in a JSON file and pass --nodes FILE"
-    )
+    """The live mesh's nodes, as the coordinator's GET /api/status reports them.
+
+    Links are the default uniform link: nodes do not report per-link measurements yet.
+    """
+    import httpx
+
+    url = f"{coordinator_url.rstrip('/')}/api/status"
+    try:
+        status = httpx.get(url, timeout=10).raise_for_status().json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise PlanError(f"cannot read the live mesh from {url}: {exc}") from None
+    nodes = [NodeInfo(str(n["node_id"]), int(n["free_memory_bytes"]), float(n["bytes_per_second"]),
+                      str(n.get("address", ""))) for n in status.get("nodes", [])]  # fmt: skip
+    if not nodes:
+        raise PlanError(f"the mesh at {coordinator_url} has no nodes yet")
+    return nodes, LinkTable()
 
 
 def model_spec(model_path: str | None, dtype_bytes: int) -> tuple[ModelSpec, int]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -67,6 +68,8 @@ class StageWorker:
         self.closed: dict[int, None] = {}  # insertion-ordered set of recently closed requests
         self.lock = threading.Lock()
         self.refused = 0
+        self.decode_steps = 0  # single-token rows run here, and the seconds they took
+        self.decode_seconds = 0.0
 
     # -- session calls (mirrored to every stage by the coordinator) --------------------
     def open(self, msg: Open) -> None:
@@ -185,7 +188,11 @@ class StageWorker:
 
     def _run(self, row: Row, seq: Sequence, inputs: torch.Tensor) -> TokenRow | None:
         """Run our layers; pass the result on, or sample. Returns a token to loop back, if any."""
+        started = time.perf_counter()
         out = self.stage(inputs, row.position, seq.cache, last_only=self.is_last)
+        if row.count == 1:
+            self.decode_steps += 1
+            self.decode_seconds += time.perf_counter() - started
         seq.next_position += row.count
         seq.hash = row.hash_after
         if not self.is_last:
@@ -207,10 +214,8 @@ class StageWorker:
             flags |= RowFlag.DONE
         seq.done = bool(flags & RowFlag.DONE)
         out = TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags))
+        if not self.is_first and self.links.stage0 is not None:
+            self.links.stage0([out])  # the critical path first: stage 0 waits for this token
         if self.links.results is not None:
             self.links.results([out])
-        if self.is_first:  # one stage owns everything: the caller loops the token back
-            return out
-        if self.links.stage0 is not None:
-            self.links.stage0([out])
-        return None
+        return out if self.is_first else None  # one stage owns everything: the caller loops it back

@@ -131,12 +131,27 @@ class Failure(Message):
     reason: str
 
 
+class StatsRequest(Message):
+    kind: Literal["stats_request"] = "stats_request"
+
+
+class Stats(Message):
+    """A stage's counters: decode steps run and the compute seconds they took."""
+
+    kind: Literal["stats"] = "stats"
+    node_id: str
+    decode_steps: int
+    decode_seconds: float
+    refused_frames: int
+
+
 class Heartbeat(Message):
     kind: Literal["heartbeat"] = "heartbeat"
 
 
 AnyMessage = Annotated[
-    Union[Challenge, Join, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Failure, Heartbeat],
+    Union[Challenge, Join, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Failure,
+          StatsRequest, Stats, Heartbeat],
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)

@@ -1,0 +1,182 @@
+"""`seamline bench split`: the single-process engine against a 2-stage mesh of two processes.
+
+Same model (the embedded SmolLM2, float32), same prompt, same run, alternating: (a) a mesh on
+loopback, (b) a mesh whose two nodes sit in two network namespaces joined by an emulated
+1 GbE link (0.25 ms one-way, 1 gbit, via shared/netns.sh; needs root and iptables). The
+mesh's decode rate is taken where the coordinator receives the tokens.
+
+Per token the loop crosses the wire twice (hidden state forward, token id back), so
+``hop_overhead_ms`` = (split − single) / 2 per boundary crossing: on loopback, and on the
+LAN after subtracting the link's own one-way delay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from seamline.app import LocalModel
+import time
+
+import torch
+
+from seamline.bench.single import PROMPT
+from seamline.runtime.sampling import SamplingParams, make_generator, sample
+
+LAN_DELAY_MS = 0.25
+LAN_RATE = "1gbit"
+NS_PREFIX = "slb"
+
+
+class Driver:
+    """A split_driver process: a mesh we can ask for one measurement at a time."""
+
+    def __init__(self, args: list[str], prefix: list[str] | None = None) -> None:
+        cmd = [*(prefix or []), sys.executable, "-m", "seamline.bench.split_driver", *args]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready = self._line()
+
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"split driver exited with {self.proc.wait()}")
+        return dict(json.loads(line))
+
+    def measure(self, tokens: int) -> dict[str, Any]:
+        """tok_s, ms_per_token and compute_ms_per_token (the stages' layer compute) of one run."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"measure {tokens}\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def netns_script() -> Path | None:
+    here = Path(__file__).resolve()
+    for parent in here.parents:
+        candidate = parent.parent / "shared" / "netns.sh"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def lan_driver() -> tuple[Driver | None, str]:
+    """A mesh across two namespaces, or None and the reason it cannot be built here."""
+    script = netns_script()
+    if script is None or os.geteuid() != 0 or shutil.which("iptables-legacy") is None:
+        return None, "needs root, iptables (apt-get install iptables) and shared/netns.sh"
+    env = {**os.environ, "PFX": NS_PREFIX, "PYTHON": sys.executable}
+    subprocess.run(["bash", str(script), "down"], env=env, capture_output=True)
+    subprocess.run(["bash", str(script), "up", "2", str(LAN_DELAY_MS), LAN_RATE], env=env, check=True, capture_output=True)
+    join = f"{sys.executable} -m seamline.cli join {{token}} --quiet --no-progress --max-memory {{cap}}"
+    nodes = [f"{join} --node-id ns1", f"ip netns exec {NS_PREFIX}2 {join} --node-id ns2"]
+    args = ["--host", "10.77.0.1", *[a for n in nodes for a in ("--node-cmd", n)]]
+    return Driver(args, prefix=["ip", "netns", "exec", f"{NS_PREFIX}1"]), ""
+
+
+def lan_down() -> None:
+    script = netns_script()
+    if script is not None:
+        env = {**os.environ, "PFX": NS_PREFIX}
+        subprocess.run(["bash", str(script), "down"], env=env, capture_output=True)
+
+
+def decode_single(model: LocalModel, prompt: list[int], tokens: int) -> dict[str, float]:
+    """The single-process engine's greedy decode: wall and layer-compute time per token."""
+    stage, params = model.engine.stage, SamplingParams()
+    cache, generator = stage.new_cache(), make_generator(0)
+    token, position = sample(model.engine.prefill(prompt, cache), params, generator), len(prompt)
+    compute = 0.0
+    start = time.perf_counter()
+    for _ in range(tokens):
+        began = time.perf_counter()
+        logits = stage(torch.tensor([token]), position, cache, last_only=True)
+        compute += time.perf_counter() - began
+        token, position = sample(logits[-1], params, generator), position + 1
+    wall = time.perf_counter() - start
+    return {"tok_s": tokens / wall, "ms_per_token": wall / tokens * 1e3, "compute_ms_per_token": compute / tokens * 1e3}
+
+
+def bench_split(repeats: int = 5, tokens: int = 128) -> dict[str, Any]:
+    model = LocalModel.load(context=2048)
+    prompt = model.codec.encode_chat([{"role": "user", "content": PROMPT}])
+    loopback = Driver([])
+    lan, lan_reason = lan_driver()
+    runs: dict[str, list[dict[str, Any]]] = {"single": [], "loopback": [], "lan": []}
+    try:
+        decode_single(model, prompt, 8)  # warm-up
+        loopback.measure(8)
+        if lan is not None:
+            lan.measure(8)
+        for _ in range(repeats):
+            runs["single"].append(decode_single(model, prompt, tokens))
+            runs["loopback"].append(loopback.measure(tokens))
+            if lan is not None:
+                runs["lan"].append(lan.measure(tokens))
+    finally:
+        loopback.close()
+        if lan is not None:
+            lan.close()
+        lan_down()
+    return _result(runs, tokens, repeats, model.config.hidden_size, loopback.ready, lan_reason)
+
+
+def _frame_bytes(hidden: int) -> int:
+    """Bytes on the wire for one decode step's hidden-state frame (header, row record, tensor)."""
+    import torch
+
+    from seamline.net.frames import Row, encode_hidden
+
+    buffers = encode_hidden([Row(1, 0, 1, 0, 0, 0)], torch.zeros(1, hidden))
+    return sum(len(b) if isinstance(b, bytes) else b.nbytes for b in buffers)
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(float(r[key]) for r in runs)
+
+
+def _glue_ms(runs: list[dict[str, Any]]) -> float:
+    """Time per token outside the layers' compute: sampling, embedding glue, and the wire."""
+    return statistics.median(float(r["ms_per_token"]) - float(r["compute_ms_per_token"]) for r in runs)
+
+
+def _result(runs: dict[str, list[dict[str, Any]]], tokens: int, repeats: int, hidden: int,
+            ready: dict[str, Any], lan_reason: str) -> dict[str, Any]:  # fmt: skip
+    single, loop = _median(runs["single"], "tok_s"), _median(runs["loopback"], "tok_s")
+    lan = _median(runs["lan"], "tok_s") if runs["lan"] else None
+    glue = _glue_ms(runs["single"])
+    crossings = 2  # per token: the hidden state forward, the token id back
+    return {
+        "bench": "split",
+        "model": "SmolLM2-135M-Instruct.Q4_1 (float32)",
+        "tokens": tokens,
+        "repeats": repeats,
+        "stages": [s["layers"] for s in ready["stages"]],
+        "single_tok_s": round(single, 2),
+        "split_loopback_tok_s": round(loop, 2),
+        "split_lan_tok_s": round(lan, 2) if lan else None,
+        "ratio_loopback": round(loop / single, 3),
+        "ratio_lan": round(lan / single, 3) if lan else None,
+        # per boundary crossing: the mesh's time outside layer compute, less the single engine's
+        "hop_overhead_ms": round((_glue_ms(runs["loopback"]) - glue) / crossings, 3),
+        "hop_overhead_lan_ms": round((_glue_ms(runs["lan"]) - glue) / crossings - LAN_DELAY_MS, 3) if lan else None,
+        "compute_ms_per_token": {k: round(_median(v, "compute_ms_per_token"), 2) for k, v in runs.items() if v},
+        "bytes_per_token_per_boundary": _frame_bytes(hidden),
+        "runs_tok_s": {k: [round(float(r["tok_s"]), 2) for r in v] for k, v in runs.items()},
+        "lan_link": f"{LAN_DELAY_MS} ms one-way, {LAN_RATE}" if lan else f"not measured: {lan_reason}",
+    }
