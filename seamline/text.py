@@ -92,8 +92,9 @@ def _codec_from_folder(folder: Path, eos_ids: tuple[int, ...]) -> TextCodec:
         template = (folder / "chat_template.jinja").read_text()
     bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
     stops = set(eos_ids) | set(_ids(_read_json(folder / "generation_config.json").get("eos_token_id")))
-    if eos is not None and tokenizer.token_to_id(eos) is not None:
-        stops.add(tokenizer.token_to_id(eos))
+    eos_id = tokenizer.token_to_id(eos) if eos is not None else None
+    if eos_id is not None:
+        stops.add(eos_id)
     return TextCodec(tokenizer, template, bos, eos, tuple(sorted(stops)))
 
 

@@ -102,6 +102,15 @@ def test_node_memory_is_its_share(mesh2: MeshProcesses) -> None:
         assert rss - baseline >= 0.8 * share, (node_id, rss, baseline, share)
 
 
+def test_plan_command_reads_the_live_mesh(mesh2: MeshProcesses) -> None:
+    proc = subprocess.run([sys.executable, "-m", "seamline.cli", "plan", "--live", mesh2.base_url, "--context", str(CONTEXT)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for node in mesh2.status()["nodes"]:
+        assert node["node_id"] in proc.stdout
+    assert "ms/token" in proc.stdout
+
+
 def _data_address(mesh: MeshProcesses, index: int) -> tuple[str, int]:
     status = mesh.status()
     node_id = status["stages"][index]["node_id"]

@@ -351,8 +351,10 @@ def test_plan_command_writes_then_checks_a_lock(tmp_path: Path, capsys: pytest.C
     nodes_file.write_text(json.dumps(pool[:1] + [dict(pool[1], node_id="c")]))
     with pytest.raises(PlanError, match="not in the pool"):
         run_plan_command(str(nodes_file), None, str(lock), 2048, 1)
-    with pytest.raises(PlanError, match="not available yet"):
-        run_plan_command(None, None, None, 2048, 1, live_url="http://127.0.0.1:8000")
+    from seamline.net.link import free_port
+
+    with pytest.raises(PlanError, match="cannot read the live mesh"):  # nothing listens there
+        run_plan_command(None, None, None, 2048, 1, live_url=f"http://127.0.0.1:{free_port()}")
 
 
 def test_nodes_file_is_checked_strictly() -> None:

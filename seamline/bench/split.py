@@ -66,6 +66,25 @@ class Driver:
                 self.proc.kill()
 
 
+def pinned_driver() -> Driver:
+    """Two nodes, each pinned to its own core with one thread: two one-core machines."""
+    join = f"{sys.executable} -m seamline.cli join {{token}} --quiet --no-progress --max-memory {{cap}}"
+    nodes = [f"env OMP_NUM_THREADS=1 taskset -c {core} {join} --node-id core{core}" for core in (0, 1)]
+    return Driver([a for n in nodes for a in ("--node-cmd", n)])
+
+
+def pinned_single(model: LocalModel, prompt: list[int], tokens: int) -> dict[str, float]:
+    """The single engine on one core with one thread, to compare with ``pinned_driver``."""
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    os.sched_setaffinity(0, {0})
+    torch.set_num_threads(1)
+    try:
+        return decode_single(model, prompt, tokens)
+    finally:
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, affinity)
+
+
 def netns_script() -> Path | None:
     here = Path(__file__).resolve()
     for parent in here.parents:
@@ -115,23 +134,26 @@ def decode_single(model: LocalModel, prompt: list[int], tokens: int) -> dict[str
 def bench_split(repeats: int = 5, tokens: int = 128) -> dict[str, Any]:
     model = LocalModel.load(context=2048)
     prompt = model.codec.encode_chat([{"role": "user", "content": PROMPT}])
-    loopback = Driver([])
+    loopback, pinned = Driver([]), pinned_driver()
     lan, lan_reason = lan_driver()
-    runs: dict[str, list[dict[str, Any]]] = {"single": [], "loopback": [], "lan": []}
+    runs: dict[str, list[dict[str, Any]]] = {"single": [], "loopback": [], "lan": [], "single_1core": [],
+                                             "split_1core_each": []}  # fmt: skip
     try:
         decode_single(model, prompt, 8)  # warm-up
-        loopback.measure(8)
-        if lan is not None:
-            lan.measure(8)
+        for driver in (loopback, pinned, lan):
+            if driver is not None:
+                driver.measure(8)
         for _ in range(repeats):
             runs["single"].append(decode_single(model, prompt, tokens))
             runs["loopback"].append(loopback.measure(tokens))
             if lan is not None:
                 runs["lan"].append(lan.measure(tokens))
+            runs["single_1core"].append(pinned_single(model, prompt, tokens))
+            runs["split_1core_each"].append(pinned.measure(tokens))
     finally:
-        loopback.close()
-        if lan is not None:
-            lan.close()
+        for driver in (loopback, pinned, lan):
+            if driver is not None:
+                driver.close()
         lan_down()
     return _result(runs, tokens, repeats, model.config.hidden_size, loopback.ready, lan_reason)
 
@@ -176,6 +198,10 @@ def _result(runs: dict[str, list[dict[str, Any]]], tokens: int, repeats: int, hi
         "hop_overhead_ms": round((_glue_ms(runs["loopback"]) - glue) / crossings, 3),
         "hop_overhead_lan_ms": round((_glue_ms(runs["lan"]) - glue) / crossings - LAN_DELAY_MS, 3) if lan else None,
         "compute_ms_per_token": {k: round(_median(v, "compute_ms_per_token"), 2) for k, v in runs.items() if v},
+        # two one-core machines against one: each node pinned to its own core, one thread
+        "single_1core_tok_s": round(_median(runs["single_1core"], "tok_s"), 2),
+        "split_1core_each_tok_s": round(_median(runs["split_1core_each"], "tok_s"), 2),
+        "ratio_1core_each": round(_median(runs["split_1core_each"], "tok_s") / _median(runs["single_1core"], "tok_s"), 3),
         "bytes_per_token_per_boundary": _frame_bytes(hidden),
         "runs_tok_s": {k: [round(float(r["tok_s"]), 2) for r in v] for k, v in runs.items()},
         "lan_link": f"{LAN_DELAY_MS} ms one-way, {LAN_RATE}" if lan else f"not measured: {lan_reason}",

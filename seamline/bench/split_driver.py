@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import uvicorn
 
@@ -61,7 +62,7 @@ def main() -> int:
     return 0
 
 
-async def _measure(mesh: Mesh, tokens: int) -> dict[str, float]:
+async def _measure(mesh: Mesh, tokens: int) -> dict[str, Any]:
     """Decode rate as the coordinator sees it, and the share of each token spent computing."""
     backend = mesh.backend
     prompt = backend.codec.encode_chat([{"role": "user", "content": PROMPT}])

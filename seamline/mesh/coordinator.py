@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -80,7 +81,7 @@ class Coordinator:
         self.lock = threading.RLock()
         self.on_tokens: TokenSink = lambda rows: None
         self.on_failure: FailureSink = lambda request, reason: None
-        self._server = None
+        self._server: socket.socket | None = None
 
     # -- membership ---------------------------------------------------------------------
     def start(self, host: str) -> int:

@@ -60,7 +60,7 @@ class StageLinks:
 class StageWorker:
     def __init__(self, stage: Stage, is_first: bool, is_last: bool) -> None:
         self.stage = stage
-        self.dtype = next(iter(stage.layers.values())).input_norm.weight.dtype
+        self.dtype = stage.compute_dtype
         self.is_first = is_first
         self.is_last = is_last
         self.links = StageLinks()

@@ -61,7 +61,7 @@ def _yarn(dim: int, theta: float, s: RopeScaling, max_positions: int) -> tuple[t
         return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
     low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    high: float = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

@@ -77,6 +77,13 @@ class Stage(nn.Module):
         full = (v0, v1) == (0, self.config.vocab_size)
         return self.embed if self.config.tie_word_embeddings and full else None
 
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the residual stream (routers may be kept in float32)."""
+        block = next(iter(self.layers.values()))
+        assert isinstance(block, Block)
+        return block.input_norm.weight.dtype
+
     def new_cache(self) -> SequenceCache:
         return SequenceCache(self.ownership.layer_indices())
 

@@ -127,7 +127,7 @@ def encode_hidden(rows: list[Row] | tuple[Row, ...], tensor: torch.Tensor) -> li
     meta = struct.pack(f"<HBB{tensor.dim()}I", len(rows), DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape)
     meta += b"".join(ROW.pack(r.request, r.position, r.count, r.hash_before, r.hash_after, r.flags) for r in rows)
     raw = tensor.view(torch.uint8).reshape(-1) if tensor.dtype != torch.float32 else tensor.reshape(-1)
-    body = memoryview(raw.numpy()).cast("B")
+    body = raw.numpy().data.cast("B")
     return [header(FrameType.HIDDEN, len(meta) + body.nbytes) + meta, body]
 
 

@@ -8,6 +8,7 @@ are data: templates with ``{i}`` (layer) and ``{e}`` (expert) filled per owned i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from seamline.config import ModelConfig
@@ -58,27 +59,32 @@ NORM_TABLE = {
 }
 # Dense feed-forward: (gate, up) rows and down columns are sliced by the shard.
 MLP_NAMES = (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight", L + "mlp.down_proj.weight")
-# Per family: router, router bias (or None), expert (gate, up, down), shared (gate, up, down).
-MOE_NAMES: dict[str, dict[str, object]] = {
-    "mixtral": dict(
-        router=L + "block_sparse_moe.gate.weight",
-        bias=None,
-        expert=tuple(L + f"block_sparse_moe.experts.{{e}}.{w}.weight" for w in ("w1", "w3", "w2")),
-        shared=None,
-    ),
-    "qwen3_moe": dict(
-        router=L + "mlp.gate.weight",
-        bias=None,
-        expert=tuple(L + f"mlp.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
-        shared=None,
-    ),
-    "deepseek": dict(
-        router=L + "mlp.gate.weight",
-        bias=L + "mlp.gate.e_score_correction_bias",
-        expert=tuple(L + f"mlp.experts.{{e}}.{w}_proj.weight" for w in ("gate", "up", "down")),
-        shared=tuple(L + f"mlp.shared_experts.{w}_proj.weight" for w in ("gate", "up", "down")),
-    ),
-}
+
+
+@dataclass(frozen=True)
+class MoeNames:
+    """One family's MoE tensor templates: expert and shared are (gate, up, down)."""
+
+    router: str
+    bias: str | None
+    expert: tuple[str, str, str]
+    shared: tuple[str, str, str] | None
+
+
+def _triple(template: str, parts: tuple[str, str, str]) -> tuple[str, str, str]:
+    gate, up, down = (template.replace("{w}", w) for w in parts)
+    return gate, up, down
+
+
+MOE_NAMES: dict[str, MoeNames] = {
+    "mixtral": MoeNames(L + "block_sparse_moe.gate.weight", None,
+                        _triple(L + "block_sparse_moe.experts.{e}.{w}.weight", ("w1", "w3", "w2")), None),
+    "qwen3_moe": MoeNames(L + "mlp.gate.weight", None,
+                          _triple(L + "mlp.experts.{e}.{w}_proj.weight", ("gate", "up", "down")), None),
+    "deepseek": MoeNames(L + "mlp.gate.weight", L + "mlp.gate.e_score_correction_bias",
+                         _triple(L + "mlp.experts.{e}.{w}_proj.weight", ("gate", "up", "down")),
+                         _triple(L + "mlp.shared_experts.{w}_proj.weight", ("gate", "up", "down"))),
+}  # fmt: skip
 
 
 def stage_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
@@ -95,7 +101,7 @@ def stage_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
     return plans
 
 
-def _fill(table: dict[str, tuple[str, ...]], i: int) -> list[TensorPlan]:
+def _fill(table: Mapping[str, tuple[str, ...]], i: int) -> list[TensorPlan]:
     prefix = f"layers.{i}."
     return [TensorPlan(prefix + t, (tuple(s.format(i=i) for s in srcs),)) for t, srcs in table.items()]
 
@@ -125,19 +131,23 @@ def _gated_plans(prefix: str, names: tuple[str, ...], rows: Range) -> list[Tenso
 
 def _moe_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
     names = MOE_NAMES["deepseek" if config.is_mla else config.family]
-    prefix = f"layers.{i}.ffn."
-    plans = [TensorPlan(prefix + "router", ((str(names["router"]).format(i=i),),))]
-    if names["bias"] is not None and config.topk_method == "noaux_tc":
-        plans.append(TensorPlan(prefix + "router_bias", ((str(names["bias"]).format(i=i),),)))
-    gate, up, down = (str(n) for n in names["expert"])  # type: ignore[union-attr]
+    prefix = f"layers.{i}."
+    plans = [TensorPlan(prefix + "ffn.router", ((names.router.format(i=i),),))]
+    if names.bias is not None and config.topk_method == "noaux_tc":
+        plans.append(TensorPlan(prefix + "ffn.router_bias", ((names.bias.format(i=i),),)))
+    gate, up, down = names.expert
     experts = range(*own.expert_range(config))
-    fill = lambda t, e: t.format(i=i, e=e)  # noqa: E731
-    plans.append(TensorPlan(prefix + "experts_gate_up", tuple((fill(gate, e), fill(up, e)) for e in experts), stack=True))
-    plans.append(TensorPlan(prefix + "experts_down", tuple((fill(down, e),) for e in experts), stack=True))
-    if names["shared"] is not None and config.n_shared_experts:
-        shared = tuple(str(n).format(i=i) for n in names["shared"])  # type: ignore[union-attr]
+
+    def fill(template: str, e: int) -> str:
+        return template.format(i=i, e=e)
+
+    gate_up = tuple((fill(gate, e), fill(up, e)) for e in experts)
+    plans.append(TensorPlan(prefix + "ffn.experts_gate_up", gate_up, stack=True))
+    plans.append(TensorPlan(prefix + "ffn.experts_down", tuple((fill(down, e),) for e in experts), stack=True))
+    if names.shared is not None and config.n_shared_experts:
+        g, u, d = (n.format(i=i) for n in names.shared)
         rows = own.shard_rows(config.n_shared_experts * config.moe_intermediate_size)
-        plans += _gated_plans(prefix + "shared.", shared, rows)
+        plans += _gated_plans(prefix + "ffn.shared.", (g, u, d), rows)
     return plans
 
 
