@@ -8,7 +8,6 @@ of a separate `seamline run` process.
 
 from __future__ import annotations
 
-import os
 import statistics
 import subprocess
 import sys
@@ -111,11 +110,24 @@ def _prefill_theirs(reference: Any, prompt: list[int]) -> float:
 
 
 def _peak_rss_of_run() -> float:
-    """Peak resident memory (MB) of a separate `seamline run` process, from the kernel."""
+    """Peak resident memory (MB) of a separate `seamline run` process.
+
+    Read as the kernel's VmHWM of the child (its own address space's high-water mark);
+    ``ru_maxrss`` would not do: it is carried across exec from this large parent.
+    """
     args = [sys.executable, "-m", "seamline.cli", "run", "-p", "What is the capital of France?",
             "--max-tokens", "16"]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status != 0:
-        raise RuntimeError(f"seamline run exited with status {status}")
-    return round(usage.ru_maxrss / 1024, 1)
+    peak_kb = 0
+    status = f"/proc/{proc.pid}/status"
+    while proc.poll() is None:
+        try:
+            with open(status) as f:
+                line = next((line for line in f if line.startswith("VmHWM:")), "VmHWM: 0 kB")
+            peak_kb = max(peak_kb, int(line.split()[1]))
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.01)
+    if proc.returncode != 0:
+        raise RuntimeError(f"seamline run exited with status {proc.returncode}")
+    return round(peak_kb / 1024, 1)

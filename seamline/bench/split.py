@@ -34,6 +34,9 @@ LAN_RATE = "1gbit"
 NS_PREFIX = "slb"
 
 
+RUNS = ("single", "loopback", "lan", "single_1core", "split_1core_each", "lan_1core_each")
+
+
 class Driver:
     """A split_driver process: a mesh we can ask for one measurement at a time."""
 
@@ -94,18 +97,28 @@ def netns_script() -> Path | None:
     return None
 
 
-def lan_driver() -> tuple[Driver | None, str]:
-    """A mesh across two namespaces, or None and the reason it cannot be built here."""
+def lan_up() -> str:
+    """Bring up the two namespaces; return why not, or "" when they are up."""
     script = netns_script()
     if script is None or os.geteuid() != 0 or shutil.which("iptables-legacy") is None:
-        return None, "needs root, iptables (apt-get install iptables) and shared/netns.sh"
+        return "needs root, iptables (apt-get install iptables) and shared/netns.sh"
     env = {**os.environ, "PFX": NS_PREFIX, "PYTHON": sys.executable}
     subprocess.run(["bash", str(script), "down"], env=env, capture_output=True)
     subprocess.run(["bash", str(script), "up", "2", str(LAN_DELAY_MS), LAN_RATE], env=env, check=True, capture_output=True)
+    return ""
+
+
+def lan_driver(one_core_each: bool = False) -> Driver:
+    """A mesh whose two nodes sit in the two namespaces (the coordinator beside the first).
+
+    ``one_core_each``: each node pinned to its own core with one thread.
+    """
     join = f"{sys.executable} -m seamline.cli join {{token}} --quiet --no-progress --max-memory {{cap}}"
-    nodes = [f"{join} --node-id ns1", f"ip netns exec {NS_PREFIX}2 {join} --node-id ns2"]
+    pins = ["env OMP_NUM_THREADS=1 taskset -c 0 ", "env OMP_NUM_THREADS=1 taskset -c 1 "] if one_core_each else ["", ""]
+    tag = "core" if one_core_each else "ns"
+    nodes = [f"{pins[0]}{join} --node-id {tag}1", f"ip netns exec {NS_PREFIX}2 {pins[1]}{join} --node-id {tag}2"]
     args = ["--host", "10.77.0.1", *[a for n in nodes for a in ("--node-cmd", n)]]
-    return Driver(args, prefix=["ip", "netns", "exec", f"{NS_PREFIX}1"]), ""
+    return Driver(args, prefix=["ip", "netns", "exec", f"{NS_PREFIX}1"])
 
 
 def lan_down() -> None:
@@ -135,23 +148,24 @@ def bench_split(repeats: int = 5, tokens: int = 128) -> dict[str, Any]:
     model = LocalModel.load(context=2048)
     prompt = model.codec.encode_chat([{"role": "user", "content": PROMPT}])
     loopback, pinned = Driver([]), pinned_driver()
-    lan, lan_reason = lan_driver()
-    runs: dict[str, list[dict[str, Any]]] = {"single": [], "loopback": [], "lan": [], "single_1core": [],
-                                             "split_1core_each": []}  # fmt: skip
+    lan_reason = lan_up()
+    lan = lan_driver() if not lan_reason else None
+    lan_pinned = lan_driver(one_core_each=True) if not lan_reason else None
+    runs: dict[str, list[dict[str, Any]]] = {k: [] for k in RUNS}
+    drivers = {"loopback": loopback, "lan": lan, "split_1core_each": pinned, "lan_1core_each": lan_pinned}
     try:
         decode_single(model, prompt, 8)  # warm-up
-        for driver in (loopback, pinned, lan):
+        for driver in drivers.values():
             if driver is not None:
                 driver.measure(8)
         for _ in range(repeats):
             runs["single"].append(decode_single(model, prompt, tokens))
-            runs["loopback"].append(loopback.measure(tokens))
-            if lan is not None:
-                runs["lan"].append(lan.measure(tokens))
             runs["single_1core"].append(pinned_single(model, prompt, tokens))
-            runs["split_1core_each"].append(pinned.measure(tokens))
+            for name, driver in drivers.items():
+                if driver is not None:
+                    runs[name].append(driver.measure(tokens))
     finally:
-        for driver in (loopback, pinned, lan):
+        for driver in drivers.values():
             if driver is not None:
                 driver.close()
         lan_down()
@@ -202,6 +216,8 @@ def _result(runs: dict[str, list[dict[str, Any]]], tokens: int, repeats: int, hi
         "single_1core_tok_s": round(_median(runs["single_1core"], "tok_s"), 2),
         "split_1core_each_tok_s": round(_median(runs["split_1core_each"], "tok_s"), 2),
         "ratio_1core_each": round(_median(runs["split_1core_each"], "tok_s") / _median(runs["single_1core"], "tok_s"), 3),
+        "split_lan_1core_each_tok_s": round(_median(runs["lan_1core_each"], "tok_s"), 2) if lan else None,
+        "ratio_lan_1core_each": round(_median(runs["lan_1core_each"], "tok_s") / _median(runs["single_1core"], "tok_s"), 3) if lan else None,
         "bytes_per_token_per_boundary": _frame_bytes(hidden),
         "runs_tok_s": {k: [round(float(r["tok_s"]), 2) for r in v] for k, v in runs.items()},
         "lan_link": f"{LAN_DELAY_MS} ms one-way, {LAN_RATE}" if lan else f"not measured: {lan_reason}",

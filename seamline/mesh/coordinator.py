@@ -42,6 +42,7 @@ class NodeHandle:
     ready: Ready | None = None
     linked: bool = False
     stats: Stats | None = None
+    failure: str | None = None  # a failure the node reported outside any request
     events: threading.Condition = field(default_factory=threading.Condition)
 
     @property
@@ -160,6 +161,10 @@ class Coordinator:
                     handle.events.notify_all()
             elif isinstance(message, Failure):
                 log.warning("node %s reports: %s", handle.node_id, message.reason)
+                if message.request is None:
+                    with handle.events:
+                        handle.failure = message.reason
+                        handle.events.notify_all()
                 self.on_failure(message.request, f"node {handle.node_id}: {message.reason}")
 
     def _lost(self, handle: NodeHandle, reason: str) -> None:
@@ -221,11 +226,12 @@ class Coordinator:
 
     def _assign(self, handle: NodeHandle, s: StageAssignment, plan_id: int) -> None:
         with handle.events:
-            handle.ready, handle.linked = None, False
+            handle.ready, handle.linked, handle.failure = None, False, None
         handle.link.send_message(Assign(plan_id=plan_id, model_hash=self.model_hash,
                                         fragments_url=self.options.fragments_url, layers=(s.start, s.end),
                                         owns_embedding=s.owns_embedding, owns_head=s.owns_head,
-                                        dtype=self.options.dtype, context_length=self.options.context_length))  # fmt: skip
+                                        dtype=self.options.dtype, context_length=self.options.context_length,
+                                        memory_bytes=s.predicted_bytes))  # fmt: skip
         ready = self._wait(handle, lambda: handle.ready, "READY")
         d = ready.descriptor
         expected = (plan_id, self.model_hash, (s.start, s.end), self.options.dtype, PROTOCOL_VERSION)
@@ -244,6 +250,8 @@ class Coordinator:
         deadline = time.monotonic() + timeout_s
         with handle.events:
             while (got := value()) is None:
+                if handle.failure is not None:
+                    raise StartupError(f"node {handle.node_id}: {handle.failure}")
                 if handle.node_id not in self.nodes:
                     raise StartupError(f"node {handle.node_id} left before {what}")
                 if not handle.events.wait(timeout=max(0.0, deadline - time.monotonic())):

@@ -159,6 +159,7 @@ class Node:
 
         self.assignment = assign
         self.worker = None  # a new assignment replaces the old stage
+        self._check_room(assign)
         stage, downloaded = load_assignment(self.invite, assign, self.options)
         self.bytes_downloaded += downloaded
         self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head)
@@ -168,6 +169,17 @@ class Node:
                                 layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION)  # fmt: skip
         resident = psutil.Process().memory_info().rss
         self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=downloaded, resident_bytes=resident))
+
+    def _check_room(self, assign: Assign) -> None:
+        """Refuse an assignment this node cannot hold, before downloading anything."""
+        room = psutil.virtual_memory().available + psutil.Process().memory_info().rss
+        if self.options.max_memory_bytes is not None:
+            room = min(room, self.options.max_memory_bytes)
+        if assign.memory_bytes > room:
+            raise MemoryError(
+                f"cannot hold layers [{assign.layers[0]},{assign.layers[1]}): they need "
+                f"{assign.memory_bytes / 2**30:.2f} GiB, this node has {room / 2**30:.2f} GiB"
+            )
 
     def _route(self, route: Route) -> None:
         assert self.worker is not None and self.control is not None

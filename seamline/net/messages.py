@@ -64,6 +64,7 @@ class Assign(Message):
     owns_head: bool
     dtype: str
     context_length: int
+    memory_bytes: int = 0  # weights + KV cache the plan expects this node to hold
 
 
 class Descriptor(Message):
