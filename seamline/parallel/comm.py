@@ -1,0 +1,100 @@
+"""Comm: the one interface every collective goes through.
+
+``all_reduce`` sums the ranks' partial results at a gate (two gates per layer: after
+attention and after the feed-forward); ``all_gather`` concatenates per-rank slices in rank
+order (logits split by vocabulary rows). Each call carries a ``GateTag``; a rank that receives
+a different tag than it expects raises ``DesyncError`` — never a silent wrong sum. With one
+rank, ``SingleComm`` does nothing, so the same model code runs unsplit.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple, Protocol, runtime_checkable
+
+import torch
+
+from seamline.errors import SeamlineError
+
+
+class CommError(SeamlineError):
+    """A collective failed: a peer died, went silent, closed its link or refused the group."""
+
+
+class DesyncError(CommError):
+    """Ranks are out of step: a peer sent a different gate (or shape) than this rank expected."""
+
+
+class GateTag(NamedTuple):
+    """Which gate a message belongs to: (layer, gate within the layer, step sequence number)."""
+
+    layer: int
+    gate: int
+    sequence: int
+
+    def __str__(self) -> str:
+        return f"({self.layer},{self.gate},#{self.sequence})"
+
+
+# Tag of all_gather calls made without one (e.g. the logits gather after the last layer).
+GATHER_TAG = GateTag(-1, 0, 0)
+
+
+@runtime_checkable
+class Comm(Protocol):
+    rank: int
+    world: int
+
+    def all_reduce(self, tensor: torch.Tensor, tag: GateTag) -> torch.Tensor:
+        """Sum of every rank's ``tensor`` (same shape and dtype on all ranks); may be in place."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GATHER_TAG) -> torch.Tensor:
+        """Every rank's ``tensor`` concatenated along ``dim`` in rank order (sizes along dim may differ)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class SingleComm:
+    """World of one: every collective returns its input."""
+
+    rank = 0
+    world = 1
+
+    def all_reduce(self, tensor: torch.Tensor, tag: GateTag) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GATHER_TAG) -> torch.Tensor:
+        return tensor
+
+    def close(self) -> None:
+        pass
+
+
+Transport = Literal["auto", "tcp", "torch"]
+
+
+def make_comm(
+    transport: Transport,
+    rank: int,
+    world: int,
+    addresses: list[tuple[str, int]],
+    timeout_s: float,
+    fingerprint: str,
+) -> Comm:
+    """The Comm for this rank. ``addresses[i]`` is where rank i listens (tcp); torch rendezvous
+    at ``addresses[0]``. ``auto``: NCCL via torch.distributed when CUDA is available, else our
+    TCP mesh — on CPUs it measured >10x faster than gloo for 16 KB (NETWORK.md)."""
+    if world == 1:
+        return SingleComm()
+    if transport == "auto":
+        transport = "torch" if torch.cuda.is_available() else "tcp"
+    if transport == "tcp":
+        from seamline.parallel.tcp_comm import TcpComm
+
+        return TcpComm.connect(rank, world, addresses, timeout_s, fingerprint)
+    if transport == "torch":
+        from seamline.parallel.torch_comm import TorchComm
+
+        return TorchComm.connect(rank, world, addresses, timeout_s, fingerprint)
+    raise CommError(f"transport must be 'auto', 'tcp' or 'torch', not {transport!r}")

@@ -1,0 +1,223 @@
+"""Comm transports in real processes (forkserver): sums, gathers, desync, refusal, dead peers, order."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_mod
+import socket
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from seamline.net.link import free_port
+from seamline.parallel import CommError, DesyncError, GateTag, SingleComm, make_comm
+from seamline.parallel.tcp_comm import GATE, GATE_MAGIC, TcpComm
+
+# Fresh processes forked from a server that has imported torch once (saves ~3 s per rank
+# over "spawn"); no parent state or threads are inherited.
+CTX = mp.get_context("forkserver")
+CTX.set_forkserver_preload(["torch", "seamline.parallel.tcp_comm", "seamline.parallel.torch_comm", __name__])
+LAYERS = 3
+BIG = 1 << 18  # 1 MB of float32: above INLINE_SEND_MAX, the threaded-send path
+
+
+def partial(rank: int, layer: int, gate: int, numel: int = 256) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + 10 * layer + gate)
+    return torch.randn(4, numel // 4, generator=gen)  # [tokens, hidden]
+
+
+def scenario_sum(rank: int, world: int, addresses: list, transport: str) -> dict[str, Any]:
+    comm = make_comm(transport, rank, world, addresses, 10.0, "model-abc|f32|2 gates")
+    out: dict[str, Any] = {}
+    for layer in range(LAYERS):
+        for gate in range(2):
+            summed = comm.all_reduce(partial(rank, layer, gate), GateTag(layer, gate, 7))
+            out[f"{layer}.{gate}"] = summed.numpy().tobytes()
+    out["bf16"] = comm.all_reduce(torch.full((8,), float(rank + 1), dtype=torch.bfloat16), GateTag(9, 0, 1)).float().tolist()
+    out["big"] = comm.all_reduce(partial(rank, 99, 0, BIG), GateTag(99, 0, 1)).numpy().tobytes()
+    rows = torch.full((2, rank + 1), float(rank))  # uneven vocabulary slices: [tokens, rows of rank]
+    out["gather"] = comm.all_gather(rows, dim=1).tolist()
+    comm.close()
+    return out
+
+
+def scenario_light(rank: int, world: int, addresses: list) -> dict[str, Any]:
+    comm = TcpComm.connect(rank, world, addresses, 10.0, "fp")
+    out = comm.all_reduce(partial(rank, 0, 1), GateTag(0, 1, 1)).numpy().tobytes()
+    comm.close()
+    return {"0.1": out}
+
+
+def scenario_desync(rank: int, world: int, addresses: list, transport: str) -> dict[str, Any]:
+    comm = make_comm(transport, rank, world, addresses, 5.0, "fp")
+    comm.all_reduce(torch.ones(16), GateTag(2, 1, 16))
+    comm.all_reduce(torch.ones(16), GateTag(3, rank, 17))  # rank 0 is one gate behind rank 1
+    return {}
+
+
+def scenario_fingerprint(rank: int, world: int, addresses: list, transport: str) -> dict[str, Any]:
+    make_comm(transport, rank, world, addresses, 5.0, f"model-{rank}")
+    return {}
+
+
+def scenario_dead_peer(rank: int, world: int, addresses: list, mode: str, events: Any) -> dict[str, Any]:
+    comm = TcpComm.connect(rank, world, addresses, 3.0, "fp")
+    comm.all_reduce(torch.ones(16), GateTag(0, 0, 1))
+    if rank == 1:
+        events.put("ready")
+        time.sleep(30)  # silent; killed by the test in "kill" mode
+    time.sleep(0.3)
+    start = time.monotonic()
+    try:
+        comm.all_reduce(torch.ones(16), GateTag(0, 1, 1))
+    except CommError as exc:
+        return {"error": str(exc), "elapsed": time.monotonic() - start}
+    return {"error": None}
+
+
+def _rank_main(scenario: str, rank: int, world: int, addresses: list, kwargs: dict, results: Any) -> None:
+    try:
+        results.put((rank, "ok", globals()[scenario](rank, world, addresses, **kwargs)))
+    except BaseException as exc:  # report every failure to the test, with its class
+        results.put((rank, type(exc).__name__, str(exc)))
+
+
+def run_group(scenario: str, world: int, kwargs: dict | None = None, order: list[int] | None = None,
+              delay: float = 0.0, deadline_s: float = 20.0, on_event=None) -> dict[int, tuple]:
+    """Run ``scenario`` on ``world`` spawned ranks; rank -> (rank, status, payload)."""
+    addresses = [("127.0.0.1", free_port()) for _ in range(world)]
+    results, procs = CTX.Queue(), {}
+    try:
+        for i, rank in enumerate(order or range(world)):
+            if i and delay:
+                time.sleep(delay)
+            procs[rank] = CTX.Process(target=_rank_main, args=(scenario, rank, world, addresses, kwargs or {}, results))
+            procs[rank].start()
+        if on_event:
+            on_event(procs)
+        got: dict[int, tuple] = {}
+        end = time.monotonic() + deadline_s
+        while len(got) < len(procs) - (1 if on_event else 0):
+            try:
+                item = results.get(timeout=max(0.1, end - time.monotonic()))
+            except queue_mod.Empty:
+                raise AssertionError(f"{scenario}: ranks {sorted(set(procs) - set(got))} hung") from None
+            got[item[0]] = item
+        return got
+    finally:
+        for proc in procs.values():
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+
+
+def expected_sums() -> dict[str, bytes]:
+    def total(world: int, layer: int, gate: int, numel: int = 256) -> torch.Tensor:
+        acc = partial(0, layer, gate, numel).clone()
+        for rank in range(1, world):  # rank order, like every rank does
+            acc += partial(rank, layer, gate, numel)
+        return acc
+
+    return total  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tcp_all_reduce_and_gather(world: int) -> None:
+    got = run_group("scenario_sum", world, {"transport": "tcp"})
+    total = expected_sums()
+    outs = [got[r][2] if got[r][1] == "ok" else pytest.fail(f"rank {r}: {got[r]}") for r in range(world)]
+    for layer in range(LAYERS):
+        for gate in range(2):
+            want = total(world, layer, gate).numpy().tobytes()
+            assert all(out[f"{layer}.{gate}"] == want for out in outs), f"gate {layer}.{gate} not bit-identical"
+    assert all(out["big"] == total(world, 99, 0, BIG).numpy().tobytes() for out in outs)
+    assert all(out["bf16"] == [float(world * (world + 1) // 2)] * 8 for out in outs)
+    want_gather = [[float(r) for r in range(world) for _ in range(r + 1)]] * 2
+    assert all(out["gather"] == want_gather for out in outs)
+
+
+def test_torch_gloo_all_reduce_and_gather() -> None:
+    got = run_group("scenario_sum", 2, {"transport": "torch"})
+    total = expected_sums()
+    for rank in range(2):
+        assert got[rank][1] == "ok", got[rank]
+        out = got[rank][2]
+        for layer in range(LAYERS):
+            for gate in range(2):
+                summed = torch.frombuffer(bytearray(out[f"{layer}.{gate}"]), dtype=torch.float32).view(4, -1)
+                torch.testing.assert_close(summed, total(2, layer, gate), rtol=1e-6, atol=1e-6)
+        assert out["gather"] == [[0.0, 1.0, 1.0]] * 2
+        assert out["bf16"] == [3.0] * 8
+    assert got[0][2]["0.0"] == got[1][2]["0.0"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "torch"])
+def test_tag_mismatch_raises_desync_on_both_ranks(transport: str) -> None:
+    got = run_group("scenario_desync", 2, {"transport": transport}, deadline_s=15)
+    assert got[1][1] == "DesyncError", got[1]
+    assert "rank 1 expected reduce gate (3,1,#17), got reduce gate (3,0,#17) from rank 0" in got[1][2]
+    assert got[0][1] in ("DesyncError", "CommError"), got[0]  # either its own check or the closed link
+
+
+def test_fingerprint_mismatch_is_refused() -> None:
+    got = run_group("scenario_fingerprint", 2, {"transport": "tcp"})
+    for rank in range(2):
+        assert got[rank][1] == "CommError", got[rank]
+        assert "group fingerprint mismatch" in got[rank][2] and "'model-0'" in got[rank][2] and "'model-1'" in got[rank][2]
+
+
+def test_killed_peer_raises_comm_error_within_timeout() -> None:
+    events = CTX.Queue()
+
+    def kill_when_ready(procs: dict) -> None:
+        assert events.get(timeout=15) == "ready"
+        os.kill(procs[1].pid, 9)
+
+    got = run_group("scenario_dead_peer", 2, {"mode": "kill", "events": events}, on_event=kill_when_ready)
+    assert got[0][1] == "ok", got[0]
+    assert got[0][2]["error"] == "rank 1 closed the link" or "closed the link" in got[0][2]["error"]
+    assert got[0][2]["elapsed"] < 3.0
+
+
+def test_silent_peer_raises_comm_error_at_timeout() -> None:
+    events = CTX.Queue()
+    got = run_group("scenario_dead_peer", 2, {"mode": "silent", "events": events},
+                    on_event=lambda procs: events.get(timeout=15))
+    assert got[0][1] == "ok", got[0]
+    assert got[0][2]["error"] == "rank 1 sent nothing for gate (0,1,#1) within 3.0 s"
+    assert 2.5 < got[0][2]["elapsed"] < 5.0
+
+
+@pytest.mark.parametrize("order", [[1, 0], [2, 1, 0]])
+def test_ranks_connect_in_any_start_order(order: list[int]) -> None:
+    got = run_group("scenario_light", len(order), order=order, delay=0.7)
+    assert all(got[r][1] == "ok" for r in order), got
+    assert {got[r][2]["0.1"] for r in order} == {expected_sums()(len(order), 0, 1).numpy().tobytes()}
+
+
+def test_single_comm_returns_its_input() -> None:
+    comm = make_comm("auto", 0, 1, [("127.0.0.1", 1)], 1.0, "fp")
+    assert isinstance(comm, SingleComm)
+    x = torch.randn(3, 5)
+    assert comm.all_reduce(x, GateTag(0, 0, 0)) is x and comm.all_gather(x, 1) is x
+    comm.close()
+
+
+def test_bad_headers_are_refused_before_the_payload() -> None:
+    ours, theirs = socket.socketpair()
+    comm = TcpComm(0, 2, {1: ours}, 2.0)
+    # a peer claiming 2^40 elements for a 16-element gate: refused from the header alone
+    theirs.sendall(GATE.pack(GATE_MAGIC, 1, 1, 0, 5, 9, 1, 1 << 40))
+    with pytest.raises(DesyncError, match="sent 1099511627776 elements for gate"):
+        comm.all_reduce(torch.ones(16), GateTag(5, 0, 9))
+    with pytest.raises(CommError, match="broken since"):
+        comm.all_reduce(torch.ones(16), GateTag(5, 1, 9))
+    ours2, theirs2 = socket.socketpair()
+    theirs2.sendall(b"GARBAGE!" * 4)
+    with pytest.raises(CommError, match="non-gate message"):
+        TcpComm(0, 2, {1: ours2}, 2.0).all_reduce(torch.ones(16), GateTag(5, 0, 9))
+    theirs.close()
+    theirs2.close()
