@@ -80,7 +80,7 @@ def _send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> Non
 
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 class TcpComm:
