@@ -1,6 +1,8 @@
 """Grouped-query attention for the Llama family (Llama, SmolLM2, Qwen2 biases, Qwen3 q/k norm).
 
-q, k and v are one fused projection; RoPE is applied to q and k in one call.
+q, k and v are one fused projection; RoPE is applied to q and k in one call. Under
+``Ownership.shard`` a rank holds only its query heads and the KV heads they read (q/k/v rows,
+o columns); its output is a partial sum over heads, which the Block's gate all-reduces.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from torch import nn
 from seamline.config import ModelConfig
 from seamline.model.cache import LayerKV
 from seamline.model.layers import RMSNorm, empty_param
+from seamline.model.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary
 
 
@@ -25,10 +28,12 @@ def causal_mask(start: int, count: int) -> torch.Tensor | None:
 
 
 class GQAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryTable) -> None:
+    def __init__(self, config: ModelConfig, rope: RotaryTable, own: Ownership) -> None:
         super().__init__()
-        self.heads = config.num_heads
-        self.kv_heads = config.num_kv_heads
+        q0, q1 = own.head_range(config.num_heads)
+        k0, k1 = own.kv_head_range(config.num_heads, config.num_kv_heads)
+        self.heads = q1 - q0  # owned query heads
+        self.kv_heads = k1 - k0  # owned KV heads (replicated across ranks when Hkv < world)
         self.head_dim = config.head_dim
         rows = (self.heads + 2 * self.kv_heads) * self.head_dim
         self.qkv = empty_param(rows, config.hidden_size)

@@ -11,6 +11,10 @@ v: [1, S, rope_dim]), not the expanded per-head keys and values: for DeepSeek-V3
 is what lets a long context fit on ordinary machines. Attention then either re-expands the
 cached latents (cheap for long prefill chunks) or folds ``kv_b`` into the query and output
 ("absorbed", cheap for decode); ``_prefer_absorbed`` picks the one with fewer flops.
+
+Under ``Ownership.shard`` a rank holds only its heads' rows of q_b (or q) and kv_b and their
+columns of o; kv_a, q_a and the latent norms are replicated, and so is the latent cache
+(it has no head dimension). The output is a partial sum over heads.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from seamline.errors import ConfigError
 from seamline.model.attention import causal_mask
 from seamline.model.cache import LayerKV
 from seamline.model.layers import RMSNorm, empty_param
+from seamline.model.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary, yarn_mscale
 
 # DeepSeek's latent norms use the default epsilon, not config.rms_norm_eps (reference code
@@ -52,13 +57,14 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryTable) -> None:
+    def __init__(self, config: ModelConfig, rope: RotaryTable, own: Ownership) -> None:
         super().__init__()
         if config.attention_bias:
             raise ConfigError("MLA attention has no bias tensors: attention_bias must be false")
         if not config.kv_lora_rank or not config.qk_rope_head_dim:
             raise ConfigError("MLA attention needs kv_lora_rank > 0 and qk_rope_head_dim > 0")
-        self.heads = config.num_heads
+        h0, h1 = own.head_range(config.num_heads)
+        self.heads = h1 - h0  # owned heads
         self.nope = config.qk_nope_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.v_dim = config.v_head_dim

@@ -1,8 +1,11 @@
 """What one process owns of a model: a layer range, an expert range, a vocabulary range.
 
-Ranges are half-open ``(start, end)``. ``shard = (rank, world)`` divides the rows of dense
-and shared-expert feed-forwards between the ranks of a lockstep group; with ``world == 1``
-(the default) every row is owned. With everything owned, a Stage is the whole model.
+Ranges are half-open ``(start, end)``. ``shard = (rank, world)`` divides a lockstep group's
+work: the rows of dense and shared-expert feed-forwards, and the attention heads. Rank r
+owns query heads ``[r*H/N, (r+1)*H/N)`` and the KV heads those use: an even share when
+``Hkv`` divides by N, else (N divisible by ``Hkv``) the one KV head its query heads share,
+replicated on N/Hkv ranks. With ``world == 1`` (the default) everything is owned. With
+everything owned, a Stage is the whole model.
 """
 
 from __future__ import annotations
@@ -48,6 +51,27 @@ class Ownership:
             raise ConfigError(f"{rows} feed-forward rows do not divide among {world} ranks")
         per = rows // world
         return (rank * per, (rank + 1) * per)
+
+    def head_range(self, heads: int) -> Range:
+        """The query (or MLA) heads this shard owns: an even split of ``heads``."""
+        rank, world = self.shard
+        if heads % world:
+            raise ConfigError(f"{heads} attention heads do not divide among {world} ranks")
+        per = heads // world
+        return (rank * per, (rank + 1) * per)
+
+    def kv_head_range(self, heads: int, kv_heads: int) -> Range:
+        """The KV heads this shard's query heads read (grouped-query attention)."""
+        world = self.shard[1]
+        if heads % kv_heads:
+            raise ConfigError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
+        if kv_heads % world and world % kv_heads:
+            raise ConfigError(
+                f"{kv_heads} KV heads neither divide among nor evenly replicate over {world} ranks"
+            )
+        q0, q1 = self.head_range(heads)
+        group = heads // kv_heads  # query heads per KV head
+        return (q0 // group, -(-q1 // group))
 
     def validate(self, config: ModelConfig) -> None:
         start, end = self.layers

@@ -3,6 +3,12 @@
 With ``Ownership.full`` a Stage is the whole model. Input is token ids [T] when the stage
 owns the embedding, else the residual stream [T, hidden]; output is logits [T, vocab_owned]
 when it owns the head, else the residual stream for the next stage.
+
+In a lockstep group (``Ownership.shard`` with world N) each rank's attention and
+feed-forward return partial sums; a Block all-reduces each through ``comm`` (gate 0 after
+attention, gate 1 after the feed-forward) before the residual add, so every rank keeps the
+same residual stream. Tags are GateTag(layer, gate, step), step counting this Stage's
+forwards. The default comm is ``SingleComm`` (one rank: the gates are no-ops).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from seamline.model.cache import LayerKV, SequenceCache
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
 from seamline.model.ownership import Ownership
 from seamline.model.rope import RotaryTable
+from seamline.parallel.comm import Comm, GateTag, SingleComm
 
 
 def make_rope(config: ModelConfig) -> RotaryTable:
@@ -24,12 +31,12 @@ def make_rope(config: ModelConfig) -> RotaryTable:
     return RotaryTable(dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
 
 
-def make_attention(config: ModelConfig, rope: RotaryTable) -> nn.Module:
+def make_attention(config: ModelConfig, rope: RotaryTable, own: Ownership) -> nn.Module:
     if config.is_mla:
         from seamline.model.mla import MLAttention
 
-        return MLAttention(config, rope)
-    return GQAttention(config, rope)
+        return MLAttention(config, rope, own)
+    return GQAttention(config, rope, own)
 
 
 def make_ffn(config: ModelConfig, layer: int, own: Ownership) -> nn.Module:
@@ -42,28 +49,41 @@ def make_ffn(config: ModelConfig, layer: int, own: Ownership) -> nn.Module:
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, own: Ownership, rope: RotaryTable) -> None:
+    def __init__(
+        self, config: ModelConfig, layer: int, own: Ownership, rope: RotaryTable, comm: Comm
+    ) -> None:
         super().__init__()
+        self.layer = layer
+        self.comm = comm
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = make_attention(config, rope)
+        self.attn = make_attention(config, rope, own)
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = make_ffn(config, layer, own)
 
-    def forward(self, x: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), start, kv)
-        return x + self.ffn(self.post_norm(x))
+    def forward(self, x: torch.Tensor, start: int, kv: LayerKV, step: int = 0) -> torch.Tensor:
+        partial = self.attn(self.input_norm(x), start, kv)  # [T, hidden], this rank's heads
+        x = x + self._gate(partial, 0, step)
+        partial = self.ffn(self.post_norm(x))  # [T, hidden], this rank's rows / experts
+        return x + self._gate(partial, 1, step)
+
+    def _gate(self, partial: torch.Tensor, gate: int, step: int) -> torch.Tensor:
+        if self.comm.world == 1:  # the whole layer is here: nothing to sum, no tag to build
+            return partial
+        return self.comm.all_reduce(partial, GateTag(self.layer, gate, step))
 
 
 class Stage(nn.Module):
-    def __init__(self, config: ModelConfig, own: Ownership) -> None:
+    def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None) -> None:
         super().__init__()
         own.validate(config)
         self.config = config
         self.ownership = own
+        self.comm: Comm = comm if comm is not None else SingleComm()
+        self.step = 0  # forwards so far: the third part of every gate's tag
         rope = make_rope(config)
         self.embed = empty_param(config.vocab_size, config.hidden_size) if own.owns_embedding() else None
         self.layers = nn.ModuleDict(
-            {str(i): Block(config, i, own, rope) for i in own.layer_indices()}
+            {str(i): Block(config, i, own, rope, self.comm) for i in own.layer_indices()}
         )
         self.norm: RMSNorm | None = None
         self.head: nn.Parameter | None = None
@@ -93,8 +113,9 @@ class Stage(nn.Module):
     ) -> torch.Tensor:
         """inputs: ids [T] or hidden [T, hidden]; start: position of inputs[0]."""
         x = F.embedding(inputs, self.embed) if self.embed is not None else inputs
+        step, self.step = self.step, self.step + 1
         for index, block in self.layers.items():
-            x = block(x, start, cache.layer(int(index)))
+            x = block(x, start, cache.layer(int(index)), step)
         if self.head is None or self.norm is None:
             return x
         if last_only:

@@ -13,8 +13,9 @@ import torch
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
-from seamline.model.ownership import Ownership
+from seamline.model.ownership import Ownership, Range
 from seamline.model.stage import Stage
+from seamline.parallel.comm import Comm
 from seamline.weights.names import TensorPlan, ignorable, stage_plans
 from seamline.weights.source import TensorSource
 
@@ -62,12 +63,13 @@ def load_stage(
     own: Ownership | None = None,
     dtype: torch.dtype = torch.float32,
     config: ModelConfig | None = None,
+    comm: Comm | None = None,
 ) -> Stage:
     """Build the Stage this ownership describes and fill every parameter from ``source``."""
     config = config or ModelConfig.from_hf_dict(source.config_dict())
     own = own or Ownership.full(config)
     check_names(source, config)
-    stage = Stage(config, own)
+    stage = Stage(config, own, comm)
     params = dict(stage.named_parameters(remove_duplicate=False))
     plans = stage_plans(config, own)
     unfilled = set(params) - {p.target for p in plans}
@@ -92,7 +94,7 @@ def _assemble(source: TensorSource, plan: TensorPlan, trailing: tuple[int, ...])
     """Read, slice and combine a plan's sources; each must end in the target's ``trailing`` dims."""
     parts = []
     for part in plan.parts:
-        pieces = [_read(source, name, plan) for name in part]
+        pieces = [_read(source, name, plan, plan.source_slice(j)) for j, name in enumerate(part)]
         for name, piece in zip(part, pieces):
             if tuple(piece.shape[1:]) != trailing:
                 raise CheckpointError(
@@ -103,12 +105,12 @@ def _assemble(source: TensorSource, plan: TensorPlan, trailing: tuple[int, ...])
     return torch.stack(parts) if plan.stack else parts[0]
 
 
-def _read(source: TensorSource, name: str, plan: TensorPlan) -> torch.Tensor:
+def _read(source: TensorSource, name: str, plan: TensorPlan, rows: Range | None) -> torch.Tensor:
     tensor = source.get(name)
     if tensor.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}, expected a float type")
-    if plan.slice is not None:
-        start, end = plan.slice
+    if rows is not None:
+        start, end = rows
         if tensor.dim() <= plan.slice_dim or tensor.shape[plan.slice_dim] < end:
             raise CheckpointError(
                 f"tensor {name} shape {tuple(tensor.shape)} has no rows [{start},{end}) "

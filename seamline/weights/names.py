@@ -2,14 +2,15 @@
 
 A ``TensorPlan`` says how one parameter is built: its sources (outer tuple stacked on a new
 dim 0 — experts; inner tuple concatenated on dim 0 — fused q/k/v or gate/up), and an
-optional slice of each source (ownership: vocabulary rows, feed-forward rows). The tables
+optional slice of each source (ownership: vocabulary rows, feed-forward rows, attention
+heads), either one for all sources or one per source of a part (fused q/k/v). The tables
 are data: templates with ``{i}`` (layer) and ``{e}`` (expert) filled per owned index.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from seamline.config import ModelConfig
 from seamline.model.ownership import Ownership, Range
@@ -24,6 +25,11 @@ class TensorPlan:
     slice_dim: int = 0
     slice: Range | None = None  # applied to every source before concatenation
     stack: bool = False  # parts are stacked on a new dim 0 (one per expert)
+    part_slices: tuple[Range | None, ...] | None = None  # per source of each part; overrides slice
+
+    def source_slice(self, position: int) -> Range | None:
+        """The slice for the source at ``position`` within its part."""
+        return self.part_slices[position] if self.part_slices is not None else self.slice
 
     def sources(self) -> tuple[str, ...]:
         return tuple(name for part in self.parts for name in part)
@@ -108,17 +114,60 @@ def _fill(table: Mapping[str, tuple[str, ...]], i: int) -> list[TensorPlan]:
 
 def _layer_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
     plans = _fill(NORM_TABLE, i)
-    if config.is_mla:
-        plans += _fill(MLA_TABLE, i)
-        plans += _fill(MLA_Q_LORA_TABLE if config.q_lora_rank else MLA_Q_TABLE, i)
-    else:
-        plans += _fill(GQA_TABLE, i)
-        plans += _fill(GQA_BIAS_TABLE, i) if config.attention_bias else []
-        plans += _fill(QK_NORM_TABLE, i) if config.qk_norm else []
+    plans += _attention_plans(config, i, own)
     if config.is_moe_layer(i):
         return plans + _moe_plans(config, i, own)
     names = tuple(n.format(i=i) for n in MLP_NAMES)
     return plans + _gated_plans(f"layers.{i}.ffn.", names, own.shard_rows(config.intermediate_size))
+
+
+# Attention target suffix -> (slice_dim, per-source slices) for a head-split rank.
+HeadSlices = dict[str, tuple[int, tuple[Range, ...]]]
+
+
+def _rows(heads: Range, per_head: int) -> Range:
+    return (heads[0] * per_head, heads[1] * per_head)
+
+
+def _gqa_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
+    """q rows of the owned query heads, k/v rows of their KV heads, o columns of the q heads."""
+    d = config.head_dim
+    q = _rows(own.head_range(config.num_heads), d)
+    kv = _rows(own.kv_head_range(config.num_heads, config.num_kv_heads), d)
+    return {"attn.qkv": (0, (q, kv, kv)), "attn.qkv_bias": (0, (q, kv, kv)), "attn.o": (1, (q,))}
+
+
+def _mla_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
+    """q_b (or q) rows and kv_b rows per owned head, o columns; kv_a, q_a, norms replicated."""
+    heads = own.head_range(config.num_heads)
+    q = _rows(heads, config.qk_nope_head_dim + config.qk_rope_head_dim)
+    kv = _rows(heads, config.qk_nope_head_dim + config.v_head_dim)
+    o = _rows(heads, config.v_head_dim)
+    return {"attn.q_b": (0, (q,)), "attn.q": (0, (q,)), "attn.kv_b": (0, (kv,)), "attn.o": (1, (o,))}
+
+
+def _attention_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
+    if config.is_mla:
+        q_table = MLA_Q_LORA_TABLE if config.q_lora_rank else MLA_Q_TABLE
+        plans = _fill(MLA_TABLE, i) + _fill(q_table, i)
+        return _head_sliced(plans, _mla_slices(config, own), own)
+    plans = _fill(GQA_TABLE, i) + (_fill(GQA_BIAS_TABLE, i) if config.attention_bias else [])
+    plans = _head_sliced(plans, _gqa_slices(config, own), own)
+    return plans + (_fill(QK_NORM_TABLE, i) if config.qk_norm else [])  # per-head norms: replicated
+
+
+def _head_sliced(plans: list[TensorPlan], slices: HeadSlices, own: Ownership) -> list[TensorPlan]:
+    """Attach per-source head slices to the plans whose target ends in a sliced suffix."""
+    if own.shard[1] == 1:
+        return plans  # one rank owns every head: read whole tensors
+    out = []
+    for plan in plans:
+        suffix = plan.target.split(".", 2)[2]  # "layers.{i}.attn.qkv" -> "attn.qkv"
+        if suffix in slices:
+            dim, ranges = slices[suffix]
+            plan = replace(plan, slice_dim=dim, part_slices=ranges)
+        out.append(plan)
+    return out
 
 
 def _gated_plans(prefix: str, names: tuple[str, ...], rows: Range) -> list[TensorPlan]:
