@@ -1,0 +1,321 @@
+"""Lockstep group in real processes: N ranks hold 1/N of one model and compute every token together.
+
+Each rank loads only its shard (``Ownership(shard=(rank, world))``: query heads and FFN rows
+split evenly, routed experts ``[r*E/N, (r+1)*E/N)`` — E must divide by N, or the gates
+would be summed over an uneven split we do not test — and vocabulary rows
+``[r*V/N, (r+1)*V/N)``, a floor partition that need not be even since ``all_gather`` takes
+unequal slices). Ranks join through a TcpComm whose HELLO fingerprint names the model
+(file name, config hash, a digest of replicated weights), dtype, world and gate schedule.
+
+Control protocol (over the Comm itself, no second socket): before every session call the
+leader (rank 0) and every other rank all-reduce an int64 command ``[op, seq_id, position,
+n_tokens, 0, 0, 0, 0]`` (non-leaders contribute zeros) tagged ``GateTag(-2, 0, k)``, then,
+when ``n_tokens > 0``, the token ids ``[n_tokens]`` tagged ``GateTag(-2, 1, k)``. Every rank
+then applies the same call to its own caches; prefill/decode run the Stage (two gates per
+layer) and all-gather the vocab-shard logits of the last position (``GateTag(-1, 0, step)``);
+the leader samples. While idle, the leader sends PING every ``timeout_s / 3`` s, so a
+non-leader's gate timeout only fires when the leader is really gone. A dead rank surfaces
+as a CommError naming it (TcpComm: "rank R closed the link" / "sent nothing ... within T s").
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from seamline.config import ModelConfig
+from seamline.errors import ConfigError, RequestError, SeamlineError
+from seamline.model.cache import SequenceCache
+from seamline.model.ownership import Ownership
+from seamline.model.stage import Stage
+from seamline.parallel.comm import Comm, CommError, GateTag
+from seamline.parallel.tcp_comm import TcpComm
+from seamline.runtime.sampling import SamplingParams, make_generator, sample
+from seamline.weights.loader import load_stage, open_source
+
+CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN = range(1, 8)
+OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rewind",
+            DESTROY: "destroy", PING: "ping", SHUTDOWN: "shutdown"}  # fmt: skip
+CMD_LEN = 8
+CONTROL_LAYER = -2  # GateTag layer of control messages (model gates use >= 0, logits -1)
+PREFILL_CHUNK = 512
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rank_ownership(config: ModelConfig, rank: int, world: int) -> Ownership:
+    """Rank ``rank``'s share of every layer; experts must divide evenly among the ranks."""
+    e, v = config.num_experts, config.vocab_size
+    if e % world:
+        raise ConfigError(f"{e} routed experts do not divide among {world} lockstep ranks")
+    experts = (rank * e // world, (rank + 1) * e // world) if e else None
+    vocab = (rank * v // world, (rank + 1) * v // world)
+    return Ownership(layers=(0, config.num_layers), experts=experts, vocab=vocab, shard=(rank, world))
+
+
+def group_fingerprint(path: Path, source_config: dict, stage: Stage, dtype: torch.dtype, world: int) -> str:
+    """Model identity + dtype + world + gate schedule: what every rank of a group must share."""
+    config_hash = hashlib.sha256(json.dumps(source_config, sort_keys=True, default=str).encode())
+    weights = hashlib.sha256()  # replicated tensors only: equal on every rank of one checkpoint
+    for tensor in (stage.norm.weight if stage.norm is not None else None, stage.embed):
+        if tensor is not None:
+            weights.update(tensor.detach().reshape(-1)[:4096].float().numpy().tobytes())
+    return (f"{path.name}|config:{config_hash.hexdigest()[:16]}|weights:{weights.hexdigest()[:16]}"
+            f"|{str(dtype).removeprefix('torch.')}|world:{world}|gates:2x{stage.config.num_layers}")
+
+
+class _LateComm:
+    """Stands in for the Comm while the Stage loads (the fingerprint needs the weights)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self.inner: Comm | None = None
+
+    def _comm(self) -> Comm:
+        if self.inner is None:
+            raise CommError(f"rank {self.rank} used its comm before the group connected")
+        return self.inner
+
+    def all_reduce(self, tensor: torch.Tensor, tag: GateTag) -> torch.Tensor:
+        return self._comm().all_reduce(tensor, tag)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GateTag(-1, 0, 0)) -> torch.Tensor:
+        return self._comm().all_gather(tensor, dim, tag)
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+
+
+class LockstepRank:
+    """One rank: its shard of the model, its caches, and the control exchange."""
+
+    def __init__(self, model_path: str | Path, rank: int, world: int, addresses: list[tuple[str, int]],
+                 timeout_s: float = 30.0, dtype: torch.dtype = torch.float32,
+                 connect_timeout_s: float = 60.0) -> None:
+        path = Path(model_path)
+        source = open_source(path)
+        raw_config = source.config_dict()
+        self.config = ModelConfig.from_hf_dict(raw_config)
+        self.rank, self.world, self.timeout_s = rank, world, timeout_s
+        self.comm = _LateComm(rank, world)
+        self.stage = load_stage(source, rank_ownership(self.config, rank, world), dtype,
+                                self.config, comm=self.comm)
+        self.fingerprint = group_fingerprint(path, raw_config, self.stage, dtype, world)
+        self.comm.inner = TcpComm.connect(rank, world, addresses, timeout_s, self.fingerprint,
+                                          connect_timeout_s=connect_timeout_s)
+        self.seqs: dict[int, tuple[SequenceCache, int]] = {}  # seq id -> (cache, next position)
+        self._control = 0  # control messages so far: the sequence of their tags
+
+    def exchange(self, cmd: list[int] | None, ids: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """Leader: send (cmd, ids); others: pass None and receive them."""
+        tag = self._control
+        self._control += 1
+        mine = torch.zeros(CMD_LEN, dtype=torch.int64)
+        if cmd is not None:
+            mine[: len(cmd)] = torch.tensor(cmd, dtype=torch.int64)
+        got = self.comm.all_reduce(mine, GateTag(CONTROL_LAYER, 0, tag)).tolist()
+        count = got[3]
+        if not 0 <= count <= PREFILL_CHUNK:
+            raise CommError(f"rank {self.rank} got a command with {count} tokens (limit {PREFILL_CHUNK})")
+        if count == 0:
+            return got, []
+        mine_ids = torch.tensor(ids, dtype=torch.int64) if ids is not None else torch.zeros(count, dtype=torch.int64)
+        return got, self.comm.all_reduce(mine_ids, GateTag(CONTROL_LAYER, 1, tag)).tolist()
+
+    def apply(self, cmd: list[int], ids: list[int]) -> torch.Tensor | None:
+        """Run one session call on this rank; prefill/decode return the full last-position logits."""
+        op, seq, position = cmd[0], cmd[1], cmd[2]
+        if op in (PING, SHUTDOWN):
+            return None
+        if op == CREATE:
+            if seq in self.seqs:
+                raise RequestError(f"sequence {seq} already exists on rank {self.rank}")
+            self.seqs[seq] = (self.stage.new_cache(), 0)
+            return None
+        if seq not in self.seqs:
+            raise RequestError(f"sequence {seq} does not exist on rank {self.rank} ({OP_NAMES.get(op, op)})")
+        cache, at = self.seqs[seq]
+        if op == DESTROY:
+            del self.seqs[seq]
+            return None
+        if op == REWIND:
+            if not 0 <= position <= at:
+                raise RequestError(f"rewind of sequence {seq} to {position}: must be in [0, {at}]")
+            self.seqs[seq] = (cache, position)
+            return None
+        if op not in (PREFILL, DECODE):
+            raise CommError(f"rank {self.rank} got unknown lockstep op {op}")
+        if position != at or not ids:
+            raise RequestError(f"sequence {seq} is at position {at}; {OP_NAMES[op]} came for {position} "
+                               f"with {len(ids)} tokens")
+        logits = self.stage(torch.tensor(ids, dtype=torch.long), position, cache, last_only=True)
+        self.seqs[seq] = (cache, at + len(ids))
+        return self.comm.all_gather(logits.float(), -1, GateTag(-1, 0, self.stage.step))[-1]
+
+    def serve(self) -> None:
+        """Non-leader loop: apply every command the leader sends until SHUTDOWN."""
+        if self.rank == 0:
+            raise ConfigError("rank 0 is the leader; serve() is the loop of the other ranks")
+        while True:
+            cmd, ids = self.exchange(None)
+            if cmd[0] == SHUTDOWN:
+                return
+            self.apply(cmd, ids)
+
+    def close(self) -> None:
+        self.comm.close()
+
+
+class LockstepGroup:
+    """The leader's side: session calls mirrored to every rank, and ``generate`` like Engine."""
+
+    def __init__(self, leader: LockstepRank, context_length: int | None = None) -> None:
+        if leader.rank != 0:
+            raise ConfigError(f"a LockstepGroup is driven by rank 0, not rank {leader.rank}")
+        self.leader = leader
+        self.config = leader.config
+        self.context_length = context_length or self.config.max_position_embeddings
+        self._lock = threading.Lock()
+        self._last = time.monotonic()
+        self._next_seq = 1
+        self._closed = threading.Event()
+        self._broken: str | None = None
+        self._interval = leader.timeout_s / 3
+        self._pinger = threading.Thread(target=self._ping_loop, daemon=True)
+        self._pinger.start()
+
+    def call(self, op: int, seq: int, position: int = 0, ids: list[int] | None = None) -> torch.Tensor | None:
+        """Mirror one session call to every rank and apply it here."""
+        ids = list(ids or [])
+        with self._lock:
+            if self._broken:
+                raise CommError(f"lockstep group is broken since: {self._broken}")
+            try:
+                cmd, got = self.leader.exchange([op, seq, position, len(ids)], ids)
+                self._last = time.monotonic()
+                return self.leader.apply(cmd, got)
+            except CommError as exc:
+                self._broken = str(exc)
+                raise CommError(f"lockstep {OP_NAMES.get(op, op)} failed: {exc}") from None
+
+    def create(self) -> int:
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        self.call(CREATE, seq)
+        return seq
+
+    def prefill(self, seq: int, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Prefill in chunks; the logits [vocab] of the last position."""
+        logits = None
+        for at in range(0, len(ids), PREFILL_CHUNK):
+            logits = self.call(PREFILL, seq, start + at, ids[at : at + PREFILL_CHUNK])
+        if logits is None:
+            raise RequestError("the prompt is empty")
+        return logits
+
+    def decode(self, seq: int, token: int, position: int) -> torch.Tensor:
+        logits = self.call(DECODE, seq, position, [token])
+        assert logits is not None
+        return logits
+
+    def rewind(self, seq: int, position: int) -> None:
+        self.call(REWIND, seq, position)
+
+    def destroy(self, seq: int) -> None:
+        self.call(DESTROY, seq)
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+        """Token ids until a stop token, max_tokens or the context is full (as Engine)."""
+        params.validate()
+        if not prompt or len(prompt) >= self.context_length:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; it must be 1..{self.context_length - 1}")
+        generator = make_generator(params.seed)
+        seq = self.create()
+        try:
+            logits = self.prefill(seq, prompt)
+            position, stops = len(prompt), set(params.stop_token_ids)
+            for _ in range(params.max_tokens):
+                token = sample(logits, params, generator)
+                if token in stops:
+                    return
+                yield token
+                if position + 1 >= self.context_length:
+                    return
+                logits = self.decode(seq, token, position)
+                position += 1
+        finally:
+            if not self._broken:
+                self.destroy(seq)
+
+    def _ping_loop(self) -> None:
+        """Keep idle non-leaders from timing out; notice a dead rank while idle."""
+        while not self._closed.wait(self._interval / 2):
+            if time.monotonic() - self._last < self._interval or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                if not self._broken and not self._closed.is_set():
+                    self.leader.exchange([PING])
+                    self._last = time.monotonic()
+            except CommError as exc:
+                self._broken = str(exc)
+            finally:
+                self._lock.release()
+
+    def close(self) -> None:
+        """Tell every rank to exit (best effort), then close the links."""
+        self._closed.set()
+        with self._lock:
+            if not self._broken:
+                try:
+                    self.leader.exchange([SHUTDOWN])
+                except CommError:
+                    pass
+            self._broken = self._broken or "closed"
+        self.leader.close()
+
+
+def parse_addresses(text: str) -> list[tuple[str, int]]:
+    out = []
+    for item in text.split(","):
+        host, _, port = item.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(f"address {item!r} is not host:port")
+        out.append((host, int(port)))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run a non-leader rank until the leader shuts the group down or a link breaks."""
+    ap = argparse.ArgumentParser(prog="python -m seamline.parallel.lockstep")
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--addresses", required=True, help="host:port per rank, comma-separated")
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--timeout", type=float, default=30.0, help="gate timeout, seconds")
+    ap.add_argument("--connect-timeout", type=float, default=60.0)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    args = ap.parse_args(argv)
+    try:
+        if args.rank == 0:
+            raise ConfigError("rank 0 is the leader and runs in the serving process, not here")
+        rank = LockstepRank(args.model, args.rank, args.world, parse_addresses(args.addresses),
+                            args.timeout, DTYPES[args.dtype], args.connect_timeout)
+        try:
+            rank.serve()
+        finally:
+            rank.close()
+    except (SeamlineError, OSError) as exc:
+        print(f"seamline lockstep rank {args.rank}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
