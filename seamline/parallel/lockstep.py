@@ -38,7 +38,8 @@ from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm, CommError, GateTag
 from seamline.parallel.tcp_comm import TcpComm
-from seamline.runtime.sampling import SamplingParams, make_generator, sample
+from seamline.runtime.engine import decode_loop
+from seamline.runtime.sampling import SamplingParams
 from seamline.weights.loader import load_stage, open_source
 
 CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN = range(1, 8)
@@ -236,20 +237,11 @@ class LockstepGroup:
         params.validate()
         if not prompt or len(prompt) >= self.context_length:
             raise RequestError(f"the prompt has {len(prompt)} tokens; it must be 1..{self.context_length - 1}")
-        generator = make_generator(params.seed)
         seq = self.create()
         try:
             logits = self.prefill(seq, prompt)
-            position, stops = len(prompt), set(params.stop_token_ids)
-            for _ in range(params.max_tokens):
-                token = sample(logits, params, generator)
-                if token in stops:
-                    return
-                yield token
-                if position + 1 >= self.context_length:
-                    return
-                logits = self.decode(seq, token, position)
-                position += 1
+            step = lambda token, position: self.decode(seq, token, position)  # noqa: E731
+            yield from decode_loop(logits, len(prompt), params, self.context_length, step)
         finally:
             if not self._broken:
                 self.destroy(seq)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -42,17 +42,32 @@ class Engine:
         """Yield generated token ids until a stop token, max_tokens, or the context is full."""
         params.validate()
         self.check_prompt(prompt)
-        generator = make_generator(params.seed)
         cache = self.stage.new_cache()
         logits = self.prefill(prompt, cache)
-        position = len(prompt)
-        stops = set(params.stop_token_ids)
-        for _ in range(params.max_tokens):
-            token = sample(logits, params, generator)
-            if token in stops:
-                return
-            yield token
-            if position + 1 >= self.context_length:
-                return
-            logits = self.stage(torch.tensor([token]), position, cache)[-1]
-            position += 1
+
+        def step(token: int, position: int) -> torch.Tensor:
+            return self.stage(torch.tensor([token]), position, cache)[-1]
+
+        yield from decode_loop(logits, len(prompt), params, self.context_length, step)
+
+
+def decode_loop(
+    logits: torch.Tensor,
+    position: int,
+    params: SamplingParams,
+    context_length: int,
+    step: Callable[[int, int], torch.Tensor],
+) -> Iterator[int]:
+    """Sample, yield, and ``step(token, position)`` to the next logits until a stop token,
+    ``max_tokens`` or the end of the context: the one generation loop every runtime shares."""
+    generator = make_generator(params.seed)
+    stops = set(params.stop_token_ids)
+    for _ in range(params.max_tokens):
+        token = sample(logits, params, generator)
+        if token in stops:
+            return
+        yield token
+        if position + 1 >= context_length:
+            return
+        logits = step(token, position)
+        position += 1
