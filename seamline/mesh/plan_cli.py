@@ -29,6 +29,7 @@ from typing import Any
 
 from seamline.config import ModelConfig
 from seamline.mesh.planner import check_plan, plan, price_route
+from seamline.weights.loader import dtype_bytes
 from seamline.mesh.types import (
     DEFAULT_LINK,
     Link,
@@ -41,7 +42,6 @@ from seamline.mesh.types import (
 )
 
 GIB = 1 << 30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NODE_KEYS = {"node_id", "free_memory_gb", "free_memory_bytes", "bytes_per_second", "latency_ms",
              "bandwidth_mbps", "address", "device"}  # fmt: skip
 LINK_KEYS = {"a", "b", "latency_ms", "bandwidth_mbps"}
@@ -63,7 +63,7 @@ def run_plan_command(
         nodes, links = live_pool(live_url)
     else:
         raise PlanError("seamline plan needs a pool: --nodes FILE (JSON list of nodes) or --live URL")
-    spec, own_context = model_spec(model_path, DTYPE_BYTES[dtype])
+    spec, own_context = model_spec(model_path, dtype_bytes(dtype))
     options = PlanOptions(context_tokens=context or own_context, batch=batch)
     lock = Path(lock_path) if lock_path else None
     if lock is not None and lock.exists():

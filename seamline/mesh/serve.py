@@ -23,9 +23,9 @@ from seamline.mesh.mesh_backend import MeshBackend
 from seamline.mesh.types import ModelSpec, Plan
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest, package_cached
+from seamline.weights.loader import dtype_bytes
 
 log = logging.getLogger("seamline.serve")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass
@@ -66,7 +66,7 @@ def build_mesh(options: ServeOptions) -> Mesh:
     config = ModelConfig.from_hf_dict(manifest.config)
     context = options.context or config.max_position_embeddings
     shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
-    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, DTYPE_BYTES[options.dtype])
+    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype))
     hosts = options.advertise or (_reachable(options.host),)
     invite = new_invite(hosts, options.control_port or options.port + 1, options.port, options.invite_ttl_s)
     coordinator = Coordinator(invite, spec, manifest.model_hash, CoordinatorOptions(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from typing import Union
 
 import torch
@@ -121,6 +122,22 @@ class Link:
         except OSError:
             pass
         self.sock.close()
+
+
+def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None]) -> threading.Thread:
+    """Accept connections until ``server`` closes; each becomes a Link handled on its own thread."""
+
+    def loop() -> None:
+        while True:
+            try:
+                sock, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(Link(sock, name=name),), daemon=True).start()
+
+    thread = threading.Thread(target=loop, name=f"seamline-accept-{name}", daemon=True)
+    thread.start()
+    return thread
 
 
 def listen(host: str, port: int) -> socket.socket:

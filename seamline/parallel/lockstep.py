@@ -40,7 +40,7 @@ from seamline.parallel.comm import Comm, CommError, GateTag
 from seamline.parallel.tcp_comm import TcpComm
 from seamline.runtime.engine import decode_loop
 from seamline.runtime.sampling import SamplingParams
-from seamline.weights.loader import load_stage, open_source
+from seamline.weights.loader import DTYPES, load_stage, open_source
 
 CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN = range(1, 8)
 OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rewind",
@@ -48,7 +48,6 @@ OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rew
 CMD_LEN = 8
 CONTROL_LAYER = -2  # GateTag layer of control messages (model gates use >= 0, logits -1)
 PREFILL_CHUNK = 512
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def rank_ownership(config: ModelConfig, rank: int, world: int) -> Ownership:

@@ -21,6 +21,12 @@ from seamline.weights.source import TensorSource
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP32_SUFFIXES = (".router", ".router_bias")  # routing decisions stay in full precision
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype names
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a --dtype name."""
+    return DTYPES[name].itemsize
 
 
 def open_source(path: str | Path) -> TensorSource:
