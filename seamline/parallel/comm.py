@@ -81,6 +81,7 @@ def make_comm(
     addresses: list[tuple[str, int]],
     timeout_s: float,
     fingerprint: str,
+    connect_timeout_s: float = 60.0,
 ) -> Comm:
     """The Comm for this rank. ``addresses[i]`` is where rank i listens (tcp); torch rendezvous
     at ``addresses[0]``. ``auto``: NCCL via torch.distributed when CUDA is available, else our
@@ -92,9 +93,10 @@ def make_comm(
     if transport == "tcp":
         from seamline.parallel.tcp_comm import TcpComm
 
-        return TcpComm.connect(rank, world, addresses, timeout_s, fingerprint)
+        return TcpComm.connect(rank, world, addresses, timeout_s, fingerprint, connect_timeout_s)
     if transport == "torch":
         from seamline.parallel.torch_comm import TorchComm
 
-        return TorchComm.connect(rank, world, addresses, timeout_s, fingerprint)
+        # its rendezvous waits as long as a gate: the longer of the two budgets
+        return TorchComm.connect(rank, world, addresses, max(timeout_s, connect_timeout_s), fingerprint)
     raise CommError(f"transport must be 'auto', 'tcp' or 'torch', not {transport!r}")

@@ -7,15 +7,22 @@ would be summed over an uneven split we do not test — and vocabulary rows
 unequal slices). Ranks join through a TcpComm whose HELLO fingerprint names the model
 (file name, config hash, a digest of replicated weights), dtype, world and gate schedule.
 
+A group may own the whole model or one pipeline stage's layer range: a stage that does not
+own the embedding takes hidden states instead of token ids, and one that does not own the
+head returns hidden states instead of logits (every rank holds the full residual stream
+after each gate, so the leader's output is complete).
+
 Control protocol (over the Comm itself, no second socket): before every session call the
 leader (rank 0) and every other rank all-reduce an int64 command ``[op, seq_id, position,
 n_tokens, 0, 0, 0, 0]`` (non-leaders contribute zeros) tagged ``GateTag(-2, 0, k)``, then,
-when ``n_tokens > 0``, the token ids ``[n_tokens]`` tagged ``GateTag(-2, 1, k)``. Every rank
-then applies the same call to its own caches; prefill/decode run the Stage (two gates per
-layer) and all-gather the vocab-shard logits of the last position (``GateTag(-1, 0, step)``);
-the leader samples. While idle, the leader sends PING every ``timeout_s / 3`` s, so a
-non-leader's gate timeout only fires when the leader is really gone. A dead rank surfaces
-as a CommError naming it (TcpComm: "rank R closed the link" / "sent nothing ... within T s").
+when ``n_tokens > 0``, the input tagged ``GateTag(-2, 1, k)``: token ids ``[n_tokens]``, or
+hidden states ``[n_tokens, hidden]`` (others add zeros: the sum is the leader's, exactly).
+Every rank then applies the same call to its own caches; prefill/decode run the Stage (two
+gates per layer) and, on the last stage, all-gather the vocab-shard logits of the last
+position (``GateTag(-1, 0, step)``); the leader samples. While idle, the leader sends PING
+every ``timeout_s / 3`` s, so a non-leader's gate timeout only fires when the leader is
+really gone. A dead rank surfaces as a CommError naming it (TcpComm: "rank R closed the
+link" / "sent nothing ... within T s").
 """
 
 from __future__ import annotations
@@ -36,11 +43,11 @@ from seamline.errors import ConfigError, RequestError, SeamlineError
 from seamline.model.cache import SequenceCache
 from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
-from seamline.parallel.comm import Comm, CommError, GateTag
-from seamline.parallel.tcp_comm import TcpComm
+from seamline.parallel.comm import Comm, CommError, GateTag, Transport, make_comm
 from seamline.runtime.engine import decode_loop
 from seamline.runtime.sampling import SamplingParams
 from seamline.weights.loader import DTYPES, load_stage, open_source
+from seamline.weights.source import TensorSource
 
 CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN = range(1, 8)
 OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rewind",
@@ -48,27 +55,33 @@ OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rew
 CMD_LEN = 8
 CONTROL_LAYER = -2  # GateTag layer of control messages (model gates use >= 0, logits -1)
 PREFILL_CHUNK = 512
+Inputs = list[int] | torch.Tensor  # token ids (a stage with the embedding) or hidden states
 
 
-def rank_ownership(config: ModelConfig, rank: int, world: int) -> Ownership:
-    """Rank ``rank``'s share of every layer; experts must divide evenly among the ranks."""
+def rank_ownership(config: ModelConfig, rank: int, world: int,
+                   layers: tuple[int, int] | None = None) -> Ownership:
+    """Rank ``rank``'s share of ``layers`` (default: all); experts must divide evenly."""
     e, v = config.num_experts, config.vocab_size
     if e % world:
         raise ConfigError(f"{e} routed experts do not divide among {world} lockstep ranks")
     experts = (rank * e // world, (rank + 1) * e // world) if e else None
     vocab = (rank * v // world, (rank + 1) * v // world)
-    return Ownership(layers=(0, config.num_layers), experts=experts, vocab=vocab, shard=(rank, world))
+    return Ownership(layers=layers or (0, config.num_layers), experts=experts, vocab=vocab, shard=(rank, world))
 
 
-def group_fingerprint(path: Path, source_config: dict, stage: Stage, dtype: torch.dtype, world: int) -> str:
-    """Model identity + dtype + world + gate schedule: what every rank of a group must share."""
+def group_fingerprint(identity: str, source_config: dict, stage: Stage, dtype: torch.dtype, world: int) -> str:
+    """Model identity + dtype + world + layers + gate schedule: what every rank must share."""
     config_hash = hashlib.sha256(json.dumps(source_config, sort_keys=True, default=str).encode())
     weights = hashlib.sha256()  # replicated tensors only: equal on every rank of one checkpoint
-    for tensor in (stage.norm.weight if stage.norm is not None else None, stage.embed):
+    first_block = next(iter(stage.layers.values()))
+    replicated = (stage.norm.weight if stage.norm is not None else None, stage.embed,
+                  first_block.input_norm.weight)  # type: ignore[union-attr]
+    for tensor in replicated:
         if tensor is not None:
             weights.update(tensor.detach().reshape(-1)[:4096].float().numpy().tobytes())
-    return (f"{path.name}|config:{config_hash.hexdigest()[:16]}|weights:{weights.hexdigest()[:16]}"
-            f"|{str(dtype).removeprefix('torch.')}|world:{world}|gates:2x{stage.config.num_layers}")
+    start, end = stage.ownership.layers
+    return (f"{identity}|config:{config_hash.hexdigest()[:16]}|weights:{weights.hexdigest()[:16]}"
+            f"|{str(dtype).removeprefix('torch.')}|world:{world}|layers:{start}-{end}|gates:2x{end - start}")
 
 
 class _LateComm:
@@ -97,25 +110,33 @@ class _LateComm:
 class LockstepRank:
     """One rank: its shard of the model, its caches, and the control exchange."""
 
-    def __init__(self, model_path: str | Path, rank: int, world: int, addresses: list[tuple[str, int]],
-                 timeout_s: float = 30.0, dtype: torch.dtype = torch.float32,
-                 connect_timeout_s: float = 60.0) -> None:
-        path = Path(model_path)
-        source = open_source(path)
+    def __init__(self, model: str | Path | TensorSource, rank: int, world: int,
+                 addresses: list[tuple[str, int]], timeout_s: float = 30.0, dtype: torch.dtype = torch.float32,
+                 connect_timeout_s: float = 60.0, *, transport: Transport = "tcp",
+                 layers: tuple[int, int] | None = None, identity: str | None = None) -> None:
+        """Load this rank's shard of ``layers`` from ``model`` (a path, or an open source with
+        an ``identity`` naming its model), then join the group over ``transport``."""
+        if isinstance(model, (str, Path)):
+            source, identity = open_source(Path(model)), identity or Path(model).name
+        elif identity is None:
+            raise ConfigError("a lockstep rank given an open weight source needs the model's identity")
+        else:
+            source = model
         raw_config = source.config_dict()
         self.config = ModelConfig.from_hf_dict(raw_config)
         self.rank, self.world, self.timeout_s = rank, world, timeout_s
         self.comm = _LateComm(rank, world)
-        self.stage = load_stage(source, rank_ownership(self.config, rank, world), dtype,
-                                self.config, comm=self.comm)
-        self.fingerprint = group_fingerprint(path, raw_config, self.stage, dtype, world)
-        self.comm.inner = TcpComm.connect(rank, world, addresses, timeout_s, self.fingerprint,
-                                          connect_timeout_s=connect_timeout_s)
+        own = rank_ownership(self.config, rank, world, layers)
+        self.first, self.last = own.owns_embedding(), own.owns_head(self.config)
+        self.stage = load_stage(source, own, dtype, self.config, comm=self.comm)
+        self.fingerprint = group_fingerprint(identity, raw_config, self.stage, dtype, world)
+        self.comm.inner = make_comm(transport, rank, world, addresses, timeout_s, self.fingerprint,
+                                    connect_timeout_s)
         self.seqs: dict[int, tuple[SequenceCache, int]] = {}  # seq id -> (cache, next position)
         self._control = 0  # control messages so far: the sequence of their tags
 
-    def exchange(self, cmd: list[int] | None, ids: list[int] | None = None) -> tuple[list[int], list[int]]:
-        """Leader: send (cmd, ids); others: pass None and receive them."""
+    def exchange(self, cmd: list[int] | None, inputs: Inputs | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """Leader: send (cmd, inputs); others: pass None and receive them."""
         tag = self._control
         self._control += 1
         mine = torch.zeros(CMD_LEN, dtype=torch.int64)
@@ -126,12 +147,19 @@ class LockstepRank:
         if not 0 <= count <= PREFILL_CHUNK:
             raise CommError(f"rank {self.rank} got a command with {count} tokens (limit {PREFILL_CHUNK})")
         if count == 0:
-            return got, []
-        mine_ids = torch.tensor(ids, dtype=torch.int64) if ids is not None else torch.zeros(count, dtype=torch.int64)
-        return got, self.comm.all_reduce(mine_ids, GateTag(CONTROL_LAYER, 1, tag)).tolist()
+            return got, None
+        if self.first:  # token ids
+            shape, dtype = (count,), torch.int64
+        else:  # hidden states from the previous stage
+            shape, dtype = (count, self.config.hidden_size), self.stage.compute_dtype
+        payload = torch.zeros(shape, dtype=dtype) if inputs is None else torch.as_tensor(inputs).to(dtype)
+        if tuple(payload.shape) != shape:
+            raise RequestError(f"lockstep input of shape {tuple(payload.shape)}; this group takes {shape}")
+        return got, self.comm.all_reduce(payload, GateTag(CONTROL_LAYER, 1, tag))
 
-    def apply(self, cmd: list[int], ids: list[int]) -> torch.Tensor | None:
-        """Run one session call on this rank; prefill/decode return the full last-position logits."""
+    def apply(self, cmd: list[int], inputs: torch.Tensor | None) -> torch.Tensor | None:
+        """Run one session call on this rank; prefill/decode return the full last-position
+        logits (last stage) or the hidden states of every position (earlier stages)."""
         op, seq, position = cmd[0], cmd[1], cmd[2]
         if op in (PING, SHUTDOWN):
             return None
@@ -153,22 +181,26 @@ class LockstepRank:
             return None
         if op not in (PREFILL, DECODE):
             raise CommError(f"rank {self.rank} got unknown lockstep op {op}")
-        if position != at or not ids:
+        count = 0 if inputs is None else inputs.shape[0]
+        if position != at or not count:
             raise RequestError(f"sequence {seq} is at position {at}; {OP_NAMES[op]} came for {position} "
-                               f"with {len(ids)} tokens")
-        logits = self.stage(torch.tensor(ids, dtype=torch.long), position, cache, last_only=True)
-        self.seqs[seq] = (cache, at + len(ids))
-        return self.comm.all_gather(logits.float(), -1, GateTag(-1, 0, self.stage.step))[-1]
+                               f"with {count} tokens")
+        assert inputs is not None
+        out = self.stage(inputs, position, cache, last_only=self.last)
+        self.seqs[seq] = (cache, at + count)
+        if not self.last:
+            return out
+        return self.comm.all_gather(out.float(), -1, GateTag(-1, 0, self.stage.step))[-1]
 
     def serve(self) -> None:
         """Non-leader loop: apply every command the leader sends until SHUTDOWN."""
         if self.rank == 0:
             raise ConfigError("rank 0 is the leader; serve() is the loop of the other ranks")
         while True:
-            cmd, ids = self.exchange(None)
+            cmd, inputs = self.exchange(None)
             if cmd[0] == SHUTDOWN:
                 return
-            self.apply(cmd, ids)
+            self.apply(cmd, inputs)
 
     def close(self) -> None:
         self.comm.close()
@@ -192,14 +224,14 @@ class LockstepGroup:
         self._pinger = threading.Thread(target=self._ping_loop, daemon=True)
         self._pinger.start()
 
-    def call(self, op: int, seq: int, position: int = 0, ids: list[int] | None = None) -> torch.Tensor | None:
+    def call(self, op: int, seq: int, position: int = 0, inputs: Inputs | None = None) -> torch.Tensor | None:
         """Mirror one session call to every rank and apply it here."""
-        ids = list(ids or [])
+        count = 0 if inputs is None else len(inputs)
         with self._lock:
             if self._broken:
                 raise CommError(f"lockstep group is broken since: {self._broken}")
             try:
-                cmd, got = self.leader.exchange([op, seq, position, len(ids)], ids)
+                cmd, got = self.leader.exchange([op, seq, position, count], inputs if count else None)
                 self._last = time.monotonic()
                 return self.leader.apply(cmd, got)
             except CommError as exc:
@@ -224,6 +256,12 @@ class LockstepGroup:
         logits = self.call(DECODE, seq, position, [token])
         assert logits is not None
         return logits
+
+    def run(self, seq: int, position: int, inputs: torch.Tensor) -> torch.Tensor:
+        """One forward of ``inputs`` (ids or hidden states) at ``position`` on every rank."""
+        out = self.call(DECODE if len(inputs) == 1 else PREFILL, seq, position, inputs)
+        assert out is not None
+        return out
 
     def rewind(self, seq: int, position: int) -> None:
         self.call(REWIND, seq, position)
@@ -292,12 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0, help="gate timeout, seconds")
     ap.add_argument("--connect-timeout", type=float, default=60.0)
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    ap.add_argument("--transport", choices=["auto", "tcp", "torch"], default="tcp")
+    ap.add_argument("--layers", help="START:END, the pipeline stage this group owns (default: all)")
     args = ap.parse_args(argv)
     try:
         if args.rank == 0:
             raise ConfigError("rank 0 is the leader and runs in the serving process, not here")
+        layers = tuple(int(v) for v in args.layers.split(":")) if args.layers else None
         rank = LockstepRank(args.model, args.rank, args.world, parse_addresses(args.addresses),
-                            args.timeout, DTYPES[args.dtype], args.connect_timeout)
+                            args.timeout, DTYPES[args.dtype], args.connect_timeout,
+                            transport=args.transport, layers=layers)  # type: ignore[arg-type]
         try:
             rank.serve()
         finally:
