@@ -104,6 +104,10 @@ def _configs() -> dict[str, Any]:
         "llama": transformers.LlamaConfig(**SMALL),
         "qwen2": transformers.Qwen2Config(**SMALL),
         "qwen3": transformers.Qwen3Config(**SMALL, head_dim=32),
+        # 6 query heads, 3 KV heads: on 4 ranks the shares are 1, 2, 1, 2 heads, and KV heads
+        # 0 and 2 are held by two ranks each (uneven split, explicit KV-head map)
+        "llama_uneven": transformers.LlamaConfig(**{**SMALL, "hidden_size": 96, "num_attention_heads": 6,
+                                                    "num_key_value_heads": 3}),
         "mixtral": transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
         "deepseek_v3": transformers.DeepseekV3Config(**DEEPSEEK),
     }
@@ -206,6 +210,21 @@ def test_head_split_equals_whole(tmp_path: Path, name: str, world: int) -> None:
         assert len(comm.tags) == 2 * layers * (1 + DECODE)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_uneven_head_split_equals_whole(tmp_path: Path, world: int) -> None:
+    """Heads that do not divide by N: shares differ by one head; the sum is still the model."""
+    _save("llama_uneven", tmp_path)
+    whole = load_stage(open_source(tmp_path))
+    ids = torch.randint(0, 256, (PREFILL + DECODE,), generator=torch.Generator().manual_seed(3))
+    expected, _ = _run(whole, ids)
+    stages, results = _run_split(tmp_path, world, ids)
+    got = torch.cat([logits for logits, _, _ in results], dim=1)
+    err = (got - expected).abs().max().item()
+    assert err < ATOL, f"max |split - whole| = {err:.2e}"
+    heads = [s.layers["0"].attn.heads for s in stages]  # type: ignore[union-attr]
+    assert sum(heads) == 6 and max(heads) - min(heads) <= 1, heads
+
+
 def test_mla_expanded_path_split(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefill above takes MLA's absorbed path; force the expanded one too."""
     from seamline.model import mla
@@ -226,7 +245,12 @@ def test_head_ranges() -> None:
     assert own.kv_head_range(8, 2) == (0, 1)  # 2 KV heads over 4 ranks: replicated pairs
     assert Ownership(layers=(0, 1), shard=(3, 4)).kv_head_range(8, 2) == (1, 2)
     assert own.kv_head_range(8, 1) == (0, 1)  # multi-query: every rank holds the one head
-    with pytest.raises(ConfigError, match="attention heads do not divide"):
-        own.head_range(6)
-    with pytest.raises(ConfigError, match="neither divide among nor evenly replicate"):
-        Ownership(layers=(0, 1), shard=(0, 4)).kv_head_range(12, 6)
+    # uneven shares: 9 heads (3 KV heads) on 2 ranks -> 4 and 5 query heads; KV head 1 serves
+    # query heads 3, 4 and 5, which fall on both ranks, so both hold it
+    assert Ownership(layers=(0, 1), shard=(0, 2)).head_range(9) == (0, 4)
+    assert Ownership(layers=(0, 1), shard=(1, 2)).head_range(9) == (4, 9)
+    assert Ownership(layers=(0, 1), shard=(0, 2)).kv_head_range(9, 3) == (0, 2)
+    assert Ownership(layers=(0, 1), shard=(1, 2)).kv_head_range(9, 3) == (1, 3)
+    assert Ownership(layers=(0, 1), shard=(1, 4)).kv_head_range(12, 6) == (1, 3)  # heads 3..5
+    with pytest.raises(ConfigError, match="cannot be shared by 8 ranks"):
+        Ownership(layers=(0, 1), shard=(0, 8)).head_range(6)

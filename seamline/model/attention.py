@@ -27,6 +27,17 @@ def causal_mask(start: int, count: int) -> torch.Tensor | None:
     return keys <= queries
 
 
+def _uneven_kv_map(q0: int, q1: int, k0: int, group: int) -> torch.Tensor | None:
+    """Local KV head of each owned query head, or None when SDPA's own grouping (``H/Hkv``
+    consecutive query heads per KV head) already gets it right."""
+    wanted = [(q // group) - k0 for q in range(q0, q1)]
+    kv_heads = wanted[-1] + 1
+    per = (q1 - q0) // kv_heads
+    if (q1 - q0) % kv_heads == 0 and wanted == [h // per for h in range(q1 - q0)]:
+        return None
+    return torch.tensor(wanted, dtype=torch.long)
+
+
 class GQAttention(nn.Module):
     def __init__(self, config: ModelConfig, rope: RotaryTable, own: Ownership) -> None:
         super().__init__()
@@ -39,6 +50,7 @@ class GQAttention(nn.Module):
         self.qkv = empty_param(rows, config.hidden_size)
         self.qkv_bias = empty_param(rows) if config.attention_bias else None
         self.o = empty_param(config.hidden_size, self.heads * self.head_dim)
+        self.kv_map = _uneven_kv_map(q0, q1, k0, config.num_heads // config.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rope = rope
@@ -55,12 +67,14 @@ class GQAttention(nn.Module):
         qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D]
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         keys, values = kv.update(k.transpose(0, 1), v.transpose(0, 1), start)  # [Hkv, S, D]
+        if self.kv_map is not None:  # an uneven share: one KV row per query head
+            keys, values = keys.index_select(0, self.kv_map), values.index_select(0, self.kv_map)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
             keys.unsqueeze(0),
             values.unsqueeze(0),
             attn_mask=causal_mask(start, count),
-            enable_gqa=self.kv_heads != self.heads,
+            enable_gqa=self.kv_map is None and self.kv_heads != self.heads,
         )  # [1, H, T, D]
         out = out.transpose(1, 2).reshape(count, self.heads * self.head_dim)  # a view when T == 1
         return F.linear(out, self.o)

@@ -53,22 +53,18 @@ class Ownership:
         return (rank * per, (rank + 1) * per)
 
     def head_range(self, heads: int) -> Range:
-        """The query (or MLA) heads this shard owns: an even split of ``heads``."""
+        """The query (or MLA) heads this shard owns: ``[r*H//N, (r+1)*H//N)`` — an even split
+        when N divides H, else shares differing by one head (9 heads on 2 ranks: 4 and 5)."""
         rank, world = self.shard
-        if heads % world:
-            raise ConfigError(f"{heads} attention heads do not divide among {world} ranks")
-        per = heads // world
-        return (rank * per, (rank + 1) * per)
+        if world > heads:
+            raise ConfigError(f"{heads} attention heads cannot be shared by {world} ranks")
+        return (rank * heads // world, (rank + 1) * heads // world)
 
     def kv_head_range(self, heads: int, kv_heads: int) -> Range:
-        """The KV heads this shard's query heads read (grouped-query attention)."""
-        world = self.shard[1]
+        """The KV heads this shard's query heads read (grouped-query attention); a KV head
+        whose query heads fall on several ranks is held by each of them."""
         if heads % kv_heads:
             raise ConfigError(f"{heads} query heads are not a multiple of {kv_heads} KV heads")
-        if kv_heads % world and world % kv_heads:
-            raise ConfigError(
-                f"{kv_heads} KV heads neither divide among nor evenly replicate over {world} ranks"
-            )
         q0, q1 = self.head_range(heads)
         group = heads // kv_heads  # query heads per KV head
         return (q0 // group, -(-q1 // group))
