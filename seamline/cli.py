@@ -9,7 +9,7 @@ from typing import Any
 
 from seamline.errors import SeamlineError
 
-BENCHES = ("single", "split")
+BENCHES = ("single", "split", "lockstep")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +44,11 @@ def _add_mesh_commands(sub: Any) -> None:
     serve.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
     serve.add_argument("--invite-hours", type=float, default=24.0)
     serve.add_argument("--lock", help="pin the plan in this JSON file (from `seamline plan --lock`)")
+    serve.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
+                       help="N nodes compute each stage in lockstep (0: only where one node cannot hold a stage)")
+    serve.add_argument("--transport", choices=("auto", "tcp", "torch"), default="auto",
+                       help="lockstep collectives: our TCP mesh, or torch.distributed (auto: NCCL with CUDA, else tcp)")
+    serve.add_argument("--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate")
     serve.set_defaults(handler=cmd_serve)
     join = sub.add_parser("join", help="join a mesh as a node")
     join.add_argument("token")
@@ -58,6 +63,7 @@ def _add_mesh_commands(sub: Any) -> None:
     demo.add_argument("--model", default=None)
     demo.add_argument("-p", "--prompt", default="What is the capital of France?")
     demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--tensor-parallel", type=int, default=0, metavar="N", help="N nodes per stage, in lockstep")
     demo.set_defaults(handler=cmd_demo)
     package = sub.add_parser("package", help="split a checkpoint into per-layer fragments")
     package.add_argument("model")
@@ -173,7 +179,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
                            advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,
                            local_node=not args.no_local_node, dtype=args.dtype, context=args.context,
-                           invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock)  # fmt: skip
+                           invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock,
+                           tensor_parallel=args.tensor_parallel, transport=args.transport,
+                           gate_timeout_s=args.gate_timeout)  # fmt: skip
     return run_serve(options)
 
 
@@ -193,7 +201,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from seamline.mesh.demo import run_demo
 
     _logging(quiet=True)
-    return run_demo(args.nodes, args.prompt, args.model, args.max_tokens)
+    return run_demo(args.nodes, args.prompt, args.model, args.max_tokens, tensor_parallel=args.tensor_parallel)
 
 
 def cmd_package(args: argparse.Namespace) -> int:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from seamline.mesh.invite import Invite, verify
+from seamline.config import ModelConfig
+from seamline.mesh.groups import plan_auto
 from seamline.mesh.planner import check_plan
 from seamline.mesh.planner import plan as make_plan
 from seamline.errors import SeamlineError
@@ -62,6 +64,10 @@ class CoordinatorOptions:
     context_length: int = 4096
     fragments_url: str = ""
     locked_plan: Plan | None = None
+    model_config: ModelConfig | None = None  # needed to form lockstep groups
+    tensor_parallel: int = 0  # ranks per stage; 0: one node per stage unless a group is needed
+    transport: str = "tcp"  # lockstep groups' Comm: auto | tcp | torch
+    gate_timeout_s: float = 30.0
 
 
 TokenSink = Callable[[list[TokenRow]], None]
@@ -162,7 +168,7 @@ class Coordinator:
             if self.nodes.get(handle.node_id) is not handle:
                 return
             del self.nodes[handle.node_id]
-            in_plan = self.plan is not None and any(s.node_id == handle.node_id for s in self.plan.stages)
+            in_plan = self.plan is not None and any(handle.node_id in s.members() for s in self.plan.stages)
         log.warning("node %s left: %s", handle.node_id, reason)
         with handle.events:
             handle.events.notify_all()
@@ -188,7 +194,9 @@ class Coordinator:
         threading.Thread(target=self._start_up, args=(chosen, self.plan_id), daemon=True).start()
 
     def _choose_plan(self, nodes: list[NodeInfo]) -> Plan:
-        locked = self.options.locked_plan
+        locked, config = self.options.locked_plan, self.options.model_config
+        if locked is None and config is not None:
+            return plan_auto(self.model, nodes, None, self._plan_options(), config, self.options.tensor_parallel)
         if locked is None:
             return make_plan(self.model, nodes, None, self._plan_options())
         check_plan(locked, self.model, nodes, self._plan_options())  # a stale lock is refused, not bent
@@ -199,10 +207,10 @@ class Coordinator:
 
     def _start_up(self, plan: Plan, plan_id: int) -> None:
         try:
-            handles = [self.nodes[s.node_id] for s in plan.stages]
-            for stage, handle in reversed(list(zip(plan.stages, handles))):
-                self.state = f"loading layers [{stage.start},{stage.end}) on {stage.node_id}"
-                self._assign(handle, stage, plan_id)
+            handles = [self.nodes[s.node_id] for s in plan.stages]  # the stages' leaders
+            for stage in reversed(plan.stages):
+                self.state = f"loading layers [{stage.start},{stage.end}) on {', '.join(stage.members())}"
+                self._assign_stage(stage, plan_id)
             for index in reversed(range(len(handles))):
                 self.state = f"linking {handles[index].node_id}"
                 self._link(handles, index, plan_id)
@@ -214,19 +222,28 @@ class Coordinator:
         self.ready.set()
         log.info("route published: %s", " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in plan.stages))
 
-    def _assign(self, handle: NodeHandle, s: StageAssignment, plan_id: int) -> None:
-        with handle.events:
-            handle.ready, handle.linked, handle.failure = None, False, None
-        handle.link.send_message(Assign(plan_id=plan_id, model_hash=self.model_hash,
-                                        fragments_url=self.options.fragments_url, layers=(s.start, s.end),
-                                        owns_embedding=s.owns_embedding, owns_head=s.owns_head,
-                                        dtype=self.options.dtype, context_length=self.options.context_length,
-                                        memory_bytes=s.predicted_bytes))  # fmt: skip
-        ready = self._wait(handle, lambda: handle.ready, "READY")
-        d = ready.descriptor
-        expected = (plan_id, self.model_hash, (s.start, s.end), self.options.dtype, PROTOCOL_VERSION)
-        if (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.protocol_version) != expected:
-            raise StartupError(f"node {handle.node_id} reported {d} which does not match the plan {expected}")
+    def _assign_stage(self, s: StageAssignment, plan_id: int) -> None:
+        """Assign every rank of the stage, then wait for all: a group's ranks load and meet together."""
+        members = [self.nodes[m] for m in s.members()]
+        group = [(h.join.data_host, h.join.comm_port) for h in members] if len(members) > 1 else []
+        for rank, handle in enumerate(members):
+            with handle.events:
+                handle.ready, handle.linked, handle.failure = None, False, None
+            handle.link.send_message(Assign(plan_id=plan_id, model_hash=self.model_hash,
+                                            fragments_url=self.options.fragments_url, layers=(s.start, s.end),
+                                            owns_embedding=s.owns_embedding, owns_head=s.owns_head,
+                                            dtype=self.options.dtype, context_length=self.options.context_length,
+                                            memory_bytes=s.predicted_bytes, shard=(rank, len(members)), group=group,
+                                            transport=self.options.transport,
+                                            gate_timeout_s=self.options.gate_timeout_s))  # fmt: skip
+        for rank, handle in enumerate(members):
+            ready = self._wait(handle, lambda h=handle: h.ready, "READY")  # type: ignore[misc]
+            d = ready.descriptor
+            expected = (plan_id, self.model_hash, (s.start, s.end), self.options.dtype, PROTOCOL_VERSION,
+                        (rank, len(members)))  # fmt: skip
+            got = (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.protocol_version, tuple(d.shard))
+            if got != expected:
+                raise StartupError(f"node {handle.node_id} reported {d} which does not match the plan {expected}")
 
     def _link(self, handles: list[NodeHandle], index: int, plan_id: int) -> None:
         handle = handles[index]
@@ -285,7 +302,7 @@ class Coordinator:
         with self.lock:
             stages = [] if self.plan is None else [
                 {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding,
-                 "head": s.owns_head, "weight_bytes": s.weight_bytes}
+                 "head": s.owns_head, "weight_bytes": s.weight_bytes, "ranks": list(s.members())}
                 for s in self.plan.stages
             ]  # fmt: skip
             nodes = [{"node_id": h.node_id, "address": f"{h.join.data_host}:{h.join.data_port}",

@@ -21,17 +21,19 @@ from seamline.net.link import free_port
 DEMO_CONTEXT = 2048
 
 
-def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port: int = 0) -> int:
+def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port: int = 0,
+             tensor_parallel: int = 0) -> int:
     port = port or free_port()
     options = ServeOptions(model=model, port=port, control_port=free_port(), nodes_expected=nodes,
-                           local_node=False, context=DEMO_CONTEXT)  # fmt: skip
+                           local_node=False, context=DEMO_CONTEXT, tensor_parallel=tensor_parallel)  # fmt: skip
     print(f"seamline demo: packaging the model and starting a coordinator on port {port}", flush=True)
     mesh = build_mesh(options)
     mesh.coordinator.start(options.host)
     server = uvicorn.Server(uvicorn.Config(mesh.app, host=options.host, port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="seamline-demo-") as tmp:
-        cap = memory_cap_gb(model, nodes, DEMO_CONTEXT) if nodes > 1 else None
+        # stage split: cap each node below the whole model; lockstep ranks share every layer anyway
+        cap = memory_cap_gb(model, nodes, DEMO_CONTEXT) if nodes > 1 and not tensor_parallel else None
         if cap is not None:
             print(f"each node may use {cap:.2f} GB: none can hold the whole model", flush=True)
         extra = ["--no-progress"] + (["--max-memory", f"{cap:.3f}"] if cap else [])
@@ -52,7 +54,9 @@ def _print_plan(status: dict[str, object]) -> None:
     for stage in status["stages"]:  # type: ignore[attr-defined]
         start, end = stage["layers"]
         extras = [name for name in ("embedding", "head") if stage[name]]
-        print(f"  {stage['node_id']:>8}: layers [{start:>2},{end:>2}) {' + '.join(extras)}", flush=True)
+        ranks = stage.get("ranks", [stage["node_id"]])
+        group = f" in lockstep with {', '.join(ranks[1:])}" if len(ranks) > 1 else ""
+        print(f"  {stage['node_id']:>8}: layers [{start:>2},{end:>2}) {' + '.join(extras)}{group}", flush=True)
     print(f"  predicted {status['predicted_ms_per_token']:.1f} ms/token", flush=True)
 
 
@@ -78,15 +82,16 @@ def _ask(base: str, model: str, question: str, max_tokens: int) -> None:
     print(f"\n{tokens} tokens, {rate:.1f} tokens/s after the first token", flush=True)
 
 
-def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int = 4) -> float:
-    """A per-node memory cap under which the planner needs exactly ``stages`` equal nodes.
+def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int = 4, ranks: int = 1) -> float:
+    """A per-node memory cap under which the planner needs exactly ``stages`` stages of
+    ``ranks`` equal nodes each (lockstep groups when ``ranks`` > 1).
 
     The middle of the range of caps that give that many stages: no node can hold more than
     its share, which is the situation the mesh exists for.
     """
     from seamline.app import default_model_path
     from seamline.config import ModelConfig
-    from seamline.mesh.planner import plan
+    from seamline.mesh.groups import kv_divides, plan_groups
     from seamline.mesh.types import ModelSpec, NodeInfo, PlanError, PlanOptions
     from seamline.weights.loader import open_source
 
@@ -98,9 +103,9 @@ def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int
     fitting = []
     for step in range(1, 400):
         cap = int(whole * 2 * step / 400) + options.headroom_bytes
-        nodes = [NodeInfo(f"n{i}", cap, 1e10) for i in range(stages)]
+        nodes = [NodeInfo(f"n{i}", cap, 1e10) for i in range(stages * ranks)]
         try:
-            if len(plan(spec, nodes, None, options).stages) == stages:
+            if len(plan_groups(spec, nodes, None, options, ranks, kv_divides(config, ranks)).stages) == stages:
                 fitting.append(cap)
         except PlanError:
             continue

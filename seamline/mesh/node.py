@@ -20,14 +20,16 @@ from pathlib import Path
 import psutil
 import torch
 
+from seamline.mesh.group_stage import LockstepStage
 from seamline.mesh.invite import Invite, InviteError, proof
 from seamline.mesh.stage_worker import StageWorker
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
-from seamline.net.link import Link, LinkClosed, accept_links, listen
+from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Descriptor, Failure, Join, Linked, Message, Open,
     Prompt, Ready, Refuse, Resources, Route, Stats, StatsRequest, Welcome,
 )  # fmt: skip
+from seamline.parallel.lockstep import LockstepGroup, LockstepRank
 
 log = logging.getLogger("seamline.node")
 
@@ -80,6 +82,8 @@ class Node:
         self.data_server: socket.socket | None = None
         self.peers: list[Link] = []
         self.bytes_downloaded = 0
+        self.comm_port = 0  # lockstep peers reach this node here
+        self.group_stage: LockstepStage | None = None  # this node leads a lockstep group
 
     # -- joining ------------------------------------------------------------------------
     def join(self) -> None:
@@ -90,10 +94,11 @@ class Node:
             raise InviteError(f"coordinator sent {type(challenge).__name__} instead of a challenge")
         data_host = control.sock.getsockname()[0]
         self.data_server = listen(data_host, self.options.data_port)
+        self.comm_port = free_port(data_host)
         join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce),
                     protocol_version=PROTOCOL_VERSION, resources=local_resources(self.options),
                     data_host=data_host, data_port=self.data_server.getsockname()[1],
-                    max_memory_bytes=self.options.max_memory_bytes)  # fmt: skip
+                    max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port)  # fmt: skip
         control.send_message(join)
         answer = control.recv()
         if isinstance(answer, Refuse):
@@ -155,20 +160,43 @@ class Node:
                 pass
 
     def _load(self, assign: Assign) -> None:
-        from seamline.mesh.node_loading import load_assignment
+        from seamline.mesh.node_loading import load_assignment, load_rank
 
         self.assignment = assign
         self.worker = None  # a new assignment replaces the old stage
+        if self.group_stage is not None:
+            self.group_stage.close()
+            self.group_stage = None
         self._check_room(assign)
-        stage, downloaded = load_assignment(self.invite, assign, self.options)
+        if assign.shard[1] == 1:
+            stage, downloaded = load_assignment(self.invite, assign, self.options)
+            self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head)
+        else:
+            member, downloaded = load_rank(self.invite, assign, self.options)
+            if member.rank == 0:  # the leader: its StageWorker drives the whole group
+                self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
+                self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head)
+            else:
+                threading.Thread(target=self._serve_rank, args=(member,), daemon=True).start()
         self.bytes_downloaded += downloaded
-        self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head)
         assert self.control is not None
-        self.worker.links.results = self.control.send_tokens
+        if self.worker is not None:
+            self.worker.links.results = self.control.send_tokens
         descriptor = Descriptor(node_id=self.options.node_id, plan_id=assign.plan_id, model_hash=assign.model_hash,
-                                layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION)  # fmt: skip
+                                layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION,
+                                shard=assign.shard)  # fmt: skip
         resident = psutil.Process().memory_info().rss
         self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=downloaded, resident_bytes=resident))
+
+    def _serve_rank(self, member: LockstepRank) -> None:
+        """A group's other rank: follow the leader until it shuts the group down or a link breaks."""
+        try:
+            member.serve()
+        except Exception as exc:  # the group is over; the coordinator fails its requests
+            log.error("lockstep rank %d stopped: %s", member.rank, exc)
+            self._report(None, f"lockstep rank {member.rank} stopped: {exc}")
+        finally:
+            member.close()
 
     def _check_room(self, assign: Assign) -> None:
         """Refuse an assignment this node cannot hold, before downloading anything."""

@@ -13,6 +13,7 @@ from seamline.mesh.invite import Invite
 from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.net.messages import Assign
+from seamline.parallel.lockstep import LockstepRank
 from seamline.weights.fragments import FragmentSource, fragments_for
 from seamline.weights.loader import DTYPES, load_stage
 
@@ -20,10 +21,31 @@ if TYPE_CHECKING:
     from seamline.mesh.node import NodeOptions
 
 log = logging.getLogger("seamline.node")
+GROUP_CONNECT_TIMEOUT_S = 600.0  # peers may still be downloading their fragments
 
 
 def load_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[Stage, int]:
     """Return the loaded Stage and the number of bytes downloaded for it."""
+    source, downloaded = fetch_assignment(invite, assign, options)
+    config = ModelConfig.from_hf_dict(source.config_dict())
+    own = Ownership(layers=(assign.layers[0], assign.layers[1]))
+    return load_stage(source, own, DTYPES[assign.dtype], config), downloaded
+
+
+def load_rank(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[LockstepRank, int]:
+    """This node's rank of a lockstep group: its shard of the range, joined to its peers.
+    The layers' fragments are fetched whole; only the rank's slices are read from them."""
+    source, downloaded = fetch_assignment(invite, assign, options)
+    rank, world = assign.shard
+    log.info("rank %d of %d: joining the group over %s", rank, world, assign.transport)
+    member = LockstepRank(source, rank, world, [tuple(a) for a in assign.group], assign.gate_timeout_s,
+                          DTYPES[assign.dtype], GROUP_CONNECT_TIMEOUT_S, transport=assign.transport,  # type: ignore[arg-type]
+                          layers=tuple(assign.layers), identity=assign.model_hash)  # fmt: skip
+    return member, downloaded
+
+
+def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[FragmentSource, int]:
+    """Fetch (or find in the cache) the fragments of the assigned range; open them."""
     manifest = fetch_manifest(assign.fragments_url, token=invite.secret)
     if manifest.model_hash != assign.model_hash:
         raise CheckpointError(
@@ -35,8 +57,4 @@ def load_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tup
     folder = materialise(manifest, entries, cache, options.cache_dir / "stages" / options.node_id)
     log.info("layers [%d,%d): %d fragments, %d bytes downloaded, %d from cache", *assign.layers,
              len(entries), report.bytes_downloaded, report.fragments_from_cache)  # fmt: skip
-    source = FragmentSource(folder, manifest)
-    config = ModelConfig.from_hf_dict(source.config_dict())
-    own = Ownership(layers=(assign.layers[0], assign.layers[1]))
-    stage = load_stage(source, own, DTYPES[assign.dtype], config)
-    return stage, report.bytes_downloaded
+    return FragmentSource(folder, manifest), report.bytes_downloaded

@@ -421,21 +421,27 @@ def check_plan(
             f"not {model.name!r} ({model.num_layers} layers)"
         )
     _check_route(model, [(s.node_id, s.start, s.end) for s in plan.stages])
+    members = [m for st in plan.stages for m in st.members()]
+    if len(set(members)) != len(members):
+        raise PlanError(f"a node belongs to one stage at most: {sorted(members)} repeats a node")
     by_id = {n.node_id: n for n in nodes}
     for st in plan.stages:
-        node = by_id.get(st.node_id)
-        if node is None:
-            raise PlanError(
-                f"the locked plan needs node {st.node_id!r}, which is not in the pool "
-                f"({', '.join(sorted(by_id)) or 'empty'})"
-            )
-        weights, kv, _ = _range_bytes(model, options, st.start, st.end)
-        cap = options.capacity(node.free_memory_bytes)
-        if weights + kv > cap:
-            raise PlanError(
-                f"node {st.node_id!r} no longer fits its locked layers [{st.start},{st.end}): "
-                f"they need {weights + kv} bytes, it has {cap} after headroom"
-            )
+        for member in st.members():
+            node = by_id.get(member)
+            if node is None:
+                raise PlanError(
+                    f"the locked plan needs node {member!r}, which is not in the pool "
+                    f"({', '.join(sorted(by_id)) or 'empty'})"
+                )
+            # a group's bytes are per rank, as planned; a single node's are recomputed
+            weights, kv, _ = _range_bytes(model, options, st.start, st.end) if not st.ranks else (
+                st.weight_bytes, st.kv_bytes, 0)
+            cap = options.capacity(node.free_memory_bytes)
+            if weights + kv > cap:
+                raise PlanError(
+                    f"node {member!r} no longer fits its locked layers [{st.start},{st.end}): "
+                    f"they need {weights + kv} bytes, it has {cap} after headroom"
+                )
 
 
 def _refusal(model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions) -> str:

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from seamline.config import ModelConfig
 from seamline.mesh.coordinator import Coordinator, CoordinatorOptions
 from seamline.mesh.fragment_server import fragment_routes
+from seamline.mesh.groups import check_world
 from seamline.mesh.invite import Invite, new_invite
 from seamline.mesh.mesh_backend import MeshBackend
 from seamline.mesh.types import ModelSpec, Plan
@@ -41,6 +42,9 @@ class ServeOptions:
     context: int = 0  # 0: the model's own
     invite_ttl_s: float = 24 * 3600
     lock_path: str | None = None
+    tensor_parallel: int = 0  # ranks per stage (0: groups only where a stage needs one)
+    transport: str = "auto"
+    gate_timeout_s: float = 30.0
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
 
 
@@ -65,13 +69,17 @@ def build_mesh(options: ServeOptions) -> Mesh:
     manifest = Manifest.load(package_dir)
     config = ModelConfig.from_hf_dict(manifest.config)
     context = options.context or config.max_position_embeddings
+    if options.tensor_parallel:
+        check_world(config, options.tensor_parallel)
     shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
     spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype))
     hosts = options.advertise or (_reachable(options.host),)
     invite = new_invite(hosts, options.control_port or options.port + 1, options.port, options.invite_ttl_s)
     coordinator = Coordinator(invite, spec, manifest.model_hash, CoordinatorOptions(
-        nodes_expected=options.nodes_expected, dtype=options.dtype, context_length=context,
-        fragments_url=f"http://{_url_host(hosts[0])}:{options.port}", locked_plan=_locked(options.lock_path)))  # fmt: skip
+        nodes_expected=max(options.nodes_expected, options.tensor_parallel), dtype=options.dtype,
+        context_length=context, fragments_url=f"http://{_url_host(hosts[0])}:{options.port}",
+        locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
+        transport=options.transport, gate_timeout_s=options.gate_timeout_s))  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context)
     secret = invite.secret

@@ -14,11 +14,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from seamline.model.cache import SequenceCache
 from seamline.model.stage import Stage
+
+if TYPE_CHECKING:
+    from seamline.mesh.group_stage import LockstepStage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Open, Prompt
 from seamline.runtime.sampling import SamplingParams, make_generator, sample
@@ -37,7 +40,7 @@ class OutOfStep(Exception):
 
 @dataclass
 class Sequence:
-    cache: SequenceCache
+    cache: Any  # SequenceCache, or a lockstep group's GroupCache
     params: SamplingParams
     context_length: int
     next_position: int = 0
@@ -58,7 +61,7 @@ class StageLinks:
 
 
 class StageWorker:
-    def __init__(self, stage: Stage, is_first: bool, is_last: bool) -> None:
+    def __init__(self, stage: Stage | LockstepStage, is_first: bool, is_last: bool) -> None:
         self.stage = stage
         self.dtype = stage.compute_dtype
         self.is_first = is_first
@@ -90,10 +93,12 @@ class StageWorker:
         if seq is not None:
             seq.done = True  # seen at once by a single-stage generation loop
         with self.lock:
-            self.sequences.pop(msg.request, None)
+            seq = self.sequences.pop(msg.request, None)
             self.closed[msg.request] = None
             if len(self.closed) > RECENTLY_CLOSED:
                 del self.closed[next(iter(self.closed))]
+        if seq is not None:
+            self.stage.release_cache(seq.cache)
 
     # -- data path ----------------------------------------------------------------------
     def prompt(self, msg: Prompt) -> None:

@@ -184,10 +184,17 @@ class StageAssignment:
     weight_bytes: int  # layers + embedding/head owned
     kv_bytes: int  # KV cache of its layers for the whole context and batch
     compute_s: float  # predicted seconds per decode step
+    # A lockstep group: every rank's node, the leader (``node_id``) first; () is one node.
+    # ``weight_bytes`` and ``kv_bytes`` are then per rank.
+    ranks: tuple[str, ...] = ()
 
     @property
     def predicted_bytes(self) -> int:
         return self.weight_bytes + self.kv_bytes
+
+    def members(self) -> tuple[str, ...]:
+        """Every node of this stage, the leader first."""
+        return self.ranks or (self.node_id,)
 
 
 @dataclass(frozen=True)
@@ -218,7 +225,8 @@ class Plan:
             data = dict(json.loads(text) if isinstance(text, str) else text)
             if data.pop("version", None) != PLAN_VERSION:
                 raise PlanError(f"a plan file must have version {PLAN_VERSION}")
-            stages = tuple(StageAssignment(**s) for s in data.pop("stages"))
+            stages = tuple(StageAssignment(**{**s, "ranks": tuple(s.get("ranks", ()))})
+                           for s in data.pop("stages"))
             return cls(stages=stages, **data)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise PlanError(f"a plan file must be a JSON plan ({exc})") from None

@@ -107,6 +107,9 @@ class Stage(nn.Module):
     def new_cache(self) -> SequenceCache:
         return SequenceCache(self.ownership.layer_indices())
 
+    def release_cache(self, cache: SequenceCache) -> None:
+        """A finished sequence's cache: garbage here (a lockstep group tells its ranks)."""
+
     @torch.inference_mode()
     def forward(
         self, inputs: torch.Tensor, start: int, cache: SequenceCache, last_only: bool = False

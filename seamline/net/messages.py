@@ -42,6 +42,7 @@ class Join(Message):
     data_host: str
     data_port: int
     max_memory_bytes: int | None = None
+    comm_port: int = 0  # where this node listens for lockstep peers (0: none)
 
 
 class Welcome(Message):
@@ -65,6 +66,12 @@ class Assign(Message):
     dtype: str
     context_length: int
     memory_bytes: int = 0  # weights + KV cache the plan expects this node to hold
+    # A lockstep group: this node is rank shard[0] of shard[1]; ``group`` has every rank's
+    # comm address in rank order. (0, 1) and [] for a stage of one node.
+    shard: tuple[int, int] = (0, 1)
+    group: list[tuple[str, int]] = []
+    transport: str = "tcp"
+    gate_timeout_s: float = 30.0
 
 
 class Descriptor(Message):
@@ -76,6 +83,7 @@ class Descriptor(Message):
     layers: tuple[int, int]
     dtype: str
     protocol_version: int
+    shard: tuple[int, int] = (0, 1)
 
 
 class Ready(Message):

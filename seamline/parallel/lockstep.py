@@ -200,7 +200,10 @@ class LockstepRank:
             cmd, inputs = self.exchange(None)
             if cmd[0] == SHUTDOWN:
                 return
-            self.apply(cmd, inputs)
+            try:
+                self.apply(cmd, inputs)
+            except RequestError:  # the leader met the same error in the same call: in step
+                continue
 
     def close(self) -> None:
         self.comm.close()

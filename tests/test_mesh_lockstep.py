@@ -1,0 +1,96 @@
+"""Lockstep groups inside the mesh: `seamline serve --tensor-parallel N` with ranks joined by token.
+
+Real processes over real sockets: a coordinator and `seamline join` nodes on loopback. A stage
+that is a lockstep group must answer exactly as the single process does (greedy text equal),
+alone (1 stage x 2 ranks) and in a pipeline (2 stages x 2 ranks); a rank killed mid-answer
+ends the request with a clear error instead of a hang.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from seamline.app import LocalModel
+from seamline.mesh.demo import memory_cap_gb
+from seamline.runtime.sampling import SamplingParams
+from tests.mesh_harness import MeshProcesses
+from tests.test_mesh_moe import CONTEXT, PROMPT, build_moe_folder
+
+TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def moe_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_moe_folder(tmp_path_factory.mktemp("lockstep-moe") / "moe")
+
+
+@pytest.fixture(scope="module")
+def expected(moe_folder: Path) -> str:
+    local = LocalModel.load(moe_folder, context=CONTEXT)
+    ids = local.codec.encode(PROMPT)
+    return local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=TOKENS))))
+
+
+def _complete(mesh: MeshProcesses) -> str:
+    client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=120)
+    reply = client.completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=TOKENS)
+    return reply.choices[0].text
+
+
+def _mesh(root: Path, folder: Path, nodes: int, cap_gb: float | None = None) -> MeshProcesses:
+    return MeshProcesses(root, nodes=nodes, model=str(folder), node_memory_gb=cap_gb,
+                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--transport", "tcp"))  # fmt: skip
+
+
+def test_one_stage_of_two_ranks_matches_single_process(tmp_path: Path, moe_folder: Path, expected: str) -> None:
+    mesh = _mesh(tmp_path, moe_folder, nodes=2)
+    try:
+        mesh.start()
+        status = mesh.wait_ready()
+        assert [sorted(s["ranks"]) for s in status["stages"]] == [["node0", "node1"]]
+        assert _complete(mesh) == expected
+        assert _complete(mesh) == expected  # caches were released and made afresh, in step
+    finally:
+        mesh.stop()
+
+
+def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder: Path, expected: str) -> None:
+    cap = memory_cap_gb(str(moe_folder), 2, CONTEXT, ranks=2)
+    mesh = _mesh(tmp_path, moe_folder, nodes=4, cap_gb=cap)
+    try:
+        mesh.start()
+        status = mesh.wait_ready()
+        stages = status["stages"]
+        assert len(stages) == 2 and all(len(s["ranks"]) == 2 for s in stages), stages
+        assert sorted(r for s in stages for r in s["ranks"]) == [f"node{i}" for i in range(4)]
+        assert _complete(mesh) == expected
+    finally:
+        mesh.stop()
+
+
+def test_a_rank_killed_mid_answer_ends_the_request_with_a_clear_error(tmp_path: Path, moe_folder: Path) -> None:
+    mesh = _mesh(tmp_path, moe_folder, nodes=2)
+    try:
+        mesh.start()
+        status = mesh.wait_ready()
+        follower = status["stages"][0]["ranks"][1]
+        proc = mesh.node_procs[int(follower.removeprefix("node"))]
+        client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        stream = client.completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=400,
+                                           stream=True)  # fmt: skip
+        pieces = []
+        with pytest.raises(openai.APIError) as error:
+            for chunk in stream:
+                pieces.append(chunk)
+                if len(pieces) == 5:
+                    proc.kill()
+        message = str(error.value)
+        assert follower in message and ("left the mesh" in message or "lockstep" in message), message
+        health = httpx.get(f"{mesh.base_url}/health", timeout=10)
+        assert health.status_code == 503
+    finally:
+        mesh.stop()

@@ -1,0 +1,67 @@
+"""The planner forming lockstep groups: N nodes share a stage when no single node holds one."""
+
+from __future__ import annotations
+
+import pytest
+
+from seamline.config import ModelConfig
+from seamline.errors import ConfigError
+from seamline.mesh.groups import check_world, group_sizes, plan_auto, plan_groups
+from seamline.mesh.planner import check_plan
+from seamline.mesh.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+
+MIB = 1 << 20
+EXACT = PlanOptions(context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0)
+# 4 layers of 400 MiB: the model holds 1600 MiB of layers + 100 MiB embedding + 100 MiB head.
+SPEC = ModelSpec("m", 4, 1024, (400 * MIB,) * 4, 100 * MIB, 100 * MIB, 0, 4096)
+
+
+def _config(experts: int = 8, heads: int = 8, kv_heads: int = 4) -> ModelConfig:
+    return ModelConfig.from_hf_dict({
+        "model_type": "mixtral", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 4, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "num_local_experts": experts, "num_experts_per_tok": 2, "max_position_embeddings": 1024,
+        "rms_norm_eps": 1e-5, "rope_theta": 1e6})  # fmt: skip
+
+
+def _nodes(count: int, free_mib: int) -> list[NodeInfo]:
+    return [NodeInfo(f"n{i}", free_mib * MIB, 1e10) for i in range(count)]
+
+
+def test_one_node_per_stage_when_that_fits() -> None:
+    found = plan_auto(SPEC, _nodes(2, 1000), None, EXACT, _config())
+    assert [s.ranks for s in found.stages] == [(), ()]
+
+
+def test_a_group_forms_when_no_single_node_holds_a_layer_range() -> None:
+    # 8 nodes of 350 MiB: no node holds even one 400 MiB layer, so no stage split fits; a rank
+    # of a pair holds 200 MiB per layer (two layers would be 400): four stages of 2 ranks.
+    nodes = _nodes(8, 350)
+    with pytest.raises(PlanError):
+        plan_auto(SPEC, nodes, None, EXACT, _config(), world=1)
+    found = plan_auto(SPEC, nodes, None, EXACT, _config())
+    assert [len(s.ranks) for s in found.stages] == [2, 2, 2, 2]
+    assert sorted(m for s in found.stages for m in s.members()) == [f"n{i}" for i in range(8)]
+    # per rank: half a layer, plus the whole embedding (replicated) or half the head
+    assert found.stages[0].weight_bytes == 200 * MIB + 100 * MIB
+    assert found.stages[-1].weight_bytes == 200 * MIB + 50 * MIB
+
+
+def test_fixed_group_size_and_its_refusals() -> None:
+    found = plan_auto(SPEC, _nodes(2, 2000), None, EXACT, _config(), world=2)
+    assert len(found.stages) == 1 and found.stages[0].members() == ("n0", "n1")
+    with pytest.raises(PlanError, match="groups of 2 need at least 2 nodes"):
+        plan_groups(SPEC, _nodes(1, 5000), None, EXACT, 2, True)
+    with pytest.raises(ConfigError, match="8 routed experts do not divide among 3"):
+        check_world(_config(), 3)
+    assert group_sizes(_config(experts=8, heads=8, kv_heads=4)) == (1, 2, 4, 8)
+    assert group_sizes(_config(experts=6, heads=6, kv_heads=2)) == (1, 2, 3, 6)
+
+
+def test_a_group_plan_round_trips_and_a_lock_needs_every_member() -> None:
+    found = plan_auto(SPEC, _nodes(8, 350), None, EXACT, _config())
+    again = Plan.from_json(found.to_json())
+    assert again == found
+    check_plan(again, SPEC, _nodes(8, 350), EXACT)
+    with pytest.raises(PlanError, match="needs node 'n7'"):
+        check_plan(again, SPEC, _nodes(7, 350), EXACT)
