@@ -234,7 +234,7 @@ class Coordinator:
                                             owns_embedding=s.owns_embedding, owns_head=s.owns_head,
                                             dtype=self.options.dtype, context_length=self.options.context_length,
                                             memory_bytes=s.predicted_bytes, shard=(rank, len(members)), group=group,
-                                            transport=self.options.transport,
+                                            transport=self._transport(members),
                                             gate_timeout_s=self.options.gate_timeout_s))  # fmt: skip
         for rank, handle in enumerate(members):
             ready = self._wait(handle, lambda h=handle: h.ready, "READY")  # type: ignore[misc]
@@ -244,6 +244,14 @@ class Coordinator:
             got = (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.protocol_version, tuple(d.shard))
             if got != expected:
                 raise StartupError(f"node {handle.node_id} reported {d} which does not match the plan {expected}")
+
+    def _transport(self, members: list[NodeHandle]) -> str:
+        """``auto``: NCCL (torch) when every rank has CUDA; on CPUs our TCP mesh, which measured
+        >10x faster than gloo for a 16 KB gate (NETWORK.md; `seamline bench lockstep`)."""
+        if self.options.transport != "auto":
+            return self.options.transport
+        cuda = all(h.join.resources.device.startswith("cuda") for h in members)
+        return "torch" if cuda else "tcp"
 
     def _link(self, handles: list[NodeHandle], index: int, plan_id: int) -> None:
         handle = handles[index]

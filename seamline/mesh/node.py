@@ -58,8 +58,9 @@ def local_resources(options: NodeOptions) -> Resources:
     free = psutil.virtual_memory().available
     if options.max_memory_bytes is not None:
         free = min(free, options.max_memory_bytes)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # picks a lockstep group's transport
     return Resources(free_memory_bytes=int(free), bytes_per_second=measure_rate(),
-                     device="cpu", cores=os.cpu_count() or 1)  # fmt: skip
+                     device=device, cores=os.cpu_count() or 1)  # fmt: skip
 
 
 def connect_to_coordinator(invite: Invite) -> Link:
