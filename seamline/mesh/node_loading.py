@@ -38,9 +38,9 @@ def load_rank(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[Loc
     source, downloaded = fetch_assignment(invite, assign, options)
     rank, world = assign.shard
     log.info("rank %d of %d: joining the group over %s", rank, world, assign.transport)
-    member = LockstepRank(source, rank, world, [tuple(a) for a in assign.group], assign.gate_timeout_s,
+    member = LockstepRank(source, rank, world, [(host, port) for host, port in assign.group], assign.gate_timeout_s,
                           DTYPES[assign.dtype], GROUP_CONNECT_TIMEOUT_S, transport=assign.transport,  # type: ignore[arg-type]
-                          layers=tuple(assign.layers), identity=assign.model_hash)  # fmt: skip
+                          layers=assign.layers, identity=assign.model_hash)  # fmt: skip
     return member, downloaded
 
 

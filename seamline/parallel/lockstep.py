@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -73,9 +74,9 @@ def group_fingerprint(identity: str, source_config: dict, stage: Stage, dtype: t
     """Model identity + dtype + world + layers + gate schedule: what every rank must share."""
     config_hash = hashlib.sha256(json.dumps(source_config, sort_keys=True, default=str).encode())
     weights = hashlib.sha256()  # replicated tensors only: equal on every rank of one checkpoint
-    first_block = next(iter(stage.layers.values()))
+    first_block: Any = next(iter(stage.layers.values()))
     replicated = (stage.norm.weight if stage.norm is not None else None, stage.embed,
-                  first_block.input_norm.weight)  # type: ignore[union-attr]
+                  first_block.input_norm.weight)
     for tensor in replicated:
         if tensor is not None:
             weights.update(tensor.detach().reshape(-1)[:4096].float().numpy().tobytes())
@@ -148,6 +149,7 @@ class LockstepRank:
             raise CommError(f"rank {self.rank} got a command with {count} tokens (limit {PREFILL_CHUNK})")
         if count == 0:
             return got, None
+        shape: tuple[int, ...]
         if self.first:  # token ids
             shape, dtype = (count,), torch.int64
         else:  # hidden states from the previous stage
