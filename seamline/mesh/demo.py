@@ -6,6 +6,7 @@ Each node gets its own fragment cache, so each downloads exactly its share of th
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import threading
 import time
@@ -37,7 +38,10 @@ def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port
         if cap is not None:
             print(f"each node may use {cap:.2f} GB: none can hold the whole model", flush=True)
         extra = ["--no-progress"] + (["--max-memory", f"{cap:.3f}"] if cap else [])
-        procs = [spawn_node(mesh.token, f"node{i}", Path(tmp) / f"node{i}", extra) for i in range(nodes)]
+        # lockstep ranks meet at every gate: on one machine each gets its share of the cores,
+        # or their OpenMP workers fight over them (pipeline stages take turns, so they keep all)
+        threads = max(1, (os.cpu_count() or 1) // nodes) if tensor_parallel else 0
+        procs = [spawn_node(mesh.token, f"node{i}", Path(tmp) / f"node{i}", extra, threads) for i in range(nodes)]
         try:
             status = wait_ready(mesh.coordinator, timeout_s=600)
             _print_plan(status)

@@ -105,12 +105,16 @@ def _locked(path: str | None) -> Plan | None:
     return Plan.from_json(json.loads(Path(path).read_text()))
 
 
-def spawn_node(token: str, node_id: str, cache_dir: Path | None = None, extra: list[str] | None = None) -> subprocess.Popen[bytes]:
-    """A `seamline join` process; it is stopped when this process exits."""
+def spawn_node(token: str, node_id: str, cache_dir: Path | None = None, extra: list[str] | None = None,
+               threads: int = 0) -> subprocess.Popen[bytes]:
+    """A `seamline join` process; it is stopped when this process exits. ``threads``: its
+    compute threads (0: all cores) — nodes sharing one machine should split its cores."""
     args = [sys.executable, "-m", "seamline.cli", "join", token, "--node-id", node_id, "--quiet", *(extra or [])]
     env = dict(os.environ)
     if cache_dir is not None:
         env["SEAMLINE_CACHE"] = str(cache_dir)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     proc = subprocess.Popen(args, env=env)
     atexit.register(_stop, proc)
     return proc
