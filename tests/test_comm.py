@@ -166,7 +166,8 @@ def test_fingerprint_mismatch_is_refused() -> None:
     got = run_group("scenario_fingerprint", 2, {"transport": "tcp"})
     for rank in range(2):
         assert got[rank][1] == "CommError", got[rank]
-        assert "group fingerprint mismatch" in got[rank][2] and "'model-0'" in got[rank][2] and "'model-1'" in got[rank][2]
+        mine, theirs = f"model-{rank}", f"model-{1 - rank}"
+        assert f"group mismatch: rank {rank} has {mine} here, {theirs} on rank {1 - rank}" in got[rank][2], got[rank]
 
 
 def test_killed_peer_raises_comm_error_within_timeout() -> None:

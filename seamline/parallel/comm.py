@@ -71,6 +71,15 @@ class SingleComm:
         pass
 
 
+def fingerprint_difference(rank: int, mine: str, peer: int, theirs: str) -> str:
+    """Name the fields in which two group fingerprints (``field|field|...``) differ."""
+    a, b = mine.split("|"), theirs.split("|")
+    diffs = [f"{x} here, {y} on rank {peer}" for x, y in zip(a, b) if x != y]
+    if len(a) != len(b) or not diffs:
+        return f"rank {rank} has fingerprint {mine!r}, rank {peer} has {theirs!r}"
+    return f"rank {rank} has " + "; ".join(diffs)
+
+
 Transport = Literal["auto", "tcp", "torch"]
 
 

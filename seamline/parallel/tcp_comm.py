@@ -17,7 +17,7 @@ fail fast instead of waiting for their timeout.
 HELLO (each way, on each new socket): magic b"SLHI" | version u16 | rank u16 | world u16 |
 fingerprint length u16, then the UTF-8 group fingerprint (model hash, shapes, dtype, gate
 schedule — opaque here). A mismatch in any field is refused with both values named.
-Rank i dials ranks > i and accepts ranks < i; dials retry until the connect deadline.
+Rank i first accepts ranks < i, then dials ranks > i; dials retry until the connect deadline.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Callable, Iterable
 import torch
 
 from seamline.net.link import listen, tune
-from seamline.parallel.comm import GATHER_TAG, CommError, DesyncError, GateTag
+from seamline.parallel.comm import GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference
 
 GATE_MAGIC = b"SLGT"
 HELLO_MAGIC = b"SLHI"
@@ -113,11 +113,9 @@ class TcpComm:
         server = listen(bind_host or addresses[rank][0], addresses[rank][1])
         socks: dict[int, socket.socket] = {}
         try:
-            for peer in range(rank + 1, world):
-                sock = _dial(rank, peer, addresses[peer], deadline, connect_timeout_s)
-                socks[peer] = sock
-                _handshake(sock, hello, rank, world, fingerprint, peer, timeout_s)
-            while len(socks) < world - 1:
+            # lower ranks first: rank 0 dials at once, so a HELLO mismatch (another world size,
+            # another model) is named before anyone waits on a rank that may not exist
+            while len(socks) < rank:
                 sock = _accept(server, rank, socks, deadline, connect_timeout_s)
                 try:
                     peer = _handshake(sock, hello, rank, world, fingerprint, None, timeout_s)
@@ -128,6 +126,10 @@ class TcpComm:
                     sock.close()
                     raise CommError(f"rank {peer} connected twice to rank {rank}")
                 socks[peer] = sock
+            for peer in range(rank + 1, world):
+                sock = _dial(rank, peer, addresses[peer], deadline, connect_timeout_s)
+                socks[peer] = sock
+                _handshake(sock, hello, rank, world, fingerprint, peer, timeout_s)
         except BaseException:
             for sock in socks.values():
                 sock.close()
@@ -319,5 +321,5 @@ def _handshake(sock: socket.socket, hello: bytes, rank: int, world: int, fingerp
     _recv_exact(sock, memoryview(raw), peer, timeout_s, "HELLO fingerprint")
     theirs = raw.decode(errors="replace")
     if theirs != fingerprint:
-        raise CommError(f"group fingerprint mismatch: rank {rank} has {fingerprint!r}, rank {peer} has {theirs!r}")
+        raise CommError(f"group mismatch: {fingerprint_difference(rank, fingerprint, peer, theirs)}")
     return peer

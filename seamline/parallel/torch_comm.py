@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from seamline.parallel.comm import GATHER_TAG, CommError, DesyncError, GateTag
+from seamline.parallel.comm import GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference
 
 VERSION = 1
 REDUCE, GATHER = 1, 2
@@ -84,8 +84,7 @@ class TorchComm:
                                 f"rank {rank} of {world}")
             theirs = bytes(prints[peer, :length].tolist()).decode(errors="replace")
             if theirs != fingerprint:
-                raise CommError(f"group fingerprint mismatch: rank {self.rank} has {fingerprint!r}, "
-                                f"rank {peer} has {theirs!r}")
+                raise CommError(f"group mismatch: {fingerprint_difference(self.rank, fingerprint, peer, theirs)}")
 
     def _gather_rows(self, row: torch.Tensor) -> torch.Tensor:
         """[world, *row.shape]: every rank's ``row``, in rank order."""
