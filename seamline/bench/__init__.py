@@ -17,6 +17,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.split import bench_split
 
         result = bench_split(**options)
+    elif name == "lockstep":
+        from seamline.bench.lockstep import bench_lockstep
+
+        result = bench_lockstep(**options)
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     text = json.dumps(result, indent=2)

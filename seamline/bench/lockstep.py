@@ -1,0 +1,215 @@
+"""`seamline bench lockstep`: one core against a 2-rank lockstep group of one core per rank.
+
+Model: a random DeepSeek-V3-style MoE whose routed experts dominate its >= 1 GB of float32
+weights (``moe_model``). Parties, each in its own process (``lockstep_driver``), all greedy,
+float32, one torch thread:
+
+- single: seamline's Engine on core 0 (the first core this process may use);
+- lockstep2 per transport (``tcp``: TcpComm; ``torch``: gloo): the leader on core 0, rank 1
+  (``python -m seamline.parallel.lockstep``) on core 1 (the second), each holding half the
+  routed experts, heads and vocabulary.
+
+Each run decodes ``tokens`` tokens after the same 16-token prompt; the rate is taken over the
+decode steps only. Runs alternate (single, then each group) ``repeats`` times after a short
+warm-up; medians are reported. A group's greedy tokens must equal the single engine's
+(``tokens_match``).
+
+Bytes per token, measured: the kernel's per-socket TCP counters (``tcpi_bytes_sent`` less
+``tcpi_bytes_retrans``: payload bytes put on the wire once, without TCP/IP headers; the
+retransmitted bytes are reported apart), summed over every TCP socket of each rank process
+across exactly the timed decode steps, divided by the tokens, averaged over the two ranks —
+the same method for both transports, and no counter inside either transport. Where a fresh
+network namespace can be made (root), each group runs alone in one, and the loopback
+interface's ``tx_bytes`` (both ranks, headers and pure ACKs included) / 2 / tokens is
+reported beside it as a cross-check.
+
+Theory, per rank per token (world 2, the rank sends to its one peer): two gates per layer of
+``hidden`` float32, its vocabulary slice of the logits (vocab/2 float32), and the control
+exchange (a 64-byte command and an 8-byte token id).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from typing import Any
+
+import torch
+
+from seamline.bench.moe_model import build_model, model_facts
+
+PROMPT_TOKENS = 16
+TRANSPORTS = ("tcp", "torch")
+BYTES_METHOD = ("kernel per-socket TCP counters tcpi_bytes_sent - tcpi_bytes_retrans (payload bytes put on "
+                "the wire once, no TCP/IP headers; read with `ss -tinp`), summed over all TCP sockets of "
+                "each rank process across the timed decode steps, / tokens, mean of the 2 ranks")  # fmt: skip
+LO_METHOD = ("tx_bytes of lo in a fresh network namespace holding only this group (both ranks' traffic "
+             "incl. Ethernet/IP/TCP headers and pure ACKs), / 2 ranks / tokens")  # fmt: skip
+
+
+NOTES = [
+    "tok/s: decode steps only (after the prompt's prefill), one torch thread per process, float32, greedy",
+    "speedup = lockstep2_tok_s / single_tok_s, medians over repeats (runs alternate single, tcp, torch)",
+    "leader_comm_ms_per_token: the leader's time inside collectives = transfer + waking up + waiting for "
+    "rank 1 to reach the gate (its share of the chosen experts may be larger that token)",
+    "loadavg_1min: this machine may be shared; a busy core stalls the whole group at every gate",
+]
+
+
+class Driver:
+    """A lockstep_driver process: a party we can ask for one measurement at a time."""
+
+    def __init__(self, args: list[str]) -> None:
+        cmd = [sys.executable, "-m", "seamline.bench.lockstep_driver", *args]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.ready: dict[str, Any] | None = None
+
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"lockstep driver exited with {self.proc.wait()}")
+        return dict(json.loads(line))
+
+    def wait_ready(self) -> dict[str, Any]:
+        if self.ready is None:
+            self.ready = self._line()
+        return self.ready
+
+    def measure(self, tokens: int) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"measure {tokens}\n")
+        self.proc.stdin.flush()
+        return self._line()
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def netns_available() -> bool:
+    return os.geteuid() == 0
+
+
+def theory_bytes(facts: dict[str, Any]) -> int:
+    gates = 2 * facts["layers"] * facts["hidden"] * 4
+    logits = facts["vocab"] // 2 * 4
+    control = 64 + 8
+    return gates + logits + control
+
+
+def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
+                   transports: tuple[str, ...] = TRANSPORTS, netns: bool | None = None) -> dict[str, Any]:
+    """The JSON of `seamline bench lockstep`. ``size``: "bench" (>= 1 GB) or "tiny" (tests);
+    ``netns``: run each group in a fresh network namespace (None: when root)."""
+    if repeats < 1 or tokens < 1:
+        raise ValueError("repeats and tokens must be >= 1")
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise RuntimeError("bench lockstep pins its two ranks to two cores: it needs two CPUs")
+    core0, core1 = cpus[0], cpus[1]
+    folder = build_model(size)
+    facts = model_facts(folder)
+    netns = netns_available() if netns is None else netns
+    gen = torch.Generator().manual_seed(1)
+    prompt = ",".join(str(t) for t in torch.randint(0, facts["vocab"], (PROMPT_TOKENS,), generator=gen).tolist())
+    common = ["--model", str(folder), "--prompt", prompt]
+    load_before = os.getloadavg()
+    drivers: dict[str, Driver] = {}
+    runs: dict[str, list[dict[str, Any]]] = {"single": [], **{t: [] for t in transports}}
+    try:
+        drivers["single"] = Driver(["single", *common, "--core", str(core0)])
+        for transport in transports:
+            extra = ["--netns"] if netns else []
+            drivers[transport] = Driver(["group", *common, "--transport", transport, "--core", str(core0),
+                                         "--peer-core", str(core1), *extra])  # fmt: skip
+        ready = {name: d.wait_ready() for name, d in drivers.items()}
+        for driver in drivers.values():  # warm-up
+            driver.measure(min(8, tokens))
+        for _ in range(repeats):  # alternate: the machine is shared and noisy
+            for name, driver in drivers.items():
+                runs[name].append(driver.measure(tokens))
+    finally:
+        for driver in drivers.values():
+            driver.close()
+    result = _result(runs, facts, tokens, repeats, transports, ready)
+    result["cores"] = {"single": core0, "lockstep2_rank0_leader": core0, "lockstep2_rank1": core1}
+    # the machine may be shared: a busy core stalls the group at every gate (see the notes)
+    result["loadavg_1min"] = {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)}
+    return result
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(float(r[key]) for r in runs)
+
+
+def _transport_result(runs: list[dict[str, Any]], single: list[dict[str, Any]], facts: dict[str, Any],
+                      tokens: int, ready: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    single_tok_s, group_tok_s = _median(single, "tok_s"), _median(runs, "tok_s")
+    theory = theory_bytes(facts)
+    # what each rank's sockets carried once: sent less retransmitted (retransmissions apart)
+    per_rank = [statistics.median((r["tcp_bytes_sent"][i] - r["tcp_bytes_retrans"][i]) / tokens for r in runs)
+                for i in range(2)]  # fmt: skip
+    measured = sum(per_rank) / 2
+    retrans = statistics.median(sum(r["tcp_bytes_retrans"]) / 2 / tokens for r in runs)
+    out: dict[str, Any] = {
+        "single_tok_s": round(single_tok_s, 2),
+        "lockstep2_tok_s": round(group_tok_s, 2),
+        "speedup": round(group_tok_s / single_tok_s, 3),
+        "tokens_match": all(r["tokens"] == s["tokens"] for r in runs for s in single),
+        "bytes_per_token_measured": round(measured, 1),
+        "bytes_per_token_measured_per_rank": [round(b, 1) for b in per_rank],
+        "bytes_per_token_theory": theory,
+        "bytes_ratio": round(measured / theory, 4),
+        "bytes_method": BYTES_METHOD,
+        "retransmitted_bytes_per_token": round(retrans, 1),
+        "ms_per_token": round(_median(runs, "ms_per_token"), 2),
+        "single_ms_per_token": round(_median(single, "ms_per_token"), 2),
+        "runs_tok_s": [round(float(r["tok_s"]), 2) for r in runs],
+        "netns": ready.get("netns"),
+    }
+    if all("comm_ms_per_token" in r for r in runs):
+        comm = _median(runs, "comm_ms_per_token")
+        # the leader's time inside collectives: the transfer plus waiting for rank 1 to reach
+        # the gate (its share of the routed experts may be larger this token)
+        out["leader_comm_ms_per_token"] = round(comm, 2)
+        out["leader_compute_ms_per_token"] = round(out["ms_per_token"] - comm, 2)
+    if all(r.get("lo_tx_bytes") is not None for r in runs):
+        lo = statistics.median(r["lo_tx_bytes"] / 2 / tokens for r in runs)
+        out["lo_bytes_per_token"] = round(lo, 1)
+        out["lo_bytes_ratio"] = round(lo / theory, 4)
+        out["lo_bytes_method"] = LO_METHOD
+    return out
+
+
+def _result(runs: dict[str, list[dict[str, Any]]], facts: dict[str, Any], tokens: int, repeats: int,
+            transports: tuple[str, ...], ready: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    single = runs["single"]
+    per_transport = {t: _transport_result(runs[t], single, facts, tokens, ready[t]) for t in transports}
+    default = per_transport["tcp"] if "tcp" in per_transport else per_transport[transports[0]]
+    keys = ("single_tok_s", "lockstep2_tok_s", "speedup", "tokens_match", "bytes_per_token_measured",
+            "bytes_per_token_theory", "bytes_ratio", "bytes_method")  # fmt: skip
+    return {
+        "bench": "lockstep",
+        "default_transport": "tcp" if "tcp" in per_transport else transports[0],
+        **{k: default[k] for k in keys},
+        "transports": per_transport,
+        "model": facts,
+        "dtype": "float32",
+        "threads_per_rank": 1,
+        "prompt_tokens": PROMPT_TOKENS,
+        "tokens": tokens,
+        "repeats": repeats,
+        "single_runs_tok_s": [round(float(r["tok_s"]), 2) for r in single],
+        "single_tokens_stable": all(r["tokens"] == single[0]["tokens"] for r in single),
+        "notes": NOTES,
+    }

@@ -1,0 +1,33 @@
+"""`seamline bench lockstep` end to end on a tiny DeepSeek-V3-style checkpoint (tcp only).
+
+The rates of a tiny model say nothing; what must hold at any size: the JSON has its fields,
+the group's greedy tokens equal the single engine's, and the bytes a rank measurably sends per
+token are within 10% of the wire formula.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from seamline.bench.lockstep import bench_lockstep
+
+FIELDS = ("single_tok_s", "lockstep2_tok_s", "speedup", "tokens_match", "bytes_per_token_measured",
+          "bytes_per_token_theory", "bytes_ratio", "bytes_method")  # fmt: skip
+
+
+def test_bench_lockstep_tiny_tcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SEAMLINE_CACHE", str(tmp_path / "cache"))
+    result = bench_lockstep(repeats=1, tokens=8, size="tiny", transports=("tcp",))
+    for key in FIELDS:
+        assert key in result, key
+    tcp = result["transports"]["tcp"]
+    for key in FIELDS:
+        assert key in tcp, key
+    assert result["tokens_match"] is True and tcp["tokens_match"] is True
+    assert 0.9 <= tcp["bytes_ratio"] <= 1.1, tcp
+    assert tcp["single_tok_s"] > 0 and tcp["lockstep2_tok_s"] > 0
+    assert len(result["single_runs_tok_s"]) == 1 and len(tcp["runs_tok_s"]) == 1
+    model = result["model"]
+    assert model["routed_experts"] % 2 == 0 and model["layers"] == 2 and model["checkpoint_bytes"] > 0
