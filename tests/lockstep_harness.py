@@ -121,8 +121,8 @@ def generate_recording(group: LockstepGroup, prompt: list[int],
     rows: list[torch.Tensor] = []
     call = group.call
 
-    def recording(op: int, seq: int, position: int = 0, inputs: Any = None) -> torch.Tensor | None:
-        out = call(op, seq, position, inputs)
+    def recording(op: int, seq: int, position: int = 0, inputs: Any = None, flags: int = 0) -> torch.Tensor | None:
+        out = call(op, seq, position, inputs, flags)
         if op in (PREFILL, DECODE):
             rows.append(out)  # type: ignore[arg-type]
         return out
@@ -146,15 +146,32 @@ def check_rewind(group: LockstepGroup, prompt: list[int], token: int) -> None:
 
 
 def check_group(group: LockstepGroup, ref: Reference, atol: float) -> float:
-    """Greedy tokens equal to the reference's, logits within ``atol`` at every step; the max error."""
-    tokens, logits = generate_recording(group, ref.prompt, SamplingParams(max_tokens=len(ref.tokens)))
+    """Greedy tokens equal to the reference's, logits within ``atol`` at every step; the max
+    error. Then the (max, argmax) exchange greedy sequences use: the same tokens, each step's
+    vector -inf but at the reference's argmax, there holding its max logit (within ``atol``)."""
+    group.greedy_exchange = False  # whole logits, to compare every one
+    try:
+        tokens, logits = generate_recording(group, ref.prompt, SamplingParams(max_tokens=len(ref.tokens)))
+    finally:
+        group.greedy_exchange = True
     assert tokens == ref.tokens
     err = (logits - ref.logits).abs().max().item()
     print(f"max |lockstep - engine| = {err:.2e} over {len(logits)} forwards "
           f"(logit scale {ref.logits.abs().max():.1f})")  # fmt: skip
     assert err < atol, f"max |lockstep - engine| = {err:.2e} >= {atol}"
     check_rewind(group, ref.prompt, ref.tokens[0])
+    check_greedy_exchange(group, ref, atol)
     return err
+
+
+def check_greedy_exchange(group: LockstepGroup, ref: Reference, atol: float, steps: int = 8) -> None:
+    tokens, sparse = generate_recording(group, ref.prompt, SamplingParams(max_tokens=steps))
+    assert tokens == ref.tokens[:steps]
+    expected = ref.logits[: len(sparse)]
+    finite = torch.isfinite(sparse)
+    assert finite.sum(dim=1).tolist() == [1] * len(sparse), "one finite logit per step"
+    assert torch.equal(sparse.argmax(dim=1), expected.argmax(dim=1))
+    torch.testing.assert_close(sparse.max(dim=1).values, expected.max(dim=1).values, atol=atol, rtol=0)
 
 
 @contextmanager

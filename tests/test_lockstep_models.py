@@ -126,6 +126,7 @@ def _check_upcycled_group(folder: Path, dense: Reference, codec: TextCodec) -> N
     end, for more steps through the experts), and Paris in the answer."""
     with running_group(folder, 2) as group:
         _check_expert_share(group.leader.stage, folder)
+        group.greedy_exchange = False  # whole logits, to compare them with the dense engine's
         tokens, logits = generate_recording(group, dense.prompt, SamplingParams(max_tokens=ANSWER_TOKENS))
     assert tokens == dense.tokens[:ANSWER_TOKENS]
     answer = codec.decode(tokens[: next(i for i, t in enumerate(tokens) if t in codec.stop_ids)])

@@ -24,8 +24,8 @@ interface's ``tx_bytes`` (both ranks, headers and pure ACKs included) / 2 / toke
 reported beside it as a cross-check.
 
 Theory, per rank per token (world 2, the rank sends to its one peer): two gates per layer of
-``hidden`` float32, its vocabulary slice of the logits (vocab/2 float32), and the control
-exchange (a 64-byte command and an 8-byte token id).
+``hidden`` float32, the greedy (max, argmax) pair of its vocabulary slice (16 bytes; whole
+logits would be vocab/2 float32), and the 64-byte command that carries the token id.
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ def netns_available() -> bool:
 
 def theory_bytes(facts: dict[str, Any]) -> int:
     gates = 2 * facts["layers"] * facts["hidden"] * 4
-    logits = facts["vocab"] // 2 * 4
-    control = 64 + 8
-    return gates + logits + control
+    argmax = 2 * 8  # greedy: the shard's (max, argmax) as two float64, not its V/2 logits
+    control = 64  # the command; the token id rides in it
+    return gates + argmax + control
 
 
 def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",

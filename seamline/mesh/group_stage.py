@@ -27,8 +27,8 @@ class LockstepStage:
         self.compute_dtype: torch.dtype = group.leader.stage.compute_dtype
         self.is_last = group.leader.last
 
-    def new_cache(self) -> GroupCache:
-        return GroupCache(self.group.create())
+    def new_cache(self, greedy: bool = False) -> GroupCache:
+        return GroupCache(self.group.create(greedy))
 
     def release_cache(self, cache: GroupCache) -> None:
         self.group.destroy(cache.seq)

@@ -82,7 +82,7 @@ class StageWorker:
         params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
                                 seed=s.seed, max_tokens=s.max_tokens, stop_token_ids=s.stop_token_ids)  # fmt: skip
         with self.lock:
-            seq = Sequence(self.stage.new_cache(), params, msg.context_length)
+            seq = Sequence(self.stage.new_cache(params.greedy), params, msg.context_length)
             seq.generator = make_generator(s.seed)
             self.sequences[msg.request] = seq
         if not self.is_last and self.links.downstream_open is not None:

@@ -104,7 +104,8 @@ class Stage(nn.Module):
         assert isinstance(block, Block)
         return block.input_norm.weight.dtype
 
-    def new_cache(self) -> SequenceCache:
+    def new_cache(self, greedy: bool = False) -> SequenceCache:
+        """``greedy``: unused here; a lockstep group then exchanges only (max, argmax)."""
         return SequenceCache(self.ownership.layer_indices())
 
     def release_cache(self, cache: SequenceCache) -> None:

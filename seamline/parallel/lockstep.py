@@ -14,12 +14,14 @@ after each gate, so the leader's output is complete).
 
 Control protocol (over the Comm itself, no second socket): before every session call the
 leader (rank 0) and every other rank all-reduce an int64 command ``[op, seq_id, position,
-n_tokens, 0, 0, 0, 0]`` (non-leaders contribute zeros) tagged ``GateTag(-2, 0, k)``, then,
-when ``n_tokens > 0``, the input tagged ``GateTag(-2, 1, k)``: token ids ``[n_tokens]``, or
-hidden states ``[n_tokens, hidden]`` (others add zeros: the sum is the leader's, exactly).
-Every rank then applies the same call to its own caches; prefill/decode run the Stage (two
-gates per layer) and, on the last stage, all-gather the vocab-shard logits of the last
-position (``GateTag(-1, 0, step)``); the leader samples. While idle, the leader sends PING
+n_tokens, flags, token, 0, 0]`` (non-leaders contribute zeros) tagged ``GateTag(-2, 0, k)``;
+one token id rides in ``token``, more inputs follow tagged ``GateTag(-2, 1, k)``: token ids
+``[n_tokens]``, or hidden states ``[n_tokens, hidden]`` (others add zeros: the sum is the
+leader's, exactly). Every rank then applies the same call to its own caches; prefill/decode
+run the Stage (two gates per layer) and, on the last stage, all-gather the vocab-shard logits
+of the last position (``GateTag(-1, 0, step)``) — or, for a sequence created with the GREEDY
+flag, only each shard's (max, argmax) pair: an exact argmax for 16 bytes instead of V/N
+floats; the leader samples. While idle, the leader sends PING
 every ``timeout_s / 3`` s, so a non-leader's gate timeout only fires when the leader is
 really gone. A dead rank surfaces as a CommError naming it (TcpComm: "rank R closed the
 link" / "sent nothing ... within T s").
@@ -34,6 +36,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
@@ -54,6 +57,7 @@ CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN = range(1, 8)
 OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rewind",
             DESTROY: "destroy", PING: "ping", SHUTDOWN: "shutdown"}  # fmt: skip
 CMD_LEN = 8
+GREEDY = 1  # command flag (create): exchange (max, argmax) pairs, not whole logits
 CONTROL_LAYER = -2  # GateTag layer of control messages (model gates use >= 0, logits -1)
 PREFILL_CHUNK = 512
 Inputs = list[int] | torch.Tensor  # token ids (a stage with the embedding) or hidden states
@@ -108,6 +112,13 @@ class _LateComm:
             self.inner.close()
 
 
+@dataclass
+class _Sequence:
+    cache: SequenceCache
+    position: int = 0  # the next position
+    greedy: bool = False  # the leader samples greedily: (max, argmax) pairs suffice
+
+
 class LockstepRank:
     """One rank: its shard of the model, its caches, and the control exchange."""
 
@@ -133,7 +144,7 @@ class LockstepRank:
         self.fingerprint = group_fingerprint(identity, raw_config, self.stage, dtype, world)
         self.comm.inner = make_comm(transport, rank, world, addresses, timeout_s, self.fingerprint,
                                     connect_timeout_s)
-        self.seqs: dict[int, tuple[SequenceCache, int]] = {}  # seq id -> (cache, next position)
+        self.seqs: dict[int, _Sequence] = {}
         self._control = 0  # control messages so far: the sequence of their tags
 
     def exchange(self, cmd: list[int] | None, inputs: Inputs | None = None) -> tuple[list[int], torch.Tensor | None]:
@@ -143,12 +154,16 @@ class LockstepRank:
         mine = torch.zeros(CMD_LEN, dtype=torch.int64)
         if cmd is not None:
             mine[: len(cmd)] = torch.tensor(cmd, dtype=torch.int64)
+            if self.first and inputs is not None and len(inputs) == 1:
+                mine[5] = int(inputs[0])  # one token id travels in the command itself
         got = self.comm.all_reduce(mine, GateTag(CONTROL_LAYER, 0, tag)).tolist()
         count = got[3]
         if not 0 <= count <= PREFILL_CHUNK:
             raise CommError(f"rank {self.rank} got a command with {count} tokens (limit {PREFILL_CHUNK})")
         if count == 0:
             return got, None
+        if self.first and count == 1:
+            return got, torch.tensor([got[5]], dtype=torch.int64)
         shape: tuple[int, ...]
         if self.first:  # token ids
             shape, dtype = (count,), torch.int64
@@ -168,31 +183,48 @@ class LockstepRank:
         if op == CREATE:
             if seq in self.seqs:
                 raise RequestError(f"sequence {seq} already exists on rank {self.rank}")
-            self.seqs[seq] = (self.stage.new_cache(), 0)
+            self.seqs[seq] = _Sequence(self.stage.new_cache(), greedy=bool(cmd[4] & GREEDY))
             return None
-        if seq not in self.seqs:
+        state = self.seqs.get(seq)
+        if state is None:
             raise RequestError(f"sequence {seq} does not exist on rank {self.rank} ({OP_NAMES.get(op, op)})")
-        cache, at = self.seqs[seq]
         if op == DESTROY:
             del self.seqs[seq]
             return None
         if op == REWIND:
-            if not 0 <= position <= at:
-                raise RequestError(f"rewind of sequence {seq} to {position}: must be in [0, {at}]")
-            self.seqs[seq] = (cache, position)
+            if not 0 <= position <= state.position:
+                raise RequestError(f"rewind of sequence {seq} to {position}: must be in [0, {state.position}]")
+            state.position = position
             return None
         if op not in (PREFILL, DECODE):
             raise CommError(f"rank {self.rank} got unknown lockstep op {op}")
         count = 0 if inputs is None else inputs.shape[0]
-        if position != at or not count:
-            raise RequestError(f"sequence {seq} is at position {at}; {OP_NAMES[op]} came for {position} "
-                               f"with {count} tokens")
+        if position != state.position or not count:
+            raise RequestError(f"sequence {seq} is at position {state.position}; {OP_NAMES[op]} came for "
+                               f"{position} with {count} tokens")
         assert inputs is not None
-        out = self.stage(inputs, position, cache, last_only=self.last)
-        self.seqs[seq] = (cache, at + count)
+        out = self.stage(inputs, position, state.cache, last_only=self.last)
+        state.position += count
         if not self.last:
             return out
-        return self.comm.all_gather(out.float(), -1, GateTag(-1, 0, self.stage.step))[-1]
+        return self._gather_logits(out[-1].float(), state.greedy)
+
+    def _gather_logits(self, local: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """The whole vocabulary's logits [V]; for greedy, a vector that is -inf but at the
+        argmax: each rank offers its shard's (max, argmax) and the first highest wins, the
+        very token an argmax over the gathered logits would give."""
+        tag = GateTag(-1, 0, self.stage.step)
+        if not greedy:
+            return self.comm.all_gather(local, -1, tag)
+        values = local.numpy()
+        index = int(values.argmax())  # the first maximum, as numpy's and the sampler's argmax
+        start = self.stage.ownership.vocab_range(self.config)[0]
+        pair = torch.tensor([float(values[index]), float(start + index)], dtype=torch.float64)
+        pairs = self.comm.all_gather(pair, 0, tag).view(-1, 2)  # rank order: ascending vocab
+        best = int(pairs[:, 0].argmax())  # torch takes the first of equal maxima too
+        logits = torch.full((self.config.vocab_size,), float("-inf"))
+        logits[int(pairs[best, 1])] = float(pairs[best, 0])
+        return logits
 
     def serve(self) -> None:
         """Non-leader loop: apply every command the leader sends until SHUTDOWN."""
@@ -223,29 +255,33 @@ class LockstepGroup:
         self._lock = threading.Lock()
         self._last = time.monotonic()
         self._next_seq = 1
+        self.greedy_exchange = True  # greedy sequences exchange (max, argmax), not logits
         self._closed = threading.Event()
         self._broken: str | None = None
         self._interval = leader.timeout_s / 3
         self._pinger = threading.Thread(target=self._ping_loop, daemon=True)
         self._pinger.start()
 
-    def call(self, op: int, seq: int, position: int = 0, inputs: Inputs | None = None) -> torch.Tensor | None:
+    def call(self, op: int, seq: int, position: int = 0, inputs: Inputs | None = None,
+             flags: int = 0) -> torch.Tensor | None:
         """Mirror one session call to every rank and apply it here."""
         count = 0 if inputs is None else len(inputs)
         with self._lock:
             if self._broken:
                 raise CommError(f"lockstep group is broken since: {self._broken}")
             try:
-                cmd, got = self.leader.exchange([op, seq, position, count], inputs if count else None)
+                cmd, got = self.leader.exchange([op, seq, position, count, flags], inputs if count else None)
                 self._last = time.monotonic()
                 return self.leader.apply(cmd, got)
             except CommError as exc:
                 self._broken = str(exc)
                 raise CommError(f"lockstep {OP_NAMES.get(op, op)} failed: {exc}") from None
 
-    def create(self) -> int:
+    def create(self, greedy: bool = False) -> int:
+        """A new sequence on every rank; a ``greedy`` one gets logits that are -inf but at the
+        argmax (see ``_gather_logits``) unless ``greedy_exchange`` is off."""
         seq, self._next_seq = self._next_seq, self._next_seq + 1
-        self.call(CREATE, seq)
+        self.call(CREATE, seq, flags=GREEDY if greedy and self.greedy_exchange else 0)
         return seq
 
     def prefill(self, seq: int, ids: list[int], start: int = 0) -> torch.Tensor:
@@ -279,7 +315,7 @@ class LockstepGroup:
         params.validate()
         if not prompt or len(prompt) >= self.context_length:
             raise RequestError(f"the prompt has {len(prompt)} tokens; it must be 1..{self.context_length - 1}")
-        seq = self.create()
+        seq = self.create(greedy=params.greedy)
         try:
             logits = self.prefill(seq, prompt)
             step = lambda token, position: self.decode(seq, token, position)  # noqa: E731
