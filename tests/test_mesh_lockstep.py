@@ -41,13 +41,15 @@ def _complete(mesh: MeshProcesses) -> str:
     return reply.choices[0].text
 
 
-def _mesh(root: Path, folder: Path, nodes: int, cap_gb: float | None = None) -> MeshProcesses:
+def _mesh(root: Path, folder: Path, nodes: int, cap_gb: float | None = None, transport: str = "tcp") -> MeshProcesses:
     return MeshProcesses(root, nodes=nodes, model=str(folder), node_memory_gb=cap_gb,
-                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--transport", "tcp"))  # fmt: skip
+                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--transport", transport))  # fmt: skip
 
 
-def test_one_stage_of_two_ranks_matches_single_process(tmp_path: Path, moe_folder: Path, expected: str) -> None:
-    mesh = _mesh(tmp_path, moe_folder, nodes=2)
+@pytest.mark.parametrize("transport", ["tcp", "torch"])
+def test_one_stage_of_two_ranks_matches_single_process(tmp_path: Path, moe_folder: Path, expected: str,
+                                                       transport: str) -> None:
+    mesh = _mesh(tmp_path, moe_folder, nodes=2, transport=transport)
     try:
         mesh.start()
         status = mesh.wait_ready()
