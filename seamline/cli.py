@@ -76,6 +76,8 @@ def _add_mesh_commands(sub: Any) -> None:
     plan.add_argument("--lock", default=None, help="write (or check) the plan in this file")
     plan.add_argument("--context", type=int, default=4096)
     plan.add_argument("--batch", type=int, default=1)
+    plan.add_argument("--tensor-parallel", type=int, default=0, metavar="N",
+                      help="N nodes per stage in lockstep (0: groups only where no node holds a stage)")
     plan.set_defaults(handler=cmd_plan)
 
 
@@ -216,7 +218,8 @@ def cmd_package(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from seamline.mesh.plan_cli import run_plan_command
 
-    return run_plan_command(args.nodes_json, args.model, args.lock, args.context, args.batch, live_url=args.live)
+    return run_plan_command(args.nodes_json, args.model, args.lock, args.context, args.batch, live_url=args.live,
+                            tensor_parallel=args.tensor_parallel)
 
 
 def _logging(quiet: bool) -> None:

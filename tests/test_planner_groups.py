@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from seamline.config import ModelConfig
@@ -65,3 +67,19 @@ def test_a_group_plan_round_trips_and_a_lock_needs_every_member() -> None:
     check_plan(again, SPEC, _nodes(8, 350), EXACT)
     with pytest.raises(PlanError, match="needs node 'n7'"):
         check_plan(again, SPEC, _nodes(7, 350), EXACT)
+
+
+def test_plan_command_prints_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from seamline.mesh.plan_cli import run_plan_command
+
+    pool = [{"node_id": name, "free_memory_gb": 4, "bytes_per_second": 1e10} for name in "abcd"]
+    (tmp_path / "pool.json").write_text(json.dumps(pool))
+    lock = tmp_path / "lock.json"
+    assert run_plan_command(str(tmp_path / "pool.json"), None, str(lock), 1024, 1, tensor_parallel=2) == 0
+    printed = capsys.readouterr().out
+    assert "a+b" in printed and "lockstep group" in printed, printed  # one stage of two ranks
+    assert [list(s["ranks"]) for s in json.loads(lock.read_text())["stages"]] == [["a", "b"]]
+    assert run_plan_command(str(tmp_path / "pool.json"), None, str(lock), 1024, 1) == 0  # the lock, checked
+    assert "a+b" in capsys.readouterr().out

@@ -82,7 +82,10 @@ def plan_groups(model: ModelSpec, nodes: Sequence[NodeInfo], links: Links, optio
     virtual = [replace(g[0], free_memory_bytes=min(n.free_memory_bytes for n in g),
                        bytes_per_second=min(n.bytes_per_second for n in g)) for g in groups]  # fmt: skip
     members = {g[0].node_id: tuple(n.node_id for n in g) for g in groups}
-    found = plan(group_spec(model, world, kv_split), virtual, links, options)
+    try:
+        found = plan(group_spec(model, world, kv_split), virtual, links, options)
+    except PlanError as exc:  # its bytes and "nodes" are per rank and per group: say so
+        raise PlanError(f"as {len(groups)} lockstep groups of {world} nodes (bytes per rank): {exc}") from None
     return replace(found, stages=tuple(replace(s, ranks=members[s.node_id]) for s in found.stages))
 
 
@@ -98,5 +101,5 @@ def plan_auto(model: ModelSpec, nodes: Sequence[NodeInfo], links: Links, options
         try:
             return plan_groups(model, nodes, links, options, size, kv_divides(config, size))
         except PlanError as exc:
-            refusals.append(f"{size} per stage: {exc}" if size > 1 else str(exc))
+            refusals.append(str(exc))
     raise PlanError("; ".join(refusals))

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from seamline.config import ModelConfig
-from seamline.mesh.planner import check_plan, plan, price_route
+from seamline.mesh.groups import plan_auto
+from seamline.mesh.planner import check_plan, price_route
 from seamline.weights.loader import dtype_bytes
 from seamline.mesh.types import (
     DEFAULT_LINK,
@@ -55,15 +56,18 @@ def run_plan_command(
     batch: int,
     live_url: str | None = None,
     dtype: str = "float32",
+    tensor_parallel: int = 0,
 ) -> int:
-    """Print the plan (or the checked lock) for the pool; raise PlanError when none fits."""
+    """Print the plan (or the checked lock) for the pool; raise PlanError when none fits.
+    ``tensor_parallel``: ranks per stage (0: lockstep groups only where no node holds a stage)."""
     if nodes_json_path is not None:
         nodes, links = read_pool(nodes_json_path)
     elif live_url is not None:
         nodes, links = live_pool(live_url)
     else:
         raise PlanError("seamline plan needs a pool: --nodes FILE (JSON list of nodes) or --live URL")
-    spec, own_context = model_spec(model_path, dtype_bytes(dtype))
+    spec, config = model_spec(model_path, dtype_bytes(dtype))
+    own_context = config.max_position_embeddings
     options = PlanOptions(context_tokens=context or own_context, batch=batch)
     lock = Path(lock_path) if lock_path else None
     if lock is not None and lock.exists():
@@ -71,9 +75,10 @@ def run_plan_command(
         check_plan(pinned, spec, nodes, options)
         route = [(s.node_id, s.start, s.end) for s in pinned.stages]
         print(f"locked plan from {lock} (checked against the pool; not re-planned)")
-        print(format_plan(price_route(spec, nodes, links, options, route), nodes))
+        grouped = any(s.ranks for s in pinned.stages)  # its per-rank costs are as planned
+        print(format_plan(pinned if grouped else price_route(spec, nodes, links, options, route), nodes))
         return 0
-    chosen = plan(spec, nodes, links, options)
+    chosen = plan_auto(spec, nodes, links, options, config, tensor_parallel)
     print(format_plan(chosen, nodes))
     if lock is not None:
         lock.write_text(chosen.to_json())
@@ -100,8 +105,8 @@ def live_pool(coordinator_url: str) -> tuple[list[NodeInfo], LinkTable]:
     return nodes, LinkTable()
 
 
-def model_spec(model_path: str | None, dtype_bytes: int) -> tuple[ModelSpec, int]:
-    """The planner's view of a checkpoint (exact bytes from its shapes) and its own context."""
+def model_spec(model_path: str | None, dtype_bytes: int) -> tuple[ModelSpec, ModelConfig]:
+    """The planner's view of a checkpoint (exact bytes from its shapes) and its config."""
     from seamline.app import default_model_path
     from seamline.weights.loader import open_source
 
@@ -111,7 +116,7 @@ def model_spec(model_path: str | None, dtype_bytes: int) -> tuple[ModelSpec, int
     shapes = {name: tuple(source.shape(name)) for name in source.names()}
     name = path.stem if path.is_file() else path.resolve().name  # as `seamline package` names it
     spec = ModelSpec.from_checkpoint_shapes(config, name, shapes, dtype_bytes)
-    return spec, config.max_position_embeddings
+    return spec, config
 
 
 def read_pool(path: str) -> tuple[list[NodeInfo], LinkTable]:
@@ -194,20 +199,24 @@ def _number(obj: dict[str, Any], key: str, where: str) -> float:
 def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
     """A human table: one row per stage, then the predicted time per token."""
     free = {n.node_id: n.free_memory_bytes for n in nodes}
-    width = max(4, *(len(s.node_id) for s in p.stages))
+    names = ["+".join(s.members()) for s in p.stages]  # a lockstep group: its ranks, leader first
+    width = max(4, *(len(name) for name in names))
     rows = [
         f"plan for {p.model_name} ({p.num_layers} layers), context {p.context_tokens} x {p.batch} "
         f"sequence{'s' if p.batch > 1 else ''}",
         f"{'stage':>5}  {'node':<{width}}  {'layers':<11} {'owns':<11} {'weights':>10} "
         f"{'KV cache':>10} {'free':>10} {'compute':>11}",
     ]
-    for i, s in enumerate(p.stages):
+    for i, (s, name) in enumerate(zip(p.stages, names)):
         owns = "+".join(x for x, o in (("embed", s.owns_embedding), ("head", s.owns_head)) if o) or "-"
+        least = min(free.get(m, 0) for m in s.members())
         rows.append(
-            f"{i:>5}  {s.node_id:<{width}}  {f'[{s.start},{s.end})':<11} {owns:<11} "
-            f"{_size(s.weight_bytes):>10} {_size(s.kv_bytes):>10} {_size(free.get(s.node_id, 0)):>10} "
+            f"{i:>5}  {name:<{width}}  {f'[{s.start},{s.end})':<11} {owns:<11} "
+            f"{_size(s.weight_bytes):>10} {_size(s.kv_bytes):>10} {_size(least):>10} "
             f"{s.compute_s * 1e3:>8.3f} ms"
         )
+    if any(s.ranks for s in p.stages):
+        rows.append("a stage of several nodes is a lockstep group: weights, KV cache and free are per rank")
     rows.append(
         f"predicted {p.predicted_s_per_token * 1e3:.3f} ms/token "
         f"(network {p.network_s_per_token * 1e3:.3f} ms over {len(p.stages) - 1} hop"
