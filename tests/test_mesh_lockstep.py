@@ -8,6 +8,8 @@ ends the request with a clear error instead of a hang.
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -95,4 +97,27 @@ def test_a_rank_killed_mid_answer_ends_the_request_with_a_clear_error(tmp_path: 
         health = httpx.get(f"{mesh.base_url}/health", timeout=10)
         assert health.status_code == 503
     finally:
+        mesh.stop()
+
+
+def test_a_silent_rank_ends_the_request_at_the_gate_timeout(tmp_path: Path, moe_folder: Path) -> None:
+    """A rank that stops answering (SIGSTOP: its sockets stay open) is caught by the gate timeout."""
+    mesh = MeshProcesses(tmp_path, nodes=2, model=str(moe_folder),
+                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--gate-timeout", "3"))  # fmt: skip
+    try:
+        mesh.start()
+        status = mesh.wait_ready()
+        follower = status["stages"][0]["ranks"][1]
+        proc = mesh.node_procs[int(follower.removeprefix("node"))]
+        client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        proc.send_signal(signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(openai.APIError) as error:
+            client.completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=8)
+        assert "rank 1 sent nothing" in str(error.value) and "within 3.0 s" in str(error.value), str(error.value)
+        assert time.monotonic() - started < 30
+    finally:
+        if mesh.node_procs:
+            for p in mesh.node_procs:
+                p.send_signal(signal.SIGCONT)
         mesh.stop()

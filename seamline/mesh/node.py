@@ -189,6 +189,9 @@ class Node:
         resident = psutil.Process().memory_info().rss
         self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=downloaded, resident_bytes=resident))
 
+    def _layers(self) -> str:
+        return "?,?" if self.assignment is None else f"{self.assignment.layers[0]},{self.assignment.layers[1]}"
+
     def _serve_rank(self, member: LockstepRank) -> None:
         """A group's other rank: follow the leader until it shuts the group down or a link breaks."""
         try:
@@ -236,8 +239,10 @@ class Node:
                 return
             try:
                 self._on_frame(frame, peer)
-            except Exception:  # one bad frame never stops the node
+            except Exception as exc:  # one bad frame never stops the node; its requests fail
                 log.exception("frame from %s failed", peer)
+                for request in {row.request for row in getattr(frame, "rows", ())}:
+                    self._report(request, f"layers [{self._layers()}) failed: {exc}")
 
     def _on_frame(self, frame: object, peer: str) -> None:
         worker = self.worker
