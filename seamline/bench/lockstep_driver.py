@@ -118,7 +118,7 @@ class TimedComm:
         self.inner.close()
 
 
-def main() -> int:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m seamline.bench.lockstep_driver")
     ap.add_argument("mode", choices=["single", "group"])
     ap.add_argument("--model", required=True)
@@ -128,7 +128,68 @@ def main() -> int:
     ap.add_argument("--transport", choices=["tcp", "torch"], default="tcp")
     ap.add_argument("--netns", action="store_true")
     ap.add_argument("--timeout", type=float, default=120.0)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes], TimedComm | None]:
+    """Rank 1 as a subprocess on the peer core, the leader here; the leader's comm timed."""
+    from seamline.net.link import free_port
+    from seamline.parallel.lockstep import LockstepGroup, LockstepRank
+
+    ports = [free_port(), free_port()]
+    while ports[1] == ports[0]:
+        ports[1] = free_port()
+    addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
+    root = Path(__file__).resolve().parents[2]
+    peer_core = args.peer_core
+    peer = subprocess.Popen(
+        [sys.executable, "-m", "seamline.parallel.lockstep", "--rank", "1", "--world", "2",
+         "--addresses", addresses, "--model", args.model, "--timeout", str(args.timeout),
+         "--transport", args.transport],
+        cwd=root, env={**os.environ}, preexec_fn=lambda: os.sched_setaffinity(0, {peer_core}))  # fmt: skip
+    leader = LockstepRank(args.model, 0, 2, [("127.0.0.1", p) for p in ports], args.timeout,
+                          transport=args.transport)  # type: ignore[arg-type]
+    timed = None
+    inner = getattr(leader.comm, "inner", None)
+    if inner is not None:  # the leader's comm is a late-bound wrapper; time what it wraps
+        timed = TimedComm(inner)
+        leader.comm.inner = timed  # type: ignore[attr-defined]
+    return LockstepGroup(leader), peer, timed
+
+
+def _measure(runner: Any, prompt: list[int], tokens: int, pids: list[int], timed: TimedComm | None,
+             lo: bool) -> dict[str, Any]:
+    """Greedy decode of ``tokens`` steps after the prompt: rate, and (a group) bytes sent."""
+    from seamline.runtime.sampling import SamplingParams
+
+    group = len(pids) > 1
+    gen = runner.generate(prompt, SamplingParams(max_tokens=tokens + 1))
+    out = [next(gen)]  # after the prefill: the decode steps start here
+    sent0 = tcp_bytes(pids) if group else {}
+    lo0 = lo_tx_bytes() if lo else None
+    comm0 = timed.seconds if timed else 0.0
+    start = time.perf_counter()
+    result: dict[str, Any] = {}
+    for token in gen:
+        out.append(token)
+        if len(out) == tokens + 1:  # before the generator's one extra step
+            wall = time.perf_counter() - start
+            result = {"tok_s": tokens / wall, "ms_per_token": wall / tokens * 1e3}
+            if timed:
+                result["comm_ms_per_token"] = (timed.seconds - comm0) / tokens * 1e3
+            if group:
+                sent1 = tcp_bytes(pids)
+                result["tcp_bytes_sent"] = [sent1[p][0] - sent0[p][0] for p in pids]
+                result["tcp_bytes_retrans"] = [sent1[p][1] - sent0[p][1] for p in pids]
+                result["lo_tx_bytes"] = lo_tx_bytes() - lo0 if lo0 is not None else None
+    if len(out) != tokens + 1:
+        raise RuntimeError(f"generated {len(out)} tokens, wanted {tokens + 1}")
+    result["tokens"] = out
+    return result
+
+
+def main() -> int:
+    args = _args()
     netns = enter_netns() if args.netns else "not requested"  # before any thread exists
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if args.netns:  # c10d warns that a namespace without a hostname cannot name client sockets
@@ -138,75 +199,27 @@ def main() -> int:
     import torch
 
     torch.set_num_threads(1)
-    from seamline.runtime.sampling import SamplingParams
-
     prompt = [int(t) for t in args.prompt.split(",")]
-    peer = None
-    timed: TimedComm | None = None
+    peer, timed = None, None
     if args.mode == "single":
         from seamline.runtime.engine import Engine
         from seamline.weights.loader import load_stage, open_source
 
         runner: Any = Engine(load_stage(open_source(args.model)))
     else:
-        from seamline.net.link import free_port
-        from seamline.parallel.lockstep import LockstepGroup, LockstepRank
-
-        ports = [free_port(), free_port()]
-        while ports[1] == ports[0]:
-            ports[1] = free_port()
-        addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
-        root = Path(__file__).resolve().parents[2]
-        peer_core = args.peer_core
-        peer = subprocess.Popen(
-            [sys.executable, "-m", "seamline.parallel.lockstep", "--rank", "1", "--world", "2",
-             "--addresses", addresses, "--model", args.model, "--timeout", str(args.timeout),
-             "--transport", args.transport],
-            cwd=root, env={**os.environ}, preexec_fn=lambda: os.sched_setaffinity(0, {peer_core}))  # fmt: skip
-        leader = LockstepRank(args.model, 0, 2, [("127.0.0.1", p) for p in ports], args.timeout,
-                              transport=args.transport)  # type: ignore[arg-type]
-        inner = getattr(leader.comm, "inner", None)
-        if inner is not None:  # the leader's comm is a late-bound wrapper; time what it wraps
-            timed = TimedComm(inner)
-            leader.comm.inner = timed  # type: ignore[attr-defined]
-        runner = LockstepGroup(leader)
+        runner, peer, timed = _start_group(args)
     pin(args.core)  # threads torch or gloo started meanwhile
     print(json.dumps({"ready": True, "mode": args.mode, "netns": netns or "fresh namespace, lo only",
                       "threads": torch.get_num_threads()}), flush=True)  # fmt: skip
-
     pids = [os.getpid()] + ([peer.pid] if peer is not None else [])
     for line in sys.stdin:
         words = line.split()
         if not words or words[0] == "quit":
             break
-        tokens = int(words[1])
-        gen = runner.generate(prompt, SamplingParams(max_tokens=tokens + 1))
-        out = [next(gen)]  # after the prefill: the decode steps start here
-        sent0 = tcp_bytes(pids) if peer is not None else {}
-        lo0 = lo_tx_bytes() if peer is not None and not netns else None
-        comm0 = timed.seconds if timed else 0.0
-        start = time.perf_counter()
-        result: dict[str, Any] = {}
-        for token in gen:
-            out.append(token)
-            if len(out) == tokens + 1:  # before the generator's one extra step
-                wall = time.perf_counter() - start
-                result = {"tok_s": tokens / wall, "ms_per_token": wall / tokens * 1e3}
-                if timed:
-                    result["comm_ms_per_token"] = (timed.seconds - comm0) / tokens * 1e3
-                if peer is not None:
-                    sent1 = tcp_bytes(pids)
-                    result["tcp_bytes_sent"] = [sent1[p][0] - sent0[p][0] for p in pids]
-                    result["tcp_bytes_retrans"] = [sent1[p][1] - sent0[p][1] for p in pids]
-                    result["lo_tx_bytes"] = lo_tx_bytes() - lo0 if lo0 is not None else None
-        if len(out) != tokens + 1:
-            raise RuntimeError(f"generated {len(out)} tokens, wanted {tokens + 1}")
-        result["tokens"] = out
-        print(json.dumps(result), flush=True)
-
-    if args.mode == "group":
+        lo = peer is not None and not netns
+        print(json.dumps(_measure(runner, prompt, int(words[1]), pids, timed, lo)), flush=True)
+    if peer is not None:
         runner.close()
-        assert peer is not None
         try:
             peer.wait(timeout=30)
         except subprocess.TimeoutExpired:
