@@ -72,8 +72,26 @@ def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder
         assert len(stages) == 2 and all(len(s["ranks"]) == 2 for s in stages), stages
         assert sorted(r for s in stages for r in s["ranks"]) == [f"node{i}" for i in range(4)]
         assert _complete(mesh) == expected
+        _kill_mid_answer(mesh, stages[1]["ranks"][1])  # the second stage's follower: no hang either
     finally:
         mesh.stop()
+
+
+def _kill_mid_answer(mesh: MeshProcesses, node_id: str) -> None:
+    """Kill ``node_id`` while an answer streams: the request ends with an error naming it."""
+    proc = mesh.node_procs[int(node_id.removeprefix("node"))]
+    client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=60)
+    stream = client.completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=400,
+                                       stream=True)  # fmt: skip
+    pieces = []
+    with pytest.raises(openai.APIError) as error:
+        for chunk in stream:
+            pieces.append(chunk)
+            if len(pieces) == 5:
+                proc.kill()
+    message = str(error.value)
+    assert node_id in message and ("left the mesh" in message or "lockstep" in message), message
+    assert httpx.get(f"{mesh.base_url}/health", timeout=10).status_code == 503
 
 
 def test_a_rank_killed_mid_answer_ends_the_request_with_a_clear_error(tmp_path: Path, moe_folder: Path) -> None:
@@ -81,21 +99,7 @@ def test_a_rank_killed_mid_answer_ends_the_request_with_a_clear_error(tmp_path: 
     try:
         mesh.start()
         status = mesh.wait_ready()
-        follower = status["stages"][0]["ranks"][1]
-        proc = mesh.node_procs[int(follower.removeprefix("node"))]
-        client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-        stream = client.completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=400,
-                                           stream=True)  # fmt: skip
-        pieces = []
-        with pytest.raises(openai.APIError) as error:
-            for chunk in stream:
-                pieces.append(chunk)
-                if len(pieces) == 5:
-                    proc.kill()
-        message = str(error.value)
-        assert follower in message and ("left the mesh" in message or "lockstep" in message), message
-        health = httpx.get(f"{mesh.base_url}/health", timeout=10)
-        assert health.status_code == 503
+        _kill_mid_answer(mesh, status["stages"][0]["ranks"][1])
     finally:
         mesh.stop()
 
