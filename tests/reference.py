@@ -20,7 +20,7 @@ def save_random_model(config: Any, folder: Path, seed: int = 0) -> Any:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # norms start at one; perturb them so a swapped norm is caught
         for name, param in model.named_parameters():
             if "norm" in name:
