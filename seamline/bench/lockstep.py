@@ -30,18 +30,17 @@ logits would be vocab/2 float32), and the 64-byte command that carries the token
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 from typing import Any
 
 import torch
 
+from seamline.bench.driver import Driver, median
 from seamline.bench.moe_model import build_model, model_facts
 
 PROMPT_TOKENS = 16
+DRIVER = "seamline.bench.lockstep_driver"
 TRANSPORTS = ("tcp", "torch")
 BYTES_METHOD = ("kernel per-socket TCP counters tcpi_bytes_sent - tcpi_bytes_retrans (payload bytes put on "
                 "the wire once, no TCP/IP headers; read with `ss -tinp`), summed over all TCP sockets of "
@@ -57,43 +56,6 @@ NOTES = [
     "rank 1 to reach the gate (its share of the chosen experts may be larger that token)",
     "loadavg_1min: this machine may be shared; a busy core stalls the whole group at every gate",
 ]
-
-
-class Driver:
-    """A lockstep_driver process: a party we can ask for one measurement at a time."""
-
-    def __init__(self, args: list[str]) -> None:
-        cmd = [sys.executable, "-m", "seamline.bench.lockstep_driver", *args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.ready: dict[str, Any] | None = None
-
-    def _line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"lockstep driver exited with {self.proc.wait()}")
-        return dict(json.loads(line))
-
-    def wait_ready(self) -> dict[str, Any]:
-        if self.ready is None:
-            self.ready = self._line()
-        return self.ready
-
-    def measure(self, tokens: int) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"measure {tokens}\n")
-        self.proc.stdin.flush()
-        return self._line()
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            try:
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
 
 
 def netns_available() -> bool:
@@ -127,10 +89,10 @@ def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
     drivers: dict[str, Driver] = {}
     runs: dict[str, list[dict[str, Any]]] = {"single": [], **{t: [] for t in transports}}
     try:
-        drivers["single"] = Driver(["single", *common, "--core", str(core0)])
+        drivers["single"] = Driver(DRIVER, ["single", *common, "--core", str(core0)])
         for transport in transports:
             extra = ["--netns"] if netns else []
-            drivers[transport] = Driver(["group", *common, "--transport", transport, "--core", str(core0),
+            drivers[transport] = Driver(DRIVER, ["group", *common, "--transport", transport, "--core", str(core0),
                                          "--peer-core", str(core1), *extra])  # fmt: skip
         ready = {name: d.wait_ready() for name, d in drivers.items()}
         for driver in drivers.values():  # warm-up
@@ -148,13 +110,9 @@ def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
     return result
 
 
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(float(r[key]) for r in runs)
-
-
 def _transport_result(runs: list[dict[str, Any]], single: list[dict[str, Any]], facts: dict[str, Any],
                       tokens: int, ready: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
-    single_tok_s, group_tok_s = _median(single, "tok_s"), _median(runs, "tok_s")
+    single_tok_s, group_tok_s = median(single, "tok_s"), median(runs, "tok_s")
     theory = theory_bytes(facts)
     # what each rank's sockets carried once: sent less retransmitted (retransmissions apart)
     per_rank = [statistics.median((r["tcp_bytes_sent"][i] - r["tcp_bytes_retrans"][i]) / tokens for r in runs)
@@ -172,13 +130,13 @@ def _transport_result(runs: list[dict[str, Any]], single: list[dict[str, Any]], 
         "bytes_ratio": round(measured / theory, 4),
         "bytes_method": BYTES_METHOD,
         "retransmitted_bytes_per_token": round(retrans, 1),
-        "ms_per_token": round(_median(runs, "ms_per_token"), 2),
-        "single_ms_per_token": round(_median(single, "ms_per_token"), 2),
+        "ms_per_token": round(median(runs, "ms_per_token"), 2),
+        "single_ms_per_token": round(median(single, "ms_per_token"), 2),
         "runs_tok_s": [round(float(r["tok_s"]), 2) for r in runs],
         "netns": ready.get("netns"),
     }
     if all("comm_ms_per_token" in r for r in runs):
-        comm = _median(runs, "comm_ms_per_token")
+        comm = median(runs, "comm_ms_per_token")
         # the leader's time inside collectives: the transfer plus waiting for rank 1 to reach
         # the gate (its share of the routed experts may be larger this token)
         out["leader_comm_ms_per_token"] = round(comm, 2)

@@ -12,20 +12,19 @@ LAN after subtracting the link's own one-way delay.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from seamline.app import LocalModel
-import time
-
 import torch
 
+from seamline.app import LocalModel
+from seamline.bench.driver import Driver, median
 from seamline.bench.single import PROMPT
 from seamline.runtime.sampling import SamplingParams, make_generator, sample
 
@@ -37,43 +36,18 @@ NS_PREFIX = "slb"
 RUNS = ("single", "loopback", "lan", "single_1core", "split_1core_each", "lan_1core_each")
 
 
-class Driver:
-    """A split_driver process: a mesh we can ask for one measurement at a time."""
-
-    def __init__(self, args: list[str], prefix: list[str] | None = None) -> None:
-        cmd = [*(prefix or []), sys.executable, "-m", "seamline.bench.split_driver", *args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.ready = self._line()
-
-    def _line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"split driver exited with {self.proc.wait()}")
-        return dict(json.loads(line))
-
-    def measure(self, tokens: int) -> dict[str, Any]:
-        """tok_s, ms_per_token and compute_ms_per_token (the stages' layer compute) of one run."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"measure {tokens}\n")
-        self.proc.stdin.flush()
-        return self._line()
-
-    def close(self) -> None:
-        if self.proc.poll() is None and self.proc.stdin is not None:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def _driver(args: list[str], prefix: list[str] | None = None) -> Driver:
+    """A split_driver process (a mesh), ready: meshes start one after another, not together."""
+    driver = Driver("seamline.bench.split_driver", args, prefix)
+    driver.wait_ready()
+    return driver
 
 
 def pinned_driver() -> Driver:
     """Two nodes, each pinned to its own core with one thread: two one-core machines."""
     join = f"{sys.executable} -m seamline.cli join {{token}} --quiet --no-progress --max-memory {{cap}}"
     nodes = [f"env OMP_NUM_THREADS=1 taskset -c {core} {join} --node-id core{core}" for core in (0, 1)]
-    return Driver([a for n in nodes for a in ("--node-cmd", n)])
+    return _driver([a for n in nodes for a in ("--node-cmd", n)])
 
 
 def pinned_single(model: LocalModel, prompt: list[int], tokens: int) -> dict[str, float]:
@@ -118,7 +92,7 @@ def lan_driver(one_core_each: bool = False) -> Driver:
     tag = "core" if one_core_each else "ns"
     nodes = [f"{pins[0]}{join} --node-id {tag}1", f"ip netns exec {NS_PREFIX}2 {pins[1]}{join} --node-id {tag}2"]
     args = ["--host", "10.77.0.1", *[a for n in nodes for a in ("--node-cmd", n)]]
-    return Driver(args, prefix=["ip", "netns", "exec", f"{NS_PREFIX}1"])
+    return _driver(args, prefix=["ip", "netns", "exec", f"{NS_PREFIX}1"])
 
 
 def lan_down() -> None:
@@ -147,7 +121,7 @@ def decode_single(model: LocalModel, prompt: list[int], tokens: int) -> dict[str
 def bench_split(repeats: int = 5, tokens: int = 128) -> dict[str, Any]:
     model = LocalModel.load(context=2048)
     prompt = model.codec.encode_chat([{"role": "user", "content": PROMPT}])
-    loopback, pinned = Driver([]), pinned_driver()
+    loopback, pinned = _driver([]), pinned_driver()
     lan_reason = lan_up()
     lan = lan_driver() if not lan_reason else None
     lan_pinned = lan_driver(one_core_each=True) if not lan_reason else None
@@ -169,7 +143,7 @@ def bench_split(repeats: int = 5, tokens: int = 128) -> dict[str, Any]:
             if driver is not None:
                 driver.close()
         lan_down()
-    return _result(runs, tokens, repeats, model.config.hidden_size, loopback.ready, lan_reason)
+    return _result(runs, tokens, repeats, model.config.hidden_size, loopback.wait_ready(), lan_reason)
 
 
 def _frame_bytes(hidden: int) -> int:
@@ -182,10 +156,6 @@ def _frame_bytes(hidden: int) -> int:
     return sum(len(b) if isinstance(b, bytes) else b.nbytes for b in buffers)
 
 
-def _median(runs: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(float(r[key]) for r in runs)
-
-
 def _glue_ms(runs: list[dict[str, Any]]) -> float:
     """Time per token outside the layers' compute: sampling, embedding glue, and the wire."""
     return statistics.median(float(r["ms_per_token"]) - float(r["compute_ms_per_token"]) for r in runs)
@@ -193,8 +163,8 @@ def _glue_ms(runs: list[dict[str, Any]]) -> float:
 
 def _result(runs: dict[str, list[dict[str, Any]]], tokens: int, repeats: int, hidden: int,
             ready: dict[str, Any], lan_reason: str) -> dict[str, Any]:  # fmt: skip
-    single, loop = _median(runs["single"], "tok_s"), _median(runs["loopback"], "tok_s")
-    lan = _median(runs["lan"], "tok_s") if runs["lan"] else None
+    single, loop = median(runs["single"], "tok_s"), median(runs["loopback"], "tok_s")
+    lan = median(runs["lan"], "tok_s") if runs["lan"] else None
     glue = _glue_ms(runs["single"])
     crossings = 2  # per token: the hidden state forward, the token id back
     return {
@@ -211,13 +181,13 @@ def _result(runs: dict[str, list[dict[str, Any]]], tokens: int, repeats: int, hi
         # per boundary crossing: the mesh's time outside layer compute, less the single engine's
         "hop_overhead_ms": round((_glue_ms(runs["loopback"]) - glue) / crossings, 3),
         "hop_overhead_lan_ms": round((_glue_ms(runs["lan"]) - glue) / crossings - LAN_DELAY_MS, 3) if lan else None,
-        "compute_ms_per_token": {k: round(_median(v, "compute_ms_per_token"), 2) for k, v in runs.items() if v},
+        "compute_ms_per_token": {k: round(median(v, "compute_ms_per_token"), 2) for k, v in runs.items() if v},
         # two one-core machines against one: each node pinned to its own core, one thread
-        "single_1core_tok_s": round(_median(runs["single_1core"], "tok_s"), 2),
-        "split_1core_each_tok_s": round(_median(runs["split_1core_each"], "tok_s"), 2),
-        "ratio_1core_each": round(_median(runs["split_1core_each"], "tok_s") / _median(runs["single_1core"], "tok_s"), 3),
-        "split_lan_1core_each_tok_s": round(_median(runs["lan_1core_each"], "tok_s"), 2) if lan else None,
-        "ratio_lan_1core_each": round(_median(runs["lan_1core_each"], "tok_s") / _median(runs["single_1core"], "tok_s"), 3) if lan else None,
+        "single_1core_tok_s": round(median(runs["single_1core"], "tok_s"), 2),
+        "split_1core_each_tok_s": round(median(runs["split_1core_each"], "tok_s"), 2),
+        "ratio_1core_each": round(median(runs["split_1core_each"], "tok_s") / median(runs["single_1core"], "tok_s"), 3),
+        "split_lan_1core_each_tok_s": round(median(runs["lan_1core_each"], "tok_s"), 2) if lan else None,
+        "ratio_lan_1core_each": round(median(runs["lan_1core_each"], "tok_s") / median(runs["single_1core"], "tok_s"), 3) if lan else None,
         "bytes_per_token_per_boundary": _frame_bytes(hidden),
         "runs_tok_s": {k: [round(float(r["tok_s"]), 2) for r in v] for k, v in runs.items()},
         "lan_link": f"{LAN_DELAY_MS} ms one-way, {LAN_RATE}" if lan else f"not measured: {lan_reason}",
