@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 
 from seamline.net.link import free_port
 
@@ -100,6 +101,25 @@ class MeshProcesses:
             return str(self.status())
         except httpx.HTTPError:
             return "".join(self.output)
+
+    def client(self, timeout: float = 120) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=timeout)
+
+    def kill_mid_stream(self, proc: subprocess.Popen[str], after_chunks: int = 5) -> str:
+        """Stream a long answer, kill ``proc`` after a few chunks: the API error's text
+        (AssertionError if the stream ended without one)."""
+        messages = [{"role": "user", "content": "Tell me a very long story."}]
+        stream = self.client(timeout=60).chat.completions.create(
+            model="default", max_tokens=400, temperature=0, stream=True, messages=messages)  # type: ignore[arg-type]
+        chunks = 0
+        try:
+            for _ in stream:
+                chunks += 1
+                if chunks == after_chunks:
+                    proc.kill()
+        except openai.APIError as error:
+            return str(error)
+        raise AssertionError(f"the stream ended after {chunks} chunks without an error")
 
     def stop(self) -> None:
         for proc in [*self.node_procs, self.serve]:

@@ -27,10 +27,6 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
         mesh.stop()
 
 
-def _client(mesh: MeshProcesses) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
 def _wait_http(mesh: MeshProcesses) -> httpx.Response:
     deadline = time.monotonic() + 60
     while True:
@@ -53,7 +49,7 @@ def test_not_ready_until_the_expected_nodes_join(mesh: MeshProcesses) -> None:
     health = _wait_http(mesh)
     assert health.status_code == 503 and "waiting for nodes" in health.json()["reason"]
     with pytest.raises(openai.APIStatusError) as error:
-        _client(mesh).chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}])
+        mesh.client().chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}])
     assert error.value.status_code == 503 and "waiting for nodes" in str(error.value)
 
 
@@ -70,16 +66,8 @@ def test_wrong_expired_and_corrupt_tokens_are_refused(mesh: MeshProcesses) -> No
 def test_a_node_lost_mid_generation_ends_the_request_with_a_clear_error(mesh: MeshProcesses) -> None:
     first, second = mesh.join("node0"), mesh.join("node1")
     mesh.wait_ready()
-    client = _client(mesh)
-    stream = client.chat.completions.create(model="default", max_tokens=400, temperature=0, stream=True,
-                                            messages=[{"role": "user", "content": "Tell me a very long story."}])  # fmt: skip
-    pieces = []
-    with pytest.raises(openai.APIError) as error:
-        for chunk in stream:
-            pieces.append(chunk)
-            if len(pieces) == 5:
-                second.kill()
-    assert "left the mesh" in str(error.value)
+    message = mesh.kill_mid_stream(second)
+    assert "left the mesh" in message
     health = httpx.get(f"{mesh.base_url}/health", timeout=10)
     assert health.status_code == 503 and "node1" in health.json()["reason"]
     assert first.poll() is None  # the surviving node is still running

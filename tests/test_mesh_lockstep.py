@@ -38,8 +38,7 @@ def expected(moe_folder: Path) -> str:
 
 
 def _complete(mesh: MeshProcesses) -> str:
-    client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=120)
-    reply = client.completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=TOKENS)
+    reply = mesh.client().completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=TOKENS)
     return reply.choices[0].text
 
 
@@ -79,17 +78,7 @@ def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder
 
 def _kill_mid_answer(mesh: MeshProcesses, node_id: str) -> None:
     """Kill ``node_id`` while an answer streams: the request ends with an error naming it."""
-    proc = mesh.node_procs[int(node_id.removeprefix("node"))]
-    client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=60)
-    stream = client.completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=400,
-                                       stream=True)  # fmt: skip
-    pieces = []
-    with pytest.raises(openai.APIError) as error:
-        for chunk in stream:
-            pieces.append(chunk)
-            if len(pieces) == 5:
-                proc.kill()
-    message = str(error.value)
+    message = mesh.kill_mid_stream(mesh.node_procs[int(node_id.removeprefix("node"))])
     assert node_id in message and ("left the mesh" in message or "lockstep" in message), message
     assert httpx.get(f"{mesh.base_url}/health", timeout=10).status_code == 503
 
@@ -113,11 +102,10 @@ def test_a_silent_rank_ends_the_request_at_the_gate_timeout(tmp_path: Path, moe_
         status = mesh.wait_ready()
         follower = status["stages"][0]["ranks"][1]
         proc = mesh.node_procs[int(follower.removeprefix("node"))]
-        client = openai.OpenAI(base_url=f"{mesh.base_url}/v1", api_key="none", max_retries=0, timeout=60)
         proc.send_signal(signal.SIGSTOP)
         started = time.monotonic()
         with pytest.raises(openai.APIError) as error:
-            client.completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=8)
+            mesh.client(timeout=60).completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=8)
         assert "rank 1 sent nothing" in str(error.value) and "within 3.0 s" in str(error.value), str(error.value)
         assert time.monotonic() - started < 30
     finally:
