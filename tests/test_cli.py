@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,12 @@ def test_prompt_longer_than_context() -> None:
 @pytest.mark.parametrize("flag", [["--temperature", "-1"], ["--top-p", "0"], ["--max-tokens", "0"]])
 def test_bad_sampling_flags(flag: list[str]) -> None:
     assert_clean_error(seamline("run", "-p", "hi", *flag), "must be")
+
+
+def test_serve_refuses_a_group_size_the_model_does_not_divide_into(tmp_path: Path) -> None:
+    # the embedded model's 1536 feed-forward rows do not divide by 5; refused before packaging
+    proc = subprocess.run([sys.executable, "-m", "seamline.cli", "serve", "--tensor-parallel-size", "5",
+                           "--no-local-node", "--port", "1"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "SEAMLINE_CACHE": str(tmp_path)})  # fmt: skip
+    assert_clean_error(proc, "1536 feed-forward rows do not divide among 5 ranks")
+    assert not (tmp_path / "packages").exists()

@@ -24,7 +24,7 @@ from seamline.mesh.mesh_backend import MeshBackend
 from seamline.mesh.types import ModelSpec, Plan
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest, package_cached
-from seamline.weights.loader import dtype_bytes
+from seamline.weights.loader import dtype_bytes, open_source
 
 log = logging.getLogger("seamline.serve")
 
@@ -65,12 +65,12 @@ def build_mesh(options: ServeOptions) -> Mesh:
     from seamline.server.openai_api import create_app
 
     path = Path(options.model) if options.model else default_model_path()
+    if options.tensor_parallel:  # refuse before packaging, which may take minutes
+        check_world(ModelConfig.from_hf_dict(open_source(path).config_dict()), options.tensor_parallel)
     package_dir = package_cached(path, options.cache_dir / "packages")
     manifest = Manifest.load(package_dir)
     config = ModelConfig.from_hf_dict(manifest.config)
     context = options.context or config.max_position_embeddings
-    if options.tensor_parallel:
-        check_world(config, options.tensor_parallel)
     shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
     spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype))
     hosts = options.advertise or (_reachable(options.host),)
