@@ -234,6 +234,7 @@ class Coordinator:
                                             owns_embedding=s.owns_embedding, owns_head=s.owns_head,
                                             dtype=self.options.dtype, context_length=self.options.context_length,
                                             memory_bytes=s.predicted_bytes, shard=(rank, len(members)), group=group,
+                                            group_nodes=[h.node_id for h in members] if group else [],
                                             transport=self._transport(members),
                                             gate_timeout_s=self.options.gate_timeout_s))  # fmt: skip
         for rank, handle in enumerate(members):

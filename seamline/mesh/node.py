@@ -29,6 +29,7 @@ from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Descriptor, Failure, Join, Linked, Message, Open,
     Prompt, Ready, Refuse, Resources, Route, Stats, StatsRequest, Welcome,
 )  # fmt: skip
+from seamline.parallel.comm import CommError
 from seamline.parallel.lockstep import LockstepGroup, LockstepRank
 
 log = logging.getLogger("seamline.node")
@@ -143,7 +144,7 @@ class Node:
                                                 decode_seconds=w.decode_seconds, refused_frames=w.refused))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
-            self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {exc}")
+            self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}")
 
     def _prompt(self, message: Prompt) -> None:
         assert self.worker is not None
@@ -151,7 +152,14 @@ class Node:
             self.worker.prompt(message)
         except Exception as exc:
             log.exception("prompt %d failed", message.request)
-            self._report(message.request, f"stage 0 failed: {exc}")
+            self._report(message.request, f"stage 0 failed: {self._explain(exc)}")
+
+    def _explain(self, exc: Exception) -> str:
+        """The error's text; a group rank at fault is named by its node id too."""
+        nodes = self.assignment.group_nodes if self.assignment else []
+        if isinstance(exc, CommError) and exc.peer is not None and exc.peer < len(nodes):
+            return f"{exc} (rank {exc.peer} is node {nodes[exc.peer]})"
+        return str(exc)
 
     def _report(self, request: int | None, reason: str) -> None:
         if self.control is not None:
@@ -242,7 +250,7 @@ class Node:
             except Exception as exc:  # one bad frame never stops the node; its requests fail
                 log.exception("frame from %s failed", peer)
                 for request in {row.request for row in getattr(frame, "rows", ())}:
-                    self._report(request, f"layers [{self._layers()}) failed: {exc}")
+                    self._report(request, f"layers [{self._layers()}) failed: {self._explain(exc)}")
 
     def _on_frame(self, frame: object, peer: str) -> None:
         worker = self.worker

@@ -67,9 +67,10 @@ class Assign(Message):
     context_length: int
     memory_bytes: int = 0  # weights + KV cache the plan expects this node to hold
     # A lockstep group: this node is rank shard[0] of shard[1]; ``group`` has every rank's
-    # comm address in rank order. (0, 1) and [] for a stage of one node.
+    # comm address in rank order, ``group_nodes`` their node ids. (0, 1) and [] for a stage of one node.
     shard: tuple[int, int] = (0, 1)
     group: list[tuple[str, int]] = []
+    group_nodes: list[str] = []
     transport: str = "tcp"
     gate_timeout_s: float = 30.0
 

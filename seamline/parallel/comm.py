@@ -17,7 +17,14 @@ from seamline.errors import SeamlineError
 
 
 class CommError(SeamlineError):
-    """A collective failed: a peer died, went silent, closed its link or refused the group."""
+    """A collective failed: a peer died, went silent, closed its link or refused the group.
+
+    ``peer`` is the rank at fault when one is known, so a caller can name its node.
+    """
+
+    def __init__(self, message: str, peer: int | None = None) -> None:
+        super().__init__(message)
+        self.peer = peer
 
 
 class DesyncError(CommError):

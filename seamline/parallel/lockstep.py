@@ -257,7 +257,7 @@ class LockstepGroup:
         self._next_seq = 1
         self.greedy_exchange = True  # greedy sequences exchange (max, argmax), not logits
         self._closed = threading.Event()
-        self._broken: str | None = None
+        self._broken: CommError | None = None
         self._interval = leader.timeout_s / 3
         self._pinger = threading.Thread(target=self._ping_loop, daemon=True)
         self._pinger.start()
@@ -268,14 +268,14 @@ class LockstepGroup:
         count = 0 if inputs is None else len(inputs)
         with self._lock:
             if self._broken:
-                raise CommError(f"lockstep group is broken since: {self._broken}")
+                raise CommError(f"lockstep group is broken since: {self._broken}", peer=self._broken.peer)
             try:
                 cmd, got = self.leader.exchange([op, seq, position, count, flags], inputs if count else None)
                 self._last = time.monotonic()
                 return self.leader.apply(cmd, got)
             except CommError as exc:
-                self._broken = str(exc)
-                raise CommError(f"lockstep {OP_NAMES.get(op, op)} failed: {exc}") from None
+                self._broken = exc
+                raise CommError(f"lockstep {OP_NAMES.get(op, op)} failed: {exc}", peer=exc.peer) from None
 
     def create(self, greedy: bool = False) -> int:
         """A new sequence on every rank; a ``greedy`` one gets logits that are -inf but at the
@@ -334,7 +334,7 @@ class LockstepGroup:
                     self.leader.exchange([PING])
                     self._last = time.monotonic()
             except CommError as exc:
-                self._broken = str(exc)
+                self._broken = exc
             finally:
                 self._lock.release()
 
@@ -347,7 +347,7 @@ class LockstepGroup:
                     self.leader.exchange([SHUTDOWN])
                 except CommError:
                     pass
-            self._broken = self._broken or "closed"
+            self._broken = self._broken or CommError("closed")
         self.leader.close()
 
 

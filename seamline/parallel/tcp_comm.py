@@ -58,11 +58,11 @@ def _recv_exact(sock: socket.socket, view: memoryview, peer: int, timeout_s: flo
         try:
             n = sock.recv_into(view[got:])
         except socket.timeout:
-            raise CommError(f"rank {peer} sent nothing for {what} within {timeout_s} s") from None
+            raise CommError(f"rank {peer} sent nothing for {what} within {timeout_s} s", peer=peer) from None
         except OSError as exc:
-            raise CommError(f"rank {peer} closed the link ({exc})") from None
+            raise CommError(f"rank {peer} closed the link ({exc})", peer=peer) from None
         if n == 0:
-            raise CommError(f"rank {peer} closed the link")
+            raise CommError(f"rank {peer} closed the link", peer=peer)
         got += n
 
 
@@ -204,10 +204,10 @@ class TcpComm:
             try:
                 _send_buffers(self._socks[peer], buffers)
             except socket.timeout:
-                errors.append(CommError(f"rank {peer} took nothing for {self.timeout_s} s"))
+                errors.append(CommError(f"rank {peer} took nothing for {self.timeout_s} s", peer=peer))
                 return
             except OSError as exc:
-                errors.append(CommError(f"rank {peer} closed the link ({exc})"))
+                errors.append(CommError(f"rank {peer} closed the link ({exc})", peer=peer))
                 return
 
     def _recv_gate(self, peer: int, kind: int, tag: GateTag, dtype: torch.dtype,
