@@ -43,7 +43,9 @@ DEEPSEEK = dict(
     routed_scaling_factor=2.5,
 )
 # Parameters every rank holds whole (by target-name suffix); all others are 1/N per rank.
-REPLICATED = ("norm.weight", "embed", "ffn.router", "ffn.router_bias", "attn.kv_a", "attn.q_a")
+# Shared experts are whole on every rank, which computes the rows each token gives it (model/moe.py).
+REPLICATED = ("norm.weight", "embed", "ffn.router", "ffn.router_bias", "attn.kv_a", "attn.q_a",
+              "ffn.shared.gate_up", "ffn.shared.down")  # fmt: skip
 
 
 class ThreadGroup:

@@ -8,16 +8,18 @@ shards sum to the full layer. Tolerances are fp32: 1e-4 on logits, 1e-5 on a lay
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
-from seamline.model.moe import MoE
+from seamline.model.moe import MoE, balance_rows, route
 from seamline.model.ownership import Ownership
 from seamline.weights.loader import load_stage
 from seamline.weights.safetensors import HFFolderSource
@@ -111,12 +113,10 @@ def fill_from_hf(moe: MoE, hf: nn.Module, own: Ownership, config: ModelConfig) -
         moe.router_bias.data = hf.gate.e_score_correction_bias.detach().clone()
     moe.experts_gate_up.data = hf.experts.gate_up_proj.detach()[e0:e1].clone()
     moe.experts_down.data = hf.experts.down_proj.detach()[e0:e1].clone()
-    if moe.shared is not None:
-        r0, r1 = own.shard_rows(config.n_shared_experts * config.moe_intermediate_size)
+    if moe.shared is not None:  # whole on every rank; each computes its rows of it
         mlp = hf.shared_experts
-        gate, up = mlp.gate_proj.weight.detach()[r0:r1], mlp.up_proj.weight.detach()[r0:r1]
-        moe.shared.gate_up.data = torch.cat([gate, up]).clone()
-        moe.shared.down.data = mlp.down_proj.weight.detach()[:, r0:r1].clone()
+        moe.shared.gate_up.data = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().clone()
+        moe.shared.down.data = mlp.down_proj.weight.detach().clone()
 
 
 def hf_layer(hf_config: Any, layer: int) -> nn.Module:
@@ -164,6 +164,41 @@ def test_moe_layer_matches_transformers(case: str, tokens: int) -> None:
     torch.testing.assert_close(moe(x), hf(x[None])[0], atol=LAYER_ATOL, rtol=0)
 
 
+def test_balance_rows_evens_out_the_busiest_rank() -> None:
+    assert balance_rows([5 * 768, 3 * 768], 768) == [(0, 0), (0, 768)]  # the idler rank takes all
+    assert balance_rows([4 * 768, 4 * 768], 768) == [(0, 384), (384, 768)]
+    assert balance_rows([0, 0, 0], 4) == [(0, 1), (1, 2), (2, 4)]  # the leader gives back first
+    rng = random.Random(0)
+    for _ in range(500):
+        loads = [rng.randrange(0, 50) for _ in range(rng.randrange(1, 6))]
+        rows = rng.randrange(0, 60)
+        ranges = balance_rows(loads, rows)
+        assert [r[0] for r in ranges] == [0] + [r[1] for r in ranges[:-1]] and ranges[-1][1] == rows
+        assert all(end >= start for start, end in ranges)
+        busiest = max(load + end - start for load, (start, end) in zip(loads, ranges))
+        assert busiest == max(max(loads), -(-(sum(loads) + rows) // len(loads)))  # the optimum
+
+
+@torch.inference_mode()
+def test_a_decode_step_splits_the_shared_expert_by_its_routing() -> None:
+    """Each half computes the shared rows that balance_rows gives it for that token's experts."""
+    hf_config = ROUTING_CASES["deepseek_v3"]()
+    config = seamline_config(hf_config)
+    hf = hf_layer(hf_config, config.moe_layers[-1])
+    halves = [build_moe(hf_config, hf, Ownership((0, config.num_layers), experts=e, shard=s)) for e, s in HALVES]
+    rows, inter, seen = config.n_shared_experts * config.moe_intermediate_size, config.moe_intermediate_size, set()
+    for seed in range(40):
+        x = torch.randn(1, config.hidden_size, generator=torch.Generator().manual_seed(seed))
+        _, ids = route(config, F.linear(x, halves[0].router), halves[0].router_bias)
+        chosen = ids[0].tolist()
+        counts = [sum(1 for e in chosen if e < 4), sum(1 for e in chosen if e >= 4)]
+        expected = balance_rows([c * inter for c in counts], rows)
+        assert [h._shared_rows(chosen) for h in halves] == expected
+        seen.add(tuple(counts))
+        torch.testing.assert_close(halves[0](x) + halves[1](x), hf(x[None])[0], atol=LAYER_ATOL, rtol=0)
+    assert len(seen) > 1, seen  # both balanced and unbalanced tokens were met
+
+
 @pytest.mark.parametrize("case", sorted(ROUTING_CASES))
 @pytest.mark.parametrize("tokens", [1, 24])
 @torch.inference_mode()
@@ -180,8 +215,7 @@ def test_expert_shards_sum_to_full_layer(case: str, tokens: int) -> None:
         assert half.experts_down.shape == (4, config.hidden_size, inter)
         assert half.router.shape == (8, config.hidden_size)
         if half.shared is not None:
-            rows = config.n_shared_experts * inter // 2
-            assert half.shared.down.shape == (config.hidden_size, rows)
+            assert half.shared.down.shape == (config.hidden_size, config.n_shared_experts * inter)
     x = torch.randn(tokens, config.hidden_size, generator=torch.Generator().manual_seed(3))
     total = halves[0](x) + halves[1](x)
     torch.testing.assert_close(total, full(x), atol=LAYER_ATOL, rtol=0)

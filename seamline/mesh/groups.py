@@ -33,8 +33,6 @@ def check_world(config: ModelConfig, world: int) -> None:
     own.head_range(config.num_heads)
     if any(not config.is_moe_layer(i) for i in range(config.num_layers)):
         own.shard_rows(config.intermediate_size)
-    if config.n_shared_experts:
-        own.shard_rows(config.n_shared_experts * config.moe_intermediate_size)
 
 
 def group_sizes(config: ModelConfig, limit: int = MAX_WORLD) -> tuple[int, ...]:

@@ -36,3 +36,11 @@ class GatedMLP(nn.Module):
         gate_up = F.linear(x, self.gate_up)  # [T, 2*rows]
         gate, up = gate_up.split(self.rows, dim=-1)
         return F.linear(F.silu(gate) * up, self.down)
+
+    def rows_forward(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The partial output of intermediate rows [start, end) only (views, no copies)."""
+        if (start, end) == (0, self.rows):
+            return self.forward(x)
+        gate = F.linear(x, self.gate_up[start:end])
+        up = F.linear(x, self.gate_up[self.rows + start : self.rows + end])
+        return F.linear(F.silu(gate) * up, self.down[:, start:end])

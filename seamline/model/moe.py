@@ -11,12 +11,20 @@ Routing (matching transformers' reference code):
           | top-k of scores + bias within the topk_group groups of
             highest (sum of the top-2 biased scores)                 noaux_tc (DeepSeek-V3)
   weights = the chosen unbiased scores, / their sum if norm_topk_prob, × routed_scaling_factor
+
+Shared experts are held whole by every rank of a group and split by intermediate rows. A
+prefill splits them evenly. A decode step splits them by that token's routing: the ranks with
+fewer of its chosen experts take more shared rows (``balance_rows``), so the busiest rank's
+work is as small as the fixed expert ranges allow. Every rank routes the same token with the
+same replicated router, so all compute the same split with no message.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from collections.abc import Sequence
+
 from torch import nn
 
 from seamline.config import ModelConfig
@@ -63,6 +71,30 @@ def _group_mask(choice: torch.Tensor, group_score: torch.Tensor, keep: int) -> t
     return mask.unsqueeze(-1).expand(tokens, groups, per_group).reshape(choice.shape)
 
 
+def balance_rows(loads: Sequence[int], rows: int) -> list[tuple[int, int]]:
+    """Split ``rows`` rows among ranks that already carry ``loads`` rows of work, so the
+    busiest total is as small as it can be: contiguous ranges in rank order. Integer and
+    deterministic, so every rank computes the same split."""
+    low, high = min(loads), max(loads) + rows
+    while low < high:  # the lowest level that the rows can fill every rank up to
+        mid = (low + high) // 2
+        if sum(max(0, mid - load) for load in loads) >= rows:
+            high = mid
+        else:
+            low = mid + 1
+    shares = [max(0, low - load) for load in loads]
+    excess = sum(shares) - rows  # fewer than the ranks filled: each gives back one at most,
+    for rank in range(len(shares)):  # the leader (rank 0, which also drives the group) first
+        give = min(excess, shares[rank], 1)
+        shares[rank] -= give
+        excess -= give
+    ranges, start = [], 0
+    for share in shares:
+        ranges.append((start, start + share))
+        start += share
+    return ranges
+
+
 def route(
     config: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,10 +138,13 @@ class MoE(nn.Module):
         self.experts_gate_up = empty_param(self.owned, 2 * inter, hidden)  # gate rows, then up rows
         self.experts_down = empty_param(self.owned, hidden, inter)
         self.inter = inter
+        self.rank, self.world = own.shard
+        per_rank = config.num_experts // self.world
+        # Balancing needs every rank's expert range: the even split rank_ownership makes.
+        self.balanced = self.world > 1 and (self.first, end) == (self.rank * per_rank, (self.rank + 1) * per_rank)
         self.shared: GatedMLP | None = None
         if config.n_shared_experts:
-            r0, r1 = own.shard_rows(config.n_shared_experts * inter)
-            self.shared = GatedMLP(hidden, r1 - r0)
+            self.shared = GatedMLP(hidden, config.n_shared_experts * inter)  # whole on every rank
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., hidden] -> this rank's partial output [..., hidden]."""
@@ -120,13 +155,29 @@ class MoE(nn.Module):
         bias = self.router_bias.float() if self.router_bias is not None else None
         weights, ids = route(self.config, logits, bias)
         weights = weights.to(x.dtype)
-        if x.shape[0] == 1:
-            out = self._one_token(x, weights, ids)
+        chosen = ids[0].tolist() if x.shape[0] == 1 else None
+        if chosen is not None:
+            out = self._one_token(x, weights, chosen)
         else:
             out = self._many_tokens(x, weights, ids)
         if self.shared is not None:
-            out = out + self.shared(x)
+            start, end = self._shared_rows(chosen)
+            if end > start:
+                out = out + self.shared.rows_forward(x, start, end)
         return out.reshape(shape)
+
+    def _shared_rows(self, chosen: list[int] | None) -> tuple[int, int]:
+        """This rank's shared-expert rows: by the ``chosen`` experts of one token (decode),
+        else an even split."""
+        assert self.shared is not None
+        rows, rank, world = self.shared.rows, self.rank, self.world
+        if not self.balanced or chosen is None:
+            return (rank * rows // world, (rank + 1) * rows // world)
+        per_rank = self.config.num_experts // world
+        counts = [0] * world
+        for expert in chosen:
+            counts[expert // per_rank] += 1
+        return balance_rows([c * self.inter for c in counts], rows)[rank]
 
     def _expert(self, x: torch.Tensor, local: int) -> torch.Tensor:
         """Owned expert ``local`` on x [n, hidden] -> [n, hidden] (weights indexed as views)."""
@@ -134,10 +185,10 @@ class MoE(nn.Module):
         gate, up = gate_up.split(self.inter, dim=-1)
         return F.linear(F.silu(gate) * up, self.experts_down[local])
 
-    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: list[int]) -> torch.Tensor:
         """Decode: loop over the k chosen experts only, skipping those another rank owns."""
         out = torch.zeros_like(x)
-        for slot, expert in enumerate(ids[0].tolist()):
+        for slot, expert in enumerate(chosen):
             local = expert - self.first
             if 0 <= local < self.owned:
                 out = out + weights[0, slot] * self._expert(x, local)

@@ -35,7 +35,7 @@ from seamline.parallel.comm import GATHER_TAG, CommError, DesyncError, GateTag, 
 
 GATE_MAGIC = b"SLGT"
 HELLO_MAGIC = b"SLHI"
-VERSION = 1
+VERSION = 2  # 2: shared experts split per decode token by routing (model/moe.py)
 GATE = struct.Struct("<4sBBHiQBxxxQ")  # magic, version, kind, gate, layer, sequence, dtype, numel
 HELLO = struct.Struct("<4sHHHH")  # magic, version, rank, world, fingerprint length
 KIND_NAMES = {1: "reduce", 2: "gather"}

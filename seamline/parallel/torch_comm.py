@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from seamline.parallel.comm import GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference
 
-VERSION = 1
+VERSION = 2  # 2: shared experts split per decode token by routing (model/moe.py)
 REDUCE, GATHER = 1, 2
 KIND_NAMES = {REDUCE: "reduce", GATHER: "gather"}
 MAX_FINGERPRINT = 4096

@@ -195,7 +195,7 @@ def _moe_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
     plans.append(TensorPlan(prefix + "ffn.experts_down", tuple((fill(down, e),) for e in experts), stack=True))
     if names.shared is not None and config.n_shared_experts:
         g, u, d = (n.format(i=i) for n in names.shared)
-        rows = own.shard_rows(config.n_shared_experts * config.moe_intermediate_size)
+        rows = (0, config.n_shared_experts * config.moe_intermediate_size)  # whole: see model/moe.py
         plans += _gated_plans(prefix + "ffn.shared.", (g, u, d), rows)
     return plans
 
