@@ -83,3 +83,26 @@ def test_plan_command_prints_groups(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert [list(s["ranks"]) for s in json.loads(lock.read_text())["stages"]] == [["a", "b"]]
     assert run_plan_command(str(tmp_path / "pool.json"), None, str(lock), 1024, 1) == 0  # the lock, checked
     assert "a+b" in capsys.readouterr().out
+
+
+def test_a_ranks_planned_bytes_are_what_it_loads(tmp_path: Path) -> None:
+    """A DeepSeek-V3 rank holds 1/N of experts, heads and rows, but its router, shared expert,
+    MLA down-projections and norms whole: the planner's per-rank layer bytes are exactly the
+    bytes of the layer parameters each rank loads."""
+    from seamline.mesh.groups import group_spec
+    from seamline.parallel.lockstep import rank_ownership
+    from seamline.weights.loader import load_stage, open_source
+    from tests.test_deepseek_models import _build as build_deepseek
+
+    _, built = build_deepseek(tmp_path / "m", "v3")
+    source = open_source(built)
+    config = ModelConfig.from_hf_dict(source.config_dict())
+    spec = ModelSpec.from_checkpoint_shapes(config, "v3", {n: source.shape(n) for n in source.names()}, 4)
+    assert any(spec.layer_replicated_bytes)
+    for world in (2, 4):
+        planned = group_spec(spec, world, kv_split=False).layer_bytes
+        for rank in range(world):
+            stage = load_stage(source, rank_ownership(config, rank, world))
+            held = [sum(p.numel() * 4 for name, p in stage.named_parameters() if name.startswith(f"layers.{i}."))
+                    for i in range(config.num_layers)]  # fmt: skip
+            assert held == list(planned), (world, rank)

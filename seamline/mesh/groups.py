@@ -1,11 +1,12 @@
 """Lockstep groups in a plan: N nodes share one stage when no single node can hold it.
 
 A group of N ranks holds, per rank, 1/N of every layer's weights and of the output head
-(experts, heads, feed-forward rows and vocabulary rows are divided), the whole embedding
-(replicated) and 1/N of the KV cache when the KV heads divide among the ranks (else all of
-it: replicated KV heads, or MLA's shared latent). Groups are planned as one virtual node
-with the memory and rate of their smallest member; the planner then places them exactly
-like single nodes.
+(experts, heads, feed-forward rows and vocabulary rows are divided) except the layer tensors
+every rank holds whole (``ModelSpec.layer_replicated_bytes``: router, shared experts, MLA's
+down-projections, norms); the whole embedding (replicated); and 1/N of the KV cache when the
+KV heads divide among the ranks (else all of it: replicated KV heads, or MLA's shared
+latent). Groups are planned as one virtual node with the memory and rate of their smallest
+member; the planner then places them exactly like single nodes.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def group_spec(model: ModelSpec, world: int, kv_split: bool) -> ModelSpec:
         return model
     share = lambda values: tuple(-(-v // world) for v in values)  # noqa: E731
     kv = model.kv_bytes_per_token_per_layer
-    return replace(model, layer_bytes=share(model.layer_bytes), layer_active_bytes=share(model.active_bytes()),
+    whole = model.layer_replicated_bytes or (0,) * model.num_layers
+    held = tuple(-(-(b - r) // world) + r for b, r in zip(model.layer_bytes, whole))
+    return replace(model, layer_bytes=held, layer_active_bytes=share(model.active_bytes()),
                    head_bytes=-(-model.head_bytes // world), tied_embeddings=False,
                    kv_bytes_per_token_per_layer=-(-kv // world) if kv_split else kv)  # fmt: skip
 

@@ -21,6 +21,9 @@ from seamline.weights.names import stage_plans
 PLAN_VERSION = 1
 FRAME_DTYPE_BYTES = 4  # hidden-state frames travel as float32
 _EXPERT_TARGETS = (".experts_gate_up", ".experts_down")  # routed experts: only top-k are read
+# Held whole by every rank of a lockstep group (model/moe.py, model/mla.py): the rest is divided.
+_REPLICATED_TARGETS = (".ffn.router", ".ffn.router_bias", ".ffn.shared.gate_up", ".ffn.shared.down",
+                       ".attn.q_a", ".attn.kv_a", "norm.weight")  # fmt: skip
 
 
 class PlanError(SeamlineError):
@@ -39,6 +42,7 @@ class ModelSpec:
     bytes_per_boundary_per_token: int  # one hidden-state frame row
     tied_embeddings: bool = False  # one node owning both stores the shared matrix once
     layer_active_bytes: tuple[int, ...] = ()  # weight bytes read per token; () = layer_bytes
+    layer_replicated_bytes: tuple[int, ...] = ()  # of layer_bytes, held whole by each group rank
 
     def active_bytes(self) -> tuple[int, ...]:
         return self.layer_active_bytes or self.layer_bytes
@@ -58,6 +62,7 @@ class ModelSpec:
         head_bytes: int,
         dtype_bytes: int = 4,
         layer_active_bytes: tuple[int, ...] = (),
+        layer_replicated_bytes: tuple[int, ...] = (),
     ) -> "ModelSpec":
         """A spec whose KV and frame sizes come from the config (KV in ``dtype_bytes``)."""
         return cls(
@@ -71,6 +76,7 @@ class ModelSpec:
             bytes_per_boundary_per_token=config.hidden_size * FRAME_DTYPE_BYTES,
             tied_embeddings=config.tie_word_embeddings,
             layer_active_bytes=tuple(layer_active_bytes),
+            layer_replicated_bytes=tuple(layer_replicated_bytes),
         )
 
     @classmethod
@@ -80,6 +86,7 @@ class ModelSpec:
         """Exact bytes per layer: the tensors ``stage_plans`` names for each one-layer stage."""
         held = [0] * config.num_layers
         active = [0] * config.num_layers
+        replicated = [0] * config.num_layers
         embed = head = 0
         expert_share = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
         for i in range(config.num_layers):
@@ -93,8 +100,9 @@ class ModelSpec:
                     held[i] += nbytes
                     share = expert_share if p.target.endswith(_EXPERT_TARGETS) else 1.0
                     active[i] += round(nbytes * share)
+                    replicated[i] += nbytes if p.target.endswith(_REPLICATED_TARGETS) else 0
         return cls.from_config(
-            config, name, tuple(held), embed, head, dtype_bytes, tuple(active)
+            config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated)
         )
 
 
