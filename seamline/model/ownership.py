@@ -4,8 +4,9 @@ Ranges are half-open ``(start, end)``. ``shard = (rank, world)`` divides a locks
 work: the rows of dense feed-forwards (shared experts' rows are divided per token, see
 model/moe.py), and the attention heads. Rank r owns query heads ``[r*H/N, (r+1)*H/N)``
 and the KV heads those use: an even share when ``Hkv`` divides by N, else (N divisible by
-``Hkv``) the one KV head its query heads share, replicated on N/Hkv ranks. With ``world == 1`` (the default) everything is owned. With
-everything owned, a Stage is the whole model.
+``Hkv``) the one KV head its query heads share, replicated on N/Hkv ranks. With
+``world == 1`` (the default) everything is owned. With everything owned, a Stage is the
+whole model.
 """
 
 from __future__ import annotations
