@@ -14,7 +14,7 @@ import torch
 
 from seamline.net.link import free_port
 from seamline.parallel import CommError, DesyncError, GateTag, SingleComm, make_comm
-from seamline.parallel.tcp_comm import GATE, GATE_MAGIC, TcpComm
+from seamline.parallel.tcp_comm import GATE, GATE_MAGIC, VERSION, TcpComm
 
 # Fresh processes forked from a server that has imported torch once (saves ~3 s per rank
 # over "spawn"); no parent state or threads are inherited.
@@ -211,7 +211,7 @@ def test_bad_headers_are_refused_before_the_payload() -> None:
     ours, theirs = socket.socketpair()
     comm = TcpComm(0, 2, {1: ours}, 2.0)
     # a peer claiming 2^40 elements for a 16-element gate: refused from the header alone
-    theirs.sendall(GATE.pack(GATE_MAGIC, 1, 1, 0, 5, 9, 1, 1 << 40))
+    theirs.sendall(GATE.pack(GATE_MAGIC, VERSION, 1, 0, 5, 9, 1, 1 << 40))
     with pytest.raises(DesyncError, match="sent 1099511627776 elements for gate"):
         comm.all_reduce(torch.ones(16), GateTag(5, 0, 9))
     with pytest.raises(CommError, match="broken since"):
