@@ -6,6 +6,7 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
+import threading
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 
 from seamline.net.link import free_port
 from seamline.parallel import CommError, DesyncError, GateTag, SingleComm, make_comm
-from seamline.parallel.tcp_comm import GATE, GATE_MAGIC, VERSION, TcpComm
+from seamline.parallel.tcp_comm import GATE, GATE_MAGIC, HELLO, HELLO_MAGIC, VERSION, TcpComm
 
 # Fresh processes forked from a server that has imported torch once (saves ~3 s per rank
 # over "spawn"); no parent state or threads are inherited.
@@ -222,3 +223,27 @@ def test_bad_headers_are_refused_before_the_payload() -> None:
         TcpComm(0, 2, {1: ours2}, 2.0).all_reduce(torch.ones(16), GateTag(5, 0, 9))
     theirs.close()
     theirs2.close()
+
+
+def test_another_protocol_version_is_refused_at_hello() -> None:
+    """A peer speaking another comm protocol (e.g. the static shared-expert split of version 1)
+    is refused at HELLO, naming both versions."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def old_rank_1() -> None:
+        sock, _ = server.accept()
+        with sock:
+            sock.recv(HELLO.size + 64)
+            sock.sendall(HELLO.pack(HELLO_MAGIC, VERSION - 1, 1, 2, 2) + b"fp")
+            try:
+                sock.recv(1)  # until rank 0 hangs up (it may reset the link)
+            except OSError:
+                pass
+
+    peer = threading.Thread(target=old_rank_1, daemon=True)
+    peer.start()
+    with pytest.raises(CommError, match=f"protocol version mismatch: rank 0 speaks {VERSION}, rank 1 speaks {VERSION - 1}"):
+        TcpComm.connect(0, 2, [("127.0.0.1", free_port()), ("127.0.0.1", port)], 2.0, "fp", connect_timeout_s=5.0)
+    peer.join(5)
+    server.close()
