@@ -80,7 +80,7 @@ def _send_buffers(sock: socket.socket, buffers: list[bytes | memoryview]) -> Non
 
 def _raw(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+    return tensor.view(-1).view(torch.uint8).numpy().data
 
 
 class TcpComm:
@@ -141,12 +141,14 @@ class TcpComm:
     def all_reduce(self, tensor: torch.Tensor, tag: GateTag) -> torch.Tensor:
         if self.world == 1:
             return tensor
-        mine = tensor.detach().to("cpu").contiguous()
+        mine = tensor.detach().to("cpu").contiguous().reshape(-1)
         parts = self._exchange(REDUCE, mine, tag, lambda numel: numel == mine.numel())
-        acc = torch.float32 if mine.dtype in (torch.bfloat16, torch.float16) else mine.dtype
-        total = parts[0].to(acc, copy=True).reshape(-1)
-        for part in parts[1:]:  # rank order on every rank: bit-identical results
-            total.add_(part.reshape(-1))
+        # Rank order on every rank: bit-identical results. Half floats add up in float32.
+        if mine.dtype in (torch.bfloat16, torch.float16):
+            parts = [part.float() for part in parts]
+        total = parts[0] + parts[1]
+        for part in parts[2:]:
+            total.add_(part)
         return total.to(tensor.dtype).view(tensor.shape).to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GATHER_TAG) -> torch.Tensor:
@@ -226,7 +228,7 @@ class TcpComm:
         if CODE_DTYPES.get(code) != dtype:
             raise DesyncError(f"rank {peer} sent dtype {CODE_DTYPES.get(code, code)} for gate {tag}, "
                               f"rank {self.rank} has {dtype}")
-        size = numel * torch.empty(0, dtype=dtype).element_size()
+        size = numel * dtype.itemsize
         if not numel_ok(numel) or size > MAX_PAYLOAD:
             raise DesyncError(f"rank {peer} sent {numel} elements for gate {tag}, which does not fit "
                               f"rank {self.rank}'s tensor (or exceeds {MAX_PAYLOAD} bytes)")
