@@ -31,3 +31,8 @@ def test_bench_lockstep_tiny_tcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert len(result["single_runs_tok_s"]) == 1 and len(tcp["runs_tok_s"]) == 1
     model = result["model"]
     assert model["routed_experts"] % 2 == 0 and model["layers"] == 2 and model["checkpoint_bytes"] > 0
+    # the two cores side by side: what a perfect split could reach on them, and the share of it reached
+    assert len(result["both_cores_single_tok_s"]) == 2 and min(result["both_cores_single_tok_s"]) > 0
+    ideal = 2 * min(result["both_cores_single_tok_s"]) / result["single_tok_s"]
+    assert result["ideal_speedup_given_cores"] == pytest.approx(ideal, abs=2e-3)
+    assert result["speedup_of_ideal"] == pytest.approx(result["speedup"] / result["ideal_speedup_given_cores"], rel=1e-2)

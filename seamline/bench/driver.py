@@ -36,10 +36,17 @@ class Driver:
 
     def measure(self, tokens: int) -> dict[str, Any]:
         """One run of ``tokens`` decode steps: the driver's JSON for it."""
+        self.start(tokens)
+        return self._line()
+
+    def start(self, tokens: int) -> None:
+        """Begin a run without waiting for it (``result`` reads it): drivers run side by side."""
         assert self.proc.stdin is not None
         self.wait_ready()
         self.proc.stdin.write(f"measure {tokens}\n")
         self.proc.stdin.flush()
+
+    def result(self) -> dict[str, Any]:
         return self._line()
 
     def close(self) -> None:

@@ -10,8 +10,10 @@ float32, one torch thread:
   routed experts, heads and vocabulary.
 
 Each run decodes ``tokens`` tokens after the same 16-token prompt; the rate is taken over the
-decode steps only. Runs alternate (single, then each group) ``repeats`` times after a short
-warm-up; medians are reported. A group's greedy tokens must equal the single engine's
+decode steps only. Runs alternate (single, then each group, then a single engine on each core
+at once) ``repeats`` times after a short warm-up; medians are reported. The side-by-side pair
+shows what the two cores give together right now: a perfectly split group with free gates
+would make twice the slower one's rate (``ideal_speedup_given_cores``). A group's greedy tokens must equal the single engine's
 (``tokens_match``).
 
 Bytes per token, measured: the kernel's per-socket TCP counters (``tcpi_bytes_sent`` less
@@ -55,6 +57,9 @@ NOTES = [
     "leader_comm_ms_per_token: the leader's time inside collectives = transfer + waking up + waiting for "
     "rank 1 to reach the gate (its share of the chosen experts may be larger that token)",
     "loadavg_1min: this machine may be shared; a busy core stalls the whole group at every gate",
+    ("both_cores_single_tok_s: the single engine on each core while both run at once (each repeat); "
+     "ideal_speedup_given_cores = 2 x the slower of them / single_tok_s: a group with a perfect split and "
+     "free gates on these cores now; speedup_of_ideal = speedup / that"),
 ]
 
 
@@ -88,8 +93,10 @@ def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
     load_before = os.getloadavg()
     drivers: dict[str, Driver] = {}
     runs: dict[str, list[dict[str, Any]]] = {"single": [], **{t: [] for t in transports}}
+    both: list[tuple[dict[str, Any], dict[str, Any]]] = []  # the two cores' singles at once
     try:
         drivers["single"] = Driver(DRIVER, ["single", *common, "--core", str(core0)])
+        peer_single = drivers["single_core1"] = Driver(DRIVER, ["single", *common, "--core", str(core1)])
         for transport in transports:
             extra = ["--netns"] if netns else []
             drivers[transport] = Driver(DRIVER, ["group", *common, "--transport", transport, "--core", str(core0),
@@ -98,16 +105,36 @@ def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
         for driver in drivers.values():  # warm-up
             driver.measure(min(8, tokens))
         for _ in range(repeats):  # alternate: the machine is shared and noisy
-            for name, driver in drivers.items():
-                runs[name].append(driver.measure(tokens))
+            for name in runs:
+                runs[name].append(drivers[name].measure(tokens))
+            both.append(_side_by_side(drivers["single"], peer_single, tokens))
     finally:
         for driver in drivers.values():
             driver.close()
     result = _result(runs, facts, tokens, repeats, transports, ready)
+    result.update(_cores_ceiling(both, result))
     result["cores"] = {"single": core0, "lockstep2_rank0_leader": core0, "lockstep2_rank1": core1}
     # the machine may be shared: a busy core stalls the group at every gate (see the notes)
     result["loadavg_1min"] = {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)}
     return result
+
+
+def _side_by_side(first: Driver, second: Driver, tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    first.start(tokens)
+    second.start(tokens)
+    return first.result(), second.result()
+
+
+def _cores_ceiling(both: list[tuple[dict[str, Any], dict[str, Any]]], result: dict[str, Any]) -> dict[str, Any]:
+    """What the two cores give when both work at once: a group that halved the work perfectly,
+    with free gates, would make 2 x the slower core's rate."""
+    rates = [statistics.median(float(pair[i]["tok_s"]) for pair in both) for i in (0, 1)]
+    ideal = 2 * min(rates) / result["single_tok_s"]
+    return {
+        "both_cores_single_tok_s": [round(r, 2) for r in rates],
+        "ideal_speedup_given_cores": round(ideal, 3),
+        "speedup_of_ideal": round(result["speedup"] / ideal, 3),
+    }
 
 
 def _transport_result(runs: list[dict[str, Any]], single: list[dict[str, Any]], facts: dict[str, Any],
