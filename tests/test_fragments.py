@@ -347,3 +347,35 @@ def test_bad_token_is_refused(served: tuple[str, Path, Manifest], tmp_path: Path
         fetch_fragments(url, [entry], tmp_path / "cache", "wrong", progress=False)
     with pytest.raises(FetchError, match="401"):
         fetch_manifest(url, None)
+
+
+# ---------------------------------------------------------------- routed experts apart
+
+
+def test_a_lockstep_rank_fetches_only_its_routed_experts(tmp_path: Path) -> None:
+    """An MoE layer's routed experts are packaged in chunks beside the layer's other tensors; a
+    rank's fragments hold its experts and no other's, and its shard loads from them alone,
+    equal to the same shard read from the checkpoint."""
+    from seamline.config import ModelConfig
+    from seamline.parallel.lockstep import rank_ownership
+    from tests.test_deepseek_models import _build as build_deepseek
+
+    _, built = build_deepseek(tmp_path / "m", "v3")  # 8 routed experts, layers 1 and 2 MoE
+    manifest = package(built, tmp_path / "pkg", progress=False)
+    config = ModelConfig.from_hf_dict(manifest.config)
+    chunks = [f for f in manifest.fragments if f.kind == "experts"]
+    assert {(f.layer, f.experts) for f in chunks} == {(i, (e, e + 1)) for i in config.moe_layers for e in range(8)}
+    assert all(".experts." not in t.name for i in config.moe_layers for t in manifest.fragment(f"layer.{i}").tensors)
+    assert Manifest.from_json(json.loads(json.dumps(manifest.to_json()))) == manifest
+    everything = (0, config.num_layers)
+    for world in (2, 4):
+        for rank in range(world):
+            own = rank_ownership(config, rank, world)
+            entries = fragments_for(manifest, everything, True, True, own.experts)
+            assert {f.experts for f in entries if f.kind == "experts"} == {(e, e + 1) for e in range(*own.experts)}
+            folder = _subset(tmp_path / "pkg", manifest, entries, tmp_path / f"rank{rank}of{world}")
+            from_fragments = load_stage(FragmentSource(folder), own).state_dict()
+            from_checkpoint = load_stage(open_source(built), own).state_dict()
+            assert from_fragments.keys() == from_checkpoint.keys()
+            assert all(torch.equal(from_fragments[k], from_checkpoint[k]) for k in from_checkpoint)
+    assert len(fragments_for(manifest, everything, True, True)) == len(manifest.fragments)  # a whole stage: all

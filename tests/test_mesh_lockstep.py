@@ -71,9 +71,28 @@ def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder
         assert len(stages) == 2 and all(len(s["ranks"]) == 2 for s in stages), stages
         assert sorted(r for s in stages for r in s["ranks"]) == [f"node{i}" for i in range(4)]
         assert _complete(mesh) == expected
+        _check_downloads(mesh, status)
         _kill_mid_answer(mesh, stages[1]["ranks"][1])  # the second stage's follower: no hang either
     finally:
         mesh.stop()
+
+
+def _check_downloads(mesh: MeshProcesses, status: dict) -> None:
+    """Each rank downloaded its stage's fragments but only its own routed experts' chunks."""
+    from seamline.config import ModelConfig
+    from seamline.parallel.lockstep import rank_ownership
+    from seamline.weights.fragments import Manifest, fragments_for
+
+    manifest = Manifest.load(next((mesh.root / "coordinator" / "packages").glob("*/manifest.json")).parent)
+    config = ModelConfig.from_hf_dict(manifest.config)
+    downloaded = {n["node_id"]: n["bytes_downloaded"] for n in status["nodes"]}
+    for stage in status["stages"]:
+        layers, world = tuple(stage["layers"]), len(stage["ranks"])
+        whole = sum(e.bytes for e in fragments_for(manifest, layers, stage["embedding"], stage["head"]))
+        for rank, node in enumerate(stage["ranks"]):
+            experts = rank_ownership(config, rank, world).experts
+            entries = fragments_for(manifest, layers, stage["embedding"], stage["head"], experts)
+            assert downloaded[node] == sum(e.bytes for e in entries) < whole, (node, downloaded[node], whole)
 
 
 def _kill_mid_answer(mesh: MeshProcesses, node_id: str) -> None:

@@ -13,7 +13,7 @@ from seamline.mesh.invite import Invite
 from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.net.messages import Assign
-from seamline.parallel.lockstep import LockstepRank
+from seamline.parallel.lockstep import LockstepRank, rank_ownership
 from seamline.weights.fragments import FragmentSource, fragments_for
 from seamline.weights.loader import DTYPES, load_stage
 
@@ -34,7 +34,8 @@ def load_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tup
 
 def load_rank(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[LockstepRank, int]:
     """This node's rank of a lockstep group: its shard of the range, joined to its peers.
-    The layers' fragments are fetched whole; only the rank's slices are read from them."""
+    Of the routed experts it fetches only its own chunks; the layers' other fragments are
+    fetched whole, and only the rank's slices are read from them."""
     source, downloaded = fetch_assignment(invite, assign, options)
     rank, world = assign.shard
     log.info("rank %d of %d: joining the group over %s", rank, world, assign.transport)
@@ -51,7 +52,10 @@ def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tu
         raise CheckpointError(
             f"coordinator serves model {manifest.model_hash[:12]} but assigned {assign.model_hash[:12]}"
         )
-    entries = fragments_for(manifest, assign.layers, assign.owns_embedding, assign.owns_head)
+    experts = None
+    if assign.shard[1] > 1:  # a lockstep rank: only the chunks of its routed experts
+        experts = rank_ownership(ModelConfig.from_hf_dict(manifest.config), *assign.shard).experts
+    entries = fragments_for(manifest, assign.layers, assign.owns_embedding, assign.owns_head, experts)
     cache = options.cache_dir / "fragments"
     report = fetch_fragments(assign.fragments_url, entries, cache, token=invite.secret, progress=options.progress)
     folder = materialise(manifest, entries, cache, options.cache_dir / "stages" / options.node_id)

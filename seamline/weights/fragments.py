@@ -4,7 +4,9 @@ A package is one folder::
 
     manifest.json             format, version, model, model_hash, config, fragments
     embed.safetensors         model.embed_tokens.weight
-    layer.{i}.safetensors     every model.layers.{i}.* tensor, under its Hugging Face name
+    layer.{i}.safetensors     every model.layers.{i}.* tensor, under its Hugging Face name, but
+    layer.{i}.experts.{a}-{b}.safetensors   the routed experts [a, b) of an MoE layer, in
+                              gcd(E, 8) chunks, so a lockstep rank fetches only its experts
     head.safetensors          model.norm.weight (+ lm_head.weight when the head is untied)
     tokenizer.json, tokenizer_config.json [, generation_config.json, chat_template.jinja]
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -28,7 +31,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -43,13 +46,15 @@ from seamline.weights.names import stage_plans
 from seamline.weights.source import TensorSource
 
 FORMAT = "seamline-fragments"
-VERSION = 1
+VERSION = 2  # 2: routed experts in their own fragments
 MANIFEST_NAME = "manifest.json"
-KINDS = ("embed", "layer", "head", "tokenizer")
+KINDS = ("embed", "layer", "experts", "head", "tokenizer")
+EXPERT_CHUNKS = 8  # routed experts per MoE layer go in gcd(E, 8) fragments: whole for 2, 4, 8 ranks
 # Files of a Hugging Face folder that the text edge (seamline.text) reads, copied as-is.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 HEAD_TENSORS = ("model.norm.weight", "lm_head.weight")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's tensor (shared_experts do not match)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 log = logging.getLogger(__name__)
 
@@ -63,26 +68,29 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class FragmentEntry:
-    name: str  # "embed", "layer.3", "head", or the tokenizer file's name
+    name: str  # "embed", "layer.3", "layer.3.experts.0-8", "head", or the tokenizer file's name
     kind: str  # one of KINDS
-    layer: int | None  # the layer index for kind "layer", else None
+    layer: int | None  # the layer index for kinds "layer" and "experts", else None
     file: str  # file name inside a package folder
     bytes: int
     sha256: str
     tensors: tuple[TensorEntry, ...] = ()
+    experts: Range | None = None  # kind "experts": the routed experts [a, b) it holds
 
     def to_json(self) -> dict[str, Any]:
         tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.tensors]
+        experts = None if self.experts is None else list(self.experts)
         return {"name": self.name, "kind": self.kind, "layer": self.layer, "file": self.file,
-                "bytes": self.bytes, "sha256": self.sha256, "tensors": tensors}  # fmt: skip
+                "bytes": self.bytes, "sha256": self.sha256, "tensors": tensors, "experts": experts}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "FragmentEntry":
         tensors = tuple(TensorEntry(str(t["name"]), tuple(int(s) for s in t["shape"]), str(t["dtype"]))
                         for t in d.get("tensors", []))  # fmt: skip
-        layer = d.get("layer")
+        layer, experts = d.get("layer"), d.get("experts")
         return cls(str(d["name"]), str(d["kind"]), None if layer is None else int(layer),
-                   str(d["file"]), int(d["bytes"]), str(d["sha256"]), tensors)  # fmt: skip
+                   str(d["file"]), int(d["bytes"]), str(d["sha256"]), tensors,
+                   None if experts is None else (int(experts[0]), int(experts[1])))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -157,6 +165,9 @@ class Manifest:
                     f"manifest fragment {f.name}: kind {f.kind!r}, sha256 {f.sha256!r} and "
                     f"file {f.file!r} must be one of {KINDS}, 64 lowercase hex digits, a bare name"
                 )
+            if (f.kind == "experts") != (f.experts is not None and f.layer is not None):
+                raise CheckpointError(f"manifest fragment {f.name}: only an experts fragment has a layer's "
+                                      f"expert range, and it must have one (kind {f.kind!r}, experts {f.experts})")
         expected = model_hash(self.config, self.fragments)
         if expected != self.model_hash:
             raise CheckpointError(
@@ -203,9 +214,8 @@ def package(model_path: str | Path, out_dir: str | Path, progress: bool = True) 
     out_dir.mkdir(parents=True, exist_ok=True)
     entries: list[FragmentEntry] = []
     groups = _tensor_groups(config)
-    for name, names in tqdm(groups, desc=f"packaging {model_path.name}", unit="fragment",
-                            disable=not progress):  # fmt: skip
-        entries.append(_write_tensors(source, name, names, out_dir))
+    for group in tqdm(groups, desc=f"packaging {model_path.name}", unit="fragment", disable=not progress):
+        entries.append(_write_tensors(source, group, out_dir))
     entries += _write_tokenizer(model_path, out_dir)
     name = model_path.stem if model_path.is_file() else model_path.resolve().name
     manifest = Manifest(name, model_hash(config_dict, entries), config_dict, tuple(entries))
@@ -213,33 +223,51 @@ def package(model_path: str | Path, out_dir: str | Path, progress: bool = True) 
     return manifest
 
 
-def _tensor_groups(config: ModelConfig) -> list[tuple[str, list[str]]]:
-    """(fragment name, sorted tensor names): embed, layer.0 .. layer.{L-1}, head."""
+class _Group(NamedTuple):
+    """One fragment to write: its name, kind, layer, routed experts and tensor names."""
+
+    name: str
+    kind: str
+    layer: int | None
+    experts: Range | None
+    tensors: list[str]
+
+
+def _tensor_groups(config: ModelConfig) -> list[_Group]:
+    """embed, layer.0 (then its routed experts in chunks) .. layer.{L-1}, head."""
     names = {n for p in stage_plans(config, Ownership.full(config)) for n in p.sources()}
-    groups: dict[str, list[str]] = {"embed": []}
-    groups.update({f"layer.{i}": [] for i in range(config.num_layers)})
-    groups["head"] = []
+    experts = config.num_experts
+    per_chunk = experts // math.gcd(experts, EXPERT_CHUNKS) if experts else 0
+    groups = {"embed": _Group("embed", "embed", None, None, []), "head": _Group("head", "head", None, None, [])}
     for name in sorted(names):
         match = _LAYER.match(name)
         if match:
-            groups[f"layer.{int(match.group(1))}"].append(name)
+            layer = int(match.group(1))
+            expert = _EXPERT.search(name)
+            if expert is None or not per_chunk:
+                key, chunk = f"layer.{layer}", None
+            else:
+                first = int(expert.group(1)) // per_chunk * per_chunk
+                key, chunk = f"layer.{layer}.experts.{first}-{first + per_chunk}", (first, first + per_chunk)
+            group = groups.setdefault(key, _Group(key, "experts" if chunk else "layer", layer, chunk, []))
+            group.tensors.append(name)
         elif name == "model.embed_tokens.weight":
-            groups["embed"].append(name)
+            groups["embed"].tensors.append(name)
         elif name in HEAD_TENSORS:
-            groups["head"].append(name)
+            groups["head"].tensors.append(name)
         else:
             raise CheckpointError(f"tensor {name} belongs to no fragment (embed, layer.i, head)")
-    return [(g, n) for g, n in groups.items() if n]
+    order = lambda g: (g.kind != "embed", g.kind == "head", g.layer or 0, g.experts or (-1, -1))  # noqa: E731
+    return sorted((g for g in groups.values() if g.tensors), key=order)
 
 
-def _write_tensors(source: TensorSource, name: str, names: list[str], out_dir: Path) -> FragmentEntry:
-    tensors = {n: source.get(n).contiguous() for n in names}
-    path = out_dir / f"{name}.safetensors"
+def _write_tensors(source: TensorSource, group: _Group, out_dir: Path) -> FragmentEntry:
+    tensors = {n: source.get(n).contiguous() for n in group.tensors}
+    path = out_dir / f"{group.name}.safetensors"
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     table = tuple(TensorEntry(n, tuple(t.shape), _dtype_name(t.dtype)) for n, t in tensors.items())
-    kind, _, index = name.partition(".")
-    layer = int(index) if kind == "layer" else None
-    return FragmentEntry(name, kind, layer, path.name, path.stat().st_size, file_sha256(path), table)
+    return FragmentEntry(group.name, group.kind, group.layer, path.name, path.stat().st_size, file_sha256(path),
+                         table, group.experts)  # fmt: skip
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -339,9 +367,10 @@ def _has_file(folder: Path, entry: FragmentEntry) -> bool:
 
 
 def fragments_for(
-    manifest: Manifest, layer_range: Range, owns_embedding: bool, owns_head: bool
+    manifest: Manifest, layer_range: Range, owns_embedding: bool, owns_head: bool, experts: Range | None = None
 ) -> list[FragmentEntry]:
-    """The fragments a stage owning ``[start, end)`` (and the embedding / head) needs.
+    """The fragments a stage owning ``[start, end)`` (and the embedding / head) needs; of
+    the routed experts only the chunks that hold one of ``experts`` (None: every expert).
 
     The last stage of a tied model also needs ``embed`` (its head is the embedding); stage 0
     and the last stage get the tokenizer files.
@@ -349,13 +378,19 @@ def fragments_for(
     start, end = layer_range
     if not 0 <= start < end <= manifest.num_layers:
         raise ConfigError(f"layer range [{start},{end}) is not inside [0,{manifest.num_layers})")
+    in_range = lambda f: f.layer is not None and start <= f.layer < end  # noqa: E731
     wants: dict[str, Callable[[FragmentEntry], bool]] = {
-        "layer": lambda f: f.layer is not None and start <= f.layer < end,
+        "layer": in_range,
+        "experts": lambda f: in_range(f) and (experts is None or _overlaps(f.experts, experts)),
         "embed": lambda f: owns_embedding or (owns_head and manifest.tie_word_embeddings),
         "head": lambda f: owns_head,
         "tokenizer": lambda f: owns_embedding or owns_head,
     }
     return [f for f in manifest.fragments if wants[f.kind](f)]
+
+
+def _overlaps(chunk: Range | None, wanted: Range) -> bool:
+    return chunk is not None and chunk[0] < wanted[1] and wanted[0] < chunk[1]
 
 
 class FragmentSource:
