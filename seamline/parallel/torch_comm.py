@@ -3,11 +3,13 @@
 On GPUs NCCL is the right tool; on CPUs ``TcpComm`` measured >10x faster than gloo for
 16 KB (NETWORK.md), so ``make_comm("auto", ...)`` only picks this one with CUDA.
 
-Tag checks cost one extra small collective per gate: before the payload, every rank
-all-gathers an int64 row (kind, layer, gate, sequence, dtype, size along dim, rest) and
-compares it with its own, so every rank sees a desync and raises ``DesyncError`` together
-(no rank is left waiting in a collective). ``check_tags=False`` drops it for all_reduce
-(all_gather always needs it: it carries the per-rank sizes along ``dim``).
+Every gate message carries an int64 row (kind, layer, gate, sequence, dtype, size along
+dim, rest) that every rank compares with its own, so every rank sees a desync and raises
+``DesyncError`` together (no rank is left waiting in a collective). An all_reduce is one
+collective: an all_gather of the row and the payload as bytes, summed here in rank order
+(for 2 ranks the same bytes as a ring all-reduce, and bit-identical on every rank). An
+all_gather first gathers the rows alone: they carry the per-rank sizes along ``dim``.
+``check_tags=False`` sends a bare all_reduce instead.
 This process holds the default process group: one TorchComm per process.
 """
 
@@ -22,9 +24,10 @@ import torch.distributed as dist
 
 from seamline.parallel.comm import GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference
 
-VERSION = 2  # 2: shared experts split per decode token by routing (model/moe.py)
+VERSION = 2  # 2: shared experts split per decode token by routing (model/moe.py); tag and payload in one gather
 REDUCE, GATHER = 1, 2
 KIND_NAMES = {REDUCE: "reduce", GATHER: "gather"}
+ROW_LEN = 7  # int64s in a gate's tag row
 MAX_FINGERPRINT = 4096
 
 
@@ -93,17 +96,25 @@ class TorchComm:
         self._call(lambda: dist.all_gather(out, row), "metadata")
         return torch.stack(out).cpu()
 
-    def _check(self, kind: int, tag: GateTag, tensor: torch.Tensor, size: int, rest: int) -> list[int]:
-        """Compare every rank's tag row with ours; return the ranks' sizes along the gather dim."""
+    @staticmethod
+    def _row(kind: int, tag: GateTag, tensor: torch.Tensor, size: int, rest: int) -> list[int]:
         code = int.from_bytes(hashlib.sha1(str(tensor.dtype).encode()).digest()[:6], "little")
-        mine = [kind, tag.layer, tag.gate, tag.sequence, code, size, rest]
-        rows = self._gather_rows(torch.tensor(mine, dtype=torch.int64)).tolist()
+        return [kind, tag.layer, tag.gate, tag.sequence, code, size, rest]
+
+    def _check(self, kind: int, tag: GateTag, tensor: torch.Tensor, size: int, rest: int) -> list[int]:
+        """Gather every rank's tag row and compare; return the ranks' sizes along the gather dim."""
+        mine = self._row(kind, tag, tensor, size, rest)
+        return self._compare(mine, self._gather_rows(torch.tensor(mine, dtype=torch.int64)).tolist(), tensor)
+
+    def _compare(self, mine: list[int], rows: list[list[int]], tensor: torch.Tensor) -> list[int]:
+        """DesyncError unless every rank's row matches ``mine``; the ranks' sizes."""
+        kind, tag = mine[0], GateTag(mine[1], mine[2], mine[3])
         for peer, row in enumerate(rows):
             got = GateTag(row[1], row[2], row[3])
             if row[0] != kind or got != tag:
                 raise DesyncError(f"rank {self.rank} expected {KIND_NAMES[kind]} gate {tag}, "
                                   f"got {KIND_NAMES.get(row[0], row[0])} gate {got} from rank {peer}")
-            if row[4] != code or row[6] != rest or (kind == REDUCE and row[5] != size):
+            if row[4] != mine[4] or row[6] != mine[6] or (kind == REDUCE and row[5] != mine[5]):
                 raise DesyncError(f"rank {peer}'s tensor for gate {tag} does not match rank {self.rank}'s "
                                   f"(dtype {tensor.dtype}, shape {tuple(tensor.shape)})")
         return [row[5] for row in rows]
@@ -111,11 +122,25 @@ class TorchComm:
     def all_reduce(self, tensor: torch.Tensor, tag: GateTag) -> torch.Tensor:
         if self.world == 1:
             return tensor
-        if self.check_tags:
-            self._check(REDUCE, tag, tensor, tensor.numel(), 1)
-        out = tensor.contiguous()
-        self._call(lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM), f"gate {tag}")
-        return out
+        if not self.check_tags:
+            out = tensor.contiguous()
+            self._call(lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM), f"gate {tag}")
+            return out
+        flat = tensor.detach().contiguous().view(-1)
+        row = self._row(REDUCE, tag, tensor, flat.numel(), 1)
+        header = torch.tensor(row, dtype=torch.int64).to(self.device).view(torch.uint8)
+        mine = torch.cat([header, flat.view(torch.uint8)])
+        gathered = [torch.empty_like(mine) for _ in range(self.world)]
+        self._call(lambda: dist.all_gather(gathered, mine), f"gate {tag}")
+        head = ROW_LEN * 8
+        self._compare(row, torch.stack([g[:head] for g in gathered]).cpu().view(torch.int64).tolist(), tensor)
+        parts = [g[head:].view(flat.dtype) for g in gathered]
+        if flat.dtype in (torch.bfloat16, torch.float16):  # half floats add up in float32
+            parts = [part.float() for part in parts]
+        total = parts[0] + parts[1]
+        for part in parts[2:]:  # rank order on every rank: bit-identical results
+            total.add_(part)
+        return total.to(tensor.dtype).view(tensor.shape)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GATHER_TAG) -> torch.Tensor:
         if self.world == 1:
