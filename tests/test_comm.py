@@ -243,7 +243,8 @@ def test_another_protocol_version_is_refused_at_hello() -> None:
 
     peer = threading.Thread(target=old_rank_1, daemon=True)
     peer.start()
-    with pytest.raises(CommError, match=f"protocol version mismatch: rank 0 speaks {VERSION}, rank 1 speaks {VERSION - 1}"):
+    refusal = f"protocol version mismatch: rank 0 speaks {VERSION}, rank 1 speaks {VERSION - 1}"
+    with pytest.raises(CommError, match=refusal):
         TcpComm.connect(0, 2, [("127.0.0.1", free_port()), ("127.0.0.1", port)], 2.0, "fp", connect_timeout_s=5.0)
     peer.join(5)
     server.close()
