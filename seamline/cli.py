@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tensor_parallel_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
+    """``--tensor-parallel N``, spelt as vLLM spells it too (``--tensor-parallel-size``, ``-tp``)."""
+    parser.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", dest="tensor_parallel", type=int,
+                        default=0, metavar="N", help=help_text)
+
+
 def _add_mesh_commands(sub: Any) -> None:
     serve = sub.add_parser("serve", help="start a coordinator + OpenAI API (and a local node)")
     serve.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
@@ -44,9 +50,7 @@ def _add_mesh_commands(sub: Any) -> None:
     serve.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
     serve.add_argument("--invite-hours", type=float, default=24.0)
     serve.add_argument("--lock", help="pin the plan in this JSON file (from `seamline plan --lock`)")
-    serve.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", dest="tensor_parallel", type=int,
-                      default=0, metavar="N",
-                       help="N nodes compute each stage in lockstep (0: only where one node cannot hold a stage)")
+    _tensor_parallel_arg(serve, "N nodes compute each stage in lockstep (0: only where one node cannot hold a stage)")
     serve.add_argument("--transport", choices=("auto", "tcp", "torch"), default="auto",
                        help="lockstep collectives: our TCP mesh, or torch.distributed (auto: NCCL with CUDA, else tcp)")
     serve.add_argument("--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate")
@@ -64,8 +68,7 @@ def _add_mesh_commands(sub: Any) -> None:
     demo.add_argument("--model", default=None)
     demo.add_argument("-p", "--prompt", default="What is the capital of France?")
     demo.add_argument("--max-tokens", type=int, default=64)
-    demo.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", dest="tensor_parallel", type=int,
-                      default=0, metavar="N", help="N nodes per stage, in lockstep")
+    _tensor_parallel_arg(demo, "N nodes per stage, in lockstep")
     demo.set_defaults(handler=cmd_demo)
     package = sub.add_parser("package", help="split a checkpoint into per-layer fragments")
     package.add_argument("model")
@@ -78,9 +81,7 @@ def _add_mesh_commands(sub: Any) -> None:
     plan.add_argument("--lock", default=None, help="write (or check) the plan in this file")
     plan.add_argument("--context", type=int, default=4096)
     plan.add_argument("--batch", type=int, default=1)
-    plan.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", dest="tensor_parallel", type=int,
-                      default=0, metavar="N",
-                      help="N nodes per stage in lockstep (0: groups only where no node holds a stage)")
+    _tensor_parallel_arg(plan, "N nodes per stage in lockstep (0: groups only where no node holds a stage)")
     plan.set_defaults(handler=cmd_plan)
 
 

@@ -206,7 +206,7 @@ class Node:
             member.serve()
         except Exception as exc:  # the group is over; the coordinator fails its requests
             log.error("lockstep rank %d stopped: %s", member.rank, exc)
-            self._report(None, f"lockstep rank {member.rank} stopped: {exc}")
+            self._report(None, f"lockstep rank {member.rank} stopped: {self._explain(exc)}")
         finally:
             member.close()
 

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from seamline.model.stage import Stage
-
-if TYPE_CHECKING:
-    from seamline.mesh.group_stage import LockstepStage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Open, Prompt
 from seamline.runtime.sampling import SamplingParams, make_generator, sample
+
+if TYPE_CHECKING:
+    from seamline.mesh.group_stage import LockstepStage
 
 log = logging.getLogger("seamline.stage")
 PREFILL_CHUNK = 512

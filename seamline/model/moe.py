@@ -21,10 +21,10 @@ same replicated router, so all compute the same split with no message.
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from collections.abc import Sequence
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from seamline.config import ModelConfig
@@ -139,9 +139,10 @@ class MoE(nn.Module):
         self.experts_down = empty_param(self.owned, hidden, inter)
         self.inter = inter
         self.rank, self.world = own.shard
-        per_rank = config.num_experts // self.world
+        self.per_rank = config.num_experts // self.world
         # Balancing needs every rank's expert range: the even split rank_ownership makes.
-        self.balanced = self.world > 1 and (self.first, end) == (self.rank * per_rank, (self.rank + 1) * per_rank)
+        even = (self.rank * self.per_rank, (self.rank + 1) * self.per_rank)
+        self.balanced = self.world > 1 and (self.first, end) == even
         self.shared: GatedMLP | None = None
         if config.n_shared_experts:
             self.shared = GatedMLP(hidden, config.n_shared_experts * inter)  # whole on every rank
@@ -173,10 +174,9 @@ class MoE(nn.Module):
         rows, rank, world = self.shared.rows, self.rank, self.world
         if not self.balanced or chosen is None:
             return (rank * rows // world, (rank + 1) * rows // world)
-        per_rank = self.config.num_experts // world
         counts = [0] * world
         for expert in chosen:
-            counts[expert // per_rank] += 1
+            counts[expert // self.per_rank] += 1
         return balance_rows([c * self.inter for c in counts], rows)[rank]
 
     def _expert(self, x: torch.Tensor, local: int) -> torch.Tensor:

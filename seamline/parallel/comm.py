@@ -78,6 +78,17 @@ class SingleComm:
         pass
 
 
+def sum_in_rank_order(parts: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The ranks' flat ``parts`` added in rank order, as every rank does: bit-identical sums.
+    Half floats add up in float32; the sum comes back in ``dtype``."""
+    if dtype in (torch.bfloat16, torch.float16):
+        parts = [part.float() for part in parts]
+    total = parts[0] + parts[1]
+    for part in parts[2:]:
+        total.add_(part)
+    return total.to(dtype)
+
+
 def fingerprint_difference(rank: int, mine: str, peer: int, theirs: str) -> str:
     """Name the fields in which two group fingerprints (``field|field|...``) differ."""
     a, b = mine.split("|"), theirs.split("|")

@@ -4,8 +4,9 @@ Each rank loads only its shard (``Ownership(shard=(rank, world))``: query heads 
 split evenly, routed experts ``[r*E/N, (r+1)*E/N)`` — E must divide by N, or the gates
 would be summed over an uneven split we do not test — and vocabulary rows
 ``[r*V/N, (r+1)*V/N)``, a floor partition that need not be even since ``all_gather`` takes
-unequal slices). Ranks join through a TcpComm whose HELLO fingerprint names the model
-(file name, config hash, a digest of replicated weights), dtype, world and gate schedule.
+unequal slices). Ranks join through a Comm (``make_comm``: tcp or torch) whose HELLO
+fingerprint names the model (identity, config hash, a digest of replicated weights), dtype,
+world, layer range and gate schedule.
 
 A group may own the whole model or one pipeline stage's layer range: a stage that does not
 own the embedding takes hidden states instead of token ids, and one that does not own the
@@ -37,8 +38,8 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 

@@ -31,7 +31,9 @@ from typing import Callable, Iterable
 import torch
 
 from seamline.net.link import listen, tune
-from seamline.parallel.comm import GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference
+from seamline.parallel.comm import (
+    GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference, sum_in_rank_order,
+)  # fmt: skip
 
 GATE_MAGIC = b"SLGT"
 HELLO_MAGIC = b"SLHI"
@@ -143,13 +145,7 @@ class TcpComm:
             return tensor
         mine = tensor.detach().to("cpu").contiguous().reshape(-1)
         parts = self._exchange(REDUCE, mine, tag, lambda numel: numel == mine.numel())
-        # Rank order on every rank: bit-identical results. Half floats add up in float32.
-        if mine.dtype in (torch.bfloat16, torch.float16):
-            parts = [part.float() for part in parts]
-        total = parts[0] + parts[1]
-        for part in parts[2:]:
-            total.add_(part)
-        return total.to(tensor.dtype).view(tensor.shape).to(tensor.device)
+        return sum_in_rank_order(parts, tensor.dtype).view(tensor.shape).to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GATHER_TAG) -> torch.Tensor:
         if self.world == 1:

@@ -22,9 +22,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from seamline.parallel.comm import GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference
+from seamline.parallel.comm import (
+    GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference, sum_in_rank_order,
+)  # fmt: skip
 
-VERSION = 2  # 2: shared experts split per decode token by routing (model/moe.py); tag and payload in one gather
+VERSION = 2  # 2: shared experts split per token (model/moe.py); a gate's tag and payload in one gather
 REDUCE, GATHER = 1, 2
 KIND_NAMES = {REDUCE: "reduce", GATHER: "gather"}
 ROW_LEN = 7  # int64s in a gate's tag row
@@ -135,12 +137,7 @@ class TorchComm:
         head = ROW_LEN * 8
         self._compare(row, torch.stack([g[:head] for g in gathered]).cpu().view(torch.int64).tolist(), tensor)
         parts = [g[head:].view(flat.dtype) for g in gathered]
-        if flat.dtype in (torch.bfloat16, torch.float16):  # half floats add up in float32
-            parts = [part.float() for part in parts]
-        total = parts[0] + parts[1]
-        for part in parts[2:]:  # rank order on every rank: bit-identical results
-            total.add_(part)
-        return total.to(tensor.dtype).view(tensor.shape)
+        return sum_in_rank_order(parts, tensor.dtype).view(tensor.shape)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GATHER_TAG) -> torch.Tensor:
         if self.world == 1:

@@ -54,7 +54,6 @@ EXPERT_CHUNKS = 8  # routed experts per MoE layer go in gcd(E, 8) fragments: who
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 HEAD_TENSORS = ("model.norm.weight", "lm_head.weight")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")  # a routed expert's tensor (shared_experts do not match)
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 log = logging.getLogger(__name__)
 
@@ -235,7 +234,10 @@ class _Group(NamedTuple):
 
 def _tensor_groups(config: ModelConfig) -> list[_Group]:
     """embed, layer.0 (then its routed experts in chunks) .. layer.{L-1}, head."""
-    names = {n for p in stage_plans(config, Ownership.full(config)) for n in p.sources()}
+    plans = stage_plans(config, Ownership.full(config))
+    names = {n for p in plans for n in p.sources()}
+    # routed experts are the stacked plans, one part per expert 0..E-1 (the checkpoint tables' order)
+    expert_of = {n: e for p in plans if p.stack for e, part in enumerate(p.parts) for n in part}
     experts = config.num_experts
     per_chunk = experts // math.gcd(experts, EXPERT_CHUNKS) if experts else 0
     groups = {"embed": _Group("embed", "embed", None, None, []), "head": _Group("head", "head", None, None, [])}
@@ -243,11 +245,11 @@ def _tensor_groups(config: ModelConfig) -> list[_Group]:
         match = _LAYER.match(name)
         if match:
             layer = int(match.group(1))
-            expert = _EXPERT.search(name)
+            expert = expert_of.get(name)
             if expert is None or not per_chunk:
                 key, chunk = f"layer.{layer}", None
             else:
-                first = int(expert.group(1)) // per_chunk * per_chunk
+                first = expert // per_chunk * per_chunk
                 key, chunk = f"layer.{layer}.experts.{first}-{first + per_chunk}", (first, first + per_chunk)
             group = groups.setdefault(key, _Group(key, "experts" if chunk else "layer", layer, chunk, []))
             group.tensors.append(name)
