@@ -1,0 +1,1 @@
+"""Quantized weights: GGUF blocks kept as they are, dequantisers and matmul kernels over them."""
