@@ -1,0 +1,225 @@
+// AVX-512 kernels over GGUF blocks: the activations are quantised to int8 per 32-wide block
+// (as llama.cpp does), each weight pair is decoded once per row and multiplied with vpdpbusd
+// (unsigned weight quants x signed activations), block scales applied in float.
+// Only this file is compiled for AVX-512; callers check cpu_supported() first.
+#include "kernels.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,avx2,bmi2")
+#include "blocks.h"
+
+namespace seamline_quant {
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+
+int64_t padded_cols(int64_t cols) { return (cols + 63) / 64 * 64; }
+
+// 16 activations as float from f32 / bf16 / f16 storage
+static inline __m512 load16(const void* x, int dt, int64_t i) {
+  if (dt == F32) return _mm512_loadu_ps((const float*)x + i);
+  __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)x + i));
+  if (dt == F16) return _mm512_cvtph_ps(h);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline void store1(void* out, int dt, int64_t i, float v) {
+  if (dt == F32) {
+    ((float*)out)[i] = v;
+  } else if (dt == F16) {
+    ((uint16_t*)out)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+  } else {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    ((uint16_t*)out)[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+}
+
+// One activation row: int8 blocks of 32 with one float scale each, lane sums in aux.
+static void prep_row(const void* x, int dt, int64_t cols, int offset, bool min, int8_t* xq,
+                     float* xs, float* aux, int64_t kp) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    __m512 v0 = load16(x, dt, 32 * b), v1 = load16(x, dt, 32 * b + 16);
+    float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+    float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(id)));
+    __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(id)));
+    _mm_storeu_si128((__m128i*)(xq + 32 * b), _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128((__m128i*)(xq + 32 * b + 16), _mm512_cvtepi32_epi8(i1));
+    _mm256_storeu_ps(xs + 8 * b, _mm256_set1_ps(d));
+    if (min) {
+      float f[32];
+      _mm512_storeu_ps(f, v0);
+      _mm512_storeu_ps(f + 16, v1);
+      for (int l = 0; l < 8; ++l) aux[8 * b + l] = f[4 * l] + f[4 * l + 1] + f[4 * l + 2] + f[4 * l + 3];
+    }
+  }
+  for (int64_t i = cols; i < kp; ++i) xq[i] = 0;  // a padded half pair multiplies as zero
+  for (int64_t i = cols / 4; i < kp / 4; ++i) xs[i] = aux[i] = 0.0f;
+  if (offset) {  // -offset * (sum of the 4 quants of each lane), added to the integer dot
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t p = 0; p < kp / 64; ++p) {
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xq + 64 * p));
+      _mm512_storeu_si512(aux + 16 * p, _mm512_mullo_epi32(s, _mm512_set1_epi32(-offset)));
+    }
+  }
+}
+
+// decode pair p of a row; the odd last block of a 32-wide type decodes with a zero partner
+template <class D>
+static inline void decode_at(const uint8_t* row, int64_t p, int64_t cols, Pair& o) {
+  if constexpr (D::BLOCK == 256) {
+    D::decode(row + (p >> 2) * D::BYTES, (int)(p & 3), o);
+  } else if (64 * p + 32 < cols || (cols & 63) == 0) {
+    D::decode(row + 2 * p * D::BYTES, o);
+  } else {
+    uint8_t tmp[2 * D::BYTES] = {0};
+    std::memcpy(tmp, row + 2 * p * D::BYTES, D::BYTES);
+    D::decode(tmp, o);
+  }
+}
+
+template <class D, int MB>
+static inline void step(const Pair& P, const XBuf& x, int64_t m0, int64_t p, __m512* acc) {
+  for (int j = 0; j < MB; ++j) {
+    const int64_t m = m0 + j, lane = m * (x.kp / 4) + 16 * p;
+    __m512i xq = _mm512_loadu_si512(x.xq + m * x.kp + 64 * p);
+    __m512i init = D::OFFSET ? _mm512_loadu_si512(x.aux + lane) : _mm512_setzero_si512();
+    __m512i dot = _mm512_dpbusd_epi32(init, P.q, xq);
+    __m512 scale = _mm512_mul_ps(P.scale, _mm512_loadu_ps(x.xs + lane));
+    acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[j]);
+    if constexpr (D::MIN) acc[j] = _mm512_fmadd_ps(P.minv, _mm512_loadu_ps(x.aux + lane), acc[j]);
+  }
+}
+
+// MB activation rows [m0, m0 + MB) against one weight row r
+template <class D, int MB>
+static void dot_row(const uint8_t* row, int64_t cols, const XBuf& x, int64_t m0, int64_t r,
+                    const float* bias, void* out, int dt, int64_t n_out) {
+  __m512 acc[MB];
+  for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_ps();
+  const int64_t pairs = x.kp / 64;
+  Pair P;
+  for (int64_t p = 0; p < pairs; ++p) {
+    decode_at<D>(row, p, cols, P);
+    step<D, MB>(P, x, m0, p, acc);
+  }
+  const float b = bias ? bias[r] : 0.0f;
+  for (int j = 0; j < MB; ++j) store1(out, dt, (m0 + j) * n_out + r, _mm512_reduce_add_ps(acc[j]) + b);
+}
+
+template <class D>
+static void gemv_t(const uint8_t* w, int64_t w_stride, int64_t cols, const XBuf& x, int64_t rows_x,
+                   int64_t r0, int64_t r1, const float* bias, void* out, int dt, int64_t n_out) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * w_stride;
+    int64_t m = 0;
+    for (; m + 4 <= rows_x; m += 4) dot_row<D, 4>(row, cols, x, m, r, bias, out, dt, n_out);
+    switch (rows_x - m) {
+      case 3: dot_row<D, 3>(row, cols, x, m, r, bias, out, dt, n_out); break;
+      case 2: dot_row<D, 2>(row, cols, x, m, r, bias, out, dt, n_out); break;
+      case 1: dot_row<D, 1>(row, cols, x, m, r, bias, out, dt, n_out); break;
+      default: break;
+    }
+  }
+}
+
+// weights of one pair as bfloat16: chunk C holds elements 16C..16C+15 (lanes 4C..4C+3)
+template <class D, int C>
+static inline void chunk_bf16(const Pair& P, uint16_t* dst) {
+  __m512i q = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(P.q, C));
+  const __m512i idx = _mm512_set_epi32(4 * C + 3, 4 * C + 3, 4 * C + 3, 4 * C + 3, 4 * C + 2, 4 * C + 2, 4 * C + 2,
+                                       4 * C + 2, 4 * C + 1, 4 * C + 1, 4 * C + 1, 4 * C + 1, 4 * C, 4 * C, 4 * C, 4 * C);
+  __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(D::OFFSET)));
+  f = _mm512_mul_ps(f, _mm512_permutexvar_ps(idx, P.scale));  // same rounding steps as gguf-py
+  if constexpr (D::MIN) f = _mm512_add_ps(f, _mm512_permutexvar_ps(idx, P.minv));
+  __m512i u = _mm512_castps_si512(f);  // round to nearest even bfloat16
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  _mm256_storeu_si256((__m256i*)(dst + 16 * C), _mm512_cvtepi32_epi16(u));
+}
+
+template <class D>
+static inline void pair_bf16(const Pair& P, uint16_t* dst, bool full) {
+  chunk_bf16<D, 0>(P, dst);
+  chunk_bf16<D, 1>(P, dst);
+  if (!full) return;  // the odd last block of a row
+  chunk_bf16<D, 2>(P, dst);
+  chunk_bf16<D, 3>(P, dst);
+}
+
+template <class D>
+static void dequant_t(const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0, int64_t r1, uint16_t* out) {
+  const int64_t pairs = padded_cols(cols) / 64;
+  Pair P;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t p = 0; p < pairs; ++p) {
+      decode_at<D>(w + r * w_stride, p, cols, P);
+      pair_bf16<D>(P, out + r * cols + 64 * p, 64 * p + 64 <= cols);
+    }
+  }
+}
+
+#define SEAMLINE_DISPATCH(qtype, CALL)           \
+  switch (qtype) {                               \
+    case 2: CALL(DQ4_0); break;                  \
+    case 3: CALL(DQ4_1); break;                  \
+    case 6: CALL(DQ5_0); break;                  \
+    case 7: CALL(DQ5_1); break;                  \
+    case 8: CALL(DQ8_0); break;                  \
+    case 12: CALL(DQ4_K); break;                 \
+    case 13: CALL(DQ5_K); break;                 \
+    case 14: CALL(DQ6_K); break;                 \
+    default: break;                              \
+  }
+
+bool qtype_supported(int qtype) {
+  bool ok = false;
+#define SEAMLINE_OK(D) ok = true
+  SEAMLINE_DISPATCH(qtype, SEAMLINE_OK)
+  return ok;
+}
+
+void prep_x(int qtype, const void* x, int dt, int64_t x_stride, int64_t cols, int64_t m0, int64_t m1,
+            const XBuf& buf) {
+  const int elem = dt == F32 ? 4 : 2;
+  for (int64_t m = m0; m < m1; ++m) {
+    const void* xr = (const char*)x + m * x_stride * elem;
+#define SEAMLINE_PREP(D) \
+  prep_row(xr, dt, cols, D::OFFSET, D::MIN, buf.xq + m * buf.kp, buf.xs + m * (buf.kp / 4), buf.aux + m * (buf.kp / 4), buf.kp)
+    SEAMLINE_DISPATCH(qtype, SEAMLINE_PREP)
+  }
+}
+
+void gemv_rows(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, const XBuf& buf, int64_t rows_x,
+               int64_t r0, int64_t r1, const float* bias, void* out, int dt, int64_t n_out) {
+#define SEAMLINE_GEMV(D) gemv_t<D>(w, w_stride, cols, buf, rows_x, r0, r1, bias, out, dt, n_out)
+  SEAMLINE_DISPATCH(qtype, SEAMLINE_GEMV)
+}
+
+void dequant_rows_bf16(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0, int64_t r1,
+                       uint16_t* out) {
+#define SEAMLINE_DEQ(D) dequant_t<D>(w, w_stride, cols, r0, r1, out)
+  SEAMLINE_DISPATCH(qtype, SEAMLINE_DEQ)
+}
+
+}  // namespace seamline_quant
+
+#else  // not x86-64: no kernels; Python takes the torch path
+
+namespace seamline_quant {
+bool cpu_supported() { return false; }
+bool qtype_supported(int) { return false; }
+int64_t padded_cols(int64_t cols) { return (cols + 63) / 64 * 64; }
+void prep_x(int, const void*, int, int64_t, int64_t, int64_t, int64_t, const XBuf&) {}
+void gemv_rows(int, const uint8_t*, int64_t, int64_t, const XBuf&, int64_t, int64_t, int64_t, const float*, void*,
+               int, int64_t) {}
+void dequant_rows_bf16(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
+}  // namespace seamline_quant
+
+#endif

@@ -1,0 +1,40 @@
+// Plain C++ interface of the AVX-512 kernels (kernels.cpp), so that the ATen side (ops.cpp)
+// is compiled without AVX-512 flags and the library loads on any x86-64 CPU.
+#pragma once
+
+#include <cstdint>
+
+namespace seamline_quant {
+
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// The activations quantised the way the kernels read them, per row m (kp = padded columns):
+// xq int8 [kp], xs float [kp / 4] (block scale per 4-wide lane), aux [kp / 4]: for types
+// with an integer offset, int32 -OFFSET * (lane sum of xq); for types with a min, the float
+// lane sum of x.
+struct XBuf {
+  int8_t* xq;
+  float* xs;
+  float* aux;
+  int64_t kp;
+};
+
+bool cpu_supported();                 // AVX-512 F/BW/VL/DQ/VNNI present at run time
+bool qtype_supported(int qtype);      // one of the GGML types the kernels decode
+int64_t padded_cols(int64_t cols);    // cols rounded up to 64
+
+// quantise rows [m0, m1) of x (dtype dt, row stride x_stride elements) into buf
+void prep_x(int qtype, const void* x, int dt, int64_t x_stride, int64_t cols, int64_t m0, int64_t m1,
+            const XBuf& buf);
+
+// out[m, r] = x[m] . w[r] (+ bias[r]) for weight rows [r0, r1) and all m < rows_x;
+// w: GGUF blocks with w_stride bytes between rows; out: dtype dt, row stride n_out elements
+void gemv_rows(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, const XBuf& buf,
+               int64_t rows_x, int64_t r0, int64_t r1, const float* bias, void* out, int dt,
+               int64_t n_out);
+
+// weight rows [r0, r1) as bfloat16 bits, out row stride = cols
+void dequant_rows_bf16(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0,
+                       int64_t r1, uint16_t* out);
+
+}  // namespace seamline_quant

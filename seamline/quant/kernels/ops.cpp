@@ -1,0 +1,87 @@
+// torch ops over the kernels: shape checks, scratch buffers and threading (at::parallel_for,
+// so torch.set_num_threads is honoured). Registered as torch.ops.seamline_quant.*.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "kernels.h"
+
+namespace seamline_quant {
+
+static int dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return F32;
+    case at::kBFloat16: return BF16;
+    case at::kHalf: return F16;
+    default: TORCH_CHECK(false, "quant kernels take float32, bfloat16 or float16 activations, not ", t);
+  }
+  return F32;
+}
+
+static void check_weight(const at::Tensor& w, int64_t qtype) {
+  TORCH_CHECK(qtype_supported((int)qtype), "quant kernels do not decode GGML type ", qtype);
+  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
+              "weight blocks must be a CPU uint8 [rows, row_bytes] tensor with contiguous rows");
+}
+
+// y [M, N] = x [M, cols] @ W.T (+ bias), x quantised to int8 blocks of 32 first
+at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols,
+                   const std::optional<at::Tensor>& bias) {
+  check_weight(w, qtype);
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == cols && x.stride(1) == 1,
+              "activations must be a CPU [M, ", cols, "] tensor with contiguous rows");
+  const int dt = dtype_code(x.scalar_type());
+  const int64_t M = x.size(0), N = w.size(0), kp = padded_cols(cols);
+  at::Tensor scratch = at::empty({M * kp * 3}, x.options().dtype(at::kByte));  // xq, xs, aux
+  uint8_t* base = scratch.data_ptr<uint8_t>();
+  XBuf buf{(int8_t*)base, (float*)(base + M * kp), (float*)(base + 2 * M * kp), kp};
+  const void* xp = x.data_ptr();
+  at::parallel_for(0, M, std::max<int64_t>(1, 32768 / cols), [&](int64_t m0, int64_t m1) {
+    prep_x((int)qtype, xp, dt, x.stride(0), cols, m0, m1, buf);
+  });
+  at::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == N, "bias must have ", N, " elements");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  at::Tensor out = at::empty({M, N}, x.options());
+  void* op = out.data_ptr();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const int64_t grain = std::max<int64_t>(4, 65536 / (cols * M));
+  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
+    gemv_rows((int)qtype, wp, w.stride(0), cols, buf, M, r0, r1, bp, op, dt, N);
+  });
+  return out;
+}
+
+// W as bfloat16 [rows, cols]
+at::Tensor dequant_bf16(const at::Tensor& w, int64_t qtype, int64_t cols) {
+  check_weight(w, qtype);
+  const int64_t N = w.size(0);
+  at::Tensor out = at::empty({N, cols}, w.options().dtype(at::kBFloat16));
+  uint16_t* op = (uint16_t*)out.data_ptr();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / cols), [&](int64_t r0, int64_t r1) {
+    dequant_rows_bf16((int)qtype, wp, w.stride(0), cols, r0, r1, op);
+  });
+  return out;
+}
+
+bool kernels_usable() { return cpu_supported(); }
+
+bool decodes(int64_t qtype) { return qtype_supported((int)qtype); }
+
+}  // namespace seamline_quant
+
+TORCH_LIBRARY(seamline_quant, m) {
+  m.def("qmatmul(Tensor x, Tensor w, int qtype, int cols, Tensor? bias=None) -> Tensor");
+  m.def("dequant_bf16(Tensor w, int qtype, int cols) -> Tensor");
+  m.def("cpu_supported() -> bool", &seamline_quant::kernels_usable);
+  m.def("decodes(int qtype) -> bool", &seamline_quant::decodes);
+}
+
+TORCH_LIBRARY_IMPL(seamline_quant, CPU, m) {
+  m.impl("qmatmul", &seamline_quant::qmatmul);
+  m.impl("dequant_bf16", &seamline_quant::dequant_bf16);
+}

@@ -1,0 +1,99 @@
+"""The C++ quant kernels: compiled once per source and torch version, cached, loaded on first use.
+
+``kernels()`` answers ``torch.ops.seamline_quant`` or None when they cannot be had (no compiler,
+not x86-64, CPU without AVX-512 VNNI, or ``SEAMLINE_QUANT_KERNELS=0``); callers then take the
+torch path, which is slower but gives the same answers up to activation rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "SEAMLINE_QUANT_KERNELS"  # "0" turns the C++ kernels off
+KERNEL_DIR = Path(__file__).parent / "kernels"
+SOURCES = ("ops.cpp", "kernels.cpp")
+HEADERS = ("kernels.h", "blocks.h")
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
+
+
+def _digest() -> str:
+    h = hashlib.sha256(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
+    for name in (*SOURCES, *HEADERS):
+        h.update((KERNEL_DIR / name).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "seamline" / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+
+
+def _build(name: str, build_dir: Path) -> None:
+    """Compile with torch's extension builder; the interpreter's own bin dir joins PATH for ninja."""
+    from torch.utils.cpp_extension import load
+
+    old_path = os.environ.get("PATH", "")
+    bin_dir = os.path.dirname(sys.executable)
+    os.environ["PATH"] = os.pathsep.join([old_path, bin_dir]) if old_path else bin_dir
+    try:
+        log.warning("compiling the quant kernels once (about a minute) into %s", build_dir)
+        load(
+            name=name,
+            sources=[str(KERNEL_DIR / s) for s in SOURCES],
+            extra_cflags=list(CFLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    finally:
+        os.environ["PATH"] = old_path
+
+
+def _load() -> Any:
+    name = f"seamline_quant_{_digest()}"
+    build_dir = cache_dir() / name
+    library = build_dir / f"{name}.so"
+    if library.exists():
+        torch.ops.load_library(str(library))
+    else:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        _build(name, build_dir)
+    return torch.ops.seamline_quant
+
+
+@lru_cache(maxsize=1)
+def kernels() -> Any | None:
+    """torch.ops.seamline_quant, or None (logged once) when the kernels are unavailable here."""
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return None
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        log.warning("quant kernels need x86-64; quantized matmuls use the slower torch path")
+        return None
+    if _compiler() is None:
+        log.warning("no C++ compiler found; quantized matmuls use the slower torch path")
+        return None
+    try:
+        ops = _load()
+    except Exception as exc:  # a failed build must not stop seamline
+        log.warning("quant kernels failed to build (%s); using the slower torch path", str(exc).splitlines()[0])
+        return None
+    if not ops.cpu_supported():
+        log.warning("CPU lacks AVX-512 VNNI; quantized matmuls use the slower torch path")
+        return None
+    return ops
