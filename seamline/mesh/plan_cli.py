@@ -115,7 +115,8 @@ def model_spec(model_path: str | None, dtype_bytes: int) -> tuple[ModelSpec, Mod
     config = ModelConfig.from_hf_dict(source.config_dict())
     shapes = {name: tuple(source.shape(name)) for name in source.names()}
     name = path.stem if path.is_file() else path.resolve().name  # as `seamline package` names it
-    spec = ModelSpec.from_checkpoint_shapes(config, name, shapes, dtype_bytes)
+    types = {n: source.stored_type(n) for n in shapes}
+    spec = ModelSpec.from_checkpoint_shapes(config, name, shapes, dtype_bytes, types)
     return spec, config
 
 

@@ -72,7 +72,8 @@ def build_mesh(options: ServeOptions) -> Mesh:
     config = ModelConfig.from_hf_dict(manifest.config)
     context = options.context or config.max_position_embeddings
     shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
-    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype))
+    types = {t.name: t.dtype for f in manifest.fragments for t in f.tensors}
+    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype), types)
     hosts = options.advertise or (_reachable(options.host),)
     invite = new_invite(hosts, options.control_port or options.port + 1, options.port, options.invite_ttl_s)
     coordinator = Coordinator(invite, spec, manifest.model_hash, CoordinatorOptions(

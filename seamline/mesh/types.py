@@ -8,7 +8,6 @@ that crosses a stage boundary. ``Plan`` round-trips through JSON so a run can be
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError, SeamlineError
 from seamline.model.ownership import Ownership
+from seamline.quant.sizes import resident_bytes
 from seamline.weights.names import stage_plans
 
 PLAN_VERSION = 1
@@ -81,9 +81,17 @@ class ModelSpec:
 
     @classmethod
     def from_checkpoint_shapes(
-        cls, config: ModelConfig, name: str, shapes: Mapping[str, tuple[int, ...]], dtype_bytes: int
+        cls,
+        config: ModelConfig,
+        name: str,
+        shapes: Mapping[str, tuple[int, ...]],
+        dtype_bytes: int,
+        types: Mapping[str, str] | None = None,
     ) -> "ModelSpec":
-        """Exact bytes per layer: the tensors ``stage_plans`` names for each one-layer stage."""
+        """Exact bytes per layer: the tensors ``stage_plans`` names for each one-layer stage,
+        at the size they are kept in memory (``types``: each tensor's stored type, as
+        ``TensorSource.stored_type`` gives it; quantized ones count their GGUF blocks)."""
+        types = types or {}
         held = [0] * config.num_layers
         active = [0] * config.num_layers
         replicated = [0] * config.num_layers
@@ -91,7 +99,7 @@ class ModelSpec:
         expert_share = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
         for i in range(config.num_layers):
             for p in stage_plans(config, Ownership(layers=(i, i + 1))):
-                nbytes = sum(_numel(shapes, src) for src in p.sources()) * dtype_bytes
+                nbytes = sum(_bytes(shapes, types, src, dtype_bytes) for src in p.sources())
                 if p.target == "embed":
                     embed += nbytes
                 elif p.target in ("norm.weight", "head"):
@@ -113,10 +121,10 @@ def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
     return 2 * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
-def _numel(shapes: Mapping[str, tuple[int, ...]], name: str) -> int:
+def _bytes(shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str], name: str, dtype_bytes: int) -> int:
     if name not in shapes:
         raise CheckpointError(f"checkpoint has no tensor {name}, which the model's layers need")
-    return math.prod(shapes[name])
+    return resident_bytes(shapes[name], types.get(name, ""), dtype_bytes)
 
 
 @dataclass(frozen=True)

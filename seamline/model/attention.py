@@ -14,6 +14,7 @@ from torch import nn
 from seamline.config import ModelConfig
 from seamline.model.cache import LayerKV
 from seamline.model.layers import RMSNorm, empty_param
+from seamline.model.linear import linear
 from seamline.model.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary
 
@@ -57,7 +58,7 @@ class GQAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         count = x.shape[0]
-        qkv = F.linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2*Hkv) * D]
+        qkv = linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2*Hkv) * D]
         qkv = qkv.view(count, self.heads + 2 * self.kv_heads, self.head_dim)
         qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
         if self.q_norm is not None and self.k_norm is not None:
@@ -77,4 +78,4 @@ class GQAttention(nn.Module):
             enable_gqa=self.kv_map is None and self.kv_heads != self.heads,
         )  # [1, H, T, D]
         out = out.transpose(1, 2).reshape(count, self.heads * self.head_dim)  # a view when T == 1
-        return F.linear(out, self.o)
+        return linear(out, self.o)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seamline.model.linear import columns, linear, rows
+
 
 def empty_param(*shape: int) -> nn.Parameter:
     """An uninitialised parameter: the loader fills every one (no wasted random init)."""
@@ -33,14 +35,15 @@ class GatedMLP(nn.Module):
         self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up)  # [T, 2*rows]
+        gate_up = linear(x, self.gate_up)  # [T, 2*rows]
         gate, up = gate_up.split(self.rows, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down)
+        return linear(F.silu(gate) * up, self.down)
 
     def rows_forward(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """The partial output of intermediate rows [start, end) only (views, no copies)."""
+        """The partial output of intermediate rows [start, end) only (a quantized ``down``
+        needs them on its block boundaries: see ``linear.granule``)."""
         if (start, end) == (0, self.rows):
             return self.forward(x)
-        gate = F.linear(x, self.gate_up[start:end])
-        up = F.linear(x, self.gate_up[self.rows + start : self.rows + end])
-        return F.linear(F.silu(gate) * up, self.down[:, start:end])
+        gate = linear(x, rows(self.gate_up, start, end))
+        up = linear(x, rows(self.gate_up, self.rows + start, self.rows + end))
+        return linear(F.silu(gate) * up, columns(self.down, start, end))

@@ -28,6 +28,7 @@ from seamline.errors import ConfigError
 from seamline.model.attention import causal_mask
 from seamline.model.cache import LayerKV
 from seamline.model.layers import RMSNorm, empty_param
+from seamline.model.linear import linear
 from seamline.model.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary, yarn_mscale
 
@@ -93,7 +94,7 @@ class MLAttention(nn.Module):
         count = x.shape[0]
         q = self._query(x).view(count, self.heads, self.nope + self.rope_dim)
         q_nope, q_pe = q.split((self.nope, self.rope_dim), dim=-1)  # [T, H, N], [T, H, R]
-        latent, k_pe = F.linear(x, self.kv_a).split((self.rank, self.rope_dim), dim=-1)
+        latent, k_pe = linear(x, self.kv_a).split((self.rank, self.rope_dim), dim=-1)
         latent = self.kv_a_norm(latent)  # [T, C]
         cos, sin = self.rope.lookup(start, count, x.dtype)
         q_pe = apply_rotary(self._layout(q_pe), cos, sin)  # [T, H, R]
@@ -104,13 +105,13 @@ class MLAttention(nn.Module):
             out = self._attend_absorbed(q_nope, q_pe, latents[0], k_pes[0], mask)
         else:
             out = self._attend_expanded(q_nope, q_pe, latents[0], k_pes[0], mask)
-        return F.linear(out.reshape(count, self.heads * self.v_dim), self.o)  # out: [T, H, V]
+        return linear(out.reshape(count, self.heads * self.v_dim), self.o)  # out: [T, H, V]
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q is not None:
-            return F.linear(x, self.q)
+            return linear(x, self.q)
         assert self.q_a is not None and self.q_a_norm is not None and self.q_b is not None
-        return F.linear(self.q_a_norm(F.linear(x, self.q_a)), self.q_b)  # [T, H*(N+R)]
+        return linear(self.q_a_norm(linear(x, self.q_a)), self.q_b)  # [T, H*(N+R)]
 
     def _layout(self, x: torch.Tensor) -> torch.Tensor:
         return deinterleave(x) if self.interleaved else x
@@ -129,7 +130,7 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         """Expand every cached latent into per-head k/v, then ordinary attention. -> [T, H, V]"""
         seq = latents.shape[0]
-        kv = F.linear(latents, self.kv_b).view(seq, self.heads, self.nope + self.v_dim)
+        kv = linear(latents, self.kv_b).view(seq, self.heads, self.nope + self.v_dim)
         k_nope, values = kv.split((self.nope, self.v_dim), dim=-1)  # [S, H, N], [S, H, V]
         k_rot = k_pes.unsqueeze(1).expand(seq, self.heads, self.rope_dim)  # [S, H, R]
         keys = torch.cat((k_nope, k_rot), dim=-1)  # [S, H, N+R]

@@ -30,6 +30,7 @@ from torch import nn
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
 from seamline.model.layers import GatedMLP, empty_param
+from seamline.model.linear import granule, linear, select
 from seamline.model.ownership import Ownership
 
 SCORING_FUNCS = ("softmax", "sigmoid")
@@ -169,21 +170,23 @@ class MoE(nn.Module):
 
     def _shared_rows(self, chosen: list[int] | None) -> tuple[int, int]:
         """This rank's shared-expert rows: by the ``chosen`` experts of one token (decode),
-        else an even split."""
+        else an even split; in whole blocks of a quantized ``down`` (``step``)."""
         assert self.shared is not None
-        rows, rank, world = self.shared.rows, self.rank, self.world
+        step = granule(self.shared.down)
+        units, rank, world = self.shared.rows // step, self.rank, self.world
         if not self.balanced or chosen is None:
-            return (rank * rows // world, (rank + 1) * rows // world)
+            return (rank * units // world * step, (rank + 1) * units // world * step)
         counts = [0] * world
         for expert in chosen:
             counts[expert // self.per_rank] += 1
-        return balance_rows([c * self.inter for c in counts], rows)[rank]
+        start, end = balance_rows([c * self.inter // step for c in counts], units)[rank]
+        return start * step, end * step
 
     def _expert(self, x: torch.Tensor, local: int) -> torch.Tensor:
         """Owned expert ``local`` on x [n, hidden] -> [n, hidden] (weights indexed as views)."""
-        gate_up = F.linear(x, self.experts_gate_up[local])  # [n, 2*inter]
+        gate_up = linear(x, select(self.experts_gate_up, local))  # [n, 2*inter]
         gate, up = gate_up.split(self.inter, dim=-1)
-        return F.linear(F.silu(gate) * up, self.experts_down[local])
+        return linear(F.silu(gate) * up, select(self.experts_down, local))
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: list[int]) -> torch.Tensor:
         """Decode: loop over the k chosen experts only, skipping those another rank owns."""

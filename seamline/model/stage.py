@@ -14,13 +14,13 @@ forwards. The default comm is ``SingleComm`` (one rank: the gates are no-ops).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from seamline.config import ModelConfig
 from seamline.model.attention import GQAttention
 from seamline.model.cache import LayerKV, SequenceCache
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
+from seamline.model.linear import embedding, linear
 from seamline.model.ownership import Ownership
 from seamline.model.rope import RotaryTable
 from seamline.parallel.comm import Comm, GateTag, SingleComm
@@ -116,7 +116,7 @@ class Stage(nn.Module):
         self, inputs: torch.Tensor, start: int, cache: SequenceCache, last_only: bool = False
     ) -> torch.Tensor:
         """inputs: ids [T] or hidden [T, hidden]; start: position of inputs[0]."""
-        x = F.embedding(inputs, self.embed) if self.embed is not None else inputs
+        x = embedding(inputs, self.embed, self.compute_dtype) if self.embed is not None else inputs
         step, self.step = self.step, self.step + 1
         for index, block in self.layers.items():
             x = block(x, start, cache.layer(int(index)), step)
@@ -124,4 +124,4 @@ class Stage(nn.Module):
             return x
         if last_only:
             x = x[-1:]
-        return F.linear(self.norm(x), self.head)  # [T, vocab_owned]
+        return linear(self.norm(x), self.head)  # [T, vocab_owned]

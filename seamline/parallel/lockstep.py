@@ -47,6 +47,7 @@ from seamline.config import ModelConfig
 from seamline.errors import ConfigError, RequestError, SeamlineError
 from seamline.model.cache import SequenceCache
 from seamline.model.ownership import Ownership
+from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm, CommError, GateTag, Transport, make_comm
 from seamline.runtime.engine import decode_loop
@@ -84,7 +85,7 @@ def group_fingerprint(identity: str, source_config: dict, stage: Stage, dtype: t
                   first_block.input_norm.weight)
     for tensor in replicated:
         if tensor is not None:
-            weights.update(tensor.detach().reshape(-1)[:4096].float().numpy().tobytes())
+            weights.update(leading_bytes(tensor, 4096))
     start, end = stage.ownership.layers
     return (f"{identity}|config:{config_hash.hexdigest()[:16]}|weights:{weights.hexdigest()[:16]}"
             f"|{str(dtype).removeprefix('torch.')}|world:{world}|layers:{start}-{end}|gates:2x{end - start}")

@@ -18,11 +18,10 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from seamline.errors import CheckpointError
+from seamline.quant.sizes import QUANT_TYPE_NAMES
 
-QUANT_TYPES: frozenset[GGMLQuantizationType] = frozenset(
-    GGMLQuantizationType[name]
-    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-)  # kept quantized in memory; other GGUF types load as float
+# kept quantized in memory; other GGUF types load as float
+QUANT_TYPES = frozenset(GGMLQuantizationType[name] for name in QUANT_TYPE_NAMES)
 
 
 def row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:

@@ -10,12 +10,15 @@ A package is one folder::
     head.safetensors          model.norm.weight (+ lm_head.weight when the head is untied)
     tokenizer.json, tokenizer_config.json [, generation_config.json, chat_template.jinja]
 
-Tensors are written exactly as the TensorSource reads them: a GGUF file dequantised to
-float32 (so a split model computes what the single-process engine computes), a Hugging Face
-folder in its stored dtype. With tied embeddings the head fragment holds only the norm and
-the manifest's ``tie_word_embeddings`` makes ``fragments_for`` give the last stage ``embed``
-too: no weight is stored twice. ``model_hash`` is sha256 over the canonical config JSON and
-the sorted ``"<name> <sha256>"`` lines of every fragment (tokenizer files included).
+Tensors are written exactly as the TensorSource reads them (so a split model computes what
+the single-process engine computes): a GGUF tensor of a kept quant type as its GGUF block
+bytes unchanged (a uint8 tensor; the manifest's tensor entry gives the quant type as its
+``dtype``, e.g. ``"Q4_K"``, and the logical shape), other GGUF tensors and a Hugging Face
+folder's in their loaded dtype. With tied embeddings the head fragment holds only the norm
+and the manifest's ``tie_word_embeddings`` makes ``fragments_for`` give the last stage
+``embed`` too: no weight is stored twice. ``model_hash`` is sha256 over the canonical config
+JSON, the sorted ``"<name> <sha256>"`` lines of every fragment (tokenizer files included)
+and every tensor entry's name, shape and dtype.
 """
 
 from __future__ import annotations
@@ -41,18 +44,20 @@ from tqdm import tqdm
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError, ConfigError
 from seamline.model.ownership import Ownership, Range
+from seamline.quant.tensor import QUANT_TYPES, QuantTensor
 from seamline.weights.loader import check_names, open_source
 from seamline.weights.names import stage_plans
 from seamline.weights.source import TensorSource
 
 FORMAT = "seamline-fragments"
-VERSION = 2  # 2: routed experts in their own fragments
+VERSION = 3  # 2: routed experts in their own fragments; 3: quantized tensors as GGUF blocks
 MANIFEST_NAME = "manifest.json"
 KINDS = ("embed", "layer", "experts", "head", "tokenizer")
 EXPERT_CHUNKS = 8  # routed experts per MoE layer go in gcd(E, 8) fragments: whole for 2, 4, 8 ranks
 # Files of a Hugging Face folder that the text edge (seamline.text) reads, copied as-is.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 HEAD_TENSORS = ("model.norm.weight", "lm_head.weight")
+QUANT_NAMES = {q.name: q for q in QUANT_TYPES}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 log = logging.getLogger(__name__)
@@ -62,7 +67,7 @@ log = logging.getLogger(__name__)
 class TensorEntry:
     name: str  # Hugging Face name
     shape: tuple[int, ...]
-    dtype: str  # torch dtype without the "torch." prefix: "float32", "bfloat16"
+    dtype: str  # torch dtype without the "torch." prefix ("float32", "bfloat16"), or a quant type ("Q4_K")
 
 
 @dataclass(frozen=True)
@@ -177,7 +182,10 @@ class Manifest:
 
 def model_hash(config: dict[str, Any], fragments: Iterable[FragmentEntry]) -> str:
     h = hashlib.sha256(json.dumps(config, sort_keys=True, separators=(",", ":")).encode())
-    for line in sorted(f"{f.name} {f.sha256}" for f in fragments):
+    fragments = list(fragments)
+    lines = [f"{f.name} {f.sha256}" for f in fragments]
+    lines += [f"{t.name} {list(t.shape)} {t.dtype}" for f in fragments for t in f.tensors]
+    for line in sorted(lines):
         h.update(b"\n" + line.encode())
     return h.hexdigest()
 
@@ -264,16 +272,17 @@ def _tensor_groups(config: ModelConfig) -> list[_Group]:
 
 
 def _write_tensors(source: TensorSource, group: _Group, out_dir: Path) -> FragmentEntry:
-    tensors = {n: source.get(n).contiguous() for n in group.tensors}
+    weights = {n: source.get(n) for n in group.tensors}
+    tensors = {n: (w.data if isinstance(w, QuantTensor) else w).contiguous() for n, w in weights.items()}
     path = out_dir / f"{group.name}.safetensors"
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-    table = tuple(TensorEntry(n, tuple(t.shape), _dtype_name(t.dtype)) for n, t in tensors.items())
+    table = tuple(TensorEntry(n, tuple(w.shape), _type_name(w)) for n, w in weights.items())
     return FragmentEntry(group.name, group.kind, group.layer, path.name, path.stat().st_size, file_sha256(path),
                          table, group.experts)  # fmt: skip
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _type_name(w: torch.Tensor | QuantTensor) -> str:
+    return w.qtype.name if isinstance(w, QuantTensor) else str(w.dtype).removeprefix("torch.")
 
 
 def _write_tokenizer(model_path: Path, out_dir: Path) -> list[FragmentEntry]:
@@ -420,14 +429,23 @@ class FragmentSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._lookup(name)[1].shape
 
-    def get(self, name: str) -> torch.Tensor:
-        fragment, _ = self._lookup(name)
+    def get(self, name: str) -> torch.Tensor | QuantTensor:
+        fragment, entry = self._lookup(name)
         try:
-            return self._open(fragment, name).get_tensor(name)
+            tensor = self._open(fragment, name).get_tensor(name)
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read tensor {name} from fragment {fragment.name}: {exc}") from None
+        if entry.dtype not in QUANT_NAMES:
+            return tensor
+        try:  # the constructor checks the bytes against the type and shape
+            return QuantTensor(QUANT_NAMES[entry.dtype], tensor, entry.shape)
+        except CheckpointError as exc:
+            raise CheckpointError(f"tensor {name} in fragment {fragment.name}: {exc}") from None
+
+    def stored_type(self, name: str) -> str:
+        return self._lookup(name)[1].dtype
 
     def config_dict(self) -> dict[str, Any]:
         return dict(self.manifest.config)

@@ -3,8 +3,11 @@
 Opening the file parses its header and refuses, up front and in one line naming the file and
 tensor, anything ``get`` could not serve: an unsupported architecture, a tensor the name
 tables do not know, a quantisation type outside ``SUPPORTED_TYPES``, bytes missing from the
-end of the file. ``get`` then reads one tensor lazily from the memory map, dequantises it to
-float32 with ``gguf.quants.dequantize`` and undoes llama.cpp's Q/K row permutation.
+end of the file. ``get`` then reads one tensor lazily from the memory map and undoes
+llama.cpp's Q/K row permutation. A tensor of one of ``QUANT_TYPES`` comes back as a
+``QuantTensor`` holding its GGUF blocks unchanged (copied out of the map, so the loaded model
+owns its memory); F32, F16 and BF16 as tensors of that dtype; the other types (Q2_K, Q3_K,
+the IQ types) dequantised with ``gguf.quants.dequantize`` to bfloat16.
 """
 
 from __future__ import annotations
@@ -19,9 +22,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from seamline.errors import CheckpointError
+from seamline.quant.tensor import QUANT_TYPES, QuantTensor
 from seamline.weights.gguf_config import PERMUTED_ARCHS, config_dict, family_of
 from seamline.weights.gguf_file import GGUFFile, TensorInfo
-from seamline.weights.gguf_names import CONSUMED_NAMES, hf_names
+from seamline.weights.gguf_mla import JoinedEntry, joined_entries
+from seamline.weights.gguf_names import CONSUMED_NAMES, JOINED_KEYS, hf_names
 from seamline.weights.gguf_tokenizer import (
     GGUFTokenizerInfo,
     chat_template_from_gguf,
@@ -48,6 +53,10 @@ SUPPORTED_TYPES: frozenset[Q] = frozenset(
         Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
     }
 )  # fmt: skip
+
+
+# GGUF float types -> the torch dtype they load in (gguf-py dequantises them to float32)
+_FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
 class _Entry(NamedTuple):
@@ -80,18 +89,36 @@ class GGUFSource:
     def shape(self, name: str) -> tuple[int, ...]:
         return self._entry(name).shape
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> torch.Tensor | QuantTensor:
         entry = self._entry(name)
+        if isinstance(entry, JoinedEntry):  # kv_b_proj from attn_k_b + attn_v_b (gguf_mla)
+            return entry.read(self.file)
+        qtype = entry.info.qtype
+        if qtype in QUANT_TYPES:
+            raw = self.file.raw(entry.info)  # [*shape[:-1], row_bytes]: rows are whole blocks
+            raw = raw[entry.expert] if entry.expert is not None else raw
+            if entry.heads is not None:
+                raw = unpermute_rows(raw, entry.heads)
+            data = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: owns its memory
+            return QuantTensor(qtype, data, entry.shape)
         values = _dequantize(self.file, entry.info, entry.expert).reshape(entry.shape)
         if entry.heads is not None:
             values = unpermute_rows(values, entry.heads)
-        # a float32 tensor dequantises to a view of the read-only map: copy it then only
-        return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
+        # a float tensor comes as a view of the read-only map: copy it
+        tensor = torch.from_numpy(np.array(values, dtype=np.float32))
+        return tensor.to(_FLOAT_TYPES.get(qtype, torch.bfloat16))
+
+    def stored_type(self, name: str) -> str:
+        """A kept quant type's name, else the float dtype ``get`` returns."""
+        qtype = self._entry(name).info.qtype
+        if qtype in QUANT_TYPES:
+            return qtype.name
+        return str(_FLOAT_TYPES.get(qtype, torch.bfloat16)).removeprefix("torch.")
 
     def config_dict(self) -> dict[str, Any]:
         return dict(self._config)
 
-    def _entry(self, name: str) -> _Entry:
+    def _entry(self, name: str) -> _Entry | JoinedEntry:
         entry = self._entries.get(name)
         if entry is None:
             raise CheckpointError(f"GGUF file {self.path} has no tensor '{name}'")
@@ -125,21 +152,23 @@ def _check_types(f: GGUFFile) -> None:
             )
 
 
-def _map_tensors(f: GGUFFile, family: str, config: dict[str, Any]) -> dict[str, _Entry]:
+def _map_tensors(
+    f: GGUFFile, family: str, config: dict[str, Any]
+) -> dict[str, _Entry | JoinedEntry]:
     """Every GGUF tensor -> its HF name(s); a tensor the tables do not know is refused."""
     arch = str(f.get("general.architecture"))
     groups = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
-    entries: dict[str, _Entry] = {}
+    entries: dict[str, _Entry | JoinedEntry] = {}
     for info in f.tensors.values():
-        if info.name in CONSUMED_NAMES:
-            continue
+        key = info.name.split(".")[2] if info.name.startswith("blk.") else ""
+        if info.name in CONSUMED_NAMES or key in JOINED_KEYS:
+            continue  # joined below
         names = hf_names(info.name, family, info.shape[0])
         if names is None:
             raise CheckpointError(
                 f"GGUF file {f.path}: tensor '{info.name}' has no Hugging Face name "
                 f"for architecture {arch} (see seamline/weights/gguf_names.py)"
             )
-        key = info.name.split(".")[2] if info.name.startswith("blk.") else ""
         permute = groups.get(key) if arch in PERMUTED_ARCHS else None
         for hf in names:
             shape = info.shape[1:] if hf.expert is not None else info.shape
@@ -151,4 +180,8 @@ def _map_tensors(f: GGUFFile, family: str, config: dict[str, Any]) -> dict[str, 
             if hf.name in entries:
                 raise CheckpointError(f"GGUF file {f.path}: two tensors map to '{hf.name}'")
             entries[hf.name] = _Entry(info, hf.expert, permute, tuple(shape))
+    for name, joined in joined_entries(f).items():
+        if name in entries:
+            raise CheckpointError(f"GGUF file {f.path}: two tensors map to '{name}'")
+        entries[name] = joined
     return entries

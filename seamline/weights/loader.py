@@ -3,24 +3,36 @@
 Every load proves the checkpoint is complete and consistent: a tensor the model needs and
 the checkpoint lacks, a tensor the checkpoint has and no model of this config would read,
 a wrong shape or a non-float dtype each raise a CheckpointError naming the tensor.
+
+Quantized weights (``QuantTensor``) stay quantized: fused parts of one quant type become one
+QuantTensor, parts of mixed types a ``RowConcat``. Three kinds are made float at load: the
+MoE router and its bias (float32: routing decisions), MLA's ``kv_b`` (small, and the absorbed
+attention reads it per head), and a column slice that would cut quant blocks (a lockstep
+rank's share of an attention output or feed-forward down projection; logged).
+A float matrix narrower than ``dtype`` (a bfloat16 checkpoint under float32) keeps its dtype.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
+from seamline.model.linear import RowConcat, Weight, columns, rows, to_float
 from seamline.model.ownership import Ownership, Range
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm
+from seamline.quant.tensor import QuantTensor, concat_rows, stack
 from seamline.weights.names import TensorPlan, ignorable, stage_plans
 from seamline.weights.source import TensorSource
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP32_SUFFIXES = (".router", ".router_bias")  # routing decisions stay in full precision
+FLOAT_SUFFIXES = FP32_SUFFIXES + (".attn.kv_b",)  # dequantised at load (see the docstring)
+log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype names
 
 
@@ -81,19 +93,44 @@ def load_stage(
     unfilled = set(params) - {p.target for p in plans}
     if unfilled:
         raise CheckpointError(f"no checkpoint table entry for parameter {sorted(unfilled)[0]}")
+    tied = stage.head is not None and stage.head is stage.embed
     for plan in plans:
         target = params[plan.target]
-        if plan.target == "head" and target is stage.embed:
-            continue  # tied embeddings: the head is the embedding, already filled
+        if plan.target == "head" and tied:
+            continue  # tied embeddings: the head is the embedding, filled as "embed"
         value = _assemble(source, plan, tuple(target.shape[2 if plan.stack else 1 :]))
         if tuple(value.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"tensor {plan.sources()[0]} gives {plan.target} shape {tuple(value.shape)}, "
                 f"the config needs {tuple(target.shape)}"
             )
-        keep_fp32 = plan.target.endswith(FP32_SUFFIXES)
-        target.data = value.to(torch.float32 if keep_fp32 else dtype).contiguous()
+        _assign(stage, plan.target, _resident(plan.target, value, dtype))
+    if tied:
+        _assign(stage, "head", stage.embed)
     return stage
+
+
+def _resident(target: str, value: Weight, dtype: torch.dtype) -> Weight:
+    """The form a loaded weight is kept in (see the module docstring)."""
+    if target.endswith(FP32_SUFFIXES):
+        return to_float(value, torch.float32).contiguous()
+    if not isinstance(value, torch.Tensor):
+        return to_float(value, dtype).contiguous() if target.endswith(FLOAT_SUFFIXES) else value
+    narrower = value.dim() >= 2 and value.element_size() < dtype.itemsize
+    return value.contiguous() if narrower else value.to(dtype).contiguous()
+
+
+def _assign(stage: Stage, target: str, value: Weight) -> None:
+    """Put ``value`` where parameter ``target`` is; a quantized weight replaces the parameter."""
+    owner, _, attr = target.rpartition(".")
+    module = stage.get_submodule(owner)
+    if isinstance(value, torch.Tensor):
+        param = module._parameters.get(attr)
+        if param is not None:
+            param.data = value
+            return
+    module._parameters.pop(attr, None)
+    setattr(module, attr, value)
 
 
 def _assemble(source: TensorSource, plan: TensorPlan, trailing: tuple[int, ...]) -> torch.Tensor:
@@ -107,20 +144,59 @@ def _assemble(source: TensorSource, plan: TensorPlan, trailing: tuple[int, ...])
                     f"tensor {name} gives {plan.target} shape {tuple(piece.shape)}, "
                     f"the config needs trailing dims {trailing}"
                 )
-        parts.append(torch.cat(pieces, dim=0))
-    return torch.stack(parts) if plan.stack else parts[0]
+        parts.append(_concat(pieces))
+    return _stack(parts) if plan.stack else parts[0]
 
 
-def _read(source: TensorSource, name: str, plan: TensorPlan, rows: Range | None) -> torch.Tensor:
+def _concat(pieces: list[Weight]) -> Weight:
+    """Rows side by side: one tensor when the pieces share a kind and quant type."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if all(isinstance(p, torch.Tensor) for p in pieces):
+        dtypes = {p.dtype for p in pieces}  # type: ignore[union-attr]
+        if len(dtypes) == 1:
+            return torch.cat(pieces, dim=0)  # type: ignore[arg-type]
+    if all(isinstance(p, QuantTensor) for p in pieces) and len({p.qtype for p in pieces}) == 1:  # type: ignore[union-attr]
+        return concat_rows(pieces)  # type: ignore[arg-type]
+    return RowConcat(pieces)
+
+
+def _stack(parts: list[Weight]) -> Weight:
+    """Experts on a new dim 0; experts made of mixed-type parts stack part by part."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return torch.stack(parts)  # type: ignore[arg-type]
+    if isinstance(first, QuantTensor):
+        return stack(parts)  # type: ignore[arg-type]
+    return RowConcat([_stack([p.parts[i] for p in parts]) for i in range(len(first.parts))])  # type: ignore[union-attr]
+
+
+def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None) -> Weight:
     tensor = source.get(name)
-    if tensor.dtype not in FLOAT_DTYPES:
+    if isinstance(tensor, torch.Tensor) and tensor.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}, expected a float type")
-    if rows is not None:
-        start, end = rows
-        if tensor.dim() <= plan.slice_dim or tensor.shape[plan.slice_dim] < end:
-            raise CheckpointError(
-                f"tensor {name} shape {tuple(tensor.shape)} has no rows [{start},{end}) "
-                f"on dim {plan.slice_dim}"
-            )
-        tensor = tensor.narrow(plan.slice_dim, start, end - start)
-    return tensor
+    if span is None:
+        return tensor
+    start, end = span
+    if tensor.dim() <= plan.slice_dim or tensor.shape[plan.slice_dim] < end:
+        raise CheckpointError(
+            f"tensor {name} shape {tuple(tensor.shape)} has no rows [{start},{end}) "
+            f"on dim {plan.slice_dim}"
+        )
+    if plan.slice_dim == 0:
+        return rows(tensor, start, end) if tensor.dim() >= 2 else tensor[start:end]
+    if isinstance(tensor, QuantTensor) and not tensor.column_aligned(start, end):
+        _warn_dequantised(name, tensor)
+        return to_float(tensor, torch.bfloat16)[:, start:end]
+    return columns(tensor, start, end)
+
+
+_warned: set[str] = set()
+
+
+def _warn_dequantised(name: str, tensor: QuantTensor) -> None:
+    """Once per quant type: this rank's column share cuts the type's blocks."""
+    if tensor.qtype.name not in _warned:
+        _warned.add(tensor.qtype.name)
+        log.warning("this rank's columns of %s (%s) cut its %d-wide blocks: such shares are held "
+                    "dequantised to bfloat16", name, tensor.qtype.name, tensor.block_size)

@@ -16,6 +16,7 @@ from seamline.errors import CheckpointError
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 
 
 class HFFolderSource:
@@ -45,6 +46,10 @@ class HFFolderSource:
 
     def dtype_name(self, name: str) -> str:
         return str(self._handle(name).get_slice(name).get_dtype())
+
+    def stored_type(self, name: str) -> str:
+        """The torch dtype name ("bfloat16") of a stored tensor."""
+        return SAFETENSORS_DTYPES.get(self.dtype_name(name), "float32")
 
     def get(self, name: str) -> torch.Tensor:
         try:

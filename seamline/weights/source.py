@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 import torch
 
+from seamline.quant.tensor import QuantTensor
+
 
 class TensorSource(Protocol):
     def names(self) -> set[str]:
@@ -21,8 +23,12 @@ class TensorSource(Protocol):
         """The tensor's shape as stored, without reading its data."""
         ...
 
-    def get(self, name: str) -> torch.Tensor:
-        """Read one tensor (floating point; quantised formats are dequantised to float32)."""
+    def get(self, name: str) -> torch.Tensor | QuantTensor:
+        """Read one tensor: floating point, or a QuantTensor of GGUF blocks."""
+        ...
+
+    def stored_type(self, name: str) -> str:
+        """What ``get`` returns, without reading it: a torch dtype name or a quant type name."""
         ...
 
     def config_dict(self) -> dict[str, Any]:
