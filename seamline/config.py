@@ -103,7 +103,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_eos_ids(d.get("eos_token_id")),
         )
-        kwargs["rope_theta"], kwargs["rope_scaling"] = _rope_of(d)
+        kwargs["rope_theta"], kwargs["rope_scaling"] = rope_of(d)
         kwargs.update(_moe_fields(family, d, layers))
         if family in MLA_FAMILIES:
             kwargs.update(_mla_fields(d))
@@ -133,7 +133,7 @@ def _eos_ids(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
-def _rope_of(d: dict[str, Any]) -> tuple[float, RopeScaling]:
+def rope_of(d: dict[str, Any]) -> tuple[float, RopeScaling]:
     """Read rope theta and scaling from either the legacy or the newer config spelling."""
     params = dict(d.get("rope_parameters") or {})
     legacy = d.get("rope_scaling") or {}

@@ -23,6 +23,20 @@ FAMILY_OF_ARCH: dict[str, str] = {
     "qwen2": "qwen2",
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
+    "deepseek2": "deepseek_v2",  # deepseek_v3 when its router is sigmoid-gated (family_of)
+}
+
+# {arch}.expert_gating_func values (gguf's ExpertGatingFuncType)
+GATING_FUNCS: dict[int, str] = {1: "softmax", 2: "sigmoid"}
+
+# model_type -> config.json fields that make its sliding window active (see ModelConfig);
+# a family without an entry has no sliding-window attention in transformers.
+SLIDING_FIELDS: dict[str, dict[str, Any]] = {
+    "llama": {"model_type": "mistral"},  # a llama-arch file with a window is Mistral-style
+    "mixtral": {},
+    "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
+    "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
+    "qwen3_moe": {"use_sliding_window": True},
 }
 
 # Architectures whose Q and K rows llama.cpp's converter permutes (LlamaModel.permute).
@@ -43,6 +57,10 @@ def family_of(f: GGUFFile) -> str:
         )
     if arch == "llama" and int(f.get("llama.expert_count", 0) or 0) > 0:
         return "mixtral"
+    if arch == "deepseek2":
+        gating = GATING_FUNCS.get(int(f.get("deepseek2.expert_gating_func", 0) or 0))
+        biased = any(name.endswith(".exp_probs_b.bias") for name in f.tensors)
+        return "deepseek_v3" if gating == "sigmoid" or biased else "deepseek_v2"
     return FAMILY_OF_ARCH[arch]
 
 
@@ -102,6 +120,9 @@ def config_dict(f: GGUFFile, family: str, rope_freqs: np.ndarray | None) -> dict
     if scaling is not None:
         d["rope_scaling"] = scaling
     d.update(_moe(f, family, meta, d["num_hidden_layers"]))
+    if family in ("deepseek_v2", "deepseek_v3"):
+        d.update(_mla(f, family, meta, d))
+    d.update(_sliding_window(f, family, meta))
     return d
 
 
@@ -140,6 +161,80 @@ def _moe(f: GGUFFile, family: str, meta: Callable[..., Any], layers: int) -> dic
         "decoder_sparse_step": 1,
         "mlp_only_layers": dense,
     }
+
+
+def _mla(f: GGUFFile, family: str, meta: Callable[..., Any], d: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V2/V3. Newer files describe attention as llama.cpp runs it (one latent KV head
+    of kv_lora + rope dims) and keep the per-head sizes in the ``*_mla`` keys; older files have
+    only key_length = nope + rope and value_length = v."""
+    rope = int(meta("rope.dimension_count"))
+    key = int(meta("attention.key_length_mla", 0) or meta("attention.key_length"))
+    value = int(meta("attention.value_length_mla", 0) or meta("attention.value_length"))
+    gating = int(meta("expert_gating_func", 0) or 0)
+    if gating and gating not in GATING_FUNCS:
+        raise CheckpointError(
+            f"GGUF file {f.path}: expert_gating_func {gating} is neither softmax nor sigmoid"
+        )
+    v3 = family == "deepseek_v3"
+    groups = int(meta("expert_group_count", 1) or 1)
+    used_groups = int(meta("expert_group_used_count", 1) or 1)
+    limited = groups > 1 and used_groups < groups
+    out: dict[str, Any] = {
+        "num_key_value_heads": d["num_attention_heads"],  # MLA expands the latent per head
+        "head_dim": key,
+        "q_lora_rank": int(meta("attention.q_lora_rank", 0) or 0) or None,
+        "kv_lora_rank": int(meta("attention.kv_lora_rank")),
+        "qk_nope_head_dim": key - rope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": value,
+        "first_k_dense_replace": int(meta("leading_dense_block_count", 0) or 0),
+        "moe_layer_freq": 1,
+        "n_routed_experts": int(meta("expert_count", 0) or 0),
+        "num_experts_per_tok": int(meta("expert_used_count", 0) or 0),
+        "moe_intermediate_size": int(meta("expert_feed_forward_length", 0) or 0),
+        "n_shared_experts": int(meta("expert_shared_count", 0) or 0),
+        "norm_topk_prob": bool(meta("expert_weights_norm", False)),
+        "routed_scaling_factor": _f32(meta("expert_weights_scale", 1.0) or 1.0),
+        "n_group": groups,
+        "topk_group": used_groups,
+        "scoring_func": GATING_FUNCS.get(gating, "sigmoid" if v3 else "softmax"),
+        "topk_method": "noaux_tc" if v3 else "group_limited_greedy" if limited else "greedy",
+        "rope_interleave": True,  # llama.cpp rotates DeepSeek's adjacent pairs (as the weights are)
+    }
+    scaling = d.get("rope_scaling")
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaling.update(_deepseek_yarn(f, meta))
+    return out
+
+
+def _deepseek_yarn(f: GGUFFile, meta: Callable[..., Any]) -> dict[str, Any]:
+    """llama.cpp's deepseek2 keeps the rotary magnitude at 1 and scales the attention logits by
+    (1 + log_mul * ln factor)^2 with log_mul = 0.1 * mscale_all_dim: in config.json terms,
+    mscale = mscale_all_dim (or, with no multiplier, an attention_factor of 1)."""
+    attn_factor = meta("rope.scaling.yarn_attn_factor", None)
+    if attn_factor is not None and abs(float(attn_factor) - 1.0) > 1e-6:
+        raise CheckpointError(
+            f"GGUF file {f.path}: rope.scaling.yarn_attn_factor {attn_factor} is not supported"
+        )
+    log_mul = float(meta("rope.scaling.yarn_log_multiplier", 0.0) or 0.0)
+    if not log_mul:
+        return {"attention_factor": 1.0}
+    mscale = float(f"{log_mul / 0.1:.6g}")
+    return {"mscale": mscale, "mscale_all_dim": mscale}
+
+
+def _sliding_window(f: GGUFFile, family: str, meta: Callable[..., Any]) -> dict[str, Any]:
+    """``{arch}.attention.sliding_window`` as the config.json fields that make it active, so that
+    ``ModelConfig`` refuses it like any other sliding window."""
+    window = int(meta("attention.sliding_window", 0) or 0)
+    if not window:
+        return {}
+    if family not in SLIDING_FIELDS:
+        raise CheckpointError(
+            f"GGUF file {f.path} has attention.sliding_window {window}, which {family} "
+            f"does not have in seamline"
+        )
+    return {"sliding_window": window, **SLIDING_FIELDS[family]}
 
 
 def _expert_rows(f: GGUFFile, layers: int, dense: list[int]) -> int:

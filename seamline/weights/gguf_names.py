@@ -3,6 +3,9 @@
 llama.cpp names a block's tensors ``blk.{layer}.{key}.{weight|bias}``. A stacked MoE tensor
 (``blk.N.ffn_gate_exps.weight``, torch shape ``[E, out, in]``) becomes one HF name per expert;
 old Mixtral files store experts one by one as ``blk.N.ffn_gate.{e}.weight``.
+
+DeepSeek-V2/V3 (llama.cpp's ``deepseek2``) add latent-attention and shared-expert keys; newer
+files split ``attn_kv_b`` into ``attn_k_b`` + ``attn_v_b``, which ``gguf_mla`` joins back.
 """
 
 from __future__ import annotations
@@ -36,6 +39,29 @@ BLOCK_NAMES: dict[str, str] = {
 }
 
 
+# blk.{L}.<key> -> model.layers.{L}.<value>, added for the DeepSeek families.
+MLA_BLOCK_NAMES: dict[str, str] = {
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
+
+# (key, suffix) -> model.layers.{L}.<value>: HF names without a .weight/.bias of their own.
+BARE_NAMES: dict[tuple[str, str], str] = {
+    ("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias",  # DeepSeek-V3 router bias
+}
+
+# The halves of a split attn_kv_b; gguf_mla joins them into self_attn.kv_b_proj.
+JOINED_KEYS: dict[str, str] = {"attn_k_b": "k", "attn_v_b": "v"}
+
+
 class MoeNames(NamedTuple):
     router: str  # blk.{L}.ffn_gate_inp -> model.layers.{L}.<router>
     expert: str  # per-expert prefix, formatted with e
@@ -47,11 +73,26 @@ class MoeNames(NamedTuple):
 MOE_NAMES: dict[str, MoeNames] = {
     "mixtral": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts.{e}", "w1", "w3", "w2"),
     "qwen3_moe": MoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v2": MoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": MoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
 }
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?\.(weight|bias)")
 _EXPERT_KEYS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
 _SPLIT_EXPERT_KEYS = {"ffn_gate": "gate", "ffn_up": "up", "ffn_down": "down"}
+# gate -> ffn_gate_exps, for the writer
+STACKED_EXPERT_KEYS: dict[str, str] = {proj: key for key, proj in _EXPERT_KEYS.items()}
+
+
+def block_names(family: str) -> dict[str, str]:
+    """The per-block key table of one family."""
+    return {**BLOCK_NAMES, **MLA_BLOCK_NAMES} if family in MLA_FAMILIES else BLOCK_NAMES
+
+
+def block_key(gguf_name: str) -> str | None:
+    """``blk.3.attn_k_b.weight`` -> ``attn_k_b``; None for a whole-model tensor."""
+    m = _BLOCK_RE.fullmatch(gguf_name)
+    return m.group(2) if m is not None else None
 
 
 class HFName(NamedTuple):
@@ -72,8 +113,11 @@ def hf_names(gguf_name: str, family: str, leading: int) -> list[HFName] | None:
     layer, key, expert, suffix = m.group(1), m.group(2), m.group(3), m.group(4)
     prefix = f"model.layers.{layer}."
     moe = MOE_NAMES.get(family)
-    if expert is None and key in BLOCK_NAMES:
-        return [HFName(f"{prefix}{BLOCK_NAMES[key]}.{suffix}", None)]
+    table = block_names(family)
+    if expert is None and key in table:
+        return [HFName(f"{prefix}{table[key]}.{suffix}", None)]
+    if expert is None and (key, suffix) in BARE_NAMES and family in MLA_FAMILIES:
+        return [HFName(prefix + BARE_NAMES[key, suffix], None)]
     if moe is None:
         return None
     if expert is None and key == "ffn_gate_inp":
