@@ -17,6 +17,20 @@ MOE_FAMILIES = ("mixtral", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
 
+# model_type -> when transformers applies config.json's sliding_window (seamline does not):
+# "always": whenever it is set (Mistral, Mixtral); "flag": when use_sliding_window is true
+# (Qwen3-MoE: every layer); "layers": when use_sliding_window is true, on the layers that
+# layer_types marks "sliding_attention" or, without layer_types, from max_window_layers on
+# (Qwen2, Qwen3). Llama and DeepSeek have no sliding window: the field does nothing there.
+SLIDING_RULES: dict[str, str] = {
+    "mistral": "always",
+    "mixtral": "always",
+    "qwen3_moe": "flag",
+    "qwen2": "layers",
+    "qwen3": "layers",
+}
+DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config / Qwen3Config default
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -83,6 +97,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         family = _family_of(d)
+        _refuse_sliding_window(family, d)
         heads = _req(d, "num_attention_heads")
         hidden = _req(d, "hidden_size")
         layers = _req(d, "num_hidden_layers")
@@ -123,6 +138,34 @@ def _family_of(d: dict[str, Any]) -> str:
             f"unsupported model_type {family!r}; seamline runs {', '.join(SUPPORTED_FAMILIES)}"
         )
     return str(family)
+
+
+def sliding_window_active(family: str, d: dict[str, Any]) -> bool:
+    """Whether transformers would restrict some layer's attention to ``sliding_window`` keys
+    within the model's context (a window of max_position_embeddings or more never binds)."""
+    rule, window = SLIDING_RULES.get(family), d.get("sliding_window")
+    if rule is None or window is None or int(window) <= 0:
+        return False
+    if int(window) >= int(d.get("max_position_embeddings", 4096)):
+        return False
+    if rule != "always" and not d.get("use_sliding_window", False):
+        return False
+    if rule == "layers":
+        types = d.get("layer_types")
+        if types:
+            return "sliding_attention" in types
+        first = int(d.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS))
+        return first < int(d.get("num_hidden_layers", 0))
+    return True
+
+
+def _refuse_sliding_window(family: str, d: dict[str, Any]) -> None:
+    if sliding_window_active(family, d):
+        raise ConfigError(
+            f"sliding_window {d['sliding_window']} is active for {family} (shorter than "
+            f"max_position_embeddings {d.get('max_position_embeddings', 4096)}); seamline has no "
+            f"sliding-window attention"
+        )
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
