@@ -4,6 +4,9 @@ llama.cpp keys its hyperparameters by architecture (``llama.block_count``); it c
 ``llama`` with ``llama.expert_count > 0``. Llama-3 RoPE scaling is not in the metadata at all:
 the converter bakes it into a ``rope_freqs.weight`` tensor of per-frequency divisors, from which
 ``llama3_rope_scaling`` recovers the config.json parameters (and checks that they reproduce it).
+DeepSeek-V2/V3 are ``deepseek2`` (V3: a sigmoid-gated router, ``exp_probs_b`` bias tensors);
+their latent-attention sizes, routing and yarn ``mscale`` are rebuilt in ``_mla``. A sliding
+window (``{arch}.attention.sliding_window``) becomes the config.json fields that activate it.
 """
 
 from __future__ import annotations
