@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -24,15 +25,19 @@ SHAPES = ((1, 576, 576), (1, 1536, 576), (1, 8192, 2048), (1, 49152, 576), (512,
 
 
 def random_weight(qtype: T, shape: tuple[int, ...], gen: torch.Generator | None = None) -> QuantTensor:
-    """Random bytes with every fp16 field set to a finite half in [0.001, 0.03), some negative mins."""
+    """Random bytes with every fp16 field finite: scales in [0.001, 0.03), and the mins of Q4_1 /
+    Q5_1 near -scale * (largest quant / 2), so that weights centre on zero as trained ones do."""
     block, size = GGML_QUANT_SIZES[qtype]
     *lead, cols = shape
-    n_blocks = int(torch.tensor(lead).prod()) * cols // block if lead else cols // block
+    n_blocks = math.prod(lead) * cols // block
     raw = torch.randint(0, 256, (n_blocks, size), dtype=torch.uint8, generator=gen)
-    for i, off in enumerate(HALF_FIELDS[qtype]):
-        half = torch.rand(n_blocks, generator=gen) * 0.029 + 0.001
-        if i == 1:
-            half = half * torch.where(torch.rand(n_blocks, generator=gen) < 0.5, -1.0, 1.0)
+    scale = torch.rand(n_blocks, generator=gen) * 0.029 + 0.001
+    halves = [scale]
+    if len(HALF_FIELDS[qtype]) == 2:
+        spread = torch.rand(n_blocks, generator=gen) * 0.4 + 0.8
+        top = {T.Q4_1: 15, T.Q5_1: 31}.get(qtype, 0)  # K-quant mins multiply 6-bit codes: left random
+        halves.append(-scale * top / 2 * spread if top else scale * spread)
+    for off, half in zip(HALF_FIELDS[qtype], halves):
         raw[:, off : off + 2] = half.to(torch.float16).view(torch.uint8).reshape(n_blocks, 2)
     return QuantTensor(qtype, raw.reshape(*lead, cols // block * size), shape)
 
@@ -68,6 +73,8 @@ def bench(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> 
                 dense = torch.randn(rows, cols, dtype=fdt)
                 row[f"F.linear {str(fdt).split('.')[-1]}"] = time_ms(lambda: F.linear(x.to(fdt), dense))
             for qt in KERNEL_TYPES:
+                if cols % GGML_QUANT_SIZES[qt][0]:
+                    continue  # a K-quant row must be whole 256-wide super-blocks
                 w = random_weight(qt, (rows, cols))
                 row[qt.name] = time_ms(lambda: quant_linear(x, w))
             table.append(row)

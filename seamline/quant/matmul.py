@@ -44,7 +44,7 @@ def quant_linear(
     rows, cols = w.shape
     ops = kernels() if use_kernels and x.device.type == "cpu" and w.data.device.type == "cpu" else None
     if ops is None or x.dtype not in _KERNEL_DTYPES:
-        return F.linear(x, dequantize(w, x.dtype), bias)
+        return F.linear(x, dequantize(w, x.dtype), None if bias is None else bias.to(x.dtype))
     x2 = x.reshape(-1, cols)  # [M, cols]
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()

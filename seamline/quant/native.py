@@ -66,14 +66,22 @@ def _build(name: str, build_dir: Path) -> None:
 
 
 def _load() -> Any:
+    """Load the cached library, else build it; a failed build is remembered (FAILED) so that
+    later processes do not retry the same sources with the same compiler."""
     name = f"seamline_quant_{_digest()}"
     build_dir = cache_dir() / name
-    library = build_dir / f"{name}.so"
+    library, failed = build_dir / f"{name}.so", build_dir / "FAILED"
     if library.exists():
         torch.ops.load_library(str(library))
+    elif failed.exists():
+        raise RuntimeError(f"an earlier build failed; remove {build_dir} to retry")
     else:
         build_dir.mkdir(parents=True, exist_ok=True)
-        _build(name, build_dir)
+        try:
+            _build(name, build_dir)
+        except Exception as exc:
+            failed.write_text(str(exc))
+            raise
     return torch.ops.seamline_quant
 
 

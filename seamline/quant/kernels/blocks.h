@@ -1,7 +1,9 @@
-// GGUF block decoders for AVX-512: each turns 64 weights (a "pair": two 32-wide blocks or
+// GGUF block decoders for AVX-512: each turns 64 weights (a "pair": two 32-wide blocks or two
 // sub-blocks) into one register of unsigned 8-bit quants plus per-lane float scales and mins.
 // A lane is 4 consecutive weights (what one vpdpbusd int32 lane sums), so the weight at
 // element e is  (q[e] - OFFSET) * scale[e / 4] + minv[e / 4].
+// A "unit" is what a type's header covers: one pair for 32-wide types, a 256-wide super-block
+// (4 pairs) for K-quants; Head decodes a unit's shared scales once.
 // Included only from kernels.cpp, after its AVX-512 target pragma.
 #pragma once
 
@@ -14,14 +16,8 @@ namespace seamline_quant {
 struct Pair {
   __m512i q;      // 64 unsigned quants, element order
   __m512 scale;   // per 4-element lane
-  __m512 minv;    // per 4-element lane (zero for types without a min)
+  __m512 minv;    // per 4-element lane (unused by types without a min)
 };
-
-static inline float h2f(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
 
 static inline uint32_t ld32(const uint8_t* p) {
   uint32_t v;
@@ -29,27 +25,34 @@ static inline uint32_t ld32(const uint8_t* p) {
   return v;
 }
 
-// [a x8 lanes, b x8 lanes]: one value per 32-wide block of the pair
-static inline __m512 two(float a, float b) {
-  return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
+// fp16 fields at 16-bit word offsets A (first block) and B (second) of a unit -> [A x8, B x8]
+template <int A, int B>
+static inline __m512 halves(const uint8_t* p) {
+  const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                       B, B, B, B, B, B, B, B, A, A, A, A, A, A, A, A);
+  if constexpr (B < 16) {  // within the unit's first 32 bytes
+    __m256i raw = _mm256_loadu_si256((const __m256i*)p);
+    return _mm512_cvtph_ps(_mm256_permutexvar_epi16(_mm512_castsi512_si256(idx), raw));
+  } else {
+    __m512i raw = _mm512_loadu_si512((const void*)p);
+    return _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(idx, raw)));
+  }
 }
 
 // two blocks of 16 packed bytes -> [lo(a), hi(a), lo(c), hi(c)] nibbles (GGUF's 32-block order)
 static inline __m512i nib_pair(const uint8_t* a, const uint8_t* c) {
-  __m128i va = _mm_loadu_si128((const __m128i*)a), vc = _mm_loadu_si128((const __m128i*)c);
-  __m512i v = _mm512_castsi128_si512(va);
-  v = _mm512_inserti32x4(v, va, 1);
-  v = _mm512_inserti32x4(v, vc, 2);
-  v = _mm512_inserti32x4(v, vc, 3);
-  v = _mm512_mask_blend_epi64(0xCC, v, _mm512_srli_epi16(v, 4));
+  __m512i va = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)a));
+  __m512i vc = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)c));
+  __m512i v = _mm512_mask_blend_epi64(0xF0, va, vc);
+  v = _mm512_mask_srli_epi16(v, 0xFF00FF00u, v, 4);
   return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
 }
 
 // 32 packed bytes -> [lo x32, hi x32] (K-quant sub-blocks 2j and 2j+1)
 static inline __m512i nib_k(const uint8_t* p) {
-  __m256i v = _mm256_loadu_si256((const __m256i*)p);
-  __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-  return _mm512_and_si512(z, _mm512_set1_epi8(0x0F));
+  __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
+  v = _mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4);
+  return _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
 }
 
 // add bit 4 where the 64-bit mask says so (the fifth bit of Q5 types)
@@ -57,119 +60,206 @@ static inline __m512i add_hi(__m512i q, uint64_t k) {
   return _mm512_or_si512(q, _mm512_maskz_mov_epi8(k, _mm512_set1_epi8(0x10)));
 }
 
-// Types with 32-wide blocks: decode(p) reads the two consecutive blocks at p.
+struct NoHead {
+  explicit NoHead(const uint8_t*) {}
+};
+
+// 32-wide block types: a unit is two consecutive blocks
 struct DQ4_0 {
-  static constexpr int BLOCK = 32, BYTES = 18, OFFSET = 8;
+  static constexpr int BLOCK = 32, BYTES = 18, OFFSET = 8, PAIRS = 1;
   static constexpr bool MIN = false;
-  static inline void decode(const uint8_t* p, Pair& o) {
+  using Head = NoHead;
+  static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
     o.q = nib_pair(p + 2, p + 20);
-    o.scale = two(h2f(p), h2f(p + 18));
+    o.scale = halves<0, 9>(p);
   }
 };
 
 struct DQ4_1 {
-  static constexpr int BLOCK = 32, BYTES = 20, OFFSET = 0;
+  static constexpr int BLOCK = 32, BYTES = 20, OFFSET = 0, PAIRS = 1;
   static constexpr bool MIN = true;
-  static inline void decode(const uint8_t* p, Pair& o) {
+  using Head = NoHead;
+  static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
     o.q = nib_pair(p + 4, p + 24);
-    o.scale = two(h2f(p), h2f(p + 20));
-    o.minv = two(h2f(p + 2), h2f(p + 22));
+    o.scale = halves<0, 10>(p);
+    o.minv = halves<1, 11>(p);
   }
 };
 
 struct DQ5_0 {
-  static constexpr int BLOCK = 32, BYTES = 22, OFFSET = 16;
+  static constexpr int BLOCK = 32, BYTES = 22, OFFSET = 16, PAIRS = 1;
   static constexpr bool MIN = false;
-  static inline void decode(const uint8_t* p, Pair& o) {
-    uint64_t k = ld32(p + 2) | (uint64_t)ld32(p + 24) << 32;
-    o.q = add_hi(nib_pair(p + 6, p + 28), k);
-    o.scale = two(h2f(p), h2f(p + 22));
+  using Head = NoHead;
+  static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
+    o.q = add_hi(nib_pair(p + 6, p + 28), ld32(p + 2) | (uint64_t)ld32(p + 24) << 32);
+    o.scale = halves<0, 11>(p);
   }
 };
 
 struct DQ5_1 {
-  static constexpr int BLOCK = 32, BYTES = 24, OFFSET = 0;
+  static constexpr int BLOCK = 32, BYTES = 24, OFFSET = 0, PAIRS = 1;
   static constexpr bool MIN = true;
-  static inline void decode(const uint8_t* p, Pair& o) {
-    uint64_t k = ld32(p + 4) | (uint64_t)ld32(p + 28) << 32;
-    o.q = add_hi(nib_pair(p + 8, p + 32), k);
-    o.scale = two(h2f(p), h2f(p + 24));
-    o.minv = two(h2f(p + 2), h2f(p + 26));
+  using Head = NoHead;
+  static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
+    o.q = add_hi(nib_pair(p + 8, p + 32), ld32(p + 4) | (uint64_t)ld32(p + 28) << 32);
+    o.scale = halves<0, 12>(p);
+    o.minv = halves<1, 13>(p);
   }
 };
 
 struct DQ8_0 {
-  static constexpr int BLOCK = 32, BYTES = 34, OFFSET = 128;
+  static constexpr int BLOCK = 32, BYTES = 34, OFFSET = 128, PAIRS = 1;
   static constexpr bool MIN = false;
-  static inline void decode(const uint8_t* p, Pair& o) {
+  using Head = NoHead;
+  static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
     __m256i a = _mm256_loadu_si256((const __m256i*)(p + 2));
     __m256i c = _mm256_loadu_si256((const __m256i*)(p + 36));
     __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
     o.q = _mm512_xor_si512(z, _mm512_set1_epi8((char)0x80));  // signed -> unsigned + 128
-    o.scale = two(h2f(p), h2f(p + 34));
+    o.scale = halves<0, 17>(p);
   }
 };
 
-// K-quant 6-bit scale/min of sub-block j from the 12 packed bytes
-static inline void scale_min_k4(int j, const uint8_t* q, int& sc, int& mn) {
-  if (j < 4) {
-    sc = q[j] & 63;
-    mn = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
-    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+// Q4_K/Q5_K 12 bytes of 6-bit scales and mins -> u8 [sc0..sc7, m0..m7] (gguf-py's get_scale_min)
+static inline __m128i scale_min_k4(const uint8_t* packed) {
+  // 32-bit lanes L0 = bytes 0..3, L1 = 4..7, L2 = 8..11 (16 bytes read: packed is inside a super-block)
+  const __m128i v = _mm_loadu_si128((const __m128i*)packed);
+  const __m128i x = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));  // [L0, L2, L1, L2]
+  const __m128i y = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));  // [L0, L0, L1, L1]
+  const __m128i lo = _mm_and_si128(_mm_srlv_epi32(x, _mm_set_epi32(4, 0, 0, 0)),
+                                   _mm_set_epi32(0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f));
+  const __m128i hi = _mm_and_si128(_mm_srli_epi32(y, 2), _mm_set_epi32(0x30303030, 0, 0x30303030, 0));
+  return _mm_or_si128(lo, hi);  // [sc0..3, sc4..7, m0..3, m4..7]
+}
+
+// float header (dequantisation): lanes 0..7 d * sc[j], lanes 8..15 -(dmin * m[j])
+struct KHead {
+  __m512 v;
+  explicit KHead(const uint8_t* sb) {
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(scale_min_k4(sb + 4)));
+    __m512 dd = _mm512_cvtph_ps(_mm256_permutexvar_epi16(_mm256_set_epi16(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                                         _mm256_castsi128_si256(_mm_cvtsi32_si128((int)ld32(sb)))));
+    const __m512 prod = _mm512_mul_ps(dd, f);
+    v = _mm512_mask_sub_ps(prod, 0xFF00, _mm512_setzero_ps(), prod);
   }
-}
+  inline void pair(int j, Pair& o) const {
+    const __m512i s = _mm512_set1_epi32(2 * j), one = _mm512_set1_epi32(1), eight = _mm512_set1_epi32(8);
+    __m512i idx = _mm512_mask_add_epi32(s, 0xFF00, s, one);  // [2j x8, 2j+1 x8]
+    o.scale = _mm512_permutexvar_ps(idx, v);
+    o.minv = _mm512_permutexvar_ps(_mm512_add_epi32(idx, eight), v);
+  }
+};
 
-// scales and mins of sub-blocks 2j, 2j+1 of a Q4_K/Q5_K super-block
-static inline void k_scales(const uint8_t* sb, int j, Pair& o) {
-  float d = h2f(sb), dmin = h2f(sb + 2);
-  int s0, m0, s1, m1;
-  scale_min_k4(2 * j, sb + 4, s0, m0);
-  scale_min_k4(2 * j + 1, sb + 4, s1, m1);
-  o.scale = two(d * (float)s0, d * (float)s1);
-  o.minv = two(-(dmin * (float)m0), -(dmin * (float)m1));
-}
+// integer header (fused matmul): 6-bit scales as int16 per pair, mins per 16 elements
+struct KIntHead {
+  __m512i w;      // words 0..7: sc[j]; 8..15: m[j]
+  __m256i mins;   // [m0, m0, m1, m1, ..., m7, m7]: one per 16 elements
+  __m512 d, neg_dmin;
+  explicit KIntHead(const uint8_t* sb) {
+    const __m256i w16 = _mm256_cvtepu8_epi16(scale_min_k4(sb + 4));
+    w = _mm512_castsi256_si512(w16);
+    mins = _mm256_permutexvar_epi16(_mm256_set_epi16(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8), w16);
+    const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)ld32(sb)));  // [d, dmin, 0, 0]
+    d = _mm512_broadcastss_ps(dd);
+    neg_dmin = _mm512_broadcastss_ps(_mm_sub_ps(_mm_setzero_ps(), _mm_movehdup_ps(dd)));
+  }
+  inline __m512i scales(int j) const {  // [sc_2j x16 words, sc_2j+1 x16 words]
+    const __m512i base = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 1);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(2 * j))), w);
+  }
+  // acc += d*dx * sum(ai) - dmin*dx * sum_j m_j * (sum of x quants in sub-block j)
+  inline void finish(__m512i ai, __m256i bsum16, float dx, __m512& acc) const {
+    const __m512 vdx = _mm512_set1_ps(dx);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai), _mm512_mul_ps(d, vdx), acc);
+    const __m256i md = _mm256_madd_epi16(mins, bsum16);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(md)), _mm512_mul_ps(neg_dmin, vdx), acc);
+  }
+};
 
-// Super-block types: decode(sb, j) reads pair j (0..3) of the 256-wide super-block sb.
 struct DQ4_K {
-  static constexpr int BLOCK = 256, BYTES = 144, OFFSET = 0;
+  static constexpr int BLOCK = 256, BYTES = 144, OFFSET = 0, PAIRS = 4;
   static constexpr bool MIN = true;
-  static inline void decode(const uint8_t* sb, int j, Pair& o) {
-    o.q = nib_k(sb + 16 + 32 * j);
-    k_scales(sb, j, o);
+  using Head = KHead;
+  using IHead = KIntHead;
+  static inline __m512i quants(const uint8_t* sb, int j) { return nib_k(sb + 16 + 32 * j); }
+  static inline void decode(const uint8_t* sb, const Head& h, int j, Pair& o) {
+    o.q = quants(sb, j);
+    h.pair(j, o);
   }
 };
 
 struct DQ5_K {
-  static constexpr int BLOCK = 256, BYTES = 176, OFFSET = 0;
+  static constexpr int BLOCK = 256, BYTES = 176, OFFSET = 0, PAIRS = 4;
   static constexpr bool MIN = true;
-  static inline void decode(const uint8_t* sb, int j, Pair& o) {
-    __m256i qh = _mm256_loadu_si256((const __m256i*)(sb + 16));
-    uint64_t k0 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j))));
-    uint64_t k1 = _mm256_test_epi8_mask(qh, _mm256_set1_epi8((char)(1 << (2 * j + 1))));
-    o.q = add_hi(nib_k(sb + 48 + 32 * j), k0 | k1 << 32);
-    k_scales(sb, j, o);
+  using Head = KHead;
+  using IHead = KIntHead;
+  static inline void decode(const uint8_t* sb, const Head& h, int j, Pair& o) {
+    o.q = quants(sb, j);
+    h.pair(j, o);
+  }
+  static inline __m512i quants(const uint8_t* sb, int j) {
+    // bit 2j of qh[l] is the fifth bit of sub-block 2j's element l; bit 2j+1 of sub-block 2j+1's
+    __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(sb + 16)));
+    qh = _mm512_srl_epi16(qh, _mm_cvtsi32_si128(2 * j));
+    qh = _mm512_mask_srli_epi16(qh, 0xFFFF0000u, qh, 1);
+    return _mm512_ternarylogic_epi32(nib_k(sb + 48 + 32 * j), _mm512_slli_epi16(qh, 4), _mm512_set1_epi8(0x10), 0xF8);
+  }
+};
+
+// Q6_K super-block header: the 16 sub-block scales d * sc (16 elements each) as floats
+struct Q6Head {
+  __m512 v;
+  explicit Q6Head(const uint8_t* sb) {
+    __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(sb + 192))));
+    uint16_t h;
+    std::memcpy(&h, sb + 208, 2);
+    v = _mm512_mul_ps(_mm512_set1_ps(_cvtsh_ss(h)), sc);
+  }
+};
+
+// integer header (fused matmul): the 16 int8 scales as int16; quants carry an offset of 32
+struct Q6IntHead {
+  __m512i w;  // words 0..15: sc[g]
+  float d;
+  explicit Q6IntHead(const uint8_t* sb) {
+    w = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(sb + 192))));
+    uint16_t h;
+    std::memcpy(&h, sb + 208, 2);
+    d = _cvtsh_ss(h);
+  }
+  inline __m512i scales(int j) const {  // [sc_4j x8, sc_4j+1 x8, sc_4j+2 x8, sc_4j+3 x8] words
+    const __m512i base = _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
+                                                            15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
+    return _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * j))), w);
+  }
+  // acc += d*dx * (sum(ai) - 32 * sum_g sc_g * (sum of x quants in group g))
+  inline void finish(__m512i ai, __m256i bsum16, float dx, __m512& acc) const {
+    const __m256i corr = _mm256_slli_epi32(_mm256_madd_epi16(_mm512_castsi512_si256(w), bsum16), 5);
+    ai = _mm512_sub_epi32(ai, _mm512_zextsi256_si512(corr));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ai), _mm512_set1_ps(d * dx), acc);
   }
 };
 
 struct DQ6_K {
-  static constexpr int BLOCK = 256, BYTES = 210, OFFSET = 32;
+  static constexpr int BLOCK = 256, BYTES = 210, OFFSET = 32, PAIRS = 4;
   static constexpr bool MIN = false;
-  // pair j covers elements 64j..64j+63: ql nibble (j & 1) of ql[64h..], qh bits 4s/4s+2 of qh[32h..]
-  static inline void decode(const uint8_t* sb, int j, Pair& o) {
-    int h = j >> 1, s = j & 1;
+  using Head = Q6Head;
+  using IHead = Q6IntHead;
+  static inline void decode(const uint8_t* sb, const Head& hd, int j, Pair& o) {
+    o.q = quants(sb, j);
+    const __m512i base = _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2);
+    o.scale = _mm512_permutexvar_ps(_mm512_add_epi32(base, _mm512_set1_epi32(4 * j)), hd.v);
+  }
+  // pair j = elements 64j..64j+63: nibble s = j & 1 of ql[64h..], qh bits 4s (first 32) / 4s+2 (last 32)
+  static inline __m512i quants(const uint8_t* sb, int j) {
+    const int h = j >> 1, s = j & 1;
     __m512i ql = _mm512_loadu_si512((const void*)(sb + 64 * h));
-    ql = _mm512_and_si512(_mm512_srl_epi16(ql, _mm_cvtsi32_si128(4 * s)), _mm512_set1_epi8(0x0F));
-    __m256i qh = _mm256_loadu_si256((const __m256i*)(sb + 128 + 32 * h));
-    __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-    __m512i cnt = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * s)), _mm256_set1_epi16((short)(4 * s + 2)), 1);
-    z = _mm512_and_si512(_mm512_srlv_epi16(z, cnt), _mm512_set1_epi8(0x03));
-    o.q = _mm512_or_si512(ql, _mm512_slli_epi16(z, 4));
-    __m128i sc = _mm_cvtepi8_epi32(_mm_cvtsi32_si128((int)ld32(sb + 192 + 4 * j)));
-    __m512 s4 = _mm512_castps128_ps512(_mm_mul_ps(_mm_cvtepi32_ps(sc), _mm_set1_ps(h2f(sb + 208))));
-    const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-    o.scale = _mm512_permutexvar_ps(idx, s4);
+    ql = _mm512_srl_epi16(ql, _mm_cvtsi32_si128(4 * s));
+    __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(sb + 128 + 32 * h)));
+    qh = _mm512_srl_epi16(qh, _mm_cvtsi32_si128(4 * s));
+    qh = _mm512_slli_epi16(_mm512_mask_srli_epi16(qh, 0xFFFF0000u, qh, 2), 4);
+    // 0x0F ? ql : qh bitwise, then the 6 bits: (ql & 0x0F) | (qh & 0x30)
+    return _mm512_and_si512(_mm512_ternarylogic_epi32(ql, qh, _mm512_set1_epi8(0x0F), 0xE4), _mm512_set1_epi8(0x3F));
   }
 };
 

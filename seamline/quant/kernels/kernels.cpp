@@ -52,35 +52,56 @@ static void prep_row(const void* x, int dt, int64_t cols, int offset, bool min, 
     _mm_storeu_si128((__m128i*)(xq + 32 * b), _mm512_cvtepi32_epi8(i0));
     _mm_storeu_si128((__m128i*)(xq + 32 * b + 16), _mm512_cvtepi32_epi8(i1));
     _mm256_storeu_ps(xs + 8 * b, _mm256_set1_ps(d));
-    if (min) {
-      float f[32];
-      _mm512_storeu_ps(f, v0);
-      _mm512_storeu_ps(f + 16, v1);
-      for (int l = 0; l < 8; ++l) aux[8 * b + l] = f[4 * l] + f[4 * l + 1] + f[4 * l + 2] + f[4 * l + 3];
-    }
   }
   for (int64_t i = cols; i < kp; ++i) xq[i] = 0;  // a padded half pair multiplies as zero
   for (int64_t i = cols / 4; i < kp / 4; ++i) xs[i] = aux[i] = 0.0f;
-  if (offset) {  // -offset * (sum of the 4 quants of each lane), added to the integer dot
-    const __m512i ones = _mm512_set1_epi8(1);
-    for (int64_t p = 0; p < kp / 64; ++p) {
-      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xq + 64 * p));
-      _mm512_storeu_si512(aux + 16 * p, _mm512_mullo_epi32(s, _mm512_set1_epi32(-offset)));
+  // lane sums of the quants: -offset * sum joins the integer dot; for a min, the sum of the
+  // rounded x (not of x), so that the rounding errors of the q and min terms cancel
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t p = 0; p < kp / 64; ++p) {
+    __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xq + 64 * p));
+    if (offset) _mm512_storeu_si512(aux + 16 * p, _mm512_mullo_epi32(s, _mm512_set1_epi32(-offset)));
+    if (min) _mm512_storeu_ps(aux + 16 * p, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xs + 16 * p)));
+  }
+}
+
+// One activation row for K-quants (llama.cpp's Q8_K): int8 blocks of 256 with one float scale
+// each (xs[s]), and int16 sums of each 16 quants (aux as int16 [cols / 16]).
+static void prep_row_k(const void* x, int dt, int64_t cols, int8_t* xq, float* xs, int16_t* bsum) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t s = 0; s < cols / 256; ++s) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int i = 0; i < 16; ++i) amax = _mm512_max_ps(amax, _mm512_andnot_ps(sign, load16(x, dt, 256 * s + 16 * i)));
+    const float m = _mm512_reduce_max_ps(amax), id = m > 0.0f ? 127.0f / m : 0.0f;
+    xs[s] = m / 127.0f;
+    for (int i = 0; i < 16; ++i) {
+      __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, dt, 256 * s + 16 * i), _mm512_set1_ps(id)));
+      _mm_storeu_si128((__m128i*)(xq + 256 * s + 16 * i), _mm512_cvtepi32_epi8(q));
+      bsum[16 * s + i] = (int16_t)_mm512_reduce_add_epi32(q);
     }
   }
 }
 
-// decode pair p of a row; the odd last block of a 32-wide type decodes with a zero partner
-template <class D>
-static inline void decode_at(const uint8_t* row, int64_t p, int64_t cols, Pair& o) {
-  if constexpr (D::BLOCK == 256) {
-    D::decode(row + (p >> 2) * D::BYTES, (int)(p & 3), o);
-  } else if (64 * p + 32 < cols || (cols & 63) == 0) {
-    D::decode(row + 2 * p * D::BYTES, o);
-  } else {
+// hands every pair p of a row, decoded, to f(p, P); an odd last 32-wide block gets a zero partner
+template <class D, class F>
+static inline void for_pairs(const uint8_t* row, int64_t cols, F&& f) {
+  constexpr int64_t unit_bytes = D::PAIRS == 1 ? 2 * D::BYTES : D::BYTES;
+  const int64_t units = cols / (64 * D::PAIRS);
+  Pair P;
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* up = row + u * unit_bytes;
+    const typename D::Head head(up);
+    for (int j = 0; j < D::PAIRS; ++j) {
+      D::decode(up, head, j, P);
+      f(u * D::PAIRS + j, P);
+    }
+  }
+  if (D::PAIRS == 1 && cols % 64) {
     uint8_t tmp[2 * D::BYTES] = {0};
-    std::memcpy(tmp, row + 2 * p * D::BYTES, D::BYTES);
-    D::decode(tmp, o);
+    std::memcpy(tmp, row + units * unit_bytes, D::BYTES);
+    const typename D::Head head(tmp);
+    D::decode(tmp, head, 0, P);
+    f(units, P);
   }
 }
 
@@ -103,14 +124,48 @@ static void dot_row(const uint8_t* row, int64_t cols, const XBuf& x, int64_t m0,
                     const float* bias, void* out, int dt, int64_t n_out) {
   __m512 acc[MB];
   for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_ps();
-  const int64_t pairs = x.kp / 64;
-  Pair P;
-  for (int64_t p = 0; p < pairs; ++p) {
-    decode_at<D>(row, p, cols, P);
-    step<D, MB>(P, x, m0, p, acc);
-  }
+  for_pairs<D>(row, cols, [&](int64_t p, const Pair& P) { step<D, MB>(P, x, m0, p, acc); });
   const float b = bias ? bias[r] : 0.0f;
   for (int j = 0; j < MB; ++j) store1(out, dt, (m0 + j) * n_out + r, _mm512_reduce_add_ps(acc[j]) + b);
+}
+
+// K-quants: integer dot per super-block (maddubs, then madd with the 6/8-bit sub-block scales),
+// one float multiply-add per super-block, as llama.cpp's q*_K x Q8_K dot products do
+template <class D, int MB>
+static void dot_row_k(const uint8_t* row, int64_t cols, const XBuf& x, int64_t m0, int64_t r,
+                      const float* bias, void* out, int dt, int64_t n_out) {
+  __m512 acc[MB];
+  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < cols / 256; ++s) {
+    const uint8_t* sb = row + s * D::BYTES;
+    const typename D::IHead h(sb);
+    __m512i ai[MB];
+    for (int i = 0; i < MB; ++i) ai[i] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i q = D::quants(sb, j), sc = h.scales(j);
+      for (int i = 0; i < MB; ++i) {
+        const __m512i xq = _mm512_loadu_si512(x.xq + (m0 + i) * x.kp + 256 * s + 64 * j);
+        ai[i] = _mm512_add_epi32(ai[i], _mm512_madd_epi16(_mm512_maddubs_epi16(q, xq), sc));
+      }
+    }
+    for (int i = 0; i < MB; ++i) {
+      const int64_t m = m0 + i;
+      const __m256i bsum = _mm256_loadu_si256((const __m256i*)((const int16_t*)(x.aux + m * (x.kp / 4)) + 16 * s));
+      h.finish(ai[i], bsum, x.xs[m * (x.kp / 4) + s], acc[i]);
+    }
+  }
+  const float b = bias ? bias[r] : 0.0f;
+  for (int i = 0; i < MB; ++i) store1(out, dt, (m0 + i) * n_out + r, _mm512_reduce_add_ps(acc[i]) + b);
+}
+
+template <class D, int MB>
+static inline void dot_any(const uint8_t* row, int64_t cols, const XBuf& x, int64_t m0, int64_t r,
+                           const float* bias, void* out, int dt, int64_t n_out) {
+  if constexpr (D::PAIRS == 4) {
+    dot_row_k<D, MB>(row, cols, x, m0, r, bias, out, dt, n_out);
+  } else {
+    dot_row<D, MB>(row, cols, x, m0, r, bias, out, dt, n_out);
+  }
 }
 
 template <class D>
@@ -119,11 +174,11 @@ static void gemv_t(const uint8_t* w, int64_t w_stride, int64_t cols, const XBuf&
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * w_stride;
     int64_t m = 0;
-    for (; m + 4 <= rows_x; m += 4) dot_row<D, 4>(row, cols, x, m, r, bias, out, dt, n_out);
+    for (; m + 4 <= rows_x; m += 4) dot_any<D, 4>(row, cols, x, m, r, bias, out, dt, n_out);
     switch (rows_x - m) {
-      case 3: dot_row<D, 3>(row, cols, x, m, r, bias, out, dt, n_out); break;
-      case 2: dot_row<D, 2>(row, cols, x, m, r, bias, out, dt, n_out); break;
-      case 1: dot_row<D, 1>(row, cols, x, m, r, bias, out, dt, n_out); break;
+      case 3: dot_any<D, 3>(row, cols, x, m, r, bias, out, dt, n_out); break;
+      case 2: dot_any<D, 2>(row, cols, x, m, r, bias, out, dt, n_out); break;
+      case 1: dot_any<D, 1>(row, cols, x, m, r, bias, out, dt, n_out); break;
       default: break;
     }
   }
@@ -155,13 +210,11 @@ static inline void pair_bf16(const Pair& P, uint16_t* dst, bool full) {
 
 template <class D>
 static void dequant_t(const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0, int64_t r1, uint16_t* out) {
-  const int64_t pairs = padded_cols(cols) / 64;
-  Pair P;
   for (int64_t r = r0; r < r1; ++r) {
-    for (int64_t p = 0; p < pairs; ++p) {
-      decode_at<D>(w + r * w_stride, p, cols, P);
-      pair_bf16<D>(P, out + r * cols + 64 * p, 64 * p + 64 <= cols);
-    }
+    uint16_t* dst = out + r * cols;
+    for_pairs<D>(w + r * w_stride, cols, [&](int64_t p, const Pair& P) {
+      pair_bf16<D>(P, dst + 64 * p, 64 * p + 64 <= cols);
+    });
   }
 }
 
@@ -190,8 +243,12 @@ void prep_x(int qtype, const void* x, int dt, int64_t x_stride, int64_t cols, in
   const int elem = dt == F32 ? 4 : 2;
   for (int64_t m = m0; m < m1; ++m) {
     const void* xr = (const char*)x + m * x_stride * elem;
-#define SEAMLINE_PREP(D) \
-  prep_row(xr, dt, cols, D::OFFSET, D::MIN, buf.xq + m * buf.kp, buf.xs + m * (buf.kp / 4), buf.aux + m * (buf.kp / 4), buf.kp)
+    int8_t* xq = buf.xq + m * buf.kp;
+    float* xs = buf.xs + m * (buf.kp / 4);
+    float* aux = buf.aux + m * (buf.kp / 4);
+#define SEAMLINE_PREP(D)                                         \
+  if (D::PAIRS == 4) prep_row_k(xr, dt, cols, xq, xs, (int16_t*)aux); \
+  else prep_row(xr, dt, cols, D::OFFSET, D::MIN, xq, xs, aux, buf.kp)
     SEAMLINE_DISPATCH(qtype, SEAMLINE_PREP)
   }
 }

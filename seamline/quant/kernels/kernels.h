@@ -11,7 +11,7 @@ enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
 // The activations quantised the way the kernels read them, per row m (kp = padded columns):
 // xq int8 [kp], xs float [kp / 4] (block scale per 4-wide lane), aux [kp / 4]: for types
 // with an integer offset, int32 -OFFSET * (lane sum of xq); for types with a min, the float
-// lane sum of x.
+// lane sum of the rounded x (xs * lane sum of xq). K-quants differ: see prep_row_k.
 struct XBuf {
   int8_t* xq;
   float* xs;

@@ -1,0 +1,138 @@
+"""Quantized matmul kernels and dequantisers against gguf-py's reference dequantiser.
+
+Tolerances (activations are rounded by the fast paths, weights never are):
+- decode kernel (<= DECODE_ROWS rows): activations rounded to int8 per block of 32 (256 for
+  K-quants): ||y - ref|| <= 1.5% of ||ref||, max |y - ref| <= 3% of max |ref|;
+- prefill (more rows): activations, weights and output rounded to bfloat16: same bounds;
+- dequantisers: bit-identical to gguf-py in float32.
+"""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+
+from seamline.quant import native
+from seamline.quant.bench_kernels import KERNEL_TYPES, random_weight
+from seamline.quant.dequant import dequantize, dequantize_rows
+from seamline.quant.matmul import DECODE_ROWS, quant_linear
+from seamline.quant.tensor import QuantTensor
+
+REL_NORM, REL_MAX = 0.015, 0.03
+
+
+def _kernels_expected() -> bool:
+    """The kernels must load wherever they can: x86-64, a compiler, AVX-512 VNNI."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or shutil.which("c++") is None:
+        return False
+    with open("/proc/cpuinfo") as f:
+        return "avx512_vnni" in f.read()
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = native.kernels()
+    if ops is None:
+        assert not _kernels_expected(), "the quant kernels failed to load on a CPU that supports them"
+        pytest.skip("no AVX-512 VNNI kernels on this machine: quant_linear is the torch path")
+    return ops
+
+
+def _cols(qtype, blocks: int) -> int:
+    return GGML_QUANT_SIZES[qtype][0] * blocks
+
+
+def _reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
+    """gguf-py's dequantised weight times x, in float64."""
+    raw = w.data.contiguous().numpy()
+    dense = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, w.qtype))).reshape(w.shape).double()
+    return x.double() @ dense.T
+
+
+def _assert_close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    err = (y.double() - ref).abs()
+    rel_norm = (err.norm() / ref.norm()).item()
+    rel_max = (err.max() / ref.abs().max()).item()
+    assert rel_norm <= REL_NORM and rel_max <= REL_MAX, f"{what}: rel norm {rel_norm:.4f}, rel max {rel_max:.4f}"
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_dequantize_matches_gguf_exactly(qtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = random_weight(qtype, (3, 5, _cols(qtype, 3)), gen)  # experts x rows x cols
+    ref = torch.from_numpy(gguf_dequantize(w.data.numpy(), qtype)).reshape(w.shape)
+    assert torch.equal(dequantize(w), ref)
+    assert torch.equal(dequantize(w, torch.bfloat16), ref.to(torch.bfloat16))
+    flat = w.select(1)
+    ids = torch.tensor([[4, 0], [2, 4]])
+    assert torch.equal(dequantize_rows(flat, ids), ref[1][ids])
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_dequant_bf16_kernel_matches_torch(ops, qtype) -> None:
+    gen = torch.Generator().manual_seed(2)
+    for blocks in (1, 2, 3):
+        w = random_weight(qtype, (9, _cols(qtype, blocks)), gen)
+        got = ops.dequant_bf16(w.data, int(qtype), w.shape[1])
+        assert torch.equal(got, dequantize(w, torch.bfloat16)), f"{blocks} blocks"
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_quant_linear_matches_reference(ops, qtype, dtype) -> None:
+    gen = torch.Generator().manual_seed(3)
+    blocks = 6 if qtype.name.endswith("K") else 19  # an odd count of 32-wide blocks: a half pair
+    w = random_weight(qtype, (40, _cols(qtype, blocks)), gen)
+    for rows in (1, 3, 7, DECODE_ROWS, DECODE_ROWS + 1, 64):
+        x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
+        y = quant_linear(x, w)
+        assert y.dtype == dtype and y.shape == (rows, 40)
+        _assert_close(y, _reference(x, w), f"{qtype.name} {dtype} {rows} rows")
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_slices_and_experts(ops, qtype) -> None:
+    gen = torch.Generator().manual_seed(4)
+    w = random_weight(qtype, (3, 24, _cols(qtype, 2)), gen)
+    for rows in (1, 5, 33):
+        x = torch.randn(2, rows, w.shape[-1], generator=gen)  # a leading batch dim too
+        for e in range(3):
+            expert = w.select(e)
+            whole = quant_linear(x, expert)
+            _assert_close(whole, _reference(x, expert), f"{qtype.name} expert {e}")
+            part = quant_linear(x, expert.row_slice(5, 17))
+            assert torch.equal(part, whole[..., 5:17]), "a row slice is a view of the same rows"
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_torch_path_matches_kernel_path(ops, qtype) -> None:
+    gen = torch.Generator().manual_seed(5)
+    w = random_weight(qtype, (20, _cols(qtype, 2)), gen)
+    bias = torch.randn(20, generator=gen)
+    for rows in (1, 9, 40):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
+            fast = quant_linear(x, w, bias)
+            slow = quant_linear(x, w, bias, use_kernels=False)
+            assert fast.dtype == slow.dtype == dtype
+            _assert_close(fast, slow.double(), f"{qtype.name} {dtype} {rows} rows")
+            _assert_close(fast, _reference(x, w) + bias.double(), f"{qtype.name} {dtype} {rows} rows + bias")
+
+
+def test_switch_turns_kernels_off(monkeypatch) -> None:
+    monkeypatch.setenv(native.ENV_SWITCH, "0")
+    assert native.kernels.__wrapped__() is None
+
+
+def test_quant_linear_refuses_wrong_shapes(ops) -> None:
+    w = random_weight(KERNEL_TYPES[0], (4, 64))
+    with pytest.raises(ValueError):
+        quant_linear(torch.randn(2, 32), w)
+    with pytest.raises(ValueError):
+        quant_linear(torch.randn(2, 64), random_weight(KERNEL_TYPES[0], (2, 4, 64)))
