@@ -105,18 +105,23 @@ def test_qwen3_moe_matches_transformers(tmp_path: Path, norm_topk_prob: bool) ->
 HALVES = (((0, 4), (0, 2)), ((4, 8), (1, 2)))  # (experts, shard) for E = 8
 
 
+def put(module: nn.Module, name: str, value: torch.Tensor) -> None:
+    """Set a parameter (the module's are shape-only placeholders until filled)."""
+    setattr(module, name, nn.Parameter(value, requires_grad=False))
+
+
 def fill_from_hf(moe: MoE, hf: nn.Module, own: Ownership, config: ModelConfig) -> None:
     """Copy transformers' layer weights into ``moe``, sliced to what ``own`` owns."""
     e0, e1 = own.expert_range(config)
-    moe.router.data = hf.gate.weight.detach().float().clone()
+    put(moe, "router", hf.gate.weight.detach().float().clone())
     if moe.router_bias is not None:
-        moe.router_bias.data = hf.gate.e_score_correction_bias.detach().clone()
-    moe.experts_gate_up.data = hf.experts.gate_up_proj.detach()[e0:e1].clone()
-    moe.experts_down.data = hf.experts.down_proj.detach()[e0:e1].clone()
+        put(moe, "router_bias", hf.gate.e_score_correction_bias.detach().clone())
+    put(moe, "experts_gate_up", hf.experts.gate_up_proj.detach()[e0:e1].clone())
+    put(moe, "experts_down", hf.experts.down_proj.detach()[e0:e1].clone())
     if moe.shared is not None:  # whole on every rank; each computes its rows of it
         mlp = hf.shared_experts
-        moe.shared.gate_up.data = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().clone()
-        moe.shared.down.data = mlp.down_proj.weight.detach().clone()
+        put(moe.shared, "gate_up", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().clone())
+        put(moe.shared, "down", mlp.down_proj.weight.detach().clone())
 
 
 def hf_layer(hf_config: Any, layer: int) -> nn.Module:
@@ -247,7 +252,7 @@ def test_empty_expert_shard_returns_zero() -> None:
     config = seamline_config(mixtral_config())
     moe = MoE(config, Ownership((0, 2), experts=(3, 3)))
     assert moe.experts_gate_up.shape[0] == 0
-    moe.router.data = torch.randn(8, 64)
+    put(moe, "router", torch.randn(8, 64))
     for tokens in (1, 6):
         assert torch.count_nonzero(moe(torch.randn(tokens, 64))) == 0
 

@@ -10,8 +10,9 @@ from seamline.model.linear import columns, linear, rows
 
 
 def empty_param(*shape: int) -> nn.Parameter:
-    """An uninitialised parameter: the loader fills every one (no wasted random init)."""
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+    """A placeholder with a shape and no storage (the meta device): the loader replaces every
+    one, so a model larger than memory in float32 never reserves that much, even virtually."""
+    return nn.Parameter(torch.empty(*shape, device="meta"), requires_grad=False)
 
 
 class RMSNorm(nn.Module):

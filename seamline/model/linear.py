@@ -138,3 +138,12 @@ def leading_bytes(w: Weight, count: int) -> bytes:
     if isinstance(w, QuantTensor):
         return w.data.reshape(-1)[:count].cpu().numpy().tobytes()
     return w.detach().reshape(-1)[:count].float().cpu().numpy().tobytes()
+
+
+def dequantize_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Replace every quantized weight in ``module`` by its float ``dtype`` form (the
+    dequantised path benchmarks compare against)."""
+    for sub in module.modules():
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, (QuantTensor, RowConcat)):
+                setattr(sub, name, torch.nn.Parameter(to_float(value, dtype), requires_grad=False))

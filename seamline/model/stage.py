@@ -20,7 +20,7 @@ from seamline.config import ModelConfig
 from seamline.model.attention import GQAttention
 from seamline.model.cache import LayerKV, SequenceCache
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
-from seamline.model.linear import embedding, linear
+from seamline.model.linear import Weight, embedding, linear
 from seamline.model.ownership import Ownership
 from seamline.model.rope import RotaryTable
 from seamline.parallel.comm import Comm, GateTag, SingleComm
@@ -81,19 +81,19 @@ class Stage(nn.Module):
         self.comm: Comm = comm if comm is not None else SingleComm()
         self.step = 0  # forwards so far: the third part of every gate's tag
         rope = make_rope(config)
-        self.embed = empty_param(config.vocab_size, config.hidden_size) if own.owns_embedding() else None
+        self.embed: Weight | None = empty_param(config.vocab_size, config.hidden_size) if own.owns_embedding() else None
         self.layers = nn.ModuleDict(
             {str(i): Block(config, i, own, rope, self.comm) for i in own.layer_indices()}
         )
         self.norm: RMSNorm | None = None
-        self.head: nn.Parameter | None = None
+        self.head: Weight | None = None
         if own.owns_head(config):
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
             v0, v1 = own.vocab_range(config)
             tied = self._tied_head(v0, v1)
             self.head = tied if tied is not None else empty_param(v1 - v0, config.hidden_size)
 
-    def _tied_head(self, v0: int, v1: int) -> nn.Parameter | None:
+    def _tied_head(self, v0: int, v1: int) -> Weight | None:
         full = (v0, v1) == (0, self.config.vocab_size)
         return self.embed if self.config.tie_word_embeddings and full else None
 

@@ -110,10 +110,20 @@ class GGUFSource:
 
     def stored_type(self, name: str) -> str:
         """A kept quant type's name, else the float dtype ``get`` returns."""
-        qtype = self._entry(name).info.qtype
+        entry = self._entry(name)
+        if isinstance(entry, JoinedEntry):
+            return "float32"  # MLA's kv_b, joined in float
+        qtype = entry.info.qtype
         if qtype in QUANT_TYPES:
             return qtype.name
         return str(_FLOAT_TYPES.get(qtype, torch.bfloat16)).removeprefix("torch.")
+
+    def stored_bytes(self, name: str) -> int:
+        """The bytes the tensor takes in the file (one expert's share of a stacked tensor)."""
+        entry = self._entry(name)
+        if isinstance(entry, JoinedEntry):
+            return entry.k.nbytes + entry.v.nbytes
+        return entry.info.nbytes // (entry.info.shape[0] if entry.expert is not None else 1)
 
     def config_dict(self) -> dict[str, Any]:
         return dict(self._config)

@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
@@ -124,12 +125,9 @@ def _assign(stage: Stage, target: str, value: Weight) -> None:
     """Put ``value`` where parameter ``target`` is; a quantized weight replaces the parameter."""
     owner, _, attr = target.rpartition(".")
     module = stage.get_submodule(owner)
-    if isinstance(value, torch.Tensor):
-        param = module._parameters.get(attr)
-        if param is not None:
-            param.data = value
-            return
     module._parameters.pop(attr, None)
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=False)
     setattr(module, attr, value)
 
 
