@@ -9,7 +9,7 @@ from typing import Any
 
 from seamline.errors import SeamlineError
 
-BENCHES = ("single", "split", "lockstep")
+BENCHES = ("single", "split", "lockstep", "quant")
 
 
 def build_parser() -> argparse.ArgumentParser:

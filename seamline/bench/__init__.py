@@ -21,6 +21,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.lockstep import bench_lockstep
 
         result = bench_lockstep(**options)
+    elif name == "quant":
+        from seamline.bench.quant import bench_quant
+
+        result = bench_quant(repeats=options["repeats"], tokens=options["tokens"])
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     text = json.dumps(result, indent=2)

@@ -1,0 +1,136 @@
+"""`seamline bench quant`: seamline on quantized weights, its dequantised path, and llama.cpp.
+
+Two GGUF files: the embedded SmolLM2 (Q4_1, Q8_0 tied head) and a Llama-shaped model of
+about 1.1B parameters with random weights, written once in llama.cpp's Q4_K_M mix and cached.
+Each party runs in its own process (``quant_driver``) on the same file, prompt and threads;
+the parties take turns, one measurement at a time, for ``repeats`` rounds; medians are
+reported. Resident memory comes from ``resident`` (a fresh process loading the whole model).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from seamline.app import default_model_path
+from seamline.bench.driver import Driver, median
+from seamline.bench.resident import measure_in_subprocess
+
+PARTIES = ("quantized", "dequant", "llamacpp")
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+ACTIVATIONS = "bfloat16"  # the fast path: what a user of a quantized model runs
+LLAMACPP_HINT = "pip install llama-cpp-python (builds llama.cpp from source; needs cmake and a C++ compiler)"
+LLAMA_1B: dict[str, Any] = {
+    "model_type": "llama", "vocab_size": 49152, "hidden_size": 2048, "intermediate_size": 5632,
+    "num_hidden_layers": 22, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 64,
+    "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+    "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
+}  # fmt: skip  (TinyLlama's shape, with the embedded model's tokenizer)
+CACHE_KEY = "llama_1b_q4km_v1"
+
+
+class RandomLlama:
+    """HF-named random tensors of ``LLAMA_1B``, made on demand (the writer streams them)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        h, i, kv = config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"] * config["head_dim"]
+        self.shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (config["vocab_size"], h), "lm_head.weight": (config["vocab_size"], h),
+            "model.norm.weight": (h,)}  # fmt: skip
+        per_layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                     "self_attn.q_proj.weight": (h, h), "self_attn.k_proj.weight": (kv, h),
+                     "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, h),
+                     "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}  # fmt: skip
+        for layer in range(config["num_hidden_layers"]):
+            self.shapes.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
+
+    def names(self) -> set[str]:
+        return set(self.shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def get(self, name: str) -> np.ndarray:
+        shape = self.shapes[name]
+        if len(shape) == 1:
+            return np.ones(shape, np.float32)
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        return rng.standard_normal(shape, np.float32) * np.float32(0.02)
+
+
+def llama_1b_path(cache_root: Path | None = None) -> Path:
+    """The cached 1B Q4_K_M file, written on first use (about a minute)."""
+    from seamline.weights.gguf_write import write_gguf
+
+    root = cache_root or Path(os.environ.get("SEAMLINE_CACHE", Path.home() / ".cache" / "seamline")) / "bench"
+    path = root / f"{CACHE_KEY}.gguf"
+    if not path.is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        write_gguf(partial, LLAMA_1B, RandomLlama(LLAMA_1B), "Q4_K_M", tokenizer_from=default_model_path(),
+                   name="random-llama-1b")  # fmt: skip
+        partial.rename(path)
+    return path
+
+
+def bench_quant(repeats: int = 3, tokens: int = 64, threads: int | None = None) -> dict[str, Any]:
+    threads = threads or torch.get_num_threads()
+    from seamline.text import TextCodec
+
+    codec = TextCodec.from_model(default_model_path(), ())
+    prompt = codec.encode_chat([{"role": "user", "content": PROMPT}])
+    models = {"embedded": default_model_path(), "llama_1b": llama_1b_path()}
+    out = {name: _bench_model(path, prompt, repeats, tokens, threads) for name, path in models.items()}
+    return {"bench": "quant", "threads": threads, "tokens": tokens, "repeats": repeats, "models": out}
+
+
+def _bench_model(path: Path, prompt: list[int], repeats: int, tokens: int, threads: int) -> dict[str, Any]:
+    runs: dict[str, list[dict[str, Any]]] = {p: [] for p in PARTIES}
+    drivers = {p: Driver("seamline.bench.quant_driver", [p, str(path), ACTIVATIONS, str(threads), json.dumps(prompt)])
+               for p in PARTIES}  # fmt: skip
+    try:
+        ready = {p: d.wait_ready() for p, d in drivers.items()}
+        live = [p for p in PARTIES if "unavailable" not in ready[p]]
+        for _ in range(repeats):
+            for party in live:  # alternating: each round measures every party once
+                runs[party].append(drivers[party].measure(tokens))
+    finally:
+        for d in drivers.values():
+            d.close()
+    resident = measure_in_subprocess(path, 0, _layers(path), ACTIVATIONS)
+    return _summary(runs, ready, resident)
+
+
+def _layers(path: Path) -> int:
+    from seamline.config import ModelConfig
+    from seamline.weights.loader import open_source
+
+    return ModelConfig.from_hf_dict(open_source(path).config_dict()).num_layers
+
+
+def _summary(runs: dict[str, list[dict[str, Any]]], ready: dict[str, dict[str, Any]],
+             resident: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    def rate(party: str, key: str) -> float | None:
+        return round(median(runs[party], key), 2) if runs[party] else None
+
+    ours, theirs = rate("quantized", "decode_tok_s"), rate("llamacpp", "decode_tok_s")
+    summary = {
+        "seamline_tok_s": ours, "dequant_tok_s": rate("dequant", "decode_tok_s"), "llamacpp_tok_s": theirs,
+        "ratio": round(ours / theirs, 3) if ours and theirs else None,
+        "prefill_tok_s": {"seamline": rate("quantized", "prefill_tok_s"), "dequant": rate("dequant", "prefill_tok_s"),
+                          "llamacpp": rate("llamacpp", "prefill_tok_s")},
+        "activation_dtype": ACTIVATIONS,
+        "resident_weight_bytes": resident["resident_weight_bytes"],
+        "gguf_tensor_bytes": resident["gguf_tensor_bytes"],
+        "memory_ratio": round(resident["resident_weight_bytes"] / resident["gguf_tensor_bytes"], 3),
+        "runs": runs,
+    }  # fmt: skip
+    if "unavailable" in ready["llamacpp"]:
+        summary["llamacpp_note"] = f"llama-cpp-python is not installed ({ready['llamacpp']['unavailable']}): {LLAMACPP_HINT}"
+    return summary
