@@ -24,6 +24,13 @@ from seamline.quant.sizes import QUANT_TYPE_NAMES
 QUANT_TYPES = frozenset(GGMLQuantizationType[name] for name in QUANT_TYPE_NAMES)
 
 
+# Byte offsets of each type's float16 scale fields within a block (d, and m / dmin).
+SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
+    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+}  # fmt: skip
+
+
 def row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:
     block, type_size = GGML_QUANT_SIZES[qtype]
     return cols // block * type_size
@@ -79,6 +86,17 @@ class QuantTensor:
         size = GGML_QUANT_SIZES[self.qtype][1]
         first, last = start // self.block_size * size, end // self.block_size * size
         return QuantTensor(self.qtype, self.data[..., first:last].contiguous(), (*self.shape[:-1], end - start))
+
+    def first_bad_block(self) -> int | None:
+        """The index of the first block whose float16 scales are inf or NaN, or None."""
+        size = GGML_QUANT_SIZES[self.qtype][1]
+        blocks = self.data.reshape(-1, size)
+        for at in SCALE_OFFSETS[self.qtype.name]:
+            half = blocks[:, at : at + 2].contiguous().view(torch.int16).reshape(-1)
+            bad = (half & 0x7C00) == 0x7C00  # all exponent bits set: inf or NaN
+            if bool(bad.any()):
+                return int(bad.nonzero()[0])
+        return None
 
     def contiguous(self) -> "QuantTensor":
         return QuantTensor(self.qtype, self.data.contiguous(), self.shape)

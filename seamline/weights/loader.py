@@ -173,6 +173,9 @@ def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None)
     tensor = source.get(name)
     if isinstance(tensor, torch.Tensor) and tensor.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}, expected a float type")
+    if isinstance(tensor, QuantTensor) and (bad := tensor.first_bad_block()) is not None:
+        raise CheckpointError(f"tensor {name} ({tensor.qtype.name}) is corrupt: block {bad} has an "
+                              "infinite or NaN scale")
     if span is None:
         return tensor
     start, end = span
