@@ -118,67 +118,104 @@ static inline void step(const Pair& P, const XBuf& x, int64_t m0, int64_t p, __m
   }
 }
 
-// MB activation rows [m0, m0 + MB) against one weight row r
-template <class D, int MB>
-static void dot_row(const uint8_t* row, int64_t cols, const XBuf& x, int64_t m0, int64_t r,
-                    const float* bias, void* out, int dt, int64_t n_out) {
-  __m512 acc[MB];
-  for (int j = 0; j < MB; ++j) acc[j] = _mm512_setzero_ps();
-  for_pairs<D>(row, cols, [&](int64_t p, const Pair& P) { step<D, MB>(P, x, m0, p, acc); });
-  const float b = bias ? bias[r] : 0.0f;
-  for (int j = 0; j < MB; ++j) store1(out, dt, (m0 + j) * n_out + r, _mm512_reduce_add_ps(acc[j]) + b);
+// RB weight rows against MB activation rows [m0, m0 + MB): res[r * MB + i] = x[m0 + i] . row r.
+// Several weight rows per pass share the activation loads (decode: M = 1).
+template <class D, int RB, int MB>
+static void dot_pairs(const uint8_t* const* rows, int64_t cols, const XBuf& x, int64_t m0, float* res, int64_t ahead) {
+  __m512 acc[RB][MB];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
+  const int64_t units = cols / 64;
+  const NoHead none(nullptr);
+  Pair P;
+  for (int64_t u = 0; u < units; ++u) {
+    for (int r = 0; r < RB; ++r) {
+      _mm_prefetch((const char*)(rows[r] + u * 2 * D::BYTES + ahead), _MM_HINT_T0);
+      D::decode(rows[r] + u * 2 * D::BYTES, none, 0, P);
+      step<D, MB>(P, x, m0, u, acc[r]);
+    }
+  }
+  if (cols % 64) {  // an odd last block: decode it with a zero partner
+    for (int r = 0; r < RB; ++r) {
+      uint8_t tmp[2 * D::BYTES] = {0};
+      std::memcpy(tmp, rows[r] + units * 2 * D::BYTES, D::BYTES);
+      D::decode(tmp, none, 0, P);
+      step<D, MB>(P, x, m0, units, acc[r]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < MB; ++i) res[r * MB + i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
 // K-quants: integer dot per super-block (maddubs, then madd with the 6/8-bit sub-block scales),
 // one float multiply-add per super-block, as llama.cpp's q*_K x Q8_K dot products do
-template <class D, int MB>
-static void dot_row_k(const uint8_t* row, int64_t cols, const XBuf& x, int64_t m0, int64_t r,
-                      const float* bias, void* out, int dt, int64_t n_out) {
-  __m512 acc[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = _mm512_setzero_ps();
+template <class D, int RB, int MB>
+static void dot_super(const uint8_t* const* rows, int64_t cols, const XBuf& x, int64_t m0, float* res, int64_t ahead) {
+  __m512 acc[RB][MB];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < MB; ++i) acc[r][i] = _mm512_setzero_ps();
   for (int64_t s = 0; s < cols / 256; ++s) {
-    const uint8_t* sb = row + s * D::BYTES;
-    const typename D::IHead h(sb);
-    __m512i ai[MB];
-    for (int i = 0; i < MB; ++i) ai[i] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      const __m512i q = D::quants(sb, j), sc = h.scales(j);
+    for (int r = 0; r < RB; ++r) {
+      const uint8_t* sb = rows[r] + s * D::BYTES;
+      for (int c = 0; c < D::BYTES; c += 64) _mm_prefetch((const char*)(sb + ahead + c), _MM_HINT_T0);
+      const typename D::IHead h(sb);
+      __m512i ai[MB];
+      for (int i = 0; i < MB; ++i) ai[i] = _mm512_setzero_si512();
+      for (int j = 0; j < 4; ++j) {
+        const __m512i q = D::quants(sb, j), sc = h.scales(j);
+        for (int i = 0; i < MB; ++i) {
+          const __m512i xq = _mm512_loadu_si512(x.xq + (m0 + i) * x.kp + 256 * s + 64 * j);
+          ai[i] = _mm512_add_epi32(ai[i], _mm512_madd_epi16(_mm512_maddubs_epi16(q, xq), sc));
+        }
+      }
       for (int i = 0; i < MB; ++i) {
-        const __m512i xq = _mm512_loadu_si512(x.xq + (m0 + i) * x.kp + 256 * s + 64 * j);
-        ai[i] = _mm512_add_epi32(ai[i], _mm512_madd_epi16(_mm512_maddubs_epi16(q, xq), sc));
+        const int64_t m = m0 + i;
+        const __m256i bsum = _mm256_loadu_si256((const __m256i*)((const int16_t*)(x.aux + m * (x.kp / 4)) + 16 * s));
+        h.finish(ai[i], bsum, x.xs[m * (x.kp / 4) + s], acc[r][i]);
       }
     }
-    for (int i = 0; i < MB; ++i) {
-      const int64_t m = m0 + i;
-      const __m256i bsum = _mm256_loadu_si256((const __m256i*)((const int16_t*)(x.aux + m * (x.kp / 4)) + 16 * s));
-      h.finish(ai[i], bsum, x.xs[m * (x.kp / 4) + s], acc[i]);
-    }
   }
-  const float b = bias ? bias[r] : 0.0f;
-  for (int i = 0; i < MB; ++i) store1(out, dt, (m0 + i) * n_out + r, _mm512_reduce_add_ps(acc[i]) + b);
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < MB; ++i) res[r * MB + i] = _mm512_reduce_add_ps(acc[r][i]);
 }
 
-template <class D, int MB>
-static inline void dot_any(const uint8_t* row, int64_t cols, const XBuf& x, int64_t m0, int64_t r,
-                           const float* bias, void* out, int dt, int64_t n_out) {
+#ifndef PREFETCH_BYTES
+#define PREFETCH_BYTES 8192  // read weights this far ahead (whole rows): faster than the hardware prefetcher alone
+#endif
+
+// weight rows [r, r + RB) x activation rows [m0, m0 + MB) -> out (+ bias)
+template <class D, int RB, int MB>
+static inline void tile(const uint8_t* w, int64_t w_stride, int64_t cols, const XBuf& x, int64_t m0, int64_t r,
+                        const float* bias, void* out, int dt, int64_t n_out) {
+  const uint8_t* rows[RB];
+  for (int k = 0; k < RB; ++k) rows[k] = w + (r + k) * w_stride;
+  float res[RB * MB];
+  const int64_t ahead = (PREFETCH_BYTES + w_stride - 1) / w_stride * w_stride;
   if constexpr (D::PAIRS == 4) {
-    dot_row_k<D, MB>(row, cols, x, m0, r, bias, out, dt, n_out);
+    dot_super<D, RB, MB>(rows, cols, x, m0, res, ahead);
   } else {
-    dot_row<D, MB>(row, cols, x, m0, r, bias, out, dt, n_out);
+    dot_pairs<D, RB, MB>(rows, cols, x, m0, res, ahead);
+  }
+  for (int k = 0; k < RB; ++k) {
+    const float b = bias ? bias[r + k] : 0.0f;
+    for (int i = 0; i < MB; ++i) store1(out, dt, (m0 + i) * n_out + r + k, res[k * MB + i] + b);
   }
 }
 
 template <class D>
 static void gemv_t(const uint8_t* w, int64_t w_stride, int64_t cols, const XBuf& x, int64_t rows_x,
                    int64_t r0, int64_t r1, const float* bias, void* out, int dt, int64_t n_out) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = w + r * w_stride;
+  int64_t r = r0;
+  if (rows_x == 1) {  // decode: two weight rows per pass
+    for (; r + 2 <= r1; r += 2) tile<D, 2, 1>(w, w_stride, cols, x, 0, r, bias, out, dt, n_out);
+  }
+  for (; r < r1; ++r) {
     int64_t m = 0;
-    for (; m + 4 <= rows_x; m += 4) dot_any<D, 4>(row, cols, x, m, r, bias, out, dt, n_out);
+    for (; m + 4 <= rows_x; m += 4) tile<D, 1, 4>(w, w_stride, cols, x, m, r, bias, out, dt, n_out);
     switch (rows_x - m) {
-      case 3: dot_any<D, 3>(row, cols, x, m, r, bias, out, dt, n_out); break;
-      case 2: dot_any<D, 2>(row, cols, x, m, r, bias, out, dt, n_out); break;
-      case 1: dot_any<D, 1>(row, cols, x, m, r, bias, out, dt, n_out); break;
+      case 3: tile<D, 1, 3>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
+      case 2: tile<D, 1, 2>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
+      case 1: tile<D, 1, 1>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
       default: break;
     }
   }

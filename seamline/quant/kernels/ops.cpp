@@ -19,17 +19,14 @@ static int dtype_code(at::ScalarType t) {
 }
 
 static void check_weight(const at::Tensor& w, int64_t qtype) {
-  TORCH_CHECK(qtype_supported((int)qtype), "quant kernels do not decode GGML type ", qtype);
-  TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
-              "weight blocks must be a CPU uint8 [rows, row_bytes] tensor with contiguous rows");
+  TORCH_CHECK_VALUE(qtype_supported((int)qtype), "quant kernels do not decode GGML type ", qtype);
+  TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
+                    "weight blocks must be a CPU uint8 [rows, row_bytes] tensor with contiguous rows");
 }
 
-// y [M, N] = x [M, cols] @ W.T (+ bias), x quantised to int8 blocks of 32 first
-at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols,
-                   const std::optional<at::Tensor>& bias) {
-  check_weight(w, qtype);
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.size(1) == cols && x.stride(1) == 1,
-              "activations must be a CPU [M, ", cols, "] tensor with contiguous rows");
+// y [M, N] = x [M, cols] @ W.T (+ bias), x quantised to int8 blocks first (decode-sized M)
+static at::Tensor fused(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols,
+                        const at::Tensor& bias) {
   const int dt = dtype_code(x.scalar_type());
   const int64_t M = x.size(0), N = w.size(0), kp = padded_cols(cols);
   at::Tensor scratch = at::empty({M * kp * 3}, x.options().dtype(at::kByte));  // xq, xs, aux
@@ -39,12 +36,7 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / cols), [&](int64_t m0, int64_t m1) {
     prep_x((int)qtype, xp, dt, x.stride(0), cols, m0, m1, buf);
   });
-  at::Tensor b;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->numel() == N, "bias must have ", N, " elements");
-    b = bias->to(at::kFloat).contiguous();
-  }
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   at::Tensor out = at::empty({M, N}, x.options());
   void* op = out.data_ptr();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -53,6 +45,48 @@ at::Tensor qmatmul(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int6
     gemv_rows((int)qtype, wp, w.stride(0), cols, buf, M, r0, r1, bp, op, dt, N);
   });
   return out;
+}
+
+at::Tensor dequant_bf16(const at::Tensor& w, int64_t qtype, int64_t cols);
+
+// many rows (prefill): W dequantised to bfloat16 in row tiles of ~8 MB, torch's bf16 GEMM
+// (oneDNN; AMX where the CPU has it) per tile; activations and output rounded to bf16
+static at::Tensor tiled(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols) {
+  const at::Tensor xb = x.to(at::kBFloat16);
+  const int64_t N = w.size(0), tile = std::max<int64_t>(64, (int64_t{1} << 22) / cols);
+  if (N <= tile) return at::linear(xb, dequant_bf16(w, qtype, cols));
+  at::Tensor out = at::empty({x.size(0), N}, xb.options());
+  for (int64_t start = 0; start < N; start += tile) {
+    const int64_t n = std::min(tile, N - start);
+    out.narrow(1, start, n).copy_(at::linear(xb, dequant_bf16(w.narrow(0, start, n), qtype, cols)));
+  }
+  return out;
+}
+
+// x [..., cols] @ W.T (+ bias) -> [..., N] in x's dtype; the fused kernel up to decode_rows rows
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols,
+                  const std::optional<at::Tensor>& bias, int64_t decode_rows) {
+  check_weight(w, qtype);
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == cols,
+                    "activations must be a CPU [..., ", cols, "] tensor, got ", x.sizes());
+  at::Tensor x2 = x.reshape({-1, cols});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  const int64_t N = w.size(0);
+  at::Tensor b;
+  if (bias.has_value()) {
+    TORCH_CHECK_VALUE(bias->numel() == N, "bias must have ", N, " elements");
+    b = bias->to(at::kFloat).contiguous();
+  }
+  at::Tensor out;
+  if (x2.size(0) <= decode_rows) {
+    out = fused(x2, w, qtype, cols, b);
+  } else {
+    out = tiled(x2, w, qtype, cols).to(x.scalar_type());
+    if (b.defined()) out.add_(b);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return out.view(shape);
 }
 
 // W as bfloat16 [rows, cols]
@@ -75,13 +109,13 @@ bool decodes(int64_t qtype) { return qtype_supported((int)qtype); }
 }  // namespace seamline_quant
 
 TORCH_LIBRARY(seamline_quant, m) {
-  m.def("qmatmul(Tensor x, Tensor w, int qtype, int cols, Tensor? bias=None) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, int qtype, int cols, Tensor? bias, int decode_rows) -> Tensor");
   m.def("dequant_bf16(Tensor w, int qtype, int cols) -> Tensor");
   m.def("cpu_supported() -> bool", &seamline_quant::kernels_usable);
   m.def("decodes(int qtype) -> bool", &seamline_quant::decodes);
 }
 
 TORCH_LIBRARY_IMPL(seamline_quant, CPU, m) {
-  m.impl("qmatmul", &seamline_quant::qmatmul);
+  m.impl("linear", &seamline_quant::linear);
   m.impl("dequant_bf16", &seamline_quant::dequant_bf16);
 }
