@@ -136,3 +136,5 @@ def test_quant_linear_refuses_wrong_shapes(ops) -> None:
         quant_linear(torch.randn(2, 32), w)
     with pytest.raises(ValueError):
         quant_linear(torch.randn(2, 64), random_weight(KERNEL_TYPES[0], (2, 4, 64)))
+    with pytest.raises(ValueError):  # blocks that do not hold the stated columns
+        ops.linear(torch.randn(2, 96), w.data, w.qtype, 96, None, 16)

@@ -10,15 +10,24 @@ Elsewhere (CUDA, no kernels, ``use_kernels=False``): dequantise, then F.linear.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
 from seamline.quant.dequant import dequantize
 from seamline.quant.native import kernels
-from seamline.quant.tensor import QUANT_TYPES, QuantTensor
+from seamline.quant.tensor import QuantTensor
 
 DECODE_ROWS = 16  # up to this many rows the fused kernel beats dequantise + GEMM (measured)
 _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+
+
+@lru_cache(maxsize=1)
+def _kernel_op() -> Callable[..., torch.Tensor] | None:
+    ops = kernels()
+    return None if ops is None else ops.linear.default
 
 
 def quant_linear(
@@ -26,11 +35,10 @@ def quant_linear(
 ) -> torch.Tensor:
     """x [..., cols] -> [..., rows] in x.dtype, for a 2-D ``w`` [rows, cols]; ``use_kernels=False``
     forces the torch path (dequantise, F.linear)."""
-    shape = w.shape
-    if len(shape) != 2 or x.shape[-1] != shape[1]:
-        raise ValueError(f"quant_linear needs x [..., {shape[-1]}] and a 2-D weight, got {tuple(x.shape)} x {shape}")
-    if use_kernels and x.is_cpu and x.dtype in _KERNEL_DTYPES and w.qtype in QUANT_TYPES:
-        ops = kernels()
-        if ops is not None:
-            return ops.linear(x, w.data, w.qtype, shape[1], bias, DECODE_ROWS)
+    if use_kernels and x.is_cpu and x.dtype in _KERNEL_DTYPES:
+        op = _kernel_op()
+        if op is not None:  # the op checks shapes, device and type itself (ValueError)
+            return op(x, w.data, w.qtype, w.shape[-1], bias, DECODE_ROWS)
+    if len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
+        raise ValueError(f"quant_linear needs x [..., {w.shape[-1]}] and a 2-D weight, got {tuple(x.shape)} x {w.shape}")
     return F.linear(x, dequantize(w, x.dtype), None if bias is None else bias.to(x.dtype))

@@ -275,6 +275,13 @@ bool qtype_supported(int qtype) {
   return ok;
 }
 
+int64_t row_bytes(int qtype, int64_t cols) {
+  int64_t bytes = -1;
+#define SEAMLINE_BYTES(D) bytes = cols % D::BLOCK ? -1 : cols / D::BLOCK * D::BYTES
+  SEAMLINE_DISPATCH(qtype, SEAMLINE_BYTES)
+  return bytes;
+}
+
 void prep_x(int qtype, const void* x, int dt, int64_t x_stride, int64_t cols, int64_t m0, int64_t m1,
             const XBuf& buf) {
   const int elem = dt == F32 ? 4 : 2;
@@ -309,6 +316,7 @@ void dequant_rows_bf16(int qtype, const uint8_t* w, int64_t w_stride, int64_t co
 namespace seamline_quant {
 bool cpu_supported() { return false; }
 bool qtype_supported(int) { return false; }
+int64_t row_bytes(int, int64_t) { return -1; }
 int64_t padded_cols(int64_t cols) { return (cols + 63) / 64 * 64; }
 void prep_x(int, const void*, int, int64_t, int64_t, int64_t, int64_t, const XBuf&) {}
 void gemv_rows(int, const uint8_t*, int64_t, int64_t, const XBuf&, int64_t, int64_t, int64_t, const float*, void*,

@@ -22,6 +22,7 @@ struct XBuf {
 bool cpu_supported();                 // AVX-512 F/BW/VL/DQ/VNNI present at run time
 bool qtype_supported(int qtype);      // one of the GGML types the kernels decode
 int64_t padded_cols(int64_t cols);    // cols rounded up to 64
+int64_t row_bytes(int qtype, int64_t cols);  // bytes of one row of cols weights; -1 if not whole blocks
 
 // quantise rows [m0, m1) of x (dtype dt, row stride x_stride elements) into buf
 void prep_x(int qtype, const void* x, int dt, int64_t x_stride, int64_t cols, int64_t m0, int64_t m1,

@@ -18,10 +18,13 @@ static int dtype_code(at::ScalarType t) {
   return F32;
 }
 
-static void check_weight(const at::Tensor& w, int64_t qtype) {
+static void check_weight(const at::Tensor& w, int64_t qtype, int64_t cols) {
   TORCH_CHECK_VALUE(qtype_supported((int)qtype), "quant kernels do not decode GGML type ", qtype);
   TORCH_CHECK_VALUE(w.device().is_cpu() && w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
-                    "weight blocks must be a CPU uint8 [rows, row_bytes] tensor with contiguous rows");
+                    "weight blocks must be a CPU uint8 [rows, row_bytes] tensor with contiguous rows, got ",
+                    w.sizes(), " ", w.scalar_type(), " on ", w.device());
+  TORCH_CHECK_VALUE(w.size(1) == row_bytes((int)qtype, cols),
+                    "weight rows of ", w.size(1), " bytes do not hold ", cols, " weights of GGML type ", qtype);
 }
 
 // y [M, N] = x [M, cols] @ W.T (+ bias), x quantised to int8 blocks first (decode-sized M)
@@ -66,7 +69,7 @@ static at::Tensor tiled(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
 // x [..., cols] @ W.T (+ bias) -> [..., N] in x's dtype; the fused kernel up to decode_rows rows
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols,
                   const std::optional<at::Tensor>& bias, int64_t decode_rows) {
-  check_weight(w, qtype);
+  check_weight(w, qtype, cols);
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == cols,
                     "activations must be a CPU [..., ", cols, "] tensor, got ", x.sizes());
   at::Tensor x2 = x.reshape({-1, cols});
@@ -91,7 +94,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64
 
 // W as bfloat16 [rows, cols]
 at::Tensor dequant_bf16(const at::Tensor& w, int64_t qtype, int64_t cols) {
-  check_weight(w, qtype);
+  check_weight(w, qtype, cols);
   const int64_t N = w.size(0);
   at::Tensor out = at::empty({N, cols}, w.options().dtype(at::kBFloat16));
   uint16_t* op = (uint16_t*)out.data_ptr();
