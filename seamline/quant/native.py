@@ -25,7 +25,8 @@ ENV_SWITCH = "SEAMLINE_QUANT_KERNELS"  # "0" turns the C++ kernels off
 KERNEL_DIR = Path(__file__).parent / "kernels"
 SOURCES = ("ops.cpp", "kernels.cpp")
 HEADERS = ("kernels.h", "blocks.h")
-CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno")
+CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for is inline
+LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch already loaded, so set_num_threads holds
 
 
 def _digest() -> str:
@@ -57,6 +58,7 @@ def _build(name: str, build_dir: Path) -> None:
             name=name,
             sources=[str(KERNEL_DIR / s) for s in SOURCES],
             extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
             is_python_module=False,
             verbose=False,
