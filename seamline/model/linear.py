@@ -40,7 +40,41 @@ class RowConcat:
         return f"RowConcat({', '.join(map(repr, self.parts))})"
 
 
-Weight = torch.Tensor | QuantTensor | RowConcat
+class ColumnWindow:
+    """Columns [lead, lead + width) of ``cover``, the whole quant blocks around them: a lockstep
+    rank's share of a weight split across its input columns, where the split cuts blocks. The
+    columns outside the window meet zero inputs, so the product is exact; the cost is at most
+    two extra blocks a row."""
+
+    __slots__ = ("cover", "lead", "width", "shape")
+
+    def __init__(self, cover: QuantTensor, lead: int, width: int) -> None:
+        self.cover, self.lead, self.width = cover, lead, width
+        self.shape = (*cover.shape[:-1], width)
+
+    @classmethod
+    def around(cls, w: QuantTensor, start: int, end: int) -> "ColumnWindow":
+        """The window of columns [start, end) of ``w``."""
+        block = w.block_size
+        first, last = start // block * block, -(-end // block) * block
+        return cls(w.column_slice(first, last), start - first, end - start)
+
+    @property
+    def nbytes(self) -> int:
+        return self.cover.nbytes
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def padded(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., width] placed in zeros [..., cover width]."""
+        return F.pad(x, (self.lead, self.cover.shape[-1] - self.lead - self.width))
+
+    def __repr__(self) -> str:
+        return f"ColumnWindow({self.cover!r}, lead={self.lead}, width={self.width})"
+
+
+Weight = torch.Tensor | QuantTensor | RowConcat | ColumnWindow
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,6 +86,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return out.to(x.dtype) if bias is None else out.to(x.dtype) + bias
     if isinstance(w, QuantTensor):
         return quant_linear(x, w, bias)
+    if isinstance(w, ColumnWindow):
+        return quant_linear(w.padded(x), w.cover, bias)
     out = torch.cat([linear(x, part) for part in w.parts], dim=-1)
     return out if bias is None else out + bias
 
@@ -71,6 +107,8 @@ def rows(w: Weight, start: int, end: int) -> Weight:
         return w[..., start:end, :]
     if isinstance(w, QuantTensor):
         return w.row_slice(start, end)
+    if isinstance(w, ColumnWindow):
+        return ColumnWindow(w.cover.row_slice(start, end), w.lead, w.width)
     picked, offset = [], 0
     for part in w.parts:
         size = part.shape[-2]
@@ -88,6 +126,8 @@ def columns(w: Weight, start: int, end: int) -> Weight:
         return w[..., start:end]
     if isinstance(w, QuantTensor):
         return w.column_slice(start, end)
+    if isinstance(w, ColumnWindow):
+        raise ValueError("a column window is not sliced again")
     return RowConcat([columns(part, start, end) for part in w.parts])
 
 
@@ -97,6 +137,8 @@ def select(w: Weight, index: int) -> Weight:
         return w[index]
     if isinstance(w, QuantTensor):
         return w.select(index)
+    if isinstance(w, ColumnWindow):
+        return ColumnWindow(w.cover.select(index), w.lead, w.width)
     return RowConcat([select(part, index) for part in w.parts])
 
 
@@ -104,6 +146,8 @@ def granule(w: Weight) -> int:
     """The column step a slice of ``w`` must keep to: its largest quant block, or 1."""
     if isinstance(w, QuantTensor):
         return w.block_size
+    if isinstance(w, ColumnWindow):
+        return w.cover.block_size
     if isinstance(w, RowConcat):
         return max(granule(part) for part in w.parts)
     return 1
@@ -119,6 +163,8 @@ def weight_bytes(w: Weight) -> int:
 def to_device(w: Weight, device: torch.device | str) -> Weight:
     if isinstance(w, RowConcat):
         return RowConcat([to_device(part, device) for part in w.parts])
+    if isinstance(w, ColumnWindow):
+        return ColumnWindow(w.cover.to(device), w.lead, w.width)
     return w.to(device)
 
 
@@ -128,6 +174,8 @@ def to_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:
         return w.to(dtype)
     if isinstance(w, QuantTensor):
         return w.dequantize(dtype)
+    if isinstance(w, ColumnWindow):
+        return w.cover.dequantize(dtype)[..., w.lead : w.lead + w.width]
     return torch.cat([to_float(part, dtype) for part in w.parts], dim=-2)
 
 
@@ -135,6 +183,8 @@ def leading_bytes(w: Weight, count: int) -> bytes:
     """The first ``count`` stored elements (or block bytes) of ``w``: a cheap fingerprint."""
     if isinstance(w, RowConcat):
         return leading_bytes(w.parts[0], count)
+    if isinstance(w, ColumnWindow):
+        return leading_bytes(w.cover, count)
     if isinstance(w, QuantTensor):
         return w.data.reshape(-1)[:count].cpu().numpy().tobytes()
     return w.detach().reshape(-1)[:count].float().cpu().numpy().tobytes()
@@ -145,5 +195,5 @@ def dequantize_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
     dequantised path benchmarks compare against)."""
     for sub in module.modules():
         for name, value in list(vars(sub).items()):
-            if isinstance(value, (QuantTensor, RowConcat)):
+            if isinstance(value, (QuantTensor, RowConcat, ColumnWindow)):
                 setattr(sub, name, torch.nn.Parameter(to_float(value, dtype), requires_grad=False))

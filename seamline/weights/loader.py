@@ -5,10 +5,11 @@ the checkpoint lacks, a tensor the checkpoint has and no model of this config wo
 a wrong shape or a non-float dtype each raise a CheckpointError naming the tensor.
 
 Quantized weights (``QuantTensor``) stay quantized: fused parts of one quant type become one
-QuantTensor, parts of mixed types a ``RowConcat``. Three kinds are made float at load: the
+QuantTensor, parts of mixed types a ``RowConcat``. Two kinds are made float at load: the
 MoE router and its bias (float32: routing decisions), MLA's ``kv_b`` (small, and the absorbed
-attention reads it per head), and a column slice that would cut quant blocks (a lockstep
-rank's share of an attention output or feed-forward down projection; logged).
+attention reads it per head). A lockstep rank's column share that cuts quant blocks (an
+attention output projection split by heads) keeps the whole blocks around it as a
+``ColumnWindow`` (exact; logged once per type).
 A float matrix narrower than ``dtype`` (a bfloat16 checkpoint under float32) keeps its dtype.
 """
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
-from seamline.model.linear import RowConcat, Weight, columns, rows, to_float
+from seamline.model.linear import ColumnWindow, RowConcat, Weight, columns, rows, to_float
 from seamline.model.ownership import Ownership, Range
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm
@@ -187,17 +188,18 @@ def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None)
     if plan.slice_dim == 0:
         return rows(tensor, start, end) if tensor.dim() >= 2 else tensor[start:end]
     if isinstance(tensor, QuantTensor) and not tensor.column_aligned(start, end):
-        _warn_dequantised(name, tensor)
-        return to_float(tensor, torch.bfloat16)[:, start:end]
+        _warn_window(name, tensor)
+        return ColumnWindow.around(tensor, start, end)
     return columns(tensor, start, end)
 
 
 _warned: set[str] = set()
 
 
-def _warn_dequantised(name: str, tensor: QuantTensor) -> None:
+def _warn_window(name: str, tensor: QuantTensor) -> None:
     """Once per quant type: this rank's column share cuts the type's blocks."""
     if tensor.qtype.name not in _warned:
         _warned.add(tensor.qtype.name)
-        log.warning("this rank's columns of %s (%s) cut its %d-wide blocks: such shares are held "
-                    "dequantised to bfloat16", name, tensor.qtype.name, tensor.block_size)
+        log.warning("this rank's columns of %s (%s) cut its %d-wide blocks: such shares keep the "
+                    "whole blocks around them (at most two more a row) and zero the inputs outside",
+                    name, tensor.qtype.name, tensor.block_size)
