@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 import sys
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -73,7 +74,7 @@ def _load() -> Any:
     name = f"seamline_quant_{_digest()}"
     build_dir = cache_dir() / name
     library, failed = build_dir / f"{name}.so", build_dir / "FAILED"
-    if library.exists():
+    if library.exists() and not (build_dir / "lock").exists():  # "lock": another process still building
         torch.ops.load_library(str(library))
     elif failed.exists():
         raise RuntimeError(f"an earlier build failed; remove {build_dir} to retry")
@@ -87,9 +88,17 @@ def _load() -> Any:
     return torch.ops.seamline_quant
 
 
+_BUILD_LOCK = threading.Lock()
+
+
 @lru_cache(maxsize=1)
 def kernels() -> Any | None:
     """torch.ops.seamline_quant, or None (logged once) when the kernels are unavailable here."""
+    with _BUILD_LOCK:  # one build per process; the builder's lock file serialises processes
+        return _kernels_once()
+
+
+def _kernels_once() -> Any | None:
     if os.environ.get(ENV_SWITCH, "1") == "0":
         return None
     if platform.machine().lower() not in ("x86_64", "amd64"):
