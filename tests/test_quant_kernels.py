@@ -138,3 +138,24 @@ def test_quant_linear_refuses_wrong_shapes(ops) -> None:
         quant_linear(torch.randn(2, 64), random_weight(KERNEL_TYPES[0], (2, 4, 64)))
     with pytest.raises(ValueError):  # blocks that do not hold the stated columns
         ops.linear(torch.randn(2, 96), w.data, w.qtype, 96, None, 16)
+
+
+def test_strided_activations_and_thread_counts(ops) -> None:
+    """Rows are independent, so any activation layout and any thread count give the same bits."""
+    gen = torch.Generator().manual_seed(6)
+    w = random_weight(KERNEL_TYPES[5], (37, 512), gen)  # Q4_K
+    big = torch.randn(5, 700, generator=gen)
+    x = big[:, 100:612]  # rows 700 apart
+    xt = torch.randn(512, 5, generator=gen).T  # columns not contiguous
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [quant_linear(v, w) for v in (x, xt)]
+        torch.set_num_threads(2)
+        two = [quant_linear(v, w) for v in (x, xt)]
+    finally:
+        torch.set_num_threads(threads)
+    for a, b, v in zip(one, two, (x, xt)):
+        assert torch.equal(a, b)
+        assert torch.equal(a, quant_linear(v.contiguous(), w))
+        _assert_close(a, _reference(v, w), "strided activations")
