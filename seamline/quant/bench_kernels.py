@@ -1,6 +1,7 @@
-"""Random valid GGUF blocks, and a timing table of quant_linear against float F.linear.
+"""Random valid GGUF blocks, and timings of quant_linear against float F.linear.
 
-``python -m seamline.quant.bench_kernels`` prints ms per call for each quant type and shape.
+``python -m seamline.quant.bench_kernels`` prints ms per call for each quant type and shape,
+then the ms of all the weight matmuls of one decode token of two model shapes (random weights).
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ HALF_FIELDS = {  # byte offsets of each block's fp16 scale / min fields
     T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
 }
 SHAPES = ((1, 576, 576), (1, 1536, 576), (1, 8192, 2048), (1, 49152, 576), (512, 2048, 2048))  # (M, rows, cols)
+# the weight matmuls of one decode token: (type, (rows, cols), count)
+MODELS: dict[str, tuple[tuple[T, tuple[int, int], int], ...]] = {
+    "SmolLM2-135M Q4_1, Q8_0 head": (
+        (T.Q4_1, (576, 576), 60), (T.Q4_1, (192, 576), 60), (T.Q4_1, (1536, 576), 60),
+        (T.Q4_1, (576, 1536), 30), (T.Q8_0, (49152, 576), 1),
+    ),
+    "Llama-3.2-1B Q4_K_M": (  # Q6_K for attn_v / ffn_down in 7 of 16 layers and the head
+        (T.Q4_K, (2048, 2048), 32), (T.Q4_K, (512, 2048), 25), (T.Q6_K, (512, 2048), 7),
+        (T.Q4_K, (8192, 2048), 32), (T.Q4_K, (2048, 8192), 9), (T.Q6_K, (2048, 8192), 7),
+        (T.Q6_K, (128256, 2048), 1),
+    ),
+}
 
 
 def random_weight(qtype: T, shape: tuple[int, ...], gen: torch.Generator | None = None) -> QuantTensor:
@@ -81,10 +94,28 @@ def bench(dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)) -> 
     return table
 
 
+def model_token_ms(name: str, dtype: torch.dtype = torch.float32, repeats: int = 5) -> float:
+    """Best wall ms of one pass over all the weight matmuls of MODELS[name], one activation row."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [random_weight(qt, shape, gen) for qt, shape, count in MODELS[name] for _ in range(count)]
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], generator=gen).to(dtype) for w in weights}
+    best = math.inf
+    for _ in range(repeats + 1):  # the first pass warms up
+        start = time.perf_counter()
+        for w in weights:
+            quant_linear(xs[w.shape[1]], w)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
 def main() -> None:
+    print(f"{torch.get_num_threads()} threads; ms per call", flush=True)
     for row in bench():
         cells = [f"{k}={v:.3f}" if isinstance(v, float) else f"{v}" for k, v in row.items()]
         print("  ".join(cells), flush=True)
+    for name in MODELS:
+        for dt in (torch.float32, torch.bfloat16):
+            print(f"{name}, {dt}: {model_token_ms(name, dt):.2f} ms of matmuls per token", flush=True)
 
 
 if __name__ == "__main__":
