@@ -1,6 +1,8 @@
-// AVX-512 kernels over GGUF blocks: the activations are quantised to int8 per 32-wide block
-// (as llama.cpp does), each weight pair is decoded once per row and multiplied with vpdpbusd
-// (unsigned weight quants x signed activations), block scales applied in float.
+// AVX-512 kernels over GGUF blocks, read as they lie in the file. As llama.cpp does, the
+// activations are first rounded to int8: per 32-wide block with a float scale for the 32-wide
+// types (whose pairs of blocks are multiplied with vpdpbusd, block scales applied in float),
+// per 256 for K-quants (integer dot per super-block, see dot_super). Prefill instead
+// dequantises to bfloat16 (dequant_rows_bf16) for torch's GEMM.
 // Only this file is compiled for AVX-512; callers check cpu_supported() first.
 #include "kernels.h"
 
