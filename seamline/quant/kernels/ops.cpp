@@ -43,7 +43,8 @@ static at::Tensor fused(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   at::Tensor out = at::empty({M, N}, x.options());
   void* op = out.data_ptr();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t grain = std::max<int64_t>(4, 65536 / (cols * M));
+  // split only matrices of more than ~256K weights: below, waking a thread costs what it saves
+  const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 18) / (cols * M));
   at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     gemv_rows((int)qtype, wp, w.stride(0), cols, buf, M, r0, r1, bp, op, dt, N);
   });
