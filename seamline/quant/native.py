@@ -54,7 +54,7 @@ def _build(name: str, build_dir: Path) -> None:
     bin_dir = os.path.dirname(sys.executable)
     os.environ["PATH"] = os.pathsep.join([old_path, bin_dir]) if old_path else bin_dir
     try:
-        log.warning("compiling the quant kernels once (about a minute) into %s", build_dir)
+        log.warning("compiling the quant kernels once (about 15 s) into %s", build_dir)
         load(
             name=name,
             sources=[str(KERNEL_DIR / s) for s in SOURCES],
