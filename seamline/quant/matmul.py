@@ -11,7 +11,6 @@ Elsewhere (CUDA, no kernels, ``use_kernels=False``): dequantise, then F.linear.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -24,10 +23,14 @@ DECODE_ROWS = 16  # up to this many rows the fused kernel beats dequantise + GEM
 _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
-@lru_cache(maxsize=1)
+_OP: list[Callable[..., torch.Tensor] | None] = []  # the kernel op (or None), resolved on first use
+
+
 def _kernel_op() -> Callable[..., torch.Tensor] | None:
-    ops = kernels()
-    return None if ops is None else ops.linear.default
+    if not _OP:  # a plain list, not a cache wrapper, so that torch.compile traces through
+        ops = kernels()
+        _OP.append(None if ops is None else ops.linear.default)
+    return _OP[0]
 
 
 def quant_linear(

@@ -115,4 +115,18 @@ def _kernels_once() -> Any | None:
     if not ops.cpu_supported():
         log.warning("CPU lacks AVX-512 VNNI; quantized matmuls use the slower torch path")
         return None
+    _register_shapes()
     return ops
+
+
+def _register_shapes() -> None:
+    """Shape-only versions of the ops, so that tracers (torch.compile, meta tensors) see through them."""
+
+    @torch.library.register_fake("seamline_quant::linear")
+    def _linear(x: torch.Tensor, w: torch.Tensor, qtype: int, cols: int, bias: torch.Tensor | None,
+                decode_rows: int) -> torch.Tensor:  # fmt: skip
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
+
+    @torch.library.register_fake("seamline_quant::dequant_bf16")
+    def _dequant(w: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+        return w.new_empty((w.shape[0], cols), dtype=torch.bfloat16)
