@@ -64,15 +64,17 @@ struct NoHead {
   explicit NoHead(const uint8_t*) {}
 };
 
-// 32-wide block types: a unit is two consecutive blocks
+// 32-wide block types: a unit is two consecutive blocks; every block starts with its fp16
+// scale d, and the types with a min keep it right after (the grouped path gathers both)
 struct DQ4_0 {
   static constexpr int BLOCK = 32, BYTES = 18, OFFSET = 8, PAIRS = 1;
   static constexpr bool MIN = false;
   using Head = NoHead;
   static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
-    o.q = nib_pair(p + 2, p + 20);
+    o.q = quants(p);
     o.scale = halves<0, 9>(p);
   }
+  static inline __m512i quants(const uint8_t* p) { return nib_pair(p + 2, p + 20); }
 };
 
 struct DQ4_1 {
@@ -80,10 +82,11 @@ struct DQ4_1 {
   static constexpr bool MIN = true;
   using Head = NoHead;
   static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
-    o.q = nib_pair(p + 4, p + 24);
+    o.q = quants(p);
     o.scale = halves<0, 10>(p);
     o.minv = halves<1, 11>(p);
   }
+  static inline __m512i quants(const uint8_t* p) { return nib_pair(p + 4, p + 24); }
 };
 
 struct DQ5_0 {
@@ -91,8 +94,11 @@ struct DQ5_0 {
   static constexpr bool MIN = false;
   using Head = NoHead;
   static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
-    o.q = add_hi(nib_pair(p + 6, p + 28), ld32(p + 2) | (uint64_t)ld32(p + 24) << 32);
+    o.q = quants(p);
     o.scale = halves<0, 11>(p);
+  }
+  static inline __m512i quants(const uint8_t* p) {
+    return add_hi(nib_pair(p + 6, p + 28), ld32(p + 2) | (uint64_t)ld32(p + 24) << 32);
   }
 };
 
@@ -101,9 +107,12 @@ struct DQ5_1 {
   static constexpr bool MIN = true;
   using Head = NoHead;
   static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
-    o.q = add_hi(nib_pair(p + 8, p + 32), ld32(p + 4) | (uint64_t)ld32(p + 28) << 32);
+    o.q = quants(p);
     o.scale = halves<0, 12>(p);
     o.minv = halves<1, 13>(p);
+  }
+  static inline __m512i quants(const uint8_t* p) {
+    return add_hi(nib_pair(p + 8, p + 32), ld32(p + 4) | (uint64_t)ld32(p + 28) << 32);
   }
 };
 
@@ -112,11 +121,14 @@ struct DQ8_0 {
   static constexpr bool MIN = false;
   using Head = NoHead;
   static inline void decode(const uint8_t* p, const Head&, int, Pair& o) {
+    o.q = quants(p);
+    o.scale = halves<0, 17>(p);
+  }
+  static inline __m512i quants(const uint8_t* p) {
     __m256i a = _mm256_loadu_si256((const __m256i*)(p + 2));
     __m256i c = _mm256_loadu_si256((const __m256i*)(p + 36));
     __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(a), c, 1);
-    o.q = _mm512_xor_si512(z, _mm512_set1_epi8((char)0x80));  // signed -> unsigned + 128
-    o.scale = halves<0, 17>(p);
+    return _mm512_xor_si512(z, _mm512_set1_epi8((char)0x80));  // signed -> unsigned + 128
   }
 };
 

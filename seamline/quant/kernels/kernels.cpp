@@ -43,7 +43,7 @@ static inline void store1(void* out, int dt, int64_t i, float v) {
 
 // One activation row: int8 blocks of 32 with one float scale each, lane sums in aux.
 static void prep_row(const void* x, int dt, int64_t cols, int offset, bool min, int8_t* xq,
-                     float* xs, float* aux, int64_t kp) {
+                     float* xs, float* aux, float* blk, int64_t kp) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t b = 0; b < cols / 32; ++b) {
     __m512 v0 = load16(x, dt, 32 * b), v1 = load16(x, dt, 32 * b + 16);
@@ -64,6 +64,10 @@ static void prep_row(const void* x, int dt, int64_t cols, int offset, bool min, 
     __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_loadu_si512(xq + 64 * p));
     if (offset) _mm512_storeu_si512(aux + 16 * p, _mm512_mullo_epi32(s, _mm512_set1_epi32(-offset)));
     if (min) _mm512_storeu_ps(aux + 16 * p, _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xs + 16 * p)));
+    for (int h = 0; h < 2; ++h) {  // per block: its scale and the sum of its rounded x
+      blk[2 * p + h] = xs[16 * p + 8 * h];
+      blk[kp / 32 + 2 * p + h] = xs[16 * p + 8 * h] * (float)_mm512_mask_reduce_add_epi32(h ? 0xFF00 : 0x00FF, s);
+    }
   }
 }
 
@@ -120,6 +124,47 @@ static inline void step(const Pair& P, const XBuf& x, int64_t m0, int64_t p, __m
   }
 }
 
+// Types with a min: groups of 16 blocks (8 pairs) of RB rows, their fp16 scales and mins gathered
+// once per group, scales folded with the activation block scales, the min terms one multiply-add
+// per group (measured +15..26% for Q4_1 / Q5_1; no gain for the others, which skip it).
+// Returns the pairs done; the rest go pair by pair.
+template <class D, int RB, int MB>
+static inline int64_t dot_groups(const uint8_t* const* rows, int64_t cols, const XBuf& x, int64_t m0,
+                                 __m512 (*acc)[MB], int64_t ahead) {
+  const int64_t groups = D::MIN ? cols / 512 : 0, bs = x.kp / 16;
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i offs = _mm512_mullo_epi32(iota, _mm512_set1_epi32(D::BYTES));
+  const __m512i pair01 = _mm512_srli_epi32(iota, 3);  // [0 x8, 1 x8]
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int r = 0; r < RB; ++r) {
+      const uint8_t* base = rows[r] + g * 16 * D::BYTES;
+      const __m512i dm = _mm512_i32gather_epi32(offs, (const void*)base, 1);  // d | m << 16
+      const __m512 d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm));
+      __m512 dx[MB];
+      for (int i = 0; i < MB; ++i) dx[i] = _mm512_mul_ps(d, _mm512_loadu_ps(x.blk + (m0 + i) * bs + 16 * g));
+      if constexpr (D::MIN) {
+        const __m512 mn = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16)));
+        for (int i = 0; i < MB; ++i)
+          acc[r][i] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(x.blk + (m0 + i) * bs + x.kp / 32 + 16 * g), acc[r][i]);
+      }
+      for (int j = 0; j < 8; ++j) {
+        const int64_t p = 8 * g + j;
+        _mm_prefetch((const char*)(base + 2 * j * D::BYTES + ahead), _MM_HINT_T0);
+        const __m512i q = D::quants(base + 2 * j * D::BYTES);
+        const __m512i idx = _mm512_add_epi32(pair01, _mm512_set1_epi32(2 * j));
+        for (int i = 0; i < MB; ++i) {
+          const int64_t m = m0 + i;
+          const __m512i xq = _mm512_loadu_si512(x.xq + m * x.kp + 64 * p);
+          const __m512i init = D::OFFSET ? _mm512_loadu_si512(x.aux + m * (x.kp / 4) + 16 * p) : _mm512_setzero_si512();
+          const __m512i dot = _mm512_dpbusd_epi32(init, q, xq);
+          acc[r][i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, dx[i]), acc[r][i]);
+        }
+      }
+    }
+  }
+  return groups * 8;
+}
+
 // RB weight rows against MB activation rows [m0, m0 + MB): res[r * MB + i] = x[m0 + i] . row r.
 // Several weight rows per pass share the activation loads (decode: M = 1).
 template <class D, int RB, int MB>
@@ -130,7 +175,7 @@ static void dot_pairs(const uint8_t* const* rows, int64_t cols, const XBuf& x, i
   const int64_t units = cols / 64;
   const NoHead none(nullptr);
   Pair P;
-  for (int64_t u = 0; u < units; ++u) {
+  for (int64_t u = dot_groups<D, RB, MB>(rows, cols, x, m0, acc, ahead); u < units; ++u) {
     for (int r = 0; r < RB; ++r) {
       _mm_prefetch((const char*)(rows[r] + u * 2 * D::BYTES + ahead), _MM_HINT_T0);
       D::decode(rows[r] + u * 2 * D::BYTES, none, 0, P);
@@ -292,9 +337,10 @@ void prep_x(int qtype, const void* x, int dt, int64_t x_stride, int64_t cols, in
     int8_t* xq = buf.xq + m * buf.kp;
     float* xs = buf.xs + m * (buf.kp / 4);
     float* aux = buf.aux + m * (buf.kp / 4);
+    float* blk = buf.blk + m * (buf.kp / 16);
 #define SEAMLINE_PREP(D)                                         \
   if (D::PAIRS == 4) prep_row_k(xr, dt, cols, xq, xs, (int16_t*)aux); \
-  else prep_row(xr, dt, cols, D::OFFSET, D::MIN, xq, xs, aux, buf.kp)
+  else prep_row(xr, dt, cols, D::OFFSET, D::MIN, xq, xs, aux, blk, buf.kp)
     SEAMLINE_DISPATCH(qtype, SEAMLINE_PREP)
   }
 }

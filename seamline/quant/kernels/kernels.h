@@ -16,6 +16,7 @@ struct XBuf {
   int8_t* xq;
   float* xs;
   float* aux;
+  float* blk;  // [kp / 16]: per 32-wide block the scale, then the sum of the rounded x
   int64_t kp;
 };
 

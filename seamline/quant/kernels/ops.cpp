@@ -32,9 +32,9 @@ static at::Tensor fused(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                         const at::Tensor& bias) {
   const int dt = dtype_code(x.scalar_type());
   const int64_t M = x.size(0), N = w.size(0), kp = padded_cols(cols);
-  at::Tensor scratch = at::empty({M * kp * 3}, x.options().dtype(at::kByte));  // xq, xs, aux
+  at::Tensor scratch = at::empty({M * kp * 3 + M * kp / 4}, x.options().dtype(at::kByte));  // xq, xs, aux, blk
   uint8_t* base = scratch.data_ptr<uint8_t>();
-  XBuf buf{(int8_t*)base, (float*)(base + M * kp), (float*)(base + 2 * M * kp), kp};
+  XBuf buf{(int8_t*)base, (float*)(base + M * kp), (float*)(base + 2 * M * kp), (float*)(base + 3 * M * kp), kp};
   const void* xp = x.data_ptr();
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / cols), [&](int64_t m0, int64_t m1) {
     prep_x((int)qtype, xp, dt, x.stride(0), cols, m0, m1, buf);
