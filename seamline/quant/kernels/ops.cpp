@@ -4,6 +4,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <vector>
+
 #include "kernels.h"
 
 namespace seamline_quant {
@@ -32,8 +34,13 @@ static at::Tensor fused(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                         const at::Tensor& bias) {
   const int dt = dtype_code(x.scalar_type());
   const int64_t M = x.size(0), N = w.size(0), kp = padded_cols(cols);
-  at::Tensor scratch = at::empty({M * kp * 3 + M * kp / 4}, x.options().dtype(at::kByte));  // xq, xs, aux, blk
-  uint8_t* base = scratch.data_ptr<uint8_t>();
+  // xq, xs, aux, blk: a per-thread buffer reused across calls (up to 4 MB), else a fresh one
+  const size_t need = M * kp * 3 + M * kp / 4 + 64;
+  thread_local std::vector<uint8_t> reused;
+  std::vector<uint8_t> fresh;
+  std::vector<uint8_t>& scratch = need <= (size_t{1} << 22) ? reused : fresh;
+  if (scratch.size() < need) scratch.resize(need);
+  uint8_t* base = (uint8_t*)(((uintptr_t)scratch.data() + 63) & ~(uintptr_t)63);
   XBuf buf{(int8_t*)base, (float*)(base + M * kp), (float*)(base + 2 * M * kp), (float*)(base + 3 * M * kp), kp};
   const void* xp = x.data_ptr();
   at::parallel_for(0, M, std::max<int64_t>(1, 32768 / cols), [&](int64_t m0, int64_t m1) {
@@ -73,7 +80,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64
   check_weight(w, qtype, cols);
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == cols,
                     "activations must be a CPU [..., ", cols, "] tensor, got ", x.sizes());
-  at::Tensor x2 = x.reshape({-1, cols});
+  at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, cols});
   if (x2.stride(1) != 1) x2 = x2.contiguous();
   const int64_t N = w.size(0);
   at::Tensor b;
@@ -88,6 +95,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64
     out = tiled(x2, w, qtype, cols).to(x.scalar_type());
     if (b.defined()) out.add_(b);
   }
+  if (x.dim() == 2) return out;
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   return out.view(shape);
