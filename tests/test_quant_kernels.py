@@ -79,8 +79,10 @@ def test_dequant_bf16_kernel_matches_torch(ops, qtype) -> None:
     gen = torch.Generator().manual_seed(2)
     for blocks in (1, 2, 3):
         w = random_weight(qtype, (9, _cols(qtype, blocks)), gen)
-        got = ops.dequant_bf16(w.data, int(qtype), w.shape[1])
-        assert torch.equal(got, dequantize(w, torch.bfloat16)), f"{blocks} blocks"
+        want = dequantize(w, torch.bfloat16)
+        for bf16_ops in (True, False):  # AVX512-BF16 rounding (where present) and integer rounding
+            got = ops.dequant_bf16(w.data, int(qtype), w.shape[1], bf16_ops)
+            assert torch.equal(got, want), f"{blocks} blocks, bf16 instructions {bf16_ops}"
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)

@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SEAMLINE_QUANT_KERNELS"  # "0" turns the C++ kernels off
 KERNEL_DIR = Path(__file__).parent / "kernels"
-SOURCES = ("ops.cpp", "kernels.cpp")
-HEADERS = ("kernels.h", "blocks.h")
+SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp")
+HEADERS = ("kernels.h", "blocks.h")  # sources and headers: the cache key
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for is inline
 LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch already loaded, so set_num_threads holds
 
@@ -128,5 +128,5 @@ def _register_shapes() -> None:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake("seamline_quant::dequant_bf16")
-    def _dequant(w: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+    def _dequant(w: torch.Tensor, qtype: int, cols: int, native: bool = True) -> torch.Tensor:
         return w.new_empty((w.shape[0], cols), dtype=torch.bfloat16)

@@ -12,6 +12,7 @@
 #include <cstring>
 
 namespace seamline_quant {
+namespace {  // internal linkage: each kernel file compiles these for its own target
 
 struct Pair {
   __m512i q;      // 64 unsigned quants, element order
@@ -275,4 +276,54 @@ struct DQ6_K {
   }
 };
 
+// hands every pair p of a row, decoded, to f(p, P); an odd last 32-wide block gets a zero partner
+template <class D, class F>
+inline void for_pairs(const uint8_t* row, int64_t cols, F&& f) {
+  constexpr int64_t unit_bytes = D::PAIRS == 1 ? 2 * D::BYTES : D::BYTES;
+  const int64_t units = cols / (64 * D::PAIRS);
+  Pair P;
+  for (int64_t u = 0; u < units; ++u) {
+    const uint8_t* up = row + u * unit_bytes;
+    const typename D::Head head(up);
+    for (int j = 0; j < D::PAIRS; ++j) {
+      D::decode(up, head, j, P);
+      f(u * D::PAIRS + j, P);
+    }
+  }
+  if (D::PAIRS == 1 && cols % 64) {
+    uint8_t tmp[2 * D::BYTES] = {0};
+    std::memcpy(tmp, row + units * unit_bytes, D::BYTES);
+    const typename D::Head head(tmp);
+    D::decode(tmp, head, 0, P);
+    f(units, P);
+  }
+}
+
+// weights of chunk C (elements 16C..16C+15, lanes 4C..4C+3) of a pair as floats, with
+// gguf-py's rounding steps: (q - OFFSET) * scale (+ min)
+template <class D, int C>
+inline __m512 chunk_f32(const Pair& P) {
+  const __m512i q = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(P.q, C));
+  const __m512i idx = _mm512_set_epi32(4 * C + 3, 4 * C + 3, 4 * C + 3, 4 * C + 3, 4 * C + 2, 4 * C + 2, 4 * C + 2,
+                                       4 * C + 2, 4 * C + 1, 4 * C + 1, 4 * C + 1, 4 * C + 1, 4 * C, 4 * C, 4 * C, 4 * C);
+  __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(D::OFFSET)));
+  f = _mm512_mul_ps(f, _mm512_permutexvar_ps(idx, P.scale));
+  if constexpr (D::MIN) f = _mm512_add_ps(f, _mm512_permutexvar_ps(idx, P.minv));
+  return f;
+}
+
+}  // namespace
 }  // namespace seamline_quant
+
+#define SEAMLINE_DISPATCH(qtype, CALL) \
+  switch (qtype) {                     \
+    case 2: CALL(DQ4_0); break;        \
+    case 3: CALL(DQ4_1); break;        \
+    case 6: CALL(DQ5_0); break;        \
+    case 7: CALL(DQ5_1); break;        \
+    case 8: CALL(DQ8_0); break;        \
+    case 12: CALL(DQ4_K); break;       \
+    case 13: CALL(DQ5_K); break;       \
+    case 14: CALL(DQ6_K); break;       \
+    default: break;                    \
+  }

@@ -88,29 +88,6 @@ static void prep_row_k(const void* x, int dt, int64_t cols, int8_t* xq, float* x
   }
 }
 
-// hands every pair p of a row, decoded, to f(p, P); an odd last 32-wide block gets a zero partner
-template <class D, class F>
-static inline void for_pairs(const uint8_t* row, int64_t cols, F&& f) {
-  constexpr int64_t unit_bytes = D::PAIRS == 1 ? 2 * D::BYTES : D::BYTES;
-  const int64_t units = cols / (64 * D::PAIRS);
-  Pair P;
-  for (int64_t u = 0; u < units; ++u) {
-    const uint8_t* up = row + u * unit_bytes;
-    const typename D::Head head(up);
-    for (int j = 0; j < D::PAIRS; ++j) {
-      D::decode(up, head, j, P);
-      f(u * D::PAIRS + j, P);
-    }
-  }
-  if (D::PAIRS == 1 && cols % 64) {
-    uint8_t tmp[2 * D::BYTES] = {0};
-    std::memcpy(tmp, row + units * unit_bytes, D::BYTES);
-    const typename D::Head head(tmp);
-    D::decode(tmp, head, 0, P);
-    f(units, P);
-  }
-}
-
 template <class D, int MB>
 static inline void step(const Pair& P, const XBuf& x, int64_t m0, int64_t p, __m512* acc) {
   for (int j = 0; j < MB; ++j) {
@@ -268,16 +245,10 @@ static void gemv_t(const uint8_t* w, int64_t w_stride, int64_t cols, const XBuf&
   }
 }
 
-// weights of one pair as bfloat16: chunk C holds elements 16C..16C+15 (lanes 4C..4C+3)
+// chunk C of a pair rounded to bfloat16 (nearest even) by integer arithmetic
 template <class D, int C>
 static inline void chunk_bf16(const Pair& P, uint16_t* dst) {
-  __m512i q = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(P.q, C));
-  const __m512i idx = _mm512_set_epi32(4 * C + 3, 4 * C + 3, 4 * C + 3, 4 * C + 3, 4 * C + 2, 4 * C + 2, 4 * C + 2,
-                                       4 * C + 2, 4 * C + 1, 4 * C + 1, 4 * C + 1, 4 * C + 1, 4 * C, 4 * C, 4 * C, 4 * C);
-  __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(D::OFFSET)));
-  f = _mm512_mul_ps(f, _mm512_permutexvar_ps(idx, P.scale));  // same rounding steps as gguf-py
-  if constexpr (D::MIN) f = _mm512_add_ps(f, _mm512_permutexvar_ps(idx, P.minv));
-  __m512i u = _mm512_castps_si512(f);  // round to nearest even bfloat16
+  __m512i u = _mm512_castps_si512(chunk_f32<D, C>(P));
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   u = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   _mm256_storeu_si256((__m256i*)(dst + 16 * C), _mm512_cvtepi32_epi16(u));
@@ -301,19 +272,6 @@ static void dequant_t(const uint8_t* w, int64_t w_stride, int64_t cols, int64_t 
     });
   }
 }
-
-#define SEAMLINE_DISPATCH(qtype, CALL)           \
-  switch (qtype) {                               \
-    case 2: CALL(DQ4_0); break;                  \
-    case 3: CALL(DQ4_1); break;                  \
-    case 6: CALL(DQ5_0); break;                  \
-    case 7: CALL(DQ5_1); break;                  \
-    case 8: CALL(DQ8_0); break;                  \
-    case 12: CALL(DQ4_K); break;                 \
-    case 13: CALL(DQ5_K); break;                 \
-    case 14: CALL(DQ6_K); break;                 \
-    default: break;                              \
-  }
 
 bool qtype_supported(int qtype) {
   bool ok = false;
@@ -352,7 +310,9 @@ void gemv_rows(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, cons
 }
 
 void dequant_rows_bf16(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0, int64_t r1,
-                       uint16_t* out) {
+                       uint16_t* out, bool native) {
+  static const bool has_bf16 = cpu_has_bf16();
+  if (native && has_bf16) return dequant_rows_bf16_native(qtype, w, w_stride, cols, r0, r1, out);
 #define SEAMLINE_DEQ(D) dequant_t<D>(w, w_stride, cols, r0, r1, out)
   SEAMLINE_DISPATCH(qtype, SEAMLINE_DEQ)
 }
@@ -369,7 +329,7 @@ int64_t padded_cols(int64_t cols) { return (cols + 63) / 64 * 64; }
 void prep_x(int, const void*, int, int64_t, int64_t, int64_t, int64_t, const XBuf&) {}
 void gemv_rows(int, const uint8_t*, int64_t, int64_t, const XBuf&, int64_t, int64_t, int64_t, const float*, void*,
                int, int64_t) {}
-void dequant_rows_bf16(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*) {}
+void dequant_rows_bf16(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*, bool) {}
 }  // namespace seamline_quant
 
 #endif

@@ -35,8 +35,12 @@ void gemv_rows(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, cons
                int64_t rows_x, int64_t r0, int64_t r1, const float* bias, void* out, int dt,
                int64_t n_out);
 
-// weight rows [r0, r1) as bfloat16 bits, out row stride = cols
+// weight rows [r0, r1) as bfloat16 bits, out row stride = cols; with native and a CPU that has
+// AVX512-BF16, rounded by its instructions (dequant_rows_bf16_native in dequant_bf16.cpp)
 void dequant_rows_bf16(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0,
-                       int64_t r1, uint16_t* out);
+                       int64_t r1, uint16_t* out, bool native);
+bool cpu_has_bf16();
+void dequant_rows_bf16_native(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0,
+                              int64_t r1, uint16_t* out);
 
 }  // namespace seamline_quant

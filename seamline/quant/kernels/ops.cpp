@@ -58,18 +58,18 @@ static at::Tensor fused(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   return out;
 }
 
-at::Tensor dequant_bf16(const at::Tensor& w, int64_t qtype, int64_t cols);
+at::Tensor dequant_bf16(const at::Tensor& w, int64_t qtype, int64_t cols, bool native);
 
 // many rows (prefill): W dequantised to bfloat16 in row tiles of ~8 MB, torch's bf16 GEMM
 // (oneDNN; AMX where the CPU has it) per tile; activations and output rounded to bf16
 static at::Tensor tiled(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols) {
   const at::Tensor xb = x.to(at::kBFloat16);
   const int64_t N = w.size(0), tile = std::max<int64_t>(64, (int64_t{1} << 22) / cols);
-  if (N <= tile) return at::linear(xb, dequant_bf16(w, qtype, cols));
+  if (N <= tile) return at::linear(xb, dequant_bf16(w, qtype, cols, true));
   at::Tensor out = at::empty({x.size(0), N}, xb.options());
   for (int64_t start = 0; start < N; start += tile) {
     const int64_t n = std::min(tile, N - start);
-    out.narrow(1, start, n).copy_(at::linear(xb, dequant_bf16(w.narrow(0, start, n), qtype, cols)));
+    out.narrow(1, start, n).copy_(at::linear(xb, dequant_bf16(w.narrow(0, start, n), qtype, cols, true)));
   }
   return out;
 }
@@ -102,14 +102,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64
 }
 
 // W as bfloat16 [rows, cols]
-at::Tensor dequant_bf16(const at::Tensor& w, int64_t qtype, int64_t cols) {
+at::Tensor dequant_bf16(const at::Tensor& w, int64_t qtype, int64_t cols, bool native) {
   check_weight(w, qtype, cols);
   const int64_t N = w.size(0);
   at::Tensor out = at::empty({N, cols}, w.options().dtype(at::kBFloat16));
   uint16_t* op = (uint16_t*)out.data_ptr();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / cols), [&](int64_t r0, int64_t r1) {
-    dequant_rows_bf16((int)qtype, wp, w.stride(0), cols, r0, r1, op);
+    dequant_rows_bf16((int)qtype, wp, w.stride(0), cols, r0, r1, op, native);
   });
   return out;
 }
@@ -122,7 +122,8 @@ bool decodes(int64_t qtype) { return qtype_supported((int)qtype); }
 
 TORCH_LIBRARY(seamline_quant, m) {
   m.def("linear(Tensor x, Tensor w, int qtype, int cols, Tensor? bias, int decode_rows) -> Tensor");
-  m.def("dequant_bf16(Tensor w, int qtype, int cols) -> Tensor");
+  // native: AVX512-BF16 rounding where the CPU has it (False: the integer rounding, for tests)
+  m.def("dequant_bf16(Tensor w, int qtype, int cols, bool native=True) -> Tensor");
   m.def("cpu_supported() -> bool", &seamline_quant::kernels_usable);
   m.def("decodes(int qtype) -> bool", &seamline_quant::decodes);
 }
