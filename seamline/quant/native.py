@@ -31,7 +31,7 @@ LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch already loaded, so set_nu
 
 
 def _digest() -> str:
-    h = hashlib.sha256(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS}".encode())
+    h = hashlib.sha256(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS} {LDFLAGS}".encode())
     for name in (*SOURCES, *HEADERS):
         h.update((KERNEL_DIR / name).read_bytes())
     return h.hexdigest()[:16]
