@@ -63,15 +63,19 @@ def _assert_close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
-def test_dequantize_matches_gguf_exactly(qtype) -> None:
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+def test_dequantize_matches_gguf_exactly(qtype, use_kernels) -> None:
     gen = torch.Generator().manual_seed(1)
-    w = random_weight(qtype, (3, 5, _cols(qtype, 3)), gen)  # experts x rows x cols
+    blocks = 3 if qtype.name.endswith("K") else 5  # an odd count of 32-wide blocks: a half pair
+    w = random_weight(qtype, (3, 5, _cols(qtype, blocks)), gen)  # experts x rows x cols
     ref = torch.from_numpy(gguf_dequantize(w.data.numpy(), qtype)).reshape(w.shape)
-    assert torch.equal(dequantize(w), ref)
-    assert torch.equal(dequantize(w, torch.bfloat16), ref.to(torch.bfloat16))
+    assert torch.equal(dequantize(w, use_kernels=use_kernels), ref)
+    for dtype in (torch.bfloat16, torch.float16):
+        assert torch.equal(dequantize(w, dtype, use_kernels=use_kernels), ref.to(dtype))
     flat = w.select(1)
     ids = torch.tensor([[4, 0], [2, 4]])
-    assert torch.equal(dequantize_rows(flat, ids), ref[1][ids])
+    assert torch.equal(dequantize_rows(flat, ids, use_kernels=use_kernels), ref[1][ids])
+    assert torch.equal(dequantize(w.select(2).row_slice(1, 4), use_kernels=use_kernels), ref[2, 1:4])
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)

@@ -1,7 +1,8 @@
 """Dequantise GGUF blocks in plain torch (any device): the CUDA path, the fallback path, embeddings.
 
 Every decoder follows gguf-py's numpy dequantiser operation by operation, so float32 results are
-bit-identical to ``gguf.quants.dequantize``; other dtypes are that result rounded once.
+bit-identical to ``gguf.quants.dequantize``; other dtypes are that result rounded once. On CPU,
+where the C++ kernels load, they do the same arithmetic ~100x faster (same bits; tested).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
+from seamline.quant.native import kernels
 from seamline.quant.tensor import QuantTensor
 
 
@@ -110,22 +112,33 @@ _DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _decode(qtype: T, data: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _decode(
+    qtype: T, data: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, use_kernels: bool
+) -> torch.Tensor:
     type_size = GGML_QUANT_SIZES[qtype][1]
+    ops = kernels() if use_kernels and data.is_cpu and dtype.is_floating_point else None
+    if ops is not None:
+        rows = data.reshape(-1, data.shape[-1])  # [rows, row_bytes]
+        if dtype == torch.bfloat16:
+            return ops.dequant_bf16(rows, qtype, shape[-1]).reshape(shape)
+        return ops.dequant_f32(rows, qtype, shape[-1]).reshape(shape).to(dtype)
     blocks = data.contiguous().reshape(-1, type_size)  # [n_blocks, type_size]
     return _DECODERS[qtype](blocks).reshape(shape).to(dtype)
 
 
-def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float weight [*lead, rows, cols] that ``w``'s blocks encode, on ``w``'s device."""
+def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, *, use_kernels: bool = True) -> torch.Tensor:
+    """The float weight [*lead, rows, cols] that ``w``'s blocks encode, on ``w``'s device;
+    ``use_kernels=False`` forces the torch decoders."""
     if w.qtype not in _DECODERS:
         raise NotImplementedError(f"no dequantiser for {w.qtype.name}")
-    return _decode(w.qtype, w.data, w.shape, dtype)
+    return _decode(w.qtype, w.data, w.shape, dtype, use_kernels)
 
 
-def dequantize_rows(w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_rows(
+    w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype = torch.float32, *, use_kernels: bool = True
+) -> torch.Tensor:
     """Rows ``ids`` of the 2-D weight ``w`` (an embedding lookup): [*ids.shape, cols], only those rows decoded."""
     if w.dim() != 2:
         raise ValueError(f"dequantize_rows needs a 2-D weight, got shape {w.shape}")
     picked = w.data.index_select(0, ids.reshape(-1).to(w.device))  # [n_ids, row_bytes]
-    return _decode(w.qtype, picked, (*ids.shape, w.shape[1]), dtype)
+    return _decode(w.qtype, picked, (*ids.shape, w.shape[1]), dtype, use_kernels)

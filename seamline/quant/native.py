@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SEAMLINE_QUANT_KERNELS"  # "0" turns the C++ kernels off
 KERNEL_DIR = Path(__file__).parent / "kernels"
-SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp")
+SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp", "float_gemv.cpp")
 HEADERS = ("kernels.h", "blocks.h")  # sources and headers: the cache key
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for is inline
 LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch already loaded, so set_num_threads holds
@@ -130,3 +130,7 @@ def _register_shapes() -> None:
     @torch.library.register_fake("seamline_quant::dequant_bf16")
     def _dequant(w: torch.Tensor, qtype: int, cols: int, native: bool = True) -> torch.Tensor:
         return w.new_empty((w.shape[0], cols), dtype=torch.bfloat16)
+
+    @torch.library.register_fake("seamline_quant::dequant_f32")
+    def _dequant_f32(w: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
+        return w.new_empty((w.shape[0], cols), dtype=torch.float32)

@@ -309,6 +309,26 @@ void gemv_rows(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, cons
   SEAMLINE_DISPATCH(qtype, SEAMLINE_GEMV)
 }
 
+template <class D>
+static void dequant_f32_t(const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0, int64_t r1, float* out) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* dst = out + r * cols;
+    for_pairs<D>(w + r * w_stride, cols, [&](int64_t p, const Pair& P) {
+      _mm512_storeu_ps(dst + 64 * p, chunk_f32<D, 0>(P));
+      _mm512_storeu_ps(dst + 64 * p + 16, chunk_f32<D, 1>(P));
+      if (64 * p + 64 > cols) return;  // the odd last block of a row
+      _mm512_storeu_ps(dst + 64 * p + 32, chunk_f32<D, 2>(P));
+      _mm512_storeu_ps(dst + 64 * p + 48, chunk_f32<D, 3>(P));
+    });
+  }
+}
+
+void dequant_rows_f32(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0, int64_t r1,
+                      float* out) {
+#define SEAMLINE_DEQ_F32(D) dequant_f32_t<D>(w, w_stride, cols, r0, r1, out)
+  SEAMLINE_DISPATCH(qtype, SEAMLINE_DEQ_F32)
+}
+
 void dequant_rows_bf16(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0, int64_t r1,
                        uint16_t* out, bool native) {
   static const bool has_bf16 = cpu_has_bf16();
@@ -330,6 +350,7 @@ void prep_x(int, const void*, int, int64_t, int64_t, int64_t, int64_t, const XBu
 void gemv_rows(int, const uint8_t*, int64_t, int64_t, const XBuf&, int64_t, int64_t, int64_t, const float*, void*,
                int, int64_t) {}
 void dequant_rows_bf16(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, uint16_t*, bool) {}
+void dequant_rows_f32(int, const uint8_t*, int64_t, int64_t, int64_t, int64_t, float*) {}
 }  // namespace seamline_quant
 
 #endif

@@ -39,6 +39,9 @@ void gemv_rows(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, cons
 // AVX512-BF16, rounded by its instructions (dequant_rows_bf16_native in dequant_bf16.cpp)
 void dequant_rows_bf16(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0,
                        int64_t r1, uint16_t* out, bool native);
+// weight rows [r0, r1) as float32, bit-identical to gguf-py's dequantiser
+void dequant_rows_f32(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0, int64_t r1,
+                      float* out);
 bool cpu_has_bf16();
 void dequant_rows_bf16_native(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0,
                               int64_t r1, uint16_t* out);

@@ -114,6 +114,19 @@ at::Tensor dequant_bf16(const at::Tensor& w, int64_t qtype, int64_t cols, bool n
   return out;
 }
 
+// W as float32 [rows, cols], bit-identical to gguf-py
+at::Tensor dequant_f32(const at::Tensor& w, int64_t qtype, int64_t cols) {
+  check_weight(w, qtype, cols);
+  const int64_t N = w.size(0);
+  at::Tensor out = at::empty({N, cols}, w.options().dtype(at::kFloat));
+  float* op = out.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / cols), [&](int64_t r0, int64_t r1) {
+    dequant_rows_f32((int)qtype, wp, w.stride(0), cols, r0, r1, op);
+  });
+  return out;
+}
+
 bool kernels_usable() { return cpu_supported(); }
 
 bool decodes(int64_t qtype) { return qtype_supported((int)qtype); }
@@ -124,6 +137,7 @@ TORCH_LIBRARY(seamline_quant, m) {
   m.def("linear(Tensor x, Tensor w, int qtype, int cols, Tensor? bias, int decode_rows) -> Tensor");
   // native: AVX512-BF16 rounding where the CPU has it (False: the integer rounding, for tests)
   m.def("dequant_bf16(Tensor w, int qtype, int cols, bool native=True) -> Tensor");
+  m.def("dequant_f32(Tensor w, int qtype, int cols) -> Tensor");
   m.def("cpu_supported() -> bool", &seamline_quant::kernels_usable);
   m.def("decodes(int qtype) -> bool", &seamline_quant::decodes);
 }
@@ -131,4 +145,5 @@ TORCH_LIBRARY(seamline_quant, m) {
 TORCH_LIBRARY_IMPL(seamline_quant, CPU, m) {
   m.impl("linear", &seamline_quant::linear);
   m.impl("dequant_bf16", &seamline_quant::dequant_bf16);
+  m.impl("dequant_f32", &seamline_quant::dequant_f32);
 }
