@@ -46,6 +46,12 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
 
 
+def _ninja() -> str | None:
+    """torch's extension builder runs ninja; the interpreter's bin dir counts even off PATH."""
+    path = os.pathsep.join([os.environ.get("PATH", ""), os.path.dirname(sys.executable)])
+    return shutil.which("ninja", path=path)
+
+
 def _build(name: str, build_dir: Path) -> None:
     """Compile with torch's extension builder; the interpreter's own bin dir joins PATH for ninja."""
     from torch.utils.cpp_extension import load
@@ -104,8 +110,9 @@ def _kernels_once() -> Any | None:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         log.warning("quant kernels need x86-64; quantized matmuls use the slower torch path")
         return None
-    if _compiler() is None:
-        log.warning("no C++ compiler found; quantized matmuls use the slower torch path")
+    if _compiler() is None or _ninja() is None:
+        missing = "a C++ compiler" if _compiler() is None else "ninja (pip install ninja)"
+        log.warning("no %s found; quantized matmuls use the slower torch path", missing)
         return None
     try:
         ops = _load()
