@@ -105,6 +105,24 @@ def test_quant_linear_matches_reference(ops, qtype, dtype) -> None:
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_int8_kernel_matches_reference(ops, qtype, dtype) -> None:
+    """The int8-activation op (SEAMLINE_QUANT_ACTIVATIONS=int8) whatever quant_linear's default."""
+    gen = torch.Generator().manual_seed(7)
+    blocks = 6 if qtype.name.endswith("K") else 19  # an odd count of 32-wide blocks: a half pair
+    w = random_weight(qtype, (40, _cols(qtype, blocks)), gen)
+    bias = torch.randn(40, generator=gen)
+    for rows in (1, 2, 3, 4, 5, 7, 12, 13, 64):
+        x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
+        for decode_rows in (0, 16):  # bf16 tiles and GEMM / the fused int8 kernel
+            y = ops.linear(x, w.data, w.qtype, w.shape[1], bias, decode_rows)
+            assert y.dtype == dtype and y.shape == (rows, 40)
+            _assert_close(y, _reference(x, w) + bias.double(), f"{qtype.name} {dtype} {rows} rows, {decode_rows}")
+        part = ops.linear(x, w.row_slice(3, 29).data, w.qtype, w.shape[1], None, 16)
+        assert torch.equal(part, ops.linear(x, w.data, w.qtype, w.shape[1], None, 16)[:, 3:29])
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_slices_and_experts(ops, qtype) -> None:
     gen = torch.Generator().manual_seed(4)
     w = random_weight(qtype, (3, 24, _cols(qtype, 2)), gen)
@@ -155,15 +173,17 @@ def test_strided_activations_and_thread_counts(ops) -> None:
     big = torch.randn(5, 700, generator=gen)
     x = big[:, 100:612]  # rows 700 apart
     xt = torch.randn(512, 5, generator=gen).T  # columns not contiguous
+    paths = (lambda v: quant_linear(v, w), lambda v: ops.linear(v, w.data, w.qtype, 512, None, 16))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = [quant_linear(v, w) for v in (x, xt)]
+        one = [f(v) for f in paths for v in (x, xt)]
         torch.set_num_threads(2)
-        two = [quant_linear(v, w) for v in (x, xt)]
+        two = [f(v) for f in paths for v in (x, xt)]
     finally:
         torch.set_num_threads(threads)
-    for a, b, v in zip(one, two, (x, xt)):
+    for k, (a, b) in enumerate(zip(one, two)):
+        v = (x, xt)[k % 2]
         assert torch.equal(a, b)
-        assert torch.equal(a, quant_linear(v.contiguous(), w))
+        assert torch.equal(a, paths[k // 2](v.contiguous()))
         _assert_close(a, _reference(v, w), "strided activations")
