@@ -2,7 +2,9 @@
 
 Two GGUF files: the embedded SmolLM2 (Q4_1, Q8_0 tied head) and a Llama-shaped model of
 about 1.1B parameters with random weights, written once in llama.cpp's Q4_K_M mix and cached.
-Each party runs in its own process (``quant_driver``) on the same file, prompt and threads;
+Each party runs in its own process (``quant_driver``) on the same file, prompt and threads
+(seamline on the blocks with int8 activations in the matmuls as llama.cpp, and with exact
+bfloat16 ones; seamline on dequantised weights; llama.cpp);
 the parties take turns, one measurement at a time, for ``repeats`` rounds; medians are
 reported. Resident memory comes from ``resident`` (a fresh process loading the whole model).
 """
@@ -22,7 +24,7 @@ from seamline.app import default_model_path
 from seamline.bench.driver import Driver, median
 from seamline.bench.resident import measure_in_subprocess
 
-PARTIES = ("quantized", "dequant", "llamacpp")
+PARTIES = ("quantized", "exact", "dequant", "llamacpp")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 ACTIVATIONS = "bfloat16"  # the fast path: what a user of a quantized model runs
 LLAMACPP_HINT = "pip install llama-cpp-python (builds llama.cpp from source; needs cmake and a C++ compiler)"
@@ -120,12 +122,16 @@ def _summary(runs: dict[str, list[dict[str, Any]]], ready: dict[str, dict[str, A
         return round(median(runs[party], key), 2) if runs[party] else None
 
     ours, theirs = rate("quantized", "decode_tok_s"), rate("llamacpp", "decode_tok_s")
+    exact = rate("exact", "decode_tok_s")
     summary = {
         "seamline_tok_s": ours, "dequant_tok_s": rate("dequant", "decode_tok_s"), "llamacpp_tok_s": theirs,
         "ratio": round(ours / theirs, 3) if ours and theirs else None,
         "prefill_tok_s": {"seamline": rate("quantized", "prefill_tok_s"), "dequant": rate("dequant", "prefill_tok_s"),
-                          "llamacpp": rate("llamacpp", "prefill_tok_s")},
+                          "llamacpp": rate("llamacpp", "prefill_tok_s"), "seamline_exact": rate("exact", "prefill_tok_s")},
         "activation_dtype": ACTIVATIONS,
+        "matmul_activations": "int8 blocks (SEAMLINE_QUANT_ACTIVATIONS=int8), as llama.cpp",
+        "seamline_exact_tok_s": exact,
+        "exact_ratio": round(exact / theirs, 3) if exact and theirs else None,
         "resident_weight_bytes": resident["resident_weight_bytes"],
         "gguf_tensor_bytes": resident["gguf_tensor_bytes"],
         "memory_ratio": round(resident["resident_weight_bytes"] / resident["gguf_tensor_bytes"], 3),

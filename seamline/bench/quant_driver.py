@@ -1,8 +1,9 @@
 """One party of `seamline bench quant` in its own process (protocol: ``bench/driver.py``).
 
 ``python -m seamline.bench.quant_driver PARTY MODEL DTYPE THREADS PROMPT_JSON`` with PARTY one
-of ``quantized`` (seamline on the GGUF blocks), ``dequant`` (seamline with every weight
-dequantised to DTYPE at load) and ``llamacpp`` (llama-cpp-python on the same file). Each
+of ``quantized`` (seamline on the GGUF blocks, int8 activations in the matmuls), ``exact``
+(on the blocks, DTYPE activations: ``SEAMLINE_QUANT_ACTIVATIONS=exact``), ``dequant`` (every
+weight dequantised to DTYPE at load) and ``llamacpp`` (llama-cpp-python on the same file). Each
 ``measure N`` times a 512-token prefill, then N greedy decode steps after the prompt, and
 prints ``{"decode_tok_s", "prefill_tok_s"}``. Ready line: ``{"party", "load_s"}``, or
 ``{"party", "unavailable": reason}`` when llama-cpp-python is missing.
@@ -29,11 +30,13 @@ class Party:
     decode: Callable[[list[int], int], float]
 
 
-def seamline_party(model: str, dtype: str, dequantise: bool) -> Party:
+def seamline_party(model: str, dtype: str, dequantise: bool, int8: bool) -> Party:
     from seamline.app import LocalModel
     from seamline.model.linear import dequantize_weights
+    from seamline.quant import matmul
     from seamline.weights.loader import DTYPES
 
+    matmul.INT8_ACTIVATIONS = int8
     engine = LocalModel.load(model, dtype, CONTEXT).engine
     if dequantise:
         dequantize_weights(engine.stage, DTYPES[dtype])
@@ -92,7 +95,7 @@ def llamacpp_party(model: str, threads: int) -> Party:
 def make_party(name: str, model: str, dtype: str, threads: int) -> Party:
     if name == "llamacpp":
         return llamacpp_party(model, threads)
-    return seamline_party(model, dtype, dequantise=name == "dequant")
+    return seamline_party(model, dtype, dequantise=name == "dequant", int8=name == "quantized")
 
 
 def main(argv: list[str]) -> None:

@@ -27,6 +27,7 @@ from seamline.model.linear import ColumnWindow, RowConcat, Weight, columns, rows
 from seamline.model.ownership import Ownership, Range
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm
+from seamline.quant.native import kernels
 from seamline.quant.tensor import QuantTensor, concat_rows, stack
 from seamline.weights.names import TensorPlan, ignorable, stage_plans
 from seamline.weights.source import TensorSource
@@ -109,6 +110,8 @@ def load_stage(
         _assign(stage, plan.target, _resident(plan.target, value, dtype))
     if tied:
         _assign(stage, "head", stage.embed)
+    if any(isinstance(w, (QuantTensor, RowConcat, ColumnWindow)) for m in stage.modules() for w in vars(m).values()):
+        kernels()  # build (once per machine) or load the quant kernels now, not in the first request
     return stage
 
 
