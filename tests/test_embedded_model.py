@@ -87,4 +87,7 @@ def test_chunked_prefill_equals_one_pass(model: LocalModel) -> None:
         chunked = model.engine.prefill(ids, model.engine.stage.new_cache())
     finally:
         engine_module.PREFILL_CHUNK = old
-    torch.testing.assert_close(chunked, whole, atol=1e-4, rtol=0)
+    # chunks of 7 rows go through the quantized decode kernel, the whole prompt through the
+    # float32 GEMM on dequantised weights: the same float32 products summed in another order
+    # (measured 1.7e-4 at logits of ~38, 4e-6 relative); a wrong position or cache is O(1)
+    torch.testing.assert_close(chunked, whole, atol=1e-3, rtol=0)
