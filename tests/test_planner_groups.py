@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
-from seamline.mesh.groups import check_world, group_sizes, plan_auto, plan_groups
+from seamline.mesh.groups import check_world, group_sizes, group_spec, plan_auto, plan_groups
 from seamline.mesh.planner import check_plan
 from seamline.mesh.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.model.ownership import Ownership
+from seamline.weights.names import stage_plans
 
 MIB = 1 << 20
 EXACT = PlanOptions(context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0)
@@ -106,3 +109,23 @@ def test_a_ranks_planned_bytes_are_what_it_loads(tmp_path: Path) -> None:
             held = [sum(p.numel() * 4 for name, p in stage.named_parameters() if name.startswith(f"layers.{i}."))
                     for i in range(config.num_layers)]  # fmt: skip
             assert held == list(planned), (world, rank)
+
+
+def test_a_group_rank_counts_the_quant_blocks_around_its_cut_columns() -> None:
+    """An attention output split by heads across 256-wide Q4_K blocks: each rank may keep up to
+    two blocks a row beyond its share (ColumnWindow); the per-rank bytes include them."""
+    config = ModelConfig.from_hf_dict(dict(model_type="llama", vocab_size=256, hidden_size=256,
+                                           intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=4, max_position_embeddings=64))  # fmt: skip
+    names = {n for p in stage_plans(config, Ownership.full(config)) for n in p.sources()}
+    shapes = {n: ((256, 256) if "o_proj" in n or "q_proj" in n or "k_proj" in n or "v_proj" in n
+                  else (512, 256) if "gate" in n or "up_proj" in n else (256, 512) if "down" in n
+                  else (256, 256) if "embed" in n else (256,)) for n in names}  # fmt: skip
+    quantized = {n: "Q4_K" for n in names if len(shapes[n]) == 2}
+    spec = ModelSpec.from_checkpoint_shapes(config, "q", shapes, 4, quantized)
+    plain = ModelSpec.from_checkpoint_shapes(config, "f", shapes, 4)
+    assert spec.layer_window_bytes[0] == 2 * 256 * 144 * 2  # o_proj and down_proj: 256 rows, 2 blocks each
+    assert plain.layer_window_bytes[0] == 0  # float weights are cut anywhere
+    per_rank = group_spec(spec, 2, True)
+    assert per_rank.layer_bytes[0] - group_spec(replace(spec, layer_window_bytes=()), 2, True).layer_bytes[0] \
+        == spec.layer_window_bytes[0]

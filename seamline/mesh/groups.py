@@ -60,7 +60,8 @@ def group_spec(model: ModelSpec, world: int, kv_split: bool) -> ModelSpec:
     share = lambda values: tuple(-(-v // world) for v in values)  # noqa: E731
     kv = model.kv_bytes_per_token_per_layer
     whole = model.layer_replicated_bytes or (0,) * model.num_layers
-    held = tuple(-(-(b - r) // world) + r for b, r in zip(model.layer_bytes, whole))
+    window = model.layer_window_bytes or (0,) * model.num_layers  # blocks kept around cut shares
+    held = tuple(-(-(b - r) // world) + r + w for b, r, w in zip(model.layer_bytes, whole, window))
     return replace(model, layer_bytes=held, layer_active_bytes=share(model.active_bytes()),
                    head_bytes=-(-model.head_bytes // world), tied_embeddings=False,
                    kv_bytes_per_token_per_layer=-(-kv // world) if kv_split else kv)  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Any
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError, SeamlineError
 from seamline.model.ownership import Ownership
-from seamline.quant.sizes import resident_bytes
+from seamline.quant.sizes import block_bytes, resident_bytes
 from seamline.weights.names import stage_plans
 
 PLAN_VERSION = 1
@@ -24,6 +24,9 @@ _EXPERT_TARGETS = (".experts_gate_up", ".experts_down")  # routed experts: only 
 # Held whole by every rank of a lockstep group (model/moe.py, model/mla.py): the rest is divided.
 _REPLICATED_TARGETS = (".ffn.router", ".ffn.router_bias", ".ffn.shared.gate_up", ".ffn.shared.down",
                        ".attn.q_a", ".attn.kv_a", "norm.weight")  # fmt: skip
+# Split across their input columns in a lockstep group: a quantized share may cut blocks and
+# then keeps the blocks around it (model/linear.py ColumnWindow), up to two more a row.
+_COLUMN_SPLIT_TARGETS = (".attn.o", ".ffn.down")
 
 
 class PlanError(SeamlineError):
@@ -43,6 +46,7 @@ class ModelSpec:
     tied_embeddings: bool = False  # one node owning both stores the shared matrix once
     layer_active_bytes: tuple[int, ...] = ()  # weight bytes read per token; () = layer_bytes
     layer_replicated_bytes: tuple[int, ...] = ()  # of layer_bytes, held whole by each group rank
+    layer_window_bytes: tuple[int, ...] = ()  # the most a group rank holds beyond its share (cut blocks)
 
     def active_bytes(self) -> tuple[int, ...]:
         return self.layer_active_bytes or self.layer_bytes
@@ -63,6 +67,7 @@ class ModelSpec:
         dtype_bytes: int = 4,
         layer_active_bytes: tuple[int, ...] = (),
         layer_replicated_bytes: tuple[int, ...] = (),
+        layer_window_bytes: tuple[int, ...] = (),
     ) -> "ModelSpec":
         """A spec whose KV and frame sizes come from the config (KV in ``dtype_bytes``)."""
         return cls(
@@ -77,6 +82,7 @@ class ModelSpec:
             tied_embeddings=config.tie_word_embeddings,
             layer_active_bytes=tuple(layer_active_bytes),
             layer_replicated_bytes=tuple(layer_replicated_bytes),
+            layer_window_bytes=tuple(layer_window_bytes),
         )
 
     @classmethod
@@ -95,6 +101,7 @@ class ModelSpec:
         held = [0] * config.num_layers
         active = [0] * config.num_layers
         replicated = [0] * config.num_layers
+        window = [0] * config.num_layers
         embed = head = 0
         expert_share = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
         for i in range(config.num_layers):
@@ -109,8 +116,10 @@ class ModelSpec:
                     share = expert_share if p.target.endswith(_EXPERT_TARGETS) else 1.0
                     active[i] += round(nbytes * share)
                     replicated[i] += nbytes if p.target.endswith(_REPLICATED_TARGETS) else 0
+                    if p.target.endswith(_COLUMN_SPLIT_TARGETS):
+                        window[i] += sum(2 * shapes[src][0] * block_bytes(types.get(src, "")) for src in p.sources())
         return cls.from_config(
-            config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated)
+            config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated), tuple(window)
         )
 
 

@@ -19,3 +19,10 @@ def resident_bytes(shape: Sequence[int], stored: str, dtype_bytes: int) -> int:
         return math.prod(shape[:-1]) * (shape[-1] // block) * size
     width = FLOAT_BYTES.get(stored, dtype_bytes)
     return math.prod(shape) * (min(width, dtype_bytes) if len(shape) >= 2 else dtype_bytes)
+
+
+def block_bytes(stored: str) -> int:
+    """Bytes of one block of a quant type; 0 for a float type (nothing to cut)."""
+    if stored not in QUANT_TYPE_NAMES:
+        return 0
+    return GGML_QUANT_SIZES[GGMLQuantizationType[stored]][1]
