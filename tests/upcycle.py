@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from seamline.model.linear import to_float
 from seamline.weights.loader import open_source
 
 DENSE = ("gate_proj", "up_proj", "down_proj")
@@ -57,7 +58,7 @@ def upcycle(dense_path: Path, folder: Path, experts: int = 4, top_k: int = 2, se
     gen = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(source.names()):
-        tensor = source.get(name).float().contiguous()
+        tensor = to_float(source.get(name), torch.float32).contiguous()  # quantized: dequantised
         prefix, dot, tail = name.partition(".mlp.")
         if not dot:  # attention, norms, embeddings (and lm_head if untied): as they are
             tensors[name] = tensor
