@@ -7,7 +7,7 @@ On CPU with the C++ kernels (``native.kernels()``), by ``SEAMLINE_QUANT_ACTIVATI
   the dequantised weights. More rows (prefill): float32 activations multiply the dequantised
   float32 matrix; bfloat16 ones dequantised bfloat16 tiles with torch's bf16 GEMM (oneDNN).
 * ``int8``: as llama.cpp does, activations rounded to int8 blocks of 32 (256 for K-quants) and
-  multiplied with the blocks by VNNI integer dot products: about 2.5x faster on big matrices,
+  multiplied with the blocks by VNNI integer dot products: about 2x faster on big matrices,
   at the cost of that rounding; prefill as above but always on bfloat16 tiles.
 
 Elsewhere (CUDA, no kernels, ``use_kernels=False``): dequantise, then F.linear.
