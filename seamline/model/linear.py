@@ -1,7 +1,8 @@
 """The linear seam: every weight matmul, embedding lookup and weight slice in the model.
 
-A weight is a float tensor, a ``QuantTensor`` (GGUF blocks, multiplied by fused kernels) or
-a ``RowConcat`` (a fused projection whose parts differ in quant type). Model code calls
+A weight is a float tensor, a ``QuantTensor`` (GGUF blocks, multiplied by fused kernels), a
+``RowConcat`` (a fused projection whose parts differ in quant type) or a ``ColumnWindow`` (a
+lockstep rank's column share that cuts quant blocks). Model code calls
 ``linear``, ``embedding``, ``rows``, ``columns`` and ``select`` and never learns which kind
 it holds. A float weight narrower than the activations (a bfloat16 checkpoint under
 ``--dtype float32``) is multiplied in its own dtype rather than widened in memory.
