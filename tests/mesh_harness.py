@@ -131,3 +131,21 @@ class MeshProcesses:
                     proc.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def split_completion(root: Path, model: Path, prompt: str, max_tokens: int, context: int, stages: int = 2) -> str:
+    """Greedy /v1/completions text of ``model`` served by a mesh whose memory caps force
+    ``stages`` stages (asserted), started under ``root`` and stopped after."""
+    from seamline.mesh.demo import memory_cap_gb
+
+    mesh = MeshProcesses(root, nodes=stages, model=str(model), node_memory_gb=memory_cap_gb(str(model), stages, context),
+                         serve_args=("--context", str(context)))  # fmt: skip
+    try:
+        mesh.start()
+        assert len(mesh.wait_ready()["stages"]) == stages
+        body = {"model": "default", "prompt": prompt, "temperature": 0, "max_tokens": max_tokens}
+        reply = httpx.post(f"{mesh.base_url}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        return str(reply.json()["choices"][0]["text"])
+    finally:
+        mesh.stop()

@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 
 from seamline.app import LocalModel, default_model_path
-from seamline.mesh.demo import memory_cap_gb
 from seamline.mesh.invite import Invite
 from seamline.mesh.node import Node, NodeOptions
 from seamline.net.messages import Assign
 from seamline.runtime.sampling import SamplingParams
 from seamline.weights.gguf import chat_template_from_gguf, tokenizer_from_gguf
-from tests.mesh_harness import MeshProcesses
+from tests.mesh_harness import split_completion
 from tests.reference import save_random_model
 
 CONTEXT = 512
@@ -43,19 +41,7 @@ def test_moe_mesh_matches_single_process(tmp_path: Path) -> None:
     local = LocalModel.load(folder, context=CONTEXT)
     ids = local.codec.encode(PROMPT)
     expected = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=24))))
-    mesh = MeshProcesses(tmp_path / "mesh", nodes=2, model=str(folder),
-                         node_memory_gb=memory_cap_gb(str(folder), 2, CONTEXT),
-                         serve_args=("--context", str(CONTEXT)))  # fmt: skip
-    try:
-        mesh.start()
-        status = mesh.wait_ready()
-        assert len(status["stages"]) == 2
-        body = {"model": "default", "prompt": PROMPT, "temperature": 0, "max_tokens": 24}
-        reply = httpx.post(f"{mesh.base_url}/v1/completions", json=body, timeout=120)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] == expected
-    finally:
-        mesh.stop()
+    assert split_completion(tmp_path / "mesh", folder, PROMPT, 24, CONTEXT) == expected
 
 
 def test_a_node_refuses_an_assignment_it_cannot_hold() -> None:

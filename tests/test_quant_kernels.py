@@ -37,10 +37,11 @@ def _kernels_expected() -> bool:
 
 @pytest.fixture(scope="module")
 def ops():
+    """The C++ ops: every machine of this project (x86-64, AVX-512 VNNI, a compiler) must load
+    them. The torch path that other CPUs take is tested everywhere (``use_kernels=False``)."""
+    assert _kernels_expected(), "this project's machines have x86-64, a C++ compiler and AVX-512 VNNI"
     ops = native.kernels()
-    if ops is None:
-        assert not _kernels_expected(), "the quant kernels failed to load on a CPU that supports them"
-        pytest.skip("no AVX-512 VNNI kernels on this machine: quant_linear is the torch path")
+    assert ops is not None, "the quant kernels failed to load on a CPU that supports them"
     return ops
 
 
@@ -93,13 +94,16 @@ def test_dequant_bf16_kernel_matches_torch(ops, qtype) -> None:
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_quant_linear_matches_reference(ops, qtype, dtype) -> None:
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["torch", "kernels"])
+def test_quant_linear_matches_reference(qtype, dtype, use_kernels, request) -> None:
+    if use_kernels:
+        request.getfixturevalue("ops")  # the kernels must be what runs here
     gen = torch.Generator().manual_seed(3)
     blocks = 6 if qtype.name.endswith("K") else 19  # an odd count of 32-wide blocks: a half pair
     w = random_weight(qtype, (40, _cols(qtype, blocks)), gen)
     for rows in (1, 3, 7, DECODE_ROWS, DECODE_ROWS + 1, 64):
         x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
-        y = quant_linear(x, w)
+        y = quant_linear(x, w, use_kernels=use_kernels)
         assert y.dtype == dtype and y.shape == (rows, 40)
         _assert_close(y, _reference(x, w), f"{qtype.name} {dtype} {rows} rows")
 

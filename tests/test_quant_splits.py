@@ -13,12 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import transformers
 
 from seamline.app import LocalModel, default_model_path
-from seamline.mesh.demo import memory_cap_gb
 from seamline.model.linear import ColumnWindow
 from seamline.quant.tensor import QuantTensor
 from seamline.runtime.engine import Engine
@@ -26,6 +24,7 @@ from seamline.runtime.sampling import SamplingParams
 from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import PROMPT, check_group, engine_reference, running_group
+from tests.mesh_harness import split_completion
 from tests.test_deepseek_models import _randomize as randomize
 
 ATOL = 1e-4  # float32 logits of random weights; measured 1.1e-6 to 1.3e-6 (printed by check_group)
@@ -91,21 +90,8 @@ def test_lockstep_group_equals_one_process(quantized: Path) -> None:
 def test_two_stage_mesh_equals_one_process(case: tuple[str, str], tmp_path: Path,
                                            tmp_path_factory: pytest.TempPathFactory) -> None:
     """The Q4_K_M files (their mix holds both K types); a stage boundary is type-blind."""
-    from tests.mesh_harness import MeshProcesses
-
     quantized = built(case, tmp_path_factory)
     local = LocalModel.load(quantized, context=CONTEXT)
-    ids = local.codec.encode("The rivers of Europe include")
-    expected = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=16))))
-    mesh = MeshProcesses(tmp_path / "mesh", nodes=2, model=str(quantized),
-                         node_memory_gb=memory_cap_gb(str(quantized), 2, CONTEXT),
-                         serve_args=("--context", str(CONTEXT)))  # fmt: skip
-    try:
-        mesh.start()
-        assert len(mesh.wait_ready()["stages"]) == 2
-        body = {"model": "default", "prompt": "The rivers of Europe include", "temperature": 0, "max_tokens": 16}
-        reply = httpx.post(f"{mesh.base_url}/v1/completions", json=body, timeout=120)
-        assert reply.status_code == 200, reply.text
-        assert reply.json()["choices"][0]["text"] == expected
-    finally:
-        mesh.stop()
+    prompt = "The rivers of Europe include"
+    expected = local.codec.decode(list(local.engine.generate(local.codec.encode(prompt), SamplingParams(max_tokens=16))))
+    assert split_completion(tmp_path / "mesh", quantized, prompt, 16, CONTEXT) == expected

@@ -15,13 +15,9 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from seamline.quant.matmul import quant_linear
-from seamline.quant.tensor import QuantTensor
+from seamline.quant.tensor import QUANT_TYPES, SCALE_OFFSETS, QuantTensor
 
-KERNEL_TYPES = (T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K)
-HALF_FIELDS = {  # byte offsets of each block's fp16 scale / min fields
-    T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q5_1: (0, 2), T.Q8_0: (0,),
-    T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,),
-}
+KERNEL_TYPES = tuple(sorted(QUANT_TYPES))  # by GGML type id: Q4_0 .. Q6_K
 SHAPES = ((1, 576, 576), (1, 1536, 576), (1, 8192, 2048), (1, 49152, 576), (512, 2048, 2048))  # (M, rows, cols)
 # the weight matmuls of one decode token: (type, (rows, cols), count)
 MODELS: dict[str, tuple[tuple[T, tuple[int, int], int], ...]] = {
@@ -46,11 +42,11 @@ def random_weight(qtype: T, shape: tuple[int, ...], gen: torch.Generator | None 
     raw = torch.randint(0, 256, (n_blocks, size), dtype=torch.uint8, generator=gen)
     scale = torch.rand(n_blocks, generator=gen) * 0.029 + 0.001
     halves = [scale]
-    if len(HALF_FIELDS[qtype]) == 2:
+    if len(SCALE_OFFSETS[qtype]) == 2:
         spread = torch.rand(n_blocks, generator=gen) * 0.4 + 0.8
         top = {T.Q4_1: 15, T.Q5_1: 31}.get(qtype, 0)  # K-quant mins multiply 6-bit codes: left random
         halves.append(-scale * top / 2 * spread if top else scale * spread)
-    for off, half in zip(HALF_FIELDS[qtype], halves):
+    for off, half in zip(SCALE_OFFSETS[qtype], halves):
         raw[:, off : off + 2] = half.to(torch.float16).view(torch.uint8).reshape(n_blocks, 2)
     return QuantTensor(qtype, raw.reshape(*lead, cols // block * size), shape)
 

@@ -16,6 +16,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize
 
+from seamline.quant.sizes import row_bytes
+
 QK_K = 256
 CHUNK_VALUES = 1 << 22  # values quantised per numpy pass (~16 MB of float32)
 
@@ -23,11 +25,6 @@ FLOAT_TYPES: frozenset[Q] = frozenset({Q.F32, Q.F16, Q.BF16})
 GGUF_PY_TYPES: frozenset[Q] = frozenset({Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0})
 K_TYPES: frozenset[Q] = frozenset({Q.Q4_K, Q.Q5_K, Q.Q6_K})
 QUANTIZABLE: frozenset[Q] = FLOAT_TYPES | GGUF_PY_TYPES | K_TYPES
-
-
-def row_bytes(qtype: Q, cols: int) -> int:
-    block, size = GGML_QUANT_SIZES[qtype]
-    return cols // block * size
 
 
 def quantize(x: np.ndarray, qtype: Q) -> np.ndarray:

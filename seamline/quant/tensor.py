@@ -18,22 +18,16 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from seamline.errors import CheckpointError
-from seamline.quant.sizes import QUANT_TYPE_NAMES
+from seamline.quant.sizes import QUANT_TYPE_NAMES, row_bytes
 
 # kept quantized in memory; other GGUF types load as float
 QUANT_TYPES = frozenset(GGMLQuantizationType[name] for name in QUANT_TYPE_NAMES)
-
-
 # Byte offsets of each type's float16 scale fields within a block (d, and m / dmin).
-SCALE_OFFSETS: dict[str, tuple[int, ...]] = {
-    "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
-    "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+SCALE_OFFSETS: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    GGMLQuantizationType[name]: offsets
+    for name, offsets in (("Q4_0", (0,)), ("Q4_1", (0, 2)), ("Q5_0", (0,)), ("Q5_1", (0, 2)), ("Q8_0", (0,)),
+                          ("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,)))
 }  # fmt: skip
-
-
-def row_bytes(qtype: GGMLQuantizationType, cols: int) -> int:
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    return cols // block * type_size
 
 
 class QuantTensor:
@@ -91,7 +85,7 @@ class QuantTensor:
         """The index of the first block whose float16 scales are inf or NaN, or None."""
         size = GGML_QUANT_SIZES[self.qtype][1]
         blocks = self.data.reshape(-1, size)
-        for at in SCALE_OFFSETS[self.qtype.name]:
+        for at in SCALE_OFFSETS[self.qtype]:
             half = blocks[:, at : at + 2].contiguous().view(torch.int16).reshape(-1)
             bad = (half & 0x7C00) == 0x7C00  # all exponent bits set: inf or NaN
             if bool(bad.any()):
