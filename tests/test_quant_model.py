@@ -5,6 +5,10 @@ tokens, 64 of them, on three prompts. bfloat16 activations (the fast path): over
 positions fed one decode step at a time, the logits stay within a tolerance of a
 dequantised bfloat16 reference (twice that reference's own distance from float32) and the
 top-1 token agrees at 99% of positions at least.
+
+The reference's logits are bfloat16: near 30 they step by 0.125, and at about 3% of this
+model's positions its two best tokens tie exactly, so that its argmax is merely the lower
+token id. At such a position either tied token is its top-1.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ def test_fast_path_follows_the_dequantised_reference() -> None:
     tokens = (ids + text)[:POSITIONS]
     ours, theirs = _decode_logits(model.engine.stage, tokens), _decode_logits(reference.stage, tokens)
     noise = (theirs - _decode_logits(exact, tokens)).abs().max().item()
-    agree = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    picked = theirs.gather(1, ours.argmax(-1, keepdim=True))[:, 0]  # the reference's logit of our top-1
+    agree = (picked == theirs.max(-1).values).float().mean().item()
     err = (ours - theirs).abs().max().item()
     print(f"top-1 agreement {agree:.4f}, max |quantized - dequantised| {err:.3f}, bfloat16 noise {noise:.3f} "
           f"(logit scale {theirs.abs().max():.1f})")  # fmt: skip

@@ -1,11 +1,16 @@
 """Grouped-query attention for the Llama family (Llama, SmolLM2, Qwen2 biases, Qwen3 q/k norm).
 
-q, k and v are one fused projection; RoPE is applied to q and k in one call. Under
+q, k and v are one fused projection; RoPE is applied to q and k in one call. A one-token step on
+CPU runs RoPE, the cache write and attention as one C++ op (``decode_attention``) when the kernels
+are built: in eager torch the same step is ~35 small ops a layer, and their dispatch would set
+the decode speed. Under
 ``Ownership.shard`` a rank holds only its query heads and the KV heads they read (q/k/v rows,
 o columns); its output is a partial sum over heads, which the Block's gate all-reduces.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +18,7 @@ from torch import nn
 
 from seamline.config import ModelConfig
 from seamline.model.cache import LayerKV
+from seamline.model.fused import op_for
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
 from seamline.model.ownership import Ownership
@@ -55,10 +61,19 @@ class GQAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rope = rope
+        # the fused op covers the plain layout: no q/k norm, SDPA's own head grouping
+        self.fused_decode = self.q_norm is None and self.kv_map is None
+
+    def _decode(self, op: Callable[..., torch.Tensor], qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
+        cos, sin = self.rope.tables(start + 1, qkv.dtype)
+        keys, values = kv.reserve(self.kv_heads, self.head_dim, start + 1, qkv.dtype)
+        return op(qkv, cos, sin, keys, values, start, self.heads, self.kv_heads)  # [1, H * D]
 
     def forward(self, x: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         count = x.shape[0]
         qkv = linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2*Hkv) * D]
+        if count == 1 and self.fused_decode and (op := op_for(qkv, "decode_attention")) is not None:
+            return linear(self._decode(op, qkv, start, kv), self.o)
         qkv = qkv.view(count, self.heads + 2 * self.kv_heads, self.head_dim)
         qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
         if self.q_norm is not None and self.k_norm is not None:

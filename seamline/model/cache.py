@@ -30,6 +30,13 @@ class LayerKV:
         self.v[:, start:end] = v
         return self.k[:, :end], self.v[:, :end]
 
+    def reserve(self, heads: int, dim: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole buffers [heads, capacity >= end, dim], for a kernel that writes them itself."""
+        if self.k is None or self.v is None or self.k.shape[1] < end:
+            like = torch.empty(heads, 0, dim, dtype=dtype)
+            self.k, self.v = _fit(self.k, like, end), _fit(self.v, like, end)
+        return self.k, self.v
+
 
 def _fit(buf: torch.Tensor | None, like: torch.Tensor, end: int) -> torch.Tensor:
     if buf is not None and buf.shape[1] >= end:

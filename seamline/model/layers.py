@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seamline.model.fused import add_rms_norm, rms_norm, silu_mul
 from seamline.model.linear import columns, linear, rows
 
 
@@ -23,7 +24,11 @@ class RMSNorm(nn.Module):
         self.dim = dim
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, self(x + delta)) in one step."""
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -36,9 +41,7 @@ class GatedMLP(nn.Module):
         self.rows = rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up)  # [T, 2*rows]
-        gate, up = gate_up.split(self.rows, dim=-1)
-        return linear(F.silu(gate) * up, self.down)
+        return linear(silu_mul(linear(x, self.gate_up)), self.down)  # gate_up: [T, 2*rows]
 
     def rows_forward(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """The partial output of intermediate rows [start, end) only (a quantized ``down``

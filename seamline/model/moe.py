@@ -29,6 +29,7 @@ from torch import nn
 
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
+from seamline.model.fused import silu_mul
 from seamline.model.layers import GatedMLP, empty_param
 from seamline.model.linear import granule, linear, select
 from seamline.model.ownership import Ownership
@@ -185,8 +186,7 @@ class MoE(nn.Module):
     def _expert(self, x: torch.Tensor, local: int) -> torch.Tensor:
         """Owned expert ``local`` on x [n, hidden] -> [n, hidden] (weights indexed as views)."""
         gate_up = linear(x, select(self.experts_gate_up, local))  # [n, 2*inter]
-        gate, up = gate_up.split(self.inter, dim=-1)
-        return linear(F.silu(gate) * up, select(self.experts_down, local))
+        return linear(silu_mul(gate_up), select(self.experts_down, local))
 
     def _one_token(self, x: torch.Tensor, weights: torch.Tensor, chosen: list[int]) -> torch.Tensor:
         """Decode: loop over the k chosen experts only, skipping those another rank owns."""

@@ -83,12 +83,17 @@ class RotaryTable:
         self, start: int, count: int, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions [start, start+count), each [count, dim], in ``dtype``."""
-        end = start + count
+        cos, sin = self.tables(start + count, dtype)
+        return cos[start : start + count], sin[start : start + count]
+
+    def tables(self, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos and sin tables [positions >= end, dim] in ``dtype`` (for a kernel that
+        picks its row itself: no slicing op per call)."""
         if end > self.cos.shape[0]:
             self._grow(max(end, 2 * self.cos.shape[0], 256))
         if self.cos.dtype != dtype:  # converted once, not per call
             self.cos, self.sin = self.cos.to(dtype), self.sin.to(dtype)
-        return self.cos[start:end], self.sin[start:end]
+        return self.cos, self.sin
 
     def _grow(self, length: int) -> None:
         positions = torch.arange(length, dtype=torch.float32)

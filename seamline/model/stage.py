@@ -62,8 +62,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, start: int, kv: LayerKV, step: int = 0) -> torch.Tensor:
         partial = self.attn(self.input_norm(x), start, kv)  # [T, hidden], this rank's heads
-        x = x + self._gate(partial, 0, step)
-        partial = self.ffn(self.post_norm(x))  # [T, hidden], this rank's rows / experts
+        x, normed = self.post_norm.add_forward(x, self._gate(partial, 0, step))
+        partial = self.ffn(normed)  # [T, hidden], this rank's rows / experts
         return x + self._gate(partial, 1, step)
 
     def _gate(self, partial: torch.Tensor, gate: int, step: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The C++ quant kernels: compiled once per source and torch version, cached, loaded on first use.
+"""The C++ kernels (quantized matmuls, decode attention): compiled once per source and torch version, cached, loaded on first use.
 
 ``kernels()`` answers ``torch.ops.seamline_quant`` or None when they cannot be had (no compiler,
 not x86-64, CPU without AVX-512 VNNI, or ``SEAMLINE_QUANT_KERNELS=0``); callers then take the
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SEAMLINE_QUANT_KERNELS"  # "0" turns the C++ kernels off
 KERNEL_DIR = Path(__file__).parent / "kernels"
-SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp", "float_gemv.cpp")
+SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp", "float_gemv.cpp", "decode.cpp")
 HEADERS = ("kernels.h", "blocks.h")  # sources and headers: the cache key
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for is inline
 LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch already loaded, so set_num_threads holds
@@ -137,6 +137,24 @@ def _register_shapes() -> None:
     @torch.library.register_fake("seamline_quant::dequant_bf16")
     def _dequant(w: torch.Tensor, qtype: int, cols: int, native: bool = True) -> torch.Tensor:
         return w.new_empty((w.shape[0], cols), dtype=torch.bfloat16)
+
+    @torch.library.register_fake("seamline_quant::decode_attention")
+    def _attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+        return qkv.new_empty((1, heads * k_cache.shape[-1]))
+
+    @torch.library.register_fake("seamline_quant::rms_norm")
+    def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("seamline_quant::add_rms_norm")
+    def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake("seamline_quant::silu_mul")
+    def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
 
     @torch.library.register_fake("seamline_quant::dequant_f32")
     def _dequant_f32(w: torch.Tensor, qtype: int, cols: int) -> torch.Tensor:
