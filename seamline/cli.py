@@ -46,6 +46,8 @@ def _add_mesh_commands(sub: Any) -> None:
     serve.add_argument("--advertise", action="append", default=[], help="address nodes use to reach this host")
     serve.add_argument("--nodes-expected", type=int, default=1, help="wait for this many nodes before planning")
     serve.add_argument("--no-local-node", action="store_true", help="contribute no layers from this host")
+    serve.add_argument("--single", action="store_true",
+                       help="no mesh: this process holds the whole model and batches concurrent requests")
     serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     serve.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
     serve.add_argument("--invite-hours", type=float, default=24.0)
@@ -182,6 +184,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from seamline.mesh.serve import ServeOptions, run_serve
 
     _logging(quiet=False)
+    if args.single:
+        from seamline.server.serve_local import serve_local
+
+        serve_local(args.model, args.host, args.port, args.dtype, args.context or None)
+        return 0
     options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
                            advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,
                            local_node=not args.no_local_node, dtype=args.dtype, context=args.context,

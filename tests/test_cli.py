@@ -75,3 +75,46 @@ def test_serve_refuses_a_group_size_the_model_does_not_divide_into(tmp_path: Pat
                           env={**os.environ, "SEAMLINE_CACHE": str(tmp_path)})  # fmt: skip
     assert_clean_error(proc, "1536 feed-forward rows do not divide among 5 ranks")
     assert not (tmp_path / "packages").exists()
+
+
+def test_serve_single_answers_concurrent_clients() -> None:
+    """`seamline serve --single`: one process, the OpenAI API, several clients at once."""
+    import threading
+    import time
+
+    import httpx
+    import openai
+
+    from tests.test_openai_api import _bind_free_port
+
+    probe = _bind_free_port()
+    port = probe.getsockname()[1]
+    probe.close()
+    proc = subprocess.Popen([sys.executable, "-m", "seamline.cli", "serve", "--single", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        answers: list[str] = []
+
+        def ask() -> None:
+            reply = client.chat.completions.create(model="default", temperature=0, max_tokens=16, messages=[
+                {"role": "user", "content": "What is the capital of France?"}])  # fmt: skip
+            answers.append(reply.choices[0].message.content or "")
+
+        threads = [threading.Thread(target=ask) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert len(answers) == 3 and len(set(answers)) == 1 and "Paris" in answers[0], answers
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -358,5 +358,38 @@ def test_client_disconnect_cancels_generation(backend: LocalBackend, stream: boo
                 http.post("/v1/completions", json=body)  # the client gives up waiting
         assert tracked.closed.wait(timeout=15), "the backend iterator was not closed after the client left"
         assert not tracked.ran_out and tracked.tokens < 4000
+        deadline = time.monotonic() + 1.0  # its sequence and KV cache are freed within a second
+        while not backend.loop.scheduler.idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.loop.scheduler.idle, "the abandoned sequence still holds a cache"
         after = client_for(base).completions.create(model=NAME, prompt=COUNTING, temperature=0, max_tokens=3)
         assert after.usage is not None and after.usage.completion_tokens == 3
+
+
+# --- concurrency ------------------------------------------------------------------------------
+
+
+def test_concurrent_requests_share_steps_and_answer_as_alone(client: openai.OpenAI, backend: LocalBackend,
+                                                             model: LocalModel) -> None:  # fmt: skip
+    """Six clients at once, different prompts and lengths: each gets the text its request gets
+    alone (greedy), and the batch loop ran some of them in the same steps."""
+    questions = ["What is the capital of France?", "Name a red fruit.", "Count to five.",
+                 "What colour is the sky?", "Say hello in Spanish.", "What is two plus two?"]  # fmt: skip
+    steps_before = backend.loop.scheduler.stage.step
+    answers: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        reply = chat(client, [{"role": "user", "content": questions[i]}], temperature=0, max_tokens=12 + 2 * i)
+        answers[i] = reply.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    steps = backend.loop.scheduler.stage.step - steps_before
+    for i, question in enumerate(questions):
+        prompt = model.codec.encode_chat([{"role": "user", "content": question}])
+        alone = model.engine.generate(prompt, SamplingParams(max_tokens=12 + 2 * i, stop_token_ids=model.codec.stop_ids))
+        assert answers[i] == model.codec.decode(list(alone)), question
+    assert steps < sum(12 + 2 * i for i in range(len(questions))), "the requests took turns instead of sharing steps"

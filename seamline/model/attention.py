@@ -10,14 +10,14 @@ o columns); its output is a partial sum over heads, which the Block's gate all-r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from seamline.config import ModelConfig
-from seamline.model.cache import LayerKV
+from seamline.model.cache import LayerKV, Span
 from seamline.model.fused import op_for
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
@@ -69,17 +69,27 @@ class GQAttention(nn.Module):
         keys, values = kv.reserve(self.kv_heads, self.head_dim, start + 1, qkv.dtype)
         return op(qkv, cos, sin, keys, values, start, self.heads, self.kv_heads)  # [1, H * D]
 
-    def forward(self, x: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
-        count = x.shape[0]
-        qkv = linear(x, self.qkv, self.qkv_bias)  # [T, (H + 2*Hkv) * D]
+    def forward(self, x: torch.Tensor, spans: Sequence[Span], layer: int) -> torch.Tensor:
+        """x [N, hidden]: the rows of every span; one projection for all rows, attention per
+        span over its own sequence's cache of ``layer``."""
+        qkv = linear(x, self.qkv, self.qkv_bias)  # [N, (H + 2*Hkv) * D]
+        if len(spans) == 1:
+            out = self._attend(qkv, spans[0].start, spans[0].cache.layer(layer))
+        else:
+            out = torch.cat([self._attend(qkv[s.offset : s.end], s.start, s.cache.layer(layer)) for s in spans])
+        return linear(out, self.o)
+
+    def _attend(self, qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
+        """One sequence's rows [T, (H + 2*Hkv) * D] at positions from ``start`` -> [T, H * D]."""
+        count = qkv.shape[0]
         if count == 1 and self.fused_decode and (op := op_for(qkv, "decode_attention")) is not None:
-            return linear(self._decode(op, qkv, start, kv), self.o)
+            return self._decode(op, qkv, start, kv)
         qkv = qkv.view(count, self.heads + 2 * self.kv_heads, self.head_dim)
         qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        cos, sin = self.rope.lookup(start, count, x.dtype)
+        cos, sin = self.rope.lookup(start, count, qkv.dtype)
         qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D]
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         keys, values = kv.update(k.transpose(0, 1), v.transpose(0, 1), start)  # [Hkv, S, D]
@@ -92,5 +102,4 @@ class GQAttention(nn.Module):
             attn_mask=causal_mask(start, count),
             enable_gqa=self.kv_map is None and self.kv_heads != self.heads,
         )  # [1, H, T, D]
-        out = out.transpose(1, 2).reshape(count, self.heads * self.head_dim)  # a view when T == 1
-        return linear(out, self.o)
+        return out.transpose(1, 2).reshape(count, self.heads * self.head_dim)  # a view when T == 1

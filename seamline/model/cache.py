@@ -1,4 +1,5 @@
-"""Per-sequence KV cache: one pair of growable buffers per owned layer.
+"""Per-sequence KV cache (one pair of growable buffers per owned layer), and ``Span``: the rows
+of one sequence in a batched step.
 
 A buffer holds [heads, capacity, dim] (any trailing shape: latent-KV attention stores its
 compressed state here too). Writes go to explicit positions, so rewinding a sequence is
@@ -6,6 +7,8 @@ just writing from an earlier position; nothing past ``start + count`` is ever re
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -56,3 +59,19 @@ class SequenceCache:
 
     def layer(self, index: int) -> LayerKV:
         return self.layers[index]
+
+
+@dataclass(frozen=True)
+class Span:
+    """Rows [offset, offset + count) of a step's input: one sequence's tokens at its positions
+    [start, start + count), attending over (and written into) ``cache``. A step's spans are in
+    row order and cover every row once: decode rows (count 1) and prefill chunks may mix."""
+
+    offset: int
+    count: int
+    start: int
+    cache: SequenceCache
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.count

@@ -19,6 +19,8 @@ columns of o; kv_a, q_a and the latent norms are replicated, and so is the laten
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +28,7 @@ from torch import nn
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
 from seamline.model.attention import causal_mask
-from seamline.model.cache import LayerKV
+from seamline.model.cache import LayerKV, Span
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
 from seamline.model.ownership import Ownership
@@ -90,22 +92,36 @@ class MLAttention(nn.Module):
         self.interleaved = config.rope_interleave or config.family == "deepseek_v2"
         self.scale = softmax_scale(config)
 
-    def forward(self, x: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
-        count = x.shape[0]
-        q = self._query(x).view(count, self.heads, self.nope + self.rope_dim)
-        q_nope, q_pe = q.split((self.nope, self.rope_dim), dim=-1)  # [T, H, N], [T, H, R]
+    def forward(self, x: torch.Tensor, spans: Sequence[Span], layer: int) -> torch.Tensor:
+        """x [N, hidden]: the rows of every span; projections for all rows at once, attention
+        per span over its own sequence's latent cache of ``layer``."""
+        q = self._query(x).view(x.shape[0], self.heads, self.nope + self.rope_dim)
         latent, k_pe = linear(x, self.kv_a).split((self.rank, self.rope_dim), dim=-1)
-        latent = self.kv_a_norm(latent)  # [T, C]
-        cos, sin = self.rope.lookup(start, count, x.dtype)
+        latent = self.kv_a_norm(latent)  # [N, C]
+        if len(spans) == 1:
+            out = self._attend(q, latent, k_pe, spans[0].start, spans[0].cache.layer(layer))
+        else:
+            out = torch.cat([
+                self._attend(q[s.offset : s.end], latent[s.offset : s.end], k_pe[s.offset : s.end], s.start,
+                             s.cache.layer(layer))
+                for s in spans
+            ])  # fmt: skip
+        return linear(out.reshape(x.shape[0], self.heads * self.v_dim), self.o)  # out: [N, H, V]
+
+    def _attend(
+        self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, start: int, kv: LayerKV
+    ) -> torch.Tensor:
+        """One sequence's rows (q [T, H, N+R], latent [T, C], k_pe [T, R]) -> [T, H, V]."""
+        count = q.shape[0]
+        q_nope, q_pe = q.split((self.nope, self.rope_dim), dim=-1)  # [T, H, N], [T, H, R]
+        cos, sin = self.rope.lookup(start, count, q.dtype)
         q_pe = apply_rotary(self._layout(q_pe), cos, sin)  # [T, H, R]
         k_pe = apply_rotary(self._layout(k_pe.unsqueeze(1)), cos, sin)  # [T, 1, R]
         latents, k_pes = kv.update(latent.unsqueeze(0), k_pe.transpose(0, 1), start)  # [1, S, C], [1, S, R]
         mask = causal_mask(start, count)  # [T, S] or None
         if self._prefer_absorbed(count):
-            out = self._attend_absorbed(q_nope, q_pe, latents[0], k_pes[0], mask)
-        else:
-            out = self._attend_expanded(q_nope, q_pe, latents[0], k_pes[0], mask)
-        return linear(out.reshape(count, self.heads * self.v_dim), self.o)  # out: [T, H, V]
+            return self._attend_absorbed(q_nope, q_pe, latents[0], k_pes[0], mask)
+        return self._attend_expanded(q_nope, q_pe, latents[0], k_pes[0], mask)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if self.q is not None:

@@ -4,6 +4,11 @@ With ``Ownership.full`` a Stage is the whole model. Input is token ids [T] when 
 owns the embedding, else the residual stream [T, hidden]; output is logits [T, vocab_owned]
 when it owns the head, else the residual stream for the next stage.
 
+``forward_batch`` runs one step over the rows of many sequences (``Span``: decode rows and
+prefill chunks mixed): every weight is multiplied once for all rows, attention runs per span
+over that sequence's own cache, and MoE groups all rows by expert. ``forward`` is its case
+of one sequence.
+
 In a lockstep group (``Ownership.shard`` with world N) each rank's attention and
 feed-forward return partial sums; a Block all-reduces each through ``comm`` (gate 0 after
 attention, gate 1 after the feed-forward) before the residual add, so every rank keeps the
@@ -13,12 +18,14 @@ forwards. The default comm is ``SingleComm`` (one rank: the gates are no-ops).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from seamline.config import ModelConfig
 from seamline.model.attention import GQAttention
-from seamline.model.cache import LayerKV, SequenceCache
+from seamline.model.cache import SequenceCache, Span
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
 from seamline.model.linear import Weight, embedding, linear
 from seamline.model.ownership import Ownership
@@ -60,10 +67,10 @@ class Block(nn.Module):
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = make_ffn(config, layer, own)
 
-    def forward(self, x: torch.Tensor, start: int, kv: LayerKV, step: int = 0) -> torch.Tensor:
-        partial = self.attn(self.input_norm(x), start, kv)  # [T, hidden], this rank's heads
+    def forward(self, x: torch.Tensor, spans: Sequence[Span], step: int = 0) -> torch.Tensor:
+        partial = self.attn(self.input_norm(x), spans, self.layer)  # [N, hidden], this rank's heads
         x, normed = self.post_norm.add_forward(x, self._gate(partial, 0, step))
-        partial = self.ffn(normed)  # [T, hidden], this rank's rows / experts
+        partial = self.ffn(normed)  # [N, hidden], this rank's rows / experts
         return x + self._gate(partial, 1, step)
 
     def _gate(self, partial: torch.Tensor, gate: int, step: int) -> torch.Tensor:
@@ -111,17 +118,23 @@ class Stage(nn.Module):
     def release_cache(self, cache: SequenceCache) -> None:
         """A finished sequence's cache: garbage here (a lockstep group tells its ranks)."""
 
-    @torch.inference_mode()
     def forward(
         self, inputs: torch.Tensor, start: int, cache: SequenceCache, last_only: bool = False
     ) -> torch.Tensor:
         """inputs: ids [T] or hidden [T, hidden]; start: position of inputs[0]."""
+        return self.forward_batch(inputs, [Span(0, inputs.shape[0], start, cache)], last_only)
+
+    @torch.inference_mode()
+    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False) -> torch.Tensor:
+        """inputs: ids [N] or hidden [N, hidden], the rows of ``spans``. Returns the residual
+        stream [N, hidden], or logits: [N, vocab_owned], or with ``last_only`` one row per
+        span (its last), [len(spans), vocab_owned]."""
         x = embedding(inputs, self.embed, self.compute_dtype) if self.embed is not None else inputs
         step, self.step = self.step, self.step + 1
-        for index, block in self.layers.items():
-            x = block(x, start, cache.layer(int(index)), step)
+        for block in self.layers.values():
+            x = block(x, spans, step)
         if self.head is None or self.norm is None:
             return x
         if last_only:
-            x = x[-1:]
-        return linear(self.norm(x), self.head)  # [T, vocab_owned]
+            x = x[-1:] if len(spans) == 1 else x[[s.end - 1 for s in spans]]
+        return linear(self.norm(x), self.head)  # [rows, vocab_owned]

@@ -1,0 +1,112 @@
+"""One thread drives a ``Scheduler``; requests come from any thread and get their tokens back
+through a callback, so concurrent requests share steps instead of taking turns.
+
+A request cancelled while it waits is never prefilled; one cancelled while it runs frees its
+cache at the next step boundary. A step that raises ends every request it carried with that
+error and the loop goes on serving new ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from seamline.runtime.sampling import SamplingParams
+from seamline.runtime.scheduler import Scheduler, Sequence
+
+log = logging.getLogger(__name__)
+
+DONE = object()  # delivered after a request's last token
+Deliver = Callable[[object], None]  # gets each token (int), then DONE or an exception
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams
+    deliver: Deliver
+    sequence: Sequence | None = field(default=None, init=False)  # set once the loop adds it
+
+
+class BatchLoop:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._cond = threading.Condition()
+        self._new: list[Request] = []
+        self._cancelled: list[Request] = []
+        self._live: dict[Sequence, Request] = {}
+        self._thread: threading.Thread | None = None
+
+    def submit(self, prompt: list[int], params: SamplingParams, deliver: Deliver) -> Request:
+        request = Request(list(prompt), params, deliver)
+        with self._cond:
+            self._new.append(request)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="seamline-batch", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        with self._cond:
+            self._cancelled.append(request)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._new or self._cancelled or not self.scheduler.idle):
+                    self._cond.wait()
+                new, self._new = self._new, []
+                cancelled, self._cancelled = self._cancelled, []
+            self._take(new, cancelled)
+            self._step()
+
+    def _take(self, new: list[Request], cancelled: list[Request]) -> None:
+        gone = set(cancelled)
+        for request in new:
+            if request in gone:
+                continue  # abandoned while queued: never prefilled
+            try:
+                request.sequence = self.scheduler.add(request.prompt, request.params)
+            except Exception as exc:  # a bad request ends alone
+                _send(request, exc)
+                continue
+            self._live[request.sequence] = request
+        for request in cancelled:
+            if request.sequence is not None and self._live.pop(request.sequence, None) is not None:
+                self.scheduler.cancel(request.sequence)
+
+    def _step(self) -> None:
+        try:
+            emissions = self.scheduler.step()
+        except Exception as exc:
+            log.exception("a batched step failed; its requests end with the error")
+            for sequence, request in list(self._live.items()):
+                self.scheduler.cancel(sequence)
+                _send(request, exc)
+            self._live.clear()
+            return
+        for emission in emissions:
+            request = self._live.get(emission.sequence)
+            if request is None:
+                continue
+            finished = emission.sequence.finished
+            if emission.token is not None and not _send(request, emission.token) and not finished:
+                self.scheduler.cancel(emission.sequence)  # its receiver is gone
+                finished = True
+            if finished:
+                del self._live[emission.sequence]
+                _send(request, DONE)
+
+
+def _send(request: Request, item: object) -> bool:
+    """Deliver ``item``; False when the receiver cannot take it (its event loop closed)."""
+    try:
+        request.deliver(item)
+        return True
+    except Exception:
+        log.debug("a request's receiver is gone", exc_info=True)
+        return False

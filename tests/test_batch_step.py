@@ -1,0 +1,136 @@
+"""Many sequences in one step (``Stage.forward_batch`` under the ``Scheduler``) against each
+sequence run alone.
+
+Eight sequences with prompts of 5 to 40 tokens arrive at different steps; a step holds at most
+24 rows, so prompts are prefilled in chunks beside other sequences' decode rows. Each
+sequence's greedy tokens must equal its run alone (``Engine.generate``), and the logits of
+every drawn token must be within 1e-4 (float32) of the same position run alone. Seeded
+sampling must draw the same tokens alone and in the batch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from seamline.app import LocalModel
+from seamline.errors import RequestError
+from seamline.model.stage import Stage
+from seamline.runtime.engine import Engine
+from seamline.runtime.sampling import SamplingParams
+from seamline.runtime.scheduler import Scheduler, Sequence
+from seamline.weights.loader import load_stage, open_source
+from tests.reference import save_random_model
+from tests.test_deepseek_models import _build as build_deepseek
+from tests.test_dense_models import _configs as dense_configs
+from tests.test_moe_models import mixtral_config
+
+ATOL = 1e-4
+ARRIVALS = (0, 0, 1, 2, 3, 5, 8, 13)  # the step at which each sequence is added
+LENGTHS = (5, 40, 12, 33, 7, 21, 9, 28)  # its prompt length
+NEW_TOKENS = 12
+
+
+def _stage(kind: str, folder: Path) -> Stage:
+    if kind == "dense":
+        save_random_model(dense_configs()["llama"], folder)
+    elif kind == "mixtral":
+        save_random_model(mixtral_config(), folder)
+    elif kind == "deepseek_v3":
+        folder = build_deepseek(folder, "v3")[1]
+    else:
+        return LocalModel.load(dtype="float32").engine.stage
+    return load_stage(open_source(folder))
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def _run_batched(stage: Stage, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[Sequence, list[torch.Tensor]]]:
+    scheduler = Scheduler(stage, context_length=512, max_step_tokens=24)
+    runs: list[tuple[Sequence, list[torch.Tensor]]] = []
+    step = 0
+    while step <= max(ARRIVALS) or not scheduler.idle:
+        for prompt, p, arrival in zip(prompts, params, ARRIVALS):
+            if arrival == step:
+                runs.append((scheduler.add(prompt, p), []))
+        logits_of = {id(seq): logits for seq, logits in runs}
+        for emission in scheduler.step():
+            logits_of[id(emission.sequence)].append(emission.logits.float())
+        step += 1
+    return runs
+
+
+def _alone_logits(stage: Stage, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The logits that drew each token, the sequence alone: prefill at once, then one step each."""
+    cache = stage.new_cache()
+    rows = [stage(torch.tensor(prompt), 0, cache, last_only=True)[-1]]
+    for i, token in enumerate(tokens[:-1]):
+        rows.append(stage(torch.tensor([token]), len(prompt) + i, cache)[-1])
+    return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3", "embedded"])
+def test_batched_greedy_equals_each_sequence_alone(kind: str, tmp_path: Path) -> None:
+    stage = _stage(kind, tmp_path)
+    prompts = _prompts(min(stage.config.vocab_size, 256))
+    params = [SamplingParams(max_tokens=NEW_TOKENS)] * len(prompts)
+    runs = _run_batched(stage, prompts, params)
+    engine = Engine(stage, 512)
+    for (sequence, logits), prompt in zip(runs, prompts):
+        alone = list(engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS)))
+        assert sequence.tokens == alone and sequence.finish_reason == "length"
+        expected = _alone_logits(stage, prompt, alone)
+        err = (torch.stack(logits) - expected).abs().max().item()
+        assert err <= ATOL, f"sequence of {len(prompt)} tokens: max |batched - alone| = {err:.2e}"
+        assert sequence.cache is None  # freed when it finished
+
+
+def test_seeded_sampling_is_the_same_alone_and_batched(tmp_path: Path) -> None:
+    stage = _stage("dense", tmp_path)
+    prompts = _prompts(256)
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=NEW_TOKENS) for i in range(len(prompts))]
+    runs = _run_batched(stage, prompts, params)
+    engine = Engine(stage, 512)
+    for (sequence, _), prompt, p in zip(runs, prompts, params):
+        assert sequence.tokens == list(engine.generate(prompt, p))
+
+
+def test_stop_token_and_context_end_finish_a_sequence(tmp_path: Path) -> None:
+    stage = _stage("dense", tmp_path)
+    prompt = _prompts(256)[0]
+    first = list(Engine(stage, 512).generate(prompt, SamplingParams(max_tokens=3)))
+    scheduler = Scheduler(stage, context_length=len(prompt) + 2)
+    assert first[0] != first[1], "the stop token must not be the first token too"
+    stopped = scheduler.add(prompt, SamplingParams(max_tokens=8, stop_token_ids=(first[1],)))
+    cut = scheduler.add(prompt, SamplingParams(max_tokens=8))
+    while not scheduler.idle:
+        scheduler.step()
+    assert stopped.tokens == first[:1] and stopped.finish_reason == "stop"
+    assert cut.tokens == first[:2] and cut.finish_reason == "length"  # the context is full
+    assert stopped.cache is None and cut.cache is None
+
+
+def test_kv_budget_queues_what_does_not_fit_and_refuses_what_never_can(tmp_path: Path) -> None:
+    stage = _stage("dense", tmp_path)
+    prompts = _prompts(256)[:4]
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    probe = Scheduler(stage, context_length=512)
+    reserves = [probe.kv_reserve(Sequence(p, params)) for p in prompts]
+    scheduler = Scheduler(stage, context_length=512, kv_budget_bytes=reserves[0] + reserves[1])
+    sequences = [scheduler.add(p, params) for p in prompts]
+    scheduler.step()
+    assert scheduler.running == sequences[:2] and list(scheduler.waiting) == sequences[2:]
+    while not scheduler.idle:
+        assert sum(scheduler.kv_reserve(s) for s in scheduler.running) <= scheduler.kv_budget_bytes
+        scheduler.step()
+    engine = Engine(stage, 512)
+    for sequence, prompt in zip(sequences, prompts):
+        assert sequence.tokens == list(engine.generate(prompt, params))
+    with pytest.raises(RequestError, match="MiB of KV cache"):
+        scheduler.add(prompts[1], SamplingParams(max_tokens=400))
+    assert scheduler.idle  # the refused request left nothing behind
