@@ -10,6 +10,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,6 +150,24 @@ def test_bad_frames_are_refused_and_the_mesh_keeps_serving(mesh2: MeshProcesses,
         assert _closed_by_peer(out_of_step)  # the out-of-step frame was refused, the malformed one closed it
     reply = ask(mesh2, QUESTION, 16)
     assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, 16)
+
+
+def test_concurrent_requests_on_two_stages_answer_as_alone(mesh2: MeshProcesses, model: LocalModel) -> None:
+    """Four clients at once: their rows share frames and batched steps on both stages, and each
+    gets the text its request gets alone on one process (greedy)."""
+    questions = ["What is the capital of France?", "Name a red fruit.", "Count to five.", "Say hello in Spanish."]
+    answers: dict[int, str] = {}
+
+    def ask_one(i: int) -> None:
+        answers[i] = ask(mesh2, questions[i], 10 + 4 * i)["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=ask_one, args=(i,)) for i in range(len(questions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    for i, question in enumerate(questions):
+        assert answers.get(i) == expected_text(model, question, 10 + 4 * i), question
 
 
 def test_three_stage_mesh_matches_single_process(tmp_path: Path, model: LocalModel) -> None:

@@ -6,10 +6,13 @@ forward and each cache's life is mirrored to the group's other ranks by the Lock
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
+from seamline.model.cache import Span
 from seamline.parallel.lockstep import LockstepGroup
 
 
@@ -37,6 +40,12 @@ class LockstepStage:
         """Ids or hidden states in; hidden states out, or the last position's logits [1, vocab]."""
         out = self.group.run(cache.seq, start, inputs)
         return out.unsqueeze(0) if self.is_last else out
+
+    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False) -> torch.Tensor:
+        """The spans one after another (the group mirrors one sequence per command): hidden
+        states of every row, or each span's last logits [len(spans), vocab]."""
+        outs = [self(inputs[s.offset : s.end], s.start, cast(GroupCache, s.cache), last_only) for s in spans]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def close(self) -> None:
         self.group.close()

@@ -5,6 +5,12 @@ on the hidden-state frames it receives and passes them on; the last stage sample
 the token id straight back to stage 0 (and a copy to the coordinator, which streams it to the
 client). Every row is checked against the sequence's record — position and prefix hash — so a
 frame that is out of step is refused instead of computing garbage.
+
+Rows travel and run together: the rows of one frame are one batched forward
+(``Stage.forward_batch``: each weight multiplied once for all of them, attention per
+sequence), the last stage samples every row of it and returns the tokens in one frame, and
+stage 0 embeds a returned frame's tokens as one batch again. A stage that is both first and
+last feeds its tokens back through one driver, so concurrent requests share its steps.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from seamline.model.cache import Span
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Open, Prompt
@@ -31,6 +38,7 @@ PREFILL_CHUNK = 512
 SendHidden = Callable[[list[Row], torch.Tensor], None]
 SendTokens = Callable[[list[TokenRow]], None]
 SendOpen = Callable[[Open], None]
+Work = tuple[Row, "Sequence", torch.Tensor]  # a row, its sequence, its inputs (ids or hidden)
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
 
 
@@ -71,8 +79,11 @@ class StageWorker:
         self.closed: dict[int, None] = {}  # insertion-ordered set of recently closed requests
         self.lock = threading.Lock()
         self.refused = 0
-        self.decode_steps = 0  # single-token rows run here, and the seconds they took
+        self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
+        self._pending: list[TokenRow] = []  # first-and-last stage: tokens to feed back
+        self._driving = False  # a thread is feeding them back
+        self._pending_lock = threading.Lock()
 
     # -- session calls (mirrored to every stage by the coordinator) --------------------
     def open(self, msg: Open) -> None:
@@ -103,7 +114,7 @@ class StageWorker:
     # -- data path ----------------------------------------------------------------------
     def prompt(self, msg: Prompt) -> None:
         """Stage 0: run the prompt in chunks and pass each chunk on."""
-        looped: TokenRow | None = None
+        looped: list[TokenRow] = []
         with self.lock:
             seq = self._sequence(msg.request)
             tokens = list(msg.tokens)
@@ -112,20 +123,33 @@ class StageWorker:
                 flags = RowFlag.FIRST if start == 0 else RowFlag.NONE
                 if start + len(chunk) == len(tokens):
                     flags |= RowFlag.SAMPLE
-                looped = self._embed_and_run(msg.request, seq, chunk, flags)
+                looped = self._run_batch([self._embedding_work(msg.request, seq, chunk, flags)])
         self._loop(looped)
 
     def tokens(self, frame: TokenFrame) -> None:
-        """Stage 0: tokens sampled by the last stage come back to be embedded."""
+        """Stage 0: tokens sampled by the last stage come back to be embedded, as one batch."""
         with self.lock:
-            for row in frame.rows:
-                self._token_row(row)
+            self._token_rows(frame.rows)
 
-    def _loop(self, row: TokenRow | None) -> None:
-        """A stage that is both first and last feeds its own tokens back, one step per lock."""
-        while row is not None:
+    def _loop(self, rows: list[TokenRow]) -> None:
+        """A stage that is both first and last feeds its own tokens back. One thread drives at a
+        time, taking every token waiting, so concurrent requests share steps; the others leave
+        their tokens to it and return."""
+        with self._pending_lock:
+            self._pending += rows
+            if self._driving:
+                return
+            self._driving = True
+        while True:
+            with self._pending_lock:
+                rows, self._pending = self._pending, []
+                if not rows:
+                    self._driving = False
+                    return
             with self.lock:
-                row = self._token_row(row)
+                looped = self._token_rows(rows)
+            with self._pending_lock:
+                self._pending += looped
 
     def hidden(self, frame: HiddenFrame) -> None:
         """Stages after the first: run our layers on each row and pass it on."""
@@ -136,16 +160,19 @@ class StageWorker:
                         frame.tensor.dtype, tuple(frame.tensor.shape), expected[0], self.dtype)  # fmt: skip
             return
         with self.lock:
+            work: list[Work] = []
             offset = 0
             for row in frame.rows:
                 x = frame.tensor[offset : offset + row.count]
                 offset += row.count
                 try:
                     seq = self._check_row(row)
+                    _check_unique(row.request, work)
                 except OutOfStep as exc:
                     self._refuse(row.request, "frame", exc)
                     continue
-                self._run(row, seq, x)
+                work.append((row, seq, x))
+            self._run_batch(work)
 
     # -- internals ----------------------------------------------------------------------
     def _refuse(self, request: int, what: str, exc: OutOfStep) -> None:
@@ -171,44 +198,60 @@ class StageWorker:
             raise OutOfStep(f"request {row.request} has already finished")
         return seq
 
-    def _token_row(self, row: TokenRow) -> TokenRow | None:
-        try:
-            seq = self._sequence(row.request)
-            expected_after = prefix_hash(seq.hash, [row.token])
-            if row.position != seq.next_position or row.hash_before != seq.hash or row.hash_after != expected_after:
-                raise OutOfStep(f"request {row.request}: token for position {row.position}, stage 0 is at {seq.next_position}")
-        except OutOfStep as exc:
-            self._refuse(row.request, "token", exc)
-            return None
-        if row.flags & RowFlag.DONE or (seq.done and not self.is_last):
-            seq.done = True
-            return None
-        return self._embed_and_run(row.request, seq, [row.token], RowFlag.SAMPLE)
+    def _token_rows(self, rows: list[TokenRow]) -> list[TokenRow]:
+        """Embed and run every valid returned token as one batch; the tokens to loop back."""
+        work: list[Work] = []
+        for row in rows:
+            try:
+                seq = self._sequence(row.request)
+                expected_after = prefix_hash(seq.hash, [row.token])
+                if row.position != seq.next_position or row.hash_before != seq.hash or row.hash_after != expected_after:
+                    raise OutOfStep(f"request {row.request}: token for position {row.position}, stage 0 is at {seq.next_position}")
+                _check_unique(row.request, work)
+            except OutOfStep as exc:
+                self._refuse(row.request, "token", exc)
+                continue
+            if row.flags & RowFlag.DONE or (seq.done and not self.is_last):
+                seq.done = True
+                continue
+            work.append(self._embedding_work(row.request, seq, [row.token], RowFlag.SAMPLE))
+        return self._run_batch(work)
 
-    def _embed_and_run(self, request: int, seq: Sequence, tokens: list[int], flags: int) -> TokenRow | None:
+    def _embedding_work(self, request: int, seq: Sequence, tokens: list[int], flags: int) -> Work:
         before = seq.hash
-        after = prefix_hash(before, tokens)
-        row = Row(request, seq.next_position, len(tokens), before, after, int(flags))
-        return self._run(row, seq, torch.tensor(tokens, dtype=torch.long))
+        row = Row(request, seq.next_position, len(tokens), before, prefix_hash(before, tokens), int(flags))
+        return row, seq, torch.tensor(tokens, dtype=torch.long)
 
-    def _run(self, row: Row, seq: Sequence, inputs: torch.Tensor) -> TokenRow | None:
-        """Run our layers; pass the result on, or sample. Returns a token to loop back, if any."""
+    def _run_batch(self, work: list[Work]) -> list[TokenRow]:
+        """Run our layers on every row at once; pass the rows on as one frame, or sample them.
+        Returns the tokens a first-and-last stage loops back."""
+        if not work:
+            return []
+        inputs = work[0][2] if len(work) == 1 else torch.cat([x for _, _, x in work])
+        spans, offset = [], 0
+        for row, seq, _ in work:
+            spans.append(Span(offset, row.count, row.position, seq.cache))
+            offset += row.count
         started = time.perf_counter()
-        out = self.stage(inputs, row.position, seq.cache, last_only=self.is_last)
-        if row.count == 1:
+        out = self.stage.forward_batch(inputs, spans, last_only=self.is_last)
+        if all(row.count == 1 for row, _, _ in work):
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started
-        seq.next_position += row.count
-        seq.hash = row.hash_after
+        for row, seq, _ in work:
+            seq.next_position += row.count
+            seq.hash = row.hash_after
         if not self.is_last:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
-            self.links.downstream([row], out)
-            return None
-        if row.flags & RowFlag.SAMPLE:
-            return self._sample_and_send(row, seq, out[-1])
-        return None
+            self.links.downstream([row for row, _, _ in work], out)
+            return []
+        sampled = [self._sample(row, seq, out[i]) for i, (row, seq, _) in enumerate(work) if row.flags & RowFlag.SAMPLE]
+        if sampled and not self.is_first and self.links.stage0 is not None:
+            self.links.stage0(sampled)  # the critical path first: stage 0 waits for these tokens
+        if sampled and self.links.results is not None:
+            self.links.results(sampled)
+        return sampled if self.is_first else []
 
-    def _sample_and_send(self, row: Row, seq: Sequence, logits: torch.Tensor) -> TokenRow | None:
+    def _sample(self, row: Row, seq: Sequence, logits: torch.Tensor) -> TokenRow:
         token = sample(logits, seq.params, seq.generator)
         seq.generated += 1
         position = row.position + row.count
@@ -218,9 +261,10 @@ class StageWorker:
         elif seq.generated >= seq.params.max_tokens or position + 1 >= seq.context_length:
             flags |= RowFlag.DONE
         seq.done = bool(flags & RowFlag.DONE)
-        out = TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags))
-        if not self.is_first and self.links.stage0 is not None:
-            self.links.stage0([out])  # the critical path first: stage 0 waits for this token
-        if self.links.results is not None:
-            self.links.results([out])
-        return out if self.is_first else None  # one stage owns everything: the caller loops it back
+        return TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags))
+
+
+def _check_unique(request: int, work: list[Work]) -> None:
+    """One row per request in a batch: a second would run on the same cache positions."""
+    if any(row.request == request for row, _, _ in work):
+        raise OutOfStep(f"request {request} has two rows in one frame")
