@@ -15,3 +15,7 @@ class ConfigError(SeamlineError):
 
 class RequestError(SeamlineError):
     """A generation request is invalid (e.g. a prompt longer than the context)."""
+
+
+class OverloadedError(SeamlineError):
+    """More requests wait than the server will queue: the load, not the request, is the reason."""

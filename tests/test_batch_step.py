@@ -134,3 +134,15 @@ def test_kv_budget_queues_what_does_not_fit_and_refuses_what_never_can(tmp_path:
     with pytest.raises(RequestError, match="MiB of KV cache"):
         scheduler.add(prompts[1], SamplingParams(max_tokens=400))
     assert scheduler.idle  # the refused request left nothing behind
+
+
+def test_a_seeded_sequence_replayed_from_its_history_goes_on_as_before(tmp_path: Path) -> None:
+    """Prompt + the first tokens drawn, as a new prompt with the same seed: the rest follows as
+    in the run that was not interrupted (what replay after a lost node relies on)."""
+    stage = _stage("dense", tmp_path)
+    prompt = _prompts(256)[3]
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=NEW_TOKENS)
+    engine = Engine(stage, 512)
+    whole = list(engine.generate(prompt, params))
+    resumed = list(engine.generate(prompt + whole[:5], SamplingParams(temperature=1.0, seed=5, max_tokens=NEW_TOKENS - 5)))
+    assert resumed == whole[5:]

@@ -149,6 +149,14 @@ def test_same_seed_same_sample(client: openai.OpenAI) -> None:
     assert first and ask() == first
 
 
+def test_ignore_eos_generates_max_tokens(client: openai.OpenAI, paris: Any) -> None:
+    """The capital answer stops early by itself; with ignore_eos it runs to max_tokens."""
+    assert paris.usage.completion_tokens < 32
+    reply = chat(client, temperature=0, max_tokens=40, extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 40 and reply.choices[0].finish_reason == "length"
+    assert reply.choices[0].message.content.startswith(paris.choices[0].message.content)
+
+
 def test_top_k_extension_is_honoured(client: openai.OpenAI, paris: Any) -> None:
     # top_k=1 leaves only the most likely token: sampling at temperature 1 becomes greedy.
     out = chat(client, temperature=1.0, max_tokens=32, extra_body={"top_k": 1, "min_p": 0.05})
@@ -393,3 +401,28 @@ def test_concurrent_requests_share_steps_and_answer_as_alone(client: openai.Open
         alone = model.engine.generate(prompt, SamplingParams(max_tokens=12 + 2 * i, stop_token_ids=model.codec.stop_ids))
         assert answers[i] == model.codec.decode(list(alone)), question
     assert steps < sum(12 + 2 * i for i in range(len(questions))), "the requests took turns instead of sharing steps"
+
+
+def test_a_full_queue_is_429_and_the_server_keeps_serving(model: LocalModel) -> None:
+    """One request runs, one waits (the limits are 1 and 1): a third is refused with 429 in
+    OpenAI's format; when the first leaves, the waiting one is served."""
+    small = LocalBackend(model.engine, model.codec, NAME, max_running=1, max_waiting=1)
+    scheduler = small.loop.scheduler
+    with serve(small) as base:
+        client = client_for(base)
+        running = chat(client, temperature=0, max_tokens=300, stream=True, extra_body={"ignore_eos": True})
+        next(iter(running))  # it holds the one running slot
+        waited: list[Any] = []
+        waiter = threading.Thread(target=lambda: waited.append(chat(client, temperature=0, max_tokens=4)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while len(scheduler.waiting) < 1:
+            assert time.monotonic() < deadline, "the second request never queued"
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as info:
+            chat(client, temperature=0, max_tokens=4)
+        err = _error(info.value)
+        assert info.value.status_code == 429 and err["code"] == "queue_full" and "waiting" in err["message"]
+        running.close()  # the first client leaves: the waiting request takes its place
+        waiter.join(timeout=60)
+        assert waited and waited[0].usage.completion_tokens == 4

@@ -6,20 +6,31 @@ import pytest
 import torch
 
 from seamline.errors import RequestError
-from seamline.runtime.sampling import SamplingParams, filtered_probs, make_generator, sample
+from seamline.runtime.sampling import SamplingParams, draw_seed, filtered_probs, request_seed, sample
 
 LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
 
 
 def test_greedy_takes_argmax() -> None:
-    assert sample(LOGITS, SamplingParams(), make_generator(0)) == 0
+    assert sample(LOGITS, SamplingParams(), 0, 5) == 0
 
 
-def test_same_seed_same_tokens() -> None:
-    params = SamplingParams(temperature=1.5, seed=7)
-    draws = [[sample(LOGITS, params, g) for _ in range(50)] for g in (make_generator(7), make_generator(7))]
-    assert draws[0] == draws[1]
-    assert len(set(draws[0])) > 1  # a temperature of 1.5 really samples
+def test_a_draw_depends_only_on_seed_and_position() -> None:
+    """Same (seed, position): same token, in any order and after any other draws; other seeds
+    and positions give other streams."""
+    params = SamplingParams(temperature=1.5)
+    forward = [sample(LOGITS, params, 7, p) for p in range(60)]
+    backward = [sample(LOGITS, params, 7, p) for p in reversed(range(60))][::-1]
+    assert forward == backward
+    assert len(set(forward)) > 1  # a temperature of 1.5 really samples
+    assert forward != [sample(LOGITS, params, 8, p) for p in range(60)]
+    seeds = {draw_seed(s, p) for s in range(-3, 30) for p in range(30)}
+    assert len(seeds) == 33 * 30 and all(0 <= x < 2**63 for x in seeds)
+
+
+def test_a_request_without_a_seed_gets_one() -> None:
+    assert request_seed(11) == 11
+    assert request_seed(None) != request_seed(None)
 
 
 def test_top_k_keeps_k_tokens() -> None:

@@ -26,7 +26,7 @@ import torch
 from seamline.app import LocalModel
 from seamline.bench.driver import Driver, median
 from seamline.bench.single import PROMPT
-from seamline.runtime.sampling import SamplingParams, make_generator, sample
+from seamline.runtime.sampling import SamplingParams, sample
 
 LAN_DELAY_MS = 0.25
 LAN_RATE = "1gbit"
@@ -105,15 +105,16 @@ def lan_down() -> None:
 def decode_single(model: LocalModel, prompt: list[int], tokens: int) -> dict[str, float]:
     """The single-process engine's greedy decode: wall and layer-compute time per token."""
     stage, params = model.engine.stage, SamplingParams()
-    cache, generator = stage.new_cache(), make_generator(0)
-    token, position = sample(model.engine.prefill(prompt, cache), params, generator), len(prompt)
+    cache = stage.new_cache()
+    token, position = sample(model.engine.prefill(prompt, cache), params, 0, len(prompt)), len(prompt)
     compute = 0.0
     start = time.perf_counter()
     for _ in range(tokens):
         began = time.perf_counter()
         logits = stage(torch.tensor([token]), position, cache, last_only=True)
         compute += time.perf_counter() - began
-        token, position = sample(logits[-1], params, generator), position + 1
+        position += 1
+        token = sample(logits[-1], params, 0, position)
     wall = time.perf_counter() - start
     return {"tok_s": tokens / wall, "ms_per_token": wall / tokens * 1e3, "compute_ms_per_token": compute / tokens * 1e3}
 

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +28,7 @@ from seamline.model.cache import Span
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Open, Prompt
-from seamline.runtime.sampling import SamplingParams, make_generator, sample
+from seamline.runtime.sampling import SamplingParams, request_seed, sample
 
 if TYPE_CHECKING:
     from seamline.mesh.group_stage import LockstepStage
@@ -55,7 +55,7 @@ class Sequence:
     hash: int = EMPTY_HASH
     generated: int = 0
     done: bool = False
-    generator: torch.Generator = field(default_factory=torch.Generator)
+    seed: int = 0  # what its draws derive from, with their positions
 
 
 @dataclass
@@ -94,7 +94,7 @@ class StageWorker:
                                 seed=s.seed, max_tokens=s.max_tokens, stop_token_ids=s.stop_token_ids)  # fmt: skip
         with self.lock:
             seq = Sequence(self.stage.new_cache(params.greedy), params, msg.context_length)
-            seq.generator = make_generator(s.seed)
+            seq.seed = request_seed(s.seed)
             self.sequences[msg.request] = seq
         if not self.is_last and self.links.downstream_open is not None:
             self.links.downstream_open(msg)
@@ -252,9 +252,9 @@ class StageWorker:
         return sampled if self.is_first else []
 
     def _sample(self, row: Row, seq: Sequence, logits: torch.Tensor) -> TokenRow:
-        token = sample(logits, seq.params, seq.generator)
-        seq.generated += 1
         position = row.position + row.count
+        token = sample(logits, seq.params, seq.seed, position)
+        seq.generated += 1
         flags = RowFlag.NONE
         if token in seq.params.stop_token_ids:
             flags |= RowFlag.DONE | RowFlag.STOPPED

@@ -8,7 +8,7 @@ import torch
 
 from seamline.errors import RequestError
 from seamline.model.stage import Stage
-from seamline.runtime.sampling import SamplingParams, make_generator, sample
+from seamline.runtime.sampling import SamplingParams, request_seed, sample
 
 PREFILL_CHUNK = 512
 
@@ -60,10 +60,10 @@ def decode_loop(
 ) -> Iterator[int]:
     """Sample, yield, and ``step(token, position)`` to the next logits until a stop token,
     ``max_tokens`` or the end of the context: the one generation loop every runtime shares."""
-    generator = make_generator(params.seed)
+    seed = request_seed(params.seed)
     stops = set(params.stop_token_ids)
     for _ in range(params.max_tokens):
-        token = sample(logits, params, generator)
+        token = sample(logits, params, seed, position)
         if token in stops:
             return
         yield token

@@ -1,7 +1,13 @@
-"""Token sampling: greedy, or seeded temperature / top-k / top-p / min-p. Pure functions."""
+"""Token sampling: greedy, or seeded temperature / top-k / top-p / min-p. Pure functions.
+
+A draw's randomness is a pure function of the request's seed and the position the drawn token
+takes (``draw_seed``), so a sequence draws the same tokens alone or in a batch, and a sequence
+replayed from its history (prompt + tokens so far) goes on exactly as it would have.
+"""
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -37,13 +43,21 @@ class SamplingParams:
         return self.temperature == 0
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
-    return generator
+_U64 = (1 << 64) - 1
+
+
+def request_seed(seed: int | None) -> int:
+    """The seed a request samples with: its own, or a random one chosen once."""
+    return seed if seed is not None else secrets.randbits(63)
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The seed of the draw for ``position``: splitmix64's finaliser over (seed, position), so
+    nearby seeds and positions give unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return (z ^ (z >> 31)) >> 1  # 63 bits: torch takes a signed 64-bit seed
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -63,9 +77,10 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs / probs.sum()
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits [vocab]."""
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """One token id from logits [vocab], for the token that will take ``position``."""
     if params.greedy:  # numpy's argmax is ~20x faster than torch's on one CPU vector
         return int(logits.float().numpy().argmax())
     probs = filtered_probs(logits, params)
+    generator = torch.Generator().manual_seed(draw_seed(seed, position))
     return int(torch.multinomial(probs, 1, generator=generator))

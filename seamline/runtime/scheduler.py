@@ -6,8 +6,10 @@ still being prefilled, first come first served, up to ``max_step_tokens`` rows; 
 waiting sequence is admitted, in arrival order, when fewer than ``max_running`` hold a cache
 and the KV memory it may grow to (prompt + max_tokens, within the context) fits in what the
 running ones leave of ``kv_budget_bytes``; a finished one frees its cache at once. A request
-that could not fit even alone is refused when it is added. A sequence samples with its own generator, so a seeded sequence draws
-the same tokens whatever shares its steps.
+that could not fit even alone is refused when it is added, and so is one that finds
+``max_waiting`` requests already queued (``OverloadedError``: HTTP 429). A draw depends only on the
+sequence's seed and position, so a seeded sequence draws the same tokens whatever shares its
+steps.
 """
 
 from __future__ import annotations
@@ -18,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from seamline.errors import RequestError
+from seamline.errors import OverloadedError, RequestError
 from seamline.mesh.types import kv_bytes_per_token
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
-from seamline.runtime.sampling import SamplingParams, make_generator, sample
+from seamline.runtime.sampling import SamplingParams, request_seed, sample
 
 _ids = itertools.count()
 
@@ -39,10 +41,10 @@ class Sequence:
     samples: int = 0  # tokens drawn, a stop token included: max_tokens counts these
     finish_reason: str | None = None  # "stop" or "length" once finished
     cache: SequenceCache | None = None
-    generator: torch.Generator = field(init=False)
+    seed: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.generator = make_generator(self.params.seed)
+        self.seed = request_seed(self.params.seed)
 
     @property
     def prefilling(self) -> bool:
@@ -71,6 +73,7 @@ class Scheduler:
         max_step_tokens: int = 512,
         max_running: int = 64,
         kv_budget_bytes: int | None = None,
+        max_waiting: int = 256,
     ) -> None:
         if stage.embed is None or stage.head is None:
             raise ValueError("the scheduler needs a stage that owns the embedding and the head")
@@ -79,6 +82,7 @@ class Scheduler:
         self.max_step_tokens = max_step_tokens
         self.max_running = max_running
         self.kv_budget_bytes = kv_budget_bytes
+        self.max_waiting = max_waiting
         dtype_bytes = torch.finfo(stage.compute_dtype).bits // 8
         self.kv_bytes_per_token = kv_bytes_per_token(stage.config, dtype_bytes) * len(stage.layers)
         self.waiting: deque[Sequence] = deque()
@@ -96,6 +100,8 @@ class Scheduler:
             raise RequestError("the prompt is empty")
         if len(prompt) >= self.context_length:
             raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context_length}")
+        if len(self.waiting) >= self.max_waiting:
+            raise OverloadedError(f"{len(self.waiting)} requests are already waiting; try again later")
         sequence = Sequence(list(prompt), params)
         need = self.kv_reserve(sequence)
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
@@ -163,7 +169,7 @@ class Scheduler:
         return spans, inputs, owners
 
     def _draw(self, sequence: Sequence, logits: torch.Tensor) -> Emission:
-        token = sample(logits, sequence.params, sequence.generator)
+        token = sample(logits, sequence.params, sequence.seed, len(sequence.prompt) + len(sequence.tokens))
         sequence.samples += 1
         if token in sequence.params.stop_token_ids:
             self._release(sequence, "stop")

@@ -38,12 +38,15 @@ class Backend(Protocol):
 class LocalBackend:
     """One process owns the whole model; concurrent requests share batched steps (``BatchLoop``)."""
 
-    def __init__(self, engine: Engine, codec: TextCodec, model_name: str) -> None:
+    def __init__(
+        self, engine: Engine, codec: TextCodec, model_name: str, max_running: int = 64, max_waiting: int = 256
+    ) -> None:
         self.engine = engine
         self.codec = codec
         self.model_name = model_name
         self.context_length = engine.context_length
-        self.loop = BatchLoop(Scheduler(engine.stage, engine.context_length))
+        scheduler = Scheduler(engine.stage, engine.context_length, max_running=max_running, max_waiting=max_waiting)
+        self.loop = BatchLoop(scheduler)
 
     def readiness(self) -> Readiness:
         return Readiness(True)

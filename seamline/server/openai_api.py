@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from seamline.errors import RequestError, SeamlineError
+from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.runtime.sampling import SamplingParams
 from seamline.server.backend import Backend
 from seamline.server.openai_schema import (
@@ -106,6 +106,8 @@ def backend_error(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, RequestError):
         return bad_request(str(exc), None, "invalid_request")
+    if isinstance(exc, OverloadedError):
+        return OpenAIError(429, str(exc), "rate_limit_error", None, "queue_full")
     if isinstance(exc, SeamlineError):
         log.warning("generation failed: %s", exc)
         return OpenAIError(503, f"generation failed: {exc}", "service_unavailable", None, "backend_error")
@@ -385,7 +387,7 @@ class _Routes:
             min_p=body.min_p or 0.0,
             seed=body.seed,
             max_tokens=room if limit is None else limit,
-            stop_token_ids=tuple(self.backend.codec.stop_ids),
+            stop_token_ids=() if body.ignore_eos else tuple(self.backend.codec.stop_ids),
             stop_strings=tuple(s for s in body.stop or () if s),
         )
         try:

@@ -6,7 +6,7 @@ Policy, chosen to keep the official ``openai`` client and common tools working:
 - Known OpenAI fields that would change the result and that seamline cannot honour
   (``n`` > 1, ``logprobs``, ``tools``, penalties, ``logit_bias``, JSON ``response_format``,
   ``suffix``, ``best_of`` > 1) are rejected with 400 instead of being silently dropped.
-- ``top_k`` and ``min_p`` are accepted as extensions (``extra_body`` in the client).
+- ``top_k``, ``min_p`` and ``ignore_eos`` are accepted as extensions (``extra_body`` in the client).
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ class _Sampling(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # extension; 0 or -1: off
     min_p: float | None = Field(None, ge=0, le=1)  # extension
+    ignore_eos: bool | None = False  # extension, as vLLM: generate through end-of-sequence tokens
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] | None = None
     n: int | None = None
