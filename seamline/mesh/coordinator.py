@@ -259,7 +259,7 @@ class Coordinator:
         last = index == len(handles) - 1
         downstream = None if last else (handles[index + 1].join.data_host, handles[index + 1].join.data_port)
         stage0 = (handles[0].join.data_host, handles[0].join.data_port) if last and index > 0 else None
-        handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0))
+        handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0, stages=len(handles)))
         self._wait(handle, lambda: handle.linked or None, "LINKED")
 
     def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float = STEP_TIMEOUT_S) -> Any:

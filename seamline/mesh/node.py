@@ -156,6 +156,10 @@ class Node:
             log.exception("prompt %d failed", message.request)
             self._report(message.request, f"stage 0 failed: {self._explain(exc)}")
 
+    def _batch_failed(self, requests: list[int], exc: Exception) -> None:
+        for request in requests:
+            self._report(request, f"stage 0 failed: {self._explain(exc)}")
+
     def _explain(self, exc: Exception) -> str:
         """The error's text; a group rank at fault is named by its node id too."""
         nodes = self.assignment.group_nodes if self.assignment else []
@@ -193,6 +197,7 @@ class Node:
         assert self.control is not None
         if self.worker is not None:
             self.worker.links.results = self.control.send_tokens
+            self.worker.links.failed = self._batch_failed
         descriptor = Descriptor(node_id=self.options.node_id, plan_id=assign.plan_id, model_hash=assign.model_hash,
                                 layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION,
                                 shard=assign.shard)  # fmt: skip
@@ -225,6 +230,7 @@ class Node:
 
     def _route(self, route: Route) -> None:
         assert self.worker is not None and self.control is not None
+        self.worker.micro_batches = max(1, route.stages)
         if route.downstream is not None:
             link = Link.connect(*route.downstream, name=f"downstream {route.downstream[0]}:{route.downstream[1]}")
             self.peers.append(link)

@@ -8,9 +8,11 @@ frame that is out of step is refused instead of computing garbage.
 
 Rows travel and run together: the rows of one frame are one batched forward
 (``Stage.forward_batch``: each weight multiplied once for all of them, attention per
-sequence), the last stage samples every row of it and returns the tokens in one frame, and
-stage 0 embeds a returned frame's tokens as one batch again. A stage that is both first and
-last feeds its tokens back through one driver, so concurrent requests share its steps.
+sequence), and the last stage samples every row of it and returns the tokens in one frame.
+Stage 0 feeds returned tokens through one driver thread that takes every token waiting, so
+concurrent requests merge into shared steps, but at most 1/S of the open sequences per batch
+with S stages: at least S micro-batches stay in flight, and while stage 1 runs one, stage 0
+runs the next.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class StageLinks:
     downstream_open: SendOpen | None = None  # next stage (session create, ahead of its frames)
     stage0: SendTokens | None = None  # last stage -> stage 0 (tokens)
     results: SendTokens | None = None  # last stage -> coordinator (tokens)
+    failed: Callable[[list[int], Exception], None] | None = None  # stage 0's batch of these requests failed
 
 
 class StageWorker:
@@ -81,9 +84,10 @@ class StageWorker:
         self.refused = 0
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
-        self._pending: list[TokenRow] = []  # first-and-last stage: tokens to feed back
-        self._driving = False  # a thread is feeding them back
-        self._pending_lock = threading.Lock()
+        self.micro_batches = 1  # the pipeline's stage count (set by the route)
+        self._pending: list[TokenRow] = []  # stage 0: returned tokens waiting to be embedded
+        self._pending_ready = threading.Condition()
+        self._driver: threading.Thread | None = None  # stage 0's thread that embeds them
 
     # -- session calls (mirrored to every stage by the coordinator) --------------------
     def open(self, msg: Open) -> None:
@@ -127,29 +131,40 @@ class StageWorker:
         self._loop(looped)
 
     def tokens(self, frame: TokenFrame) -> None:
-        """Stage 0: tokens sampled by the last stage come back to be embedded, as one batch."""
-        with self.lock:
-            self._token_rows(frame.rows)
+        """Stage 0: tokens sampled by the last stage come back to be embedded."""
+        self._loop(list(frame.rows))
 
     def _loop(self, rows: list[TokenRow]) -> None:
-        """A stage that is both first and last feeds its own tokens back. One thread drives at a
-        time, taking every token waiting, so concurrent requests share steps; the others leave
-        their tokens to it and return."""
-        with self._pending_lock:
+        """Stage 0: leave returned tokens (its own, when it is also the last stage) to the
+        driver thread, so that the reader that brought them goes back to reading."""
+        if not rows:
+            return
+        with self._pending_ready:
             self._pending += rows
-            if self._driving:
-                return
-            self._driving = True
+            if self._driver is None:
+                self._driver = threading.Thread(target=self._drive, name="seamline-stage0", daemon=True)
+                self._driver.start()
+            self._pending_ready.notify()
+
+    def _drive(self) -> None:
+        """Embed the waiting tokens in batches of at most 1/S of the open sequences."""
         while True:
-            with self._pending_lock:
-                rows, self._pending = self._pending, []
-                if not rows:
-                    self._driving = False
-                    return
-            with self.lock:
-                looped = self._token_rows(rows)
-            with self._pending_lock:
-                self._pending += looped
+            with self._pending_ready:
+                while not self._pending:
+                    self._pending_ready.wait()
+                cap = max(1, -(-len(self.sequences) // self.micro_batches))
+                rows, self._pending = self._pending[:cap], self._pending[cap:]
+            try:
+                with self.lock:
+                    looped = self._token_rows(rows)
+            except Exception as exc:  # the batch's requests fail; stage 0 keeps serving
+                log.exception("a stage-0 batch failed")
+                if self.links.failed is not None:
+                    self.links.failed([row.request for row in rows], exc)
+                continue
+            if looped:
+                with self._pending_ready:
+                    self._pending += looped
 
     def hidden(self, frame: HiddenFrame) -> None:
         """Stages after the first: run our layers on each row and pass it on."""

@@ -99,6 +99,7 @@ class Route(Message):
     plan_id: int
     downstream: tuple[str, int] | None  # next stage's data address (None: last stage)
     stage0: tuple[str, int] | None  # where the last stage sends tokens (None: not last)
+    stages: int = 1  # stages in the pipeline: stage 0 keeps at least this many micro-batches in flight
 
 
 class Linked(Message):
