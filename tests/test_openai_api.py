@@ -7,6 +7,7 @@ mid-stream, and reporting that a cancelled request's iterator was closed.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import socket
 import threading
@@ -426,3 +427,39 @@ def test_a_full_queue_is_429_and_the_server_keeps_serving(model: LocalModel) -> 
         running.close()  # the first client leaves: the waiting request takes its place
         waiter.join(timeout=60)
         assert waited and waited[0].usage.completion_tokens == 4
+
+
+def test_prompts_are_tokenized_off_the_event_loop(backend: LocalBackend) -> None:
+    """Rendering and tokenizing a prompt run where no event loop runs (a worker thread), so a
+    large one never stalls /health or other streams on the server's loop."""
+
+    def on_event_loop() -> bool:
+        try:
+            asyncio.get_running_loop()
+            return True
+        except RuntimeError:
+            return False
+
+    class Recording:
+        def __init__(self, codec: Any) -> None:
+            self.codec, self.on_loop = codec, []
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.codec, name)
+
+        def encode(self, text: str) -> list[int]:
+            self.on_loop.append(on_event_loop())
+            return self.codec.encode(text)
+
+        def encode_chat(self, messages: Any) -> list[int]:
+            self.on_loop.append(on_event_loop())
+            return self.codec.encode_chat(messages)
+
+    wrapped = Wrapped(backend)
+    recording = Recording(backend.codec)
+    wrapped.codec = recording  # type: ignore[assignment]
+    with serve(wrapped) as base:
+        client = client_for(base)
+        chat(client, temperature=0, max_tokens=2)
+        client.completions.create(model=NAME, prompt="Hello", temperature=0, max_tokens=2)
+    assert recording.on_loop == [False, False]

@@ -282,7 +282,7 @@ class _Routes:
         self._check_model(body.model)
         self._check_ready()
         messages = [m.as_template_dict() for m in body.messages]
-        prompt = self._render_chat(messages)
+        prompt = await anyio.to_thread.run_sync(self._render_chat, messages)  # a large prompt must not stall the loop
         params = self._params(body, prompt, "messages")
         return await self._respond(request, _Reply.new(True, self.backend.model_name), prompt, params,
                                    bool(body.stream), body.include_usage, "")  # fmt: skip
@@ -291,7 +291,7 @@ class _Routes:
         """POST /v1/completions."""
         self._check_model(body.model)
         self._check_ready()
-        prompt = self._encode_prompt(body.prompt)
+        prompt = await anyio.to_thread.run_sync(self._encode_prompt, body.prompt)
         params = self._params(body, prompt, "prompt")
         echo = ""
         if body.echo:
