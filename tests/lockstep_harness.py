@@ -103,16 +103,16 @@ class Reference:
 
 @torch.inference_mode()
 def engine_reference(engine: Engine, prompt: list[int], steps: int = STEPS) -> Reference:
-    """``Engine.generate``'s greedy tokens, and the logits of each of its forwards."""
+    """``Engine.generate``'s greedy tokens, and the logits after the prompt and after each of
+    them (one prefill forward, then one forward per token, as a sequence runs alone)."""
     assert len(prompt) <= PREFILL_CHUNK  # one prefill forward
-    rows: list[torch.Tensor] = []
-    hook = engine.stage.register_forward_hook(lambda _m, _a, out: rows.append(out[-1].float().clone()))
-    try:
-        tokens = list(engine.generate(prompt, SamplingParams(max_tokens=steps)))
-    finally:
-        hook.remove()
-    assert len(tokens) == steps and len(rows) == steps + 1
-    return Reference(prompt, tokens, torch.stack(rows))
+    tokens = list(engine.generate(prompt, SamplingParams(max_tokens=steps)))
+    cache = engine.stage.new_cache()
+    rows = [engine.stage(torch.tensor(prompt), 0, cache, last_only=True)[-1]]
+    for i, token in enumerate(tokens):
+        rows.append(engine.stage(torch.tensor([token]), len(prompt) + i, cache)[-1])
+    assert len(tokens) == steps
+    return Reference(prompt, tokens, torch.stack(rows).float())
 
 
 def generate_recording(group: LockstepGroup, prompt: list[int],

@@ -1,4 +1,8 @@
-"""Engine: token ids in, token ids out, on one process that owns the whole model."""
+"""Engine: token ids in, token ids out, on one process that owns the whole model.
+
+``generate`` runs the scheduler's loop for one sequence (the loop a server batches many
+requests with); ``decode_loop`` is the lockstep group's own loop, still apart.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 from seamline.errors import RequestError
 from seamline.model.stage import Stage
 from seamline.runtime.sampling import SamplingParams, request_seed, sample
+from seamline.runtime.scheduler import Scheduler
 
 PREFILL_CHUNK = 512
 
@@ -39,16 +44,16 @@ class Engine:
         return logits[-1]
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
-        """Yield generated token ids until a stop token, max_tokens, or the context is full."""
+        """Yield generated token ids until a stop token, max_tokens, or the context is full:
+        the scheduler's loop (the one a server batches many requests with), for one sequence."""
         params.validate()
         self.check_prompt(prompt)
-        cache = self.stage.new_cache()
-        logits = self.prefill(prompt, cache)
-
-        def step(token: int, position: int) -> torch.Tensor:
-            return self.stage(torch.tensor([token]), position, cache)[-1]
-
-        yield from decode_loop(logits, len(prompt), params, self.context_length, step)
+        scheduler = Scheduler(self.stage, self.context_length, max_step_tokens=PREFILL_CHUNK)
+        sequence = scheduler.add(prompt, params)
+        while not sequence.finished:
+            for emission in scheduler.step():
+                if emission.token is not None:
+                    yield emission.token
 
 
 def decode_loop(
