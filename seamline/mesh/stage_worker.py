@@ -128,13 +128,13 @@ class StageWorker:
                 if start + len(chunk) == len(tokens):
                     flags |= RowFlag.SAMPLE
                 looped = self._run_batch([self._embedding_work(msg.request, seq, chunk, flags)])
-        self._loop(looped)
+        self._feed_back(looped)
 
     def tokens(self, frame: TokenFrame) -> None:
         """Stage 0: tokens sampled by the last stage come back to be embedded."""
-        self._loop(list(frame.rows))
+        self._feed_back(list(frame.rows))
 
-    def _loop(self, rows: list[TokenRow]) -> None:
+    def _feed_back(self, rows: list[TokenRow]) -> None:
         """Stage 0: leave returned tokens (its own, when it is also the last stage) to the
         driver thread, so that the reader that brought them goes back to reading."""
         if not rows:

@@ -9,7 +9,6 @@ forms compute in float32 and round once to the activations' dtype.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
 import torch
@@ -20,16 +19,11 @@ from seamline.quant.native import kernels
 _DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
-@cache
-def _ops() -> Any | None:
-    return kernels()
-
-
 def op_for(x: torch.Tensor, name: str) -> Callable[..., Any] | None:
     """The C++ op ``name`` when it can take ``x`` (CPU, a float dtype, contiguous), else None."""
     if not (x.is_cpu and x.dtype in _DTYPES and x.is_contiguous()):
         return None
-    ops = _ops()
+    ops = kernels()  # cached: loaded once per process
     return None if ops is None else getattr(ops, name).default
 
 

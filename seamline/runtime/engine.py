@@ -10,10 +10,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from seamline.errors import RequestError
 from seamline.model.stage import Stage
 from seamline.runtime.sampling import SamplingParams, request_seed, sample
-from seamline.runtime.scheduler import Scheduler
+from seamline.runtime.scheduler import Scheduler, check_prompt
 
 PREFILL_CHUNK = 512
 
@@ -27,12 +26,7 @@ class Engine:
         self.context_length = context_length or self.config.max_position_embeddings
 
     def check_prompt(self, prompt: list[int]) -> None:
-        if not prompt:
-            raise RequestError("the prompt is empty")
-        if len(prompt) >= self.context_length:
-            raise RequestError(
-                f"the prompt has {len(prompt)} tokens; the model's context is {self.context_length}"
-            )
+        check_prompt(prompt, self.context_length)
 
     def prefill(self, prompt: list[int], cache: object) -> torch.Tensor:
         """Run the prompt in chunks; return the logits of its last position."""

@@ -65,6 +65,13 @@ class Emission:
     logits: torch.Tensor
 
 
+def check_prompt(prompt: list[int], context_length: int) -> None:
+    if not prompt:
+        raise RequestError("the prompt is empty")
+    if len(prompt) >= context_length:
+        raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {context_length}")
+
+
 class Scheduler:
     def __init__(
         self,
@@ -96,10 +103,7 @@ class Scheduler:
     def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; it joins at the next step with room."""
         params.validate()
-        if not prompt:
-            raise RequestError("the prompt is empty")
-        if len(prompt) >= self.context_length:
-            raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context_length}")
+        check_prompt(prompt, self.context_length)
         if len(self.waiting) >= self.max_waiting:
             raise OverloadedError(f"{len(self.waiting)} requests are already waiting; try again later")
         sequence = Sequence(list(prompt), params)
