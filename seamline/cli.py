@@ -9,7 +9,7 @@ from typing import Any
 
 from seamline.errors import SeamlineError
 
-BENCHES = ("single", "split", "lockstep", "quant")
+BENCHES = ("single", "split", "lockstep", "quant", "throughput")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +83,8 @@ def _add_mesh_commands(sub: Any) -> None:
     plan.add_argument("--lock", default=None, help="write (or check) the plan in this file")
     plan.add_argument("--context", type=int, default=4096)
     plan.add_argument("--batch", type=int, default=1)
+    plan.add_argument("--objective", choices=("throughput", "latency"), default="throughput",
+                      help="throughput under load (the slowest stage; the default) or per-token latency")
     _tensor_parallel_arg(plan, "N nodes per stage in lockstep (0: groups only where no node holds a stage)")
     plan.set_defaults(handler=cmd_plan)
 
@@ -230,7 +232,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from seamline.mesh.plan_cli import run_plan_command
 
     return run_plan_command(args.nodes_json, args.model, args.lock, args.context, args.batch, live_url=args.live,
-                            tensor_parallel=args.tensor_parallel)
+                            tensor_parallel=args.tensor_parallel, objective=args.objective)
 
 
 def _logging(quiet: bool) -> None:

@@ -85,6 +85,27 @@ def test_decode_attention_equals_rope_cache_and_sdpa(ops, dtype, heads, kv_heads
     assert torch.equal(values, want_values.to(dtype))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batched_decode_attention_equals_one_call_per_sequence(ops, dtype) -> None:
+    """Five sequences at different positions in one call: the same output rows and the same
+    cache writes as five calls of the one-row op."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, positions = 9, 3, 64, [0, 7, 31, 130, 2]
+    qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
+    angles = torch.rand(140, dim // 2, generator=gen) * 6
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    caches = [[torch.randn(kv_heads, p + 4, dim, generator=gen).to(dtype) for _ in range(2)] for p in positions]
+    alone = [[k.clone(), v.clone()] for k, v in caches]
+    got = ops.decode_attention_batch(qkv, cos, sin, [k for k, _ in caches], [v for _, v in caches], positions,
+                                     heads, kv_heads)  # fmt: skip
+    for row, (pos, (k, v)) in enumerate(zip(positions, alone)):
+        assert torch.equal(got[row : row + 1], ops.decode_attention(qkv[row : row + 1], cos, sin, k, v, pos, heads, kv_heads))
+        assert torch.equal(caches[row][0], k) and torch.equal(caches[row][1], v)
+    with pytest.raises(ValueError, match="B caches and positions"):
+        ops.decode_attention_batch(qkv, cos, sin, [k for k, _ in caches][:2], [v for _, v in caches], positions,
+                                   heads, kv_heads)  # fmt: skip
+
+
 def test_decode_attention_refuses_bad_shapes(ops) -> None:
     qkv, table = torch.zeros(1, 5 * 8), torch.zeros(4, 8)
     cache = torch.zeros(1, 4, 8)

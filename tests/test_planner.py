@@ -7,6 +7,7 @@ import json
 import math
 import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from seamline.weights.names import stage_plans
 
 MIB = 1 << 20
 GIB = 1 << 30
-EXACT = PlanOptions(context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0)
+EXACT = PlanOptions(context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0, objective="latency")
 
 
 def spec(layers: int, layer: int = 100 * MIB, embed: int = 0, head: int = 0, kv: int = 0,
@@ -154,7 +155,7 @@ def test_invalid_inputs_name_the_invariant() -> None:
 Case = tuple[ModelSpec, list[NodeInfo], LinkTable, PlanOptions]
 
 
-def random_case(rng: random.Random, n: int, layers: int) -> Case:
+def random_case(rng: random.Random, n: int, layers: int, objective: str = "latency") -> Case:
     layer_bytes = tuple(rng.choice((60, 100, 100, 150)) * MIB for _ in range(layers))
     embed, head = rng.choice((0, 50, 200)) * MIB, rng.choice((10, 80, 200)) * MIB
     model = ModelSpec("r", layers, 1024, layer_bytes, embed, head, rng.choice((0, 256)), 4096, rng.random() < 0.3)
@@ -172,7 +173,7 @@ def random_case(rng: random.Random, n: int, layers: int) -> Case:
         links = LinkTable(pairs={(a.node_id, b.node_id): Link(rng.uniform(1e-4, 0.1), 1e7)
                                  for a, b in itertools.combinations(few, 2)})  # fmt: skip
     options = PlanOptions(context_tokens=rng.choice((128, 4096)), batch=rng.choice((1, 4)),
-                          headroom_fraction=0.05, headroom_bytes=8 * MIB)  # fmt: skip
+                          headroom_fraction=0.05, headroom_bytes=8 * MIB, objective=objective)  # fmt: skip
     return model, nodes, links, options
 
 
@@ -212,7 +213,12 @@ def test_a_hidden_feasible_plan_is_always_found() -> None:
 
 
 def brute_force(model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, options: PlanOptions) -> float:
-    best = math.inf
+    return min((p.predicted_s_per_token for p in every_plan(model, nodes, links, options)), default=math.inf)
+
+
+def every_plan(model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, options: PlanOptions) -> list[Plan]:
+    """Every route whose stages fit, priced."""
+    plans = []
     L = model.num_layers
     for k in range(1, min(len(nodes), L) + 1):
         for chosen in itertools.permutations(nodes, k):
@@ -221,8 +227,8 @@ def brute_force(model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, optio
                 route = [(x.node_id, cuts[i], cuts[i + 1]) for i, x in enumerate(chosen)]
                 if all(need(model, options, s, e) <= options.capacity(x.free_memory_bytes)
                        for x, (_, s, e) in zip(chosen, route)):  # fmt: skip
-                    best = min(best, price_route(model, nodes, links, options, route).predicted_s_per_token)
-    return best
+                    plans.append(price_route(model, nodes, links, options, route))
+    return plans
 
 
 def test_small_pools_match_exhaustive_search() -> None:
@@ -236,6 +242,44 @@ def test_small_pools_match_exhaustive_search() -> None:
                 plan(model, nodes, links, options)
             continue
         assert plan(model, nodes, links, options).predicted_s_per_token == pytest.approx(best, rel=1e-5)
+
+
+def test_throughput_objective_matches_exhaustive_search() -> None:
+    """Throughput first (the least slowest stage over every route), then per-token latency."""
+    rng = random.Random(12)
+    compared = 0
+    for _ in range(40):
+        model, nodes, links, options = random_case(rng, rng.randint(1, 4), rng.randint(1, 4), "throughput")
+        plans = every_plan(model, nodes, links, options)
+        if not plans:
+            with pytest.raises(PlanError):
+                plan(model, nodes, links, options)
+            continue
+        slowest = min(p.slowest_stage_s() for p in plans)
+        fastest = min(p.predicted_s_per_token for p in plans if p.slowest_stage_s() <= slowest * (1 + 1e-9))
+        chosen = plan(model, nodes, links, options)
+        assert chosen.objective == "throughput"
+        assert chosen.slowest_stage_s() == pytest.approx(slowest, rel=1e-6)
+        assert chosen.predicted_s_per_token == pytest.approx(fastest, rel=1e-5)
+        compared += 1
+    assert compared >= 20
+
+
+def test_throughput_evens_stage_times_where_latency_fills_the_faster_node() -> None:
+    """Two nodes that could each hold 22 of 30 layers, one 20% faster: for latency the faster
+    takes all it can hold (8 + 22, as the demo planned); for throughput the stage times even
+    out to within one layer's time, and the slowest stage is much faster."""
+    model = spec(30, head=50 * MIB)
+    cap = need(model, EXACT, 8, 30)
+    nodes = [node("a", cap, 1.2e10), node("b", cap, 1e10)]
+    by_latency = plan(model, nodes, None, EXACT)
+    by_throughput = plan(model, nodes, None, replace(EXACT, objective="throughput"))
+    assert sorted(s.end - s.start for s in by_latency.stages) == [8, 22]
+    times = [s.compute_s for s in by_throughput.stages]
+    layer_on_slower = 100 * MIB / 1e10
+    assert max(times) - min(times) <= layer_on_slower
+    assert by_throughput.slowest_stage_s() < 0.8 * by_latency.slowest_stage_s()
+    assert (by_throughput.objective, by_latency.objective) == ("throughput", "latency")
 
 
 def test_deterministic_whatever_the_input_order() -> None:

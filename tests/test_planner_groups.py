@@ -16,7 +16,7 @@ from seamline.model.ownership import Ownership
 from seamline.weights.names import stage_plans
 
 MIB = 1 << 20
-EXACT = PlanOptions(context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0)
+EXACT = PlanOptions(context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0, objective="latency")
 # 4 layers of 400 MiB: the model holds 1600 MiB of layers + 100 MiB embedding + 100 MiB head.
 SPEC = ModelSpec("m", 4, 1024, (400 * MIB,) * 4, 100 * MIB, 100 * MIB, 0, 4096)
 
@@ -82,10 +82,17 @@ def test_plan_command_prints_groups(tmp_path: Path, capsys: pytest.CaptureFixtur
     lock = tmp_path / "lock.json"
     assert run_plan_command(str(tmp_path / "pool.json"), None, str(lock), 1024, 1, tensor_parallel=2) == 0
     printed = capsys.readouterr().out
-    assert "a+b" in printed and "lockstep group" in printed, printed  # one stage of two ranks
-    assert [list(s["ranks"]) for s in json.loads(lock.read_text())["stages"]] == [["a", "b"]]
+    assert "a+b" in printed and "lockstep group" in printed, printed
+    assert "optimised for throughput" in printed, printed
+    # either group could hold the model: for throughput both take a share, as two stages
+    assert [list(s["ranks"]) for s in json.loads(lock.read_text())["stages"]] == [["a", "b"], ["c", "d"]]
     assert run_plan_command(str(tmp_path / "pool.json"), None, str(lock), 1024, 1) == 0  # the lock, checked
     assert "a+b" in capsys.readouterr().out
+    fresh = tmp_path / "latency.json"
+    assert run_plan_command(str(tmp_path / "pool.json"), None, str(fresh), 1024, 1, tensor_parallel=2,
+                            objective="latency") == 0  # fmt: skip
+    assert "optimised for per-token latency" in capsys.readouterr().out
+    assert [list(s["ranks"]) for s in json.loads(fresh.read_text())["stages"]] == [["a", "b"]]  # no hop
 
 
 def test_a_ranks_planned_bytes_are_what_it_loads(tmp_path: Path) -> None:

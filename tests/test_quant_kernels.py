@@ -126,6 +126,36 @@ def test_int8_kernel_matches_reference(ops, qtype, dtype) -> None:
         assert torch.equal(part, ops.linear(x, w.data, w.qtype, w.shape[1], None, 16)[:, 3:29])
 
 
+AMX_TYPES = [t for t in KERNEL_TYPES if not t.name.endswith("K")]  # the 32-wide block types
+
+
+@pytest.mark.parametrize("qtype", AMX_TYPES, ids=lambda t: t.name)
+def test_amx_tiles_match_the_vnni_kernel(ops, qtype) -> None:
+    """AMX tiles (many rows) against the AVX-512 int8 kernel on the same int8 activations:
+    equal up to float summation order (float32 out), for row counts around the 16-row tile,
+    weight rows not a multiple of 16, a bias, and bfloat16 activations."""
+    if not ops.amx_supported():
+        with open("/proc/cpuinfo") as f:
+            assert "amx_int8" not in f.read(), "this CPU has AMX-INT8 but the kernels cannot use it"
+        return
+    gen = torch.Generator().manual_seed(8)
+    w = random_weight(qtype, (45, _cols(qtype, 18)), gen)
+    bias = torch.randn(45, generator=gen)
+    for rows in (1, 5, 16, 17, 40, 130):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
+            vnni = ops.linear(x, w.data, w.qtype, w.shape[1], bias, 1 << 20, 0)
+            amx = ops.linear(x, w.data, w.qtype, w.shape[1], bias, 0, 1)
+            assert amx.dtype == dtype and amx.shape == (rows, 45)
+            if dtype == torch.float32:
+                assert torch.allclose(amx, vnni, rtol=1e-5, atol=1e-5 * vnni.abs().max().item()), (qtype.name, rows)
+            _assert_close(amx, _reference(x, w) + bias.double(), f"AMX {qtype.name} {dtype} {rows} rows")
+    odd = random_weight(qtype, (20, _cols(qtype, 19)), gen)  # a half pair: the AVX-512 kernel takes it
+    x = torch.randn(40, odd.shape[1], generator=gen)
+    assert torch.equal(ops.linear(x, odd.data, odd.qtype, odd.shape[1], None, 0, 1),
+                       ops.linear(x, odd.data, odd.qtype, odd.shape[1], None, 0, 0))  # fmt: skip
+
+
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_slices_and_experts(ops, qtype) -> None:
     gen = torch.Generator().manual_seed(4)

@@ -25,6 +25,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.quant import bench_quant
 
         result = bench_quant(repeats=options["repeats"], tokens=options["tokens"])
+    elif name == "throughput":
+        from seamline.bench.throughput import bench_throughput
+
+        result = bench_throughput(repeats=options["repeats"], tokens=options["tokens"])
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     text = json.dumps(result, indent=2)

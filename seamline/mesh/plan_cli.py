@@ -57,6 +57,7 @@ def run_plan_command(
     live_url: str | None = None,
     dtype: str = "float32",
     tensor_parallel: int = 0,
+    objective: str = "throughput",
 ) -> int:
     """Print the plan (or the checked lock) for the pool; raise PlanError when none fits.
     ``tensor_parallel``: ranks per stage (0: lockstep groups only where no node holds a stage)."""
@@ -68,7 +69,7 @@ def run_plan_command(
         raise PlanError("seamline plan needs a pool: --nodes FILE (JSON list of nodes) or --live URL")
     spec, config = model_spec(model_path, dtype_bytes(dtype))
     own_context = config.max_position_embeddings
-    options = PlanOptions(context_tokens=context or own_context, batch=batch)
+    options = PlanOptions(context_tokens=context or own_context, batch=batch, objective=objective)
     lock = Path(lock_path) if lock_path else None
     if lock is not None and lock.exists():
         pinned = Plan.from_json(lock.read_text())
@@ -225,7 +226,16 @@ def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
         if len(p.stages) > 1
         else f"predicted {p.predicted_s_per_token * 1e3:.3f} ms/token (one node, no network)"
     )
+    rows.append(_objective_line(p))
     return "\n".join(rows)
+
+
+def _objective_line(p: Plan) -> str:
+    if p.objective == "throughput":
+        slowest = p.slowest_stage_s()
+        return (f"optimised for throughput under load: with micro-batches in flight a step takes the slowest "
+                f"stage's {slowest * 1e3:.3f} ms, not the sum (per-token latency breaks ties)")  # fmt: skip
+    return "optimised for per-token latency (one sequence at a time)"
 
 
 def _size(nbytes: int) -> str:

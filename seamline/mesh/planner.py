@@ -5,6 +5,14 @@ range, the ranges covering ``[0, L)`` exactly once; stage 0 also holds the embed
 last stage the final norm and head. A node fits when its weights plus the KV cache of its
 layers (``context_tokens × batch``) fit in its free memory less headroom.
 
+Objective (``PlanOptions.objective``). ``throughput`` (the default): with several micro-batches
+in flight every stage works at once, so the pipeline delivers tokens at the pace of its slowest
+stage; the planner first finds the least possible slowest-stage time (bisection over stage
+costs, each probe a search with costlier stages ruled out), then among plans that reach it
+takes the one with the lowest time per token below. ``latency``: that time alone (one
+sequence at a time). Links count only in the latency: a hop's frame is small against a stage's
+compute (a 1 GbE link carries a decode row of the embedded model in ~10 µs).
+
 Predicted seconds per decode step (one token for every sequence of the batch):
   Σ stages (weight bytes read per token [+ head on the last]) / node rate      (memory-bound)
   + Σ hops (latency + batch × hidden frame / bandwidth)
@@ -42,7 +50,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -62,6 +70,8 @@ __all__ = ["PlanError", "check_plan", "plan", "price_route"]
 TOKEN_ID_BYTES = 8  # per sequence, on the return hop
 BALANCE_WEIGHT = 1e-6  # κ × (fastest single-node time): ties go to the most even plan
 EXHAUSTIVE_NODES = 5
+OBJECTIVES = ("throughput", "latency")
+BOTTLENECK_TOLERANCE = 0.01  # pools beyond EXHAUSTIVE_NODES: the slowest stage within 1% of the least
 INF = float("inf")
 Route = Sequence[tuple[str, int, int]]  # (node_id, start, end) in pipeline order
 
@@ -112,6 +122,8 @@ def plan(
     _check_inputs(model, nodes, table, options)
     by_id = sorted(nodes, key=lambda n: n.node_id)
     pool = _pool(model, by_id, table, options, _model_tables(model, options))
+    if options.objective == "throughput" and pool.ids:
+        pool = _capped(pool, _least_bottleneck(pool))
     found = _search(pool) if pool.ids else None
     if found is None:
         raise PlanError(_refusal(model, by_id, options))
@@ -135,6 +147,58 @@ def _search(pool: _Pool) -> _Found | None:
     if found is None:  # a last try to fit: the nodes that lose least to embedding and head
         found = _best(pool, _fit_orders(pool, by_mem), False, None)
     return found
+
+
+def _least_bottleneck(pool: _Pool) -> float:
+    """The least achievable cost of the slowest stage (in the DP's t + κt² units; inf when
+    nothing fits). A plan whose every stage costs at most b exists iff the search over the pool
+    capped at b finds one; links do not matter to that, so the probes search without them.
+    Small pools: bisection over every stage cost (exact). Larger ones: geometric bisection to
+    within ``BOTTLENECK_TOLERANCE`` (their stage costs number millions)."""
+    probe = replace(pool, hop=np.zeros_like(pool.hop), ret=np.zeros_like(pool.ret),
+                    ret_floor=np.zeros_like(pool.ret_floor), flat_hop=0.0)  # fmt: skip
+
+    def feasible(limit: float) -> bool:
+        return _fits(_capped(probe, limit))
+
+    finite = [b[np.isfinite(b)].ravel() for b in (*pool.stage, pool.single)]
+    highest = max((float(v.max()) for v in finite if len(v)), default=INF)
+    if not highest < INF or not feasible(highest):
+        return INF
+    if len(pool.ids) > EXHAUSTIVE_NODES:
+        low = min(float(v.min()) for v in finite if len(v))
+        while highest > low * (1 + BOTTLENECK_TOLERANCE):
+            middle = float(np.sqrt(low * highest))
+            low, highest = (low, middle) if feasible(middle) else (middle, highest)
+        return highest
+    values = np.unique(np.concatenate(finite))
+    lo, hi = 0, len(values) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if feasible(float(values[mid])) else (mid + 1, hi)
+    return float(values[lo])
+
+
+def _fits(pool: _Pool) -> bool:
+    """Whether the search would find a plan: the same orders, stopping at the first that fits."""
+    if (pool.single < INF).any():
+        return True
+    n = len(pool.ids)
+    if n <= EXHAUSTIVE_NODES:
+        return any(_solve(pool, np.array(p), True) is not None for p in itertools.permutations(range(n)))
+    by_rate = np.lexsort((np.arange(n), -pool.cap, -pool.rate))
+    by_mem = np.lexsort((np.arange(n), -pool.rate, -pool.cap))
+    ends = _ends_first(by_mem)  # (the chain order of a pool without links is by_rate)
+    orders = [by_rate, by_rate[::-1], ends, ends[::-1], *_fit_orders(pool, by_mem)]
+    return any(_solve(pool, order, False) is not None for order in orders)
+
+
+def _capped(pool: _Pool, limit: float) -> _Pool:
+    """The pool with every stage (and single node) costing more than ``limit`` ruled out."""
+    if not limit < INF:
+        return pool
+    stage = tuple(np.where(band <= limit, band, INF) for band in pool.stage)
+    return replace(pool, stage=stage, single=np.where(pool.single <= limit, pool.single, INF))
 
 
 def _fit_orders(pool: _Pool, by_mem: np.ndarray) -> list[np.ndarray]:
@@ -374,7 +438,8 @@ def price_route(
     if len(ids) > 1:
         network += table.between(ids[-1], ids[0]).seconds(TOKEN_ID_BYTES * options.batch)
     total = sum(st.compute_s for st in stages) + network
-    return Plan(model.name, L, tuple(stages), total, network, options.context_tokens, options.batch)
+    return Plan(model.name, L, tuple(stages), total, network, options.context_tokens, options.batch,
+                options.objective)  # fmt: skip
 
 
 def _range_bytes(model: ModelSpec, options: PlanOptions, s: int, e: int) -> tuple[int, int, int]:
@@ -465,6 +530,8 @@ def _check_inputs(
     model: ModelSpec, nodes: Sequence[NodeInfo], table: LinkTable, options: PlanOptions
 ) -> None:
     L = model.num_layers
+    if options.objective not in OBJECTIVES:
+        raise PlanError(f"a plan's objective is one of {', '.join(OBJECTIVES)}, not {options.objective!r}")
     if L < 1 or len(model.layer_bytes) != L or min(model.layer_bytes) < 0:
         raise PlanError(f"a model spec needs one byte count >= 0 per layer: {len(model.layer_bytes)} for {L}")
     if model.layer_active_bytes and len(model.layer_active_bytes) != L:

@@ -188,6 +188,7 @@ class LinkTable:
 class PlanOptions:
     context_tokens: int = 4096
     batch: int = 1  # sequences decoded together
+    objective: str = "throughput"  # or "latency": see the planner's module doc
     headroom_fraction: float = 0.1  # of each node's free memory, kept free
     headroom_bytes: int = 256 << 20  # the least headroom kept on any node
 
@@ -231,6 +232,11 @@ class Plan:
     network_s_per_token: float  # the hops' share of it
     context_tokens: int
     batch: int
+    objective: str = "latency"  # what the planner optimised ("throughput" or "latency")
+
+    def slowest_stage_s(self) -> float:
+        """Seconds per token of the slowest stage: the pipeline's pace when it is full."""
+        return max(s.compute_s for s in self.stages)
 
     def ranges(self) -> tuple[tuple[int, int], ...]:
         return tuple((s.start, s.end) for s in self.stages)

@@ -3,7 +3,8 @@
 q, k and v are one fused projection; RoPE is applied to q and k in one call. A one-token step on
 CPU runs RoPE, the cache write and attention as one C++ op (``decode_attention``) when the kernels
 are built: in eager torch the same step is ~35 small ops a layer, and their dispatch would set
-the decode speed. Under
+the decode speed. A batched step's one-token rows go to one call for all their sequences
+(``decode_attention_batch``). Under
 ``Ownership.shard`` a rank holds only its query heads and the KV heads they read (q/k/v rows,
 o columns); its output is a partial sum over heads, which the Block's gate all-reduces.
 """
@@ -76,8 +77,25 @@ class GQAttention(nn.Module):
         if len(spans) == 1:
             out = self._attend(qkv, spans[0].start, spans[0].cache.layer(layer))
         else:
-            out = torch.cat([self._attend(qkv[s.offset : s.end], s.start, s.cache.layer(layer)) for s in spans])
+            out = self._attend_spans(qkv, spans, layer)
         return linear(out, self.o)
+
+    def _attend_spans(self, qkv: torch.Tensor, spans: Sequence[Span], layer: int) -> torch.Tensor:
+        """Several sequences' rows: the one-token rows at the head of the step (where the
+        scheduler puts decode rows) in one fused call, every other span on its own."""
+        ones = 0
+        while ones < len(spans) and spans[ones].count == 1:
+            ones += 1
+        op = op_for(qkv, "decode_attention_batch") if self.fused_decode and ones > 1 else None
+        if op is None:
+            return torch.cat([self._attend(qkv[s.offset : s.end], s.start, s.cache.layer(layer)) for s in spans])
+        head = spans[:ones]
+        cos, sin = self.rope.tables(max(s.start for s in head) + 1, qkv.dtype)
+        kv = [s.cache.layer(layer).reserve(self.kv_heads, self.head_dim, s.start + 1, qkv.dtype) for s in head]
+        out = op(qkv[:ones], cos, sin, [k for k, _ in kv], [v for _, v in kv], [s.start for s in head],
+                 self.heads, self.kv_heads)  # fmt: skip
+        rest = [self._attend(qkv[s.offset : s.end], s.start, s.cache.layer(layer)) for s in spans[ones:]]
+        return torch.cat([out, *rest]) if rest else out
 
     def _attend(self, qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         """One sequence's rows [T, (H + 2*Hkv) * D] at positions from ``start`` -> [T, H * D]."""

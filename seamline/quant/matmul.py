@@ -8,7 +8,10 @@ On CPU with the C++ kernels (``native.kernels()``), by ``SEAMLINE_QUANT_ACTIVATI
   float32 matrix; bfloat16 ones dequantised bfloat16 tiles with torch's bf16 GEMM (oneDNN).
 * ``int8``: as llama.cpp does, activations rounded to int8 blocks of 32 (256 for K-quants) and
   multiplied with the blocks by VNNI integer dot products: about 2x faster on big matrices,
-  at the cost of that rounding; prefill as above but always on bfloat16 tiles.
+  at the cost of that rounding. Many rows (batched steps, prefill): on a CPU with AMX-INT8, the
+  32-wide block types go through AMX tiles from ``AMX_FROM_ROWS`` rows (3-4x the AVX-512
+  kernel at 16-64 rows; ``SEAMLINE_QUANT_AMX=0`` turns it off); otherwise above
+  ``DECODE_ROWS`` rows as prefill above, on bfloat16 tiles.
 
 Elsewhere (CUDA, no kernels, ``use_kernels=False``): dequantise, then F.linear.
 """
@@ -26,6 +29,8 @@ from seamline.quant.native import kernels
 from seamline.quant.tensor import QuantTensor
 
 DECODE_ROWS = 12  # up to this many rows the fused kernel beats dequantise + GEMM (measured, 2 threads)
+AMX_FROM_ROWS = 9  # int8 mode, a CPU with AMX-INT8: from this many rows tiles beat the AVX-512 kernel
+AMX_ENV = "SEAMLINE_QUANT_AMX"  # "0": never AMX tiles
 _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
@@ -36,6 +41,7 @@ _EXACT: list[Callable[..., torch.Tensor] | None] = []  # the exact (float32) dec
 # dequantised tiles (float32 activations: float32 weights; bfloat16: bfloat16 weights and GEMM)
 ACTIVATIONS_ENV = "SEAMLINE_QUANT_ACTIVATIONS"
 INT8_ACTIVATIONS = os.environ.get(ACTIVATIONS_ENV, "exact") == "int8"
+_AMX_FROM = 0 if os.environ.get(AMX_ENV) == "0" else AMX_FROM_ROWS  # the op checks the CPU itself
 
 
 def _kernel_op() -> Callable[..., torch.Tensor] | None:
@@ -61,7 +67,7 @@ def quant_linear(
         if INT8_ACTIVATIONS:
             op = _kernel_op()
             if op is not None:  # the op checks shapes, device and type itself (ValueError)
-                return op(x, w.data, w.qtype, w.shape[-1], bias, DECODE_ROWS)
+                return op(x, w.data, w.qtype, w.shape[-1], bias, DECODE_ROWS, _AMX_FROM)
         elif x.numel() <= DECODE_ROWS * x.shape[-1] and (exact := _exact_op()) is not None:
             return exact(x.reshape(-1, x.shape[-1]), w.data, w.qtype, w.shape[-1], bias).to(x.dtype).view(*x.shape[:-1], w.shape[0])
         elif x.dtype != torch.float32 and (op := _kernel_op()) is not None:

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SEAMLINE_QUANT_KERNELS"  # "0" turns the C++ kernels off
 KERNEL_DIR = Path(__file__).parent / "kernels"
-SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp", "float_gemv.cpp", "decode.cpp")
+SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp", "float_gemv.cpp", "decode.cpp", "amx.cpp")
 HEADERS = ("kernels.h", "blocks.h")  # sources and headers: the cache key
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for is inline
 LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch already loaded, so set_num_threads holds
@@ -131,7 +131,7 @@ def _register_shapes() -> None:
 
     @torch.library.register_fake("seamline_quant::linear")
     def _linear(x: torch.Tensor, w: torch.Tensor, qtype: int, cols: int, bias: torch.Tensor | None,
-                decode_rows: int) -> torch.Tensor:  # fmt: skip
+                decode_rows: int, amx_from: int = 0) -> torch.Tensor:  # fmt: skip
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake("seamline_quant::dequant_bf16")
@@ -142,6 +142,11 @@ def _register_shapes() -> None:
     def _attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                    v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
         return qkv.new_empty((1, heads * k_cache.shape[-1]))
+
+    @torch.library.register_fake("seamline_quant::decode_attention_batch")
+    def _attention_batch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
+                         v_caches: list[torch.Tensor], positions: list[int], heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+        return qkv.new_empty((qkv.shape[0], heads * k_caches[0].shape[-1]))
 
     @torch.library.register_fake("seamline_quant::rms_norm")
     def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

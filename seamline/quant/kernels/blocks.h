@@ -20,6 +20,19 @@ struct Pair {
   __m512 minv;    // per 4-element lane (unused by types without a min)
 };
 
+// one output value as float32, float16 or bfloat16 (round to nearest even)
+static inline void store1(void* out, int dt, int64_t i, float v) {
+  if (dt == F32) {
+    ((float*)out)[i] = v;
+  } else if (dt == F16) {
+    ((uint16_t*)out)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
+  } else {
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    ((uint16_t*)out)[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+  }
+}
+
 static inline uint32_t ld32(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, 4);

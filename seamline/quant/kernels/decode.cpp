@@ -70,7 +70,21 @@ inline float dot(const float* q, const void* k, int dt, int64_t D) {
   return _mm512_reduce_add_ps(acc);
 }
 
-// out [D] = softmax(scale * q . K[s]) . V[s] over s in [0, n); K, V rows of D elements
+// exp(x) = 2^n * 2^f, |f| <= 1/2: 2^f = e^(f ln 2) by its Taylor series to degree 7 (relative
+// error < 1e-8 before float rounding), 2^n by scalef; x clamped so that inf and -inf stay finite
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.f)), _mm512_set1_ps(-100.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+  __m512 p = _mm512_set1_ps(1.f / 5040);
+  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// out [D] = softmax(scale * q . K[s]) . V[s] over s in [0, n); K, V rows of D elements.
+// The exponentials 16 at a time; for D a multiple of 16 up to 128 the weighted sum of V stays
+// in registers and is divided by the total once.
 void attend(const float* q, const void* K, const void* V, int dt, int64_t n, int64_t D, float scale, float* scores,
             float* out) {
   const int64_t row = D * (dt == F32 ? 4 : 2);
@@ -79,11 +93,30 @@ void attend(const float* q, const void* K, const void* V, int dt, int64_t n, int
     scores[s] = scale * dot(q, (const char*)K + s * row, dt, D);
     top = std::max(top, scores[s]);
   }
-  float total = 0.f;
-  for (int64_t s = 0; s < n; ++s) total += (scores[s] = std::exp(scores[s] - top));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t s = 0; s < n; s += 16) {
+    const __mmask16 m = tail_mask(n - s);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + s), _mm512_set1_ps(top)));
+    _mm512_mask_storeu_ps(scores + s, m, e);
+    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  }
+  const float inv = 1.f / _mm512_reduce_add_ps(sum);
+  if (D % 16 == 0 && D <= 128) {
+    __m512 acc[8];
+    const int64_t chunks = D / 16;
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n; ++s) {
+      const __m512 p = _mm512_set1_ps(scores[s]);
+      const char* v = (const char*)V + s * row;
+      for (int64_t c = 0; c < chunks; ++c)
+        acc[c] = _mm512_fmadd_ps(p, load(v + 16 * c * (dt == F32 ? 4 : 2), dt, 0xFFFF), acc[c]);
+    }
+    for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], _mm512_set1_ps(inv)));
+    return;
+  }
   for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
   for (int64_t s = 0; s < n; ++s) {
-    const __m512 p = _mm512_set1_ps(scores[s] / total);
+    const __m512 p = _mm512_set1_ps(scores[s] * inv);
     for (int64_t d = 0; d < D; d += 16) {
       const __mmask16 m = tail_mask(D - d);
       const __m512 v = load((const char*)V + s * row + d * (dt == F32 ? 4 : 2), dt, m);
@@ -120,48 +153,96 @@ void check(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, 
 
 }  // namespace
 
+namespace {
+
+// One sequence's row: RoPE on its query and key heads, its key and value into its cache at pos,
+// then attention of query heads [h0, h1) over positions [0, pos] into result [heads * D] (float)
+struct RowJob {
+  const void* x;  // the row of qkv
+  void* kc;
+  void* vc;
+  int64_t capacity, pos;
+};
+
+void rotate_and_store(const RowJob& job, const at::Tensor& cos, const at::Tensor& sin, int dt, int64_t heads,
+                      int64_t kv_heads, int64_t D, float* q) {
+  std::vector<float> c(D), s(D), k(D);
+  for (int64_t d = 0; d < D; ++d) {
+    c[d] = element(cos.data_ptr(), job.pos * D + d, dtype_of(cos.scalar_type()));
+    s[d] = element(sin.data_ptr(), job.pos * D + d, dtype_of(sin.scalar_type()));
+  }
+  for (int64_t h = 0; h < heads; ++h) rope_head(job.x, h * D, dt, c.data(), s.data(), D, q + h * D);
+  for (int64_t g = 0; g < kv_heads; ++g) {  // the new key (rotated) and value into the cache
+    rope_head(job.x, (heads + g) * D, dt, c.data(), s.data(), D, k.data());
+    const int64_t at_pos = (g * job.capacity + job.pos) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      store(job.kc, at_pos + d, dt, k[d]);
+      store(job.vc, at_pos + d, dt, element(job.x, (heads + kv_heads + g) * D + d, dt));
+    }
+  }
+}
+
+void attend_heads(const RowJob& job, const float* q, int dt, int64_t h0, int64_t h1, int64_t group, int64_t D,
+                  float* result) {
+  const int64_t n = job.pos + 1, elt = dt == F32 ? 4 : 2;
+  const float scale = 1.f / std::sqrt((float)D);
+  std::vector<float> scores(n);
+  for (int64_t h = h0; h < h1; ++h) {
+    const int64_t g = h / group;
+    attend(q + h * D, (const char*)job.kc + g * job.capacity * D * elt, (const char*)job.vc + g * job.capacity * D * elt,
+           dt, n, D, scale, scores.data(), result + h * D);
+  }
+}
+
+}  // namespace
+
 // qkv [1, (H + 2 Hkv) D]; cos, sin [positions, D] tables; caches [Hkv, capacity, D], written at pos
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
                             at::Tensor v_cache, int64_t pos, int64_t heads, int64_t kv_heads) {
   check(qkv, cos, sin, k_cache, v_cache, pos, heads, kv_heads);
   const int dt = dtype_of(qkv.scalar_type());
-  const int64_t D = k_cache.size(2), capacity = k_cache.size(1), n = pos + 1, group = heads / kv_heads;
-  std::vector<float> c(D), s(D);
-  for (int64_t d = 0; d < D; ++d) {
-    c[d] = element(cos.data_ptr(), pos * D + d, dtype_of(cos.scalar_type()));
-    s[d] = element(sin.data_ptr(), pos * D + d, dtype_of(sin.scalar_type()));
-  }
-  const float *cp = c.data(), *sp = s.data();
-  const void* x = qkv.data_ptr();
-  std::vector<float> q(heads * D), k(D);
-  for (int64_t h = 0; h < heads; ++h) rope_head(x, h * D, dt, cp, sp, D, q.data() + h * D);
-  void *kc = k_cache.data_ptr(), *vc = v_cache.data_ptr();
-  for (int64_t g = 0; g < kv_heads; ++g) {  // the new key (rotated) and value into the cache
-    rope_head(x, (heads + g) * D, dt, cp, sp, D, k.data());
-    const int64_t at_pos = (g * capacity + pos) * D;
-    for (int64_t d = 0; d < D; ++d) {
-      store(kc, at_pos + d, dt, k[d]);
-      store(vc, at_pos + d, dt, element(x, (heads + kv_heads + g) * D + d, dt));
-    }
-  }
-  at::Tensor out = at::empty({1, heads * D}, qkv.options());
-  std::vector<float> result(heads * D);
-  const float scale = 1.f / std::sqrt((float)D);
-  const int64_t elt = dt == F32 ? 4 : 2;
+  const int64_t D = k_cache.size(2), n = pos + 1;
+  const RowJob job{qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(1), pos};
+  std::vector<float> q(heads * D), result(heads * D);
+  rotate_and_store(job, cos, sin, dt, heads, kv_heads, D, q.data());
   // one thread below ~64K multiply-adds: waking another costs more than it saves
   at::parallel_for(0, heads, std::max<int64_t>(1, 65536 / (n * D)), [&](int64_t h0, int64_t h1) {
-    std::vector<float> scores(n);
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t g = h / group;
-      attend(q.data() + h * D, (const char*)kc + g * capacity * D * elt, (const char*)vc + g * capacity * D * elt,
-             dt, n, D, scale, scores.data(), result.data() + h * D);
-    }
+    attend_heads(job, q.data(), dt, h0, h1, heads / kv_heads, D, result.data());
   });
+  at::Tensor out = at::empty({1, heads * D}, qkv.options());
   void* op = out.data_ptr();
   for (int64_t i = 0; i < heads * D; ++i) store(op, i, dt, result[i]);
   return out;
 }
 
+// B one-token rows of B sequences at once: qkv [B, (H + 2 Hkv) D], each row with its own caches
+// and position; the rows are shared between threads (one call instead of B)
+at::Tensor decode_attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                                  at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef positions,
+                                  int64_t heads, int64_t kv_heads) {
+  const int64_t B = qkv.size(0);
+  TORCH_CHECK_VALUE(qkv.dim() == 2 && (int64_t)k_caches.size() == B && (int64_t)v_caches.size() == B &&
+                        (int64_t)positions.size() == B,
+                    "decode_attention_batch needs qkv [B, width] and B caches and positions, got ", qkv.sizes(), ", ",
+                    k_caches.size(), ", ", v_caches.size(), ", ", positions.size());
+  for (int64_t b = 0; b < B; ++b)
+    check(qkv[b], cos, sin, k_caches[b], v_caches[b], positions[b], heads, kv_heads);
+  const int dt = dtype_of(qkv.scalar_type());
+  const int64_t D = k_caches[0].size(2), width = qkv.size(1) * (dt == F32 ? 4 : 2);
+  at::Tensor out = at::empty({B, heads * D}, qkv.options());
+  void* op = out.data_ptr();
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> q(heads * D), result(heads * D);
+    for (int64_t b = b0; b < b1; ++b) {
+      const RowJob job{(const char*)qkv.data_ptr() + b * width, k_caches[b].data_ptr(), v_caches[b].data_ptr(),
+                       k_caches[b].size(1), positions[b]};
+      rotate_and_store(job, cos, sin, dt, heads, kv_heads, D, q.data());
+      attend_heads(job, q.data(), dt, 0, heads, heads / kv_heads, D, result.data());
+      for (int64_t i = 0; i < heads * D; ++i) store(op, b * heads * D + i, dt, result[i]);
+    }
+  });
+  return out;
+}
 
 namespace {
 
@@ -179,17 +260,6 @@ inline void store16(void* p, int dt, __mmask16 m, __m512 v) {
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(u));
 }
 
-// exp(x) = 2^n * 2^f, |f| <= 1/2: 2^f = e^(f ln 2) by its Taylor series to degree 7 (relative
-// error < 1e-8 before float rounding), 2^n by scalef; x clamped so that inf and -inf stay finite
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.f)), _mm512_set1_ps(-100.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.f / 5040);
-  for (float c : {1.f / 720, 1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
 
 // out[i] = x[i] / rms(x) * w[i] over one row of n
 void norm_row(const void* x, const void* w, int wt, int64_t n, float eps, void* out, int dt) {
@@ -287,6 +357,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 #else
 
 namespace seamline_quant {
+at::Tensor decode_attention_batch(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
+                                  at::TensorList, at::IntArrayRef, int64_t, int64_t) {
+  TORCH_CHECK(false, "decode_attention_batch needs x86-64");
+}
 at::Tensor decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, int64_t,
                             int64_t, int64_t) {
   TORCH_CHECK(false, "decode_attention needs x86-64");
@@ -304,6 +378,9 @@ TORCH_LIBRARY_FRAGMENT(seamline_quant, m) {
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, "
       "int heads, int kv_heads) -> Tensor");
+  m.def(
+      "decode_attention_batch(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+      "int[] positions, int heads, int kv_heads) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
@@ -311,6 +388,7 @@ TORCH_LIBRARY_FRAGMENT(seamline_quant, m) {
 
 TORCH_LIBRARY_IMPL(seamline_quant, CPU, m) {
   m.impl("decode_attention", &seamline_quant::decode_attention);
+  m.impl("decode_attention_batch", &seamline_quant::decode_attention_batch);
   m.impl("rms_norm", &seamline_quant::rms_norm);
   m.impl("add_rms_norm", &seamline_quant::add_rms_norm);
   m.impl("silu_mul", &seamline_quant::silu_mul);

@@ -29,18 +29,6 @@ static inline __m512 load16(const void* x, int dt, int64_t i) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-static inline void store1(void* out, int dt, int64_t i, float v) {
-  if (dt == F32) {
-    ((float*)out)[i] = v;
-  } else if (dt == F16) {
-    ((uint16_t*)out)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT);
-  } else {
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    ((uint16_t*)out)[i] = (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-  }
-}
-
 // One activation row: int8 blocks of 32 with one float scale each, lane sums in aux.
 static void prep_row(const void* x, int dt, int64_t cols, int offset, bool min, int8_t* xq,
                      float* xs, float* aux, float* blk, int64_t kp) {

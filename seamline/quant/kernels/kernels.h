@@ -20,6 +20,15 @@ struct XBuf {
   int64_t kp;
 };
 
+// Activations laid out for AMX tiles (amx.cpp), per group of 16 rows g and 32-wide block b
+// (at = g * blocks + b): tiles[at * 512] the B tile (8 rows x 16 activation rows x 4 bytes),
+// scale[at * 16 + n] and sum[at * 16 + n] the block's scale and scale * sum of its int8 values.
+struct AmxX {
+  int8_t* tiles;
+  float* scale;
+  float* sum;
+};
+
 bool cpu_supported();                 // AVX-512 F/BW/VL/DQ/VNNI present at run time
 bool qtype_supported(int qtype);      // one of the GGML types the kernels decode
 int64_t padded_cols(int64_t cols);    // cols rounded up to 64
@@ -45,5 +54,14 @@ void dequant_rows_f32(int qtype, const uint8_t* w, int64_t w_stride, int64_t col
 bool cpu_has_bf16();
 void dequant_rows_bf16_native(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, int64_t r0,
                               int64_t r1, uint16_t* out);
+
+// AMX-INT8 present and permitted to this process; the 32-wide types it multiplies
+bool amx_supported();
+bool amx_qtype(int qtype);
+// groups [g0, g1) of 16 rows of the quantised activations (prep_x) into tile layout
+void amx_prep(const XBuf& buf, int64_t M, int64_t cols, int64_t g0, int64_t g1, const AmxX& x);
+// as gemv_rows, by AMX tiles (cols a multiple of 64; r0 a multiple of 16)
+void amx_rows(int qtype, const uint8_t* w, int64_t w_stride, int64_t cols, const AmxX& x, int64_t M, int64_t r0,
+              int64_t r1, const float* bias, void* out, int dt, int64_t n_out);
 
 }  // namespace seamline_quant

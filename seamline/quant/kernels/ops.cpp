@@ -29,9 +29,23 @@ static void check_weight(const at::Tensor& w, int64_t qtype, int64_t cols) {
                     "weight rows of ", w.size(1), " bytes do not hold ", cols, " weights of GGML type ", qtype);
 }
 
-// y [M, N] = x [M, cols] @ W.T (+ bias), x quantised to int8 blocks first (decode-sized M)
+// by AMX tiles: the activations laid out as tiles once, then 16 weight rows per task
+static void amx_matmul(const XBuf& buf, int64_t M, const uint8_t* wp, int64_t w_stride, int64_t qtype, int64_t cols,
+                       int64_t N, const float* bp, void* op, int dt) {
+  const int64_t groups = (M + 15) / 16, nb = cols / 32;
+  std::vector<int8_t> tiles(groups * nb * 512);
+  std::vector<float> scale(groups * nb * 16), sum(groups * nb * 16);
+  const AmxX ax{tiles.data(), scale.data(), sum.data()};
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) { amx_prep(buf, M, cols, g0, g1, ax); });
+  at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t t0, int64_t t1) {
+    amx_rows((int)qtype, wp, w_stride, cols, ax, M, 16 * t0, std::min(N, 16 * t1), bp, op, dt, N);
+  });
+}
+
+// y [M, N] = x [M, cols] @ W.T (+ bias), x quantised to int8 blocks first (decode-sized M, or
+// any M by AMX tiles)
 static at::Tensor fused(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols,
-                        const at::Tensor& bias) {
+                        const at::Tensor& bias, bool amx) {
   const int dt = dtype_code(x.scalar_type());
   const int64_t M = x.size(0), N = w.size(0), kp = padded_cols(cols);
   // xq, xs, aux, blk: a per-thread buffer reused across calls (up to 4 MB), else a fresh one
@@ -50,6 +64,10 @@ static at::Tensor fused(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   at::Tensor out = at::empty({M, N}, x.options());
   void* op = out.data_ptr();
   const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (amx) {
+    amx_matmul(buf, M, wp, w.stride(0), qtype, cols, N, bp, op, dt);
+    return out;
+  }
   // split only matrices of more than ~256K weights: below, waking a thread costs what it saves
   const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 18) / (cols * M));
   at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
@@ -74,9 +92,10 @@ static at::Tensor tiled(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   return out;
 }
 
-// x [..., cols] @ W.T (+ bias) -> [..., N] in x's dtype; the fused kernel up to decode_rows rows
+// x [..., cols] @ W.T (+ bias) -> [..., N] in x's dtype; int8 activation blocks up to decode_rows
+// rows (and from amx_from rows by AMX tiles), else dequantised bf16 tiles
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols,
-                  const std::optional<at::Tensor>& bias, int64_t decode_rows) {
+                  const std::optional<at::Tensor>& bias, int64_t decode_rows, int64_t amx_from) {
   check_weight(w, qtype, cols);
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) == cols,
                     "activations must be a CPU [..., ", cols, "] tensor, got ", x.sizes());
@@ -89,8 +108,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64
     b = bias->to(at::kFloat).contiguous();
   }
   at::Tensor out;
-  if (x2.size(0) <= decode_rows) {
-    out = fused(x2, w, qtype, cols, b);
+  // AMX from amx_from rows (0: never), where the CPU has it and the type is a 32-wide one
+  const bool amx = amx_from > 0 && x2.size(0) >= amx_from && cols % 64 == 0 && amx_qtype((int)qtype) &&
+                   amx_supported();
+  if (x2.size(0) <= decode_rows || amx) {
+    out = fused(x2, w, qtype, cols, b, amx);
   } else {
     out = tiled(x2, w, qtype, cols).to(x.scalar_type());
     if (b.defined()) out.add_(b);
@@ -134,11 +156,12 @@ bool decodes(int64_t qtype) { return qtype_supported((int)qtype); }
 }  // namespace seamline_quant
 
 TORCH_LIBRARY(seamline_quant, m) {
-  m.def("linear(Tensor x, Tensor w, int qtype, int cols, Tensor? bias, int decode_rows) -> Tensor");
+  m.def("linear(Tensor x, Tensor w, int qtype, int cols, Tensor? bias, int decode_rows, int amx_from=0) -> Tensor");
   // native: AVX512-BF16 rounding where the CPU has it (False: the integer rounding, for tests)
   m.def("dequant_bf16(Tensor w, int qtype, int cols, bool native=True) -> Tensor");
   m.def("dequant_f32(Tensor w, int qtype, int cols) -> Tensor");
   m.def("cpu_supported() -> bool", &seamline_quant::kernels_usable);
+  m.def("amx_supported() -> bool", &seamline_quant::amx_supported);
   m.def("decodes(int qtype) -> bool", &seamline_quant::decodes);
 }
 

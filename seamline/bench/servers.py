@@ -1,0 +1,143 @@
+"""Servers under a throughput benchmark, each a set of real processes behind one OpenAI URL.
+
+``single``: `seamline serve --single` (one process owns the model). ``mesh``: `seamline serve`
+with no local node plus one `seamline join` per node, each node pinned to its cores with its
+own thread count, optionally inside a network namespace. ``llama``: llama.cpp's server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from seamline.net.link import free_port
+
+SEAMLINE = [sys.executable, "-m", "seamline.cli"]
+
+
+@dataclass
+class NodeSpec:
+    cores: str  # taskset list, e.g. "0" or "0,1"
+    threads: int
+    netns: str | None = None  # run inside this network namespace
+
+
+@dataclass
+class Server:
+    name: str
+    url: str  # the OpenAI base URL, .../v1
+    model: str
+    client_prefix: list[str]  # how a load generator must be started to reach ``url``
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    def wait_healthy(self, timeout_s: float = 900) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for proc in self.procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{self.name}: {proc.args!r} exited with {proc.returncode}")
+            try:
+                if _get(self, "/health") == 200:
+                    return
+            except (OSError, httpx.HTTPError, subprocess.SubprocessError):
+                pass  # not listening yet
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.name} not healthy after {timeout_s:.0f} s")
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _get(server: Server, path: str) -> int:
+    """Status of GET ``path`` on the server's host, from the namespace its clients use."""
+    root = server.url.removesuffix("/v1")
+    if not server.client_prefix:
+        return httpx.get(root + path, timeout=5).status_code
+    code = "import httpx,sys; print(httpx.get(sys.argv[1], timeout=5).status_code)"
+    out = subprocess.run([*server.client_prefix, sys.executable, "-c", code, root + path], capture_output=True,
+                         text=True, timeout=30)  # fmt: skip
+    return int(out.stdout.strip() or 0)
+
+
+def _pinned(cores: str, threads: int, netns: str | None, command: list[str]) -> list[str]:
+    prefix = ["ip", "netns", "exec", netns] if netns else []
+    return [*prefix, "env", f"OMP_NUM_THREADS={threads}", "taskset", "-c", cores, *command]
+
+
+def _popen(command: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+    out = log.open("a")
+    return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def start_single(name: str, threads: int, env: dict[str, str], logs: Path) -> Server:
+    port = free_port()
+    command = _pinned(",".join(map(str, range(threads))), threads, None, [
+        *SEAMLINE, "serve", "--single", "--port", str(port), "--dtype", env["SEAMLINE_BENCH_DTYPE"]])  # fmt: skip
+    server = Server(name, f"http://127.0.0.1:{port}/v1", "SmolLM2-135M-Instruct.Q4_1", [])
+    server.procs.append(_popen(command, env, logs / f"{name}.log"))
+    return server
+
+
+def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: str, env: dict[str, str],
+               logs: Path, cap_gb: float | None) -> Server:  # fmt: skip
+    """A coordinator (pinned as ``coordinator``) and one pinned node per ``nodes`` entry."""
+    port, control = free_port(), free_port()
+    serve = [*SEAMLINE, "serve", "--no-local-node", "--nodes-expected", str(len(nodes)), "--host", host,
+             "--port", str(port), "--control-port", str(control), "--dtype", env["SEAMLINE_BENCH_DTYPE"],
+             "--context", "2048"]  # fmt: skip
+    command = _pinned(coordinator.cores, coordinator.threads, coordinator.netns, serve)
+    coordinator_proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    token = _read_token(coordinator_proc, logs / f"{name}.log")
+    prefix = ["ip", "netns", "exec", coordinator.netns] if coordinator.netns else []
+    server = Server(name, f"http://{host}:{port}/v1", "SmolLM2-135M-Instruct.Q4_1", prefix, [coordinator_proc])
+    cap = ["--max-memory", f"{cap_gb:.3f}"] if cap_gb else []
+    for index, node in enumerate(nodes):
+        join = [*SEAMLINE, "join", token, "--node-id", f"{name}{index}", "--quiet", "--no-progress", *cap]
+        node_env = {**env, "SEAMLINE_CACHE": str(logs / f"cache-{name}{index}")}
+        server.procs.append(_popen(_pinned(node.cores, node.threads, node.netns, join), node_env,
+                                   logs / f"{name}-node{index}.log"))  # fmt: skip
+    return server
+
+
+def _read_token(proc: subprocess.Popen[str], log: Path) -> str:
+    """The invite token from `seamline serve`'s output; the rest of its output goes to ``log``."""
+    assert proc.stdout is not None
+    out = log.open("a")
+    for line in proc.stdout:
+        out.write(line)
+        if line.startswith("seamline: join with: seamline join "):
+            out.flush()
+            threading.Thread(target=_drain, args=(proc.stdout, out), daemon=True).start()
+            return line.split()[-1]
+    raise RuntimeError(f"`seamline serve` exited ({proc.wait()}) before printing an invite; see {log}")
+
+
+def _drain(stream: object, out: object) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        out.write(line)  # type: ignore[attr-defined]
+        out.flush()  # type: ignore[attr-defined]
+
+
+def start_llama(binary: Path, gguf: Path, threads: int, slots: int, context_per_slot: int, logs: Path) -> Server:
+    from seamline.bench.llama_server import server_command
+
+    port = free_port()
+    command = ["taskset", "-c", ",".join(map(str, range(threads))),
+               *server_command(binary, gguf, port, threads, slots, context_per_slot)]  # fmt: skip
+    server = Server("llamacpp", f"http://127.0.0.1:{port}/v1", "llama-server", [])
+    server.procs.append(_popen(command, dict(os.environ), logs / "llamacpp.log"))
+    return server
