@@ -115,25 +115,68 @@ def test_stop_token_and_context_end_finish_a_sequence(tmp_path: Path) -> None:
     assert stopped.cache is None and cut.cache is None
 
 
-def test_kv_budget_queues_what_does_not_fit_and_refuses_what_never_can(tmp_path: Path) -> None:
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_a_full_kv_budget_preempts_and_recomputes_without_changing_any_token(temperature: float,
+                                                                             tmp_path: Path) -> None:  # fmt: skip
+    """A budget that holds every prompt but not every sequence grown to its end: sequences are
+    admitted as they fit now, the newest is preempted when the next step would not fit, and
+    readmitted it recomputes its history; every sequence's tokens equal its run alone, and
+    the memory held never exceeds the budget. A request that could not fit even alone is
+    refused and leaves nothing behind."""
     stage = _stage("dense", tmp_path)
     prompts = _prompts(256)[:4]
-    params = SamplingParams(max_tokens=NEW_TOKENS)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=NEW_TOKENS) for i in range(4)]
     probe = Scheduler(stage, context_length=512)
-    reserves = [probe.kv_reserve(Sequence(p, params)) for p in prompts]
-    scheduler = Scheduler(stage, context_length=512, kv_budget_bytes=reserves[0] + reserves[1])
-    sequences = [scheduler.add(p, params) for p in prompts]
+    budget = (sum(len(p) for p in prompts) + NEW_TOKENS) * probe.kv_bytes_per_token  # one can grow to its end
+    scheduler = Scheduler(stage, context_length=512, kv_budget_bytes=budget)
+    sequences = [scheduler.add(p, q) for p, q in zip(prompts, params)]
     scheduler.step()
-    assert scheduler.running == sequences[:2] and list(scheduler.waiting) == sequences[2:]
+    assert scheduler.running == sequences  # every prompt fits now
     while not scheduler.idle:
-        assert sum(scheduler.kv_reserve(s) for s in scheduler.running) <= scheduler.kv_budget_bytes
         scheduler.step()
+        assert sum(s.cached for s in scheduler.running) * probe.kv_bytes_per_token <= budget
+    assert scheduler.preemptions > 0
     engine = Engine(stage, 512)
-    for sequence, prompt in zip(sequences, prompts):
-        assert sequence.tokens == list(engine.generate(prompt, params))
+    for sequence, prompt, q in zip(sequences, prompts, params):
+        assert sequence.tokens == list(engine.generate(prompt, q)), sequence.id
     with pytest.raises(RequestError, match="MiB of KV cache"):
-        scheduler.add(prompts[1], SamplingParams(max_tokens=400))
+        scheduler.add(prompts[1], SamplingParams(max_tokens=budget // probe.kv_bytes_per_token))
     assert scheduler.idle  # the refused request left nothing behind
+
+
+def test_a_shared_prompt_prefix_is_copied_not_recomputed(tmp_path: Path) -> None:
+    """A second request whose prompt begins as a finished one's (kept in the prefix cache), and
+    two identical prompts at once (the second waits for the first's prefill): they compute only
+    what is new, and their logits and tokens equal runs without any sharing (float32, 1e-5)."""
+    stage = _stage("dense", tmp_path)
+    system = _prompts(256)[3]
+    params = SamplingParams(max_tokens=NEW_TOKENS)
+    scheduler = Scheduler(stage, context_length=512, prefix_cache_bytes=1 << 24)
+    first = scheduler.add(system + [5, 6], params)
+    while not scheduler.idle:
+        scheduler.step()
+    follow = scheduler.add(system + [9, 10, 11], params)
+    twins = [scheduler.add(system + [7], params) for _ in range(2)]
+    rows = []
+    forward = stage.forward_batch
+    stage.forward_batch = lambda inputs, spans, last_only=False: rows.append(len(inputs)) or forward(inputs, spans, last_only)  # type: ignore[method-assign]
+    logits: dict[int, list[torch.Tensor]] = {}
+    try:
+        while not scheduler.idle:
+            for emission in scheduler.step():
+                logits.setdefault(emission.sequence.id, []).append(emission.logits)
+    finally:
+        del stage.forward_batch
+    # computed: follow's 3 new prompt tokens, each twin's last prompt token, then the decodes
+    assert sum(rows) == 3 + 1 + 1 + 3 * (NEW_TOKENS - 1), rows
+    engine = Engine(stage, 512)
+    for sequence in (first, follow, *twins):
+        alone = list(engine.generate(sequence.prompt, params))
+        assert sequence.tokens == alone
+    for sequence in (follow, *twins):
+        want = _alone_logits(stage, sequence.prompt, sequence.tokens)
+        got = torch.stack(logits[sequence.id]).float()
+        assert (got - want).abs().max().item() <= 1e-5
 
 
 def test_a_seeded_sequence_replayed_from_its_history_goes_on_as_before(tmp_path: Path) -> None:

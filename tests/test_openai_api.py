@@ -150,6 +150,31 @@ def test_same_seed_same_sample(client: openai.OpenAI) -> None:
     assert first and ask() == first
 
 
+def test_n_choices_each_a_sequence_of_its_own(client: openai.OpenAI, paris: Any) -> None:
+    """n=3 seeded: three choices with their indexes, choice i is the n=1 answer with seed + i;
+    the prompt is counted once in usage; the stream gives the same texts per index; greedy
+    choices are all the greedy answer."""
+    many = chat(client, temperature=1.0, seed=40, max_tokens=12, n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    completion = 0
+    for i, choice in enumerate(many.choices):
+        alone = chat(client, temperature=1.0, seed=40 + i, max_tokens=12)
+        assert choice.message.content == alone.choices[0].message.content
+        assert choice.finish_reason == alone.choices[0].finish_reason
+        completion += alone.usage.completion_tokens
+    assert many.usage.prompt_tokens == paris.usage.prompt_tokens
+    assert many.usage.completion_tokens == completion
+    texts, finishes = ["", "", ""], [None, None, None]
+    for chunk in chat(client, temperature=1.0, seed=40, max_tokens=12, n=3, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+    assert texts == [c.message.content for c in many.choices]
+    assert finishes == [c.finish_reason for c in many.choices]
+    greedy = chat(client, temperature=0, max_tokens=32, n=2)
+    assert [c.message.content for c in greedy.choices] == [paris.choices[0].message.content] * 2
+
+
 def test_ignore_eos_generates_max_tokens(client: openai.OpenAI, paris: Any) -> None:
     """The capital answer stops early by itself; with ignore_eos it runs to max_tokens."""
     assert paris.usage.completion_tokens < 32
@@ -226,7 +251,8 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     ("fields", "param"),
     [
         ({"temperature": 5}, "temperature"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),

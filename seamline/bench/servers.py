@@ -36,6 +36,7 @@ class Server:
     model: str
     client_prefix: list[str]  # how a load generator must be started to reach ``url``
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
+    client_cores: str = "0,1"  # where the load generator runs (taskset list)
 
     def wait_healthy(self, timeout_s: float = 900) -> None:
         deadline = time.monotonic() + timeout_s
@@ -103,7 +104,8 @@ def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: st
     coordinator_proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     token = _read_token(coordinator_proc, logs / f"{name}.log")
     prefix = ["ip", "netns", "exec", coordinator.netns] if coordinator.netns else []
-    server = Server(name, f"http://{host}:{port}/v1", "SmolLM2-135M-Instruct.Q4_1", prefix, [coordinator_proc])
+    server = Server(name, f"http://{host}:{port}/v1", "SmolLM2-135M-Instruct.Q4_1", prefix, [coordinator_proc],
+                    coordinator.cores)  # fmt: skip
     cap = ["--max-memory", f"{cap_gb:.3f}"] if cap_gb else []
     for index, node in enumerate(nodes):
         join = [*SEAMLINE, "join", token, "--node-id", f"{name}{index}", "--quiet", "--no-progress", *cap]

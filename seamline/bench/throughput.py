@@ -13,7 +13,9 @@ inter-token gap, for:
   1 GbE link (0.25 ms one way, shared/netns.sh; needs root and iptables);
 * ``llamacpp``: llama.cpp's `llama-server --parallel 64` on the same GGUF, cores 0-1, 2 threads.
 
-Every mesh coordinator (and every load generator) may use both cores, in every configuration.
+The mesh coordinator and its load generator run on core 0, beside the first node, in (b) and
+(c) alike (two_stages then has one core shared and one free, one_core one shared and one
+idle); against `serve --single` and llama-server the load generator may use both cores.
 All servers run side by side; each round measures every configuration at every client count
 in turn, with fresh prompts per round (no server can answer from a prompt cache); medians of
 the rounds are reported. ``single_stream_ratio`` divides one client's rate through the API by
@@ -75,18 +77,18 @@ def _start_all(gguf: Path, env: dict[str, str], logs: Path, lan_reason: str) -> 
     from seamline.mesh.demo import memory_cap_gb
 
     cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)
-    both = NodeSpec("0,1", 2)
+    beside = NodeSpec("0", 1)  # the coordinator and the clients: on core 0 with the first node, in (b) and (c)
     servers = {
         "one_node": start_single("one_node", 2, env, logs),
-        "one_core": start_mesh("one_core", [NodeSpec("0", 1)], both, "127.0.0.1", env, logs, None),
-        "two_stages": start_mesh("two_stages", [NodeSpec("0", 1), NodeSpec("1", 1)], both, "127.0.0.1", env, logs, cap),
+        "one_core": start_mesh("one_core", [NodeSpec("0", 1)], beside, "127.0.0.1", env, logs, None),
+        "two_stages": start_mesh("two_stages", [NodeSpec("0", 1), NodeSpec("1", 1)], beside, "127.0.0.1", env, logs, cap),
     }  # fmt: skip
     missing: dict[str, str] = {}
     if lan_reason:
         missing["two_stages_lan"] = lan_reason
     else:
         nodes = [NodeSpec("0", 1, "slb1"), NodeSpec("1", 1, "slb2")]
-        coordinator = NodeSpec("0,1", 2, "slb1")
+        coordinator = NodeSpec("0", 1, "slb1")
         servers["two_stages_lan"] = start_mesh("two_stages_lan", nodes, coordinator, "10.77.0.1", env, logs, cap)
     binary, why = llama_server_binary()
     if binary is None:
@@ -111,7 +113,7 @@ def _prompts(count: int, seed: int, logs: Path) -> Path:
 
 def _wave(server: Server, prompts: Path, tokens: int) -> dict[str, Any]:
     count = len(json.loads(prompts.read_text()))
-    command = [*server.client_prefix, "taskset", "-c", "0,1", sys.executable, "-m", "seamline.bench.load",
+    command = [*server.client_prefix, "taskset", "-c", server.client_cores, sys.executable, "-m", "seamline.bench.load",
                server.url, server.model, str(count), str(prompts), str(tokens)]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:

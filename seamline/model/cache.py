@@ -40,6 +40,15 @@ class LayerKV:
             self.k, self.v = _fit(self.k, like, end), _fit(self.v, like, end)
         return self.k, self.v
 
+    def fork(self, length: int) -> LayerKV:
+        """A new pair holding a copy of positions [0, length) (a shared prompt prefix)."""
+        twin = LayerKV()
+        if self.k is not None and self.v is not None and length > 0:
+            twin.k, twin.v = _fit(None, self.k, length), _fit(None, self.v, length)
+            twin.k[:, :length] = self.k[:, :length]
+            twin.v[:, :length] = self.v[:, :length]
+        return twin
+
 
 def _fit(buf: torch.Tensor | None, like: torch.Tensor, end: int) -> torch.Tensor:
     if buf is not None and buf.shape[1] >= end:
@@ -59,6 +68,12 @@ class SequenceCache:
 
     def layer(self, index: int) -> LayerKV:
         return self.layers[index]
+
+    def fork(self, length: int) -> SequenceCache:
+        """A new cache starting with a copy of this one's positions [0, length)."""
+        twin = SequenceCache(range(0))
+        twin.layers = {i: kv.fork(length) for i, kv in self.layers.items()}
+        return twin
 
 
 @dataclass(frozen=True)

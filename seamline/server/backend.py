@@ -35,17 +35,23 @@ class Backend(Protocol):
     def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]: ...
 
 
+PREFIX_CACHE_BYTES = 256 << 20  # finished requests' KV kept for prompts that begin as theirs did
+
+
 class LocalBackend:
-    """One process owns the whole model; concurrent requests share batched steps (``BatchLoop``)."""
+    """One process owns the whole model; concurrent requests share batched steps (``BatchLoop``),
+    and a prompt that begins as an earlier one reuses its KV (the scheduler's prefix cache)."""
 
     def __init__(
-        self, engine: Engine, codec: TextCodec, model_name: str, max_running: int = 64, max_waiting: int = 256
+        self, engine: Engine, codec: TextCodec, model_name: str, max_running: int = 64, max_waiting: int = 256,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
     ) -> None:
         self.engine = engine
         self.codec = codec
         self.model_name = model_name
         self.context_length = engine.context_length
-        scheduler = Scheduler(engine.stage, engine.context_length, max_running=max_running, max_waiting=max_waiting)
+        scheduler = Scheduler(engine.stage, engine.context_length, max_running=max_running, max_waiting=max_waiting,
+                              prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
         self.loop = BatchLoop(scheduler)
 
     def readiness(self) -> Readiness:

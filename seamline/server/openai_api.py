@@ -15,12 +15,13 @@ Decisions (see also openai_schema.py for field policy):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -187,20 +188,25 @@ class _Reply:
         prefix = "chatcmpl-" if chat else "cmpl-"
         return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()))
 
-    def full(self, text: str, finish: str, usage: dict[str, int]) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=None, finish_reason=finish)
+    def full(self, texts: list[str], finishes: list[str], usage: dict[str, int]) -> dict[str, Any]:
+        """The whole response: one choice per text."""
+        choices = []
+        for index, (text, finish) in enumerate(zip(texts, finishes)):
+            choice: dict[str, Any] = {"index": index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=None, finish_reason=finish)
+            choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [choice], "usage": usage}
+        return {**self._head(obj), "choices": choices, "usage": usage}
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False,
-              usage: bool = False) -> dict[str, Any]:  # fmt: skip
-        """One stream chunk; ``usage`` adds ``"usage": null`` (OpenAI does when it will send usage)."""
-        choice: dict[str, Any] = {"index": 0}
+              usage: bool = False, index: int = 0) -> dict[str, Any]:  # fmt: skip
+        """One stream chunk of choice ``index``; ``usage`` adds ``"usage": null`` (OpenAI does
+        when it will send usage)."""
+        choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -238,25 +244,80 @@ class EventStream(StreamingResponse):
                     await aclose()
 
 
-async def _events(reply: _Reply, gen: Generation, include_usage: bool, echo: str) -> AsyncIterator[str]:
-    """The SSE body: first chunk, one chunk per text piece, the finish chunk, usage, [DONE]."""
+async def _events(reply: _Reply, gens: list[Generation], include_usage: bool, echo: str) -> AsyncIterator[str]:
+    """The SSE body: per choice a first chunk, a chunk per text piece and a finish chunk (the
+    choices interleaved as they come), then usage and [DONE]."""
     try:
-        if reply.chat:
-            yield sse(reply.chunk("", role=True, usage=include_usage))
-        elif echo:
-            yield sse(reply.chunk(echo, usage=include_usage))
-        async for piece in gen.pieces():
-            if piece:
-                yield sse(reply.chunk(piece, usage=include_usage))
-        yield sse(reply.chunk(None if reply.chat else "", gen.finish_reason, usage=include_usage))
+        for index in range(len(gens)):
+            if reply.chat:
+                yield sse(reply.chunk("", role=True, usage=include_usage, index=index))
+            elif echo:
+                yield sse(reply.chunk(echo, usage=include_usage, index=index))
+        async for index, piece in _pieces(gens):
+            if piece is None:
+                finish = gens[index].finish_reason
+                yield sse(reply.chunk(None if reply.chat else "", finish, usage=include_usage, index=index))
+            elif piece:
+                yield sse(reply.chunk(piece, usage=include_usage, index=index))
         if include_usage:
-            yield sse(reply.usage_chunk(gen.usage()))
+            yield sse(reply.usage_chunk(_usage(gens)))
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error event
         yield sse(backend_error(exc).body())
         return
     finally:
-        await gen.close()
+        await _close_all(gens)
     yield "data: [DONE]\n\n"
+
+
+async def _pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, str | None]]:
+    """(choice, text piece) as each choice makes them, then (choice, None) when it ends."""
+    if len(gens) == 1:
+        async for piece in gens[0].pieces():
+            yield 0, piece
+        yield 0, None
+        return
+    queue: asyncio.Queue[tuple[int, str | None | BaseException]] = asyncio.Queue()
+
+    async def pump(index: int, gen: Generation) -> None:
+        try:
+            async for piece in gen.pieces():
+                queue.put_nowait((index, piece))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the reader
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        for _ in range(len(gens)):
+            while True:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield index, item
+                if item is None:
+                    break
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _usage(gens: list[Generation]) -> dict[str, int]:
+    """The prompt counted once, every choice's tokens."""
+    prompt, completion = gens[0].prompt_tokens, sum(g.completion_tokens for g in gens)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _close_all(gens: list[Generation]) -> None:
+    for gen in gens:
+        await gen.close()
+
+
+def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """Per choice: a seed of its own (seed + i when seeded: choice 0 is the n=1 answer)."""
+    if n == 1:
+        return [params]
+    return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
 
 class _Routes:
@@ -285,7 +346,7 @@ class _Routes:
         prompt = await anyio.to_thread.run_sync(self._render_chat, messages)  # a large prompt must not stall the loop
         params = self._params(body, prompt, "messages")
         return await self._respond(request, _Reply.new(True, self.backend.model_name), prompt, params,
-                                   bool(body.stream), body.include_usage, "")  # fmt: skip
+                                   bool(body.stream), body.include_usage, "", body.n or 1)  # fmt: skip
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """POST /v1/completions."""
@@ -297,30 +358,33 @@ class _Routes:
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else self.backend.codec.decode(prompt)
         return await self._respond(request, _Reply.new(False, self.backend.model_name), prompt, params,
-                                   bool(body.stream), body.include_usage, echo)  # fmt: skip
+                                   bool(body.stream), body.include_usage, echo, body.n or 1)  # fmt: skip
 
     async def _respond(self, request: Request, reply: _Reply, prompt: list[int], params: SamplingParams,
-                       stream: bool, include_usage: bool, echo: str) -> Response:  # fmt: skip
-        gen = Generation(self.backend, prompt, params)
+                       stream: bool, include_usage: bool, echo: str, n: int = 1) -> Response:  # fmt: skip
+        gens = [Generation(self.backend, prompt, p) for p in _choice_params(params, n)]
         try:
-            await gen.start()
+            await asyncio.gather(*(gen.start() for gen in gens))
         except Exception as exc:
-            await gen.close()
+            await _close_all(gens)
             raise backend_error(exc) from exc
         if stream:
-            events = _events(reply, gen, include_usage, echo)
+            events = _events(reply, gens, include_usage, echo)
             return EventStream(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        parts = [echo]
+        texts = [[echo] for _ in gens]
         try:
-            async for piece in gen.pieces():
-                parts.append(piece)
+            async for index, piece in _pieces(gens):
+                if piece:
+                    texts[index].append(piece)
                 if await request.is_disconnected():
                     log.info("client went away; request %s cancelled", reply.id)
-                    await gen.close()
+                    await _close_all(gens)
                     return Response(status_code=499)
         except Exception as exc:
             raise backend_error(exc) from exc
-        return JSONResponse(reply.full("".join(parts), gen.finish_reason, gen.usage()))
+        finally:
+            await _close_all(gens)
+        return JSONResponse(reply.full(["".join(t) for t in texts], [g.finish_reason for g in gens], _usage(gens)))
 
     def _model_card(self) -> dict[str, Any]:
         name = self.backend.model_name

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+MAX_CHOICES = 16  # n: each choice is a sequence of its own in the batch
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -109,7 +110,7 @@ class _Sampling(_Strict):
     ignore_eos: bool | None = False  # extension, as vLLM: generate through end-of-sequence tokens
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices, sharing the prompt's prefill
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -125,13 +126,6 @@ class _Sampling(_Strict):
             raise ValueError("stop must be a string or a list of strings")
         if len(value) > MAX_STOP:
             raise ValueError(f"stop allows at most {MAX_STOP} strings, got {len(value)}")
-        return value
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, value: int | None) -> int | None:
-        if value not in (None, 1):
-            raise ValueError(f"n must be 1 (seamline returns one choice per request), got {value}")
         return value
 
     @field_validator("presence_penalty", "frequency_penalty")
