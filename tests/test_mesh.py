@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,6 +169,27 @@ def test_concurrent_requests_on_two_stages_answer_as_alone(mesh2: MeshProcesses,
         thread.join(timeout=300)
     for i, question in enumerate(questions):
         assert answers.get(i) == expected_text(model, question, 10 + 4 * i), question
+
+
+def test_a_client_that_goes_away_is_freed_on_every_stage_within_a_second(mesh2: MeshProcesses) -> None:
+    """A streaming client reads a few tokens and disconnects: within 1 s /api/status shows no
+    sequence open and no KV held on either stage (while it streamed, both held it)."""
+    body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
+            "max_tokens": 400, "stream": True, "ignore_eos": True}  # fmt: skip
+    with httpx.Client(base_url=mesh2.base_url, timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+            lines = reply.iter_lines()
+            for _ in range(6):
+                next(lines)
+            held = httpx.get(f"{mesh2.base_url}/api/status", timeout=30).json()["stages"]
+    gone = time.monotonic()
+    assert [s["sequences"] for s in held] == [1, 1] and all(s["kv_bytes"] > 0 for s in held), held
+    while True:
+        stages = httpx.get(f"{mesh2.base_url}/api/status", timeout=30).json()["stages"]
+        if all(s["sequences"] == 0 and s["kv_bytes"] == 0 for s in stages):
+            break
+        assert time.monotonic() - gone < 1.0, stages
+        time.sleep(0.05)
 
 
 def test_three_stage_mesh_matches_single_process(tmp_path: Path, model: LocalModel) -> None:

@@ -71,3 +71,41 @@ def test_a_node_lost_mid_generation_ends_the_request_with_a_clear_error(mesh: Me
     health = httpx.get(f"{mesh.base_url}/health", timeout=10)
     assert health.status_code == 503 and "node1" in health.json()["reason"]
     assert first.poll() is None  # the surviving node is still running
+
+
+def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
+    """The mesh backend holds at most ``max_requests`` in flight; one more is refused at once
+    (OverloadedError: HTTP 429 `queue_full`), and a finished request makes room again. The
+    coordinator here records what it is asked to send (no nodes are needed to count)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from seamline.errors import OverloadedError
+    from seamline.mesh.mesh_backend import MeshBackend
+    from seamline.runtime.sampling import SamplingParams
+
+    sent: list[object] = []
+    coordinator = SimpleNamespace(on_tokens=None, on_failure=None, open_request=lambda *m: sent.append(m),
+                                  close_request=lambda request: sent.append(("close", request)))  # fmt: skip
+    backend = MeshBackend(coordinator, None, "m", 64, max_requests=2)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        first, second = backend.generate([1, 2], SamplingParams()), backend.generate([3], SamplingParams())
+        waiting = [asyncio.ensure_future(anext(g)) for g in (first, second)]
+        await asyncio.sleep(0.05)
+        with pytest.raises(OverloadedError, match="2 requests are already in flight"):
+            await anext(backend.generate([4], SamplingParams()))
+        for task in waiting:
+            task.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        await first.aclose()
+        await second.aclose()
+        third = backend.generate([5], SamplingParams())
+        task = asyncio.ensure_future(anext(third))
+        await asyncio.sleep(0.05)
+        assert not task.done()  # admitted: waiting for its first token
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert ("close", 1) in sent and ("close", 2) in sent

@@ -35,6 +35,7 @@ from seamline.net.messages import (
 
 log = logging.getLogger("seamline.coordinator")
 STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
+STATUS_TIMEOUT_S = 2.0  # /api/status waits this long for the stages' counters
 
 
 @dataclass
@@ -321,8 +322,20 @@ class Coordinator:
                       "resident_bytes": h.ready.resident_bytes if h.ready else None}
                      for h in self.nodes.values()]  # fmt: skip
         predicted = self.plan.predicted_s_per_token * 1e3 if self.plan else None
+        self._add_holdings(stages)
         return {"ready": self.ready.is_set(), "state": self.state, "stages": stages, "nodes": nodes,
                 "predicted_ms_per_token": predicted, "model": self.model.name}  # fmt: skip
+
+    def _add_holdings(self, stages: list[dict[str, object]]) -> None:
+        """Each serving stage's open sequences and KV bytes, asked of the stages now."""
+        if not self.ready.is_set():
+            return
+        try:
+            stats = self.stage_stats(timeout_s=STATUS_TIMEOUT_S)
+        except (SeamlineError, LinkClosed, TimeoutError):
+            return  # a stage that does not answer: status says what the plan says
+        for stage, stat in zip(stages, stats):
+            stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes)
 
 
 class StartupError(SeamlineError):

@@ -11,7 +11,7 @@ import itertools
 import threading
 from collections.abc import AsyncIterator
 
-from seamline.errors import SeamlineError
+from seamline.errors import OverloadedError, SeamlineError
 from seamline.mesh.coordinator import Coordinator
 from seamline.net.frames import RowFlag, TokenRow
 from seamline.net.messages import Open, Prompt, SamplingSpec
@@ -25,9 +25,14 @@ class RequestFailed(SeamlineError):
     """A stage failed or left while the request was in flight."""
 
 
+MAX_REQUESTS = 320  # in flight at once (the single-process server: 64 running + 256 waiting)
+
+
 class MeshBackend:
-    def __init__(self, coordinator: Coordinator, codec: TextCodec, model_name: str, context_length: int) -> None:
+    def __init__(self, coordinator: Coordinator, codec: TextCodec, model_name: str, context_length: int,
+                 max_requests: int = MAX_REQUESTS) -> None:  # fmt: skip
         self.coordinator = coordinator
+        self.max_requests = max_requests
         self.codec = codec
         self.model_name = model_name
         self.context_length = context_length
@@ -48,6 +53,8 @@ class MeshBackend:
         request = next(self._ids)
         queue: asyncio.Queue[object] = asyncio.Queue()
         with self._lock:
+            if len(self._waiting) >= self.max_requests:
+                raise OverloadedError(f"{len(self._waiting)} requests are already in flight; try again later")
             self._waiting[request] = (asyncio.get_running_loop(), queue)
         spec = SamplingSpec(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
                             seed=params.seed, max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids)  # fmt: skip

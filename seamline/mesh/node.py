@@ -143,7 +143,8 @@ class Node:
             elif isinstance(message, StatsRequest) and self.worker and self.control:
                 w = self.worker
                 self.control.send_message(Stats(node_id=self.options.node_id, decode_steps=w.decode_steps,
-                                                decode_seconds=w.decode_seconds, refused_frames=w.refused))  # fmt: skip
+                                                decode_seconds=w.decode_seconds, refused_frames=w.refused,
+                                                **w.holdings()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
             self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}")

@@ -103,6 +103,13 @@ class StageWorker:
         if not self.is_last and self.links.downstream_open is not None:
             self.links.downstream_open(msg)
 
+    def holdings(self) -> dict[str, int]:
+        """The sequences open here and the KV cache bytes they hold (a lockstep group: this rank's)."""
+        with self.lock:
+            caches = [seq.cache for seq in self.sequences.values()]
+        kv = sum(c.nbytes() for c in caches if hasattr(c, "nbytes"))
+        return {"sequences": len(caches), "kv_bytes": kv}
+
     def close(self, msg: Close) -> None:
         seq = self.sequences.get(msg.request)
         if seq is not None:

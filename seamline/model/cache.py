@@ -69,6 +69,10 @@ class SequenceCache:
     def layer(self, index: int) -> LayerKV:
         return self.layers[index]
 
+    def nbytes(self) -> int:
+        """Bytes its buffers take (their capacity, not only the positions written)."""
+        return sum(t.nbytes for kv in self.layers.values() for t in (kv.k, kv.v) if t is not None)
+
     def fork(self, length: int) -> SequenceCache:
         """A new cache starting with a copy of this one's positions [0, length)."""
         twin = SequenceCache(range(0))

@@ -147,13 +147,16 @@ class StatsRequest(Message):
 
 
 class Stats(Message):
-    """A stage's counters: decode steps run and the compute seconds they took."""
+    """A stage's counters: decode steps run and the compute seconds they took; the sequences
+    it holds open and the KV cache bytes they hold."""
 
     kind: Literal["stats"] = "stats"
     node_id: str
     decode_steps: int
     decode_seconds: float
     refused_frames: int
+    sequences: int = 0
+    kv_bytes: int = 0
 
 
 class Heartbeat(Message):
