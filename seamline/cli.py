@@ -183,7 +183,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from seamline.mesh.serve import ServeOptions, run_serve
+    from seamline.mesh.control.serve import ServeOptions
+    from seamline.server.mesh_app import run_serve
 
     _logging(quiet=False)
     if args.single:
@@ -201,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    from seamline.mesh.node import NodeOptions, run_node
+    from seamline.mesh.node.process import NodeOptions, run_node
 
     _logging(quiet=args.quiet)
     options = NodeOptions(data_port=args.data_port, progress=not args.no_progress)
@@ -213,14 +214,14 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from seamline.mesh.demo import run_demo
+    from seamline.server.demo import run_demo
 
     _logging(quiet=True)
     return run_demo(args.nodes, args.prompt, args.model, args.max_tokens, tensor_parallel=args.tensor_parallel)
 
 
 def cmd_package(args: argparse.Namespace) -> int:
-    from seamline.weights.fragments import package
+    from seamline.weights.packaging import package
 
     manifest = package(args.model, args.out)
     total = sum(f.bytes for f in manifest.fragments)
@@ -229,7 +230,7 @@ def cmd_package(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from seamline.mesh.plan_cli import run_plan_command
+    from seamline.mesh.control.plan_cli import run_plan_command
 
     return run_plan_command(args.nodes_json, args.model, args.lock, args.context, args.batch, live_url=args.live,
                             tensor_parallel=args.tensor_parallel, objective=args.objective)

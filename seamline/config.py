@@ -244,3 +244,10 @@ def _mla_fields(d: dict[str, Any]) -> dict[str, Any]:
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
         rope_interleave=bool(d.get("rope_interleave", True)),
     )
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
+    """Per layer: keys and values of every KV head, or MLA's latent plus rotary key."""
+    if config.is_mla:
+        return (config.kv_lora_rank + config.qk_rope_head_dim) * dtype_bytes
+    return 2 * config.num_kv_heads * config.head_dim * dtype_bytes

@@ -1,5 +1,5 @@
 """Lockstep groups in real processes for tests: the leader (rank 0) in the test process, the
-other ranks as ``python -m seamline.parallel.lockstep`` subprocesses over loopback sockets.
+other ranks as ``python -m seamline.runtime.lockstep_group`` subprocesses over loopback sockets.
 
 ``engine_reference`` runs the single-process ``Engine.generate`` once, recording the logits of
 each forward; ``check_group`` holds a group to it: ``LockstepGroup.generate`` must give the
@@ -21,7 +21,7 @@ import torch
 
 from seamline.net.link import free_port
 from seamline.parallel.comm import Transport
-from seamline.parallel.lockstep import DECODE, PREFILL, LockstepGroup, LockstepRank
+from seamline.runtime.lockstep_group import DECODE, PREFILL, LockstepGroup, LockstepRank
 from seamline.runtime.engine import PREFILL_CHUNK, Engine
 from seamline.runtime.sampling import SamplingParams
 
@@ -55,7 +55,7 @@ def rank_argv(model: Path, rank: int, world: int, ports: list[int], timeout_s: f
               transport: Transport = "tcp", layers: str | None = None) -> list[str]:
     """The command line of a non-leader rank (``layers``: "START:END", default all)."""
     addresses = ",".join(f"{h}:{p}" for h, p in loopback(ports))
-    argv = [sys.executable, "-m", "seamline.parallel.lockstep", "--rank", str(rank), "--world", str(world),
+    argv = [sys.executable, "-m", "seamline.runtime.lockstep_group", "--rank", str(rank), "--world", str(world),
             "--addresses", addresses, "--model", str(model), "--timeout", str(timeout_s),
             "--transport", transport]  # fmt: skip
     return argv + (["--layers", layers] if layers else [])

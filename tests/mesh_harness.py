@@ -136,7 +136,7 @@ class MeshProcesses:
 def split_completion(root: Path, model: Path, prompt: str, max_tokens: int, context: int, stages: int = 2) -> str:
     """Greedy /v1/completions text of ``model`` served by a mesh whose memory caps force
     ``stages`` stages (asserted), started under ``root`` and stopped after."""
-    from seamline.mesh.demo import memory_cap_gb
+    from seamline.server.demo import memory_cap_gb
 
     mesh = MeshProcesses(root, nodes=stages, model=str(model), node_memory_gb=memory_cap_gb(str(model), stages, context),
                          serve_args=("--context", str(context)))  # fmt: skip

@@ -23,7 +23,7 @@ import torch
 
 from seamline.app import default_model_path
 from seamline.errors import CheckpointError
-from seamline.mesh.fetch import FetchError, fetch_fragments, fetch_manifest, materialise
+from seamline.mesh.node.fetch import FetchError, fetch_fragments, fetch_manifest, materialise
 from seamline.model.ownership import Ownership
 from seamline.text import TextCodec
 from seamline.weights.fragments import (
@@ -32,9 +32,8 @@ from seamline.weights.fragments import (
     Manifest,
     file_sha256,
     fragments_for,
-    package,
-    package_cached,
 )
+from seamline.weights.packaging import package, package_cached
 from seamline.weights.loader import load_stage, open_source
 from tests.reference import random_ids, save_random_model
 
@@ -274,7 +273,7 @@ def served(tiny_package: tuple[Path, Manifest], tmp_path: Path) -> Iterator[tupl
     """A copy of the tiny package (so a test may tamper with it), served by real uvicorn."""
     from fastapi import FastAPI
 
-    from seamline.mesh.fragment_server import fragment_routes
+    from seamline.mesh.control.fragment_server import fragment_routes
 
     folder = tmp_path / "served"
     shutil.copytree(tiny_package[0], folder)
@@ -387,7 +386,7 @@ def test_a_lockstep_rank_fetches_only_its_routed_experts(tmp_path: Path) -> None
     rank's fragments hold its experts and no other's, and its shard loads from them alone,
     equal to the same shard read from the checkpoint."""
     from seamline.config import ModelConfig
-    from seamline.parallel.lockstep import rank_ownership
+    from seamline.model.ownership import rank_ownership
     from tests.test_deepseek_models import _build as build_deepseek
 
     _, built = build_deepseek(tmp_path / "m", "v3")  # 8 routed experts, layers 1 and 2 MoE

@@ -15,7 +15,7 @@ import pytest
 
 from seamline.net.link import free_port
 from seamline.parallel.comm import CommError, Transport
-from seamline.parallel.lockstep import LockstepRank
+from seamline.runtime.lockstep_group import LockstepRank
 from seamline.runtime.engine import Engine
 from seamline.runtime.sampling import SamplingParams
 from seamline.weights.loader import load_stage, open_source

@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from seamline.app import LocalModel
-from seamline.mesh.demo import memory_cap_gb
+from seamline.server.demo import memory_cap_gb
 from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, encode_hidden, header
 from seamline.runtime.sampling import SamplingParams
 from tests.mesh_harness import MeshProcesses
@@ -94,7 +94,7 @@ def _rss_kinds(pid: int) -> str:
 
 
 def test_node_memory_is_its_share(mesh2: MeshProcesses) -> None:
-    idle = subprocess.run([sys.executable, "-c", "import psutil, seamline.mesh.node, seamline.mesh.node_loading;"
+    idle = subprocess.run([sys.executable, "-c", "import psutil, seamline.mesh.node.process, seamline.mesh.node.loading;"
                            "print(psutil.Process().memory_info().rss)"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     baseline = int(idle.stdout)  # an idle process with everything imported

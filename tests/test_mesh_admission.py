@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from seamline.mesh.demo import memory_cap_gb
-from seamline.mesh.invite import Invite
+from seamline.server.demo import memory_cap_gb
+from seamline.mesh.control.invite import Invite
 from tests.mesh_harness import MeshProcesses
 
 CONTEXT = 1024
@@ -81,7 +81,7 @@ def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
     from types import SimpleNamespace
 
     from seamline.errors import OverloadedError
-    from seamline.mesh.mesh_backend import MeshBackend
+    from seamline.mesh.control.mesh_backend import MeshBackend
     from seamline.runtime.sampling import SamplingParams
 
     sent: list[object] = []

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from seamline.app import LocalModel
-from seamline.mesh.demo import memory_cap_gb
+from seamline.server.demo import memory_cap_gb
 from seamline.runtime.sampling import SamplingParams
 from tests.mesh_harness import MeshProcesses
 from tests.test_mesh_moe import CONTEXT, PROMPT, build_moe_folder
@@ -80,7 +80,7 @@ def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder
 def _check_downloads(mesh: MeshProcesses, status: dict) -> None:
     """Each rank downloaded its stage's fragments but only its own routed experts' chunks."""
     from seamline.config import ModelConfig
-    from seamline.parallel.lockstep import rank_ownership
+    from seamline.model.ownership import rank_ownership
     from seamline.weights.fragments import Manifest, fragments_for
 
     manifest = Manifest.load(next((mesh.root / "coordinator" / "packages").glob("*/manifest.json")).parent)

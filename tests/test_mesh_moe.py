@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from seamline.app import LocalModel, default_model_path
-from seamline.mesh.invite import Invite
-from seamline.mesh.node import Node, NodeOptions
+from seamline.mesh.control.invite import Invite
+from seamline.mesh.node.process import Node, NodeOptions
 from seamline.net.messages import Assign
 from seamline.runtime.sampling import SamplingParams
 from seamline.weights.gguf import chat_template_from_gguf, tokenizer_from_gguf

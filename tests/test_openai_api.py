@@ -24,7 +24,7 @@ import uvicorn
 from seamline.app import LocalModel
 from seamline.errors import SeamlineError
 from seamline.runtime.sampling import SamplingParams
-from seamline.server.backend import Backend, LocalBackend, Readiness
+from seamline.runtime.backend import Backend, LocalBackend, Readiness
 from seamline.server.openai_api import create_app
 
 NAME = "SmolLM2-135M-Instruct.Q4_1"

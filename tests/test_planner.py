@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from seamline.config import ModelConfig
-from seamline.mesh.plan_cli import parse_pool, run_plan_command
-from seamline.mesh.planner import check_plan, plan, price_route
-from seamline.mesh.types import (
+from seamline.mesh.control.plan_cli import parse_pool, run_plan_command
+from seamline.mesh.plan.planner import check_plan, plan, price_route
+from seamline.mesh.plan.types import (
     Link,
     LinkTable,
     ModelSpec,
@@ -421,7 +421,7 @@ def test_a_quantized_model_plans_at_its_quantized_size() -> None:
     """The embedded Q4_1 model counts its GGUF block bytes, not float32: a node with a quarter
     of the float32 size plans it alone (its Q4 size fits), and with float32 sizes it would not."""
     from seamline.app import default_model_path
-    from seamline.mesh.plan_cli import model_spec
+    from seamline.mesh.control.plan_cli import model_spec
     from seamline.weights.gguf import GGUFSource
 
     source = GGUFSource(default_model_path())

@@ -9,9 +9,9 @@ import pytest
 
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
-from seamline.mesh.groups import check_world, group_sizes, group_spec, plan_auto, plan_groups
-from seamline.mesh.planner import check_plan
-from seamline.mesh.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.mesh.plan.groups import check_world, group_sizes, group_spec, plan_auto, plan_groups
+from seamline.mesh.plan.planner import check_plan
+from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
 from seamline.model.ownership import Ownership
 from seamline.weights.names import stage_plans
 
@@ -75,7 +75,7 @@ def test_a_group_plan_round_trips_and_a_lock_needs_every_member() -> None:
 def test_plan_command_prints_groups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from seamline.mesh.plan_cli import run_plan_command
+    from seamline.mesh.control.plan_cli import run_plan_command
 
     pool = [{"node_id": name, "free_memory_gb": 4, "bytes_per_second": 1e10} for name in "abcd"]
     (tmp_path / "pool.json").write_text(json.dumps(pool))
@@ -99,8 +99,8 @@ def test_a_ranks_planned_bytes_are_what_it_loads(tmp_path: Path) -> None:
     """A DeepSeek-V3 rank holds 1/N of experts, heads and rows, but its router, shared expert,
     MLA down-projections and norms whole: the planner's per-rank layer bytes are exactly the
     bytes of the layer parameters each rank loads."""
-    from seamline.mesh.groups import group_spec
-    from seamline.parallel.lockstep import rank_ownership
+    from seamline.mesh.plan.groups import group_spec
+    from seamline.model.ownership import rank_ownership
     from seamline.weights.loader import load_stage, open_source
     from tests.test_deepseek_models import _build as build_deepseek
 

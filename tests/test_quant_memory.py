@@ -14,7 +14,7 @@ import pytest
 
 from seamline.app import default_model_path
 from seamline.bench.resident import measure_in_subprocess
-from seamline.weights.fragments import package
+from seamline.weights.packaging import package
 
 OVERHEAD = 64 << 20
 RATIO = 1.25

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from seamline.mesh.stage_worker import StageWorker
+from seamline.runtime.stage_worker import StageWorker
 from seamline.model.ownership import Ownership
 from seamline.net.frames import EMPTY_HASH, Row, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Open, Prompt, SamplingSpec

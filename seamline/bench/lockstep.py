@@ -6,7 +6,7 @@ float32, one torch thread:
 
 - single: seamline's Engine on core 0 (the first core this process may use);
 - lockstep2 per transport (``tcp``: TcpComm; ``torch``: gloo): the leader on core 0, rank 1
-  (``python -m seamline.parallel.lockstep``) on core 1 (the second), each holding half the
+  (``python -m seamline.runtime.lockstep_group``) on core 1 (the second), each holding half the
   routed experts, heads and vocabulary.
 
 Each run decodes ``tokens`` tokens after the same 16-token prompt; the rate is taken over the

@@ -1,7 +1,7 @@
 """One measured party of `seamline bench lockstep`, in its own process.
 
 ``single``: seamline's Engine on the whole model. ``group``: the leader (rank 0) of a 2-rank
-lockstep group, which starts rank 1 with ``python -m seamline.parallel.lockstep``. Each rank
+lockstep group, which starts rank 1 with ``python -m seamline.runtime.lockstep_group``. Each rank
 is pinned to its own core (``--core``, ``--peer-core``) with one torch thread, so a run is
 "two one-core machines" against the single engine's one. A fresh process per party keeps
 pinning, thread counts and torch.distributed's one process group per process clean.
@@ -134,7 +134,7 @@ def _args() -> argparse.Namespace:
 def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes], TimedComm | None]:
     """Rank 1 as a subprocess on the peer core, the leader here; the leader's comm timed."""
     from seamline.net.link import free_port
-    from seamline.parallel.lockstep import LockstepGroup, LockstepRank
+    from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 
     ports = [free_port(), free_port()]
     while ports[1] == ports[0]:
@@ -143,7 +143,7 @@ def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes]
     root = Path(__file__).resolve().parents[2]
     peer_core = args.peer_core
     peer = subprocess.Popen(
-        [sys.executable, "-m", "seamline.parallel.lockstep", "--rank", "1", "--world", "2",
+        [sys.executable, "-m", "seamline.runtime.lockstep_group", "--rank", "1", "--world", "2",
          "--addresses", addresses, "--model", args.model, "--timeout", str(args.timeout),
          "--transport", args.transport],
         cwd=root, env={**os.environ}, preexec_fn=lambda: os.sched_setaffinity(0, {peer_core}))  # fmt: skip

@@ -21,8 +21,9 @@ from typing import Any
 
 import uvicorn
 
-from seamline.mesh.demo import memory_cap_gb
-from seamline.mesh.serve import Mesh, ServeOptions, build_mesh, spawn_node, wait_ready
+from seamline.server.demo import memory_cap_gb
+from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_node, wait_ready
+from seamline.server.mesh_app import mesh_app
 from seamline.net.link import free_port
 from seamline.runtime.sampling import SamplingParams
 
@@ -41,7 +42,7 @@ def main() -> int:
                            nodes_expected=args.stages, local_node=False, context=CONTEXT)  # fmt: skip
     mesh = build_mesh(options)
     mesh.coordinator.start(args.host)
-    server = uvicorn.Server(uvicorn.Config(mesh.app, host=args.host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=args.host, port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     cap = f"{memory_cap_gb(None, args.stages, CONTEXT):.3f}"
     if args.node_cmd:

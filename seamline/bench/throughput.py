@@ -74,7 +74,7 @@ def bench_throughput(repeats: int = 2, tokens: int = MAX_TOKENS, clients: tuple[
 
 def _start_all(gguf: Path, env: dict[str, str], logs: Path, lan_reason: str) -> tuple[dict[str, Server], dict[str, str]]:
     from seamline.bench.llama_server import llama_server_binary
-    from seamline.mesh.demo import memory_cap_gb
+    from seamline.server.demo import memory_cap_gb
 
     cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)
     beside = NodeSpec("0", 1)  # the coordinator and the clients: on core 0 with the first node, in (b) and (c)

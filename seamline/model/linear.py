@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from seamline.quant.dequant import dequantize_rows
+from seamline.quant.dequant import dequantize, dequantize_rows
 from seamline.quant.matmul import quant_linear
 from seamline.quant.tensor import QuantTensor
 
@@ -174,9 +174,9 @@ def to_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return w.to(dtype)
     if isinstance(w, QuantTensor):
-        return w.dequantize(dtype)
+        return dequantize(w, dtype)
     if isinstance(w, ColumnWindow):
-        return w.cover.dequantize(dtype)[..., w.lead : w.lead + w.width]
+        return dequantize(w.cover, dtype)[..., w.lead : w.lead + w.width]
     return torch.cat([to_float(part, dtype) for part in w.parts], dim=-2)
 
 

@@ -80,3 +80,14 @@ class Ownership:
         v0, v1 = self.vocab_range(config)
         if not 0 <= v0 < v1 <= config.vocab_size:
             raise ConfigError(f"vocab range [{v0},{v1}) is not inside [0,{config.vocab_size})")
+
+
+def rank_ownership(config: ModelConfig, rank: int, world: int,
+                   layers: tuple[int, int] | None = None) -> Ownership:
+    """Rank ``rank``'s share of ``layers`` (default: all); experts must divide evenly."""
+    e, v = config.num_experts, config.vocab_size
+    if e % world:
+        raise ConfigError(f"{e} routed experts do not divide among {world} lockstep ranks")
+    experts = (rank * e // world, (rank + 1) * e // world) if e else None
+    vocab = (rank * v // world, (rank + 1) * v // world)
+    return Ownership(layers=layers or (0, config.num_layers), experts=experts, vocab=vocab, shard=(rank, world))

@@ -7,6 +7,7 @@ torch.distributed, NCCL on GPUs). ``make_comm`` chooses. Every gate message carr
 ``GateTag`` so ranks that fall out of step raise ``DesyncError`` instead of summing garbage.
 """
 
-from seamline.parallel.comm import Comm, CommError, DesyncError, GateTag, SingleComm, make_comm
+from seamline.parallel.comm import Comm, CommError, DesyncError, GateTag, SingleComm
+from seamline.parallel.connect import make_comm
 
 __all__ = ["Comm", "CommError", "DesyncError", "GateTag", "SingleComm", "make_comm"]

@@ -98,11 +98,6 @@ class QuantTensor:
     def to(self, device: torch.device | str) -> "QuantTensor":
         return QuantTensor(self.qtype, self.data.to(device), self.shape)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from seamline.quant.dequant import dequantize
-
-        return dequantize(self, dtype)
-
     def __repr__(self) -> str:
         return f"QuantTensor({self.qtype.name}, shape={self.shape}, bytes={self.nbytes})"
 

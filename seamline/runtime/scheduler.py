@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from seamline.errors import OverloadedError, RequestError
-from seamline.mesh.types import kv_bytes_per_token
+from seamline.config import kv_bytes_per_token
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix

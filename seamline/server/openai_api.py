@@ -34,7 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.runtime.sampling import SamplingParams
-from seamline.server.backend import Backend
+from seamline.runtime.backend import Backend
 from seamline.server.openai_schema import (
     ChatRequest,
     CompletionRequest,

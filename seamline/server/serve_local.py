@@ -9,7 +9,7 @@ from pathlib import Path
 import uvicorn
 
 from seamline.app import LocalModel, default_model_path
-from seamline.server.backend import LocalBackend
+from seamline.runtime.backend import LocalBackend
 from seamline.server.openai_api import create_app
 
 

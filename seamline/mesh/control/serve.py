@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,14 +17,15 @@ from typing import Any
 from fastapi import FastAPI
 
 from seamline.config import ModelConfig
-from seamline.mesh.coordinator import Coordinator, CoordinatorOptions
-from seamline.mesh.fragment_server import fragment_routes
-from seamline.mesh.groups import check_world
-from seamline.mesh.invite import Invite, new_invite
-from seamline.mesh.mesh_backend import MeshBackend
-from seamline.mesh.types import ModelSpec, Plan
+from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
+from seamline.mesh.control.fragment_server import fragment_routes
+from seamline.mesh.plan.groups import check_world
+from seamline.mesh.control.invite import Invite, new_invite
+from seamline.mesh.control.mesh_backend import MeshBackend
+from seamline.mesh.plan.types import ModelSpec, Plan
 from seamline.text import TextCodec
-from seamline.weights.fragments import Manifest, package_cached
+from seamline.weights.fragments import Manifest
+from seamline.weights.packaging import package_cached
 from seamline.weights.loader import dtype_bytes, open_source
 
 log = logging.getLogger("seamline.serve")
@@ -50,9 +52,11 @@ class ServeOptions:
 
 @dataclass
 class Mesh:
-    """Everything `serve` builds before the HTTP server runs (also used by `demo`)."""
+    """Everything `serve` builds before the HTTP server runs (also used by `demo`): the
+    coordinator, the API's backend, and the routes the coordinator adds to the API (fragment
+    downloads, /api/status); ``server.mesh_app`` makes the app."""
 
-    app: FastAPI
+    routes: Callable[[FastAPI], None]
     coordinator: Coordinator
     backend: MeshBackend
     invite: Invite
@@ -62,7 +66,6 @@ class Mesh:
 
 def build_mesh(options: ServeOptions) -> Mesh:
     from seamline.app import default_model_path
-    from seamline.server.openai_api import create_app
 
     path = Path(options.model) if options.model else default_model_path()
     if options.tensor_parallel:  # refuse before packaging, which may take minutes
@@ -78,7 +81,7 @@ def build_mesh(options: ServeOptions) -> Mesh:
     invite = new_invite(hosts, options.control_port or options.port + 1, options.port, options.invite_ttl_s)
     coordinator = Coordinator(invite, spec, manifest.model_hash, CoordinatorOptions(
         nodes_expected=max(options.nodes_expected, options.tensor_parallel), dtype=options.dtype,
-        context_length=context, fragments_url=f"http://{_url_host(hosts[0])}:{options.port}",
+        context_length=context, fragments_url=f"http://{url_host(hosts[0])}:{options.port}",
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
         transport=options.transport, gate_timeout_s=options.gate_timeout_s))  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
@@ -89,14 +92,14 @@ def build_mesh(options: ServeOptions) -> Mesh:
         fragment_routes(app, package_dir, lambda token: token == secret)
         app.get("/api/status")(lambda: coordinator.status())
 
-    return Mesh(create_app(backend, extra_routes=routes), coordinator, backend, invite, invite.encode(), package_dir)
+    return Mesh(routes, coordinator, backend, invite, invite.encode(), package_dir)
 
 
 def _reachable(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def _url_host(host: str) -> str:
+def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
@@ -128,20 +131,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def run_serve(options: ServeOptions) -> int:
-    import uvicorn
-
-    mesh = build_mesh(options)
-    mesh.coordinator.start(options.host)
-    print(f"seamline: serving {mesh.coordinator.model.name} on http://{_url_host(options.host)}:{options.port}/v1", flush=True)
-    print(f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}", flush=True)
-    print(f"seamline: join with: seamline join {mesh.token}", flush=True)
-    if options.local_node:
-        spawn_node(mesh.token, "local")
-    uvicorn.run(mesh.app, host=options.host, port=options.port, log_level="warning")
-    return 0
 
 
 def wait_ready(coordinator: Coordinator, timeout_s: float) -> dict[str, Any]:

@@ -16,10 +16,10 @@ from dataclasses import replace
 
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
-from seamline.mesh.planner import plan
-from seamline.mesh.types import Link, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.mesh.plan.planner import plan
+from seamline.mesh.plan.types import Link, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
 from seamline.model.ownership import Ownership
-from seamline.parallel.lockstep import rank_ownership
+from seamline.model.ownership import rank_ownership
 
 Links = LinkTable | Mapping[tuple[str, str], Link] | None
 MAX_WORLD = 8

@@ -33,7 +33,7 @@ from seamline.net.messages import Close, Open, Prompt
 from seamline.runtime.sampling import SamplingParams, request_seed, sample
 
 if TYPE_CHECKING:
-    from seamline.mesh.group_stage import LockstepStage
+    from seamline.runtime.group_stage import LockstepStage
 
 log = logging.getLogger("seamline.stage")
 PREFILL_CHUNK = 512

@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from seamline.mesh.serve import ServeOptions, build_mesh, spawn_node, wait_ready
+from seamline.mesh.control.serve import ServeOptions, build_mesh, spawn_node, wait_ready
+from seamline.server.mesh_app import mesh_app
 from seamline.net.link import free_port
 
 
@@ -30,7 +31,7 @@ def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port
     print(f"seamline demo: packaging the model and starting a coordinator on port {port}", flush=True)
     mesh = build_mesh(options)
     mesh.coordinator.start(options.host)
-    server = uvicorn.Server(uvicorn.Config(mesh.app, host=options.host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=options.host, port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="seamline-demo-") as tmp:
         # stage split: cap each node below the whole model; lockstep ranks share every layer anyway
@@ -95,8 +96,8 @@ def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int
     """
     from seamline.app import default_model_path
     from seamline.config import ModelConfig
-    from seamline.mesh.groups import kv_divides, plan_groups
-    from seamline.mesh.types import ModelSpec, NodeInfo, PlanError, PlanOptions
+    from seamline.mesh.plan.groups import kv_divides, plan_groups
+    from seamline.mesh.plan.types import ModelSpec, NodeInfo, PlanError, PlanOptions
     from seamline.weights.loader import open_source
 
     source = open_source(model or default_model_path())

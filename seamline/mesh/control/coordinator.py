@@ -19,13 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from seamline.mesh.invite import Invite, verify
+from seamline.mesh.control.invite import Invite, verify
 from seamline.config import ModelConfig
-from seamline.mesh.groups import plan_auto
-from seamline.mesh.planner import check_plan
-from seamline.mesh.planner import plan as make_plan
+from seamline.mesh.plan.groups import plan_auto
+from seamline.mesh.plan.planner import check_plan
+from seamline.mesh.plan.planner import plan as make_plan
 from seamline.errors import SeamlineError
-from seamline.mesh.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
+from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
 from seamline.net.frames import FrameError, TokenFrame, TokenRow
 from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (

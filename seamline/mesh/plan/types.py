@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from seamline.config import ModelConfig
+from seamline.config import ModelConfig, kv_bytes_per_token
 from seamline.errors import CheckpointError, SeamlineError
 from seamline.model.ownership import Ownership
 from seamline.quant.sizes import block_bytes, resident_bytes
@@ -121,13 +121,6 @@ class ModelSpec:
         return cls.from_config(
             config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated), tuple(window)
         )
-
-
-def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    """Per layer: keys and values of every KV head, or MLA's latent plus rotary key."""
-    if config.is_mla:
-        return (config.kv_lora_rank + config.qk_rope_head_dim) * dtype_bytes
-    return 2 * config.num_kv_heads * config.head_dim * dtype_bytes
 
 
 def _bytes(shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str], name: str, dtype_bytes: int) -> int:

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from seamline.config import ModelConfig
-from seamline.mesh.groups import plan_auto
-from seamline.mesh.planner import check_plan, price_route
+from seamline.mesh.plan.groups import plan_auto
+from seamline.mesh.plan.planner import check_plan, price_route
 from seamline.weights.loader import dtype_bytes
-from seamline.mesh.types import (
+from seamline.mesh.plan.types import (
     DEFAULT_LINK,
     Link,
     LinkTable,

@@ -8,17 +8,18 @@ from typing import TYPE_CHECKING
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
-from seamline.mesh.fetch import fetch_fragments, fetch_manifest, materialise
-from seamline.mesh.invite import Invite
+from seamline.mesh.node.fetch import fetch_fragments, fetch_manifest, materialise
+from seamline.mesh.control.invite import Invite
 from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.net.messages import Assign
-from seamline.parallel.lockstep import LockstepRank, rank_ownership
+from seamline.model.ownership import rank_ownership
+from seamline.runtime.lockstep_group import LockstepRank
 from seamline.weights.fragments import FragmentSource, fragments_for
 from seamline.weights.loader import DTYPES, load_stage
 
 if TYPE_CHECKING:
-    from seamline.mesh.node import NodeOptions
+    from seamline.mesh.node.process import NodeOptions
 
 log = logging.getLogger("seamline.node")
 GROUP_CONNECT_TIMEOUT_S = 600.0  # peers may still be downloading their fragments

@@ -13,7 +13,7 @@ from typing import cast
 import torch
 
 from seamline.model.cache import Span
-from seamline.parallel.lockstep import LockstepGroup
+from seamline.runtime.lockstep_group import LockstepGroup
 
 
 @dataclass(frozen=True)

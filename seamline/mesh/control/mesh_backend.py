@@ -12,11 +12,11 @@ import threading
 from collections.abc import AsyncIterator
 
 from seamline.errors import OverloadedError, SeamlineError
-from seamline.mesh.coordinator import Coordinator
+from seamline.mesh.control.coordinator import Coordinator
 from seamline.net.frames import RowFlag, TokenRow
 from seamline.net.messages import Open, Prompt, SamplingSpec
 from seamline.runtime.sampling import SamplingParams
-from seamline.server.backend import Readiness
+from seamline.runtime.backend import Readiness
 from seamline.text import TextCodec
 from seamline.errors import RequestError
 

@@ -54,7 +54,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from seamline.mesh.types import (
+from seamline.mesh.plan.types import (
     Link,
     LinkTable,
     ModelSpec,

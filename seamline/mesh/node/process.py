@@ -22,9 +22,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from seamline.mesh.group_stage import LockstepStage
-from seamline.mesh.invite import Invite, InviteError, proof
-from seamline.mesh.stage_worker import StageWorker
+from seamline.runtime.group_stage import LockstepStage
+from seamline.mesh.control.invite import Invite, InviteError, proof
+from seamline.runtime.stage_worker import StageWorker
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen
 from seamline.net.messages import (
@@ -32,7 +32,7 @@ from seamline.net.messages import (
     Prompt, Ready, Refuse, Resources, Route, Stats, StatsRequest, Welcome,
 )  # fmt: skip
 from seamline.parallel.comm import CommError
-from seamline.parallel.lockstep import LockstepGroup, LockstepRank
+from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 
 log = logging.getLogger("seamline.node")
 
@@ -176,7 +176,7 @@ class Node:
                 pass
 
     def _load(self, assign: Assign) -> None:
-        from seamline.mesh.node_loading import load_assignment, load_rank
+        from seamline.mesh.node.loading import load_assignment, load_rank
 
         self.assignment = assign
         self.worker = None  # a new assignment replaces the old stage

@@ -46,10 +46,11 @@ import torch
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError, RequestError, SeamlineError
 from seamline.model.cache import SequenceCache
-from seamline.model.ownership import Ownership
+from seamline.model.ownership import rank_ownership
 from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
-from seamline.parallel.comm import Comm, CommError, GateTag, Transport, make_comm
+from seamline.parallel.comm import Comm, CommError, GateTag, Transport
+from seamline.parallel.connect import make_comm
 from seamline.runtime.engine import decode_loop
 from seamline.runtime.sampling import SamplingParams
 from seamline.weights.loader import DTYPES, load_stage, open_source
@@ -63,17 +64,6 @@ GREEDY = 1  # command flag (create): exchange (max, argmax) pairs, not whole log
 CONTROL_LAYER = -2  # GateTag layer of control messages (model gates use >= 0, logits -1)
 PREFILL_CHUNK = 512
 Inputs = list[int] | torch.Tensor  # token ids (a stage with the embedding) or hidden states
-
-
-def rank_ownership(config: ModelConfig, rank: int, world: int,
-                   layers: tuple[int, int] | None = None) -> Ownership:
-    """Rank ``rank``'s share of ``layers`` (default: all); experts must divide evenly."""
-    e, v = config.num_experts, config.vocab_size
-    if e % world:
-        raise ConfigError(f"{e} routed experts do not divide among {world} lockstep ranks")
-    experts = (rank * e // world, (rank + 1) * e // world) if e else None
-    vocab = (rank * v // world, (rank + 1) * v // world)
-    return Ownership(layers=layers or (0, config.num_layers), experts=experts, vocab=vocab, shard=(rank, world))
 
 
 def group_fingerprint(identity: str, source_config: dict, stage: Stage, dtype: torch.dtype, world: int) -> str:
@@ -365,7 +355,7 @@ def parse_addresses(text: str) -> list[tuple[str, int]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run a non-leader rank until the leader shuts the group down or a link breaks."""
-    ap = argparse.ArgumentParser(prog="python -m seamline.parallel.lockstep")
+    ap = argparse.ArgumentParser(prog="python -m seamline.runtime.lockstep_group")
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--addresses", required=True, help="host:port per rank, comma-separated")
