@@ -45,6 +45,50 @@ def test_mixtral(tmp_path: Path, world: int, transport: Transport) -> None:
         check_group(group, ref, ATOL)
 
 
+@pytest.mark.parametrize("greedy", [True, False], ids=["greedy-pairs", "full-logits"])
+def test_a_batch_of_sequences_is_one_mirrored_command(tmp_path: Path, greedy: bool) -> None:
+    """Four sequences at different positions, decode rows and a prefill chunk mixed, as one BATCH
+    command of a 2-rank group (one forward on each rank, gates carrying every row): each span's
+    logits equal the single process's batched step within 1e-4, greedy pairs giving the same
+    argmax; a BATCH naming a sequence at the wrong position is refused and the group goes on."""
+    import torch
+
+    from seamline.errors import RequestError
+    from seamline.model.cache import Span
+    from seamline.runtime.group_stage import GroupCache, LockstepStage
+
+    model = save_mixtral(tmp_path / "m")
+    single = load_stage(open_source(model))
+    prompts = [PROMPT[:5], PROMPT[:8], PROMPT[:3], PROMPT[:7]]
+    assert len(PROMPT) >= 8
+    with running_group(model, 2) as group:
+        stage = LockstepStage(group)
+        caches = [stage.new_cache(greedy) for _ in prompts]
+        alone = [single.new_cache() for _ in prompts]
+        for prompt, cache, mine in zip(prompts[:3], caches, alone):  # three are decoding, one arrives
+            stage(torch.tensor(prompt), 0, cache, last_only=True)
+            single(torch.tensor(prompt), 0, mine, last_only=True)
+        rows = torch.tensor([11, 12, 13, *prompts[3]])
+        spans = [Span(0, 1, 5, caches[0]), Span(1, 1, 8, caches[1]), Span(2, 1, 3, caches[2]),
+                 Span(3, len(prompts[3]), 0, caches[3])]  # fmt: skip
+        got = stage.forward_batch(rows, spans, last_only=True)
+        want = single.forward_batch(rows, [Span(s.offset, s.count, s.start, c) for s, c in zip(spans, alone)],
+                                    last_only=True)  # fmt: skip
+        assert got.shape == want.shape == (4, single.config.vocab_size)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+        if not greedy:
+            assert (got - want).abs().max().item() <= ATOL
+        stale = [Span(0, 1, 5, caches[0]), Span(1, 1, 9, caches[1])]  # caches[0] is at 6 now
+        with pytest.raises(RequestError, match="is at position 6"):
+            stage.forward_batch(torch.tensor([1, 2]), stale, last_only=True)
+        again = stage.forward_batch(torch.tensor([21, 22]), [Span(0, 1, 6, caches[0]), Span(1, 1, 9, caches[1])],
+                                    last_only=True)  # fmt: skip
+        assert again.shape == (2, single.config.vocab_size)
+        for cache in caches:
+            stage.release_cache(cache)
+        assert isinstance(caches[0], GroupCache)
+
+
 def test_other_checkpoint_refused_at_hello(tmp_path: Path) -> None:
     ours = save_mixtral(tmp_path / "m")
     theirs = save_mixtral(tmp_path / "other" / "m", seed=1)  # same name and config, other weights

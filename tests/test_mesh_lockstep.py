@@ -71,10 +71,35 @@ def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder
         assert len(stages) == 2 and all(len(s["ranks"]) == 2 for s in stages), stages
         assert sorted(r for s in stages for r in s["ranks"]) == [f"node{i}" for i in range(4)]
         assert _complete(mesh) == expected
+        _check_concurrent(mesh, moe_folder)
         _check_downloads(mesh, status)
         _kill_mid_answer(mesh, stages[1]["ranks"][1])  # the second stage's follower: no hang either
     finally:
         mesh.stop()
+
+
+def _check_concurrent(mesh: MeshProcesses, folder: Path) -> None:
+    """Three clients at once, prompts of different lengths: their rows run as BATCH commands
+    of both groups, and each gets the text it gets alone on one process (greedy)."""
+    import threading
+
+    local = LocalModel.load(folder, context=CONTEXT)
+    prompts = [PROMPT, PROMPT + " and then some more words", "Short"]
+    answers: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        reply = mesh.client().completions.create(model="default", prompt=prompts[i], temperature=0, max_tokens=12 + i)
+        answers[i] = reply.choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    for i, prompt in enumerate(prompts):
+        ids = local.codec.encode(prompt)
+        alone = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=12 + i))))
+        assert answers.get(i) == alone, prompt
 
 
 def _check_downloads(mesh: MeshProcesses, status: dict) -> None:

@@ -1,7 +1,8 @@
 """A lockstep group as a pipeline stage: the leader's StageWorker drives it like a Stage.
 
 The leader node runs the StageWorker (frames, sequence checks, sampling) unchanged; each
-forward and each cache's life is mirrored to the group's other ranks by the LockstepGroup.
+forward (a batch of many sequences' rows in one command) and each cache's life is mirrored to
+the group's other ranks by the LockstepGroup.
 """
 
 from __future__ import annotations
@@ -42,10 +43,12 @@ class LockstepStage:
         return out.unsqueeze(0) if self.is_last else out
 
     def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False) -> torch.Tensor:
-        """The spans one after another (the group mirrors one sequence per command): hidden
+        """Every span's rows in one mirrored BATCH command (one forward on every rank): hidden
         states of every row, or each span's last logits [len(spans), vocab]."""
-        outs = [self(inputs[s.offset : s.end], s.start, cast(GroupCache, s.cache), last_only) for s in spans]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        if len(spans) == 1:
+            return self(inputs, spans[0].start, cast(GroupCache, spans[0].cache), last_only)
+        table = torch.tensor([[cast(GroupCache, s.cache).seq, s.start, s.count] for s in spans], dtype=torch.int64)
+        return self.group.batch(table, inputs)
 
     def close(self) -> None:
         self.group.close()

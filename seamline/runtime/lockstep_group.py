@@ -18,7 +18,11 @@ leader (rank 0) and every other rank all-reduce an int64 command ``[op, seq_id, 
 n_tokens, flags, token, 0, 0]`` (non-leaders contribute zeros) tagged ``GateTag(-2, 0, k)``;
 one token id rides in ``token``, more inputs follow tagged ``GateTag(-2, 1, k)``: token ids
 ``[n_tokens]``, or hidden states ``[n_tokens, hidden]`` (others add zeros: the sum is the
-leader's, exactly). Every rank then applies the same call to its own caches; prefill/decode
+leader's, exactly). A BATCH command (``[BATCH, n_spans, 0, n_rows, ...]``) runs many sequences'
+rows in one forward: its span table ``[n_spans, 3]`` of (seq_id, position, rows) follows tagged
+``GateTag(-2, 2, k)``, then the rows; every gate then carries ``[n_rows, hidden]``, and the last
+stage gathers each span's last-position logits (or (max, argmax) pairs when every sequence in
+it is greedy). Every rank then applies the same call to its own caches; prefill/decode
 run the Stage (two gates per layer) and, on the last stage, all-gather the vocab-shard logits
 of the last position (``GateTag(-1, 0, step)``) — or, for a sequence created with the GREEDY
 flag, only each shard's (max, argmax) pair: an exact argmax for 16 bytes instead of V/N
@@ -45,7 +49,7 @@ import torch
 
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError, RequestError, SeamlineError
-from seamline.model.cache import SequenceCache
+from seamline.model.cache import SequenceCache, Span
 from seamline.model.ownership import rank_ownership
 from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
@@ -56,9 +60,10 @@ from seamline.runtime.sampling import SamplingParams
 from seamline.weights.loader import DTYPES, load_stage, open_source
 from seamline.weights.source import TensorSource
 
-CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN = range(1, 8)
+CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN, BATCH = range(1, 9)
 OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rewind",
-            DESTROY: "destroy", PING: "ping", SHUTDOWN: "shutdown"}  # fmt: skip
+            DESTROY: "destroy", PING: "ping", SHUTDOWN: "shutdown", BATCH: "batch"}  # fmt: skip
+MAX_BATCH_ROWS = 4096  # rows of one BATCH command (decode rows and prefill chunks of many sequences)
 CMD_LEN = 8
 GREEDY = 1  # command flag (create): exchange (max, argmax) pairs, not whole logits
 CONTROL_LAYER = -2  # GateTag layer of control messages (model gates use >= 0, logits -1)
@@ -139,8 +144,9 @@ class LockstepRank:
         self.seqs: dict[int, _Sequence] = {}
         self._control = 0  # control messages so far: the sequence of their tags
 
-    def exchange(self, cmd: list[int] | None, inputs: Inputs | None = None) -> tuple[list[int], torch.Tensor | None]:
-        """Leader: send (cmd, inputs); others: pass None and receive them."""
+    def exchange(self, cmd: list[int] | None, inputs: Inputs | None = None,
+                 spans: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """Leader: send (cmd, inputs[, a BATCH's span table]); others: pass None and receive them."""
         tag = self._control
         self._control += 1
         mine = torch.zeros(CMD_LEN, dtype=torch.int64)
@@ -149,13 +155,14 @@ class LockstepRank:
             if self.first and inputs is not None and len(inputs) == 1:
                 mine[5] = int(inputs[0])  # one token id travels in the command itself
         got = self.comm.all_reduce(mine, GateTag(CONTROL_LAYER, 0, tag)).tolist()
-        count = got[3]
-        if not 0 <= count <= PREFILL_CHUNK:
-            raise CommError(f"rank {self.rank} got a command with {count} tokens (limit {PREFILL_CHUNK})")
+        count, batch = got[3], got[0] == BATCH
+        if not 0 <= count <= (MAX_BATCH_ROWS if batch else PREFILL_CHUNK):
+            raise CommError(f"rank {self.rank} got a command with {count} tokens")
+        table = self._span_table(got[1], spans, tag) if batch else None
         if count == 0:
-            return got, None
+            return got, None, table
         if self.first and count == 1:
-            return got, torch.tensor([got[5]], dtype=torch.int64)
+            return got, torch.tensor([got[5]], dtype=torch.int64), table
         shape: tuple[int, ...]
         if self.first:  # token ids
             shape, dtype = (count,), torch.int64
@@ -164,14 +171,24 @@ class LockstepRank:
         payload = torch.zeros(shape, dtype=dtype) if inputs is None else torch.as_tensor(inputs).to(dtype)
         if tuple(payload.shape) != shape:
             raise RequestError(f"lockstep input of shape {tuple(payload.shape)}; this group takes {shape}")
-        return got, self.comm.all_reduce(payload, GateTag(CONTROL_LAYER, 1, tag))
+        return got, self.comm.all_reduce(payload, GateTag(CONTROL_LAYER, 1, tag)), table
 
-    def apply(self, cmd: list[int], inputs: torch.Tensor | None) -> torch.Tensor | None:
+    def _span_table(self, n_spans: int, spans: torch.Tensor | None, tag: int) -> torch.Tensor:
+        if not 0 < n_spans <= MAX_BATCH_ROWS:
+            raise CommError(f"rank {self.rank} got a batch of {n_spans} sequences")
+        mine = torch.zeros(n_spans, 3, dtype=torch.int64) if spans is None else spans
+        return self.comm.all_reduce(mine, GateTag(CONTROL_LAYER, 2, tag))
+
+    def apply(self, cmd: list[int], inputs: torch.Tensor | None, table: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one session call on this rank; prefill/decode return the full last-position
-        logits (last stage) or the hidden states of every position (earlier stages)."""
+        logits (last stage) or the hidden states of every position (earlier stages); a batch,
+        each span's last logits [spans, vocab] or every row's hidden states."""
         op, seq, position = cmd[0], cmd[1], cmd[2]
         if op in (PING, SHUTDOWN):
             return None
+        if op == BATCH:
+            assert table is not None
+            return self._apply_batch(inputs, table)
         if op == CREATE:
             if seq in self.seqs:
                 raise RequestError(f"sequence {seq} already exists on rank {self.rank}")
@@ -201,6 +218,43 @@ class LockstepRank:
             return out
         return self._gather_logits(out[-1].float(), state.greedy)
 
+    def _apply_batch(self, inputs: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
+        """Every span checked first (all ranks hold the same sequences, so all refuse alike),
+        then one forward for all their rows."""
+        spans, states, offset = [], [], 0
+        for seq, position, count in table.tolist():
+            state = self.seqs.get(seq)
+            if state is None or position != state.position or count <= 0:
+                where = "does not exist" if state is None else f"is at position {state.position}"
+                raise RequestError(f"sequence {seq} {where}; a batch came for {position} with {count} rows")
+            spans.append(Span(offset, count, position, state.cache))
+            states.append(state)
+            offset += count
+        if inputs is None or inputs.shape[0] != offset:
+            raise RequestError(f"a batch of {offset} rows came with {0 if inputs is None else inputs.shape[0]}")
+        out = self.stage.forward_batch(inputs, spans, last_only=self.last)
+        for state, span in zip(states, spans):
+            state.position += span.count
+        if not self.last:
+            return out
+        return self._gather_batch_logits(out.float(), all(s.greedy for s in states))
+
+    def _gather_batch_logits(self, local: torch.Tensor, greedy: bool) -> torch.Tensor:
+        """[spans, vocab]: the gathered shards, or for greedy sequences -inf but at each row's
+        argmax (the first highest over the shards, in vocabulary order)."""
+        tag = GateTag(-1, 0, self.stage.step)
+        if not greedy:
+            return self.comm.all_gather(local, -1, tag)
+        values, index = local.max(dim=-1)  # the first maximum of each row
+        start = self.stage.ownership.vocab_range(self.config)[0]
+        pairs = torch.stack((values.double(), (index + start).double()), dim=-1)  # [spans, 2]
+        every = self.comm.all_gather(pairs, 0, tag).view(self.world, -1, 2)  # rank order: ascending vocab
+        best = every[:, :, 0].argmax(dim=0)  # the first of equal maxima
+        rows = torch.arange(every.shape[1])
+        logits = torch.full((every.shape[1], self.config.vocab_size), float("-inf"))
+        logits[rows, every[best, rows, 1].long()] = every[best, rows, 0].float()
+        return logits
+
     def _gather_logits(self, local: torch.Tensor, greedy: bool) -> torch.Tensor:
         """The whole vocabulary's logits [V]; for greedy, a vector that is -inf but at the
         argmax: each rank offers its shard's (max, argmax) and the first highest wins, the
@@ -223,11 +277,11 @@ class LockstepRank:
         if self.rank == 0:
             raise ConfigError("rank 0 is the leader; serve() is the loop of the other ranks")
         while True:
-            cmd, inputs = self.exchange(None)
+            cmd, inputs, table = self.exchange(None)
             if cmd[0] == SHUTDOWN:
                 return
             try:
-                self.apply(cmd, inputs)
+                self.apply(cmd, inputs, table)
             except RequestError:  # the leader met the same error in the same call: in step
                 continue
 
@@ -255,16 +309,18 @@ class LockstepGroup:
         self._pinger.start()
 
     def call(self, op: int, seq: int, position: int = 0, inputs: Inputs | None = None,
-             flags: int = 0) -> torch.Tensor | None:
-        """Mirror one session call to every rank and apply it here."""
+             flags: int = 0, spans: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Mirror one session call to every rank and apply it here (for BATCH, ``seq`` is the
+        number of spans and ``spans`` their table)."""
         count = 0 if inputs is None else len(inputs)
         with self._lock:
             if self._broken:
                 raise CommError(f"lockstep group is broken since: {self._broken}", peer=self._broken.peer)
             try:
-                cmd, got = self.leader.exchange([op, seq, position, count, flags], inputs if count else None)
+                cmd, got, table = self.leader.exchange([op, seq, position, count, flags], inputs if count else None,
+                                                       spans)  # fmt: skip
                 self._last = time.monotonic()
-                return self.leader.apply(cmd, got)
+                return self.leader.apply(cmd, got, table)
             except CommError as exc:
                 self._broken = exc
                 raise CommError(f"lockstep {OP_NAMES.get(op, op)} failed: {exc}", peer=exc.peer) from None
@@ -293,6 +349,14 @@ class LockstepGroup:
     def run(self, seq: int, position: int, inputs: torch.Tensor) -> torch.Tensor:
         """One forward of ``inputs`` (ids or hidden states) at ``position`` on every rank."""
         out = self.call(DECODE if len(inputs) == 1 else PREFILL, seq, position, inputs)
+        assert out is not None
+        return out
+
+    def batch(self, spans: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """One forward of many sequences' rows on every rank: ``spans`` [n, 3] of (seq,
+        position, rows) in row order. Each span's last logits [n, vocab], or every row's
+        hidden states (a stage before the head)."""
+        out = self.call(BATCH, spans.shape[0], 0, inputs, spans=spans)
         assert out is not None
         return out
 
