@@ -56,6 +56,8 @@ def _add_mesh_commands(sub: Any) -> None:
     serve.add_argument("--transport", choices=("auto", "tcp", "torch"), default="auto",
                        help="lockstep collectives: our TCP mesh, or torch.distributed (auto: NCCL with CUDA, else tcp)")
     serve.add_argument("--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate")
+    serve.add_argument("--micro-batches", type=int, default=0,
+                       help="micro-batches in flight in the pipeline (default and least: one per stage)")
     serve.set_defaults(handler=cmd_serve)
     join = sub.add_parser("join", help="join a mesh as a node")
     join.add_argument("token")
@@ -197,7 +199,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            local_node=not args.no_local_node, dtype=args.dtype, context=args.context,
                            invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock,
                            tensor_parallel=args.tensor_parallel, transport=args.transport,
-                           gate_timeout_s=args.gate_timeout)  # fmt: skip
+                           gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches)  # fmt: skip
+    if args.micro_batches < 0:
+        raise SystemExit("seamline: error: --micro-batches must be 0 (one per stage) or more")
     return run_serve(options)
 
 

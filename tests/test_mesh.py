@@ -52,15 +52,15 @@ def ask(mesh: MeshProcesses, question: str, tokens: int) -> dict:
     return dict(reply.json())
 
 
-def start_mesh(root: Path, stages: int) -> MeshProcesses:
+def start_mesh(root: Path, stages: int, *serve_args: str) -> MeshProcesses:
     mesh = MeshProcesses(root, nodes=stages, node_memory_gb=memory_cap_gb(None, stages, CONTEXT),
-                         serve_args=("--context", str(CONTEXT)))  # fmt: skip
+                         serve_args=("--context", str(CONTEXT), *serve_args))  # fmt: skip
     return mesh.start()
 
 
 @pytest.fixture(scope="module")
 def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
-    mesh = start_mesh(tmp_path_factory.mktemp("mesh2"), 2)
+    mesh = start_mesh(tmp_path_factory.mktemp("mesh2"), 2, "--micro-batches", "3")
     try:
         mesh.wait_ready()
         yield mesh
@@ -184,6 +184,7 @@ def test_a_client_that_goes_away_is_freed_on_every_stage_within_a_second(mesh2: 
             held = httpx.get(f"{mesh2.base_url}/api/status", timeout=30).json()["stages"]
     gone = time.monotonic()
     assert [s["sequences"] for s in held] == [1, 1] and all(s["kv_bytes"] > 0 for s in held), held
+    assert held[0]["micro_batches"] == 3  # --micro-batches 3 reached stage 0 (more than its 2 stages)
     while True:
         stages = httpx.get(f"{mesh2.base_url}/api/status", timeout=30).json()["stages"]
         if all(s["sequences"] == 0 and s["kv_bytes"] == 0 for s in stages):

@@ -100,6 +100,7 @@ class Route(Message):
     downstream: tuple[str, int] | None  # next stage's data address (None: last stage)
     stage0: tuple[str, int] | None  # where the last stage sends tokens (None: not last)
     stages: int = 1  # stages in the pipeline: stage 0 keeps at least this many micro-batches in flight
+    micro_batches: int = 0  # more micro-batches in flight than stages (0: as many as stages)
 
 
 class Linked(Message):
@@ -157,6 +158,7 @@ class Stats(Message):
     refused_frames: int
     sequences: int = 0
     kv_bytes: int = 0
+    micro_batches: int = 0  # stage 0: micro-batches it keeps in flight
 
 
 class Heartbeat(Message):

@@ -108,7 +108,7 @@ class StageWorker:
         with self.lock:
             caches = [seq.cache for seq in self.sequences.values()]
         kv = sum(c.nbytes() for c in caches if hasattr(c, "nbytes"))
-        return {"sequences": len(caches), "kv_bytes": kv}
+        return {"sequences": len(caches), "kv_bytes": kv, "micro_batches": self.micro_batches if self.is_first else 0}
 
     def close(self, msg: Close) -> None:
         seq = self.sequences.get(msg.request)

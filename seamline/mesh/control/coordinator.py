@@ -69,6 +69,7 @@ class CoordinatorOptions:
     tensor_parallel: int = 0  # ranks per stage; 0: one node per stage unless a group is needed
     transport: str = "tcp"  # lockstep groups' Comm: auto | tcp | torch
     gate_timeout_s: float = 30.0
+    micro_batches: int = 0  # in flight in the pipeline (0: one per stage; fewer than the stages are not taken)
 
 
 TokenSink = Callable[[list[TokenRow]], None]
@@ -260,7 +261,8 @@ class Coordinator:
         last = index == len(handles) - 1
         downstream = None if last else (handles[index + 1].join.data_host, handles[index + 1].join.data_port)
         stage0 = (handles[0].join.data_host, handles[0].join.data_port) if last and index > 0 else None
-        handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0, stages=len(handles)))
+        handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0, stages=len(handles),
+                                               micro_batches=self.options.micro_batches))  # fmt: skip
         self._wait(handle, lambda: handle.linked or None, "LINKED")
 
     def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float = STEP_TIMEOUT_S) -> Any:
@@ -335,7 +337,10 @@ class Coordinator:
         except (SeamlineError, LinkClosed, TimeoutError):
             return  # a stage that does not answer: status says what the plan says
         for stage, stat in zip(stages, stats):
-            stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes)
+            stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, decode_steps=stat.decode_steps,
+                         decode_seconds=round(stat.decode_seconds, 3))  # fmt: skip
+            if stat.micro_batches:
+                stage["micro_batches"] = stat.micro_batches
 
 
 class StartupError(SeamlineError):

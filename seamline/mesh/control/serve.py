@@ -47,6 +47,7 @@ class ServeOptions:
     tensor_parallel: int = 0  # ranks per stage (0: groups only where a stage needs one)
     transport: str = "auto"
     gate_timeout_s: float = 30.0
+    micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
 
 
@@ -83,7 +84,8 @@ def build_mesh(options: ServeOptions) -> Mesh:
         nodes_expected=max(options.nodes_expected, options.tensor_parallel), dtype=options.dtype,
         context_length=context, fragments_url=f"http://{url_host(hosts[0])}:{options.port}",
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
-        transport=options.transport, gate_timeout_s=options.gate_timeout_s))  # fmt: skip
+        transport=options.transport, gate_timeout_s=options.gate_timeout_s,
+        micro_batches=options.micro_batches))  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context)
     secret = invite.secret

@@ -231,7 +231,7 @@ class Node:
 
     def _route(self, route: Route) -> None:
         assert self.worker is not None and self.control is not None
-        self.worker.micro_batches = max(1, route.stages)
+        self.worker.micro_batches = max(1, route.stages, route.micro_batches)
         if route.downstream is not None:
             link = Link.connect(*route.downstream, name=f"downstream {route.downstream[0]}:{route.downstream[1]}")
             self.peers.append(link)
