@@ -70,7 +70,8 @@ def _eager_attention(qkv, cos, sin, keys, values, pos, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim,pos", [(9, 3, 64, 0), (9, 3, 64, 300), (4, 4, 40, 17), (8, 1, 128, 5)])
+@pytest.mark.parametrize("heads,kv_heads,dim,pos", [(9, 3, 64, 0), (9, 3, 64, 300), (4, 4, 40, 17), (8, 1, 128, 5),
+                                                     (8, 2, 128, 40), (4, 2, 64, 33)])
 def test_decode_attention_equals_rope_cache_and_sdpa(ops, dtype, heads, kv_heads, dim, pos) -> None:
     gen = torch.Generator().manual_seed(pos)
     capacity = pos + 9

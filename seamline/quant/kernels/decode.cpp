@@ -157,6 +157,64 @@ namespace {
 
 // One sequence's row: RoPE on its query and key heads, its key and value into its cache at pos,
 // then attention of query heads [h0, h1) over positions [0, pos] into result [heads * D] (float)
+// G query heads sharing one KV head (GQA), D = 16 * CH: each cached key and value row is loaded
+// (and converted) once for all G heads, and the weighted sums of V stay in registers.
+template <int CH, int G>
+void attend_group_t(const float* q, const void* K, const void* V, int dt, int64_t n, float scale, float* scores,
+                    float* out) {
+  const int64_t elt = dt == F32 ? 4 : 2, row = 16 * CH * elt;
+  __m512 qv[G][CH];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < CH; ++c) qv[j][c] = _mm512_loadu_ps(q + (16 * CH) * j + 16 * c);
+  float top[G];
+  for (int j = 0; j < G; ++j) top[j] = -INFINITY;
+  for (int64_t s = 0; s < n; ++s) {
+    __m512 kr[CH];
+    for (int c = 0; c < CH; ++c) kr[c] = load((const char*)K + s * row + 16 * c * elt, dt, 0xFFFF);
+    for (int j = 0; j < G; ++j) {
+      __m512 acc = _mm512_mul_ps(qv[j][0], kr[0]);
+      for (int c = 1; c < CH; ++c) acc = _mm512_fmadd_ps(qv[j][c], kr[c], acc);
+      const float score = scale * _mm512_reduce_add_ps(acc);
+      scores[j * n + s] = score;
+      top[j] = std::max(top[j], score);
+    }
+  }
+  float inv[G];
+  for (int j = 0; j < G; ++j) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s = 0; s < n; s += 16) {
+      const __mmask16 m = tail_mask(n - s);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + j * n + s), _mm512_set1_ps(top[j])));
+      _mm512_mask_storeu_ps(scores + j * n + s, m, e);
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    inv[j] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 acc[G][CH];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < CH; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < n; ++s) {
+    __m512 vr[CH];
+    for (int c = 0; c < CH; ++c) vr[c] = load((const char*)V + s * row + 16 * c * elt, dt, 0xFFFF);
+    for (int j = 0; j < G; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j * n + s]);
+      for (int c = 0; c < CH; ++c) acc[j][c] = _mm512_fmadd_ps(p, vr[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(out + (16 * CH) * j + 16 * c, _mm512_mul_ps(acc[j][c], _mm512_set1_ps(inv[j])));
+}
+
+// the grouped kernel where one is built for (D, group); false: take the one-head path
+bool attend_group(const float* q, const void* K, const void* V, int dt, int64_t n, int64_t D, float scale,
+                  int64_t group, float* scores, float* out) {
+#define SEAMLINE_GROUP(CH, G) \
+  if (D == 16 * CH && group == G) return attend_group_t<CH, G>(q, K, V, dt, n, scale, scores, out), true;
+  SEAMLINE_GROUP(4, 2) SEAMLINE_GROUP(4, 3) SEAMLINE_GROUP(4, 4) SEAMLINE_GROUP(8, 2) SEAMLINE_GROUP(8, 4)
+#undef SEAMLINE_GROUP
+  return false;
+}
+
 struct RowJob {
   const void* x;  // the row of qkv
   void* kc;
@@ -186,12 +244,31 @@ void attend_heads(const RowJob& job, const float* q, int dt, int64_t h0, int64_t
                   float* result) {
   const int64_t n = job.pos + 1, elt = dt == F32 ? 4 : 2;
   const float scale = 1.f / std::sqrt((float)D);
-  std::vector<float> scores(n);
-  for (int64_t h = h0; h < h1; ++h) {
+  std::vector<float> scores(n * group);
+  for (int64_t h = h0; h < h1;) {
     const int64_t g = h / group;
-    attend(q + h * D, (const char*)job.kc + g * job.capacity * D * elt, (const char*)job.vc + g * job.capacity * D * elt,
-           dt, n, D, scale, scores.data(), result + h * D);
+    const char *K = (const char*)job.kc + g * job.capacity * D * elt, *V = (const char*)job.vc + g * job.capacity * D * elt;
+    if (h % group == 0 && h + group <= h1 && attend_group(q + h * D, K, V, dt, n, D, scale, group, scores.data(), result + h * D)) {
+      h += group;  // the query heads that share this KV head, over one pass of its cache
+      continue;
+    }
+    attend(q + h * D, K, V, dt, n, D, scale, scores.data(), result + h * D);
+    ++h;
   }
+}
+
+// one more row of a batch: its caches and position, against the first row's shapes
+void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache, int64_t pos,
+                 int64_t kv_heads, int64_t D, int64_t positions) {
+  TORCH_CHECK_VALUE(k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(0) == kv_heads &&
+                        k_cache.size(2) == D,
+                    "caches must both be [kv_heads, capacity, head_dim], got ", k_cache.sizes(), " and ",
+                    v_cache.sizes());
+  TORCH_CHECK_VALUE(pos >= 0 && pos < k_cache.size(1) && pos < positions, "position ", pos,
+                    " is outside the cache of ", k_cache.size(1), " or the tables of ", positions);
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == qkv.scalar_type() &&
+                        v_cache.scalar_type() == qkv.scalar_type(),
+                    "caches must be contiguous and of the activations' dtype");
 }
 
 }  // namespace
@@ -225,8 +302,9 @@ at::Tensor decode_attention_batch(const at::Tensor& qkv, const at::Tensor& cos, 
                         (int64_t)positions.size() == B,
                     "decode_attention_batch needs qkv [B, width] and B caches and positions, got ", qkv.sizes(), ", ",
                     k_caches.size(), ", ", v_caches.size(), ", ", positions.size());
-  for (int64_t b = 0; b < B; ++b)
-    check(qkv[b], cos, sin, k_caches[b], v_caches[b], positions[b], heads, kv_heads);
+  check(qkv.narrow(0, 0, 1), cos, sin, k_caches[0], v_caches[0], positions[0], heads, kv_heads);
+  for (int64_t b = 1; b < B; ++b)  // the rows share qkv's checks: only each cache and position
+    check_cache(qkv, k_caches[b], v_caches[b], positions[b], kv_heads, k_caches[0].size(2), cos.size(0));
   const int dt = dtype_of(qkv.scalar_type());
   const int64_t D = k_caches[0].size(2), width = qkv.size(1) * (dt == F32 ? 4 : 2);
   at::Tensor out = at::empty({B, heads * D}, qkv.options());
