@@ -56,7 +56,7 @@ def _add_mesh_commands(sub: Any) -> None:
     serve.add_argument("--transport", choices=("auto", "tcp", "torch"), default="auto",
                        help="lockstep collectives: our TCP mesh, or torch.distributed (auto: NCCL with CUDA, else tcp)")
     serve.add_argument("--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate")
-    serve.add_argument("--micro-batches", type=int, default=0,
+    serve.add_argument("--micro-batches", type=_at_least_zero, default=0,
                        help="micro-batches in flight in the pipeline (default and least: one per stage)")
     serve.set_defaults(handler=cmd_serve)
     join = sub.add_parser("join", help="join a mesh as a node")
@@ -89,6 +89,13 @@ def _add_mesh_commands(sub: Any) -> None:
                       help="throughput under load (the slowest stage; the default) or per-token latency")
     _tensor_parallel_arg(plan, "N nodes per stage in lockstep (0: groups only where no node holds a stage)")
     plan.set_defaults(handler=cmd_plan)
+
+
+def _at_least_zero(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
+    return value
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -200,8 +207,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock,
                            tensor_parallel=args.tensor_parallel, transport=args.transport,
                            gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches)  # fmt: skip
-    if args.micro_batches < 0:
-        raise SystemExit("seamline: error: --micro-batches must be 0 (one per stage) or more")
     return run_serve(options)
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,3 +150,18 @@ def split_completion(root: Path, model: Path, prompt: str, max_tokens: int, cont
         return str(reply.json()["choices"][0]["text"])
     finally:
         mesh.stop()
+
+
+def at_once(ask: Callable[[int], str], count: int, timeout_s: float = 300) -> dict[int, str]:
+    """``ask(i)`` for i < count, all at once on threads; the answers that came back, by i."""
+    answers: dict[int, str] = {}
+
+    def one(i: int) -> None:
+        answers[i] = ask(i)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=timeout_s)
+    return answers

@@ -10,7 +10,6 @@ import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,7 @@ from seamline.app import LocalModel
 from seamline.server.demo import memory_cap_gb
 from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, encode_hidden, header
 from seamline.runtime.sampling import SamplingParams
-from tests.mesh_harness import MeshProcesses
+from tests.mesh_harness import MeshProcesses, at_once
 
 import torch
 
@@ -157,16 +156,8 @@ def test_concurrent_requests_on_two_stages_answer_as_alone(mesh2: MeshProcesses,
     """Four clients at once: their rows share frames and batched steps on both stages, and each
     gets the text its request gets alone on one process (greedy)."""
     questions = ["What is the capital of France?", "Name a red fruit.", "Count to five.", "Say hello in Spanish."]
-    answers: dict[int, str] = {}
-
-    def ask_one(i: int) -> None:
-        answers[i] = ask(mesh2, questions[i], 10 + 4 * i)["choices"][0]["message"]["content"]
-
-    threads = [threading.Thread(target=ask_one, args=(i,)) for i in range(len(questions))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    answers = at_once(lambda i: ask(mesh2, questions[i], 10 + 4 * i)["choices"][0]["message"]["content"],
+                      len(questions))  # fmt: skip
     for i, question in enumerate(questions):
         assert answers.get(i) == expected_text(model, question, 10 + 4 * i), question
 

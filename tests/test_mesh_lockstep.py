@@ -19,7 +19,7 @@ import pytest
 from seamline.app import LocalModel
 from seamline.server.demo import memory_cap_gb
 from seamline.runtime.sampling import SamplingParams
-from tests.mesh_harness import MeshProcesses
+from tests.mesh_harness import MeshProcesses, at_once
 from tests.test_mesh_moe import CONTEXT, PROMPT, build_moe_folder
 
 TOKENS = 24
@@ -81,21 +81,14 @@ def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder
 def _check_concurrent(mesh: MeshProcesses, folder: Path) -> None:
     """Three clients at once, prompts of different lengths: their rows run as BATCH commands
     of both groups, and each gets the text it gets alone on one process (greedy)."""
-    import threading
-
     local = LocalModel.load(folder, context=CONTEXT)
     prompts = [PROMPT, PROMPT + " and then some more words", "Short"]
-    answers: dict[int, str] = {}
 
-    def ask(i: int) -> None:
+    def ask(i: int) -> str:
         reply = mesh.client().completions.create(model="default", prompt=prompts[i], temperature=0, max_tokens=12 + i)
-        answers[i] = reply.choices[0].text
+        return str(reply.choices[0].text)
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=300)
+    answers = at_once(ask, len(prompts))
     for i, prompt in enumerate(prompts):
         ids = local.codec.encode(prompt)
         alone = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=12 + i))))

@@ -54,26 +54,16 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from seamline.mesh.plan.types import (
-    Link,
-    LinkTable,
-    ModelSpec,
-    NodeInfo,
-    Plan,
-    PlanError,
-    PlanOptions,
-    StageAssignment,
-)
+from seamline.mesh.plan.pricing import TOKEN_ID_BYTES, check_plan, price_route
+from seamline.mesh.plan.types import Link, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
 
 __all__ = ["PlanError", "check_plan", "plan", "price_route"]
 
-TOKEN_ID_BYTES = 8  # per sequence, on the return hop
 BALANCE_WEIGHT = 1e-6  # κ × (fastest single-node time): ties go to the most even plan
 EXHAUSTIVE_NODES = 5
 OBJECTIVES = ("throughput", "latency")
 BOTTLENECK_TOLERANCE = 0.01  # pools beyond EXHAUSTIVE_NODES: the slowest stage within 1% of the least
 INF = float("inf")
-Route = Sequence[tuple[str, int, int]]  # (node_id, start, end) in pipeline order
 
 
 @dataclass(frozen=True)
@@ -132,21 +122,28 @@ def plan(
 
 
 def _search(pool: _Pool) -> _Found | None:
-    n, L = len(pool.ids), pool.stage[0].shape[1] - 1
+    L = pool.stage[0].shape[1] - 1
     alone = int(pool.single.argmin())
     best = _Found(float(pool.single[alone]), ((alone, 0, L),)) if pool.single[alone] < INF else None
+    orders, fixed_first, last_try = _orders(pool)
+    found = _best(pool, orders, fixed_first, best)
+    if found is None and last_try:  # a last try to fit: the nodes that lose least to embedding and head
+        found = _best(pool, last_try, False, None)
+    return found
+
+
+def _orders(pool: _Pool) -> tuple[list[np.ndarray], bool, list[np.ndarray]]:
+    """The node orders the search tries (see module doc), whether their first node is fixed,
+    and the orders of its last try when none fits."""
+    n = len(pool.ids)
     if n <= EXHAUSTIVE_NODES:
-        orders = [np.array(p) for p in itertools.permutations(range(n))]
-        return _best(pool, orders, True, best)
+        return [np.array(p) for p in itertools.permutations(range(n))], True, []
     by_rate = np.lexsort((np.arange(n), -pool.cap, -pool.rate))
     chain = _chain(pool.hop, by_rate)
     by_mem = np.lexsort((np.arange(n), -pool.rate, -pool.cap))
     ends = _ends_first(by_mem)
-    orders = [by_rate, by_rate[::-1], ends, ends[::-1], chain, chain[::-1]]
-    found = _best(pool, _unique(orders), False, best)
-    if found is None:  # a last try to fit: the nodes that lose least to embedding and head
-        found = _best(pool, _fit_orders(pool, by_mem), False, None)
-    return found
+    orders = _unique([by_rate, by_rate[::-1], ends, ends[::-1], chain, chain[::-1]])
+    return orders, False, _fit_orders(pool, by_mem)
 
 
 def _least_bottleneck(pool: _Pool) -> float:
@@ -183,14 +180,9 @@ def _fits(pool: _Pool) -> bool:
     """Whether the search would find a plan: the same orders, stopping at the first that fits."""
     if (pool.single < INF).any():
         return True
-    n = len(pool.ids)
-    if n <= EXHAUSTIVE_NODES:
-        return any(_solve(pool, np.array(p), True) is not None for p in itertools.permutations(range(n)))
-    by_rate = np.lexsort((np.arange(n), -pool.cap, -pool.rate))
-    by_mem = np.lexsort((np.arange(n), -pool.rate, -pool.cap))
-    ends = _ends_first(by_mem)  # (the chain order of a pool without links is by_rate)
-    orders = [by_rate, by_rate[::-1], ends, ends[::-1], *_fit_orders(pool, by_mem)]
-    return any(_solve(pool, order, False) is not None for order in orders)
+    orders, fixed_first, last_try = _orders(pool)
+    return any(_solve(pool, order, fixed_first) is not None for order in orders) or any(
+        _solve(pool, order, False) is not None for order in last_try)
 
 
 def _capped(pool: _Pool, limit: float) -> _Pool:
@@ -414,99 +406,6 @@ def _dominated(
     earlier = np.arange(n)[:, None] < np.arange(n)[None, :]
     dom = ge & (~eq | earlier) & ~explicit[:, None] & ~explicit[None, :]
     return np.asarray(dom.sum(axis=0) >= max_stages, dtype=bool)
-
-
-def price_route(
-    model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | Mapping[tuple[str, str], Link] | None,
-    options: PlanOptions, route: Route,
-) -> Plan:  # fmt: skip
-    """The Plan for an explicit route, every cost computed from scratch (no DP state)."""
-    _check_route(model, route)
-    table = LinkTable.of(links)
-    by_id = {n.node_id: n for n in nodes}
-    L = model.num_layers
-    stages = []
-    for node_id, s, e in route:
-        if node_id not in by_id:
-            raise PlanError(f"a route may name only nodes of the pool; {node_id!r} is not one")
-        weights, kv, read = _range_bytes(model, options, s, e)
-        stages.append(StageAssignment(node_id, s, e, s == 0, e == L, weights, kv,
-                                      read / by_id[node_id].bytes_per_second))  # fmt: skip
-    frame = model.bytes_per_boundary_per_token * options.batch
-    ids = [n for n, _, _ in route]
-    network = float(sum(table.between(a, b).seconds(frame) for a, b in zip(ids, ids[1:])))
-    if len(ids) > 1:
-        network += table.between(ids[-1], ids[0]).seconds(TOKEN_ID_BYTES * options.batch)
-    total = sum(st.compute_s for st in stages) + network
-    return Plan(model.name, L, tuple(stages), total, network, options.context_tokens, options.batch,
-                options.objective)  # fmt: skip
-
-
-def _range_bytes(model: ModelSpec, options: PlanOptions, s: int, e: int) -> tuple[int, int, int]:
-    """(weight bytes held, KV bytes, weight bytes read per token) of owning [s, e)."""
-    L = model.num_layers
-    weights = sum(model.layer_bytes[s:e])
-    read = sum(model.active_bytes()[s:e])
-    if s == 0:
-        weights += model.embed_bytes
-    if e == L:
-        weights += model.head_bytes
-        read += model.head_bytes
-    if s == 0 and e == L and model.tied_embeddings:
-        weights -= model.embed_bytes
-    kv = model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch * (e - s)
-    return weights, kv, read
-
-
-def _check_route(model: ModelSpec, route: Route) -> None:
-    if not route:
-        raise PlanError("a plan has at least one stage")
-    expected = 0
-    for node_id, s, e in route:
-        if s != expected or not s < e <= model.num_layers:
-            raise PlanError(
-                f"stage ranges must be contiguous, non-empty and cover [0,{model.num_layers}) "
-                f"exactly once: node {node_id} has [{s},{e}) where [{expected},..) comes next"
-            )
-        expected = e
-    if expected != model.num_layers:
-        raise PlanError(f"stage ranges end at layer {expected}, not at {model.num_layers}")
-    ids = [n for n, _, _ in route]
-    if len(set(ids)) != len(ids):
-        raise PlanError(f"a node owns one stage at most: {sorted(ids)} repeats a node")
-
-
-def check_plan(
-    plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions
-) -> None:
-    """Refuse a locked plan that no longer matches the model or the live pool."""
-    if (plan.model_name, plan.num_layers) != (model.name, model.num_layers):
-        raise PlanError(
-            f"the locked plan is for model {plan.model_name!r} ({plan.num_layers} layers), "
-            f"not {model.name!r} ({model.num_layers} layers)"
-        )
-    _check_route(model, [(s.node_id, s.start, s.end) for s in plan.stages])
-    members = [m for st in plan.stages for m in st.members()]
-    if len(set(members)) != len(members):
-        raise PlanError(f"a node belongs to one stage at most: {sorted(members)} repeats a node")
-    by_id = {n.node_id: n for n in nodes}
-    for st in plan.stages:
-        for member in st.members():
-            node = by_id.get(member)
-            if node is None:
-                raise PlanError(
-                    f"the locked plan needs node {member!r}, which is not in the pool "
-                    f"({', '.join(sorted(by_id)) or 'empty'})"
-                )
-            # a group's bytes are per rank, as planned; a single node's are recomputed
-            weights, kv, _ = _range_bytes(model, options, st.start, st.end) if not st.ranks else (
-                st.weight_bytes, st.kv_bytes, 0)
-            cap = options.capacity(node.free_memory_bytes)
-            if weights + kv > cap:
-                raise PlanError(
-                    f"node {member!r} no longer fits its locked layers [{st.start},{st.end}): "
-                    f"they need {weights + kv} bytes, it has {cap} after headroom"
-                )
 
 
 def _refusal(model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions) -> str:
