@@ -133,7 +133,7 @@ AMX_TYPES = [t for t in KERNEL_TYPES if not t.name.endswith("K")]  # the 32-wide
 def test_amx_tiles_match_the_vnni_kernel(ops, qtype) -> None:
     """AMX tiles (many rows) against the AVX-512 int8 kernel on the same int8 activations:
     equal up to float summation order (float32 out), for row counts around the 16-row tile,
-    weight rows not a multiple of 16, a bias, and bfloat16 activations."""
+    weight rows not a multiple of 16, a bias, and bfloat16 and float16 activations."""
     if not ops.amx_supported():
         with open("/proc/cpuinfo") as f:
             assert "amx_int8" not in f.read(), "this CPU has AMX-INT8 but the kernels cannot use it"
@@ -142,7 +142,7 @@ def test_amx_tiles_match_the_vnni_kernel(ops, qtype) -> None:
     w = random_weight(qtype, (45, _cols(qtype, 18)), gen)
     bias = torch.randn(45, generator=gen)
     for rows in (1, 5, 16, 17, 40, 130):
-        for dtype in (torch.float32, torch.bfloat16):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
             x = torch.randn(rows, w.shape[1], generator=gen).to(dtype)
             vnni = ops.linear(x, w.data, w.qtype, w.shape[1], bias, 1 << 20, 0)
             amx = ops.linear(x, w.data, w.qtype, w.shape[1], bias, 0, 1)

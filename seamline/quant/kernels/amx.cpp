@@ -3,7 +3,9 @@
 // one tile product (tdpbusd: the weights' unsigned quants times the activations' int8 blocks,
 // 8192 multiply-adds in one instruction); its int32 result is scaled in float by the weight
 // block's scale (and min) and the activation block's scale, as the AVX-512 kernel does with
-// vpdpbusd, so both give the same sums up to float rounding order.
+// vpdpbusd, so both give the same sums up to float rounding order. Blocks go two at a time into
+// alternating pairs of C tiles, so that a tile product never waits for the previous pair's
+// store; the 16 x 16 results reach the output as vectors (one gather per activation row).
 // Compiled for its own target; callers check amx_supported() first (the CPU has AMX-INT8 and
 // the kernel lets this process use the tile registers).
 #include "kernels.h"
@@ -80,47 +82,99 @@ static void unpack16(const uint8_t* w, int64_t w_stride, int64_t cols, int rows,
   }
 }
 
+// Two consecutive blocks of one group: tile products into the C tiles C and C + 1 (A tiles 4/5,
+// B tiles 6/7), stored to `c`, then scaled into the float accumulators `acc` (16 weight rows x
+// 16 activation rows). Callers alternate C between 0 and 2, so that the next pair's products
+// need not wait for this pair's stores.
+// the tile intrinsics take their tile numbers as literals
+#define AMX_PAIR(C0, C1, qb, cols, xt, c) \
+  do {                                      \
+    _tile_zero(C0);                         \
+    _tile_zero(C1);                         \
+    _tile_loadd(4, qb, cols);               \
+    _tile_loadd(6, xt, 64);                 \
+    _tile_dpbusd(C0, 4, 6);                 \
+    _tile_loadd(5, (qb) + 32, cols);        \
+    _tile_loadd(7, (xt) + 512, 64);         \
+    _tile_dpbusd(C1, 5, 7);                 \
+    _tile_stored(C0, c, 64);                \
+    _tile_stored(C1, (c) + 256, 64);        \
+  } while (0)
+
+template <class D, int C>
+static inline void amx_pair(const uint8_t* q, int64_t cols, const AmxX& x, int64_t at, int64_t b, const float* d,
+                            const float* mn, int32_t* c, __m512* acc) {
+  const int8_t* xt = x.tiles + at * 512;
+  if constexpr (C == 0) {
+    AMX_PAIR(0, 1, q + 32 * b, cols, xt, c);
+  } else {
+    AMX_PAIR(2, 3, q + 32 * b, cols, xt, c);
+  }
+  const __m512 offset = _mm512_set1_ps((float)D::OFFSET);
+  for (int j = 0; j < 2; ++j) {
+    const __m512 xs = _mm512_loadu_ps(x.scale + (at + j) * 16), sum = _mm512_loadu_ps(x.sum + (at + j) * 16);
+    const __m512 shift = _mm512_mul_ps(offset, sum);  // OFFSET * xs * (sum of the block's xq)
+    const float* dj = d + (b + j) * 16;
+    const float* mj = mn + (b + j) * 16;
+    for (int k = 0; k < 16; ++k) {
+      const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 256 * j + 16 * k)), xs, shift);
+      acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(dj[k]), t, acc[k]);
+      if constexpr (D::MIN) acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(mj[k]), sum, acc[k]);
+    }
+  }
+}
+
+// res [16 weight rows][16 activation rows] -> out rows m0.. (live of them), columns r..r + rows
+static void store_tile(const float* res, int live, int rows, const float* bias, void* out, int dt, int64_t m0,
+                       int64_t r, int64_t n_out) {
+  const __mmask16 keep = (__mmask16)((1u << rows) - 1);
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + r) : _mm512_setzero_ps();
+  for (int n = 0; n < live; ++n) {
+    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, res + n, 4), b);
+    const int64_t at = (m0 + n) * n_out + r;
+    if (dt == F32) {
+      _mm512_mask_storeu_ps((float*)out + at, keep, v);
+    } else if (dt == F16) {
+      _mm256_mask_storeu_epi16((uint16_t*)out + at, keep, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+    } else {  // bfloat16, round to nearest even
+      const __m512i u = _mm512_castps_si512(v);
+      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+      _mm256_mask_storeu_epi16((uint16_t*)out + at, keep, _mm512_cvtepi32_epi16(rounded));
+    }
+  }
+}
+
 template <class D>
 static void amx_t(const uint8_t* w, int64_t w_stride, int64_t cols, const AmxX& x, int64_t M, int64_t r0, int64_t r1,
                   const float* bias, void* out, int dt, int64_t n_out) {
   TileConfig cfg;
-  cfg.rows[0] = 16, cfg.colsb[0] = 64;  // C: 16 weight rows x 16 int32 (activation rows)
-  cfg.rows[1] = 16, cfg.colsb[1] = 32;  // A: 16 weight rows x one block of quants
-  cfg.rows[2] = 8, cfg.colsb[2] = 64;   // B: the block's activations, 4 bytes per row and tile row
+  for (int t = 0; t < 4; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C: 16 weight rows x 16 int32 (activation rows)
+  for (int t = 4; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 32;  // A: 16 weight rows x one block of quants
+  for (int t = 6; t < 8; ++t) cfg.rows[t] = 8, cfg.colsb[t] = 64;   // B: a block's activations, 4 bytes x 16 rows
   _tile_loadconfig(&cfg);
-  const int64_t nb = cols / 32, groups = (M + 15) / 16;
+  const int64_t nb = cols / 32, groups = (M + 15) / 16;  // nb even: cols is a multiple of 64
   thread_local std::vector<uint8_t> q;
   thread_local std::vector<float> d, mn;
   q.resize(16 * cols), d.resize(16 * nb), mn.resize(16 * nb);
-  alignas(64) int32_t c[256];
+  alignas(64) int32_t c[1024];
   alignas(64) float res[256];
-  const __m512 offset = _mm512_set1_ps((float)D::OFFSET);
   for (int64_t r = r0; r < r1; r += 16) {
     const int rows = (int)std::min<int64_t>(16, r1 - r);
     unpack16<D>(w + r * w_stride, w_stride, cols, rows, q.data(), d.data(), mn.data());
     for (int64_t g = 0; g < groups; ++g) {
       __m512 acc[16];
       for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t at = g * nb + b;
-        _tile_zero(0);
-        _tile_loadd(1, q.data() + 32 * b, cols);
-        _tile_loadd(2, x.tiles + at * 512, 64);
-        _tile_dpbusd(0, 1, 2);
-        _tile_stored(0, c, 64);
-        const __m512 xs = _mm512_loadu_ps(x.scale + at * 16), sum = _mm512_loadu_ps(x.sum + at * 16);
-        const __m512 shift = _mm512_mul_ps(offset, sum);  // OFFSET * xs * (sum of the block's xq)
-        for (int k = 0; k < 16; ++k) {
-          const __m512 t = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 16 * k)), xs, shift);
-          acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(d[b * 16 + k]), t, acc[k]);
-          if constexpr (D::MIN) acc[k] = _mm512_fmadd_ps(_mm512_set1_ps(mn[b * 16 + k]), sum, acc[k]);
-        }
+      int64_t b = 0;
+      for (; b + 4 <= nb; b += 4) {
+        amx_pair<D, 0>(q.data(), cols, x, g * nb + b, b, d.data(), mn.data(), c, acc);
+        amx_pair<D, 2>(q.data(), cols, x, g * nb + b + 2, b + 2, d.data(), mn.data(), c + 512, acc);
       }
+      if (b < nb) amx_pair<D, 0>(q.data(), cols, x, g * nb + b, b, d.data(), mn.data(), c, acc);
       for (int k = 0; k < 16; ++k) _mm512_store_ps(res + 16 * k, acc[k]);
-      const int live = (int)std::min<int64_t>(16, M - 16 * g);
-      for (int n = 0; n < live; ++n)
-        for (int k = 0; k < rows; ++k)
-          store1(out, dt, (16 * g + n) * n_out + r + k, res[16 * k + n] + (bias ? bias[r + k] : 0.0f));
+      store_tile(res, (int)std::min<int64_t>(16, M - 16 * g), rows, bias, out, dt, 16 * g, r, n_out);
     }
   }
   _tile_release();
