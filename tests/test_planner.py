@@ -16,6 +16,7 @@ from seamline.config import ModelConfig
 from seamline.mesh.control.plan_cli import parse_pool, run_plan_command
 from seamline.mesh.plan.planner import check_plan, plan, price_route
 from seamline.mesh.plan.types import (
+    HEAD_ROW_SHARE,
     Link,
     LinkTable,
     ModelSpec,
@@ -158,7 +159,8 @@ Case = tuple[ModelSpec, list[NodeInfo], LinkTable, PlanOptions]
 def random_case(rng: random.Random, n: int, layers: int, objective: str = "latency") -> Case:
     layer_bytes = tuple(rng.choice((60, 100, 100, 150)) * MIB for _ in range(layers))
     embed, head = rng.choice((0, 50, 200)) * MIB, rng.choice((10, 80, 200)) * MIB
-    model = ModelSpec("r", layers, 1024, layer_bytes, embed, head, rng.choice((0, 256)), 4096, rng.random() < 0.3)
+    model = ModelSpec("r", layers, 1024, layer_bytes, embed, head, rng.choice((0, 256)), 4096, rng.random() < 0.3,
+                      head_load_bytes=rng.choice((-1, head // 5)))  # fmt: skip
     total = sum(layer_bytes)
     nodes = [node(f"n{i:03d}", int(total * rng.uniform(0.3, 2.5) / max(1, n // 3)), rng.uniform(1e9, 1e11))
              for i in range(n)]  # fmt: skip
@@ -361,6 +363,31 @@ def test_model_spec_from_the_embedded_checkpoint() -> None:
     p = plan(model, nodes, None, options)
     assert len(p.stages) == 2
     assert_valid(p, model, nodes, options)
+
+
+def test_under_load_the_head_counts_its_parameters_for_the_rows_that_reach_it() -> None:
+    """The embedded GGUF's Q8_0 head holds the bytes of 13 of its Q4_1 layers, but under a
+    batched load it costs per row what as many Q4_1 parameters do, for half the rows: about 4
+    layers. Two equal nodes then split 17 + 13 (bytes would say 22 + 8), and their work under
+    load evens out to within one layer."""
+    from seamline.app import default_model_path
+    from seamline.weights.loader import open_source
+
+    source = open_source(default_model_path())
+    config = ModelConfig.from_hf_dict(source.config_dict())
+    shapes = {n: tuple(source.shape(n)) for n in source.names()}
+    model = ModelSpec.from_checkpoint_shapes(config, "smollm2", shapes, 2, {n: source.stored_type(n) for n in shapes})
+    layer_params = sum(math.prod(shape) for n, shape in shapes.items() if n.startswith("model.layers.0."))
+    head_params = config.vocab_size * config.hidden_size + config.hidden_size  # the tied head and the final norm
+    expected = head_params * model.layer_bytes[0] / layer_params * HEAD_ROW_SHARE
+    assert model.head_load() == pytest.approx(expected, rel=1e-3)
+    assert model.head_bytes > 12 * model.layer_bytes[0] and 3.5 < model.head_load() / model.layer_bytes[0] < 4.5
+    nodes = [node("a", 1 << 32, 5e9), node("b", 1 << 32, 5e9)]
+    p = plan(model, nodes, None, PlanOptions(context_tokens=2048))
+    assert [s.end - s.start for s in p.stages] == [17, 13]
+    loads = [s.load_s for s in p.stages]
+    assert max(loads) - min(loads) <= model.layer_bytes[0] / 5e9
+    assert p.slowest_stage_s() == max(loads)
 
 
 def test_model_spec_counts_mla_kv_and_active_experts() -> None:

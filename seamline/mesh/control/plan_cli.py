@@ -207,7 +207,7 @@ def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
         f"plan for {p.model_name} ({p.num_layers} layers), context {p.context_tokens} x {p.batch} "
         f"sequence{'s' if p.batch > 1 else ''}",
         f"{'stage':>5}  {'node':<{width}}  {'layers':<11} {'owns':<11} {'weights':>10} "
-        f"{'KV cache':>10} {'free':>10} {'compute':>11}",
+        f"{'KV cache':>10} {'free':>10} {'compute':>11} {'under load':>11}",
     ]
     for i, (s, name) in enumerate(zip(p.stages, names)):
         owns = "+".join(x for x, o in (("embed", s.owns_embedding), ("head", s.owns_head)) if o) or "-"
@@ -215,7 +215,7 @@ def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
         rows.append(
             f"{i:>5}  {name:<{width}}  {f'[{s.start},{s.end})':<11} {owns:<11} "
             f"{_size(s.weight_bytes):>10} {_size(s.kv_bytes):>10} {_size(least):>10} "
-            f"{s.compute_s * 1e3:>8.3f} ms"
+            f"{s.compute_s * 1e3:>8.3f} ms {(s.load_s or s.compute_s) * 1e3:>8.3f} ms"
         )
     if any(s.ranks for s in p.stages):
         rows.append("a stage of several nodes is a lockstep group: weights, KV cache and free are per rank")

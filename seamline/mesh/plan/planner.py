@@ -7,9 +7,10 @@ layers (``context_tokens × batch``) fit in its free memory less headroom.
 
 Objective (``PlanOptions.objective``). ``throughput`` (the default): with several micro-batches
 in flight every stage works at once, so the pipeline delivers tokens at the pace of its slowest
-stage; the planner first finds the least possible slowest-stage time (bisection over stage
-costs, each probe a search with costlier stages ruled out), then among plans that reach it
-takes the one with the lowest time per token below. ``latency``: that time alone (one
+stage; the planner first finds the least possible slowest-stage work under load (bisection
+over stage costs, each probe a search with costlier stages ruled out), then among plans that
+reach it takes the one with the lowest time per token below. Under load a stage's work
+follows its rows, not its bytes: the head counts as ``ModelSpec.head_load()``. ``latency``: that time alone (one
 sequence at a time). Links count only in the latency: a hop's frame is small against a stage's
 compute (a 1 GbE link carries a decode row of the embedded model in ~10 µs).
 
@@ -73,6 +74,7 @@ class _Model:
     L: int
     mem: np.ndarray  # [L, L+1] bytes a node needs to own the range
     read: np.ndarray  # [L, L+1] bytes read per token, head included when e == L
+    load: np.ndarray  # [L, L+1] work per step under load (ModelSpec.head_load for the head)
     span_need: np.ndarray  # [L] the least any range of d+1 layers needs (nondecreasing)
     layer_need: float  # a layer's mean need (weights + KV)
     embed: float  # bytes
@@ -91,6 +93,8 @@ class _Pool:
     ret_floor: np.ndarray  # [j] the cheapest return hop into j: charged when j starts a pipeline
     stage: tuple[np.ndarray, ...]  # [i][d, e]: node i owning [e-1-d, e): t + κt², inf if it does not fit
     single: np.ndarray  # [i] node i owning the whole model alone, inf if it does not fit
+    load: tuple[np.ndarray, ...]  # as ``stage``: seconds of work per step under load
+    single_load: np.ndarray
     flat_hop: float | None  # every hop costs this (uniform links): the DP keeps a running min
     model: _Model
 
@@ -147,8 +151,8 @@ def _orders(pool: _Pool) -> tuple[list[np.ndarray], bool, list[np.ndarray]]:
 
 
 def _least_bottleneck(pool: _Pool) -> float:
-    """The least achievable cost of the slowest stage (in the DP's t + κt² units; inf when
-    nothing fits). A plan whose every stage costs at most b exists iff the search over the pool
+    """The least achievable work per step under load of the slowest stage (inf when nothing
+    fits). A plan whose every stage costs at most b exists iff the search over the pool
     capped at b finds one; links do not matter to that, so the probes search without them.
     Small pools: bisection over every stage cost (exact). Larger ones: geometric bisection to
     within ``BOTTLENECK_TOLERANCE`` (their stage costs number millions)."""
@@ -158,7 +162,7 @@ def _least_bottleneck(pool: _Pool) -> float:
     def feasible(limit: float) -> bool:
         return _fits(_capped(probe, limit))
 
-    finite = [b[np.isfinite(b)].ravel() for b in (*pool.stage, pool.single)]
+    finite = [b[np.isfinite(b)].ravel() for b in (*pool.load, pool.single_load)]
     highest = max((float(v.max()) for v in finite if len(v)), default=INF)
     if not highest < INF or not feasible(highest):
         return INF
@@ -186,11 +190,11 @@ def _fits(pool: _Pool) -> bool:
 
 
 def _capped(pool: _Pool, limit: float) -> _Pool:
-    """The pool with every stage (and single node) costing more than ``limit`` ruled out."""
+    """The pool with every stage (and single node) whose work under load exceeds ``limit`` ruled out."""
     if not limit < INF:
         return pool
-    stage = tuple(np.where(band <= limit, band, INF) for band in pool.stage)
-    return replace(pool, stage=stage, single=np.where(pool.single <= limit, pool.single, INF))
+    stage = tuple(np.where(load <= limit, band, INF) for band, load in zip(pool.stage, pool.load))
+    return replace(pool, stage=stage, single=np.where(pool.single_load <= limit, pool.single, INF))
 
 
 def _fit_orders(pool: _Pool, by_mem: np.ndarray) -> list[np.ndarray]:
@@ -336,9 +340,10 @@ def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
         mem[L - 1, L] -= model.embed_bytes  # one node owns both: the shared matrix once
     mem = np.where(valid, mem, INF)
     read = np.where(valid, active[e] - active[s] + head, INF)
+    load = read - head + np.where(e == L, float(model.head_load()), 0.0)
     span_need = np.maximum.accumulate(mem.min(axis=1))
     layer_need = float(np.mean(model.layer_bytes)) + kv_layer
-    return _Model(L, mem, read, span_need, layer_need, float(model.embed_bytes), float(model.head_bytes))
+    return _Model(L, mem, read, load, span_need, layer_need, float(model.embed_bytes), float(model.head_bytes))
 
 
 def _pool(
@@ -364,32 +369,36 @@ def _pool(
                 lat_m[x, y], bw_m[x, y] = link.latency_s, link.bandwidth_bytes_per_s
     hop = lat_m + float(model.bytes_per_boundary_per_token * options.batch) / bw_m
     ret = lat_m + float(TOKEN_ID_BYTES * options.batch) / bw_m
-    stage, single = _stage_costs(costs, cap[idx], rate[idx])
+    stage, single, load, single_load = _stage_costs(costs, cap[idx], rate[idx])
     off = hop[~np.eye(len(idx), dtype=bool)]
     flat = float(off[0]) if len(off) and (off == off[0]).all() else None
     others = np.where(np.eye(len(idx), dtype=bool), INF, ret)
     floor = others.min(axis=0) if len(idx) > 1 else np.zeros(len(idx))
-    return _Pool(ids, cap[idx], rate[idx], hop, ret, floor, stage, single, flat, costs)
+    return _Pool(ids, cap[idx], rate[idx], hop, ret, floor, stage, single, load, single_load, flat, costs)
 
 
 def _stage_costs(
     costs: _Model, cap: np.ndarray, rate: np.ndarray
-) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+) -> tuple[tuple[np.ndarray, ...], np.ndarray, tuple[np.ndarray, ...], np.ndarray]:
     """Per node: t + κt² for every range it can hold (t = seconds per token), inf elsewhere,
-    cut to the longest span it can hold; and its cost alone (inf if the model does not fit)."""
+    cut to the longest span it can hold; and its cost alone (inf if the model does not fit).
+    Then the same for the work per step under load (no κ term)."""
     L = costs.L
     kappa = BALANCE_WEIGHT * rate.max() / costs.read[L - 1, L] if len(rate) else 0.0
     spans = np.searchsorted(costs.span_need, cap, side="right")
-    stages, single = [], np.full(len(rate), INF)
+    stages, loads = [], []
+    single, single_load = np.full(len(rate), INF), np.full(len(rate), INF)
     for i in range(len(rate)):
         D = int(spans[i])
+        fits = costs.mem[:D] <= cap[i]
         t = costs.read[:D] / rate[i]
-        band = np.where(costs.mem[:D] <= cap[i], t + kappa * t * t, INF)
+        band, load = np.where(fits, t + kappa * t * t, INF), np.where(fits, costs.load[:D] / rate[i], INF)
         if D == L and band[L - 1, L] < INF:
-            single[i] = band[L - 1, L]
-            band[L - 1, L] = INF  # alone, a node has no hops: scored apart
+            single[i], single_load[i] = band[L - 1, L], load[L - 1, L]
+            band[L - 1, L] = load[L - 1, L] = INF  # alone, a node has no hops: scored apart
         stages.append(band)
-    return tuple(stages), single
+        loads.append(load)
+    return tuple(stages), single, tuple(loads), single_load
 
 
 def _dominated(

@@ -26,8 +26,10 @@ def price_route(
         if node_id not in by_id:
             raise PlanError(f"a route may name only nodes of the pool; {node_id!r} is not one")
         weights, kv, read = range_bytes(model, options, s, e)
-        stages.append(StageAssignment(node_id, s, e, s == 0, e == L, weights, kv,
-                                      read / by_id[node_id].bytes_per_second))  # fmt: skip
+        load = read - model.head_bytes + model.head_load() if e == L else read
+        rate = by_id[node_id].bytes_per_second
+        stages.append(StageAssignment(node_id, s, e, s == 0, e == L, weights, kv, read / rate,
+                                      load_s=load / rate))  # fmt: skip
     frame = model.bytes_per_boundary_per_token * options.batch
     ids = [n for n, _, _ in route]
     network = float(sum(table.between(a, b).seconds(frame) for a, b in zip(ids, ids[1:])))

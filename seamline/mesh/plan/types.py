@@ -1,13 +1,15 @@
 """What the planner reads and writes: the model's byte costs, nodes, links, options, the plan.
 
 All frozen. ``ModelSpec`` reduces a model to bytes per layer: weights held (memory), weights
-read per decoded token (time: decode is memory-bound), KV cache per token, and the frame
-that crosses a stage boundary. ``Plan`` round-trips through JSON so a run can be pinned.
+read per decoded token (time: one sequence's decode is memory-bound), KV cache per token, and
+the frame that crosses a stage boundary; and the head's work under a batched load (see
+``head_load``). ``Plan`` round-trips through JSON so a run can be pinned.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,6 +22,9 @@ from seamline.weights.names import stage_plans
 
 PLAN_VERSION = 1
 FRAME_DTYPE_BYTES = 4  # hidden-state frames travel as float32
+# Of a batched step's rows, the share that reaches the head: one per sequence sampling a token,
+# while prompt rows skip it. 0.5: as many prompt tokens as generated ones.
+HEAD_ROW_SHARE = 0.5
 _EXPERT_TARGETS = (".experts_gate_up", ".experts_down")  # routed experts: only top-k are read
 # Held whole by every rank of a lockstep group (model/moe.py, model/mla.py): the rest is divided.
 _REPLICATED_TARGETS = (".ffn.router", ".ffn.router_bias", ".ffn.shared.gate_up", ".ffn.shared.down",
@@ -47,9 +52,17 @@ class ModelSpec:
     layer_active_bytes: tuple[int, ...] = ()  # weight bytes read per token; () = layer_bytes
     layer_replicated_bytes: tuple[int, ...] = ()  # of layer_bytes, held whole by each group rank
     layer_window_bytes: tuple[int, ...] = ()  # the most a group rank holds beyond its share (cut blocks)
+    head_load_bytes: int = -1  # the head's work under load in the layers' byte scale; -1: head_bytes
 
     def active_bytes(self) -> tuple[int, ...]:
         return self.layer_active_bytes or self.layer_bytes
+
+    def head_load(self) -> int:
+        """The head's work per step under a batched load, in the layers' byte scale. With many
+        rows per step a weight is read once for all of them and the time goes to work per row,
+        which follows parameters, not bytes: a Q8_0 head costs per row what as many Q4
+        parameters do, and only ``HEAD_ROW_SHARE`` of the rows reach it."""
+        return self.head_bytes if self.head_load_bytes < 0 else self.head_load_bytes
 
     def weight_bytes(self) -> int:
         """Every weight once (the single-node footprint without KV cache)."""
@@ -68,6 +81,7 @@ class ModelSpec:
         layer_active_bytes: tuple[int, ...] = (),
         layer_replicated_bytes: tuple[int, ...] = (),
         layer_window_bytes: tuple[int, ...] = (),
+        head_load_bytes: int = -1,
     ) -> "ModelSpec":
         """A spec whose KV and frame sizes come from the config (KV in ``dtype_bytes``)."""
         return cls(
@@ -83,6 +97,7 @@ class ModelSpec:
             layer_active_bytes=tuple(layer_active_bytes),
             layer_replicated_bytes=tuple(layer_replicated_bytes),
             layer_window_bytes=tuple(layer_window_bytes),
+            head_load_bytes=head_load_bytes,
         )
 
     @classmethod
@@ -102,7 +117,7 @@ class ModelSpec:
         active = [0] * config.num_layers
         replicated = [0] * config.num_layers
         window = [0] * config.num_layers
-        embed = head = 0
+        embed = head = head_params = active_params = 0
         expert_share = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
         for i in range(config.num_layers):
             for p in stage_plans(config, Ownership(layers=(i, i + 1))):
@@ -111,16 +126,25 @@ class ModelSpec:
                     embed += nbytes
                 elif p.target in ("norm.weight", "head"):
                     head += nbytes
+                    head_params += sum(_params(shapes, src) for src in p.sources())
                 else:
                     held[i] += nbytes
                     share = expert_share if p.target.endswith(_EXPERT_TARGETS) else 1.0
                     active[i] += round(nbytes * share)
+                    active_params += round(sum(_params(shapes, src) for src in p.sources()) * share)
                     replicated[i] += nbytes if p.target.endswith(_REPLICATED_TARGETS) else 0
                     if p.target.endswith(_COLUMN_SPLIT_TARGETS):
                         window[i] += sum(2 * shapes[src][0] * block_bytes(types.get(src, "")) for src in p.sources())
+        per_param = sum(active) / active_params if active_params else 0.0  # the layers' bytes per parameter
+        head_load = round(head_params * per_param * HEAD_ROW_SHARE) if per_param else -1
         return cls.from_config(
-            config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated), tuple(window)
+            config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated), tuple(window),
+            head_load,
         )
+
+
+def _params(shapes: Mapping[str, tuple[int, ...]], name: str) -> int:
+    return math.prod(shapes[name]) if name in shapes else 0
 
 
 def _bytes(shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str], name: str, dtype_bytes: int) -> int:
@@ -202,10 +226,11 @@ class StageAssignment:
     owns_head: bool
     weight_bytes: int  # layers + embedding/head owned
     kv_bytes: int  # KV cache of its layers for the whole context and batch
-    compute_s: float  # predicted seconds per decode step
+    compute_s: float  # predicted seconds per decode step (one sequence: weight bytes read / rate)
     # A lockstep group: every rank's node, the leader (``node_id``) first; () is one node.
     # ``weight_bytes`` and ``kv_bytes`` are then per rank.
     ranks: tuple[str, ...] = ()
+    load_s: float = 0.0  # its work per step under a batched load / rate (ModelSpec.head_load); 0: compute_s
 
     @property
     def predicted_bytes(self) -> int:
@@ -228,8 +253,8 @@ class Plan:
     objective: str = "latency"  # what the planner optimised ("throughput" or "latency")
 
     def slowest_stage_s(self) -> float:
-        """Seconds per token of the slowest stage: the pipeline's pace when it is full."""
-        return max(s.compute_s for s in self.stages)
+        """The slowest stage's work per step under load: the pipeline's pace when it is full."""
+        return max(s.load_s or s.compute_s for s in self.stages)
 
     def ranges(self) -> tuple[tuple[int, int], ...]:
         return tuple((s.start, s.end) for s in self.stages)
