@@ -17,6 +17,7 @@ from seamline.net.link import free_port
 from seamline.parallel.comm import CommError, Transport
 from seamline.runtime.lockstep_group import LockstepRank
 from seamline.runtime.engine import Engine
+from seamline.runtime.group_stage import LockstepStage
 from seamline.runtime.sampling import SamplingParams
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import (
@@ -134,7 +135,7 @@ def test_killed_rank_raises_comm_error(tmp_path: Path) -> None:
     model = save_mixtral(tmp_path / "m")
     group, procs = start_group(model, 2, timeout_s=5.0)
     try:
-        tokens = group.generate([1, 2, 3], SamplingParams(max_tokens=STEPS))
+        tokens = Engine(LockstepStage(group)).generate([1, 2, 3], SamplingParams(max_tokens=STEPS))
         next(tokens), next(tokens)
         procs[0].kill()
         procs[0].wait()

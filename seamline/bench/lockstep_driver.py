@@ -200,14 +200,18 @@ def main() -> int:
 
     torch.set_num_threads(1)
     prompt = [int(t) for t in args.prompt.split(",")]
-    peer, timed = None, None
+    from seamline.runtime.engine import Engine
+
+    peer, timed, group = None, None, None
     if args.mode == "single":
-        from seamline.runtime.engine import Engine
         from seamline.weights.loader import load_stage, open_source
 
-        runner: Any = Engine(load_stage(open_source(args.model)))
+        runner = Engine(load_stage(open_source(args.model)))
     else:
-        runner, peer, timed = _start_group(args)
+        from seamline.runtime.group_stage import LockstepStage
+
+        group, peer, timed = _start_group(args)
+        runner = Engine(LockstepStage(group), group.context_length)
     pin(args.core)  # threads torch or gloo started meanwhile
     print(json.dumps({"ready": True, "mode": args.mode, "netns": netns or "fresh namespace, lo only",
                       "threads": torch.get_num_threads()}), flush=True)  # fmt: skip
@@ -218,8 +222,8 @@ def main() -> int:
             break
         lo = peer is not None and not netns
         print(json.dumps(_measure(runner, prompt, int(words[1]), pids, timed, lo)), flush=True)
-    if peer is not None:
-        runner.close()
+    if group is not None and peer is not None:
+        group.close()
         try:
             peer.wait(timeout=30)
         except subprocess.TimeoutExpired:

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -73,15 +74,18 @@ def bench_throughput(repeats: int = 2, tokens: int = MAX_TOKENS, clients: tuple[
 
 
 def _start_all(gguf: Path, env: dict[str, str], logs: Path, lan_reason: str) -> tuple[dict[str, Server], dict[str, str]]:
+    """Every configuration's server, started one at a time, each healthy before the next: a
+    node measures its speed as it joins, and the plan follows what it measured."""
     from seamline.bench.llama_server import llama_server_binary
     from seamline.server.demo import memory_cap_gb
 
     cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)
     beside = NodeSpec("0", 1)  # the coordinator and the clients: on core 0 with the first node, in (b) and (c)
-    servers = {
-        "one_node": start_single("one_node", 2, env, logs),
-        "one_core": start_mesh("one_core", [NodeSpec("0", 1)], beside, "127.0.0.1", env, logs, None),
-        "two_stages": start_mesh("two_stages", [NodeSpec("0", 1), NodeSpec("1", 1)], beside, "127.0.0.1", env, logs, cap),
+    starts: dict[str, Callable[[], Server]] = {
+        "one_node": lambda: start_single("one_node", 2, env, logs),
+        "one_core": lambda: start_mesh("one_core", [NodeSpec("0", 1)], beside, "127.0.0.1", env, logs, None),
+        "two_stages": lambda: start_mesh("two_stages", [NodeSpec("0", 1), NodeSpec("1", 1)], beside, "127.0.0.1",
+                                         env, logs, cap),
     }  # fmt: skip
     missing: dict[str, str] = {}
     if lan_reason:
@@ -89,13 +93,22 @@ def _start_all(gguf: Path, env: dict[str, str], logs: Path, lan_reason: str) -> 
     else:
         nodes = [NodeSpec("0", 1, "slb1"), NodeSpec("1", 1, "slb2")]
         coordinator = NodeSpec("0", 1, "slb1")
-        servers["two_stages_lan"] = start_mesh("two_stages_lan", nodes, coordinator, "10.77.0.1", env, logs, cap)
+        starts["two_stages_lan"] = lambda: start_mesh("two_stages_lan", nodes, coordinator, "10.77.0.1", env, logs, cap)
     binary, why = llama_server_binary()
     if binary is None:
         missing["llamacpp"] = why
     else:
         context_per_slot = PROMPT_TOKENS[1] + MAX_TOKENS + 64
-        servers["llamacpp"] = start_llama(binary, gguf, 2, max(CLIENTS), context_per_slot, logs)
+        starts["llamacpp"] = lambda: start_llama(binary, gguf, 2, max(CLIENTS), context_per_slot, logs)
+    servers: dict[str, Server] = {}
+    try:
+        for name, start in starts.items():
+            servers[name] = start()
+            servers[name].wait_healthy()
+    except BaseException:
+        for server in servers.values():
+            server.close()
+        raise
     return servers, missing
 
 

@@ -1,24 +1,28 @@
 """Engine: token ids in, token ids out, on one process that owns the whole model.
 
 ``generate`` runs the scheduler's loop for one sequence (the loop a server batches many
-requests with); ``decode_loop`` is the lockstep group's own loop, still apart.
+requests with), over a Stage or a lockstep group that owns the whole model (LockstepStage).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from seamline.model.stage import Stage
-from seamline.runtime.sampling import SamplingParams, request_seed, sample
+from seamline.runtime.sampling import SamplingParams
 from seamline.runtime.scheduler import Scheduler, check_prompt
+
+if TYPE_CHECKING:
+    from seamline.runtime.group_stage import LockstepStage
 
 PREFILL_CHUNK = 512
 
 
 class Engine:
-    def __init__(self, stage: Stage, context_length: int | None = None) -> None:
+    def __init__(self, stage: Stage | LockstepStage, context_length: int | None = None) -> None:
         if stage.embed is None or stage.head is None:
             raise ValueError("Engine needs a stage that owns the embedding and the head")
         self.stage = stage
@@ -44,29 +48,12 @@ class Engine:
         self.check_prompt(prompt)
         scheduler = Scheduler(self.stage, self.context_length, max_step_tokens=PREFILL_CHUNK)
         sequence = scheduler.add(prompt, params)
-        while not sequence.finished:
-            for emission in scheduler.step():
-                if emission.token is not None:
-                    yield emission.token
+        try:
+            while not sequence.finished:
+                for emission in scheduler.step():
+                    if emission.token is not None:
+                        yield emission.token
+        finally:
+            if not sequence.finished:  # the caller stopped early: free the cache
+                scheduler.cancel(sequence)
 
-
-def decode_loop(
-    logits: torch.Tensor,
-    position: int,
-    params: SamplingParams,
-    context_length: int,
-    step: Callable[[int, int], torch.Tensor],
-) -> Iterator[int]:
-    """Sample, yield, and ``step(token, position)`` to the next logits until a stop token,
-    ``max_tokens`` or the end of the context: the one generation loop every runtime shares."""
-    seed = request_seed(params.seed)
-    stops = set(params.stop_token_ids)
-    for _ in range(params.max_tokens):
-        token = sample(logits, params, seed, position)
-        if token in stops:
-            return
-        yield token
-        if position + 1 >= context_length:
-            return
-        logits = step(token, position)
-        position += 1

@@ -1,8 +1,9 @@
-"""A lockstep group as a pipeline stage: the leader's StageWorker drives it like a Stage.
+"""A lockstep group driven like a Stage: by the leader's StageWorker as a pipeline stage, or
+by the scheduler (``Engine(LockstepStage(group))``) when the group owns the whole model.
 
-The leader node runs the StageWorker (frames, sequence checks, sampling) unchanged; each
-forward (a batch of many sequences' rows in one command) and each cache's life is mirrored to
-the group's other ranks by the LockstepGroup.
+Each forward (a batch of many sequences' rows in one command) and each cache's life is
+mirrored to the group's other ranks by the LockstepGroup. ``embed``, ``head`` and ``layers``
+are the leader's shard of them: what tells the scheduler the group owns both ends.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ class LockstepStage:
         self.config = group.config
         self.compute_dtype: torch.dtype = group.leader.stage.compute_dtype
         self.is_last = group.leader.last
+        self.embed, self.head = group.leader.stage.embed, group.leader.stage.head
+        self.layers = group.leader.stage.layers
 
     def new_cache(self, greedy: bool = False) -> GroupCache:
         return GroupCache(self.group.create(greedy))
 
     def release_cache(self, cache: GroupCache) -> None:
-        self.group.destroy(cache.seq)
+        if not self.group.broken:  # a lost rank took every cache with it
+            self.group.destroy(cache.seq)
 
     def __call__(self, inputs: torch.Tensor, start: int, cache: GroupCache, last_only: bool = False) -> torch.Tensor:
         """Ids or hidden states in; hidden states out, or the last position's logits [1, vocab]."""

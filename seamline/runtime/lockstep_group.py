@@ -40,7 +40,6 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,8 +54,6 @@ from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm, CommError, GateTag, Transport
 from seamline.parallel.connect import make_comm
-from seamline.runtime.engine import decode_loop
-from seamline.runtime.sampling import SamplingParams
 from seamline.weights.loader import DTYPES, load_stage, open_source
 from seamline.weights.source import TensorSource
 
@@ -290,7 +287,8 @@ class LockstepRank:
 
 
 class LockstepGroup:
-    """The leader's side: session calls mirrored to every rank, and ``generate`` like Engine."""
+    """The leader's side: session calls mirrored to every rank. Generation runs the one
+    scheduler loop over the group (``Engine(LockstepStage(group))``, runtime/group_stage.py)."""
 
     def __init__(self, leader: LockstepRank, context_length: int | None = None) -> None:
         if leader.rank != 0:
@@ -366,19 +364,10 @@ class LockstepGroup:
     def destroy(self, seq: int) -> None:
         self.call(DESTROY, seq)
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
-        """Token ids until a stop token, max_tokens or the context is full (as Engine)."""
-        params.validate()
-        if not prompt or len(prompt) >= self.context_length:
-            raise RequestError(f"the prompt has {len(prompt)} tokens; it must be 1..{self.context_length - 1}")
-        seq = self.create(greedy=params.greedy)
-        try:
-            logits = self.prefill(seq, prompt)
-            step = lambda token, position: self.decode(seq, token, position)  # noqa: E731
-            yield from decode_loop(logits, len(prompt), params, self.context_length, step)
-        finally:
-            if not self._broken:
-                self.destroy(seq)
+    @property
+    def broken(self) -> bool:
+        """Whether a rank was lost: every later call raises CommError."""
+        return self._broken is not None
 
     def _ping_loop(self) -> None:
         """Keep idle non-leaders from timing out; notice a dead rank while idle."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
 from seamline.runtime.sampling import SamplingParams, request_seed, sample
+
+if TYPE_CHECKING:
+    from seamline.runtime.group_stage import GroupCache, LockstepStage
 
 _ids = itertools.count()
 
@@ -54,7 +58,7 @@ class Sequence:
     cached: int = 0  # positions the cache holds: the prompt's, then the generated tokens
     samples: int = 0  # tokens drawn, a stop token included: max_tokens counts these
     finish_reason: str | None = None  # "stop" or "length" once finished
-    cache: SequenceCache | None = None
+    cache: SequenceCache | GroupCache | None = None
     seed: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -99,7 +103,7 @@ def check_prompt(prompt: list[int], context_length: int) -> None:
 class Scheduler:
     def __init__(
         self,
-        stage: Stage,
+        stage: Stage | LockstepStage,
         context_length: int,
         max_step_tokens: int = 512,
         max_running: int = 64,
@@ -217,7 +221,7 @@ class Scheduler:
         for other in self.running:
             if other.cache is not None and (n := common_prefix(other.known(0, other.cached), wanted)) > shared:
                 donor, shared = other.cache, n
-        if donor is not None and shared > 0:
+        if isinstance(donor, SequenceCache) and shared > 0:  # a lockstep group's caches are not copied
             sequence.cache, sequence.cached = donor.fork(shared), shared
         else:
             sequence.cache, sequence.cached = self.stage.new_cache(greedy=sequence.params.greedy), 0
