@@ -160,7 +160,7 @@ def random_case(rng: random.Random, n: int, layers: int, objective: str = "laten
     layer_bytes = tuple(rng.choice((60, 100, 100, 150)) * MIB for _ in range(layers))
     embed, head = rng.choice((0, 50, 200)) * MIB, rng.choice((10, 80, 200)) * MIB
     model = ModelSpec("r", layers, 1024, layer_bytes, embed, head, rng.choice((0, 256)), 4096, rng.random() < 0.3,
-                      head_load_bytes=rng.choice((-1, head // 5)))  # fmt: skip
+                      head_load_bytes=rng.choice((None, head // 5)))  # fmt: skip
     total = sum(layer_bytes)
     nodes = [node(f"n{i:03d}", int(total * rng.uniform(0.3, 2.5) / max(1, n // 3)), rng.uniform(1e9, 1e11))
              for i in range(n)]  # fmt: skip

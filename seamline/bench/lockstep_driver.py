@@ -222,7 +222,7 @@ def main() -> int:
             break
         lo = peer is not None and not netns
         print(json.dumps(_measure(runner, prompt, int(words[1]), pids, timed, lo)), flush=True)
-    if group is not None and peer is not None:
+    if group is not None and peer is not None:  # both are set together, in group mode
         group.close()
         try:
             peer.wait(timeout=30)

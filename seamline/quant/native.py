@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "SEAMLINE_QUANT_KERNELS"  # "0" turns the C++ kernels off
 KERNEL_DIR = Path(__file__).parent / "kernels"
 SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp", "float_gemv.cpp", "decode.cpp", "amx.cpp")
-HEADERS = ("kernels.h", "blocks.h")  # sources and headers: the cache key
+HEADERS = ("kernels.h", "blocks.h", "store16.h")  # sources and headers: the cache key
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for is inline
 LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch already loaded, so set_num_threads holds
 

@@ -215,7 +215,7 @@ def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
         rows.append(
             f"{i:>5}  {name:<{width}}  {f'[{s.start},{s.end})':<11} {owns:<11} "
             f"{_size(s.weight_bytes):>10} {_size(s.kv_bytes):>10} {_size(least):>10} "
-            f"{s.compute_s * 1e3:>8.3f} ms {(s.load_s or s.compute_s) * 1e3:>8.3f} ms"
+            f"{s.compute_s * 1e3:>8.3f} ms {s.under_load_s * 1e3:>8.3f} ms"
         )
     if any(s.ranks for s in p.stages):
         rows.append("a stage of several nodes is a lockstep group: weights, KV cache and free are per rank")

@@ -64,7 +64,7 @@ def group_spec(model: ModelSpec, world: int, kv_split: bool) -> ModelSpec:
     held = tuple(-(-(b - r) // world) + r + w for b, r, w in zip(model.layer_bytes, whole, window))
     return replace(model, layer_bytes=held, layer_active_bytes=share(model.active_bytes()),
                    head_bytes=-(-model.head_bytes // world), tied_embeddings=False,
-                   head_load_bytes=-(-model.head_load_bytes // world) if model.head_load_bytes >= 0 else -1,
+                   head_load_bytes=-(-model.head_load() // world),
                    kv_bytes_per_token_per_layer=-(-kv // world) if kv_split else kv)  # fmt: skip
 
 

@@ -10,8 +10,8 @@ in flight every stage works at once, so the pipeline delivers tokens at the pace
 stage; the planner first finds the least possible slowest-stage work under load (bisection
 over stage costs, each probe a search with costlier stages ruled out), then among plans that
 reach it takes the one with the lowest time per token below. Under load a stage's work
-follows its rows, not its bytes: the head counts as ``ModelSpec.head_load()``. ``latency``: that time alone (one
-sequence at a time). Links count only in the latency: a hop's frame is small against a stage's
+follows its rows, not its bytes: the head counts as ``ModelSpec.head_load()``. ``latency``:
+that time alone (one sequence at a time). Links count only in the latency: a hop's frame is small against a stage's
 compute (a 1 GbE link carries a decode row of the embedded model in ~10 µs).
 
 Predicted seconds per decode step (one token for every sequence of the batch):

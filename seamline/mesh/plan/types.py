@@ -52,7 +52,7 @@ class ModelSpec:
     layer_active_bytes: tuple[int, ...] = ()  # weight bytes read per token; () = layer_bytes
     layer_replicated_bytes: tuple[int, ...] = ()  # of layer_bytes, held whole by each group rank
     layer_window_bytes: tuple[int, ...] = ()  # the most a group rank holds beyond its share (cut blocks)
-    head_load_bytes: int = -1  # the head's work under load in the layers' byte scale; -1: head_bytes
+    head_load_bytes: int | None = None  # the head's work under load in the layers' byte scale; None: head_bytes
 
     def active_bytes(self) -> tuple[int, ...]:
         return self.layer_active_bytes or self.layer_bytes
@@ -62,7 +62,7 @@ class ModelSpec:
         rows per step a weight is read once for all of them and the time goes to work per row,
         which follows parameters, not bytes: a Q8_0 head costs per row what as many Q4
         parameters do, and only ``HEAD_ROW_SHARE`` of the rows reach it."""
-        return self.head_bytes if self.head_load_bytes < 0 else self.head_load_bytes
+        return self.head_bytes if self.head_load_bytes is None else self.head_load_bytes
 
     def weight_bytes(self) -> int:
         """Every weight once (the single-node footprint without KV cache)."""
@@ -81,7 +81,7 @@ class ModelSpec:
         layer_active_bytes: tuple[int, ...] = (),
         layer_replicated_bytes: tuple[int, ...] = (),
         layer_window_bytes: tuple[int, ...] = (),
-        head_load_bytes: int = -1,
+        head_load_bytes: int | None = None,
     ) -> "ModelSpec":
         """A spec whose KV and frame sizes come from the config (KV in ``dtype_bytes``)."""
         return cls(
@@ -136,7 +136,7 @@ class ModelSpec:
                     if p.target.endswith(_COLUMN_SPLIT_TARGETS):
                         window[i] += sum(2 * shapes[src][0] * block_bytes(types.get(src, "")) for src in p.sources())
         per_param = sum(active) / active_params if active_params else 0.0  # the layers' bytes per parameter
-        head_load = round(head_params * per_param * HEAD_ROW_SHARE) if per_param else -1
+        head_load = round(head_params * per_param * HEAD_ROW_SHARE) if per_param else None
         return cls.from_config(
             config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated), tuple(window),
             head_load,
@@ -144,7 +144,7 @@ class ModelSpec:
 
 
 def _params(shapes: Mapping[str, tuple[int, ...]], name: str) -> int:
-    return math.prod(shapes[name]) if name in shapes else 0
+    return math.prod(shapes[name])  # _bytes has checked the name
 
 
 def _bytes(shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str], name: str, dtype_bytes: int) -> int:
@@ -230,7 +230,12 @@ class StageAssignment:
     # A lockstep group: every rank's node, the leader (``node_id``) first; () is one node.
     # ``weight_bytes`` and ``kv_bytes`` are then per rank.
     ranks: tuple[str, ...] = ()
-    load_s: float = 0.0  # its work per step under a batched load / rate (ModelSpec.head_load); 0: compute_s
+    load_s: float = 0.0  # its work per step under a batched load / rate (ModelSpec.head_load); 0: unknown
+
+    @property
+    def under_load_s(self) -> float:
+        """Its work per step under load; a plan written before that was priced: compute_s."""
+        return self.load_s or self.compute_s
 
     @property
     def predicted_bytes(self) -> int:
@@ -254,7 +259,7 @@ class Plan:
 
     def slowest_stage_s(self) -> float:
         """The slowest stage's work per step under load: the pipeline's pace when it is full."""
-        return max(s.load_s or s.compute_s for s in self.stages)
+        return max(s.under_load_s for s in self.stages)
 
     def ranges(self) -> tuple[tuple[int, int], ...]:
         return tuple((s.start, s.end) for s in self.stages)

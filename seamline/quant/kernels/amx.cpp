@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "blocks.h"
+#include "store16.h"
 
 namespace seamline_quant {
 
@@ -131,20 +132,10 @@ static void store_tile(const float* res, int live, int rows, const float* bias, 
   const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(16));
   const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + r) : _mm512_setzero_ps();
-  for (int n = 0; n < live; ++n) {
-    const __m512 v = _mm512_add_ps(_mm512_i32gather_ps(column, res + n, 4), b);
-    const int64_t at = (m0 + n) * n_out + r;
-    if (dt == F32) {
-      _mm512_mask_storeu_ps((float*)out + at, keep, v);
-    } else if (dt == F16) {
-      _mm256_mask_storeu_epi16((uint16_t*)out + at, keep, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-    } else {  // bfloat16, round to nearest even
-      const __m512i u = _mm512_castps_si512(v);
-      const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-      _mm256_mask_storeu_epi16((uint16_t*)out + at, keep, _mm512_cvtepi32_epi16(rounded));
-    }
-  }
+  const int64_t bytes = dt == F32 ? 4 : 2;
+  for (int n = 0; n < live; ++n)
+    store16((char*)out + ((m0 + n) * n_out + r) * bytes, dt, keep,
+            _mm512_add_ps(_mm512_i32gather_ps(column, res + n, 4), b));
 }
 
 template <class D>
