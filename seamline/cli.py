@@ -56,6 +56,9 @@ def _add_mesh_commands(sub: Any) -> None:
     serve.add_argument("--transport", choices=("auto", "tcp", "torch"), default="auto",
                        help="lockstep collectives: our TCP mesh, or torch.distributed (auto: NCCL with CUDA, else tcp)")
     serve.add_argument("--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate")
+    serve.add_argument("--kv-cache-memory", type=float, default=0.0,
+                       help="GiB of KV cache the first stage (or --single) admits requests into "
+                            "(0: 80%% of the memory free at start); a request that cannot fit is refused")
     serve.add_argument("--micro-batches", type=_at_least_zero, default=0,
                        help="micro-batches in flight in the pipeline (default and least: one per stage)")
     serve.set_defaults(handler=cmd_serve)
@@ -199,15 +202,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.single:
         from seamline.server.serve_local import serve_local
 
-        serve_local(args.model, args.host, args.port, args.dtype, args.context or None)
+        serve_local(args.model, args.host, args.port, args.dtype, args.context or None, _gib(args.kv_cache_memory))
         return 0
     options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
                            advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,
                            local_node=not args.no_local_node, dtype=args.dtype, context=args.context,
                            invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock,
                            tensor_parallel=args.tensor_parallel, transport=args.transport,
-                           gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches)  # fmt: skip
+                           gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches,
+                           kv_cache_bytes=_gib(args.kv_cache_memory))  # fmt: skip
     return run_serve(options)
+
+
+def _gib(value: float) -> int:
+    return int(value * (1 << 30))
 
 
 def cmd_join(args: argparse.Namespace) -> int:

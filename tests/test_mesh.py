@@ -30,6 +30,9 @@ QUESTION = "Name three rivers in Europe and one fact about each."
 TOKENS = 48
 CONTEXT = 1024
 RSS_MARGIN = 1.3  # resident memory beyond an idle process: at most 1.3 × the node's weights
+# Stage 0's KV budget: 16 MiB holds 620-820 tokens of its 13-17 float32 layers (1536 bytes per
+# layer and token): every test's request fits, one that may grow to 940 tokens does not.
+KV_BUDGET_GIB = 1 / 64
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,8 @@ def start_mesh(root: Path, stages: int, *serve_args: str) -> MeshProcesses:
 
 @pytest.fixture(scope="module")
 def mesh2(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
-    mesh = start_mesh(tmp_path_factory.mktemp("mesh2"), 2, "--micro-batches", "3")
+    mesh = start_mesh(tmp_path_factory.mktemp("mesh2"), 2, "--micro-batches", "3",
+                      "--kv-cache-memory", str(KV_BUDGET_GIB))  # fmt: skip
     try:
         mesh.wait_ready()
         yield mesh
@@ -182,6 +186,17 @@ def test_a_client_that_goes_away_is_freed_on_every_stage_within_a_second(mesh2: 
             break
         assert time.monotonic() - gone < 1.0, stages
         time.sleep(0.05)
+
+
+def test_a_request_beyond_the_kv_budget_is_refused_and_the_mesh_keeps_serving(mesh2: MeshProcesses,
+                                                                               model: LocalModel) -> None:  # fmt: skip
+    """Stage 0 admits requests into its KV budget (--kv-cache-memory): one that may grow past it
+    (prompt + max_tokens) gets a 400 that says so, and the next request is answered as alone."""
+    body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 900}
+    reply = httpx.post(f"{mesh2.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert "MiB of KV cache" in reply.json()["error"]["message"]
+    assert ask(mesh2, QUESTION, 8)["choices"][0]["message"]["content"] == expected_text(model, QUESTION, 8)
 
 
 def test_three_stage_mesh_matches_single_process(tmp_path: Path, model: LocalModel) -> None:

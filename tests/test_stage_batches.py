@@ -1,58 +1,163 @@
-"""Stage 0's batching policy in one process: returned tokens of many sequences run as shared
-batches, at most 1/S of the open sequences each, so that an S-stage pipeline keeps S
-micro-batches in flight. (The split itself is tested over real sockets in test_mesh.py.)"""
+"""Stage 0's runtime in one process (the split itself is tested over real sockets in
+test_mesh.py): returned tokens of many sequences run as shared batches of at most 1/S of the
+running sequences, prompts that arrive together are prefilled in shared chunks, a request
+closed while it waits is never prefilled, and a KV budget preempts and recomputes across
+the stages without changing a token."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
-from seamline.runtime.stage_worker import StageWorker
+from seamline.config import kv_bytes_per_token
 from seamline.model.ownership import Ownership
-from seamline.net.frames import EMPTY_HASH, Row, TokenFrame, TokenRow, prefix_hash
-from seamline.net.messages import Open, Prompt, SamplingSpec
+from seamline.model.stage import Stage
+from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
+from seamline.net.messages import Close, Open, Prompt
+from seamline.runtime.engine import Engine
+from seamline.runtime.pipeline_head import MAX_STEP_TOKENS
+from seamline.runtime.sampling import SamplingParams
+from seamline.runtime.stage_worker import StageWorker
 from seamline.weights.loader import load_stage, open_source
 from tests.reference import save_random_model
 from tests.test_dense_models import _configs as dense_configs
 
 SEQUENCES = 6
+Frames = list[tuple[list[Row], torch.Tensor]]
 
 
-def _stage0(folder: Path) -> StageWorker:
+def _stages(folder: Path) -> tuple[Stage, Stage]:
     save_random_model(dense_configs()["llama"], folder)
-    stage = load_stage(open_source(folder), Ownership(layers=(0, 2)))
-    return StageWorker(stage, is_first=True, is_last=False)
+    source = open_source(folder)
+    return load_stage(source, Ownership(layers=(0, 1))), load_stage(source, Ownership(layers=(1, 3)))
 
 
-def _wait_for(frames: list[tuple[list[Row], torch.Tensor]], count: int) -> None:
+def _open(worker: StageWorker, request: int, prompt: list[int], params: SamplingParams | None = None) -> None:
+    worker.open(Open(request=request, sampling=params or SamplingParams(max_tokens=8), prompt_len=len(prompt),
+                     context_length=1024))  # fmt: skip
+    worker.prompt(Prompt(request=request, tokens=tuple(prompt)))
+
+
+def _wait_for(frames: list, count: int) -> None:
     deadline = time.monotonic() + 30
     while len(frames) < count:
         assert time.monotonic() < deadline, f"{len(frames)} frames sent, expected {count}"
         time.sleep(0.01)
 
 
+def _stage0_held_by_its_first_frame(stage: Stage) -> tuple[StageWorker, Frames, threading.Event]:
+    """Stage 0 whose first downstream send waits for ``release``: what arrives meanwhile queues."""
+    worker = StageWorker(stage, is_first=True, is_last=False, context_length=1024)
+    frames: Frames = []
+    release = threading.Event()
+
+    def send(rows: list[Row], hidden: torch.Tensor) -> None:
+        frames.append((list(rows), hidden.clone()))
+        if len(frames) == 1:
+            assert release.wait(30)
+
+    worker.links.downstream = send
+    return worker, frames, release
+
+
 def test_returned_tokens_run_as_micro_batches_of_one_over_s(tmp_path: Path) -> None:
-    worker = _stage0(tmp_path)
+    stage = _stages(tmp_path)[0]
+    worker = StageWorker(stage, is_first=True, is_last=False)
     worker.micro_batches = 3  # a 3-stage pipeline
-    frames: list[tuple[list[Row], torch.Tensor]] = []
+    frames: Frames = []
     worker.links.downstream = lambda rows, hidden: frames.append((list(rows), hidden.clone()))
     prompts = [[5 + r, 9, 11 + 2 * r] for r in range(SEQUENCES)]
     for request, prompt in enumerate(prompts):
-        worker.open(Open(request=request, sampling=SamplingSpec(max_tokens=8), prompt_len=3, context_length=64))
-        worker.prompt(Prompt(request=request, tokens=tuple(prompt)))
-    assert [len(rows) for rows, _ in frames] == [1] * SEQUENCES  # each prompt is its own frame
+        _open(worker, request, prompt)
+        _wait_for(frames, request + 1)  # one at a time: each prompt is its own frame
+    assert [len(rows) for rows, _ in frames] == [1] * SEQUENCES
     returned = []
     for request, prompt in enumerate(prompts):
         before = prefix_hash(EMPTY_HASH, prompt)
         returned.append(TokenRow(request, len(prompt), 40 + request, before, prefix_hash(before, [40 + request])))
     worker.tokens(TokenFrame(tuple(returned)))
     _wait_for(frames, SEQUENCES + 3)
+    time.sleep(0.2)
     batches = frames[SEQUENCES:]
-    assert [len(rows) for rows, _ in batches] == [2, 2, 2]  # 6 open sequences over 3 stages
+    assert [len(rows) for rows, _ in batches] == [2, 2, 2]  # 6 running sequences over 3 stages
     assert sorted(row.request for rows, _ in batches for row in rows) == list(range(SEQUENCES))
     for rows, hidden in batches:  # each batched row equals that sequence's step alone
         for i, row in enumerate(rows):
-            alone = worker.stage(torch.tensor(prompts[row.request] + [40 + row.request]), 0, worker.stage.new_cache())
+            alone = stage(torch.tensor(prompts[row.request] + [40 + row.request]), 0, stage.new_cache())
             torch.testing.assert_close(hidden[i], alone[-1], atol=1e-5, rtol=0)
+
+
+def test_prompts_that_arrive_together_share_forwards_in_chunks(tmp_path: Path) -> None:
+    """Prompts queued while stage 0 is busy run as one batch (chunked prefill): their rows in
+    arrival order, within MAX_STEP_TOKENS rows a batch; a prompt longer than what is left goes
+    on in the next batch; each row equals its prompt run alone; a request closed while it
+    waited is never prefilled."""
+    stage = _stages(tmp_path)[0]
+    worker, frames, release = _stage0_held_by_its_first_frame(stage)
+    _open(worker, 0, [3, 4])
+    _wait_for(frames, 1)  # stage 0 is busy sending it
+    long = [(7 * i) % 50 + 1 for i in range(MAX_STEP_TOKENS)]
+    prompts = {r: [5 + r, 9, 11 + 2 * r] for r in range(1, SEQUENCES)} | {SEQUENCES: long}
+    for request, prompt in prompts.items():
+        _open(worker, request, prompt)
+    worker.close(Close(request=2))  # abandoned while queued
+    release.set()
+    _wait_for(frames, 3)
+    first, second = frames[1][0], frames[2][0]
+    short = [r for r in range(1, SEQUENCES) if r != 2]
+    assert [row.request for row in first] == short + [SEQUENCES]
+    assert sum(row.count for row in first) == MAX_STEP_TOKENS
+    assert all(row.flags == RowFlag.FIRST | RowFlag.SAMPLE for row in first[:-1])
+    assert first[-1].flags == RowFlag.FIRST and first[-1].count == MAX_STEP_TOKENS - 3 * len(short)
+    assert [(row.request, row.position, row.count, row.flags) for row in second] == [
+        (SEQUENCES, first[-1].count, 3 * len(short), RowFlag.SAMPLE)]
+    for (rows, hidden) in frames[1:3]:
+        offset = 0
+        for row in rows:
+            alone = stage(torch.tensor(prompts[row.request]), 0, stage.new_cache())
+            got = hidden[offset : offset + row.count]
+            torch.testing.assert_close(got, alone[row.position : row.position + row.count], atol=1e-5, rtol=0)
+            offset += row.count
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_a_full_kv_budget_preempts_across_stages_without_changing_any_token(temperature: float,
+                                                                            tmp_path: Path) -> None:  # fmt: skip
+    """Two stages wired in one process, stage 0 with a KV budget that holds every prompt but
+    not every sequence grown to its end: stage 0 preempts, the sequence starts over at position
+    0 on both stages, and every sequence's tokens equal its run on the whole model alone."""
+    first, second = _stages(tmp_path)
+    new_tokens = 12
+    prompts = [[(5 * r + 3 * i) % 200 + 3 for i in range(6 + 5 * r)] for r in range(4)]
+    per_token = kv_bytes_per_token(first.config, 4) * len(first.layers)  # float32, stage 0's layers
+    budget = (sum(len(p) for p in prompts) + new_tokens) * per_token
+    stage0 = StageWorker(first, is_first=True, is_last=False, context_length=512, kv_budget_bytes=budget)
+    stage1 = StageWorker(second, is_first=False, is_last=True)
+    results: dict[int, list[int]] = {r: [] for r in range(len(prompts))}
+    finished = threading.Semaphore(0)
+
+    def collect(rows: list[TokenRow]) -> None:
+        for row in rows:
+            if not row.flags & RowFlag.STOPPED:
+                results[row.request].append(row.token)
+            if row.flags & RowFlag.DONE:
+                finished.release()
+
+    stage0.links.downstream = lambda rows, hidden: stage1.hidden(HiddenFrame(tuple(rows), hidden))
+    stage0.links.downstream_open = stage1.open
+    stage1.links.stage0 = lambda rows: stage0.tokens(TokenFrame(tuple(rows)))
+    stage1.links.results = collect
+    params = [SamplingParams(temperature=temperature, seed=r, max_tokens=new_tokens) for r in range(len(prompts))]
+    for request, (prompt, p) in enumerate(zip(prompts, params)):
+        _open(stage0, request, prompt, p)
+    for _ in prompts:
+        assert finished.acquire(timeout=60)
+    assert stage0.head is not None and stage0.head.scheduler.preemptions > 0
+    assert stage1.refused == 0 and stage0.refused == 0
+    engine = Engine(load_stage(open_source(tmp_path)), 512)
+    for request, (prompt, p) in enumerate(zip(prompts, params)):
+        assert results[request] == list(engine.generate(prompt, p)), request

@@ -12,6 +12,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from seamline.net.frames import FrameError, FrameType, header
+from seamline.runtime.sampling import SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -73,6 +74,7 @@ class Assign(Message):
     group_nodes: list[str] = []
     transport: str = "tcp"
     gate_timeout_s: float = 30.0
+    kv_cache_bytes: int = 0  # stage 0: the KV budget it admits requests into (0: most of its free memory)
 
 
 class Descriptor(Message):
@@ -108,20 +110,10 @@ class Linked(Message):
     plan_id: int
 
 
-class SamplingSpec(Message):
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
-    max_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
-
-
 class Open(Message):
     kind: Literal["open"] = "open"
     request: int
-    sampling: SamplingSpec
+    sampling: SamplingParams  # with the seed chosen: every stage draws alike
     prompt_len: int
     context_length: int
 
@@ -141,6 +133,7 @@ class Failure(Message):
     kind: Literal["failure"] = "failure"
     request: int | None = None
     reason: str
+    blame: Literal["node", "request", "load"] = "node"  # a stage failed / the request is invalid / too busy
 
 
 class StatsRequest(Message):

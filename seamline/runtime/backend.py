@@ -44,14 +44,14 @@ class LocalBackend:
 
     def __init__(
         self, engine: Engine, codec: TextCodec, model_name: str, max_running: int = 64, max_waiting: int = 256,
-        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES, kv_budget_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         self.codec = codec
         self.model_name = model_name
         self.context_length = engine.context_length
         scheduler = Scheduler(engine.stage, engine.context_length, max_running=max_running, max_waiting=max_waiting,
-                              prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
+                              kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
         self.loop = BatchLoop(scheduler)
 
     def readiness(self) -> Readiness:

@@ -11,12 +11,17 @@ import secrets
 from dataclasses import dataclass
 
 import torch
+from pydantic import ConfigDict
 
 from seamline.errors import RequestError
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How a sequence draws and when it stops; it crosses the wire as it is (``Open``)."""
+
+    __pydantic_config__ = ConfigDict(extra="forbid")  # validated where it arrives from a peer
+
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
@@ -84,3 +89,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
     probs = filtered_probs(logits, params)
     generator = torch.Generator().manual_seed(draw_seed(seed, position))
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def finish_reason(token: int, position: int, params: SamplingParams, prompt_len: int, context_length: int) -> str | None:
+    """Why a sequence ends with ``token`` drawn for ``position``: "stop" (a stop token, not part
+    of the output), "length" (max_tokens drawn, or the context full), or None. A function of
+    the position alone, so a stage that only samples and a replayed sequence agree on it."""
+    if token in params.stop_token_ids:
+        return "stop"
+    if position - prompt_len + 1 >= params.max_tokens or position + 1 >= context_length:
+        return "length"
+    return None

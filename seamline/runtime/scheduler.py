@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import psutil
 import torch
 
 from seamline.errors import OverloadedError, RequestError
@@ -39,7 +41,7 @@ from seamline.config import kv_bytes_per_token
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
-from seamline.runtime.sampling import SamplingParams, request_seed, sample
+from seamline.runtime.sampling import SamplingParams, finish_reason, request_seed, sample
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import GroupCache, LockstepStage
@@ -86,11 +88,36 @@ class Sequence:
 @dataclass(frozen=True)
 class Emission:
     """What a step gave one sequence: a token (None when it drew a stop token) and the logits
-    [vocab] it was drawn from."""
+    [vocab] it was drawn from (None when another stage drew it)."""
 
     sequence: Sequence
     token: int | None
-    logits: torch.Tensor
+    logits: torch.Tensor | None
+
+
+@dataclass
+class Batch:
+    """The rows of one forward: each owner's span of ``inputs`` (token ids)."""
+
+    spans: list[Span] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
+    owners: list[Sequence] = field(default_factory=list)
+    draws: list[bool] = field(default_factory=list)  # per row, set by ``advance``: a token is drawn after it
+
+
+Ready = Callable[[Sequence], bool]
+
+
+def _always(sequence: Sequence) -> bool:
+    return True
+
+
+KV_SHARE_OF_FREE_MEMORY = 0.8  # the default KV budget: this much of the memory free at start
+
+
+def kv_budget_bytes(requested: int = 0) -> int:
+    """The KV cache budget: ``requested`` bytes, or (0) most of the memory free now."""
+    return requested if requested > 0 else int(psutil.virtual_memory().available * KV_SHARE_OF_FREE_MEMORY)
 
 
 def check_prompt(prompt: list[int], context_length: int) -> None:
@@ -110,9 +137,11 @@ class Scheduler:
         kv_budget_bytes: int | None = None,
         max_waiting: int = 256,
         prefix_cache_bytes: int = 0,
+        forks: bool = True,
     ) -> None:
-        if stage.embed is None or stage.head is None:
-            raise ValueError("the scheduler needs a stage that owns the embedding and the head")
+        if stage.embed is None:
+            raise ValueError("the scheduler needs a stage that owns the embedding")
+        self.forks = forks  # whether a new sequence may start from a copy of another's cache
         self.stage = stage
         self.context_length = context_length
         self.max_step_tokens = max_step_tokens
@@ -168,25 +197,50 @@ class Scheduler:
 
     def step(self) -> list[Emission]:
         """One forward over every running sequence's next rows; the tokens it gave."""
-        self._admit()
-        self._make_room()
-        spans, inputs, owners = self._plan()
-        if not spans:
+        if self.stage.head is None:
+            raise ValueError("a step samples: the scheduler's stage must own the head")
+        batch = self.next_batch()
+        if not batch.spans:
             return []
-        logits = self.stage.forward_batch(torch.tensor(inputs, dtype=torch.long), spans, last_only=True)
-        emitted = []
-        for row, (sequence, span) in enumerate(zip(owners, spans)):
+        logits = self.stage.forward_batch(torch.tensor(batch.inputs, dtype=torch.long), batch.spans, last_only=True)
+        self.advance(batch)
+        return [self._draw(sequence, logits[row]) for row, sequence in enumerate(batch.owners) if batch.draws[row]]
+
+    def next_batch(self, ready: Ready | None = None, max_decode_rows: int | None = None) -> Batch:
+        """Admit what fits, preempt what must go, and plan the next rows: a decode row for each
+        sequence past its prompt (at most ``max_decode_rows``), then prompt chunks. Only
+        sequences that are ``ready`` take part (in a pipeline: those with no draw in flight)."""
+        self._admit()
+        if not self._make_room(ready or _always):
+            return Batch()  # over budget until a sequence in flight comes back
+        return self._plan(ready or _always, max_decode_rows)
+
+    def advance(self, batch: Batch) -> None:
+        """Count the batch's rows as computed; mark which rows end in a draw."""
+        for sequence, span in zip(batch.owners, batch.spans):
             computing = sequence.prefilling
             sequence.cached += span.count
-            if computing and (sequence.prefilling or sequence.tokens):
-                continue  # a chunk short of the prompt's end, or recomputed history: no draw
-            emitted.append(self._draw(sequence, logits[row]))
-        return emitted
+            # a chunk short of the prompt's end, or recomputed history, draws nothing
+            batch.draws.append(not (computing and (sequence.prefilling or bool(sequence.tokens))))
+
+    def record(self, sequence: Sequence, token: int, logits: torch.Tensor | None = None) -> Emission:
+        """Take a token drawn for ``sequence`` (here, or by a pipeline's last stage); finish it on
+        a stop token, at max_tokens, or when the context is full."""
+        position = len(sequence.prompt) + len(sequence.tokens)
+        reason = finish_reason(token, position, sequence.params, len(sequence.prompt), self.context_length)
+        sequence.samples += 1
+        if reason == "stop":
+            self._release(sequence, reason)
+            return Emission(sequence, None, logits)
+        sequence.tokens.append(token)
+        if reason is not None:
+            self._release(sequence, reason)
+        return Emission(sequence, token, logits)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
             head = self.waiting[0]
-            if any(r.prompt == head.prompt and r.prefilling for r in self.running):
+            if self.forks and any(r.prompt == head.prompt and r.prefilling for r in self.running):
                 return  # its prompt is being computed: start from that cache once it is
             if not self._fits(self.kv_held(head)):
                 return  # the head of the queue waits for memory; later ones wait behind it (FCFS)
@@ -203,14 +257,20 @@ class Scheduler:
                 return False
         return True
 
-    def _make_room(self) -> None:
-        """Preempt the newest running sequences until the next step fits the budget."""
+    def _make_room(self, ready: Ready) -> bool:
+        """Preempt the newest ready running sequences until the next step fits the budget;
+        False when it cannot fit before a sequence that is not ready comes back."""
         while len(self.running) > 1 and not self._fits(0):
-            victim = self.running.pop()
+            victims = [s for s in self.running[1:] if ready(s)]
+            if not victims:
+                return False
+            victim = victims[-1]
+            self.running.remove(victim)
             self.stage.release_cache(victim.cache)  # type: ignore[arg-type]
             victim.cache, victim.cached = None, 0
             self.waiting.appendleft(victim)
             self.preemptions += 1
+        return True
 
     def _start(self, sequence: Sequence) -> None:
         """A cache for a newly admitted sequence: a copy of the longest shared prefix, if any."""
@@ -221,18 +281,17 @@ class Scheduler:
         for other in self.running:
             if other.cache is not None and (n := common_prefix(other.known(0, other.cached), wanted)) > shared:
                 donor, shared = other.cache, n
-        if isinstance(donor, SequenceCache) and shared > 0:  # a lockstep group's caches are not copied
+        if self.forks and isinstance(donor, SequenceCache) and shared > 0:  # a lockstep group's are not copied
             sequence.cache, sequence.cached = donor.fork(shared), shared
         else:
             sequence.cache, sequence.cached = self.stage.new_cache(greedy=sequence.params.greedy), 0
 
-    def _plan(self) -> tuple[list[Span], list[int], list[Sequence]]:
+    def _plan(self, ready: Ready, max_decode_rows: int | None) -> Batch:
         """Decode rows first (one each), then prompt chunks in arrival order, within the budget."""
-        spans: list[Span] = []
-        inputs: list[int] = []
-        owners: list[Sequence] = []
-        decoding = [s for s in self.running if not s.prefilling]
-        for sequence in decoding + [s for s in self.running if s.prefilling]:
+        batch = Batch()
+        spans, inputs, owners = batch.spans, batch.inputs, batch.owners
+        decoding = [s for s in self.running if not s.prefilling and ready(s)][:max_decode_rows]
+        for sequence in decoding + [s for s in self.running if s.prefilling and ready(s)]:
             start = sequence.cached
             if sequence.prefilling:
                 count = min(sequence.prefill_end - start, self.max_step_tokens - len(inputs))
@@ -245,19 +304,11 @@ class Scheduler:
             spans.append(Span(len(inputs), count, start, sequence.cache))
             inputs += rows
             owners.append(sequence)
-        return spans, inputs, owners
+        return batch
 
     def _draw(self, sequence: Sequence, logits: torch.Tensor) -> Emission:
         token = sample(logits, sequence.params, sequence.seed, len(sequence.prompt) + len(sequence.tokens))
-        sequence.samples += 1
-        if token in sequence.params.stop_token_ids:
-            self._release(sequence, "stop")
-            return Emission(sequence, None, logits)
-        sequence.tokens.append(token)
-        full = len(sequence.prompt) + len(sequence.tokens) >= self.context_length
-        if sequence.samples >= sequence.params.max_tokens or full:
-            self._release(sequence, "length")
-        return Emission(sequence, token, logits)
+        return self.record(sequence, token, logits)
 
     def _release(self, sequence: Sequence, reason: str) -> None:
         sequence.finish_reason = reason

@@ -10,6 +10,7 @@ import uvicorn
 
 from seamline.app import LocalModel, default_model_path
 from seamline.runtime.backend import LocalBackend
+from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.server.openai_api import create_app
 
 
@@ -24,11 +25,12 @@ def model_name_for(path: str | Path) -> str:
 
 
 def serve_local(model_path: str | None, host: str, port: int, dtype: str,
-                context: int | None = None) -> None:  # fmt: skip
+                context: int | None = None, kv_cache_bytes: int = 0) -> None:  # fmt: skip
     """Load the model (the embedded default when ``model_path`` is None), then serve until stopped."""
     path = Path(model_path) if model_path else default_model_path()
     model = LocalModel.load(path, dtype, context)
-    backend = LocalBackend(model.engine, model.codec, model_name_for(path))
+    budget = kv_budget_bytes(kv_cache_bytes)
+    backend = LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget)
     app = create_app(backend)
     print(f"seamline: serving {backend.model_name} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
     logging.getLogger("seamline").setLevel(logging.INFO)

@@ -70,10 +70,11 @@ class CoordinatorOptions:
     transport: str = "tcp"  # lockstep groups' Comm: auto | tcp | torch
     gate_timeout_s: float = 30.0
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage; fewer than the stages are not taken)
+    kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
 
 
 TokenSink = Callable[[list[TokenRow]], None]
-FailureSink = Callable[[int | None, str], None]
+FailureSink = Callable[[int | None, str, str], None]  # request (None: all), reason, blame
 
 
 class Coordinator:
@@ -89,7 +90,7 @@ class Coordinator:
         self.ready = threading.Event()
         self.lock = threading.RLock()
         self.on_tokens: TokenSink = lambda rows: None
-        self.on_failure: FailureSink = lambda request, reason: None
+        self.on_failure: FailureSink = lambda request, reason, blame: None
         self._server: socket.socket | None = None
 
     # -- membership ---------------------------------------------------------------------
@@ -163,7 +164,8 @@ class Coordinator:
                     with handle.events:
                         handle.failure = message.reason
                         handle.events.notify_all()
-                self.on_failure(message.request, f"node {handle.node_id}: {message.reason}")
+                reason = message.reason if message.blame != "node" else f"node {handle.node_id}: {message.reason}"
+                self.on_failure(message.request, reason, message.blame)
 
     def _lost(self, handle: NodeHandle, reason: str) -> None:
         with self.lock:
@@ -177,7 +179,7 @@ class Coordinator:
         if in_plan:
             self.ready.clear()
             self.state = f"node {handle.node_id} left; re-planning"
-            self.on_failure(None, f"node {handle.node_id} left the mesh mid-request")
+            self.on_failure(None, f"node {handle.node_id} left the mesh mid-request", "node")
             self._maybe_plan(force=True)
 
     # -- planning and start-up ----------------------------------------------------------
@@ -238,7 +240,8 @@ class Coordinator:
                                             memory_bytes=s.predicted_bytes, shard=(rank, len(members)), group=group,
                                             group_nodes=[h.node_id for h in members] if group else [],
                                             transport=self._transport(members),
-                                            gate_timeout_s=self.options.gate_timeout_s))  # fmt: skip
+                                            gate_timeout_s=self.options.gate_timeout_s,
+                                            kv_cache_bytes=self.options.kv_cache_bytes))  # fmt: skip
         for rank, handle in enumerate(members):
             ready = self._wait(handle, lambda h=handle: h.ready, "READY")  # type: ignore[misc]
             d = ready.descriptor

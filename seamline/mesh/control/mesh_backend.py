@@ -7,18 +7,18 @@ last stage's tokens arrive on its control link and are routed to the waiting req
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import threading
 from collections.abc import AsyncIterator
 
-from seamline.errors import OverloadedError, SeamlineError
+from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.mesh.control.coordinator import Coordinator
 from seamline.net.frames import RowFlag, TokenRow
-from seamline.net.messages import Open, Prompt, SamplingSpec
-from seamline.runtime.sampling import SamplingParams
+from seamline.net.messages import Open, Prompt
+from seamline.runtime.sampling import SamplingParams, request_seed
 from seamline.runtime.backend import Readiness
 from seamline.text import TextCodec
-from seamline.errors import RequestError
 
 
 class RequestFailed(SeamlineError):
@@ -56,8 +56,7 @@ class MeshBackend:
             if len(self._waiting) >= self.max_requests:
                 raise OverloadedError(f"{len(self._waiting)} requests are already in flight; try again later")
             self._waiting[request] = (asyncio.get_running_loop(), queue)
-        spec = SamplingSpec(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, min_p=params.min_p,
-                            seed=params.seed, max_tokens=params.max_tokens, stop_token_ids=params.stop_token_ids)  # fmt: skip
+        spec = dataclasses.replace(params, seed=request_seed(params.seed), stop_strings=())  # stop strings stay here
         try:
             self.coordinator.open_request(
                 Open(request=request, sampling=spec, prompt_len=len(prompt), context_length=self.context_length),
@@ -82,11 +81,12 @@ class MeshBackend:
         for row in rows:
             self._put(row.request, row)
 
-    def _fail(self, request: int | None, reason: str) -> None:
+    def _fail(self, request: int | None, reason: str, blame: str) -> None:
         with self._lock:
             targets = list(self._waiting) if request is None else [request]
+        error = {"request": RequestError, "load": OverloadedError}.get(blame, RequestFailed)
         for target in targets:
-            self._put(target, RequestFailed(reason))
+            self._put(target, error(reason))
 
     def _put(self, request: int, item: object) -> None:
         with self._lock:

@@ -48,6 +48,7 @@ class ServeOptions:
     transport: str = "auto"
     gate_timeout_s: float = 30.0
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
+    kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
 
 
@@ -85,7 +86,7 @@ def build_mesh(options: ServeOptions) -> Mesh:
         context_length=context, fragments_url=f"http://{url_host(hosts[0])}:{options.port}",
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
         transport=options.transport, gate_timeout_s=options.gate_timeout_s,
-        micro_batches=options.micro_batches))  # fmt: skip
+        micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes))  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context)
     secret = invite.secret

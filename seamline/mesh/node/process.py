@@ -18,12 +18,14 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import torch
 
 from seamline.runtime.group_stage import LockstepStage
 from seamline.mesh.control.invite import Invite, InviteError, proof
+from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen
@@ -31,6 +33,7 @@ from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Descriptor, Failure, Join, Linked, Message, Open,
     Prompt, Ready, Refuse, Resources, Route, Stats, StatsRequest, Welcome,
 )  # fmt: skip
+from seamline.errors import OverloadedError, RequestError
 from seamline.parallel.comm import CommError
 from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 
@@ -142,7 +145,7 @@ class Node:
             elif isinstance(message, Open) and self.worker:
                 self.worker.open(message)
             elif isinstance(message, Prompt) and self.worker:
-                threading.Thread(target=self._prompt, args=(message,), daemon=True).start()
+                self.worker.prompt(message)  # queued for stage 0's scheduler
             elif isinstance(message, Close) and self.worker:
                 self.worker.close(message)
             elif isinstance(message, StatsRequest) and self.worker and self.control:
@@ -154,17 +157,15 @@ class Node:
             log.exception("failed to handle %s", type(message).__name__)
             self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}")
 
-    def _prompt(self, message: Prompt) -> None:
-        assert self.worker is not None
-        try:
-            self.worker.prompt(message)
-        except Exception as exc:
-            log.exception("prompt %d failed", message.request)
-            self._report(message.request, f"stage 0 failed: {self._explain(exc)}")
-
     def _batch_failed(self, requests: list[int], exc: Exception) -> None:
+        """Stage 0 could not run these requests: the request's fault, the load's, or ours."""
         for request in requests:
-            self._report(request, f"stage 0 failed: {self._explain(exc)}")
+            if isinstance(exc, RequestError):
+                self._report(request, str(exc), "request")
+            elif isinstance(exc, OverloadedError):
+                self._report(request, str(exc), "load")
+            else:
+                self._report(request, f"stage 0 failed: {self._explain(exc)}")
 
     def _explain(self, exc: Exception) -> str:
         """The error's text; a group rank at fault is named by its node id too."""
@@ -173,10 +174,10 @@ class Node:
             return f"{exc} (rank {exc.peer} is node {nodes[exc.peer]})"
         return str(exc)
 
-    def _report(self, request: int | None, reason: str) -> None:
+    def _report(self, request: int | None, reason: str, blame: Literal["node", "request", "load"] = "node") -> None:
         if self.control is not None:
             try:
-                self.control.send_message(Failure(request=request, reason=reason))
+                self.control.send_message(Failure(request=request, reason=reason, blame=blame))
             except LinkClosed:
                 pass
 
@@ -191,12 +192,14 @@ class Node:
         self._check_room(assign)
         if assign.shard[1] == 1:
             stage, downloaded = load_assignment(self.invite, assign, self.options)
-            self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head)
+            self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
+                                      _kv_budget(assign))  # fmt: skip
         else:
             member, downloaded = load_rank(self.invite, assign, self.options)
             if member.rank == 0:  # the leader: its StageWorker drives the whole group
                 self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
-                self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head)
+                self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head,
+                                          assign.context_length, _kv_budget(assign))  # fmt: skip
             else:
                 threading.Thread(target=self._serve_rank, args=(member,), daemon=True).start()
         self.bytes_downloaded += downloaded
@@ -280,6 +283,11 @@ class Node:
         else:
             worker.refused += 1
             log.warning("refused %s from %s: not expected by this stage", type(frame).__name__, peer)
+
+
+def _kv_budget(assign: Assign) -> int | None:
+    """Stage 0 admits requests into a KV budget; later stages follow what it admits."""
+    return kv_budget_bytes(assign.kv_cache_bytes) if assign.owns_embedding else None
 
 
 M_ARENA_MAX = -8  # mallopt parameter (malloc.h)

@@ -1,0 +1,194 @@
+"""PipelineHead: stage 0's runtime, the scheduler driving a pipeline whose head is further on.
+
+Requests arrive as an ``Open`` (how to sample) and a ``Prompt`` (the tokens) and join the
+``Scheduler`` as on one process: FCFS admission under ``max_running`` and the KV budget,
+decode rows and chunks of several prompts in one batch (chunked prefill), preemption when
+the budget fills (the sequence starts over at position 0, which tells every later stage to
+reset its cache for it), and a request closed while it waits is never prefilled.
+
+One driver thread owns the scheduler; the threads that read links only leave prompts, closes
+and returned tokens in its inbox. Each batch runs stage 0's layers and goes downstream as one
+frame. A row after which the last stage draws leaves its sequence in flight until the token
+comes back, and a batch takes at most 1/S of the running sequences' decode rows with S
+micro-batches (one per stage unless the route asks for more): while stage 1 runs one, stage 0
+runs the next. Prefix sharing is off here: the later stages could not copy the caches.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, prefix_hash
+from seamline.net.messages import Open
+from seamline.runtime.sampling import SamplingParams
+from seamline.runtime.scheduler import Batch, Scheduler, Sequence
+from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
+
+if TYPE_CHECKING:
+    from seamline.runtime.stage_worker import StageWorker
+
+log = logging.getLogger("seamline.stage")
+MAX_STEP_TOKENS = 512  # rows in one batch: decode rows and prompt chunks together
+MAX_RUNNING = 256  # sequences holding a cache at once
+MAX_WAITING = 1024  # the coordinator bounds what it sends; this only guards a runaway peer
+
+
+@dataclass
+class Inbox:
+    prompts: list[tuple[int, list[int]]] = field(default_factory=list)
+    closed: list[int] = field(default_factory=list)
+    returned: list[TokenRow] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.prompts or self.closed or self.returned)
+
+
+class PipelineHead:
+    def __init__(self, worker: StageWorker, context_length: int, kv_budget_bytes: int | None = None) -> None:
+        self.worker = worker
+        self.scheduler = Scheduler(worker.stage, context_length, max_step_tokens=MAX_STEP_TOKENS,
+                                   max_running=MAX_RUNNING, kv_budget_bytes=kv_budget_bytes,
+                                   max_waiting=MAX_WAITING, forks=False)  # fmt: skip
+        self._opened: dict[int, SamplingParams] = {}  # opened, prompt not yet here
+        self._sequences: dict[int, Sequence] = {}
+        self._requests: dict[Sequence, int] = {}
+        self._hashes: dict[Sequence, int] = {}  # prefix hash of the positions stage 0 has run
+        self._in_flight: set[Sequence] = set()  # a token for it is being drawn downstream
+        self._inbox = Inbox()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    # -- from the link readers (any thread) ----------------------------------------------
+    def open(self, msg: Open) -> None:
+        with self._cond:
+            self._opened[msg.request] = msg.sampling
+
+    def prompt(self, request: int, tokens: list[int]) -> None:
+        self._post(lambda inbox: inbox.prompts.append((request, tokens)))
+
+    def close(self, request: int) -> None:
+        self._post(lambda inbox: inbox.closed.append(request))
+
+    def returned(self, rows: list[TokenRow]) -> None:
+        self._post(lambda inbox: inbox.returned.extend(rows))
+
+    def caches(self) -> list[Any]:
+        return [s.cache for s in list(self.scheduler.running) if s.cache is not None]
+
+    def _post(self, put: Any) -> None:
+        with self._cond:
+            put(self._inbox)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drive, name="seamline-stage0", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    # -- the driver thread -----------------------------------------------------------------
+    def _drive(self) -> None:
+        busy = False
+        while True:
+            with self._cond:
+                while not busy and not self._inbox:
+                    self._cond.wait()
+                inbox, self._inbox = self._inbox, Inbox()
+            self._take(inbox)
+            busy = self._run_next()
+
+    def _take(self, inbox: Inbox) -> None:
+        for request, tokens in inbox.prompts:
+            self._add(request, tokens)
+        for request in inbox.closed:
+            self._cancel(request)
+        self._accept(inbox.returned)
+
+    def _add(self, request: int, tokens: list[int]) -> None:
+        with self._cond:
+            params = self._opened.pop(request, None)
+        try:
+            if params is None:
+                raise OutOfStep(f"request {request} is not open on this stage")
+            sequence = self.scheduler.add(tokens, params)
+        except Exception as exc:  # this request ends alone
+            self._fail([request], exc)
+            return
+        self._sequences[request] = sequence
+        self._requests[sequence] = request
+
+    def _cancel(self, request: int) -> None:
+        with self._cond:
+            self._opened.pop(request, None)
+        sequence = self._sequences.get(request)
+        if sequence is not None:
+            self.scheduler.cancel(sequence)
+            self._forget(sequence)
+
+    def _forget(self, sequence: Sequence) -> None:
+        request = self._requests.pop(sequence)
+        del self._sequences[request]
+        self._hashes.pop(sequence, None)
+        self._in_flight.discard(sequence)
+
+    def _accept(self, rows: list[TokenRow]) -> None:
+        """Tokens drawn downstream: each must be the one its sequence is waiting for."""
+        for row in rows:
+            sequence = self._sequences.get(row.request)
+            try:
+                if sequence is None or sequence not in self._in_flight:
+                    raise OutOfStep(f"request {row.request} is not waiting for a token here")
+                expected = len(sequence.prompt) + len(sequence.tokens)
+                if row.position != expected or row.hash_before != self._hashes[sequence]:
+                    raise OutOfStep(f"request {row.request}: token for position {row.position}, stage 0 is at {expected}")
+            except OutOfStep as exc:
+                self.worker.refuse(row.request, "token", exc)
+                continue
+            self._in_flight.discard(sequence)
+            if self.scheduler.record(sequence, row.token).sequence.finished:
+                self._forget(sequence)
+
+    def _run_next(self) -> bool:
+        """Plan and run one batch; False when there was nothing to run."""
+        cap = max(1, -(-len(self.scheduler.running) // max(1, self.worker.micro_batches)))
+        batch = self.scheduler.next_batch(ready=lambda s: s not in self._in_flight, max_decode_rows=cap)
+        if not batch.spans:
+            return False
+        self.scheduler.advance(batch)
+        work = self._rows(batch)
+        try:
+            looped = self.worker.run_batch(work)
+        except Exception as exc:  # the batch's requests fail; stage 0 keeps serving
+            log.exception("a stage-0 batch failed")
+            for sequence in batch.owners:
+                self.scheduler.cancel(sequence)
+                self._forget(sequence)
+            self._fail([w.row.request for w in work], exc)
+            return True
+        self._accept(looped)  # stage 0 is also the last stage
+        return True
+
+    def _rows(self, batch: Batch) -> list[Work]:
+        """The batch's rows with their prefix hashes; the rows that draw put their sequence in flight."""
+        work = []
+        for sequence, span, draws in zip(batch.owners, batch.spans, batch.draws):
+            ids = batch.inputs[span.offset : span.offset + span.count]
+            before = EMPTY_HASH if span.start == 0 else self._hashes[sequence]
+            after = prefix_hash(before, ids)
+            self._hashes[sequence] = after
+            flags = (RowFlag.FIRST if span.start == 0 else RowFlag.NONE) | (RowFlag.SAMPLE if draws else RowFlag.NONE)
+            if draws:
+                self._in_flight.add(sequence)
+            request = self._requests[sequence]
+            drawing = Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length)
+            row = Row(request, span.start, span.count, before, after, int(flags))
+            work.append(Work(row, span.cache, torch.tensor(ids, dtype=torch.long), drawing))
+        return work
+
+    def _fail(self, requests: list[int], exc: Exception) -> None:
+        if self.worker.links.failed is not None:
+            self.worker.links.failed(requests, exc)
+        else:
+            log.warning("requests %s failed: %s", requests, exc)
