@@ -17,14 +17,19 @@ from seamline.config import kv_bytes_per_token
 from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
-from seamline.net.messages import Close, Open, Prompt
+from seamline.net.messages import Close, Message, Open, Prompt
 from seamline.runtime.engine import Engine
 from seamline.runtime.pipeline_head import MAX_STEP_TOKENS
 from seamline.runtime.sampling import SamplingParams
 from seamline.runtime.stage_worker import StageWorker
 from seamline.weights.loader import load_stage, open_source
+from seamline.app import default_model_path
+from seamline.runtime.stage_rows import Work
+from seamline.weights.source import TensorSource
 from tests.reference import save_random_model
+from tests.test_deepseek_models import _build as build_deepseek
 from tests.test_dense_models import _configs as dense_configs
+from tests.test_moe_models import mixtral_config
 
 SEQUENCES = 6
 Frames = list[tuple[list[Row], torch.Tensor]]
@@ -124,6 +129,52 @@ def test_prompts_that_arrive_together_share_forwards_in_chunks(tmp_path: Path) -
             offset += row.count
 
 
+class TwoStages:
+    """Stage 0 and a last stage wired in one process as a mesh wires them over sockets."""
+
+    def __init__(self, first: Stage, second: Stage, kv_budget_bytes: int | None = None) -> None:
+        self.stage0 = StageWorker(first, is_first=True, is_last=False, context_length=512,
+                                  kv_budget_bytes=kv_budget_bytes)  # fmt: skip
+        self.stage1 = StageWorker(second, is_first=False, is_last=True)
+        self.results: dict[int, list[int]] = {}
+        self.rows: list[Row] = []  # every row stage 1 ran
+        self.frames: list[list[Row]] = []  # and the frames they came in
+        self.finished = threading.Semaphore(0)
+        self.stage0.links.downstream = self._hidden
+        self.stage0.links.downstream_message = self._message
+        self.stage1.links.stage0 = lambda rows: self.stage0.tokens(TokenFrame(tuple(rows)))
+        self.stage1.links.results = self._collect
+
+    def _hidden(self, rows: list[Row], hidden: torch.Tensor) -> None:
+        self.rows += rows
+        self.frames.append(list(rows))
+        self.stage1.hidden(HiddenFrame(tuple(rows), hidden))
+
+    def _message(self, msg: Message) -> None:
+        if isinstance(msg, Open):
+            self.stage1.open(msg)
+        elif isinstance(msg, Close):
+            self.stage1.close(msg)
+        else:
+            self.stage1.lifetime(msg)  # type: ignore[arg-type]
+
+    def _collect(self, rows: list[TokenRow]) -> None:
+        for row in rows:
+            if not row.flags & RowFlag.STOPPED:
+                self.results.setdefault(row.request, []).append(row.token)
+            if row.flags & RowFlag.DONE:
+                self.finished.release()
+
+    def generate(self, requests: dict[int, tuple[list[int], SamplingParams]]) -> None:
+        """Send every request at once and wait for all to finish; close them as a coordinator does."""
+        for request, (prompt, params) in requests.items():
+            _open(self.stage0, request, prompt, params)
+        for _ in requests:
+            assert self.finished.acquire(timeout=60)
+        for request in requests:
+            self.stage0.close(Close(request=request))
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
 def test_a_full_kv_budget_preempts_across_stages_without_changing_any_token(temperature: float,
                                                                             tmp_path: Path) -> None:  # fmt: skip
@@ -135,29 +186,99 @@ def test_a_full_kv_budget_preempts_across_stages_without_changing_any_token(temp
     prompts = [[(5 * r + 3 * i) % 200 + 3 for i in range(6 + 5 * r)] for r in range(4)]
     per_token = kv_bytes_per_token(first.config, 4) * len(first.layers)  # float32, stage 0's layers
     budget = (sum(len(p) for p in prompts) + new_tokens) * per_token
-    stage0 = StageWorker(first, is_first=True, is_last=False, context_length=512, kv_budget_bytes=budget)
-    stage1 = StageWorker(second, is_first=False, is_last=True)
-    results: dict[int, list[int]] = {r: [] for r in range(len(prompts))}
-    finished = threading.Semaphore(0)
-
-    def collect(rows: list[TokenRow]) -> None:
-        for row in rows:
-            if not row.flags & RowFlag.STOPPED:
-                results[row.request].append(row.token)
-            if row.flags & RowFlag.DONE:
-                finished.release()
-
-    stage0.links.downstream = lambda rows, hidden: stage1.hidden(HiddenFrame(tuple(rows), hidden))
-    stage0.links.downstream_open = stage1.open
-    stage1.links.stage0 = lambda rows: stage0.tokens(TokenFrame(tuple(rows)))
-    stage1.links.results = collect
+    mesh = TwoStages(first, second, budget)
     params = [SamplingParams(temperature=temperature, seed=r, max_tokens=new_tokens) for r in range(len(prompts))]
-    for request, (prompt, p) in enumerate(zip(prompts, params)):
-        _open(stage0, request, prompt, p)
-    for _ in prompts:
-        assert finished.acquire(timeout=60)
-    assert stage0.head is not None and stage0.head.scheduler.preemptions > 0
-    assert stage1.refused == 0 and stage0.refused == 0
+    mesh.generate({r: (prompt, p) for r, (prompt, p) in enumerate(zip(prompts, params))})
+    assert mesh.stage0.head is not None and mesh.stage0.head.scheduler.preemptions > 0
+    assert mesh.stage1.refused == 0 and mesh.stage0.refused == 0
     engine = Engine(load_stage(open_source(tmp_path)), 512)
     for request, (prompt, p) in enumerate(zip(prompts, params)):
-        assert results[request] == list(engine.generate(prompt, p)), request
+        assert mesh.results[request] == list(engine.generate(prompt, p)), request
+
+
+def test_prompts_that_begin_alike_share_the_prefix_on_every_stage(tmp_path: Path) -> None:
+    """With prefix sharing on, a request whose prompt begins as a finished one's, and two
+    identical prompts at once, start from a copy of that cache on both stages (Fork): stage 1
+    runs only their new positions, and their tokens equal the whole model's alone. Stage 1
+    holds exactly the caches stage 0 keeps: stage 0 keeps room for one finished request here,
+    and each it drops (Forget) is freed on stage 1 too."""
+    first, second = _stages(tmp_path)
+    mesh = TwoStages(first, second)
+    head = mesh.stage0.head
+    assert head is not None
+    head.share_prefixes(True)
+    system = [(11 * i) % 200 + 3 for i in range(30)]
+    head.scheduler.prefix.capacity_bytes = (len(system) + 12) * head.scheduler.kv_bytes_per_token  # one request's
+    params = SamplingParams(max_tokens=6)
+    prompts = {0: system + [5, 6], 1: system + [9, 10, 11], 2: system + [7], 3: system + [7]}
+    mesh.generate({0: (prompts[0], params)})
+    mesh.generate({r: (prompts[r], params) for r in (1, 2, 3)})
+    starts = {r: min(row.position for row in mesh.rows if row.request == r) for r in prompts}
+    assert starts == {0: 0, 1: len(system), 2: len(system), 3: len(system)}  # the twin copied the other's prompt
+    assert mesh.stage0.refused == 0 and mesh.stage1.refused == 0
+    engine = Engine(load_stage(open_source(tmp_path)), 512)
+    for request, prompt in prompts.items():
+        assert mesh.results[request] == list(engine.generate(prompt, params)), request
+    deadline = time.monotonic() + 10
+    while len(mesh.stage1.sequences) != 1:  # the one kept; the closes reach stage 1 as Forget
+        assert time.monotonic() < deadline, mesh.stage1.sequences
+        time.sleep(0.01)
+    assert set(mesh.stage1.sequences) == {request for _, request in head._held.values()}
+
+
+def _source(kind: str, folder: Path) -> TensorSource:
+    if kind == "dense":
+        save_random_model(dense_configs()["llama"], folder)
+    elif kind == "mixtral":
+        save_random_model(mixtral_config(), folder)
+    elif kind == "deepseek_v3":
+        folder = build_deepseek(folder, "v3")[1]
+    else:
+        return open_source(default_model_path())
+    return open_source(folder)
+
+
+@pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3", "embedded"])
+def test_staggered_sequences_on_two_stages_equal_each_alone(kind: str, tmp_path: Path) -> None:
+    """Eight sequences of 5-40 prompt tokens join a two-stage pipeline as earlier ones decode
+    (the i-th when ARRIVALS[i] tokens have come back in all): prompts are prefilled in chunks
+    beside decode rows, and each sequence's greedy tokens equal its run alone on the whole
+    model, the logits of each draw within 1e-4 (float32)."""
+    source = _source(kind, tmp_path)
+    whole = load_stage(source)
+    middle = whole.config.num_layers // 2
+    mesh = TwoStages(load_stage(source, Ownership(layers=(0, middle))),
+                     load_stage(source, Ownership(layers=(middle, whole.config.num_layers))))  # fmt: skip
+    drawn: dict[tuple[int, int], torch.Tensor] = {}  # (request, position) -> logits of that draw
+    sample = mesh.stage1._sample
+
+    def recorded(w: Work, logits: torch.Tensor) -> TokenRow:
+        drawn[(w.row.request, w.row.position + w.row.count)] = logits.float().clone()
+        return sample(w, logits)
+
+    mesh.stage1._sample = recorded  # type: ignore[method-assign]
+    gen = torch.Generator().manual_seed(7)
+    vocab = min(whole.config.vocab_size, 256)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 40, 12, 33, 7, 21, 9, 28)]
+    arrivals = (0, 0, 3, 6, 9, 15, 24, 39)  # tokens returned in all before each joins
+    params = SamplingParams(max_tokens=12)
+    for request, (prompt, arrival) in enumerate(zip(prompts, arrivals)):
+        deadline = time.monotonic() + 60
+        while sum(len(t) for t in mesh.results.values()) < arrival:
+            assert time.monotonic() < deadline, mesh.results
+            time.sleep(0.002)
+        _open(mesh.stage0, request, prompt, params)
+    for _ in prompts:
+        assert mesh.finished.acquire(timeout=120)
+    assert max(len(rows) for rows in mesh.frames) > 1  # rows of several sequences shared frames
+    engine = Engine(whole, 512)
+    for request, prompt in enumerate(prompts):
+        alone = list(engine.generate(prompt, params))
+        assert mesh.results[request] == alone, request
+        cache = whole.new_cache()
+        expected = [whole(torch.tensor(prompt), 0, cache, last_only=True)[-1]]
+        for i, token in enumerate(alone[:-1]):
+            expected.append(whole(torch.tensor([token]), len(prompt) + i, cache)[-1])
+        got = torch.stack([drawn[(request, len(prompt) + i)] for i in range(len(alone))])
+        err = (got - torch.stack(expected).float()).abs().max().item()
+        assert err <= 1e-4, f"request {request}: max |pipeline - alone| = {err:.2e}"

@@ -103,6 +103,7 @@ class Route(Message):
     stage0: tuple[str, int] | None  # where the last stage sends tokens (None: not last)
     stages: int = 1  # stages in the pipeline: stage 0 keeps at least this many micro-batches in flight
     micro_batches: int = 0  # more micro-batches in flight than stages (0: as many as stages)
+    forks: bool = False  # every stage can copy a cache (no lockstep group): stage 0 shares prefixes
 
 
 class Linked(Message):
@@ -129,6 +130,26 @@ class Close(Message):
     request: int
 
 
+class Fork(Message):
+    """Stage 0 -> later stages, in order with the frames: ``request``'s cache starts over as a
+    copy of positions [0, positions) of ``donor``'s (a running or kept request's), whose tokens
+    hash to ``hash`` (a shared prompt prefix)."""
+
+    kind: Literal["fork"] = "fork"
+    request: int
+    donor: int
+    positions: int
+    hash: int
+
+
+class Forget(Message):
+    """Stage 0 -> later stages, in order with the frames: free ``request``'s cache. Stage 0
+    decides every cache's lifetime, since it keeps finished ones for prompts that begin alike."""
+
+    kind: Literal["forget"] = "forget"
+    request: int
+
+
 class Failure(Message):
     kind: Literal["failure"] = "failure"
     request: int | None = None
@@ -142,7 +163,8 @@ class StatsRequest(Message):
 
 class Stats(Message):
     """A stage's counters: decode steps run and the compute seconds they took; the sequences
-    it holds open and the KV cache bytes they hold."""
+    it holds open and the KV cache bytes they hold, and the KV of finished requests kept for
+    prompts that begin alike."""
 
     kind: Literal["stats"] = "stats"
     node_id: str
@@ -151,6 +173,7 @@ class Stats(Message):
     refused_frames: int
     sequences: int = 0
     kv_bytes: int = 0
+    kept_kv_bytes: int = 0
     micro_batches: int = 0  # stage 0: micro-batches it keeps in flight
 
 
@@ -159,7 +182,7 @@ class Heartbeat(Message):
 
 
 AnyMessage = Annotated[
-    Union[Challenge, Join, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Failure,
+    Union[Challenge, Join, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure,
           StatsRequest, Stats, Heartbeat],
     Field(discriminator="kind"),
 ]

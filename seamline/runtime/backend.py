@@ -14,6 +14,7 @@ from typing import Protocol
 
 from seamline.runtime.batch_loop import DONE, BatchLoop
 from seamline.runtime.engine import Engine
+from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.sampling import SamplingParams
 from seamline.runtime.scheduler import Scheduler
 from seamline.text import TextCodec
@@ -35,7 +36,6 @@ class Backend(Protocol):
     def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]: ...
 
 
-PREFIX_CACHE_BYTES = 256 << 20  # finished requests' KV kept for prompts that begin as theirs did
 
 
 class LocalBackend:

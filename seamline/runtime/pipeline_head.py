@@ -11,7 +11,14 @@ and returned tokens in its inbox. Each batch runs stage 0's layers and goes down
 frame. A row after which the last stage draws leaves its sequence in flight until the token
 comes back, and a batch takes at most 1/S of the running sequences' decode rows with S
 micro-batches (one per stage unless the route asks for more): while stage 1 runs one, stage 0
-runs the next. Prefix sharing is off here: the later stages could not copy the caches.
+runs the next.
+
+Stage 0 decides every cache's lifetime on every stage, in order with the frames: a sequence
+that begins as a running or recently finished one (a system prompt, a chat's earlier turns)
+starts from a copy of that cache's common positions, and ``Fork`` tells the later stages to
+make the same copy; ``Forget`` frees a cache there when stage 0 frees it (a finished cache may
+be kept a while for prompts that begin alike). Prefixes are shared when every stage can copy
+a cache (``share_prefixes``: no lockstep group in the pipeline).
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, prefix_hash
-from seamline.net.messages import Open
+from seamline.net.messages import Close, Forget, Fork, Message, Open
 from seamline.runtime.sampling import SamplingParams
+from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.scheduler import Batch, Scheduler, Sequence
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
 
@@ -59,6 +67,9 @@ class PipelineHead:
         self._requests: dict[Sequence, int] = {}
         self._hashes: dict[Sequence, int] = {}  # prefix hash of the positions stage 0 has run
         self._in_flight: set[Sequence] = set()  # a token for it is being drawn downstream
+        self._held: dict[int, tuple[object, int]] = {}  # id(cache) -> (cache, request it has downstream)
+        self._announced: dict[Sequence, object] = {}  # the cache each sequence's rows went downstream with
+        self.scheduler.on_free = self._freed
         self._inbox = Inbox()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -77,8 +88,15 @@ class PipelineHead:
     def returned(self, rows: list[TokenRow]) -> None:
         self._post(lambda inbox: inbox.returned.extend(rows))
 
-    def caches(self) -> list[Any]:
-        return [s.cache for s in list(self.scheduler.running) if s.cache is not None]
+    def share_prefixes(self, on: bool) -> None:
+        """Set before any request: whether new sequences may start from copies of others' caches."""
+        self.scheduler.forks = on
+        self.scheduler.prefix.capacity_bytes = PREFIX_CACHE_BYTES if on else 0
+
+    def caches(self) -> tuple[list[Any], list[Any]]:
+        """The running sequences' caches, and the finished ones kept for prompts that begin alike."""
+        running = [s.cache for s in list(self.scheduler.running) if s.cache is not None]
+        return running, self.scheduler.prefix.caches()
 
     def _post(self, put: Any) -> None:
         with self._cond:
@@ -96,15 +114,20 @@ class PipelineHead:
                 while not busy and not self._inbox:
                     self._cond.wait()
                 inbox, self._inbox = self._inbox, Inbox()
-            self._take(inbox)
-            busy = self._run_next()
+            try:
+                self._take(inbox)
+                busy = self._run_next()
+            except Exception:  # a link gone mid-send: the coordinator hears of it; stage 0 goes on
+                log.exception("stage 0's driver")
+                busy = False
 
     def _take(self, inbox: Inbox) -> None:
+        """Returned tokens first: a close that came with them was sent after they were drawn."""
+        self._accept(inbox.returned)
         for request, tokens in inbox.prompts:
             self._add(request, tokens)
         for request in inbox.closed:
             self._cancel(request)
-        self._accept(inbox.returned)
 
     def _add(self, request: int, tokens: list[int]) -> None:
         with self._cond:
@@ -124,14 +147,53 @@ class PipelineHead:
             self._opened.pop(request, None)
         sequence = self._sequences.get(request)
         if sequence is not None:
-            self.scheduler.cancel(sequence)
-            self._forget(sequence)
+            self._drop(sequence)
+        self._send(Close(request=request))
+        if all(held != request for _, held in self._held.values()):
+            self._send(Forget(request=request))  # opened downstream, and no cache of it kept here
+
+    def _drop(self, sequence: Sequence, reached_downstream: bool = True) -> None:
+        """Cancel a sequence; a cache whose rows did not all reach the later stages (none yet,
+        or a failed batch's) is not kept for prefixes, since they do not hold it."""
+        if not reached_downstream or self._announced.get(sequence) is not sequence.cache:
+            sequence.cached = 0
+        self.scheduler.cancel(sequence)
+        self._forget(sequence)
 
     def _forget(self, sequence: Sequence) -> None:
         request = self._requests.pop(sequence)
         del self._sequences[request]
         self._hashes.pop(sequence, None)
         self._in_flight.discard(sequence)
+        self._announced.pop(sequence, None)
+
+    def _freed(self, cache: object, for_good: bool) -> None:
+        """The scheduler freed a cache: free it downstream too, unless its sequence was preempted
+        (it starts over at position 0 or from a fork, which resets it there)."""
+        entry = self._held.pop(id(cache), None)
+        if entry is not None and for_good:
+            self._send(Forget(request=entry[1]))
+
+    def _announce(self, sequence: Sequence, request: int, start: int) -> None:
+        """A sequence's first rows since it got its cache: downstream starts from the same fork."""
+        old = self._announced.get(sequence)
+        if old is not None:
+            self._held.pop(id(old), None)
+        self._announced[sequence] = sequence.cache
+        self._held[id(sequence.cache)] = (sequence.cache, request)
+        if sequence.donor is None:
+            return  # it starts at position 0: its first row resets the later stages
+        if id(sequence.donor) not in self._held:  # a sequence admitted with it that has run no row yet
+            first = next(s for s in self._sequences.values() if s.cache is sequence.donor)
+            self._announce(first, self._requests[first], first.cached)
+        donor = self._held[id(sequence.donor)]
+        assert donor[0] is sequence.donor
+        self._hashes[sequence] = prefix_hash(EMPTY_HASH, sequence.known(0, start))
+        self._send(Fork(request=request, donor=donor[1], positions=start, hash=self._hashes[sequence]))
+
+    def _send(self, message: Message) -> None:
+        if self.worker.links.downstream_message is not None:
+            self.worker.links.downstream_message(message)
 
     def _accept(self, rows: list[TokenRow]) -> None:
         """Tokens drawn downstream: each must be the one its sequence is waiting for."""
@@ -163,8 +225,7 @@ class PipelineHead:
         except Exception as exc:  # the batch's requests fail; stage 0 keeps serving
             log.exception("a stage-0 batch failed")
             for sequence in batch.owners:
-                self.scheduler.cancel(sequence)
-                self._forget(sequence)
+                self._drop(sequence, reached_downstream=False)
             self._fail([w.row.request for w in work], exc)
             return True
         self._accept(looped)  # stage 0 is also the last stage
@@ -174,6 +235,9 @@ class PipelineHead:
         """The batch's rows with their prefix hashes; the rows that draw put their sequence in flight."""
         work = []
         for sequence, span, draws in zip(batch.owners, batch.spans, batch.draws):
+            request = self._requests[sequence]
+            if self._announced.get(sequence) is not sequence.cache:
+                self._announce(sequence, request, span.start)
             ids = batch.inputs[span.offset : span.offset + span.count]
             before = EMPTY_HASH if span.start == 0 else self._hashes[sequence]
             after = prefix_hash(before, ids)
@@ -181,7 +245,6 @@ class PipelineHead:
             flags = (RowFlag.FIRST if span.start == 0 else RowFlag.NONE) | (RowFlag.SAMPLE if draws else RowFlag.NONE)
             if draws:
                 self._in_flight.add(sequence)
-            request = self._requests[sequence]
             drawing = Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length)
             row = Row(request, span.start, span.count, before, after, int(flags))
             work.append(Work(row, span.cache, torch.tensor(ids, dtype=torch.long), drawing))

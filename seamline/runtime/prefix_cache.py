@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 from seamline.model.cache import SequenceCache
 
+PREFIX_CACHE_BYTES = 256 << 20  # a server's default: finished requests' KV kept for prompts that begin alike
+
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     """How many leading tokens ``a`` and ``b`` share."""
@@ -36,6 +38,9 @@ class PrefixCache:
         self._next += 1
         while self.held_bytes() > self.capacity_bytes:
             self.evict_oldest()
+
+    def caches(self) -> list[SequenceCache]:
+        return [cache for _, cache, _ in list(self._entries.values())]
 
     def evict_oldest(self) -> bool:
         """Free the least recently used entry; False when there is none."""

@@ -23,6 +23,11 @@ within the budget) starts from a copy of that cache's common positions and compu
 rest, as vLLM's automatic prefix caching and llama.cpp's prompt cache do. A sequence whose
 whole prompt another running sequence is still prefilling waits for it (``n`` > 1 choices share
 one prefill).
+
+The same scheduler drives a pipeline from its stage 0 (``PipelineHead``): ``next_batch`` plans
+only sequences that are ``ready`` (no token being drawn downstream), ``advance`` marks the rows
+run, ``record`` takes a token drawn by the last stage, and ``on_free`` tells it which caches the
+later stages must free too.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class Sequence:
     samples: int = 0  # tokens drawn, a stop token included: max_tokens counts these
     finish_reason: str | None = None  # "stop" or "length" once finished
     cache: SequenceCache | GroupCache | None = None
+    donor: SequenceCache | None = None  # the cache its own began as a copy of (None: computed from 0)
     seed: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -150,7 +156,8 @@ class Scheduler:
         self.max_waiting = max_waiting
         dtype_bytes = torch.finfo(stage.compute_dtype).bits // 8
         self.kv_bytes_per_token = kv_bytes_per_token(stage.config, dtype_bytes) * len(stage.layers)
-        self.prefix = PrefixCache(prefix_cache_bytes, self.kv_bytes_per_token, stage.release_cache)
+        self.prefix = PrefixCache(prefix_cache_bytes, self.kv_bytes_per_token, self._free)
+        self.on_free: Callable[[object, bool], None] = lambda cache, for_good: None  # False: preempted
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # sequences sent back to the queue to free memory, so far
@@ -266,7 +273,7 @@ class Scheduler:
                 return False
             victim = victims[-1]
             self.running.remove(victim)
-            self.stage.release_cache(victim.cache)  # type: ignore[arg-type]
+            self._free(victim.cache, for_good=False)
             victim.cache, victim.cached = None, 0
             self.waiting.appendleft(victim)
             self.preemptions += 1
@@ -282,9 +289,10 @@ class Scheduler:
             if other.cache is not None and (n := common_prefix(other.known(0, other.cached), wanted)) > shared:
                 donor, shared = other.cache, n
         if self.forks and isinstance(donor, SequenceCache) and shared > 0:  # a lockstep group's are not copied
-            sequence.cache, sequence.cached = donor.fork(shared), shared
+            sequence.cache, sequence.cached, sequence.donor = donor.fork(shared), shared, donor
         else:
             sequence.cache, sequence.cached = self.stage.new_cache(greedy=sequence.params.greedy), 0
+            sequence.donor = None
 
     def _plan(self, ready: Ready, max_decode_rows: int | None) -> Batch:
         """Decode rows first (one each), then prompt chunks in arrival order, within the budget."""
@@ -318,5 +326,9 @@ class Scheduler:
             if self.prefix.capacity_bytes > 0 and sequence.cached > 0:
                 self.prefix.put(sequence.known(0, sequence.cached), sequence.cache, sequence.cached)
             else:
-                self.stage.release_cache(sequence.cache)
+                self._free(sequence.cache)
             sequence.cache = None
+
+    def _free(self, cache: object, for_good: bool = True) -> None:
+        self.stage.release_cache(cache)  # type: ignore[arg-type]
+        self.on_free(cache, for_good)

@@ -28,7 +28,7 @@ import torch
 from seamline.model.cache import Span
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
-from seamline.net.messages import Close, Open, Prompt
+from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
 from seamline.runtime.pipeline_head import PipelineHead
 from seamline.runtime.sampling import finish_reason, request_seed, sample
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("seamline.stage")
 SendHidden = Callable[[list[Row], torch.Tensor], None]
 SendTokens = Callable[[list[TokenRow]], None]
-SendOpen = Callable[[Open], None]
+SendMessage = Callable[[Message], None]
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
 
 
@@ -52,6 +52,7 @@ class StageSequence:
     next_position: int = 0
     hash: int = EMPTY_HASH
     done: bool = False
+    closed: bool = False  # the request is over; its cache stays until stage 0 forgets it
 
 
 @dataclass
@@ -59,7 +60,7 @@ class StageLinks:
     """Where this stage's output goes; None where the stage has no such neighbour."""
 
     downstream: SendHidden | None = None  # next stage (hidden frames)
-    downstream_open: SendOpen | None = None  # next stage (session create, ahead of its frames)
+    downstream_message: SendMessage | None = None  # next stage: Open, Fork, Forget, in order with the frames
     stage0: SendTokens | None = None  # last stage -> stage 0 (tokens)
     results: SendTokens | None = None  # last stage -> coordinator (tokens)
     failed: Callable[[list[int], Exception], None] | None = None  # stage 0 could not run these requests
@@ -95,29 +96,54 @@ class StageWorker:
             drawing = Drawing(msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length)
             with self.lock:
                 self.sequences[msg.request] = StageSequence(self.stage.new_cache(msg.sampling.greedy), drawing)
-        if not self.is_last and self.links.downstream_open is not None:
-            self.links.downstream_open(msg)
+        self._pass_on(msg)
 
     def close(self, msg: Close) -> None:
+        """The request is over. Stage 0 decides what becomes of its cache and passes the close
+        on; a later stage keeps the cache until stage 0 forgets it."""
         with self.lock:
-            seq = self.sequences.pop(msg.request, None)
-            self.closed[msg.request] = None
-            if len(self.closed) > RECENTLY_CLOSED:
-                del self.closed[next(iter(self.closed))]
+            self._closed(msg.request)
         if self.head is not None:
             self.head.close(msg.request)
-        elif seq is not None:
-            self.stage.release_cache(seq.cache)
+            return
+        with self.lock:
+            if (seq := self.sequences.get(msg.request)) is not None:
+                seq.closed = True
+        self._pass_on(msg)
+
+    def lifetime(self, msg: Fork | Forget) -> None:
+        """Stages after the first: stage 0 forked or freed a cache; do the same, pass it on."""
+        with self.lock:
+            seq = self.sequences.get(msg.request)
+            if isinstance(msg, Forget):
+                self.sequences.pop(msg.request, None)
+                self._closed(msg.request)
+                if seq is not None:
+                    self.stage.release_cache(seq.cache)
+            elif seq is None or (donor := self.sequences.get(msg.donor)) is None:
+                self.refused += 1
+                log.warning("refused fork of request %d from %d: not both open here", msg.request, msg.donor)
+            else:
+                self.stage.release_cache(seq.cache)
+                seq.cache, seq.done = donor.cache.fork(msg.positions), False
+                seq.next_position, seq.hash = msg.positions, msg.hash
+        self._pass_on(msg)
+
+    def _pass_on(self, msg: Message) -> None:
+        if not self.is_last and self.links.downstream_message is not None:
+            self.links.downstream_message(msg)
 
     def holdings(self) -> dict[str, int]:
-        """The sequences open here and the KV cache bytes they hold (a lockstep group: this rank's)."""
+        """The sequences open here and the KV cache bytes they hold, and the bytes of finished
+        requests' caches kept for prompts that begin alike (a lockstep group: this rank's)."""
         if self.head is not None:
-            caches = self.head.caches()
+            open_caches, kept = self.head.caches()
         else:
             with self.lock:
-                caches = [seq.cache for seq in self.sequences.values()]
-        kv = sum(c.nbytes() for c in caches if hasattr(c, "nbytes"))
-        return {"sequences": len(caches), "kv_bytes": kv, "micro_batches": self.micro_batches if self.is_first else 0}
+                open_caches = [seq.cache for seq in self.sequences.values() if not seq.closed]
+                kept = [seq.cache for seq in self.sequences.values() if seq.closed]
+        return {"sequences": len(open_caches), "kv_bytes": _nbytes(open_caches), "kept_kv_bytes": _nbytes(kept),
+                "micro_batches": self.micro_batches if self.is_first else 0}  # fmt: skip
 
     # -- data path ----------------------------------------------------------------------
     def prompt(self, msg: Prompt) -> None:
@@ -191,6 +217,11 @@ class StageWorker:
         return sampled if self.is_first else []
 
     # -- internals ----------------------------------------------------------------------
+    def _closed(self, request: int) -> None:
+        self.closed[request] = None
+        if len(self.closed) > RECENTLY_CLOSED:
+            del self.closed[next(iter(self.closed))]
+
     def _check_row(self, row: Row) -> StageSequence:
         seq = self.sequences.get(row.request)
         if seq is None:
@@ -223,3 +254,7 @@ class StageWorker:
         if seq is not None and reason is not None:
             seq.done = True
         return TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags))
+
+
+def _nbytes(caches: list[Any]) -> int:
+    return sum(c.nbytes() for c in caches if hasattr(c, "nbytes"))

@@ -215,9 +215,10 @@ class Coordinator:
             for stage in reversed(plan.stages):
                 self.state = f"loading layers [{stage.start},{stage.end}) on {', '.join(stage.members())}"
                 self._assign_stage(stage, plan_id)
+            forks = all(len(s.members()) == 1 for s in plan.stages)  # a lockstep group's caches are not copied
             for index in reversed(range(len(handles))):
                 self.state = f"linking {handles[index].node_id}"
-                self._link(handles, index, plan_id)
+                self._link(handles, index, plan_id, forks)
         except (StartupError, KeyError, LinkClosed) as exc:
             self.state = f"start-up failed: {exc}"
             log.error(self.state)
@@ -259,13 +260,13 @@ class Coordinator:
         cuda = all(h.join.resources.device.startswith("cuda") for h in members)
         return "torch" if cuda else "tcp"
 
-    def _link(self, handles: list[NodeHandle], index: int, plan_id: int) -> None:
+    def _link(self, handles: list[NodeHandle], index: int, plan_id: int, forks: bool) -> None:
         handle = handles[index]
         last = index == len(handles) - 1
         downstream = None if last else (handles[index + 1].join.data_host, handles[index + 1].join.data_port)
         stage0 = (handles[0].join.data_host, handles[0].join.data_port) if last and index > 0 else None
         handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0, stages=len(handles),
-                                               micro_batches=self.options.micro_batches))  # fmt: skip
+                                               micro_batches=self.options.micro_batches, forks=forks))  # fmt: skip
         self._wait(handle, lambda: handle.linked or None, "LINKED")
 
     def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float = STEP_TIMEOUT_S) -> Any:
@@ -294,15 +295,15 @@ class Coordinator:
         stage0.link.send_message(prompt)
 
     def close_request(self, request: int) -> None:
+        """Stage 0 frees the request and tells the later stages, in order with its frames."""
         try:
-            handles = self.pipeline()
+            stage0 = self.pipeline()[0]
         except StartupError:
             return
-        for handle in handles:
-            try:
-                handle.link.send_message(Close(request=request))
-            except LinkClosed:
-                pass
+        try:
+            stage0.link.send_message(Close(request=request))
+        except LinkClosed:
+            pass
 
     def stage_stats(self, timeout_s: float = 10.0) -> list[Stats]:
         """Fresh counters from every stage of the pipeline, in pipeline order."""
@@ -332,7 +333,7 @@ class Coordinator:
                 "predicted_ms_per_token": predicted, "model": self.model.name}  # fmt: skip
 
     def _add_holdings(self, stages: list[dict[str, object]]) -> None:
-        """Each serving stage's open sequences and KV bytes, asked of the stages now."""
+        """Each serving stage's open sequences and KV bytes (and kept KV), asked of the stages now."""
         if not self.ready.is_set():
             return
         try:
@@ -340,8 +341,8 @@ class Coordinator:
         except (SeamlineError, LinkClosed, TimeoutError):
             return  # a stage that does not answer: status says what the plan says
         for stage, stat in zip(stages, stats):
-            stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, decode_steps=stat.decode_steps,
-                         decode_seconds=round(stat.decode_seconds, 3))  # fmt: skip
+            stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, kept_kv_bytes=stat.kept_kv_bytes,
+                         decode_steps=stat.decode_steps, decode_seconds=round(stat.decode_seconds, 3))  # fmt: skip
             if stat.micro_batches:
                 stage["micro_batches"] = stat.micro_batches
 
