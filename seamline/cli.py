@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from seamline.errors import SeamlineError
+from seamline.server.api_options import add_api_arguments, api_options
 
 BENCHES = ("single", "split", "lockstep", "quant", "throughput")
 
@@ -59,6 +61,7 @@ def _add_mesh_commands(sub: Any) -> None:
     serve.add_argument("--kv-cache-memory", type=float, default=0.0,
                        help="GiB of KV cache the first stage (or --single) admits requests into "
                             "(0: 80%% of the memory free at start); a request that cannot fit is refused")
+    add_api_arguments(serve)
     serve.add_argument("--micro-batches", type=_at_least_zero, default=0,
                        help="micro-batches in flight in the pipeline (default and least: one per stage)")
     serve.set_defaults(handler=cmd_serve)
@@ -138,7 +141,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _stream(model: Any, messages: list[dict[str, str]], args: argparse.Namespace, raw: bool) -> str:
-    from seamline.runtime.sampling import SamplingParams
+    from seamline.params import SamplingParams
     from seamline.text import StreamDecoder
 
     codec = model.codec
@@ -202,7 +205,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.single:
         from seamline.server.serve_local import serve_local
 
-        serve_local(args.model, args.host, args.port, args.dtype, args.context or None, _gib(args.kv_cache_memory))
+        serve_local(args.model, args.host, args.port, args.dtype, args.context or None, _gib(args.kv_cache_memory),
+                    api_options(args))  # fmt: skip
         return 0
     options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
                            advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,
@@ -211,7 +215,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            tensor_parallel=args.tensor_parallel, transport=args.transport,
                            gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches,
                            kv_cache_bytes=_gib(args.kv_cache_memory))  # fmt: skip
-    return run_serve(options)
+    api = api_options(args)
+    return run_serve(replace(options, tls_certificate=api.certificate_pem()), api)
 
 
 def _gib(value: float) -> int:

@@ -24,7 +24,7 @@ from seamline.parallel.comm import Transport
 from seamline.runtime.lockstep_group import DECODE, PREFILL, LockstepGroup, LockstepRank
 from seamline.runtime.engine import PREFILL_CHUNK, Engine
 from seamline.runtime.group_stage import LockstepStage
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 
 STEPS = 64
 ATOL = 1e-4  # random checkpoints (small activations), fp32

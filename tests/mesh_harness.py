@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import ssl
 import subprocess
 import sys
 import threading
@@ -32,6 +33,8 @@ class MeshProcesses:
     model: str | None = None
     node_memory_gb: float | None = None
     serve_args: tuple[str, ...] = ()
+    api_key: str = "none"  # sent on every call (a mesh started with --api-key needs it)
+    tls_certificate: Path | None = None  # the API is served over HTTPS with it (in serve_args)
     port: int = field(default_factory=free_port)
     control_port: int = field(default_factory=free_port)
     serve: subprocess.Popen[str] | None = None
@@ -41,7 +44,12 @@ class MeshProcesses:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls_certificate else 'http'}://127.0.0.1:{self.port}"
+
+    def http(self) -> httpx.Client:
+        """A client that sends the key and trusts the API's certificate."""
+        verify = ssl.create_default_context(cafile=self.tls_certificate) if self.tls_certificate else True
+        return httpx.Client(headers={"Authorization": f"Bearer {self.api_key}"}, verify=verify, timeout=120)
 
     def start(self, join: bool = True) -> "MeshProcesses":
         args = ["serve", "--no-local-node", "--nodes-expected", str(self.nodes), "--port", str(self.port),
@@ -87,7 +95,7 @@ class MeshProcesses:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=5).status_code == 200:
+                if self.http().get(f"{self.base_url}/health", timeout=5).status_code == 200:
                     return self.status()
             except httpx.HTTPError:
                 pass
@@ -95,7 +103,7 @@ class MeshProcesses:
         raise TimeoutError(f"mesh not ready: {self.status_or_output()}")
 
     def status(self) -> dict[str, Any]:
-        return dict(httpx.get(f"{self.base_url}/api/status", timeout=10).json())
+        return dict(self.http().get(f"{self.base_url}/api/status", timeout=10).json())
 
     def status_or_output(self) -> str:
         try:
@@ -104,7 +112,8 @@ class MeshProcesses:
             return "".join(self.output)
 
     def client(self, timeout: float = 120) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key="none", max_retries=0, timeout=timeout)
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=0, timeout=timeout,
+                             http_client=self.http())  # fmt: skip
 
     def kill_mid_stream(self, proc: subprocess.Popen[str], after_chunks: int = 5) -> str:
         """Stream a long answer, kill ``proc`` after a few chunks: the API error's text

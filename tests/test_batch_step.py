@@ -19,7 +19,7 @@ from seamline.app import LocalModel
 from seamline.errors import RequestError
 from seamline.model.stage import Stage
 from seamline.runtime.engine import Engine
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.runtime.scheduler import Scheduler, Sequence
 from seamline.weights.loader import load_stage, open_source
 from tests.reference import save_random_model

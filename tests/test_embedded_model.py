@@ -9,7 +9,7 @@ import torch
 
 from seamline.app import LocalModel, default_model_path
 from seamline.errors import RequestError
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

@@ -15,7 +15,7 @@ from seamline.app import LocalModel, default_model_path
 from seamline.model import fused
 from seamline.model.attention import GQAttention
 from seamline.model.rope import apply_rotary
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from tests.test_quant_kernels import ops  # noqa: F401  (the fixture: the kernels must load)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -18,7 +18,7 @@ from seamline.parallel.comm import CommError, Transport
 from seamline.runtime.lockstep_group import LockstepRank
 from seamline.runtime.engine import Engine
 from seamline.runtime.group_stage import LockstepStage
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import (
     ATOL,

@@ -21,7 +21,7 @@ import transformers  # the reference builder: a test dependency, never skipped
 from seamline.app import default_model_path
 from seamline.config import ModelConfig
 from seamline.runtime.engine import Engine
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.text import TextCodec
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import (

@@ -21,7 +21,7 @@ import pytest
 from seamline.app import LocalModel
 from seamline.server.demo import memory_cap_gb
 from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, encode_hidden, header
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses, at_once
 
 import torch

@@ -82,7 +82,7 @@ def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
 
     from seamline.errors import OverloadedError
     from seamline.mesh.control.mesh_backend import MeshBackend
-    from seamline.runtime.sampling import SamplingParams
+    from seamline.params import SamplingParams
 
     sent: list[object] = []
     coordinator = SimpleNamespace(on_tokens=None, on_failure=None, open_request=lambda *m: sent.append(m),

@@ -18,7 +18,7 @@ import pytest
 
 from seamline.app import LocalModel
 from seamline.server.demo import memory_cap_gb
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses, at_once
 from tests.test_mesh_moe import CONTEXT, PROMPT, build_moe_folder
 

@@ -11,7 +11,7 @@ from seamline.app import LocalModel, default_model_path
 from seamline.mesh.control.invite import Invite
 from seamline.mesh.node.process import Node, NodeOptions
 from seamline.net.messages import Assign
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.weights.gguf import chat_template_from_gguf, tokenizer_from_gguf
 from tests.mesh_harness import split_completion
 from tests.reference import save_random_model

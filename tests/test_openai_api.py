@@ -23,7 +23,7 @@ import uvicorn
 
 from seamline.app import LocalModel
 from seamline.errors import SeamlineError
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend, LocalBackend, Readiness
 from seamline.server.openai_api import create_app
 

@@ -20,7 +20,7 @@ from seamline.model.linear import dequantize_weights
 from seamline.model.stage import Stage
 from seamline.quant.tensor import QuantTensor
 from seamline.runtime.engine import Engine
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")
 POSITIONS = 256

@@ -20,7 +20,7 @@ from seamline.app import LocalModel, default_model_path
 from seamline.model.linear import ColumnWindow
 from seamline.quant.tensor import QuantTensor
 from seamline.runtime.engine import Engine
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import PROMPT, check_group, engine_reference, running_group

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from seamline.errors import RequestError
-from seamline.runtime.sampling import SamplingParams, draw_seed, filtered_probs, request_seed, sample
+from seamline.params import SamplingParams
+from seamline.runtime.sampling import draw_seed, filtered_probs, request_seed, sample
 
 LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
 

@@ -20,7 +20,7 @@ from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFram
 from seamline.net.messages import Close, Message, Open, Prompt
 from seamline.runtime.engine import Engine
 from seamline.runtime.pipeline_head import MAX_STEP_TOKENS
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.runtime.stage_worker import StageWorker
 from seamline.weights.loader import load_stage, open_source
 from seamline.app import default_model_path

@@ -160,7 +160,7 @@ def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes]
 def _measure(runner: Any, prompt: list[int], tokens: int, pids: list[int], timed: TimedComm | None,
              lo: bool) -> dict[str, Any]:
     """Greedy decode of ``tokens`` steps after the prompt: rate, and (a group) bytes sent."""
-    from seamline.runtime.sampling import SamplingParams
+    from seamline.params import SamplingParams
 
     group = len(pids) > 1
     gen = runner.generate(prompt, SamplingParams(max_tokens=tokens + 1))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from seamline.app import LocalModel
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 PREFILL_TOKENS = 512

@@ -26,7 +26,8 @@ import torch
 from seamline.app import LocalModel
 from seamline.bench.driver import Driver, median
 from seamline.bench.single import PROMPT
-from seamline.runtime.sampling import SamplingParams, sample
+from seamline.params import SamplingParams
+from seamline.runtime.sampling import sample
 
 LAN_DELAY_MS = 0.25
 LAN_RATE = "1gbit"

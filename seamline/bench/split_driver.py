@@ -25,7 +25,7 @@ from seamline.server.demo import memory_cap_gb
 from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_node, wait_ready
 from seamline.server.mesh_app import mesh_app
 from seamline.net.link import free_port
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 CONTEXT = 2048

@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from seamline.net.frames import FrameError, FrameType, header
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 
 PROTOCOL_VERSION = 1
 
@@ -61,6 +61,7 @@ class Assign(Message):
     plan_id: int
     model_hash: str
     fragments_url: str
+    fragments_certificate: str = ""  # PEM of the coordinator's HTTPS certificate, when it serves over TLS
     layers: tuple[int, int]
     owns_embedding: bool
     owns_head: bool

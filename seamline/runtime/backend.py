@@ -15,7 +15,7 @@ from typing import Protocol
 from seamline.runtime.batch_loop import DONE, BatchLoop
 from seamline.runtime.engine import Engine
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.runtime.scheduler import Scheduler
 from seamline.text import TextCodec
 

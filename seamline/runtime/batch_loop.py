@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.runtime.scheduler import Scheduler, Sequence
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from seamline.model.stage import Stage
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.runtime.scheduler import Scheduler, check_prompt
 
 if TYPE_CHECKING:

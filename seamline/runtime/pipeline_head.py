@@ -32,7 +32,7 @@ import torch
 
 from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.scheduler import Batch, Scheduler, Sequence
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work

@@ -46,7 +46,8 @@ from seamline.config import kv_bytes_per_token
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
-from seamline.runtime.sampling import SamplingParams, finish_reason, request_seed, sample
+from seamline.params import SamplingParams
+from seamline.runtime.sampling import finish_reason, request_seed, sample
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import GroupCache, LockstepStage

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from seamline.net.frames import Row
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 
 
 class OutOfStep(Exception):

@@ -5,23 +5,26 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_node, url_host
+from seamline.server.api_options import ApiOptions
 from seamline.server.openai_api import create_app
 
 
-def mesh_app(mesh: Mesh) -> FastAPI:
+def mesh_app(mesh: Mesh, api: ApiOptions | None = None) -> FastAPI:
     """The API over the mesh's backend, with the coordinator's routes (fragments, /api/status)."""
-    return create_app(mesh.backend, extra_routes=mesh.routes)
+    return create_app(mesh.backend, extra_routes=mesh.routes, limits=(api or ApiOptions()).limits)
 
 
-def run_serve(options: ServeOptions) -> int:
+def run_serve(options: ServeOptions, api: ApiOptions | None = None) -> int:
     import uvicorn
 
+    api = api or ApiOptions()
     mesh = build_mesh(options)
     mesh.coordinator.start(options.host)
-    print(f"seamline: serving {mesh.coordinator.model.name} on http://{url_host(options.host)}:{options.port}/v1", flush=True)
+    where = f"{api.scheme}://{url_host(options.host)}:{options.port}/v1"
+    print(f"seamline: serving {mesh.coordinator.model.name} on {where}", flush=True)
     print(f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}", flush=True)
     print(f"seamline: join with: seamline join {mesh.token}", flush=True)
     if options.local_node:
         spawn_node(mesh.token, "local")
-    uvicorn.run(mesh_app(mesh), host=options.host, port=options.port, log_level="warning")
+    uvicorn.run(mesh_app(mesh, api), host=options.host, port=options.port, log_level="warning", **api.uvicorn_kwargs())
     return 0

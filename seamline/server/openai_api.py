@@ -33,8 +33,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from seamline.errors import OverloadedError, RequestError, SeamlineError
-from seamline.runtime.sampling import SamplingParams
+from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend
+from seamline.server.guard import ApiLimits, Guard
 from seamline.server.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -52,13 +53,16 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(backend: Backend, extra_routes: Callable[[FastAPI], None] | None = None) -> FastAPI:
-    """The FastAPI app serving ``backend``; ``extra_routes(app)`` may add more (e.g. a console)."""
+def create_app(backend: Backend, extra_routes: Callable[[FastAPI], None] | None = None,
+               limits: ApiLimits = ApiLimits()) -> FastAPI:  # fmt: skip
+    """The FastAPI app serving ``backend``; ``extra_routes(app)`` may add more (e.g. a console).
+    ``limits``: API keys, body size, prompt tokens and requests in flight per key."""
     # FastAPI's strict content type stays on: a body is JSON only with Content-Type: application/json,
     # so a web page cannot make a visitor's browser spend this server's compute (no CORS preflight).
     app = FastAPI(title="seamline", summary="One model, one OpenAI-compatible endpoint.")
     _install_error_handlers(app)
-    routes = _Routes(backend)
+    app.add_middleware(Guard, limits=limits)
+    routes = _Routes(backend, limits.max_prompt_tokens)
     app.add_api_route("/health", routes.health, methods=["GET"])
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
@@ -321,8 +325,9 @@ def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 class _Routes:
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, max_prompt_tokens: int | None = None) -> None:
         self.backend = backend
+        self.max_prompt_tokens = max_prompt_tokens
         self.created = int(time.time())
 
     async def health(self) -> Response:
@@ -437,6 +442,10 @@ class _Routes:
             message = (f"the prompt has {len(prompt)} tokens; the model's context is {context} "
                        f"tokens, so a prompt may have at most {context - 1}")  # fmt: skip
             raise bad_request(message, field, "context_length_exceeded")
+        if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
+            message = (f"the prompt has {len(prompt)} tokens; this server takes at most "
+                       f"{self.max_prompt_tokens} (--max-prompt-tokens)")  # fmt: skip
+            raise bad_request(message, field, "prompt_too_long")
         room = context - len(prompt)
         limit = body.limit
         if limit is not None and limit > room:

@@ -11,6 +11,7 @@ import uvicorn
 from seamline.app import LocalModel, default_model_path
 from seamline.runtime.backend import LocalBackend
 from seamline.runtime.scheduler import kv_budget_bytes
+from seamline.server.api_options import ApiOptions
 from seamline.server.openai_api import create_app
 
 
@@ -24,14 +25,15 @@ def model_name_for(path: str | Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def serve_local(model_path: str | None, host: str, port: int, dtype: str,
-                context: int | None = None, kv_cache_bytes: int = 0) -> None:  # fmt: skip
+def serve_local(model_path: str | None, host: str, port: int, dtype: str, context: int | None = None,
+                kv_cache_bytes: int = 0, api: ApiOptions | None = None) -> None:  # fmt: skip
     """Load the model (the embedded default when ``model_path`` is None), then serve until stopped."""
     path = Path(model_path) if model_path else default_model_path()
     model = LocalModel.load(path, dtype, context)
     budget = kv_budget_bytes(kv_cache_bytes)
     backend = LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget)
-    app = create_app(backend)
-    print(f"seamline: serving {backend.model_name} at http://{host}:{port}/v1", file=sys.stderr, flush=True)
+    api = api or ApiOptions()
+    app = create_app(backend, limits=api.limits)
+    print(f"seamline: serving {backend.model_name} at {api.scheme}://{host}:{port}/v1", file=sys.stderr, flush=True)
     logging.getLogger("seamline").setLevel(logging.INFO)
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    uvicorn.run(app, host=host, port=port, log_level="info", **api.uvicorn_kwargs())

@@ -64,6 +64,7 @@ class CoordinatorOptions:
     dtype: str = "float32"
     context_length: int = 4096
     fragments_url: str = ""
+    fragments_certificate: str = ""  # PEM, when the API (and so the fragments) is served over HTTPS
     locked_plan: Plan | None = None
     model_config: ModelConfig | None = None  # needed to form lockstep groups
     tensor_parallel: int = 0  # ranks per stage; 0: one node per stage unless a group is needed
@@ -235,7 +236,9 @@ class Coordinator:
             with handle.events:
                 handle.ready, handle.linked, handle.failure = None, False, None
             handle.link.send_message(Assign(plan_id=plan_id, model_hash=self.model_hash,
-                                            fragments_url=self.options.fragments_url, layers=(s.start, s.end),
+                                            fragments_url=self.options.fragments_url,
+                                            fragments_certificate=self.options.fragments_certificate,
+                                            layers=(s.start, s.end),
                                             owns_embedding=s.owns_embedding, owns_head=s.owns_head,
                                             dtype=self.options.dtype, context_length=self.options.context_length,
                                             memory_bytes=s.predicted_bytes, shard=(rank, len(members)), group=group,

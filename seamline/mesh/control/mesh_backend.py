@@ -16,7 +16,8 @@ from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.mesh.control.coordinator import Coordinator
 from seamline.net.frames import RowFlag, TokenRow
 from seamline.net.messages import Open, Prompt
-from seamline.runtime.sampling import SamplingParams, request_seed
+from seamline.params import SamplingParams
+from seamline.runtime.sampling import request_seed
 from seamline.runtime.backend import Readiness
 from seamline.text import TextCodec
 

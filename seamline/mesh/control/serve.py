@@ -49,6 +49,7 @@ class ServeOptions:
     gate_timeout_s: float = 30.0
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
+    tls_certificate: str = ""  # PEM: the API (and the fragments nodes fetch) is served over HTTPS with it
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
 
 
@@ -80,10 +81,12 @@ def build_mesh(options: ServeOptions) -> Mesh:
     types = {t.name: t.dtype for f in manifest.fragments for t in f.tensors}
     spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype), types)
     hosts = options.advertise or (_reachable(options.host),)
+    scheme = "https" if options.tls_certificate else "http"
     invite = new_invite(hosts, options.control_port or options.port + 1, options.port, options.invite_ttl_s)
     coordinator = Coordinator(invite, spec, manifest.model_hash, CoordinatorOptions(
         nodes_expected=max(options.nodes_expected, options.tensor_parallel), dtype=options.dtype,
-        context_length=context, fragments_url=f"http://{url_host(hosts[0])}:{options.port}",
+        context_length=context, fragments_url=f"{scheme}://{url_host(hosts[0])}:{options.port}",
+        fragments_certificate=options.tls_certificate,
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
         transport=options.transport, gate_timeout_s=options.gate_timeout_s,
         micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes))  # fmt: skip

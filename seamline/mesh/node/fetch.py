@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import ssl
 from tqdm import tqdm
 
 from seamline.errors import CheckpointError, SeamlineError
@@ -36,10 +37,23 @@ class FetchReport:
     fragments_from_cache: int = 0
 
 
-def fetch_manifest(base_url: str, token: str | None = None, timeout: float = 30.0) -> Manifest:
+def trusting(certificate_pem: str) -> ssl.SSLContext | bool:
+    """How a node verifies the coordinator's HTTPS: it trusts exactly the certificate the
+    coordinator sent on its control link (a self-signed one too), by its key, at any address;
+    with no certificate given, the system's CAs as usual."""
+    if not certificate_pem:
+        return True
+    context = ssl.create_default_context(cadata=certificate_pem)
+    context.check_hostname = False  # nodes reach the coordinator by whatever address the invite has
+    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the certificate itself is the trust anchor
+    return context
+
+
+def fetch_manifest(base_url: str, token: str | None = None, timeout: float = 30.0,
+                   verify: ssl.SSLContext | bool = True) -> Manifest:  # fmt: skip
     """The manifest served at ``<base_url>/fragments/manifest.json``."""
     url = f"{base_url.rstrip('/')}/fragments/{MANIFEST_NAME}"
-    with httpx.Client(headers=_auth(token), timeout=timeout) as client:
+    with httpx.Client(headers=_auth(token), timeout=timeout, verify=verify) as client:
         try:
             response = client.get(url)
         except httpx.HTTPError as exc:
@@ -59,6 +73,7 @@ def fetch_fragments(
     progress: bool = True,
     rehash: bool = False,
     timeout: float = 60.0,
+    verify: ssl.SSLContext | bool = True,
 ) -> FetchReport:
     """Make every entry's file present and verified as ``cache_dir/<sha256>``."""
     cache = Path(cache_dir)
@@ -69,7 +84,7 @@ def fetch_fragments(
     total = sum(e.bytes for e in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fragments",
                disable=not progress or not todo)  # fmt: skip
-    with bar, httpx.Client(headers=_auth(token), timeout=timeout) as client:
+    with bar, httpx.Client(headers=_auth(token), timeout=timeout, verify=verify) as client:
         for entry in todo:
             url = f"{base_url.rstrip('/')}/fragments/{entry.sha256}"
             report.bytes_downloaded += _download(client, url, entry, cache, bar)

@@ -1,0 +1,158 @@
+"""What the HTTP API asks of a caller before any work: an API key, a bounded body, and a bounded
+number of requests in flight per key. An ASGI middleware, so a streamed answer counts as in
+flight until its last byte, and a refused request never reaches a route.
+
+Keys are compared in constant time. Without keys every caller is one anonymous caller (the
+per-key limit then bounds them all together). ``/health`` is always open; the mesh's fragment
+downloads are open here because they take the invite's secret instead.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from seamline.server.openai_schema import error_body
+
+log = logging.getLogger("seamline.api")
+OPEN_PATHS = ("/health",)
+OPEN_PREFIXES = ("/fragments/",)
+DEFAULT_MAX_BODY_BYTES = 16 << 20  # as --max-body-mb's default
+ANONYMOUS = ""
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    keys: tuple[str, ...] = ()  # none: no key needed
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_tokens: int | None = None
+    max_concurrent_per_key: int | None = None
+
+
+@dataclass
+class _Refusal(Exception):
+    status: int
+    message: str
+    type: str
+    code: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def read_keys(given: Iterable[str], files: Iterable[str], env_value: str | None) -> tuple[str, ...]:
+    """API keys from ``--api-key`` values, key files (one per line, ``#`` comments), and an
+    environment variable's value (comma-separated)."""
+    keys = [k.strip() for k in given]
+    for name in files:
+        lines = Path(name).read_text().splitlines()
+        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if env_value:
+        keys += [k.strip() for k in env_value.split(",")]
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
+class Guard:
+    """The middleware: refuses before the app runs, counts what is in flight per key."""
+
+    def __init__(self, app: ASGIApp, limits: ApiLimits) -> None:
+        self.app = app
+        self.limits = limits
+        self.in_flight: Counter[str] = Counter()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or _is_open(scope["path"]):
+            await self.app(scope, receive, send)
+            return
+        try:
+            key = self._caller(scope)
+            self._check_length(scope)
+            receive = await self._read_body(receive)
+            self._admit(key)
+        except _Refusal as refusal:
+            await _refuse(send, refusal)
+            return
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight[key] -= 1
+
+    def _caller(self, scope: Scope) -> str:
+        if not self.limits.keys:
+            return ANONYMOUS
+        given = _bearer(scope)
+        for key in self.limits.keys:
+            if given is not None and hmac.compare_digest(given.encode(), key.encode()):
+                return key
+        log.warning("refused %s %s from %s: %s", scope["method"], scope["path"], _client(scope),
+                    "no API key" if given is None else "a wrong API key")  # fmt: skip
+        raise _Refusal(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` with a key this "
+                       "server was started with (--api-key).", "invalid_request_error", "invalid_api_key",
+                       {"WWW-Authenticate": "Bearer"})  # fmt: skip
+
+    def _check_length(self, scope: Scope) -> None:
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
+            raise _too_large(self.limits.max_body_bytes)
+
+    def _admit(self, key: str) -> None:
+        limit = self.limits.max_concurrent_per_key
+        if limit is not None and self.in_flight[key] >= limit:
+            raise _Refusal(429, f"this API key has {limit} requests in flight, the most this server takes at once "
+                           "per key; try again when one has finished", "rate_limit_error", "concurrency_limit")  # fmt: skip
+        self.in_flight[key] += 1
+
+    async def _read_body(self, receive: Receive) -> Receive:
+        """Read the whole body (chunked, or longer than it said) within the limit; a ``receive``
+        that gives it to the app, then goes on with the connection (a client going away)."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return _replay([message], receive)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limits.max_body_bytes:
+                raise _too_large(self.limits.max_body_bytes)
+            more = message.get("more_body", False)
+        return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+
+
+def _replay(first: list[Message], receive: Receive) -> Receive:
+    async def replayed() -> Message:
+        return first.pop(0) if first else await receive()
+
+    return replayed
+
+
+def _too_large(limit: int) -> _Refusal:
+    return _Refusal(413, f"the request body is larger than {limit} bytes, the most this server takes",
+                    "invalid_request_error", "body_too_large")  # fmt: skip
+
+
+def _is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+def _bearer(scope: Scope) -> str | None:
+    value = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    return f"{client[0]}:{client[1]}" if client else "?"
+
+
+async def _refuse(send: Send, refusal: _Refusal) -> None:
+    body = json.dumps(error_body(refusal.message, refusal.type, None, refusal.code)).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode(), v.encode()) for k, v in refusal.headers.items()]
+    await send({"type": "http.response.start", "status": refusal.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

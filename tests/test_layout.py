@@ -1,0 +1,57 @@
+"""The layout shows the design: the packages of ``seamline`` import each other without a cycle
+(functions' own imports included), only the entry points import the server, and ``parallel``
+holds collectives only."""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import seamline
+
+ROOT = Path(seamline.__file__).parent
+ENTRY_POINTS = {"cli", "bench"}  # what a user runs; they may import anything
+
+
+def _package(module: str) -> str:
+    """``seamline.mesh.node.process`` -> ``mesh.node``; ``seamline.runtime.engine`` -> ``runtime``;
+    ``seamline.text`` -> ``text``. The mesh's subpackages count apart: each has its own job."""
+    parts = module.split(".")[1:]
+    return f"mesh.{parts[1]}" if parts[0] == "mesh" and len(parts) > 1 and parts[1] != "__init__" else parts[0]
+
+
+def _imports() -> dict[str, set[str]]:
+    """Package -> the other packages its modules import."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in ROOT.rglob("*.py"):
+        module = ".".join(("seamline", *path.relative_to(ROOT).with_suffix("").parts))
+        if path.name == "__init__.py":
+            module += ".__init__"
+        source = _package(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            for target in {_package(name) for name in names if name.startswith("seamline.")} - {source}:
+                graph[source].add(target)
+    return graph
+
+
+def test_packages_import_each_other_without_a_cycle() -> None:
+    graph = _imports()
+    assert "runtime" in graph["mesh.node"] and "net" in graph["runtime"]  # the walk sees imports
+    for start in list(graph):
+        reached, frontier = set(), [start]
+        while frontier:
+            for nxt in graph[frontier.pop()]:
+                if nxt not in reached:
+                    reached.add(nxt)
+                    frontier.append(nxt)
+        assert start not in reached, f"{start} imports itself through {sorted(reached)}"
+
+
+def test_only_entry_points_import_the_server_and_parallel_holds_collectives() -> None:
+    graph = _imports()
+    assert sorted(p for p, deps in graph.items() if "server" in deps) == sorted(ENTRY_POINTS)
+    assert graph["parallel"] <= {"errors", "net"}
+    assert graph["net"] <= {"errors", "params"}  # the wire knows no runtime
