@@ -11,6 +11,8 @@ from typing import Any
 from seamline.errors import SeamlineError
 from seamline.server.api_options import add_api_arguments, api_options
 
+INVITE_ENV = "SEAMLINE_INVITE"  # where `join` may read its invite (argv shows in `ps`)
+
 BENCHES = ("single", "split", "lockstep", "quant", "throughput")
 
 
@@ -66,7 +68,9 @@ def _add_mesh_commands(sub: Any) -> None:
                        help="micro-batches in flight in the pipeline (default and least: one per stage)")
     serve.set_defaults(handler=cmd_serve)
     join = sub.add_parser("join", help="join a mesh as a node")
-    join.add_argument("token")
+    join.add_argument("token", nargs="?", default=None,
+                      help=f"the invite (better: --token-file, or ${INVITE_ENV}: argv shows in `ps`)")
+    join.add_argument("--token-file", default=None, help="read the invite from this file")
     join.add_argument("--max-memory", type=float, default=None, help="GB this node may use")
     join.add_argument("--node-id", default=None)
     join.add_argument("--data-port", type=int, default=0)
@@ -232,7 +236,27 @@ def cmd_join(args: argparse.Namespace) -> int:
         options.max_memory_bytes = int(args.max_memory * (1 << 30))
     if args.node_id:
         options.node_id = args.node_id
-    return run_node(args.token, options)
+    return run_node(_invite_token(args), options)
+
+
+
+def _invite_token(args: argparse.Namespace) -> str:
+    """The invite from argv, a file, or the environment (exactly one of them)."""
+    import os
+    from pathlib import Path
+
+    given = [(what, value) for what, value in (("the command line", args.token),
+             ("--token-file", args.token_file), (f"${INVITE_ENV}", os.environ.get(INVITE_ENV))) if value]  # fmt: skip
+    if len(given) != 1:
+        where = " and ".join(what for what, _ in given) or "nowhere"
+        raise SeamlineError(f"give the invite token once (argv, --token-file or ${INVITE_ENV}); got it from {where}")
+    what, value = given[0]
+    if what == "--token-file":
+        try:
+            value = Path(value).read_text()
+        except OSError as exc:
+            raise SeamlineError(f"cannot read the invite token file: {exc}") from None
+    return value.strip()
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -118,3 +118,23 @@ def test_serve_single_answers_concurrent_clients() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_join_reads_its_invite_from_one_place(tmp_path: Path) -> None:
+    """`join` takes the invite from its argument, --token-file or $SEAMLINE_INVITE: none, or
+    two of them, is a clear error; a file's token is read (this one is corrupt, and says so)."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "SEAMLINE_INVITE"}
+
+    def join(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "seamline.cli", "join", *args], capture_output=True, text=True,
+                              timeout=60, env={**env, **extra})  # fmt: skip
+
+    assert_clean_error(join(), "give the invite token once")
+    assert_clean_error(join("seamline-abc", SEAMLINE_INVITE="seamline-def"), "the command line and $SEAMLINE_INVITE")
+    token_file = tmp_path / "invite.txt"
+    token_file.write_text("seamline-not-a-real-token\n")
+    assert_clean_error(join("--token-file", str(token_file)), "corrupt")
+    assert_clean_error(join(SEAMLINE_INVITE="seamline-not-a-real-token"), "corrupt")
+    assert_clean_error(join("--token-file", str(tmp_path / "missing")), "cannot read the invite token file")

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 
 import httpx
+import psutil
 import openai
 import pytest
 
+from seamline.mesh.control.coordinator import HANDSHAKE_DEADLINE_S
+from seamline.net.frames import HEADER, FrameType, header, parse_header
 from seamline.server.demo import memory_cap_gb
 from seamline.mesh.control.invite import Invite
 from tests.mesh_harness import MeshProcesses
@@ -63,6 +67,51 @@ def test_wrong_expired_and_corrupt_tokens_are_refused(mesh: MeshProcesses) -> No
     assert len(mesh.status()["nodes"]) == 0  # none of them was admitted
 
 
+def _challenged(mesh: MeshProcesses) -> socket.socket:
+    """A connection to the control port that has read the coordinator's challenge."""
+    sock = socket.create_connection(("127.0.0.1", mesh.control_port), timeout=10)
+    _, length = parse_header(_read(sock, HEADER.size))
+    _read(sock, length)
+    return sock
+
+
+def _read(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        assert chunk, "closed"
+        data += chunk
+    return data
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> float:
+    began = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        assert sock.recv(1) == b""
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - began
+
+
+def test_before_its_invite_is_proved_a_peer_gets_small_frames_and_little_time(mesh: MeshProcesses) -> None:
+    """On the control port, before the join is proved: a control frame larger than the handshake
+    cap, or any data frame, closes the connection before anything is read or allocated (eight
+    such connections leave the coordinator's memory as it was), and a peer that stops mid-frame
+    is dropped after the handshake deadline."""
+    rss = psutil.Process(mesh.serve.pid).memory_info().rss  # type: ignore[union-attr]
+    for kind, length in [(FrameType.CONTROL, 1 << 20)] * 4 + [(FrameType.HIDDEN, 255 << 20)] * 4:
+        with _challenged(mesh) as sock:
+            sock.sendall(header(kind, length) + b"x" * 1000)
+            assert _closed_within(sock, 10) < 5
+    grown = psutil.Process(mesh.serve.pid).memory_info().rss - rss  # type: ignore[union-attr]
+    assert grown < 20 << 20, f"the coordinator grew by {grown >> 20} MB"
+    with _challenged(mesh) as sock:
+        sock.sendall(header(FrameType.CONTROL, 100) + b"{")  # and then nothing
+        waited = _closed_within(sock, HANDSHAKE_DEADLINE_S + 10)
+        assert HANDSHAKE_DEADLINE_S - 1 < waited < HANDSHAKE_DEADLINE_S + 5
+
+
 def test_a_node_lost_mid_generation_ends_the_request_with_a_clear_error(mesh: MeshProcesses) -> None:
     first, second = mesh.join("node0"), mesh.join("node1")
     mesh.wait_ready()
@@ -108,4 +157,6 @@ def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
         await asyncio.gather(task, return_exceptions=True)
 
     asyncio.run(scenario())
-    assert ("close", 1) in sent and ("close", 2) in sent
+    opened = [m[0].request for m in sent if m[0] != "close"]  # type: ignore[index, union-attr]
+    assert len(set(opened)) == 3 and min(opened) > 1 << 20  # random 63-bit ids, not a counter
+    assert {("close", r) for r in opened[:2]} <= set(sent)  # type: ignore[arg-type]

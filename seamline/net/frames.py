@@ -52,6 +52,8 @@ class RowFlag(enum.IntFlag):
 
 
 LIMITS = {FrameType.CONTROL: 1 << 20, FrameType.HIDDEN: 256 << 20, FrameType.TOKEN: 1 << 20}
+# Before a peer has proved who it is: a few small control messages, nothing else.
+HANDSHAKE_LIMITS = {FrameType.CONTROL: 16 << 10, FrameType.HIDDEN: 0, FrameType.TOKEN: 0}
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -99,8 +101,8 @@ def prefix_hash(previous: int, tokens: list[int]) -> int:
 EMPTY_HASH = 0xCBF29CE484222325
 
 
-def parse_header(data: bytes) -> tuple[FrameType, int]:
-    """Validate a header; return (type, payload length)."""
+def parse_header(data: bytes, limits: dict[FrameType, int] = LIMITS) -> tuple[FrameType, int]:
+    """Validate a header against ``limits`` (per type, bytes); return (type, payload length)."""
     magic, version, kind, length = HEADER.unpack(data)
     if magic != MAGIC:
         raise FrameError(f"bad magic {magic!r}: not a seamline frame")
@@ -110,8 +112,8 @@ def parse_header(data: bytes) -> tuple[FrameType, int]:
         frame_type = FrameType(kind)
     except ValueError:
         raise FrameError(f"unknown frame type {kind}") from None
-    if length > LIMITS[frame_type]:
-        raise FrameError(f"{frame_type.name} frame of {length} bytes exceeds the {LIMITS[frame_type]} cap")
+    if length > limits[frame_type]:
+        raise FrameError(f"{frame_type.name} frame of {length} bytes exceeds the {limits[frame_type]} cap")
     return frame_type, length
 
 

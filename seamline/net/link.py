@@ -16,7 +16,9 @@ from typing import Union
 import torch
 
 from seamline.net.frames import (
+    HANDSHAKE_LIMITS,
     HEADER,
+    LIMITS,
     FrameError,
     FrameType,
     HiddenFrame,
@@ -53,6 +55,7 @@ class Link:
         self.name = name
         self._send_lock = threading.Lock()
         self.closed = False
+        self.limits = LIMITS  # frame sizes taken; HANDSHAKE_LIMITS until the peer is authenticated
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float = 10.0, name: str = "") -> "Link":
@@ -91,10 +94,17 @@ class Link:
             self.closed = True
             raise LinkClosed(f"link to {self.name} broke: {exc}") from None
 
-    def recv(self) -> Incoming:
-        """The next frame, decoded and validated; FrameError on anything malformed."""
-        frame_type, length = parse_header(bytes(self._read(HEADER.size)))
-        payload = self._read(length)
+    def recv(self, deadline_s: float | None = None) -> Incoming:
+        """The next frame, decoded and validated; FrameError on anything malformed or larger
+        than ``self.limits``; LinkClosed when a whole frame has not come within ``deadline_s``."""
+        if deadline_s is not None:
+            self.sock.settimeout(deadline_s)
+        try:
+            frame_type, length = parse_header(bytes(self._read(HEADER.size)), self.limits)
+            payload = self._read(length)
+        finally:
+            if deadline_s is not None and not self.closed:
+                self.sock.settimeout(None)
         if frame_type is FrameType.CONTROL:
             return decode_message(payload)
         if frame_type is FrameType.HIDDEN:
@@ -108,6 +118,8 @@ class Link:
         while got < size:
             try:
                 n = self.sock.recv_into(view[got:], size - got)
+            except TimeoutError:
+                raise LinkClosed(f"{self.name} sent no whole frame in time") from None
             except OSError as exc:
                 raise LinkClosed(f"link to {self.name} broke: {exc}") from None
             if n == 0:
@@ -148,7 +160,7 @@ def listen(host: str, port: int) -> socket.socket:
     return server
 
 
-__all__ = ["Link", "LinkClosed", "FrameError", "listen", "Incoming"]
+__all__ = ["Link", "LinkClosed", "FrameError", "listen", "Incoming", "HANDSHAKE_LIMITS"]
 
 
 def free_port(host: str = "127.0.0.1", low: int = 20000, high: int = 30000) -> int:

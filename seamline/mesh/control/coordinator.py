@@ -26,7 +26,7 @@ from seamline.mesh.plan.planner import check_plan
 from seamline.mesh.plan.planner import plan as make_plan
 from seamline.errors import SeamlineError
 from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
-from seamline.net.frames import FrameError, TokenFrame, TokenRow
+from seamline.net.frames import HANDSHAKE_LIMITS, LIMITS, FrameError, TokenFrame, TokenRow
 from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Failure, Join, Linked, Message, Open, Prompt, Ready,
@@ -36,6 +36,7 @@ from seamline.net.messages import (
 log = logging.getLogger("seamline.coordinator")
 STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
 STATUS_TIMEOUT_S = 2.0  # /api/status waits this long for the stages' counters
+HANDSHAKE_DEADLINE_S = 10.0  # a joining node proves its invite within this, or is dropped
 
 
 @dataclass
@@ -102,10 +103,11 @@ class Coordinator:
 
     def _handshake(self, link: Link) -> None:
         peer = link.peer()
+        link.limits = HANDSHAKE_LIMITS  # nothing large from a peer that has not proved its invite
         try:
             nonce = secrets.token_hex(16)
             link.send_message(Challenge(nonce=nonce))
-            join = link.recv()
+            join = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
             reason = self._refusal(join, nonce)
             if reason:
                 log.warning("refused node from %s: %s", peer, reason)
@@ -113,6 +115,7 @@ class Coordinator:
                 link.close()
                 return
             assert isinstance(join, Join)
+            link.limits = LIMITS
             handle = NodeHandle(join, link)
             link.name = f"node {join.node_id}"
             with self.lock:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
+import secrets
 import threading
 from collections.abc import AsyncIterator
 
@@ -37,7 +37,6 @@ class MeshBackend:
         self.codec = codec
         self.model_name = model_name
         self.context_length = context_length
-        self._ids = itertools.count(1)
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[object]]] = {}
         self._lock = threading.Lock()
         coordinator.on_tokens = self._deliver
@@ -51,11 +50,11 @@ class MeshBackend:
         params.validate()
         if not prompt or len(prompt) >= self.context_length:
             raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context_length}")
-        request = next(self._ids)
         queue: asyncio.Queue[object] = asyncio.Queue()
         with self._lock:
             if len(self._waiting) >= self.max_requests:
                 raise OverloadedError(f"{len(self._waiting)} requests are already in flight; try again later")
+            request = _new_id(self._waiting)
             self._waiting[request] = (asyncio.get_running_loop(), queue)
         spec = dataclasses.replace(params, seed=request_seed(params.seed), stop_strings=())  # stop strings stay here
         try:
@@ -95,3 +94,10 @@ class MeshBackend:
         if waiting is not None:
             loop, queue = waiting
             loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+def _new_id(taken: dict[int, object]) -> int:
+    """A request id no one can guess (a peer that could would forge its frames), none in use."""
+    while (request := secrets.randbits(63)) in taken:
+        pass
+    return request

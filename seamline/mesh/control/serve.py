@@ -119,8 +119,8 @@ def spawn_node(token: str, node_id: str, cache_dir: Path | None = None, extra: l
                threads: int = 0) -> subprocess.Popen[bytes]:
     """A `seamline join` process; it is stopped when this process exits. ``threads``: its
     compute threads (0: all cores) — nodes sharing one machine should split its cores."""
-    args = [sys.executable, "-m", "seamline.cli", "join", token, "--node-id", node_id, "--quiet", *(extra or [])]
-    env = dict(os.environ)
+    args = [sys.executable, "-m", "seamline.cli", "join", "--node-id", node_id, "--quiet", *(extra or [])]
+    env = {**os.environ, "SEAMLINE_INVITE": token}  # not argv, which `ps` shows
     if cache_dir is not None:
         env["SEAMLINE_CACHE"] = str(cache_dir)
     if threads:
