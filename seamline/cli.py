@@ -59,6 +59,8 @@ def _add_mesh_commands(sub: Any) -> None:
     _tensor_parallel_arg(serve, "N nodes compute each stage in lockstep (0: only where one node cannot hold a stage)")
     serve.add_argument("--transport", choices=("auto", "tcp", "torch"), default="auto",
                        help="lockstep collectives: our TCP mesh, or torch.distributed (auto: NCCL with CUDA, else tcp)")
+    serve.add_argument("--insecure-comm", action="store_true",
+                       help="allow --transport torch between hosts: gloo and NCCL encrypt nothing")
     serve.add_argument("--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate")
     serve.add_argument("--kv-cache-memory", type=float, default=0.0,
                        help="GiB of KV cache the first stage (or --single) admits requests into "
@@ -218,6 +220,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock,
                            tensor_parallel=args.tensor_parallel, transport=args.transport,
                            gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches,
+                           insecure_comm=args.insecure_comm,
                            kv_cache_bytes=_gib(args.kv_cache_memory))  # fmt: skip
     api = api_options(args)
     return run_serve(replace(options, tls_certificate=api.certificate_pem()), api)

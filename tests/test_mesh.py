@@ -21,6 +21,8 @@ import pytest
 from seamline.app import LocalModel
 from seamline.server.demo import memory_cap_gb
 from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, encode_hidden, header
+from seamline.net.link import Link
+from seamline.net.messages import Challenge, DataHello, Open
 from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses, at_once
 
@@ -132,11 +134,16 @@ def _data_address(mesh: MeshProcesses, index: int) -> tuple[str, int]:
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the node closes the connection within 10 s (after its challenge, if it sent one)."""
     sock.settimeout(10)
     try:
-        return sock.recv(1) == b""
+        while sock.recv(4096):
+            pass
+        return True
     except ConnectionResetError:
         return True
+    except TimeoutError:
+        return False
 
 
 def test_bad_frames_are_refused_and_the_mesh_keeps_serving(mesh2: MeshProcesses, model: LocalModel) -> None:
@@ -153,7 +160,29 @@ def test_bad_frames_are_refused_and_the_mesh_keeps_serving(mesh2: MeshProcesses,
             out_of_step.sendall(bytes(buf))
         malformed = header(FrameType.HIDDEN, 8) + struct.pack("<HBBI", 1, 99, 1, 4)  # unknown dtype code
         out_of_step.sendall(malformed)
-        assert _closed_by_peer(out_of_step)  # the out-of-step frame was refused, the malformed one closed it
+        assert _closed_by_peer(out_of_step)  # no data frame before the peer proves it is the planned upstream
+    reply = ask(mesh2, QUESTION, 16)
+    assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, 16)
+
+
+def test_only_the_planned_sender_may_speak_on_a_data_port(mesh2: MeshProcesses, model: LocalModel) -> None:
+    """A stage's data port challenges every peer: one that answers as a node the plan does not
+    name, or as the planned upstream without the plan's link key, or with a frame instead of
+    an answer, is cut off before it can send a frame; the mesh keeps serving."""
+    address = _data_address(mesh2, 1)
+    status = mesh2.status()
+    upstream = status["stages"][0]["node_id"]
+    for node_id, proof in (("intruder", "0" * 64), (upstream, "0" * 64)):
+        with socket.create_connection(address) as sock:
+            link = Link(sock)
+            assert isinstance(link.recv(), Challenge)
+            link.send_message(DataHello(node_id=node_id, plan_id=status["plan_id"], proof=proof))
+            assert _closed_by_peer(sock), node_id
+    with socket.create_connection(address) as sock:
+        link = Link(sock)
+        link.recv()
+        link.send_message(Open(request=1, sampling=SamplingParams(), prompt_len=1, context_length=8))
+        assert _closed_by_peer(sock)
     reply = ask(mesh2, QUESTION, 16)
     assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, 16)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import psutil
@@ -160,3 +161,64 @@ def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
     opened = [m[0].request for m in sent if m[0] != "close"]  # type: ignore[index, union-attr]
     assert len(set(opened)) == 3 and min(opened) > 1 << 20  # random 63-bit ids, not a counter
     assert {("close", r) for r in opened[:2]} <= set(sent)  # type: ignore[arg-type]
+
+
+def test_an_invite_accepts_its_own_secret_only_until_it_expires() -> None:
+    """What the fragment server asks of a download's bearer token (compared in constant time)."""
+    from seamline.mesh.control.invite import new_invite
+
+    invite = new_invite(("127.0.0.1",), 1, 2, ttl_s=60)
+    assert invite.accepts(invite.secret)
+    assert not any(invite.accepts(s) for s in (None, "", invite.secret + "0", invite.secret[:-1], "x" * 32))
+    assert not invite.accepts(invite.secret, now=invite.expires + 1)
+
+
+def test_torch_collectives_between_hosts_need_insecure_comm() -> None:
+    """gloo and NCCL encrypt nothing: `--transport torch` across hosts is refused with the way
+    out named; on one host it is fine; `auto` falls back to our TCP mesh across hosts."""
+    from seamline.mesh.control.coordinator import StartupError, choose_transport
+
+    one, two = {"10.0.0.1"}, {"10.0.0.1", "10.0.0.2"}
+    assert choose_transport("torch", False, one, insecure_comm=False) == "torch"
+    with pytest.raises(StartupError, match="--insecure-comm"):
+        choose_transport("torch", True, two, insecure_comm=False)
+    assert choose_transport("torch", True, two, insecure_comm=True) == "torch"
+    assert choose_transport("auto", True, one, insecure_comm=False) == "torch"  # NCCL on one host's GPUs
+    assert choose_transport("auto", True, two, insecure_comm=False) == "tcp"
+    assert choose_transport("auto", True, two, insecure_comm=True) == "torch"
+    assert choose_transport("auto", False, one, insecure_comm=False) == "tcp"
+    assert choose_transport("tcp", True, two, insecure_comm=False) == "tcp"
+
+
+def test_a_node_leaves_a_coordinator_that_cannot_prove_the_invite(tmp_path: Path) -> None:
+    """Whoever answers at the invite's address must prove it holds the invite's secret too (the
+    node's own nonce, answered apart from the node's proof); one that cannot is refused with a
+    clear error and the node exits."""
+    import os
+    import subprocess
+    import threading
+
+    from seamline.mesh.control.invite import new_invite
+    from seamline.net.link import Link, listen
+    from seamline.net.messages import Challenge, Join, Welcome
+    from tests.mesh_harness import seamline_cmd
+
+    server = listen("127.0.0.1", 0)
+    invite = new_invite(("127.0.0.1",), server.getsockname()[1], 1, ttl_s=60)
+
+    def impostor() -> None:
+        sock, _ = server.accept()
+        link = Link(sock)
+        link.send_message(Challenge(nonce="0123"))
+        join = link.recv()
+        assert isinstance(join, Join)
+        link.send_message(Welcome(node_id=join.node_id, proof=join.proof))  # the node's own answer, played back
+        time.sleep(30)
+
+    threading.Thread(target=impostor, daemon=True).start()
+    env = {**os.environ, "SEAMLINE_INVITE": invite.encode(), "SEAMLINE_CACHE": str(tmp_path)}
+    out = subprocess.run(seamline_cmd("join", "--node-id", "n1", "--quiet"), env=env, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode != 0 and "did not prove it holds this invite" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+    server.close()

@@ -54,6 +54,7 @@ class RowFlag(enum.IntFlag):
 LIMITS = {FrameType.CONTROL: 1 << 20, FrameType.HIDDEN: 256 << 20, FrameType.TOKEN: 1 << 20}
 # Before a peer has proved who it is: a few small control messages, nothing else.
 HANDSHAKE_LIMITS = {FrameType.CONTROL: 16 << 10, FrameType.HIDDEN: 0, FrameType.TOKEN: 0}
+HANDSHAKE_DEADLINE_S = 10.0  # and a whole handshake message within this
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}

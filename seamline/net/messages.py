@@ -38,6 +38,7 @@ class Join(Message):
     kind: Literal["join"] = "join"
     node_id: str
     proof: str  # HMAC of the challenge nonce under the invite secret
+    nonce: str = ""  # the node's challenge: the coordinator proves it holds the invite too
     protocol_version: int
     resources: Resources
     data_host: str
@@ -46,9 +47,20 @@ class Join(Message):
     comm_port: int = 0  # where this node listens for lockstep peers (0: none)
 
 
+class DataHello(Message):
+    """A stage dialling another's data port: who it is, for which plan, proved under the plan's
+    link key (``mesh.node.data_links``)."""
+
+    kind: Literal["data_hello"] = "data_hello"
+    node_id: str
+    plan_id: int
+    proof: str
+
+
 class Welcome(Message):
     kind: Literal["welcome"] = "welcome"
     node_id: str
+    proof: str = ""  # the coordinator's answer to the node's nonce (``coordinator_proof``)
 
 
 class Refuse(Message):
@@ -76,6 +88,9 @@ class Assign(Message):
     transport: str = "tcp"
     gate_timeout_s: float = 30.0
     kv_cache_bytes: int = 0  # stage 0: the KV budget it admits requests into (0: most of its free memory)
+    link_key: str = ""  # this plan's key for data links between its stages
+    upstream_node: str = ""  # the node that may send this stage hidden frames ("" for stage 0)
+    last_node: str = ""  # stage 0 of several: the last stage, which sends it tokens
 
 
 class Descriptor(Message):
@@ -183,8 +198,8 @@ class Heartbeat(Message):
 
 
 AnyMessage = Annotated[
-    Union[Challenge, Join, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure,
-          StatsRequest, Stats, Heartbeat],
+    Union[Challenge, Join, DataHello, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork,
+          Forget, Failure, StatsRequest, Stats, Heartbeat],
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)

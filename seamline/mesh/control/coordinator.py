@@ -19,14 +19,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from seamline.mesh.control.invite import Invite, verify
+from seamline.mesh.control.invite import Invite, coordinator_proof, verify
 from seamline.config import ModelConfig
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.planner import check_plan
 from seamline.mesh.plan.planner import plan as make_plan
 from seamline.errors import SeamlineError
 from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
-from seamline.net.frames import HANDSHAKE_LIMITS, LIMITS, FrameError, TokenFrame, TokenRow
+from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, FrameError, TokenFrame, TokenRow
 from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Failure, Join, Linked, Message, Open, Prompt, Ready,
@@ -36,7 +36,6 @@ from seamline.net.messages import (
 log = logging.getLogger("seamline.coordinator")
 STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
 STATUS_TIMEOUT_S = 2.0  # /api/status waits this long for the stages' counters
-HANDSHAKE_DEADLINE_S = 10.0  # a joining node proves its invite within this, or is dropped
 
 
 @dataclass
@@ -71,6 +70,7 @@ class CoordinatorOptions:
     tensor_parallel: int = 0  # ranks per stage; 0: one node per stage unless a group is needed
     transport: str = "tcp"  # lockstep groups' Comm: auto | tcp | torch
     gate_timeout_s: float = 30.0
+    insecure_comm: bool = False  # torch.distributed may run between hosts (it encrypts nothing)
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage; fewer than the stages are not taken)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
 
@@ -120,7 +120,7 @@ class Coordinator:
             link.name = f"node {join.node_id}"
             with self.lock:
                 self.nodes[join.node_id] = handle
-            link.send_message(Welcome(node_id=join.node_id))
+            link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(self.invite.secret, join.nonce)))
         except (LinkClosed, FrameError) as exc:
             log.warning("join from %s failed: %s", peer, exc)
             link.close()
@@ -163,13 +163,24 @@ class Coordinator:
                     handle.stats = message
                     handle.events.notify_all()
             elif isinstance(message, Failure):
-                log.warning("node %s reports: %s", handle.node_id, message.reason)
-                if message.request is None:
-                    with handle.events:
-                        handle.failure = message.reason
-                        handle.events.notify_all()
-                reason = message.reason if message.blame != "node" else f"node {handle.node_id}: {message.reason}"
-                self.on_failure(message.request, reason, message.blame)
+                self._reported(handle, message)
+
+    def _reported(self, handle: NodeHandle, message: Failure) -> None:
+        """A node's failure report: its own start-up, or a request it serves. A node outside the
+        plan serves no request, so its reports end none."""
+        log.warning("node %s reports: %s", handle.node_id, message.reason)
+        if message.request is None:
+            with handle.events:
+                handle.failure = message.reason
+                handle.events.notify_all()
+            return
+        with self.lock:
+            serving = self.plan is not None and any(handle.node_id in s.members() for s in self.plan.stages)
+        if not serving:
+            log.warning("ignored node %s's report on request %d: it serves no stage", handle.node_id, message.request)
+            return
+        reason = message.reason if message.blame != "node" else f"node {handle.node_id}: {message.reason}"
+        self.on_failure(message.request, reason, message.blame)
 
     def _lost(self, handle: NodeHandle, reason: str) -> None:
         with self.lock:
@@ -216,9 +227,12 @@ class Coordinator:
     def _start_up(self, plan: Plan, plan_id: int) -> None:
         try:
             handles = [self.nodes[s.node_id] for s in plan.stages]  # the stages' leaders
-            for stage in reversed(plan.stages):
+            link_key = secrets.token_hex(16)  # data links between this plan's stages prove it
+            for index in reversed(range(len(plan.stages))):
+                stage = plan.stages[index]
                 self.state = f"loading layers [{stage.start},{stage.end}) on {', '.join(stage.members())}"
-                self._assign_stage(stage, plan_id)
+                senders = _senders(plan, index)
+                self._assign_stage(stage, plan_id, link_key, senders)
             forks = all(len(s.members()) == 1 for s in plan.stages)  # a lockstep group's caches are not copied
             for index in reversed(range(len(handles))):
                 self.state = f"linking {handles[index].node_id}"
@@ -231,7 +245,7 @@ class Coordinator:
         self.ready.set()
         log.info("route published: %s", " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in plan.stages))
 
-    def _assign_stage(self, s: StageAssignment, plan_id: int) -> None:
+    def _assign_stage(self, s: StageAssignment, plan_id: int, link_key: str, senders: tuple[str, str]) -> None:
         """Assign every rank of the stage, then wait for all: a group's ranks load and meet together."""
         members = [self.nodes[m] for m in s.members()]
         group = [(h.join.data_host, h.join.comm_port) for h in members] if len(members) > 1 else []
@@ -248,7 +262,8 @@ class Coordinator:
                                             group_nodes=[h.node_id for h in members] if group else [],
                                             transport=self._transport(members),
                                             gate_timeout_s=self.options.gate_timeout_s,
-                                            kv_cache_bytes=self.options.kv_cache_bytes))  # fmt: skip
+                                            kv_cache_bytes=self.options.kv_cache_bytes, link_key=link_key,
+                                            upstream_node=senders[0], last_node=senders[1]))  # fmt: skip
         for rank, handle in enumerate(members):
             ready = self._wait(handle, lambda h=handle: h.ready, "READY")  # type: ignore[misc]
             d = ready.descriptor
@@ -259,12 +274,9 @@ class Coordinator:
                 raise StartupError(f"node {handle.node_id} reported {d} which does not match the plan {expected}")
 
     def _transport(self, members: list[NodeHandle]) -> str:
-        """``auto``: NCCL (torch) when every rank has CUDA; on CPUs our TCP mesh, which measured
-        >10x faster than gloo for a 16 KB gate (NETWORK.md; `seamline bench lockstep`)."""
-        if self.options.transport != "auto":
-            return self.options.transport
         cuda = all(h.join.resources.device.startswith("cuda") for h in members)
-        return "torch" if cuda else "tcp"
+        hosts = {h.join.data_host for h in members}
+        return choose_transport(self.options.transport, cuda, hosts, self.options.insecure_comm)
 
     def _link(self, handles: list[NodeHandle], index: int, plan_id: int, forks: bool) -> None:
         handle = handles[index]
@@ -335,8 +347,8 @@ class Coordinator:
                      for h in self.nodes.values()]  # fmt: skip
         predicted = self.plan.predicted_s_per_token * 1e3 if self.plan else None
         self._add_holdings(stages)
-        return {"ready": self.ready.is_set(), "state": self.state, "stages": stages, "nodes": nodes,
-                "predicted_ms_per_token": predicted, "model": self.model.name}  # fmt: skip
+        return {"ready": self.ready.is_set(), "state": self.state, "plan_id": self.plan_id, "stages": stages,
+                "nodes": nodes, "predicted_ms_per_token": predicted, "model": self.model.name}  # fmt: skip
 
     def _add_holdings(self, stages: list[dict[str, object]]) -> None:
         """Each serving stage's open sequences and KV bytes (and kept KV), asked of the stages now."""
@@ -355,6 +367,29 @@ class Coordinator:
 
 class StartupError(SeamlineError):
     """Start-up could not finish: a node left, timed out, or reported the wrong descriptor."""
+
+
+def _senders(plan: Plan, index: int) -> tuple[str, str]:
+    """Who may dial stage ``index``'s leader: the stage before it, and for stage 0 of several the
+    last stage (its tokens); "" where none."""
+    upstream = plan.stages[index - 1].node_id if index > 0 else ""
+    last = plan.stages[-1].node_id if index == 0 and len(plan.stages) > 1 else ""
+    return upstream, last
+
+
+def choose_transport(requested: str, cuda: bool, hosts: set[str], insecure_comm: bool) -> str:
+    """A lockstep group's collectives. ``auto``: NCCL (torch) when every rank has CUDA, on one
+    host (or with ``insecure_comm``); otherwise our TCP mesh, which on CPUs measured >10x faster
+    than gloo for a 16 KB gate (NETWORK.md). torch.distributed encrypts nothing, so between
+    hosts it is refused unless ``insecure_comm`` says the network is trusted."""
+    across = len(hosts) > 1 and not insecure_comm
+    if requested == "auto":
+        return "torch" if cuda and not across else "tcp"
+    if requested == "torch" and across:
+        raise StartupError(f"--transport torch between hosts ({', '.join(sorted(hosts))}) would send every "
+                           "activation unencrypted (gloo and NCCL have no TLS): use --transport tcp, or pass "
+                           "--insecure-comm on a network you trust")  # fmt: skip
+    return requested
 
 
 __all__ = ["Coordinator", "CoordinatorOptions", "StartupError", "Message"]

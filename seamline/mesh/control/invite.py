@@ -49,6 +49,11 @@ class Invite:
             raise InviteError("invite token is corrupt (copy it again in full)") from None
         return invite
 
+    def accepts(self, secret: str | None, now: float | None = None) -> bool:
+        """Whether ``secret`` is this invite's (compared in constant time) and it has not expired."""
+        fresh = (time.time() if now is None else now) <= self.expires
+        return secret is not None and hmac.compare_digest(secret.encode(), self.secret.encode()) and fresh
+
     def check_fresh(self, now: float | None = None) -> None:
         now = time.time() if now is None else now
         if now > self.expires:
@@ -66,3 +71,9 @@ def proof(secret: str, nonce: str) -> str:
 
 def verify(secret: str, nonce: str, answer: str) -> bool:
     return hmac.compare_digest(proof(secret, nonce), answer)
+
+
+def coordinator_proof(secret: str, nonce: str) -> str:
+    """The coordinator's answer to a joining node's nonce; apart from ``proof`` (a prefix), so
+    neither side's answer can be played back as the other's."""
+    return proof(secret, "coordinator:" + nonce)

@@ -47,6 +47,7 @@ class ServeOptions:
     tensor_parallel: int = 0  # ranks per stage (0: groups only where a stage needs one)
     transport: str = "auto"
     gate_timeout_s: float = 30.0
+    insecure_comm: bool = False  # --transport torch may run between hosts
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
     tls_certificate: str = ""  # PEM: the API (and the fragments nodes fetch) is served over HTTPS with it
@@ -88,14 +89,13 @@ def build_mesh(options: ServeOptions) -> Mesh:
         context_length=context, fragments_url=f"{scheme}://{url_host(hosts[0])}:{options.port}",
         fragments_certificate=options.tls_certificate,
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
-        transport=options.transport, gate_timeout_s=options.gate_timeout_s,
+        transport=options.transport, gate_timeout_s=options.gate_timeout_s, insecure_comm=options.insecure_comm,
         micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes))  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context)
-    secret = invite.secret
 
     def routes(app: FastAPI) -> None:
-        fragment_routes(app, package_dir, lambda token: token == secret)
+        fragment_routes(app, package_dir, invite.accepts)  # the invite's secret, while it has not expired
         app.get("/api/status")(lambda: coordinator.status())
 
     return Mesh(routes, coordinator, backend, invite, invite.encode(), package_dir)

@@ -9,8 +9,10 @@ sent it; an out-of-step frame is refused and logged; the node keeps serving.
 from __future__ import annotations
 
 import ctypes
+import hmac
 import logging
 import os
+import secrets
 import socket
 import sys
 import threading
@@ -24,10 +26,11 @@ import psutil
 import torch
 
 from seamline.runtime.group_stage import LockstepStage
-from seamline.mesh.control.invite import Invite, InviteError, proof
+from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
+from seamline.mesh.node.data_links import Refused, admit, dial, expected_from
 from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked, Message, Open,
@@ -127,7 +130,8 @@ class Node:
         data_host = control.sock.getsockname()[0]
         self.data_server = listen(data_host, self.options.data_port)
         self.comm_port = free_port(data_host)
-        join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce),
+        nonce = secrets.token_hex(16)
+        join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce), nonce=nonce,
                     protocol_version=PROTOCOL_VERSION, resources=local_resources(self.options),
                     data_host=data_host, data_port=self.data_server.getsockname()[1],
                     max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port)  # fmt: skip
@@ -137,6 +141,8 @@ class Node:
             raise InviteError(f"coordinator refused this node: {answer.reason}")
         if not isinstance(answer, Welcome):
             raise InviteError(f"coordinator sent {type(answer).__name__} instead of a welcome")
+        if not hmac.compare_digest(answer.proof, coordinator_proof(self.invite.secret, nonce)):
+            raise InviteError("the coordinator did not prove it holds this invite: not the mesh the token names")
         log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
 
     # -- serving ------------------------------------------------------------------------
@@ -262,19 +268,26 @@ class Node:
         self.worker.micro_batches = max(1, route.stages, route.micro_batches)
         if self.worker.head is not None:
             self.worker.head.share_prefixes(route.forks)
+        assert self.assignment is not None
         if route.downstream is not None:
-            link = Link.connect(*route.downstream, name=f"downstream {route.downstream[0]}:{route.downstream[1]}")
+            link = dial(route.downstream, self.options.node_id, self.assignment)
             self.peers.append(link)
             self.worker.links.downstream = link.send_hidden
             self.worker.links.downstream_message = link.send_message
         if route.stage0 is not None:
-            link = Link.connect(*route.stage0, name=f"stage0 {route.stage0[0]}:{route.stage0[1]}")
+            link = dial(route.stage0, self.options.node_id, self.assignment)
             self.peers.append(link)
             self.worker.links.stage0 = link.send_tokens
         self.control.send_message(Linked(plan_id=route.plan_id))
 
     def _read_data(self, link: Link) -> None:
         peer = link.peer()
+        try:
+            role = admit(link, self.assignment)
+        except (Refused, LinkClosed, FrameError) as exc:
+            log.warning("refused data link from %s: %s", peer, exc)
+            link.close()
+            return
         while True:
             try:
                 frame = link.recv()
@@ -285,16 +298,20 @@ class Node:
                 link.close()
                 return
             try:
-                self._on_frame(frame, peer)
+                self._on_frame(frame, peer, role)
             except Exception as exc:  # one bad frame never stops the node; its requests fail
                 log.exception("frame from %s failed", peer)
                 for request in {row.request for row in getattr(frame, "rows", ())}:
                     self._report(request, f"layers [{self._layers()}) failed: {self._explain(exc)}")
 
-    def _on_frame(self, frame: object, peer: str) -> None:
+    def _on_frame(self, frame: object, peer: str, role: str) -> None:
         worker = self.worker
         if worker is None:
             log.warning("frame from %s before this node was loaded; refused", peer)
+            return
+        if not expected_from(frame, role):
+            worker.refused += 1
+            log.warning("refused %s from %s: its %s link does not carry it", type(frame).__name__, peer, role)
             return
         if isinstance(frame, Open) and not worker.is_first:
             worker.open(frame)

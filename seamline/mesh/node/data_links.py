@@ -1,0 +1,71 @@
+"""Links between stages, and who may send a node frames on them.
+
+The coordinator gives every plan a key and tells each stage which node may dial it: the stage
+before it (hidden frames and the session messages that travel with them) and, for stage 0,
+the last stage (tokens). The dialler answers the node's challenge with its node id and the
+plan, under the key. Until it has, a link takes only the handshake's small control messages,
+for at most ``HANDSHAKE_DEADLINE_S``; afterwards a frame is taken only from the link whose
+role expects it. (Mutually authenticated TLS will carry the same check in certificates.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+
+from seamline.errors import SeamlineError
+from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, HiddenFrame, TokenFrame
+from seamline.net.link import Link
+from seamline.net.messages import Assign, Challenge, Close, DataHello, Forget, Fork, Open
+
+UPSTREAM, LAST = "upstream", "last"
+FROM_UPSTREAM = (HiddenFrame, Open, Fork, Forget, Close)
+
+
+class Refused(SeamlineError):
+    """A peer on the data port that is not the planned sender."""
+
+
+def data_proof(key: str, nonce: str, node_id: str, plan_id: int) -> str:
+    return hmac.new(key.encode(), f"data:{nonce}:{node_id}:{plan_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def dial(address: tuple[str, int], node_id: str, assign: Assign) -> Link:
+    """A link to the next stage (or, from the last stage, to stage 0), proved as ``node_id``."""
+    link = Link.connect(*address, name=f"{address[0]}:{address[1]}")
+    link.limits = HANDSHAKE_LIMITS
+    challenge = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
+    if not isinstance(challenge, Challenge):
+        link.close()
+        raise Refused(f"{link.name} sent {type(challenge).__name__} instead of a challenge")
+    proof = data_proof(assign.link_key, challenge.nonce, node_id, assign.plan_id)
+    link.send_message(DataHello(node_id=node_id, plan_id=assign.plan_id, proof=proof))
+    link.limits = LIMITS
+    return link
+
+
+def admit(link: Link, assign: Assign | None) -> str:
+    """Challenge a link to this node's data port; its role (``UPSTREAM`` or ``LAST``), or Refused."""
+    link.limits = HANDSHAKE_LIMITS
+    nonce = secrets.token_hex(16)
+    link.send_message(Challenge(nonce=nonce))
+    hello = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
+    if not isinstance(hello, DataHello):
+        raise Refused(f"expected a data hello, got {type(hello).__name__}")
+    if assign is None or not assign.link_key or hello.plan_id != assign.plan_id:
+        raise Refused(f"node {hello.node_id} dialled for plan {hello.plan_id}, which this node does not serve")
+    roles = {assign.upstream_node: UPSTREAM, assign.last_node: LAST}
+    role = roles.get(hello.node_id) if hello.node_id else None
+    if role is None:
+        raise Refused(f"node {hello.node_id} is not a planned sender to this stage")
+    if not hmac.compare_digest(hello.proof, data_proof(assign.link_key, nonce, hello.node_id, hello.plan_id)):
+        raise Refused(f"node {hello.node_id} did not prove the plan's link key")
+    link.limits = LIMITS
+    link.name = f"{role} {hello.node_id}"
+    return role
+
+
+def expected_from(frame: object, role: str) -> bool:
+    """Whether a link of ``role`` may send ``frame``."""
+    return isinstance(frame, TokenFrame) if role == LAST else isinstance(frame, FROM_UPSTREAM)
