@@ -22,6 +22,7 @@ from typing import Any
 from seamline.mesh.control.invite import Invite, coordinator_proof, verify
 from seamline.config import ModelConfig
 from seamline.mesh.plan.groups import plan_auto
+from seamline.mesh.plan.measured import steady_rates
 from seamline.mesh.plan.planner import check_plan
 from seamline.mesh.plan.planner import plan as make_plan
 from seamline.errors import SeamlineError
@@ -204,7 +205,7 @@ class Coordinator:
                 return
             nodes = sorted((h.info() for h in self.nodes.values()), key=lambda n: n.node_id)
             try:
-                chosen = self._choose_plan(nodes)
+                chosen = self._choose_plan(steady_rates(nodes))  # like nodes measured apart plan alike
             except PlanError as exc:
                 self.plan, self.state = None, f"cannot plan: {exc}"
                 log.error(self.state)
