@@ -41,7 +41,7 @@ def _tensor_parallel_arg(parser: argparse.ArgumentParser, help_text: str) -> Non
                         default=0, metavar="N", help=help_text)
 
 
-def _add_mesh_commands(sub: Any) -> None:
+def _add_serve_command(sub: Any) -> None:
     serve = sub.add_parser("serve", help="start a coordinator + OpenAI API (and a local node)")
     serve.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
     serve.add_argument("--host", default="127.0.0.1")
@@ -69,6 +69,10 @@ def _add_mesh_commands(sub: Any) -> None:
     serve.add_argument("--micro-batches", type=_at_least_zero, default=0,
                        help="micro-batches in flight in the pipeline (default and least: one per stage)")
     serve.set_defaults(handler=cmd_serve)
+
+
+def _add_mesh_commands(sub: Any) -> None:
+    _add_serve_command(sub)
     join = sub.add_parser("join", help="join a mesh as a node")
     join.add_argument("token", nargs="?", default=None,
                       help=f"the invite (better: --token-file, or ${INVITE_ENV}: argv shows in `ps`)")

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from seamline.app import LocalModel
+from seamline.app import default_model_path
 from seamline.errors import RequestError
 from seamline.model.stage import Stage
 from seamline.runtime.engine import Engine
 from seamline.params import SamplingParams
 from seamline.runtime.scheduler import Scheduler, Sequence
 from seamline.weights.loader import load_stage, open_source
+from seamline.weights.source import TensorSource
 from tests.reference import save_random_model
 from tests.test_deepseek_models import _build as build_deepseek
 from tests.test_dense_models import _configs as dense_configs
@@ -33,7 +34,8 @@ LENGTHS = (5, 40, 12, 33, 7, 21, 9, 28)  # its prompt length
 NEW_TOKENS = 12
 
 
-def _stage(kind: str, folder: Path) -> Stage:
+def checkpoint_source(kind: str, folder: Path) -> TensorSource:
+    """A random checkpoint of ``kind`` written to ``folder``, or the embedded GGUF, to load from."""
     if kind == "dense":
         save_random_model(dense_configs()["llama"], folder)
     elif kind == "mixtral":
@@ -41,8 +43,12 @@ def _stage(kind: str, folder: Path) -> Stage:
     elif kind == "deepseek_v3":
         folder = build_deepseek(folder, "v3")[1]
     else:
-        return LocalModel.load(dtype="float32").engine.stage
-    return load_stage(open_source(folder))
+        return open_source(default_model_path())
+    return open_source(folder)
+
+
+def _stage(kind: str, folder: Path) -> Stage:
+    return load_stage(checkpoint_source(kind, folder))
 
 
 def _prompts(vocab: int) -> list[list[int]]:

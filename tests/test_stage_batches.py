@@ -23,13 +23,10 @@ from seamline.runtime.pipeline_head import MAX_STEP_TOKENS
 from seamline.params import SamplingParams
 from seamline.runtime.stage_worker import StageWorker
 from seamline.weights.loader import load_stage, open_source
-from seamline.app import default_model_path
 from seamline.runtime.stage_rows import Work
-from seamline.weights.source import TensorSource
 from tests.reference import save_random_model
-from tests.test_deepseek_models import _build as build_deepseek
+from tests.test_batch_step import checkpoint_source
 from tests.test_dense_models import _configs as dense_configs
-from tests.test_moe_models import mixtral_config
 
 SEQUENCES = 6
 Frames = list[tuple[list[Row], torch.Tensor]]
@@ -226,25 +223,13 @@ def test_prompts_that_begin_alike_share_the_prefix_on_every_stage(tmp_path: Path
     assert set(mesh.stage1.sequences) == {request for _, request in head._held.values()}
 
 
-def _source(kind: str, folder: Path) -> TensorSource:
-    if kind == "dense":
-        save_random_model(dense_configs()["llama"], folder)
-    elif kind == "mixtral":
-        save_random_model(mixtral_config(), folder)
-    elif kind == "deepseek_v3":
-        folder = build_deepseek(folder, "v3")[1]
-    else:
-        return open_source(default_model_path())
-    return open_source(folder)
-
-
 @pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3", "embedded"])
 def test_staggered_sequences_on_two_stages_equal_each_alone(kind: str, tmp_path: Path) -> None:
     """Eight sequences of 5-40 prompt tokens join a two-stage pipeline as earlier ones decode
     (the i-th when ARRIVALS[i] tokens have come back in all): prompts are prefilled in chunks
     beside decode rows, and each sequence's greedy tokens equal its run alone on the whole
     model, the logits of each draw within 1e-4 (float32)."""
-    source = _source(kind, tmp_path)
+    source = checkpoint_source(kind, tmp_path)
     whole = load_stage(source)
     middle = whole.config.num_layers // 2
     mesh = TwoStages(load_stage(source, Ownership(layers=(0, middle))),

@@ -6,28 +6,28 @@ import argparse
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable
+from typing import Any
 
 from seamline.errors import SeamlineError
-
-if TYPE_CHECKING:
-    from seamline.server.guard import ApiLimits
 
 KEY_ENV = "SEAMLINE_API_KEY"
 DEFAULT_MAX_BODY_MB = 16.0
 
 
-def _no_limits() -> ApiLimits:
-    from seamline.server.guard import ApiLimits
+@dataclass(frozen=True)
+class ApiLimits:
+    """What the API asks of a caller before any work (``server.guard`` enforces it)."""
 
-    return ApiLimits()
+    keys: tuple[str, ...] = ()  # none: no key needed
+    max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
+    max_prompt_tokens: int | None = None
+    max_concurrent_per_key: int | None = None
 
 
 @dataclass(frozen=True)
 class ApiOptions:
-    """(The CLI builds this before it imports the server, so the server's types load lazily.)"""
-
-    limits: ApiLimits = field(default_factory=_no_limits)
+    limits: ApiLimits = field(default_factory=ApiLimits)
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
 
@@ -48,6 +48,18 @@ class ApiOptions:
         return {"ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile} if self.ssl_certfile else {}
 
 
+def read_keys(given: Iterable[str], files: Iterable[str], env_value: str | None) -> tuple[str, ...]:
+    """API keys from ``--api-key`` values, key files (one per line, ``#`` comments), and an
+    environment variable's value (comma-separated)."""
+    keys = [k.strip() for k in given]
+    for name in files:
+        lines = Path(name).read_text().splitlines()
+        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    if env_value:
+        keys += [k.strip() for k in env_value.split(",")]
+    return tuple(dict.fromkeys(k for k in keys if k))
+
+
 def add_api_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
                         help=f"a key callers must send as `Authorization: Bearer KEY` (repeatable; also a file "
@@ -63,8 +75,6 @@ def add_api_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def api_options(args: argparse.Namespace) -> ApiOptions:
-    from seamline.server.guard import ApiLimits, read_keys
-
     if bool(args.ssl_certfile) != bool(args.ssl_keyfile):
         raise SeamlineError("--ssl-certfile and --ssl-keyfile go together")
     try:

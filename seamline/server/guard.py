@@ -13,27 +13,17 @@ import hmac
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from seamline.server.api_options import ApiLimits
 from seamline.server.openai_schema import error_body
 
 log = logging.getLogger("seamline.api")
 OPEN_PATHS = ("/health",)
 OPEN_PREFIXES = ("/fragments/",)
-DEFAULT_MAX_BODY_BYTES = 16 << 20  # as --max-body-mb's default
 ANONYMOUS = ""
-
-
-@dataclass(frozen=True)
-class ApiLimits:
-    keys: tuple[str, ...] = ()  # none: no key needed
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    max_prompt_tokens: int | None = None
-    max_concurrent_per_key: int | None = None
 
 
 @dataclass
@@ -43,18 +33,6 @@ class _Refusal(Exception):
     type: str
     code: str
     headers: dict[str, str] = field(default_factory=dict)
-
-
-def read_keys(given: Iterable[str], files: Iterable[str], env_value: str | None) -> tuple[str, ...]:
-    """API keys from ``--api-key`` values, key files (one per line, ``#`` comments), and an
-    environment variable's value (comma-separated)."""
-    keys = [k.strip() for k in given]
-    for name in files:
-        lines = Path(name).read_text().splitlines()
-        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-    if env_value:
-        keys += [k.strip() for k in env_value.split(",")]
-    return tuple(dict.fromkeys(k for k in keys if k))
 
 
 class Guard:

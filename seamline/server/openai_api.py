@@ -35,7 +35,8 @@ from starlette.types import Receive, Scope, Send
 from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend
-from seamline.server.guard import ApiLimits, Guard
+from seamline.server.api_options import ApiLimits
+from seamline.server.guard import Guard
 from seamline.server.openai_schema import (
     ChatRequest,
     CompletionRequest,
