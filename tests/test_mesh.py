@@ -21,10 +21,13 @@ import pytest
 from seamline.app import LocalModel
 from seamline.server.demo import memory_cap_gb
 from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, encode_hidden, header
-from seamline.net.link import Link
+from seamline.mesh.identity import MeshAuthority
+from seamline.net.frames import FrameError
+from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import Challenge, DataHello, Open
 from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses, at_once
+from tests.tls_peers import member, tls_link
 
 import torch
 
@@ -146,43 +149,64 @@ def _closed_by_peer(sock: socket.socket) -> bool:
         return False
 
 
+def _closed_link(link: Link) -> bool:
+    """Whether the node closes a TLS link within 10 s (after its challenge, if it sent one)."""
+    try:
+        while True:
+            link.recv(deadline_s=10)
+    except LinkClosed as exc:
+        return "in time" not in str(exc)
+    except FrameError:
+        return True
+
+
 def test_bad_frames_are_refused_and_the_mesh_keeps_serving(mesh2: MeshProcesses, model: LocalModel) -> None:
+    """Plaintext bytes never get past TLS; through TLS with a member's certificate, garbage, an
+    oversized length and a data frame before the handshake close that link only."""
     address = _data_address(mesh2, 1)
     with socket.create_connection(address) as garbage:
         garbage.sendall(b"this is not a seamline frame at all")
         assert _closed_by_peer(garbage)
-    with socket.create_connection(address) as oversized:
-        oversized.sendall(header(FrameType.HIDDEN, 1 << 31))
-        assert _closed_by_peer(oversized)
-    with socket.create_connection(address) as out_of_step:
+    upstream = mesh2.status()["stages"][0]["node_id"]
+    identity = member(mesh2.root, upstream)
+    with tls_link(address, identity) as link:
+        link.send_raw(b"this is not a seamline frame at all")
+        assert _closed_link(link)
+    with tls_link(address, identity) as link:
+        link.send_raw(header(FrameType.HIDDEN, 1 << 31))
+        assert _closed_link(link)
+    with tls_link(address, identity) as link:
         row = Row(request=999, position=7, count=1, hash_before=EMPTY_HASH, hash_after=1, flags=int(RowFlag.SAMPLE))
-        for buf in encode_hidden([row], torch.zeros(1, model.config.hidden_size)):
-            out_of_step.sendall(bytes(buf))
-        malformed = header(FrameType.HIDDEN, 8) + struct.pack("<HBBI", 1, 99, 1, 4)  # unknown dtype code
-        out_of_step.sendall(malformed)
-        assert _closed_by_peer(out_of_step)  # no data frame before the peer proves it is the planned upstream
+        link.send_hidden([row], torch.zeros(1, model.config.hidden_size))
+        link.send_raw(header(FrameType.HIDDEN, 8) + struct.pack("<HBBI", 1, 99, 1, 4))  # unknown dtype code
+        assert _closed_link(link)  # no data frame before the peer proves it is the planned upstream
     reply = ask(mesh2, QUESTION, 16)
     assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, 16)
 
 
 def test_only_the_planned_sender_may_speak_on_a_data_port(mesh2: MeshProcesses, model: LocalModel) -> None:
-    """A stage's data port challenges every peer: one that answers as a node the plan does not
-    name, or as the planned upstream without the plan's link key, or with a frame instead of
-    an answer, is cut off before it can send a frame; the mesh keeps serving."""
+    """A stage's data port takes TLS with a certificate from the mesh's CA only, then challenges
+    the peer: a certificate from another CA, or an expired one, fails the handshake; a member's
+    certificate naming a node the plan does not put upstream, a hello naming another node than
+    the certificate, a hello without the plan's link key, or a frame instead of an answer, is cut
+    off before it can send a frame. The mesh keeps serving."""
     address = _data_address(mesh2, 1)
     status = mesh2.status()
     upstream = status["stages"][0]["node_id"]
-    for node_id, proof in (("intruder", "0" * 64), (upstream, "0" * 64)):
-        with socket.create_connection(address) as sock:
-            link = Link(sock)
+    for stranger in (MeshAuthority.create().identity(upstream), member(mesh2.root, upstream, ttl_s=-60)):
+        with pytest.raises(LinkClosed):
+            with tls_link(address, stranger, trusting=True) as link:
+                link.recv(deadline_s=10)  # TLS 1.3: the client learns of its refusal on its first read
+    hellos = (("intruder", "intruder", "0" * 64), ("intruder", upstream, "0" * 64), (upstream, upstream, "0" * 64))
+    for certified, claimed, proof in hellos:
+        with tls_link(address, member(mesh2.root, certified)) as link:
             assert isinstance(link.recv(), Challenge)
-            link.send_message(DataHello(node_id=node_id, plan_id=status["plan_id"], proof=proof))
-            assert _closed_by_peer(sock), node_id
-    with socket.create_connection(address) as sock:
-        link = Link(sock)
+            link.send_message(DataHello(node_id=claimed, plan_id=status["plan_id"], proof=proof))
+            assert _closed_link(link), (certified, claimed)
+    with tls_link(address, member(mesh2.root, upstream)) as link:
         link.recv()
         link.send_message(Open(request=1, sampling=SamplingParams(), prompt_len=1, context_length=8))
-        assert _closed_by_peer(sock)
+        assert _closed_link(link)
     reply = ask(mesh2, QUESTION, 16)
     assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, 16)
 

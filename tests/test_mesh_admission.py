@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections.abc import Iterator
@@ -13,10 +14,12 @@ import openai
 import pytest
 
 from seamline.mesh.control.coordinator import HANDSHAKE_DEADLINE_S
-from seamline.net.frames import HEADER, FrameType, header, parse_header
+from seamline.net.frames import HEADER, MAGIC, FrameType, header, parse_header
 from seamline.server.demo import memory_cap_gb
 from seamline.mesh.control.invite import Invite
+from seamline.net.tls import TlsSocket
 from tests.mesh_harness import MeshProcesses
+from tests.tls_peers import tls_socket
 
 CONTEXT = 1024
 
@@ -60,39 +63,67 @@ def test_not_ready_until_the_expected_nodes_join(mesh: MeshProcesses) -> None:
 
 def test_wrong_expired_and_corrupt_tokens_are_refused(mesh: MeshProcesses) -> None:
     good = Invite.decode(mesh.token)
-    wrong = Invite(good.hosts, good.control_port, good.http_port, "0" * 32, good.expires).encode()
+    wrong = dataclasses.replace(good, secret="0" * 32).encode()
     _refused(mesh, wrong, "wrong invite token")
-    expired = Invite(good.hosts, good.control_port, good.http_port, good.secret, time.time() - 5).encode()
+    expired = dataclasses.replace(good, expires=time.time() - 5).encode()
     _refused(mesh, expired, "expired")
     _refused(mesh, mesh.token[:-6], "corrupt")
     assert len(mesh.status()["nodes"]) == 0  # none of them was admitted
 
 
-def _challenged(mesh: MeshProcesses) -> socket.socket:
-    """A connection to the control port that has read the coordinator's challenge."""
-    sock = socket.create_connection(("127.0.0.1", mesh.control_port), timeout=10)
+def _challenged(mesh: MeshProcesses) -> TlsSocket:
+    """A TLS connection to the control port (no certificate: a joining node) that has read the
+    coordinator's challenge."""
+    sock = tls_socket(("127.0.0.1", mesh.control_port))
     _, length = parse_header(_read(sock, HEADER.size))
     _read(sock, length)
     return sock
 
 
-def _read(sock: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = sock.recv(size - len(data))
-        assert chunk, "closed"
-        data += chunk
-    return data
+def _read(sock: TlsSocket, size: int) -> bytes:
+    data = bytearray(size)
+    got = 0
+    while got < size:
+        n = sock.recv_into(memoryview(data)[got:])
+        assert n, "closed"
+        got += n
+    return bytes(data)
 
 
-def _closed_within(sock: socket.socket, seconds: float) -> float:
+def _closed_within(sock: TlsSocket, seconds: float) -> float:
     began = time.monotonic()
     sock.settimeout(seconds)
     try:
-        assert sock.recv(1) == b""
+        assert sock.recv_into(memoryview(bytearray(1))) == 0
     except ConnectionResetError:
         pass
     return time.monotonic() - began
+
+
+def _until_closed(sock: socket.socket, seconds: float) -> bytes | None:
+    """Everything the peer sends until it closes; None if it has not closed within ``seconds``."""
+    sock.settimeout(seconds)
+    received = b""
+    try:
+        while chunk := sock.recv(4096):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return None
+    return received
+
+
+def test_the_control_port_takes_tls_only(mesh: MeshProcesses) -> None:
+    """A plaintext peer (one that speaks the frames without TLS) is dropped at once; a token whose
+    CA fingerprint was changed makes the node refuse the coordinator before it sends anything."""
+    with socket.create_connection(("127.0.0.1", mesh.control_port), timeout=10) as plain:
+        plain.sendall(header(FrameType.CONTROL, 10) + b"{}" * 5)
+        answer = _until_closed(plain, 10)
+    assert answer is not None, "the coordinator kept a plaintext peer's connection open"
+    assert MAGIC not in answer  # a TLS alert at most: never a challenge in the clear
+    tampered = dataclasses.replace(Invite.decode(mesh.token), ca_fingerprint="ab" * 32).encode()
+    _refused(mesh, tampered, "not the one this invite names")
 
 
 def test_before_its_invite_is_proved_a_peer_gets_small_frames_and_little_time(mesh: MeshProcesses) -> None:

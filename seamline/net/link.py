@@ -2,13 +2,15 @@
 
 Blocking sockets with TCP_NODELAY (the fastest option measured on these machines, see
 NETWORK.md); header and payload leave in one ``sendmsg``. Sends are serialised by a lock so
-several threads may share a link; one thread receives. TLS or a relay would be another
-implementation of the same four calls.
+several threads may share a link; one thread receives. Over TLS (``tls.TlsSocket``) the same
+calls run on the decrypted stream.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from typing import Union
@@ -16,6 +18,7 @@ from typing import Union
 import torch
 
 from seamline.net.frames import (
+    HANDSHAKE_DEADLINE_S,
     HANDSHAKE_LIMITS,
     HEADER,
     LIMITS,
@@ -32,6 +35,9 @@ from seamline.net.frames import (
     parse_header,
 )
 from seamline.net.messages import Message, decode_message, encode_message
+from seamline.net.tls import TlsRefused, TlsSocket
+
+log = logging.getLogger("seamline.link")
 
 Incoming = Union[Message, HiddenFrame, TokenFrame]
 
@@ -50,18 +56,29 @@ def tune(sock: socket.socket) -> socket.socket:
 
 
 class Link:
-    def __init__(self, sock: socket.socket, name: str = "") -> None:
-        self.sock = tune(sock)
+    def __init__(self, sock: socket.socket | TlsSocket, name: str = "") -> None:
+        self.sock = sock
         self.name = name
         self._send_lock = threading.Lock()
         self.closed = False
         self.limits = LIMITS  # frame sizes taken; HANDSHAKE_LIMITS until the peer is authenticated
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: float = 10.0, name: str = "") -> "Link":
-        sock = socket.create_connection((host, port), timeout=timeout)
-        sock.settimeout(None)
-        return cls(sock, name or f"{host}:{port}")
+    def connect(cls, host: str, port: int, timeout: float = 10.0, name: str = "",
+                tls: ssl.SSLContext | None = None) -> "Link":  # fmt: skip
+        """Dial ``host:port``; with ``tls``, run the TLS handshake (TlsRefused if it fails)."""
+        sock = tune(socket.create_connection((host, port), timeout=timeout))
+        try:
+            secured = TlsSocket.handshake(sock, tls, False, timeout) if tls is not None else sock
+        except TlsRefused:
+            sock.close()
+            raise
+        secured.settimeout(None)
+        return cls(secured, name or f"{host}:{port}")
+
+    def peer_id(self) -> str:
+        """The node id in the peer's verified certificate ("" on a plaintext link)."""
+        return self.sock.peer_id() if isinstance(self.sock, TlsSocket) else ""
 
     def peer(self) -> str:
         try:
@@ -127,6 +144,12 @@ class Link:
             got += n
         return buf
 
+    def __enter__(self) -> "Link":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self.closed = True
         try:
@@ -136,16 +159,32 @@ class Link:
         self.sock.close()
 
 
-def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None]) -> threading.Thread:
-    """Accept connections until ``server`` closes; each becomes a Link handled on its own thread."""
+TlsSource = Callable[[], ssl.SSLContext | None]  # the context to accept with now (certificates renew)
+
+
+def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None],
+                 tls: TlsSource = lambda: None) -> threading.Thread:  # fmt: skip
+    """Accept connections until ``server`` closes; each becomes a Link handled on its own
+    thread, after a TLS handshake when ``tls`` gives a context (a failed one is logged)."""
+
+    def open_link(sock: socket.socket, address: tuple) -> None:
+        context = tls()
+        if context is not None:
+            try:
+                sock = TlsSocket.handshake(sock, context, True, HANDSHAKE_DEADLINE_S)  # type: ignore[assignment]
+            except TlsRefused as exc:
+                log.warning("refused %s link from %s:%s: %s", name, address[0], address[1], exc)
+                sock.close()
+                return
+        handle(Link(sock, name=name))
 
     def loop() -> None:
         while True:
             try:
-                sock, _ = server.accept()
+                sock, address = server.accept()
             except OSError:
                 return
-            threading.Thread(target=handle, args=(Link(sock, name=name),), daemon=True).start()
+            threading.Thread(target=open_link, args=(tune(sock), address), daemon=True).start()
 
     thread = threading.Thread(target=loop, name=f"seamline-accept-{name}", daemon=True)
     thread.start()

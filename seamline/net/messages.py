@@ -25,6 +25,7 @@ class Challenge(Message):
     kind: Literal["challenge"] = "challenge"
     nonce: str
     protocol_version: int = PROTOCOL_VERSION
+    ca_certificate: str = ""  # the coordinator's: the mesh CA (PEM), which the invite pins by fingerprint
 
 
 class Resources(Message):
@@ -45,6 +46,21 @@ class Join(Message):
     data_port: int
     max_memory_bytes: int | None = None
     comm_port: int = 0  # where this node listens for lockstep peers (0: none)
+    csr: str = ""  # the node's certificate signing request (PEM), over TLS
+
+
+class Renew(Message):
+    """A member asks for a fresh certificate for its key before its own expires."""
+
+    kind: Literal["renew"] = "renew"
+    csr: str
+
+
+class Certificate(Message):
+    """The coordinator's answer to a Renew: the member's new certificate (PEM)."""
+
+    kind: Literal["certificate"] = "certificate"
+    certificate: str
 
 
 class DataHello(Message):
@@ -61,6 +77,7 @@ class Welcome(Message):
     kind: Literal["welcome"] = "welcome"
     node_id: str
     proof: str = ""  # the coordinator's answer to the node's nonce (``coordinator_proof``)
+    certificate: str = ""  # the node's certificate from the mesh CA (PEM), over TLS
 
 
 class Refuse(Message):
@@ -117,6 +134,8 @@ class Route(Message):
     plan_id: int
     downstream: tuple[str, int] | None  # next stage's data address (None: last stage)
     stage0: tuple[str, int] | None  # where the last stage sends tokens (None: not last)
+    downstream_node: str = ""  # the node ids a certificate must name at those addresses
+    stage0_node: str = ""
     stages: int = 1  # stages in the pipeline: stage 0 keeps at least this many micro-batches in flight
     micro_batches: int = 0  # more micro-batches in flight than stages (0: as many as stages)
     forks: bool = False  # every stage can copy a cache (no lockstep group): stage 0 shares prefixes
@@ -198,7 +217,7 @@ class Heartbeat(Message):
 
 
 AnyMessage = Annotated[
-    Union[Challenge, Join, DataHello, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork,
+    Union[Challenge, Join, Renew, Certificate, DataHello, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork,
           Forget, Failure, StatsRequest, Stats, Heartbeat],
     Field(discriminator="kind"),
 ]

@@ -18,6 +18,8 @@ HELLO (each way, on each new socket): magic b"SLHI" | version u16 | rank u16 | w
 fingerprint length u16, then the UTF-8 group fingerprint (model hash, shapes, dtype, gate
 schedule — opaque here). A mismatch in any field is refused with both values named.
 Rank i first accepts ranks < i, then dials ranks > i; dials retry until the connect deadline.
+With ``GroupTls`` every socket is TLS 1.3 first, both ends verified against the mesh CA, and a
+peer whose certificate does not name the node planned at its rank is refused.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Callable, Iterable
 import torch
 
 from seamline.net.link import listen, tune
+from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
 from seamline.parallel.comm import (
     GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference, sum_in_rank_order,
 )  # fmt: skip
@@ -105,6 +108,7 @@ class TcpComm:
         fingerprint: str,
         connect_timeout_s: float = 60.0,
         bind_host: str | None = None,
+        tls: GroupTls | None = None,
     ) -> "TcpComm":
         """Listen at ``addresses[rank]``, dial every higher rank, accept every lower one."""
         if not 0 <= rank < world or len(addresses) != world:
@@ -120,7 +124,9 @@ class TcpComm:
             while len(socks) < rank:
                 sock = _accept(server, rank, socks, deadline, connect_timeout_s)
                 try:
+                    sock = _secure(sock, tls, None, timeout_s)
                     peer = _handshake(sock, hello, rank, world, fingerprint, None, timeout_s)
+                    _check_name(sock, tls, peer)
                 except BaseException:
                     sock.close()
                     raise
@@ -129,8 +135,9 @@ class TcpComm:
                     raise CommError(f"rank {peer} connected twice to rank {rank}")
                 socks[peer] = sock
             for peer in range(rank + 1, world):
-                sock = _dial(rank, peer, addresses[peer], deadline, connect_timeout_s)
+                sock = _secure(_dial(rank, peer, addresses[peer], deadline, connect_timeout_s), tls, peer, timeout_s)
                 socks[peer] = sock
+                _check_name(sock, tls, peer)
                 _handshake(sock, hello, rank, world, fingerprint, peer, timeout_s)
         except BaseException:
             for sock in socks.values():
@@ -290,6 +297,25 @@ def _accept(server: socket.socket, rank: int, socks: dict[int, socket.socket],
         missing = [r for r in range(rank) if r not in socks]
         raise CommError(f"rank {rank} waited {budget} s for ranks {missing} to connect") from None
     return tune(sock)
+
+
+def _secure(sock: socket.socket, tls: GroupTls | None, peer: int | None, timeout_s: float) -> socket.socket:
+    """The socket after a TLS handshake (``peer``: the rank dialled; None: accepted)."""
+    if tls is None:
+        return sock
+    try:
+        secured = TlsSocket.handshake(sock, tls.server if peer is None else tls.client, peer is None, timeout_s)
+    except TlsRefused as exc:
+        sock.close()
+        who = "a peer" if peer is None else f"rank {peer}"
+        raise CommError(f"refused {who}: {exc}", peer=peer) from None
+    return secured  # type: ignore[return-value]
+
+
+def _check_name(sock: socket.socket, tls: GroupTls | None, peer: int) -> None:
+    if tls is not None and sock.peer_id() != tls.names[peer]:  # type: ignore[attr-defined]
+        raise CommError(f"the peer at rank {peer} presented a certificate for {sock.peer_id()!r}, "  # type: ignore[attr-defined]
+                        f"not the planned node {tls.names[peer]!r}", peer=peer)
 
 
 def _handshake(sock: socket.socket, hello: bytes, rank: int, world: int, fingerprint: str,

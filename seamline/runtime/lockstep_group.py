@@ -53,6 +53,7 @@ from seamline.model.ownership import rank_ownership
 from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm, CommError, GateTag, Transport
+from seamline.net.tls import GroupTls
 from seamline.parallel.connect import make_comm
 from seamline.weights.loader import DTYPES, load_stage, open_source
 from seamline.weights.source import TensorSource
@@ -119,7 +120,8 @@ class LockstepRank:
     def __init__(self, model: str | Path | TensorSource, rank: int, world: int,
                  addresses: list[tuple[str, int]], timeout_s: float = 30.0, dtype: torch.dtype = torch.float32,
                  connect_timeout_s: float = 60.0, *, transport: Transport = "tcp",
-                 layers: tuple[int, int] | None = None, identity: str | None = None) -> None:
+                 layers: tuple[int, int] | None = None, identity: str | None = None,
+                 tls: GroupTls | None = None) -> None:
         """Load this rank's shard of ``layers`` from ``model`` (a path, or an open source with
         an ``identity`` naming its model), then join the group over ``transport``."""
         if isinstance(model, (str, Path)):
@@ -137,7 +139,7 @@ class LockstepRank:
         self.stage = load_stage(source, own, dtype, self.config, comm=self.comm)
         self.fingerprint = group_fingerprint(identity, raw_config, self.stage, dtype, world)
         self.comm.inner = make_comm(transport, rank, world, addresses, timeout_s, self.fingerprint,
-                                    connect_timeout_s)
+                                    connect_timeout_s, tls)
         self.seqs: dict[int, _Sequence] = {}
         self._control = 0  # control messages so far: the sequence of their tags
 

@@ -13,13 +13,16 @@ from __future__ import annotations
 import logging
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from seamline.mesh.control.enrollment import Enrollment
 from seamline.mesh.control.invite import Invite, coordinator_proof, verify
+from seamline.mesh.identity import IdentityError, MeshAuthority
 from seamline.config import ModelConfig
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.measured import steady_rates
@@ -30,8 +33,8 @@ from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanError, PlanO
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, FrameError, TokenFrame, TokenRow
 from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Challenge, Close, Failure, Join, Linked, Message, Open, Prompt, Ready,
-    Refuse, Route, Stats, StatsRequest, Welcome,
+    PROTOCOL_VERSION, Assign, Certificate, Challenge, Close, Failure, Join, Linked, Message, Open, Prompt, Ready,
+    Refuse, Renew, Route, Stats, StatsRequest, Welcome,
 )  # fmt: skip
 
 log = logging.getLogger("seamline.coordinator")
@@ -81,8 +84,12 @@ FailureSink = Callable[[int | None, str, str], None]  # request (None: all), rea
 
 
 class Coordinator:
-    def __init__(self, invite: Invite, model: ModelSpec, model_hash: str, options: CoordinatorOptions) -> None:
+    def __init__(self, invite: Invite, model: ModelSpec, model_hash: str, options: CoordinatorOptions,
+                 authority: MeshAuthority | None = None) -> None:  # fmt: skip
+        """``authority``: the mesh CA; every link is TLS with certificates it issues (None: plaintext,
+        for measuring what TLS costs)."""
         self.invite = invite
+        self.enrollment = Enrollment(authority) if authority is not None else None
         self.model = model
         self.model_hash = model_hash
         self.options = options
@@ -99,18 +106,23 @@ class Coordinator:
     # -- membership ---------------------------------------------------------------------
     def start(self, host: str) -> int:
         self._server = server = listen(host, self.invite.control_port)
-        accept_links(server, "joining node", self._handshake)
+        accept_links(server, "control", self._handshake, tls=self._control_context)
         return int(server.getsockname()[1])
+
+    def _control_context(self) -> ssl.SSLContext | None:
+        return self.enrollment.control_context if self.enrollment is not None else None
 
     def _handshake(self, link: Link) -> None:
         peer = link.peer()
         link.limits = HANDSHAKE_LIMITS  # nothing large from a peer that has not proved its invite
         try:
             nonce = secrets.token_hex(16)
-            link.send_message(Challenge(nonce=nonce))
+            link.send_message(self.enrollment.challenge(nonce) if self.enrollment else Challenge(nonce=nonce))
             join = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
             reason = self._refusal(join, nonce)
-            if reason:
+            certificate = self._certify(join) if not reason else ""
+            if reason or certificate is None:
+                reason = reason or "its certificate signing request does not check out"
                 log.warning("refused node from %s: %s", peer, reason)
                 link.send_message(Refuse(reason=reason))
                 link.close()
@@ -121,7 +133,8 @@ class Coordinator:
             link.name = f"node {join.node_id}"
             with self.lock:
                 self.nodes[join.node_id] = handle
-            link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(self.invite.secret, join.nonce)))
+            link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(self.invite.secret, join.nonce),
+                                      certificate=certificate))  # fmt: skip
         except (LinkClosed, FrameError) as exc:
             log.warning("join from %s failed: %s", peer, exc)
             link.close()
@@ -141,7 +154,43 @@ class Coordinator:
             return "wrong invite token"
         if join.node_id in self.nodes:
             return f"a node named {join.node_id} has already joined"
-        return ""
+        return self.enrollment.refusal(join) if self.enrollment is not None else ""
+
+    def _certify(self, join: object) -> str | None:
+        """The joining node's certificate ("" on a plaintext mesh; None if its request is bad)."""
+        if self.enrollment is None:
+            return ""
+        assert isinstance(join, Join)
+        try:
+            return self.enrollment.certify(join.node_id, join.csr)
+        except IdentityError as exc:
+            log.warning("node %s: %s", join.node_id, exc)
+            return None
+
+    def _renew(self, handle: NodeHandle, renew: Renew) -> None:
+        if self.enrollment is None:
+            return
+        try:
+            handle.link.send_message(Certificate(certificate=self.enrollment.certify(handle.node_id, renew.csr)))
+            log.info("renewed node %s's certificate", handle.node_id)
+        except IdentityError as exc:
+            log.warning("no renewal for node %s: %s", handle.node_id, exc)
+        except LinkClosed:
+            pass
+
+    def remove_node(self, node_id: str) -> bool:
+        """Eject a member: no certificate for its id from now on, its control link dropped (its
+        data links go with the plan made without it). False if no such member is joined."""
+        if self.enrollment is not None:
+            self.enrollment.remove(node_id)
+        with self.lock:
+            handle = self.nodes.get(node_id)
+        if handle is None:
+            return False
+        log.warning("removing node %s", node_id)
+        handle.link.close()
+        self._lost(handle, "removed by the administrator")
+        return True
 
     def _read_node(self, handle: NodeHandle) -> None:
         while True:
@@ -165,6 +214,8 @@ class Coordinator:
                     handle.events.notify_all()
             elif isinstance(message, Failure):
                 self._reported(handle, message)
+            elif isinstance(message, Renew):
+                self._renew(handle, message)
 
     def _reported(self, handle: NodeHandle, message: Failure) -> None:
         """A node's failure report: its own start-up, or a request it serves. A node outside the
@@ -285,7 +336,9 @@ class Coordinator:
         downstream = None if last else (handles[index + 1].join.data_host, handles[index + 1].join.data_port)
         stage0 = (handles[0].join.data_host, handles[0].join.data_port) if last and index > 0 else None
         handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0, stages=len(handles),
-                                               micro_batches=self.options.micro_batches, forks=forks))  # fmt: skip
+                                       downstream_node=handles[index + 1].node_id if downstream else "",
+                                       stage0_node=handles[0].node_id if stage0 else "",
+                                       micro_batches=self.options.micro_batches, forks=forks))  # fmt: skip
         self._wait(handle, lambda: handle.linked or None, "LINKED")
 
     def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float = STEP_TIMEOUT_S) -> Any:

@@ -1,8 +1,10 @@
-"""Invite tokens: where the coordinator is, a secret, and an expiry, in one pasteable string.
+"""Invite tokens: where the coordinator is, a secret, an expiry and the mesh CA's fingerprint,
+in one pasteable string.
 
 ``seamline-`` + base64url(JSON). A joining node proves it holds the secret by answering the
 coordinator's random challenge with HMAC-SHA256(secret, nonce); the secret never crosses the
-wire. Pinning the coordinator's identity (a key fingerprint) comes with encrypted links.
+wire. The node knows the coordinator by the CA fingerprint (``mesh.identity``) before it
+sends anything, and the coordinator proves it holds the secret too.
 """
 
 from __future__ import annotations
@@ -31,9 +33,11 @@ class Invite:
     http_port: int
     secret: str
     expires: float  # unix time
+    ca_fingerprint: str = ""  # sha256 of the mesh CA's certificate; "" for a plaintext mesh (benchmarks)
 
     def encode(self) -> str:
-        body = dict(h=list(self.hosts), c=self.control_port, p=self.http_port, s=self.secret, e=int(self.expires))
+        body = dict(h=list(self.hosts), c=self.control_port, p=self.http_port, s=self.secret, e=int(self.expires),
+                    f=self.ca_fingerprint)  # fmt: skip
         return PREFIX + base64.urlsafe_b64encode(json.dumps(body).encode()).decode().rstrip("=")
 
     @classmethod
@@ -44,7 +48,8 @@ class Invite:
         try:
             raw = token[len(PREFIX) :]
             body = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-            invite = cls(tuple(body["h"]), int(body["c"]), int(body["p"]), str(body["s"]), float(body["e"]))
+            invite = cls(tuple(body["h"]), int(body["c"]), int(body["p"]), str(body["s"]), float(body["e"]),
+                         str(body.get("f", "")))  # fmt: skip
         except (ValueError, KeyError, TypeError):
             raise InviteError("invite token is corrupt (copy it again in full)") from None
         return invite
@@ -61,8 +66,9 @@ class Invite:
             raise InviteError(f"invite token expired at {when} UTC; ask the coordinator for a new one")
 
 
-def new_invite(hosts: tuple[str, ...], control_port: int, http_port: int, ttl_s: float) -> Invite:
-    return Invite(hosts, control_port, http_port, secrets.token_hex(16), time.time() + ttl_s)
+def new_invite(hosts: tuple[str, ...], control_port: int, http_port: int, ttl_s: float,
+               ca_fingerprint: str = "") -> Invite:  # fmt: skip
+    return Invite(hosts, control_port, http_port, secrets.token_hex(16), time.time() + ttl_s, ca_fingerprint)
 
 
 def proof(secret: str, nonce: str) -> str:

@@ -22,6 +22,7 @@ from seamline.mesh.control.fragment_server import fragment_routes
 from seamline.mesh.plan.groups import check_world
 from seamline.mesh.control.invite import Invite, new_invite
 from seamline.mesh.control.mesh_backend import MeshBackend
+from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.types import ModelSpec, Plan
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest
@@ -51,6 +52,8 @@ class ServeOptions:
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
     tls_certificate: str = ""  # PEM: the API (and the fragments nodes fetch) is served over HTTPS with it
+    plaintext_links: bool = False  # no mesh CA, links unencrypted: only to measure what TLS costs
+    state_dir: Path | None = None  # the mesh CA is kept here (default: <cache_dir>/mesh)
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
 
 
@@ -83,14 +86,17 @@ def build_mesh(options: ServeOptions) -> Mesh:
     spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype), types)
     hosts = options.advertise or (_reachable(options.host),)
     scheme = "https" if options.tls_certificate else "http"
-    invite = new_invite(hosts, options.control_port or options.port + 1, options.port, options.invite_ttl_s)
+    authority = None if options.plaintext_links else MeshAuthority.load_or_create(
+        options.state_dir or options.cache_dir / "mesh")
+    invite = new_invite(hosts, options.control_port or options.port + 1, options.port, options.invite_ttl_s,
+                        authority.fingerprint if authority else "")  # fmt: skip
     coordinator = Coordinator(invite, spec, manifest.model_hash, CoordinatorOptions(
         nodes_expected=max(options.nodes_expected, options.tensor_parallel), dtype=options.dtype,
         context_length=context, fragments_url=f"{scheme}://{url_host(hosts[0])}:{options.port}",
         fragments_certificate=options.tls_certificate,
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
         transport=options.transport, gate_timeout_s=options.gate_timeout_s, insecure_comm=options.insecure_comm,
-        micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes))  # fmt: skip
+        micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes), authority)  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context)
 

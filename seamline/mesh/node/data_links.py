@@ -5,7 +5,8 @@ before it (hidden frames and the session messages that travel with them) and, fo
 the last stage (tokens). The dialler answers the node's challenge with its node id and the
 plan, under the key. Until it has, a link takes only the handshake's small control messages,
 for at most ``HANDSHAKE_DEADLINE_S``; afterwards a frame is taken only from the link whose
-role expects it. (Mutually authenticated TLS will carry the same check in certificates.)
+role expects it. Over TLS both ends present certificates from the mesh CA, and each checks that
+the other's names the node the plan put there.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import ssl
 
 from seamline.errors import SeamlineError
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, HiddenFrame, TokenFrame
@@ -31,9 +33,14 @@ def data_proof(key: str, nonce: str, node_id: str, plan_id: int) -> str:
     return hmac.new(key.encode(), f"data:{nonce}:{node_id}:{plan_id}".encode(), hashlib.sha256).hexdigest()
 
 
-def dial(address: tuple[str, int], node_id: str, assign: Assign) -> Link:
-    """A link to the next stage (or, from the last stage, to stage 0), proved as ``node_id``."""
-    link = Link.connect(*address, name=f"{address[0]}:{address[1]}")
+def dial(address: tuple[str, int], peer_node: str, node_id: str, assign: Assign,
+         tls: ssl.SSLContext | None = None) -> Link:  # fmt: skip
+    """A link to the next stage (or, from the last stage, to stage 0), ``peer_node``, proved as
+    ``node_id``; over TLS when ``tls`` is given, refused unless the peer's certificate names ``peer_node``."""
+    link = Link.connect(*address, name=f"{address[0]}:{address[1]}", tls=tls)
+    if tls is not None and link.peer_id() != peer_node:
+        link.close()
+        raise Refused(f"{link.name} presented a certificate for {link.peer_id()!r}, not the planned {peer_node!r}")
     link.limits = HANDSHAKE_LIMITS
     challenge = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
     if not isinstance(challenge, Challenge):
@@ -45,8 +52,9 @@ def dial(address: tuple[str, int], node_id: str, assign: Assign) -> Link:
     return link
 
 
-def admit(link: Link, assign: Assign | None) -> str:
-    """Challenge a link to this node's data port; its role (``UPSTREAM`` or ``LAST``), or Refused."""
+def admit(link: Link, assign: Assign | None, certified: bool = False) -> str:
+    """Challenge a link to this node's data port; its role (``UPSTREAM`` or ``LAST``), or Refused.
+    ``certified``: the link is TLS and its certificate must name the node the hello names."""
     link.limits = HANDSHAKE_LIMITS
     nonce = secrets.token_hex(16)
     link.send_message(Challenge(nonce=nonce))
@@ -59,6 +67,8 @@ def admit(link: Link, assign: Assign | None) -> str:
     role = roles.get(hello.node_id) if hello.node_id else None
     if role is None:
         raise Refused(f"node {hello.node_id} is not a planned sender to this stage")
+    if certified and link.peer_id() != hello.node_id:
+        raise Refused(f"a certificate for {link.peer_id()!r} claimed to be node {hello.node_id}")
     if not hmac.compare_digest(hello.proof, data_proof(assign.link_key, nonce, hello.node_id, hello.plan_id)):
         raise Refused(f"node {hello.node_id} did not prove the plan's link key")
     link.limits = LIMITS

@@ -13,6 +13,7 @@ from seamline.mesh.control.invite import Invite
 from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.net.messages import Assign
+from seamline.net.tls import GroupTls
 from seamline.model.ownership import rank_ownership
 from seamline.runtime.lockstep_group import LockstepRank
 from seamline.weights.fragments import FragmentSource, fragments_for
@@ -33,7 +34,8 @@ def load_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tup
     return load_stage(source, own, DTYPES[assign.dtype], config), downloaded
 
 
-def load_rank(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[LockstepRank, int]:
+def load_rank(invite: Invite, assign: Assign, options: NodeOptions,
+              tls: GroupTls | None = None) -> tuple[LockstepRank, int]:  # fmt: skip
     """This node's rank of a lockstep group: its shard of the range, joined to its peers.
     Of the routed experts it fetches only its own chunks; the layers' other fragments are
     fetched whole, and only the rank's slices are read from them."""
@@ -42,7 +44,7 @@ def load_rank(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[Loc
     log.info("rank %d of %d: joining the group over %s", rank, world, assign.transport)
     member = LockstepRank(source, rank, world, [(host, port) for host, port in assign.group], assign.gate_timeout_s,
                           DTYPES[assign.dtype], GROUP_CONNECT_TIMEOUT_S, transport=assign.transport,  # type: ignore[arg-type]
-                          layers=assign.layers, identity=assign.model_hash)  # fmt: skip
+                          layers=assign.layers, identity=assign.model_hash, tls=tls)  # fmt: skip
     return member, downloaded
 
 

@@ -14,6 +14,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -27,14 +28,17 @@ import torch
 
 from seamline.runtime.group_stage import LockstepStage
 from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
+from seamline.mesh.identity import check_coordinator, enrolling_context
+from seamline.mesh.node.credentials import Credentials
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.mesh.node.data_links import Refused, admit, dial, expected_from
 from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen
+from seamline.net.tls import GroupTls
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked, Message, Open,
-    Prompt, Ready, Refuse, Resources, Route, Stats, StatsRequest, Welcome,
+    PROTOCOL_VERSION, Assign, Certificate, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked, Message,
+    Open, Prompt, Ready, Refuse, Renew, Resources, Route, Stats, StatsRequest, Welcome,
 )  # fmt: skip
 from seamline.errors import OverloadedError, RequestError
 from seamline.parallel.comm import CommError
@@ -98,10 +102,13 @@ def local_resources(options: NodeOptions) -> Resources:
 
 
 def connect_to_coordinator(invite: Invite) -> Link:
+    """The control link: TLS when the invite pins a mesh CA (the certificate is checked once the
+    coordinator has sent the CA, ``check_coordinator``)."""
     errors = []
+    tls = enrolling_context() if invite.ca_fingerprint else None
     for host in invite.hosts:
         try:
-            return Link.connect(host, invite.control_port, name=f"coordinator {host}")
+            return Link.connect(host, invite.control_port, name=f"coordinator {host}", tls=tls)
         except OSError as exc:
             errors.append(f"{host}:{invite.control_port}: {exc}")
     raise InviteError(f"cannot reach the coordinator ({'; '.join(errors)})")
@@ -119,14 +126,26 @@ class Node:
         self.bytes_downloaded = 0
         self.comm_port = 0  # lockstep peers reach this node here
         self.group_stage: LockstepStage | None = None  # this node leads a lockstep group
+        self.credentials: Credentials | None = None  # None: a plaintext mesh
 
     # -- joining ------------------------------------------------------------------------
     def join(self) -> None:
         self.invite.check_fresh()
         self.control = control = connect_to_coordinator(self.invite)
+        try:
+            self._join(control)
+        except (LinkClosed, FrameError) as exc:
+            control.close()
+            raise InviteError(f"the coordinator ended the join: {exc} (is the token this mesh's, in full?)") from None
+
+    def _join(self, control: Link) -> None:
         challenge = control.recv()
         if not isinstance(challenge, Challenge):
             raise InviteError(f"coordinator sent {type(challenge).__name__} instead of a challenge")
+        if self.invite.ca_fingerprint:
+            check_coordinator(control.sock.peer_certificate_der(), challenge.ca_certificate,  # type: ignore[union-attr]
+                              self.invite.ca_fingerprint)  # fmt: skip
+            self.credentials = Credentials(self.options.node_id, challenge.ca_certificate)
         data_host = control.sock.getsockname()[0]
         self.data_server = listen(data_host, self.options.data_port)
         self.comm_port = free_port(data_host)
@@ -134,7 +153,8 @@ class Node:
         join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce), nonce=nonce,
                     protocol_version=PROTOCOL_VERSION, resources=local_resources(self.options),
                     data_host=data_host, data_port=self.data_server.getsockname()[1],
-                    max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port)  # fmt: skip
+                    max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port,
+                    csr=self.credentials.signing_request() if self.credentials else "")  # fmt: skip
         control.send_message(join)
         answer = control.recv()
         if isinstance(answer, Refuse):
@@ -143,13 +163,16 @@ class Node:
             raise InviteError(f"coordinator sent {type(answer).__name__} instead of a welcome")
         if not hmac.compare_digest(answer.proof, coordinator_proof(self.invite.secret, nonce)):
             raise InviteError("the coordinator did not prove it holds this invite: not the mesh the token names")
+        if self.credentials is not None:
+            self.credentials.accept(answer.certificate)
+            self.credentials.keep_renewed(lambda csr: control.send_message(Renew(csr=csr)))
         log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
 
     # -- serving ------------------------------------------------------------------------
     def serve(self) -> None:
         """Handle coordinator messages until the coordinator goes away."""
         assert self.control is not None and self.data_server is not None
-        accept_links(self.data_server, "inbound data", self._read_data)
+        accept_links(self.data_server, "data", self._read_data, tls=self._server_context)
         while True:
             try:
                 message = self.control.recv()
@@ -162,9 +185,14 @@ class Node:
             if isinstance(message, Message):
                 self._on_control(message)
 
+    def _server_context(self) -> ssl.SSLContext | None:
+        return self.credentials.server if self.credentials else None
+
     def _on_control(self, message: Message) -> None:
         try:
-            if isinstance(message, Assign):
+            if isinstance(message, Certificate) and self.credentials:
+                self.credentials.accept(message.certificate)
+            elif isinstance(message, Assign):
                 self._load(message)
             elif isinstance(message, Route):
                 self._route(message)
@@ -221,7 +249,7 @@ class Node:
             self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
                                       _kv_budget(assign))  # fmt: skip
         else:
-            member, downloaded = load_rank(self.invite, assign, self.options)
+            member, downloaded = load_rank(self.invite, assign, self.options, self._group_tls(assign))
             if member.rank == 0:  # the leader: its StageWorker drives the whole group
                 self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
                 self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head,
@@ -238,6 +266,12 @@ class Node:
                                 shard=assign.shard)  # fmt: skip
         resident = psutil.Process().memory_info().rss
         self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=downloaded, resident_bytes=resident))
+
+    def _group_tls(self, assign: Assign) -> GroupTls | None:
+        creds = self.credentials
+        if creds is None or creds.server is None or creds.client is None or assign.transport != "tcp":
+            return None
+        return GroupTls(creds.server, creds.client, tuple(assign.group_nodes))
 
     def _layers(self) -> str:
         return "?,?" if self.assignment is None else f"{self.assignment.layers[0]},{self.assignment.layers[1]}"
@@ -269,13 +303,14 @@ class Node:
         if self.worker.head is not None:
             self.worker.head.share_prefixes(route.forks)
         assert self.assignment is not None
+        tls = self.credentials.client if self.credentials else None
         if route.downstream is not None:
-            link = dial(route.downstream, self.options.node_id, self.assignment)
+            link = dial(route.downstream, route.downstream_node, self.options.node_id, self.assignment, tls)
             self.peers.append(link)
             self.worker.links.downstream = link.send_hidden
             self.worker.links.downstream_message = link.send_message
         if route.stage0 is not None:
-            link = dial(route.stage0, self.options.node_id, self.assignment)
+            link = dial(route.stage0, route.stage0_node, self.options.node_id, self.assignment, tls)
             self.peers.append(link)
             self.worker.links.stage0 = link.send_tokens
         self.control.send_message(Linked(plan_id=route.plan_id))
@@ -283,7 +318,7 @@ class Node:
     def _read_data(self, link: Link) -> None:
         peer = link.peer()
         try:
-            role = admit(link, self.assignment)
+            role = admit(link, self.assignment, certified=self.credentials is not None)
         except (Refused, LinkClosed, FrameError) as exc:
             log.warning("refused data link from %s: %s", peer, exc)
             link.close()

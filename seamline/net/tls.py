@@ -1,0 +1,181 @@
+"""TLS 1.3 over a blocking socket, for one reader and several writers at once.
+
+OpenSSL's connection object must not be read on one thread while another writes on it, and a
+Link (or a lockstep comm's large send) does exactly that. So the TLS state here is an
+``ssl.SSLObject`` over two memory buffers: encrypting and decrypting run under a short lock,
+the socket's reads and writes outside it. ``TlsSocket`` offers the calls ``Link`` and
+``TcpComm`` make on a socket, so either runs over TLS unchanged.
+
+Both sides present a certificate from the mesh's CA (``seamline.mesh.identity`` makes the
+contexts); ``peer_id`` is the node id the peer's certificate names.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+RECV_CHUNK = 256 << 10
+
+
+@dataclass(frozen=True)
+class GroupTls:
+    """Mutual TLS for a lockstep group: this rank's contexts, and the node id each rank's
+    certificate must name, in rank order."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
+    names: tuple[str, ...]
+
+
+class TlsRefused(ConnectionError):
+    """The TLS handshake failed: a plaintext peer, a certificate from another CA, an expired one."""
+
+
+class TlsSocket:
+    """A connected socket after a TLS handshake; see the module doc for why not ``SSLSocket``."""
+
+    def __init__(self, sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
+                 outgoing: ssl.MemoryBIO) -> None:  # fmt: skip
+        self._sock = sock
+        self._tls = tls
+        self._incoming = incoming
+        self._outgoing = outgoing
+        self._tls_lock = threading.Lock()  # the SSLObject: held only for in-memory work
+        self._send_lock = threading.Lock()  # keeps one sender's records together on the wire
+
+    @classmethod
+    def handshake(cls, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
+                  deadline_s: float) -> "TlsSocket":  # fmt: skip
+        """Run the handshake within ``deadline_s``; TlsRefused says why it failed."""
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = context.wrap_bio(incoming, outgoing, server_side=server_side)
+        previous = sock.gettimeout()
+        sock.settimeout(deadline_s)
+        try:
+            while True:
+                try:
+                    tls.do_handshake()
+                    done = True
+                except ssl.SSLWantReadError:
+                    done = False
+                if outgoing.pending:
+                    sock.sendall(outgoing.read())
+                if done:
+                    break
+                data = sock.recv(RECV_CHUNK)
+                if not data:
+                    raise TlsRefused("the peer closed the connection during the TLS handshake")
+                incoming.write(data)
+        except ssl.SSLError as exc:
+            _send_alert(sock, outgoing)
+            raise TlsRefused(f"TLS handshake failed: {getattr(exc, 'verify_message', None) or exc.reason or exc}") from None
+        except TimeoutError:
+            raise TlsRefused(f"no TLS handshake within {deadline_s} s") from None
+        except OSError as exc:
+            raise TlsRefused(f"the link broke during the TLS handshake: {exc}") from None
+        sock.settimeout(previous)
+        return cls(sock, tls, incoming, outgoing)
+
+    # -- the socket calls Link and TcpComm make --------------------------------------------
+    def sendmsg(self, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+        total = 0
+        with self._send_lock:
+            with self._tls_lock:
+                for buffer in buffers:
+                    view = memoryview(buffer).cast("B")
+                    if view.nbytes:
+                        self._tls.write(view)
+                    total += view.nbytes
+                sealed = self._outgoing.read()
+            self._sock.sendall(sealed)
+        return total
+
+    def sendall(self, data: bytes | bytearray | memoryview) -> None:
+        self.sendmsg([data])
+
+    def recv_into(self, view: memoryview, nbytes: int = 0) -> int:
+        """Up to ``nbytes`` (default: the view's size) decrypted bytes; 0 when the peer closed."""
+        size = nbytes or len(view)
+        while True:
+            with self._tls_lock:
+                try:
+                    got: int | None = self._tls.read(size, view)
+                except ssl.SSLWantReadError:
+                    got = None
+                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                    return 0
+                answer = self._outgoing.pending  # TLS may answer a peer's message on a read
+            if answer:
+                self._flush()
+            if got is not None:
+                return got
+            data = self._sock.recv(RECV_CHUNK)
+            if not data:
+                return 0
+            with self._tls_lock:
+                self._incoming.write(data)
+
+    def _flush(self) -> None:
+        with self._send_lock:
+            with self._tls_lock:
+                sealed = self._outgoing.read()
+            self._sock.sendall(sealed)
+
+    def settimeout(self, timeout: float | None) -> None:
+        self._sock.settimeout(timeout)
+
+    def gettimeout(self) -> float | None:
+        return self._sock.gettimeout()
+
+    def getpeername(self) -> tuple:
+        return self._sock.getpeername()
+
+    def getsockname(self) -> tuple:
+        return self._sock.getsockname()
+
+    def setsockopt(self, *args: object) -> None:
+        self._sock.setsockopt(*args)  # type: ignore[arg-type]
+
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def shutdown(self, how: int) -> None:
+        self._sock.shutdown(how)
+
+    def close(self) -> None:
+        self._sock.close()
+
+    def __enter__(self) -> "TlsSocket":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- identity -----------------------------------------------------------------------
+    def peer_id(self) -> str:
+        """The common name of the peer's verified certificate (its node id); "" if none."""
+        return certificate_name(self._tls.getpeercert() or {})
+
+    def peer_certificate_der(self) -> bytes | None:
+        return self._tls.getpeercert(binary_form=True)
+
+
+def _send_alert(sock: socket.socket, outgoing: ssl.MemoryBIO) -> None:
+    """Tell the peer why (OpenSSL left an alert to send), so it fails at once, not at a timeout."""
+    try:
+        if outgoing.pending:
+            sock.sendall(outgoing.read())
+    except OSError:
+        pass
+
+
+def certificate_name(certificate: dict) -> str:
+    for rdn in certificate.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                return str(value)
+    return ""
