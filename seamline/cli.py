@@ -105,6 +105,27 @@ def _add_mesh_commands(sub: Any) -> None:
                       help="throughput under load (the slowest stage; the default) or per-token latency")
     _tensor_parallel_arg(plan, "N nodes per stage in lockstep (0: groups only where no node holds a stage)")
     plan.set_defaults(handler=cmd_plan)
+    _add_admin_commands(sub)
+
+
+def _add_admin_commands(sub: Any) -> None:
+    invite = sub.add_parser("invite", help="create, list or revoke invites to a running mesh")
+    actions = invite.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="a new invite token")
+    create.add_argument("--uses", type=int, default=None, help="nodes it may admit (default: any number)")
+    create.add_argument("--expires", default="24h", help="lifetime: 90s, 30m, 1h, 7d (default 24h)")
+    actions.add_parser("list", help="every invite, its uses and state")
+    revoke = actions.add_parser("revoke", help="no node joins with it from now on")
+    revoke.add_argument("id")
+    node = sub.add_parser("node", help="manage a running mesh's members")
+    node_actions = node.add_subparsers(dest="action", required=True)
+    remove = node_actions.add_parser("remove", help="eject a member: its certificate revoked, its links dropped")
+    remove.add_argument("id")
+    for parser in (create, actions.choices["list"], revoke, remove):
+        parser.add_argument("--state-dir", default=None, help="the coordinator's state (default: <cache>/mesh)")
+        parser.add_argument("--url", default=None, help="the coordinator's API (default: from the state directory)")
+    invite.set_defaults(handler=cmd_admin, handler_name="invite")
+    node.set_defaults(handler=cmd_admin, handler_name="node")
 
 
 def _at_least_zero(text: str) -> int:
@@ -264,6 +285,28 @@ def _invite_token(args: argparse.Namespace) -> str:
         except OSError as exc:
             raise SeamlineError(f"cannot read the invite token file: {exc}") from None
     return value.strip()
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    """`seamline invite create|list|revoke` and `seamline node remove`."""
+    from pathlib import Path
+
+    from seamline.mesh.control.admin_client import AdminClient, default_state_dir, format_invites, parse_duration
+
+    client = AdminClient(Path(args.state_dir) if args.state_dir else default_state_dir(), args.url)
+    if args.handler_name == "node":
+        client.call("DELETE", f"nodes/{args.id}")
+        print(f"removed node {args.id}")
+    elif args.action == "create":
+        made = client.call("POST", "invites", {"uses": args.uses, "expires_s": parse_duration(args.expires)})
+        print(f"invite {made['id']} ({'any number of' if args.uses is None else args.uses} uses, "
+              f"expires in {args.expires}):\n{made['token']}")  # fmt: skip
+    elif args.action == "list":
+        print(format_invites(client.call("GET", "invites")["invites"]))
+    else:
+        client.call("DELETE", f"invites/{args.id}")
+        print(f"revoked invite {args.id}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -18,8 +18,10 @@ FIELDS = ("single_tok_s", "lockstep2_tok_s", "speedup", "tokens_match", "bytes_p
 
 
 def test_bench_lockstep_tiny_tcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Plaintext tcp and tcp over mutual TLS, side by side: both give the single engine's tokens;
+    TLS's records add a little to the bytes on the wire."""
     monkeypatch.setenv("SEAMLINE_CACHE", str(tmp_path / "cache"))
-    result = bench_lockstep(repeats=1, tokens=8, size="tiny", transports=("tcp",))
+    result = bench_lockstep(repeats=1, tokens=8, size="tiny", transports=("tcp", "tcp_tls"))
     for key in FIELDS:
         assert key in result, key
     tcp = result["transports"]["tcp"]
@@ -27,6 +29,9 @@ def test_bench_lockstep_tiny_tcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         assert key in tcp, key
     assert result["tokens_match"] is True and tcp["tokens_match"] is True
     assert 0.9 <= tcp["bytes_ratio"] <= 1.1, tcp
+    tls = result["transports"]["tcp_tls"]
+    assert tls["tokens_match"] is True and result["speedup_tls"] == tls["speedup"] > 0
+    assert tcp["bytes_per_token_measured"] < tls["bytes_per_token_measured"] < 1.5 * tcp["bytes_per_token_measured"]
     assert tcp["single_tok_s"] > 0 and tcp["lockstep2_tok_s"] > 0
     assert len(result["single_runs_tok_s"]) == 1 and len(tcp["runs_tok_s"]) == 1
     model = result["model"]

@@ -43,7 +43,7 @@ from seamline.bench.moe_model import build_model, model_facts
 
 PROMPT_TOKENS = 16
 DRIVER = "seamline.bench.lockstep_driver"
-TRANSPORTS = ("tcp", "torch")
+TRANSPORTS = ("tcp", "tcp_tls", "torch")  # tcp_tls: tcp over mutual TLS, as a mesh's groups run
 BYTES_METHOD = ("kernel per-socket TCP counters tcpi_bytes_sent - tcpi_bytes_retrans (payload bytes put on "
                 "the wire once, no TCP/IP headers; read with `ss -tinp`), summed over all TCP sockets of "
                 "each rank process across the timed decode steps, / tokens, mean of the 2 ranks")  # fmt: skip
@@ -99,8 +99,9 @@ def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
         peer_single = drivers["single_core1"] = Driver(DRIVER, ["single", *common, "--core", str(core1)])
         for transport in transports:
             extra = ["--netns"] if netns else []
-            drivers[transport] = Driver(DRIVER, ["group", *common, "--transport", transport, "--core", str(core0),
-                                         "--peer-core", str(core1), *extra])  # fmt: skip
+            extra += ["--tls"] if transport == "tcp_tls" else []
+            drivers[transport] = Driver(DRIVER, ["group", *common, "--transport", transport.removesuffix("_tls"),
+                                                 "--core", str(core0), "--peer-core", str(core1), *extra])  # fmt: skip
         ready = {name: d.wait_ready() for name, d in drivers.items()}
         for driver in drivers.values():  # warm-up
             driver.measure(min(8, tokens))
@@ -188,6 +189,8 @@ def _result(runs: dict[str, list[dict[str, Any]]], facts: dict[str, Any], tokens
         "default_transport": "tcp" if "tcp" in per_transport else transports[0],
         **{k: default[k] for k in keys},
         "transports": per_transport,
+        # a mesh's groups run tcp over mutual TLS: its speedup beside plaintext tcp's, from the same runs
+        "speedup_tls": per_transport["tcp_tls"]["speedup"] if "tcp_tls" in per_transport else None,
         "model": facts,
         "dtype": "float32",
         "threads_per_rank": 1,

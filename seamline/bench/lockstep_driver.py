@@ -126,14 +126,30 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--peer-core", type=int, default=1)
     ap.add_argument("--transport", choices=["tcp", "torch"], default="tcp")
+    ap.add_argument("--tls", action="store_true", help="tcp over mutual TLS, certificates from a fresh mesh CA")
     ap.add_argument("--netns", action="store_true")
     ap.add_argument("--timeout", type=float, default=120.0)
     return ap.parse_args()
 
 
+def _group_certificates() -> Path:
+    """A fresh mesh CA and a certificate for each of the two ranks, in a private folder."""
+    import tempfile
+
+    from seamline.mesh.identity import MeshAuthority
+
+    folder = Path(tempfile.mkdtemp(prefix="seamline-group-tls-"))
+    authority = MeshAuthority.create()
+    (folder / "ca.pem").write_text(authority.ca_pem)
+    for rank in range(2):
+        authority.identity(f"rank{rank}").write(folder, f"rank{rank}")
+    return folder
+
+
 def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes], TimedComm | None]:
     """Rank 1 as a subprocess on the peer core, the leader here; the leader's comm timed."""
     from seamline.net.link import free_port
+    from seamline.net.tls import group_tls_from_folder
     from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 
     ports = [free_port(), free_port()]
@@ -142,13 +158,15 @@ def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes]
     addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
     root = Path(__file__).resolve().parents[2]
     peer_core = args.peer_core
+    tls_dir = _group_certificates() if args.tls else None
     peer = subprocess.Popen(
         [sys.executable, "-m", "seamline.runtime.lockstep_group", "--rank", "1", "--world", "2",
          "--addresses", addresses, "--model", args.model, "--timeout", str(args.timeout),
-         "--transport", args.transport],
+         "--transport", args.transport, *(["--tls-dir", str(tls_dir)] if tls_dir else [])],
         cwd=root, env={**os.environ}, preexec_fn=lambda: os.sched_setaffinity(0, {peer_core}))  # fmt: skip
     leader = LockstepRank(args.model, 0, 2, [("127.0.0.1", p) for p in ports], args.timeout,
-                          transport=args.transport)  # type: ignore[arg-type]
+                          transport=args.transport,  # type: ignore[arg-type]
+                          tls=group_tls_from_folder(tls_dir, 0, 2) if tls_dir else None)
     timed = None
     inner = getattr(leader.comm, "inner", None)
     if inner is not None:  # the leader's comm is a late-bound wrapper; time what it wraps

@@ -7,7 +7,9 @@ mesh's decode rate is taken where the coordinator receives the tokens.
 
 Per token the loop crosses the wire twice (hidden state forward, token id back), so
 ``hop_overhead_ms`` = (split − single) / 2 per boundary crossing: on loopback, and on the
-LAN after subtracting the link's own one-way delay.
+LAN after subtracting the link's own one-way delay. Meshes run over mutual TLS; one loopback
+mesh runs its links in plaintext beside it, so ``hop_overhead_ms`` (plaintext) and
+``hop_overhead_ms_tls`` come from the same runs.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ LAN_RATE = "1gbit"
 NS_PREFIX = "slb"
 
 
-RUNS = ("single", "loopback", "lan", "single_1core", "split_1core_each", "lan_1core_each")
+RUNS = ("single", "loopback", "loopback_tls", "lan", "single_1core", "split_1core_each", "lan_1core_each")
 
 
 def _driver(args: list[str], prefix: list[str] | None = None) -> Driver:
@@ -123,12 +125,12 @@ def decode_single(model: LocalModel, prompt: list[int], tokens: int) -> dict[str
 def bench_split(repeats: int = 5, tokens: int = 128) -> dict[str, Any]:
     model = LocalModel.load(context=2048)
     prompt = model.codec.encode_chat([{"role": "user", "content": PROMPT}])
-    loopback, pinned = _driver([]), pinned_driver()
+    loopback, loopback_tls, pinned = _driver(["--plaintext"]), _driver([]), pinned_driver()
     lan_reason = lan_up()
     lan = lan_driver() if not lan_reason else None
     lan_pinned = lan_driver(one_core_each=True) if not lan_reason else None
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in RUNS}
-    drivers = {"loopback": loopback, "lan": lan, "split_1core_each": pinned, "lan_1core_each": lan_pinned}
+    drivers = {"loopback": loopback, "loopback_tls": loopback_tls, "lan": lan, "split_1core_each": pinned, "lan_1core_each": lan_pinned}
     try:
         decode_single(model, prompt, 8)  # warm-up
         for driver in drivers.values():
@@ -176,12 +178,15 @@ def _result(runs: dict[str, list[dict[str, Any]]], tokens: int, repeats: int, hi
         "repeats": repeats,
         "stages": [s["layers"] for s in ready["stages"]],
         "single_tok_s": round(single, 2),
-        "split_loopback_tok_s": round(loop, 2),
+        "split_loopback_tok_s": round(loop, 2),  # plaintext links
         "split_lan_tok_s": round(lan, 2) if lan else None,
         "ratio_loopback": round(loop / single, 3),
         "ratio_lan": round(lan / single, 3) if lan else None,
         # per boundary crossing: the mesh's time outside layer compute, less the single engine's
-        "hop_overhead_ms": round((_glue_ms(runs["loopback"]) - glue) / crossings, 3),
+        "hop_overhead_ms": round((_glue_ms(runs["loopback"]) - glue) / crossings, 3),  # plaintext links
+        "hop_overhead_ms_tls": round((_glue_ms(runs["loopback_tls"]) - glue) / crossings, 3),
+        "tls_ms_per_hop": round((_glue_ms(runs["loopback_tls"]) - _glue_ms(runs["loopback"])) / crossings, 3),
+        "split_loopback_tls_tok_s": round(median(runs["loopback_tls"], "tok_s"), 2),
         "hop_overhead_lan_ms": round((_glue_ms(runs["lan"]) - glue) / crossings - LAN_DELAY_MS, 3) if lan else None,
         "compute_ms_per_token": {k: round(median(v, "compute_ms_per_token"), 2) for k, v in runs.items() if v},
         # two one-core machines against one: each node pinned to its own core, one thread

@@ -36,10 +36,12 @@ def main() -> int:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--node-cmd", action="append", default=[], help="shell command per node, {token}")
+    parser.add_argument("--plaintext", action="store_true", help="links without TLS (to measure what TLS costs)")
     args = parser.parse_args()
     port = free_port(args.host)
     options = ServeOptions(host=args.host, port=port, control_port=free_port(args.host),
-                           nodes_expected=args.stages, local_node=False, context=CONTEXT)  # fmt: skip
+                           nodes_expected=args.stages, local_node=False, context=CONTEXT,
+                           plaintext_links=args.plaintext)  # fmt: skip
     mesh = build_mesh(options)
     mesh.coordinator.start(args.host)
     server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=args.host, port=port, log_level="warning"))

@@ -27,6 +27,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from seamline.errors import SeamlineError
+from seamline.net.tls import mutual_context
 
 COORDINATOR_ID = "seamline-coordinator"  # the coordinator's name in its certificate; no node may take it
 CERT_TTL_S = 3600.0  # a member's certificate; renewed at half its life
@@ -148,28 +149,24 @@ class Identity:
     def server_context(self, require_peer: bool = True) -> ssl.SSLContext:
         """Accepts TLS 1.3 only; a peer must present a certificate from the CA unless
         ``require_peer`` is False (the control port, where nodes come to get one)."""
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        context.verify_mode = ssl.CERT_REQUIRED if require_peer else ssl.CERT_OPTIONAL
-        context.num_tickets = 0  # no resumption: a read never has to write
-        return self._finish(context)
+        return self._context(True, require_peer)
 
     def client_context(self) -> ssl.SSLContext:
         """Dials TLS 1.3 and verifies the peer against the CA; its node id is checked by the
         caller against the plan (members are reached by address, not by a host name)."""
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_REQUIRED
-        return self._finish(context)
+        return self._context(False, True)
 
-    def _finish(self, context: ssl.SSLContext) -> ssl.SSLContext:
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.load_verify_locations(cadata=self.ca_pem)
+    def _context(self, server_side: bool, require_peer: bool) -> ssl.SSLContext:
         with tempfile.TemporaryDirectory(prefix="seamline-tls-") as folder:  # ssl loads keys from files only
-            cert_file, key_file = Path(folder) / "cert.pem", Path(folder) / "key.pem"
-            cert_file.write_text(self.certificate_pem)
-            _write_private(key_file, self.key_pem.encode())
-            context.load_cert_chain(cert_file, key_file)
-        return context
+            cert_file, key_file = self.write(Path(folder), "member")
+            return mutual_context(server_side, cert_file, key_file, self.ca_pem, require_peer)
+
+    def write(self, folder: Path, name: str) -> tuple[Path, Path]:
+        """``name.pem`` and ``name.key`` (private) in ``folder``."""
+        cert_file, key_file = folder / f"{name}.pem", folder / f"{name}.key"
+        cert_file.write_text(self.certificate_pem)
+        _write_private(key_file, self.key_pem.encode())
+        return cert_file, key_file
 
 
 def enrolling_context() -> ssl.SSLContext:

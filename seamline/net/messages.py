@@ -47,6 +47,7 @@ class Join(Message):
     max_memory_bytes: int | None = None
     comm_port: int = 0  # where this node listens for lockstep peers (0: none)
     csr: str = ""  # the node's certificate signing request (PEM), over TLS
+    invite_id: str = ""  # which of the coordinator's invites ``proof`` proves
 
 
 class Renew(Message):
@@ -91,6 +92,7 @@ class Assign(Message):
     model_hash: str
     fragments_url: str
     fragments_certificate: str = ""  # PEM of the coordinator's HTTPS certificate, when it serves over TLS
+    fragments_token: str = ""  # this member's bearer token for fragment downloads (void once it leaves)
     layers: tuple[int, int]
     owns_embedding: bool
     owns_head: bool

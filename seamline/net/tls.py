@@ -17,6 +17,7 @@ import ssl
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 RECV_CHUNK = 256 << 10
 
@@ -29,6 +30,31 @@ class GroupTls:
     server: ssl.SSLContext
     client: ssl.SSLContext
     names: tuple[str, ...]
+
+
+def mutual_context(server_side: bool, cert_file: str | Path, key_file: str | Path, ca_pem: str,
+                   require_peer: bool = True) -> ssl.SSLContext:  # fmt: skip
+    """A TLS 1.3 context that presents this certificate and verifies the peer's against the CA
+    (``require_peer`` False: a server that lets a peer without one in). Members are reached by
+    address, not host name: the caller checks the peer's node id (``TlsSocket.peer_id``)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server_side else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    if server_side:
+        context.num_tickets = 0  # no resumption: a read never has to write
+    else:
+        context.check_hostname = False
+    context.verify_mode = ssl.CERT_REQUIRED if require_peer else ssl.CERT_OPTIONAL
+    context.load_verify_locations(cadata=ca_pem)
+    context.load_cert_chain(cert_file, key_file)
+    return context
+
+
+def group_tls_from_folder(folder: Path, rank: int, world: int) -> GroupTls:
+    """A lockstep rank's GroupTls from files: ``ca.pem``, ``rank{R}.pem`` and ``rank{R}.key``;
+    rank R's certificate names ``rank{R}`` (a group started by hand or by a benchmark)."""
+    cert, key, ca = folder / f"rank{rank}.pem", folder / f"rank{rank}.key", (folder / "ca.pem").read_text()
+    names = tuple(f"rank{r}" for r in range(world))
+    return GroupTls(mutual_context(True, cert, key, ca), mutual_context(False, cert, key, ca), names)
 
 
 class TlsRefused(ConnectionError):

@@ -53,7 +53,7 @@ from seamline.model.ownership import rank_ownership
 from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm, CommError, GateTag, Transport
-from seamline.net.tls import GroupTls
+from seamline.net.tls import GroupTls, group_tls_from_folder
 from seamline.parallel.connect import make_comm
 from seamline.weights.loader import DTYPES, load_stage, open_source
 from seamline.weights.source import TensorSource
@@ -420,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--transport", choices=["auto", "tcp", "torch"], default="tcp")
     ap.add_argument("--layers", help="START:END, the pipeline stage this group owns (default: all)")
+    ap.add_argument("--tls-dir", help="mutual TLS (tcp): ca.pem, rank{R}.pem and rank{R}.key in this folder")
     args = ap.parse_args(argv)
     try:
         if args.rank == 0:
@@ -427,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
         layers = tuple(int(v) for v in args.layers.split(":")) if args.layers else None
         rank = LockstepRank(args.model, args.rank, args.world, parse_addresses(args.addresses),
                             args.timeout, DTYPES[args.dtype], args.connect_timeout,
-                            transport=args.transport, layers=layers)  # type: ignore[arg-type]
+                            transport=args.transport, layers=layers,  # type: ignore[arg-type]
+                            tls=group_tls_from_folder(Path(args.tls_dir), args.rank, args.world) if args.tls_dir else None)
         try:
             rank.serve()
         finally:

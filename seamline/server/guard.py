@@ -4,7 +4,8 @@ flight until its last byte, and a refused request never reaches a route.
 
 Keys are compared in constant time. Without keys every caller is one anonymous caller (the
 per-key limit then bounds them all together). ``/health`` is always open; the mesh's fragment
-downloads are open here because they take the invite's secret instead.
+downloads and administration are open here because they check tokens of their own (a
+member's fragment token, the administrator's key), never an API key.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from seamline.server.openai_schema import error_body
 
 log = logging.getLogger("seamline.api")
 OPEN_PATHS = ("/health",)
-OPEN_PREFIXES = ("/fragments/",)
+OPEN_PREFIXES = ("/fragments/", "/api/admin/")  # each checks its own token: a member's, the administrator's
 ANONYMOUS = ""
 
 

@@ -10,6 +10,7 @@ nodes that remain.
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 import socket
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from seamline.mesh.control.enrollment import Enrollment
-from seamline.mesh.control.invite import Invite, coordinator_proof, verify
+from seamline.mesh.control.invite import Invite, coordinator_proof
+from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.identity import IdentityError, MeshAuthority
 from seamline.config import ModelConfig
 from seamline.mesh.plan.groups import plan_auto
@@ -84,11 +86,12 @@ FailureSink = Callable[[int | None, str, str], None]  # request (None: all), rea
 
 
 class Coordinator:
-    def __init__(self, invite: Invite, model: ModelSpec, model_hash: str, options: CoordinatorOptions,
+    def __init__(self, invites: InviteBook, model: ModelSpec, model_hash: str, options: CoordinatorOptions,
                  authority: MeshAuthority | None = None) -> None:  # fmt: skip
-        """``authority``: the mesh CA; every link is TLS with certificates it issues (None: plaintext,
-        for measuring what TLS costs)."""
-        self.invite = invite
+        """``invites``: who may join; ``authority``: the mesh CA, whose certificates every link
+        presents (None: plaintext links, for measuring what TLS costs)."""
+        self.invites = invites
+        self.invite = invites.where
         self.enrollment = Enrollment(authority) if authority is not None else None
         self.model = model
         self.model_hash = model_hash
@@ -102,6 +105,7 @@ class Coordinator:
         self.on_tokens: TokenSink = lambda rows: None
         self.on_failure: FailureSink = lambda request, reason, blame: None
         self._server: socket.socket | None = None
+        self._fragment_tokens: dict[str, str] = {}  # node id -> its bearer token for fragment downloads
 
     # -- membership ---------------------------------------------------------------------
     def start(self, host: str) -> int:
@@ -119,7 +123,7 @@ class Coordinator:
             nonce = secrets.token_hex(16)
             link.send_message(self.enrollment.challenge(nonce) if self.enrollment else Challenge(nonce=nonce))
             join = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
-            reason = self._refusal(join, nonce)
+            reason, secret = self._refusal(join, nonce)
             certificate = self._certify(join) if not reason else ""
             if reason or certificate is None:
                 reason = reason or "its certificate signing request does not check out"
@@ -133,7 +137,8 @@ class Coordinator:
             link.name = f"node {join.node_id}"
             with self.lock:
                 self.nodes[join.node_id] = handle
-            link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(self.invite.secret, join.nonce),
+            self._fragment_tokens[join.node_id] = secrets.token_hex(16)
+            link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(secret, join.nonce),
                                       certificate=certificate))  # fmt: skip
         except (LinkClosed, FrameError) as exc:
             log.warning("join from %s failed: %s", peer, exc)
@@ -143,18 +148,23 @@ class Coordinator:
         threading.Thread(target=self._read_node, args=(handle,), daemon=True).start()
         self._maybe_plan()
 
-    def _refusal(self, join: object, nonce: str) -> str:
+    def _refusal(self, join: object, nonce: str) -> tuple[str, str]:
+        """Why this join is refused ("" if it is not), and the secret of the invite it spent."""
         if not isinstance(join, Join):
-            return f"expected a join message, got {type(join).__name__}"
+            return f"expected a join message, got {type(join).__name__}", ""
         if join.protocol_version != PROTOCOL_VERSION:
-            return f"protocol version {join.protocol_version} is not {PROTOCOL_VERSION}"
-        if time.time() > self.invite.expires:
-            return "the invite token has expired"
-        if not verify(self.invite.secret, nonce, join.proof):
-            return "wrong invite token"
+            return f"protocol version {join.protocol_version} is not {PROTOCOL_VERSION}", ""
         if join.node_id in self.nodes:
-            return f"a node named {join.node_id} has already joined"
-        return self.enrollment.refusal(join) if self.enrollment is not None else ""
+            return f"a node named {join.node_id} has already joined", ""
+        reason = self.enrollment.refusal(join) if self.enrollment is not None else ""
+        return (reason, "") if reason else self.invites.claim(join.invite_id, nonce, join.proof)
+
+    def fragment_token_ok(self, token: str | None) -> bool:
+        """Whether ``token`` is a joined member's fragment token (compared in constant time)."""
+        with self.lock:
+            tokens = [self._fragment_tokens.get(node_id, "") for node_id in self.nodes]
+        given = (token or "").encode()
+        return bool(token) and any(hmac.compare_digest(given, t.encode()) for t in tokens if t)
 
     def _certify(self, join: object) -> str | None:
         """The joining node's certificate ("" on a plaintext mesh; None if its request is bad)."""
@@ -307,6 +317,7 @@ class Coordinator:
             handle.link.send_message(Assign(plan_id=plan_id, model_hash=self.model_hash,
                                             fragments_url=self.options.fragments_url,
                                             fragments_certificate=self.options.fragments_certificate,
+                                            fragments_token=self._fragment_tokens.get(handle.node_id, ""),
                                             layers=(s.start, s.end),
                                             owns_embedding=s.owns_embedding, owns_head=s.owns_head,
                                             dtype=self.options.dtype, context_length=self.options.context_length,

@@ -34,10 +34,11 @@ class Invite:
     secret: str
     expires: float  # unix time
     ca_fingerprint: str = ""  # sha256 of the mesh CA's certificate; "" for a plaintext mesh (benchmarks)
+    id: str = ""  # the coordinator's record of this invite (``invites.InviteBook``)
 
     def encode(self) -> str:
         body = dict(h=list(self.hosts), c=self.control_port, p=self.http_port, s=self.secret, e=int(self.expires),
-                    f=self.ca_fingerprint)  # fmt: skip
+                    f=self.ca_fingerprint, i=self.id)  # fmt: skip
         return PREFIX + base64.urlsafe_b64encode(json.dumps(body).encode()).decode().rstrip("=")
 
     @classmethod
@@ -49,15 +50,10 @@ class Invite:
             raw = token[len(PREFIX) :]
             body = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
             invite = cls(tuple(body["h"]), int(body["c"]), int(body["p"]), str(body["s"]), float(body["e"]),
-                         str(body.get("f", "")))  # fmt: skip
+                         str(body.get("f", "")), str(body.get("i", "")))  # fmt: skip
         except (ValueError, KeyError, TypeError):
             raise InviteError("invite token is corrupt (copy it again in full)") from None
         return invite
-
-    def accepts(self, secret: str | None, now: float | None = None) -> bool:
-        """Whether ``secret`` is this invite's (compared in constant time) and it has not expired."""
-        fresh = (time.time() if now is None else now) <= self.expires
-        return secret is not None and hmac.compare_digest(secret.encode(), self.secret.encode()) and fresh
 
     def check_fresh(self, now: float | None = None) -> None:
         now = time.time() if now is None else now

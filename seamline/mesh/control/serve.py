@@ -20,7 +20,9 @@ from seamline.config import ModelConfig
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
 from seamline.mesh.control.fragment_server import fragment_routes
 from seamline.mesh.plan.groups import check_world
-from seamline.mesh.control.invite import Invite, new_invite
+from seamline.mesh.control.admin import admin_key, admin_routes
+from seamline.mesh.control.invite import Invite
+from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.mesh_backend import MeshBackend
 from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.types import ModelSpec, Plan
@@ -69,6 +71,15 @@ class Mesh:
     invite: Invite
     token: str
     package_dir: Path
+    state_dir: Path
+
+
+ENDPOINT_FILE = "endpoint.json"  # where `seamline invite` and `seamline node` find the running coordinator
+
+
+def _write_endpoint(state_dir: Path, url: str, certificate_pem: str) -> None:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / ENDPOINT_FILE).write_text(json.dumps({"url": url, "certificate": certificate_pem}))
 
 
 def build_mesh(options: ServeOptions) -> Mesh:
@@ -86,11 +97,13 @@ def build_mesh(options: ServeOptions) -> Mesh:
     spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype), types)
     hosts = options.advertise or (_reachable(options.host),)
     scheme = "https" if options.tls_certificate else "http"
-    authority = None if options.plaintext_links else MeshAuthority.load_or_create(
-        options.state_dir or options.cache_dir / "mesh")
-    invite = new_invite(hosts, options.control_port or options.port + 1, options.port, options.invite_ttl_s,
-                        authority.fingerprint if authority else "")  # fmt: skip
-    coordinator = Coordinator(invite, spec, manifest.model_hash, CoordinatorOptions(
+    state_dir = options.state_dir or options.cache_dir / "mesh"
+    authority = None if options.plaintext_links else MeshAuthority.load_or_create(state_dir)
+    where = Invite(hosts, options.control_port or options.port + 1, options.port, "", 0.0,
+                   authority.fingerprint if authority else "")  # fmt: skip
+    book = InviteBook(where, state_dir / "invites.json")
+    _, token = book.create(options.invite_ttl_s)  # the one `serve` prints: any number of nodes
+    coordinator = Coordinator(book, spec, manifest.model_hash, CoordinatorOptions(
         nodes_expected=max(options.nodes_expected, options.tensor_parallel), dtype=options.dtype,
         context_length=context, fragments_url=f"{scheme}://{url_host(hosts[0])}:{options.port}",
         fragments_certificate=options.tls_certificate,
@@ -100,11 +113,15 @@ def build_mesh(options: ServeOptions) -> Mesh:
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context)
 
-    def routes(app: FastAPI) -> None:
-        fragment_routes(app, package_dir, invite.accepts)  # the invite's secret, while it has not expired
-        app.get("/api/status")(lambda: coordinator.status())
+    key = admin_key(state_dir)
+    _write_endpoint(state_dir, f"{scheme}://{url_host(hosts[0])}:{options.port}", options.tls_certificate)
 
-    return Mesh(routes, coordinator, backend, invite, invite.encode(), package_dir)
+    def routes(app: FastAPI) -> None:
+        fragment_routes(app, package_dir, coordinator.fragment_token_ok)  # members' tokens only
+        app.get("/api/status")(lambda: coordinator.status())
+        admin_routes(app, coordinator, book, key)
+
+    return Mesh(routes, coordinator, backend, Invite.decode(token), token, package_dir, state_dir)
 
 
 def _reachable(host: str) -> str:

@@ -51,7 +51,7 @@ def load_rank(invite: Invite, assign: Assign, options: NodeOptions,
 def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[FragmentSource, int]:
     """Fetch (or find in the cache) the fragments of the assigned range; open them."""
     verify = trusting(assign.fragments_certificate)
-    manifest = fetch_manifest(assign.fragments_url, token=invite.secret, verify=verify)
+    manifest = fetch_manifest(assign.fragments_url, token=assign.fragments_token, verify=verify)
     if manifest.model_hash != assign.model_hash:
         raise CheckpointError(
             f"coordinator serves model {manifest.model_hash[:12]} but assigned {assign.model_hash[:12]}"
@@ -61,7 +61,7 @@ def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tu
         experts = rank_ownership(ModelConfig.from_hf_dict(manifest.config), *assign.shard).experts
     entries = fragments_for(manifest, assign.layers, assign.owns_embedding, assign.owns_head, experts)
     cache = options.cache_dir / "fragments"
-    report = fetch_fragments(assign.fragments_url, entries, cache, token=invite.secret, progress=options.progress,
+    report = fetch_fragments(assign.fragments_url, entries, cache, token=assign.fragments_token, progress=options.progress,
                              verify=verify)  # fmt: skip
     folder = materialise(manifest, entries, cache, options.cache_dir / "stages" / options.node_id)
     log.info("layers [%d,%d): %d fragments, %d bytes downloaded, %d from cache", *assign.layers,

@@ -151,6 +151,7 @@ class Node:
         self.comm_port = free_port(data_host)
         nonce = secrets.token_hex(16)
         join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce), nonce=nonce,
+                    invite_id=self.invite.id,
                     protocol_version=PROTOCOL_VERSION, resources=local_resources(self.options),
                     data_host=data_host, data_port=self.data_server.getsockname()[1],
                     max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port,

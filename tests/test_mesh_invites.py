@@ -1,0 +1,116 @@
+"""Invites and members, through the real CLI against a real mesh: single-use and revoked
+invites, forged tokens and replayed joins are refused; an invite is no administrator's key;
+`seamline node remove` ejects a member for good."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from seamline.mesh.control.invite import Invite, proof
+from seamline.mesh.identity import new_key, signing_request
+from seamline.net.messages import PROTOCOL_VERSION, Challenge, Join, Refuse, Resources
+from tests.mesh_harness import MeshProcesses, seamline_cmd
+from tests.test_mesh_admission import _refused
+from tests.tls_peers import tls_link
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    mesh = MeshProcesses(tmp_path_factory.mktemp("invites"), nodes=1, serve_args=("--context", "512"))
+    mesh.start(join=False)
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def admin(mesh: MeshProcesses, *args: str) -> subprocess.CompletedProcess[str]:
+    """`seamline invite ...` / `seamline node ...` where the coordinator runs (its state directory)."""
+    env = {**os.environ, "SEAMLINE_CACHE": str(mesh.root / "coordinator")}
+    return subprocess.run(seamline_cmd(*args), env=env, capture_output=True, text=True, timeout=60)
+
+
+def _wait_nodes(mesh: MeshProcesses, count: int, timeout_s: float = 60) -> list[dict]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = mesh.status()["nodes"]
+        if len(nodes) == count or time.monotonic() > deadline:
+            return nodes
+        time.sleep(0.2)
+
+
+def test_a_single_use_invite_admits_one_node_then_is_used_up(mesh: MeshProcesses) -> None:
+    made = admin(mesh, "invite", "create", "--uses", "1", "--expires", "10m")
+    assert made.returncode == 0, made.stderr
+    token = made.stdout.split()[-1]
+    assert token.startswith("seamline-")
+    mesh.join("node0", token=token)
+    mesh.wait_ready()
+    _refused(mesh, token, "used up")
+    listing = admin(mesh, "invite", "list")
+    line = next(row for row in listing.stdout.splitlines() if row.startswith(Invite.decode(token).id))
+    assert "used up" in line and " 1 1 " in " ".join(line.split()) + " ", listing.stdout
+
+
+def test_a_revoked_forged_or_replayed_invite_is_refused(mesh: MeshProcesses) -> None:
+    default = Invite.decode(mesh.token)
+    forged = dataclasses.replace(default, id=secrets.token_hex(6)).encode()
+    _refused(mesh, forged, "wrong invite token")
+    altered = dataclasses.replace(default, secret=secrets.token_hex(16)).encode()
+    _refused(mesh, altered, "wrong invite token")
+    _replay_join(mesh, default)
+    revoked = admin(mesh, "invite", "revoke", default.id)
+    assert revoked.returncode == 0, revoked.stderr
+    _refused(mesh, mesh.token, "revoked")
+    assert admin(mesh, "invite", "revoke", "nosuchinvite").returncode != 0
+
+
+def _replay_join(mesh: MeshProcesses, invite: Invite) -> None:
+    """A join recorded for one challenge, sent again on a new connection: refused."""
+    address = ("127.0.0.1", mesh.control_port)
+    with tls_link(address) as first:
+        challenge = first.recv()
+        assert isinstance(challenge, Challenge)
+        recorded = Join(node_id="replayer", proof=proof(invite.secret, challenge.nonce), invite_id=invite.id,
+                        protocol_version=PROTOCOL_VERSION, resources=Resources(free_memory_bytes=1, bytes_per_second=1),
+                        data_host="127.0.0.1", data_port=1, csr=signing_request(new_key(), "replayer"))  # fmt: skip
+    with tls_link(address) as second:
+        assert isinstance(second.recv(), Challenge)
+        second.send_message(recorded)
+        answer = second.recv(deadline_s=10)
+        assert isinstance(answer, Refuse) and "wrong invite token" in answer.reason, answer
+
+
+def test_an_invite_is_no_administrator_and_fetches_no_fragments(mesh: MeshProcesses) -> None:
+    secret = Invite.decode(mesh.token).secret
+    for path in ("/api/admin/invites", "/fragments/manifest.json"):
+        for headers in ({"Authorization": f"Bearer {secret}"}, {}, {"Authorization": "Bearer seamline-admin-guess"}):
+            reply = httpx.get(f"{mesh.base_url}{path}", headers=headers, timeout=10)
+            assert reply.status_code == 401, (path, reply.status_code)
+    key = (mesh.root / "coordinator" / "mesh" / "admin.key").read_text().strip()
+    assert (mesh.root / "coordinator" / "mesh" / "admin.key").stat().st_mode & 0o077 == 0
+    reply = httpx.get(f"{mesh.base_url}/api/admin/invites", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    assert reply.status_code == 200 and all("secret" not in row for row in reply.json()["invites"])
+
+
+def test_a_removed_node_is_ejected_and_cannot_rejoin(mesh: MeshProcesses) -> None:
+    if not mesh.status()["nodes"]:
+        test_a_single_use_invite_admits_one_node_then_is_used_up(mesh)
+    node = mesh.node_procs[0]
+    removed = admin(mesh, "node", "remove", "node0")
+    assert removed.returncode == 0, removed.stderr
+    assert node.wait(timeout=30) is not None  # its control link dropped: the node stops
+    assert _wait_nodes(mesh, 0) == [] and not mesh.status()["ready"]
+    fresh = admin(mesh, "invite", "create", "--expires", "5m").stdout.split()[-1]
+    again = mesh.join("node0", token=fresh)
+    _, stderr = again.communicate(timeout=60)
+    assert again.returncode != 0 and "node0 was removed" in stderr, stderr
