@@ -195,3 +195,24 @@ def test_a_seeded_sequence_replayed_from_its_history_goes_on_as_before(tmp_path:
     whole = list(engine.generate(prompt, params))
     resumed = list(engine.generate(prompt + whole[:5], SamplingParams(temperature=1.0, seed=5, max_tokens=NEW_TOKENS - 5)))
     assert resumed == whole[5:]
+
+
+def test_the_prefix_cache_bound_counts_the_buffers_its_caches_hold() -> None:
+    """A 3-token prompt's cache holds buffers for 256 positions: the bound counts those, so the
+    memory kept stays within it (counting tokens alone kept 85x more than the bound)."""
+    from seamline.model.cache import SequenceCache
+    from seamline.runtime.prefix_cache import PrefixCache
+
+    def short_cache() -> SequenceCache:
+        cache = SequenceCache(range(2))
+        for layer in range(2):
+            cache.layer(layer).update(torch.ones(2, 3, 8), torch.ones(2, 3, 8), 0)
+        return cache
+
+    one = short_cache().nbytes()
+    released: list[SequenceCache] = []
+    prefix = PrefixCache(10 * one, bytes_per_token=2 * 2 * 2 * 8 * 4, release=released.append)
+    for i in range(50):
+        prefix.put([i, i + 1, i + 2], short_cache(), 3)
+    assert sum(cache.nbytes() for cache in prefix.caches()) <= 10 * one
+    assert len(prefix.caches()) == 10 and len(released) == 40

@@ -10,7 +10,6 @@ import secrets
 import subprocess
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest

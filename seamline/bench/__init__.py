@@ -25,6 +25,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.quant import bench_quant
 
         result = bench_quant(repeats=options["repeats"], tokens=options["tokens"])
+    elif name == "fuzz":
+        from seamline.bench.fuzz import bench_fuzz
+
+        result = bench_fuzz(**({"inputs_per_surface": options["inputs"]} if options.get("inputs") else {}))
     elif name == "throughput":
         from seamline.bench.throughput import bench_throughput
 

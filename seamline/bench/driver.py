@@ -10,16 +10,17 @@ import json
 import statistics
 import subprocess
 import sys
-from typing import Any
+from typing import IO, Any
 
 
 class Driver:
-    def __init__(self, module: str, args: list[str], prefix: list[str] | None = None) -> None:
+    def __init__(self, module: str, args: list[str], prefix: list[str] | None = None,
+                 stderr: IO[str] | None = None) -> None:  # fmt: skip
         """Start ``python -m module *args`` (behind ``prefix``, e.g. ``ip netns exec NS``);
-        it gets ready in the background until ``wait_ready``."""
+        it gets ready in the background until ``wait_ready``. ``stderr``: where its log goes."""
         self.module = module
         cmd = [*(prefix or []), sys.executable, "-m", module, *args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
         self.ready: dict[str, Any] | None = None
 
     def _line(self) -> dict[str, Any]:
@@ -33,6 +34,14 @@ class Driver:
         if self.ready is None:
             self.ready = self._line()
         return self.ready
+
+    def ask(self, command: str) -> dict[str, Any]:
+        """Send one command line; its JSON answer."""
+        assert self.proc.stdin is not None
+        self.wait_ready()
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._line()
 
     def measure(self, tokens: int) -> dict[str, Any]:
         """One run of ``tokens`` decode steps: the driver's JSON for it."""

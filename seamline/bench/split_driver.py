@@ -58,11 +58,25 @@ def main() -> int:
         words = line.split()
         if not words or words[0] == "quit":
             break
-        print(json.dumps(asyncio.run(_measure(mesh, int(words[1])))), flush=True)
+        answer = _secrets(mesh, args.host, port) if words[0] == "secrets" else asyncio.run(_measure(mesh, int(words[1])))
+        print(json.dumps(answer), flush=True)
     for proc in procs:
         proc.terminate()
     server.should_exit = True
     return 0
+
+
+def _secrets(mesh: Mesh, host: str, port: int) -> dict[str, Any]:
+    """What a fuzzer playing a member needs (``bench fuzz``): the plan's link key, a member's
+    fragment token, an invite, the state directory (the CA); this process holds them anyway."""
+    coordinator = mesh.coordinator
+    stages = [(h.node_id, (h.join.data_host, h.join.data_port)) for h in coordinator.pipeline()]
+    config = coordinator.options.model_config
+    _, invite = coordinator.invites.create(ttl_s=24 * 3600)
+    return {"api": f"http://{host}:{port}", "control": [host, coordinator.invite.control_port],
+            "plan_id": coordinator.plan_id, "link_key": coordinator.link_key, "stages": stages,
+            "fragment_token": coordinator.fragment_token(stages[0][0]), "invite": invite,
+            "state_dir": str(mesh.state_dir), "hidden_size": config.hidden_size if config else 0}  # fmt: skip
 
 
 async def _measure(mesh: Mesh, tokens: int) -> dict[str, Any]:

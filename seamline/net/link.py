@@ -12,6 +12,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from typing import Union
 
@@ -160,23 +161,62 @@ class Link:
 
 
 TlsSource = Callable[[], ssl.SSLContext | None]  # the context to accept with now (certificates renew)
+MAX_LINKS_PER_HOST = 64  # connections one address may hold open on one port: its links, handshakes, strays
+REFUSAL_LOG_S = 10.0  # at most one line per port this often about connections over that bound
+
+
+class _HostCount:
+    """Connections open per peer address on one port; a connection over the bound is closed
+    at once, before it costs a thread."""
+
+    def __init__(self, name: str, bound: int) -> None:
+        self.name, self.bound = name, bound
+        self._open: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._refused, self._logged = 0, 0.0
+
+    def admit(self, host: str) -> bool:
+        with self._lock:
+            if self._open.get(host, 0) >= self.bound:
+                self._refused += 1
+                now = time.monotonic()
+                if now - self._logged >= REFUSAL_LOG_S:
+                    log.warning("refused %d %s connection(s) from %s: it holds %d open already",
+                                self._refused, self.name, host, self.bound)  # fmt: skip
+                    self._refused, self._logged = 0, now
+                return False
+            self._open[host] = self._open.get(host, 0) + 1
+            return True
+
+    def release(self, host: str) -> None:
+        with self._lock:
+            left = self._open.get(host, 1) - 1
+            if left:
+                self._open[host] = left
+            else:
+                self._open.pop(host, None)
 
 
 def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None],
-                 tls: TlsSource = lambda: None) -> threading.Thread:  # fmt: skip
+                 tls: TlsSource = lambda: None, per_host: int = MAX_LINKS_PER_HOST) -> threading.Thread:  # fmt: skip
     """Accept connections until ``server`` closes; each becomes a Link handled on its own
-    thread, after a TLS handshake when ``tls`` gives a context (a failed one is logged)."""
+    thread, after a TLS handshake when ``tls`` gives a context (a failed one is logged). One
+    address holds at most ``per_host`` connections here at once."""
+    count = _HostCount(name, per_host)
 
     def open_link(sock: socket.socket, address: tuple) -> None:
-        context = tls()
-        if context is not None:
-            try:
-                sock = TlsSocket.handshake(sock, context, True, HANDSHAKE_DEADLINE_S)  # type: ignore[assignment]
-            except TlsRefused as exc:
-                log.warning("refused %s link from %s:%s: %s", name, address[0], address[1], exc)
-                sock.close()
-                return
-        handle(Link(sock, name=name))
+        try:
+            context = tls()
+            if context is not None:
+                try:
+                    sock = TlsSocket.handshake(sock, context, True, HANDSHAKE_DEADLINE_S)  # type: ignore[assignment]
+                except TlsRefused as exc:
+                    log.warning("refused %s link from %s:%s: %s", name, address[0], address[1], exc)
+                    sock.close()
+                    return
+            handle(Link(sock, name=name))
+        finally:
+            count.release(address[0])
 
     def loop() -> None:
         while True:
@@ -184,6 +224,9 @@ def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None
                 sock, address = server.accept()
             except OSError:
                 return
+            if not count.admit(address[0]):
+                sock.close()
+                continue
             threading.Thread(target=open_link, args=(tune(sock), address), daemon=True).start()
 
     thread = threading.Thread(target=loop, name=f"seamline-accept-{name}", daemon=True)

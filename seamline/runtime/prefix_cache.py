@@ -1,6 +1,7 @@
 """Caches of finished sequences, kept for new prompts that begin as they did (a system prompt,
 the earlier turns of a chat): the scheduler copies the common positions instead of computing
-them. Least recently used first out, within a byte capacity."""
+them. Least recently used first out, within a byte capacity counted in the buffers the caches
+hold (their capacity grows in steps, so a short prompt's cache holds more than its tokens)."""
 
 from __future__ import annotations
 
@@ -27,14 +28,15 @@ class PrefixCache:
         self._next = 0
 
     def held_bytes(self) -> int:
-        return sum(length for _, _, length in self._entries.values()) * self.bytes_per_token
+        return sum(size for _, _, size in self._entries.values())
 
     def put(self, tokens: list[int], cache: SequenceCache, length: int) -> None:
         """Keep ``cache`` (valid for the first ``length`` of ``tokens``) if there is room for it."""
-        if length * self.bytes_per_token > self.capacity_bytes:
+        size = max(cache.nbytes(), length * self.bytes_per_token)
+        if size > self.capacity_bytes:
             self._release(cache)
             return
-        self._entries[self._next] = (tokens[:length], cache, length)
+        self._entries[self._next] = (tokens[:length], cache, size)
         self._next += 1
         while self.held_bytes() > self.capacity_bytes:
             self.evict_oldest()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from seamline.mesh.control.enrollment import Enrollment
-from seamline.mesh.control.invite import Invite, coordinator_proof
+from seamline.mesh.control.invite import coordinator_proof
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.identity import IdentityError, MeshAuthority
 from seamline.config import ModelConfig
@@ -106,6 +106,7 @@ class Coordinator:
         self.on_failure: FailureSink = lambda request, reason, blame: None
         self._server: socket.socket | None = None
         self._fragment_tokens: dict[str, str] = {}  # node id -> its bearer token for fragment downloads
+        self.link_key = ""  # the current plan's
 
     # -- membership ---------------------------------------------------------------------
     def start(self, host: str) -> int:
@@ -158,6 +159,9 @@ class Coordinator:
             return f"a node named {join.node_id} has already joined", ""
         reason = self.enrollment.refusal(join) if self.enrollment is not None else ""
         return (reason, "") if reason else self.invites.claim(join.invite_id, nonce, join.proof)
+
+    def fragment_token(self, node_id: str) -> str:
+        return self._fragment_tokens.get(node_id, "")
 
     def fragment_token_ok(self, token: str | None) -> bool:
         """Whether ``token`` is a joined member's fragment token (compared in constant time)."""
@@ -289,7 +293,7 @@ class Coordinator:
     def _start_up(self, plan: Plan, plan_id: int) -> None:
         try:
             handles = [self.nodes[s.node_id] for s in plan.stages]  # the stages' leaders
-            link_key = secrets.token_hex(16)  # data links between this plan's stages prove it
+            self.link_key = link_key = secrets.token_hex(16)  # data links between this plan's stages prove it
             for index in reversed(range(len(plan.stages))):
                 stage = plan.stages[index]
                 self.state = f"loading layers [{stage.start},{stage.end}) on {', '.join(stage.members())}"
