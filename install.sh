@@ -10,6 +10,11 @@ PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 .venv/bin/python -c "import torch" 2>/dev/null || "${PIP[@]}" "torch==2.13.0"
 if [[ "${1:-}" == "--test" ]]; then
   "${PIP[@]}" -e ".[test]"
+  # the relay test puts a node in a network namespace behind a firewall: ip and iptables (root only)
+  if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null && ! command -v iptables >/dev/null; then
+    { apt-get update -qq && apt-get install -y -qq iptables iproute2; } >/dev/null 2>&1 \
+      || echo "install.sh: could not install iptables; the relay test will be skipped"
+  fi
 else
   "${PIP[@]}" -e .
 fi

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from dataclasses import replace
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -56,6 +57,8 @@ def _add_serve_command(sub: Any) -> None:
     serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     serve.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
     serve.add_argument("--invite-hours", type=float, default=24.0)
+    serve.add_argument("--state-dir", default=None,
+                       help="the mesh CA, invites and admin key (default: <cache>/mesh; `seamline invite` reads it)")
     serve.add_argument("--lock", help="pin the plan in this JSON file (from `seamline plan --lock`)")
     _tensor_parallel_arg(serve, "N nodes compute each stage in lockstep (0: only where one node cannot hold a stage)")
     serve.add_argument("--transport", choices=("auto", "tcp", "torch"), default="auto",
@@ -248,6 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            tensor_parallel=args.tensor_parallel, transport=args.transport,
                            gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches,
                            insecure_comm=args.insecure_comm,
+                           state_dir=Path(args.state_dir) if args.state_dir else None,
                            kv_cache_bytes=_gib(args.kv_cache_memory))  # fmt: skip
     api = api_options(args)
     return run_serve(replace(options, tls_certificate=api.certificate_pem()), api)
@@ -273,8 +277,6 @@ def cmd_join(args: argparse.Namespace) -> int:
 def _invite_token(args: argparse.Namespace) -> str:
     """The invite from argv, a file, or the environment (exactly one of them)."""
     import os
-    from pathlib import Path
-
     given = [(what, value) for what, value in (("the command line", args.token),
              ("--token-file", args.token_file), (f"${INVITE_ENV}", os.environ.get(INVITE_ENV))) if value]  # fmt: skip
     if len(given) != 1:
@@ -291,8 +293,6 @@ def _invite_token(args: argparse.Namespace) -> str:
 
 def cmd_admin(args: argparse.Namespace) -> int:
     """`seamline invite create|list|revoke` and `seamline node remove`."""
-    from pathlib import Path
-
     from seamline.mesh.control.admin_client import AdminClient, default_state_dir, format_invites, parse_duration
 
     client = AdminClient(Path(args.state_dir) if args.state_dir else default_state_dir(), args.url)

@@ -66,15 +66,16 @@ def _send(target: Target, surface: str, inputs: Inputs, count: int) -> int:
     return comm_surface(target, inputs, count)
 
 
-def _fill_prefix_cache(api: str, most: int = 2000) -> int:
-    """Distinct short requests until stage 0's kept prefix KV nears its bound: fuzzed
-    requests that the API takes leave their KV there, a bounded cache by design, so RSS is
-    taken once it is full. The number of requests it took."""
+def _fill_prefix_cache(api: str, least: int = 1000, most: int = 3000) -> int:
+    """Distinct short requests, at least ``least`` and then until stage 0's kept prefix KV nears
+    its bound: fuzzed requests that the API takes leave their KV there, a bounded cache by design
+    whose resident size settles only once it has been filled and churned, so RSS is taken then.
+    The number of requests it took."""
     with httpx.Client(base_url=api, timeout=30) as client:
         for i in range(most):
             client.post("/v1/completions", json={"model": "default", "prompt": f"Warm-up {i}: tell me about {i * 7919}",
                                                  "max_tokens": 1, "temperature": 0})  # fmt: skip
-            if i % 50 == 49:
+            if i % 50 == 49 and i >= least:
                 stage0 = client.get("/api/status").json()["stages"][0]  # it decides what every stage keeps
                 if stage0.get("kept_kv_bytes", 0) >= 0.9 * PREFIX_CACHE_BYTES:
                     return i + 1

@@ -66,10 +66,13 @@ class Link:
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float = 10.0, name: str = "",
-                tls: ssl.SSLContext | None = None) -> "Link":  # fmt: skip
-        """Dial ``host:port``; with ``tls``, run the TLS handshake (TlsRefused if it fails)."""
+                tls: ssl.SSLContext | None = None, preamble: bytes = b"") -> "Link":  # fmt: skip
+        """Dial ``host:port``, send ``preamble`` (a relay's ticket), and with ``tls`` run the TLS
+        handshake (TlsRefused if it fails)."""
         sock = tune(socket.create_connection((host, port), timeout=timeout))
         try:
+            if preamble:
+                sock.sendall(preamble)
             secured = TlsSocket.handshake(sock, tls, False, timeout) if tls is not None else sock
         except TlsRefused:
             sock.close()
@@ -197,15 +200,38 @@ class _HostCount:
                 self._open.pop(host, None)
 
 
+def _took_plain(sock: socket.socket, address: tuple, plain: dict[bytes, PlainHandler]) -> bool:
+    """Whether the connection opened with a magic in ``plain``, whose handler then took it."""
+    sock.settimeout(HANDSHAKE_DEADLINE_S)
+    try:
+        opening = sock.recv(4, socket.MSG_PEEK | socket.MSG_WAITALL)
+    except OSError:
+        opening = b""
+    sock.settimeout(None)
+    handler = plain.get(opening)
+    if handler is None:
+        return False
+    sock.recv(4)
+    handler(sock, address)
+    return True
+
+
+PlainHandler = Callable[[socket.socket, tuple], None]  # a connection that opened with a magic (read already)
+
+
 def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None],
-                 tls: TlsSource = lambda: None, per_host: int = MAX_LINKS_PER_HOST) -> threading.Thread:  # fmt: skip
+                 tls: TlsSource = lambda: None, per_host: int = MAX_LINKS_PER_HOST,
+                 plain: dict[bytes, PlainHandler] | None = None) -> threading.Thread:  # fmt: skip
     """Accept connections until ``server`` closes; each becomes a Link handled on its own
     thread, after a TLS handshake when ``tls`` gives a context (a failed one is logged). One
-    address holds at most ``per_host`` connections here at once."""
+    address holds at most ``per_host`` connections here at once. A connection that opens with
+    one of ``plain``'s 4-byte magics goes to its handler instead (a relay, a probe)."""
     count = _HostCount(name, per_host)
 
     def open_link(sock: socket.socket, address: tuple) -> None:
         try:
+            if plain and _took_plain(sock, address, plain):
+                return
             context = tls()
             if context is not None:
                 try:

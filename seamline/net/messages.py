@@ -138,9 +138,54 @@ class Route(Message):
     stage0: tuple[str, int] | None  # where the last stage sends tokens (None: not last)
     downstream_node: str = ""  # the node ids a certificate must name at those addresses
     stage0_node: str = ""
+    downstream_relay: str = ""  # a relay ticket: ``downstream`` is the coordinator's relay, not the node
+    stage0_relay: str = ""
     stages: int = 1  # stages in the pipeline: stage 0 keeps at least this many micro-batches in flight
     micro_batches: int = 0  # more micro-batches in flight than stages (0: as many as stages)
     forks: bool = False  # every stage can copy a cache (no lockstep group): stage 0 shares prefixes
+
+
+class RelayAccept(Message):
+    """Coordinator -> a node that takes no inbound connection: dial the relay with this ticket
+    and serve what comes through as a data link from ``peer_node``."""
+
+    kind: Literal["relay_accept"] = "relay_accept"
+    ticket: str
+    peer_node: str
+
+
+class Ping(Message):
+    """Coordinator -> node, answered at once with a Pong: the link's round trip, and with a
+    ``pad`` its bandwidth."""
+
+    kind: Literal["ping"] = "ping"
+    nonce: int
+    pad: str = ""
+
+
+class Pong(Message):
+    kind: Literal["pong"] = "pong"
+    nonce: int
+
+
+class SpeedProbe(Message):
+    """Coordinator -> a joining node: make the seeded matrix (no ``vector``: answer SpeedReady),
+    then, given ``vector``, answer the product's row-block sums at once (``mesh.control.claims``)."""
+
+    kind: Literal["speed_probe"] = "speed_probe"
+    seed: int
+    rows: int = Field(gt=0, le=1 << 16)
+    cols: int = Field(gt=0, le=1 << 12)
+    vector: list[float] = []
+
+
+class SpeedReady(Message):
+    kind: Literal["speed_ready"] = "speed_ready"
+
+
+class SpeedSums(Message):
+    kind: Literal["speed_sums"] = "speed_sums"
+    sums: list[float]
 
 
 class Linked(Message):
@@ -219,8 +264,9 @@ class Heartbeat(Message):
 
 
 AnyMessage = Annotated[
-    Union[Challenge, Join, Renew, Certificate, DataHello, Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork,
-          Forget, Failure, StatsRequest, Stats, Heartbeat],
+    Union[Challenge, Join, Renew, Certificate, RelayAccept, Ping, Pong, SpeedProbe, SpeedReady, SpeedSums, DataHello,
+          Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure, StatsRequest,
+          Stats, Heartbeat],
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)

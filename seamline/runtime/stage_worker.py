@@ -41,6 +41,7 @@ SendHidden = Callable[[list[Row], torch.Tensor], None]
 SendTokens = Callable[[list[TokenRow]], None]
 SendMessage = Callable[[Message], None]
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
+MAX_SEQUENCES = 4096  # a later stage holds at most this many (open, or kept for prefixes): stage 0 never asks more
 
 
 @dataclass
@@ -95,6 +96,10 @@ class StageWorker:
         else:
             drawing = Drawing(msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length)
             with self.lock:
+                if len(self.sequences) >= MAX_SEQUENCES and msg.request not in self.sequences:
+                    self.refused += 1
+                    log.warning("refused to open request %d: %d sequences held here already", msg.request, MAX_SEQUENCES)
+                    return
                 self.sequences[msg.request] = StageSequence(self.stage.new_cache(msg.sampling.greedy), drawing)
         self._pass_on(msg)
 

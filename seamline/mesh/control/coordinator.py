@@ -24,6 +24,10 @@ from typing import Any
 from seamline.mesh.control.enrollment import Enrollment
 from seamline.mesh.control.invite import coordinator_proof
 from seamline.mesh.control.invites import InviteBook
+from seamline.mesh.control.claims import SpeedCheck
+from seamline.mesh.control.link_probe import Reach, link_table, measure
+from seamline.mesh.control.mesh_status import describe
+from seamline.mesh.control.relay import RELAY_MAGIC, Pongs, Relay, reachable
 from seamline.mesh.identity import IdentityError, MeshAuthority
 from seamline.config import ModelConfig
 from seamline.mesh.plan.groups import plan_auto
@@ -31,17 +35,18 @@ from seamline.mesh.plan.measured import steady_rates
 from seamline.mesh.plan.planner import check_plan
 from seamline.mesh.plan.planner import plan as make_plan
 from seamline.errors import SeamlineError
-from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
+from seamline.mesh.plan.types import Link as PlanLink
+from seamline.mesh.plan.types import LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, FrameError, TokenFrame, TokenRow
 from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Certificate, Challenge, Close, Failure, Join, Linked, Message, Open, Prompt, Ready,
-    Refuse, Renew, Route, Stats, StatsRequest, Welcome,
+    PROTOCOL_VERSION, Assign, Certificate, Challenge, Close, Failure, Join, Linked, Message, Open, Pong, Prompt,
+    Ready, Refuse, RelayAccept, Renew, Route, SpeedReady, SpeedSums, Stats, StatsRequest, Welcome,
 )  # fmt: skip
 
 log = logging.getLogger("seamline.coordinator")
 STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
-STATUS_TIMEOUT_S = 2.0  # /api/status waits this long for the stages' counters
+MIN_RESIDENT_SHARE = 0.5  # a loaded stage's resident bytes, at least this share of its weights
 
 
 @dataclass
@@ -53,6 +58,12 @@ class NodeHandle:
     stats: Stats | None = None
     failure: str | None = None  # a failure the node reported outside any request
     events: threading.Condition = field(default_factory=threading.Condition)
+    inbound: bool = True  # takes connections (else its data links come through the relay)
+    measured: PlanLink | None = None  # its link to the coordinator
+    pongs: Pongs = field(default_factory=Pongs)
+    speed_check: SpeedCheck | None = None
+    believed_rate: float | None = None  # its claimed speed, or what the probe measured when far below it
+    checked: bool = False  # its link measured and its speed checked: it may be planned
 
     @property
     def node_id(self) -> str:
@@ -60,7 +71,7 @@ class NodeHandle:
 
     def info(self) -> NodeInfo:
         r = self.join.resources
-        return NodeInfo(self.node_id, r.free_memory_bytes, r.bytes_per_second,
+        return NodeInfo(self.node_id, r.free_memory_bytes, self.believed_rate or r.bytes_per_second,
                         f"{self.join.data_host}:{self.join.data_port}", r.device)  # fmt: skip
 
 
@@ -107,12 +118,26 @@ class Coordinator:
         self._server: socket.socket | None = None
         self._fragment_tokens: dict[str, str] = {}  # node id -> its bearer token for fragment downloads
         self.link_key = ""  # the current plan's
+        self.relay = Relay()
 
     # -- membership ---------------------------------------------------------------------
     def start(self, host: str) -> int:
         self._server = server = listen(host, self.invite.control_port)
-        accept_links(server, "control", self._handshake, tls=self._control_context)
+        accept_links(server, "control", self._handshake, tls=self._control_context,
+                     plain={RELAY_MAGIC: self.relay.serve})  # fmt: skip
         return int(server.getsockname()[1])
+
+    def _believed(self, handle: NodeHandle) -> bool:
+        """Time a product on the joining node against the speed it claimed; a node that cannot
+        answer it rightly is dropped."""
+        rtt = handle.measured.latency_s * 2 if handle.measured else 0.0
+        handle.speed_check = SpeedCheck(handle.link, handle.join.resources.bytes_per_second, rtt)
+        handle.believed_rate = handle.speed_check.run()
+        if handle.believed_rate is not None:
+            return True
+        log.warning("dropped node %s: it did not answer the speed probe rightly", handle.node_id)
+        handle.link.close()
+        return False
 
     def _control_context(self) -> ssl.SSLContext | None:
         return self.enrollment.control_context if self.enrollment is not None else None
@@ -134,7 +159,7 @@ class Coordinator:
                 return
             assert isinstance(join, Join)
             link.limits = LIMITS
-            handle = NodeHandle(join, link)
+            handle = NodeHandle(join, link, inbound=reachable(join.data_host, join.data_port))
             link.name = f"node {join.node_id}"
             with self.lock:
                 self.nodes[join.node_id] = handle
@@ -145,8 +170,13 @@ class Coordinator:
             log.warning("join from %s failed: %s", peer, exc)
             link.close()
             return
-        log.info("node %s joined from %s (%d of %d)", join.node_id, peer, len(self.nodes), self.options.nodes_expected)
         threading.Thread(target=self._read_node, args=(handle,), daemon=True).start()
+        handle.measured = measure(link, handle.pongs)
+        if not self._believed(handle):
+            return
+        handle.checked = True
+        log.info("node %s joined from %s (%d of %d)%s", join.node_id, peer, len(self.nodes),
+                 self.options.nodes_expected, "" if handle.inbound else "; it takes no inbound connection: relayed")
         self._maybe_plan()
 
     def _refusal(self, join: object, nonce: str) -> tuple[str, str]:
@@ -230,6 +260,10 @@ class Coordinator:
                 self._reported(handle, message)
             elif isinstance(message, Renew):
                 self._renew(handle, message)
+            elif isinstance(message, Pong):
+                handle.pongs.arrived(message.nonce)
+            elif isinstance(message, (SpeedReady, SpeedSums)) and handle.speed_check is not None:
+                handle.speed_check.answer(message)
 
     def _reported(self, handle: NodeHandle, message: Failure) -> None:
         """A node's failure report: its own start-up, or a request it serves. A node outside the
@@ -266,11 +300,13 @@ class Coordinator:
     # -- planning and start-up ----------------------------------------------------------
     def _maybe_plan(self, force: bool = False) -> None:
         with self.lock:
-            if len(self.nodes) < self.options.nodes_expected or (self.plan is not None and not force):
+            joined = [h for h in self.nodes.values() if h.checked]
+            if len(joined) < self.options.nodes_expected or (self.plan is not None and not force):
                 return
-            nodes = sorted((h.info() for h in self.nodes.values()), key=lambda n: n.node_id)
+            nodes = sorted((h.info() for h in joined), key=lambda n: n.node_id)
+            links = link_table(Reach(h.node_id, h.inbound, h.measured) for h in joined)
             try:
-                chosen = self._choose_plan(steady_rates(nodes))  # like nodes measured apart plan alike
+                chosen = self._choose_plan(steady_rates(nodes), links)  # like nodes measured apart plan alike
             except PlanError as exc:
                 self.plan, self.state = None, f"cannot plan: {exc}"
                 log.error(self.state)
@@ -278,12 +314,12 @@ class Coordinator:
             self.plan, self.plan_id = chosen, self.plan_id + 1
         threading.Thread(target=self._start_up, args=(chosen, self.plan_id), daemon=True).start()
 
-    def _choose_plan(self, nodes: list[NodeInfo]) -> Plan:
+    def _choose_plan(self, nodes: list[NodeInfo], links: LinkTable) -> Plan:
         locked, config = self.options.locked_plan, self.options.model_config
         if locked is None and config is not None:
-            return plan_auto(self.model, nodes, None, self._plan_options(), config, self.options.tensor_parallel)
+            return plan_auto(self.model, nodes, links, self._plan_options(), config, self.options.tensor_parallel)
         if locked is None:
-            return make_plan(self.model, nodes, None, self._plan_options())
+            return make_plan(self.model, nodes, links, self._plan_options())
         check_plan(locked, self.model, nodes, self._plan_options())  # a stale lock is refused, not bent
         return locked
 
@@ -339,6 +375,10 @@ class Coordinator:
             got = (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.protocol_version, tuple(d.shard))
             if got != expected:
                 raise StartupError(f"node {handle.node_id} reported {d} which does not match the plan {expected}")
+            share = s.weight_bytes // len(members)
+            if ready.resident_bytes < MIN_RESIDENT_SHARE * share:
+                raise StartupError(f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
+                                   f"{share >> 20} MiB of weights: it does not hold what it was given")  # fmt: skip
 
     def _transport(self, members: list[NodeHandle]) -> str:
         cuda = all(h.join.resources.device.startswith("cuda") for h in members)
@@ -348,13 +388,25 @@ class Coordinator:
     def _link(self, handles: list[NodeHandle], index: int, plan_id: int, forks: bool) -> None:
         handle = handles[index]
         last = index == len(handles) - 1
-        downstream = None if last else (handles[index + 1].join.data_host, handles[index + 1].join.data_port)
-        stage0 = (handles[0].join.data_host, handles[0].join.data_port) if last and index > 0 else None
+        downstream, down_ticket = self._reach(None if last else handles[index + 1], handle)
+        stage0, stage0_ticket = self._reach(handles[0] if last and index > 0 else None, handle)
         handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0, stages=len(handles),
                                        downstream_node=handles[index + 1].node_id if downstream else "",
                                        stage0_node=handles[0].node_id if stage0 else "",
+                                       downstream_relay=down_ticket, stage0_relay=stage0_ticket,
                                        micro_batches=self.options.micro_batches, forks=forks))  # fmt: skip
         self._wait(handle, lambda: handle.linked or None, "LINKED")
+
+    def _reach(self, target: NodeHandle | None, dialler: NodeHandle) -> tuple[tuple[str, int] | None, str]:
+        """Where ``dialler`` dials ``target``'s data port, and the relay ticket when it must go
+        through the relay (``target`` takes no inbound connection and is told to dial out too)."""
+        if target is None:
+            return None, ""
+        if target.inbound:
+            return (target.join.data_host, target.join.data_port), ""
+        ticket = self.relay.ticket()
+        target.link.send_message(RelayAccept(ticket=ticket, peer_node=dialler.node_id))
+        return (self.invite.hosts[0], self.invite.control_port), ticket
 
     def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float = STEP_TIMEOUT_S) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -402,36 +454,8 @@ class Coordinator:
         return [self._wait(h, lambda h=h: h.stats, "STATS", timeout_s) for h in handles]  # type: ignore[misc]
 
     def status(self) -> dict[str, object]:
-        with self.lock:
-            stages = [] if self.plan is None else [
-                {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding,
-                 "head": s.owns_head, "weight_bytes": s.weight_bytes, "ranks": list(s.members())}
-                for s in self.plan.stages
-            ]  # fmt: skip
-            nodes = [{"node_id": h.node_id, "address": f"{h.join.data_host}:{h.join.data_port}",
-                      "free_memory_bytes": h.join.resources.free_memory_bytes,
-                      "bytes_per_second": h.join.resources.bytes_per_second,
-                      "bytes_downloaded": h.ready.bytes_downloaded if h.ready else None,
-                      "resident_bytes": h.ready.resident_bytes if h.ready else None}
-                     for h in self.nodes.values()]  # fmt: skip
-        predicted = self.plan.predicted_s_per_token * 1e3 if self.plan else None
-        self._add_holdings(stages)
-        return {"ready": self.ready.is_set(), "state": self.state, "plan_id": self.plan_id, "stages": stages,
-                "nodes": nodes, "predicted_ms_per_token": predicted, "model": self.model.name}  # fmt: skip
-
-    def _add_holdings(self, stages: list[dict[str, object]]) -> None:
-        """Each serving stage's open sequences and KV bytes (and kept KV), asked of the stages now."""
-        if not self.ready.is_set():
-            return
-        try:
-            stats = self.stage_stats(timeout_s=STATUS_TIMEOUT_S)
-        except (SeamlineError, LinkClosed, TimeoutError):
-            return  # a stage that does not answer: status says what the plan says
-        for stage, stat in zip(stages, stats):
-            stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, kept_kv_bytes=stat.kept_kv_bytes,
-                         decode_steps=stat.decode_steps, decode_seconds=round(stat.decode_seconds, 3))  # fmt: skip
-            if stat.micro_batches:
-                stage["micro_batches"] = stat.micro_batches
+        """What /api/status shows (``mesh_status``)."""
+        return describe(self)
 
 
 class StartupError(SeamlineError):

@@ -17,6 +17,7 @@ import secrets
 import ssl
 
 from seamline.errors import SeamlineError
+from seamline.mesh.control.relay import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, HiddenFrame, TokenFrame
 from seamline.net.link import Link
 from seamline.net.messages import Assign, Challenge, Close, DataHello, Forget, Fork, Open
@@ -34,10 +35,13 @@ def data_proof(key: str, nonce: str, node_id: str, plan_id: int) -> str:
 
 
 def dial(address: tuple[str, int], peer_node: str, node_id: str, assign: Assign,
-         tls: ssl.SSLContext | None = None) -> Link:  # fmt: skip
+         tls: ssl.SSLContext | None = None, relay_ticket: str = "") -> Link:  # fmt: skip
     """A link to the next stage (or, from the last stage, to stage 0), ``peer_node``, proved as
-    ``node_id``; over TLS when ``tls`` is given, refused unless the peer's certificate names ``peer_node``."""
-    link = Link.connect(*address, name=f"{address[0]}:{address[1]}", tls=tls)
+    ``node_id``; over TLS when ``tls`` is given, refused unless the peer's certificate names
+    ``peer_node``. With ``relay_ticket``, ``address`` is the coordinator's relay."""
+    preamble = RELAY_MAGIC + relay_ticket.encode() if relay_ticket else b""
+    link = Link.connect(*address, name=f"{address[0]}:{address[1]}", tls=tls, preamble=preamble,
+                        timeout=PAIR_WAIT_S if relay_ticket else 10.0)  # fmt: skip
     if tls is not None and link.peer_id() != peer_node:
         link.close()
         raise Refused(f"{link.name} presented a certificate for {link.peer_id()!r}, not the planned {peer_node!r}")

@@ -34,11 +34,14 @@ from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.mesh.node.data_links import Refused, admit, dial, expected_from
-from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen
-from seamline.net.tls import GroupTls
+from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen, tune
+from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
+from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
+from seamline.mesh.control.claims import block_sums, probe_matrix
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Certificate, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked, Message,
-    Open, Prompt, Ready, Refuse, Renew, Resources, Route, Stats, StatsRequest, Welcome,
+    Open, Ping, Pong, Prompt, Ready, Refuse, RelayAccept, Renew, Resources, Route, SpeedProbe, SpeedReady, SpeedSums,
+    Stats, StatsRequest, Welcome,
 )  # fmt: skip
 from seamline.errors import OverloadedError, RequestError
 from seamline.parallel.comm import CommError
@@ -127,6 +130,7 @@ class Node:
         self.comm_port = 0  # lockstep peers reach this node here
         self.group_stage: LockstepStage | None = None  # this node leads a lockstep group
         self.credentials: Credentials | None = None  # None: a plaintext mesh
+        self._probe_matrix: torch.Tensor | None = None  # the coordinator's speed probe, made
 
     # -- joining ------------------------------------------------------------------------
     def join(self) -> None:
@@ -173,7 +177,8 @@ class Node:
     def serve(self) -> None:
         """Handle coordinator messages until the coordinator goes away."""
         assert self.control is not None and self.data_server is not None
-        accept_links(self.data_server, "data", self._read_data, tls=self._server_context)
+        accept_links(self.data_server, "data", self._read_data, tls=self._server_context,
+                     plain={PROBE_MAGIC: lambda sock, _: sock.close()})  # the coordinator asking if we take connections
         while True:
             try:
                 message = self.control.recv()
@@ -191,7 +196,13 @@ class Node:
 
     def _on_control(self, message: Message) -> None:
         try:
-            if isinstance(message, Certificate) and self.credentials:
+            if isinstance(message, Ping) and self.control:
+                self.control.send_message(Pong(nonce=message.nonce))
+            elif isinstance(message, SpeedProbe):
+                self._speed_probe(message)
+            elif isinstance(message, RelayAccept):
+                threading.Thread(target=self._accept_relayed, args=(message,), daemon=True).start()
+            elif isinstance(message, Certificate) and self.credentials:
                 self.credentials.accept(message.certificate)
             elif isinstance(message, Assign):
                 self._load(message)
@@ -306,15 +317,42 @@ class Node:
         assert self.assignment is not None
         tls = self.credentials.client if self.credentials else None
         if route.downstream is not None:
-            link = dial(route.downstream, route.downstream_node, self.options.node_id, self.assignment, tls)
+            link = dial(route.downstream, route.downstream_node, self.options.node_id, self.assignment, tls,
+                        route.downstream_relay)  # fmt: skip
             self.peers.append(link)
             self.worker.links.downstream = link.send_hidden
             self.worker.links.downstream_message = link.send_message
         if route.stage0 is not None:
-            link = dial(route.stage0, route.stage0_node, self.options.node_id, self.assignment, tls)
+            link = dial(route.stage0, route.stage0_node, self.options.node_id, self.assignment, tls, route.stage0_relay)
             self.peers.append(link)
             self.worker.links.stage0 = link.send_tokens
         self.control.send_message(Linked(plan_id=route.plan_id))
+
+    def _speed_probe(self, probe: SpeedProbe) -> None:
+        """The coordinator checks the speed this node claimed: make the matrix, then multiply."""
+        assert self.control is not None
+        if not probe.vector:
+            self._probe_matrix = probe_matrix(probe.seed, probe.rows, probe.cols)
+            self.control.send_message(SpeedReady())
+        elif self._probe_matrix is not None and len(probe.vector) == self._probe_matrix.shape[1]:
+            matrix, self._probe_matrix = self._probe_matrix, None
+            self.control.send_message(SpeedSums(sums=block_sums(matrix, torch.tensor(probe.vector))))
+
+    def _accept_relayed(self, accept: RelayAccept) -> None:
+        """This node takes no inbound connection: dial the coordinator's relay with the ticket and
+        serve the data link that comes through it (TLS end to end, this node as the server)."""
+        assert self.control is not None
+        host = self.control.sock.getpeername()[0]
+        try:
+            sock = tune(socket.create_connection((host, self.invite.control_port), timeout=PAIR_WAIT_S))
+            sock.sendall(RELAY_MAGIC + accept.ticket.encode())
+            context = self._server_context()
+            channel = TlsSocket.handshake(sock, context, True, PAIR_WAIT_S) if context is not None else sock
+        except (OSError, TlsRefused) as exc:
+            log.error("relayed link from %s failed: %s", accept.peer_node, exc)
+            self._report(None, f"the relayed link from {accept.peer_node} failed: {exc}")
+            return
+        self._read_data(Link(channel, name=f"relayed data from {accept.peer_node}"))
 
     def _read_data(self, link: Link) -> None:
         peer = link.peer()

@@ -1,0 +1,56 @@
+"""/api/status: the plan, the nodes (address, reachability, measured link, memory, downloads)
+and, while the mesh serves, each stage's open sequences and KV bytes, asked of the stages now."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from seamline.errors import SeamlineError
+from seamline.net.link import LinkClosed
+
+if TYPE_CHECKING:
+    from seamline.mesh.control.coordinator import Coordinator, NodeHandle
+
+STATUS_TIMEOUT_S = 2.0  # /api/status waits this long for the stages' counters
+
+
+def describe(coordinator: Coordinator) -> dict[str, object]:
+    with coordinator.lock:
+        plan = coordinator.plan
+        stages = [] if plan is None else [
+            {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding,
+             "head": s.owns_head, "weight_bytes": s.weight_bytes, "ranks": list(s.members())}
+            for s in plan.stages
+        ]  # fmt: skip
+        nodes = [_node(h) for h in coordinator.nodes.values()]
+    _add_holdings(coordinator, stages)
+    return {"ready": coordinator.ready.is_set(), "state": coordinator.state, "plan_id": coordinator.plan_id,
+            "stages": stages, "nodes": nodes, "relayed_links": coordinator.relay.pairs,
+            "predicted_ms_per_token": plan.predicted_s_per_token * 1e3 if plan else None,
+            "model": coordinator.model.name}  # fmt: skip
+
+
+def _node(h: NodeHandle) -> dict[str, object]:
+    measured = h.measured
+    return {"node_id": h.node_id, "address": f"{h.join.data_host}:{h.join.data_port}",
+            "inbound": h.inbound, "relayed": not h.inbound,
+            "rtt_ms": round(measured.latency_s * 2e3, 3) if measured else None,
+            "bandwidth_mb_s": round(measured.bandwidth_bytes_per_s / 1e6, 1) if measured else None,
+            "free_memory_bytes": h.join.resources.free_memory_bytes,
+            "bytes_per_second": h.join.resources.bytes_per_second, "planned_bytes_per_second": h.believed_rate,
+            "bytes_downloaded": h.ready.bytes_downloaded if h.ready else None,
+            "resident_bytes": h.ready.resident_bytes if h.ready else None}  # fmt: skip
+
+
+def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> None:
+    if not coordinator.ready.is_set():
+        return
+    try:
+        stats = coordinator.stage_stats(timeout_s=STATUS_TIMEOUT_S)
+    except (SeamlineError, LinkClosed, TimeoutError):
+        return  # a stage that does not answer: status says what the plan says
+    for stage, stat in zip(stages, stats):
+        stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, kept_kv_bytes=stat.kept_kv_bytes,
+                     decode_steps=stat.decode_steps, decode_seconds=round(stat.decode_seconds, 3))  # fmt: skip
+        if stat.micro_batches:
+            stage["micro_batches"] = stat.micro_batches

@@ -1,0 +1,133 @@
+"""Links between nodes that cannot reach each other directly, carried through the coordinator.
+
+The coordinator probes a joining node's data port; a node that takes no inbound connection
+(behind NAT or a firewall) is reached through a relay. Both ends of such a link dial out to the
+coordinator's control port and open with ``RELAY_MAGIC`` and the same one-time ticket, which
+the coordinator gave each over its control link; the coordinator pairs the two connections and
+copies bytes between them. The ends then run their usual mutual TLS through the pipe, so the
+relay carries ciphertext only and can pose as neither end.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+import time
+
+log = logging.getLogger("seamline.relay")
+
+RELAY_MAGIC = b"SLRY"
+PROBE_MAGIC = b"SLPR"  # the coordinator's reachability probe: a node closes it without a word
+TICKET_CHARS = 32
+PAIR_WAIT_S = 30.0  # a ticket's first end waits this long for the second
+PROBE_TIMEOUT_S = 2.0
+CHUNK = 256 << 10
+
+
+def reachable(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a connection to ``host:port`` is taken (a node behind NAT or a firewall: no)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.sendall(PROBE_MAGIC)
+        return True
+    except OSError:
+        return False
+
+
+def read_exactly(sock: socket.socket, size: int, deadline_s: float) -> bytes:
+    sock.settimeout(deadline_s)
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("closed before its preamble ended")
+        data += chunk
+    sock.settimeout(None)
+    return data
+
+
+class Relay:
+    def __init__(self) -> None:
+        self._tickets: dict[str, float] = {}  # ticket -> when it lapses
+        self._waiting: dict[str, socket.socket] = {}
+        self._lock = threading.Lock()
+        self.pairs = 0  # links carried so far
+
+    def ticket(self) -> str:
+        ticket = secrets.token_hex(TICKET_CHARS // 2)
+        with self._lock:
+            now = time.monotonic()
+            self._tickets = {t: end for t, end in self._tickets.items() if end > now}
+            self._tickets[ticket] = now + PAIR_WAIT_S
+        return ticket
+
+    def serve(self, sock: socket.socket, address: tuple) -> None:
+        """A connection that opened with RELAY_MAGIC (read already): its ticket, then the pipe."""
+        try:
+            ticket = read_exactly(sock, TICKET_CHARS, PAIR_WAIT_S).decode("ascii", "replace")
+        except OSError as exc:
+            log.warning("relay connection from %s:%s gave no ticket: %s", address[0], address[1], exc)
+            sock.close()
+            return
+        with self._lock:
+            live = self._tickets.get(ticket, 0.0) > time.monotonic()
+            partner = self._waiting.pop(ticket, None) if live else None
+            if live and partner is None:
+                self._waiting[ticket] = sock
+            elif live:
+                del self._tickets[ticket]  # one link per ticket
+        if not live:
+            log.warning("refused relay connection from %s:%s: unknown or lapsed ticket", address[0], address[1])
+            sock.close()
+        elif partner is not None:
+            self.pairs += 1
+            self._pipe(partner, sock)
+        else:
+            threading.Timer(PAIR_WAIT_S, self._lapse, args=(ticket,)).start()
+
+    def _lapse(self, ticket: str) -> None:
+        with self._lock:
+            sock = self._waiting.pop(ticket, None)
+            self._tickets.pop(ticket, None)
+        if sock is not None:
+            log.warning("relay ticket lapsed: the link's other end never came")
+            sock.close()
+
+    def _pipe(self, a: socket.socket, b: socket.socket) -> None:
+        for source, sink in ((a, b), (b, a)):
+            threading.Thread(target=_copy, args=(source, sink), daemon=True, name="seamline-relay").start()
+
+
+def _copy(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while data := source.recv(CHUNK):
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (source, sink):  # wakes the other direction's reader too
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        source.close()  # each direction closes the socket it read
+
+
+class Pongs:
+    """When each Pong came back on a node's control link (its reader records them)."""
+
+    def __init__(self) -> None:
+        self._arrived: dict[int, float] = {}
+        self._cond = threading.Condition()
+
+    def arrived(self, nonce: int) -> None:
+        with self._cond:
+            self._arrived[nonce] = time.perf_counter()
+            self._cond.notify_all()
+
+    def wait(self, nonce: int, timeout_s: float) -> float | None:
+        with self._cond:
+            self._cond.wait_for(lambda: nonce in self._arrived, timeout=timeout_s)
+            return self._arrived.pop(nonce, None)

@@ -1,0 +1,71 @@
+"""The coordinator checks the speed a joining node claims: over a real link, a node that computes
+the probe rightly at its claimed speed is believed, one far slower than it claims is planned at
+what it measured, and one that answers without computing is not believed at all."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import torch
+
+from seamline.mesh.control.claims import SpeedCheck, block_sums, probe_matrix
+from seamline.net.link import Link, LinkClosed
+from seamline.net.messages import SpeedProbe, SpeedReady, SpeedSums
+
+
+def _pair() -> tuple[Link, Link]:
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    server.close()
+    return Link(accepted, "node"), Link(client, "coordinator")
+
+
+def _node(link: Link, delay_s: float = 0.0, honest: bool = True) -> None:
+    """A node's side of the probe (as ``Node._speed_probe``), slowed or lying as asked."""
+    matrix = None
+    try:
+        while True:
+            probe = link.recv()
+            assert isinstance(probe, SpeedProbe)
+            if not probe.vector:
+                matrix = probe_matrix(probe.seed, probe.rows, probe.cols)
+                link.send_message(SpeedReady())
+                continue
+            assert matrix is not None
+            time.sleep(delay_s)
+            sums = block_sums(matrix, torch.tensor(probe.vector)) if honest else [0.0] * 64
+            link.send_message(SpeedSums(sums=sums))
+    except LinkClosed:
+        pass
+
+
+def _check(claimed: float, **node: object) -> float | None:
+    coordinator, node_link = _pair()
+    check = SpeedCheck(coordinator, claimed, rtt_s=0.0)
+    threading.Thread(target=_node, args=(node_link,), kwargs=node, daemon=True).start()
+
+    def read() -> None:
+        try:
+            while True:
+                message = coordinator.recv()
+                if isinstance(message, (SpeedReady, SpeedSums)):
+                    check.answer(message)
+        except LinkClosed:
+            pass
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        return check.run()
+    finally:
+        coordinator.close()
+        node_link.close()
+
+
+def test_an_honest_claim_is_believed_a_false_one_is_measured_a_lie_is_refused() -> None:
+    assert _check(1e9) == 1e9  # 32 MiB at 1 GB/s is 34 ms: any machine computes it faster
+    slow = _check(1e12, delay_s=0.3)  # claims 1 TB/s, answers after 0.3 s
+    assert slow is not None and slow < 34 * 2**20 / 0.3 * 1.01, slow
+    assert _check(1e9, honest=False) is None
