@@ -49,6 +49,8 @@ def _add_serve_command(sub: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--control-port", type=int, default=0, help="node control port (default: port+1)")
+    serve.add_argument("--fragments-port", type=int, default=0,
+                       help="fragment downloads, to members over mutual TLS (default: port+2)")
     serve.add_argument("--advertise", action="append", default=[], help="address nodes use to reach this host")
     serve.add_argument("--nodes-expected", type=int, default=1, help="wait for this many nodes before planning")
     serve.add_argument("--no-local-node", action="store_true", help="contribute no layers from this host")
@@ -245,6 +247,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     api_options(args))  # fmt: skip
         return 0
     options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
+                           fragments_port=args.fragments_port,
                            advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,
                            local_node=not args.no_local_node, dtype=args.dtype, context=args.context,
                            invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock,

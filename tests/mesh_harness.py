@@ -37,6 +37,7 @@ class MeshProcesses:
     tls_certificate: Path | None = None  # the API is served over HTTPS with it (in serve_args)
     port: int = field(default_factory=free_port)
     control_port: int = field(default_factory=free_port)
+    fragments_port: int = field(default_factory=free_port)
     serve: subprocess.Popen[str] | None = None
     node_procs: list[subprocess.Popen[str]] = field(default_factory=list)
     output: list[str] = field(default_factory=list)
@@ -53,7 +54,8 @@ class MeshProcesses:
 
     def start(self, join: bool = True) -> "MeshProcesses":
         args = ["serve", "--no-local-node", "--nodes-expected", str(self.nodes), "--port", str(self.port),
-                "--control-port", str(self.control_port), *self.serve_args]  # fmt: skip
+                "--control-port", str(self.control_port), "--fragments-port", str(self.fragments_port),
+                *self.serve_args]  # fmt: skip
         if self.model:
             args += ["--model", self.model]
         env = {**os.environ, "SEAMLINE_CACHE": str(self.root / "coordinator")}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import ssl
 import subprocess
 import time
 from collections.abc import Iterator
@@ -19,7 +20,7 @@ from seamline.mesh.identity import new_key, signing_request
 from seamline.net.messages import PROTOCOL_VERSION, Challenge, Join, Refuse, Resources
 from tests.mesh_harness import MeshProcesses, seamline_cmd
 from tests.test_mesh_admission import _refused
-from tests.tls_peers import tls_link
+from tests.tls_peers import member, mesh_authority, tls_link
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +91,22 @@ def _replay_join(mesh: MeshProcesses, invite: Invite) -> None:
 
 
 def test_an_invite_is_no_administrator_and_fetches_no_fragments(mesh: MeshProcesses) -> None:
+    """Administration takes the administrator's key only. Fragments are served on their own
+    port, over mutual TLS: a client without a member's certificate is refused in the handshake,
+    and a member's certificate with the invite's secret instead of its own token gets a 401."""
     secret = Invite.decode(mesh.token).secret
-    for path in ("/api/admin/invites", "/fragments/manifest.json"):
-        for headers in ({"Authorization": f"Bearer {secret}"}, {}, {"Authorization": "Bearer seamline-admin-guess"}):
-            reply = httpx.get(f"{mesh.base_url}{path}", headers=headers, timeout=10)
-            assert reply.status_code == 401, (path, reply.status_code)
+    for headers in ({"Authorization": f"Bearer {secret}"}, {}, {"Authorization": "Bearer seamline-admin-guess"}):
+        reply = httpx.get(f"{mesh.base_url}/api/admin/invites", headers=headers, timeout=10)
+        assert reply.status_code == 401, reply.status_code
+    assert httpx.get(f"{mesh.base_url}/fragments/manifest.json", timeout=10).status_code == 404
+    manifest = f"https://127.0.0.1:{mesh.fragments_port}/fragments/manifest.json"
+    anonymous = ssl.create_default_context(cadata=mesh_authority(mesh.root).ca_pem)
+    anonymous.check_hostname = False
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(manifest, verify=anonymous, headers={"Authorization": f"Bearer {secret}"}, timeout=10)
+    as_member = member(mesh.root, "someone").client_context()
+    reply = httpx.get(manifest, verify=as_member, headers={"Authorization": f"Bearer {secret}"}, timeout=10)
+    assert reply.status_code == 401
     key = (mesh.root / "coordinator" / "mesh" / "admin.key").read_text().strip()
     assert (mesh.root / "coordinator" / "mesh" / "admin.key").stat().st_mode & 0o077 == 0
     reply = httpx.get(f"{mesh.base_url}/api/admin/invites", headers={"Authorization": f"Bearer {key}"}, timeout=10)

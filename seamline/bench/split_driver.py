@@ -40,10 +40,11 @@ def main() -> int:
     args = parser.parse_args()
     port = free_port(args.host)
     options = ServeOptions(host=args.host, port=port, control_port=free_port(args.host),
+                           fragments_port=free_port(args.host),
                            nodes_expected=args.stages, local_node=False, context=CONTEXT,
                            plaintext_links=args.plaintext)  # fmt: skip
     mesh = build_mesh(options)
-    mesh.coordinator.start(args.host)
+    mesh.start(args.host)
     server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=args.host, port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     cap = f"{memory_cap_gb(None, args.stages, CONTEXT):.3f}"

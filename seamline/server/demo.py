@@ -26,11 +26,12 @@ DEMO_CONTEXT = 2048
 def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port: int = 0,
              tensor_parallel: int = 0) -> int:
     port = port or free_port()
-    options = ServeOptions(model=model, port=port, control_port=free_port(), nodes_expected=nodes,
+    options = ServeOptions(model=model, port=port, control_port=free_port(), fragments_port=free_port(),
+                           nodes_expected=nodes,
                            local_node=False, context=DEMO_CONTEXT, tensor_parallel=tensor_parallel)  # fmt: skip
     print(f"seamline demo: packaging the model and starting a coordinator on port {port}", flush=True)
     mesh = build_mesh(options)
-    mesh.coordinator.start(options.host)
+    mesh.start(options.host)
     server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=options.host, port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="seamline-demo-") as tmp:

@@ -19,7 +19,7 @@ def run_serve(options: ServeOptions, api: ApiOptions | None = None) -> int:
 
     api = api or ApiOptions()
     mesh = build_mesh(options)
-    mesh.coordinator.start(options.host)
+    mesh.start(options.host)
     where = f"{api.scheme}://{url_host(options.host)}:{options.port}/v1"
     print(f"seamline: serving {mesh.coordinator.model.name} on {where}", flush=True)
     print(f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}", flush=True)

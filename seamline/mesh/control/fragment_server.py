@@ -10,10 +10,13 @@ its file changes, so a peer whose folder is re-materialised serves its new fragm
 
 from __future__ import annotations
 
+import ssl
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Header, HTTPException
 from fastapi.responses import FileResponse
 
@@ -71,6 +74,19 @@ def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_tok
     def fragment_file(sha256: str, authorization: Annotated[str | None, Header()] = None) -> FileResponse:
         authorise(authorization)
         return FileResponse(index.lookup(sha256.lower()), media_type="application/octet-stream")
+
+
+def serve_fragments(package_dir: Path, check_token: TokenCheck, host: str, port: int,
+                    context: ssl.SSLContext) -> uvicorn.Server:  # fmt: skip
+    """The fragment routes on their own HTTPS port, under ``context``: a mesh's, which takes only
+    clients presenting a member's certificate from the mesh CA (mutual TLS 1.3)."""
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    fragment_routes(app, package_dir, check_token)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            ssl_context_factory=lambda _config, _default: context)  # fmt: skip
+    server = uvicorn.Server(config)
+    threading.Thread(target=server.run, name="seamline-fragments", daemon=True).start()
+    return server
 
 
 def _bearer(authorization: str | None) -> str | None:

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 
 from seamline.config import ModelConfig
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
-from seamline.mesh.control.fragment_server import fragment_routes
+from seamline.mesh.control.fragment_server import fragment_routes, serve_fragments
 from seamline.mesh.plan.groups import check_world
 from seamline.mesh.control.admin import admin_key, admin_routes
 from seamline.mesh.control.invite import Invite
@@ -53,7 +53,8 @@ class ServeOptions:
     insecure_comm: bool = False  # --transport torch may run between hosts
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
-    tls_certificate: str = ""  # PEM: the API (and the fragments nodes fetch) is served over HTTPS with it
+    tls_certificate: str = ""  # PEM: the API is served over HTTPS with it
+    fragments_port: int = 0  # a mesh over TLS serves fragments here, to members only (0: port + 2)
     plaintext_links: bool = False  # no mesh CA, links unencrypted: only to measure what TLS costs
     state_dir: Path | None = None  # the mesh CA is kept here (default: <cache_dir>/mesh)
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
@@ -72,6 +73,15 @@ class Mesh:
     token: str
     package_dir: Path
     state_dir: Path
+    fragments_port: int = 0  # over mutual TLS (0: the API serves the fragments: a plaintext mesh)
+
+    def start(self, host: str) -> None:
+        """Open the control port, and the fragment port of a mesh over TLS."""
+        self.coordinator.start(host)
+        enrollment = self.coordinator.enrollment
+        if self.fragments_port and enrollment is not None:
+            serve_fragments(self.package_dir, self.coordinator.fragment_token_ok, host, self.fragments_port,
+                            enrollment.identity.server_context())  # fmt: skip
 
 
 ENDPOINT_FILE = "endpoint.json"  # where `seamline invite` and `seamline node` find the running coordinator
@@ -103,9 +113,12 @@ def build_mesh(options: ServeOptions) -> Mesh:
                    authority.fingerprint if authority else "")  # fmt: skip
     book = InviteBook(where, state_dir / "invites.json")
     _, token = book.create(options.invite_ttl_s)  # the one `serve` prints: any number of nodes
+    fragments_port = (options.fragments_port or options.port + 2) if authority else 0
+    fragments_url = (f"https://{url_host(hosts[0])}:{fragments_port}" if fragments_port
+                     else f"{scheme}://{url_host(hosts[0])}:{options.port}")  # fmt: skip
     coordinator = Coordinator(book, spec, manifest.model_hash, CoordinatorOptions(
         nodes_expected=max(options.nodes_expected, options.tensor_parallel), dtype=options.dtype,
-        context_length=context, fragments_url=f"{scheme}://{url_host(hosts[0])}:{options.port}",
+        context_length=context, fragments_url=fragments_url,
         fragments_certificate=options.tls_certificate,
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
         transport=options.transport, gate_timeout_s=options.gate_timeout_s, insecure_comm=options.insecure_comm,
@@ -117,11 +130,12 @@ def build_mesh(options: ServeOptions) -> Mesh:
     _write_endpoint(state_dir, f"{scheme}://{url_host(hosts[0])}:{options.port}", options.tls_certificate)
 
     def routes(app: FastAPI) -> None:
-        fragment_routes(app, package_dir, coordinator.fragment_token_ok)  # members' tokens only
+        if not fragments_port:  # a plaintext mesh: the API serves the fragments, to members' tokens only
+            fragment_routes(app, package_dir, coordinator.fragment_token_ok)
         app.get("/api/status")(lambda: coordinator.status())
         admin_routes(app, coordinator, book, key)
 
-    return Mesh(routes, coordinator, backend, Invite.decode(token), token, package_dir, state_dir)
+    return Mesh(routes, coordinator, backend, Invite.decode(token), token, package_dir, state_dir, fragments_port)
 
 
 def _reachable(host: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import ssl
 from typing import TYPE_CHECKING
 
 
@@ -26,20 +27,22 @@ log = logging.getLogger("seamline.node")
 GROUP_CONNECT_TIMEOUT_S = 600.0  # peers may still be downloading their fragments
 
 
-def load_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[Stage, int]:
-    """Return the loaded Stage and the number of bytes downloaded for it."""
-    source, downloaded = fetch_assignment(invite, assign, options)
+def load_assignment(invite: Invite, assign: Assign, options: NodeOptions,
+                    tls: ssl.SSLContext | None = None) -> tuple[Stage, int]:  # fmt: skip
+    """Return the loaded Stage and the number of bytes downloaded for it (over mutual TLS with
+    ``tls``, this member's client context, when the mesh runs over TLS)."""
+    source, downloaded = fetch_assignment(invite, assign, options, tls)
     config = ModelConfig.from_hf_dict(source.config_dict())
     own = Ownership(layers=(assign.layers[0], assign.layers[1]))
     return load_stage(source, own, DTYPES[assign.dtype], config), downloaded
 
 
-def load_rank(invite: Invite, assign: Assign, options: NodeOptions,
-              tls: GroupTls | None = None) -> tuple[LockstepRank, int]:  # fmt: skip
+def load_rank(invite: Invite, assign: Assign, options: NodeOptions, tls: GroupTls | None = None,
+              fetch_tls: ssl.SSLContext | None = None) -> tuple[LockstepRank, int]:  # fmt: skip
     """This node's rank of a lockstep group: its shard of the range, joined to its peers.
     Of the routed experts it fetches only its own chunks; the layers' other fragments are
     fetched whole, and only the rank's slices are read from them."""
-    source, downloaded = fetch_assignment(invite, assign, options)
+    source, downloaded = fetch_assignment(invite, assign, options, fetch_tls)
     rank, world = assign.shard
     log.info("rank %d of %d: joining the group over %s", rank, world, assign.transport)
     member = LockstepRank(source, rank, world, [(host, port) for host, port in assign.group], assign.gate_timeout_s,
@@ -48,9 +51,10 @@ def load_rank(invite: Invite, assign: Assign, options: NodeOptions,
     return member, downloaded
 
 
-def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions) -> tuple[FragmentSource, int]:
+def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions,
+                     tls: ssl.SSLContext | None = None) -> tuple[FragmentSource, int]:  # fmt: skip
     """Fetch (or find in the cache) the fragments of the assigned range; open them."""
-    verify = trusting(assign.fragments_certificate)
+    verify = tls if tls is not None else trusting(assign.fragments_certificate)
     manifest = fetch_manifest(assign.fragments_url, token=assign.fragments_token, verify=verify)
     if manifest.model_hash != assign.model_hash:
         raise CheckpointError(

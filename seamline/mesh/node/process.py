@@ -251,17 +251,20 @@ class Node:
         from seamline.mesh.node.loading import load_assignment, load_rank
 
         self.assignment = assign
+        self._probe_matrix = None  # the speed probe is over
         self.worker = None  # a new assignment replaces the old stage
         if self.group_stage is not None:
             self.group_stage.close()
             self.group_stage = None
         self._check_room(assign)
         if assign.shard[1] == 1:
-            stage, downloaded = load_assignment(self.invite, assign, self.options)
+            client = self.credentials.client if self.credentials else None
+            stage, downloaded = load_assignment(self.invite, assign, self.options, client)
             self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
                                       _kv_budget(assign))  # fmt: skip
         else:
-            member, downloaded = load_rank(self.invite, assign, self.options, self._group_tls(assign))
+            member, downloaded = load_rank(self.invite, assign, self.options, self._group_tls(assign),
+                                           self.credentials.client if self.credentials else None)  # fmt: skip
             if member.rank == 0:  # the leader: its StageWorker drives the whole group
                 self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
                 self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head,
@@ -335,8 +338,7 @@ class Node:
             self._probe_matrix = probe_matrix(probe.seed, probe.rows, probe.cols)
             self.control.send_message(SpeedReady())
         elif self._probe_matrix is not None and len(probe.vector) == self._probe_matrix.shape[1]:
-            matrix, self._probe_matrix = self._probe_matrix, None
-            self.control.send_message(SpeedSums(sums=block_sums(matrix, torch.tensor(probe.vector))))
+            self.control.send_message(SpeedSums(sums=block_sums(self._probe_matrix, torch.tensor(probe.vector))))
 
     def _accept_relayed(self, accept: RelayAccept) -> None:
         """This node takes no inbound connection: dial the coordinator's relay with the ticket and
