@@ -69,6 +69,9 @@ class PipelineHead:
         self._in_flight: set[Sequence] = set()  # a token for it is being drawn downstream
         self._held: dict[int, tuple[object, int]] = {}  # id(cache) -> (cache, request it has downstream)
         self._announced: dict[Sequence, object] = {}  # the cache each sequence's rows went downstream with
+        # id(cache) of caches the scheduler freed that later stages keep until every sequence forked
+        # from them has told the later stages (a kept prefix evicted between a fork and its first rows)
+        self._forget_later: set[int] = set()
         self.scheduler.on_free = self._freed
         self._inbox = Inbox()
         self._cond = threading.Condition()
@@ -169,10 +172,23 @@ class PipelineHead:
 
     def _freed(self, cache: object, for_good: bool) -> None:
         """The scheduler freed a cache: free it downstream too, unless its sequence was preempted
-        (it starts over at position 0 or from a fork, which resets it there)."""
+        (it starts over at position 0 or from a fork, which resets it there), and not before the
+        sequences forked from it have forked downstream too."""
+        if for_good and id(cache) in self._held and self._awaited(cache):
+            self._forget_later.add(id(cache))
+            return
         entry = self._held.pop(id(cache), None)
         if entry is not None and for_good:
             self._send(Forget(request=entry[1]))
+
+    def _awaited(self, cache: object) -> bool:
+        """Whether a sequence forked from ``cache`` has not yet told the later stages."""
+        return any(s.donor is cache and self._announced.get(s) is not s.cache for s in self._sequences.values())
+
+    def _forget_released(self) -> None:
+        for key in [k for k in self._forget_later if not self._awaited(self._held[k][0])]:
+            self._forget_later.discard(key)
+            self._send(Forget(request=self._held.pop(key)[1]))
 
     def _announce(self, sequence: Sequence, request: int, start: int) -> None:
         """A sequence's first rows since it got its cache: downstream starts from the same fork."""
@@ -214,6 +230,8 @@ class PipelineHead:
 
     def _run_next(self) -> bool:
         """Plan and run one batch; False when there was nothing to run."""
+        if self._forget_later:
+            self._forget_released()
         cap = max(1, -(-len(self.scheduler.running) // max(1, self.worker.micro_batches)))
         batch = self.scheduler.next_batch(ready=lambda s: s not in self._in_flight, max_decode_rows=cap)
         if not batch.spans:
