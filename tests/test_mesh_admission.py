@@ -13,7 +13,7 @@ import psutil
 import openai
 import pytest
 
-from seamline.mesh.control.coordinator import HANDSHAKE_DEADLINE_S
+from seamline.net.frames import HANDSHAKE_DEADLINE_S
 from seamline.net.frames import HEADER, MAGIC, FrameType, header, parse_header
 from seamline.server.demo import memory_cap_gb
 from seamline.mesh.control.invite import Invite

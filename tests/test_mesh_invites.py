@@ -17,7 +17,7 @@ import pytest
 
 from seamline.mesh.control.invite import Invite, proof
 from seamline.mesh.identity import new_key, signing_request
-from seamline.net.messages import PROTOCOL_VERSION, Challenge, Join, Refuse, Resources
+from seamline.net.messages import PROTOCOL_VERSION, Attach, Challenge, Join, Refuse, Resources
 from tests.mesh_harness import MeshProcesses, seamline_cmd
 from tests.test_mesh_admission import _refused
 from tests.tls_peers import member, mesh_authority, tls_link
@@ -125,3 +125,15 @@ def test_a_removed_node_is_ejected_and_cannot_rejoin(mesh: MeshProcesses) -> Non
     again = mesh.join("node0", token=fresh)
     _, stderr = again.communicate(timeout=60)
     assert again.returncode != 0 and "node0 was removed" in stderr, stderr
+
+
+def test_a_control_link_needs_the_certificate_of_the_node_that_just_enrolled(mesh: MeshProcesses) -> None:
+    """A member's certificate opens a control link only as the node it names, and only right
+    after that node enrolled: another node's id, or an id that never enrolled, is refused."""
+    address = ("127.0.0.1", mesh.control_port)
+    for certified, claimed in (("mallory", "node0"), ("ghost", "ghost")):
+        with tls_link(address, member(mesh.root, certified)) as link:
+            assert isinstance(link.recv(), Challenge)
+            link.send_message(Attach(node_id=claimed))
+            answer = link.recv(deadline_s=10)
+            assert isinstance(answer, Refuse) and "has not just enrolled" in answer.reason, answer

@@ -50,6 +50,18 @@ class Join(Message):
     invite_id: str = ""  # which of the coordinator's invites ``proof`` proves
 
 
+class Attach(Message):
+    """An enrolled node's first word on its control link proper, under its own certificate."""
+
+    kind: Literal["attach"] = "attach"
+    node_id: str
+
+
+class Attached(Message):
+    kind: Literal["attached"] = "attached"
+    node_id: str
+
+
 class Renew(Message):
     """A member asks for a fresh certificate for its key before its own expires."""
 
@@ -264,7 +276,7 @@ class Heartbeat(Message):
 
 
 AnyMessage = Annotated[
-    Union[Challenge, Join, Renew, Certificate, RelayAccept, Ping, Pong, SpeedProbe, SpeedReady, SpeedSums, DataHello,
+    Union[Challenge, Join, Attach, Attached, Renew, Certificate, RelayAccept, Ping, Pong, SpeedProbe, SpeedReady, SpeedSums, DataHello,
           Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure, StatsRequest,
           Stats, Heartbeat],
     Field(discriminator="kind"),

@@ -1,7 +1,7 @@
 """The coordinator: membership, planning, start-up order and the route; no model compute.
 
-Nodes join over the control port by answering a challenge with their invite secret. Once
-``nodes_expected`` have joined, the planner assigns layer ranges; stages are assigned and
+Nodes join over the control port (``joining.Membership``: an invite proved, a certificate
+issued, the node's link and speed measured). Once ``nodes_expected`` have joined, the planner assigns layer ranges; stages are assigned and
 loaded downstream first, each reports READY with a descriptor checked against the plan, then
 the links are made downstream first and stage 0's route is published last. Only then is the
 mesh ready. A node that leaves fails the requests in flight and triggers a re-plan over the
@@ -10,69 +10,40 @@ nodes that remain.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import secrets
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from seamline.mesh.control.enrollment import Enrollment
-from seamline.mesh.control.invite import coordinator_proof
-from seamline.mesh.control.invites import InviteBook
-from seamline.mesh.control.claims import SpeedCheck
-from seamline.mesh.control.link_probe import Reach, link_table, measure
-from seamline.mesh.control.mesh_status import describe
-from seamline.mesh.control.relay import RELAY_MAGIC, Pongs, Relay, reachable
-from seamline.mesh.identity import IdentityError, MeshAuthority
 from seamline.config import ModelConfig
+from seamline.errors import SeamlineError
+from seamline.mesh.control.enrollment import Enrollment
+from seamline.mesh.control.invites import InviteBook
+from seamline.mesh.control.joining import Membership
+from seamline.mesh.control.link_probe import Reach, link_table
+from seamline.mesh.control.mesh_status import describe
+from seamline.mesh.control.node_handle import NodeHandle
+from seamline.mesh.control.relay import Relay
+from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.measured import steady_rates
 from seamline.mesh.plan.planner import check_plan
 from seamline.mesh.plan.planner import plan as make_plan
-from seamline.errors import SeamlineError
-from seamline.mesh.plan.types import Link as PlanLink
 from seamline.mesh.plan.types import LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
-from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, FrameError, TokenFrame, TokenRow
-from seamline.net.link import Link, LinkClosed, accept_links, listen
+from seamline.net.frames import FrameError, TokenFrame, TokenRow
+from seamline.net.link import LinkClosed
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Certificate, Challenge, Close, Failure, Join, Linked, Message, Open, Pong, Prompt,
-    Ready, Refuse, RelayAccept, Renew, Route, SpeedReady, SpeedSums, Stats, StatsRequest, Welcome,
+    PROTOCOL_VERSION, Assign, Close, Failure, Join, Linked, Message, Open, Pong, Prompt, Ready, RelayAccept, Renew,
+    Route, SpeedReady, SpeedSums, Stats, StatsRequest,
 )  # fmt: skip
 
 log = logging.getLogger("seamline.coordinator")
 STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
 MIN_RESIDENT_SHARE = 0.5  # a loaded stage's resident bytes, at least this share of its weights
-
-
-@dataclass
-class NodeHandle:
-    join: Join
-    link: Link
-    ready: Ready | None = None
-    linked: bool = False
-    stats: Stats | None = None
-    failure: str | None = None  # a failure the node reported outside any request
-    events: threading.Condition = field(default_factory=threading.Condition)
-    inbound: bool = True  # takes connections (else its data links come through the relay)
-    measured: PlanLink | None = None  # its link to the coordinator
-    pongs: Pongs = field(default_factory=Pongs)
-    speed_check: SpeedCheck | None = None
-    believed_rate: float | None = None  # its claimed speed, or what the probe measured when far below it
-    checked: bool = False  # its link measured and its speed checked: it may be planned
-
-    @property
-    def node_id(self) -> str:
-        return self.join.node_id
-
-    def info(self) -> NodeInfo:
-        r = self.join.resources
-        return NodeInfo(self.node_id, r.free_memory_bytes, self.believed_rate or r.bytes_per_second,
-                        f"{self.join.data_host}:{self.join.data_port}", r.device)  # fmt: skip
 
 
 @dataclass
@@ -96,7 +67,7 @@ TokenSink = Callable[[list[TokenRow]], None]
 FailureSink = Callable[[int | None, str, str], None]  # request (None: all), reason, blame
 
 
-class Coordinator:
+class Coordinator(Membership):
     def __init__(self, invites: InviteBook, model: ModelSpec, model_hash: str, options: CoordinatorOptions,
                  authority: MeshAuthority | None = None) -> None:  # fmt: skip
         """``invites``: who may join; ``authority``: the mesh CA, whose certificates every link
@@ -118,124 +89,10 @@ class Coordinator:
         self._server: socket.socket | None = None
         self._fragment_tokens: dict[str, str] = {}  # node id -> its bearer token for fragment downloads
         self.link_key = ""  # the current plan's
+        self._enrolled: dict[str, tuple[Join, float]] = {}  # certified, not yet attached: (join, deadline)
         self.relay = Relay()
 
-    # -- membership ---------------------------------------------------------------------
-    def start(self, host: str) -> int:
-        self._server = server = listen(host, self.invite.control_port)
-        accept_links(server, "control", self._handshake, tls=self._control_context,
-                     plain={RELAY_MAGIC: self.relay.serve})  # fmt: skip
-        return int(server.getsockname()[1])
-
-    def _believed(self, handle: NodeHandle) -> bool:
-        """Time a product on the joining node against the speed it claimed; a node that cannot
-        answer it rightly is dropped."""
-        rtt = handle.measured.latency_s * 2 if handle.measured else 0.0
-        handle.speed_check = SpeedCheck(handle.link, handle.join.resources.bytes_per_second, rtt)
-        handle.believed_rate = handle.speed_check.run()
-        if handle.believed_rate is not None:
-            return True
-        log.warning("dropped node %s: it did not answer the speed probe rightly", handle.node_id)
-        handle.link.close()
-        return False
-
-    def _control_context(self) -> ssl.SSLContext | None:
-        return self.enrollment.control_context if self.enrollment is not None else None
-
-    def _handshake(self, link: Link) -> None:
-        peer = link.peer()
-        link.limits = HANDSHAKE_LIMITS  # nothing large from a peer that has not proved its invite
-        try:
-            nonce = secrets.token_hex(16)
-            link.send_message(self.enrollment.challenge(nonce) if self.enrollment else Challenge(nonce=nonce))
-            join = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
-            reason, secret = self._refusal(join, nonce)
-            certificate = self._certify(join) if not reason else ""
-            if reason or certificate is None:
-                reason = reason or "its certificate signing request does not check out"
-                log.warning("refused node from %s: %s", peer, reason)
-                link.send_message(Refuse(reason=reason))
-                link.close()
-                return
-            assert isinstance(join, Join)
-            link.limits = LIMITS
-            handle = NodeHandle(join, link, inbound=reachable(join.data_host, join.data_port))
-            link.name = f"node {join.node_id}"
-            with self.lock:
-                self.nodes[join.node_id] = handle
-            self._fragment_tokens[join.node_id] = secrets.token_hex(16)
-            link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(secret, join.nonce),
-                                      certificate=certificate))  # fmt: skip
-        except (LinkClosed, FrameError) as exc:
-            log.warning("join from %s failed: %s", peer, exc)
-            link.close()
-            return
-        threading.Thread(target=self._read_node, args=(handle,), daemon=True).start()
-        handle.measured = measure(link, handle.pongs)
-        if not self._believed(handle):
-            return
-        handle.checked = True
-        log.info("node %s joined from %s (%d of %d)%s", join.node_id, peer, len(self.nodes),
-                 self.options.nodes_expected, "" if handle.inbound else "; it takes no inbound connection: relayed")
-        self._maybe_plan()
-
-    def _refusal(self, join: object, nonce: str) -> tuple[str, str]:
-        """Why this join is refused ("" if it is not), and the secret of the invite it spent."""
-        if not isinstance(join, Join):
-            return f"expected a join message, got {type(join).__name__}", ""
-        if join.protocol_version != PROTOCOL_VERSION:
-            return f"protocol version {join.protocol_version} is not {PROTOCOL_VERSION}", ""
-        if join.node_id in self.nodes:
-            return f"a node named {join.node_id} has already joined", ""
-        reason = self.enrollment.refusal(join) if self.enrollment is not None else ""
-        return (reason, "") if reason else self.invites.claim(join.invite_id, nonce, join.proof)
-
-    def fragment_token(self, node_id: str) -> str:
-        return self._fragment_tokens.get(node_id, "")
-
-    def fragment_token_ok(self, token: str | None) -> bool:
-        """Whether ``token`` is a joined member's fragment token (compared in constant time)."""
-        with self.lock:
-            tokens = [self._fragment_tokens.get(node_id, "") for node_id in self.nodes]
-        given = (token or "").encode()
-        return bool(token) and any(hmac.compare_digest(given, t.encode()) for t in tokens if t)
-
-    def _certify(self, join: object) -> str | None:
-        """The joining node's certificate ("" on a plaintext mesh; None if its request is bad)."""
-        if self.enrollment is None:
-            return ""
-        assert isinstance(join, Join)
-        try:
-            return self.enrollment.certify(join.node_id, join.csr)
-        except IdentityError as exc:
-            log.warning("node %s: %s", join.node_id, exc)
-            return None
-
-    def _renew(self, handle: NodeHandle, renew: Renew) -> None:
-        if self.enrollment is None:
-            return
-        try:
-            handle.link.send_message(Certificate(certificate=self.enrollment.certify(handle.node_id, renew.csr)))
-            log.info("renewed node %s's certificate", handle.node_id)
-        except IdentityError as exc:
-            log.warning("no renewal for node %s: %s", handle.node_id, exc)
-        except LinkClosed:
-            pass
-
-    def remove_node(self, node_id: str) -> bool:
-        """Eject a member: no certificate for its id from now on, its control link dropped (its
-        data links go with the plan made without it). False if no such member is joined."""
-        if self.enrollment is not None:
-            self.enrollment.remove(node_id)
-        with self.lock:
-            handle = self.nodes.get(node_id)
-        if handle is None:
-            return False
-        log.warning("removing node %s", node_id)
-        handle.link.close()
-        self._lost(handle, "removed by the administrator")
-        return True
-
+    # -- membership (joining: ``joining.Membership``) --------------------------------------
     def _read_node(self, handle: NodeHandle) -> None:
         while True:
             try:

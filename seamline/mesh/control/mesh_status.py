@@ -9,7 +9,8 @@ from seamline.errors import SeamlineError
 from seamline.net.link import LinkClosed
 
 if TYPE_CHECKING:
-    from seamline.mesh.control.coordinator import Coordinator, NodeHandle
+    from seamline.mesh.control.coordinator import Coordinator
+    from seamline.mesh.control.node_handle import NodeHandle
 
 STATUS_TIMEOUT_S = 2.0  # /api/status waits this long for the stages' counters
 

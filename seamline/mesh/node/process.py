@@ -28,18 +28,18 @@ import torch
 
 from seamline.runtime.group_stage import LockstepStage
 from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
-from seamline.mesh.identity import check_coordinator, enrolling_context
+from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
 from seamline.mesh.node.credentials import Credentials
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
-from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
+from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError, HiddenFrame, TokenFrame
 from seamline.mesh.node.data_links import Refused, admit, dial, expected_from
 from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen, tune
 from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
 from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
 from seamline.mesh.control.claims import block_sums, probe_matrix
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Certificate, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked, Message,
+    PROTOCOL_VERSION, Assign, Attach, Attached, Certificate, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked, Message,
     Open, Ping, Pong, Prompt, Ready, Refuse, RelayAccept, Renew, Resources, Route, SpeedProbe, SpeedReady, SpeedSums,
     Stats, StatsRequest, Welcome,
 )  # fmt: skip
@@ -104,11 +104,12 @@ def local_resources(options: NodeOptions) -> Resources:
                      device=device, cores=os.cpu_count() or 1)  # fmt: skip
 
 
-def connect_to_coordinator(invite: Invite) -> Link:
-    """The control link: TLS when the invite pins a mesh CA (the certificate is checked once the
-    coordinator has sent the CA, ``check_coordinator``)."""
+def connect_to_coordinator(invite: Invite, tls: ssl.SSLContext | None = None) -> Link:
+    """A link to the control port: TLS when the invite pins a mesh CA, under ``tls`` (this node's
+    certificate) or, to enroll, with the coordinator's certificate checked once the coordinator
+    has sent the CA (``check_coordinator``)."""
     errors = []
-    tls = enrolling_context() if invite.ca_fingerprint else None
+    tls = tls or (enrolling_context() if invite.ca_fingerprint else None)
     for host in invite.hosts:
         try:
             return Link.connect(host, invite.control_port, name=f"coordinator {host}", tls=tls)
@@ -138,9 +139,30 @@ class Node:
         self.control = control = connect_to_coordinator(self.invite)
         try:
             self._join(control)
+            if self.credentials is not None:  # enrolled: the control link proper, under our certificate
+                control.close()
+                self.control = self._attach()
+                self.credentials.keep_renewed(lambda csr: self._send_control(Renew(csr=csr)))
         except (LinkClosed, FrameError) as exc:
             control.close()
             raise InviteError(f"the coordinator ended the join: {exc} (is the token this mesh's, in full?)") from None
+
+    def _attach(self) -> Link:
+        assert self.credentials is not None and self.credentials.client is not None
+        link = connect_to_coordinator(self.invite, self.credentials.client)
+        if not isinstance(link.recv(deadline_s=HANDSHAKE_DEADLINE_S), Challenge) or link.peer_id() != COORDINATOR_ID:
+            link.close()
+            raise InviteError(f"{link.name} is not the coordinator that enrolled this node")
+        link.send_message(Attach(node_id=self.options.node_id))
+        answer = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
+        if not isinstance(answer, Attached):
+            link.close()
+            raise InviteError(f"the coordinator did not take this node's control link: {getattr(answer, 'reason', answer)}")
+        return link
+
+    def _send_control(self, message: Message) -> None:
+        assert self.control is not None
+        self.control.send_message(message)
 
     def _join(self, control: Link) -> None:
         challenge = control.recv()
@@ -170,7 +192,6 @@ class Node:
             raise InviteError("the coordinator did not prove it holds this invite: not the mesh the token names")
         if self.credentials is not None:
             self.credentials.accept(answer.certificate)
-            self.credentials.keep_renewed(lambda csr: control.send_message(Renew(csr=csr)))
         log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
 
     # -- serving ------------------------------------------------------------------------

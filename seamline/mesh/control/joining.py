@@ -1,0 +1,189 @@
+"""How a node becomes a member (the coordinator's side); ``Coordinator`` takes these methods.
+
+Over TLS a node joins in two connections to the control port. The first (the coordinator's
+certificate only, checked by the node against the CA its invite pins) enrolls it: it proves
+its invite and sends a signing request, and gets a certificate naming its node id. The second
+is its control link proper: both certificates verified against the CA, and the node's must
+name the node that just enrolled. It is then measured (its link, its claimed speed) and may be
+planned. A plaintext mesh (benchmarks only) keeps the first connection as the control link.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import ssl
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from seamline.mesh.control.claims import SpeedCheck
+from seamline.mesh.control.invite import coordinator_proof
+from seamline.mesh.control.link_probe import measure
+from seamline.mesh.control.relay import RELAY_MAGIC, reachable
+from seamline.mesh.control.node_handle import NodeHandle
+from seamline.mesh.identity import IdentityError
+from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, FrameError
+from seamline.net.link import Link, LinkClosed, accept_links, listen
+from seamline.net.messages import (
+    PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Join, Refuse, Renew, Welcome,
+)  # fmt: skip
+
+if TYPE_CHECKING:
+    from seamline.mesh.control.coordinator import Coordinator
+
+log = logging.getLogger("seamline.coordinator")
+ATTACH_WITHIN_S = 60.0  # an enrolled node opens its control link within this
+
+
+class Membership:
+    """Joining, certificates and removal; mixed into ``Coordinator``."""
+
+    def start(self: Coordinator, host: str) -> int:
+        self._server = server = listen(host, self.invite.control_port)
+        accept_links(server, "control", self._handshake, tls=self._control_context,
+                     plain={RELAY_MAGIC: self.relay.serve})  # fmt: skip
+        return int(server.getsockname()[1])
+
+    def _control_context(self: Coordinator) -> ssl.SSLContext | None:
+        return self.enrollment.control_context if self.enrollment is not None else None
+
+    def _handshake(self: Coordinator, link: Link) -> None:
+        peer = link.peer()
+        link.limits = HANDSHAKE_LIMITS  # nothing large from a peer that has not proved itself
+        try:
+            nonce = secrets.token_hex(16)
+            link.send_message(self.enrollment.challenge(nonce) if self.enrollment else Challenge(nonce=nonce))
+            first = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
+            if isinstance(first, Attach):
+                self._attach(link, first, peer)
+            else:
+                self._enroll(link, first, nonce, peer)
+        except (LinkClosed, FrameError) as exc:
+            log.warning("join from %s failed: %s", peer, exc)
+            link.close()
+
+    def _refuse(self: Coordinator, link: Link, peer: str, reason: str) -> None:
+        log.warning("refused node from %s: %s", peer, reason)
+        link.send_message(Refuse(reason=reason))
+        link.close()
+
+    def _enroll(self: Coordinator, link: Link, join: object, nonce: str, peer: str) -> None:
+        reason, secret = self._refusal(join, nonce)
+        certificate = self._certify(join) if not reason else ""
+        if reason or certificate is None:
+            self._refuse(link, peer, reason or "its certificate signing request does not check out")
+            return
+        assert isinstance(join, Join)
+        if self.enrollment is None:  # plaintext: this connection is the control link
+            link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(secret, join.nonce)))
+            self._enter(join, link, peer)
+            return
+        with self.lock:
+            self._enrolled[join.node_id] = (join, time.monotonic() + ATTACH_WITHIN_S)
+        link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(secret, join.nonce),
+                                  certificate=certificate))  # fmt: skip
+        try:
+            link.recv(deadline_s=HANDSHAKE_DEADLINE_S)  # the node hangs up and attaches anew
+        except (LinkClosed, FrameError):
+            pass
+        link.close()
+
+    def _attach(self: Coordinator, link: Link, attach: Attach, peer: str) -> None:
+        """An enrolled node's control link: its certificate must name the node it says it is."""
+        certified = link.peer_id()
+        with self.lock:
+            pending = self._enrolled.pop(attach.node_id, None) if certified == attach.node_id else None
+        if pending is None or pending[1] < time.monotonic():
+            self._refuse(link, peer, f"a certificate for {certified or 'no one'!r} attached as node "
+                                     f"{attach.node_id}, which has not just enrolled")  # fmt: skip
+            return
+        link.send_message(Attached(node_id=attach.node_id))
+        self._enter(pending[0], link, peer)
+
+    def _enter(self: Coordinator, join: Join, link: Link, peer: str) -> None:
+        """Make the node a member on its control link; measure it; plan when enough have come."""
+        link.limits = LIMITS
+        handle = NodeHandle(join, link, inbound=reachable(join.data_host, join.data_port))
+        link.name = f"node {join.node_id}"
+        with self.lock:
+            self.nodes[join.node_id] = handle
+            self._fragment_tokens[join.node_id] = secrets.token_hex(16)
+        threading.Thread(target=self._read_node, args=(handle,), daemon=True).start()
+        handle.measured = measure(link, handle.pongs)
+        if not self._believed(handle):
+            return
+        handle.checked = True
+        log.info("node %s joined from %s (%d of %d)%s", join.node_id, peer, len(self.nodes),
+                 self.options.nodes_expected, "" if handle.inbound else "; it takes no inbound connection: relayed")
+        self._maybe_plan()
+
+    def _believed(self: Coordinator, handle: NodeHandle) -> bool:
+        """Time a product on the joining node against the speed it claimed; a node that cannot
+        answer it rightly is dropped."""
+        rtt = handle.measured.latency_s * 2 if handle.measured else 0.0
+        handle.speed_check = SpeedCheck(handle.link, handle.join.resources.bytes_per_second, rtt)
+        handle.believed_rate = handle.speed_check.run()
+        if handle.believed_rate is not None:
+            return True
+        log.warning("dropped node %s: it did not answer the speed probe rightly", handle.node_id)
+        handle.link.close()
+        return False
+
+    def _refusal(self: Coordinator, join: object, nonce: str) -> tuple[str, str]:
+        """Why this join is refused ("" if it is not), and the secret of the invite it spent."""
+        if not isinstance(join, Join):
+            return f"expected a join message, got {type(join).__name__}", ""
+        if join.protocol_version != PROTOCOL_VERSION:
+            return f"protocol version {join.protocol_version} is not {PROTOCOL_VERSION}", ""
+        if join.node_id in self.nodes or join.node_id in self._enrolled:
+            return f"a node named {join.node_id} has already joined", ""
+        reason = self.enrollment.refusal(join) if self.enrollment is not None else ""
+        return (reason, "") if reason else self.invites.claim(join.invite_id, nonce, join.proof)
+
+    def _certify(self: Coordinator, join: object) -> str | None:
+        """The joining node's certificate ("" on a plaintext mesh; None if its request is bad)."""
+        if self.enrollment is None:
+            return ""
+        assert isinstance(join, Join)
+        try:
+            return self.enrollment.certify(join.node_id, join.csr)
+        except IdentityError as exc:
+            log.warning("node %s: %s", join.node_id, exc)
+            return None
+
+    def _renew(self: Coordinator, handle: NodeHandle, renew: Renew) -> None:
+        if self.enrollment is None:
+            return
+        try:
+            handle.link.send_message(Certificate(certificate=self.enrollment.certify(handle.node_id, renew.csr)))
+            log.info("renewed node %s's certificate", handle.node_id)
+        except IdentityError as exc:
+            log.warning("no renewal for node %s: %s", handle.node_id, exc)
+        except LinkClosed:
+            pass
+
+    def remove_node(self: Coordinator, node_id: str) -> bool:
+        """Eject a member: no certificate for its id from now on, its control link dropped (its
+        data links go with the plan made without it). False if no such member is joined."""
+        if self.enrollment is not None:
+            self.enrollment.remove(node_id)
+        with self.lock:
+            handle = self.nodes.get(node_id)
+        if handle is None:
+            return False
+        log.warning("removing node %s", node_id)
+        handle.link.close()
+        self._lost(handle, "removed by the administrator")
+        return True
+
+    def fragment_token(self: Coordinator, node_id: str) -> str:
+        return self._fragment_tokens.get(node_id, "")
+
+    def fragment_token_ok(self: Coordinator, token: str | None) -> bool:
+        """Whether ``token`` is a joined member's fragment token (compared in constant time)."""
+        with self.lock:
+            tokens = [self._fragment_tokens.get(node_id, "") for node_id in self.nodes]
+        given = (token or "").encode()
+        return bool(token) and any(hmac.compare_digest(given, t.encode()) for t in tokens if t)

@@ -1,0 +1,39 @@
+"""What the coordinator knows of one member: its join, its control link, what it reported."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from seamline.mesh.control.claims import SpeedCheck
+from seamline.mesh.control.relay import Pongs
+from seamline.mesh.plan.types import Link as PlanLink
+from seamline.mesh.plan.types import NodeInfo
+from seamline.net.link import Link
+from seamline.net.messages import Join, Ready, Stats
+
+
+@dataclass
+class NodeHandle:
+    join: Join
+    link: Link
+    ready: Ready | None = None
+    linked: bool = False
+    stats: Stats | None = None
+    failure: str | None = None  # a failure the node reported outside any request
+    events: threading.Condition = field(default_factory=threading.Condition)
+    inbound: bool = True  # takes connections (else its data links come through the relay)
+    measured: PlanLink | None = None  # its link to the coordinator
+    pongs: Pongs = field(default_factory=Pongs)
+    speed_check: SpeedCheck | None = None
+    believed_rate: float | None = None  # its claimed speed, or what the probe measured when far below it
+    checked: bool = False  # its link measured and its speed checked: it may be planned
+
+    @property
+    def node_id(self) -> str:
+        return self.join.node_id
+
+    def info(self) -> NodeInfo:
+        r = self.join.resources
+        return NodeInfo(self.node_id, r.free_memory_bytes, self.believed_rate or r.bytes_per_second,
+                        f"{self.join.data_host}:{self.join.data_port}", r.device)  # fmt: skip
