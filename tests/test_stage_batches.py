@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from seamline.config import kv_bytes_per_token
+from seamline.model.cache import MIN_CAPACITY
 from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
@@ -205,7 +206,8 @@ def test_prompts_that_begin_alike_share_the_prefix_on_every_stage(tmp_path: Path
     assert head is not None
     head.share_prefixes(True)
     system = [(11 * i) % 200 + 3 for i in range(30)]
-    head.scheduler.prefix.capacity_bytes = (len(system) + 12) * head.scheduler.kv_bytes_per_token  # one request's
+    # room for one request's cache: its buffers hold MIN_CAPACITY positions, and the bound counts buffers
+    head.scheduler.prefix.capacity_bytes = int(1.5 * MIN_CAPACITY * head.scheduler.kv_bytes_per_token)
     params = SamplingParams(max_tokens=6)
     prompts = {0: system + [5, 6], 1: system + [9, 10, 11], 2: system + [7], 3: system + [7]}
     mesh.generate({0: (prompts[0], params)})

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-_MIN_CAPACITY = 256
+MIN_CAPACITY = 256
 
 
 class LayerKV:
@@ -53,7 +53,7 @@ class LayerKV:
 def _fit(buf: torch.Tensor | None, like: torch.Tensor, end: int) -> torch.Tensor:
     if buf is not None and buf.shape[1] >= end:
         return buf
-    capacity = max(end, _MIN_CAPACITY, 2 * (buf.shape[1] if buf is not None else 0))
+    capacity = max(end, MIN_CAPACITY, 2 * (buf.shape[1] if buf is not None else 0))
     grown = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
     if buf is not None:
         grown[:, : buf.shape[1]] = buf
