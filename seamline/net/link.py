@@ -224,15 +224,16 @@ def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None
                  plain: dict[bytes, PlainHandler] | None = None) -> threading.Thread:  # fmt: skip
     """Accept connections until ``server`` closes; each becomes a Link handled on its own
     thread, after a TLS handshake when ``tls`` gives a context (a failed one is logged). One
-    address holds at most ``per_host`` connections here at once. A connection that opens with
-    one of ``plain``'s 4-byte magics goes to its handler instead (a relay, a probe)."""
+    address holds at most ``per_host`` connections here at once. Over TLS, a connection that
+    opens with one of ``plain``'s 4-byte magics goes to its handler instead (a relay, a probe)."""
     count = _HostCount(name, per_host)
 
     def open_link(sock: socket.socket, address: tuple) -> None:
         try:
-            if plain and _took_plain(sock, address, plain):
-                return
             context = tls()
+            # a TLS client speaks first, so a peek cannot stall it; in plaintext the server does
+            if plain and context is not None and _took_plain(sock, address, plain):
+                return
             if context is not None:
                 try:
                     sock = TlsSocket.handshake(sock, context, True, HANDSHAKE_DEADLINE_S)  # type: ignore[assignment]
