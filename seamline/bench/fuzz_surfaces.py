@@ -22,13 +22,16 @@ import httpx
 import torch
 
 from seamline.bench.fuzz_inputs import Inputs
-from seamline.mesh.identity import MeshAuthority, enrolling_context, new_key, signing_request
+from seamline.mesh.control.claims import block_sums, probe_matrix
+from seamline.mesh.identity import Identity, MeshAuthority, enrolling_context, key_pem, new_key, signing_request
+from seamline.net.frames import FrameError
 from seamline.mesh.node.data_links import data_proof
 from seamline.mesh.control.invite import Invite, proof
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Certificate, Challenge, Close, DataHello, Failure, Forget, Fork, Heartbeat, Join, Linked,
-    Open, Ready, Renew, Resources, Stats, Welcome, Descriptor,
+    PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Close, DataHello, Descriptor, Failure, Forget, Fork,
+    Heartbeat, Join, Linked, Open, Ping, Pong, Ready, Renew, Resources, SpeedProbe, SpeedReady, SpeedSums, Stats,
+    Welcome,
 )  # fmt: skip
 from seamline.net.tls import TlsRefused, TlsSocket, group_tls_from_folder
 from seamline.params import SamplingParams
@@ -124,21 +127,47 @@ def control_surface(target: Target, inputs: Inputs, count: int) -> int:
 
 
 def _join(target: Target, inputs: Inputs) -> Link | None:
-    """A member of the mesh (joined with the fuzzer's invite after the plan is made: it is never planned)."""
+    """A member of the mesh (joined with the fuzzer's invite after the plan is made: it is never
+    planned): enrolled, then attached on its control link proper under its certificate, where a
+    thread answers the coordinator's pings and speed probe as a node does."""
     invite = Invite.decode(target.invite)
+    key, node_id = new_key(), f"fuzz-{secrets.token_hex(4)}"
     try:
-        link = Link.connect(*target.control, timeout=SHORT_S, tls=enrolling_context())
-        challenge = link.recv(deadline_s=SHORT_S)
-        assert isinstance(challenge, Challenge)
-        node_id = f"fuzz-{secrets.token_hex(4)}"
-        link.send_message(Join(node_id=node_id, proof=proof(invite.secret, challenge.nonce), invite_id=invite.id,
-                               protocol_version=PROTOCOL_VERSION, resources=Resources(free_memory_bytes=1 << 20,
-                               bytes_per_second=1e6), data_host="127.0.0.1", data_port=9,
-                               csr=signing_request(new_key(), node_id)))  # fmt: skip
-        welcome = link.recv(deadline_s=SHORT_S)
-        return link if isinstance(welcome, Welcome) else None
+        with Link.connect(*target.control, timeout=SHORT_S, tls=enrolling_context()) as link:
+            challenge = link.recv(deadline_s=SHORT_S)
+            assert isinstance(challenge, Challenge)
+            link.send_message(Join(node_id=node_id, proof=proof(invite.secret, challenge.nonce), invite_id=invite.id,
+                                   protocol_version=PROTOCOL_VERSION, resources=Resources(free_memory_bytes=1 << 20,
+                                   bytes_per_second=1e6), data_host="127.0.0.1", data_port=9,
+                                   csr=signing_request(key, node_id)))  # fmt: skip
+            welcome = link.recv(deadline_s=SHORT_S)
+            assert isinstance(welcome, Welcome)
+        identity = Identity(node_id, key_pem(key).decode(), welcome.certificate, challenge.ca_certificate)
+        member = Link.connect(*target.control, timeout=SHORT_S, tls=identity.client_context())
+        assert isinstance(member.recv(deadline_s=SHORT_S), Challenge)
+        member.send_message(Attach(node_id=node_id))
+        assert isinstance(member.recv(deadline_s=SHORT_S), Attached)
     except (OSError, LinkClosed, AssertionError, TlsRefused):
         return None
+    threading.Thread(target=_answer_coordinator, args=(member,), daemon=True).start()
+    return member
+
+
+def _answer_coordinator(link: Link) -> None:
+    """Pongs and the speed probe, as a node answers them (``Node._speed_probe``)."""
+    matrix = None
+    try:
+        while True:
+            message = link.recv()
+            if isinstance(message, Ping):
+                link.send_message(Pong(nonce=message.nonce))
+            elif isinstance(message, SpeedProbe) and not message.vector:
+                matrix = probe_matrix(message.seed, message.rows, message.cols)
+                link.send_message(SpeedReady())
+            elif isinstance(message, SpeedProbe) and matrix is not None:
+                link.send_message(SpeedSums(sums=block_sums(matrix, torch.tensor(message.vector))))
+    except (LinkClosed, FrameError):
+        pass
 
 
 def _control_messages(inputs: Inputs) -> Callable[[], bytes]:
