@@ -26,6 +26,13 @@ def seamline_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "seamline.cli", *args]
 
 
+def join_once(token: str, cache: Path, node_id: str = "n1") -> subprocess.CompletedProcess[str]:
+    """A `seamline join` run to its end (the invite in the environment), for joins that must fail."""
+    env = {**os.environ, "SEAMLINE_INVITE": token, "SEAMLINE_CACHE": str(cache)}
+    return subprocess.run(seamline_cmd("join", "--node-id", node_id, "--quiet"), env=env, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+
+
 @dataclass
 class MeshProcesses:
     root: Path

@@ -215,14 +215,12 @@ def test_a_node_leaves_a_coordinator_that_cannot_prove_the_invite(tmp_path: Path
     """Whoever answers at the invite's address must prove it holds the invite's secret too (the
     node's own nonce, answered apart from the node's proof); one that cannot is refused with a
     clear error and the node exits."""
-    import os
-    import subprocess
     import threading
 
     from seamline.mesh.control.invite import new_invite
     from seamline.net.link import Link, listen
     from seamline.net.messages import Challenge, Join, Welcome
-    from tests.mesh_harness import seamline_cmd
+    from tests.mesh_harness import join_once
 
     server = listen("127.0.0.1", 0)
     invite = new_invite(("127.0.0.1",), server.getsockname()[1], 1, ttl_s=60)
@@ -237,9 +235,7 @@ def test_a_node_leaves_a_coordinator_that_cannot_prove_the_invite(tmp_path: Path
         time.sleep(30)
 
     threading.Thread(target=impostor, daemon=True).start()
-    env = {**os.environ, "SEAMLINE_INVITE": invite.encode(), "SEAMLINE_CACHE": str(tmp_path)}
-    out = subprocess.run(seamline_cmd("join", "--node-id", "n1", "--quiet"), env=env, capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = join_once(invite.encode(), tmp_path)
     assert out.returncode != 0 and "did not prove it holds this invite" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
     server.close()

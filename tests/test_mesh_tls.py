@@ -3,9 +3,7 @@ every rank's certificate; a coordinator that is not the invite's mesh is refused
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +21,7 @@ from seamline.net.tls import GroupTls
 from seamline.parallel import CommError, GateTag
 from seamline.parallel.tcp_comm import TcpComm
 from seamline.server.demo import memory_cap_gb
-from tests.mesh_harness import MeshProcesses, seamline_cmd
+from tests.mesh_harness import MeshProcesses, join_once
 from tests.test_mesh import ask, expected_text
 
 CONTEXT = 1024
@@ -173,9 +171,7 @@ def test_a_node_refuses_a_coordinator_whose_certificate_another_ca_issued(tmp_pa
             joined.append(exc)
 
     threading.Thread(target=answer, daemon=True).start()
-    env = {**os.environ, "SEAMLINE_INVITE": invite.encode(), "SEAMLINE_CACHE": str(tmp_path)}
-    out = subprocess.run(seamline_cmd("join", "--node-id", "n1", "--quiet"), env=env, capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = join_once(invite.encode(), tmp_path)
     assert out.returncode != 0 and "not issued by the mesh CA" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr
     deadline = time.monotonic() + 10
