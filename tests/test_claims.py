@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from seamline.mesh.control.claims import SpeedCheck, block_sums, probe_matrix
+from seamline.mesh.control.claims import SpeedCheck, block_sums, expected_sums, probe_matrix
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import SpeedProbe, SpeedReady, SpeedSums
 
@@ -69,3 +69,13 @@ def test_an_honest_claim_is_believed_a_false_one_is_measured_a_lie_is_refused() 
     slow = _check(1e12, delay_s=0.3)  # claims 1 TB/s, answers each product after 0.3 s
     assert slow is not None and slow < 34 * 2**20 / 0.3 * 1.01, slow
     assert _check(1e9, honest=False) is None
+
+
+def test_the_coordinator_checks_block_by_block_what_the_node_computes_whole() -> None:
+    """The coordinator never holds the 32 MiB matrix: its per-block sums equal the node's answer."""
+    vectors = torch.randn(1024, 3)
+    expected = expected_sums(7, vectors)
+    matrix = probe_matrix(7)
+    for i in range(3):
+        assert torch.allclose(torch.tensor(block_sums(matrix, vectors[:, i])), expected[i], rtol=1e-4, atol=1e-3)
+    assert not torch.allclose(expected, expected_sums(8, vectors), rtol=1e-2, atol=1)  # the seed matters

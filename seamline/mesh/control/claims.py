@@ -31,8 +31,20 @@ _ONE_AT_A_TIME = threading.Lock()  # nodes joining together are probed in turn: 
 ANSWER_TIMEOUT_S = 30.0
 
 
-def probe_matrix(seed: int, rows: int = ROWS, cols: int = COLS) -> torch.Tensor:
-    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+def probe_block(seed: int, block: int, rows: int = ROWS, cols: int = COLS, blocks: int = BLOCKS) -> torch.Tensor:
+    """One row block of the probe matrix, seeded on its own: the coordinator checks an answer a
+    block at a time and never holds the whole matrix (a join must not cost it 32 MiB)."""
+    generator = torch.Generator().manual_seed(seed * blocks + block)
+    return torch.randn(rows // blocks, cols, generator=generator)
+
+
+def probe_matrix(seed: int, rows: int = ROWS, cols: int = COLS, blocks: int = BLOCKS) -> torch.Tensor:
+    return torch.cat([probe_block(seed, b, rows, cols, blocks) for b in range(blocks)])
+
+
+def expected_sums(seed: int, vectors: torch.Tensor) -> torch.Tensor:
+    """``block_sums`` of the seeded matrix for each column of ``vectors`` ([COLS, n] -> [n, BLOCKS])."""
+    return torch.stack([(probe_block(seed, b) @ vectors).sum(dim=0) for b in range(BLOCKS)], dim=1)
 
 
 def block_sums(matrix: torch.Tensor, vector: torch.Tensor, blocks: int = BLOCKS) -> list[float]:
@@ -70,31 +82,30 @@ class SpeedCheck:
         seed = secrets.randbits(31)
         try:
             self.link.send_message(SpeedProbe(seed=seed, rows=ROWS, cols=COLS))
-            matrix = probe_matrix(seed)
+            vectors = torch.randn(COLS, ROUNDS)  # fresh for this probe, sent one at a time
+            expected = expected_sums(seed, vectors)
             if self._wait("speed_ready") is None:
                 return None
-            took = min(self._round(seed, matrix) for _ in range(ROUNDS))  # each round pauses first
+            took = min(self._round(seed, vectors[:, i], expected[i]) for i in range(ROUNDS))  # each round pauses first
         except LinkClosed:
             return None
         except ValueError as exc:
             log.warning("%s: %s: not believed", self.link.name, exc)
             return None
-        measured = matrix.nbytes / max(took - self.rtt_s, 1e-6)
+        measured = ROWS * COLS * 4 / max(took - self.rtt_s, 1e-6)  # the float32 matrix streamed once
         if measured * SLACK < self.claimed:
             log.warning("%s claimed %.1f GB/s but computed at %.1f GB/s: planned at the measured rate",
                         self.link.name, self.claimed / 1e9, measured / 1e9)  # fmt: skip
             return measured
         return self.claimed
 
-    def _round(self, seed: int, matrix: torch.Tensor) -> float:
+    def _round(self, seed: int, vector: torch.Tensor, expected: torch.Tensor) -> float:
         """One timed product on a fresh vector; ValueError if the answer is wrong or missing."""
         time.sleep(PAUSE_S)
-        vector = torch.randn(COLS)
         began = time.perf_counter()
         self.link.send_message(SpeedProbe(seed=seed, rows=ROWS, cols=COLS, vector=vector.tolist()))
         sums = self._wait("speed_sums")
         took = time.perf_counter() - began
-        expected = torch.tensor(block_sums(matrix, vector))
         if not isinstance(sums, SpeedSums) or not torch.allclose(torch.tensor(sums.sums), expected, rtol=1e-3, atol=1e-2):
             raise ValueError("it answered the speed probe wrongly")
         return took

@@ -8,14 +8,12 @@ sent it; an out-of-step frame is refused and logged; the node keeps serving.
 
 from __future__ import annotations
 
-import ctypes
 import hmac
 import logging
 import os
 import secrets
 import socket
 import ssl
-import sys
 import threading
 import time
 import uuid
@@ -29,6 +27,7 @@ import torch
 from seamline.runtime.group_stage import LockstepStage
 from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
+from seamline.mesh.arenas import few_malloc_arenas
 from seamline.mesh.node.credentials import Credentials
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
@@ -430,22 +429,8 @@ def _kv_budget(assign: Assign) -> int | None:
     return kv_budget_bytes(assign.kv_cache_bytes) if assign.owns_embedding else None
 
 
-M_ARENA_MAX = -8  # mallopt parameter (malloc.h)
-
-
-def _few_malloc_arenas() -> None:
-    """glibc gives each thread that allocates its own malloc arena (up to 8 per core), and
-    memory freed in one is not reused by another: a node's reader, prompt and data threads
-    would hold tens of MB apart from its weights. Two arenas keep it near the weights."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).mallopt(M_ARENA_MAX, 2)
-        except (OSError, AttributeError):  # not glibc
-            pass
-
-
 def run_node(token: str, options: NodeOptions) -> int:
-    _few_malloc_arenas()
+    few_malloc_arenas()
     invite = Invite.decode(token)
     node = Node(invite, options)
     node.join()
