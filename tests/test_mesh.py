@@ -24,7 +24,8 @@ from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, encode_hidd
 from seamline.mesh.identity import MeshAuthority
 from seamline.net.frames import FrameError
 from seamline.net.link import Link, LinkClosed
-from seamline.net.messages import Challenge, DataHello, Open
+from seamline.mesh.node.peer_probe import PROBE_PINGS
+from seamline.net.messages import Challenge, DataHello, Open, Ping, Pong, ProbeHello
 from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses, at_once
 from tests.tls_peers import member, tls_link
@@ -207,6 +208,36 @@ def test_only_the_planned_sender_may_speak_on_a_data_port(mesh2: MeshProcesses, 
         link.recv()
         link.send_message(Open(request=1, sampling=SamplingParams(), prompt_len=1, context_length=8))
         assert _closed_link(link)
+    reply = ask(mesh2, QUESTION, 16)
+    assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, 16)
+
+
+def test_members_measure_the_link_between_them_and_a_probe_link_carries_pings_only(
+    mesh2: MeshProcesses, model: LocalModel
+) -> None:
+    """The pair's link was measured by one of its nodes (through the data port, under its
+    certificate) and the planner took it. A probe link answers pings, then closes; a frame on it,
+    or a probe hello naming another node than its certificate, closes it. The mesh keeps serving."""
+    status = mesh2.status()
+    (pair,) = status["links"]
+    assert sorted(pair["nodes"]) == sorted(n["node_id"] for n in status["nodes"]) and not pair["relayed"], pair
+    assert 0 < pair["rtt_ms"] < 100 and pair["bandwidth_mb_s"] > 0, pair
+    address = _data_address(mesh2, 1)
+    with tls_link(address, member(mesh2.root, "prober")) as link:
+        assert isinstance(link.recv(), Challenge)
+        link.send_message(ProbeHello(node_id="prober"))
+        for nonce in range(1, PROBE_PINGS + 1):
+            link.send_message(Ping(nonce=nonce, pad="x" * (1000 * nonce)))
+            pong = link.recv(deadline_s=10)
+            assert isinstance(pong, Pong) and pong.nonce == nonce
+        assert _closed_link(link)  # and no more
+    row = Row(request=999, position=7, count=1, hash_before=EMPTY_HASH, hash_after=1, flags=int(RowFlag.SAMPLE))
+    for named in ("prober", "someone-else"):
+        with tls_link(address, member(mesh2.root, "prober")) as link:
+            link.recv()
+            link.send_message(ProbeHello(node_id=named))
+            link.send_hidden([row], torch.zeros(1, model.config.hidden_size))
+            assert _closed_link(link), named
     reply = ask(mesh2, QUESTION, 16)
     assert reply["choices"][0]["message"]["content"] == expected_text(model, QUESTION, 16)
 

@@ -112,6 +112,8 @@ def test_a_node_behind_a_firewall_serves_through_the_relay(namespaces: None, tmp
         assert nodes["walled"]["relayed"] and not nodes["open"]["relayed"], nodes
         assert status["relayed_links"] == 1, status  # the one data link that reaches "walled"
         assert nodes["walled"]["rtt_ms"] is not None and nodes["walled"]["bandwidth_mb_s"] > 0
+        (pair,) = status["links"]  # measured by the nodes through the relay, as their data link goes
+        assert sorted(pair["nodes"]) == ["open", "walled"] and pair["relayed"] and pair["rtt_ms"] > 0, pair
         model = LocalModel.load(context=CONTEXT)
         ids = model.codec.encode_chat([{"role": "user", "content": QUESTION}])
         from seamline.params import SamplingParams

@@ -25,13 +25,15 @@ from seamline.bench.fuzz_inputs import Inputs
 from seamline.mesh.control.claims import block_sums, probe_matrix
 from seamline.mesh.identity import Identity, MeshAuthority, enrolling_context, key_pem, new_key, signing_request
 from seamline.net.frames import FrameError
-from seamline.mesh.node.data_links import data_proof
+from seamline.mesh.control.relay import RELAY_MAGIC
+from seamline.mesh.node.data_links import PROBE, Refused, admit, data_proof
+from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
 from seamline.mesh.control.invite import Invite, proof
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import (
     PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Close, DataHello, Descriptor, Failure, Forget, Fork,
-    Heartbeat, Join, Linked, Open, Ping, Pong, Ready, Renew, Resources, SpeedProbe, SpeedReady, SpeedSums, Stats,
-    Welcome,
+    Heartbeat, Join, Linked, MeasurePeer, Open, PeerLink, Ping, Pong, ProbeHello, Ready, RelayAccept, Renew, Resources, SpeedProbe,
+    SpeedReady, SpeedSums, Stats, Welcome,
 )  # fmt: skip
 from seamline.net.tls import TlsRefused, TlsSocket, group_tls_from_folder
 from seamline.params import SamplingParams
@@ -149,12 +151,13 @@ def _join(target: Target, inputs: Inputs) -> Link | None:
         assert isinstance(member.recv(deadline_s=SHORT_S), Attached)
     except (OSError, LinkClosed, AssertionError, TlsRefused):
         return None
-    threading.Thread(target=_answer_coordinator, args=(member,), daemon=True).start()
+    threading.Thread(target=_answer_coordinator, args=(member, identity, target.control), daemon=True).start()
     return member
 
 
-def _answer_coordinator(link: Link) -> None:
-    """Pongs and the speed probe, as a node answers them (``Node._speed_probe``)."""
+def _answer_coordinator(link: Link, identity: Identity, control: tuple[str, int]) -> None:
+    """Pongs, the speed probe and the link probes, as a node answers them (``Node._on_control``):
+    the fuzzed member takes no inbound connection, so members probe it through the relay."""
     matrix = None
     try:
         while True:
@@ -166,7 +169,23 @@ def _answer_coordinator(link: Link) -> None:
                 link.send_message(SpeedReady())
             elif isinstance(message, SpeedProbe) and matrix is not None:
                 link.send_message(SpeedSums(sums=block_sums(matrix, torch.tensor(message.vector))))
+            elif isinstance(message, RelayAccept) and message.probe:
+                threading.Thread(target=_probed, args=(message.ticket, identity, control), daemon=True).start()
+            elif isinstance(message, MeasurePeer):
+                link.send_message(PeerLink(peer_node=message.peer_node, error="a fuzzed member measures nothing"))
     except (LinkClosed, FrameError):
+        pass
+
+
+def _probed(ticket: str, identity: Identity, control: tuple[str, int]) -> None:
+    """A member's probe through the relay, answered as a node's data port does."""
+    try:
+        sock = socket.create_connection(control, timeout=SHORT_S * 5)
+        sock.sendall(RELAY_MAGIC + ticket.encode())
+        link = Link(TlsSocket.handshake(sock, identity.server_context(), True, SHORT_S * 5))
+        if admit(link, None, certified=True) == PROBE:
+            answer_probe(link)
+    except (OSError, LinkClosed, FrameError, TlsRefused, Refused, ProbeRefused):
         pass
 
 
@@ -177,6 +196,7 @@ def _control_messages(inputs: Inputs) -> Callable[[], bytes]:
         Linked(plan_id=1), Failure(request=inputs.request_id(), reason="r"), Failure(reason="r"),
         Stats(node_id="x", decode_steps=1, decode_seconds=1.0, refused_frames=0), Heartbeat(),
         Renew(csr="-----BEGIN CERTIFICATE REQUEST-----"), Certificate(certificate="c"),
+        PeerLink(peer_node="node0", latency_s=1e-4, bandwidth_bytes_per_s=1e9),
     ]  # fmt: skip
 
     def one() -> bytes:
@@ -215,25 +235,36 @@ def data_surface(target: Target, inputs: Inputs, count: int, stage: int) -> int:
             _fire(address, frame, inputs.rng.choice([stranger, member, None]))
             sent += 1
             continue
-        link = _admitted(target, address, sender, member)
+        probe = sent % 10 == 1  # a member's link probe: pings, some mutated
+        link = _admitted(target, address, sender, member, probe)
         if link is None:
             sent += 1
             continue
-        sent += _member_inputs(link, inputs, min(500, count - sent), make)
+        sent += _member_inputs(link, inputs, min(8 if probe else 500, count - sent), _pings(inputs) if probe else make)
         link.close()
     return sent
 
 
-def _admitted(target: Target, address: tuple[str, int], sender: str, context: ssl.SSLContext) -> Link | None:
+def _admitted(target: Target, address: tuple[str, int], sender: str, context: ssl.SSLContext,
+              probe: bool = False) -> Link | None:  # fmt: skip
     try:
         link = Link.connect(*address, timeout=SHORT_S, tls=context)
         challenge = link.recv(deadline_s=SHORT_S)
         assert isinstance(challenge, Challenge)
         answer = data_proof(target.link_key, challenge.nonce, sender, target.plan_id)
-        link.send_message(DataHello(node_id=sender, plan_id=target.plan_id, proof=answer))
+        link.send_message(ProbeHello(node_id=sender) if probe else
+                          DataHello(node_id=sender, plan_id=target.plan_id, proof=answer))  # fmt: skip
         return link
     except (OSError, LinkClosed, AssertionError, TlsRefused):
         return None
+
+
+def _pings(inputs: Inputs) -> Callable[[], bytes]:
+    def one() -> bytes:
+        ping = Ping(nonce=inputs.rng.randrange(1 << 20), pad="x" * inputs.rng.choice([0, 1000, 1 << 18]))
+        return inputs.control(ping) if inputs.rng.random() < 0.5 else inputs.valid_control(ping)
+
+    return one
 
 
 def _stage_frames(inputs: Inputs, hidden_size: int) -> Callable[[], bytes]:

@@ -86,6 +86,14 @@ class DataHello(Message):
     proof: str
 
 
+class ProbeHello(Message):
+    """A member dialling another's data port only to measure the link (``mesh.node.peer_probe``):
+    it may send a few pings and nothing else."""
+
+    kind: Literal["probe_hello"] = "probe_hello"
+    node_id: str
+
+
 class Welcome(Message):
     kind: Literal["welcome"] = "welcome"
     node_id: str
@@ -164,6 +172,28 @@ class RelayAccept(Message):
     kind: Literal["relay_accept"] = "relay_accept"
     ticket: str
     peer_node: str
+    probe: bool = False  # the link only measures the pair (``MeasurePeer``)
+
+
+class MeasurePeer(Message):
+    """Coordinator -> node: measure the link to ``peer_node`` (its data port, or through the
+    relay with ``relay``, a ticket) and answer with a PeerLink."""
+
+    kind: Literal["measure_peer"] = "measure_peer"
+    peer_node: str
+    host: str
+    port: int
+    relay: str = ""
+
+
+class PeerLink(Message):
+    """Node -> coordinator: the link to ``peer_node`` as measured (``error`` when it could not be)."""
+
+    kind: Literal["peer_link"] = "peer_link"
+    peer_node: str
+    latency_s: float = 0.0  # one-way
+    bandwidth_bytes_per_s: float = 0.0
+    error: str = ""
 
 
 class Ping(Message):
@@ -276,7 +306,8 @@ class Heartbeat(Message):
 
 
 AnyMessage = Annotated[
-    Union[Challenge, Join, Attach, Attached, Renew, Certificate, RelayAccept, Ping, Pong, SpeedProbe, SpeedReady, SpeedSums, DataHello,
+    Union[Challenge, Join, Attach, Attached, Renew, Certificate, RelayAccept, MeasurePeer, PeerLink, Ping, Pong, SpeedProbe,
+          SpeedReady, SpeedSums, DataHello, ProbeHello,
           Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure, StatsRequest,
           Stats, Heartbeat],
     Field(discriminator="kind"),

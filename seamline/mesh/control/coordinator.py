@@ -27,6 +27,7 @@ from seamline.mesh.control.joining import Membership
 from seamline.mesh.control.link_probe import Reach, link_table
 from seamline.mesh.control.mesh_status import describe
 from seamline.mesh.control.node_handle import NodeHandle
+from seamline.mesh.control.peer_links import PeerLinks
 from seamline.mesh.control.relay import Relay
 from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.groups import plan_auto
@@ -37,7 +38,7 @@ from seamline.mesh.plan.types import LinkTable, ModelSpec, NodeInfo, Plan, PlanE
 from seamline.net.frames import FrameError, TokenFrame, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Close, Failure, Join, Linked, Message, Open, Pong, Prompt, Ready, RelayAccept, Renew,
+    PROTOCOL_VERSION, Assign, Close, Failure, Join, Linked, Message, Open, PeerLink, Pong, Prompt, Ready, RelayAccept, Renew,
     Route, SpeedReady, SpeedSums, Stats, StatsRequest,
 )  # fmt: skip
 
@@ -91,6 +92,7 @@ class Coordinator(Membership):
         self.link_key = ""  # the current plan's
         self._enrolled: dict[str, tuple[Join, float]] = {}  # certified, not yet attached: (join, deadline)
         self.relay = Relay()
+        self.peer_links = PeerLinks()
 
     # -- membership (joining: ``joining.Membership``) --------------------------------------
     def _read_node(self, handle: NodeHandle) -> None:
@@ -119,6 +121,8 @@ class Coordinator(Membership):
                 self._renew(handle, message)
             elif isinstance(message, Pong):
                 handle.pongs.arrived(message.nonce)
+            elif isinstance(message, PeerLink) and not self.peer_links.report(handle.node_id, message):
+                log.warning("ignored node %s's link report on %s: it was not asked", handle.node_id, message.peer_node)
             elif isinstance(message, (SpeedReady, SpeedSums)) and handle.speed_check is not None:
                 handle.speed_check.answer(message)
 
@@ -144,6 +148,7 @@ class Coordinator(Membership):
             if self.nodes.get(handle.node_id) is not handle:
                 return
             del self.nodes[handle.node_id]
+            self.peer_links.forget(handle.node_id)
             in_plan = self.plan is not None and any(handle.node_id in s.members() for s in self.plan.stages)
         log.warning("node %s left: %s", handle.node_id, reason)
         with handle.events:
@@ -161,7 +166,7 @@ class Coordinator(Membership):
             if len(joined) < self.options.nodes_expected or (self.plan is not None and not force):
                 return
             nodes = sorted((h.info() for h in joined), key=lambda n: n.node_id)
-            links = link_table(Reach(h.node_id, h.inbound, h.measured) for h in joined)
+            links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined), self.peer_links.measured())
             try:
                 chosen = self._choose_plan(steady_rates(nodes), links)  # like nodes measured apart plan alike
             except PlanError as exc:
@@ -254,15 +259,17 @@ class Coordinator(Membership):
                                        micro_batches=self.options.micro_batches, forks=forks))  # fmt: skip
         self._wait(handle, lambda: handle.linked or None, "LINKED")
 
-    def _reach(self, target: NodeHandle | None, dialler: NodeHandle) -> tuple[tuple[str, int] | None, str]:
+    def _reach(self, target: NodeHandle | None, dialler: NodeHandle,
+               probe: bool = False) -> tuple[tuple[str, int] | None, str]:  # fmt: skip
         """Where ``dialler`` dials ``target``'s data port, and the relay ticket when it must go
-        through the relay (``target`` takes no inbound connection and is told to dial out too)."""
+        through the relay (``target`` takes no inbound connection and is told to dial out too).
+        ``probe``: the link only measures the pair (``peer_links``)."""
         if target is None:
             return None, ""
         if target.inbound:
             return (target.join.data_host, target.join.data_port), ""
-        ticket = self.relay.ticket()
-        target.link.send_message(RelayAccept(ticket=ticket, peer_node=dialler.node_id))
+        ticket = self.relay.ticket(probe)
+        target.link.send_message(RelayAccept(ticket=ticket, peer_node=dialler.node_id, probe=probe))
         return (self.invite.hosts[0], self.invite.control_port), ticket
 
     def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float = STEP_TIMEOUT_S) -> Any:

@@ -27,7 +27,7 @@ from seamline.mesh.identity import IdentityError
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, FrameError
 from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Join, Refuse, Renew, Welcome,
+    PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Join, MeasurePeer, Refuse, Renew, Welcome,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -114,10 +114,30 @@ class Membership:
         handle.measured = measure(link, handle.pongs)
         if not self._believed(handle):
             return
-        handle.checked = True
+        self._measure_peers(handle)
         log.info("node %s joined from %s (%d of %d)%s", join.node_id, peer, len(self.nodes),
                  self.options.nodes_expected, "" if handle.inbound else "; it takes no inbound connection: relayed")
         self._maybe_plan()
+
+    def _measure_peers(self: Coordinator, handle: NodeHandle) -> None:
+        """Have each pair of the joining node and a checked member measure its link, then count
+        the node as checked (joins do this in turn, so each pair is measured once)."""
+        with self.peer_links.lock:
+            with self.lock:
+                members = [h for h in self.nodes.values() if h.checked and h is not handle]
+            for member in members:
+                # the end that takes no inbound connection (if either) is dialled through the relay
+                target, prober = (member, handle) if not member.inbound else (handle, member)
+                try:
+                    address, ticket = self._reach(target, prober, probe=True)
+                    assert address is not None
+                    self.peer_links.ask(prober.node_id, target.node_id)
+                    prober.link.send_message(MeasurePeer(peer_node=target.node_id, host=address[0], port=address[1],
+                                                         relay=ticket))  # fmt: skip
+                except LinkClosed:
+                    continue
+                self.peer_links.wait(prober.node_id, target.node_id, relayed=bool(ticket))
+            handle.checked = True
 
     def _believed(self: Coordinator, handle: NodeHandle) -> bool:
         """Time a product on the joining node against the speed it claimed; a node that cannot

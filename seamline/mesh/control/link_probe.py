@@ -1,9 +1,9 @@
 """What the planner knows of the links: each node's round trip and bandwidth to the coordinator,
-measured over its control link when it joins, and whether it takes inbound connections.
+measured over its control link when it joins, whether it takes inbound connections, and each
+pair of members' link as the pair measured it (``peer_links``).
 
-A pair of nodes is planned with the slower of their two links (``LinkTable``'s access links);
-a pair with a node that takes no inbound connection goes through the coordinator's relay, so
-its latency is the sum of both nodes' links.
+A pair not measured (its probe failed) is planned with the slower of its two access links, or,
+when one end takes no inbound connection, with their sum: its links go through the relay.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from seamline.mesh.control.relay import Pongs
@@ -22,6 +22,7 @@ from seamline.net.messages import Ping
 
 log = logging.getLogger("seamline.coordinator")
 PINGS = 3
+PADDED_PINGS = 2
 PAD_BYTES = 256 << 10
 PONG_TIMEOUT_S = 5.0
 
@@ -34,15 +35,20 @@ class Reach:
 
 
 def measure(link: Link, pongs: Pongs) -> PlanLink | None:
-    """One-way latency (half the fastest of a few round trips) and bandwidth (a padded ping's
-    extra time over a bare one)."""
-    nonces = itertools.count(1)
+    """A node's link to the coordinator, over its control link (whose reader collects the pongs)."""
     try:
-        bare = [_round_trip(link, pongs, next(nonces), "") for _ in range(PINGS)]
-        padded = [_round_trip(link, pongs, next(nonces), "x" * PAD_BYTES) for _ in range(2)]
+        return measure_link(lambda nonce, pad: _round_trip(link, pongs, nonce, pad))
     except (LinkClosed, TimeoutError) as exc:
         log.warning("could not measure the link to %s: %s", link.name, exc)
         return None
+
+
+def measure_link(round_trip: Callable[[int, str], float]) -> PlanLink:
+    """One-way latency (half the fastest of a few round trips) and bandwidth (a padded ping's
+    extra time over a bare one). ``round_trip(nonce, pad)`` pings and times the pong."""
+    nonces = itertools.count(1)
+    bare = [round_trip(next(nonces), "") for _ in range(PINGS)]
+    padded = [round_trip(next(nonces), "x" * PAD_BYTES) for _ in range(PADDED_PINGS)]
     rtt = min(bare)
     return PlanLink(latency_s=rtt / 2, bandwidth_bytes_per_s=PAD_BYTES / max(min(padded) - rtt, 1e-6))
 
@@ -56,13 +62,17 @@ def _round_trip(link: Link, pongs: Pongs, nonce: int, pad: str) -> float:
     return arrived - began
 
 
-def link_table(reaches: Iterable[Reach]) -> LinkTable:
-    """Access links as measured; a pair with a node that takes no inbound connection as relayed."""
+def link_table(reaches: Iterable[Reach], measured: Mapping[tuple[str, str], PlanLink] | None = None) -> LinkTable:
+    """Access links as measured; each pair as its nodes measured it, else (not measured) as the
+    slower access link, or their sum when one end takes no inbound connection (relayed)."""
     known = [r for r in reaches if r.link is not None]
     access = {r.node_id: r.link for r in known if r.link is not None}
     pairs = {}
     for a, b in itertools.combinations(known, 2):
-        if not (a.inbound and b.inbound) and a.link is not None and b.link is not None:
+        pair = (measured or {}).get((a.node_id, b.node_id)) or (measured or {}).get((b.node_id, a.node_id))
+        if pair is not None:
+            pairs[(a.node_id, b.node_id)] = pair
+        elif not (a.inbound and b.inbound) and a.link is not None and b.link is not None:
             pairs[(a.node_id, b.node_id)] = PlanLink(a.link.latency_s + b.link.latency_s,
                                                      min(a.link.bandwidth_bytes_per_s, b.link.bandwidth_bytes_per_s))  # fmt: skip
     return LinkTable(access=access, pairs=pairs)

@@ -27,6 +27,7 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
     _add_holdings(coordinator, stages)
     return {"ready": coordinator.ready.is_set(), "state": coordinator.state, "plan_id": coordinator.plan_id,
             "stages": stages, "nodes": nodes, "relayed_links": coordinator.relay.pairs,
+            "links": coordinator.peer_links.describe(),
             "predicted_ms_per_token": plan.predicted_s_per_token * 1e3 if plan else None,
             "model": coordinator.model.name}  # fmt: skip
 

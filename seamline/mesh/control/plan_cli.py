@@ -88,10 +88,8 @@ def run_plan_command(
 
 
 def live_pool(coordinator_url: str) -> tuple[list[NodeInfo], LinkTable]:
-    """The live mesh's nodes, as the coordinator's GET /api/status reports them.
-
-    Links are the default uniform link: nodes do not report per-link measurements yet.
-    """
+    """The live mesh's nodes and links, as the coordinator's GET /api/status reports them: each
+    node's link to the coordinator, and each pair's link as its nodes measured it."""
     import httpx
 
     url = f"{coordinator_url.rstrip('/')}/api/status"
@@ -103,7 +101,13 @@ def live_pool(coordinator_url: str) -> tuple[list[NodeInfo], LinkTable]:
                       str(n.get("address", ""))) for n in status.get("nodes", [])]  # fmt: skip
     if not nodes:
         raise PlanError(f"the mesh at {coordinator_url} has no nodes yet")
-    return nodes, LinkTable()
+    access = {str(n["node_id"]): _status_link(n) for n in status["nodes"] if n.get("rtt_ms")}
+    pairs = {(str(p["nodes"][0]), str(p["nodes"][1])): _status_link(p) for p in status.get("links", [])}
+    return nodes, LinkTable(access=access, pairs=pairs)
+
+
+def _status_link(entry: dict[str, Any]) -> Link:
+    return Link(latency_s=float(entry["rtt_ms"]) / 2e3, bandwidth_bytes_per_s=max(float(entry["bandwidth_mb_s"]), 0.1) * 1e6)
 
 
 def model_spec(model_path: str | None, dtype_bytes: int) -> tuple[ModelSpec, ModelConfig]:

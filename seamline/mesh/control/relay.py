@@ -50,17 +50,18 @@ def read_exactly(sock: socket.socket, size: int, deadline_s: float) -> bytes:
 
 class Relay:
     def __init__(self) -> None:
-        self._tickets: dict[str, float] = {}  # ticket -> when it lapses
+        self._tickets: dict[str, tuple[float, bool]] = {}  # ticket -> when it lapses, whether for a probe
         self._waiting: dict[str, socket.socket] = {}
         self._lock = threading.Lock()
-        self.pairs = 0  # links carried so far
+        self.pairs = 0  # data links carried so far
+        self.probes = 0  # probe links (a pair of members measuring their relayed link)
 
-    def ticket(self) -> str:
+    def ticket(self, probe: bool = False) -> str:
         ticket = secrets.token_hex(TICKET_CHARS // 2)
         with self._lock:
             now = time.monotonic()
-            self._tickets = {t: end for t, end in self._tickets.items() if end > now}
-            self._tickets[ticket] = now + PAIR_WAIT_S
+            self._tickets = {t: kept for t, kept in self._tickets.items() if kept[0] > now}
+            self._tickets[ticket] = (now + PAIR_WAIT_S, probe)
         return ticket
 
     def serve(self, sock: socket.socket, address: tuple) -> None:
@@ -72,17 +73,19 @@ class Relay:
             sock.close()
             return
         with self._lock:
-            live = self._tickets.get(ticket, 0.0) > time.monotonic()
+            lapses, probe = self._tickets.get(ticket, (0.0, False))
+            live = lapses > time.monotonic()
             partner = self._waiting.pop(ticket, None) if live else None
             if live and partner is None:
                 self._waiting[ticket] = sock
             elif live:
                 del self._tickets[ticket]  # one link per ticket
+                self.probes += probe
+                self.pairs += not probe
         if not live:
             log.warning("refused relay connection from %s:%s: unknown or lapsed ticket", address[0], address[1])
             sock.close()
         elif partner is not None:
-            self.pairs += 1
             self._pipe(partner, sock)
         else:
             threading.Timer(PAIR_WAIT_S, self._lapse, args=(ticket,)).start()

@@ -20,9 +20,9 @@ from seamline.errors import SeamlineError
 from seamline.mesh.control.relay import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, HiddenFrame, TokenFrame
 from seamline.net.link import Link
-from seamline.net.messages import Assign, Challenge, Close, DataHello, Forget, Fork, Open
+from seamline.net.messages import Assign, Challenge, Close, DataHello, Forget, Fork, Open, ProbeHello
 
-UPSTREAM, LAST = "upstream", "last"
+UPSTREAM, LAST, PROBE = "upstream", "last", "probe"
 FROM_UPSTREAM = (HiddenFrame, Open, Fork, Forget, Close)
 
 
@@ -57,12 +57,18 @@ def dial(address: tuple[str, int], peer_node: str, node_id: str, assign: Assign,
 
 
 def admit(link: Link, assign: Assign | None, certified: bool = False) -> str:
-    """Challenge a link to this node's data port; its role (``UPSTREAM`` or ``LAST``), or Refused.
-    ``certified``: the link is TLS and its certificate must name the node the hello names."""
+    """Challenge a link to this node's data port; its role (``UPSTREAM``, ``LAST``, or ``PROBE``:
+    a member measuring the link, see ``peer_probe``), or Refused. ``certified``: the link is TLS
+    and its certificate must name the node the hello names."""
     link.limits = HANDSHAKE_LIMITS
     nonce = secrets.token_hex(16)
     link.send_message(Challenge(nonce=nonce))
     hello = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
+    if isinstance(hello, ProbeHello):
+        if certified and link.peer_id() != hello.node_id:
+            raise Refused(f"a certificate for {link.peer_id()!r} probed as node {hello.node_id}")
+        link.name = f"probe from {hello.node_id}"
+        return PROBE
     if not isinstance(hello, DataHello):
         raise Refused(f"expected a data hello, got {type(hello).__name__}")
     if assign is None or not assign.link_key or hello.plan_id != assign.plan_id:

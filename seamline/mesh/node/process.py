@@ -32,13 +32,15 @@ from seamline.mesh.node.credentials import Credentials
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError, HiddenFrame, TokenFrame
-from seamline.mesh.node.data_links import Refused, admit, dial, expected_from
+from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_from
+from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe, probe_peer
 from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen, tune
 from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
 from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
 from seamline.mesh.control.claims import block_sums, probe_matrix
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Attach, Attached, Certificate, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked, Message,
+    PROTOCOL_VERSION, Assign, Attach, Attached, Certificate, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked,
+    MeasurePeer, Message,
     Open, Ping, Pong, Prompt, Ready, Refuse, RelayAccept, Renew, Resources, Route, SpeedProbe, SpeedReady, SpeedSums,
     Stats, StatsRequest, Welcome,
 )  # fmt: skip
@@ -222,6 +224,8 @@ class Node:
                 self._speed_probe(message)
             elif isinstance(message, RelayAccept):
                 threading.Thread(target=self._accept_relayed, args=(message,), daemon=True).start()
+            elif isinstance(message, MeasurePeer):
+                threading.Thread(target=self._measure_peer, args=(message,), daemon=True).start()
             elif isinstance(message, Certificate) and self.credentials:
                 self.credentials.accept(message.certificate)
             elif isinstance(message, Assign):
@@ -360,6 +364,12 @@ class Node:
         elif self._probe_matrix is not None and len(probe.vector) == self._probe_matrix.shape[1]:
             self.control.send_message(SpeedSums(sums=block_sums(self._probe_matrix, torch.tensor(probe.vector))))
 
+    def _measure_peer(self, ask: MeasurePeer) -> None:
+        report = probe_peer(ask, self.options.node_id, self.credentials.client if self.credentials else None)
+        if report.error:
+            log.warning("could not measure the link to %s: %s", ask.peer_node, report.error)
+        self._send_control(report)
+
     def _accept_relayed(self, accept: RelayAccept) -> None:
         """This node takes no inbound connection: dial the coordinator's relay with the ticket and
         serve the data link that comes through it (TLS end to end, this node as the server)."""
@@ -372,7 +382,8 @@ class Node:
             channel = TlsSocket.handshake(sock, context, True, PAIR_WAIT_S) if context is not None else sock
         except (OSError, TlsRefused) as exc:
             log.error("relayed link from %s failed: %s", accept.peer_node, exc)
-            self._report(None, f"the relayed link from {accept.peer_node} failed: {exc}")
+            if not accept.probe:  # a probe that fails only leaves the pair unmeasured
+                self._report(None, f"the relayed link from {accept.peer_node} failed: {exc}")
             return
         self._read_data(Link(channel, name=f"relayed data from {accept.peer_node}"))
 
@@ -380,7 +391,10 @@ class Node:
         peer = link.peer()
         try:
             role = admit(link, self.assignment, certified=self.credentials is not None)
-        except (Refused, LinkClosed, FrameError) as exc:
+            if role == PROBE:
+                answer_probe(link)
+                return
+        except (Refused, ProbeRefused, LinkClosed, FrameError) as exc:
             log.warning("refused data link from %s: %s", peer, exc)
             link.close()
             return
