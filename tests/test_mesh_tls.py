@@ -14,7 +14,8 @@ import torch
 from seamline.app import LocalModel
 from seamline.mesh.control.invite import new_invite
 from seamline.mesh.identity import COORDINATOR_ID, Identity, MeshAuthority
-from seamline.net.frames import MAGIC
+from seamline.bench.tls_hop import link_pair
+from seamline.net.frames import EMPTY_HASH, MAGIC, HiddenFrame, Row
 from seamline.net.link import Link, listen
 from seamline.net.messages import Challenge
 from seamline.net.tls import GroupTls
@@ -187,3 +188,22 @@ def test_an_expired_member_certificate_cannot_join_a_group() -> None:
                      lambda comm, r: comm.all_reduce(torch.ones(2), GateTag(0, 0, 1)), timeout_s=5)  # fmt: skip
     assert all(isinstance(r, CommError) for r in results), results
     assert any("expired" in str(r) for r in results), results
+
+
+def test_frames_of_every_size_cross_a_tls_link_intact_in_order() -> None:
+    """Small frames go as one TLS record (header and payload sealed together), large ones as
+    many; a reader and a writer share each end. Every frame arrives whole and in order."""
+    sender, receiver = link_pair(MeshAuthority.create())
+    sizes = [1, 3, 1000, 4095, 4096, 4097, 70_000, 2, 300_000, 5]
+    sent = [torch.randn(1, n) for n in sizes]
+    row = Row(request=1, position=0, count=1, hash_before=EMPTY_HASH, hash_after=1, flags=0)
+    writer = threading.Thread(target=lambda: [sender.send_hidden([row], t) for t in sent])
+    writer.start()
+    try:
+        for tensor in sent:
+            frame = receiver.recv(deadline_s=10)
+            assert isinstance(frame, HiddenFrame) and torch.equal(frame.tensor, tensor)
+    finally:
+        writer.join()
+        sender.close()
+        receiver.close()

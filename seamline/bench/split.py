@@ -9,7 +9,9 @@ Per token the loop crosses the wire twice (hidden state forward, token id back),
 ``hop_overhead_ms`` = (split − single) / 2 per boundary crossing: on loopback, and on the
 LAN after subtracting the link's own one-way delay. Meshes run over mutual TLS; one loopback
 mesh runs its links in plaintext beside it, so ``hop_overhead_ms`` (plaintext) and
-``hop_overhead_ms_tls`` come from the same runs.
+``hop_overhead_ms_tls`` come from the same runs; their difference is ``tls_ms_per_hop_mesh``.
+``tls_ms_per_hop`` is what TLS adds to one frame's send and receive alone (``tls_hop``): the
+whole meshes' per-token times spread by more than that here.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from seamline.app import LocalModel
 from seamline.bench.driver import Driver, median
 from seamline.bench.single import PROMPT
+from seamline.bench.tls_hop import tls_per_hop
 from seamline.params import SamplingParams
 from seamline.runtime.sampling import sample
 
@@ -185,7 +188,8 @@ def _result(runs: dict[str, list[dict[str, Any]]], tokens: int, repeats: int, hi
         # per boundary crossing: the mesh's time outside layer compute, less the single engine's
         "hop_overhead_ms": round((_glue_ms(runs["loopback"]) - glue) / crossings, 3),  # plaintext links
         "hop_overhead_ms_tls": round((_glue_ms(runs["loopback_tls"]) - glue) / crossings, 3),
-        "tls_ms_per_hop": round((_glue_ms(runs["loopback_tls"]) - _glue_ms(runs["loopback"])) / crossings, 3),
+        "tls_ms_per_hop_mesh": round((_glue_ms(runs["loopback_tls"]) - _glue_ms(runs["loopback"])) / crossings, 3),
+        **tls_per_hop(hidden),
         "split_loopback_tls_tok_s": round(median(runs["loopback_tls"], "tok_s"), 2),
         "hop_overhead_lan_ms": round((_glue_ms(runs["lan"]) - glue) / crossings - LAN_DELAY_MS, 3) if lan else None,
         "compute_ms_per_token": {k: round(median(v, "compute_ms_per_token"), 2) for k, v in runs.items() if v},

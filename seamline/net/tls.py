@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 RECV_CHUNK = 256 << 10
+ONE_RECORD = 16 << 10  # TLS's largest record: buffers up to this are sealed together, not one record each
 
 
 @dataclass(frozen=True)
@@ -108,14 +109,15 @@ class TlsSocket:
 
     # -- the socket calls Link and TcpComm make --------------------------------------------
     def sendmsg(self, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
-        total = 0
+        views = [memoryview(b).cast("B") for b in buffers]
+        total = sum(v.nbytes for v in views)
+        if 1 < len(views) and total <= ONE_RECORD:  # a frame's header and payload as one record
+            views = [memoryview(b"".join(views))]
         with self._send_lock:
             with self._tls_lock:
-                for buffer in buffers:
-                    view = memoryview(buffer).cast("B")
+                for view in views:
                     if view.nbytes:
                         self._tls.write(view)
-                    total += view.nbytes
                 sealed = self._outgoing.read()
             self._sock.sendall(sealed)
         return total
@@ -127,14 +129,18 @@ class TlsSocket:
         """Up to ``nbytes`` (default: the view's size) decrypted bytes; 0 when the peer closed."""
         size = nbytes or len(view)
         while True:
+            got: int | None = None
             with self._tls_lock:
-                try:
-                    got: int | None = self._tls.read(size, view)
-                except ssl.SSLWantReadError:
-                    got = None
-                except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                    return 0
-                answer = self._outgoing.pending  # TLS may answer a peer's message on a read
+                if self._incoming.pending or self._tls.pending():  # else a read could only want more
+                    try:
+                        got = self._tls.read(size, view)
+                    except ssl.SSLWantReadError:
+                        pass
+                    except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                        return 0
+                    answer = self._outgoing.pending  # TLS may answer a peer's message on a read
+                else:
+                    answer = 0
             if answer:
                 self._flush()
             if got is not None:
