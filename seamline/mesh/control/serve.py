@@ -17,7 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from seamline.config import ModelConfig
-from seamline.mesh.arenas import few_malloc_arenas
+from seamline.mesh.arenas import tame_malloc
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
 from seamline.mesh.control.fragment_server import fragment_routes, serve_fragments
 from seamline.mesh.plan.groups import check_world
@@ -96,7 +96,7 @@ def _write_endpoint(state_dir: Path, url: str, certificate_pem: str) -> None:
 def build_mesh(options: ServeOptions) -> Mesh:
     from seamline.app import default_model_path
 
-    few_malloc_arenas()  # the coordinator runs a thread per connection: see arenas.py
+    tame_malloc()  # the coordinator runs a thread per connection: see arenas.py
     path = Path(options.model) if options.model else default_model_path()
     if options.tensor_parallel:  # refuse before packaging, which may take minutes
         check_world(ModelConfig.from_hf_dict(open_source(path).config_dict()), options.tensor_parallel)

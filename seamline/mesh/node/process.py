@@ -27,7 +27,7 @@ import torch
 from seamline.runtime.group_stage import LockstepStage
 from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
-from seamline.mesh.arenas import few_malloc_arenas
+from seamline.mesh.arenas import tame_malloc
 from seamline.mesh.node.credentials import Credentials
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
@@ -444,7 +444,7 @@ def _kv_budget(assign: Assign) -> int | None:
 
 
 def run_node(token: str, options: NodeOptions) -> int:
-    few_malloc_arenas()
+    tame_malloc()
     invite = Invite.decode(token)
     node = Node(invite, options)
     node.join()
