@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -360,6 +362,65 @@ def test_corrupt_fragment_is_refused(
         fetch_fragments(url, [entry], cache, TOKEN, progress=False)
     assert list(cache.iterdir()) == []
     assert "layer.3 hash mismatch" in caplog.text
+
+
+def test_a_cached_fragment_changed_on_disk_is_hashed_and_fetched_again(
+    served: tuple[str, Path, Manifest], tmp_path: Path
+) -> None:
+    """Two cached layers corrupted in place, their sizes kept: the next fetch finds that they
+    changed since they were verified, hashes them, and downloads those two again. A file whose
+    stamp still matches is trusted unread, so a corruption that also puts its modification
+    time back is caught only by ``rehash``."""
+    url, _, manifest = served
+    entries = _range(manifest, 0, LAYERS)
+    cache = tmp_path / "cache"
+    fetch_fragments(url, entries, cache, TOKEN, progress=False)
+    time.sleep(0.05)  # a later write: file times tick coarsely
+    damaged = [manifest.fragment("layer.1"), manifest.fragment("layer.2")]
+    for entry in damaged:
+        _flip_a_byte(cache / entry.sha256)
+    again = fetch_fragments(url, entries, cache, TOKEN, progress=False)
+    assert (again.fragments_downloaded, again.bytes_downloaded) == (2, sum(e.bytes for e in damaged))
+    assert all(file_sha256(cache / e.sha256) == e.sha256 for e in entries)
+    hidden = cache / damaged[0].sha256
+    times = hidden.stat().st_atime_ns, hidden.stat().st_mtime_ns
+    _flip_a_byte(hidden)
+    os.utime(hidden, ns=times)
+    assert fetch_fragments(url, entries, cache, TOKEN, progress=False).fragments_downloaded == 0
+    assert fetch_fragments(url, entries, cache, TOKEN, progress=False, rehash=True).fragments_downloaded == 1
+    assert file_sha256(hidden) == damaged[0].sha256
+
+
+def _flip_a_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB file system (tmpfs); skipped where this process may not mount one."""
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode(errors='replace').strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], capture_output=True)
+
+
+def test_a_disk_without_room_is_refused_before_downloading(served: tuple[str, Path, Manifest], small_disk: Path) -> None:
+    url, _, manifest = served
+    stale = small_disk / f"{'f' * 64}.part"
+    stale.write_bytes(b"x" * 1000)
+    with pytest.raises(FetchError, match="GiB free, but this node's layers need .* GiB more: free some space"):
+        fetch_fragments(url, _range(manifest, 0, LAYERS), small_disk, TOKEN, progress=False)
+    assert not stale.exists()  # a partial download of another fragment was dropped to make room
+    assert [p for p in small_disk.iterdir()] == []
 
 
 def test_bad_token_is_refused(served: tuple[str, Path, Manifest], tmp_path: Path) -> None:

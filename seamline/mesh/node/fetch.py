@@ -1,9 +1,13 @@
 """Fetch a stage's fragments over HTTP into a cache keyed by sha256, then lay them out.
 
-The cache holds ``<sha256>`` (complete, verified) and ``<sha256>.part`` (an interrupted
-download, resumed with ``Range: bytes=N-``). A file gets its hash as its name only after its
-content hashed to it, so a restarted node trusts a cached file whose size matches and
-downloads nothing (``rehash=True`` re-reads and re-checks every cached file instead).
+The cache holds ``<sha256>`` (complete, verified), ``<sha256>.verified`` (a stamp: the file's
+size, modification time and inode when it last hashed right) and ``<sha256>.part`` (an
+interrupted download, resumed with ``Range: bytes=N-``). A cached file is trusted without
+reading it only while its stamp matches; a file changed since (a disk error, an edit, a copy
+over it) is hashed again, and downloaded again if it no longer hashes to its name
+(``rehash=True`` re-reads every cached file). Before downloading, a node checks that the
+cache's disk has room, dropping stale partial downloads first; a download that fails on the
+disk deletes its partial file.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from seamline.errors import CheckpointError, SeamlineError
 from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest, file_sha256
 
 log = logging.getLogger(__name__)
+STAMP_SUFFIX = ".verified"
+DISK_MARGIN_BYTES = 64 << 20  # left free beyond the fragments
 
 
 class FetchError(SeamlineError):
@@ -80,6 +86,7 @@ def fetch_fragments(
     cache.mkdir(parents=True, exist_ok=True)
     unique = list({e.sha256: e for e in entries}.values())
     todo = [e for e in unique if not _cached(e, cache, rehash)]
+    _make_room(cache, todo)
     report = FetchReport(fragments_from_cache=len(unique) - len(todo))
     total = sum(e.bytes for e in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fragments",
@@ -97,14 +104,68 @@ def _auth(token: str | None) -> dict[str, str]:
 
 
 def _cached(entry: FragmentEntry, cache: Path, rehash: bool) -> bool:
+    """Whether the cache holds this fragment intact: its stamp matches, or it hashes right now."""
     path = cache / entry.sha256
     if not path.is_file():
         return False
-    if path.stat().st_size == entry.bytes and (not rehash or file_sha256(path) == entry.sha256):
-        return True
-    log.warning("cached fragment %s at %s is damaged; downloading it again", entry.name, path)
+    if path.stat().st_size == entry.bytes:
+        if not rehash and _stamped(path):
+            return True
+        if file_sha256(path) == entry.sha256:
+            _stamp(path)
+            return True
+    log.warning("cached fragment %s at %s is damaged (it no longer hashes to its name); downloading it again",
+                entry.name, path)  # fmt: skip
     path.unlink()
+    _stamp_path(path).unlink(missing_ok=True)
     return False
+
+
+def _stamp_path(path: Path) -> Path:
+    return path.with_name(path.name + STAMP_SUFFIX)
+
+
+def _signature(path: Path) -> str:
+    """What any write to the file changes: its size, modification time and inode."""
+    st = path.stat()
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def _stamp(path: Path) -> None:
+    """Record that ``path`` hashed right as it is now."""
+    _stamp_path(path).write_text(_signature(path))
+
+
+def _stamped(path: Path) -> bool:
+    stamp = _stamp_path(path)
+    try:
+        return stamp.read_text() == _signature(path)
+    except OSError:
+        return False
+
+
+def _make_room(cache: Path, todo: list[FragmentEntry]) -> None:
+    """FetchError unless the cache's disk can take what is left to download (with a margin);
+    partial downloads of other fragments are dropped first when it cannot."""
+    wanted = {f"{e.sha256}.part" for e in todo}
+
+    def need() -> int:
+        return sum(e.bytes - _size(cache / f"{e.sha256}.part") for e in todo) + DISK_MARGIN_BYTES
+
+    if not todo or shutil.disk_usage(cache).free >= need():
+        return
+    for stale in cache.glob("*.part"):
+        if stale.name not in wanted:
+            log.info("dropping a stale partial download %s to make room", stale)
+            stale.unlink(missing_ok=True)
+    free = shutil.disk_usage(cache).free
+    if free < need():
+        raise FetchError(f"the fragment cache {cache} has {free / 2**30:.2f} GiB free, but this node's layers need "
+                         f"{need() / 2**30:.2f} GiB more: free some space, or point SEAMLINE_CACHE at a larger disk")
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
 
 
 def _download(client: httpx.Client, url: str, entry: FragmentEntry, cache: Path, bar: Any) -> int:
@@ -125,11 +186,16 @@ def _download(client: httpx.Client, url: str, entry: FragmentEntry, cache: Path,
                 f"download of fragment {entry.name} from {url} broke off ({exc}); "
                 f"run again to resume from the {part.stat().st_size if part.is_file() else 0} bytes kept"
             ) from None
+        except OSError as exc:  # the disk: full, gone read-only
+            part.unlink(missing_ok=True)
+            raise FetchError(f"could not write fragment {entry.name} into {cache}: {exc}; "
+                             "the partial file was deleted") from None  # fmt: skip
     else:
         part.touch()  # a complete part (or an empty fragment): verify it as it is
         bar.update(have)
     _verify(part, entry, url)
     os.replace(part, cache / entry.sha256)
+    _stamp(cache / entry.sha256)
     return received
 
 
