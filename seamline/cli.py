@@ -68,6 +68,10 @@ def _add_serve_command(sub: Any) -> None:
     serve.add_argument("--insecure-comm", action="store_true",
                        help="allow --transport torch between hosts: gloo and NCCL encrypt nothing")
     serve.add_argument("--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate")
+    serve.add_argument("--replay-deadline", type=float, default=120.0,
+                       help="seconds a request whose node was lost waits for the mesh to serve again, then fails")
+    serve.add_argument("--heartbeat-timeout", type=float, default=3.0,
+                       help="seconds a node may stay silent before it is taken for lost (its requests replay)")
     serve.add_argument("--kv-cache-memory", type=float, default=0.0,
                        help="GiB of KV cache the first stage (or --single) admits requests into "
                             "(0: 80%% of the memory free at start); a request that cannot fit is refused")
@@ -253,6 +257,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock,
                            tensor_parallel=args.tensor_parallel, transport=args.transport,
                            gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches,
+                           replay_deadline_s=args.replay_deadline, heartbeat_timeout_s=args.heartbeat_timeout,
                            insecure_comm=args.insecure_comm,
                            state_dir=Path(args.state_dir) if args.state_dir else None,
                            kv_cache_bytes=_gib(args.kv_cache_memory))  # fmt: skip

@@ -21,13 +21,15 @@ from seamline.net.tls import TlsSocket
 from tests.mesh_harness import MeshProcesses
 from tests.tls_peers import tls_socket
 
+REPLAY_DEADLINE_S = 3
 CONTEXT = 1024
 
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
     mesh = MeshProcesses(tmp_path_factory.mktemp("admission"), nodes=2,
-                         node_memory_gb=memory_cap_gb(None, 2, CONTEXT), serve_args=("--context", str(CONTEXT)))  # fmt: skip
+                         node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
+                         serve_args=("--context", str(CONTEXT), "--replay-deadline", str(REPLAY_DEADLINE_S)))  # fmt: skip
     mesh.start(join=False)
     try:
         yield mesh
@@ -144,11 +146,16 @@ def test_before_its_invite_is_proved_a_peer_gets_small_frames_and_little_time(me
         assert HANDSHAKE_DEADLINE_S - 1 < waited < HANDSHAKE_DEADLINE_S + 5
 
 
-def test_a_node_lost_mid_generation_ends_the_request_with_a_clear_error(mesh: MeshProcesses) -> None:
+def test_a_node_lost_with_no_spare_ends_the_request_with_a_clear_error_after_the_deadline(mesh: MeshProcesses) -> None:
+    """The survivor cannot hold the model alone: the request waits for a node to join until the
+    replay deadline, then ends naming the node lost and why the mesh could not serve again."""
     first, second = mesh.join("node0"), mesh.join("node1")
     mesh.wait_ready()
+    began = time.monotonic()
     message = mesh.kill_mid_stream(second)
-    assert "left the mesh" in message
+    assert "node1 left the mesh" in message and f"could not serve again within {REPLAY_DEADLINE_S} s" in message
+    assert "cannot plan" in message, message
+    assert REPLAY_DEADLINE_S <= time.monotonic() - began < REPLAY_DEADLINE_S + 30
     health = httpx.get(f"{mesh.base_url}/health", timeout=10)
     assert health.status_code == 503 and "node1" in health.json()["reason"]
     assert first.poll() is None  # the surviving node is still running

@@ -44,7 +44,8 @@ def _complete(mesh: MeshProcesses) -> str:
 
 def _mesh(root: Path, folder: Path, nodes: int, cap_gb: float | None = None, transport: str = "tcp") -> MeshProcesses:
     return MeshProcesses(root, nodes=nodes, model=str(folder), node_memory_gb=cap_gb,
-                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--transport", transport))  # fmt: skip
+                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--transport", transport,
+                                     "--replay-deadline", "3"))  # fmt: skip
 
 
 @pytest.mark.parametrize("transport", ["tcp", "torch"])
@@ -130,10 +131,17 @@ def test_a_rank_killed_mid_answer_ends_the_request_with_a_clear_error(tmp_path: 
         mesh.stop()
 
 
-def test_a_silent_rank_ends_the_request_at_the_gate_timeout(tmp_path: Path, moe_folder: Path) -> None:
-    """A rank that stops answering (SIGSTOP: its sockets stay open) is caught by the gate timeout."""
+@pytest.mark.parametrize("caught_by", ["gate", "heartbeat"])
+def test_a_silent_rank_is_caught_by_the_gate_timeout_or_its_missed_heartbeats(tmp_path: Path, moe_folder: Path,
+                                                                               caught_by: str) -> None:  # fmt: skip
+    """A rank that stops answering (SIGSTOP: its sockets stay open) is caught by whichever comes
+    first: its leader's gate timeout (the request fails, naming the rank), or the coordinator's
+    heartbeats (the node is lost within 3 s; its requests wait to replay, and with no spare
+    node fail at the replay deadline). Each is tested with the other set long."""
+    gate, heartbeat = ("3", "60") if caught_by == "gate" else ("60", "3")
     mesh = MeshProcesses(tmp_path, nodes=2, model=str(moe_folder),
-                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--gate-timeout", "3"))  # fmt: skip
+                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--gate-timeout", gate,
+                                     "--heartbeat-timeout", heartbeat, "--replay-deadline", "2"))  # fmt: skip
     try:
         mesh.start()
         status = mesh.wait_ready()
@@ -143,7 +151,12 @@ def test_a_silent_rank_ends_the_request_at_the_gate_timeout(tmp_path: Path, moe_
         started = time.monotonic()
         with pytest.raises(openai.APIError) as error:
             mesh.client(timeout=60).completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=8)
-        assert "rank 1 sent nothing" in str(error.value) and "within 3.0 s" in str(error.value), str(error.value)
+        message = str(error.value)
+        if caught_by == "gate":
+            assert "rank 1 sent nothing" in message and "within 3.0 s" in message, message
+        else:
+            assert f"{follower} left the mesh" in message and "could not serve again within 2 s" in message, message
+            assert follower not in [n["node_id"] for n in mesh.status()["nodes"]]
         assert time.monotonic() - started < 30
     finally:
         if mesh.node_procs:

@@ -162,7 +162,9 @@ def _answer_coordinator(link: Link, identity: Identity, control: tuple[str, int]
     try:
         while True:
             message = link.recv()
-            if isinstance(message, Ping):
+            if isinstance(message, Heartbeat):
+                link.send_message(Heartbeat())
+            elif isinstance(message, Ping):
                 link.send_message(Pong(nonce=message.nonce))
             elif isinstance(message, SpeedProbe) and not message.vector:
                 matrix = probe_matrix(message.seed, message.rows, message.cols)

@@ -76,6 +76,7 @@ class PipelineHead:
         self._inbox = Inbox()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._stopped = False
 
     # -- from the link readers (any thread) ----------------------------------------------
     def open(self, msg: Open) -> None:
@@ -101,8 +102,16 @@ class PipelineHead:
         running = [s.cache for s in list(self.scheduler.running) if s.cache is not None]
         return running, self.scheduler.prefix.caches()
 
+    def stop(self) -> None:
+        """A new plan replaced this stage: the driver thread ends and lets go of every cache."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify()
+
     def _post(self, put: Any) -> None:
         with self._cond:
+            if self._stopped:
+                return
             put(self._inbox)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drive, name="seamline-stage0", daemon=True)
@@ -114,8 +123,10 @@ class PipelineHead:
         busy = False
         while True:
             with self._cond:
-                while not busy and not self._inbox:
+                while not busy and not self._inbox and not self._stopped:
                     self._cond.wait()
+                if self._stopped:  # nothing refers to this stage after the thread ends: it is freed
+                    return
                 inbox, self._inbox = self._inbox, Inbox()
             try:
                 self._take(inbox)

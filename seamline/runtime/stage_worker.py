@@ -87,6 +87,11 @@ class StageWorker:
         context = context_length or stage.config.max_position_embeddings
         self.head = PipelineHead(self, context, kv_budget_bytes) if is_first else None
 
+    def stop(self) -> None:
+        """A new plan replaced this stage (stage 0: its driver thread ends)."""
+        if self.head is not None:
+            self.head.stop()
+
     # -- session calls (mirrored to every stage by the coordinator) --------------------
     def open(self, msg: Open) -> None:
         """Create the sequence here, then pass the call on down the pipeline: it travels on the

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 import tempfile
 import threading
 import time
@@ -14,6 +15,9 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+
+if TYPE_CHECKING:
+    from seamline.mesh.plan.types import ModelSpec, NodeInfo, PlanOptions
 
 from seamline.mesh.control.serve import ServeOptions, build_mesh, spawn_node, wait_ready
 from seamline.server.mesh_app import mesh_app
@@ -92,8 +96,9 @@ def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int
     """A per-node memory cap under which the planner needs exactly ``stages`` stages of
     ``ranks`` equal nodes each (lockstep groups when ``ranks`` > 1).
 
-    The middle of the range of caps that give that many stages: no node can hold more than
-    its share, which is the situation the mesh exists for.
+    The middle of the range of caps under which that many nodes plan that many stages and
+    one stage fewer cannot hold the model: no node can hold more than its share, which is the
+    situation the mesh exists for (and a mesh that loses one of them cannot serve alone).
     """
     from seamline.app import default_model_path
     from seamline.config import ModelConfig
@@ -113,10 +118,25 @@ def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int
         cap = int(whole * 2 * step / 400) + options.headroom_bytes
         nodes = [NodeInfo(f"n{i}", cap, 1e10) for i in range(stages * ranks)]
         try:
-            if len(plan_groups(spec, nodes, None, options, ranks, kv_divides(config, ranks)).stages) == stages:
-                fitting.append(cap)
+            if len(plan_groups(spec, nodes, None, options, ranks, kv_divides(config, ranks)).stages) != stages:
+                continue
         except PlanError:
             continue
+        if stages > 1 and _holds(spec, nodes[: (stages - 1) * ranks], options, ranks, kv_divides(config, ranks)):
+            continue
+        fitting.append(cap)
     if not fitting:
         raise ValueError(f"no memory cap makes {stages} equal nodes split this model")
     return (fitting[0] + fitting[-1]) / 2 / (1 << 30)
+
+
+def _holds(spec: ModelSpec, nodes: list[NodeInfo], options: PlanOptions, ranks: int, kv_split: bool) -> bool:
+    """Whether ``nodes`` can hold the whole model in some plan."""
+    from seamline.mesh.plan.groups import plan_groups
+    from seamline.mesh.plan.types import PlanError
+
+    try:
+        plan_groups(spec, nodes, None, options, ranks, kv_split)
+        return True
+    except PlanError:
+        return False

@@ -45,6 +45,7 @@ from seamline.net.messages import (
 log = logging.getLogger("seamline.coordinator")
 STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
 MIN_RESIDENT_SHARE = 0.5  # a loaded stage's resident bytes, at least this share of its weights
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0  # a failed start-up is planned again after 1, 2, 4 ... 30 s
 
 
 @dataclass
@@ -62,6 +63,7 @@ class CoordinatorOptions:
     insecure_comm: bool = False  # torch.distributed may run between hosts (it encrypts nothing)
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage; fewer than the stages are not taken)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
+    heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
 
 
 TokenSink = Callable[[list[TokenRow]], None]
@@ -93,6 +95,7 @@ class Coordinator(Membership):
         self._enrolled: dict[str, tuple[Join, float]] = {}  # certified, not yet attached: (join, deadline)
         self.relay = Relay()
         self.peer_links = PeerLinks()
+        self._failed_starts = 0  # start-ups failed in a row (the retry's pause doubles with each)
 
     # -- membership (joining: ``joining.Membership``) --------------------------------------
     def _read_node(self, handle: NodeHandle) -> None:
@@ -102,9 +105,15 @@ class Coordinator(Membership):
             except (LinkClosed, FrameError) as exc:
                 self._lost(handle, str(exc))
                 return
+            handle.last_heard = time.monotonic()
             if isinstance(message, TokenFrame):
                 self.on_tokens(list(message.rows))
             elif isinstance(message, (Ready, Linked)):
+                plan_id = message.descriptor.plan_id if isinstance(message, Ready) else message.plan_id
+                if plan_id != self.plan_id:  # a start-up a newer plan replaced
+                    log.info("ignored node %s's %s for plan %d: plan %d is current", handle.node_id,
+                             message.kind, plan_id, self.plan_id)  # fmt: skip
+                    continue
                 with handle.events:
                     if isinstance(message, Ready):
                         handle.ready = message
@@ -143,6 +152,11 @@ class Coordinator(Membership):
         reason = message.reason if message.blame != "node" else f"node {handle.node_id}: {message.reason}"
         self.on_failure(message.request, reason, message.blame)
 
+    def lose(self, handle: NodeHandle, reason: str) -> None:
+        """Take a member for lost (it stopped answering): its links close, its requests replay."""
+        self._lost(handle, reason)
+        handle.link.close()
+
     def _lost(self, handle: NodeHandle, reason: str) -> None:
         with self.lock:
             if self.nodes.get(handle.node_id) is not handle:
@@ -156,25 +170,49 @@ class Coordinator(Membership):
         if in_plan:
             self.ready.clear()
             self.state = f"node {handle.node_id} left; re-planning"
-            self.on_failure(None, f"node {handle.node_id} left the mesh mid-request", "node")
+            self.on_failure(None, f"node {handle.node_id} left the mesh mid-request", "lost")
             self._maybe_plan(force=True)
+            with self.lock:
+                if self.plan is None:
+                    self.state = f"node {handle.node_id} left; {self.state}"
 
     # -- planning and start-up ----------------------------------------------------------
     def _maybe_plan(self, force: bool = False) -> None:
+        """Plan over the checked members: the first time once ``nodes_expected`` have joined; then
+        whenever the members change and no plan serves (``force``: a planned node left)."""
         with self.lock:
             joined = [h for h in self.nodes.values() if h.checked]
-            if len(joined) < self.options.nodes_expected or (self.plan is not None and not force):
+            first = self.plan_id == 0
+            if (first and len(joined) < self.options.nodes_expected) or (self.plan is not None and not force):
+                return
+            if not joined:
+                self.plan, self.state = None, "waiting for nodes"
                 return
             nodes = sorted((h.info() for h in joined), key=lambda n: n.node_id)
             links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined), self.peer_links.measured())
             try:
                 chosen = self._choose_plan(steady_rates(nodes), links)  # like nodes measured apart plan alike
             except PlanError as exc:
-                self.plan, self.state = None, f"cannot plan: {exc}"
+                self.plan, self.state = None, f"cannot plan: {exc}; waiting for a node to join"
                 log.error(self.state)
                 return
             self.plan, self.plan_id = chosen, self.plan_id + 1
-        threading.Thread(target=self._start_up, args=(chosen, self.plan_id), daemon=True).start()
+            plan_id = self.plan_id
+        threading.Thread(target=self._start_up, args=(chosen, plan_id), daemon=True).start()
+
+    def _retry_later(self, plan_id: int, failure: str) -> None:
+        """Start-up of ``plan_id`` failed: plan again after a pause that doubles while it keeps failing."""
+        with self.lock:
+            if plan_id != self.plan_id:
+                return  # a newer plan is under way
+            self.plan = None
+            self._failed_starts += 1
+            pause = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (self._failed_starts - 1))
+            self.state = f"start-up failed: {failure}; planning again in {pause:.0f} s"
+        log.error(self.state)
+        timer = threading.Timer(pause, self._maybe_plan)
+        timer.daemon = True
+        timer.start()
 
     def _choose_plan(self, nodes: list[NodeInfo], links: LinkTable) -> Plan:
         locked, config = self.options.locked_plan, self.options.model_config
@@ -193,21 +231,33 @@ class Coordinator(Membership):
             handles = [self.nodes[s.node_id] for s in plan.stages]  # the stages' leaders
             self.link_key = link_key = secrets.token_hex(16)  # data links between this plan's stages prove it
             for index in reversed(range(len(plan.stages))):
+                self._current(plan_id)
                 stage = plan.stages[index]
                 self.state = f"loading layers [{stage.start},{stage.end}) on {', '.join(stage.members())}"
                 senders = _senders(plan, index)
                 self._assign_stage(stage, plan_id, link_key, senders)
             forks = all(len(s.members()) == 1 for s in plan.stages)  # a lockstep group's caches are not copied
             for index in reversed(range(len(handles))):
+                self._current(plan_id)
                 self.state = f"linking {handles[index].node_id}"
                 self._link(handles, index, plan_id, forks)
-        except (StartupError, KeyError, LinkClosed) as exc:
-            self.state = f"start-up failed: {exc}"
-            log.error(self.state)
+        except Superseded:
             return
-        self.state = "ready"
-        self.ready.set()
+        except (StartupError, KeyError, LinkClosed) as exc:
+            self._retry_later(plan_id, str(exc))
+            return
+        with self.lock:
+            if plan_id != self.plan_id:
+                return
+            self.state = "ready"
+            self._failed_starts = 0
+            self.ready.set()
         log.info("route published: %s", " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in plan.stages))
+
+    def _current(self, plan_id: int) -> None:
+        """Superseded when a newer plan has been made since ``plan_id``'s start-up began."""
+        if plan_id != self.plan_id:
+            raise Superseded(f"plan {plan_id} was replaced by plan {self.plan_id}")
 
     def _assign_stage(self, s: StageAssignment, plan_id: int, link_key: str, senders: tuple[str, str]) -> None:
         """Assign every rank of the stage, then wait for all: a group's ranks load and meet together."""
@@ -324,6 +374,10 @@ class Coordinator(Membership):
 
 class StartupError(SeamlineError):
     """Start-up could not finish: a node left, timed out, or reported the wrong descriptor."""
+
+
+class Superseded(SeamlineError):
+    """A newer plan replaced the one being started."""
 
 
 def _senders(plan: Plan, index: int) -> tuple[str, str]:

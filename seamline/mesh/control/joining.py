@@ -18,6 +18,7 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from seamline.mesh.control import heartbeats
 from seamline.mesh.control.claims import SpeedCheck
 from seamline.mesh.control.invite import coordinator_proof
 from seamline.mesh.control.link_probe import measure
@@ -44,6 +45,7 @@ class Membership:
         self._server = server = listen(host, self.invite.control_port)
         accept_links(server, "control", self._handshake, tls=self._control_context,
                      plain={RELAY_MAGIC: self.relay.serve})  # fmt: skip
+        heartbeats.watch(self, self.options.heartbeat_timeout_s)
         return int(server.getsockname()[1])
 
     def _control_context(self: Coordinator) -> ssl.SSLContext | None:

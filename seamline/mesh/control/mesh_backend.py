@@ -1,19 +1,24 @@
 """MeshBackend: the API's Backend over a stage pipeline run by the coordinator.
 
 Each request is mirrored to every stage (open/close) and its prompt goes to stage 0; the
-last stage's tokens arrive on its control link and are routed to the waiting request.
+last stage's tokens arrive on its control link and are routed to the waiting request. The
+backend keeps each request's history (prompt, tokens so far, sampling with its seed fixed),
+so a request whose route is lost is replayed on the next one (``generate``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from seamline.errors import OverloadedError, RequestError, SeamlineError
-from seamline.mesh.control.coordinator import Coordinator
+from seamline.mesh.control.coordinator import Coordinator, StartupError
+from seamline.net.link import LinkClosed
 from seamline.net.frames import RowFlag, TokenRow
 from seamline.net.messages import Open, Prompt
 from seamline.params import SamplingParams
@@ -26,14 +31,23 @@ class RequestFailed(SeamlineError):
     """A stage failed or left while the request was in flight."""
 
 
+class RouteLost(RequestFailed):
+    """A node of the request's route left the mesh: the request is replayed on the next route."""
+
+
 MAX_REQUESTS = 320  # in flight at once (the single-process server: 64 running + 256 waiting)
+REPLAY_DEADLINE_S = 120.0  # a request whose route was lost waits this long for the mesh to serve again
+READY_POLL_S = 0.05
+MAX_REPLAYS = 8  # routes a request may lose before it fails
+log = logging.getLogger("seamline.coordinator")
 
 
 class MeshBackend:
     def __init__(self, coordinator: Coordinator, codec: TextCodec, model_name: str, context_length: int,
-                 max_requests: int = MAX_REQUESTS) -> None:  # fmt: skip
+                 max_requests: int = MAX_REQUESTS, replay_deadline_s: float = REPLAY_DEADLINE_S) -> None:  # fmt: skip
         self.coordinator = coordinator
         self.max_requests = max_requests
+        self.replay_deadline_s = replay_deadline_s
         self.codec = codec
         self.model_name = model_name
         self.context_length = context_length
@@ -47,21 +61,52 @@ class MeshBackend:
         return Readiness(ready, "" if ready else self.coordinator.state)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        """The request's tokens. When a node is lost mid-answer the mesh re-plans, and the request
+        is replayed on the new route: prompt and tokens so far prefilled, then decoding from the
+        next position. Sampling draws from (seed, position), so the tokens go on as they would have."""
         params.validate()
         if not prompt or len(prompt) >= self.context_length:
             raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context_length}")
+        spec = dataclasses.replace(params, seed=request_seed(params.seed), stop_strings=())  # stop strings stay here
+        generated: list[int] = []
+        lost_at: float | None = None
+        replays = 0
+        while True:
+            try:
+                async for token in self._attempt(prompt + generated, spec, len(generated), replaying=lost_at is not None):
+                    generated.append(token)
+                    yield token
+                return
+            except RouteLost as exc:
+                replays += 1
+                if replays > MAX_REPLAYS:
+                    raise RequestFailed(f"{exc}; the request lost its route {MAX_REPLAYS} times, given up") from None
+                lost_at = lost_at or time.monotonic()
+                log.warning("a request lost its route after %d tokens (%s); replaying it when the mesh is ready",
+                            len(generated), exc)  # fmt: skip
+                await self._until_ready(lost_at, exc)
+
+    async def _attempt(self, tokens: list[int], spec: SamplingParams, generated: int,
+                       replaying: bool) -> AsyncIterator[int]:  # fmt: skip
+        """One run of the request on the current route: ``tokens`` as its prompt, ``generated`` of
+        them drawn already (so ``max_tokens`` counts from the original prompt)."""
         queue: asyncio.Queue[object] = asyncio.Queue()
         with self._lock:
-            if len(self._waiting) >= self.max_requests:
+            if len(self._waiting) >= self.max_requests and not replaying:
                 raise OverloadedError(f"{len(self._waiting)} requests are already in flight; try again later")
             request = _new_id(self._waiting)
             self._waiting[request] = (asyncio.get_running_loop(), queue)
-        spec = dataclasses.replace(params, seed=request_seed(params.seed), stop_strings=())  # stop strings stay here
+        sampling = dataclasses.replace(spec, max_tokens=spec.max_tokens - generated)
         try:
-            self.coordinator.open_request(
-                Open(request=request, sampling=spec, prompt_len=len(prompt), context_length=self.context_length),
-                Prompt(request=request, tokens=tuple(prompt)),
-            )
+            try:
+                self.coordinator.open_request(
+                    Open(request=request, sampling=sampling, prompt_len=len(tokens), context_length=self.context_length),
+                    Prompt(request=request, tokens=tuple(tokens)),
+                )
+            except (StartupError, LinkClosed) as exc:
+                if not replaying:
+                    raise
+                raise RouteLost(f"the mesh is not ready: {exc}") from None
             while True:
                 item = await queue.get()
                 if isinstance(item, Exception):
@@ -77,6 +122,14 @@ class MeshBackend:
                 self._waiting.pop(request, None)
             self.coordinator.close_request(request)
 
+    async def _until_ready(self, lost_at: float, cause: Exception) -> None:
+        """Wait for the mesh to serve again; RequestFailed once ``replay_deadline_s`` has passed."""
+        while not self.coordinator.ready.is_set():
+            if time.monotonic() - lost_at > self.replay_deadline_s:
+                raise RequestFailed(f"{cause}; the mesh could not serve again within {self.replay_deadline_s:.0f} s "
+                                    f"({self.coordinator.state})") from None  # fmt: skip
+            await asyncio.sleep(READY_POLL_S)
+
     def _deliver(self, rows: list[TokenRow]) -> None:
         for row in rows:
             self._put(row.request, row)
@@ -84,7 +137,7 @@ class MeshBackend:
     def _fail(self, request: int | None, reason: str, blame: str) -> None:
         with self._lock:
             targets = list(self._waiting) if request is None else [request]
-        error = {"request": RequestError, "load": OverloadedError}.get(blame, RequestFailed)
+        error = {"request": RequestError, "load": OverloadedError, "lost": RouteLost}.get(blame, RequestFailed)
         for target in targets:
             self._put(target, error(reason))
 

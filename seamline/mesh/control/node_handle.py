@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from seamline.mesh.control.claims import SpeedCheck
@@ -28,6 +29,7 @@ class NodeHandle:
     speed_check: SpeedCheck | None = None
     believed_rate: float | None = None  # its claimed speed, or what the probe measured when far below it
     checked: bool = False  # its link measured and its speed checked: it may be planned
+    last_heard: float = field(default_factory=time.monotonic)  # when it last sent anything (heartbeats)
 
     @property
     def node_id(self) -> str:

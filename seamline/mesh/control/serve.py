@@ -51,6 +51,8 @@ class ServeOptions:
     tensor_parallel: int = 0  # ranks per stage (0: groups only where a stage needs one)
     transport: str = "auto"
     gate_timeout_s: float = 30.0
+    replay_deadline_s: float = 120.0  # a request whose route was lost waits this long for the mesh to serve again
+    heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
     insecure_comm: bool = False  # --transport torch may run between hosts
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
@@ -124,9 +126,10 @@ def build_mesh(options: ServeOptions) -> Mesh:
         fragments_certificate=options.tls_certificate,
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
         transport=options.transport, gate_timeout_s=options.gate_timeout_s, insecure_comm=options.insecure_comm,
-        micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes), authority)  # fmt: skip
+        micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes,
+        heartbeat_timeout_s=options.heartbeat_timeout_s), authority)  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
-    backend = MeshBackend(coordinator, codec, manifest.model, context)
+    backend = MeshBackend(coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s)
 
     key = admin_key(state_dir)
     _write_endpoint(state_dir, f"{scheme}://{url_host(hosts[0])}:{options.port}", options.tls_certificate)

@@ -8,9 +8,11 @@ sent it; an out-of-step frame is refused and logged; the node keeps serving.
 
 from __future__ import annotations
 
+import gc
 import hmac
 import logging
 import os
+import queue
 import secrets
 import socket
 import ssl
@@ -40,7 +42,7 @@ from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
 from seamline.mesh.control.claims import block_sums, probe_matrix
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Attach, Attached, Certificate, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked,
-    MeasurePeer, Message,
+    Heartbeat, MeasurePeer, Message,
     Open, Ping, Pong, Prompt, Ready, Refuse, RelayAccept, Renew, Resources, Route, SpeedProbe, SpeedReady, SpeedSums,
     Stats, StatsRequest, Welcome,
 )  # fmt: skip
@@ -49,6 +51,7 @@ from seamline.parallel.comm import CommError
 from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 
 log = logging.getLogger("seamline.node")
+COORDINATOR_SILENT_S = 10.0  # the coordinator sends a heartbeat every second; silent this long, it is lost
 
 
 @dataclass
@@ -127,7 +130,9 @@ class Node:
         self.worker: StageWorker | None = None
         self.assignment: Assign | None = None
         self.data_server: socket.socket | None = None
-        self.peers: list[Link] = []
+        self.peers: list[Link] = []  # this plan's data links, dialled and accepted
+        self._inbox: queue.Queue[Message] = queue.Queue()  # from the coordinator, for ``_handle_control``
+        self._peers_lock = threading.Lock()
         self.bytes_downloaded = 0
         self.comm_port = 0  # lockstep peers reach this node here
         self.group_stage: LockstepStage | None = None  # this node leads a lockstep group
@@ -165,6 +170,13 @@ class Node:
         assert self.control is not None
         self.control.send_message(message)
 
+    def _report_quietly(self, message: Message) -> None:
+        """Send on the control link; a broken link is found by its reader."""
+        try:
+            self._send_control(message)
+        except LinkClosed:
+            pass
+
     def _join(self, control: Link) -> None:
         challenge = control.recv()
         if not isinstance(challenge, Challenge):
@@ -201,26 +213,30 @@ class Node:
         assert self.control is not None and self.data_server is not None
         accept_links(self.data_server, "data", self._read_data, tls=self._server_context,
                      plain={PROBE_MAGIC: lambda sock, _: sock.close()})  # the coordinator asking if we take connections
+        threading.Thread(target=self._handle_control, daemon=True, name="seamline-control").start()
         while True:
             try:
-                message = self.control.recv()
-            except LinkClosed:
-                log.warning("coordinator link closed; node stops")
+                message = self.control.recv(deadline_s=COORDINATOR_SILENT_S)
+            except LinkClosed as exc:
+                log.warning("coordinator link lost (%s); node stops", exc)
+                self.control.close()
                 return
             except FrameError as exc:
                 log.error("coordinator sent a malformed frame (%s); node stops", exc)
                 return
-            if isinstance(message, Message):
-                self._on_control(message)
+            if isinstance(message, Heartbeat):  # answered here: never behind a busy stage
+                self._report_quietly(Heartbeat())
+            elif isinstance(message, Ping):  # likewise, so a measured round trip is the link's
+                self._report_quietly(Pong(nonce=message.nonce))
+            elif isinstance(message, Message):
+                self._inbox.put(message)
 
     def _server_context(self) -> ssl.SSLContext | None:
         return self.credentials.server if self.credentials else None
 
     def _on_control(self, message: Message) -> None:
         try:
-            if isinstance(message, Ping) and self.control:
-                self.control.send_message(Pong(nonce=message.nonce))
-            elif isinstance(message, SpeedProbe):
+            if isinstance(message, SpeedProbe):
                 self._speed_probe(message)
             elif isinstance(message, RelayAccept):
                 threading.Thread(target=self._accept_relayed, args=(message,), daemon=True).start()
@@ -246,6 +262,12 @@ class Node:
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
             self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}")
+
+    def _handle_control(self) -> None:
+        """The coordinator's messages, in the order they came, apart from the control link's
+        reader: loading a stage or a close waiting on a long step never delays a heartbeat."""
+        while True:
+            self._on_control(self._inbox.get())
 
     def _batch_failed(self, requests: list[int], exc: Exception) -> None:
         """Stage 0 could not run these requests: the request's fault, the load's, or ours."""
@@ -274,9 +296,13 @@ class Node:
     def _load(self, assign: Assign) -> None:
         from seamline.mesh.node.loading import load_assignment, load_rank
 
+        self._drop_data_links()  # the old route's: no frame of it may reach the new stage
         self.assignment = assign
         self._probe_matrix = None  # the speed probe is over
-        self.worker = None  # a new assignment replaces the old stage
+        if self.worker is not None:
+            self.worker.stop()
+        self.worker = None  # a new assignment replaces the old stage (freed before the new one loads)
+        gc.collect()
         if self.group_stage is not None:
             self.group_stage.close()
             self.group_stage = None
@@ -346,12 +372,12 @@ class Node:
         if route.downstream is not None:
             link = dial(route.downstream, route.downstream_node, self.options.node_id, self.assignment, tls,
                         route.downstream_relay)  # fmt: skip
-            self.peers.append(link)
+            self._keep(link)
             self.worker.links.downstream = link.send_hidden
             self.worker.links.downstream_message = link.send_message
         if route.stage0 is not None:
             link = dial(route.stage0, route.stage0_node, self.options.node_id, self.assignment, tls, route.stage0_relay)
-            self.peers.append(link)
+            self._keep(link)
             self.worker.links.stage0 = link.send_tokens
         self.control.send_message(Linked(plan_id=route.plan_id))
 
@@ -368,7 +394,7 @@ class Node:
         report = probe_peer(ask, self.options.node_id, self.credentials.client if self.credentials else None)
         if report.error:
             log.warning("could not measure the link to %s: %s", ask.peer_node, report.error)
-        self._send_control(report)
+        self._report_quietly(report)
 
     def _accept_relayed(self, accept: RelayAccept) -> None:
         """This node takes no inbound connection: dial the coordinator's relay with the ticket and
@@ -389,8 +415,9 @@ class Node:
 
     def _read_data(self, link: Link) -> None:
         peer = link.peer()
+        assignment = self.assignment
         try:
-            role = admit(link, self.assignment, certified=self.credentials is not None)
+            role = admit(link, assignment, certified=self.credentials is not None)
             if role == PROBE:
                 answer_probe(link)
                 return
@@ -398,6 +425,7 @@ class Node:
             log.warning("refused data link from %s: %s", peer, exc)
             link.close()
             return
+        self._keep(link)
         while True:
             try:
                 frame = link.recv()
@@ -407,12 +435,26 @@ class Node:
                 log.warning("closing data link from %s: %s", peer, exc)
                 link.close()
                 return
+            if self.assignment is not assignment:  # a newer plan: this link's route is gone
+                log.warning("closing data link from %s: its plan was replaced; its frames refused", peer)
+                link.close()
+                return
             try:
                 self._on_frame(frame, peer, role)
             except Exception as exc:  # one bad frame never stops the node; its requests fail
                 log.exception("frame from %s failed", peer)
                 for request in {row.request for row in getattr(frame, "rows", ())}:
                     self._report(request, f"layers [{self._layers()}) failed: {self._explain(exc)}")
+
+    def _keep(self, link: Link) -> None:
+        with self._peers_lock:
+            self.peers.append(link)
+
+    def _drop_data_links(self) -> None:
+        with self._peers_lock:
+            peers, self.peers = self.peers, []
+        for link in peers:
+            link.close()
 
     def _on_frame(self, frame: object, peer: str, role: str) -> None:
         worker = self.worker
