@@ -1,17 +1,20 @@
-"""No request lost: a node killed mid-answer; the mesh plans again over the survivors and every
-stream goes on from where it was, its text what a run without the failure gives.
+"""No request lost: a node killed (SIGKILL) or stopped (SIGSTOP) mid-answer; the mesh plans
+again over the others and every stream goes on from where it was, its text what a run without
+the failure gives.
 
-Three nodes whose memory caps let any two hold the model. Four clients stream at once (three
-greedy, one seeded at temperature 0.8); once each has its first tokens, a node of the route is
-killed with SIGKILL. Each stream pauses, then continues: no token repeated or lost, the whole
-text equal to the same request's answer before the failure.
+Three nodes whose memory caps let any two, and no one, hold the model. Four clients stream at
+once (three greedy, one seeded at temperature 0.8); once each has its first tokens, a node of
+the route fails. Each stream pauses, then continues: no token repeated or lost, the whole text
+equal to the same request's answer before the failure.
 """
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import threading
-from collections.abc import Iterator
-from pathlib import Path
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import openai
@@ -64,6 +67,60 @@ def test_a_route_node_killed_mid_stream_loses_no_request(mesh3: MeshProcesses) -
     before = [_stream(client, r) for r in REQUESTS]  # the answers without a failure
     route = [s["node_id"] for s in mesh3.status()["stages"]]
     victim = route[-1]  # the last stage: it samples every token
+    _fail_mid_streams(mesh3, lambda: _process(mesh3, victim).kill(), before)
+    after = mesh3.status()
+    assert after["ready"] and victim not in [s["node_id"] for s in after["stages"]], after
+    assert _stream(client, REQUESTS[0]) == before[0]  # and the healed mesh serves on
+
+
+def test_a_stopped_node_is_lost_within_the_heartbeat_timeout_and_a_standby_takes_its_place(
+    mesh3: MeshProcesses,
+) -> None:
+    """The node killed above comes back and waits as a standby. A node of the route stops
+    (SIGSTOP: its sockets stay open); missed heartbeats take it for lost within 3 s and the
+    route is planned again over the two others, standby included; no stream loses a token."""
+    client = mesh3.client(timeout=300)
+    down = next(f"node{i}" for i in range(3) if f"node{i}" not in [n["node_id"] for n in mesh3.status()["nodes"]])
+    mesh3.join(down)
+    _until(lambda: down in [n["node_id"] for n in mesh3.status()["nodes"]], "the node to join again")
+    before = [_stream(client, r) for r in REQUESTS]
+    victim = mesh3.status()["stages"][0]["node_id"]  # stage 0: it schedules every request
+    stopped = _process(mesh3, victim)
+    try:
+        began = time.monotonic()
+        _fail_mid_streams(mesh3, lambda: stopped.send_signal(signal.SIGSTOP), before)
+        assert time.monotonic() - began < 60
+        after = mesh3.status()
+        assert after["ready"] and victim not in [n["node_id"] for n in after["nodes"]], after
+        assert down in [s["node_id"] for s in after["stages"]], after  # the standby serves
+        lost_lines = [line for line in mesh3.output if f"node {victim} sent nothing for" in line]
+        assert lost_lines and float(lost_lines[0].split("sent nothing for ")[1].split(" s")[0]) <= 4.0, lost_lines
+    finally:
+        stopped.send_signal(signal.SIGCONT)
+
+
+def _process(mesh: MeshProcesses, node_id: str) -> subprocess.Popen[str]:
+    """The live process of ``node_id`` (a node that joined again has a newer one)."""
+    index = max(i for i, proc in enumerate(mesh.node_procs) if _node_id(proc) == node_id)
+    return mesh.node_procs[index]
+
+
+def _node_id(proc: subprocess.Popen[str]) -> str:
+    args = list(proc.args)  # type: ignore[arg-type]
+    return str(args[args.index("--node-id") + 1])
+
+
+def _until(condition: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.25)
+
+
+def _fail_mid_streams(mesh: MeshProcesses, fail: Callable[[], None], before: list[tuple[str, str]]) -> None:
+    """Stream every request at once; ``fail()`` once each has its first tokens; every answer
+    must equal ``before``."""
+    client = mesh.client(timeout=300)
     started = [threading.Event() for _ in REQUESTS]
     answers: dict[int, tuple[str, str]] = {}
     errors: dict[int, BaseException] = {}
@@ -80,11 +137,8 @@ def test_a_route_node_killed_mid_stream_loses_no_request(mesh3: MeshProcesses) -
         thread.start()
     for event in started:
         assert event.wait(timeout=120)
-    mesh3.node_procs[int(victim.removeprefix("node"))].kill()
+    fail()
     for thread in threads:
         thread.join(timeout=300)
     assert not errors, errors
     assert [answers[i] for i in range(len(REQUESTS))] == before
-    after = mesh3.status()
-    assert after["ready"] and victim not in [s["node_id"] for s in after["stages"]], after
-    assert _stream(client, REQUESTS[0]) == before[0]  # and the healed mesh serves on
