@@ -14,7 +14,7 @@ from seamline.server.api_options import add_api_arguments, api_options
 
 INVITE_ENV = "SEAMLINE_INVITE"  # where `join` may read its invite (argv shows in `ps`)
 
-BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz")
+BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--tokens", type=int, default=128)
     bench.add_argument("--inputs", type=int, default=0, help="fuzz: inputs per surface (default 100000)")
+    bench.add_argument("--rounds", type=int, default=0, help="chaos: failures to cause (default 20)")
     bench.set_defaults(handler=cmd_bench)
     _add_mesh_commands(sub)
     return parser
@@ -234,7 +235,8 @@ def _chat(model: Any, args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from seamline.bench import run_bench
 
-    options = {"inputs": args.inputs} if args.name == "fuzz" else {"repeats": args.repeats, "tokens": args.tokens}
+    options = {"fuzz": {"inputs": args.inputs}, "chaos": {"rounds": args.rounds}}.get(
+        args.name, {"repeats": args.repeats, "tokens": args.tokens})
     run_bench(args.name, args.json_path, **options)
     return 0
 

@@ -29,6 +29,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.fuzz import bench_fuzz
 
         result = bench_fuzz(**({"inputs_per_surface": options["inputs"]} if options.get("inputs") else {}))
+    elif name == "chaos":
+        from seamline.bench.chaos import bench_chaos
+
+        result = bench_chaos(**({"rounds": options["rounds"]} if options.get("rounds") else {}))
     elif name == "throughput":
         from seamline.bench.throughput import bench_throughput
 
