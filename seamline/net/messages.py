@@ -57,6 +57,14 @@ class Attach(Message):
     node_id: str
 
 
+class Rejoin(Message):
+    """A member's first word when it dials a coordinator that lost it (restarted, or the link
+    broke), under the certificate it already holds: its join, as before, without an invite."""
+
+    kind: Literal["rejoin"] = "rejoin"
+    join: Join
+
+
 class Attached(Message):
     kind: Literal["attached"] = "attached"
     node_id: str
@@ -104,6 +112,7 @@ class Welcome(Message):
 class Refuse(Message):
     kind: Literal["refuse"] = "refuse"
     reason: str
+    final: bool = False  # asking again will not help (a removed node, a wrong certificate): a rejoining node stops
 
 
 class Assign(Message):
@@ -306,7 +315,7 @@ class Heartbeat(Message):
 
 
 AnyMessage = Annotated[
-    Union[Challenge, Join, Attach, Attached, Renew, Certificate, RelayAccept, MeasurePeer, PeerLink, Ping, Pong, SpeedProbe,
+    Union[Challenge, Join, Attach, Rejoin, Attached, Renew, Certificate, RelayAccept, MeasurePeer, PeerLink, Ping, Pong, SpeedProbe,
           SpeedReady, SpeedSums, DataHello, ProbeHello,
           Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure, StatsRequest,
           Stats, Heartbeat],

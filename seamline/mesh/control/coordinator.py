@@ -14,6 +14,7 @@ import logging
 import secrets
 import socket
 import threading
+from pathlib import Path
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ class CoordinatorOptions:
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage; fewer than the stages are not taken)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
     heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
+    state_dir: Path | None = None  # removed members are kept here
 
 
 TokenSink = Callable[[list[TokenRow]], None]
@@ -77,7 +79,8 @@ class Coordinator(Membership):
         presents (None: plaintext links, for measuring what TLS costs)."""
         self.invites = invites
         self.invite = invites.where
-        self.enrollment = Enrollment(authority) if authority is not None else None
+        removed = options.state_dir / "removed.json" if options.state_dir else None
+        self.enrollment = Enrollment(authority, removed_file=removed) if authority is not None else None
         self.model = model
         self.model_hash = model_hash
         self.options = options

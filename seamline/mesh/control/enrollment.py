@@ -3,25 +3,30 @@
 The control port speaks TLS with the coordinator's certificate; a joining node has none yet,
 so the port does not ask for one. Its Challenge carries the CA (which the invite pins); a Join
 that proves the invite carries a signing request, and the Welcome the node's certificate. A
-member renews over its control link; a removed member's id is refused from then on.
+member renews over its control link; a removed member's id is refused from then on (kept in the
+state directory, so a restarted coordinator refuses it too).
 """
 
 from __future__ import annotations
 
+import json
 import ssl
 import threading
+from pathlib import Path
 
 from seamline.mesh.identity import CERT_TTL_S, COORDINATOR_ID, IdentityError, MeshAuthority
 from seamline.net.messages import Challenge, Join
 
 
 class Enrollment:
-    def __init__(self, authority: MeshAuthority, cert_ttl_s: float = CERT_TTL_S) -> None:
+    def __init__(self, authority: MeshAuthority, cert_ttl_s: float = CERT_TTL_S,
+                 removed_file: Path | None = None) -> None:  # fmt: skip
         self.authority = authority
         self.cert_ttl_s = cert_ttl_s
         self.identity = authority.identity(COORDINATOR_ID, ttl_s=max(cert_ttl_s, 24 * 3600))
         self.control_context: ssl.SSLContext = self.identity.server_context(require_peer=False)
-        self.removed: set[str] = set()
+        self._removed_file = removed_file
+        self.removed: set[str] = set(json.loads(removed_file.read_text())) if removed_file and removed_file.is_file() else set()
         self._lock = threading.Lock()
 
     def challenge(self, nonce: str) -> Challenge:
@@ -48,3 +53,9 @@ class Enrollment:
     def remove(self, node_id: str) -> None:
         with self._lock:
             self.removed.add(node_id)
+            if self._removed_file is not None:
+                self._removed_file.write_text(json.dumps(sorted(self.removed)))
+
+    def is_removed(self, node_id: str) -> bool:
+        with self._lock:
+            return node_id in self.removed

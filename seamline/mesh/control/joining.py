@@ -24,11 +24,11 @@ from seamline.mesh.control.invite import coordinator_proof
 from seamline.mesh.control.link_probe import measure
 from seamline.mesh.control.relay import RELAY_MAGIC, reachable
 from seamline.mesh.control.node_handle import NodeHandle
-from seamline.mesh.identity import IdentityError
+from seamline.mesh.identity import COORDINATOR_ID, IdentityError
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, FrameError
 from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Join, MeasurePeer, Refuse, Renew, Welcome,
+    PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Join, MeasurePeer, Refuse, Rejoin, Renew, Welcome,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -60,15 +60,17 @@ class Membership:
             first = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
             if isinstance(first, Attach):
                 self._attach(link, first, peer)
+            elif isinstance(first, Rejoin):
+                self._rejoin(link, first.join, peer)
             else:
                 self._enroll(link, first, nonce, peer)
         except (LinkClosed, FrameError) as exc:
             log.warning("join from %s failed: %s", peer, exc)
             link.close()
 
-    def _refuse(self: Coordinator, link: Link, peer: str, reason: str) -> None:
+    def _refuse(self: Coordinator, link: Link, peer: str, reason: str, final: bool = False) -> None:
         log.warning("refused node from %s: %s", peer, reason)
-        link.send_message(Refuse(reason=reason))
+        link.send_message(Refuse(reason=reason, final=final))
         link.close()
 
     def _enroll(self: Coordinator, link: Link, join: object, nonce: str, peer: str) -> None:
@@ -103,6 +105,28 @@ class Membership:
             return
         link.send_message(Attached(node_id=attach.node_id))
         self._enter(pending[0], link, peer)
+
+    def _rejoin(self: Coordinator, link: Link, join: Join, peer: str) -> None:
+        """A member coming back under the certificate this mesh's CA gave it (the TLS handshake
+        checked it is unexpired): taken back without an invite unless it was removed."""
+        certified = link.peer_id()
+        reason, final = "", True
+        if self.enrollment is None or not certified:
+            reason = "a node may only rejoin under its certificate"
+        elif certified != join.node_id or certified == COORDINATOR_ID:
+            reason = f"a certificate for {certified!r} rejoined as node {join.node_id}"
+        elif self.enrollment.is_removed(join.node_id):
+            reason = f"node {join.node_id} was removed from this mesh"
+        elif join.protocol_version != PROTOCOL_VERSION:
+            reason = f"protocol version {join.protocol_version} is not {PROTOCOL_VERSION}"
+        elif join.node_id in self.nodes or join.node_id in self._enrolled:  # its old link not yet found lost
+            reason, final = f"a node named {join.node_id} has already joined", False
+        if reason:
+            self._refuse(link, peer, reason, final)
+            return
+        link.send_message(Attached(node_id=join.node_id))
+        log.info("node %s rejoined from %s under its certificate", join.node_id, peer)
+        self._enter(join, link, peer)
 
     def _enter(self: Coordinator, join: Join, link: Link, peer: str) -> None:
         """Make the node a member on its control link; measure it; plan when enough have come."""

@@ -127,7 +127,7 @@ def build_mesh(options: ServeOptions) -> Mesh:
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
         transport=options.transport, gate_timeout_s=options.gate_timeout_s, insecure_comm=options.insecure_comm,
         micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes,
-        heartbeat_timeout_s=options.heartbeat_timeout_s), authority)  # fmt: skip
+        heartbeat_timeout_s=options.heartbeat_timeout_s, state_dir=state_dir), authority)  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s)
 

@@ -42,15 +42,14 @@ class Credentials:
         """A thread that asks (``ask(csr)``) for a new certificate at half the current one's life."""
 
         def loop() -> None:
-            while self.identity is not None:
-                left = self.identity.expires() - time.time()
+            while self.identity is not None and (left := self.identity.expires() - time.time()) > 0:
                 time.sleep(max(1.0, left / 2))
                 self._renewed.clear()
                 try:
                     ask(self.signing_request())
-                except Exception as exc:  # the control link is gone: the node is stopping
-                    log.warning("cannot renew this node's certificate: %s", exc)
-                    return
+                except Exception as exc:  # the coordinator is away: asked again, until the certificate expires
+                    log.warning("cannot renew this node's certificate now: %s", exc)
+                    continue
                 if not self._renewed.wait(timeout=max(1.0, left / 4)):
                     log.error("the coordinator did not renew this node's certificate")
 

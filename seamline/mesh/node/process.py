@@ -9,15 +9,12 @@ sent it; an out-of-step frame is refused and logged; the node keeps serving.
 from __future__ import annotations
 
 import gc
-import hmac
 import logging
 import os
 import queue
-import secrets
 import socket
 import ssl
 import threading
-import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,29 +23,29 @@ from typing import Literal
 import psutil
 import torch
 
-from seamline.runtime.group_stage import LockstepStage
-from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
-from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
+from seamline.errors import OverloadedError, RequestError
 from seamline.mesh.arenas import tame_malloc
+from seamline.mesh.control.claims import block_sums, probe_matrix
+from seamline.mesh.control.invite import Invite
+from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
 from seamline.mesh.node.credentials import Credentials
+from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_from
+from seamline.mesh.node.membership import Membership
+from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe, probe_peer
+from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
+from seamline.net.link import Link, LinkClosed, accept_links, tune
+from seamline.net.messages import (
+    PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Forget, Fork, Heartbeat, Join, Linked,
+    MeasurePeer, Message, Open, Ping, Pong, Prompt, Ready, RelayAccept, Route, SpeedProbe, SpeedReady, SpeedSums,
+    Stats, StatsRequest,
+)  # fmt: skip
+from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
+from seamline.parallel.comm import CommError
+from seamline.model.stage import Stage
+from seamline.runtime.group_stage import LockstepStage
+from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
-from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError, HiddenFrame, TokenFrame
-from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_from
-from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe, probe_peer
-from seamline.net.link import Link, LinkClosed, accept_links, free_port, listen, tune
-from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
-from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
-from seamline.mesh.control.claims import block_sums, probe_matrix
-from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Attach, Attached, Certificate, Challenge, Close, Descriptor, Failure, Forget, Fork, Join, Linked,
-    Heartbeat, MeasurePeer, Message,
-    Open, Ping, Pong, Prompt, Ready, Refuse, RelayAccept, Renew, Resources, Route, SpeedProbe, SpeedReady, SpeedSums,
-    Stats, StatsRequest, Welcome,
-)  # fmt: skip
-from seamline.errors import OverloadedError, RequestError
-from seamline.parallel.comm import CommError
-from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 
 log = logging.getLogger("seamline.node")
 COORDINATOR_SILENT_S = 10.0  # the coordinator sends a heartbeat every second; silent this long, it is lost
@@ -63,66 +60,7 @@ class NodeOptions:
     progress: bool = True
 
 
-def measure_rate(megabytes: int = 32, repeats: int = 7, pause_s: float = 0.02, retries: int = 6) -> float:
-    """Weight-streaming rate (bytes/s) of a matrix-vector product: decode is bound by it.
-
-    The fastest of a few products spread over ~0.2 s, on all threads. Threads that share their
-    cores with a busy neighbour (another node starting on the same host) wait for each other
-    and run several times slower than one thread alone, so a rate on all threads below the
-    one-thread rate is measured again, a little later, a few times, and never reported below
-    the one-thread rate."""
-    rows = megabytes * (1 << 20) // (4 * 1024)
-    matrix, vector = torch.randn(rows, 1024), torch.randn(1024)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        alone = _fastest_mv(matrix, vector, repeats, pause_s)
-    finally:
-        torch.set_num_threads(threads)
-    fastest = _fastest_mv(matrix, vector, repeats, pause_s)
-    for _ in range(retries):
-        if fastest <= alone:
-            break
-        time.sleep(0.25)
-        fastest = min(fastest, _fastest_mv(matrix, vector, repeats, pause_s))
-    return matrix.numel() * 4 / min(fastest, alone)
-
-
-def _fastest_mv(matrix: torch.Tensor, vector: torch.Tensor, repeats: int, pause_s: float) -> float:
-    torch.mv(matrix, vector)
-    fastest = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.mv(matrix, vector)
-        fastest = min(fastest, time.perf_counter() - start)
-        time.sleep(pause_s)
-    return fastest
-
-
-def local_resources(options: NodeOptions) -> Resources:
-    free = psutil.virtual_memory().available
-    if options.max_memory_bytes is not None:
-        free = min(free, options.max_memory_bytes)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # picks a lockstep group's transport
-    return Resources(free_memory_bytes=int(free), bytes_per_second=measure_rate(),
-                     device=device, cores=os.cpu_count() or 1)  # fmt: skip
-
-
-def connect_to_coordinator(invite: Invite, tls: ssl.SSLContext | None = None) -> Link:
-    """A link to the control port: TLS when the invite pins a mesh CA, under ``tls`` (this node's
-    certificate) or, to enroll, with the coordinator's certificate checked once the coordinator
-    has sent the CA (``check_coordinator``)."""
-    errors = []
-    tls = tls or (enrolling_context() if invite.ca_fingerprint else None)
-    for host in invite.hosts:
-        try:
-            return Link.connect(host, invite.control_port, name=f"coordinator {host}", tls=tls)
-        except OSError as exc:
-            errors.append(f"{host}:{invite.control_port}: {exc}")
-    raise InviteError(f"cannot reach the coordinator ({'; '.join(errors)})")
-
-
-class Node:
+class Node(Membership):
     def __init__(self, invite: Invite, options: NodeOptions) -> None:
         self.invite = invite
         self.options = options
@@ -137,34 +75,8 @@ class Node:
         self.comm_port = 0  # lockstep peers reach this node here
         self.group_stage: LockstepStage | None = None  # this node leads a lockstep group
         self.credentials: Credentials | None = None  # None: a plaintext mesh
+        self.joined_as: Join | None = None  # the join this node made (it rejoins with it)
         self._probe_matrix: torch.Tensor | None = None  # the coordinator's speed probe, made
-
-    # -- joining ------------------------------------------------------------------------
-    def join(self) -> None:
-        self.invite.check_fresh()
-        self.control = control = connect_to_coordinator(self.invite)
-        try:
-            self._join(control)
-            if self.credentials is not None:  # enrolled: the control link proper, under our certificate
-                control.close()
-                self.control = self._attach()
-                self.credentials.keep_renewed(lambda csr: self._send_control(Renew(csr=csr)))
-        except (LinkClosed, FrameError) as exc:
-            control.close()
-            raise InviteError(f"the coordinator ended the join: {exc} (is the token this mesh's, in full?)") from None
-
-    def _attach(self) -> Link:
-        assert self.credentials is not None and self.credentials.client is not None
-        link = connect_to_coordinator(self.invite, self.credentials.client)
-        if not isinstance(link.recv(deadline_s=HANDSHAKE_DEADLINE_S), Challenge) or link.peer_id() != COORDINATOR_ID:
-            link.close()
-            raise InviteError(f"{link.name} is not the coordinator that enrolled this node")
-        link.send_message(Attach(node_id=self.options.node_id))
-        answer = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
-        if not isinstance(answer, Attached):
-            link.close()
-            raise InviteError(f"the coordinator did not take this node's control link: {getattr(answer, 'reason', answer)}")
-        return link
 
     def _send_control(self, message: Message) -> None:
         assert self.control is not None
@@ -177,36 +89,6 @@ class Node:
         except LinkClosed:
             pass
 
-    def _join(self, control: Link) -> None:
-        challenge = control.recv()
-        if not isinstance(challenge, Challenge):
-            raise InviteError(f"coordinator sent {type(challenge).__name__} instead of a challenge")
-        if self.invite.ca_fingerprint:
-            check_coordinator(control.sock.peer_certificate_der(), challenge.ca_certificate,  # type: ignore[union-attr]
-                              self.invite.ca_fingerprint)  # fmt: skip
-            self.credentials = Credentials(self.options.node_id, challenge.ca_certificate)
-        data_host = control.sock.getsockname()[0]
-        self.data_server = listen(data_host, self.options.data_port)
-        self.comm_port = free_port(data_host)
-        nonce = secrets.token_hex(16)
-        join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce), nonce=nonce,
-                    invite_id=self.invite.id,
-                    protocol_version=PROTOCOL_VERSION, resources=local_resources(self.options),
-                    data_host=data_host, data_port=self.data_server.getsockname()[1],
-                    max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port,
-                    csr=self.credentials.signing_request() if self.credentials else "")  # fmt: skip
-        control.send_message(join)
-        answer = control.recv()
-        if isinstance(answer, Refuse):
-            raise InviteError(f"coordinator refused this node: {answer.reason}")
-        if not isinstance(answer, Welcome):
-            raise InviteError(f"coordinator sent {type(answer).__name__} instead of a welcome")
-        if not hmac.compare_digest(answer.proof, coordinator_proof(self.invite.secret, nonce)):
-            raise InviteError("the coordinator did not prove it holds this invite: not the mesh the token names")
-        if self.credentials is not None:
-            self.credentials.accept(answer.certificate)
-        log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
-
     # -- serving ------------------------------------------------------------------------
     def serve(self) -> None:
         """Handle coordinator messages until the coordinator goes away."""
@@ -218,8 +100,11 @@ class Node:
             try:
                 message = self.control.recv(deadline_s=COORDINATOR_SILENT_S)
             except LinkClosed as exc:
-                log.warning("coordinator link lost (%s); node stops", exc)
                 self.control.close()
+                log.warning("coordinator link lost (%s); this node keeps its stage and rejoins", exc)
+                if self.rejoin():
+                    continue
+                log.warning("node stops")
                 return
             except FrameError as exc:
                 log.error("coordinator sent a malformed frame (%s); node stops", exc)
@@ -297,6 +182,7 @@ class Node:
         from seamline.mesh.node.loading import load_assignment, load_rank
 
         self._drop_data_links()  # the old route's: no frame of it may reach the new stage
+        kept = self._kept_stage(assign)
         self.assignment = assign
         self._probe_matrix = None  # the speed probe is over
         if self.worker is not None:
@@ -309,7 +195,7 @@ class Node:
         self._check_room(assign)
         if assign.shard[1] == 1:
             client = self.credentials.client if self.credentials else None
-            stage, downloaded = load_assignment(self.invite, assign, self.options, client)
+            stage, downloaded = (kept, 0) if kept is not None else load_assignment(self.invite, assign, self.options, client)
             self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
                                       _kv_budget(assign))  # fmt: skip
         else:
@@ -324,13 +210,25 @@ class Node:
         self.bytes_downloaded += downloaded
         assert self.control is not None
         if self.worker is not None:
-            self.worker.links.results = self.control.send_tokens
+            self.worker.links.results = lambda rows: self.control.send_tokens(rows)  # type: ignore[union-attr]  # the link of now
             self.worker.links.failed = self._batch_failed
         descriptor = Descriptor(node_id=self.options.node_id, plan_id=assign.plan_id, model_hash=assign.model_hash,
                                 layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION,
                                 shard=assign.shard)  # fmt: skip
         resident = psutil.Process().memory_info().rss
         self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=downloaded, resident_bytes=resident))
+
+    def _kept_stage(self, assign: Assign) -> Stage | None:
+        """The loaded stage, when ``assign`` asks this node for the very part it holds (a plan
+        made again after a loss, or by a restarted coordinator): kept, not loaded again."""
+        old, worker = self.assignment, self.worker
+        if old is None or worker is None or self.group_stage is not None or assign.shard != (0, 1):
+            return None
+        same = ("model_hash", "layers", "owns_embedding", "owns_head", "dtype", "shard", "context_length")
+        if any(getattr(old, key) != getattr(assign, key) for key in same) or not isinstance(worker.stage, Stage):
+            return None
+        log.info("layers [%d,%d) stay loaded for plan %d", *assign.layers, assign.plan_id)
+        return worker.stage
 
     def _group_tls(self, assign: Assign) -> GroupTls | None:
         creds = self.credentials

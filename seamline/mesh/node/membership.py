@@ -1,0 +1,190 @@
+"""How a node becomes a member, and a member again after losing its coordinator; ``Node``
+takes these methods.
+
+A node joins with its invite (enrolling for a certificate over TLS, then attaching its control
+link under it). When the coordinator goes away (restarted, or the link broke) a node keeps its
+stage loaded and dials it again every few seconds under the certificate it holds (``Rejoin``):
+a coordinator restarted with its state directory has the same CA and takes it back without a
+new invite. That works while the certificate lasts (``CERT_TTL_S``, an hour); after that the
+node stops and must join again with an invite.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import ssl
+import time
+from typing import TYPE_CHECKING
+
+import psutil
+import torch
+
+from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
+from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
+from seamline.mesh.node.credentials import Credentials
+from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError
+from seamline.net.link import Link, LinkClosed, free_port, listen
+from seamline.net.messages import (
+    PROTOCOL_VERSION, Attach, Attached, Challenge, Join, Refuse, Rejoin, Renew, Resources, Welcome,
+)  # fmt: skip
+from seamline.net.tls import TlsRefused
+
+if TYPE_CHECKING:
+    from seamline.mesh.node.process import Node, NodeOptions
+
+log = logging.getLogger("seamline.node")
+
+
+class Refused(InviteError):
+    """The coordinator refused this node for good (removed from the mesh, say)."""
+
+
+REJOIN_FIRST_S, REJOIN_MAX_S = 1.0, 15.0  # pauses between tries to reach a lost coordinator
+
+
+def measure_rate(megabytes: int = 32, repeats: int = 7, pause_s: float = 0.02, retries: int = 6) -> float:
+    """Weight-streaming rate (bytes/s) of a matrix-vector product: decode is bound by it.
+
+    The fastest of a few products spread over ~0.2 s, on all threads. Threads that share their
+    cores with a busy neighbour (another node starting on the same host) wait for each other
+    and run several times slower than one thread alone, so a rate on all threads below the
+    one-thread rate is measured again, a little later, a few times, and never reported below
+    the one-thread rate."""
+    rows = megabytes * (1 << 20) // (4 * 1024)
+    matrix, vector = torch.randn(rows, 1024), torch.randn(1024)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        alone = _fastest_mv(matrix, vector, repeats, pause_s)
+    finally:
+        torch.set_num_threads(threads)
+    fastest = _fastest_mv(matrix, vector, repeats, pause_s)
+    for _ in range(retries):
+        if fastest <= alone:
+            break
+        time.sleep(0.25)
+        fastest = min(fastest, _fastest_mv(matrix, vector, repeats, pause_s))
+    return matrix.numel() * 4 / min(fastest, alone)
+
+
+def _fastest_mv(matrix: torch.Tensor, vector: torch.Tensor, repeats: int, pause_s: float) -> float:
+    torch.mv(matrix, vector)
+    fastest = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mv(matrix, vector)
+        fastest = min(fastest, time.perf_counter() - start)
+        time.sleep(pause_s)
+    return fastest
+
+
+def local_resources(options: NodeOptions) -> Resources:
+    free = psutil.virtual_memory().available
+    if options.max_memory_bytes is not None:
+        free = min(free, options.max_memory_bytes)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # picks a lockstep group's transport
+    return Resources(free_memory_bytes=int(free), bytes_per_second=measure_rate(),
+                     device=device, cores=os.cpu_count() or 1)  # fmt: skip
+
+
+def connect_to_coordinator(invite: Invite, tls: ssl.SSLContext | None = None) -> Link:
+    """A link to the control port: TLS when the invite pins a mesh CA, under ``tls`` (this node's
+    certificate) or, to enroll, with the coordinator's certificate checked once the coordinator
+    has sent the CA (``check_coordinator``)."""
+    errors = []
+    tls = tls or (enrolling_context() if invite.ca_fingerprint else None)
+    for host in invite.hosts:
+        try:
+            return Link.connect(host, invite.control_port, name=f"coordinator {host}", tls=tls)
+        except OSError as exc:
+            errors.append(f"{host}:{invite.control_port}: {exc}")
+    raise InviteError(f"cannot reach the coordinator ({'; '.join(errors)})")
+
+
+class Membership:
+    """Joining and rejoining; mixed into ``Node``."""
+
+    def join(self: Node) -> None:
+        self.invite.check_fresh()
+        self.control = control = connect_to_coordinator(self.invite)
+        try:
+            self._join(control)
+            if self.credentials is not None:  # enrolled: the control link proper, under our certificate
+                control.close()
+                self.control = self._attach()
+                self.credentials.keep_renewed(lambda csr: self._send_control(Renew(csr=csr)))
+        except (LinkClosed, FrameError) as exc:
+            control.close()
+            raise InviteError(f"the coordinator ended the join: {exc} (is the token this mesh's, in full?)") from None
+
+    def _attach(self: Node, rejoin: Join | None = None) -> Link:
+        """The control link proper, under this node's certificate: attached right after
+        enrolling, or ``rejoin``-ing a coordinator that lost this node."""
+        assert self.credentials is not None and self.credentials.client is not None
+        link = connect_to_coordinator(self.invite, self.credentials.client)
+        if not isinstance(link.recv(deadline_s=HANDSHAKE_DEADLINE_S), Challenge) or link.peer_id() != COORDINATOR_ID:
+            link.close()
+            raise InviteError(f"{link.name} is not the coordinator that enrolled this node")
+        link.send_message(Rejoin(join=rejoin) if rejoin else Attach(node_id=self.options.node_id))
+        answer = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
+        if not isinstance(answer, Attached):
+            link.close()
+            error = Refused if isinstance(answer, Refuse) and answer.final else InviteError
+            raise error(f"the coordinator did not take this node's control link: {getattr(answer, 'reason', answer)}")
+        return link
+
+    def _join(self: Node, control: Link) -> None:
+        challenge = control.recv()
+        if not isinstance(challenge, Challenge):
+            raise InviteError(f"coordinator sent {type(challenge).__name__} instead of a challenge")
+        if self.invite.ca_fingerprint:
+            check_coordinator(control.sock.peer_certificate_der(), challenge.ca_certificate,  # type: ignore[union-attr]
+                              self.invite.ca_fingerprint)  # fmt: skip
+            self.credentials = Credentials(self.options.node_id, challenge.ca_certificate)
+        data_host = control.sock.getsockname()[0]
+        self.data_server = listen(data_host, self.options.data_port)
+        self.comm_port = free_port(data_host)
+        nonce = secrets.token_hex(16)
+        join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce), nonce=nonce,
+                    invite_id=self.invite.id,
+                    protocol_version=PROTOCOL_VERSION, resources=local_resources(self.options),
+                    data_host=data_host, data_port=self.data_server.getsockname()[1],
+                    max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port,
+                    csr=self.credentials.signing_request() if self.credentials else "")  # fmt: skip
+        control.send_message(join)
+        self.joined_as = join
+        answer = control.recv()
+        if isinstance(answer, Refuse):
+            raise InviteError(f"coordinator refused this node: {answer.reason}")
+        if not isinstance(answer, Welcome):
+            raise InviteError(f"coordinator sent {type(answer).__name__} instead of a welcome")
+        if not hmac.compare_digest(answer.proof, coordinator_proof(self.invite.secret, nonce)):
+            raise InviteError("the coordinator did not prove it holds this invite: not the mesh the token names")
+        if self.credentials is not None:
+            self.credentials.accept(answer.certificate)
+        log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
+
+    def rejoin(self: Node) -> bool:
+        """The coordinator is gone: dial it again under this node's certificate, a few seconds
+        apart, keeping the stage loaded, until it takes the node back (True) or the certificate
+        expires (False: the node must join again with an invite)."""
+        if self.credentials is None or self.credentials.identity is None or self.joined_as is None:
+            return False
+        pause = REJOIN_FIRST_S
+        while self.credentials.identity.expires() > time.time():
+            try:
+                self.control = self._attach(rejoin=self.joined_as)
+                log.info("the coordinator took this node back")
+                return True
+            except Refused as exc:
+                log.error("%s: node stops", exc)
+                return False
+            except (InviteError, OSError, LinkClosed, FrameError, TlsRefused) as exc:
+                log.info("the coordinator is not back (%s); trying again in %.0f s", exc, pause)
+            time.sleep(pause)
+            pause = min(REJOIN_MAX_S, pause * 2)
+        log.error("this node's certificate expired before the coordinator came back: join again with an invite")
+        return False
