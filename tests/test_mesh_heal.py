@@ -142,3 +142,27 @@ def _fail_mid_streams(mesh: MeshProcesses, fail: Callable[[], None], before: lis
         thread.join(timeout=300)
     assert not errors, errors
     assert [answers[i] for i in range(len(REQUESTS))] == before
+
+
+def test_requests_wait_when_the_survivors_cannot_hold_the_model_and_a_joining_node_saves_them(
+    mesh3: MeshProcesses,
+) -> None:
+    """Every node but one is killed mid-stream: the one left cannot hold the model, so the
+    requests wait (the deadline is 120 s); a node that joins 3 s later lets the mesh plan again,
+    and every stream ends as it would have."""
+    client = mesh3.client(timeout=300)
+    _until(lambda: len(mesh3.status()["nodes"]) == 3 and mesh3.status()["ready"], "all three nodes to serve")
+    before = [_stream(client, r) for r in REQUESTS]
+    keeper = mesh3.status()["stages"][0]["node_id"]
+    others = [f"node{i}" for i in range(3) if f"node{i}" != keeper]
+
+    def kill_all_but_one() -> None:
+        for node_id in others:
+            _process(mesh3, node_id).kill()
+        threading.Timer(3.0, mesh3.join, args=(others[0],)).start()
+
+    began = time.monotonic()
+    _fail_mid_streams(mesh3, kill_all_but_one, before)
+    assert time.monotonic() - began > 3.0
+    after = mesh3.status()
+    assert sorted(s["node_id"] for s in after["stages"]) == sorted([keeper, others[0]]), after
