@@ -75,12 +75,15 @@ class MeshProcesses:
                 self.join(f"node{i}")
         return self
 
-    def join(self, node_id: str, token: str | None = None, extra: tuple[str, ...] = ()) -> subprocess.Popen[str]:
+    def join(self, node_id: str, token: str | None = None, extra: tuple[str, ...] = (),
+             prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:  # fmt: skip
+        """A `seamline join` process; ``prefix`` runs it under another command (say, pinned to a core)."""
         args = ["join", token or self.token, "--node-id", node_id, "--quiet", "--no-progress", *extra]
         if self.node_memory_gb is not None:
             args += ["--max-memory", str(self.node_memory_gb)]
         env = {**os.environ, "SEAMLINE_CACHE": str(self.root / node_id)}
-        proc = subprocess.Popen(seamline_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        proc = subprocess.Popen([*prefix, *seamline_cmd(*args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)  # fmt: skip
         self.node_procs.append(proc)
         return proc
 

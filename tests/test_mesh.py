@@ -128,6 +128,9 @@ def test_plan_command_reads_the_live_mesh(mesh2: MeshProcesses) -> None:
     for node in mesh2.status()["nodes"]:
         assert node["node_id"] in proc.stdout
     assert "ms/token" in proc.stdout
+    route = " -> ".join(f"{s['node_id']}[{s['layers'][0]},{s['layers'][1]})" for s in mesh2.status()["stages"])
+    assert f"current plan: {route}; the proposed plan is predicted" in proc.stdout, proc.stdout
+    assert "proposed plan over the live pool:" in proc.stdout
 
 
 def _data_address(mesh: MeshProcesses, index: int) -> tuple[str, int]:

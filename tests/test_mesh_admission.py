@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -173,8 +174,11 @@ def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
     from seamline.params import SamplingParams
 
     sent: list[object] = []
+    serving = threading.Event()
+    serving.set()
     coordinator = SimpleNamespace(on_tokens=None, on_failure=None, open_request=lambda *m: sent.append(m),
-                                  close_request=lambda request: sent.append(("close", request)))  # fmt: skip
+                                  close_request=lambda request: sent.append(("close", request)),
+                                  ready=serving, state="ready", plan_id=1)  # fmt: skip
     backend = MeshBackend(coordinator, None, "m", 64, max_requests=2)  # type: ignore[arg-type]
 
     async def scenario() -> None:

@@ -24,6 +24,7 @@ from seamline.text import TextCodec
 class Readiness:
     ready: bool
     reason: str = ""  # why not ready, shown in /health and in 503 errors
+    waits: bool = False  # not ready, but a new request is taken and waits (a mesh healing after a loss)
 
 
 class Backend(Protocol):

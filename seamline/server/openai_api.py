@@ -402,15 +402,17 @@ class _Routes:
                        f"'{self.backend.model_name}' (or use '{MODEL_ALIAS}')")  # fmt: skip
             raise OpenAIError(404, message, "invalid_request_error", "model", "model_not_found")
 
-    def _readiness(self) -> tuple[bool, str]:
+    def _readiness(self, admitting: bool = False) -> tuple[bool, str]:
+        """Whether the backend serves (for /health), or with ``admitting`` whether it takes a new
+        request now (a healing mesh takes it, and it waits for the route)."""
         try:
             state = self.backend.readiness()
         except Exception as exc:  # noqa: BLE001 - a failing probe means "not ready", with its reason
             return False, f"readiness check failed: {exc}"
-        return state.ready, state.reason or ("" if state.ready else "the backend is not ready")
+        return state.ready or (admitting and state.waits), state.reason or ("" if state.ready else "the backend is not ready")
 
     def _check_ready(self) -> None:
-        ready, reason = self._readiness()
+        ready, reason = self._readiness(admitting=True)
         if not ready:
             message = f"the model '{self.backend.model_name}' is not ready to serve: {reason}"
             raise OpenAIError(503, message, "service_unavailable", None, "model_not_ready")

@@ -25,17 +25,13 @@ from seamline.errors import SeamlineError
 from seamline.mesh.control.enrollment import Enrollment
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.joining import Membership
-from seamline.mesh.control.link_probe import Reach, link_table
+from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.mesh_status import describe
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.control.peer_links import PeerLinks
 from seamline.mesh.control.relay import Relay
 from seamline.mesh.identity import MeshAuthority
-from seamline.mesh.plan.groups import plan_auto
-from seamline.mesh.plan.measured import steady_rates
-from seamline.mesh.plan.planner import check_plan
-from seamline.mesh.plan.planner import plan as make_plan
-from seamline.mesh.plan.types import LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
+from seamline.mesh.plan.types import ModelSpec, Plan, StageAssignment
 from seamline.net.frames import FrameError, TokenFrame, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import (
@@ -46,7 +42,6 @@ from seamline.net.messages import (
 log = logging.getLogger("seamline.coordinator")
 STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
 MIN_RESIDENT_SHARE = 0.5  # a loaded stage's resident bytes, at least this share of its weights
-RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0  # a failed start-up is planned again after 1, 2, 4 ... 30 s
 
 
 @dataclass
@@ -63,6 +58,7 @@ class CoordinatorOptions:
     gate_timeout_s: float = 30.0
     insecure_comm: bool = False  # torch.distributed may run between hosts (it encrypts nothing)
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage; fewer than the stages are not taken)
+    live_growth: bool = True  # a node joining a serving mesh is planned in when it raises throughput enough
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
     heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
     state_dir: Path | None = None  # removed members are kept here
@@ -72,7 +68,7 @@ TokenSink = Callable[[list[TokenRow]], None]
 FailureSink = Callable[[int | None, str, str], None]  # request (None: all), reason, blame
 
 
-class Coordinator(Membership):
+class Coordinator(Membership, Planning):
     def __init__(self, invites: InviteBook, model: ModelSpec, model_hash: str, options: CoordinatorOptions,
                  authority: MeshAuthority | None = None) -> None:  # fmt: skip
         """``invites``: who may join; ``authority``: the mesh CA, whose certificates every link
@@ -179,56 +175,7 @@ class Coordinator(Membership):
                 if self.plan is None:
                     self.state = f"node {handle.node_id} left; {self.state}"
 
-    # -- planning and start-up ----------------------------------------------------------
-    def _maybe_plan(self, force: bool = False) -> None:
-        """Plan over the checked members: the first time once ``nodes_expected`` have joined; then
-        whenever the members change and no plan serves (``force``: a planned node left)."""
-        with self.lock:
-            joined = [h for h in self.nodes.values() if h.checked]
-            first = self.plan_id == 0
-            if (first and len(joined) < self.options.nodes_expected) or (self.plan is not None and not force):
-                return
-            if not joined:
-                self.plan, self.state = None, "waiting for nodes"
-                return
-            nodes = sorted((h.info() for h in joined), key=lambda n: n.node_id)
-            links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined), self.peer_links.measured())
-            try:
-                chosen = self._choose_plan(steady_rates(nodes), links)  # like nodes measured apart plan alike
-            except PlanError as exc:
-                self.plan, self.state = None, f"cannot plan: {exc}; waiting for a node to join"
-                log.error(self.state)
-                return
-            self.plan, self.plan_id = chosen, self.plan_id + 1
-            plan_id = self.plan_id
-        threading.Thread(target=self._start_up, args=(chosen, plan_id), daemon=True).start()
-
-    def _retry_later(self, plan_id: int, failure: str) -> None:
-        """Start-up of ``plan_id`` failed: plan again after a pause that doubles while it keeps failing."""
-        with self.lock:
-            if plan_id != self.plan_id:
-                return  # a newer plan is under way
-            self.plan = None
-            self._failed_starts += 1
-            pause = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (self._failed_starts - 1))
-            self.state = f"start-up failed: {failure}; planning again in {pause:.0f} s"
-        log.error(self.state)
-        timer = threading.Timer(pause, self._maybe_plan)
-        timer.daemon = True
-        timer.start()
-
-    def _choose_plan(self, nodes: list[NodeInfo], links: LinkTable) -> Plan:
-        locked, config = self.options.locked_plan, self.options.model_config
-        if locked is None and config is not None:
-            return plan_auto(self.model, nodes, links, self._plan_options(), config, self.options.tensor_parallel)
-        if locked is None:
-            return make_plan(self.model, nodes, links, self._plan_options())
-        check_plan(locked, self.model, nodes, self._plan_options())  # a stale lock is refused, not bent
-        return locked
-
-    def _plan_options(self) -> PlanOptions:
-        return PlanOptions(context_tokens=self.options.context_length, batch=1)
-
+    # -- start-up (planning: ``planning.Planning``) ------------------------------------
     def _start_up(self, plan: Plan, plan_id: int) -> None:
         try:
             handles = [self.nodes[s.node_id] for s in plan.stages]  # the stages' leaders

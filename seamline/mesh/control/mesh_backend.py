@@ -57,8 +57,10 @@ class MeshBackend:
         coordinator.on_failure = self._fail
 
     def readiness(self) -> Readiness:
+        """Ready while a route serves. Once the mesh has served, a new request is taken while it
+        heals too (it waits for the route, as a replayed one does, up to the replay deadline)."""
         ready = self.coordinator.ready.is_set()
-        return Readiness(ready, "" if ready else self.coordinator.state)
+        return Readiness(ready, "" if ready else self.coordinator.state, waits=self.coordinator.plan_id > 0)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
         """The request's tokens. When a node is lost mid-answer the mesh re-plans, and the request
@@ -72,8 +74,11 @@ class MeshBackend:
         lost_at: float | None = None
         replays = 0
         while True:
+            if not self.coordinator.ready.is_set():  # healing: wait for the route, as a replay does
+                lost_at = lost_at or time.monotonic()
+                await self._until_ready(lost_at, RouteLost(f"the mesh is not serving: {self.coordinator.state}"))
             try:
-                async for token in self._attempt(prompt + generated, spec, len(generated), replaying=lost_at is not None):
+                async for token in self._attempt(prompt + generated, spec, len(generated), replaying=replays > 0):
                     generated.append(token)
                     yield token
                 return
@@ -103,9 +108,7 @@ class MeshBackend:
                     Open(request=request, sampling=sampling, prompt_len=len(tokens), context_length=self.context_length),
                     Prompt(request=request, tokens=tuple(tokens)),
                 )
-            except (StartupError, LinkClosed) as exc:
-                if not replaying:
-                    raise
+            except (StartupError, LinkClosed) as exc:  # the route went between the check and the open
                 raise RouteLost(f"the mesh is not ready: {exc}") from None
             while True:
                 item = await queue.get()

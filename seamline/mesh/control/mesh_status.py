@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from seamline.errors import SeamlineError
+from seamline.mesh.control.planning import pace
 from seamline.net.link import LinkClosed
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
             "stages": stages, "nodes": nodes, "relayed_links": coordinator.relay.pairs,
             "links": coordinator.peer_links.describe(),
             "predicted_ms_per_token": plan.predicted_s_per_token * 1e3 if plan else None,
+            "pace_ms": pace(plan) * 1e3 if plan else None,  # per token under load (what planning compares)
             "model": coordinator.model.name}  # fmt: skip
 
 

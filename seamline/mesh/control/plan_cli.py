@@ -80,6 +80,9 @@ def run_plan_command(
         print(format_plan(pinned if grouped else price_route(spec, nodes, links, options, route), nodes))
         return 0
     chosen = plan_auto(spec, nodes, links, options, config, tensor_parallel)
+    if live_url is not None:
+        print(_current_plan(live_url, chosen))
+        print("proposed plan over the live pool:")
     print(format_plan(chosen, nodes))
     if lock is not None:
         lock.write_text(chosen.to_json())
@@ -87,23 +90,50 @@ def run_plan_command(
     return 0
 
 
-def live_pool(coordinator_url: str) -> tuple[list[NodeInfo], LinkTable]:
-    """The live mesh's nodes and links, as the coordinator's GET /api/status reports them: each
-    node's link to the coordinator, and each pair's link as its nodes measured it."""
+def _live_status(coordinator_url: str) -> dict[str, Any]:
     import httpx
 
     url = f"{coordinator_url.rstrip('/')}/api/status"
     try:
-        status = httpx.get(url, timeout=10).raise_for_status().json()
+        return dict(httpx.get(url, timeout=10).raise_for_status().json())
     except (httpx.HTTPError, ValueError) as exc:
         raise PlanError(f"cannot read the live mesh from {url}: {exc}") from None
-    nodes = [NodeInfo(str(n["node_id"]), int(n["free_memory_bytes"]), float(n["bytes_per_second"]),
-                      str(n.get("address", ""))) for n in status.get("nodes", [])]  # fmt: skip
+
+
+def live_pool(coordinator_url: str) -> tuple[list[NodeInfo], LinkTable]:
+    """The live mesh's nodes and links, as the coordinator's GET /api/status reports them: each
+    node's link to the coordinator, and each pair's link as its nodes measured it; each node at
+    the rate the coordinator plans it (its checked claim), like rates evened out as it does."""
+    from seamline.mesh.plan.measured import steady_rates
+
+    status = _live_status(coordinator_url)
+    nodes = steady_rates([NodeInfo(str(n["node_id"]), int(n["free_memory_bytes"]),
+                                   float(n.get("planned_bytes_per_second") or n["bytes_per_second"]),
+                                   str(n.get("address", ""))) for n in status.get("nodes", [])])  # fmt: skip
     if not nodes:
         raise PlanError(f"the mesh at {coordinator_url} has no nodes yet")
     access = {str(n["node_id"]): _status_link(n) for n in status["nodes"] if n.get("rtt_ms")}
     pairs = {(str(p["nodes"][0]), str(p["nodes"][1])): _status_link(p) for p in status.get("links", [])}
     return nodes, LinkTable(access=access, pairs=pairs)
+
+
+def _current_plan(coordinator_url: str, proposed: Plan) -> str:
+    """The plan the live mesh serves, and how the proposed one compares (the coordinator switches
+    to a plan with a joining node when it is predicted ``GROWTH_GAIN`` times as fast)."""
+    from seamline.mesh.control.planning import GROWTH_GAIN, pace
+
+    status = _live_status(coordinator_url)
+    stages = status.get("stages") or []
+    if not stages:
+        return f"current plan: none ({status.get('state', 'no plan')})"
+    route = " -> ".join(f"{s['node_id']}[{s['layers'][0]},{s['layers'][1]})" for s in stages)
+    pace_ms = status.get("pace_ms")
+    line = f"current plan: {route}"
+    if pace_ms:
+        gain = float(pace_ms) / (pace(proposed) * 1e3)
+        line += (f"; the proposed plan is predicted {gain:.2f}x its throughput"
+                 f" ({'the mesh switches' if gain >= GROWTH_GAIN else 'below'} {GROWTH_GAIN:.2f}x)")  # fmt: skip
+    return line
 
 
 def _status_link(entry: dict[str, Any]) -> Link:

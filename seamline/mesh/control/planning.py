@@ -1,0 +1,120 @@
+"""When the coordinator plans, and over whom; ``Coordinator`` takes these methods.
+
+The first plan waits for ``nodes_expected`` checked members. After that the mesh plans again
+whenever a planned node is lost (over the rest, standbys included), when a failed start-up's
+pause is over, and when a node joins a serving mesh and a plan with it would be at least
+``GROWTH_GAIN`` times faster (live growth). A switch of route ends every request in flight on
+the old one as "lost", and the backend replays it on the new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING
+
+from seamline.mesh.control.link_probe import Reach, link_table
+from seamline.mesh.plan.groups import plan_auto
+from seamline.mesh.plan.measured import steady_rates
+from seamline.mesh.plan.planner import check_plan
+from seamline.mesh.plan.planner import plan as make_plan
+from seamline.mesh.plan.types import LinkTable, NodeInfo, Plan, PlanError, PlanOptions
+
+if TYPE_CHECKING:
+    from seamline.mesh.control.coordinator import Coordinator
+    from seamline.mesh.control.node_handle import NodeHandle
+
+log = logging.getLogger("seamline.coordinator")
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0  # a failed start-up is planned again after 1, 2, 4 ... 30 s
+GROWTH_GAIN = 1.10  # a joining node is planned in when the plan with it is predicted this much faster
+
+
+class Planning:
+    """Planning over the members; mixed into ``Coordinator``."""
+
+    def _maybe_plan(self: Coordinator, force: bool = False) -> None:
+        """Plan over the checked members: the first time once ``nodes_expected`` have joined; then
+        whenever no plan serves (``force``: a planned node left), or to take a new node in."""
+        with self.lock:
+            joined = [h for h in self.nodes.values() if h.checked]
+            first = self.plan_id == 0
+            if first and len(joined) < self.options.nodes_expected:
+                return
+            if self.plan is not None and not force:
+                self._maybe_grow(joined)
+                return
+            if not joined:
+                self.plan, self.state = None, "waiting for nodes"
+                return
+            try:
+                chosen = self.candidate(joined)
+            except PlanError as exc:
+                self.plan, self.state = None, f"cannot plan: {exc}; waiting for a node to join"
+                log.error(self.state)
+                return
+            self._switch_to(chosen)
+
+    def candidate(self: Coordinator, joined: list[NodeHandle]) -> Plan:
+        """The plan over ``joined`` (PlanError when they cannot hold the model)."""
+        nodes = sorted((h.info() for h in joined), key=lambda n: n.node_id)
+        links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined), self.peer_links.measured())
+        return self._choose_plan(steady_rates(nodes), links)  # like nodes measured apart plan alike
+
+    def _maybe_grow(self: Coordinator, joined: list[NodeHandle]) -> None:
+        """A node joined a serving mesh: switch to the plan with it when it is fast enough more."""
+        current = self.plan
+        if not self.options.live_growth or current is None or not self.ready.is_set():
+            return
+        if {h.node_id for h in joined} <= set(n for s in current.stages for n in s.members()):
+            return
+        try:
+            proposed = self.candidate(joined)
+        except PlanError:
+            return
+        gain = pace(current) / pace(proposed)
+        newcomers = sorted({n for s in proposed.stages for n in s.members()} - {n for s in current.stages for n in s.members()})
+        if gain < GROWTH_GAIN or not newcomers:
+            log.info("a plan with the standbys would be %.2fx as fast: not worth a switch", gain)
+            return
+        log.info("planning %s in: predicted %.2fx the throughput; requests in flight replay", ", ".join(newcomers), gain)
+        self.ready.clear()
+        self.state = f"taking {', '.join(newcomers)} in"
+        self.on_failure(None, f"the mesh re-planned to take {', '.join(newcomers)} in", "lost")
+        self._switch_to(proposed)
+
+    def _switch_to(self: Coordinator, chosen: Plan) -> None:
+        """Make ``chosen`` the plan and start it up (under the coordinator's lock)."""
+        self.plan, self.plan_id = chosen, self.plan_id + 1
+        threading.Thread(target=self._start_up, args=(chosen, self.plan_id), daemon=True).start()
+
+    def _retry_later(self: Coordinator, plan_id: int, failure: str) -> None:
+        """Start-up of ``plan_id`` failed: plan again after a pause that doubles while it keeps failing."""
+        with self.lock:
+            if plan_id != self.plan_id:
+                return  # a newer plan is under way
+            self.plan = None
+            self._failed_starts += 1
+            pause = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (self._failed_starts - 1))
+            self.state = f"start-up failed: {failure}; planning again in {pause:.0f} s"
+        log.error(self.state)
+        timer = threading.Timer(pause, self._maybe_plan)
+        timer.daemon = True
+        timer.start()
+
+    def _choose_plan(self: Coordinator, nodes: list[NodeInfo], links: LinkTable) -> Plan:
+        locked, config = self.options.locked_plan, self.options.model_config
+        if locked is None and config is not None:
+            return plan_auto(self.model, nodes, links, self._plan_options(), config, self.options.tensor_parallel)
+        if locked is None:
+            return make_plan(self.model, nodes, links, self._plan_options())
+        check_plan(locked, self.model, nodes, self._plan_options())  # a stale lock is refused, not bent
+        return locked
+
+    def _plan_options(self: Coordinator) -> PlanOptions:
+        return PlanOptions(context_tokens=self.options.context_length, batch=1)
+
+
+def pace(plan: Plan) -> float:
+    """Seconds per token by what the plan optimised: the slowest stage's step under load
+    (throughput), or one token's way through the pipeline (latency)."""
+    return plan.slowest_stage_s() if plan.objective == "throughput" else plan.predicted_s_per_token

@@ -1,0 +1,72 @@
+"""Live growth: a node that joins a serving mesh is planned in when the plan with it is
+predicted at least 10% faster; the requests in flight during the switch replay on the new
+route and lose nothing, and the mesh is measured faster afterwards.
+
+The first two nodes share core 0 (one thread each), the joining node brings core 1, so the
+switch adds compute as a new machine would."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from seamline.server.demo import memory_cap_gb
+from tests.mesh_harness import MeshProcesses, at_once
+from tests.test_mesh_heal import REQUESTS, _stream, _until
+
+CONTEXT = 1024
+CORE = {0: ("env", "OMP_NUM_THREADS=1", "taskset", "-c", "0"), 1: ("env", "OMP_NUM_THREADS=1", "taskset", "-c", "1")}
+
+
+@pytest.fixture
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
+    if shutil.which("taskset") is None:
+        pytest.skip("needs taskset (util-linux) to pin nodes to cores")
+    mesh = MeshProcesses(tmp_path_factory.mktemp("growth"), nodes=2, node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
+                         serve_args=("--context", str(CONTEXT)))  # fmt: skip
+    try:
+        mesh.start(join=False)
+        for node in ("node0", "node1"):
+            mesh.join(node, prefix=CORE[0])
+        mesh.wait_ready()
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+def _tokens_per_s(mesh: MeshProcesses) -> float:
+    """Streamed characters per second of the four requests at once: the same work each time."""
+    client = mesh.client(timeout=300)
+    began = time.monotonic()
+    answers = at_once(lambda i: _stream(client, REQUESTS[i])[0], len(REQUESTS))
+    return sum(len(a) for a in answers.values()) / (time.monotonic() - began)
+
+
+def test_a_node_that_joins_under_load_is_planned_in_and_the_mesh_is_faster(mesh: MeshProcesses) -> None:
+    client = mesh.client(timeout=300)
+    before = [_stream(client, r) for r in REQUESTS]
+    slow = _tokens_per_s(mesh)
+    answers: list[tuple[int, tuple[str, str]]] = []
+    planned_in = threading.Event()
+
+    def keep_asking(i: int) -> None:  # load until the switch is over
+        while not planned_in.is_set():
+            answers.append((i, _stream(client, REQUESTS[i])))
+
+    load = [threading.Thread(target=keep_asking, args=(i,)) for i in range(len(REQUESTS))]
+    for thread in load:
+        thread.start()
+    mesh.join("node2", prefix=CORE[1])
+    _until(lambda: "node2" in [s["node_id"] for s in mesh.status()["stages"]] and mesh.status()["ready"],
+           "the joining node to be planned in")  # fmt: skip
+    planned_in.set()
+    for thread in load:
+        thread.join(timeout=300)
+    assert answers and all(answer == before[i] for i, answer in answers)  # nothing lost in the switch
+    assert any("re-planned to take node2 in" in line for line in mesh.output)  # requests were in flight
+    fast = _tokens_per_s(mesh)
+    assert fast > slow, (slow, fast)
