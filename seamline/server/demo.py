@@ -54,6 +54,7 @@ def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port
             _ask(f"http://127.0.0.1:{port}/v1", mesh.coordinator.model.name, question, max_tokens)
         finally:
             server.should_exit = True
+            mesh.coordinator.shut_down()
             for proc in procs:
                 proc.terminate()
     return 0

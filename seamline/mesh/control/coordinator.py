@@ -95,6 +95,7 @@ class Coordinator(Membership, Planning):
         self.relay = Relay()
         self.peer_links = PeerLinks()
         self._failed_starts = 0  # start-ups failed in a row (the retry's pause doubles with each)
+        self.closing = False  # shut down on purpose (``shut_down``)
 
     # -- membership (joining: ``joining.Membership``) --------------------------------------
     def _read_node(self, handle: NodeHandle) -> None:
@@ -156,7 +157,14 @@ class Coordinator(Membership, Planning):
         self._lost(handle, reason)
         handle.link.close()
 
+    def shut_down(self) -> None:
+        """The mesh is being stopped on purpose: nodes that leave now are not planned around."""
+        self.closing = True
+
     def _lost(self, handle: NodeHandle, reason: str) -> None:
+        if self.closing:
+            log.info("node %s left: %s (the mesh is shutting down)", handle.node_id, reason)
+            return
         with self.lock:
             if self.nodes.get(handle.node_id) is not handle:
                 return
