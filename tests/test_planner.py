@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from seamline.config import ModelConfig
-from seamline.mesh.control.link_probe import Reach, link_table
 from seamline.mesh.control.plan_cli import parse_pool, run_plan_command
 from seamline.mesh.plan.planner import check_plan, plan, price_route
 from seamline.mesh.plan.types import (
@@ -127,21 +126,6 @@ def test_slow_link_is_avoided_while_others_suffice() -> None:
     pairs = {("a", "b"): Link(0.5, 1e6)}  # a dict of pairs works as the links argument
     p = plan(model, nodes, pairs, EXACT)
     assert "far" in p.node_ids()
-
-
-def test_the_coordinator_plans_a_pair_as_its_nodes_measured_it() -> None:
-    """Access links alone say a and b are close; the pair's own measurement (say, a relayed path)
-    says otherwise, and the planner takes the pair's. A pair not measured falls back to the
-    access links, summed when one end takes no inbound connection."""
-    near = Link(0.0001, 1e9)
-    reaches = [Reach("a", True, near), Reach("b", True, near), Reach("c", False, near)]
-    table = link_table(reaches, {("b", "a"): Link(0.2, 1e6)})
-    assert table.between("a", "b") == Link(0.2, 1e6)
-    assert table.between("a", "c") == Link(0.0002, 1e9)  # relayed, not measured: through the coordinator
-    model = spec(20)
-    nodes = [node("a", 12 * 100 * MIB), node("b", 12 * 100 * MIB), node("c", 12 * 100 * MIB)]
-    assert set(plan(model, nodes, table, EXACT).node_ids()) != {"a", "b"}
-    assert set(plan(model, nodes, link_table(reaches), EXACT).node_ids()) == {"a", "b"}
 
 
 def test_pool_that_cannot_hold_the_model_is_refused_with_numbers() -> None:
