@@ -76,15 +76,20 @@ def test_a_route_node_killed_mid_stream_loses_no_request(mesh3: MeshProcesses) -
 def test_a_stopped_node_is_lost_within_the_heartbeat_timeout_and_a_standby_takes_its_place(
     mesh3: MeshProcesses,
 ) -> None:
-    """The node killed above comes back and waits as a standby. A node of the route stops
-    (SIGSTOP: its sockets stay open); missed heartbeats take it for lost within 3 s and the
-    route is planned again over the two others, standby included; no stream loses a token."""
+    """The node killed above comes back (planned in, if the plan with it is fast enough more,
+    else a standby). A node of the route stops (SIGSTOP: its sockets stay open); missed
+    heartbeats take it for lost within 3 s and the route is planned again over the two others,
+    a standby included; no stream loses a token."""
     client = mesh3.client(timeout=300)
     down = next(f"node{i}" for i in range(3) if f"node{i}" not in [n["node_id"] for n in mesh3.status()["nodes"]])
     mesh3.join(down)
-    _until(lambda: down in [n["node_id"] for n in mesh3.status()["nodes"]], "the node to join again")
+    _until(lambda: any(n["node_id"] == down and n["checked"] for n in mesh3.status()["nodes"])
+           and mesh3.status()["ready"], "the node to join again and the mesh to serve")  # fmt: skip
     before = [_stream(client, r) for r in REQUESTS]
-    victim = mesh3.status()["stages"][0]["node_id"]  # stage 0: it schedules every request
+    status = mesh3.status()
+    route = [s["node_id"] for s in status["stages"]]
+    standbys = [n["node_id"] for n in status["nodes"] if n["node_id"] not in route]
+    victim = route[0]  # stage 0: it schedules every request
     stopped = _process(mesh3, victim)
     try:
         began = time.monotonic()
@@ -92,7 +97,7 @@ def test_a_stopped_node_is_lost_within_the_heartbeat_timeout_and_a_standby_takes
         assert time.monotonic() - began < 60
         after = mesh3.status()
         assert after["ready"] and victim not in [n["node_id"] for n in after["nodes"]], after
-        assert down in [s["node_id"] for s in after["stages"]], after  # the standby serves
+        assert all(standby in [s["node_id"] for s in after["stages"]] for standby in standbys), after
         lost_lines = [line for line in mesh3.output if f"node {victim} sent nothing for" in line]
         assert lost_lines and float(lost_lines[0].split("sent nothing for ")[1].split(" s")[0]) <= 4.0, lost_lines
     finally:
@@ -151,7 +156,8 @@ def test_requests_wait_when_the_survivors_cannot_hold_the_model_and_a_joining_no
     requests wait (the deadline is 120 s); a node that joins 3 s later lets the mesh plan again,
     and every stream ends as it would have."""
     client = mesh3.client(timeout=300)
-    _until(lambda: len(mesh3.status()["nodes"]) == 3 and mesh3.status()["ready"], "all three nodes to serve")
+    _until(lambda: [n["checked"] for n in mesh3.status()["nodes"]] == [True] * 3 and mesh3.status()["ready"],
+           "all three nodes to be members and the mesh to serve")  # fmt: skip
     before = [_stream(client, r) for r in REQUESTS]
     keeper = mesh3.status()["stages"][0]["node_id"]
     others = [f"node{i}" for i in range(3) if f"node{i}" != keeper]

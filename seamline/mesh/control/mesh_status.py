@@ -37,7 +37,7 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
 def _node(h: NodeHandle) -> dict[str, object]:
     measured = h.measured
     return {"node_id": h.node_id, "address": f"{h.join.data_host}:{h.join.data_port}",
-            "inbound": h.inbound, "relayed": not h.inbound,
+            "inbound": h.inbound, "relayed": not h.inbound, "checked": h.checked,
             "rtt_ms": round(measured.latency_s * 2e3, 3) if measured else None,
             "bandwidth_mb_s": round(measured.bandwidth_bytes_per_s / 1e6, 1) if measured else None,
             "free_memory_bytes": h.join.resources.free_memory_bytes,
