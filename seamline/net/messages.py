@@ -284,10 +284,15 @@ class Forget(Message):
 
 
 class Failure(Message):
+    """A node's failure report. ``plan_id`` is set when the lockstep group it serves in broke
+    (a gate's link closed or timed out): ``suspect`` then names the rank's node at fault, when known."""
+
     kind: Literal["failure"] = "failure"
     request: int | None = None
     reason: str
     blame: Literal["node", "request", "load"] = "node"  # a stage failed / the request is invalid / too busy
+    plan_id: int | None = None
+    suspect: str | None = None
 
 
 class StatsRequest(Message):

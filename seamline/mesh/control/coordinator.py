@@ -139,6 +139,9 @@ class Coordinator(Membership, Planning):
         """A node's failure report: its own start-up, or a request it serves. A node outside the
         plan serves no request, so its reports end none."""
         log.warning("node %s reports: %s", handle.node_id, message.reason)
+        if message.plan_id is not None:
+            self._group_broke(handle, message)
+            return
         if message.request is None:
             with handle.events:
                 handle.failure = message.reason
@@ -151,6 +154,26 @@ class Coordinator(Membership, Planning):
             return
         reason = message.reason if message.blame != "node" else f"node {handle.node_id}: {message.reason}"
         self.on_failure(message.request, reason, message.blame)
+
+    def _group_broke(self, handle: NodeHandle, message: Failure) -> None:
+        """The lockstep group ``handle`` serves in broke (a gate timed out or its link closed):
+        the rank at fault is taken for lost, or, with none named, the group is formed again.
+        Either way its requests replay. A report on an older plan, or naming a node outside
+        the reporter's group, changes nothing."""
+        with self.lock:
+            current = self.plan is not None and message.plan_id == self.plan_id and self.nodes.get(handle.node_id) is handle
+            group = next((s.members() for s in self.plan.stages if handle.node_id in s.members()), ()) if current else ()
+            suspect = self.nodes.get(message.suspect) if message.suspect in group else None
+        if not group or (message.suspect is not None and message.suspect not in group):
+            log.warning("ignored node %s's report on plan %s's group (plan %d is current; it blames %s)",
+                        handle.node_id, message.plan_id, self.plan_id, message.suspect)  # fmt: skip
+        elif message.suspect is None or message.suspect == handle.node_id:
+            with self.lock:
+                if message.plan_id != self.plan_id:
+                    return  # an earlier report on the same break re-planned already
+                self._replan(f"the lockstep group of {handle.node_id} broke", message.reason)
+        elif suspect is not None:
+            self.lose(suspect, f"its lockstep group lost it: {message.reason}")
 
     def lose(self, handle: NodeHandle, reason: str) -> None:
         """Take a member for lost (it stopped answering): its links close, its requests replay."""
@@ -175,13 +198,17 @@ class Coordinator(Membership, Planning):
         with handle.events:
             handle.events.notify_all()
         if in_plan:
-            self.ready.clear()
-            self.state = f"node {handle.node_id} left; re-planning"
-            self.on_failure(None, f"node {handle.node_id} left the mesh mid-request", "lost")
-            self._maybe_plan(force=True)
-            with self.lock:
-                if self.plan is None:
-                    self.state = f"node {handle.node_id} left; {self.state}"
+            self._replan(f"node {handle.node_id} left the mesh", reason)
+
+    def _replan(self, event: str, detail: str) -> None:
+        """The plan serves no more (``event``): plan again; requests in flight replay on the next."""
+        self.ready.clear()
+        self.state = f"{event}; re-planning"
+        self.on_failure(None, f"{event} mid-request ({detail})", "lost")
+        self._maybe_plan(force=True)
+        with self.lock:
+            if self.plan is None:
+                self.state = f"{event}; {self.state}"
 
     # -- start-up (planning: ``planning.Planning``) ------------------------------------
     def _start_up(self, plan: Plan, plan_id: int) -> None:

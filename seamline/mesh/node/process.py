@@ -162,7 +162,7 @@ class Node(Membership):
             elif isinstance(exc, OverloadedError):
                 self._report(request, str(exc), "load")
             else:
-                self._report(request, f"stage 0 failed: {self._explain(exc)}")
+                self._report(request, f"stage 0 failed: {self._explain(exc)}", cause=exc)
 
     def _explain(self, exc: Exception) -> str:
         """The error's text; a group rank at fault is named by its node id too."""
@@ -171,10 +171,19 @@ class Node(Membership):
             return f"{exc} (rank {exc.peer} is node {nodes[exc.peer]})"
         return str(exc)
 
-    def _report(self, request: int | None, reason: str, blame: Literal["node", "request", "load"] = "node") -> None:
+    def _report(self, request: int | None, reason: str, blame: Literal["node", "request", "load"] = "node",
+                cause: Exception | None = None, assign: Assign | None = None) -> None:  # fmt: skip
+        """Tell the coordinator; a ``cause`` that broke the lockstep group of ``assign`` (the
+        current one by default) says so, naming the rank's node at fault when it is known."""
+        assign = assign or self.assignment
+        plan_id = suspect = None
+        if isinstance(cause, CommError) and assign is not None and assign.shard[1] > 1:
+            plan_id, nodes = assign.plan_id, assign.group_nodes
+            suspect = nodes[cause.peer] if cause.peer is not None and 0 <= cause.peer < len(nodes) else None
         if self.control is not None:
             try:
-                self.control.send_message(Failure(request=request, reason=reason, blame=blame))
+                self.control.send_message(Failure(request=request, reason=reason, blame=blame, plan_id=plan_id,
+                                                  suspect=suspect))  # fmt: skip
             except LinkClosed:
                 pass
 
@@ -206,7 +215,7 @@ class Node(Membership):
                 self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head,
                                           assign.context_length, _kv_budget(assign))  # fmt: skip
             else:
-                threading.Thread(target=self._serve_rank, args=(member,), daemon=True).start()
+                threading.Thread(target=self._serve_rank, args=(member, assign), daemon=True).start()
         self.bytes_downloaded += downloaded
         assert self.control is not None
         if self.worker is not None:
@@ -239,13 +248,14 @@ class Node(Membership):
     def _layers(self) -> str:
         return "?,?" if self.assignment is None else f"{self.assignment.layers[0]},{self.assignment.layers[1]}"
 
-    def _serve_rank(self, member: LockstepRank) -> None:
-        """A group's other rank: follow the leader until it shuts the group down or a link breaks."""
+    def _serve_rank(self, member: LockstepRank, assign: Assign) -> None:
+        """A group's other rank: follow the leader until it shuts the group down or a link breaks
+        (reported: the coordinator re-forms the group, without the rank at fault)."""
         try:
             member.serve()
-        except Exception as exc:  # the group is over; the coordinator fails its requests
+        except Exception as exc:
             log.error("lockstep rank %d stopped: %s", member.rank, exc)
-            self._report(None, f"lockstep rank {member.rank} stopped: {self._explain(exc)}")
+            self._report(None, f"lockstep rank {member.rank} stopped: {self._explain(exc)}", cause=exc, assign=assign)
         finally:
             member.close()
 
@@ -342,7 +352,7 @@ class Node(Membership):
             except Exception as exc:  # one bad frame never stops the node; its requests fail
                 log.exception("frame from %s failed", peer)
                 for request in {row.request for row in getattr(frame, "rows", ())}:
-                    self._report(request, f"layers [{self._layers()}) failed: {self._explain(exc)}")
+                    self._report(request, f"layers [{self._layers()}) failed: {self._explain(exc)}", cause=exc)
 
     def _keep(self, link: Link) -> None:
         with self._peers_lock:
