@@ -33,6 +33,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.chaos import bench_chaos
 
         result = bench_chaos(**({"rounds": options["rounds"]} if options.get("rounds") else {}))
+    elif name == "growth":
+        from seamline.bench.growth import bench_growth
+
+        result = bench_growth()
     elif name == "throughput":
         from seamline.bench.throughput import bench_throughput
 

@@ -37,6 +37,7 @@ class Server:
     client_prefix: list[str]  # how a load generator must be started to reach ``url``
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
     client_cores: str = "0,1"  # where the load generator runs (taskset list)
+    token: str = ""  # a mesh's invite: more nodes may join with it
 
     def wait_healthy(self, timeout_s: float = 900) -> None:
         deadline = time.monotonic() + timeout_s
@@ -105,14 +106,22 @@ def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: st
     token = _read_token(coordinator_proc, logs / f"{name}.log")
     prefix = ["ip", "netns", "exec", coordinator.netns] if coordinator.netns else []
     server = Server(name, f"http://{host}:{port}/v1", "SmolLM2-135M-Instruct.Q4_1", prefix, [coordinator_proc],
-                    coordinator.cores)  # fmt: skip
-    cap = ["--max-memory", f"{cap_gb:.3f}"] if cap_gb else []
+                    coordinator.cores, token)  # fmt: skip
     for index, node in enumerate(nodes):
-        join = [*SEAMLINE, "join", token, "--node-id", f"{name}{index}", "--quiet", "--no-progress", *cap]
-        node_env = {**env, "SEAMLINE_CACHE": str(logs / f"cache-{name}{index}")}
-        server.procs.append(_popen(_pinned(node.cores, node.threads, node.netns, join), node_env,
-                                   logs / f"{name}-node{index}.log"))  # fmt: skip
+        join_node(server, index, node, env, logs, cap_gb)
     return server
+
+
+def join_node(server: Server, index: int, node: NodeSpec, env: dict[str, str], logs: Path,
+              cap_gb: float | None) -> subprocess.Popen[str]:  # fmt: skip
+    """Start node ``index`` (`seamline join`, pinned as ``node``) into the mesh ``server``."""
+    name = server.name
+    cap = ["--max-memory", f"{cap_gb:.3f}"] if cap_gb else []
+    join = [*SEAMLINE, "join", server.token, "--node-id", f"{name}{index}", "--quiet", "--no-progress", *cap]
+    node_env = {**env, "SEAMLINE_CACHE": str(logs / f"cache-{name}{index}")}
+    proc = _popen(_pinned(node.cores, node.threads, node.netns, join), node_env, logs / f"{name}-node{index}.log")
+    server.procs.append(proc)
+    return proc
 
 
 def _read_token(proc: subprocess.Popen[str], log: Path) -> str:
