@@ -1,6 +1,7 @@
 """A coordinator killed and started again with its state directory takes its nodes back: they
 rejoin on their own under the certificates they hold (no new invite), keep the layers they
-had loaded, download nothing, and the mesh answers as before."""
+had loaded, download nothing, and the mesh answers as before. Started again with another
+model, it has its nodes load that one: the old layers they hold are not kept."""
 
 from __future__ import annotations
 
@@ -10,12 +11,16 @@ from pathlib import Path
 
 import pytest
 
+from seamline.app import LocalModel
 from seamline.mesh.identity import MeshAuthority
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import Challenge, Join, Refuse, Rejoin, Resources
+from seamline.params import SamplingParams
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses
 from tests.test_mesh import QUESTION, ask
+from tests.test_mesh_moe import CONTEXT as MOE_CONTEXT
+from tests.test_mesh_moe import build_moe_folder
 from tests.tls_peers import member, tls_link
 
 CONTEXT = 1024
@@ -42,8 +47,28 @@ def test_a_restarted_coordinator_takes_its_nodes_back_without_invites_or_downloa
         assert len(rejoined) == 2, rejoined
         assert ask(mesh, QUESTION, 16)["choices"][0]["message"]["content"] == before
         _an_impostor_cannot_rejoin(mesh)
+        _restarted_with_other_weights(mesh, tmp_path / "moe")
     finally:
         mesh.stop()
+
+
+def _restarted_with_other_weights(mesh: MeshProcesses, folder: Path) -> None:
+    """The coordinator comes back serving another model: the nodes rejoin holding the old one's
+    layers, which are not kept; the node planned downloads the new weights and answers as they do."""
+    assert mesh.serve is not None
+    mesh.serve.send_signal(signal.SIGKILL)
+    mesh.serve.wait()
+    mesh.model, mesh.serve_args = str(build_moe_folder(folder)), ("--context", str(MOE_CONTEXT))
+    mesh.output.clear()
+    mesh.start(join=False)
+    status = mesh.wait_ready(timeout=120)
+    planned = [s["node_id"] for s in status["stages"]]
+    downloaded = {n["node_id"]: n["bytes_downloaded"] for n in status["nodes"]}
+    assert planned and all(downloaded[node] > 0 for node in planned), status
+    local = LocalModel.load(folder, context=MOE_CONTEXT)
+    ids = local.codec.encode_chat([{"role": "user", "content": QUESTION}])
+    expected = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=16, temperature=0))))
+    assert ask(mesh, QUESTION, 16)["choices"][0]["message"]["content"] == expected
 
 
 def _an_impostor_cannot_rejoin(mesh: MeshProcesses) -> None:
