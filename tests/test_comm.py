@@ -248,3 +248,47 @@ def test_another_protocol_version_is_refused_at_hello() -> None:
         TcpComm.connect(0, 2, [("127.0.0.1", free_port()), ("127.0.0.1", port)], 2.0, "fp", connect_timeout_s=5.0)
     peer.join(5)
     server.close()
+
+
+def test_strangers_at_a_comm_port_are_dropped_and_the_group_still_forms() -> None:
+    """Garbage, a connection closed at once and one silent past the timeout reach rank 1's port
+    before rank 0 dials: each is dropped, and the group forms and sums."""
+    addresses = [("127.0.0.1", free_port()), ("127.0.0.1", free_port())]
+    formed: dict[int, Any] = {}
+
+    def rank_1() -> None:
+        try:
+            formed[1] = TcpComm.connect(1, 2, addresses, 1.0, "fp", connect_timeout_s=20.0)
+        except CommError as exc:
+            formed[1] = exc
+
+    thread = threading.Thread(target=rank_1)
+    thread.start()
+    strangers = [_dial_when_listening(addresses[1]) for _ in range(3)]
+    strangers[0].sendall(b"GARBAGE!" * 8)
+    strangers[1].close()
+    time.sleep(0.2)
+    comm0 = TcpComm.connect(0, 2, addresses, 5.0, "fp", connect_timeout_s=20.0)
+    thread.join(20)
+    assert isinstance(formed[1], TcpComm), formed
+    results: dict[int, torch.Tensor] = {}
+    reducer = threading.Thread(target=lambda: results.update({1: formed[1].all_reduce(torch.ones(4), GateTag(0, 0, 1))}))
+    reducer.start()
+    results[0] = comm0.all_reduce(torch.full((4,), 2.0), GateTag(0, 0, 1))
+    reducer.join(10)
+    assert torch.equal(results[0], torch.full((4,), 3.0)) and torch.equal(results[1], results[0])
+    for sock in strangers:
+        sock.close()
+    comm0.close()
+    formed[1].close()
+
+
+def _dial_when_listening(address: tuple[str, int], within_s: float = 10.0) -> socket.socket:
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            return socket.create_connection(address, timeout=1.0)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)

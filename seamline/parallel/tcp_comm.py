@@ -24,6 +24,7 @@ peer whose certificate does not name the node planned at its rank is refused.
 
 from __future__ import annotations
 
+import logging
 import socket
 import struct
 import threading
@@ -52,6 +53,7 @@ DTYPE_CODES = {
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MAX_PAYLOAD = 1 << 30  # bytes in one gate message
 MAX_FINGERPRINT = 4096  # bytes
+log = logging.getLogger("seamline.comm")
 # Sends up to this size go out inline: kernel socket buffers hold two such messages per
 # peer, so ranks that all send before receiving cannot deadlock. Larger ones go from a thread.
 INLINE_SEND_MAX = 32 << 10
@@ -127,6 +129,10 @@ class TcpComm:
                     sock = _secure(sock, tls, None, timeout_s)
                     peer = _handshake(sock, hello, rank, world, fingerprint, None, timeout_s)
                     _check_name(sock, tls, peer)
+                except NotAPeer as exc:  # a stranger at the port: the group forms without it
+                    sock.close()
+                    log.warning("rank %d dropped a connection to its comm port: %s", rank, exc)
+                    continue
                 except BaseException:
                     sock.close()
                     raise
@@ -299,6 +305,11 @@ def _accept(server: socket.socket, rank: int, socks: dict[int, socket.socket],
     return tune(sock)
 
 
+class NotAPeer(CommError):
+    """A connection to a rank's comm port that is no rank of its group: it failed TLS, sent
+    something other than a HELLO, or closed or fell silent before one."""
+
+
 def _secure(sock: socket.socket, tls: GroupTls | None, peer: int | None, timeout_s: float) -> socket.socket:
     """The socket after a TLS handshake (``peer``: the rank dialled; None: accepted)."""
     if tls is None:
@@ -307,8 +318,9 @@ def _secure(sock: socket.socket, tls: GroupTls | None, peer: int | None, timeout
         secured = TlsSocket.handshake(sock, tls.server if peer is None else tls.client, peer is None, timeout_s)
     except TlsRefused as exc:
         sock.close()
-        who = "a peer" if peer is None else f"rank {peer}"
-        raise CommError(f"refused {who}: {exc}", peer=peer) from None
+        if peer is None:
+            raise NotAPeer(f"refused at TLS: {exc}") from None
+        raise CommError(f"refused rank {peer}: {exc}", peer=peer) from None
     return secured  # type: ignore[return-value]
 
 
@@ -323,15 +335,18 @@ def _handshake(sock: socket.socket, hello: bytes, rank: int, world: int, fingerp
     """Swap HELLOs; return the peer's rank. Refuse any mismatch, naming both values."""
     sock.settimeout(timeout_s)
     who = "a peer" if expect is None else f"rank {expect}"
+    failed = NotAPeer if expect is None else CommError  # what an accepted stranger gets: dropped
     try:
         sock.sendall(hello)
+        head = bytearray(HELLO.size)
+        _recv_exact(sock, memoryview(head), expect if expect is not None else -1, timeout_s, "HELLO")
     except OSError as exc:
-        raise CommError(f"{who} closed the link during HELLO ({exc})") from None
-    head = bytearray(HELLO.size)
-    _recv_exact(sock, memoryview(head), expect if expect is not None else -1, timeout_s, "HELLO")
+        raise failed(f"{who} closed the link during HELLO ({exc})") from None
+    except CommError as exc:
+        raise failed(str(exc).replace("rank -1", who), peer=expect) from None
     magic, version, peer, peer_world, length = HELLO.unpack(head)
     if magic != HELLO_MAGIC:
-        raise CommError(f"{who} sent {magic!r}, not a seamline comm HELLO")
+        raise failed(f"{who} sent {magic!r}, not a seamline comm HELLO")
     if version != VERSION:
         raise CommError(f"protocol version mismatch: rank {rank} speaks {VERSION}, {who} speaks {version}")
     if peer_world != world:
