@@ -192,8 +192,8 @@ def test_only_the_planned_sender_may_speak_on_a_data_port(mesh2: MeshProcesses, 
     """A stage's data port takes TLS with a certificate from the mesh's CA only, then challenges
     the peer: a certificate from another CA, or an expired one, fails the handshake; a member's
     certificate naming a node the plan does not put upstream, a hello naming another node than
-    the certificate, a hello without the plan's link key, or a frame instead of an answer, is cut
-    off before it can send a frame. The mesh keeps serving."""
+    the certificate, a hello without the plan's link key or for an older plan, or a frame
+    instead of an answer, is cut off before it can send a frame. The mesh keeps serving."""
     address = _data_address(mesh2, 1)
     status = mesh2.status()
     upstream = status["stages"][0]["node_id"]
@@ -201,12 +201,14 @@ def test_only_the_planned_sender_may_speak_on_a_data_port(mesh2: MeshProcesses, 
         with pytest.raises(LinkClosed):
             with tls_link(address, stranger, trusting=True) as link:
                 link.recv(deadline_s=10)  # TLS 1.3: the client learns of its refusal on its first read
-    hellos = (("intruder", "intruder", "0" * 64), ("intruder", upstream, "0" * 64), (upstream, upstream, "0" * 64))
-    for certified, claimed, proof in hellos:
+    plan = status["plan_id"]
+    hellos = (("intruder", "intruder", plan), ("intruder", upstream, plan), (upstream, upstream, plan),
+              (upstream, upstream, plan - 1))  # the last: a route that no longer exists  # fmt: skip
+    for certified, claimed, plan_id in hellos:
         with tls_link(address, member(mesh2.root, certified)) as link:
             assert isinstance(link.recv(), Challenge)
-            link.send_message(DataHello(node_id=claimed, plan_id=status["plan_id"], proof=proof))
-            assert _closed_link(link), (certified, claimed)
+            link.send_message(DataHello(node_id=claimed, plan_id=plan_id, proof="0" * 64))
+            assert _closed_link(link), (certified, claimed, plan_id)
     with tls_link(address, member(mesh2.root, upstream)) as link:
         link.recv()
         link.send_message(Open(request=1, sampling=SamplingParams(), prompt_len=1, context_length=8))

@@ -61,6 +61,17 @@ def test_a_single_use_invite_admits_one_node_then_is_used_up(mesh: MeshProcesses
     assert "used up" in line and " 1 1 " in " ".join(line.split()) + " ", listing.stdout
 
 
+def test_a_node_named_as_a_member_is_refused_and_the_member_serves_on(mesh: MeshProcesses) -> None:
+    """A second `seamline join` under a member's node id (a valid invite): refused, naming the
+    id; the member keeps its place and the mesh keeps serving."""
+    proc = mesh.join("node0", token=mesh.token)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and "a node named node0 has already joined" in stderr and "Traceback" not in stderr, stderr
+    assert [n["node_id"] for n in mesh.status()["nodes"]] == ["node0"] and mesh.status()["ready"]
+    reply = mesh.client().completions.create(model="default", prompt="Hello", max_tokens=4, temperature=0)
+    assert reply.choices[0].text
+
+
 def test_a_revoked_forged_or_replayed_invite_is_refused(mesh: MeshProcesses) -> None:
     default = Invite.decode(mesh.token)
     forged = dataclasses.replace(default, id=secrets.token_hex(6)).encode()
