@@ -423,6 +423,40 @@ def test_a_disk_without_room_is_refused_before_downloading(served: tuple[str, Pa
     assert [p for p in small_disk.iterdir()] == []
 
 
+def test_fragments_come_from_a_peer_that_serves_them_intact_else_from_the_coordinator(
+    served: tuple[str, Path, Manifest], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Peers are asked in order: one cannot be reached (not asked again), one answers garbage for
+    everything (dropped: it fails the hash), one holds layers [0,2) only (those come from it,
+    without the node's token); the rest come from the coordinator. Every fragment lands verified."""
+    from fastapi import FastAPI
+
+    from seamline.mesh.control.fragment_server import fragment_routes
+
+    url, folder, manifest = served
+    held = {e.sha256 for e in _range(manifest, 0, 2)}
+    holder = tmp_path / "peer"
+    shutil.copytree(folder, holder)
+    for entry in manifest.fragments:
+        if entry.sha256 not in held:
+            (holder / entry.file).unlink()
+    tokens: list[str | None] = []
+    peer = FastAPI()
+    fragment_routes(peer, holder, lambda token: tokens.append(token) is None)
+    entries = _range(manifest, 0, LAYERS)
+    with _serve(_plain_server(b"not this fragment")) as liar, _serve(peer) as holding:
+        gone = f"http://127.0.0.1:{_free_port()}"
+        caplog.set_level(logging.INFO, logger="seamline.mesh.node.fetch")
+        report = fetch_fragments(url, entries, tmp_path / "cache", TOKEN, progress=False, peers=[gone, liar, holding])
+    from_peer = sum(e.bytes for e in {e.sha256: e for e in entries}.values() if e.sha256 in held)
+    assert 0 < report.bytes_from_peers == from_peer < report.bytes_downloaded
+    assert tokens and set(tokens) == {None}  # the node's bearer token is for the coordinator alone
+    for entry in entries:
+        assert file_sha256(tmp_path / "cache" / entry.sha256) == entry.sha256
+    assert not list((tmp_path / "cache").glob("*.part"))
+    assert sum(f"peer {gone} cannot be reached" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_bad_token_is_refused(served: tuple[str, Path, Manifest], tmp_path: Path) -> None:
     import httpx
 

@@ -1,6 +1,6 @@
 """Live growth: a node that joins a serving mesh is planned in when the plan with it is
 predicted at least 10% faster; the requests in flight during the switch replay on the new
-route and lose nothing.
+route and lose nothing. It fetches the layers the others hold from them, not the coordinator.
 
 The first two nodes share core 0 (one thread each), the joining node brings core 1, so the
 switch adds compute as a new machine would. The rate before and after is a benchmark's to
@@ -60,3 +60,5 @@ def test_a_node_that_joins_under_load_is_planned_in_and_no_request_is_lost(mesh:
     assert any("re-planned to take node2 in" in line for line in mesh.output)  # requests were in flight
     (gain,) = [float(m.group(1)) for line in mesh.output if (m := re.search(r"planning node2 in: predicted ([0-9.]+)x", line))]
     assert gain >= 1.10, gain
+    joined = next(n for n in mesh.status()["nodes"] if n["node_id"] == "node2")
+    assert 0 < joined["bytes_from_peers"] <= joined["bytes_downloaded"], joined  # layers the others held

@@ -46,6 +46,7 @@ class Join(Message):
     data_port: int
     max_memory_bytes: int | None = None
     comm_port: int = 0  # where this node listens for lockstep peers (0: none)
+    fragments_port: int = 0  # where it serves the fragments it holds to members, over mutual TLS (0: none)
     csr: str = ""  # the node's certificate signing request (PEM), over TLS
     invite_id: str = ""  # which of the coordinator's invites ``proof`` proves
 
@@ -122,6 +123,7 @@ class Assign(Message):
     fragments_url: str
     fragments_certificate: str = ""  # PEM of the coordinator's HTTPS certificate, when it serves over TLS
     fragments_token: str = ""  # this member's bearer token for fragment downloads (void once it leaves)
+    fragment_peers: list[str] = []  # members' fragment URLs, tried first (a fragment is checked by its hash)
     layers: tuple[int, int]
     owns_embedding: bool
     owns_head: bool
@@ -157,6 +159,7 @@ class Ready(Message):
     kind: Literal["ready"] = "ready"
     descriptor: Descriptor
     bytes_downloaded: int = 0
+    bytes_from_peers: int = 0  # of bytes_downloaded: from other members, not the coordinator
     resident_bytes: int = 0
 
 

@@ -41,6 +41,7 @@ from seamline.net.messages import (
 
 log = logging.getLogger("seamline.coordinator")
 STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
+MAX_FRAGMENT_PEERS = 8  # members a loading node asks for fragments before the coordinator
 MIN_RESIDENT_SHARE = 0.5  # a loaded stage's resident bytes, at least this share of its weights
 
 
@@ -239,6 +240,16 @@ class Coordinator(Membership, Planning):
             self.ready.set()
         log.info("route published: %s", " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in plan.stages))
 
+    def _fragment_peers(self, handle: NodeHandle) -> list[str]:
+        """The other members' fragment URLs (over TLS only: a member certificate is their key), of
+        those that take inbound connections."""
+        if self.enrollment is None:
+            return []
+        with self.lock:
+            others = [h.join for h in self.nodes.values()
+                      if h is not handle and h.checked and h.inbound and h.join.fragments_port]  # fmt: skip
+        return [f"https://{_host(j.data_host)}:{j.fragments_port}" for j in others[:MAX_FRAGMENT_PEERS]]
+
     def _current(self, plan_id: int) -> None:
         """Superseded when a newer plan has been made since ``plan_id``'s start-up began."""
         if plan_id != self.plan_id:
@@ -255,6 +266,7 @@ class Coordinator(Membership, Planning):
                                             fragments_url=self.options.fragments_url,
                                             fragments_certificate=self.options.fragments_certificate,
                                             fragments_token=self._fragment_tokens.get(handle.node_id, ""),
+                                            fragment_peers=self._fragment_peers(handle),
                                             layers=(s.start, s.end),
                                             owns_embedding=s.owns_embedding, owns_head=s.owns_head,
                                             dtype=self.options.dtype, context_length=self.options.context_length,
@@ -389,3 +401,7 @@ def choose_transport(requested: str, cuda: bool, hosts: set[str], insecure_comm:
 
 
 __all__ = ["Coordinator", "CoordinatorOptions", "StartupError", "Message"]
+
+
+def _host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

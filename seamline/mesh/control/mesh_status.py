@@ -43,6 +43,7 @@ def _node(h: NodeHandle) -> dict[str, object]:
             "free_memory_bytes": h.join.resources.free_memory_bytes,
             "bytes_per_second": h.join.resources.bytes_per_second, "planned_bytes_per_second": h.believed_rate,
             "bytes_downloaded": h.ready.bytes_downloaded if h.ready else None,
+            "bytes_from_peers": h.ready.bytes_from_peers if h.ready else None,
             "resident_bytes": h.ready.resident_bytes if h.ready else None}  # fmt: skip
 
 

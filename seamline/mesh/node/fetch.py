@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest, f
 
 log = logging.getLogger(__name__)
 STAMP_SUFFIX = ".verified"
+PEER_CONNECT_TIMEOUT_S = 3.0  # a member's fragment port that does not answer by then is not asked again
 DISK_MARGIN_BYTES = 64 << 20  # left free beyond the fragments
 
 
@@ -36,11 +37,16 @@ class FetchError(SeamlineError):
     """A fragment could not be fetched: refused (token), not served, or the link broke."""
 
 
+class Unreachable(FetchError):
+    """The server could not be connected to at all."""
+
+
 @dataclass
 class FetchReport:
     bytes_downloaded: int = 0
     fragments_downloaded: int = 0
     fragments_from_cache: int = 0
+    bytes_from_peers: int = 0  # of bytes_downloaded
 
 
 def trusting(certificate_pem: str) -> ssl.SSLContext | bool:
@@ -80,8 +86,10 @@ def fetch_fragments(
     rehash: bool = False,
     timeout: float = 60.0,
     verify: ssl.SSLContext | bool = True,
+    peers: Sequence[str] = (),
 ) -> FetchReport:
-    """Make every entry's file present and verified as ``cache_dir/<sha256>``."""
+    """Make every entry's file present and verified as ``cache_dir/<sha256>``: from the first of
+    ``peers`` (members' fragment URLs, sent no token) that serves it intact, else from ``base_url``."""
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     unique = list({e.sha256: e for e in entries}.values())
@@ -91,12 +99,35 @@ def fetch_fragments(
     total = sum(e.bytes for e in todo)
     bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fragments",
                disable=not progress or not todo)  # fmt: skip
-    with bar, httpx.Client(headers=_auth(token), timeout=timeout, verify=verify) as client:
+    peer_timeout = httpx.Timeout(timeout, connect=PEER_CONNECT_TIMEOUT_S)
+    live_peers = list(peers)  # a peer that cannot be reached is not asked again
+    with bar, httpx.Client(headers=_auth(token), timeout=timeout, verify=verify) as client, \
+            httpx.Client(timeout=peer_timeout, verify=verify) as peer_client:  # fmt: skip
         for entry in todo:
-            url = f"{base_url.rstrip('/')}/fragments/{entry.sha256}"
-            report.bytes_downloaded += _download(client, url, entry, cache, bar)
+            received = _from_peers(peer_client, live_peers, entry, cache, bar)
+            if received is not None:
+                report.bytes_from_peers += received
+            else:
+                received = _download(client, f"{base_url.rstrip('/')}/fragments/{entry.sha256}", entry, cache, bar)
+            report.bytes_downloaded += received
             report.fragments_downloaded += 1
     return report
+
+
+def _from_peers(client: httpx.Client, peers: list[str], entry: FragmentEntry, cache: Path, bar: Any) -> int | None:
+    """Bytes received for ``entry`` from the first peer that serves it whole and hashing right;
+    None when none does. A peer's partial bytes are dropped, never resumed from elsewhere; a
+    peer that cannot be reached is dropped from ``peers``."""
+    for peer in list(peers):
+        try:
+            return _download(client, f"{peer.rstrip('/')}/fragments/{entry.sha256}", entry, cache, bar)
+        except Unreachable as exc:
+            peers.remove(peer)
+            log.info("peer %s cannot be reached (%s): fragments come from elsewhere", peer, exc)
+        except (FetchError, CheckpointError) as exc:
+            (cache / f"{entry.sha256}.part").unlink(missing_ok=True)
+            log.info("fragment %s not from peer %s: %s", entry.name, peer, exc)
+    return None
 
 
 def _auth(token: str | None) -> dict[str, str]:
@@ -181,6 +212,8 @@ def _download(client: httpx.Client, url: str, entry: FragmentEntry, cache: Path,
             log.info("resuming fragment %s at byte %d of %d", entry.name, have, entry.bytes)
         try:
             received = _stream(client, url, entry, part, have, bar)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise Unreachable(f"{url} cannot be reached: {exc}") from None
         except httpx.HTTPError as exc:
             raise FetchError(
                 f"download of fragment {entry.name} from {url} broke off ({exc}); "

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
-from seamline.mesh.node.fetch import fetch_fragments, fetch_manifest, materialise, trusting
+from seamline.mesh.node.fetch import FetchReport, fetch_fragments, fetch_manifest, materialise, trusting
 from seamline.mesh.control.invite import Invite
 from seamline.model.ownership import Ownership
 from seamline.model.stage import Stage
@@ -28,32 +28,33 @@ GROUP_CONNECT_TIMEOUT_S = 600.0  # peers may still be downloading their fragment
 
 
 def load_assignment(invite: Invite, assign: Assign, options: NodeOptions,
-                    tls: ssl.SSLContext | None = None) -> tuple[Stage, int]:  # fmt: skip
-    """Return the loaded Stage and the number of bytes downloaded for it (over mutual TLS with
-    ``tls``, this member's client context, when the mesh runs over TLS)."""
-    source, downloaded = fetch_assignment(invite, assign, options, tls)
+                    tls: ssl.SSLContext | None = None) -> tuple[Stage, FetchReport]:  # fmt: skip
+    """Return the loaded Stage and what was downloaded for it (over mutual TLS with ``tls``,
+    this member's client context, when the mesh runs over TLS)."""
+    source, report = fetch_assignment(invite, assign, options, tls)
     config = ModelConfig.from_hf_dict(source.config_dict())
     own = Ownership(layers=(assign.layers[0], assign.layers[1]))
-    return load_stage(source, own, DTYPES[assign.dtype], config), downloaded
+    return load_stage(source, own, DTYPES[assign.dtype], config), report
 
 
 def load_rank(invite: Invite, assign: Assign, options: NodeOptions, tls: GroupTls | None = None,
-              fetch_tls: ssl.SSLContext | None = None) -> tuple[LockstepRank, int]:  # fmt: skip
+              fetch_tls: ssl.SSLContext | None = None) -> tuple[LockstepRank, FetchReport]:  # fmt: skip
     """This node's rank of a lockstep group: its shard of the range, joined to its peers.
     Of the routed experts it fetches only its own chunks; the layers' other fragments are
     fetched whole, and only the rank's slices are read from them."""
-    source, downloaded = fetch_assignment(invite, assign, options, fetch_tls)
+    source, report = fetch_assignment(invite, assign, options, fetch_tls)
     rank, world = assign.shard
     log.info("rank %d of %d: joining the group over %s", rank, world, assign.transport)
     member = LockstepRank(source, rank, world, [(host, port) for host, port in assign.group], assign.gate_timeout_s,
                           DTYPES[assign.dtype], GROUP_CONNECT_TIMEOUT_S, transport=assign.transport,  # type: ignore[arg-type]
                           layers=assign.layers, identity=assign.model_hash, tls=tls)  # fmt: skip
-    return member, downloaded
+    return member, report
 
 
 def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions,
-                     tls: ssl.SSLContext | None = None) -> tuple[FragmentSource, int]:  # fmt: skip
-    """Fetch (or find in the cache) the fragments of the assigned range; open them."""
+                     tls: ssl.SSLContext | None = None) -> tuple[FragmentSource, FetchReport]:  # fmt: skip
+    """Fetch (or find in the cache) the fragments of the assigned range, from the members that
+    hold them where they can, over this member's mutual TLS only; open them."""
     verify = tls if tls is not None else trusting(assign.fragments_certificate)
     manifest = fetch_manifest(assign.fragments_url, token=assign.fragments_token, verify=verify)
     if manifest.model_hash != assign.model_hash:
@@ -65,9 +66,10 @@ def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions,
         experts = rank_ownership(ModelConfig.from_hf_dict(manifest.config), *assign.shard).experts
     entries = fragments_for(manifest, assign.layers, assign.owns_embedding, assign.owns_head, experts)
     cache = options.cache_dir / "fragments"
+    peers = assign.fragment_peers if tls is not None else []  # a member's certificate is their only key
     report = fetch_fragments(assign.fragments_url, entries, cache, token=assign.fragments_token, progress=options.progress,
-                             verify=verify)  # fmt: skip
+                             verify=verify, peers=peers)  # fmt: skip
     folder = materialise(manifest, entries, cache, options.cache_dir / "stages" / options.node_id)
-    log.info("layers [%d,%d): %d fragments, %d bytes downloaded, %d from cache", *assign.layers,
-             len(entries), report.bytes_downloaded, report.fragments_from_cache)  # fmt: skip
-    return FragmentSource(folder, manifest), report.bytes_downloaded
+    log.info("layers [%d,%d): %d fragments, %d bytes downloaded (%d from peers), %d from cache", *assign.layers,
+             len(entries), report.bytes_downloaded, report.bytes_from_peers, report.fragments_from_cache)  # fmt: skip
+    return FragmentSource(folder, manifest), report

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
+from seamline.mesh.control.fragment_server import serve_fragments
 from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
 from seamline.mesh.node.credentials import Credentials
@@ -147,13 +148,14 @@ class Membership:
         data_host = control.sock.getsockname()[0]
         self.data_server = listen(data_host, self.options.data_port)
         self.comm_port = free_port(data_host)
+        fragments_port = free_port(data_host) if self.credentials else 0
         nonce = secrets.token_hex(16)
         join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce), nonce=nonce,
                     invite_id=self.invite.id,
                     protocol_version=PROTOCOL_VERSION, resources=local_resources(self.options),
                     data_host=data_host, data_port=self.data_server.getsockname()[1],
                     max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port,
-                    csr=self.credentials.signing_request() if self.credentials else "")  # fmt: skip
+                    fragments_port=fragments_port, csr=self.credentials.signing_request() if self.credentials else "")  # fmt: skip
         control.send_message(join)
         self.joined_as = join
         answer = control.recv()
@@ -165,7 +167,17 @@ class Membership:
             raise InviteError("the coordinator did not prove it holds this invite: not the mesh the token names")
         if self.credentials is not None:
             self.credentials.accept(answer.certificate)
+            self._serve_fragments(data_host, fragments_port)
         log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
+
+    def _serve_fragments(self: Node, host: str, port: int) -> None:
+        """Serve the fragments this node holds (its stage folder) to members: mutual TLS under
+        its certificate is the only key, so a peer that is no member is refused at the handshake.
+        (A renewed certificate is not taken up here: once the first expires, members fetch from
+        the coordinator.)"""
+        assert self.credentials is not None and self.credentials.identity is not None
+        folder = self.options.cache_dir / "stages" / self.options.node_id
+        serve_fragments(folder, lambda _token: True, host, port, self.credentials.identity.server_context())
 
     def rejoin(self: Node) -> bool:
         """The coordinator is gone: dial it again under this node's certificate, a few seconds

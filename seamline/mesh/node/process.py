@@ -30,6 +30,7 @@ from seamline.mesh.control.invite import Invite
 from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_from
+from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.membership import Membership
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe, probe_peer
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
@@ -204,11 +205,12 @@ class Node(Membership):
         self._check_room(assign)
         if assign.shard[1] == 1:
             client = self.credentials.client if self.credentials else None
-            stage, downloaded = (kept, 0) if kept is not None else load_assignment(self.invite, assign, self.options, client)
+            stage, fetched = (kept, FetchReport()) if kept is not None else load_assignment(self.invite, assign,
+                                                                                             self.options, client)  # fmt: skip
             self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
                                       _kv_budget(assign))  # fmt: skip
         else:
-            member, downloaded = load_rank(self.invite, assign, self.options, self._group_tls(assign),
+            member, fetched = load_rank(self.invite, assign, self.options, self._group_tls(assign),
                                            self.credentials.client if self.credentials else None)  # fmt: skip
             if member.rank == 0:  # the leader: its StageWorker drives the whole group
                 self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
@@ -216,7 +218,7 @@ class Node(Membership):
                                           assign.context_length, _kv_budget(assign))  # fmt: skip
             else:
                 threading.Thread(target=self._serve_rank, args=(member, assign), daemon=True).start()
-        self.bytes_downloaded += downloaded
+        self.bytes_downloaded += fetched.bytes_downloaded
         assert self.control is not None
         if self.worker is not None:
             self.worker.links.results = lambda rows: self.control.send_tokens(rows)  # type: ignore[union-attr]  # the link of now
@@ -225,7 +227,8 @@ class Node(Membership):
                                 layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION,
                                 shard=assign.shard)  # fmt: skip
         resident = psutil.Process().memory_info().rss
-        self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=downloaded, resident_bytes=resident))
+        self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=fetched.bytes_downloaded,
+                                        bytes_from_peers=fetched.bytes_from_peers, resident_bytes=resident))  # fmt: skip
 
     def _kept_stage(self, assign: Assign) -> Stage | None:
         """The loaded stage, when ``assign`` asks this node for the very part it holds (a plan
