@@ -163,23 +163,6 @@ def _self_signed(folder: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def test_the_api_over_https_with_a_given_certificate(tmp_path: Path) -> None:
-    """--ssl-certfile/--ssl-keyfile: a client that trusts the certificate gets its answer over
-    TLS; one that does not trust it, or speaks plain HTTP, gets none."""
-    cert, key = _self_signed(tmp_path)
-    proc, url = _start(tmp_path, "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--api-key", ARGV_KEY,
-                       scheme="https", verify=_trust(cert))  # fmt: skip
-    try:
-        trusting = _client(url, ARGV_KEY, http_client=httpx.Client(verify=_trust(cert), timeout=120))
-        assert "Paris" in _ask(trusting)
-        with pytest.raises(httpx.ConnectError):
-            httpx.get(f"{url}/health", timeout=10)  # the system's CAs do not know it
-        with pytest.raises(httpx.HTTPError):
-            httpx.get(url.replace("https", "http") + "/health", timeout=10)
-    finally:
-        _stop(proc)
-
-
 def test_key_options_that_cannot_work_are_refused_at_start(tmp_path: Path) -> None:
     for args, fragment in ((("--ssl-certfile", "x.pem"), "go together"),
                            (("--api-key-file", str(tmp_path / "missing")), "cannot read an API key file")):  # fmt: skip
@@ -188,12 +171,11 @@ def test_key_options_that_cannot_work_are_refused_at_start(tmp_path: Path) -> No
         assert out.returncode != 0 and fragment in out.stderr and "Traceback" not in out.stderr, out.stderr
 
 
-
-
 def test_a_mesh_over_https_with_a_key(tmp_path: Path) -> None:
-    """A two-node mesh whose API is HTTPS with a key: the nodes fetch their fragments over that
-    HTTPS, trusting the certificate the coordinator sent them (self-signed here); /api/status
-    needs the key; the answer equals the single process's."""
+    """A two-node mesh whose API is HTTPS (--ssl-certfile/--ssl-keyfile) with a key: the nodes
+    fetch their fragments over that HTTPS, trusting the certificate the coordinator sent them
+    (self-signed here); /api/status needs the key; a client that trusts the certificate gets
+    the single process's answer, one that does not trust it, or speaks plain HTTP, gets none."""
     from tests.mesh_harness import MeshProcesses
 
     cert, key = _self_signed(tmp_path)
@@ -207,6 +189,10 @@ def test_a_mesh_over_https_with_a_key(tmp_path: Path) -> None:
         anonymous = httpx.get(f"{mesh.base_url}/api/status", verify=_trust(cert), timeout=10)
         assert anonymous.status_code == 401
         assert _ask(mesh.client()) == _ask_single()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{mesh.base_url}/health", timeout=10)  # the system's CAs do not know it
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(mesh.base_url.replace("https", "http") + "/health", timeout=10)
     finally:
         mesh.stop()
 

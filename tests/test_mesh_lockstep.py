@@ -122,27 +122,14 @@ def _kill_mid_answer(mesh: MeshProcesses, node_id: str) -> None:
     assert httpx.get(f"{mesh.base_url}/health", timeout=10).status_code == 503
 
 
-def test_a_rank_killed_mid_answer_ends_the_request_with_a_clear_error(tmp_path: Path, moe_folder: Path) -> None:
-    mesh = _mesh(tmp_path, moe_folder, nodes=2)
-    try:
-        mesh.start()
-        status = mesh.wait_ready()
-        _kill_mid_answer(mesh, status["stages"][0]["ranks"][1])
-    finally:
-        mesh.stop()
-
-
-@pytest.mark.parametrize("caught_by", ["gate", "heartbeat"])
-def test_a_silent_rank_is_caught_by_the_gate_timeout_or_its_missed_heartbeats(tmp_path: Path, moe_folder: Path,
-                                                                               caught_by: str) -> None:  # fmt: skip
-    """A rank that stops answering (SIGSTOP: its sockets stay open) is caught by whichever comes
-    first: its leader's gate timeout (reported, naming the rank), or the coordinator's heartbeats
-    (missed for 3 s). Either way the node is lost; its requests wait to replay, and with no
-    spare node fail at the replay deadline. Each is tested with the other set long."""
-    gate, heartbeat = ("3", "60") if caught_by == "gate" else ("60", "3")
+def test_a_silent_rank_is_lost_by_its_missed_heartbeats(tmp_path: Path, moe_folder: Path) -> None:
+    """A rank that stops answering (SIGSTOP: its sockets stay open), its gate timeout set long:
+    the coordinator's heartbeats (missed for 3 s) take its node for lost; its requests wait to
+    replay, and with no spare node fail at the replay deadline. (Caught by a gate timeout
+    instead, with a standby: test_mesh_lockstep_heal.py.)"""
     mesh = MeshProcesses(tmp_path, nodes=2, model=str(moe_folder),
-                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--gate-timeout", gate,
-                                     "--heartbeat-timeout", heartbeat, "--replay-deadline", "2"))  # fmt: skip
+                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--gate-timeout", "60",
+                                     "--heartbeat-timeout", "3", "--replay-deadline", "2"))  # fmt: skip
     try:
         mesh.start()
         status = mesh.wait_ready()
@@ -153,9 +140,6 @@ def test_a_silent_rank_is_caught_by_the_gate_timeout_or_its_missed_heartbeats(tm
         with pytest.raises(openai.APIError) as error:
             mesh.client(timeout=60).completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=8)
         message = str(error.value)
-        if caught_by == "gate":
-            assert "its lockstep group lost it" in message, message
-            assert "rank 1 sent nothing" in message and "within 3.0 s" in message, message
         assert f"{follower} left the mesh" in message and "could not serve again within 2 s" in message, message
         assert follower not in [n["node_id"] for n in mesh.status()["nodes"]]
         assert time.monotonic() - started < 30
