@@ -33,6 +33,8 @@ class Resources(Message):
     bytes_per_second: float  # measured weight-streaming rate
     device: str = "cpu"
     cores: int = 1
+    host: str = ""  # this machine's boot id: nodes that report the same one share its CPUs
+    cpus: list[int] = Field(default=[], max_length=4096)  # the CPUs this node may run on (its affinity)
 
 
 class Join(Message):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from seamline.errors import SeamlineError
 from seamline.mesh.control.planning import pace
+from seamline.mesh.plan.cores import core_shares
 from seamline.net.link import LinkClosed
 
 if TYPE_CHECKING:
@@ -24,7 +25,8 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
              "head": s.owns_head, "weight_bytes": s.weight_bytes, "ranks": list(s.members())}
             for s in plan.stages
         ]  # fmt: skip
-        nodes = [_node(h) for h in coordinator.nodes.values()]
+        shares = core_shares(h.placement() for h in coordinator.nodes.values())
+        nodes = [_node(h, shares[h.node_id]) for h in coordinator.nodes.values()]
     _add_holdings(coordinator, stages)
     return {"ready": coordinator.ready.is_set(), "state": coordinator.state, "plan_id": coordinator.plan_id,
             "stages": stages, "nodes": nodes, "relayed_links": coordinator.relay.pairs,
@@ -34,14 +36,15 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
             "model": coordinator.model.name}  # fmt: skip
 
 
-def _node(h: NodeHandle) -> dict[str, object]:
+def _node(h: NodeHandle, core_share: float) -> dict[str, object]:
     measured = h.measured
     return {"node_id": h.node_id, "address": f"{h.join.data_host}:{h.join.data_port}",
             "inbound": h.inbound, "relayed": not h.inbound, "checked": h.checked,
             "rtt_ms": round(measured.latency_s * 2e3, 3) if measured else None,
             "bandwidth_mb_s": round(measured.bandwidth_bytes_per_s / 1e6, 1) if measured else None,
             "free_memory_bytes": h.join.resources.free_memory_bytes,
-            "bytes_per_second": h.join.resources.bytes_per_second, "planned_bytes_per_second": h.believed_rate,
+            "bytes_per_second": h.join.resources.bytes_per_second, "core_share": round(core_share, 4),
+            "planned_bytes_per_second": h.info(core_share).bytes_per_second,
             "bytes_downloaded": h.ready.bytes_downloaded if h.ready else None,
             "bytes_from_peers": h.ready.bytes_from_peers if h.ready else None,
             "resident_bytes": h.ready.resident_bytes if h.ready else None}  # fmt: skip

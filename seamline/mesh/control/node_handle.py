@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from seamline.mesh.control.claims import SpeedCheck
 from seamline.mesh.control.relay import Pongs
 from seamline.mesh.plan.types import Link as PlanLink
+from seamline.mesh.plan.cores import Placement
 from seamline.mesh.plan.types import NodeInfo
 from seamline.net.link import Link
 from seamline.net.messages import Join, Ready, Stats
@@ -35,7 +36,14 @@ class NodeHandle:
     def node_id(self) -> str:
         return self.join.node_id
 
-    def info(self) -> NodeInfo:
+    def info(self, core_share: float = 1.0) -> NodeInfo:
+        """What the planner knows of it; ``core_share``: the share of its CPUs' time it has
+        (``plan.cores``), which scales its measured rate."""
         r = self.join.resources
-        return NodeInfo(self.node_id, r.free_memory_bytes, self.believed_rate or r.bytes_per_second,
-                        f"{self.join.data_host}:{self.join.data_port}", r.device)  # fmt: skip
+        rate = (self.believed_rate or r.bytes_per_second) * core_share
+        return NodeInfo(self.node_id, r.free_memory_bytes, rate, f"{self.join.data_host}:{self.join.data_port}",
+                        r.device)  # fmt: skip
+
+    def placement(self) -> Placement:
+        r = self.join.resources
+        return Placement(self.node_id, r.host, frozenset(r.cpus), r.device)

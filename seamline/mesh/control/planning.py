@@ -1,6 +1,7 @@
 """When the coordinator plans, and over whom; ``Coordinator`` takes these methods.
 
-The first plan waits for ``nodes_expected`` checked members. After that the mesh plans again
+Nodes are planned at their measured rates times the share of their CPUs they have to
+themselves (``plan.cores``). The first plan waits for ``nodes_expected`` checked members. After that the mesh plans again
 whenever a planned node is lost (over the rest, standbys included), when a failed start-up's
 pause is over, and when a node joins a serving mesh and a plan with it would be at least
 ``GROWTH_GAIN`` times faster (live growth). A switch of route ends every request in flight on
@@ -14,6 +15,7 @@ import threading
 from typing import TYPE_CHECKING
 
 from seamline.mesh.control.link_probe import Reach, link_table
+from seamline.mesh.plan.cores import core_shares
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.measured import steady_rates
 from seamline.mesh.plan.planner import check_plan
@@ -56,7 +58,8 @@ class Planning:
 
     def candidate(self: Coordinator, joined: list[NodeHandle]) -> Plan:
         """The plan over ``joined`` (PlanError when they cannot hold the model)."""
-        nodes = sorted((h.info() for h in joined), key=lambda n: n.node_id)
+        shares = core_shares(h.placement() for h in joined)
+        nodes = sorted((h.info(shares[h.node_id]) for h in joined), key=lambda n: n.node_id)
         links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined), self.peer_links.measured())
         return self._choose_plan(steady_rates(nodes), links)  # like nodes measured apart plan alike
 

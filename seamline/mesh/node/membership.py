@@ -17,6 +17,7 @@ import os
 import secrets
 import ssl
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import psutil
@@ -87,8 +88,18 @@ def local_resources(options: NodeOptions) -> Resources:
     if options.max_memory_bytes is not None:
         free = min(free, options.max_memory_bytes)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # picks a lockstep group's transport
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return Resources(free_memory_bytes=int(free), bytes_per_second=measure_rate(),
-                     device=device, cores=os.cpu_count() or 1)  # fmt: skip
+                     device=device, cores=os.cpu_count() or 1, host=_boot_id(), cpus=cpus)  # fmt: skip
+
+
+def _boot_id() -> str:
+    """This boot of this machine (shared by its containers and network namespaces, which
+    share its CPUs); "" where the kernel does not say."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def connect_to_coordinator(invite: Invite, tls: ssl.SSLContext | None = None) -> Link:

@@ -1,0 +1,33 @@
+"""Nodes on one machine share its CPUs: each is planned at its measured rate times its share."""
+
+from __future__ import annotations
+
+import pytest
+
+from seamline.mesh.plan.cores import Placement, core_shares
+
+HOST = "boot-1"
+
+
+def _shares(*placements: tuple[str, str, set[int], str]) -> dict[str, float]:
+    return core_shares(Placement(n, h, frozenset(c), d) for n, h, c, d in placements)
+
+
+def test_nodes_pinned_to_one_core_halve_it_and_a_node_on_another_core_has_it_whole() -> None:
+    assert _shares(("a", HOST, {0}, "cpu"), ("b", HOST, {0}, "cpu"), ("c", HOST, {1}, "cpu")) == {
+        "a": 0.5, "b": 0.5, "c": 1.0}
+
+
+def test_three_unpinned_nodes_on_two_cores_have_a_third_each() -> None:
+    shares = _shares(*((n, HOST, {0, 1}, "cpu") for n in "abc"))
+    assert shares == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": 1 / 3})
+
+
+def test_a_partly_shared_set_counts_each_cpu_apart() -> None:
+    assert _shares(("a", HOST, {0, 1}, "cpu"), ("b", HOST, {1}, "cpu")) == {"a": 0.75, "b": 0.5}
+
+
+def test_other_machines_accelerators_and_unknown_placements_share_nothing() -> None:
+    shares = _shares(("a", HOST, {0}, "cpu"), ("b", "boot-2", {0}, "cpu"), ("g", HOST, {0}, "cuda"),
+                     ("u", "", {0}, "cpu"), ("v", HOST, set(), "cpu"))  # fmt: skip
+    assert shares == {"a": 1.0, "b": 1.0, "g": 1.0, "u": 1.0, "v": 1.0}
