@@ -81,7 +81,7 @@ class ModelConfig:
     n_group: int = 1
     topk_group: int = 1
     topk_method: str = "greedy"  # greedy | group_limited_greedy | noaux_tc
-    scoring_func: str = "softmax"  # softmax | sigmoid
+    scoring_func: str = "softmax"  # softmax | sigmoid | sqrtsoftplus (DeepSeek-V4)
     routed_scaling_factor: float = 1.0
     rope_interleave: bool = False  # DeepSeek's rope dims are stored pairwise-interleaved
     bos_token_id: int | None = None

@@ -5,11 +5,13 @@ holds only its owned experts [e0, e1) and the owned rows of the shared experts, 
 its partial sum. The ranks' outputs add up to the full layer's output (the caller sums).
 
 Routing (matching transformers' reference code):
-  scores  = softmax(logits) | sigmoid(logits)                       (scoring_func)
+  scores  = softmax(logits) | sigmoid(logits) | sqrt(softplus(logits)) (scoring_func)
   choose  = top-k of scores                                          greedy
           | top-k within the topk_group groups of highest max score  group_limited_greedy
           | top-k of scores + bias within the topk_group groups of
-            highest (sum of the top-2 biased scores)                 noaux_tc (DeepSeek-V3)
+            highest (sum of the top-2 biased scores)                 noaux_tc (DeepSeek-V3;
+                                                                      V4: one group)
+          | the token's row of a fixed table (``fixed_ids``)         hash routing (DeepSeek-V4)
   weights = the chosen unbiased scores, / their sum if norm_topk_prob, × routed_scaling_factor
 
 Shared experts are held whole by every rank of a group and split by intermediate rows. A
@@ -34,7 +36,7 @@ from seamline.model.layers import GatedMLP, empty_param
 from seamline.model.linear import granule, linear, select
 from seamline.model.ownership import Ownership
 
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -97,13 +99,26 @@ def balance_rows(loads: Sequence[int], rows: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def _scores(scoring_func: str, logits: torch.Tensor) -> torch.Tensor:
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return logits.softmax(dim=-1)
+
+
 def route(
-    config: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None
+    config: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None, fixed_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    """logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64). With
+    ``fixed_ids`` [T, k] (hash routing: a table's rows for the tokens' ids) the experts are
+    those, and only their weights come from the scores."""
     k, groups = config.num_experts_per_tok, config.n_group
-    scores = logits.sigmoid() if config.scoring_func == "sigmoid" else logits.softmax(dim=-1)
-    if config.topk_method == "noaux_tc":
+    scores = _scores(config.scoring_func, logits)
+    if fixed_ids is not None:
+        ids = fixed_ids.long()
+        weights = scores.gather(1, ids)
+    elif config.topk_method == "noaux_tc":
         if bias is None:
             raise ConfigError("topk_method noaux_tc needs a router bias (e_score_correction_bias)")
         choice = scores + bias  # [T, E]
