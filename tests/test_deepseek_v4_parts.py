@@ -103,7 +103,7 @@ def test_v4_routing_equals_the_reference(config, hashed: bool) -> None:  # type:
 WINDOW, LONG = 4, 11  # a prompt well past the window
 
 
-RATE = 3  # the heavily compressed layer's tokens per entry
+RATES = {"compressed_sparse_attention": 2, "heavily_compressed_attention": 3}  # tokens per entry
 
 
 def _attention_config(kind: str):  # type: ignore[no-untyped-def]
@@ -112,9 +112,8 @@ def _attention_config(kind: str):  # type: ignore[no-untyped-def]
     made = DeepseekV4Config(vocab_size=64, hidden_size=HIDDEN, num_hidden_layers=1, num_attention_heads=4, head_dim=16,
                             q_lora_rank=16, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                             hc_mult=STREAMS, layer_types=[kind], mlp_layer_types=["moe"], o_groups=2, o_lora_rank=8,
-                            index_n_heads=2, index_head_dim=8, index_topk=2, sliding_window=WINDOW,
-                            partial_rotary_factor=0.5,
-                            compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": RATE})  # fmt: skip
+                            index_n_heads=4, index_head_dim=8, index_topk=2, sliding_window=WINDOW,
+                            partial_rotary_factor=0.5, compress_rates=dict(RATES))  # fmt: skip
     made._attn_implementation = "eager"
     return made
 
@@ -122,21 +121,30 @@ def _attention_config(kind: str):  # type: ignore[no-untyped-def]
 NAMES = {"q_a_proj.weight": "q_a", "q_a_norm.weight": "q_a_norm", "q_b_proj.weight": "q_b", "kv_proj.weight": "kv",
          "kv_norm.weight": "kv_norm", "o_a_proj.weight": "o_a", "o_b_proj.weight": "o_b", "sinks": "sinks",
          "compressor.kv_proj.weight": "compressor.kv", "compressor.gate_proj.weight": "compressor.gate",
-         "compressor.position_bias": "compressor.position_bias", "compressor.kv_norm.weight": "compressor.kv_norm"}  # fmt: skip
+         "compressor.position_bias": "compressor.position_bias", "compressor.kv_norm.weight": "compressor.kv_norm",
+         "compressor.indexer.kv_proj.weight": "indexer.compressor.kv",
+         "compressor.indexer.gate_proj.weight": "indexer.compressor.gate",
+         "compressor.indexer.position_bias": "indexer.compressor.position_bias",
+         "compressor.indexer.kv_norm.weight": "indexer.compressor.kv_norm",
+         "compressor.indexer.q_b_proj.weight": "indexer.q_b",
+         "compressor.indexer.scorer.weights_proj.weight": "indexer.weights"}  # fmt: skip
 
 
 def _attention_pair(config):  # type: ignore[no-untyped-def]
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Attention
 
-    from seamline.model.v4_attention import SlidingAttention, V4AttentionShape
+    from seamline.model.v4_attention import Compression, V4Attention, V4AttentionShape
 
     reference = _randomised(DeepseekV4Attention(config, 0).float().eval(), 7)
-    compressed = config.layer_types[0] != "sliding_attention"
+    kind = config.layer_types[0]
+    compressed = kind != "sliding_attention"
     rope = config.rope_parameters["compress" if compressed else "main"]
     shape = V4AttentionShape(HIDDEN, config.num_attention_heads, config.head_dim, config.q_lora_rank, config.o_groups,
                              config.o_lora_rank, int(config.head_dim * rope["partial_rotary_factor"]), rope["rope_theta"],
                              config.sliding_window, config.rms_norm_eps)  # fmt: skip
-    ours = SlidingAttention(shape, RATE if compressed else 0)
+    sparse = kind == "compressed_sparse_attention"
+    compression = Compression(RATES[kind], sparse, config.index_n_heads, config.index_head_dim, config.index_topk) if compressed else None
+    ours = V4Attention(shape, compression)
     for name, param in reference.named_parameters():
         owner, _, leaf = NAMES[name].rpartition(".")
         setattr(ours.get_submodule(owner), leaf, torch.nn.Parameter(param.detach().clone(), requires_grad=False))
@@ -157,7 +165,7 @@ def _reference_sliding(reference, config, x: torch.Tensor) -> torch.Tensor:  # t
     return out[0]
 
 
-@pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention"])
+@pytest.mark.parametrize("kind", ["sliding_attention", "heavily_compressed_attention", "compressed_sparse_attention"])
 def test_v4_attention_equals_the_reference_at_once_in_chunks_and_decoding(kind: str) -> None:
     """Over a prompt longer than the window (and 3 compression windows): all at once, in two
     chunks through the cache, and the last 3 positions decoded one at a time, each within 1e-5

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's sliding-window attention (the ``sliding_attention`` layers).
+"""DeepSeek-V4's attention: a sliding window, and the compressed branches of two layer kinds.
 
 One key/value head shared by every query head, read as both key and value (shared-KV
 multi-query attention). Queries go through a low-rank projection (``q_a``, normed, ``q_b``)
@@ -9,20 +9,31 @@ sink: one more logit in its softmax that takes weight and gives no value. The he
 projected in ``o_groups`` groups to ``o_lora_rank`` each (``o_a``), then mixed (``o_b``).
 
 A query at position p sees the keys at positions (p - window, p]: the cache keeps the last
-``window - 1`` keys. A ``heavily_compressed_attention`` layer also sees the compressed entries
-of its ``HeavyCompressor`` (``v4_compress``) whose windows end at or before p. The compressed
-sparse branch (overlapping windows, the lightning indexer) is not here yet.
+``window - 1`` keys. A compressed layer (``v4_compress``) also sees its compressor's entries
+whose windows end at or before p: all of them (``heavily_compressed_attention``), or those its
+lightning indexer picks for it (``compressed_sparse_attention``).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from seamline.model.layers import empty_param
-from seamline.model.v4_compress import CompressorState, HeavyCompressor
+from seamline.model.v4_compress import Compressor, CompressorState, Indexer
 from seamline.model.v4_parts import V4AttentionShape, turn, unweighted_rms, weighted_rms
+
+
+@dataclass(frozen=True)
+class Compression:
+    rate: int  # tokens per entry
+    sparse: bool = False  # overlapping windows and an indexer (compressed_sparse_attention)
+    index_heads: int = 0
+    index_dim: int = 0
+    index_top_k: int = 0
 
 
 class SlidingCache:
@@ -33,15 +44,17 @@ class SlidingCache:
         self.kv: torch.Tensor | None = None  # [kept, head_dim]
         self.length = 0
         self.compressed = CompressorState()
+        self.indexed = CompressorState()
 
 
-class SlidingAttention(nn.Module):
-    def __init__(self, shape: V4AttentionShape, compress_rate: int = 0) -> None:
-        """``compress_rate`` > 0: a heavily compressed layer, whose compressor takes that many
-        tokens into one entry."""
+class V4Attention(nn.Module):
+    def __init__(self, shape: V4AttentionShape, compression: Compression | None = None) -> None:
+        """``compression``: a compressed layer's branch (None: sliding only)."""
         super().__init__()
         s = self.shape = shape
-        self.compressor = HeavyCompressor(shape, compress_rate) if compress_rate else None
+        c = compression
+        self.compressor = Compressor(shape, c.rate, s.head_dim, c.sparse) if c is not None else None
+        self.indexer = Indexer(shape, c.rate, c.index_heads, c.index_dim, c.index_top_k) if c and c.sparse else None
         self.q_a = empty_param(s.q_lora_rank, s.hidden)
         self.q_a_norm = empty_param(s.q_lora_rank)
         self.q_b = empty_param(s.heads * s.head_dim, s.q_lora_rank)
@@ -57,7 +70,8 @@ class SlidingAttention(nn.Module):
         if start != cache.length:
             raise ValueError(f"the cache holds {cache.length} positions; this step starts at {start}")
         positions = torch.arange(start, start + tokens)
-        q = F.linear(weighted_rms(F.linear(x, self.q_a), self.q_a_norm, s.eps), self.q_b)
+        q_residual = weighted_rms(F.linear(x, self.q_a), self.q_a_norm, s.eps)
+        q = F.linear(q_residual, self.q_b)
         q = turn(unweighted_rms(q.view(tokens, s.heads, s.head_dim), s.eps), positions, s.rope_dim, s.rope_theta)
         kv = weighted_rms(F.linear(x, self.kv), self.kv_norm, s.eps).view(tokens, 1, s.head_dim)
         kv = turn(kv, positions, s.rope_dim, s.rope_theta)[:, 0]  # [T, head_dim]
@@ -66,7 +80,11 @@ class SlidingAttention(nn.Module):
         if self.compressor is not None:
             entries = self.compressor(x, cache.compressed)
             keys = torch.cat([keys, entries])
-            visible = torch.cat([visible, self.compressor.visible(positions, entries.shape[0])], dim=1)
+            if self.indexer is not None:
+                seen = self.indexer(x, q_residual, positions, cache.indexed)
+            else:
+                seen = self.compressor.ended(positions, entries.shape[0])
+            visible = torch.cat([visible, seen], dim=1)
         out = self._attend(q, keys, visible)
         window = keys[: keys.shape[0] - (0 if self.compressor is None else entries.shape[0])]
         cache.kv, cache.length = window[-(s.window - 1) :] if s.window > 1 else window[:0], cache.length + tokens
