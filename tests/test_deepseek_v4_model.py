@@ -58,3 +58,29 @@ def test_v4_logits_equal_the_reference_at_once_in_chunks_and_decoding(pair) -> N
     rows = [ours(ids[:5], 0, caches), ours(ids[5:9], 5, caches)]
     rows += [ours(ids[p : p + 1], p, caches) for p in range(9, PROMPT)]
     torch.testing.assert_close(torch.cat(rows), expected, rtol=0, atol=1e-4)
+
+
+def test_two_stages_passing_the_residual_and_the_ids_equal_the_whole(pair) -> None:  # type: ignore[no-untyped-def]
+    """Layers [0, 2) and [2, 3) as two stages, each loaded with its own part only: the first's
+    output is the residual [T, 4, 32]; with the ids, the second's logits equal the whole's,
+    at once and decoding."""
+    from seamline.model.v4_model import boundary_bytes
+
+    reference, whole = pair
+    config = reference.config.to_dict()
+    first, second = V4Model(config, (0, 2)), V4Model(config, (2, 3))
+    for stage in (first, second):
+        load_reference_weights(stage, reference.state_dict())
+    assert first.head is None and second.embed is None and len(second.layers) == 1
+    ids = torch.randint(0, 96, (PROMPT,), generator=torch.Generator().manual_seed(3))
+    expected = whole(ids, 0, whole.new_caches())
+    caches = (first.new_caches(), second.new_caches())
+    residual = first(ids[:9], 0, caches[0])
+    assert residual.shape == (9, 4, 32)
+    rows = [second(ids[:9], 0, caches[1], residual)]
+    for p in range(9, PROMPT):
+        rows.append(second(ids[p : p + 1], p, caches[1], first(ids[p : p + 1], p, caches[0])))
+    torch.testing.assert_close(torch.cat(rows), expected, rtol=0, atol=1e-5)
+    assert boundary_bytes(config, torch.bfloat16) == 4 * 32 * 2 + 8
+    with pytest.raises(ValueError, match="need the residual"):
+        second(ids[:2], 0, second.new_caches())

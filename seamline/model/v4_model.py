@@ -100,36 +100,59 @@ def _compression(hc: dict, kind: str) -> Compression | None:  # type: ignore[typ
 
 
 class V4Model(nn.Module):
-    """The whole model; ``hc``: its Hugging Face config as a dict (``DeepseekV4Config.to_dict``)."""
+    """Layers [first, end) of the model (all by default), with the embedding when first is 0
+    and the hyper-head, norm and output head when end is the last; ``hc``: its Hugging Face
+    config as a dict (``DeepseekV4Config.to_dict``).
 
-    def __init__(self, hc: dict) -> None:  # type: ignore[type-arg]
+    Between two such stages crosses the residual, ``[tokens, hc_mult, hidden]``, and the
+    tokens' ids, which the hash-routed layers of every stage need (``boundary_bytes``)."""
+
+    def __init__(self, hc: dict, layers: tuple[int, int] | None = None) -> None:  # type: ignore[type-arg]
         super().__init__()
-        hidden, streams = hc["hidden_size"], hc["hc_mult"]
+        hidden, streams, count = hc["hidden_size"], hc["hc_mult"], hc["num_hidden_layers"]
+        self.first, end = layers or (0, count)
         self.streams, self.eps = streams, hc["rms_norm_eps"]
-        self.embed = empty_param(hc["vocab_size"], hidden)
-        self.layers = nn.ModuleList(V4Block(hc, kind, mlp == "hash_moe")
-                                    for kind, mlp in zip(hc["layer_types"], hc["mlp_layer_types"]))  # fmt: skip
-        self.hc_head = HyperHead(hidden, streams, hc["hc_eps"], self.eps)
-        self.norm = empty_param(hidden)
-        self.head = empty_param(hc["vocab_size"], hidden)
+        kinds = list(zip(hc["layer_types"], hc["mlp_layer_types"]))[self.first : end]
+        self.embed = empty_param(hc["vocab_size"], hidden) if self.first == 0 else None
+        self.layers = nn.ModuleList(V4Block(hc, kind, mlp == "hash_moe") for kind, mlp in kinds)
+        owns_head = end == count
+        self.hc_head = HyperHead(hidden, streams, hc["hc_eps"], self.eps) if owns_head else None
+        self.norm = empty_param(hidden) if owns_head else None
+        self.head = empty_param(hc["vocab_size"], hidden) if owns_head else None
 
     def new_caches(self) -> list[SlidingCache]:
         return [SlidingCache() for _ in self.layers]
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, start: int, caches: list[SlidingCache]) -> torch.Tensor:
-        """Token ids [T] at positions [start, start + T) -> logits [T, vocab]."""
-        residual = widen(F.embedding(ids, self.embed), self.streams)
+    def forward(self, ids: torch.Tensor, start: int, caches: list[SlidingCache],
+                residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Token ids [T] at positions [start, start + T), and the residual [T, hc_mult, hidden]
+        from the stage before (none for the first) -> logits [T, vocab], or the residual for
+        the next stage."""
+        if self.embed is not None:
+            residual = widen(F.embedding(ids, self.embed), self.streams)
+        if residual is None:
+            raise ValueError(f"layers from {self.first} on need the residual of the layers before")
         for block, cache in zip(self.layers, caches):
             residual = block(residual, ids, start, cache)
+        if self.hc_head is None or self.norm is None or self.head is None:
+            return residual
         return F.linear(weighted_rms(self.hc_head(residual), self.norm, self.eps), self.head)
 
 
+def boundary_bytes(hc: dict, dtype: torch.dtype) -> int:  # type: ignore[type-arg]
+    """Bytes per token crossing a stage boundary: the residual's streams and the token's id."""
+    return hc["hc_mult"] * hc["hidden_size"] * torch.empty(0, dtype=dtype).element_size() + 8
+
+
 def load_reference_weights(model: V4Model, state: dict[str, torch.Tensor]) -> None:
-    """Fill ``model`` from a state dict under transformers' names (every one used)."""
+    """Fill ``model`` from a state dict under transformers' names: every tensor of its layers
+    (renumbered from ``model.first``), embedding and head goes in, and every parameter is filled."""
     params = dict(model.named_parameters())
     for name, value in _fuse_shared(state).items():
-        ours = _our_name(name)
+        ours = _renumbered(_our_name(name), model.first, len(model.layers))
+        if ours is None or getattr(model, ours.split(".")[0]) is None:
+            continue  # another stage's
         if ours not in params:
             raise KeyError(f"{name} has no place in the V4 model (as {ours})")
         owner, _, leaf = ours.rpartition(".")
@@ -160,6 +183,17 @@ def _our_name(name: str) -> str:
     for theirs, ours in _PLAIN.items():
         name = name.replace(f".{theirs}.weight", f".{ours}")
     return name.removesuffix(".weight")
+
+
+def _renumbered(name: str, first: int, count: int) -> str | None:
+    """``layers.i.…`` as this stage's ``layers.(i - first).…``; another stage's layer: None."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        index = int(parts[1]) - first
+        if not 0 <= index < count:
+            return None
+        parts[1] = str(index)
+    return ".".join(parts)
 
 
 def _fuse_shared(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
