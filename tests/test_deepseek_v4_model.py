@@ -84,3 +84,16 @@ def test_two_stages_passing_the_residual_and_the_ids_equal_the_whole(pair) -> No
     assert boundary_bytes(config, torch.bfloat16) == 4 * 32 * 2 + 8
     with pytest.raises(ValueError, match="need the residual"):
         second(ids[:2], 0, second.new_caches())
+
+
+def test_a_missing_indexer_tensor_or_a_hash_table_of_the_wrong_size_is_named(pair) -> None:  # type: ignore[no-untyped-def]
+    from seamline.errors import CheckpointError
+
+    reference, _ = pair
+    config, state = reference.config.to_dict(), dict(reference.state_dict())
+    without = {k: v for k, v in state.items() if k != "model.layers.1.self_attn.compressor.indexer.q_b_proj.weight"}
+    with pytest.raises(CheckpointError, match=r"no tensor for layers\.1\.attn\.indexer\.q_b"):
+        load_reference_weights(V4Model(config), without)
+    wrong = {**state, "model.layers.0.mlp.gate.tid2eid": torch.zeros(95, 2, dtype=torch.long)}
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate\.tid2eid has shape \(95, 2\); the config needs \(96, 2\)"):
+        load_reference_weights(V4Model(config), wrong)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seamline.errors import CheckpointError
 from seamline.model.hyper import HyperConnection, HyperHead, widen
 from seamline.model.layers import empty_param
 from seamline.model.moe import route
@@ -154,12 +155,14 @@ def load_reference_weights(model: V4Model, state: dict[str, torch.Tensor]) -> No
         if ours is None or getattr(model, ours.split(".")[0]) is None:
             continue  # another stage's
         if ours not in params:
-            raise KeyError(f"{name} has no place in the V4 model (as {ours})")
+            raise CheckpointError(f"{name} has no place in the V4 model (as {ours})")
+        if tuple(value.shape) != tuple(params[ours].shape):
+            raise CheckpointError(f"{name} has shape {tuple(value.shape)}; the config needs {tuple(params[ours].shape)}")
         owner, _, leaf = ours.rpartition(".")
         setattr(model.get_submodule(owner), leaf, nn.Parameter(_our_value(ours, value), requires_grad=False))
     missing = {n for n, p in model.named_parameters() if p.is_meta}
     if missing:
-        raise KeyError(f"no value for {sorted(missing)[0]}")
+        raise CheckpointError(f"the checkpoint has no tensor for {sorted(missing)[0]} (and {len(missing) - 1} more)")
 
 
 _PLAIN = {"q_a_proj": "q_a", "q_b_proj": "q_b", "kv_proj": "kv", "o_a_proj": "o_a", "o_b_proj": "o_b",
