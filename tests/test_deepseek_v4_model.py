@@ -97,3 +97,22 @@ def test_a_missing_indexer_tensor_or_a_hash_table_of_the_wrong_size_is_named(pai
     wrong = {**state, "model.layers.0.mlp.gate.tid2eid": torch.zeros(95, 2, dtype=torch.long)}
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate\.tid2eid has shape \(95, 2\); the config needs \(96, 2\)"):
         load_reference_weights(V4Model(config), wrong)
+
+
+def test_32_greedy_tokens_decoded_through_the_caches_equal_the_reference(pair) -> None:  # type: ignore[no-untyped-def]
+    """Ours decodes through its caches a token at a time; the reference's token at each step is
+    the argmax of its logits over the whole sequence so far, computed afresh (no cache)."""
+    reference, ours = pair
+    ids = torch.randint(0, 96, (PROMPT,), generator=torch.Generator().manual_seed(4))
+    caches = ours.new_caches()
+    token = int(ours(ids, 0, caches)[-1].argmax())
+    mine, sequence = [token], ids.tolist() + [token]
+    for _ in range(31):
+        token = int(ours(torch.tensor([token]), len(sequence) - 1, caches)[-1].argmax())
+        mine.append(token)
+        sequence.append(token)
+    theirs, sequence = [], ids.tolist()
+    for _ in range(32):
+        theirs.append(int(_reference_logits(reference, torch.tensor(sequence))[-1].argmax()))
+        sequence.append(theirs[-1])
+    assert mine == theirs
