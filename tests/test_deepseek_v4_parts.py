@@ -151,7 +151,7 @@ def _attention_pair(config):  # type: ignore[no-untyped-def]
     return reference, ours
 
 
-def _reference_sliding(reference, config, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _reference_attention(reference, config, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
 
     tokens = x.shape[0]
@@ -175,7 +175,7 @@ def test_v4_attention_equals_the_reference_at_once_in_chunks_and_decoding(kind: 
     config = _attention_config(kind)
     reference, ours = _attention_pair(config)
     x = torch.randn(LONG, HIDDEN, generator=torch.Generator().manual_seed(8))
-    expected = _reference_sliding(reference, config, x)
+    expected = _reference_attention(reference, config, x)
     torch.testing.assert_close(ours(x, 0, SlidingCache()), expected, rtol=0, atol=1e-5)
     cache = SlidingCache()
     chunks = [ours(x[:5], 0, cache), ours(x[5:8], 5, cache)]

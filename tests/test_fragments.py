@@ -12,7 +12,6 @@ import os
 import random
 import shutil
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from seamline.weights.fragments import (
 from seamline.weights.packaging import package, package_cached
 from seamline.weights.loader import load_stage, open_source
 from tests.reference import random_ids, save_random_model
+from tests.small_disk import small_file_system
 
 TOKEN = "s3cret"
 LAYERS = 4
@@ -402,15 +402,8 @@ def _flip_a_byte(path: Path) -> None:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """An 8 MiB file system (tmpfs); skipped where this process may not mount one."""
-    folder = tmp_path / "small"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
+    with small_file_system(tmp_path / "small") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], capture_output=True)
 
 
 def test_a_disk_without_room_is_refused_before_downloading(served: tuple[str, Path, Manifest], small_disk: Path) -> None:

@@ -4,7 +4,6 @@ anyone restarting anything. The node's cache is an 8 MiB tmpfs, grown to 2 GiB l
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses
 from tests.test_mesh import QUESTION, ask
+from tests.small_disk import grow, small_file_system
 from tests.test_mesh_heal import _until
 
 CONTEXT = 1024
@@ -21,15 +21,8 @@ CONTEXT = 1024
 
 @pytest.fixture
 def small_cache(tmp_path: Path) -> Iterator[Path]:
-    folder = tmp_path / "node0"  # the harness's cache of node0
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode(errors='replace').strip()}")
-    try:
+    with small_file_system(tmp_path / "node0") as folder:  # the harness's cache of node0
         yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
 def test_a_start_up_failed_for_want_of_disk_is_retried_and_heals_once_there_is_room(small_cache: Path) -> None:
@@ -39,7 +32,7 @@ def test_a_start_up_failed_for_want_of_disk_is_retried_and_heals_once_there_is_r
         failed = lambda: [line for line in mesh.output if "start-up failed" in line and "planning again" in line]  # noqa: E731
         _until(lambda: len(failed()) >= 2, "the start-up to fail and be tried again")
         assert "free some space" in failed()[0], failed()
-        subprocess.run(["mount", "-o", "remount,size=2g", str(small_cache)], check=True)
+        grow(small_cache, "2g")
         mesh.wait_ready()
         local = LocalModel.load(context=CONTEXT)
         ids = local.codec.encode_chat([{"role": "user", "content": QUESTION}])

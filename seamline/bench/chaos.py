@@ -131,7 +131,7 @@ def _round(server: Server, env: dict[str, str], logs: Path, index: int) -> dict[
     """Fail a random node of the route, start it again after RESTART_AFTER_S, wait until the
     mesh is whole and ready again; when it failed and how."""
     time.sleep(random.uniform(2.0, 4.0))
-    status = _status(server)
+    status = mesh_status(server)
     victim = random.choice([s["node_id"] for s in status["stages"]])
     number = int(victim.removeprefix("chaos"))
     proc = server.procs[1 + number]
@@ -147,14 +147,14 @@ def _round(server: Server, env: dict[str, str], logs: Path, index: int) -> dict[
                                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        status = _status(server)
+        status = mesh_status(server)
         if status.get("ready") and len(status.get("nodes", [])) == NODES:
             break
         time.sleep(0.5)
     return {"node": victim, "how": how, "at": failed_at}
 
 
-def _status(server: Server) -> dict[str, Any]:
+def mesh_status(server: Server) -> dict[str, Any]:
     try:
         return dict(httpx.get(server.url.removesuffix("/v1") + "/api/status", timeout=10).json())
     except (httpx.HTTPError, ValueError):
@@ -172,7 +172,7 @@ def _recoveries(answers: list[Answer], failures: list[dict[str, Any]]) -> list[f
     return out
 
 
-def _rate(answers: list[Answer], since: float, until: float) -> float:
+def stream_rate(answers: list[Answer], since: float, until: float) -> float:
     """Tokens streamed per second between ``since`` and ``until`` (of answers that ended)."""
     tokens = sum(1 for a in answers for t in a.token_times if since <= t < until)
     return tokens / (until - since)
@@ -216,8 +216,8 @@ def _result(load: Clients, calm_from: float, calm_to: float, chaos_to: float, fa
         "recovery_s_p95": _pct(recoveries, 0.95),
         "recovery_s_max": _pct(recoveries, 1.0),
         "streams_recovered": len(recoveries),
-        "tok_s_without_failures": round(_rate(load.answers, calm_from, calm_to), 2),
-        "tok_s_during_chaos": round(_rate(load.answers, calm_to, chaos_to), 2),
+        "tok_s_without_failures": round(stream_rate(load.answers, calm_from, calm_to), 2),
+        "tok_s_during_chaos": round(stream_rate(load.answers, calm_to, chaos_to), 2),
         "calm_requests": len(calm),
         "calm_answers_unstable": unstable,  # a request whose calm answers differ among themselves
         "failures": [{"node": f["node"], "how": f["how"]} for f in failures],

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from seamline.bench.chaos import CONTEXT, Clients, _rate, _status
+from seamline.bench.chaos import CONTEXT, Clients, mesh_status, stream_rate
 from seamline.bench.servers import NodeSpec, Server, join_node, start_mesh
 from seamline.server.demo import memory_cap_gb
 
@@ -63,17 +63,17 @@ def _phase(seconds: float) -> tuple[float, float]:
 
 
 def _route(server: Server) -> list[str]:
-    return [stage["node_id"] for stage in _status(server).get("stages", [])]
+    return [stage["node_id"] for stage in mesh_status(server).get("stages", [])]
 
 
 def _wait_planned_in(server: Server, node_id: str, since: float) -> float:
     """When the mesh first served with ``node_id`` on its route."""
     while time.monotonic() - since < SWITCH_TIMEOUT_S:
-        status = _status(server)
+        status = mesh_status(server)
         if status.get("ready") and node_id in [s["node_id"] for s in status.get("stages", [])]:
             return time.monotonic()
         time.sleep(0.25)
-    raise TimeoutError(f"{node_id} was not planned in within {SWITCH_TIMEOUT_S:.0f} s: {_status(server)}")
+    raise TimeoutError(f"{node_id} was not planned in within {SWITCH_TIMEOUT_S:.0f} s: {mesh_status(server)}")
 
 
 def _predicted_gain(logs: Path) -> float | None:
@@ -90,7 +90,7 @@ def _result(load: Clients, before: tuple[float, float], after: tuple[float, floa
             first.setdefault(answer.client, answer.text)
     lost = [a for a in load.answers if a.error]
     changed = [a for a in load.answers if not a.error and a.text != first[a.client]]
-    rate_before, rate_after = _rate(load.answers, *before), _rate(load.answers, *after)
+    rate_before, rate_after = stream_rate(load.answers, *before), stream_rate(load.answers, *after)
     return {
         "bench": "growth",
         "model": "SmolLM2-135M-Instruct.Q4_1 (float32), any 2 nodes hold it",

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
 from seamline.model.hyper import HyperConnection, HyperHead, widen
 from seamline.model.layers import empty_param
@@ -35,8 +36,12 @@ class V4MoE(nn.Module):
     def __init__(self, hc: dict, hashed: bool) -> None:  # type: ignore[type-arg]
         super().__init__()
         self.hashed, self.top_k, self.limit = hashed, hc["num_experts_per_tok"], hc["swiglu_limit"]
-        self.scaling = hc["routed_scaling_factor"]
         experts, hidden, inter = hc["n_routed_experts"], hc["hidden_size"], hc["moe_intermediate_size"]
+        self.routing = ModelConfig(family="deepseek_v4", vocab_size=hc["vocab_size"], hidden_size=hidden,
+                                   intermediate_size=inter, num_layers=hc["num_hidden_layers"],
+                                   num_heads=hc["num_attention_heads"], num_kv_heads=1, head_dim=hc["head_dim"],
+                                   num_experts=experts, num_experts_per_tok=self.top_k, moe_intermediate_size=inter,
+                                   routed_scaling_factor=hc["routed_scaling_factor"], **ROUTING)  # type: ignore[arg-type]  # fmt: skip
         self.router = empty_param(experts, hidden)
         self.table = empty_param(hc["vocab_size"], self.top_k) if hashed else None  # tid2eid
         self.bias = None if hashed else empty_param(experts)
@@ -48,23 +53,13 @@ class V4MoE(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.router.float())
         fixed = self.table[ids] if self.table is not None else None
-        weights, chosen = _route(logits, self.bias, fixed, self.top_k, self.scaling)
+        weights, chosen = route(self.routing, logits, self.bias, fixed)
         out = torch.zeros_like(x)
         for expert in chosen.unique().tolist():
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
             h = clamped_swiglu(F.linear(x[rows], self.experts_gate_up[expert]), self.limit)
             out.index_add_(0, rows, F.linear(h, self.experts_down[expert]) * weights[rows, slot, None].to(x.dtype))
         return out + F.linear(clamped_swiglu(F.linear(x, self.shared_gate_up), self.limit), self.shared_down)
-
-
-def _route(logits: torch.Tensor, bias: torch.Tensor | None, fixed: torch.Tensor | None, top_k: int,
-           scaling: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    from seamline.config import ModelConfig
-
-    config = ModelConfig(family="deepseek_v4", vocab_size=1, hidden_size=1, intermediate_size=1, num_layers=1,
-                         num_heads=1, num_kv_heads=1, head_dim=1, num_experts=logits.shape[1], num_experts_per_tok=top_k,
-                         moe_intermediate_size=1, routed_scaling_factor=scaling, **ROUTING)  # type: ignore[arg-type]  # fmt: skip
-    return route(config, logits, bias, fixed)
 
 
 class V4Block(nn.Module):
