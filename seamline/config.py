@@ -7,6 +7,8 @@ Hugging Face configs (legacy ``rope_scaling`` and newer ``rope_parameters`` alik
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,7 +17,8 @@ from seamline.errors import ConfigError
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 MOE_FAMILIES = ("mixtral", "qwen3_moe")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
-SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES
+V4_FAMILY = "deepseek_v4"
+SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES + (V4_FAMILY,)
 
 # model_type -> when transformers applies config.json's sliding_window (seamline does not):
 # "always": whenever it is set (Mistral, Mixtral); "flag": when use_sliding_window is true
@@ -86,10 +89,16 @@ class ModelConfig:
     rope_interleave: bool = False  # DeepSeek's rope dims are stored pairwise-interleaved
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # DeepSeek-V4: its config.json as read; its modules take their many layout fields from it
+    hf: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def is_mla(self) -> bool:
         return self.family in MLA_FAMILIES
+
+    @property
+    def is_v4(self) -> bool:
+        return self.family == V4_FAMILY
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -122,6 +131,8 @@ class ModelConfig:
         kwargs.update(_moe_fields(family, d, layers))
         if family in MLA_FAMILIES:
             kwargs.update(_mla_fields(d))
+        if family == V4_FAMILY:
+            kwargs.update(_v4_fields(d, layers))
         return cls(**kwargs)
 
 
@@ -246,8 +257,68 @@ def _mla_fields(d: dict[str, Any]) -> dict[str, Any]:
     )
 
 
+def _v4_fields(d: dict[str, Any], layers: int) -> dict[str, Any]:
+    """DeepSeek-V4: every layer's feed-forward is a mixture of experts, routed by
+    sqrt(softplus) scores (or by a token-id table), one shared key/value head."""
+    for key in ("hc_mult", "layer_types", "mlp_layer_types", "sliding_window", "o_groups", "o_lora_rank"):
+        if d.get(key) is None:
+            raise ConfigError(f"config.json has no '{key}' (DeepSeek-V4)")
+    for kind in ("layer_types", "mlp_layer_types"):
+        if len(d[kind]) < layers:
+            raise ConfigError(f"config.json's {kind} names {len(d[kind])} layers; the model has {layers}")
+    unknown = set(d["layer_types"][:layers]) - set(V4_ATTENTION_KINDS)
+    if unknown:
+        raise ConfigError(f"unknown DeepSeek-V4 layer type {sorted(unknown)[0]!r}; known: {', '.join(V4_ATTENTION_KINDS)}")
+    return dict(
+        num_kv_heads=1,
+        num_experts=int(d["n_routed_experts"]),
+        num_experts_per_tok=int(d["num_experts_per_tok"]),
+        moe_intermediate_size=int(d["moe_intermediate_size"]),
+        norm_topk_prob=True,
+        moe_layers=tuple(range(layers)),
+        n_shared_experts=int(d.get("n_shared_experts") or 1),
+        q_lora_rank=int(d["q_lora_rank"]),
+        topk_method="noaux_tc",
+        scoring_func="sqrtsoftplus",
+        routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        hf=json.loads(json.dumps(d)),
+    )
+
+
+V4_ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+
+
+def v4_cache_bytes(config: ModelConfig, layers: range, tokens: int, dtype_bytes: int) -> int:
+    """The most a V4 sequence of ``tokens`` holds over ``layers``, per layer type: the window's
+    last keys (every type), one entry per ``rate`` tokens (compressed types; the sparse type's
+    indexer keeps its own), and a compressor's open window (candidates and gates; the sparse
+    type's are two halves wide, and it keeps the last closed window's first halves)."""
+    hf = config.hf
+    head, window = config.head_dim, int(hf["sliding_window"])
+    total = 0
+    for i in layers:
+        kind = hf["layer_types"][i]
+        total += min(tokens, max(window - 1, 0)) * head
+        if kind == "sliding_attention":
+            continue
+        sparse = kind == "compressed_sparse_attention"
+        rate = int(hf["compress_rates"][kind])
+        width = head + (int(hf["index_head_dim"]) if sparse else 0)
+        open_window = 2 * min(tokens, rate - 1) * width * (2 if sparse else 1)
+        prior = 2 * rate * width if sparse and tokens >= rate else 0
+        total += tokens // rate * width + open_window + prior
+    return total * dtype_bytes
+
+
+V4_PLANNING_TOKENS = 4096  # the context a V4 layer's bytes per token are averaged over
+
+
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:
-    """Per layer: keys and values of every KV head, or MLA's latent plus rotary key."""
+    """Per layer: keys and values of every KV head, or MLA's latent plus rotary key (V4: its
+    layers' mean over ``V4_PLANNING_TOKENS``, rounded up; ``v4_cache_bytes`` for a context)."""
+    if config.is_v4:
+        whole = v4_cache_bytes(config, range(config.num_layers), V4_PLANNING_TOKENS, dtype_bytes)
+        return -(-whole // (V4_PLANNING_TOKENS * config.num_layers))
     if config.is_mla:
         return (config.kv_lora_rank + config.qk_rope_head_dim) * dtype_bytes
     return 2 * config.num_kv_heads * config.head_dim * dtype_bytes

@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from seamline.model.layers import empty_param
+from seamline.model.linear import linear
 from seamline.model.v4_compress import Compressor, CompressorState, Indexer
 from seamline.model.v4_parts import V4AttentionShape, turn, unweighted_rms, weighted_rms
 
@@ -45,6 +45,10 @@ class SlidingCache:
         self.length = 0
         self.compressed = CompressorState()
         self.indexed = CompressorState()
+
+    def nbytes(self) -> int:
+        window = self.kv.nbytes if self.kv is not None else 0
+        return window + self.compressed.nbytes() + self.indexed.nbytes()
 
 
 class V4Attention(nn.Module):
@@ -70,10 +74,10 @@ class V4Attention(nn.Module):
         if start != cache.length:
             raise ValueError(f"the cache holds {cache.length} positions; this step starts at {start}")
         positions = torch.arange(start, start + tokens)
-        q_residual = weighted_rms(F.linear(x, self.q_a), self.q_a_norm, s.eps)
-        q = F.linear(q_residual, self.q_b)
+        q_residual = weighted_rms(linear(x, self.q_a), self.q_a_norm, s.eps)
+        q = linear(q_residual, self.q_b)
         q = turn(unweighted_rms(q.view(tokens, s.heads, s.head_dim), s.eps), positions, s.rope_dim, s.rope_theta)
-        kv = weighted_rms(F.linear(x, self.kv), self.kv_norm, s.eps).view(tokens, 1, s.head_dim)
+        kv = weighted_rms(linear(x, self.kv), self.kv_norm, s.eps).view(tokens, 1, s.head_dim)
         kv = turn(kv, positions, s.rope_dim, s.rope_theta)[:, 0]  # [T, head_dim]
         keys = kv if cache.kv is None else torch.cat([cache.kv, kv])
         visible = self._window_mask(positions, start - (keys.shape[0] - tokens), keys.shape[0])
@@ -87,11 +91,12 @@ class V4Attention(nn.Module):
             visible = torch.cat([visible, seen], dim=1)
         out = self._attend(q, keys, visible)
         window = keys[: keys.shape[0] - (0 if self.compressor is None else entries.shape[0])]
-        cache.kv, cache.length = window[-(s.window - 1) :] if s.window > 1 else window[:0], cache.length + tokens
+        kept = window[-(s.window - 1) :] if s.window > 1 else window[:0]
+        cache.kv, cache.length = kept.clone(), cache.length + tokens  # not a view holding every key
         out = turn(out, positions, s.rope_dim, s.rope_theta, back=True)
         grouped = out.reshape(tokens, s.o_groups, -1).transpose(0, 1)  # [G, T, heads * head_dim / G]
         mixed = torch.bmm(grouped, self.o_a.view(s.o_groups, s.o_lora_rank, -1).transpose(1, 2))
-        return F.linear(mixed.transpose(0, 1).reshape(tokens, -1), self.o_b)
+        return linear(mixed.transpose(0, 1).reshape(tokens, -1), self.o_b)
 
     def _window_mask(self, positions: torch.Tensor, first_key: int, keys: int) -> torch.Tensor:
         """[T, keys] bool: which of the window's keys each query sees."""

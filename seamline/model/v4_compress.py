@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seamline.model.layers import empty_param
+from seamline.model.linear import linear
 from seamline.model.v4_parts import V4AttentionShape, turn, weighted_rms
 
 
@@ -34,6 +35,10 @@ class CompressorState:
         self.pending_gate: torch.Tensor | None = None
         self.prior: tuple[torch.Tensor, torch.Tensor] | None = None  # ([rate, dim] kv, gate)
         self.entries: torch.Tensor | None = None  # [entries, dim]
+
+    def nbytes(self) -> int:
+        held = [self.pending_kv, self.pending_gate, self.entries, *(self.prior or ())]
+        return sum(t.nbytes for t in held if t is not None)
 
 
 class Compressor(nn.Module):
@@ -49,12 +54,12 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
         """Take the next tokens (x [T, hidden]); every entry so far [entries, dim]."""
         s, rate = self.shape, self.rate
-        kv, gate = F.linear(x, self.kv), F.linear(x, self.gate)
+        kv, gate = linear(x, self.kv), linear(x, self.gate)
         if state.pending_kv is not None and state.pending_gate is not None:
             kv, gate = torch.cat([state.pending_kv, kv]), torch.cat([state.pending_gate, gate])
         done = state.entries.shape[0] if state.entries is not None else 0
         usable = kv.shape[0] // rate * rate
-        state.pending_kv, state.pending_gate = kv[usable:], gate[usable:]
+        state.pending_kv, state.pending_gate = kv[usable:].clone(), gate[usable:].clone()
         windows, width = usable // rate, kv.shape[1]
         if windows == 0:
             state.entries = kv.new_zeros(0, self.dim) if state.entries is None else state.entries
@@ -102,10 +107,10 @@ class Indexer(nn.Module):
         """[T, entries] bool: the entries each query may see (ended, and among its top k)."""
         s = self.compressor.shape
         keys = self.compressor(x, state)
-        q = F.linear(q_residual, self.q_b).view(x.shape[0], self.heads, self.dim)
+        q = linear(q_residual, self.q_b).view(x.shape[0], self.heads, self.dim)
         q = turn(q, positions, s.rope_dim, s.rope_theta)
         scores = F.relu(torch.einsum("thd,ed->the", q.float(), keys.float())) * self.dim**-0.5
-        weights = F.linear(x, self.weights).float() * self.heads**-0.5  # [T, heads]
+        weights = linear(x, self.weights).float() * self.heads**-0.5  # [T, heads]
         ended = self.compressor.ended(positions, keys.shape[0])
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~ended, float("-inf"))
         picked = scores.topk(min(self.top_k, keys.shape[0]), dim=-1).indices  # [T, k]

@@ -9,7 +9,9 @@ Payloads:
 - CONTROL: UTF-8 JSON of one typed message (see ``seamline.net.messages``).
 - HIDDEN: the residual stream for a batch of rows (one row = one sequence's tokens):
   u16 rows, u8 dtype, u8 ndim, u32 × ndim shape, rows × ROW, then the raw tensor bytes.
-  ``shape[0]`` is the total token count; a row's ``count`` tokens are consecutive.
+  ``shape[0]`` is the total token count; a row's ``count`` tokens are consecutive. With
+  ``IDS_FLAG`` set in the dtype byte, the tokens' ids follow (i32 × tokens): a stage whose
+  layers route by token id (DeepSeek-V4's hash-routed experts) needs them.
 - TOKEN: sampled token ids travelling from the last stage back to stage 0:
   u16 rows, then rows × TOKEN_ROW.
 A ROW carries (request id, position, count, prefix hash before, prefix hash after, flags):
@@ -57,6 +59,7 @@ HANDSHAKE_LIMITS = {FrameType.CONTROL: 16 << 10, FrameType.HIDDEN: 0, FrameType.
 HANDSHAKE_DEADLINE_S = 10.0  # and a whole handshake message within this
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+IDS_FLAG = 0x80  # in the dtype byte: the tokens' ids follow the tensor
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
@@ -84,6 +87,7 @@ class TokenRow:
 class HiddenFrame:
     rows: tuple[Row, ...]
     tensor: torch.Tensor  # [tokens, ...]
+    ids: torch.Tensor | None = None  # [tokens] int64, when the sender passes them
 
 
 @dataclass(frozen=True)
@@ -122,16 +126,23 @@ def header(frame_type: FrameType, length: int) -> bytes:
     return HEADER.pack(MAGIC, VERSION, int(frame_type), length)
 
 
-def encode_hidden(rows: list[Row] | tuple[Row, ...], tensor: torch.Tensor) -> list[bytes | memoryview]:
+def encode_hidden(
+    rows: list[Row] | tuple[Row, ...], tensor: torch.Tensor, ids: torch.Tensor | None = None
+) -> list[bytes | memoryview]:
     """Buffers of one HIDDEN frame (header included), ready for ``socket.sendmsg``."""
     tensor = tensor.contiguous()
     if sum(r.count for r in rows) != tensor.shape[0]:
         raise FrameError(f"rows cover {sum(r.count for r in rows)} tokens, tensor has {tensor.shape[0]}")
-    meta = struct.pack(f"<HBB{tensor.dim()}I", len(rows), DTYPE_CODES[tensor.dtype], tensor.dim(), *tensor.shape)
+    if ids is not None and tuple(ids.shape) != (tensor.shape[0],):
+        raise FrameError(f"{tuple(ids.shape)} ids for a tensor of {tensor.shape[0]} tokens")
+    code = DTYPE_CODES[tensor.dtype] | (IDS_FLAG if ids is not None else 0)
+    meta = struct.pack(f"<HBB{tensor.dim()}I", len(rows), code, tensor.dim(), *tensor.shape)
     meta += b"".join(ROW.pack(r.request, r.position, r.count, r.hash_before, r.hash_after, r.flags) for r in rows)
     raw = tensor.view(torch.uint8).reshape(-1) if tensor.dtype != torch.float32 else tensor.reshape(-1)
     body = raw.numpy().data.cast("B")
-    return [header(FrameType.HIDDEN, len(meta) + body.nbytes) + meta, body]
+    tail = [] if ids is None else [ids.to(torch.int32).numpy().tobytes()]
+    size = len(meta) + body.nbytes + sum(len(t) for t in tail)
+    return [header(FrameType.HIDDEN, size) + meta, body, *tail]
 
 
 def decode_hidden(payload: bytes | bytearray | memoryview) -> HiddenFrame:
@@ -139,6 +150,7 @@ def decode_hidden(payload: bytes | bytearray | memoryview) -> HiddenFrame:
     if len(view) < 4:
         raise FrameError("HIDDEN frame too short for its row count")
     n_rows, code, ndim = struct.unpack_from("<HBB", view, 0)
+    with_ids, code = bool(code & IDS_FLAG), code & ~IDS_FLAG
     if n_rows == 0 or n_rows > MAX_ROWS:
         raise FrameError(f"HIDDEN frame has {n_rows} rows (1..{MAX_ROWS} allowed)")
     if code not in CODE_DTYPES:
@@ -153,14 +165,21 @@ def decode_hidden(payload: bytes | bytearray | memoryview) -> HiddenFrame:
     rows = tuple(Row(*ROW.unpack_from(view, offset + i * ROW.size)) for i in range(n_rows))
     dtype = CODE_DTYPES[code]
     expected = _numel(shape) * torch.empty(0, dtype=dtype).element_size()
-    if len(view) - rows_end != expected:
-        raise FrameError(f"HIDDEN frame carries {len(view) - rows_end} tensor bytes, shape {shape} needs {expected}")
+    id_bytes = 4 * shape[0] if with_ids else 0
+    if len(view) - rows_end != expected + id_bytes:
+        raise FrameError(f"HIDDEN frame carries {len(view) - rows_end} bytes after its rows, shape {shape} "
+                         f"{'and its ids ' if with_ids else ''}need {expected + id_bytes}")  # fmt: skip
     if sum(r.count for r in rows) != shape[0]:
         raise FrameError(f"HIDDEN rows cover {sum(r.count for r in rows)} tokens, shape says {shape[0]}")
+    ids = None
+    if with_ids:
+        raw_ids = bytearray(view[rows_end + expected :])
+        ids = torch.frombuffer(raw_ids, dtype=torch.int32).long() if raw_ids else torch.empty(0, dtype=torch.long)
     if not expected:
-        return HiddenFrame(rows, torch.empty(shape, dtype=dtype))
-    body = view[rows_end:] if not view.readonly else memoryview(bytearray(view[rows_end:]))
-    return HiddenFrame(rows, torch.frombuffer(body, dtype=dtype).view(shape))
+        return HiddenFrame(rows, torch.empty(shape, dtype=dtype), ids)
+    body = view[rows_end : rows_end + expected]
+    body = body if not view.readonly else memoryview(bytearray(body))
+    return HiddenFrame(rows, torch.frombuffer(body, dtype=dtype).view(shape), ids)
 
 
 def encode_tokens(rows: list[TokenRow] | tuple[TokenRow, ...]) -> bytes:

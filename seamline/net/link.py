@@ -94,8 +94,8 @@ class Link:
     def send_message(self, message: Message) -> None:
         self._send([encode_message(message)])
 
-    def send_hidden(self, rows: list[Row], tensor: torch.Tensor) -> None:
-        self._send(encode_hidden(rows, tensor))
+    def send_hidden(self, rows: list[Row], tensor: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+        self._send(encode_hidden(rows, tensor, ids))
 
     def send_tokens(self, rows: list[TokenRow]) -> None:
         self._send([encode_tokens(rows)])

@@ -148,7 +148,8 @@ class Scheduler:
     ) -> None:
         if stage.embed is None:
             raise ValueError("the scheduler needs a stage that owns the embedding")
-        self.forks = forks  # whether a new sequence may start from a copy of another's cache
+        can_fork = getattr(stage, "forks_caches", True)  # DeepSeek-V4's caches cannot be forked
+        self.forks = forks and can_fork  # whether a new sequence may start from a copy of another's cache
         self.stage = stage
         self.context_length = context_length
         self.max_step_tokens = max_step_tokens
@@ -157,7 +158,9 @@ class Scheduler:
         self.max_waiting = max_waiting
         dtype_bytes = torch.finfo(stage.compute_dtype).bits // 8
         self.kv_bytes_per_token = kv_bytes_per_token(stage.config, dtype_bytes) * len(stage.layers)
-        self.prefix = PrefixCache(prefix_cache_bytes, self.kv_bytes_per_token, self._free)
+        # a family whose cache does not grow by a fixed size per token says what it holds
+        self.cache_bytes: Callable[[int], int] = getattr(stage, "cache_bytes", lambda t: t * self.kv_bytes_per_token)
+        self.prefix = PrefixCache(prefix_cache_bytes if can_fork else 0, self.kv_bytes_per_token, self._free)
         self.on_free: Callable[[object, bool], None] = lambda cache, for_good: None  # False: preempted
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -166,13 +169,13 @@ class Scheduler:
     def kv_reserve(self, sequence: Sequence) -> int:
         """The KV bytes ``sequence`` may grow to: prompt + max_tokens, within the context."""
         tokens = min(len(sequence.prompt) + sequence.params.max_tokens, self.context_length)
-        return tokens * self.kv_bytes_per_token
+        return self.cache_bytes(tokens)
 
     def kv_held(self, sequence: Sequence) -> int:
         """The KV bytes ``sequence`` holds once its next step is done: a position for every
         token it knows (the prompt, or its last generated token, computed by that step)."""
         tokens = min(len(sequence.prompt) + len(sequence.tokens), self.context_length)
-        return tokens * self.kv_bytes_per_token
+        return self.cache_bytes(tokens)
 
     def kv_used(self) -> int:
         return sum(self.kv_held(s) for s in self.running) + self.prefix.held_bytes()

@@ -27,9 +27,11 @@ class Drawing:
 
 @dataclass(frozen=True)
 class Work:
-    """One row of a batch: its header, the cache it runs on, its inputs (ids or hidden)."""
+    """One row of a batch: its header, the cache it runs on, its inputs (ids or hidden), and
+    the tokens' ids beside the hidden state where the stage's layers need them (DeepSeek-V4)."""
 
     row: Row
     cache: Any  # SequenceCache, or a lockstep group's GroupCache
     inputs: torch.Tensor
     drawing: Drawing
+    ids: torch.Tensor | None = None

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from seamline.runtime.group_stage import LockstepStage
 
 log = logging.getLogger("seamline.stage")
-SendHidden = Callable[[list[Row], torch.Tensor], None]
+SendHidden = Callable[..., None]  # (rows, hidden) or, for a stage that passes ids, (rows, hidden, ids)
 SendTokens = Callable[[list[TokenRow]], None]
 SendMessage = Callable[[Message], None]
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
@@ -74,6 +74,8 @@ class StageWorker:
     ) -> None:  # fmt: skip
         self.stage = stage
         self.dtype = stage.compute_dtype
+        self.boundary: tuple[int, ...] = getattr(stage, "boundary_shape", (stage.config.hidden_size,))
+        self.passes_ids: bool = getattr(stage, "passes_ids", False)  # frames carry the tokens' ids
         self.is_first = is_first
         self.is_last = is_last
         self.links = StageLinks()
@@ -170,17 +172,21 @@ class StageWorker:
 
     def hidden(self, frame: HiddenFrame) -> None:
         """Stages after the first: run our layers on each row and pass it on."""
-        expected = (self.stage.config.hidden_size,)
-        if tuple(frame.tensor.shape[1:]) != expected or frame.tensor.dtype != self.dtype:
+        if tuple(frame.tensor.shape[1:]) != self.boundary or frame.tensor.dtype != self.dtype:
             self.refused += 1
-            log.warning("refused frame: tensor %s %s, this stage takes [tokens, %d] %s",
-                        frame.tensor.dtype, tuple(frame.tensor.shape), expected[0], self.dtype)  # fmt: skip
+            log.warning("refused frame: tensor %s %s, this stage takes [tokens, %s] %s", frame.tensor.dtype,
+                        tuple(frame.tensor.shape), ", ".join(map(str, self.boundary)), self.dtype)  # fmt: skip
+            return
+        if self.passes_ids and frame.ids is None:
+            self.refused += 1
+            log.warning("refused frame: no token ids beside the hidden state, which this stage's layers need")
             return
         with self.lock:
             work: list[Work] = []
             offset = 0
             for row in frame.rows:
                 x = frame.tensor[offset : offset + row.count]
+                ids = frame.ids[offset : offset + row.count] if frame.ids is not None else None
                 offset += row.count
                 try:
                     if any(w.row.request == row.request for w in work):
@@ -191,7 +197,7 @@ class StageWorker:
                     continue
                 seq.next_position += row.count
                 seq.hash = row.hash_after
-                work.append(Work(row, seq.cache, x, seq.drawing))
+                work.append(Work(row, seq.cache, x, seq.drawing, ids))
             self.run_batch(work)
 
     def refuse(self, request: int, what: str, exc: Exception) -> None:
@@ -211,13 +217,20 @@ class StageWorker:
             spans.append(Span(offset, w.row.count, w.row.position, w.cache))
             offset += w.row.count
         started = time.perf_counter()
-        out = self.stage.forward_batch(inputs, spans, last_only=self.is_last)
+        ids = self._ids(work, inputs) if self.passes_ids else None
+        if ids is None:
+            out = self.stage.forward_batch(inputs, spans, last_only=self.is_last)
+        else:
+            out = self.stage.forward_batch(inputs, spans, last_only=self.is_last, ids=ids)  # type: ignore[call-arg]
         if all(w.row.count == 1 for w in work):
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started
         if not self.is_last:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
-            self.links.downstream([w.row for w in work], out)
+            if ids is None:
+                self.links.downstream([w.row for w in work], out)
+            else:
+                self.links.downstream([w.row for w in work], out, ids)
             return []
         sampled = [self._sample(w, out[i]) for i, w in enumerate(work) if w.row.flags & RowFlag.SAMPLE]
         if sampled and not self.is_first and self.links.stage0 is not None:
@@ -227,6 +240,13 @@ class StageWorker:
         return sampled if self.is_first else []
 
     # -- internals ----------------------------------------------------------------------
+    def _ids(self, work: list[Work], inputs: torch.Tensor) -> torch.Tensor:
+        """The rows' token ids: stage 0's inputs are the ids; later stages got them in the frame."""
+        if self.is_first:
+            return inputs
+        parts = [w.ids for w in work if w.ids is not None]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
     def _closed(self, request: int) -> None:
         self.closed[request] = None
         if len(self.closed) > RECENTLY_CLOSED:

@@ -48,7 +48,8 @@ KINDS = ("embed", "layer", "experts", "head", "tokenizer")
 EXPERT_CHUNKS = 8  # routed experts per MoE layer go in gcd(E, 8) fragments: whole for 2, 4, 8 ranks
 # Files of a Hugging Face folder that the text edge (seamline.text) reads, copied as-is.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
-HEAD_TENSORS = ("model.norm.weight", "lm_head.weight")
+HEAD_TENSORS = ("model.norm.weight", "lm_head.weight",  # DeepSeek-V4's: its head, and its hyper-head
+                "head.weight", "model.hc_head.hc_fn", "model.hc_head.hc_base", "model.hc_head.hc_scale")
 QUANT_NAMES = {q.name: q for q in QUANT_TYPES}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")

@@ -35,6 +35,7 @@ from seamline.weights.source import TensorSource
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 FP32_SUFFIXES = (".router", ".router_bias")  # routing decisions stay in full precision
 FLOAT_SUFFIXES = FP32_SUFFIXES + (".attn.kv_b",)  # dequantised at load (see the docstring)
+INTEGER_SUFFIXES = (".ffn.table",)  # DeepSeek-V4's token id -> experts tables
 log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype names
 
@@ -90,7 +91,7 @@ def load_stage(
     config = config or ModelConfig.from_hf_dict(source.config_dict())
     own = own or Ownership.full(config)
     check_names(source, config)
-    stage = Stage(config, own, comm)
+    stage = build_stage(config, own, comm)
     params = dict(stage.named_parameters(remove_duplicate=False))
     plans = stage_plans(config, own)
     unfilled = set(params) - {p.target for p in plans}
@@ -115,8 +116,19 @@ def load_stage(
     return stage
 
 
+def build_stage(config: ModelConfig, own: Ownership, comm: Comm | None = None) -> Stage:
+    """The empty Stage of this family (every parameter a placeholder until loaded)."""
+    if config.is_v4:
+        from seamline.model.v4_stage import V4Stage
+
+        return V4Stage(config, own, comm)  # type: ignore[return-value]  # a Stage in all the runtime uses
+    return Stage(config, own, comm)
+
+
 def _resident(target: str, value: Weight, dtype: torch.dtype) -> Weight:
     """The form a loaded weight is kept in (see the module docstring)."""
+    if target.endswith(INTEGER_SUFFIXES):
+        return value
     if target.endswith(FP32_SUFFIXES):
         return to_float(value, torch.float32).contiguous()
     if not isinstance(value, torch.Tensor):
@@ -175,6 +187,8 @@ def _stack(parts: list[Weight]) -> Weight:
 
 def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None) -> Weight:
     tensor = source.get(name)
+    if plan.target.endswith(INTEGER_SUFFIXES):
+        return _integer(name, tensor)
     if isinstance(tensor, torch.Tensor) and tensor.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}, expected a float type")
     if isinstance(tensor, QuantTensor) and (bad := tensor.first_bad_block()) is not None:
@@ -194,6 +208,12 @@ def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None)
         _warn_window(name, tensor)
         return ColumnWindow.around(tensor, start, end)
     return columns(tensor, start, end)
+
+
+def _integer(name: str, tensor: Weight) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or tensor.is_floating_point() or tensor.dtype == torch.bool:
+        raise CheckpointError(f"tensor {name} has dtype {getattr(tensor, 'dtype', 'quantized')}, expected integers")
+    return tensor.long()
 
 
 _warned: set[str] = set()

@@ -95,6 +95,10 @@ MOE_NAMES: dict[str, MoeNames] = {
 
 def stage_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
     """Every parameter a Stage with this ownership has, and where it comes from."""
+    if config.is_v4:
+        from seamline.weights.v4_names import v4_plans
+
+        return v4_plans(config, own)
     plans: list[TensorPlan] = []
     if own.owns_embedding():
         plans.append(TensorPlan("embed", (("model.embed_tokens.weight",),)))
@@ -204,6 +208,8 @@ def ignorable(name: str, config: ModelConfig) -> bool:
     """Checkpoint tensors that no Stage reads: rotary caches, DeepSeek's next-token layers."""
     if name.endswith("rotary_emb.inv_freq"):
         return True
+    if config.is_v4 and name.startswith("mtp."):
+        return True  # V4's multi-token-prediction layers
     if name.startswith("model.layers."):
         return int(name.split(".")[2]) >= config.num_layers
     return False

@@ -1,0 +1,199 @@
+"""DeepSeek-V4 as a ``Stage``: layers [start, end) of the model, with the embedding and/or
+the hyper-head, norm and output head when owned (``model/stage.py`` is the other families').
+
+Between stages crosses the residual, ``[tokens, hc_mult, hidden]`` (``boundary_shape``), and
+the tokens' ids (``passes_ids``), which the hash-routed layers of every stage need.
+
+The feed-forward of every layer is a mixture of experts: top-k of sqrt(softplus) scores plus a
+correction bias (``moe``), or the experts a fixed table gives the token id (``hash_moe``); the
+routed and shared experts clamp their SwiGLU inputs to ``swiglu_limit``. Attention runs per
+span over that sequence's ``V4Cache``; everything else runs once over all rows of a step.
+
+A V4 cache forgets the keys behind its window, so it cannot be rewound nor forked at an
+earlier position (``forks_caches``): a prompt that begins as another is computed afresh.
+The multi-token-prediction layers are not run (checkpoint tensors ``mtp.*`` are ignored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from seamline.config import ModelConfig, v4_cache_bytes
+from seamline.model.cache import Span
+from seamline.model.hyper import HyperConnection, HyperHead, widen
+from seamline.model.layers import RMSNorm, empty_param
+from seamline.model.linear import Weight, embedding, linear
+from seamline.model.moe import route
+from seamline.model.ownership import Ownership
+from seamline.model.v4_attention import Compression, SlidingCache, V4Attention
+from seamline.model.v4_parts import V4AttentionShape, weighted_rms
+from seamline.parallel.comm import Comm, GateTag, SingleComm
+
+HF = Mapping[str, Any]
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class V4MoE(nn.Module):
+    def __init__(self, config: ModelConfig, hashed: bool) -> None:
+        super().__init__()
+        self.routing, self.limit = config, float(config.hf["swiglu_limit"])
+        experts, hidden = config.num_experts, config.hidden_size
+        inter, shared = config.moe_intermediate_size, config.moe_intermediate_size * config.n_shared_experts
+        self.router = empty_param(experts, hidden)
+        self.table = empty_param(config.vocab_size, config.num_experts_per_tok) if hashed else None  # tid2eid
+        self.router_bias = None if hashed else empty_param(experts)
+        self.experts_gate_up = empty_param(experts, 2 * inter, hidden)
+        self.experts_down = empty_param(experts, hidden, inter)
+        self.shared_gate_up = empty_param(2 * shared, hidden)
+        self.shared_down = empty_param(hidden, shared)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.router)
+        fixed = self.table[ids] if self.table is not None else None
+        weights, chosen = route(self.routing, logits, self.router_bias, fixed)
+        out = torch.zeros_like(x)
+        for expert in chosen.unique().tolist():
+            rows, slot = (chosen == expert).nonzero(as_tuple=True)
+            h = clamped_swiglu(linear(x[rows], self.experts_gate_up[expert]), self.limit)
+            out.index_add_(0, rows, linear(h, self.experts_down[expert]) * weights[rows, slot, None].to(x.dtype))
+        return out + linear(clamped_swiglu(linear(x, self.shared_gate_up), self.limit), self.shared_down)
+
+
+class V4Block(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, comm: Comm) -> None:
+        super().__init__()
+        hf, kind = config.hf, config.hf["layer_types"][layer]
+        hidden, streams, eps = config.hidden_size, int(hf["hc_mult"]), config.rms_norm_eps
+        self.layer, self.comm, self.eps = layer, comm, eps
+        self.attn_hc = HyperConnection(hidden, streams, hf["hc_sinkhorn_iters"], hf["hc_eps"], eps)
+        self.ffn_hc = HyperConnection(hidden, streams, hf["hc_sinkhorn_iters"], hf["hc_eps"], eps)
+        self.input_norm, self.post_norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.attn = V4Attention(_shape(config, kind), _compression(hf, kind))
+        self.ffn = V4MoE(config, hf["mlp_layer_types"][layer] == "hash_moe")
+
+    def forward(self, residual: torch.Tensor, ids: torch.Tensor, spans: Sequence[Span], step: int) -> torch.Tensor:
+        collapsed, post, comb = self.attn_hc.mixes(residual)
+        x = weighted_rms(collapsed, self.input_norm.weight, self.eps)
+        out = torch.cat([self.attn(x[s.offset : s.end], s.start, s.cache.layer(self.layer)) for s in spans])
+        residual = HyperConnection.spread(residual, self._gate(out, 0, step), post, comb)
+        collapsed, post, comb = self.ffn_hc.mixes(residual)
+        out = self.ffn(weighted_rms(collapsed, self.post_norm.weight, self.eps), ids)
+        return HyperConnection.spread(residual, self._gate(out, 1, step), post, comb)
+
+    def _gate(self, partial: torch.Tensor, gate: int, step: int) -> torch.Tensor:
+        if self.comm.world == 1:
+            return partial
+        return self.comm.all_reduce(partial, GateTag(self.layer, gate, step))
+
+
+def _shape(config: ModelConfig, kind: str) -> V4AttentionShape:
+    hf = config.hf
+    rope = hf["rope_parameters"]["main" if kind == "sliding_attention" else "compress"]
+    return V4AttentionShape(config.hidden_size, config.num_heads, config.head_dim, int(hf["q_lora_rank"]),
+                            int(hf["o_groups"]), int(hf["o_lora_rank"]),
+                            int(config.head_dim * rope["partial_rotary_factor"]), float(rope["rope_theta"]),
+                            int(hf["sliding_window"]), config.rms_norm_eps)  # fmt: skip
+
+
+def _compression(hf: HF, kind: str) -> Compression | None:
+    if kind == "sliding_attention":
+        return None
+    sparse = kind == "compressed_sparse_attention"
+    return Compression(int(hf["compress_rates"][kind]), sparse, int(hf.get("index_n_heads") or 0),
+                       int(hf.get("index_head_dim") or 0), int(hf.get("index_topk") or 0))  # fmt: skip
+
+
+class V4Cache:
+    """One sequence's state for the V4 layers one process owns: each layer's window of keys
+    and its compressors' state."""
+
+    def __init__(self, layers: range) -> None:
+        self.layers = {i: SlidingCache() for i in layers}
+
+    def layer(self, index: int) -> SlidingCache:
+        return self.layers[index]
+
+    def nbytes(self) -> int:
+        return sum(cache.nbytes() for cache in self.layers.values())
+
+
+class V4Stage(nn.Module):
+    forks_caches = False  # see the module docstring
+    passes_ids = True
+
+    def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None) -> None:
+        super().__init__()
+        own.validate(config)
+        if own.shard[1] != 1:
+            raise ValueError("DeepSeek-V4 runs by layer range only: its lockstep split is not built yet")
+        self.config, self.ownership = config, own
+        self.comm: Comm = comm if comm is not None else SingleComm()
+        self.step = 0
+        hidden, self.streams = config.hidden_size, int(config.hf["hc_mult"])
+        self.boundary_shape = (self.streams, hidden)
+        self.embed: Weight | None = empty_param(config.vocab_size, hidden) if own.owns_embedding() else None
+        self.layers = nn.ModuleDict({str(i): V4Block(config, i, self.comm) for i in own.layer_indices()})
+        owns_head = own.owns_head(config)
+        self.hc_head = HyperHead(hidden, self.streams, config.hf["hc_eps"], config.rms_norm_eps) if owns_head else None
+        self.norm = RMSNorm(hidden, config.rms_norm_eps) if owns_head else None
+        self.head: Weight | None = empty_param(config.vocab_size, hidden) if owns_head else None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        block = next(iter(self.layers.values()))
+        assert isinstance(block, V4Block)
+        return block.input_norm.weight.dtype
+
+    def new_cache(self, greedy: bool = False) -> V4Cache:
+        return V4Cache(self.ownership.layer_indices())
+
+    def release_cache(self, cache: V4Cache) -> None:
+        """A finished sequence's cache: garbage here."""
+
+    def cache_bytes(self, tokens: int) -> int:
+        """The most one sequence of ``tokens`` holds in this stage's caches."""
+        size = torch.finfo(self.compute_dtype).bits // 8
+        return v4_cache_bytes(self.config, self.ownership.layer_indices(), tokens, size)
+
+    def forward(self, inputs: torch.Tensor, start: int, cache: V4Cache, last_only: bool = False,
+                ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        return self.forward_batch(inputs, [Span(0, inputs.shape[0], start, cache)], last_only, ids)  # type: ignore[arg-type]
+
+    @torch.inference_mode()
+    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
+                      ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """inputs: ids [N] (the first stage) or the residual [N, hc_mult, hidden] with the
+        rows' ``ids``. Returns the residual for the next stage, or logits [N, vocab] (with
+        ``last_only``: each span's last row)."""
+        if self.embed is not None:
+            ids = inputs
+            residual = widen(embedding(inputs, self.embed, self.compute_dtype), self.streams)
+        elif ids is None:
+            raise ValueError(f"layers from {self.ownership.layers[0]} on need the tokens' ids with the residual")
+        else:
+            residual = inputs
+        step, self.step = self.step, self.step + 1
+        for block in self.layers.values():
+            residual = block(residual, ids, spans, step)
+        if self.head is None or self.hc_head is None or self.norm is None:
+            return residual
+        if last_only:
+            residual = residual[[s.end - 1 for s in spans]]
+        return linear(weighted_rms(self.hc_head(residual), self.norm.weight, self.config.rms_norm_eps), self.head)
+
+
+def boundary_bytes(config: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes per token crossing a stage boundary: the residual's streams and the token's id."""
+    return int(config.hf["hc_mult"]) * config.hidden_size * dtype.itemsize + ID_BYTES
+
+
+ID_BYTES = 4  # a token id on the wire (int32)

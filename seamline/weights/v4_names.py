@@ -1,0 +1,62 @@
+"""DeepSeek-V4's checkpoint names: which tensors fill each ``V4Stage`` parameter.
+
+Names are as transformers writes a V4 checkpoint (``model.layers.{i}.attn.wq_a.weight``,
+``head.weight``): the original checkpoint's names, most under a ``model.`` prefix. Routed
+experts are one tensor each (w1 gate, w3 up, w2 down), stacked per layer here.
+"""
+
+from __future__ import annotations
+
+from seamline.config import ModelConfig
+from seamline.model.ownership import Ownership
+from seamline.weights.names import TensorPlan
+
+V4_EMBED = "model.embed_tokens.weight"
+
+_BLOCK = {
+    "attn_hc.fn": "hc_attn_fn", "attn_hc.base": "hc_attn_base", "attn_hc.scale": "hc_attn_scale",
+    "ffn_hc.fn": "hc_ffn_fn", "ffn_hc.base": "hc_ffn_base", "ffn_hc.scale": "hc_ffn_scale",
+    "input_norm.weight": "attn_norm.weight", "post_norm.weight": "ffn_norm.weight",
+    "attn.q_a": "attn.wq_a.weight", "attn.q_a_norm": "attn.q_norm.weight", "attn.q_b": "attn.wq_b.weight",
+    "attn.kv": "attn.wkv.weight", "attn.kv_norm": "attn.norm.weight", "attn.o_a": "attn.wo_a.weight",
+    "attn.o_b": "attn.wo_b.weight", "attn.sinks": "attn.attn_sink", "ffn.router": "ffn.gate.weight",
+    "ffn.shared_down": "ffn.shared_experts.w2.weight",
+}  # fmt: skip
+_COMPRESSOR = {"kv": "wkv.weight", "gate": "wgate.weight", "position_bias": "ape", "kv_norm": "norm.weight"}
+_INDEXER = {"attn.indexer.q_b": "attn.indexer.wq_b.weight", "attn.indexer.weights": "attn.indexer.weights_proj.weight"}
+
+
+def v4_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
+    """Every parameter a V4Stage with this ownership has, and where it comes from."""
+    plans: list[TensorPlan] = []
+    if own.owns_embedding():
+        plans.append(TensorPlan("embed", ((V4_EMBED,),)))
+    for i in own.layer_indices():
+        plans += _layer_plans(config, i)
+    if own.owns_head(config):
+        plans += [TensorPlan(f"hc_head.{part}", ((f"model.hc_head.hc_{part}",),)) for part in ("fn", "base", "scale")]
+        plans.append(TensorPlan("norm.weight", (("model.norm.weight",),)))
+        plans.append(TensorPlan("head", (("head.weight",),)))
+    return plans
+
+
+def _layer_plans(config: ModelConfig, i: int) -> list[TensorPlan]:
+    ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+    table = dict(_BLOCK)
+    kind = config.hf["layer_types"][i]
+    if kind != "sliding_attention":
+        table.update({f"attn.compressor.{k}": f"attn.compressor.{v}" for k, v in _COMPRESSOR.items()})
+    if kind == "compressed_sparse_attention":
+        table.update({f"attn.indexer.compressor.{k}": f"attn.indexer.compressor.{v}" for k, v in _COMPRESSOR.items()})
+        table.update(_INDEXER)
+    hashed = config.hf["mlp_layer_types"][i] == "hash_moe"
+    table["ffn.table" if hashed else "ffn.router_bias"] = "ffn.gate.tid2eid" if hashed else "ffn.gate.bias"
+    plans = [TensorPlan(ours + target, ((theirs + source,),)) for target, source in table.items()]
+    shared = (theirs + "ffn.shared_experts.w1.weight", theirs + "ffn.shared_experts.w3.weight")
+    plans.append(TensorPlan(ours + "ffn.shared_gate_up", (shared,)))
+    expert = theirs + "ffn.experts.{e}.{w}.weight"
+    experts = range(config.num_experts)
+    gate_up = tuple((expert.format(e=e, w="w1"), expert.format(e=e, w="w3")) for e in experts)
+    plans.append(TensorPlan(ours + "ffn.experts_gate_up", gate_up, stack=True))
+    plans.append(TensorPlan(ours + "ffn.experts_down", tuple((expert.format(e=e, w="w2"),) for e in experts), stack=True))
+    return plans
