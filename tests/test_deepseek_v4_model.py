@@ -121,3 +121,32 @@ def test_a_missing_indexer_tensor_or_a_hash_table_of_the_wrong_size_is_named(che
     floats = _rewritten(folder, tmp_path / "c", lambda state: {**state, table: state[table].float()})
     with pytest.raises(CheckpointError, match=r"tid2eid has dtype torch.float32, expected integers"):
         load_stage(open_source(floats))
+
+
+def test_the_planner_and_the_scheduler_count_each_layer_kinds_cache(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """Per layer kind: a sliding layer keeps its window, a heavily compressed one an entry per
+    3 tokens, a sparse one an entry per 2 and its indexer's. The planner's bytes per layer are
+    those of a sequence of the planned context; what a real cache holds stays within them."""
+    from seamline.config import v4_cache_bytes
+    from seamline.errors import RequestError
+    from seamline.mesh.plan.types import ModelSpec
+    from seamline.runtime.scheduler import Scheduler
+
+    folder, _, stage = checkpoint
+    source, config, tokens = open_source(folder), stage.config, 64
+    shapes, types = {n: source.shape(n) for n in source.names()}, {n: source.stored_type(n) for n in source.names()}
+    spec = ModelSpec.from_checkpoint_shapes(config, "v4", shapes, 4, types, context=tokens)
+    kv = spec.layer_kv()
+    assert kv[0] < kv[2] < kv[1]  # sliding < heavily compressed < compressed sparse
+    assert spec.bytes_per_boundary_per_token == 4 * 32 * 4 + 4
+    cache = stage.new_cache()
+    stage(_ids(8, tokens), 0, cache)
+    for layer in range(3):
+        held, bound = cache.layer(layer).nbytes(), v4_cache_bytes(config, range(layer, layer + 1), tokens, 4)
+        assert held <= bound <= held * 1.25 + 256, (layer, held, bound)
+        assert kv[layer] == -(-bound // tokens)
+    scheduler = Scheduler(stage, 256, kv_budget_bytes=stage.cache_bytes(100) - 1)
+    with pytest.raises(RequestError, match=r"may need 0\.0 MiB of KV cache"):
+        scheduler.add(_ids(9, 50).tolist(), SamplingParams(max_tokens=50))
+    scheduler.add(_ids(9, 50).tolist(), SamplingParams(max_tokens=49))
+    assert not scheduler.forks and scheduler.prefix.capacity_bytes == 0  # V4's caches are not forked

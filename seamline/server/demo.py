@@ -111,9 +111,9 @@ def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int
     config = ModelConfig.from_hf_dict(source.config_dict())
     names = source.names()
     shapes, types = {n: source.shape(n) for n in names}, {n: source.stored_type(n) for n in names}
-    spec = ModelSpec.from_checkpoint_shapes(config, "cap", shapes, dtype_bytes, types)
+    spec = ModelSpec.from_checkpoint_shapes(config, "cap", shapes, dtype_bytes, types, context)
     options = PlanOptions(context_tokens=context)
-    whole = spec.weight_bytes() + spec.kv_bytes_per_token_per_layer * config.num_layers * context
+    whole = spec.weight_bytes() + sum(spec.layer_kv()) * context
     fitting = []
     for step in range(1, 400):
         cap = int(whole * 2 * step / 400) + options.headroom_bytes

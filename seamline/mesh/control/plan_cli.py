@@ -67,9 +67,8 @@ def run_plan_command(
         nodes, links = live_pool(live_url)
     else:
         raise PlanError("seamline plan needs a pool: --nodes FILE (JSON list of nodes) or --live URL")
-    spec, config = model_spec(model_path, dtype_bytes(dtype))
-    own_context = config.max_position_embeddings
-    options = PlanOptions(context_tokens=context or own_context, batch=batch, objective=objective)
+    spec, config = model_spec(model_path, dtype_bytes(dtype), context or None)
+    options = PlanOptions(context_tokens=context or config.max_position_embeddings, batch=batch, objective=objective)
     lock = Path(lock_path) if lock_path else None
     if lock is not None and lock.exists():
         pinned = Plan.from_json(lock.read_text())
@@ -140,8 +139,9 @@ def _status_link(entry: dict[str, Any]) -> Link:
     return Link(latency_s=float(entry["rtt_ms"]) / 2e3, bandwidth_bytes_per_s=max(float(entry["bandwidth_mb_s"]), 0.1) * 1e6)
 
 
-def model_spec(model_path: str | None, dtype_bytes: int) -> tuple[ModelSpec, ModelConfig]:
-    """The planner's view of a checkpoint (exact bytes from its shapes) and its config."""
+def model_spec(model_path: str | None, dtype_bytes: int, context: int | None = None) -> tuple[ModelSpec, ModelConfig]:
+    """The planner's view of a checkpoint (exact bytes from its shapes) and its config
+    (``context``: the tokens a V4 model's caches are counted for; None: its own context)."""
     from seamline.app import default_model_path
     from seamline.weights.loader import open_source
 
@@ -151,7 +151,8 @@ def model_spec(model_path: str | None, dtype_bytes: int) -> tuple[ModelSpec, Mod
     shapes = {name: tuple(source.shape(name)) for name in source.names()}
     name = path.stem if path.is_file() else path.resolve().name  # as `seamline package` names it
     types = {n: source.stored_type(n) for n in shapes}
-    spec = ModelSpec.from_checkpoint_shapes(config, name, shapes, dtype_bytes, types)
+    context = context or config.max_position_embeddings
+    spec = ModelSpec.from_checkpoint_shapes(config, name, shapes, dtype_bytes, types, context)
     return spec, config
 
 

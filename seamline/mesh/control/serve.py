@@ -108,7 +108,7 @@ def build_mesh(options: ServeOptions) -> Mesh:
     context = options.context or config.max_position_embeddings
     shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
     types = {t.name: t.dtype for f in manifest.fragments for t in f.tensors}
-    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype), types)
+    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype), types, context)
     hosts = options.advertise or (_reachable(options.host),)
     scheme = "https" if options.tls_certificate else "http"
     state_dir = options.state_dir or options.cache_dir / "mesh"

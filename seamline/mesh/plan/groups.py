@@ -65,7 +65,9 @@ def group_spec(model: ModelSpec, world: int, kv_split: bool) -> ModelSpec:
     return replace(model, layer_bytes=held, layer_active_bytes=share(model.active_bytes()),
                    head_bytes=-(-model.head_bytes // world), tied_embeddings=False,
                    head_load_bytes=-(-model.head_load() // world),
-                   kv_bytes_per_token_per_layer=-(-kv // world) if kv_split else kv)  # fmt: skip
+                   kv_bytes_per_token_per_layer=-(-kv // world) if kv_split else kv,
+                   layer_kv_bytes_per_token=share(model.layer_kv_bytes_per_token) if kv_split else
+                   model.layer_kv_bytes_per_token)  # fmt: skip
 
 
 def form_groups(nodes: Sequence[NodeInfo], world: int) -> list[tuple[NodeInfo, ...]]:

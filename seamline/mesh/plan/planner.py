@@ -326,9 +326,8 @@ def _walk(
 
 def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
     L = model.num_layers
-    kv_layer = model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch
-    held = np.concatenate(([0.0], np.cumsum(np.asarray(model.layer_bytes, dtype=np.float64))))
-    held += np.arange(L + 1) * float(kv_layer)
+    kv = np.asarray(model.layer_kv(), dtype=np.float64) * options.context_tokens * options.batch
+    held = np.concatenate(([0.0], np.cumsum(np.asarray(model.layer_bytes, dtype=np.float64) + kv)))
     active = np.concatenate(([0.0], np.cumsum(np.asarray(model.active_bytes(), dtype=np.float64))))
     e = np.arange(L + 1)[None, :]
     s = e - 1 - np.arange(L)[:, None]  # [d, e]: the range [s, e) of d+1 layers
@@ -342,7 +341,7 @@ def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
     read = np.where(valid, active[e] - active[s] + head, INF)
     load = read - head + np.where(e == L, float(model.head_load()), 0.0)
     span_need = np.maximum.accumulate(mem.min(axis=1))
-    layer_need = float(np.mean(model.layer_bytes)) + kv_layer
+    layer_need = float(np.mean(model.layer_bytes)) + float(kv.mean())
     return _Model(L, mem, read, load, span_need, layer_need, float(model.embed_bytes), float(model.head_bytes))
 
 
@@ -418,16 +417,16 @@ def _dominated(
 
 
 def _refusal(model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions) -> str:
-    kv_layer = model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch
-    need = model.weight_bytes() + kv_layer * model.num_layers
+    kv_layers = [kv * options.context_tokens * options.batch for kv in model.layer_kv()]
+    need = model.weight_bytes() + sum(kv_layers)
     have = sum(max(0, options.capacity(n.free_memory_bytes)) for n in nodes)
     biggest = max(max(0, options.capacity(n.free_memory_bytes)) for n in nodes)
     layer = max(range(model.num_layers), key=lambda i: model.layer_bytes[i])
-    layer_need = model.layer_bytes[layer] + kv_layer
+    layer_need = model.layer_bytes[layer] + kv_layers[layer]
     why = "" if need > have else ", yet the planner found no contiguous split of the layers that fits"
     return (
         f"the pool cannot hold model {model.name!r}: it needs {need} bytes (weights "
-        f"{model.weight_bytes()} + KV cache {kv_layer * model.num_layers} for "
+        f"{model.weight_bytes()} + KV cache {sum(kv_layers)} for "
         f"{options.context_tokens} tokens x {options.batch} sequences), the {len(nodes)} "
         f"nodes offer {have} after headroom{why}; the largest layer (layer {layer}) needs "
         f"{layer_need} bytes, the largest node offers {biggest}"

@@ -52,7 +52,7 @@ def range_bytes(model: ModelSpec, options: PlanOptions, s: int, e: int) -> tuple
         read += model.head_bytes
     if s == 0 and e == L and model.tied_embeddings:
         weights -= model.embed_bytes
-    kv = model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch * (e - s)
+    kv = sum(model.layer_kv()[s:e]) * options.context_tokens * options.batch
     return weights, kv, read
 
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from seamline.config import ModelConfig, kv_bytes_per_token
+from seamline.config import V4_PLANNING_TOKENS, ModelConfig, kv_bytes_per_token, v4_cache_bytes
 from seamline.errors import CheckpointError, SeamlineError
 from seamline.model.ownership import Ownership
 from seamline.quant.sizes import block_bytes, resident_bytes
@@ -53,6 +53,13 @@ class ModelSpec:
     layer_replicated_bytes: tuple[int, ...] = ()  # of layer_bytes, held whole by each group rank
     layer_window_bytes: tuple[int, ...] = ()  # the most a group rank holds beyond its share (cut blocks)
     head_load_bytes: int | None = None  # the head's work under load in the layers' byte scale; None: head_bytes
+    # KV bytes per token of each layer where layers differ (DeepSeek-V4's kinds; averaged over
+    # the planned context); () = kv_bytes_per_token_per_layer for every layer
+    layer_kv_bytes_per_token: tuple[int, ...] = ()
+
+    def layer_kv(self) -> tuple[int, ...]:
+        """KV bytes per token of each layer."""
+        return self.layer_kv_bytes_per_token or (self.kv_bytes_per_token_per_layer,) * self.num_layers
 
     def active_bytes(self) -> tuple[int, ...]:
         return self.layer_active_bytes or self.layer_bytes
@@ -82,8 +89,11 @@ class ModelSpec:
         layer_replicated_bytes: tuple[int, ...] = (),
         layer_window_bytes: tuple[int, ...] = (),
         head_load_bytes: int | None = None,
+        context: int | None = None,
     ) -> "ModelSpec":
-        """A spec whose KV and frame sizes come from the config (KV in ``dtype_bytes``)."""
+        """A spec whose KV and frame sizes come from the config (KV in ``dtype_bytes``; a V4
+        model's per layer, averaged over ``context`` tokens)."""
+        per_layer = _v4_layer_kv(config, dtype_bytes, context) if config.is_v4 else ()
         return cls(
             name=name,
             num_layers=config.num_layers,
@@ -91,8 +101,9 @@ class ModelSpec:
             layer_bytes=tuple(layer_bytes),
             embed_bytes=embed_bytes,
             head_bytes=head_bytes,
-            kv_bytes_per_token_per_layer=kv_bytes_per_token(config, dtype_bytes),
-            bytes_per_boundary_per_token=config.hidden_size * FRAME_DTYPE_BYTES,
+            kv_bytes_per_token_per_layer=max(per_layer) if per_layer else kv_bytes_per_token(config, dtype_bytes),
+            bytes_per_boundary_per_token=boundary_row_bytes(config),
+            layer_kv_bytes_per_token=per_layer,
             tied_embeddings=config.tie_word_embeddings,
             layer_active_bytes=tuple(layer_active_bytes),
             layer_replicated_bytes=tuple(layer_replicated_bytes),
@@ -108,6 +119,7 @@ class ModelSpec:
         shapes: Mapping[str, tuple[int, ...]],
         dtype_bytes: int,
         types: Mapping[str, str] | None = None,
+        context: int | None = None,
     ) -> "ModelSpec":
         """Exact bytes per layer: the tensors ``stage_plans`` names for each one-layer stage,
         at the size they are kept in memory (``types``: each tensor's stored type, as
@@ -139,8 +151,21 @@ class ModelSpec:
         head_load = round(head_params * per_param * HEAD_ROW_SHARE) if per_param else None
         return cls.from_config(
             config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated), tuple(window),
-            head_load,
+            head_load, context,
         )
+
+
+def boundary_row_bytes(config: ModelConfig) -> int:
+    """One token's row of a hidden-state frame: the residual (V4: all its streams, and the id)."""
+    if config.is_v4:
+        return int(config.hf["hc_mult"]) * config.hidden_size * FRAME_DTYPE_BYTES + 4
+    return config.hidden_size * FRAME_DTYPE_BYTES
+
+
+def _v4_layer_kv(config: ModelConfig, dtype_bytes: int, context: int | None) -> tuple[int, ...]:
+    tokens = context or V4_PLANNING_TOKENS
+    return tuple(-(-v4_cache_bytes(config, range(i, i + 1), tokens, dtype_bytes) // tokens)
+                 for i in range(config.num_layers))  # fmt: skip
 
 
 def _params(shapes: Mapping[str, tuple[int, ...]], name: str) -> int:
