@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seamline.config import ModelConfig, v4_cache_bytes
+from seamline.errors import ConfigError
 from seamline.model.cache import Span
 from seamline.model.hyper import HyperConnection, HyperHead, widen
 from seamline.model.layers import RMSNorm, empty_param
@@ -43,33 +44,41 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 class V4MoE(nn.Module):
-    def __init__(self, config: ModelConfig, hashed: bool) -> None:
+    """Routed experts [e0, e1) of the ownership and its rows of the shared experts: in a
+    lockstep group each rank's output is its part of the sum (routing is computed whole)."""
+
+    def __init__(self, config: ModelConfig, hashed: bool, own: Ownership) -> None:
         super().__init__()
         self.routing, self.limit = config, float(config.hf["swiglu_limit"])
-        experts, hidden = config.num_experts, config.hidden_size
-        inter, shared = config.moe_intermediate_size, config.moe_intermediate_size * config.n_shared_experts
-        self.router = empty_param(experts, hidden)
+        hidden, inter = config.hidden_size, config.moe_intermediate_size
+        self.first, last = own.expert_range(config)
+        s0, s1 = own.shard_rows(inter * config.n_shared_experts)
+        self.router = empty_param(config.num_experts, hidden)
         self.table = empty_param(config.vocab_size, config.num_experts_per_tok) if hashed else None  # tid2eid
-        self.router_bias = None if hashed else empty_param(experts)
-        self.experts_gate_up = empty_param(experts, 2 * inter, hidden)
-        self.experts_down = empty_param(experts, hidden, inter)
-        self.shared_gate_up = empty_param(2 * shared, hidden)
-        self.shared_down = empty_param(hidden, shared)
+        self.router_bias = None if hashed else empty_param(config.num_experts)
+        self.experts_gate_up = empty_param(last - self.first, 2 * inter, hidden)
+        self.experts_down = empty_param(last - self.first, hidden, inter)
+        self.shared_gate_up = empty_param(2 * (s1 - s0), hidden)
+        self.shared_down = empty_param(hidden, s1 - s0)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.router)
         fixed = self.table[ids] if self.table is not None else None
         weights, chosen = route(self.routing, logits, self.router_bias, fixed)
         out = torch.zeros_like(x)
+        owned = range(self.first, self.first + self.experts_down.shape[0])
         for expert in chosen.unique().tolist():
+            if expert not in owned:
+                continue  # another rank's
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
-            h = clamped_swiglu(linear(x[rows], self.experts_gate_up[expert]), self.limit)
-            out.index_add_(0, rows, linear(h, self.experts_down[expert]) * weights[rows, slot, None].to(x.dtype))
+            local = expert - self.first
+            h = clamped_swiglu(linear(x[rows], self.experts_gate_up[local]), self.limit)
+            out.index_add_(0, rows, linear(h, self.experts_down[local]) * weights[rows, slot, None].to(x.dtype))
         return out + linear(clamped_swiglu(linear(x, self.shared_gate_up), self.limit), self.shared_down)
 
 
 class V4Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, comm: Comm) -> None:
+    def __init__(self, config: ModelConfig, layer: int, own: Ownership, comm: Comm) -> None:
         super().__init__()
         hf, kind = config.hf, config.hf["layer_types"][layer]
         hidden, streams, eps = config.hidden_size, int(hf["hc_mult"]), config.rms_norm_eps
@@ -77,8 +86,8 @@ class V4Block(nn.Module):
         self.attn_hc = HyperConnection(hidden, streams, hf["hc_sinkhorn_iters"], hf["hc_eps"], eps)
         self.ffn_hc = HyperConnection(hidden, streams, hf["hc_sinkhorn_iters"], hf["hc_eps"], eps)
         self.input_norm, self.post_norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
-        self.attn = V4Attention(_shape(config, kind), _compression(hf, kind))
-        self.ffn = V4MoE(config, hf["mlp_layer_types"][layer] == "hash_moe")
+        self.attn = V4Attention(_shape(config, kind, own), _compression(hf, kind))
+        self.ffn = V4MoE(config, hf["mlp_layer_types"][layer] == "hash_moe", own)
 
     def forward(self, residual: torch.Tensor, ids: torch.Tensor, spans: Sequence[Span], step: int) -> torch.Tensor:
         collapsed, post, comb = self.attn_hc.mixes(residual)
@@ -95,13 +104,26 @@ class V4Block(nn.Module):
         return self.comm.all_reduce(partial, GateTag(self.layer, gate, step))
 
 
-def _shape(config: ModelConfig, kind: str) -> V4AttentionShape:
+def _shape(config: ModelConfig, kind: str, own: Ownership) -> V4AttentionShape:
+    """The attention this ownership computes: its query heads, whole output groups of them
+    (``v4_head_groups``); the shared key/value head and the compressors are every rank's."""
     hf = config.hf
     rope = hf["rope_parameters"]["main" if kind == "sliding_attention" else "compress"]
-    return V4AttentionShape(config.hidden_size, config.num_heads, config.head_dim, int(hf["q_lora_rank"]),
-                            int(hf["o_groups"]), int(hf["o_lora_rank"]),
+    g0, g1 = v4_head_groups(config, own)
+    return V4AttentionShape(config.hidden_size, config.num_heads * (g1 - g0) // int(hf["o_groups"]),
+                            config.head_dim, int(hf["q_lora_rank"]), g1 - g0, int(hf["o_lora_rank"]),
                             int(config.head_dim * rope["partial_rotary_factor"]), float(rope["rope_theta"]),
                             int(hf["sliding_window"]), config.rms_norm_eps)  # fmt: skip
+
+
+def v4_head_groups(config: ModelConfig, own: Ownership) -> tuple[int, int]:
+    """The output-projection groups [g0, g1) a rank owns, and with them their query heads:
+    each group's projection reads its heads' outputs only, so a split along groups is exact."""
+    groups, (rank, world) = int(config.hf["o_groups"]), own.shard
+    if groups % world or config.num_heads % groups:
+        raise ConfigError(f"DeepSeek-V4's {groups} output groups of {config.num_heads} heads do not "
+                          f"divide among {world} lockstep ranks")  # fmt: skip
+    return rank * groups // world, (rank + 1) * groups // world
 
 
 def _compression(hf: HF, kind: str) -> Compression | None:
@@ -133,19 +155,18 @@ class V4Stage(nn.Module):
     def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None) -> None:
         super().__init__()
         own.validate(config)
-        if own.shard[1] != 1:
-            raise ValueError("DeepSeek-V4 runs by layer range only: its lockstep split is not built yet")
         self.config, self.ownership = config, own
         self.comm: Comm = comm if comm is not None else SingleComm()
         self.step = 0
         hidden, self.streams = config.hidden_size, int(config.hf["hc_mult"])
         self.boundary_shape = (self.streams, hidden)
         self.embed: Weight | None = empty_param(config.vocab_size, hidden) if own.owns_embedding() else None
-        self.layers = nn.ModuleDict({str(i): V4Block(config, i, self.comm) for i in own.layer_indices()})
+        self.layers = nn.ModuleDict({str(i): V4Block(config, i, own, self.comm) for i in own.layer_indices()})
         owns_head = own.owns_head(config)
         self.hc_head = HyperHead(hidden, self.streams, config.hf["hc_eps"], config.rms_norm_eps) if owns_head else None
         self.norm = RMSNorm(hidden, config.rms_norm_eps) if owns_head else None
-        self.head: Weight | None = empty_param(config.vocab_size, hidden) if owns_head else None
+        v0, v1 = own.vocab_range(config)
+        self.head: Weight | None = empty_param(v1 - v0, hidden) if owns_head else None
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -15,7 +15,7 @@ from typing import cast
 import torch
 
 from seamline.model.cache import Span
-from seamline.runtime.lockstep_group import LockstepGroup
+from seamline.runtime.lockstep_group import HiddenWithIds, LockstepGroup
 
 
 @dataclass(frozen=True)
@@ -31,8 +31,15 @@ class LockstepStage:
         self.config = group.config
         self.compute_dtype: torch.dtype = group.leader.stage.compute_dtype
         self.is_last = group.leader.last
-        self.embed, self.head = group.leader.stage.embed, group.leader.stage.head
-        self.layers = group.leader.stage.layers
+        stage = group.leader.stage
+        self.embed, self.head = stage.embed, stage.head
+        self.layers = stage.layers
+        # what the family's stage says of its frames and caches (DeepSeek-V4's differ)
+        self.boundary_shape: tuple[int, ...] = getattr(stage, "boundary_shape", (self.config.hidden_size,))
+        self.passes_ids: bool = getattr(stage, "passes_ids", False)
+        self.forks_caches: bool = getattr(stage, "forks_caches", True)
+        if hasattr(stage, "cache_bytes"):
+            self.cache_bytes = stage.cache_bytes
 
     def new_cache(self, greedy: bool = False) -> GroupCache:
         return GroupCache(self.group.create(greedy))
@@ -41,18 +48,25 @@ class LockstepStage:
         if not self.group.broken:  # a lost rank took every cache with it
             self.group.destroy(cache.seq)
 
-    def __call__(self, inputs: torch.Tensor, start: int, cache: GroupCache, last_only: bool = False) -> torch.Tensor:
-        """Ids or hidden states in; hidden states out, or the last position's logits [1, vocab]."""
-        out = self.group.run(cache.seq, start, inputs)
+    def __call__(self, inputs: torch.Tensor, start: int, cache: GroupCache, last_only: bool = False,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """Ids or hidden states (with the rows' ``ids`` where the stage passes them) in; hidden
+        states out, or the last position's logits [1, vocab]."""
+        out = self.group.run(cache.seq, start, self._inputs(inputs, ids))
         return out.unsqueeze(0) if self.is_last else out
 
-    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False) -> torch.Tensor:
+    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
+                      ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """Every span's rows in one mirrored BATCH command (one forward on every rank): hidden
         states of every row, or each span's last logits [len(spans), vocab]."""
         if len(spans) == 1:
-            return self(inputs, spans[0].start, cast(GroupCache, spans[0].cache), last_only)
+            return self(inputs, spans[0].start, cast(GroupCache, spans[0].cache), last_only, ids)
         table = torch.tensor([[cast(GroupCache, s.cache).seq, s.start, s.count] for s in spans], dtype=torch.int64)
-        return self.group.batch(table, inputs)
+        return self.group.batch(table, self._inputs(inputs, ids))
+
+    def _inputs(self, inputs: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor | HiddenWithIds:
+        """A stage with the embedding takes the ids as its inputs; a later one, beside them."""
+        return inputs if ids is None or self.embed is not None else HiddenWithIds(inputs, ids)
 
     def close(self) -> None:
         self.group.close()

@@ -42,7 +42,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,7 +66,23 @@ CMD_LEN = 8
 GREEDY = 1  # command flag (create): exchange (max, argmax) pairs, not whole logits
 CONTROL_LAYER = -2  # GateTag layer of control messages (model gates use >= 0, logits -1)
 PREFILL_CHUNK = 512
-Inputs = list[int] | torch.Tensor  # token ids (a stage with the embedding) or hidden states
+
+
+class HiddenWithIds(NamedTuple):
+    """A later stage's inputs where its layers route by token id (DeepSeek-V4): the residual
+    and the rows' ids (tagged ``GateTag(-2, 3, k)`` after the residual)."""
+
+    hidden: torch.Tensor
+    ids: torch.Tensor
+
+
+Inputs = list[int] | torch.Tensor | HiddenWithIds  # token ids (a stage with the embedding) or hidden states
+
+
+def input_rows(inputs: Inputs | None) -> int:
+    if inputs is None:
+        return 0
+    return len(inputs.hidden) if isinstance(inputs, HiddenWithIds) else len(inputs)
 
 
 def group_fingerprint(identity: str, source_config: dict, stage: Stage, dtype: torch.dtype, world: int) -> str:
@@ -144,7 +160,7 @@ class LockstepRank:
         self._control = 0  # control messages so far: the sequence of their tags
 
     def exchange(self, cmd: list[int] | None, inputs: Inputs | None = None,
-                 spans: torch.Tensor | None = None) -> tuple[list[int], torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+                 spans: torch.Tensor | None = None) -> tuple[list[int], Inputs | None, torch.Tensor | None]:  # fmt: skip
         """Leader: send (cmd, inputs[, a BATCH's span table]); others: pass None and receive them."""
         tag = self._control
         self._control += 1
@@ -166,11 +182,16 @@ class LockstepRank:
         if self.first:  # token ids
             shape, dtype = (count,), torch.int64
         else:  # hidden states from the previous stage
-            shape, dtype = (count, self.config.hidden_size), self.stage.compute_dtype
-        payload = torch.zeros(shape, dtype=dtype) if inputs is None else torch.as_tensor(inputs).to(dtype)
+            shape, dtype = (count, *getattr(self.stage, "boundary_shape", (self.config.hidden_size,))), self.stage.compute_dtype
+        given = inputs.hidden if isinstance(inputs, HiddenWithIds) else inputs
+        payload = torch.zeros(shape, dtype=dtype) if given is None else torch.as_tensor(given).to(dtype)
         if tuple(payload.shape) != shape:
             raise RequestError(f"lockstep input of shape {tuple(payload.shape)}; this group takes {shape}")
-        return got, self.comm.all_reduce(payload, GateTag(CONTROL_LAYER, 1, tag)), table
+        hidden = self.comm.all_reduce(payload, GateTag(CONTROL_LAYER, 1, tag))
+        if self.first or not getattr(self.stage, "passes_ids", False):
+            return got, hidden, table
+        ids = inputs.ids if isinstance(inputs, HiddenWithIds) else torch.zeros(count, dtype=torch.int64)
+        return got, HiddenWithIds(hidden, self.comm.all_reduce(ids.long(), GateTag(CONTROL_LAYER, 3, tag))), table
 
     def _span_table(self, n_spans: int, spans: torch.Tensor | None, tag: int) -> torch.Tensor:
         if not 0 < n_spans <= MAX_BATCH_ROWS:
@@ -178,7 +199,7 @@ class LockstepRank:
         mine = torch.zeros(n_spans, 3, dtype=torch.int64) if spans is None else spans
         return self.comm.all_reduce(mine, GateTag(CONTROL_LAYER, 2, tag))
 
-    def apply(self, cmd: list[int], inputs: torch.Tensor | None, table: torch.Tensor | None = None) -> torch.Tensor | None:
+    def apply(self, cmd: list[int], inputs: Inputs | None, table: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run one session call on this rank; prefill/decode return the full last-position
         logits (last stage) or the hidden states of every position (earlier stages); a batch,
         each span's last logits [spans, vocab] or every row's hidden states."""
@@ -202,22 +223,29 @@ class LockstepRank:
         if op == REWIND:
             if not 0 <= position <= state.position:
                 raise RequestError(f"rewind of sequence {seq} to {position}: must be in [0, {state.position}]")
+            if position != state.position and not getattr(self.stage, "forks_caches", True):
+                raise RequestError(f"sequence {seq} cannot be rewound: this model's caches forget what they pass")
             state.position = position
             return None
         if op not in (PREFILL, DECODE):
             raise CommError(f"rank {self.rank} got unknown lockstep op {op}")
-        count = 0 if inputs is None else inputs.shape[0]
+        count = input_rows(inputs)
         if position != state.position or not count:
             raise RequestError(f"sequence {seq} is at position {state.position}; {OP_NAMES[op]} came for "
                                f"{position} with {count} tokens")
         assert inputs is not None
-        out = self.stage(inputs, position, state.cache, last_only=self.last)
+        out = self._forward(inputs, [Span(0, count, position, state.cache)])
         state.position += count
         if not self.last:
             return out
         return self._gather_logits(out[-1].float(), state.greedy)
 
-    def _apply_batch(self, inputs: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
+    def _forward(self, inputs: Inputs, spans: list[Span]) -> torch.Tensor:
+        if isinstance(inputs, HiddenWithIds):
+            return self.stage.forward_batch(inputs.hidden, spans, last_only=self.last, ids=inputs.ids)  # type: ignore[call-arg]
+        return self.stage.forward_batch(torch.as_tensor(inputs), spans, last_only=self.last)
+
+    def _apply_batch(self, inputs: Inputs | None, table: torch.Tensor) -> torch.Tensor:
         """Every span checked first (all ranks hold the same sequences, so all refuse alike),
         then one forward for all their rows."""
         spans, states, offset = [], [], 0
@@ -229,9 +257,9 @@ class LockstepRank:
             spans.append(Span(offset, count, position, state.cache))
             states.append(state)
             offset += count
-        if inputs is None or inputs.shape[0] != offset:
-            raise RequestError(f"a batch of {offset} rows came with {0 if inputs is None else inputs.shape[0]}")
-        out = self.stage.forward_batch(inputs, spans, last_only=self.last)
+        if inputs is None or input_rows(inputs) != offset:
+            raise RequestError(f"a batch of {offset} rows came with {input_rows(inputs)}")
+        out = self._forward(inputs, spans)
         for state, span in zip(states, spans):
             state.position += span.count
         if not self.last:
@@ -312,7 +340,7 @@ class LockstepGroup:
              flags: int = 0, spans: torch.Tensor | None = None) -> torch.Tensor | None:
         """Mirror one session call to every rank and apply it here (for BATCH, ``seq`` is the
         number of spans and ``spans`` their table)."""
-        count = 0 if inputs is None else len(inputs)
+        count = input_rows(inputs)
         with self._lock:
             if self._broken:
                 raise CommError(f"lockstep group is broken since: {self._broken}", peer=self._broken.peer)
@@ -346,13 +374,13 @@ class LockstepGroup:
         assert logits is not None
         return logits
 
-    def run(self, seq: int, position: int, inputs: torch.Tensor) -> torch.Tensor:
+    def run(self, seq: int, position: int, inputs: torch.Tensor | HiddenWithIds) -> torch.Tensor:
         """One forward of ``inputs`` (ids or hidden states) at ``position`` on every rank."""
-        out = self.call(DECODE if len(inputs) == 1 else PREFILL, seq, position, inputs)
+        out = self.call(DECODE if input_rows(inputs) == 1 else PREFILL, seq, position, inputs)
         assert out is not None
         return out
 
-    def batch(self, spans: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    def batch(self, spans: torch.Tensor, inputs: torch.Tensor | HiddenWithIds) -> torch.Tensor:
         """One forward of many sequences' rows on every rank: ``spans`` [n, 3] of (seq,
         position, rows) in row order. Each span's last logits [n, vocab], or every row's
         hidden states (a stage before the head)."""

@@ -32,6 +32,11 @@ def check_world(config: ModelConfig, world: int) -> None:
     rank_ownership(config, 0, world)  # routed experts divide evenly
     own = Ownership(layers=(0, 1), shard=(0, world))
     own.head_range(config.num_heads)
+    if config.is_v4:
+        from seamline.model.v4_stage import v4_head_groups
+
+        v4_head_groups(config, own)  # whole output groups of heads on each rank
+        own.shard_rows(config.moe_intermediate_size * config.n_shared_experts)
     if any(not config.is_moe_layer(i) for i in range(config.num_layers)):
         own.shard_rows(config.intermediate_size)
 

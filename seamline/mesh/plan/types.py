@@ -28,7 +28,10 @@ HEAD_ROW_SHARE = 0.5
 _EXPERT_TARGETS = (".experts_gate_up", ".experts_down")  # routed experts: only top-k are read
 # Held whole by every rank of a lockstep group (model/moe.py, model/mla.py): the rest is divided.
 _REPLICATED_TARGETS = (".ffn.router", ".ffn.router_bias", ".ffn.shared.gate_up", ".ffn.shared.down",
-                       ".attn.q_a", ".attn.kv_a", "norm.weight")  # fmt: skip
+                       ".attn.q_a", ".attn.kv_a", "norm.weight",
+                       # DeepSeek-V4 (model/v4_stage.py): the shared key/value head, its compressors, indexer
+                       ".attn.kv", ".attn.compressor.kv", ".attn.compressor.gate", ".attn.indexer.q_b",
+                       ".attn.indexer.compressor.kv", ".attn.indexer.compressor.gate", ".ffn.table")  # fmt: skip
 # Split across their input columns in a lockstep group: a quantized share may cut blocks and
 # then keeps the blocks around it (model/linear.py ColumnWindow), up to two more a row.
 _COLUMN_SPLIT_TARGETS = (".attn.o", ".ffn.down")
