@@ -42,3 +42,6 @@ def test_bench_lockstep_tiny_tcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert result["ideal_speedup_given_cores"] == pytest.approx(ideal, abs=2e-3)
     of_ideal = result["speedup"] / result["ideal_speedup_given_cores"]
     assert result["speedup_of_ideal"] == pytest.approx(of_ideal, rel=1e-2)
+    # the DeepSeek-V4 rows (a tiny V4 here): the group's greedy tokens equal the single engine's
+    assert result["v4_tokens_match"] is True and result["v4_lockstep_speedup"] > 0
+    assert result["v4_single_tok_s"] > 0 and len(result["v4_runs_tok_s"]["lockstep2"]) == 1

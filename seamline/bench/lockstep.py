@@ -75,9 +75,10 @@ def theory_bytes(facts: dict[str, Any]) -> int:
 
 
 def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
-                   transports: tuple[str, ...] = TRANSPORTS, netns: bool | None = None) -> dict[str, Any]:
+                   transports: tuple[str, ...] = TRANSPORTS, netns: bool | None = None, v4: bool = True) -> dict[str, Any]:
     """The JSON of `seamline bench lockstep`. ``size``: "bench" (>= 1 GB) or "tiny" (tests);
-    ``netns``: run each group in a fresh network namespace (None: when root)."""
+    ``netns``: run each group in a fresh network namespace (None: when root); ``v4``: with
+    the DeepSeek-V4 rows (``v4_lockstep``)."""
     if repeats < 1 or tokens < 1:
         raise ValueError("repeats and tokens must be >= 1")
     cpus = sorted(os.sched_getaffinity(0))
@@ -117,7 +118,50 @@ def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
     result["cores"] = {"single": core0, "lockstep2_rank0_leader": core0, "lockstep2_rank1": core1}
     # the machine may be shared: a busy core stalls the group at every gate (see the notes)
     result["loadavg_1min"] = {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)}
+    if v4:
+        result.update(v4_lockstep(repeats, min(tokens, V4_TOKENS), size, core0, core1))
     return result
+
+
+V4_TOKENS = 32
+
+
+def v4_lockstep(repeats: int, tokens: int, size: str, core0: int, core1: int) -> dict[str, Any]:
+    """A V4-shaped model (``v4_model``, bfloat16): one core against a 2-rank group of one core
+    per rank (tcp), alternating; decode steps timed as above."""
+    from seamline.bench.v4_model import build_v4_model
+
+    folder = build_v4_model(size)
+    ids = torch.randint(0, 1000, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
+    common = ["--model", str(folder), "--prompt", ",".join(map(str, ids)), "--dtype", "bfloat16"]
+    drivers = {"single": Driver(DRIVER, ["single", *common, "--core", str(core0)]),
+               "lockstep2": Driver(DRIVER, ["group", *common, "--core", str(core0), "--peer-core", str(core1)])}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in drivers}
+    try:
+        for driver in drivers.values():
+            driver.wait_ready()
+            driver.measure(2)  # warm-up
+        for _ in range(repeats):
+            for name, driver in drivers.items():
+                runs[name].append(driver.measure(tokens))
+    finally:
+        for driver in drivers.values():
+            driver.close()
+    single, group = median(runs["single"], "tok_s"), median(runs["lockstep2"], "tok_s")
+    return {
+        "v4_model": folder.name,
+        "v4_single_tok_s": round(single, 2),
+        "v4_lockstep2_tok_s": round(group, 2),
+        "v4_lockstep_speedup": round(group / single, 3),
+        "v4_tokens_match": all(r["tokens"] == runs["single"][0]["tokens"] for rs in runs.values() for r in rs),
+        "v4_split": "each rank: whole output groups of query heads (q_b rows, sinks, o_a rows, o_b columns), "
+                    "half the routed experts, half the shared expert's rows, half the head's rows; every rank: "
+                    "q_a, the shared key/value head, the compressors and the indexer (the caches), "
+                    "hyper-connections, norms, the router",
+        "v4_runs_tok_s": {k: [round(float(r["tok_s"]), 2) for r in v] for k, v in runs.items()},
+        "v4_dtype": "bfloat16",
+        "v4_tokens": tokens,
+    }
 
 
 def _side_by_side(first: Driver, second: Driver, tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:

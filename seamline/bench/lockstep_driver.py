@@ -129,6 +129,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--tls", action="store_true", help="tcp over mutual TLS, certificates from a fresh mesh CA")
     ap.add_argument("--netns", action="store_true")
     ap.add_argument("--timeout", type=float, default=120.0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     return ap.parse_args()
 
 
@@ -162,9 +163,11 @@ def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes]
     peer = subprocess.Popen(
         [sys.executable, "-m", "seamline.runtime.lockstep_group", "--rank", "1", "--world", "2",
          "--addresses", addresses, "--model", args.model, "--timeout", str(args.timeout),
-         "--transport", args.transport, *(["--tls-dir", str(tls_dir)] if tls_dir else [])],
+         "--transport", args.transport, "--dtype", args.dtype, *(["--tls-dir", str(tls_dir)] if tls_dir else [])],
         cwd=root, env={**os.environ}, preexec_fn=lambda: os.sched_setaffinity(0, {peer_core}))  # fmt: skip
-    leader = LockstepRank(args.model, 0, 2, [("127.0.0.1", p) for p in ports], args.timeout,
+    from seamline.weights.loader import DTYPES
+
+    leader = LockstepRank(args.model, 0, 2, [("127.0.0.1", p) for p in ports], args.timeout, DTYPES[args.dtype],
                           transport=args.transport,  # type: ignore[arg-type]
                           tls=group_tls_from_folder(tls_dir, 0, 2) if tls_dir else None)
     timed = None
@@ -222,9 +225,9 @@ def main() -> int:
 
     peer, timed, group = None, None, None
     if args.mode == "single":
-        from seamline.weights.loader import load_stage, open_source
+        from seamline.weights.loader import DTYPES, load_stage, open_source
 
-        runner = Engine(load_stage(open_source(args.model)))
+        runner = Engine(load_stage(open_source(args.model), dtype=DTYPES[args.dtype]))
     else:
         from seamline.runtime.group_stage import LockstepStage
 

@@ -22,6 +22,8 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,20 +51,27 @@ def _driver(args: list[str], prefix: list[str] | None = None) -> Driver:
     return driver
 
 
-def pinned_driver() -> Driver:
+def pinned_driver(extra: tuple[str, ...] = ()) -> Driver:
     """Two nodes, each pinned to its own core with one thread: two one-core machines."""
     join = f"{sys.executable} -m seamline.cli join {{token}} --quiet --no-progress --max-memory {{cap}}"
     nodes = [f"env OMP_NUM_THREADS=1 taskset -c {core} {join} --node-id core{core}" for core in (0, 1)]
-    return _driver([a for n in nodes for a in ("--node-cmd", n)])
+    return _driver([*extra, *(a for n in nodes for a in ("--node-cmd", n))])
 
 
 def pinned_single(model: LocalModel, prompt: list[int], tokens: int) -> dict[str, float]:
     """The single engine on one core with one thread, to compare with ``pinned_driver``."""
+    with one_core():
+        return decode_single(model, prompt, tokens)
+
+
+@contextmanager
+def one_core() -> Iterator[None]:
+    """This process on core 0 with one torch thread, while inside."""
     affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
     try:
-        return decode_single(model, prompt, tokens)
+        yield
     finally:
         torch.set_num_threads(threads)
         os.sched_setaffinity(0, affinity)
@@ -88,7 +97,7 @@ def lan_up() -> str:
     return ""
 
 
-def lan_driver(one_core_each: bool = False) -> Driver:
+def lan_driver(one_core_each: bool = False, extra: tuple[str, ...] = ()) -> Driver:
     """A mesh whose two nodes sit in the two namespaces (the coordinator beside the first).
 
     ``one_core_each``: each node pinned to its own core with one thread.
@@ -97,7 +106,7 @@ def lan_driver(one_core_each: bool = False) -> Driver:
     pins = ["env OMP_NUM_THREADS=1 taskset -c 0 ", "env OMP_NUM_THREADS=1 taskset -c 1 "] if one_core_each else ["", ""]
     tag = "core" if one_core_each else "ns"
     nodes = [f"{pins[0]}{join} --node-id {tag}1", f"ip netns exec {NS_PREFIX}2 {pins[1]}{join} --node-id {tag}2"]
-    args = ["--host", "10.77.0.1", *[a for n in nodes for a in ("--node-cmd", n)]]
+    args = ["--host", "10.77.0.1", *extra, *[a for n in nodes for a in ("--node-cmd", n)]]
     return _driver(args, prefix=["ip", "netns", "exec", f"{NS_PREFIX}1"])
 
 
@@ -125,7 +134,8 @@ def decode_single(model: LocalModel, prompt: list[int], tokens: int) -> dict[str
     return {"tok_s": tokens / wall, "ms_per_token": wall / tokens * 1e3, "compute_ms_per_token": compute / tokens * 1e3}
 
 
-def bench_split(repeats: int = 5, tokens: int = 128) -> dict[str, Any]:
+def bench_split(repeats: int = 5, tokens: int = 128, v4: bool = True) -> dict[str, Any]:
+    """The JSON of `seamline bench split`; ``v4``: with the DeepSeek-V4 rows (``split_v4``)."""
     model = LocalModel.load(context=2048)
     prompt = model.codec.encode_chat([{"role": "user", "content": PROMPT}])
     loopback, loopback_tls, pinned = _driver(["--plaintext"]), _driver([]), pinned_driver()
@@ -145,12 +155,20 @@ def bench_split(repeats: int = 5, tokens: int = 128) -> dict[str, Any]:
             for name, driver in drivers.items():
                 if driver is not None:
                     runs[name].append(driver.measure(tokens))
+        for driver in drivers.values():
+            if driver is not None:
+                driver.close()
+        result = _result(runs, tokens, repeats, model.config.hidden_size, loopback.wait_ready(), lan_reason)
+        if v4:
+            from seamline.bench.split_v4 import bench_split_v4
+
+            result.update(bench_split_v4(repeats, lan_reason))
+        return result
     finally:
         for driver in drivers.values():
             if driver is not None:
                 driver.close()
         lan_down()
-    return _result(runs, tokens, repeats, model.config.hidden_size, loopback.wait_ready(), lan_reason)
 
 
 def _frame_bytes(hidden: int) -> int:

@@ -26,6 +26,7 @@ from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_no
 from seamline.server.mesh_app import mesh_app
 from seamline.net.link import free_port
 from seamline.params import SamplingParams
+from seamline.weights.loader import dtype_bytes
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 CONTEXT = 2048
@@ -37,17 +38,19 @@ def main() -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--node-cmd", action="append", default=[], help="shell command per node, {token}")
     parser.add_argument("--plaintext", action="store_true", help="links without TLS (to measure what TLS costs)")
+    parser.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     port = free_port(args.host)
     options = ServeOptions(host=args.host, port=port, control_port=free_port(args.host),
                            fragments_port=free_port(args.host),
                            nodes_expected=args.stages, local_node=False, context=CONTEXT,
-                           plaintext_links=args.plaintext)  # fmt: skip
+                           plaintext_links=args.plaintext, model=args.model, dtype=args.dtype)  # fmt: skip
     mesh = build_mesh(options)
     mesh.start(args.host)
     server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=args.host, port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
-    cap = f"{memory_cap_gb(None, args.stages, CONTEXT):.3f}"
+    cap = f"{memory_cap_gb(args.model, args.stages, CONTEXT, dtype_bytes(args.dtype)):.3f}"
     if args.node_cmd:
         procs = [subprocess.Popen(shlex.split(c.format(token=mesh.token, cap=cap))) for c in args.node_cmd]
     else:
@@ -59,7 +62,12 @@ def main() -> int:
         words = line.split()
         if not words or words[0] == "quit":
             break
-        answer = _secrets(mesh, args.host, port) if words[0] == "secrets" else asyncio.run(_measure(mesh, int(words[1])))
+        if words[0] == "secrets":
+            answer = _secrets(mesh, args.host, port)
+        elif len(words) > 2:
+            answer = asyncio.run(measure_request(mesh, int(words[1]), int(words[2])))
+        else:
+            answer = asyncio.run(_measure(mesh, int(words[1])))
         print(json.dumps(answer), flush=True)
     for proc in procs:
         proc.terminate()
@@ -78,6 +86,24 @@ def _secrets(mesh: Mesh, host: str, port: int) -> dict[str, Any]:
             "plan_id": coordinator.plan_id, "link_key": coordinator.link_key, "stages": stages,
             "fragment_token": coordinator.fragment_token(stages[0][0]), "invite": invite,
             "state_dir": str(mesh.state_dir), "hidden_size": config.hidden_size if config else 0}  # fmt: skip
+
+
+def fixed_prompt(length: int, vocab: int) -> list[int]:
+    """The same ``length`` token ids in every party of a run."""
+    import torch
+
+    return torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+async def measure_request(mesh: Mesh, tokens: int, prompt_tokens: int) -> dict[str, Any]:
+    """One whole request through the mesh: a prompt of ``prompt_tokens`` ids, then ``tokens``
+    greedy tokens, timed from the request to its last token."""
+    config = mesh.coordinator.options.model_config
+    assert config is not None
+    prompt = fixed_prompt(prompt_tokens, config.vocab_size)
+    start = time.perf_counter()
+    out = [t async for t in mesh.backend.generate(prompt, SamplingParams(max_tokens=tokens))]
+    return {"seconds": time.perf_counter() - start, "tokens": out}
 
 
 async def _measure(mesh: Mesh, tokens: int) -> dict[str, Any]:

@@ -95,7 +95,8 @@ class V4Attention(nn.Module):
         cache.kv, cache.length = kept.clone(), cache.length + tokens  # not a view holding every key
         out = turn(out, positions, s.rope_dim, s.rope_theta, back=True)
         grouped = out.reshape(tokens, s.o_groups, -1).transpose(0, 1)  # [G, T, heads * head_dim / G]
-        mixed = torch.bmm(grouped, self.o_a.view(s.o_groups, s.o_lora_rank, -1).transpose(1, 2))
+        o_a = self.o_a.view(s.o_groups, s.o_lora_rank, -1).transpose(1, 2)  # a narrower checkpoint keeps its dtype
+        mixed = torch.bmm(grouped.to(o_a.dtype), o_a).to(x.dtype)
         return linear(mixed.transpose(0, 1).reshape(tokens, -1), self.o_b)
 
     def _window_mask(self, positions: torch.Tensor, first_key: int, keys: int) -> torch.Tensor:
