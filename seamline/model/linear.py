@@ -1,6 +1,7 @@
 """The linear seam: every weight matmul, embedding lookup and weight slice in the model.
 
 A weight is a float tensor, a ``QuantTensor`` (GGUF blocks, multiplied by fused kernels), a
+``ScaledTensor`` (DeepSeek's fp8 / fp4 values with block scales, dequantised per product), a
 ``RowConcat`` (a fused projection whose parts differ in quant type) or a ``ColumnWindow`` (a
 lockstep rank's column share that cuts quant blocks). Model code calls
 ``linear``, ``embedding``, ``rows``, ``columns`` and ``select`` and never learns which kind
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 from seamline.quant.dequant import dequantize, dequantize_rows
 from seamline.quant.matmul import quant_linear
+from seamline.quant.scaled import ScaledTensor
 from seamline.quant.tensor import QuantTensor
 
 
@@ -75,7 +77,7 @@ class ColumnWindow:
         return f"ColumnWindow({self.cover!r}, lead={self.lead}, width={self.width})"
 
 
-Weight = torch.Tensor | QuantTensor | RowConcat | ColumnWindow
+Weight = torch.Tensor | QuantTensor | ScaledTensor | RowConcat | ColumnWindow
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -87,6 +89,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return out.to(x.dtype) if bias is None else out.to(x.dtype) + bias
     if isinstance(w, QuantTensor):
         return quant_linear(x, w, bias)
+    if isinstance(w, ScaledTensor):
+        return F.linear(x, w.dequantize(x.dtype), bias)
     if isinstance(w, ColumnWindow):
         return quant_linear(w.padded(x), w.cover, bias)
     out = torch.cat([linear(x, part) for part in w.parts], dim=-1)
@@ -106,7 +110,7 @@ def rows(w: Weight, start: int, end: int) -> Weight:
     """Output rows [start, end) (dim -2): views, no copies."""
     if isinstance(w, torch.Tensor):
         return w[..., start:end, :]
-    if isinstance(w, QuantTensor):
+    if isinstance(w, (QuantTensor, ScaledTensor)):
         return w.row_slice(start, end)
     if isinstance(w, ColumnWindow):
         return ColumnWindow(w.cover.row_slice(start, end), w.lead, w.width)
@@ -125,7 +129,7 @@ def columns(w: Weight, start: int, end: int) -> Weight:
     (see ``granule``)."""
     if isinstance(w, torch.Tensor):
         return w[..., start:end]
-    if isinstance(w, QuantTensor):
+    if isinstance(w, (QuantTensor, ScaledTensor)):
         return w.column_slice(start, end)
     if isinstance(w, ColumnWindow):
         raise ValueError("a column window is not sliced again")
@@ -136,7 +140,7 @@ def select(w: Weight, index: int) -> Weight:
     """Entry ``index`` of the leading (expert) dimension."""
     if isinstance(w, torch.Tensor):
         return w[index]
-    if isinstance(w, QuantTensor):
+    if isinstance(w, (QuantTensor, ScaledTensor)):
         return w.select(index)
     if isinstance(w, ColumnWindow):
         return ColumnWindow(w.cover.select(index), w.lead, w.width)
@@ -147,6 +151,8 @@ def granule(w: Weight) -> int:
     """The column step a slice of ``w`` must keep to: its largest quant block, or 1."""
     if isinstance(w, QuantTensor):
         return w.block_size
+    if isinstance(w, ScaledTensor):
+        return w.block[1]
     if isinstance(w, ColumnWindow):
         return w.cover.block_size
     if isinstance(w, RowConcat):
@@ -175,6 +181,8 @@ def to_float(w: Weight, dtype: torch.dtype) -> torch.Tensor:
         return w.to(dtype)
     if isinstance(w, QuantTensor):
         return dequantize(w, dtype)
+    if isinstance(w, ScaledTensor):
+        return w.dequantize(dtype)
     if isinstance(w, ColumnWindow):
         return dequantize(w.cover, dtype)[..., w.lead : w.lead + w.width]
     return torch.cat([to_float(part, dtype) for part in w.parts], dim=-2)
@@ -188,6 +196,8 @@ def leading_bytes(w: Weight, count: int) -> bytes:
         return leading_bytes(w.cover, count)
     if isinstance(w, QuantTensor):
         return w.data.reshape(-1)[:count].cpu().numpy().tobytes()
+    if isinstance(w, ScaledTensor):
+        return w.values.reshape(-1)[:count].view(torch.uint8).cpu().numpy().tobytes()
     return w.detach().reshape(-1)[:count].float().cpu().numpy().tobytes()
 
 
@@ -196,5 +206,5 @@ def dequantize_weights(module: torch.nn.Module, dtype: torch.dtype) -> None:
     dequantised path benchmarks compare against)."""
     for sub in module.modules():
         for name, value in list(vars(sub).items()):
-            if isinstance(value, (QuantTensor, RowConcat, ColumnWindow)):
+            if isinstance(value, (QuantTensor, ScaledTensor, RowConcat, ColumnWindow)):
                 setattr(sub, name, torch.nn.Parameter(to_float(value, dtype), requires_grad=False))

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from seamline.model.layers import empty_param
-from seamline.model.linear import linear
+from seamline.model.linear import linear, to_float
 from seamline.model.v4_compress import Compressor, CompressorState, Indexer
 from seamline.model.v4_parts import V4AttentionShape, turn, unweighted_rms, weighted_rms
 
@@ -95,7 +95,8 @@ class V4Attention(nn.Module):
         cache.kv, cache.length = kept.clone(), cache.length + tokens  # not a view holding every key
         out = turn(out, positions, s.rope_dim, s.rope_theta, back=True)
         grouped = out.reshape(tokens, s.o_groups, -1).transpose(0, 1)  # [G, T, heads * head_dim / G]
-        o_a = self.o_a.view(s.o_groups, s.o_lora_rank, -1).transpose(1, 2)  # a narrower checkpoint keeps its dtype
+        dense = self.o_a if isinstance(self.o_a, torch.Tensor) else to_float(self.o_a, x.dtype)  # fp8 in V4's files
+        o_a = dense.view(s.o_groups, s.o_lora_rank, -1).transpose(1, 2)  # a narrower checkpoint keeps its dtype
         mixed = torch.bmm(grouped.to(o_a.dtype), o_a).to(x.dtype)
         return linear(mixed.transpose(0, 1).reshape(tokens, -1), self.o_b)
 

@@ -28,7 +28,7 @@ from seamline.errors import ConfigError
 from seamline.model.cache import Span
 from seamline.model.hyper import HyperConnection, HyperHead, widen
 from seamline.model.layers import RMSNorm, empty_param
-from seamline.model.linear import Weight, embedding, linear
+from seamline.model.linear import Weight, embedding, linear, select
 from seamline.model.moe import route
 from seamline.model.ownership import Ownership
 from seamline.model.v4_attention import Compression, SlidingCache, V4Attention
@@ -72,8 +72,8 @@ class V4MoE(nn.Module):
                 continue  # another rank's
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
             local = expert - self.first
-            h = clamped_swiglu(linear(x[rows], self.experts_gate_up[local]), self.limit)
-            out.index_add_(0, rows, linear(h, self.experts_down[local]) * weights[rows, slot, None].to(x.dtype))
+            h = clamped_swiglu(linear(x[rows], select(self.experts_gate_up, local)), self.limit)
+            out.index_add_(0, rows, linear(h, select(self.experts_down, local)) * weights[rows, slot, None].to(x.dtype))
         return out + linear(clamped_swiglu(linear(x, self.shared_gate_up), self.limit), self.shared_down)
 
 

@@ -39,6 +39,7 @@ from safetensors import safe_open
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError, ConfigError
 from seamline.model.ownership import Range
+from seamline.quant.scaled import KIND_NAMES, ScaledTensor
 from seamline.quant.tensor import QUANT_TYPES, QuantTensor
 
 FORMAT = "seamline-fragments"
@@ -51,6 +52,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config
 HEAD_TENSORS = ("model.norm.weight", "lm_head.weight",  # DeepSeek-V4's: its head, and its hyper-head
                 "head.weight", "model.hc_head.hc_fn", "model.hc_head.hc_base", "model.hc_head.hc_scale")
 QUANT_NAMES = {q.name: q for q in QUANT_TYPES}
+SCALED_KINDS = {name: kind for kind, name in KIND_NAMES.items()}  # DeepSeek's fp8 / fp4 weights
+SCALES_SUFFIX = ".scales"  # a scaled weight's scales, beside its values in the fragment
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 log = logging.getLogger(__name__)
@@ -281,6 +284,12 @@ class FragmentSource:
             raise
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read tensor {name} from fragment {fragment.name}: {exc}") from None
+        if entry.dtype in SCALED_KINDS:
+            scales = self._open(fragment, name).get_tensor(name + SCALES_SUFFIX)
+            try:
+                return ScaledTensor(SCALED_KINDS[entry.dtype], tensor, scales, entry.shape)
+            except CheckpointError as exc:
+                raise CheckpointError(f"tensor {name} in fragment {fragment.name}: {exc}") from None
         if entry.dtype not in QUANT_NAMES:
             return tensor
         try:  # the constructor checks the bytes against the type and shape

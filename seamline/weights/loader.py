@@ -28,6 +28,7 @@ from seamline.model.ownership import Ownership, Range
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm
 from seamline.quant.native import kernels
+from seamline.quant.scaled import ScaledTensor, concat_scaled_rows, stack_scaled
 from seamline.quant.tensor import QuantTensor, concat_rows, stack
 from seamline.weights.names import TensorPlan, ignorable, stage_plans
 from seamline.weights.source import TensorSource
@@ -172,6 +173,8 @@ def _concat(pieces: list[Weight]) -> Weight:
             return torch.cat(pieces, dim=0)  # type: ignore[arg-type]
     if all(isinstance(p, QuantTensor) for p in pieces) and len({p.qtype for p in pieces}) == 1:  # type: ignore[union-attr]
         return concat_rows(pieces)  # type: ignore[arg-type]
+    if all(isinstance(p, ScaledTensor) for p in pieces) and len({(p.kind, p.block) for p in pieces}) == 1:  # type: ignore[union-attr]
+        return concat_scaled_rows(pieces)  # type: ignore[arg-type]
     return RowConcat(pieces)
 
 
@@ -182,6 +185,8 @@ def _stack(parts: list[Weight]) -> Weight:
         return torch.stack(parts)  # type: ignore[arg-type]
     if isinstance(first, QuantTensor):
         return stack(parts)  # type: ignore[arg-type]
+    if isinstance(first, ScaledTensor):
+        return stack_scaled(parts)  # type: ignore[arg-type]
     return RowConcat([_stack([p.parts[i] for p in parts]) for i in range(len(first.parts))])  # type: ignore[union-attr]
 
 
@@ -191,9 +196,9 @@ def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None)
         return _integer(name, tensor)
     if isinstance(tensor, torch.Tensor) and tensor.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}, expected a float type")
-    if isinstance(tensor, QuantTensor) and (bad := tensor.first_bad_block()) is not None:
-        raise CheckpointError(f"tensor {name} ({tensor.qtype.name}) is corrupt: block {bad} has an "
-                              "infinite or NaN scale")
+    if isinstance(tensor, (QuantTensor, ScaledTensor)) and (bad := tensor.first_bad_block()) is not None:
+        kind = tensor.qtype.name if isinstance(tensor, QuantTensor) else tensor.kind
+        raise CheckpointError(f"tensor {name} ({kind}) is corrupt: block {bad} has an infinite or NaN scale")
     if span is None:
         return tensor
     start, end = span
@@ -204,6 +209,9 @@ def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None)
         )
     if plan.slice_dim == 0:
         return rows(tensor, start, end) if tensor.dim() >= 2 else tensor[start:end]
+    if isinstance(tensor, ScaledTensor) and not tensor.column_aligned(start, end):
+        raise CheckpointError(f"this rank's columns [{start},{end}) of {name} cut its {tensor.block[1]}-wide "
+                              f"{tensor.kind} blocks")
     if isinstance(tensor, QuantTensor) and not tensor.column_aligned(start, end):
         _warn_window(name, tensor)
         return ColumnWindow.around(tensor, start, end)

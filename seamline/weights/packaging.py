@@ -20,11 +20,13 @@ from tqdm import tqdm
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
 from seamline.model.ownership import Ownership, Range
+from seamline.quant.scaled import ScaledTensor
 from seamline.quant.tensor import QuantTensor
 from seamline.weights.fragments import (
     EXPERT_CHUNKS,
     FORMAT,
     HEAD_TENSORS,
+    SCALES_SUFFIX,
     TOKENIZER_FILES,
     VERSION,
     FragmentEntry,
@@ -105,7 +107,12 @@ def _tensor_groups(config: ModelConfig) -> list[_Group]:
 
 def _write_tensors(source: TensorSource, group: _Group, out_dir: Path) -> FragmentEntry:
     weights = {n: source.get(n) for n in group.tensors}
-    tensors = {n: (w.data if isinstance(w, QuantTensor) else w).contiguous() for n, w in weights.items()}
+    tensors: dict[str, torch.Tensor] = {}
+    for n, w in weights.items():
+        if isinstance(w, ScaledTensor):  # its values under its name, its scales beside them
+            tensors[n], tensors[n + SCALES_SUFFIX] = w.values.contiguous(), w.scales.contiguous()
+        else:
+            tensors[n] = (w.data if isinstance(w, QuantTensor) else w).contiguous()
     path = out_dir / f"{group.name}.safetensors"
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     table = tuple(TensorEntry(n, tuple(w.shape), _type_name(w)) for n, w in weights.items())
@@ -113,7 +120,9 @@ def _write_tensors(source: TensorSource, group: _Group, out_dir: Path) -> Fragme
                          table, group.experts)  # fmt: skip
 
 
-def _type_name(w: torch.Tensor | QuantTensor) -> str:
+def _type_name(w: torch.Tensor | QuantTensor | ScaledTensor) -> str:
+    if isinstance(w, ScaledTensor):
+        return w.stored_type
     return w.qtype.name if isinstance(w, QuantTensor) else str(w.dtype).removeprefix("torch.")
 
 

@@ -1,6 +1,12 @@
 """Hugging Face folders: config.json plus one or several (indexed) safetensors files.
 
 Files are memory-mapped by ``safe_open``; a tensor is read only when ``get`` asks for it.
+
+A weight stored as low-bit values with block scales (DeepSeek's fp8 and packed fp4: ``X.weight``
+beside ``X.scale`` or ``X.weight_scale_inv``) is one tensor here, a ``ScaledTensor`` of its
+logical shape; its scales are not listed apart. A DeepSeek-V4 folder in the original
+checkpoint's spelling (``layers.0.attn.wq_a.weight``, ``embed.weight``) is read under the names
+transformers writes (``weights/v4_names.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +19,12 @@ import torch
 from safetensors import safe_open
 
 from seamline.errors import CheckpointError
+from seamline.quant.scaled import KIND_NAMES, ScaledTensor, scale_values
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
+SCALE_SUFFIXES = (".scale", ".weight_scale_inv")  # a low-bit weight's block scales, beside ``X.weight``
 
 
 class HFFolderSource:
@@ -25,6 +33,8 @@ class HFFolderSource:
     def __init__(self, folder: str | Path) -> None:
         self.folder = Path(folder)
         self._file_of: dict[str, Path] | None = None
+        self._scale_of: dict[str, str] | None = None
+        self._spelling: dict[str, str] = {}  # our name -> the file's, where they differ
         self._handles: dict[Path, Any] = {}
 
     def config_dict(self) -> dict[str, Any]:
@@ -39,29 +49,65 @@ class HFFolderSource:
             raise CheckpointError(f"{path} is not valid JSON: {exc}") from None
 
     def names(self) -> set[str]:
-        return set(self._files())
+        return set(self._files()) - set(self._scales().values())
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
+        shape = tuple(self._handle(name).get_slice(self._stored(name)).get_shape())
+        packed = name in self._scales() and self.dtype_name(name) in ("I8", "U8")
+        return (*shape[:-1], 2 * shape[-1]) if packed else shape  # two fp4 values a byte
 
     def dtype_name(self, name: str) -> str:
-        return str(self._handle(name).get_slice(name).get_dtype())
+        return str(self._handle(name).get_slice(self._stored(name)).get_dtype())
 
     def stored_type(self, name: str) -> str:
-        """The torch dtype name ("bfloat16") of a stored tensor."""
+        """The torch dtype name ("bfloat16") of a stored tensor, or a scaled weight's kind."""
+        if name in self._scales():
+            return KIND_NAMES["fp8" if self.dtype_name(name).startswith("F8") else "fp4"]
         return SAFETENSORS_DTYPES.get(self.dtype_name(name), "float32")
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> torch.Tensor | ScaledTensor:
+        tensor = self._read(name)
+        scale = self._scales().get(name)
+        if scale is None:
+            return tensor
+        kind = "fp8" if tensor.dtype == torch.float8_e4m3fn else "fp4"
         try:
-            return self._handle(name).get_tensor(name)
+            return ScaledTensor(kind, tensor, scale_values(self._read(scale)))
+        except CheckpointError as exc:
+            raise CheckpointError(f"tensor {name}: {exc}") from None
+
+    def _read(self, name: str) -> torch.Tensor:
+        try:
+            return self._handle(name).get_tensor(self._stored(name))
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read tensor {name}: {exc}") from None
 
+    def _stored(self, name: str) -> str:
+        return self._spelling.get(name, name)
+
+    def _scales(self) -> dict[str, str]:
+        """Weight name -> its scales' name, for the weights stored with block scales."""
+        if self._scale_of is None:
+            names = set(self._files())
+            self._scale_of = {}
+            for name in names:
+                for suffix in SCALE_SUFFIXES:
+                    weight = name.removesuffix(suffix) + ".weight"
+                    if name.endswith(suffix) and weight in names:
+                        self._scale_of[weight] = name
+        return self._scale_of
+
     def _files(self) -> dict[str, Path]:
         if self._file_of is None:
-            self._file_of = self._index()
+            files = self._index()
+            if self.config_dict().get("model_type") == "deepseek_v4" and "embed.weight" in files:
+                from seamline.weights.v4_names import v4_alias
+
+                self._spelling = {v4_alias(n): n for n in files}
+                files = {v4_alias(n): path for n, path in files.items()}
+            self._file_of = files
         return self._file_of
 
     def _index(self) -> dict[str, Path]:

@@ -89,3 +89,12 @@ def _layer_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan
     plans.append(TensorPlan(ours + "ffn.experts_gate_up", gate_up, stack=True))
     plans.append(TensorPlan(ours + "ffn.experts_down", tuple((expert.format(e=e, w="w2"),) for e in experts), stack=True))
     return plans
+
+
+def v4_alias(name: str) -> str:
+    """A tensor name in the original V4 checkpoint's spelling, as transformers writes it."""
+    fixed = {"embed.weight": V4_EMBED, "norm.weight": "model.norm.weight", "hc_head_fn": "model.hc_head.hc_fn",
+             "hc_head_base": "model.hc_head.hc_base", "hc_head_scale": "model.hc_head.hc_scale"}  # fmt: skip
+    if name in fixed:
+        return fixed[name]
+    return "model." + name if name.startswith("layers.") else name
