@@ -190,8 +190,8 @@ class Scheduler:
         need = self.kv_reserve(sequence)
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
             raise RequestError(
-                f"the request may need {need / 2**20:.1f} MiB of KV cache (prompt + max_tokens); "
-                f"this node has {self.kv_budget_bytes / 2**20:.1f} MiB: shorten the prompt or lower max_tokens"
+                f"the request may need {need / 2**20:.4g} MiB of KV cache (prompt + max_tokens); "
+                f"this node has {self.kv_budget_bytes / 2**20:.4g} MiB: shorten the prompt or lower max_tokens"
             )
         self.waiting.append(sequence)
         return sequence
