@@ -152,8 +152,9 @@ class StreamDecoder:
         return self._emit(text, len(text) - hold)
 
     def flush(self) -> str:
-        """What remains once generation ends without a stop string."""
-        return "" if self.stopped else self._emit(self.codec.decode(self.ids), None)
+        """What remains once generation ends without a stop string, less a character whose
+        bytes were cut (``max_tokens`` inside a multi-byte character): never half of one."""
+        return "" if self.stopped else self._emit(self.codec.decode(self.ids).rstrip("\ufffd"), None)
 
     def _emit(self, text: str, end: int | None) -> str:
         end = len(text) if end is None else end

@@ -31,6 +31,15 @@ def test_stream_reassembles_text(codec: TextCodec) -> None:
     assert all("\ufffd" not in p for p in pieces)
 
 
+def test_a_cut_inside_a_multibyte_character_drops_the_partial_character(codec: TextCodec) -> None:
+    """Generation ending (max_tokens) after some of a character's bytes: the text ends before it."""
+    ids = codec.encode("emoji 🦩")  # the flamingo is three tokens of its four bytes
+    cut = next(n for n in range(len(ids), 0, -1) if codec.decode(ids[:n]).endswith("\ufffd"))
+    decoder = StreamDecoder(codec, ())
+    pieces = [decoder.push(token) for token in ids[:cut]] + [decoder.flush()]
+    assert "".join(pieces) == "emoji " and "\ufffd" not in "".join(pieces)
+
+
 def test_stop_string_cuts_output(codec: TextCodec) -> None:
     pieces, stopped = _stream(codec, "The answer is Paris, of course.", ("Paris",))
     assert stopped and "".join(pieces) == "The answer is "
