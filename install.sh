@@ -15,6 +15,12 @@ if [[ "${1:-}" == "--test" ]]; then
     { apt-get update -qq && apt-get install -y -qq iptables iproute2; } >/dev/null 2>&1 \
       || echo "install.sh: could not install iptables; the relay test will be skipped"
   fi
+  # the console test drives a real headless browser: Debian's chromium and its driver
+  if command -v apt-get >/dev/null && ! command -v chromedriver >/dev/null; then
+    SUDO=$([[ $EUID -eq 0 ]] && echo "" || echo "sudo")
+    { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium chromium-driver; } >/dev/null 2>&1 \
+      || echo "install.sh: could not install chromium and chromium-driver; the console test will fail"
+  fi
 else
   "${PIP[@]}" -e .
 fi

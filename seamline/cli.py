@@ -47,6 +47,7 @@ def _tensor_parallel_arg(parser: argparse.ArgumentParser, help_text: str) -> Non
 def _add_serve_command(sub: Any) -> None:
     serve = sub.add_parser("serve", help="start a coordinator + OpenAI API (and a local node)")
     serve.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
+    serve.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object a line")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--control-port", type=int, default=0, help="node control port (default: port+1)")
@@ -92,6 +93,7 @@ def _add_mesh_commands(sub: Any) -> None:
     join.add_argument("--node-id", default=None)
     join.add_argument("--data-port", type=int, default=0)
     join.add_argument("--quiet", action="store_true", help="log warnings only")
+    join.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object a line")
     join.add_argument("--no-progress", action="store_true", help="no download progress bar")
     join.set_defaults(handler=cmd_join)
     demo = sub.add_parser("demo", help="a coordinator and N nodes on this machine answer one question")
@@ -120,6 +122,10 @@ def _add_mesh_commands(sub: Any) -> None:
 
 
 def _add_admin_commands(sub: Any) -> None:
+    status = sub.add_parser("status", help="a running server's nodes, requests and events")
+    status.add_argument("url", help="the server's address, e.g. http://127.0.0.1:8000")
+    status.add_argument("--api-key", default=None, help="the key the server asks (default: $SEAMLINE_API_KEY)")
+    status.set_defaults(handler=cmd_status)
     invite = sub.add_parser("invite", help="create, list or revoke invites to a running mesh")
     actions = invite.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="a new invite token")
@@ -245,7 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from seamline.mesh.control.serve import ServeOptions
     from seamline.server.mesh_app import run_serve
 
-    _logging(quiet=False)
+    _logging(quiet=False, fmt=args.log_format)
     if args.single:
         from seamline.server.serve_local import serve_local
 
@@ -274,7 +280,7 @@ def _gib(value: float) -> int:
 def cmd_join(args: argparse.Namespace) -> int:
     from seamline.mesh.node.process import NodeOptions, run_node
 
-    _logging(quiet=args.quiet)
+    _logging(quiet=args.quiet, fmt=args.log_format)
     options = NodeOptions(data_port=args.data_port, progress=not args.no_progress)
     if args.max_memory is not None:
         options.max_memory_bytes = int(args.max_memory * (1 << 30))
@@ -337,6 +343,15 @@ def cmd_package(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    import os
+
+    from seamline.server.status_cli import fetch_summary
+
+    print(fetch_summary(args.url, args.api_key or os.environ.get("SEAMLINE_API_KEY")))
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from seamline.mesh.control.plan_cli import run_plan_command
 
@@ -344,11 +359,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
                             tensor_parallel=args.tensor_parallel, objective=args.objective)
 
 
-def _logging(quiet: bool) -> None:
-    import logging
+def _logging(quiet: bool, fmt: str = "text") -> None:
+    from seamline.logs import setup_logging
 
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO,
-                        format="%(asctime)s %(name)s %(levelname)s: %(message)s")  # fmt: skip
+    setup_logging(quiet, fmt)
 
 
 def main(argv: list[str] | None = None) -> int:

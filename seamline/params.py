@@ -9,6 +9,8 @@ from pydantic import ConfigDict
 
 from seamline.errors import RequestError
 
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API allows
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -24,6 +26,10 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    presence_penalty: float = 0.0  # minus this from every token already generated
+    frequency_penalty: float = 0.0  # minus this times how often the token was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: none; k: the drawn token's log-probability and the k likeliest
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -36,7 +42,25 @@ class SamplingParams:
             raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise RequestError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise RequestError("logit_bias values must be in [-100, 100]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        """Whether the tokens generated so far change the logits (presence, frequency)."""
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the raw logits' argmax is all a draw needs (greedy, nothing shifts the
+        logits, no log-probabilities asked): a lockstep group then exchanges (max, argmax)."""
+        return self.greedy and not self.penalised and not self.logit_bias and self.logprobs is None

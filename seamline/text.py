@@ -37,6 +37,11 @@ class TextCodec:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, less a last character whose bytes were cut (never half of one)."""
+        return self.decode_partial(ids).rstrip("\ufffd")
+
+    def decode_partial(self, ids: list[int]) -> str:
+        """The text of ``ids``; bytes of a character not yet complete show as U+FFFD."""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
@@ -140,7 +145,7 @@ class StreamDecoder:
     def push(self, token: int) -> str:
         """Add one token; return the new text that is safe to show (may be empty)."""
         self.ids.append(token)
-        text = self.codec.decode(self.ids)
+        text = self.codec.decode_partial(self.ids)
         if text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         for stop in self.stop_strings:
@@ -154,7 +159,7 @@ class StreamDecoder:
     def flush(self) -> str:
         """What remains once generation ends without a stop string, less a character whose
         bytes were cut (``max_tokens`` inside a multi-byte character): never half of one."""
-        return "" if self.stopped else self._emit(self.codec.decode(self.ids).rstrip("\ufffd"), None)
+        return "" if self.stopped else self._emit(self.codec.decode(self.ids), None)
 
     def _emit(self, text: str, end: int | None) -> str:
         end = len(text) if end is None else end

@@ -25,6 +25,7 @@ from seamline.app import LocalModel
 from seamline.errors import SeamlineError
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend, LocalBackend, Readiness
+from seamline.server.api_options import ApiLimits
 from seamline.server.openai_api import create_app
 
 NAME = "SmolLM2-135M-Instruct.Q4_1"
@@ -44,10 +45,10 @@ def _bind_free_port() -> socket.socket:
 
 
 @contextmanager
-def serve(backend: Backend) -> Iterator[str]:
+def serve(backend: Backend, limits: ApiLimits = ApiLimits()) -> Iterator[str]:
     """Run the API for ``backend`` on a real uvicorn server in a thread; yield its base URL."""
     sock = _bind_free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(backend), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, limits=limits), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -256,7 +257,7 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
         ({"top_p": 0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-        ({"logprobs": True}, "logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"extra_body": {"top_k": "5"}}, "top_k"),
     ],
 )

@@ -58,7 +58,7 @@ def _stage0_held_by_its_first_frame(stage: Stage) -> tuple[StageWorker, Frames, 
     frames: Frames = []
     release = threading.Event()
 
-    def send(rows: list[Row], hidden: torch.Tensor) -> None:
+    def send(rows: list[Row], hidden: torch.Tensor, ids: torch.Tensor) -> None:
         frames.append((list(rows), hidden.clone()))
         if len(frames) == 1:
             assert release.wait(30)
@@ -72,7 +72,7 @@ def test_returned_tokens_run_as_micro_batches_of_one_over_s(tmp_path: Path) -> N
     worker = StageWorker(stage, is_first=True, is_last=False)
     worker.micro_batches = 3  # a 3-stage pipeline
     frames: Frames = []
-    worker.links.downstream = lambda rows, hidden: frames.append((list(rows), hidden.clone()))
+    worker.links.downstream = lambda rows, hidden, ids: frames.append((list(rows), hidden.clone()))
     prompts = [[5 + r, 9, 11 + 2 * r] for r in range(SEQUENCES)]
     for request, prompt in enumerate(prompts):
         _open(worker, request, prompt)
@@ -143,10 +143,10 @@ class TwoStages:
         self.stage1.links.stage0 = lambda rows: self.stage0.tokens(TokenFrame(tuple(rows)))
         self.stage1.links.results = self._collect
 
-    def _hidden(self, rows: list[Row], hidden: torch.Tensor) -> None:
+    def _hidden(self, rows: list[Row], hidden: torch.Tensor, ids: torch.Tensor) -> None:
         self.rows += rows
         self.frames.append(list(rows))
-        self.stage1.hidden(HiddenFrame(tuple(rows), hidden))
+        self.stage1.hidden(HiddenFrame(tuple(rows), hidden, ids))
 
     def _message(self, msg: Message) -> None:
         if isinstance(msg, Open):

@@ -172,12 +172,12 @@ def bench_split(repeats: int = 5, tokens: int = 128, v4: bool = True) -> dict[st
 
 
 def _frame_bytes(hidden: int) -> int:
-    """Bytes on the wire for one decode step's hidden-state frame (header, row record, tensor)."""
+    """Bytes on the wire for one decode step's hidden-state frame (header, row record, tensor, id)."""
     import torch
 
     from seamline.net.frames import Row, encode_hidden
 
-    buffers = encode_hidden([Row(1, 0, 1, 0, 0, 0)], torch.zeros(1, hidden))
+    buffers = encode_hidden([Row(1, 0, 1, 0, 0, 0)], torch.zeros(1, hidden), torch.zeros(1, dtype=torch.long))
     return sum(len(b) if isinstance(b, bytes) else b.nbytes for b in buffers)
 
 

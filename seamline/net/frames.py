@@ -13,7 +13,8 @@ Payloads:
   ``IDS_FLAG`` set in the dtype byte, the tokens' ids follow (i32 × tokens): a stage whose
   layers route by token id (DeepSeek-V4's hash-routed experts) needs them.
 - TOKEN: sampled token ids travelling from the last stage back to stage 0:
-  u16 rows, then rows × TOKEN_ROW.
+  u16 rows, then rows × TOKEN_ROW, then for each row flagged ``LOGPROBS`` (in row order) its
+  log-probability (f32), a count k (u8) and k × (token i32, log-probability f32).
 A ROW carries (request id, position, count, prefix hash before, prefix hash after, flags):
 the receiver refuses a row whose position or prefix hash is out of step with its record.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,6 +32,8 @@ VERSION = 1
 HEADER = struct.Struct("<4sHHI")
 ROW = struct.Struct("<QIIQQI")  # request, position, count, hash_before, hash_after, flags
 TOKEN_ROW = struct.Struct("<QIIQQI")  # request, position, token, hash_before, hash_after, flags
+LOGPROB = struct.Struct("<fB")  # a token's log-probability, how many alternatives follow
+ALTERNATIVE = struct.Struct("<if")  # token id, log-probability
 MAX_ROWS = 4096
 MAX_NDIM = 4
 
@@ -51,6 +54,7 @@ class RowFlag(enum.IntFlag):
     SAMPLE = 2  # the last stage samples after this row (end of the prompt, or a decode step)
     DONE = 4  # (TOKEN) generation ended: stop token, max tokens or context full
     STOPPED = 8  # (TOKEN) ended on a stop token (which is not part of the output)
+    LOGPROBS = 16  # (TOKEN) the row's log-probabilities follow the rows
 
 
 LIMITS = {FrameType.CONTROL: 1 << 20, FrameType.HIDDEN: 256 << 20, FrameType.TOKEN: 1 << 20}
@@ -81,6 +85,8 @@ class TokenRow:
     hash_before: int
     hash_after: int
     flags: int = 0
+    logprob: float | None = None  # with LOGPROBS: the token's, and the likeliest tokens' (id, logprob)
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -186,6 +192,9 @@ def encode_tokens(rows: list[TokenRow] | tuple[TokenRow, ...]) -> bytes:
     body = struct.pack("<H", len(rows)) + b"".join(
         TOKEN_ROW.pack(r.request, r.position, r.token, r.hash_before, r.hash_after, r.flags) for r in rows
     )
+    for r in rows:
+        if r.flags & RowFlag.LOGPROBS:
+            body += LOGPROB.pack(r.logprob or 0.0, len(r.top)) + b"".join(ALTERNATIVE.pack(i, lp) for i, lp in r.top)
     return header(FrameType.TOKEN, len(body)) + body
 
 
@@ -194,9 +203,29 @@ def decode_tokens(payload: bytes | bytearray | memoryview) -> TokenFrame:
     if len(view) < 2:
         raise FrameError("TOKEN frame too short for its row count")
     (n_rows,) = struct.unpack_from("<H", view, 0)
-    if n_rows == 0 or len(view) != 2 + n_rows * TOKEN_ROW.size:
+    end = 2 + n_rows * TOKEN_ROW.size
+    if n_rows == 0 or len(view) < end:
         raise FrameError(f"TOKEN frame of {len(view)} bytes does not hold {n_rows} rows")
-    return TokenFrame(tuple(TokenRow(*TOKEN_ROW.unpack_from(view, 2 + i * TOKEN_ROW.size)) for i in range(n_rows)))
+    rows = []
+    for i in range(n_rows):
+        row = TokenRow(*TOKEN_ROW.unpack_from(view, 2 + i * TOKEN_ROW.size))
+        if row.flags & RowFlag.LOGPROBS:
+            row, end = _with_logprobs(view, end, row)
+        rows.append(row)
+    if end != len(view):
+        raise FrameError(f"TOKEN frame of {len(view)} bytes: its rows and log-probabilities take {end}")
+    return TokenFrame(tuple(rows))
+
+
+def _with_logprobs(view: memoryview, at: int, row: TokenRow) -> tuple[TokenRow, int]:
+    if len(view) < at + LOGPROB.size:
+        raise FrameError("TOKEN frame too short for a row's log-probability")
+    logprob, count = LOGPROB.unpack_from(view, at)
+    at += LOGPROB.size
+    if len(view) < at + count * ALTERNATIVE.size:
+        raise FrameError(f"TOKEN frame too short for {count} alternatives")
+    top = tuple(ALTERNATIVE.unpack_from(view, at + j * ALTERNATIVE.size) for j in range(count))
+    return replace(row, logprob=logprob, top=top), at + count * ALTERNATIVE.size
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -62,6 +62,7 @@ class Link:
         self.name = name
         self._send_lock = threading.Lock()
         self.closed = False
+        self.bytes_sent = 0  # frame bytes sent so far (headers included)
         self.limits = LIMITS  # frame sizes taken; HANDSHAKE_LIMITS until the peer is authenticated
 
     @classmethod
@@ -111,6 +112,7 @@ class Link:
                 sent = self.sock.sendmsg(buffers)
                 if sent < total:  # rare: the kernel took part of it; send the rest plainly
                     self.sock.sendall(b"".join(bytes(b) for b in buffers)[sent:])
+                self.bytes_sent += total
         except OSError as exc:
             self.closed = True
             raise LinkClosed(f"link to {self.name} broke: {exc}") from None

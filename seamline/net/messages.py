@@ -255,6 +255,7 @@ class Open(Message):
     sampling: SamplingParams  # with the seed chosen: every stage draws alike
     prompt_len: int
     context_length: int
+    output_start: int | None = None  # where the request's output began (a replay's is before prompt_len)
 
 
 class Prompt(Message):
@@ -318,6 +319,7 @@ class Stats(Message):
     kv_bytes: int = 0
     kept_kv_bytes: int = 0
     micro_batches: int = 0  # stage 0: micro-batches it keeps in flight
+    link_bytes: dict[str, int] = {}  # bytes sent so far over its data link to each node (by node id)
 
 
 class Heartbeat(Message):

@@ -17,7 +17,10 @@ from seamline.runtime.engine import Engine
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.params import SamplingParams
 from seamline.runtime.scheduler import Scheduler
+from seamline.runtime.reports import MeshReport, NodeReport
 from seamline.text import TextCodec
+
+LOCAL_NODE = "local"  # the one node of a single-process server, in /metrics
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,13 @@ class LocalBackend:
     def readiness(self) -> Readiness:
         return Readiness(True)
 
+    def report(self) -> MeshReport:
+        """For /metrics: this process is the one node."""
+        scheduler = self.loop.scheduler
+        steps = scheduler.decode_steps
+        step = scheduler.decode_seconds / steps if steps else None
+        return MeshReport([NodeReport(LOCAL_NODE, True, step, scheduler.kv_used())])
+
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
         self.engine.check_prompt(prompt)
         params.validate()
@@ -68,6 +78,6 @@ class LocalBackend:
             while (item := await queue.get()) is not DONE:
                 if isinstance(item, BaseException):
                     raise item
-                yield int(item)  # type: ignore[call-overload]
+                yield item  # type: ignore[misc]  # a DrawnToken: the id, and its log-probabilities if asked
         finally:
             self.loop.cancel(request)  # a no-op once it finished

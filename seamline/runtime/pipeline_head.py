@@ -35,6 +35,7 @@ from seamline.net.messages import Close, Forget, Fork, Message, Open
 from seamline.params import SamplingParams
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.scheduler import Batch, Scheduler, Sequence
+from seamline.runtime.sampling import DrawnToken
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
 
 if TYPE_CHECKING:
@@ -63,6 +64,7 @@ class PipelineHead:
                                    max_running=MAX_RUNNING, kv_budget_bytes=kv_budget_bytes,
                                    max_waiting=MAX_WAITING, forks=False)  # fmt: skip
         self._opened: dict[int, SamplingParams] = {}  # opened, prompt not yet here
+        self._output_start: dict[int, int] = {}  # by request: where its output began (Open.output_start)
         self._sequences: dict[int, Sequence] = {}
         self._requests: dict[Sequence, int] = {}
         self._hashes: dict[Sequence, int] = {}  # prefix hash of the positions stage 0 has run
@@ -82,12 +84,20 @@ class PipelineHead:
     def open(self, msg: Open) -> None:
         with self._cond:
             self._opened[msg.request] = msg.sampling
+            self._output_start[msg.request] = msg.prompt_len if msg.output_start is None else msg.output_start
 
     def prompt(self, request: int, tokens: list[int]) -> None:
         self._post(lambda inbox: inbox.prompts.append((request, tokens)))
 
     def close(self, request: int) -> None:
         self._post(lambda inbox: inbox.closed.append(request))
+
+    def output(self, request: int, drawing: Drawing) -> list[int]:
+        """The tokens the request generated so far (a replay's include those before it)."""
+        sequence = self._sequences.get(request)
+        if sequence is None:
+            return []
+        return sequence.known(drawing.output_start, len(sequence.prompt) + len(sequence.tokens))
 
     def returned(self, rows: list[TokenRow]) -> None:
         self._post(lambda inbox: inbox.returned.extend(rows))
@@ -160,6 +170,8 @@ class PipelineHead:
     def _cancel(self, request: int) -> None:
         with self._cond:
             self._opened.pop(request, None)
+            if request not in self._sequences:
+                self._output_start.pop(request, None)
         sequence = self._sequences.get(request)
         if sequence is not None:
             self._drop(sequence)
@@ -178,6 +190,7 @@ class PipelineHead:
     def _forget(self, sequence: Sequence) -> None:
         request = self._requests.pop(sequence)
         del self._sequences[request]
+        self._output_start.pop(request, None)
         self._hashes.pop(sequence, None)
         self._in_flight.discard(sequence)
         self._announced.pop(sequence, None)
@@ -237,7 +250,7 @@ class PipelineHead:
                 self.worker.refuse(row.request, "token", exc)
                 continue
             self._in_flight.discard(sequence)
-            if self.scheduler.record(sequence, row.token).sequence.finished:
+            if self.scheduler.record(sequence, DrawnToken(row.token, row.logprob, row.top)).sequence.finished:
                 self._forget(sequence)
 
     def _run_next(self) -> bool:
@@ -275,7 +288,8 @@ class PipelineHead:
             flags = (RowFlag.FIRST if span.start == 0 else RowFlag.NONE) | (RowFlag.SAMPLE if draws else RowFlag.NONE)
             if draws:
                 self._in_flight.add(sequence)
-            drawing = Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length)
+            drawing = Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length,
+                              self._output_start.get(request, len(sequence.prompt)))  # fmt: skip
             row = Row(request, span.start, span.count, before, after, int(flags))
             work.append(Work(row, span.cache, torch.tensor(ids, dtype=torch.long), drawing))
         return work

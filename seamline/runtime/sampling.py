@@ -3,11 +3,17 @@
 A draw's randomness is a pure function of the request's seed and the position the drawn token
 takes (``draw_seed``), so a sequence draws the same tokens alone or in a batch, and a sequence
 replayed from its history (prompt + tokens so far) goes on exactly as it would have.
+
+Before the draw, ``logit_bias`` is added and the presence and frequency penalties of the
+tokens generated so far are taken off, as OpenAI documents them. Log-probabilities, when asked,
+are the model's own: the log-softmax of the raw logits, before bias, penalties and temperature.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections import Counter
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -29,6 +35,48 @@ def draw_seed(seed: int, position: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
     return (z ^ (z >> 31)) >> 1  # 63 bits: torch takes a signed 64-bit seed
+
+
+class DrawnToken(int):
+    """A drawn token id; with ``logprobs`` asked, its log-probability and the likeliest ids
+    with theirs. An int wherever only the id matters."""
+
+    logprob: float | None
+    top: tuple[tuple[int, float], ...]
+
+    def __new__(cls, token: int, logprob: float | None = None, top: Iterable[tuple[int, float]] = ()) -> DrawnToken:
+        drawn = super().__new__(cls, token)
+        drawn.logprob, drawn.top = logprob, tuple(top)
+        return drawn
+
+
+def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int] = ()) -> torch.Tensor:
+    """The logits a draw picks from: ``logit_bias`` added, and for each token generated so far
+    ``count * frequency_penalty + presence_penalty`` taken off."""
+    if not params.logit_bias and not (params.penalised and generated):
+        return logits
+    out = logits.float().clone()
+    vocab = out.shape[-1]
+    for token, bias in params.logit_bias:
+        if 0 <= token < vocab:
+            out[token] += bias
+    if params.penalised and generated:
+        counts = Counter(t for t in generated if 0 <= t < vocab)
+        ids = torch.tensor(list(counts), dtype=torch.long)
+        times = torch.tensor(list(counts.values()), dtype=torch.float32)
+        out[ids] -= times * params.frequency_penalty + params.presence_penalty
+    return out
+
+
+def draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
+         generated: Sequence[int] = ()) -> DrawnToken:  # fmt: skip
+    """``sample``, and the log-probabilities the request asked for."""
+    token = sample(adjusted(logits, params, generated), params, seed, position)
+    if params.logprobs is None:
+        return DrawnToken(token)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logprobs, params.logprobs) if params.logprobs else (torch.empty(0), torch.empty(0))
+    return DrawnToken(token, float(logprobs[token]), zip(ids.tolist(), values.tolist()))
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -33,6 +33,7 @@ later stages must free too.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +48,7 @@ from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
 from seamline.params import SamplingParams
-from seamline.runtime.sampling import finish_reason, request_seed, sample
+from seamline.runtime.sampling import finish_reason, request_seed, draw
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import GroupCache, LockstepStage
@@ -165,6 +166,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.preemptions = 0  # sequences sent back to the queue to free memory, so far
+        self.decode_steps = 0  # steps of decode rows only, and the seconds they took
+        self.decode_seconds = 0.0
 
     def kv_reserve(self, sequence: Sequence) -> int:
         """The KV bytes ``sequence`` may grow to: prompt + max_tokens, within the context."""
@@ -178,7 +181,7 @@ class Scheduler:
         return self.cache_bytes(tokens)
 
     def kv_used(self) -> int:
-        return sum(self.kv_held(s) for s in self.running) + self.prefix.held_bytes()
+        return sum(self.kv_held(s) for s in list(self.running)) + self.prefix.held_bytes()
 
     def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; it joins at the next step with room."""
@@ -213,7 +216,11 @@ class Scheduler:
         batch = self.next_batch()
         if not batch.spans:
             return []
+        started = time.perf_counter()
         logits = self.stage.forward_batch(torch.tensor(batch.inputs, dtype=torch.long), batch.spans, last_only=True)
+        if all(span.count == 1 for span in batch.spans):  # decode rows only
+            self.decode_steps += 1
+            self.decode_seconds += time.perf_counter() - started
         self.advance(batch)
         return [self._draw(sequence, logits[row]) for row, sequence in enumerate(batch.owners) if batch.draws[row]]
 
@@ -295,7 +302,7 @@ class Scheduler:
         if self.forks and isinstance(donor, SequenceCache) and shared > 0:  # a lockstep group's are not copied
             sequence.cache, sequence.cached, sequence.donor = donor.fork(shared), shared, donor
         else:
-            sequence.cache, sequence.cached = self.stage.new_cache(greedy=sequence.params.greedy), 0
+            sequence.cache, sequence.cached = self.stage.new_cache(greedy=sequence.params.argmax_only), 0
             sequence.donor = None
 
     def _plan(self, ready: Ready, max_decode_rows: int | None) -> Batch:
@@ -319,8 +326,8 @@ class Scheduler:
         return batch
 
     def _draw(self, sequence: Sequence, logits: torch.Tensor) -> Emission:
-        token = sample(logits, sequence.params, sequence.seed, len(sequence.prompt) + len(sequence.tokens))
-        return self.record(sequence, token, logits)
+        position = len(sequence.prompt) + len(sequence.tokens)
+        return self.record(sequence, draw(logits, sequence.params, sequence.seed, position, sequence.tokens), logits)
 
     def _release(self, sequence: Sequence, reason: str) -> None:
         sequence.finish_reason = reason

@@ -23,6 +23,7 @@ class Drawing:
     seed: int
     prompt_len: int
     context_length: int
+    output_start: int  # tokens from here on count for presence and frequency penalties
 
 
 @dataclass(frozen=True)

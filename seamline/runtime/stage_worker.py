@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,7 +30,7 @@ from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
 from seamline.runtime.pipeline_head import PipelineHead
-from seamline.runtime.sampling import finish_reason, request_seed, sample
+from seamline.runtime.sampling import draw, finish_reason, request_seed
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
 
 if TYPE_CHECKING:
@@ -54,6 +54,13 @@ class StageSequence:
     hash: int = EMPTY_HASH
     done: bool = False
     closed: bool = False  # the request is over; its cache stays until stage 0 forgets it
+    output: list[int] = field(default_factory=list)  # tokens generated so far, read from the frames' ids
+
+    def saw(self, position: int, ids: torch.Tensor | None) -> None:
+        """A row's ids at ``position``: those past the output's start are generated tokens."""
+        skip = self.drawing.output_start - position
+        if ids is not None and skip < len(ids):
+            self.output.extend(ids[max(skip, 0) :].tolist())
 
 
 @dataclass
@@ -101,13 +108,14 @@ class StageWorker:
         if self.head is not None:
             self.head.open(msg)
         else:
-            drawing = Drawing(msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length)
+            start = msg.prompt_len if msg.output_start is None else msg.output_start
+            drawing = Drawing(msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length, start)
             with self.lock:
                 if len(self.sequences) >= MAX_SEQUENCES and msg.request not in self.sequences:
                     self.refused += 1
                     log.warning("refused to open request %d: %d sequences held here already", msg.request, MAX_SEQUENCES)
                     return
-                self.sequences[msg.request] = StageSequence(self.stage.new_cache(msg.sampling.greedy), drawing)
+                self.sequences[msg.request] = StageSequence(self.stage.new_cache(msg.sampling.argmax_only), drawing)
         self._pass_on(msg)
 
     def close(self, msg: Close) -> None:
@@ -137,7 +145,7 @@ class StageWorker:
                 log.warning("refused fork of request %d from %d: not both open here", msg.request, msg.donor)
             else:
                 self.stage.release_cache(seq.cache)
-                seq.cache, seq.done = donor.cache.fork(msg.positions), False
+                seq.cache, seq.done, seq.output = donor.cache.fork(msg.positions), False, []
                 seq.next_position, seq.hash = msg.positions, msg.hash
         self._pass_on(msg)
 
@@ -177,9 +185,9 @@ class StageWorker:
             log.warning("refused frame: tensor %s %s, this stage takes [tokens, %s] %s", frame.tensor.dtype,
                         tuple(frame.tensor.shape), ", ".join(map(str, self.boundary)), self.dtype)  # fmt: skip
             return
-        if self.passes_ids and frame.ids is None:
+        if frame.ids is None:
             self.refused += 1
-            log.warning("refused frame: no token ids beside the hidden state, which this stage's layers need")
+            log.warning("refused frame: no token ids beside the hidden state")
             return
         with self.lock:
             work: list[Work] = []
@@ -195,6 +203,7 @@ class StageWorker:
                 except OutOfStep as exc:
                     self.refuse(row.request, "frame", exc)
                     continue
+                seq.saw(row.position, ids)
                 seq.next_position += row.count
                 seq.hash = row.hash_after
                 work.append(Work(row, seq.cache, x, seq.drawing, ids))
@@ -217,8 +226,8 @@ class StageWorker:
             spans.append(Span(offset, w.row.count, w.row.position, w.cache))
             offset += w.row.count
         started = time.perf_counter()
-        ids = self._ids(work, inputs) if self.passes_ids else None
-        if ids is None:
+        ids = self._ids(work, inputs)  # every frame carries them: the sampler counts generated tokens
+        if not self.passes_ids:
             out = self.stage.forward_batch(inputs, spans, last_only=self.is_last)
         else:
             out = self.stage.forward_batch(inputs, spans, last_only=self.is_last, ids=ids)  # type: ignore[call-arg]
@@ -227,10 +236,7 @@ class StageWorker:
             self.decode_seconds += time.perf_counter() - started
         if not self.is_last:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
-            if ids is None:
-                self.links.downstream([w.row for w in work], out)
-            else:
-                self.links.downstream([w.row for w in work], out, ids)
+            self.links.downstream([w.row for w in work], out, ids)
             return []
         sampled = [self._sample(w, out[i]) for i, w in enumerate(work) if w.row.flags & RowFlag.SAMPLE]
         if sampled and not self.is_first and self.links.stage0 is not None:
@@ -244,8 +250,9 @@ class StageWorker:
         """The rows' token ids: stage 0's inputs are the ids; later stages got them in the frame."""
         if self.is_first:
             return inputs
-        parts = [w.ids for w in work if w.ids is not None]
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        parts = [w.ids for w in work]
+        assert all(p is not None for p in parts), "a frame without ids was refused"
+        return parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type,return-value]
 
     def _closed(self, request: int) -> None:
         self.closed[request] = None
@@ -269,21 +276,31 @@ class StageWorker:
 
     def _start_over(self, seq: StageSequence) -> None:
         self.stage.release_cache(seq.cache)
-        seq.cache = self.stage.new_cache(seq.drawing.params.greedy)
-        seq.next_position, seq.hash, seq.done = 0, EMPTY_HASH, False
+        seq.cache = self.stage.new_cache(seq.drawing.params.argmax_only)
+        seq.next_position, seq.hash, seq.done, seq.output = 0, EMPTY_HASH, False, []
 
     def _sample(self, w: Work, logits: torch.Tensor) -> TokenRow:
         row, drawing = w.row, w.drawing
         position = row.position + row.count
-        token = sample(logits, drawing.params, drawing.seed, position)
+        seq = self.sequences.get(row.request)
+        output = self._output(row.request, seq, drawing) if drawing.params.penalised else []
+        token = draw(logits, drawing.params, drawing.seed, position, output)
         reason = finish_reason(token, position, drawing.params, drawing.prompt_len, drawing.context_length)
         flags = RowFlag.NONE if reason is None else RowFlag.DONE
         if reason == "stop":
             flags |= RowFlag.STOPPED
-        seq = self.sequences.get(row.request)
+        if token.logprob is not None:
+            flags |= RowFlag.LOGPROBS
         if seq is not None and reason is not None:
             seq.done = True
-        return TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags))
+        return TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags),
+                        token.logprob, token.top)  # fmt: skip
+
+    def _output(self, request: int, seq: StageSequence | None, drawing: Drawing) -> list[int]:
+        """What the request generated so far: stage 0's scheduler knows; a later stage read it."""
+        if self.head is not None:
+            return self.head.output(request, drawing)
+        return seq.output if seq is not None else []
 
 
 def _nbytes(caches: list[Any]) -> int:

@@ -22,7 +22,7 @@ from seamline.server.api_options import ApiLimits
 from seamline.server.openai_schema import error_body
 
 log = logging.getLogger("seamline.api")
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = ("/health", "/", "/console.js")  # the console's page and script hold no data: it asks for a key
 OPEN_PREFIXES = ("/fragments/", "/api/admin/")  # each checks its own token: a member's, the administrator's
 ANONYMOUS = ""
 

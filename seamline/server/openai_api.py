@@ -35,8 +35,12 @@ from starlette.types import Receive, Scope, Send
 from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend
+from seamline.runtime.sampling import DrawnToken
 from seamline.server.api_options import ApiLimits
+from seamline.server.console import console_routes
 from seamline.server.guard import Guard
+from seamline.server.generation import Generation, Piece
+from seamline.server.metrics import Metrics, RequestMeter
 from seamline.server.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -45,7 +49,6 @@ from seamline.server.openai_schema import (
     error_body,
     validation_error,
 )
-from seamline.text import StreamDecoder
 
 log = logging.getLogger("seamline.server")
 
@@ -55,16 +58,21 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(backend: Backend, extra_routes: Callable[[FastAPI], None] | None = None,
-               limits: ApiLimits = ApiLimits()) -> FastAPI:  # fmt: skip
+               limits: ApiLimits = ApiLimits(), metrics: Metrics | None = None) -> FastAPI:  # fmt: skip
     """The FastAPI app serving ``backend``; ``extra_routes(app)`` may add more (e.g. a console).
-    ``limits``: API keys, body size, prompt tokens and requests in flight per key."""
+    ``limits``: API keys, body size, prompt tokens and requests in flight per key; ``metrics``:
+    what ``/metrics`` exposes (by default the API's own, and the backend's ``report``)."""
     # FastAPI's strict content type stays on: a body is JSON only with Content-Type: application/json,
     # so a web page cannot make a visitor's browser spend this server's compute (no CORS preflight).
     app = FastAPI(title="seamline", summary="One model, one OpenAI-compatible endpoint.")
     _install_error_handlers(app)
     app.add_middleware(Guard, limits=limits)
-    routes = _Routes(backend, limits.max_prompt_tokens)
+    metrics = metrics or Metrics(getattr(backend, "report", None))
+    routes = _Routes(backend, metrics, limits.max_prompt_tokens)
+    app.state.metrics = metrics
     app.add_api_route("/health", routes.health, methods=["GET"])
+    app.add_api_route("/metrics", routes.metrics, methods=["GET"])
+    console_routes(app)
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
     app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)
@@ -122,63 +130,6 @@ def backend_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, "internal_error")
 
 
-class Generation:
-    """One request's tokens as text: counts them, applies stop strings, knows why it ended."""
-
-    def __init__(self, backend: Backend, prompt: list[int], params: SamplingParams) -> None:
-        self.prompt_tokens = len(prompt)
-        self.completion_tokens = 0
-        self.finish_reason = "stop"
-        self._limit = min(params.max_tokens, backend.context_length - len(prompt))
-        self._decoder = StreamDecoder(backend.codec, params.stop_strings)
-        self._tokens = backend.generate(prompt, params)
-        self._first: int | None = None
-        self._closed = False
-
-    async def start(self) -> None:
-        """Await the first token, so that a refused request fails before any response."""
-        self._first = await self._next()
-
-    async def pieces(self) -> AsyncIterator[str]:
-        """The new text for each generated token ('' while text is held back)."""
-        try:
-            token = self._first
-            while token is not None:
-                self.completion_tokens += 1
-                yield self._decoder.push(token)
-                if self._decoder.stopped:
-                    self.finish_reason = "stop"  # a stop string
-                    return
-                token = await self._next()
-            yield self._decoder.flush()
-            self.finish_reason = "length" if self.completion_tokens >= self._limit else "stop"
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        """Close the backend's iterator (cancels the request if it is still running)."""
-        if self._closed:
-            return
-        self._closed = True
-        aclose = getattr(self._tokens, "aclose", None)
-        if aclose is not None:
-            with anyio.CancelScope(shield=True):
-                await aclose()
-
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
-    async def _next(self) -> int | None:
-        try:
-            return int(await anext(self._tokens))
-        except StopAsyncIteration:
-            return None
-
-
 @dataclass(frozen=True)
 class _Reply:
     """The shape of one response: chat (``message``/``delta``) or text completion (``text``)."""
@@ -193,22 +144,23 @@ class _Reply:
         prefix = "chatcmpl-" if chat else "cmpl-"
         return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()))
 
-    def full(self, texts: list[str], finishes: list[str], usage: dict[str, int]) -> dict[str, Any]:
+    def full(self, texts: list[str], finishes: list[str], usage: dict[str, int],
+             logprobs: list[dict[str, Any] | None]) -> dict[str, Any]:  # fmt: skip
         """The whole response: one choice per text."""
         choices = []
-        for index, (text, finish) in enumerate(zip(texts, finishes)):
+        for index, (text, finish, lps) in enumerate(zip(texts, finishes, logprobs)):
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
                 choice["text"] = text
-            choice.update(logprobs=None, finish_reason=finish)
+            choice.update(logprobs=lps, finish_reason=finish)
             choices.append(choice)
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": usage}
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False,
-              usage: bool = False, index: int = 0) -> dict[str, Any]:  # fmt: skip
+              usage: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
         """One stream chunk of choice ``index``; ``usage`` adds ``"usage": null`` (OpenAI does
         when it will send usage)."""
         choice: dict[str, Any] = {"index": index}
@@ -219,7 +171,7 @@ class _Reply:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=logprobs, finish_reason=finish)
         obj = "chat.completion.chunk" if self.chat else "text_completion"
         out = {**self._head(obj), "choices": [choice]}
         return {**out, "usage": None} if usage else out
@@ -258,12 +210,15 @@ async def _events(reply: _Reply, gens: list[Generation], include_usage: bool, ec
                 yield sse(reply.chunk("", role=True, usage=include_usage, index=index))
             elif echo:
                 yield sse(reply.chunk(echo, usage=include_usage, index=index))
-        async for index, piece in _pieces(gens):
-            if piece is None:
+        async for index, item in _pieces(gens):
+            if item is None:
                 finish = gens[index].finish_reason
                 yield sse(reply.chunk(None if reply.chat else "", finish, usage=include_usage, index=index))
-            elif piece:
-                yield sse(reply.chunk(piece, usage=include_usage, index=index))
+                continue
+            text, token = item
+            lps = gens[index].logprobs_of([token], reply.chat) if gens[index].logprobs and token is not None else None
+            if text or lps:
+                yield sse(reply.chunk(text, usage=include_usage, index=index, logprobs=lps))
         if include_usage:
             yield sse(reply.usage_chunk(_usage(gens)))
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error event
@@ -274,14 +229,14 @@ async def _events(reply: _Reply, gens: list[Generation], include_usage: bool, ec
     yield "data: [DONE]\n\n"
 
 
-async def _pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, str | None]]:
-    """(choice, text piece) as each choice makes them, then (choice, None) when it ends."""
+async def _pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | None]]:
+    """(choice, (text piece, token)) as each choice makes them, then (choice, None) when it ends."""
     if len(gens) == 1:
         async for piece in gens[0].pieces():
             yield 0, piece
         yield 0, None
         return
-    queue: asyncio.Queue[tuple[int, str | None | BaseException]] = asyncio.Queue()
+    queue: asyncio.Queue[tuple[int, Piece | None | BaseException]] = asyncio.Queue()
 
     async def pump(index: int, gen: Generation) -> None:
         try:
@@ -326,8 +281,9 @@ def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 class _Routes:
-    def __init__(self, backend: Backend, max_prompt_tokens: int | None = None) -> None:
+    def __init__(self, backend: Backend, metrics: Metrics, max_prompt_tokens: int | None = None) -> None:
         self.backend = backend
+        self.telemetry = metrics
         self.max_prompt_tokens = max_prompt_tokens
         self.created = int(time.time())
 
@@ -336,6 +292,10 @@ class _Routes:
         if ready:
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
+
+    async def metrics(self) -> Response:
+        body, content_type = await anyio.to_thread.run_sync(self.telemetry.render)  # the backend may ask its nodes
+        return Response(body, media_type=content_type)
 
     async def list_models(self) -> dict[str, Any]:
         return {"object": "list", "data": [self._model_card()]}
@@ -368,20 +328,28 @@ class _Routes:
 
     async def _respond(self, request: Request, reply: _Reply, prompt: list[int], params: SamplingParams,
                        stream: bool, include_usage: bool, echo: str, n: int = 1) -> Response:  # fmt: skip
-        gens = [Generation(self.backend, prompt, p) for p in _choice_params(params, n)]
+        self.telemetry.prompt_tokens.inc(len(prompt))
+        gens = [Generation(self.backend, prompt, p, RequestMeter(self.telemetry)) for p in _choice_params(params, n)]
+        for gen in gens:
+            gen.text_offset = len(echo)
         try:
             await asyncio.gather(*(gen.start() for gen in gens))
         except Exception as exc:
+            for gen in gens:
+                gen.meter.end("error")
             await _close_all(gens)
             raise backend_error(exc) from exc
         if stream:
             events = _events(reply, gens, include_usage, echo)
             return EventStream(events, media_type="text/event-stream", headers=SSE_HEADERS)
         texts = [[echo] for _ in gens]
+        drawn: list[list[DrawnToken]] = [[] for _ in gens]
         try:
-            async for index, piece in _pieces(gens):
-                if piece:
-                    texts[index].append(piece)
+            async for index, item in _pieces(gens):
+                if item is not None:
+                    texts[index].append(item[0])
+                    if item[1] is not None:
+                        drawn[index].append(item[1])
                 if await request.is_disconnected():
                     log.info("client went away; request %s cancelled", reply.id)
                     await _close_all(gens)
@@ -390,7 +358,9 @@ class _Routes:
             raise backend_error(exc) from exc
         finally:
             await _close_all(gens)
-        return JSONResponse(reply.full(["".join(t) for t in texts], [g.finish_reason for g in gens], _usage(gens)))
+        logprobs = [g.logprobs_of(d, reply.chat) if g.logprobs else None for g, d in zip(gens, drawn)]
+        return JSONResponse(reply.full(["".join(t) for t in texts], [g.finish_reason for g in gens], _usage(gens),
+                                       logprobs))  # fmt: skip
 
     def _model_card(self) -> dict[str, Any]:
         name = self.backend.model_name
@@ -436,6 +406,15 @@ class _Routes:
             raise bad_request(message, "prompt", "invalid_value")
         return list(prompt)
 
+    def _bias(self, body: ChatRequest | CompletionRequest) -> tuple[tuple[int, float], ...]:
+        pairs = body.bias_pairs()
+        vocab = self.backend.codec.tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = next((t for t, _ in pairs if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"logit_bias names token {bad}, outside the vocabulary [0, {vocab})", "logit_bias",
+                              "invalid_value")  # fmt: skip
+        return pairs
+
     def _params(self, body: ChatRequest | CompletionRequest, prompt: list[int], field: str) -> SamplingParams:
         """Sampling parameters after the prompt-length checks against the context."""
         context = self.backend.context_length
@@ -465,6 +444,10 @@ class _Routes:
             max_tokens=room if limit is None else limit,
             stop_token_ids=() if body.ignore_eos else tuple(self.backend.codec.stop_ids),
             stop_strings=tuple(s for s in body.stop or () if s),
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            logit_bias=self._bias(body),
+            logprobs=body.top,
         )
         try:
             params.validate()

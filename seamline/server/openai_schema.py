@@ -4,8 +4,10 @@ Policy, chosen to keep the official ``openai`` client and common tools working:
 - Types are strict (``"0.5"`` is not a number, ``true`` is not an integer).
 - Unknown fields are ignored, as vLLM does (``user``, ``metadata``, ``store``, ...).
 - Known OpenAI fields that would change the result and that seamline cannot honour
-  (``n`` > 1, ``logprobs``, ``tools``, penalties, ``logit_bias``, JSON ``response_format``,
-  ``suffix``, ``best_of`` > 1) are rejected with 400 instead of being silently dropped.
+  (``tools``, JSON ``response_format``, ``suffix``, ``best_of`` > 1) are rejected with 400
+  instead of being silently dropped.
+- ``logprobs`` / ``top_logprobs`` (up to ``MAX_TOP_LOGPROBS``), ``presence_penalty`` and
+  ``frequency_penalty`` ([-2, 2]) and ``logit_bias`` (token id -> [-100, 100]) as OpenAI has them.
 - ``top_k``, ``min_p`` and ``ignore_eos`` are accepted as extensions (``extra_body`` in the client).
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from seamline.params import MAX_TOP_LOGPROBS
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
@@ -113,9 +117,9 @@ class _Sampling(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # choices, sharing the prompt's prefill
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -128,19 +132,22 @@ class _Sampling(_Strict):
             raise ValueError(f"stop allows at most {MAX_STOP} strings, got {len(value)}")
         return value
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias", mode="before")
     @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        if value not in (None, 0):
-            raise ValueError("presence and frequency penalties are not supported; send 0 or omit them")
-        return value
+    def _bias(cls, value: Any) -> dict[str, float] | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("logit_bias maps token ids to numbers in [-100, 100]")  # noqa: TRY004
+        for key, bias in value.items():
+            if not str(key).isdigit():
+                raise ValueError(f"logit_bias key {key!r} is not a token id")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias of token {key} must be a number in [-100, 100], got {bias!r}")
+        return {str(k): float(v) for k, v in value.items()}
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value:
-            raise ValueError("logit_bias is not supported; send {} or omit it")
-        return value
+    def bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
 
     @property
     def include_usage(self) -> bool:
@@ -151,19 +158,12 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None  # the legacy spelling of tools
     function_call: Any = None
     response_format: dict[str, Any] | None = None
-
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: Any) -> Any:
-        if value not in (None, False):
-            raise ValueError("logprobs are not supported")
-        return value
 
     @field_validator("tools", "functions")
     @classmethod
@@ -191,7 +191,14 @@ class ChatRequest(_Sampling):
         a, b = self.max_tokens, self.max_completion_tokens
         if a is not None and b is not None and a != b:
             raise ValueError(f"max_tokens ({a}) and max_completion_tokens ({b}) disagree; send one")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    @property
+    def top(self) -> int | None:
+        """How many alternatives each token's log-probability comes with (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def limit(self) -> int | None:
@@ -201,7 +208,7 @@ class ChatRequest(_Sampling):
 class CompletionRequest(_Sampling):
     prompt: str | list[int]
     echo: bool | None = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -216,13 +223,6 @@ class CompletionRequest(_Sampling):
         if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
             return value
         raise ValueError("prompt must be one string or one list of token ids (one prompt per request)")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        if value is not None:
-            raise ValueError("logprobs are not supported")
-        return value
 
     @field_validator("suffix")
     @classmethod
@@ -241,6 +241,10 @@ class CompletionRequest(_Sampling):
     @property
     def limit(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def top(self) -> int | None:
+        return self.logprobs
 
 
 def param_name(loc: tuple[Any, ...]) -> str | None:

@@ -22,8 +22,9 @@ from seamline.net.link import LinkClosed
 from seamline.net.frames import RowFlag, TokenRow
 from seamline.net.messages import Open, Prompt
 from seamline.params import SamplingParams
-from seamline.runtime.sampling import request_seed
+from seamline.runtime.sampling import DrawnToken, request_seed
 from seamline.runtime.backend import Readiness
+from seamline.mesh.control.mesh_metrics import MeshReporter
 from seamline.text import TextCodec
 
 
@@ -55,6 +56,7 @@ class MeshBackend:
         self._lock = threading.Lock()
         coordinator.on_tokens = self._deliver
         coordinator.on_failure = self._fail
+        self.report = MeshReporter(coordinator)  # its nodes and links, for /metrics
 
     def readiness(self) -> Readiness:
         """Ready while a route serves. Once the mesh has served, a new request is taken while it
@@ -105,7 +107,8 @@ class MeshBackend:
         try:
             try:
                 self.coordinator.open_request(
-                    Open(request=request, sampling=sampling, prompt_len=len(tokens), context_length=self.context_length),
+                    Open(request=request, sampling=sampling, prompt_len=len(tokens), context_length=self.context_length,
+                         output_start=len(tokens) - generated),
                     Prompt(request=request, tokens=tuple(tokens)),
                 )
             except (StartupError, LinkClosed) as exc:  # the route went between the check and the open
@@ -117,7 +120,7 @@ class MeshBackend:
                 assert isinstance(item, TokenRow)
                 if item.flags & RowFlag.STOPPED:
                     return
-                yield item.token
+                yield DrawnToken(item.token, item.logprob, item.top)
                 if item.flags & RowFlag.DONE:
                     return
         finally:

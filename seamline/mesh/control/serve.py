@@ -27,6 +27,7 @@ from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.mesh_backend import MeshBackend
 from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.types import ModelSpec, Plan
+from seamline.mesh.control.events import EventLog
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest
 from seamline.weights.packaging import package_cached
@@ -131,13 +132,14 @@ def build_mesh(options: ServeOptions) -> Mesh:
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s)
 
+    events = EventLog.attached()  # for the console: failures as they happen
     key = admin_key(state_dir)
     _write_endpoint(state_dir, f"{scheme}://{url_host(hosts[0])}:{options.port}", options.tls_certificate)
 
     def routes(app: FastAPI) -> None:
         if not fragments_port:  # a plaintext mesh: the API serves the fragments, to members' tokens only
             fragment_routes(app, package_dir, coordinator.fragment_token_ok)
-        app.get("/api/status")(lambda: coordinator.status())
+        app.get("/api/status")(lambda: {**coordinator.status(), "events": events.recent()})
         admin_routes(app, coordinator, book, key)
 
     return Mesh(routes, coordinator, backend, Invite.decode(token), token, package_dir, state_dir, fragments_port)

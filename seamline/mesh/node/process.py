@@ -67,6 +67,7 @@ class Node(Membership):
         self.options = options
         self.control: Link | None = None
         self.worker: StageWorker | None = None
+        self._data_links: dict[str, Link] = {}  # the links this stage sends frames on, by the peer's node id
         self.assignment: Assign | None = None
         self.data_server: socket.socket | None = None
         self.peers: list[Link] = []  # this plan's data links, dialled and accepted
@@ -142,9 +143,10 @@ class Node(Membership):
                 self.worker.close(message)
             elif isinstance(message, StatsRequest) and self.worker and self.control:
                 w = self.worker
+                sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
                 self.control.send_message(Stats(node_id=self.options.node_id, decode_steps=w.decode_steps,
                                                 decode_seconds=w.decode_seconds, refused_frames=w.refused,
-                                                **w.holdings()))  # fmt: skip
+                                                link_bytes=sent, **w.holdings()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
             self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}")
@@ -284,11 +286,13 @@ class Node(Membership):
             link = dial(route.downstream, route.downstream_node, self.options.node_id, self.assignment, tls,
                         route.downstream_relay)  # fmt: skip
             self._keep(link)
+            self._data_links[route.downstream_node or "downstream"] = link
             self.worker.links.downstream = link.send_hidden
             self.worker.links.downstream_message = link.send_message
         if route.stage0 is not None:
             link = dial(route.stage0, route.stage0_node, self.options.node_id, self.assignment, tls, route.stage0_relay)
             self._keep(link)
+            self._data_links[route.stage0_node or "stage0"] = link
             self.worker.links.stage0 = link.send_tokens
         self.control.send_message(Linked(plan_id=route.plan_id))
 
@@ -364,6 +368,7 @@ class Node(Membership):
     def _drop_data_links(self) -> None:
         with self._peers_lock:
             peers, self.peers = self.peers, []
+            self._data_links = {}
         for link in peers:
             link.close()
 

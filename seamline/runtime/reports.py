@@ -1,0 +1,27 @@
+"""What a backend reports of its nodes and links (``Backend.report``, read by ``/metrics``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    node: str
+    up: bool
+    step_seconds: float | None = None  # mean decode step, over the steps so far
+    kv_used_bytes: int | None = None
+
+
+@dataclass(frozen=True)
+class LinkReport:
+    src: str
+    dst: str
+    rtt_seconds: float | None = None  # as last measured
+    bytes_total: int | None = None  # frames sent from src to dst so far
+
+
+@dataclass(frozen=True)
+class MeshReport:
+    nodes: list[NodeReport] = field(default_factory=list)
+    links: list[LinkReport] = field(default_factory=list)
