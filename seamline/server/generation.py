@@ -4,6 +4,7 @@ never half a character), counted, metered (``metrics``), with their log-probabil
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -13,9 +14,19 @@ from seamline.runtime.backend import Backend
 from seamline.runtime.sampling import DrawnToken
 from seamline.server.logprobs import chat_logprobs, completion_logprobs
 from seamline.server.metrics import RequestMeter
+from seamline.server.reasoning import ThinkSplitter
 from seamline.text import StreamDecoder
 
-Piece = tuple[str, DrawnToken | None]  # a token's new text ('' while held back) and the token (None: the flush)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A token's new text ('' while held back), the token (None: the text left at the end),
+    and with think blocks the part of the text that is reasoning."""
+
+    text: str
+    token: DrawnToken | None
+    reasoning: str = ""
 
 
 class Generation:
@@ -34,6 +45,7 @@ class Generation:
         self._first: DrawnToken | None = None
         self._closed = False
         self.logprobs = params.logprobs is not None
+        self.thinker: ThinkSplitter | None = None  # a chat whose template uses think blocks
 
     async def start(self) -> None:
         """Await the first token, so that a refused request fails before any response."""
@@ -45,13 +57,14 @@ class Generation:
             token = self._first
             while token is not None:
                 self.completion_tokens += 1
-                yield self._decoder.push(token), token
+                yield self._piece(self._decoder.push(token), token)
                 if self._decoder.stopped:
                     self.finish_reason = "stop"  # a stop string
                     self.meter.end(self.finish_reason)
+                    yield self._piece("", None, last=True)
                     return
                 token = await self._next()
-            yield self._decoder.flush(), None
+            yield self._piece(self._decoder.flush(), None, last=True)
             self.finish_reason = "length" if self.completion_tokens >= self._limit else "stop"
             self.meter.end(self.finish_reason)
         except Exception:
@@ -59,6 +72,15 @@ class Generation:
             raise
         finally:
             await self.close()
+
+    def _piece(self, text: str, token: DrawnToken | None, last: bool = False) -> Piece:
+        if self.thinker is None:
+            return Piece(text, token)
+        reasoning, content = self.thinker.feed(text)
+        if last:
+            more_reasoning, more_content = self.thinker.flush()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return Piece(content, token, reasoning)
 
     async def close(self) -> None:
         """Close the backend's iterator (cancels the request if it is still running)."""

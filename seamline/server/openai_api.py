@@ -41,6 +41,7 @@ from seamline.server.console import console_routes
 from seamline.server.guard import Guard
 from seamline.server.generation import Generation, Piece
 from seamline.server.metrics import Metrics, RequestMeter
+from seamline.server.reasoning import ThinkSplitter, uses_think_blocks
 from seamline.server.openai_schema import (
     ChatRequest,
     CompletionRequest,
@@ -145,13 +146,15 @@ class _Reply:
         return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()))
 
     def full(self, texts: list[str], finishes: list[str], usage: dict[str, int],
-             logprobs: list[dict[str, Any] | None]) -> dict[str, Any]:  # fmt: skip
+             logprobs: list[dict[str, Any] | None], reasoning: list[str | None]) -> dict[str, Any]:  # fmt: skip
         """The whole response: one choice per text."""
         choices = []
-        for index, (text, finish, lps) in enumerate(zip(texts, finishes, logprobs)):
+        for index, (text, finish, lps, thought) in enumerate(zip(texts, finishes, logprobs, reasoning)):
             choice: dict[str, Any] = {"index": index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
+                if thought is not None:
+                    choice["message"]["reasoning_content"] = thought
             else:
                 choice["text"] = text
             choice.update(logprobs=lps, finish_reason=finish)
@@ -159,8 +162,8 @@ class _Reply:
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": choices, "usage": usage}
 
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False,
-              usage: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, usage: bool = False,
+              index: int = 0, logprobs: dict[str, Any] | None = None, reasoning: str | None = None) -> dict[str, Any]:  # fmt: skip
         """One stream chunk of choice ``index``; ``usage`` adds ``"usage": null`` (OpenAI does
         when it will send usage)."""
         choice: dict[str, Any] = {"index": index}
@@ -168,6 +171,8 @@ class _Reply:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if reasoning is not None:
+                delta["reasoning_content"] = reasoning
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
@@ -215,10 +220,11 @@ async def _events(reply: _Reply, gens: list[Generation], include_usage: bool, ec
                 finish = gens[index].finish_reason
                 yield sse(reply.chunk(None if reply.chat else "", finish, usage=include_usage, index=index))
                 continue
-            text, token = item
+            token = item.token
             lps = gens[index].logprobs_of([token], reply.chat) if gens[index].logprobs and token is not None else None
-            if text or lps:
-                yield sse(reply.chunk(text, usage=include_usage, index=index, logprobs=lps))
+            if item.text or item.reasoning or lps:
+                yield sse(reply.chunk(item.text if item.text or not item.reasoning else None, usage=include_usage,
+                                      index=index, logprobs=lps, reasoning=item.reasoning or None))  # fmt: skip
         if include_usage:
             yield sse(reply.usage_chunk(_usage(gens)))
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error event
@@ -309,10 +315,12 @@ class _Routes:
         self._check_model(body.model)
         self._check_ready()
         messages = [m.as_template_dict() for m in body.messages]
-        prompt = await anyio.to_thread.run_sync(self._render_chat, messages)  # a large prompt must not stall the loop
+        text, prompt = await anyio.to_thread.run_sync(self._render_chat, messages)  # a large prompt must not stall the loop
         params = self._params(body, prompt, "messages")
+        thinks = uses_think_blocks(self.backend.codec.chat_template)
         return await self._respond(request, _Reply.new(True, self.backend.model_name), prompt, params,
-                                   bool(body.stream), body.include_usage, "", body.n or 1)  # fmt: skip
+                                   bool(body.stream), body.include_usage, "", body.n or 1,
+                                   text if thinks else None)  # fmt: skip
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """POST /v1/completions."""
@@ -327,11 +335,14 @@ class _Routes:
                                    bool(body.stream), body.include_usage, echo, body.n or 1)  # fmt: skip
 
     async def _respond(self, request: Request, reply: _Reply, prompt: list[int], params: SamplingParams,
-                       stream: bool, include_usage: bool, echo: str, n: int = 1) -> Response:  # fmt: skip
+                       stream: bool, include_usage: bool, echo: str, n: int = 1,
+                       thinking_after: str | None = None) -> Response:  # fmt: skip
+        """``thinking_after``: the rendered chat prompt, when its template uses think blocks."""
         self.telemetry.prompt_tokens.inc(len(prompt))
         gens = [Generation(self.backend, prompt, p, RequestMeter(self.telemetry)) for p in _choice_params(params, n)]
         for gen in gens:
             gen.text_offset = len(echo)
+            gen.thinker = ThinkSplitter(thinking_after) if thinking_after is not None else None
         try:
             await asyncio.gather(*(gen.start() for gen in gens))
         except Exception as exc:
@@ -342,14 +353,15 @@ class _Routes:
         if stream:
             events = _events(reply, gens, include_usage, echo)
             return EventStream(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        texts = [[echo] for _ in gens]
+        texts, reasoning = [[echo] for _ in gens], [[] for _ in gens]  # type: list[list[str]], list[list[str]]
         drawn: list[list[DrawnToken]] = [[] for _ in gens]
         try:
             async for index, item in _pieces(gens):
                 if item is not None:
-                    texts[index].append(item[0])
-                    if item[1] is not None:
-                        drawn[index].append(item[1])
+                    texts[index].append(item.text)
+                    reasoning[index].append(item.reasoning)
+                    if item.token is not None:
+                        drawn[index].append(item.token)
                 if await request.is_disconnected():
                     log.info("client went away; request %s cancelled", reply.id)
                     await _close_all(gens)
@@ -359,8 +371,9 @@ class _Routes:
         finally:
             await _close_all(gens)
         logprobs = [g.logprobs_of(d, reply.chat) if g.logprobs else None for g, d in zip(gens, drawn)]
+        thoughts = ["".join(r) if g.thinker is not None else None for g, r in zip(gens, reasoning)]
         return JSONResponse(reply.full(["".join(t) for t in texts], [g.finish_reason for g in gens], _usage(gens),
-                                       logprobs))  # fmt: skip
+                                       logprobs, thoughts))  # fmt: skip
 
     def _model_card(self) -> dict[str, Any]:
         name = self.backend.model_name
@@ -387,9 +400,10 @@ class _Routes:
             message = f"the model '{self.backend.model_name}' is not ready to serve: {reason}"
             raise OpenAIError(503, message, "service_unavailable", None, "model_not_ready")
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def _render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
         try:
-            return self.backend.codec.encode_chat(messages)
+            text = self.backend.codec.render_chat(messages)
+            return text, self.backend.codec.encode(text)
         except RequestError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:

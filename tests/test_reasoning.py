@@ -1,0 +1,69 @@
+"""``reasoning_content``: think blocks split from the answer, on canned model outputs for the
+templates that use them (a generation prompt that opens the block, as DeepSeek-R1's; an answer
+that opens it, as Qwen3's; a prompt that closes it at once, as V4's non-thinking turn), cut
+into tokens anywhere; and through the real openai client, streamed and not."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+
+import pytest
+
+from seamline.app import LocalModel
+from seamline.params import SamplingParams
+from seamline.runtime.backend import Readiness
+from seamline.server.reasoning import ThinkSplitter, uses_think_blocks
+from tests.test_openai_api import NAME, client_for, serve
+
+CASES = [
+    ("<｜Assistant｜><think>\n", "Paris is the capital.</think>\n\nParis.", "Paris is the capital.", "Paris."),
+    ("<|im_start|>assistant\n", "<think>\nrecall\n</think>\n\nParis.", "\nrecall\n", "Paris."),
+    ("<｜Assistant｜></think>", "Paris.", "", "Paris."),
+    ("<|im_start|>assistant\n", "Paris, not <think>.", "", "Paris, not <think>."),
+    ("<｜Assistant｜><think>", "still thinking", "still thinking", ""),
+]
+
+
+@pytest.mark.parametrize("prompt, output, reasoning, content", CASES)
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+def test_think_blocks_split_from_the_answer_wherever_the_tokens_cut(prompt: str, output: str, reasoning: str,
+                                                                     content: str, size: int) -> None:  # fmt: skip
+    splitter, got = ThinkSplitter(prompt), ["", ""]
+    for at in range(0, len(output), size):
+        r, c = splitter.feed(output[at : at + size])
+        assert not any(tag in r for tag in ("</th", "<thi"))  # no piece of a tag is ever shown
+        assert "<think>" in content or not any(tag in c for tag in ("</th", "<thi"))
+        got[0], got[1] = got[0] + r, got[1] + c
+    r, c = splitter.flush()
+    assert (got[0] + r, got[1] + c) == (reasoning, content)
+
+
+class Canned:
+    """A backend whose model answers with fixed text (its tokens, one at a time)."""
+
+    def __init__(self, model: LocalModel, answer: str, template: str) -> None:
+        self.codec = dataclasses.replace(model.codec, chat_template=template)
+        self.model_name, self.context_length, self.answer = NAME, 2048, answer
+
+    def readiness(self) -> Readiness:
+        return Readiness(True)
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+        for token in self.codec.encode(self.answer)[: params.max_tokens]:
+            yield token
+
+
+def test_the_api_returns_reasoning_content_apart() -> None:
+    template = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|><think>\n"
+    assert uses_think_blocks(template + "</think>") and not uses_think_blocks("{{ messages }}")
+    backend = Canned(LocalModel.load(), "The capital of France is Paris.</think>\n\nParis.", template + "{# </think> #}")
+    with serve(backend) as url:  # type: ignore[arg-type]
+        client = client_for(url)
+        ask = dict(model=NAME, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=64)
+        reply = client.chat.completions.create(**ask)  # type: ignore[call-overload]
+        message = reply.choices[0].message
+        assert message.content == "Paris." and message.model_extra["reasoning_content"] == "The capital of France is Paris."
+        chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **ask) if c.choices]  # type: ignore[call-overload]
+        assert "".join(d.content or "" for d in chunks) == "Paris."
+        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == "The capital of France is Paris."
