@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -61,30 +62,42 @@ def safetensors_bytes(folder: Path) -> int:
     return sum(f.stat().st_size for f in folder.glob("*.safetensors"))
 
 
+def cached_build(folder: Path, write: Callable[[Path], None]) -> Path:
+    """``folder``, written by ``write`` into a private folder first if it is not complete yet:
+    an interrupted build leaves no ``.complete`` marker and is redone, never reused."""
+    if (folder / ".complete").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    try:
+        write(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    (partial / ".complete").write_text(json.dumps({"safetensors_bytes": safetensors_bytes(partial)}) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    partial.rename(folder)
+    return folder
+
+
 def build_model(size: str = "bench") -> Path:
     """The cached checkpoint folder of ``size``; built (a minute or so for ``bench``) if absent."""
     if size not in SIZES:
         raise ValueError(f"model size must be one of {sorted(SIZES)}, not {size!r}")
-    folder = model_dir(size)
-    if (folder / ".complete").is_file():
-        return folder
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    torch.manual_seed(SEED)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**SIZES[size])).eval()
-    model.save_pretrained(partial, safe_serialization=True)
-    del model
-    total = safetensors_bytes(partial)
-    if size == "bench" and total < MIN_BENCH_BYTES:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise RuntimeError(f"the bench checkpoint has {total} bytes of safetensors, under {MIN_BENCH_BYTES}")
-    (partial / ".complete").write_text(json.dumps({"safetensors_bytes": total}) + "\n")
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
-    return folder
+    def write(partial: Path) -> None:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        torch.manual_seed(SEED)
+        model = DeepseekV3ForCausalLM(DeepseekV3Config(**SIZES[size])).eval()
+        model.save_pretrained(partial, safe_serialization=True)
+        total = safetensors_bytes(partial)
+        if size == "bench" and total < MIN_BENCH_BYTES:
+            raise RuntimeError(f"the bench checkpoint has {total} bytes of safetensors, under {MIN_BENCH_BYTES}")
+
+    return cached_build(model_dir(size), write)
 
 
 def model_facts(folder: Path) -> dict[str, Any]:

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
-from seamline.bench.moe_model import cache_root, safetensors_bytes
+from seamline.bench.moe_model import cache_root, cached_build
 
 BUILDER_VERSION = 1
 SEED = 0
@@ -63,21 +61,13 @@ def build_v4_model(size: str = "bench") -> Path:
     """The cached checkpoint folder of ``size``; written (a minute or so for ``bench``) if absent."""
     if size not in SIZES:
         raise ValueError(f"model size must be one of {sorted(SIZES)}, not {size!r}")
-    folder = model_dir(size)
-    if (folder / ".complete").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    partial = folder.with_name(folder.name + f".partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir()
-    vocab = _copy_tokenizer(partial)
-    config = v4_config_dict(size, vocab)
-    (partial / "config.json").write_text(json.dumps(config, indent=2))
-    _write_tensors(partial, config)
-    (partial / ".complete").write_text(json.dumps({"safetensors_bytes": safetensors_bytes(partial)}) + "\n")
-    shutil.rmtree(folder, ignore_errors=True)
-    partial.rename(folder)
-    return folder
+
+    def write(partial: Path) -> None:
+        config = v4_config_dict(size, _copy_tokenizer(partial))
+        (partial / "config.json").write_text(json.dumps(config, indent=2))
+        _write_tensors(partial, config)
+
+    return cached_build(model_dir(size), write)
 
 
 def _copy_tokenizer(folder: Path) -> int:

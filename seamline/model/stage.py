@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from seamline.config import ModelConfig
+from seamline.config import ModelConfig, kv_bytes_per_token
 from seamline.model.attention import GQAttention
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
@@ -80,6 +80,9 @@ class Block(nn.Module):
 
 
 class Stage(nn.Module):
+    forks_caches = True  # a cache may start from a copy of another's first positions (prefixes)
+    passes_ids = False  # the layers after the first need the tokens' ids beside the hidden state
+
     def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None) -> None:
         super().__init__()
         own.validate(config)
@@ -87,6 +90,7 @@ class Stage(nn.Module):
         self.ownership = own
         self.comm: Comm = comm if comm is not None else SingleComm()
         self.step = 0  # forwards so far: the third part of every gate's tag
+        self.boundary_shape: tuple[int, ...] = (config.hidden_size,)  # a token's row between stages
         rope = make_rope(config)
         self.embed: Weight | None = empty_param(config.vocab_size, config.hidden_size) if own.owns_embedding() else None
         self.layers = nn.ModuleDict(
@@ -117,6 +121,10 @@ class Stage(nn.Module):
 
     def release_cache(self, cache: SequenceCache) -> None:
         """A finished sequence's cache: garbage here (a lockstep group tells its ranks)."""
+
+    def cache_bytes(self, tokens: int) -> int:
+        """The KV bytes one sequence of ``tokens`` holds in this stage's layers (whole heads)."""
+        return tokens * kv_bytes_per_token(self.config, self.compute_dtype.itemsize) * len(self.layers)
 
     def forward(
         self, inputs: torch.Tensor, start: int, cache: SequenceCache, last_only: bool = False

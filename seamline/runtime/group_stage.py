@@ -35,11 +35,9 @@ class LockstepStage:
         self.embed, self.head = stage.embed, stage.head
         self.layers = stage.layers
         # what the family's stage says of its frames and caches (DeepSeek-V4's differ)
-        self.boundary_shape: tuple[int, ...] = getattr(stage, "boundary_shape", (self.config.hidden_size,))
-        self.passes_ids: bool = getattr(stage, "passes_ids", False)
-        self.forks_caches: bool = getattr(stage, "forks_caches", True)
-        if hasattr(stage, "cache_bytes"):
-            self.cache_bytes = stage.cache_bytes
+        self.boundary_shape: tuple[int, ...] = stage.boundary_shape
+        self.passes_ids, self.forks_caches = stage.passes_ids, stage.forks_caches
+        self.cache_bytes = stage.cache_bytes
 
     def new_cache(self, greedy: bool = False) -> GroupCache:
         return GroupCache(self.group.create(greedy))

@@ -182,13 +182,13 @@ class LockstepRank:
         if self.first:  # token ids
             shape, dtype = (count,), torch.int64
         else:  # hidden states from the previous stage
-            shape, dtype = (count, *getattr(self.stage, "boundary_shape", (self.config.hidden_size,))), self.stage.compute_dtype
+            shape, dtype = (count, *self.stage.boundary_shape), self.stage.compute_dtype
         given = inputs.hidden if isinstance(inputs, HiddenWithIds) else inputs
         payload = torch.zeros(shape, dtype=dtype) if given is None else torch.as_tensor(given).to(dtype)
         if tuple(payload.shape) != shape:
             raise RequestError(f"lockstep input of shape {tuple(payload.shape)}; this group takes {shape}")
         hidden = self.comm.all_reduce(payload, GateTag(CONTROL_LAYER, 1, tag))
-        if self.first or not getattr(self.stage, "passes_ids", False):
+        if self.first or not self.stage.passes_ids:
             return got, hidden, table
         ids = inputs.ids if isinstance(inputs, HiddenWithIds) else torch.zeros(count, dtype=torch.int64)
         return got, HiddenWithIds(hidden, self.comm.all_reduce(ids.long(), GateTag(CONTROL_LAYER, 3, tag))), table
@@ -223,7 +223,7 @@ class LockstepRank:
         if op == REWIND:
             if not 0 <= position <= state.position:
                 raise RequestError(f"rewind of sequence {seq} to {position}: must be in [0, {state.position}]")
-            if position != state.position and not getattr(self.stage, "forks_caches", True):
+            if position != state.position and not self.stage.forks_caches:
                 raise RequestError(f"sequence {seq} cannot be rewound: this model's caches forget what they pass")
             state.position = position
             return None

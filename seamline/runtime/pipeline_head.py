@@ -104,7 +104,7 @@ class PipelineHead:
 
     def share_prefixes(self, on: bool) -> None:
         """Set before any request: whether new sequences may start from copies of others' caches."""
-        on = on and getattr(self.worker.stage, "forks_caches", True)
+        on = on and self.worker.stage.forks_caches
         self.scheduler.forks = on
         self.scheduler.prefix.capacity_bytes = PREFIX_CACHE_BYTES if on else 0
 

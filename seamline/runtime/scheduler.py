@@ -149,8 +149,7 @@ class Scheduler:
     ) -> None:
         if stage.embed is None:
             raise ValueError("the scheduler needs a stage that owns the embedding")
-        can_fork = getattr(stage, "forks_caches", True)  # DeepSeek-V4's caches cannot be forked
-        self.forks = forks and can_fork  # whether a new sequence may start from a copy of another's cache
+        self.forks = forks and stage.forks_caches  # DeepSeek-V4's caches cannot be forked  # whether a new sequence may start from a copy of another's cache
         self.stage = stage
         self.context_length = context_length
         self.max_step_tokens = max_step_tokens
@@ -159,9 +158,8 @@ class Scheduler:
         self.max_waiting = max_waiting
         dtype_bytes = torch.finfo(stage.compute_dtype).bits // 8
         self.kv_bytes_per_token = kv_bytes_per_token(stage.config, dtype_bytes) * len(stage.layers)
-        # a family whose cache does not grow by a fixed size per token says what it holds
-        self.cache_bytes: Callable[[int], int] = getattr(stage, "cache_bytes", lambda t: t * self.kv_bytes_per_token)
-        self.prefix = PrefixCache(prefix_cache_bytes if can_fork else 0, self.kv_bytes_per_token, self._free)
+        self.cache_bytes: Callable[[int], int] = stage.cache_bytes  # what a sequence of so many tokens holds
+        self.prefix = PrefixCache(prefix_cache_bytes if stage.forks_caches else 0, self.kv_bytes_per_token, self._free)
         self.on_free: Callable[[object, bool], None] = lambda cache, for_good: None  # False: preempted
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

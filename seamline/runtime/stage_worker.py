@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from seamline.runtime.group_stage import LockstepStage
 
 log = logging.getLogger("seamline.stage")
-SendHidden = Callable[..., None]  # (rows, hidden) or, for a stage that passes ids, (rows, hidden, ids)
+SendHidden = Callable[[list[Row], torch.Tensor, torch.Tensor], None]  # rows, hidden states, the rows' token ids
 SendTokens = Callable[[list[TokenRow]], None]
 SendMessage = Callable[[Message], None]
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
@@ -81,8 +81,6 @@ class StageWorker:
     ) -> None:  # fmt: skip
         self.stage = stage
         self.dtype = stage.compute_dtype
-        self.boundary: tuple[int, ...] = getattr(stage, "boundary_shape", (stage.config.hidden_size,))
-        self.passes_ids: bool = getattr(stage, "passes_ids", False)  # frames carry the tokens' ids
         self.is_first = is_first
         self.is_last = is_last
         self.links = StageLinks()
@@ -180,10 +178,11 @@ class StageWorker:
 
     def hidden(self, frame: HiddenFrame) -> None:
         """Stages after the first: run our layers on each row and pass it on."""
-        if tuple(frame.tensor.shape[1:]) != self.boundary or frame.tensor.dtype != self.dtype:
+        boundary = self.stage.boundary_shape
+        if tuple(frame.tensor.shape[1:]) != boundary or frame.tensor.dtype != self.dtype:
             self.refused += 1
             log.warning("refused frame: tensor %s %s, this stage takes [tokens, %s] %s", frame.tensor.dtype,
-                        tuple(frame.tensor.shape), ", ".join(map(str, self.boundary)), self.dtype)  # fmt: skip
+                        tuple(frame.tensor.shape), ", ".join(map(str, boundary)), self.dtype)  # fmt: skip
             return
         if frame.ids is None:
             self.refused += 1
@@ -227,7 +226,7 @@ class StageWorker:
             offset += w.row.count
         started = time.perf_counter()
         ids = self._ids(work, inputs)  # every frame carries them: the sampler counts generated tokens
-        if not self.passes_ids:
+        if not self.stage.passes_ids:
             out = self.stage.forward_batch(inputs, spans, last_only=self.is_last)
         else:
             out = self.stage.forward_batch(inputs, spans, last_only=self.is_last, ids=ids)  # type: ignore[call-arg]

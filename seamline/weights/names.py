@@ -154,13 +154,13 @@ def _attention_plans(config: ModelConfig, i: int, own: Ownership) -> list[Tensor
     if config.is_mla:
         q_table = MLA_Q_LORA_TABLE if config.q_lora_rank else MLA_Q_TABLE
         plans = _fill(MLA_TABLE, i) + _fill(q_table, i)
-        return _head_sliced(plans, _mla_slices(config, own), own)
+        return head_sliced(plans, _mla_slices(config, own), own)
     plans = _fill(GQA_TABLE, i) + (_fill(GQA_BIAS_TABLE, i) if config.attention_bias else [])
-    plans = _head_sliced(plans, _gqa_slices(config, own), own)
+    plans = head_sliced(plans, _gqa_slices(config, own), own)
     return plans + (_fill(QK_NORM_TABLE, i) if config.qk_norm else [])  # per-head norms: replicated
 
 
-def _head_sliced(plans: list[TensorPlan], slices: HeadSlices, own: Ownership) -> list[TensorPlan]:
+def head_sliced(plans: list[TensorPlan], slices: HeadSlices, own: Ownership) -> list[TensorPlan]:
     """Attach per-source head slices to the plans whose target ends in a sliced suffix."""
     if own.shard[1] == 1:
         return plans  # one rank owns every head: read whole tensors

@@ -7,11 +7,9 @@ experts are one tensor each (w1 gate, w3 up, w2 down), stacked per layer here.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from seamline.config import ModelConfig
-from seamline.model.ownership import Ownership, Range
-from seamline.weights.names import TensorPlan
+from seamline.model.ownership import Ownership
+from seamline.weights.names import HeadSlices, TensorPlan, head_sliced
 
 V4_EMBED = "model.embed_tokens.weight"
 
@@ -34,8 +32,7 @@ def v4_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
     if own.owns_embedding():
         plans.append(TensorPlan("embed", ((V4_EMBED,),)))
     for i in own.layer_indices():
-        layer = _layer_plans(config, i, own)
-        plans += _sliced(layer, _shard_slices(config, own)) if own.shard[1] > 1 else layer
+        plans += head_sliced(_layer_plans(config, i, own), _shard_slices(config, own), own)
     if own.owns_head(config):
         plans += [TensorPlan(f"hc_head.{part}", ((f"model.hc_head.hc_{part}",),)) for part in ("fn", "base", "scale")]
         plans.append(TensorPlan("norm.weight", (("model.norm.weight",),)))
@@ -43,7 +40,7 @@ def v4_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
     return plans
 
 
-def _shard_slices(config: ModelConfig, own: Ownership) -> dict[str, tuple[int, Range]]:
+def _shard_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
     """A lockstep rank's share, by target suffix: (dim, range). Query heads and the output
     projection by whole output groups (``v4_head_groups``), the shared experts' rows; the
     rest of attention (the shared key/value head, compressors, indexer) is whole on every rank."""
@@ -53,20 +50,9 @@ def _shard_slices(config: ModelConfig, own: Ownership) -> dict[str, tuple[int, R
     heads_per_group, rank = config.num_heads // int(config.hf["o_groups"]), int(config.hf["o_lora_rank"])
     h0, h1 = g0 * heads_per_group, g1 * heads_per_group
     shared = own.shard_rows(config.moe_intermediate_size * config.n_shared_experts)
-    return {"attn.q_b": (0, (h0 * config.head_dim, h1 * config.head_dim)), "attn.sinks": (0, (h0, h1)),
-            "attn.o_a": (0, (g0 * rank, g1 * rank)), "attn.o_b": (1, (g0 * rank, g1 * rank)),
-            "ffn.shared_gate_up": (0, shared), "ffn.shared_down": (1, shared)}  # fmt: skip
-
-
-def _sliced(plans: list[TensorPlan], slices: dict[str, tuple[int, Range]]) -> list[TensorPlan]:
-    out = []
-    for plan in plans:
-        suffix = plan.target.split(".", 2)[2]  # "layers.{i}.attn.q_b" -> "attn.q_b"
-        if suffix in slices:
-            dim, span = slices[suffix]
-            plan = replace(plan, slice_dim=dim, slice=span)
-        out.append(plan)
-    return out
+    return {"attn.q_b": (0, ((h0 * config.head_dim, h1 * config.head_dim),)), "attn.sinks": (0, ((h0, h1),)),
+            "attn.o_a": (0, ((g0 * rank, g1 * rank),)), "attn.o_b": (1, ((g0 * rank, g1 * rank),)),
+            "ffn.shared_gate_up": (0, (shared, shared)), "ffn.shared_down": (1, (shared,))}  # fmt: skip
 
 
 def _layer_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
