@@ -45,6 +45,8 @@ def test_a_restarted_coordinator_takes_its_nodes_back_without_invites_or_downloa
         assert all(proc.poll() is None for proc in mesh.node_procs)  # the same node processes
         rejoined = [line for line in mesh.output if "rejoined from" in line]
         assert len(rejoined) == 2, rejoined
+        # kept because they hold it, whatever the speeds measured again would plan
+        assert any("keep the stages they hold" in line for line in mesh.output), mesh.output
         assert ask(mesh, QUESTION, 16)["choices"][0]["message"]["content"] == before
         _an_impostor_cannot_rejoin(mesh)
         _restarted_with_other_weights(mesh, tmp_path / "moe")

@@ -37,6 +37,17 @@ class Resources(Message):
     cpus: list[int] = Field(default=[], max_length=4096)  # the CPUs this node may run on (its affinity)
 
 
+class Holding(Message):
+    """The stage a rejoining node still has loaded (a restarted coordinator may keep it)."""
+
+    model_hash: str
+    layers: tuple[int, int]
+    owns_embedding: bool
+    owns_head: bool
+    dtype: str
+    context_length: int
+
+
 class Join(Message):
     kind: Literal["join"] = "join"
     node_id: str
@@ -51,6 +62,7 @@ class Join(Message):
     fragments_port: int = 0  # where it serves the fragments it holds to members, over mutual TLS (0: none)
     csr: str = ""  # the node's certificate signing request (PEM), over TLS
     invite_id: str = ""  # which of the coordinator's invites ``proof`` proves
+    holding: Holding | None = None  # a rejoin: the stage it has loaded
 
 
 class Attach(Message):

@@ -1,7 +1,10 @@
 """When the coordinator plans, and over whom; ``Coordinator`` takes these methods.
 
 Nodes are planned at their measured rates times the share of their CPUs they have to
-themselves (``plan.cores``). The first plan waits for ``nodes_expected`` checked members. After that the mesh plans again
+themselves (``plan.cores``). The first plan waits for ``nodes_expected`` checked members. A
+restarted coordinator's first plan is the stages its rejoined nodes still hold, when they
+cover the model and fit, unless a plan that takes in other nodes too would be ``GROWTH_GAIN``
+times faster: the rates are measured again, noisily, and must not cost a reload. After that the mesh plans again
 whenever a planned node is lost (over the rest, standbys included), when a failed start-up's
 pause is over, and when a node joins a serving mesh and a plan with it would be at least
 ``GROWTH_GAIN`` times faster (live growth). A switch of route ends every request in flight on
@@ -20,6 +23,7 @@ from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.measured import steady_rates
 from seamline.mesh.plan.planner import check_plan
 from seamline.mesh.plan.planner import plan as make_plan
+from seamline.mesh.plan.pricing import price_route
 from seamline.mesh.plan.types import LinkTable, NodeInfo, Plan, PlanError, PlanOptions
 
 if TYPE_CHECKING:
@@ -61,21 +65,47 @@ class Planning:
         shares = core_shares(h.placement() for h in joined)
         nodes = sorted((h.info(shares[h.node_id]) for h in joined), key=lambda n: n.node_id)
         links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined), self.peer_links.measured())
-        return self._choose_plan(steady_rates(nodes), links)  # like nodes measured apart plan alike
+        nodes = steady_rates(nodes)  # like nodes measured apart plan alike
+        fresh = self._choose_plan(nodes, links)
+        held = self._held_plan(joined, nodes, links) if self.plan_id == 0 else None
+        if held is None or (members(fresh) - members(held) and pace(held) > pace(fresh) * GROWTH_GAIN):
+            return fresh
+        log.info("the rejoined nodes keep the stages they hold (a fresh plan would be %.2fx as fast)",
+                 pace(held) / pace(fresh))  # fmt: skip
+        return held
+
+    def _held_plan(self: Coordinator, joined: list[NodeHandle], nodes: list[NodeInfo], links: LinkTable) -> Plan | None:
+        """The plan of the stages rejoined nodes still hold, when they are this model's, cover it
+        and fit (a restarted coordinator takes its mesh back without loading anything again)."""
+        if self.options.locked_plan is not None:
+            return None
+        same = (self.model_hash, self.options.dtype, self.options.context_length)
+        held = [(h.node_id, h.join.holding) for h in joined if h.join.holding is not None]
+        route = sorted(((node, *x.layers) for node, x in held
+                        if (x.model_hash, x.dtype, x.context_length) == same), key=lambda r: r[1])  # fmt: skip
+        flags = {node: (x.owns_embedding, x.owns_head) for node, x in held}
+        if not route or any(flags[n] != (s == 0, e == self.model.num_layers) for n, s, e in route):
+            return None
+        try:
+            plan = price_route(self.model, nodes, links, self._plan_options(), route)
+            check_plan(plan, self.model, nodes, self._plan_options())
+        except PlanError:
+            return None
+        return plan
 
     def _maybe_grow(self: Coordinator, joined: list[NodeHandle]) -> None:
         """A node joined a serving mesh: switch to the plan with it when it is fast enough more."""
         current = self.plan
         if not self.options.live_growth or current is None or not self.ready.is_set():
             return
-        if {h.node_id for h in joined} <= set(n for s in current.stages for n in s.members()):
+        if {h.node_id for h in joined} <= members(current):
             return
         try:
             proposed = self.candidate(joined)
         except PlanError:
             return
         gain = pace(current) / pace(proposed)
-        newcomers = sorted({n for s in proposed.stages for n in s.members()} - {n for s in current.stages for n in s.members()})
+        newcomers = sorted(members(proposed) - members(current))
         if gain < GROWTH_GAIN or not newcomers:
             log.info("a plan with the standbys would be %.2fx as fast: not worth a switch", gain)
             return
@@ -121,3 +151,8 @@ def pace(plan: Plan) -> float:
     """Seconds per token by what the plan optimised: the slowest stage's step under load
     (throughput), or one token's way through the pipeline (latency)."""
     return plan.slowest_stage_s() if plan.objective == "throughput" else plan.predicted_s_per_token
+
+
+def members(plan: Plan) -> set[str]:
+    """Every node the plan uses, lockstep ranks included."""
+    return {node for stage in plan.stages for node in stage.members()}

@@ -30,7 +30,7 @@ from seamline.mesh.node.credentials import Credentials
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError
 from seamline.net.link import Link, LinkClosed, free_port, listen
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Attach, Attached, Challenge, Join, Refuse, Rejoin, Renew, Resources, Welcome,
+    PROTOCOL_VERSION, Attach, Attached, Challenge, Holding, Join, Refuse, Rejoin, Renew, Resources, Welcome,
 )  # fmt: skip
 from seamline.net.tls import TlsRefused
 
@@ -190,6 +190,15 @@ class Membership:
         folder = self.options.cache_dir / "stages" / self.options.node_id
         serve_fragments(folder, lambda _token: True, host, port, self.credentials.identity.server_context())
 
+    def _holding(self: Node) -> Holding | None:
+        """The stage this node has loaded, which a restarted coordinator may keep (a lockstep
+        rank's share is re-formed with its group instead)."""
+        held = self.assignment
+        if held is None or self.worker is None or self.group_stage is not None or held.shard != (0, 1):
+            return None
+        return Holding(model_hash=held.model_hash, layers=held.layers, owns_embedding=held.owns_embedding,
+                       owns_head=held.owns_head, dtype=held.dtype, context_length=held.context_length)  # fmt: skip
+
     def rejoin(self: Node) -> bool:
         """The coordinator is gone: dial it again under this node's certificate, a few seconds
         apart, keeping the stage loaded, until it takes the node back (True) or the certificate
@@ -199,7 +208,7 @@ class Membership:
         pause = REJOIN_FIRST_S
         while self.credentials.identity.expires() > time.time():
             try:
-                self.control = self._attach(rejoin=self.joined_as)
+                self.control = self._attach(rejoin=self.joined_as.model_copy(update={"holding": self._holding()}))
                 log.info("the coordinator took this node back")
                 return True
             except Refused as exc:
