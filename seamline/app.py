@@ -10,6 +10,7 @@ from pathlib import Path
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
 from seamline.runtime.engine import Engine
+from seamline.runtime.grammar import TokenMasks
 from seamline.text import TextCodec
 from seamline.weights.loader import DTYPES, load_stage, open_source
 
@@ -46,4 +47,6 @@ class LocalModel:
         config = ModelConfig.from_hf_dict(source.config_dict())
         stage = load_stage(source, dtype=DTYPES[dtype], config=config)
         codec = TextCodec.from_model(path, config.eos_token_ids)
-        return cls(path, config, Engine(stage, context), codec)
+        engine = Engine(stage, context)
+        engine.masks = TokenMasks(codec.tokenizer.to_str)
+        return cls(path, config, engine, codec)

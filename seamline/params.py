@@ -30,6 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # minus this times how often the token was generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # None: none; k: the drawn token's log-probability and the k likeliest
+    grammar: str = ""  # llguidance's grammar the output must match (runtime/grammar.py); "": free
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -61,6 +62,7 @@ class SamplingParams:
 
     @property
     def argmax_only(self) -> bool:
-        """Whether the raw logits' argmax is all a draw needs (greedy, nothing shifts the
-        logits, no log-probabilities asked): a lockstep group then exchanges (max, argmax)."""
-        return self.greedy and not self.penalised and not self.logit_bias and self.logprobs is None
+        """Whether the raw logits' argmax is all a draw needs (greedy, nothing shifts or masks
+        the logits, no log-probabilities asked): a lockstep group then exchanges (max, argmax)."""
+        return (self.greedy and not self.penalised and not self.logit_bias and self.logprobs is None
+                and not self.grammar)  # fmt: skip

@@ -44,8 +44,9 @@ class TextCodec:
         """The text of ``ids``; bytes of a character not yet complete show as U+FFFD."""
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
 
-    def render_chat(self, messages: list[dict[str, Any]]) -> str:
-        """The prompt text for a chat, through the model's template (or a plain fallback)."""
+    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """The prompt text for a chat, through the model's template (or a plain fallback);
+        ``tools`` (OpenAI's function definitions) for templates that show them."""
         if not self.chat_template:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         if self._template is None:
@@ -56,6 +57,7 @@ class TextCodec:
         return str(
             self._template.render(
                 messages=messages,
+                tools=tools or None,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

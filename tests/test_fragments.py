@@ -325,9 +325,13 @@ def test_fetch_range_then_cache(served: tuple[str, Path, Manifest], tmp_path: Pa
     assert fetch_manifest(url, TOKEN) == manifest
     entries = _range(manifest, 2, LAYERS)
     cache = tmp_path / "cache"
-    report = fetch_fragments(url, entries, cache, TOKEN, progress=False)
-    assert report.bytes_downloaded == sum(e.bytes for e in entries)
+    followed: list[tuple[int, int]] = []  # what a node reports to the coordinator as it downloads
+    report = fetch_fragments(url, entries, cache, TOKEN, progress=False, on_progress=lambda *p: followed.append(p))
+    total = sum(e.bytes for e in entries)
+    assert report.bytes_downloaded == total
     assert (report.fragments_downloaded, report.fragments_from_cache) == (len(entries), 0)
+    assert followed[-1] == (total, total) and {t for _, t in followed} == {total}
+    assert [d for d, _ in followed] == sorted(d for d, _ in followed) and len(followed) >= len(entries)
     again = fetch_fragments(url, entries, cache, TOKEN, progress=False)
     assert (again.bytes_downloaded, again.fragments_downloaded) == (0, 0)
     assert again.fragments_from_cache == len(entries)

@@ -177,6 +177,15 @@ class Ready(Message):
     resident_bytes: int = 0
 
 
+class Loading(Message):
+    """A node fetching its assignment's fragments: how far it has come (sent every second or so)."""
+
+    kind: Literal["loading"] = "loading"
+    plan_id: int
+    bytes_done: int
+    bytes_total: int
+
+
 class Route(Message):
     kind: Literal["route"] = "route"
     plan_id: int
@@ -341,7 +350,7 @@ class Heartbeat(Message):
 AnyMessage = Annotated[
     Union[Challenge, Join, Attach, Rejoin, Attached, Renew, Certificate, RelayAccept, MeasurePeer, PeerLink, Ping, Pong, SpeedProbe,
           SpeedReady, SpeedSums, DataHello, ProbeHello,
-          Welcome, Refuse, Assign, Ready, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure, StatsRequest,
+          Welcome, Refuse, Assign, Ready, Loading, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure, StatsRequest,
           Stats, Heartbeat],
     Field(discriminator="kind"),
 ]

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.batch_loop import DONE, BatchLoop
 from seamline.runtime.engine import Engine
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
@@ -56,6 +57,7 @@ class LocalBackend:
         self.context_length = engine.context_length
         scheduler = Scheduler(engine.stage, engine.context_length, max_running=max_running, max_waiting=max_waiting,
                               kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
+        scheduler.masks = engine.masks or TokenMasks(codec.tokenizer.to_str)
         self.loop = BatchLoop(scheduler)
 
     def readiness(self) -> Readiness:

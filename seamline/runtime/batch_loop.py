@@ -93,6 +93,10 @@ class BatchLoop:
             request = self._live.get(emission.sequence)
             if request is None:
                 continue
+            if emission.error is not None:
+                del self._live[emission.sequence]
+                _send(request, emission.error)
+                continue
             finished = emission.sequence.finished
             if emission.token is not None and not _send(request, emission.token) and not finished:
                 self.scheduler.cancel(emission.sequence)  # its receiver is gone

@@ -13,6 +13,7 @@ import torch
 
 from seamline.model.stage import Stage
 from seamline.params import SamplingParams
+from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.scheduler import Scheduler, check_prompt
 
 if TYPE_CHECKING:
@@ -28,6 +29,7 @@ class Engine:
         self.stage = stage
         self.config = stage.config
         self.context_length = context_length or self.config.max_position_embeddings
+        self.masks: TokenMasks | None = None  # set where the tokenizer is known: requests may carry a grammar
 
     def check_prompt(self, prompt: list[int]) -> None:
         check_prompt(prompt, self.context_length)
@@ -47,10 +49,13 @@ class Engine:
         params.validate()
         self.check_prompt(prompt)
         scheduler = Scheduler(self.stage, self.context_length, max_step_tokens=PREFILL_CHUNK)
+        scheduler.masks = self.masks
         sequence = scheduler.add(prompt, params)
         try:
             while not sequence.finished:
                 for emission in scheduler.step():
+                    if emission.error is not None:
+                        raise emission.error
                     if emission.token is not None:
                         yield emission.token
         finally:

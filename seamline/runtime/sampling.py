@@ -5,7 +5,8 @@ takes (``draw_seed``), so a sequence draws the same tokens alone or in a batch, 
 replayed from its history (prompt + tokens so far) goes on exactly as it would have.
 
 Before the draw, ``logit_bias`` is added and the presence and frequency penalties of the
-tokens generated so far are taken off, as OpenAI documents them. Log-probabilities, when asked,
+tokens generated so far are taken off, as OpenAI documents them; a grammar's mask, if any,
+leaves only the tokens it allows. Log-probabilities, when asked,
 are the model's own: the log-softmax of the raw logits, before bias, penalties and temperature.
 """
 
@@ -69,9 +70,13 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[i
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
-         generated: Sequence[int] = ()) -> DrawnToken:  # fmt: skip
-    """``sample``, and the log-probabilities the request asked for."""
-    token = sample(adjusted(logits, params, generated), params, seed, position)
+         generated: Sequence[int] = (), allowed: torch.Tensor | None = None) -> DrawnToken:  # fmt: skip
+    """``sample`` among the ``allowed`` tokens (a grammar's mask; None: all), and the
+    log-probabilities the request asked for."""
+    choices = adjusted(logits, params, generated)
+    if allowed is not None:
+        choices = choices.float().masked_fill(~allowed, float("-inf"))
+    token = sample(choices, params, seed, position)
     if params.logprobs is None:
         return DrawnToken(token)
     logprobs = torch.log_softmax(logits.float(), dim=-1)

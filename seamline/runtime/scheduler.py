@@ -46,6 +46,7 @@ from seamline.errors import OverloadedError, RequestError
 from seamline.config import kv_bytes_per_token
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
+from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
 from seamline.params import SamplingParams
 from seamline.runtime.sampling import finish_reason, request_seed, draw
@@ -101,6 +102,7 @@ class Emission:
     sequence: Sequence
     token: int | None
     logits: torch.Tensor | None
+    error: RequestError | None = None  # the draw failed (a grammar's): this sequence alone ends
 
 
 @dataclass
@@ -166,6 +168,7 @@ class Scheduler:
         self.preemptions = 0  # sequences sent back to the queue to free memory, so far
         self.decode_steps = 0  # steps of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
+        self.masks: TokenMasks | None = None  # a grammar's tokens, where this process has the tokenizer
 
     def kv_reserve(self, sequence: Sequence) -> int:
         """The KV bytes ``sequence`` may grow to: prompt + max_tokens, within the context."""
@@ -325,10 +328,25 @@ class Scheduler:
 
     def _draw(self, sequence: Sequence, logits: torch.Tensor) -> Emission:
         position = len(sequence.prompt) + len(sequence.tokens)
-        return self.record(sequence, draw(logits, sequence.params, sequence.seed, position, sequence.tokens), logits)
+        try:
+            allowed = self._allowed(sequence, logits.shape[-1])
+        except RequestError as exc:
+            self._release(sequence, "error")
+            return Emission(sequence, None, None, exc)
+        token = draw(logits, sequence.params, sequence.seed, position, sequence.tokens, allowed)
+        return self.record(sequence, token, logits)
+
+    def _allowed(self, sequence: Sequence, vocab: int) -> torch.Tensor | None:
+        if not sequence.params.grammar:
+            return None
+        if self.masks is None:
+            raise RequestError("this process cannot apply a grammar: it was given no tokenizer")
+        return self.masks.allowed(sequence.id, sequence.params, sequence.tokens, vocab)
 
     def _release(self, sequence: Sequence, reason: str) -> None:
         sequence.finish_reason = reason
+        if self.masks is not None:
+            self.masks.forget(sequence.id)
         if sequence in self.running:
             self.running.remove(sequence)
         if sequence.cache is not None:

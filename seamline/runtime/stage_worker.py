@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from seamline.errors import RequestError
 from seamline.model.cache import Span
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
+from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.pipeline_head import PipelineHead
 from seamline.runtime.sampling import draw, finish_reason, request_seed
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
@@ -91,6 +93,7 @@ class StageWorker:
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
         self.micro_batches = 1  # the pipeline's stage count (set by the route)
+        self.masks: TokenMasks | None = None  # the last stage's grammars, where it holds the tokenizer
         context = context_length or stage.config.max_position_embeddings
         self.head = PipelineHead(self, context, kv_budget_bytes) if is_first else None
 
@@ -237,7 +240,8 @@ class StageWorker:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
             self.links.downstream([w.row for w in work], out, ids)
             return []
-        sampled = [self._sample(w, out[i]) for i, w in enumerate(work) if w.row.flags & RowFlag.SAMPLE]
+        drawn = [self._sample(w, out[i]) for i, w in enumerate(work) if w.row.flags & RowFlag.SAMPLE]
+        sampled = [row for row in drawn if row is not None]
         if sampled and not self.is_first and self.links.stage0 is not None:
             self.links.stage0(sampled)  # the critical path first: stage 0 waits for these tokens
         if sampled and self.links.results is not None:
@@ -255,6 +259,8 @@ class StageWorker:
 
     def _closed(self, request: int) -> None:
         self.closed[request] = None
+        if self.masks is not None:
+            self.masks.forget(request)
         if len(self.closed) > RECENTLY_CLOSED:
             del self.closed[next(iter(self.closed))]
 
@@ -278,12 +284,22 @@ class StageWorker:
         seq.cache = self.stage.new_cache(seq.drawing.params.argmax_only)
         seq.next_position, seq.hash, seq.done, seq.output = 0, EMPTY_HASH, False, []
 
-    def _sample(self, w: Work, logits: torch.Tensor) -> TokenRow:
+    def _sample(self, w: Work, logits: torch.Tensor) -> TokenRow | None:
+        """The row's token; None when its grammar failed (the request alone ends, reported)."""
         row, drawing = w.row, w.drawing
         position = row.position + row.count
         seq = self.sequences.get(row.request)
-        output = self._output(row.request, seq, drawing) if drawing.params.penalised else []
-        token = draw(logits, drawing.params, drawing.seed, position, output)
+        needs_output = drawing.params.penalised or bool(drawing.params.grammar)
+        output = self._output(row.request, seq, drawing) if needs_output else []
+        try:
+            allowed = self._allowed(row.request, drawing, output, logits.shape[-1])
+        except RequestError as exc:
+            if seq is not None:
+                seq.done = True
+            if self.links.failed is not None:
+                self.links.failed([row.request], exc)
+            return None
+        token = draw(logits, drawing.params, drawing.seed, position, output, allowed)
         reason = finish_reason(token, position, drawing.params, drawing.prompt_len, drawing.context_length)
         flags = RowFlag.NONE if reason is None else RowFlag.DONE
         if reason == "stop":
@@ -294,6 +310,13 @@ class StageWorker:
             seq.done = True
         return TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags),
                         token.logprob, token.top)  # fmt: skip
+
+    def _allowed(self, request: int, drawing: Drawing, output: list[int], vocab: int) -> torch.Tensor | None:
+        if not drawing.params.grammar:
+            return None
+        if self.masks is None:
+            raise RequestError("this stage cannot apply a grammar: it holds no tokenizer")
+        return self.masks.allowed(request, drawing.params, output, vocab)
 
     def _output(self, request: int, seq: StageSequence | None, drawing: Drawing) -> list[int]:
         """What the request generated so far: stage 0's scheduler knows; a later stage read it."""

@@ -15,6 +15,7 @@ from seamline.runtime.sampling import DrawnToken
 from seamline.server.logprobs import chat_logprobs, completion_logprobs
 from seamline.server.metrics import RequestMeter
 from seamline.server.reasoning import ThinkSplitter
+from seamline.server.tools import ToolCall, ToolStream
 from seamline.text import StreamDecoder
 
 
@@ -22,11 +23,12 @@ from seamline.text import StreamDecoder
 @dataclass(frozen=True)
 class Piece:
     """A token's new text ('' while held back), the token (None: the text left at the end),
-    and with think blocks the part of the text that is reasoning."""
+    with think blocks the part of the text that is reasoning, with tools the calls made."""
 
     text: str
     token: DrawnToken | None
     reasoning: str = ""
+    calls: tuple[ToolCall, ...] = ()  # tool calls the text completed
 
 
 class Generation:
@@ -46,6 +48,8 @@ class Generation:
         self._closed = False
         self.logprobs = params.logprobs is not None
         self.thinker: ThinkSplitter | None = None  # a chat whose template uses think blocks
+        self.tools: ToolStream | None = None  # a chat whose answer is parsed for tool calls
+        self.named_tool = False  # tool_choice named a function: it ends with "stop", as OpenAI's
 
     async def start(self) -> None:
         """Await the first token, so that a refused request fails before any response."""
@@ -58,29 +62,41 @@ class Generation:
             while token is not None:
                 self.completion_tokens += 1
                 yield self._piece(self._decoder.push(token), token)
-                if self._decoder.stopped:
-                    self.finish_reason = "stop"  # a stop string
-                    self.meter.end(self.finish_reason)
-                    yield self._piece("", None, last=True)
+                if self._decoder.stopped:  # a stop string
+                    last = self._piece("", None, last=True)
+                    self._end("stop")
+                    yield last
                     return
                 token = await self._next()
-            yield self._piece(self._decoder.flush(), None, last=True)
-            self.finish_reason = "length" if self.completion_tokens >= self._limit else "stop"
-            self.meter.end(self.finish_reason)
+            last = self._piece(self._decoder.flush(), None, last=True)
+            self._end("length" if self.completion_tokens >= self._limit else "stop")
+            yield last
         except Exception:
             self.meter.end("error")
             raise
         finally:
             await self.close()
 
+    def _end(self, reason: str) -> None:
+        if reason == "stop" and self.tools is not None and self.tools.calls and not self.named_tool:
+            reason = "tool_calls"
+        self.finish_reason = reason
+        self.meter.end(reason)
+
     def _piece(self, text: str, token: DrawnToken | None, last: bool = False) -> Piece:
-        if self.thinker is None:
-            return Piece(text, token)
-        reasoning, content = self.thinker.feed(text)
+        reasoning, content = "", text
+        if self.thinker is not None:
+            reasoning, content = self.thinker.feed(text)
+            if last:
+                more_reasoning, more_content = self.thinker.flush()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+        if self.tools is None:
+            return Piece(content, token, reasoning)
+        content, calls = self.tools.feed(content)
         if last:
-            more_reasoning, more_content = self.thinker.flush()
-            reasoning, content = reasoning + more_reasoning, content + more_content
-        return Piece(content, token, reasoning)
+            more_content, more_calls = self.tools.flush()
+            content, calls = content + more_content, calls + more_calls
+        return Piece(content, token, reasoning, tuple(calls))
 
     async def close(self) -> None:
         """Close the backend's iterator (cancels the request if it is still running)."""

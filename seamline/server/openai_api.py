@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -40,6 +39,9 @@ from seamline.server.api_options import ApiLimits
 from seamline.server.console import console_routes
 from seamline.server.guard import Guard
 from seamline.server.generation import Generation, Piece
+from seamline.server.grammars import GrammarCheck
+from seamline.server.replies import Choice, Reply
+from seamline.server.tools import ToolCall, ToolPlan, ToolStream, plan_tools
 from seamline.server.metrics import Metrics, RequestMeter
 from seamline.server.reasoning import ThinkSplitter, uses_think_blocks
 from seamline.server.openai_schema import (
@@ -131,64 +133,6 @@ def backend_error(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, message, "server_error", None, "internal_error")
 
 
-@dataclass(frozen=True)
-class _Reply:
-    """The shape of one response: chat (``message``/``delta``) or text completion (``text``)."""
-
-    chat: bool
-    model: str
-    id: str
-    created: int
-
-    @classmethod
-    def new(cls, chat: bool, model: str) -> _Reply:
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        return cls(chat, model, prefix + uuid.uuid4().hex, int(time.time()))
-
-    def full(self, texts: list[str], finishes: list[str], usage: dict[str, int],
-             logprobs: list[dict[str, Any] | None], reasoning: list[str | None]) -> dict[str, Any]:  # fmt: skip
-        """The whole response: one choice per text."""
-        choices = []
-        for index, (text, finish, lps, thought) in enumerate(zip(texts, finishes, logprobs, reasoning)):
-            choice: dict[str, Any] = {"index": index}
-            if self.chat:
-                choice["message"] = {"role": "assistant", "content": text}
-                if thought is not None:
-                    choice["message"]["reasoning_content"] = thought
-            else:
-                choice["text"] = text
-            choice.update(logprobs=lps, finish_reason=finish)
-            choices.append(choice)
-        obj = "chat.completion" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": choices, "usage": usage}
-
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, usage: bool = False,
-              index: int = 0, logprobs: dict[str, Any] | None = None, reasoning: str | None = None) -> dict[str, Any]:  # fmt: skip
-        """One stream chunk of choice ``index``; ``usage`` adds ``"usage": null`` (OpenAI does
-        when it will send usage)."""
-        choice: dict[str, Any] = {"index": index}
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            if reasoning is not None:
-                delta["reasoning_content"] = reasoning
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        choice.update(logprobs=logprobs, finish_reason=finish)
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        out = {**self._head(obj), "choices": [choice]}
-        return {**out, "usage": None} if usage else out
-
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._head(obj), "choices": [], "usage": usage}
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-
 def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
@@ -206,7 +150,7 @@ class EventStream(StreamingResponse):
                     await aclose()
 
 
-async def _events(reply: _Reply, gens: list[Generation], include_usage: bool, echo: str) -> AsyncIterator[str]:
+async def _events(reply: Reply, gens: list[Generation], include_usage: bool, echo: str) -> AsyncIterator[str]:
     """The SSE body: per choice a first chunk, a chunk per text piece and a finish chunk (the
     choices interleaved as they come), then usage and [DONE]."""
     try:
@@ -215,6 +159,7 @@ async def _events(reply: _Reply, gens: list[Generation], include_usage: bool, ec
                 yield sse(reply.chunk("", role=True, usage=include_usage, index=index))
             elif echo:
                 yield sse(reply.chunk(echo, usage=include_usage, index=index))
+        calls_made = [0] * len(gens)
         async for index, item in _pieces(gens):
             if item is None:
                 finish = gens[index].finish_reason
@@ -222,9 +167,12 @@ async def _events(reply: _Reply, gens: list[Generation], include_usage: bool, ec
                 continue
             token = item.token
             lps = gens[index].logprobs_of([token], reply.chat) if gens[index].logprobs and token is not None else None
-            if item.text or item.reasoning or lps:
-                yield sse(reply.chunk(item.text if item.text or not item.reasoning else None, usage=include_usage,
-                                      index=index, logprobs=lps, reasoning=item.reasoning or None))  # fmt: skip
+            calls = [(calls_made[index] + i, call) for i, call in enumerate(item.calls)]
+            calls_made[index] += len(calls)
+            if item.text or item.reasoning or lps or calls:
+                text = item.text if item.text or not (item.reasoning or calls) else None
+                yield sse(reply.chunk(text, usage=include_usage, index=index, logprobs=lps,
+                                      reasoning=item.reasoning or None, calls=calls))  # fmt: skip
         if include_usage:
             yield sse(reply.usage_chunk(_usage(gens)))
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error event
@@ -268,6 +216,26 @@ async def _pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | No
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _collect(gens: list[Generation], request: Request, chat: bool, echo: str) -> list[Choice] | None:
+    """Every choice whole; None when the client went away first."""
+    texts, reasoning = [[echo] for _ in gens], [[] for _ in gens]  # type: list[list[str]], list[list[str]]
+    drawn: list[list[DrawnToken]] = [[] for _ in gens]
+    calls: list[list[ToolCall]] = [[] for _ in gens]
+    async for index, item in _pieces(gens):
+        if item is not None:
+            texts[index].append(item.text)
+            reasoning[index].append(item.reasoning)
+            calls[index] += item.calls
+            if item.token is not None:
+                drawn[index].append(item.token)
+        if await request.is_disconnected():
+            await _close_all(gens)
+            return None
+    return [Choice("".join(t), g.finish_reason, g.logprobs_of(d, chat) if g.logprobs else None,
+                   "".join(r) if g.thinker is not None else None, c)
+            for g, t, r, d, c in zip(gens, texts, reasoning, drawn, calls)]  # fmt: skip
+
+
 def _usage(gens: list[Generation]) -> dict[str, int]:
     """The prompt counted once, every choice's tokens."""
     prompt, completion = gens[0].prompt_tokens, sum(g.completion_tokens for g in gens)
@@ -286,8 +254,15 @@ def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
 
 
+@dataclass(frozen=True)
+class _Shape:
+    tools: ToolPlan
+    grammar: str  # "" when the answer is free
+
+
 class _Routes:
     def __init__(self, backend: Backend, metrics: Metrics, max_prompt_tokens: int | None = None) -> None:
+        self._grammars: GrammarCheck | None = None  # made on the first request that needs one
         self.backend = backend
         self.telemetry = metrics
         self.max_prompt_tokens = max_prompt_tokens
@@ -314,13 +289,14 @@ class _Routes:
         """POST /v1/chat/completions."""
         self._check_model(body.model)
         self._check_ready()
+        shape = await anyio.to_thread.run_sync(self._shape, body)  # compiling a grammar takes a while
         messages = [m.as_template_dict() for m in body.messages]
-        text, prompt = await anyio.to_thread.run_sync(self._render_chat, messages)  # a large prompt must not stall the loop
-        params = self._params(body, prompt, "messages")
+        text, prompt = await anyio.to_thread.run_sync(self._render_chat, messages, shape.tools.tools)  # a large prompt must not stall the loop
+        params = replace(self._params(body, prompt, "messages"), grammar=shape.grammar)
         thinks = uses_think_blocks(self.backend.codec.chat_template)
-        return await self._respond(request, _Reply.new(True, self.backend.model_name), prompt, params,
+        return await self._respond(request, Reply.new(True, self.backend.model_name), prompt, params,
                                    bool(body.stream), body.include_usage, "", body.n or 1,
-                                   text if thinks else None)  # fmt: skip
+                                   text if thinks else None, shape.tools)  # fmt: skip
 
     async def completions(self, body: CompletionRequest, request: Request) -> Response:
         """POST /v1/completions."""
@@ -331,18 +307,21 @@ class _Routes:
         echo = ""
         if body.echo:
             echo = body.prompt if isinstance(body.prompt, str) else self.backend.codec.decode(prompt)
-        return await self._respond(request, _Reply.new(False, self.backend.model_name), prompt, params,
+        return await self._respond(request, Reply.new(False, self.backend.model_name), prompt, params,
                                    bool(body.stream), body.include_usage, echo, body.n or 1)  # fmt: skip
 
-    async def _respond(self, request: Request, reply: _Reply, prompt: list[int], params: SamplingParams,
+    async def _respond(self, request: Request, reply: Reply, prompt: list[int], params: SamplingParams,
                        stream: bool, include_usage: bool, echo: str, n: int = 1,
-                       thinking_after: str | None = None) -> Response:  # fmt: skip
-        """``thinking_after``: the rendered chat prompt, when its template uses think blocks."""
+                       thinking_after: str | None = None, tools: ToolPlan | None = None) -> Response:  # fmt: skip
+        """``thinking_after``: the rendered chat prompt, when its template uses think blocks;
+        ``tools``: the request's, when its answer is parsed for tool calls."""
         self.telemetry.prompt_tokens.inc(len(prompt))
         gens = [Generation(self.backend, prompt, p, RequestMeter(self.telemetry)) for p in _choice_params(params, n)]
         for gen in gens:
             gen.text_offset = len(echo)
             gen.thinker = ThinkSplitter(thinking_after) if thinking_after is not None else None
+            if tools is not None and tools.fmt is not None:
+                gen.tools, gen.named_tool = ToolStream(tools.fmt), tools.named
         try:
             await asyncio.gather(*(gen.start() for gen in gens))
         except Exception as exc:
@@ -353,27 +332,16 @@ class _Routes:
         if stream:
             events = _events(reply, gens, include_usage, echo)
             return EventStream(events, media_type="text/event-stream", headers=SSE_HEADERS)
-        texts, reasoning = [[echo] for _ in gens], [[] for _ in gens]  # type: list[list[str]], list[list[str]]
-        drawn: list[list[DrawnToken]] = [[] for _ in gens]
         try:
-            async for index, item in _pieces(gens):
-                if item is not None:
-                    texts[index].append(item.text)
-                    reasoning[index].append(item.reasoning)
-                    if item.token is not None:
-                        drawn[index].append(item.token)
-                if await request.is_disconnected():
-                    log.info("client went away; request %s cancelled", reply.id)
-                    await _close_all(gens)
-                    return Response(status_code=499)
+            choices = await _collect(gens, request, reply.chat, echo)
         except Exception as exc:
             raise backend_error(exc) from exc
         finally:
             await _close_all(gens)
-        logprobs = [g.logprobs_of(d, reply.chat) if g.logprobs else None for g, d in zip(gens, drawn)]
-        thoughts = ["".join(r) if g.thinker is not None else None for g, r in zip(gens, reasoning)]
-        return JSONResponse(reply.full(["".join(t) for t in texts], [g.finish_reason for g in gens], _usage(gens),
-                                       logprobs, thoughts))  # fmt: skip
+        if choices is None:
+            log.info("client went away; request %s cancelled", reply.id)
+            return Response(status_code=499)
+        return JSONResponse(reply.full(choices, _usage(gens)))
 
     def _model_card(self) -> dict[str, Any]:
         name = self.backend.model_name
@@ -400,9 +368,23 @@ class _Routes:
             message = f"the model '{self.backend.model_name}' is not ready to serve: {reason}"
             raise OpenAIError(503, message, "service_unavailable", None, "model_not_ready")
 
-    def _render_chat(self, messages: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    def _shape(self, body: ChatRequest) -> _Shape:
+        """The request's tools and the grammar its answer must match (checked: 400s here)."""
+        if self._grammars is None:
+            self._grammars = GrammarCheck(self.backend.codec)
+        tools = plan_tools(body, self.backend.codec.chat_template, self._grammars)
+        grammar = self._grammars.response_format(body.response_format)
+        if grammar and tools.grammar:
+            raise bad_request("a required tool call and a JSON response_format cannot both shape the answer",
+                              "response_format", "invalid_value")  # fmt: skip
+        if (grammar or tools.grammar) and body.ignore_eos:
+            raise bad_request("ignore_eos cannot be sent with a grammar: the answer ends with the end of its grammar",
+                              "ignore_eos", "invalid_value")  # fmt: skip
+        return _Shape(tools, grammar or tools.grammar)
+
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[str, list[int]]:
         try:
-            text = self.backend.codec.render_chat(messages)
+            text = self.backend.codec.render_chat(messages, tools)
             return text, self.backend.codec.encode(text)
         except RequestError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc

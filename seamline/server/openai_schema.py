@@ -4,8 +4,10 @@ Policy, chosen to keep the official ``openai`` client and common tools working:
 - Types are strict (``"0.5"`` is not a number, ``true`` is not an integer).
 - Unknown fields are ignored, as vLLM does (``user``, ``metadata``, ``store``, ...).
 - Known OpenAI fields that would change the result and that seamline cannot honour
-  (``tools``, JSON ``response_format``, ``suffix``, ``best_of`` > 1) are rejected with 400
-  instead of being silently dropped.
+  (the legacy ``functions``, ``suffix``, ``best_of`` > 1) are rejected with 400 instead of
+  being silently dropped.
+- ``tools`` / ``tool_choice`` and ``response_format`` (``json_object``, ``json_schema``) as
+  OpenAI has them; their grammars are compiled and checked by the API (server/grammars.py).
 - ``logprobs`` / ``top_logprobs`` (up to ``MAX_TOP_LOGPROBS``), ``presence_penalty`` and
   ``frequency_penalty`` ([-2, 2]) and ``logit_bias`` (token id -> [-100, 100]) as OpenAI has them.
 - ``top_k``, ``min_p`` and ``ignore_eos`` are accepted as extensions (``extra_body`` in the client).
@@ -13,6 +15,7 @@ Policy, chosen to keep the official ``openai`` client and common tools working:
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -57,10 +60,25 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON, as the model wrote it
+
+
+class ToolCallItem(_Strict):
+    """A tool call an earlier assistant message made (sent back with the tool's result)."""
+
+    id: str = ""
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | None = None  # text parts are joined by the validator below
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's
+    tool_call_id: str | None = None  # a tool's: the call it answers
 
     @field_validator("content", mode="before")
     @classmethod
@@ -79,7 +97,19 @@ class ChatMessage(_Strict):
         out: dict[str, Any] = {"role": role, "content": self.content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:  # templates read the arguments as a mapping, as transformers passes them
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
+                                  "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]  # fmt: skip
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # not JSON: the template shows it as it came
 
 
 def text_content(value: Any) -> str | None:
@@ -154,36 +184,62 @@ class _Sampling(_Strict):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+class FunctionDef(_Strict):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema; none: no arguments
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedTool(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")  # none: any JSON value
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs 'json_schema'")
+        return self
+
+
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None  # the legacy spelling of tools
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
-    @field_validator("tools", "functions")
+    @field_validator("functions", "function_call")
     @classmethod
-    def _no_tools(cls, value: list[Any] | None) -> list[Any] | None:
-        if value:
-            raise ValueError("tool calling is not supported; omit 'tools' and 'functions'")
-        return value
-
-    @field_validator("tool_choice", "function_call")
-    @classmethod
-    def _no_tool_choice(cls, value: Any) -> Any:
-        if value not in (None, "none", "auto"):
-            raise ValueError("tool calling is not supported; omit 'tool_choice' and 'function_call'")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
+    def _no_functions(cls, value: Any) -> Any:
+        if value not in (None, [], "none", "auto"):
+            raise ValueError("the legacy 'functions' and 'function_call' are not supported; send 'tools' and 'tool_choice'")
         return value
 
     @model_validator(mode="after")
@@ -193,7 +249,14 @@ class ChatRequest(_Sampling):
             raise ValueError(f"max_tokens ({a}) and max_completion_tokens ({b}) disagree; send one")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.tool_choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice needs 'tools'")
+        if isinstance(self.tool_choice, NamedTool) and self.tool_choice.function.name not in self.tool_names():
+            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among 'tools'")
         return self
+
+    def tool_names(self) -> list[str]:
+        return [t.function.name for t in self.tools or ()]
 
     @property
     def top(self) -> int | None:

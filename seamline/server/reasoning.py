@@ -39,7 +39,7 @@ class ThinkSplitter:
                 self.thinking, self.may_open = not self.thinking, False
                 self.just_closed = not self.thinking  # the newlines after the block are not content
                 continue
-            hold = _partial(self.pending, tag) if (self.thinking or self.may_open) else 0
+            hold = partial_tag(self.pending, tag) if (self.thinking or self.may_open) else 0
             shown, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold :]
             if self.thinking:
                 reasoning += shown
@@ -63,7 +63,7 @@ class ThinkSplitter:
         return (rest, "") if self.thinking else ("", rest.lstrip("\n") if self.just_closed else rest)
 
 
-def _partial(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that begins ``tag``."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):

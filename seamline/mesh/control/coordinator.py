@@ -35,7 +35,7 @@ from seamline.mesh.plan.types import ModelSpec, Plan, StageAssignment
 from seamline.net.frames import FrameError, TokenFrame, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Close, Failure, Join, Linked, Message, Open, PeerLink, Pong, Prompt, Ready, RelayAccept, Renew,
+    PROTOCOL_VERSION, Assign, Close, Failure, Join, Linked, Loading, Message, Open, PeerLink, Pong, Prompt, Ready, RelayAccept, Renew,
     Route, SpeedReady, SpeedSums, Stats, StatsRequest,
 )  # fmt: skip
 
@@ -117,10 +117,12 @@ class Coordinator(Membership, Planning):
                     continue
                 with handle.events:
                     if isinstance(message, Ready):
-                        handle.ready = message
+                        handle.ready, handle.loading = message, None
                     else:
                         handle.linked = True
                     handle.events.notify_all()
+            elif isinstance(message, Loading):
+                handle.loading = message if message.plan_id == self.plan_id else None
             elif isinstance(message, Stats):
                 with handle.events:
                     handle.stats = message

@@ -47,7 +47,9 @@ def _node(h: NodeHandle, core_share: float) -> dict[str, object]:
             "planned_bytes_per_second": h.info(core_share).bytes_per_second,
             "bytes_downloaded": h.ready.bytes_downloaded if h.ready else None,
             "bytes_from_peers": h.ready.bytes_from_peers if h.ready else None,
-            "resident_bytes": h.ready.resident_bytes if h.ready else None}  # fmt: skip
+            "resident_bytes": h.ready.resident_bytes if h.ready else None,
+            "downloading": {"bytes_done": h.loading.bytes_done, "bytes_total": h.loading.bytes_total}
+            if h.loading else None}  # fmt: skip
 
 
 def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> None:

@@ -12,7 +12,7 @@ from seamline.mesh.plan.types import Link as PlanLink
 from seamline.mesh.plan.cores import Placement
 from seamline.mesh.plan.types import NodeInfo
 from seamline.net.link import Link
-from seamline.net.messages import Join, Ready, Stats
+from seamline.net.messages import Join, Loading, Ready, Stats
 
 
 @dataclass
@@ -20,6 +20,7 @@ class NodeHandle:
     join: Join
     link: Link
     ready: Ready | None = None
+    loading: Loading | None = None  # its fragments' download under way (None once it is ready)
     linked: bool = False
     stats: Stats | None = None
     failure: str | None = None  # a failure the node reported outside any request

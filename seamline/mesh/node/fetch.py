@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,9 +87,11 @@ def fetch_fragments(
     timeout: float = 60.0,
     verify: ssl.SSLContext | bool = True,
     peers: Sequence[str] = (),
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> FetchReport:
     """Make every entry's file present and verified as ``cache_dir/<sha256>``: from the first of
-    ``peers`` (members' fragment URLs, sent no token) that serves it intact, else from ``base_url``."""
+    ``peers`` (members' fragment URLs, sent no token) that serves it intact, else from ``base_url``.
+    ``on_progress(bytes done, bytes to fetch)`` follows the download as the bar does."""
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     unique = list({e.sha256: e for e in entries}.values())
@@ -97,8 +99,8 @@ def fetch_fragments(
     _make_room(cache, todo)
     report = FetchReport(fragments_from_cache=len(unique) - len(todo))
     total = sum(e.bytes for e in todo)
-    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fragments",
-               disable=not progress or not todo)  # fmt: skip
+    bar = _Progress(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fragments",
+                         disable=not progress or not todo), total, on_progress)  # fmt: skip
     peer_timeout = httpx.Timeout(timeout, connect=PEER_CONNECT_TIMEOUT_S)
     live_peers = list(peers)  # a peer that cannot be reached is not asked again
     with bar, httpx.Client(headers=_auth(token), timeout=timeout, verify=verify) as client, \
@@ -112,6 +114,26 @@ def fetch_fragments(
             report.bytes_downloaded += received
             report.fragments_downloaded += 1
     return report
+
+
+class _Progress:
+    """The download's progress bar, and whoever else follows it."""
+
+    def __init__(self, bar: tqdm, total: int, follower: Callable[[int, int], None] | None) -> None:
+        self.bar, self.total, self.follower, self.done = bar, total, follower, 0
+
+    def update(self, count: int) -> None:
+        self.bar.update(count)
+        self.done += count
+        if self.follower is not None:
+            self.follower(self.done, self.total)
+
+    def __enter__(self) -> _Progress:
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.bar.__exit__(*exc)
 
 
 def _from_peers(client: httpx.Client, peers: list[str], entry: FragmentEntry, cache: Path, bar: Any) -> int | None:

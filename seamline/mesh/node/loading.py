@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import ssl
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 
@@ -24,25 +25,27 @@ if TYPE_CHECKING:
     from seamline.mesh.node.process import NodeOptions
 
 log = logging.getLogger("seamline.node")
+Progress = Callable[[int, int], None]  # (bytes fetched, bytes to fetch)
 GROUP_CONNECT_TIMEOUT_S = 600.0  # peers may still be downloading their fragments
 
 
-def load_assignment(invite: Invite, assign: Assign, options: NodeOptions,
-                    tls: ssl.SSLContext | None = None) -> tuple[Stage, FetchReport]:  # fmt: skip
+def load_assignment(invite: Invite, assign: Assign, options: NodeOptions, tls: ssl.SSLContext | None = None,
+                    on_progress: Progress | None = None) -> tuple[Stage, FetchReport]:  # fmt: skip
     """Return the loaded Stage and what was downloaded for it (over mutual TLS with ``tls``,
     this member's client context, when the mesh runs over TLS)."""
-    source, report = fetch_assignment(invite, assign, options, tls)
+    source, report = fetch_assignment(invite, assign, options, tls, on_progress)
     config = ModelConfig.from_hf_dict(source.config_dict())
     own = Ownership(layers=(assign.layers[0], assign.layers[1]))
     return load_stage(source, own, DTYPES[assign.dtype], config), report
 
 
 def load_rank(invite: Invite, assign: Assign, options: NodeOptions, tls: GroupTls | None = None,
-              fetch_tls: ssl.SSLContext | None = None) -> tuple[LockstepRank, FetchReport]:  # fmt: skip
+              fetch_tls: ssl.SSLContext | None = None, on_progress: Progress | None = None,
+              ) -> tuple[LockstepRank, FetchReport]:  # fmt: skip
     """This node's rank of a lockstep group: its shard of the range, joined to its peers.
     Of the routed experts it fetches only its own chunks; the layers' other fragments are
     fetched whole, and only the rank's slices are read from them."""
-    source, report = fetch_assignment(invite, assign, options, fetch_tls)
+    source, report = fetch_assignment(invite, assign, options, fetch_tls, on_progress)
     rank, world = assign.shard
     log.info("rank %d of %d: joining the group over %s", rank, world, assign.transport)
     member = LockstepRank(source, rank, world, [(host, port) for host, port in assign.group], assign.gate_timeout_s,
@@ -51,8 +54,8 @@ def load_rank(invite: Invite, assign: Assign, options: NodeOptions, tls: GroupTl
     return member, report
 
 
-def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions,
-                     tls: ssl.SSLContext | None = None) -> tuple[FragmentSource, FetchReport]:  # fmt: skip
+def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions, tls: ssl.SSLContext | None = None,
+                     on_progress: Progress | None = None) -> tuple[FragmentSource, FetchReport]:  # fmt: skip
     """Fetch (or find in the cache) the fragments of the assigned range, from the members that
     hold them where they can, over this member's mutual TLS only; open them."""
     verify = tls if tls is not None else trusting(assign.fragments_certificate)
@@ -68,7 +71,7 @@ def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions,
     cache = options.cache_dir / "fragments"
     peers = assign.fragment_peers if tls is not None else []  # a member's certificate is their only key
     report = fetch_fragments(assign.fragments_url, entries, cache, token=assign.fragments_token, progress=options.progress,
-                             verify=verify, peers=peers)  # fmt: skip
+                             verify=verify, peers=peers, on_progress=on_progress)  # fmt: skip
     folder = materialise(manifest, entries, cache, options.cache_dir / "stages" / options.node_id)
     log.info("layers [%d,%d): %d fragments, %d bytes downloaded (%d from peers), %d from cache", *assign.layers,
              len(entries), report.bytes_downloaded, report.bytes_from_peers, report.fragments_from_cache)  # fmt: skip

@@ -15,7 +15,9 @@ import queue
 import socket
 import ssl
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -36,19 +38,21 @@ from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe, probe_peer
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, accept_links, tune
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Forget, Fork, Heartbeat, Join, Linked,
+    PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Forget, Fork, Heartbeat, Join, Linked, Loading,
     MeasurePeer, Message, Open, Ping, Pong, Prompt, Ready, RelayAccept, Route, SpeedProbe, SpeedReady, SpeedSums,
     Stats, StatsRequest,
 )  # fmt: skip
 from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
 from seamline.parallel.comm import CommError
 from seamline.model.stage import Stage
+from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.group_stage import LockstepStage
 from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
 
 log = logging.getLogger("seamline.node")
+LOADING_REPORT_S = 1.0  # a download's progress goes to the coordinator this often
 COORDINATOR_SILENT_S = 10.0  # the coordinator sends a heartbeat every second; silent this long, it is lost
 
 
@@ -207,13 +211,14 @@ class Node(Membership):
         self._check_room(assign)
         if assign.shard[1] == 1:
             client = self.credentials.client if self.credentials else None
-            stage, fetched = (kept, FetchReport()) if kept is not None else load_assignment(self.invite, assign,
-                                                                                             self.options, client)  # fmt: skip
+            stage, fetched = (kept, FetchReport()) if kept is not None else load_assignment(
+                self.invite, assign, self.options, client, self._loading_reporter(assign))  # fmt: skip
             self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
                                       _kv_budget(assign))  # fmt: skip
         else:
             member, fetched = load_rank(self.invite, assign, self.options, self._group_tls(assign),
-                                           self.credentials.client if self.credentials else None)  # fmt: skip
+                                        self.credentials.client if self.credentials else None,
+                                        self._loading_reporter(assign))  # fmt: skip
             if member.rank == 0:  # the leader: its StageWorker drives the whole group
                 self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
                 self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head,
@@ -223,6 +228,9 @@ class Node(Membership):
         self.bytes_downloaded += fetched.bytes_downloaded
         assert self.control is not None
         if self.worker is not None:
+            if assign.owns_head:  # the last stage draws: a request's grammar needs the tokenizer it was sent
+                folder = self.options.cache_dir / "stages" / self.options.node_id
+                self.worker.masks = TokenMasks(lambda: (folder / "tokenizer.json").read_text())
             self.worker.links.results = lambda rows: self.control.send_tokens(rows)  # type: ignore[union-attr]  # the link of now
             self.worker.links.failed = self._batch_failed
         descriptor = Descriptor(node_id=self.options.node_id, plan_id=assign.plan_id, model_hash=assign.model_hash,
@@ -231,6 +239,18 @@ class Node(Membership):
         resident = psutil.Process().memory_info().rss
         self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=fetched.bytes_downloaded,
                                         bytes_from_peers=fetched.bytes_from_peers, resident_bytes=resident))  # fmt: skip
+
+    def _loading_reporter(self, assign: Assign) -> Callable[[int, int], None]:
+        """Tells the coordinator how far the download has come, a second apart at most (the console shows it)."""
+        last = [0.0]
+
+        def report(done: int, total: int) -> None:
+            now = time.monotonic()
+            if now - last[0] >= LOADING_REPORT_S or done >= total:
+                last[0] = now
+                self._report_quietly(Loading(plan_id=assign.plan_id, bytes_done=done, bytes_total=total))
+
+        return report
 
     def _kept_stage(self, assign: Assign) -> Stage | None:
         """The loaded stage, when ``assign`` asks this node for the very part it holds (a plan

@@ -98,10 +98,17 @@ function fillTable(status, live) {
     const row = document.createElement("tr");
     row.setAttribute("data-node", id);
     const cells = [id, layers[id] || "", live.has(id) ? "up" : "down", gib(n.free_memory_bytes),
-                   mib(n.bytes_downloaded), n.rtt_ms == null ? "" : n.rtt_ms + " ms"];
+                   downloads(n), n.rtt_ms == null ? "" : n.rtt_ms + " ms"];
     for (const c of cells) { const td = document.createElement("td"); td.textContent = c; row.appendChild(td); }
     body.appendChild(row);
   }
+}
+
+function downloads(n) {
+  const d = n.downloading;
+  if (!d) return mib(n.bytes_downloaded);
+  const share = d.bytes_total ? Math.floor((100 * d.bytes_done) / d.bytes_total) : 100;
+  return "downloading " + mib(d.bytes_done) + " of " + mib(d.bytes_total) + " (" + share + "%)";
 }
 
 function showEvents(events) {

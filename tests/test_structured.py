@@ -1,0 +1,138 @@
+"""``response_format``: JSON answers by constrained decoding (llguidance), through the real
+openai client and a real server on the embedded model, on a 2-stage mesh and in a 2-rank
+lockstep group. A schema with bounded lengths always gets an answer that parses, validates
+and ends with finish_reason "stop"; a schema that cannot be compiled is a 400 naming the field."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from seamline.app import LocalModel, default_model_path
+from seamline.params import SamplingParams
+from seamline.runtime.backend import LocalBackend
+from seamline.runtime.engine import Engine
+from seamline.runtime.grammar import TokenMasks
+from seamline.runtime.group_stage import LockstepStage
+from seamline.server.grammars import GrammarCheck
+from seamline.server.openai_schema import ResponseFormat
+from tests.test_openai_api import NAME, client_for, serve
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"enum": ["Paris", "Rome", "Oslo"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+    },
+    "required": ["name", "age", "city", "tags"],
+    "additionalProperties": False,
+}
+ASK = [{"role": "user", "content": "Describe a person as JSON."}]
+SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def model() -> LocalModel:
+    return LocalModel.load()
+
+
+@pytest.fixture(scope="module")
+def client(model: LocalModel) -> Iterator[openai.OpenAI]:
+    with serve(LocalBackend(model.engine, model.codec, NAME)) as url:
+        yield client_for(url)
+
+
+def test_json_schema_answers_parse_validate_and_stop_at_temperature_1(client: openai.OpenAI) -> None:
+    """50 sampled answers (5 requests of n=10): every one is a valid person, ended by "stop"."""
+    answers = []
+    for seed in range(5):
+        reply = client.chat.completions.create(model=NAME, messages=ASK, temperature=1.0, seed=seed, n=10,  # type: ignore[arg-type]
+                                               max_tokens=200, response_format=SCHEMA_FORMAT)  # type: ignore[arg-type]  # fmt: skip
+        answers += reply.choices
+    assert len(answers) == 50
+    texts = set()
+    for choice in answers:
+        assert choice.finish_reason == "stop", choice
+        person = json.loads(choice.message.content or "")
+        jsonschema.validate(person, PERSON)
+        texts.add(choice.message.content)
+    assert len(texts) > 10  # sampled, not one answer forced
+
+
+def test_json_object_is_an_object_and_a_stream_carries_it(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(model=NAME, messages=ASK, temperature=0, max_tokens=120,
+                                           response_format={"type": "json_object"})  # fmt: skip
+    choice = reply.choices[0]
+    if choice.finish_reason == "stop":
+        assert isinstance(json.loads(choice.message.content or ""), dict)
+    else:  # an open object may run to max_tokens; what came is an object's start
+        assert (choice.message.content or "").startswith("{")
+    stream = client.chat.completions.create(model=NAME, messages=ASK, temperature=0, max_tokens=200, stream=True,
+                                            response_format=SCHEMA_FORMAT)  # type: ignore[arg-type]  # fmt: skip
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+@pytest.mark.parametrize("schema, fragment", [
+    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}, "regex"),
+    ({"type": "nonsense"}, "nonsense"),
+    ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "nowhere"),
+])  # fmt: skip
+def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(client: openai.OpenAI, schema: dict[str, Any],
+                                                                fragment: str) -> None:  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4, response_format={  # type: ignore[arg-type]
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})  # fmt: skip
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "response_format.json_schema.schema", error
+    assert fragment in error["message"], error
+
+
+def test_an_unknown_response_format_is_a_400(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4, response_format={"type": "yaml"})  # type: ignore[arg-type,typeddict-item]
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"].startswith("response_format")
+
+
+def _greedy_under_schema(model: LocalModel, tokens: int) -> tuple[str, list[int], SamplingParams]:
+    grammar = GrammarCheck(model.codec).response_format(ResponseFormat.model_validate(SCHEMA_FORMAT))
+    params = SamplingParams(max_tokens=tokens, grammar=grammar, stop_token_ids=tuple(model.codec.stop_ids))
+    prompt = model.codec.encode_chat(ASK)
+    return model.codec.decode(list(model.engine.generate(prompt, params))), prompt, params
+
+
+def test_a_two_stage_mesh_answers_under_the_schema_as_one_process(model: LocalModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The last stage holds the tokenizer and matches the grammar against the ids in the frames."""
+    from tests.test_mesh import start_mesh
+
+    expected, _, _ = _greedy_under_schema(model, 120)
+    jsonschema.validate(json.loads(expected), PERSON)
+    mesh = start_mesh(tmp_path, 2)
+    try:
+        assert len(mesh.wait_ready()["stages"]) == 2
+        body = {"model": "default", "messages": ASK, "max_tokens": 120, "temperature": 0, "response_format": SCHEMA_FORMAT}
+        reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=120).json()
+    finally:
+        mesh.stop()
+    assert reply["choices"][0]["message"]["content"] == expected, reply
+    assert reply["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_lockstep_group_answers_under_the_schema_as_one_process(model: LocalModel) -> None:
+    """A grammar needs whole logits: the group gathers them, and its leader masks them."""
+    from tests.lockstep_harness import running_group
+
+    expected, prompt, params = _greedy_under_schema(model, 120)
+    with running_group(default_model_path(), 2) as group:
+        engine = Engine(LockstepStage(group))
+        engine.masks = TokenMasks(model.codec.tokenizer.to_str)
+        drawn = list(engine.generate(prompt, params))
+    assert model.codec.decode(drawn) == expected
