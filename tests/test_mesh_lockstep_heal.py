@@ -28,7 +28,8 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
     folder = build_moe_folder(root / "moe")
     mesh = MeshProcesses(root, nodes=NODES, model=str(folder), node_memory_gb=memory_cap_gb(str(folder), 2, CONTEXT, ranks=2),
                          serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--gate-timeout", "3",
-                                     "--heartbeat-timeout", "60"))  # fmt: skip
+                                     "--heartbeat-timeout", "60",
+                                     "--replay-deadline", "280"))  # fmt: skip  # 5 nodes on 2 shared cores reload slowly
     try:
         mesh.start()
         mesh.wait_ready()
