@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import httpx
 import jsonschema
 import openai
 import pytest
+import torch
 
 from seamline.app import LocalModel, default_model_path
 from seamline.params import SamplingParams
@@ -136,3 +138,21 @@ def test_a_lockstep_group_answers_under_the_schema_as_one_process(model: LocalMo
         engine.masks = TokenMasks(model.codec.tokenizer.to_str)
         drawn = list(engine.generate(prompt, params))
     assert model.codec.decode(drawn) == expected
+
+
+def test_a_matcher_follows_the_output_it_is_given_replays_included(model: LocalModel) -> None:
+    """The sampling site feeds each draw the output so far: a sequence replayed or preempted
+    (its output shorter, or different) gets a matcher rebuilt from its tokens."""
+    expected, _, params = _greedy_under_schema(model, 120)
+    output = model.codec.encode(expected)
+    masks, vocab = TokenMasks(model.codec.tokenizer.to_str), model.config.vocab_size
+    after_all = masks.allowed("seq", params, output, vocab)
+    assert after_all is not None and set(after_all.nonzero().flatten().tolist()) == set(params.stop_token_ids)
+    middle = masks.allowed("seq", params, output[:5], vocab)  # replayed from an earlier point
+    assert middle is not None and bool(middle[output[5]]) and not bool(middle[params.stop_token_ids[0]])
+    assert torch.equal(masks.allowed("seq", params, output, vocab), after_all)  # type: ignore[arg-type]
+    other = replace(params, grammar=GrammarCheck(model.codec).response_format(ResponseFormat(type="json_object")))
+    switched = masks.allowed("seq", other, output[:1], vocab)  # a new grammar, a new matcher
+    fresh = TokenMasks(model.codec.tokenizer.to_str).allowed("fresh", other, output[:1], vocab)
+    assert switched is not None and torch.equal(switched, fresh)  # type: ignore[arg-type]
+    assert not torch.equal(switched, masks.allowed("seq", params, output[:1], vocab))  # type: ignore[arg-type]

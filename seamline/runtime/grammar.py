@@ -33,6 +33,7 @@ def compile_check(grammar: str, tokenizer: LLTokenizer | None = None) -> str:
 
 class _Matcher:
     def __init__(self, tokenizer: LLTokenizer, grammar: str) -> None:
+        self.grammar = grammar
         self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
         self.fed: list[int] = []  # the output consumed so far
 
@@ -73,7 +74,7 @@ class TokenMasks:
     def _state(self, key: Hashable, grammar: str, output: Sequence[int], vocab: int) -> _Matcher:
         with self._lock:
             state = self._matchers.get(key)
-            if state is None or len(state.fed) > len(output) or state.fed != list(output[: len(state.fed)]):
+            if state is None or state.grammar != grammar or state.fed != list(output[: len(state.fed)]):
                 state = _Matcher(self._tokenizer(vocab), grammar)  # new, or its history changed: start over
                 self._matchers[key] = state
                 while len(self._matchers) > MAX_MATCHERS:
