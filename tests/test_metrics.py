@@ -94,3 +94,15 @@ def test_a_mesh_lists_its_nodes_and_links_and_a_killed_node_reads_down(tmp_path:
             time.sleep(0.5)
     finally:
         mesh.stop()
+
+
+def test_the_status_summary_shows_a_download_under_way() -> None:
+    """A node still fetching its fragments (the coordinator's ``downloading``, from the node's
+    progress reports) reads as such in `seamline status`."""
+    from seamline.server.status_cli import summary
+
+    status = {"ready": False, "state": "starting plan 1", "plan_id": 1, "model": "m", "events": [],
+              "stages": [{"ranks": ["a"], "layers": [0, 30]}],
+              "nodes": [{"node_id": "a", "downloading": {"bytes_done": 3 << 20, "bytes_total": 12 << 20}}]}  # fmt: skip
+    up = {"seamline_node_up": [({"node": "a"}, 1.0)]}
+    assert "node a  up  layers [0, 30)  downloading 3.0 of 12.0 MiB (25%)" in summary(status, up)

@@ -48,11 +48,18 @@ def summary(status: dict[str, Any] | None, metrics: dict[str, list[tuple[dict[st
                  f"waiting; {one('seamline_generation_tokens_total'):.0f} tokens generated")  # fmt: skip
     layers = {r: s["layers"] for s in (status or {}).get("stages", []) for r in s["ranks"]}
     steps = {labels["node"]: v for labels, v in metrics.get("seamline_node_step_seconds", [])}
+    loading = {n["node_id"]: n["downloading"] for n in (status or {}).get("nodes", []) if n.get("downloading")}
     for labels, up in metrics.get("seamline_node_up", []):
         node = labels["node"]
         where = f"layers [{layers[node][0]}, {layers[node][1]})" if node in layers else ""
         step = f"step {steps[node] * 1e3:.1f} ms" if node in steps else ""
-        lines.append("  ".join(p for p in (f"node {node}", "up" if up else "down", where, step) if p))
+        fetch = _downloading(loading[node]) if node in loading else ""
+        lines.append("  ".join(p for p in (f"node {node}", "up" if up else "down", where, step, fetch) if p))
     for event in (status or {}).get("events", [])[-5:]:
         lines.append(f"event: {event['message']}")
     return "\n".join(lines)
+
+
+def _downloading(progress: dict[str, int]) -> str:
+    done, total = progress["bytes_done"], progress["bytes_total"]
+    return f"downloading {done / 2**20:.1f} of {total / 2**20:.1f} MiB ({100 * done // max(total, 1)}%)"
