@@ -27,6 +27,8 @@ from seamline.server.grammars import GrammarCheck, compact_schema
 from seamline.server.openai_schema import ChatRequest, NamedTool, ToolDef, bad_request
 from seamline.server.reasoning import partial_tag
 
+HERMES_TAIL = "}\n</tool_call>"  # after a call's arguments
+FENCED_TAIL = "\n```<｜tool▁call▁end｜>"  # after DeepSeek-V3's json block
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -67,8 +69,8 @@ class HermesFormat:
         return _call(obj.get("name"), obj.get("arguments", obj.get("parameters"))) if isinstance(obj, dict) else None
 
     def call_rule(self, name: str, args: str) -> str:
-        head = _lark(f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ')
-        return f"{head} {args} {_lark(chr(125) + chr(10) + '</tool_call>')}"
+        head = _lark('<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ')
+        return f"{head} {args} {_lark(HERMES_TAIL)}"
 
     def wrap(self, calls: str) -> str:
         return calls
@@ -92,7 +94,7 @@ class DeepSeekFormat:
     def call_rule(self, name: str, args: str) -> str:
         if self.fenced:
             head = _lark(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n")
-            return f"{head} {args} {_lark(chr(10) + '```<｜tool▁call▁end｜>')}"
+            return f"{head} {args} {_lark(FENCED_TAIL)}"
         return f"{_lark(f'<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>')} {args} {_lark('<｜tool▁call▁end｜>')}"
 
     def wrap(self, calls: str) -> str:
