@@ -113,22 +113,29 @@ def test_bad_sampling_fields_are_a_400_naming_the_field(client: openai.OpenAI, f
 
 
 def test_a_two_stage_mesh_draws_alike(model: LocalModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Over 2 stages the last stage draws: log-probabilities travel back with the tokens, and
-    the penalties count the tokens it read from the frames, as the single process does."""
+    """Over 2 stages the last stage draws: log-probabilities travel back with the tokens, the
+    penalties count the tokens it read from the frames, and a JSON schema's grammar is matched
+    against them (it holds the tokenizer), as the single process does."""
     import httpx
 
     from tests.test_mesh import start_mesh
+    from tests.test_structured import ASK, SCHEMA_FORMAT, greedy_under_schema
 
     prompt = model.codec.encode_chat(QUESTION)
     penalised, raw = greedy_reference(model, prompt, 12, frequency=1.5, presence=0.7)
+    expected_json, _, _ = greedy_under_schema(model, 120)
     mesh = start_mesh(tmp_path, 2)
     try:
         assert len(mesh.wait_ready()["stages"]) == 2
         body = {"model": "default", "messages": QUESTION, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
                 "frequency_penalty": 1.5, "presence_penalty": 0.7, "logprobs": True, "top_logprobs": 3}  # fmt: skip
         reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=120).json()
+        body = {"model": "default", "messages": ASK, "max_tokens": 120, "temperature": 0, "response_format": SCHEMA_FORMAT}
+        structured = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=120).json()
     finally:
         mesh.stop()
+    assert structured["choices"][0]["message"]["content"] == expected_json, structured
+    assert structured["choices"][0]["finish_reason"] == "stop"
     choice = reply["choices"][0]
     assert choice["message"]["content"] == model.codec.decode(penalised)
     for entry, token, logits in zip(choice["logprobs"]["content"], penalised, raw):
@@ -136,19 +143,27 @@ def test_a_two_stage_mesh_draws_alike(model: LocalModel, tmp_path) -> None:  # t
         assert len(entry["top_logprobs"]) == 3
 
 
-def test_a_lockstep_group_gathers_whole_logits_for_logprobs(model: LocalModel) -> None:
+def test_a_lockstep_group_gathers_whole_logits_for_logprobs_and_grammars(model: LocalModel) -> None:
     """Greedy requests exchange each rank's (max, argmax) only; one asking for log-probabilities
-    gets the whole vocabulary's logits, so its log-probabilities are the single process's."""
+    gets the whole vocabulary's logits, so its log-probabilities are the single process's; so
+    does one under a grammar, which the leader masks as the single process does."""
     from seamline.app import default_model_path
     from seamline.params import SamplingParams
     from seamline.runtime.engine import Engine
+    from seamline.runtime.grammar import TokenMasks
     from seamline.runtime.group_stage import LockstepStage
     from tests.lockstep_harness import running_group
+    from tests.test_structured import greedy_under_schema
 
     prompt = model.codec.encode_chat(QUESTION)
     tokens, raw = greedy_reference(model, prompt, 6)
+    expected_json, json_prompt, json_params = greedy_under_schema(model, 120)
     with running_group(default_model_path(), 2) as group:
-        drawn = list(Engine(LockstepStage(group)).generate(prompt, SamplingParams(max_tokens=6, logprobs=2)))
+        engine = Engine(LockstepStage(group))
+        engine.masks = TokenMasks(model.codec.tokenizer.to_str)
+        drawn = list(engine.generate(prompt, SamplingParams(max_tokens=6, logprobs=2)))
+        structured = list(engine.generate(json_prompt, json_params))
+    assert model.codec.decode(structured) == expected_json
     assert drawn == tokens
     for token, logits in zip(drawn, raw):
         assert abs(token.logprob - float(torch.log_softmax(logits, dim=-1)[token])) < 1e-3  # type: ignore[attr-defined]

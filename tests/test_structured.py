@@ -1,7 +1,9 @@
 """``response_format``: JSON answers by constrained decoding (llguidance), through the real
-openai client and a real server on the embedded model, on a 2-stage mesh and in a 2-rank
-lockstep group. A schema with bounded lengths always gets an answer that parses, validates
-and ends with finish_reason "stop"; a schema that cannot be compiled is a 400 naming the field."""
+openai client and a real server on the embedded model. A schema with bounded lengths always
+gets an answer that parses, validates and ends with finish_reason "stop"; a schema that cannot
+be compiled is a 400 naming the field. (A 2-stage mesh and a 2-rank lockstep group answer
+under a schema as the one process does: test_api_sampling.py, beside the other ways the last
+stage draws.)"""
 
 from __future__ import annotations
 
@@ -10,18 +12,15 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-import httpx
 import jsonschema
 import openai
 import pytest
 import torch
 
-from seamline.app import LocalModel, default_model_path
+from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from seamline.runtime.backend import LocalBackend
-from seamline.runtime.engine import Engine
 from seamline.runtime.grammar import TokenMasks
-from seamline.runtime.group_stage import LockstepStage
 from seamline.server.grammars import GrammarCheck
 from seamline.server.openai_schema import ResponseFormat
 from tests.test_openai_api import NAME, client_for, serve
@@ -104,46 +103,19 @@ def test_an_unknown_response_format_is_a_400(client: openai.OpenAI) -> None:
     assert isinstance(caught.value.body, dict) and caught.value.body["param"].startswith("response_format")
 
 
-def _greedy_under_schema(model: LocalModel, tokens: int) -> tuple[str, list[int], SamplingParams]:
+def greedy_under_schema(model: LocalModel, tokens: int) -> tuple[str, list[int], SamplingParams]:
+    """The one process's greedy answer under ``SCHEMA_FORMAT`` (the splits' tests in
+    test_api_sampling.py compare theirs with it), its prompt and its parameters."""
     grammar = GrammarCheck(model.codec).response_format(ResponseFormat.model_validate(SCHEMA_FORMAT))
     params = SamplingParams(max_tokens=tokens, grammar=grammar, stop_token_ids=tuple(model.codec.stop_ids))
     prompt = model.codec.encode_chat(ASK)
     return model.codec.decode(list(model.engine.generate(prompt, params))), prompt, params
 
 
-def test_a_two_stage_mesh_answers_under_the_schema_as_one_process(model: LocalModel, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """The last stage holds the tokenizer and matches the grammar against the ids in the frames."""
-    from tests.test_mesh import start_mesh
-
-    expected, _, _ = _greedy_under_schema(model, 120)
-    jsonschema.validate(json.loads(expected), PERSON)
-    mesh = start_mesh(tmp_path, 2)
-    try:
-        assert len(mesh.wait_ready()["stages"]) == 2
-        body = {"model": "default", "messages": ASK, "max_tokens": 120, "temperature": 0, "response_format": SCHEMA_FORMAT}
-        reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=120).json()
-    finally:
-        mesh.stop()
-    assert reply["choices"][0]["message"]["content"] == expected, reply
-    assert reply["choices"][0]["finish_reason"] == "stop"
-
-
-def test_a_lockstep_group_answers_under_the_schema_as_one_process(model: LocalModel) -> None:
-    """A grammar needs whole logits: the group gathers them, and its leader masks them."""
-    from tests.lockstep_harness import running_group
-
-    expected, prompt, params = _greedy_under_schema(model, 120)
-    with running_group(default_model_path(), 2) as group:
-        engine = Engine(LockstepStage(group))
-        engine.masks = TokenMasks(model.codec.tokenizer.to_str)
-        drawn = list(engine.generate(prompt, params))
-    assert model.codec.decode(drawn) == expected
-
-
 def test_a_matcher_follows_the_output_it_is_given_replays_included(model: LocalModel) -> None:
     """The sampling site feeds each draw the output so far: a sequence replayed or preempted
     (its output shorter, or different) gets a matcher rebuilt from its tokens."""
-    expected, _, params = _greedy_under_schema(model, 120)
+    expected, _, params = greedy_under_schema(model, 120)
     output = model.codec.encode(expected)
     masks, vocab = TokenMasks(model.codec.tokenizer.to_str), model.config.vocab_size
     after_all = masks.allowed("seq", params, output, vocab)
