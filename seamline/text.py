@@ -36,13 +36,18 @@ class TextCodec:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
-    def decode(self, ids: list[int]) -> str:
-        """The text of ``ids``, less a last character whose bytes were cut (never half of one)."""
-        return self.decode_partial(ids).rstrip("\ufffd")
+    def decode(self, ids: list[int], special: bool = False) -> str:
+        """The text of ``ids``, less a last character whose bytes were cut (never half of one);
+        ``special``: special tokens kept (a tool call's markers may be special tokens)."""
+        return self.decode_partial(ids, special).rstrip("\ufffd")
 
-    def decode_partial(self, ids: list[int]) -> str:
+    def decode_partial(self, ids: list[int], special: bool = False) -> str:
         """The text of ``ids``; bytes of a character not yet complete show as U+FFFD."""
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+        return str(self.tokenizer.decode(ids, skip_special_tokens=not special))
+
+    def special_tokens(self) -> dict[str, int]:
+        """The special tokens' texts and ids."""
+        return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
     def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
         """The prompt text for a chat, through the model's template (or a plain fallback);
@@ -143,11 +148,12 @@ class StreamDecoder:
         self.ids: list[int] = []
         self.emitted = 0  # characters of the decoded text already returned
         self.stopped = False
+        self.special = False  # keep special tokens in the text (an answer parsed for tool calls)
 
     def push(self, token: int) -> str:
         """Add one token; return the new text that is safe to show (may be empty)."""
         self.ids.append(token)
-        text = self.codec.decode_partial(self.ids)
+        text = self.codec.decode_partial(self.ids, self.special)
         if text.endswith("\ufffd"):
             return ""  # an incomplete UTF-8 sequence: wait for the next token
         for stop in self.stop_strings:
@@ -161,7 +167,7 @@ class StreamDecoder:
     def flush(self) -> str:
         """What remains once generation ends without a stop string, less a character whose
         bytes were cut (``max_tokens`` inside a multi-byte character): never half of one."""
-        return "" if self.stopped else self._emit(self.codec.decode(self.ids), None)
+        return "" if self.stopped else self._emit(self.codec.decode(self.ids, self.special), None)
 
     def _emit(self, text: str, end: int | None) -> str:
         end = len(text) if end is None else end

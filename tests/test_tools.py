@@ -16,6 +16,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
+from tokenizers import Tokenizer
 
 from seamline.app import LocalModel
 from seamline.runtime.backend import LocalBackend
@@ -170,3 +171,25 @@ def test_tools_on_a_template_without_them_or_an_unknown_choice_are_a_400(model: 
     with pytest.raises(openai.BadRequestError):
         hermes.chat.completions.create(model=NAME, messages=ASK, tools=TOOLS, max_tokens=4,  # type: ignore[arg-type]
                                        tool_choice={"type": "function", "function": {"name": "nowhere"}})  # fmt: skip
+
+
+def test_markers_that_are_special_tokens_are_drawn_as_those_tokens_and_parsed(model: LocalModel) -> None:
+    """Some tokenizers mark ``<tool_call>`` special: the grammar names that token (it is never
+    spelled by others), and the answer is decoded with special tokens kept, so it is parsed."""
+    spec = json.loads(model.codec.tokenizer.to_str())
+    renamed = {8: "<tool_call>", 9: "</tool_call>"}  # two of the embedded tokenizer's special tokens
+    for entry in spec["added_tokens"]:
+        if entry["id"] in renamed:
+            spec["model"]["vocab"][renamed[entry["id"]]] = spec["model"]["vocab"].pop(entry["content"])
+            entry["content"] = renamed[entry["id"]]
+    codec = replace(model.codec, tokenizer=Tokenizer.from_str(json.dumps(spec)),
+                    chat_template=(TEMPLATES / "hermes.jinja").read_text(), _template=None)  # fmt: skip
+    assert codec.special_tokens()["<tool_call>"] == 8
+    with serve(LocalBackend(model.engine, codec, NAME)) as url:
+        reply = client_for(url).chat.completions.create(
+            model=NAME, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},  # type: ignore[arg-type]
+            temperature=0, max_tokens=80, logprobs=True)  # fmt: skip
+    choice = reply.choices[0]
+    assert choice.logprobs and choice.logprobs.content and choice.logprobs.content[0].token == "<tool_call>"
+    assert choice.message.tool_calls and choice.message.tool_calls[0].function.name == "get_weather"
+    _arguments(choice.message.tool_calls[0])

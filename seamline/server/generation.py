@@ -48,8 +48,14 @@ class Generation:
         self._closed = False
         self.logprobs = params.logprobs is not None
         self.thinker: ThinkSplitter | None = None  # a chat whose template uses think blocks
-        self.tools: ToolStream | None = None  # a chat whose answer is parsed for tool calls
+        self.tools: ToolStream | None = None  # a chat whose answer is parsed for tool calls (``parse_tools``)
         self.named_tool = False  # tool_choice named a function: it ends with "stop", as OpenAI's
+
+    def parse_tools(self, stream: ToolStream, named: bool) -> None:
+        """Parse the answer for tool calls; their markers may be special tokens, so the text
+        keeps special tokens (as vLLM's tool parsers have it)."""
+        self.tools, self.named_tool = stream, named
+        self._decoder.special = True
 
     async def start(self) -> None:
         """Await the first token, so that a refused request fails before any response."""

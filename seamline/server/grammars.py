@@ -57,6 +57,10 @@ class GrammarCheck:
         assert fmt.json_schema is not None
         return self.json_schema(fmt.json_schema.schema_ or {}, "response_format.json_schema.schema")
 
+    def special_tokens(self) -> dict[str, int]:
+        """The served tokenizer's special tokens (a grammar names them by id)."""
+        return self._codec.special_tokens()
+
     def tokenizer(self) -> LLTokenizer:
         with self._lock:
             if self._tokenizer is None:

@@ -321,7 +321,7 @@ class _Routes:
             gen.text_offset = len(echo)
             gen.thinker = ThinkSplitter(thinking_after) if thinking_after is not None else None
             if tools is not None and tools.fmt is not None:
-                gen.tools, gen.named_tool = ToolStream(tools.fmt), tools.named
+                gen.parse_tools(ToolStream(tools.fmt), tools.named)
         try:
             await asyncio.gather(*(gen.start() for gen in gens))
         except Exception as exc:

@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from llguidance import LLMatcher
@@ -29,6 +31,7 @@ from seamline.server.reasoning import partial_tag
 
 HERMES_TAIL = "}\n</tool_call>"  # after a call's arguments
 FENCED_TAIL = "\n```<｜tool▁call▁end｜>"  # after DeepSeek-V3's json block
+Literal = Callable[[str], str]  # text -> Lark items that match it exactly
 NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
@@ -68,11 +71,11 @@ class HermesFormat:
             return None
         return _call(obj.get("name"), obj.get("arguments", obj.get("parameters"))) if isinstance(obj, dict) else None
 
-    def call_rule(self, name: str, args: str) -> str:
-        head = _lark('<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ')
-        return f"{head} {args} {_lark(HERMES_TAIL)}"
+    def call_rule(self, name: str, args: str, lit: Literal) -> str:
+        head = lit('<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ')
+        return f"{head} {args} {lit(HERMES_TAIL)}"
 
-    def wrap(self, calls: str) -> str:
+    def wrap(self, calls: str, lit: Literal) -> str:
         return calls
 
 
@@ -91,14 +94,14 @@ class DeepSeekFormat:
             return _call(match.group("name"), match.group("args"))
         return _call(match.group("name2"), match.group("args2"))
 
-    def call_rule(self, name: str, args: str) -> str:
+    def call_rule(self, name: str, args: str, lit: Literal) -> str:
         if self.fenced:
-            head = _lark(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n")
-            return f"{head} {args} {_lark(FENCED_TAIL)}"
-        return f"{_lark(f'<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>')} {args} {_lark('<｜tool▁call▁end｜>')}"
+            head = lit(f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n")
+            return f"{head} {args} {lit(FENCED_TAIL)}"
+        return f"{lit(f'<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>')} {args} {lit('<｜tool▁call▁end｜>')}"
 
-    def wrap(self, calls: str) -> str:
-        return f"{_lark(self.start)} ({calls}) {_lark(self.closing[0])}"
+    def wrap(self, calls: str, lit: Literal) -> str:
+        return f"{lit(self.start)} ({calls}) {lit(self.closing[0])}"
 
 
 ToolFormat = HermesFormat | DeepSeekFormat
@@ -115,9 +118,16 @@ def tool_format(template: str | None) -> ToolFormat | None:
     return None
 
 
-def _lark(text: str) -> str:
-    """A Lark string literal (JSON's escapes; the markers' own characters kept)."""
-    return json.dumps(text, ensure_ascii=False)
+def lark_text(text: str, specials: Mapping[str, int]) -> str:
+    """``text`` as Lark items: string literals (JSON's escapes; the markers' own characters
+    kept), and a special token of the tokenizer as that token (``<[id]>``): a special token
+    is never spelled by other tokens, so the grammar must name it."""
+    if not specials:
+        return json.dumps(text, ensure_ascii=False)
+    split = re.compile("(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")")
+    items = [f"<[{specials[part]}]>" if part in specials else json.dumps(part, ensure_ascii=False)
+             for part in split.split(text) if part]  # fmt: skip
+    return " ".join(items)
 
 
 @dataclass(frozen=True)
@@ -149,9 +159,10 @@ def plan_tools(body: ChatRequest, template: str | None, check: GrammarCheck) -> 
         return ToolPlan(tools, fmt)
     names = [t.function.name for t in body.tools]
     chosen = [i for i, name in enumerate(names) if not isinstance(choice, NamedTool) or name == choice.function.name]
-    rules = [f"call_{i}: {fmt.call_rule(names[i], f'args_{i}')}\nargs_{i}: %json {json.dumps(compact_schema(schemas[i]))}"
+    lit: Literal = partial(lark_text, specials=check.special_tokens())
+    rules = [f"call_{i}: {fmt.call_rule(names[i], f'args_{i}', lit)}\nargs_{i}: %json {json.dumps(compact_schema(schemas[i]))}"
              for i in chosen]  # fmt: skip
-    lark = f"start: {fmt.wrap(' | '.join(f'call_{i}' for i in chosen))}\n" + "\n".join(rules)
+    lark = f"start: {fmt.wrap(' | '.join(f'call_{i}' for i in chosen), lit)}\n" + "\n".join(rules)
     grammar = check.check(LLMatcher.grammar_from_lark(lark), "tool_choice", "the required tool call")
     return ToolPlan(tools, fmt, grammar, isinstance(choice, NamedTool))
 
