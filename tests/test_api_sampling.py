@@ -7,28 +7,15 @@ presence_penalty for every token generated so far), checked by a greedy loop wri
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 
 import openai
 import pytest
 import torch
 
 from seamline.app import LocalModel
-from seamline.runtime.backend import LocalBackend
-from tests.test_openai_api import NAME, QUESTION, client_for, serve
+from tests.test_openai_api import NAME, QUESTION
 
 TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def model() -> LocalModel:
-    return LocalModel.load()
-
-
-@pytest.fixture(scope="module")
-def client(model: LocalModel) -> Iterator[openai.OpenAI]:
-    with serve(LocalBackend(model.engine, model.codec, NAME)) as url:
-        yield client_for(url)
 
 
 def greedy_reference(model: LocalModel, prompt: list[int], tokens: int, frequency: float = 0.0,

@@ -20,11 +20,6 @@ TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def model() -> LocalModel:
-    return LocalModel.load()
-
-
-@pytest.fixture(scope="module")
 def reference() -> Any:
     from transformers import AutoModelForCausalLM
 

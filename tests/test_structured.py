@@ -8,7 +8,6 @@ stage draws.)"""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -20,11 +19,10 @@ import torch
 
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
-from seamline.runtime.backend import LocalBackend
 from seamline.runtime.grammar import TokenMasks
 from seamline.server.grammars import GrammarCheck
 from seamline.server.openai_schema import ResponseFormat
-from tests.test_openai_api import NAME, client_for, serve
+from tests.test_openai_api import NAME
 
 PERSON = {
     "type": "object",
@@ -39,17 +37,6 @@ PERSON = {
 }
 ASK = [{"role": "user", "content": "Describe a person as JSON."}]
 SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def model() -> LocalModel:
-    return LocalModel.load()
-
-
-@pytest.fixture(scope="module")
-def client(model: LocalModel) -> Iterator[openai.OpenAI]:
-    with serve(LocalBackend(model.engine, model.codec, NAME)) as url:
-        yield client_for(url)
 
 
 def test_json_schema_answers_parse_validate_and_stop_at_temperature_1(client: openai.OpenAI) -> None:

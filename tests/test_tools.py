@@ -85,11 +85,6 @@ def test_the_format_is_the_templates() -> None:
     assert tool_format("{{ messages }}") is None
 
 
-@pytest.fixture(scope="module")
-def model() -> LocalModel:
-    return LocalModel.load()
-
-
 def _client(model: LocalModel, template: str) -> Iterator[openai.OpenAI]:
     codec = replace(model.codec, chat_template=(TEMPLATES / template).read_text(), _template=None)
     with serve(LocalBackend(model.engine, codec, NAME)) as url:

@@ -47,6 +47,12 @@ class Holding(Message):
     dtype: str
     context_length: int
 
+    @classmethod
+    def of(cls, assign: Assign) -> Holding:
+        """What a stage loaded for ``assign`` holds."""
+        return cls(model_hash=assign.model_hash, layers=assign.layers, owns_embedding=assign.owns_embedding,
+                   owns_head=assign.owns_head, dtype=assign.dtype, context_length=assign.context_length)  # fmt: skip
+
 
 class Join(Message):
     kind: Literal["join"] = "join"

@@ -56,8 +56,8 @@ class LocalBackend:
         self.model_name = model_name
         self.context_length = engine.context_length
         scheduler = Scheduler(engine.stage, engine.context_length, max_running=max_running, max_waiting=max_waiting,
-                              kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
-        scheduler.masks = TokenMasks(codec.tokenizer.to_str)  # the served tokenizer's (the API compiled against it)
+                              kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=prefix_cache_bytes,
+                              masks=TokenMasks(codec.tokenizer.to_str))  # fmt: skip  # the served tokenizer (the API compiled against it)
         self.loop = BatchLoop(scheduler)
 
     def readiness(self) -> Readiness:

@@ -48,8 +48,7 @@ class Engine:
         the scheduler's loop (the one a server batches many requests with), for one sequence."""
         params.validate()
         self.check_prompt(prompt)
-        scheduler = Scheduler(self.stage, self.context_length, max_step_tokens=PREFILL_CHUNK)
-        scheduler.masks = self.masks
+        scheduler = Scheduler(self.stage, self.context_length, max_step_tokens=PREFILL_CHUNK, masks=self.masks)
         sequence = scheduler.add(prompt, params)
         try:
             while not sequence.finished:

@@ -31,6 +31,17 @@ def compile_check(grammar: str, tokenizer: LLTokenizer | None = None) -> str:
         return str(exc)
 
 
+def grammar_mask(masks: TokenMasks | None, key: Hashable, params: SamplingParams, output: Sequence[int],
+                 vocab: int) -> torch.Tensor | None:  # fmt: skip
+    """What a sampling site asks before a draw: the tokens its grammar allows (None: no
+    grammar); a RequestError where this site holds no tokenizer to match one."""
+    if not params.grammar:
+        return None
+    if masks is None:
+        raise RequestError("this process cannot apply a grammar: it holds no tokenizer")
+    return masks.allowed(key, params, output, vocab)
+
+
 class _Matcher:
     def __init__(self, tokenizer: LLTokenizer, grammar: str) -> None:
         self.grammar = grammar

@@ -46,7 +46,7 @@ from seamline.errors import OverloadedError, RequestError
 from seamline.config import kv_bytes_per_token
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
-from seamline.runtime.grammar import TokenMasks
+from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
 from seamline.params import SamplingParams
 from seamline.runtime.sampling import finish_reason, request_seed, draw
@@ -148,10 +148,11 @@ class Scheduler:
         max_waiting: int = 256,
         prefix_cache_bytes: int = 0,
         forks: bool = True,
+        masks: TokenMasks | None = None,
     ) -> None:
         if stage.embed is None:
             raise ValueError("the scheduler needs a stage that owns the embedding")
-        self.forks = forks and stage.forks_caches  # DeepSeek-V4's caches cannot be forked  # whether a new sequence may start from a copy of another's cache
+        self.forks = forks and stage.forks_caches  # whether a new sequence may start from a copy of another's cache
         self.stage = stage
         self.context_length = context_length
         self.max_step_tokens = max_step_tokens
@@ -168,7 +169,7 @@ class Scheduler:
         self.preemptions = 0  # sequences sent back to the queue to free memory, so far
         self.decode_steps = 0  # steps of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
-        self.masks: TokenMasks | None = None  # a grammar's tokens, where this process has the tokenizer
+        self.masks = masks  # a grammar's tokens, where this process has the tokenizer
 
     def kv_reserve(self, sequence: Sequence) -> int:
         """The KV bytes ``sequence`` may grow to: prompt + max_tokens, within the context."""
@@ -329,19 +330,12 @@ class Scheduler:
     def _draw(self, sequence: Sequence, logits: torch.Tensor) -> Emission:
         position = len(sequence.prompt) + len(sequence.tokens)
         try:
-            allowed = self._allowed(sequence, logits.shape[-1])
+            allowed = grammar_mask(self.masks, sequence.id, sequence.params, sequence.tokens, logits.shape[-1])
         except RequestError as exc:
             self._release(sequence, "error")
             return Emission(sequence, None, None, exc)
         token = draw(logits, sequence.params, sequence.seed, position, sequence.tokens, allowed)
         return self.record(sequence, token, logits)
-
-    def _allowed(self, sequence: Sequence, vocab: int) -> torch.Tensor | None:
-        if not sequence.params.grammar:
-            return None
-        if self.masks is None:
-            raise RequestError("this process cannot apply a grammar: it was given no tokenizer")
-        return self.masks.allowed(sequence.id, sequence.params, sequence.tokens, vocab)
 
     def _release(self, sequence: Sequence, reason: str) -> None:
         sequence.finish_reason = reason

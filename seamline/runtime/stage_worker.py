@@ -30,7 +30,7 @@ from seamline.model.cache import Span
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
-from seamline.runtime.grammar import TokenMasks
+from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.pipeline_head import PipelineHead
 from seamline.runtime.sampling import draw, finish_reason, request_seed
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
@@ -292,7 +292,7 @@ class StageWorker:
         needs_output = drawing.params.penalised or bool(drawing.params.grammar)
         output = self._output(row.request, seq, drawing) if needs_output else []
         try:
-            allowed = self._allowed(row.request, drawing, output, logits.shape[-1])
+            allowed = grammar_mask(self.masks, row.request, drawing.params, output, logits.shape[-1])
         except RequestError as exc:
             if seq is not None:
                 seq.done = True
@@ -310,13 +310,6 @@ class StageWorker:
             seq.done = True
         return TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags),
                         token.logprob, token.top)  # fmt: skip
-
-    def _allowed(self, request: int, drawing: Drawing, output: list[int], vocab: int) -> torch.Tensor | None:
-        if not drawing.params.grammar:
-            return None
-        if self.masks is None:
-            raise RequestError("this stage cannot apply a grammar: it holds no tokenizer")
-        return self.masks.allowed(request, drawing.params, output, vocab)
 
     def _output(self, request: int, seq: StageSequence | None, drawing: Drawing) -> list[int]:
         """What the request generated so far: stage 0's scheduler knows; a later stage read it."""

@@ -124,13 +124,6 @@ class Generation:
         self.text_offset += sum(len(t) for t in out["tokens"])
         return out
 
-    def usage(self) -> dict[str, int]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-        }
-
     async def _next(self) -> DrawnToken | None:
         try:
             token = await anext(self._tokens)

@@ -13,7 +13,7 @@ from seamline.text import TextCodec
 
 
 def token_text(codec: TextCodec, token: int) -> str:
-    return str(codec.tokenizer.decode([token], skip_special_tokens=False))
+    return codec.decode_partial([token], special=True)
 
 
 def chat_logprobs(codec: TextCodec, tokens: Sequence[DrawnToken]) -> dict[str, Any]:

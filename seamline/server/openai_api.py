@@ -159,7 +159,6 @@ async def _events(reply: Reply, gens: list[Generation], include_usage: bool, ech
                 yield sse(reply.chunk("", role=True, usage=include_usage, index=index))
             elif echo:
                 yield sse(reply.chunk(echo, usage=include_usage, index=index))
-        calls_made = [0] * len(gens)
         async for index, item in _pieces(gens):
             if item is None:
                 finish = gens[index].finish_reason
@@ -167,12 +166,10 @@ async def _events(reply: Reply, gens: list[Generation], include_usage: bool, ech
                 continue
             token = item.token
             lps = gens[index].logprobs_of([token], reply.chat) if gens[index].logprobs and token is not None else None
-            calls = [(calls_made[index] + i, call) for i, call in enumerate(item.calls)]
-            calls_made[index] += len(calls)
-            if item.text or item.reasoning or lps or calls:
-                text = item.text if item.text or not (item.reasoning or calls) else None
+            if item.text or item.reasoning or lps or item.calls:
+                text = item.text if item.text or not (item.reasoning or item.calls) else None
                 yield sse(reply.chunk(text, usage=include_usage, index=index, logprobs=lps,
-                                      reasoning=item.reasoning or None, calls=calls))  # fmt: skip
+                                      reasoning=item.reasoning or None, calls=item.calls))  # fmt: skip
         if include_usage:
             yield sse(reply.usage_chunk(_usage(gens)))
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error event
@@ -262,8 +259,8 @@ class _Shape:
 
 class _Routes:
     def __init__(self, backend: Backend, metrics: Metrics, max_prompt_tokens: int | None = None) -> None:
-        self._grammars: GrammarCheck | None = None  # made on the first request that needs one
         self.backend = backend
+        self.grammars = GrammarCheck(backend.codec)  # builds its tokenizer on the first grammar
         self.telemetry = metrics
         self.max_prompt_tokens = max_prompt_tokens
         self.created = int(time.time())
@@ -370,10 +367,8 @@ class _Routes:
 
     def _shape(self, body: ChatRequest) -> _Shape:
         """The request's tools and the grammar its answer must match (checked: 400s here)."""
-        if self._grammars is None:
-            self._grammars = GrammarCheck(self.backend.codec)
-        tools = plan_tools(body, self.backend.codec.chat_template, self._grammars)
-        grammar = self._grammars.response_format(body.response_format)
+        tools = plan_tools(body, self.backend.codec.chat_template, self.grammars)
+        grammar = self.grammars.response_format(body.response_format)
         if grammar and tools.grammar:
             raise bad_request("a required tool call and a JSON response_format cannot both shape the answer",
                               "response_format", "invalid_value")  # fmt: skip
@@ -395,21 +390,19 @@ class _Routes:
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return self.backend.codec.encode(prompt)
-        vocab = self.backend.codec.tokenizer.get_vocab_size(with_added_tokens=True)
-        bad = next((t for t in prompt if not 0 <= t < vocab), None)
-        if bad is not None:
-            message = f"token id {bad} is outside the vocabulary [0, {vocab})"
-            raise bad_request(message, "prompt", "invalid_value")
+        self._check_ids(prompt, "prompt", "token id")
         return list(prompt)
 
     def _bias(self, body: ChatRequest | CompletionRequest) -> tuple[tuple[int, float], ...]:
         pairs = body.bias_pairs()
-        vocab = self.backend.codec.tokenizer.get_vocab_size(with_added_tokens=True)
-        bad = next((t for t, _ in pairs if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"logit_bias names token {bad}, outside the vocabulary [0, {vocab})", "logit_bias",
-                              "invalid_value")  # fmt: skip
+        self._check_ids([t for t, _ in pairs], "logit_bias", "logit_bias token")
         return pairs
+
+    def _check_ids(self, ids: list[int], field: str, what: str) -> None:
+        vocab = self.backend.codec.tokenizer.get_vocab_size(with_added_tokens=True)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"{what} {bad} is outside the vocabulary [0, {vocab})", field, "invalid_value")
 
     def _params(self, body: ChatRequest | CompletionRequest, prompt: list[int], field: str) -> SamplingParams:
         """Sampling parameters after the prompt-length checks against the context."""

@@ -51,9 +51,9 @@ class Reply:
 
     def chunk(self, text: str | None, finish: str | None = None, role: bool = False, usage: bool = False,
               index: int = 0, logprobs: dict[str, Any] | None = None, reasoning: str | None = None,
-              calls: list[tuple[int, ToolCall]] | None = None) -> dict[str, Any]:  # fmt: skip
+              calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:  # fmt: skip
         """One stream chunk of choice ``index``; ``usage`` adds ``"usage": null`` (OpenAI does
-        when it will send usage); ``calls``: tool calls completed, with their indices."""
+        when it will send usage); ``calls``: tool calls completed."""
         choice: dict[str, Any] = {"index": index}
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
@@ -62,7 +62,7 @@ class Reply:
             if reasoning is not None:
                 delta["reasoning_content"] = reasoning
             if calls:
-                delta["tool_calls"] = [call.as_dict(i) for i, call in calls]
+                delta["tool_calls"] = [call.as_dict(streamed=True) for call in calls]
             choice["delta"] = delta
         else:
             choice["text"] = text or ""

@@ -19,7 +19,7 @@ import json
 import re
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -40,9 +40,10 @@ class ToolCall:
     name: str
     arguments: str  # JSON text
     id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    index: int = 0  # its place among the answer's calls (a stream's deltas name it)
 
-    def as_dict(self, index: int | None = None) -> dict[str, Any]:
-        out: dict[str, Any] = {} if index is None else {"index": index}
+    def as_dict(self, streamed: bool = False) -> dict[str, Any]:
+        out: dict[str, Any] = {"index": self.index} if streamed else {}
         return {**out, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
@@ -199,9 +200,8 @@ class ToolStream:
             self.region = self.pending
         found = []
         while (match := self.fmt.pattern.search(self.pending)) is not None and (call := self.fmt.parse(match)):
-            found.append(call)
+            found.append(self._numbered(call))
             self.pending = self.pending[match.end() :]
-        self.calls += found
         return content, found
 
     def flush(self) -> tuple[str, list[ToolCall]]:
@@ -210,9 +210,13 @@ class ToolStream:
         found: list[ToolCall] = []
         unclosed = self.fmt.unclosed.search(self.pending) if self.in_calls and self.fmt.unclosed else None
         if unclosed is not None and (call := self.fmt.parse(unclosed)) is not None:
-            found.append(call)
-        self.calls += found
+            found.append(self._numbered(call))
         rest, self.pending = self.pending, ""
         if not self.in_calls:
             return rest, found
         return ("" if self.calls else self.region), found
+
+    def _numbered(self, call: ToolCall) -> ToolCall:
+        numbered = replace(call, index=len(self.calls))
+        self.calls.append(numbered)
+        return numbered

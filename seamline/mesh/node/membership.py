@@ -196,8 +196,7 @@ class Membership:
         held = self.assignment
         if held is None or self.worker is None or self.group_stage is not None or held.shard != (0, 1):
             return None
-        return Holding(model_hash=held.model_hash, layers=held.layers, owns_embedding=held.owns_embedding,
-                       owns_head=held.owns_head, dtype=held.dtype, context_length=held.context_length)  # fmt: skip
+        return Holding.of(held)
 
     def rejoin(self: Node) -> bool:
         """The coordinator is gone: dial it again under this node's certificate, a few seconds

@@ -38,7 +38,7 @@ from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe, probe_peer
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, accept_links, tune
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Forget, Fork, Heartbeat, Join, Linked, Loading,
+    PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Forget, Fork, Heartbeat, Holding, Join, Linked, Loading,
     MeasurePeer, Message, Open, Ping, Pong, Prompt, Ready, RelayAccept, Route, SpeedProbe, SpeedReady, SpeedSums,
     Stats, StatsRequest,
 )  # fmt: skip
@@ -255,14 +255,12 @@ class Node(Membership):
     def _kept_stage(self, assign: Assign) -> Stage | None:
         """The loaded stage, when ``assign`` asks this node for the very part it holds (a plan
         made again after a loss, or by a restarted coordinator): kept, not loaded again."""
-        old, worker = self.assignment, self.worker
-        if old is None or worker is None or self.group_stage is not None or assign.shard != (0, 1):
+        held = self._holding()
+        if held is None or assign.shard != (0, 1) or held != Holding.of(assign):
             return None
-        same = ("model_hash", "layers", "owns_embedding", "owns_head", "dtype", "shard", "context_length")
-        if any(getattr(old, key) != getattr(assign, key) for key in same) or not isinstance(worker.stage, Stage):
-            return None
+        assert self.worker is not None  # a single node's stage (``_holding``), not a group's
         log.info("layers [%d,%d) stay loaded for plan %d", *assign.layers, assign.plan_id)
-        return worker.stage
+        return self.worker.stage  # type: ignore[return-value]
 
     def _group_tls(self, assign: Assign) -> GroupTls | None:
         creds = self.credentials
