@@ -10,11 +10,22 @@ from pydantic import ConfigDict
 from seamline.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API allows
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API allows
+MAX_STOP = 4  # stop strings, as OpenAI's API allows
+MAX_STOP_CHARS = 1024  # characters of one stop string
+MAX_STOP_TOKEN_IDS = 64  # the model's end-of-sequence ids (set by the server, never by a caller)
+MAX_GRAMMAR_BYTES = 96 << 10  # UTF-8: a 64 KiB JSON schema's grammar (the API's bound) with room to spare
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How a sequence draws and when it stops; it crosses the wire as it is (``Open``)."""
+    """How a sequence draws and when it stops; it crosses the wire as it is (``Open``).
+
+    Its size is bounded (``validate``), so an ``Open`` always fits a node's 1 MiB control
+    frame: as JSON, even with every character escaped (``\\u00XX``, 6 bytes), the grammar is
+    at most 6 x 96 KiB, the stop strings 6 x 4 x 1024, the logit bias 300 pairs of ~40 bytes
+    and the stop ids 64 of ~12 bytes: about 620 KiB at worst, with the scalars.
+    """
 
     __pydantic_config__ = ConfigDict(extra="forbid")  # validated where it arrives from a peer
 
@@ -50,6 +61,18 @@ class SamplingParams:
             raise RequestError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        self._validate_sizes()
+
+    def _validate_sizes(self) -> None:
+        """The bounds that keep the parameters' size known (see the class's doc)."""
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        if len(self.stop_strings) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop_strings):
+            raise RequestError(f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters each")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
+        if len(self.grammar) > MAX_GRAMMAR_BYTES or len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
+            raise RequestError(f"a grammar may be at most {MAX_GRAMMAR_BYTES} bytes, got {len(self.grammar.encode())}")
 
     @property
     def greedy(self) -> bool:

@@ -23,6 +23,7 @@ class ApiLimits:
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
     max_prompt_tokens: int | None = None
     max_concurrent_per_key: int | None = None
+    admin_key: str | None = None  # a mesh's administrator's: /api/admin/ takes it only (checked before the body)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The grammars a chat request's output must match, compiled and checked before any work:
 ``response_format`` (``json_object``, ``json_schema``) and a required tool call's shape
-(server/tools.py). A grammar llguidance cannot compile is a 400 naming the field.
+(server/tools.py). A grammar llguidance cannot compile is a 400 naming the field, and so is
+one over ``MAX_GRAMMAR_BYTES`` (it travels to the nodes with every request: ``SamplingParams``).
 
 JSON is generated compact (no free whitespace): a schema with bounded lengths then has a
 bounded answer, which ends with the request's stop token once the grammar is complete.
@@ -14,6 +15,7 @@ from typing import Any
 
 from llguidance import LLMatcher, LLTokenizer
 
+from seamline.params import MAX_GRAMMAR_BYTES
 from seamline.runtime.grammar import compile_check
 from seamline.server.openai_schema import ResponseFormat, bad_request
 from seamline.text import TextCodec
@@ -34,8 +36,13 @@ class GrammarCheck:
         self._tokenizer: LLTokenizer | None = None
         self._lock = threading.Lock()
 
-    def check(self, grammar: str, param: str, what: str) -> str:
-        """``grammar`` when it compiles; a 400 naming ``param`` when it does not."""
+    def check(self, grammar: str, param: str, what: str, size_param: str | None = None) -> str:
+        """``grammar`` when it compiles; a 400 naming ``param`` when it does not, or
+        ``size_param`` (default ``param``) when it is too large (checked first: no compile)."""
+        size = len(grammar.encode())
+        if size > MAX_GRAMMAR_BYTES:
+            raise bad_request(f"{what} makes a grammar of {size} bytes; at most {MAX_GRAMMAR_BYTES} are taken",
+                              size_param or param, "grammar_too_large")  # fmt: skip
         error = compile_check(grammar, self.tokenizer())
         if error:
             raise bad_request(f"{what} cannot be compiled into a grammar: {error}", param, "invalid_grammar")

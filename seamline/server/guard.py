@@ -4,8 +4,10 @@ flight until its last byte, and a refused request never reaches a route.
 
 Keys are compared in constant time. Without keys every caller is one anonymous caller (the
 per-key limit then bounds them all together). ``/health`` is always open; the mesh's fragment
-downloads and administration are open here because they check tokens of their own (a
-member's fragment token, the administrator's key), never an API key.
+downloads take a member's fragment token, never an API key (their route checks it). The mesh's
+administration takes the administrator's key, checked here from the headers before a byte of
+the body is read. Every route's body is capped: the API's at ``--max-body-mb``, the others'
+(open, administration: small JSON or none) at ``SMALL_BODY_BYTES``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from seamline.server.openai_schema import error_body
 
 log = logging.getLogger("seamline.api")
 OPEN_PATHS = ("/health", "/", "/console.js")  # the console's page and script hold no data: it asks for a key
-OPEN_PREFIXES = ("/fragments/", "/api/admin/")  # each checks its own token: a member's, the administrator's
+OPEN_PREFIXES = ("/fragments/",)  # its route checks a member's token
+ADMIN_PREFIX = "/api/admin/"  # mesh/control/admin.py's routes (which check the key again)
+SMALL_BODY_BYTES = 64 << 10  # an open or administration route's body (an invite's options at most)
 ANONYMOUS = ""
 
 
@@ -45,21 +49,28 @@ class Guard:
         self.in_flight: Counter[str] = Counter()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or _is_open(scope["path"]):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        admin = self.limits.admin_key is not None and scope["path"].startswith(ADMIN_PREFIX)
         try:
-            key = self._caller(scope)
-            self._check_length(scope)
-            receive = await self._read_body(receive)
-            self._admit(key)
+            if admin or _is_open(scope["path"]):
+                if admin:
+                    self._check_admin(scope)  # before the body: a stranger's is never read
+                receive = await self._read_body(scope, receive, SMALL_BODY_BYTES)
+                key = None
+            else:
+                key = self._caller(scope)
+                receive = await self._read_body(scope, receive, self.limits.max_body_bytes)
+                self._admit(key)
         except _Refusal as refusal:
             await _refuse(send, refusal)
             return
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight[key] -= 1
+            if key is not None:
+                self.in_flight[key] -= 1
 
     def _caller(self, scope: Scope) -> str:
         if not self.limits.keys:
@@ -74,10 +85,13 @@ class Guard:
                        "server was started with (--api-key).", "invalid_request_error", "invalid_api_key",
                        {"WWW-Authenticate": "Bearer"})  # fmt: skip
 
-    def _check_length(self, scope: Scope) -> None:
-        length = dict(scope["headers"]).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
-            raise _too_large(self.limits.max_body_bytes)
+    def _check_admin(self, scope: Scope) -> None:
+        given, key = _bearer(scope), self.limits.admin_key or ""
+        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+            log.warning("refused %s %s from %s: not the administrator's key", scope["method"], scope["path"],
+                        _client(scope))  # fmt: skip
+            raise _Refusal(401, "the administrator's key is required (admin.key in the mesh's state directory)",
+                           "invalid_request_error", "invalid_admin_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
 
     def _admit(self, key: str) -> None:
         limit = self.limits.max_concurrent_per_key
@@ -86,9 +100,12 @@ class Guard:
                            "per key; try again when one has finished", "rate_limit_error", "concurrency_limit")  # fmt: skip
         self.in_flight[key] += 1
 
-    async def _read_body(self, receive: Receive) -> Receive:
-        """Read the whole body (chunked, or longer than it said) within the limit; a ``receive``
+    async def _read_body(self, scope: Scope, receive: Receive, limit: int) -> Receive:
+        """Read the whole body (chunked, or longer than it said) within ``limit``; a ``receive``
         that gives it to the app, then goes on with the connection (a client going away)."""
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > limit:
+            raise _too_large(limit)
         chunks, size, more = [], 0, True
         while more:
             message = await receive()
@@ -96,8 +113,8 @@ class Guard:
                 return _replay([message], receive)
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.limits.max_body_bytes:
-                raise _too_large(self.limits.max_body_bytes)
+            if size > limit:
+                raise _too_large(limit)
             more = message.get("more_body", False)
         return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import FastAPI
 
+from seamline.mesh.control.admin import admin_key
 from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_node, url_host
 from seamline.server.api_options import ApiOptions
 from seamline.server.openai_api import create_app
 
 
 def mesh_app(mesh: Mesh, api: ApiOptions | None = None) -> FastAPI:
-    """The API over the mesh's backend, with the coordinator's routes (fragments, /api/status)."""
-    return create_app(mesh.backend, extra_routes=mesh.routes, limits=(api or ApiOptions()).limits)
+    """The API over the mesh's backend, with the coordinator's routes (fragments, /api/status,
+    administration: its key, made by ``build_mesh``, is checked before an admin body is read)."""
+    limits = replace((api or ApiOptions()).limits, admin_key=admin_key(mesh.state_dir))
+    return create_app(mesh.backend, extra_routes=mesh.routes, limits=limits)
 
 
 def run_serve(options: ServeOptions, api: ApiOptions | None = None) -> int:

@@ -10,7 +10,11 @@ Decisions (see also openai_schema.py for field policy):
 - The first token is awaited before a response is committed, so a request the backend
   refuses is a proper 400/503 even when streaming; later failures of a stream arrive as an
   SSE ``data: {"error": ...}`` event, after which the stream ends (no ``[DONE]``).
-- A client that goes away closes the backend's token iterator, which cancels the request.
+- A client that goes away closes the backend's token iterator, which cancels the request:
+  the route watches for it while it awaits the first token (or, not streaming, the whole
+  answer), so a request no one waits for is never prefilled, nor replayed by a healing mesh.
+- Bodies are parsed by the routes (server/bodies.py): a large one, and its prompt, off the
+  event loop, one at a time; a prompt surely too long is refused before it is tokenised whole.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend
 from seamline.runtime.sampling import DrawnToken
 from seamline.server.api_options import ApiLimits
+from seamline.server.bodies import LargeBodies, encode_within
+from seamline.server.leaving import unless_gone
 from seamline.server.console import console_routes
 from seamline.server.guard import Guard
 from seamline.server.generation import Generation, Piece
@@ -45,6 +51,7 @@ from seamline.server.tools import ToolCall, ToolPlan, ToolStream, plan_tools
 from seamline.server.metrics import Metrics, RequestMeter
 from seamline.server.reasoning import ThinkSplitter, uses_think_blocks
 from seamline.server.openai_schema import (
+    ChatMessage,
     ChatRequest,
     CompletionRequest,
     OpenAIError,
@@ -78,8 +85,8 @@ def create_app(backend: Backend, extra_routes: Callable[[FastAPI], None] | None 
     console_routes(app)
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
-    app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)
+    app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)  # body: ChatRequest
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)  # CompletionRequest
     if extra_routes is not None:
         extra_routes(app)
     return app
@@ -213,8 +220,8 @@ async def _pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | No
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _collect(gens: list[Generation], request: Request, chat: bool, echo: str) -> list[Choice] | None:
-    """Every choice whole; None when the client went away first."""
+async def _collect(gens: list[Generation], chat: bool, echo: str) -> list[Choice]:
+    """Every choice whole."""
     texts, reasoning = [[echo] for _ in gens], [[] for _ in gens]  # type: list[list[str]], list[list[str]]
     drawn: list[list[DrawnToken]] = [[] for _ in gens]
     calls: list[list[ToolCall]] = [[] for _ in gens]
@@ -225,9 +232,6 @@ async def _collect(gens: list[Generation], request: Request, chat: bool, echo: s
             calls[index] += item.calls
             if item.token is not None:
                 drawn[index].append(item.token)
-        if await request.is_disconnected():
-            await _close_all(gens)
-            return None
     return [Choice("".join(t), g.finish_reason, g.logprobs_of(d, chat) if g.logprobs else None,
                    "".join(r) if g.thinker is not None else None, c)
             for g, t, r, d, c in zip(gens, texts, reasoning, drawn, calls)]  # fmt: skip
@@ -242,6 +246,17 @@ def _usage(gens: list[Generation]) -> dict[str, int]:
 async def _close_all(gens: list[Generation]) -> None:
     for gen in gens:
         await gen.close()
+
+
+async def _start_all(gens: list[Generation]) -> None:
+    """Every choice's first token; when one fails, the others are stopped (then closed)."""
+    starts = [asyncio.ensure_future(gen.start()) for gen in gens]
+    try:
+        await asyncio.gather(*starts)
+    finally:
+        for task in starts:
+            task.cancel()
+        await asyncio.gather(*starts, return_exceptions=True)
 
 
 def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
@@ -263,6 +278,7 @@ class _Routes:
         self.grammars = GrammarCheck(backend.codec)  # builds its tokenizer on the first grammar
         self.telemetry = metrics
         self.max_prompt_tokens = max_prompt_tokens
+        self.large = LargeBodies()
         self.created = int(time.time())
 
     async def health(self) -> Response:
@@ -282,24 +298,29 @@ class _Routes:
         self._check_model(model_id)
         return self._model_card()
 
-    async def chat(self, body: ChatRequest, request: Request) -> Response:
+    async def chat(self, request: Request) -> Response:
         """POST /v1/chat/completions."""
-        self._check_model(body.model)
-        self._check_ready()
-        shape = await anyio.to_thread.run_sync(self._shape, body)  # compiling a grammar takes a while
-        messages = [m.as_template_dict() for m in body.messages]
-        text, prompt = await anyio.to_thread.run_sync(self._render_chat, messages, shape.tools.tools)  # a large prompt must not stall the loop
+        raw = await request.body()
+        async with self.large.expanding(raw):
+            body = await self.large.parse(raw, request.headers.get("content-type"), ChatRequest)
+            self._check_model(body.model)
+            self._check_ready()
+            shape = await anyio.to_thread.run_sync(self._shape, body)  # compiling a grammar takes a while
+            text, prompt = await anyio.to_thread.run_sync(self._render_chat, body.messages, shape.tools.tools)  # a large prompt must not stall the loop
         params = replace(self._params(body, prompt, "messages"), grammar=shape.grammar)
         thinks = uses_think_blocks(self.backend.codec.chat_template)
         return await self._respond(request, Reply.new(True, self.backend.model_name), prompt, params,
                                    bool(body.stream), body.include_usage, "", body.n or 1,
                                    text if thinks else None, shape.tools)  # fmt: skip
 
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
-        self._check_model(body.model)
-        self._check_ready()
-        prompt = await anyio.to_thread.run_sync(self._encode_prompt, body.prompt)
+        raw = await request.body()
+        async with self.large.expanding(raw):
+            body = await self.large.parse(raw, request.headers.get("content-type"), CompletionRequest)
+            self._check_model(body.model)
+            self._check_ready()
+            prompt = await anyio.to_thread.run_sync(self._encode_prompt, body.prompt)
         params = self._params(body, prompt, "prompt")
         echo = ""
         if body.echo:
@@ -320,17 +341,19 @@ class _Routes:
             if tools is not None and tools.fmt is not None:
                 gen.parse_tools(ToolStream(tools.fmt), tools.named)
         try:
-            await asyncio.gather(*(gen.start() for gen in gens))
+            started, _ = await unless_gone(request, _start_all(gens))
         except Exception as exc:
             for gen in gens:
                 gen.meter.end("error")
             await _close_all(gens)
             raise backend_error(exc) from exc
-        if stream:
+        if started and stream:  # from here the stream notices the client leaving (Starlette listens)
             events = _events(reply, gens, include_usage, echo)
             return EventStream(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        choices: list[Choice] | None = None
         try:
-            choices = await _collect(gens, request, reply.chat, echo)
+            if started:
+                _, choices = await unless_gone(request, _collect(gens, reply.chat, echo))
         except Exception as exc:
             raise backend_error(exc) from exc
         finally:
@@ -377,21 +400,43 @@ class _Routes:
                               "ignore_eos", "invalid_value")  # fmt: skip
         return _Shape(tools, grammar or tools.grammar)
 
-    def _render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    def _render_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]]) -> tuple[str, list[int]]:
         try:
-            text = self.backend.codec.render_chat(messages, tools)
-            return text, self.backend.codec.encode(text)
+            text = self.backend.codec.render_chat([m.as_template_dict() for m in messages], tools)
         except RequestError as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
         except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
             message = f"the chat template could not render the messages: {exc}"
             raise bad_request(message, "messages", "invalid_messages") from exc
+        return text, self._encode(text, "messages")
 
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.backend.codec.encode(prompt)
+            return self._encode(prompt, "prompt")
         self._check_ids(prompt, "prompt", "token id")
         return list(prompt)
+
+    def _encode(self, text: str, field: str) -> list[int]:
+        """The prompt's tokens; a 400 as soon as it surely has more than the server takes."""
+        most = self.backend.context_length - 1
+        if self.max_prompt_tokens is not None:
+            most = min(most, self.max_prompt_tokens)
+        ids = encode_within(self.backend.codec, text, most)
+        if ids is None:
+            self._check_length(most, field, more=True)  # raises: more than ``most`` never fits
+        return ids or []
+
+    def _check_length(self, count: int, field: str, more: bool = False) -> None:
+        """A 400 when a prompt of ``count`` tokens (``more``: more than that) does not fit."""
+        context, cap = self.backend.context_length, self.max_prompt_tokens
+        has = f"more than {count}" if more else str(count)
+        if count >= context - (1 if more else 0):
+            message = (f"the prompt has {has} tokens; the model's context is {context} "
+                       f"tokens, so a prompt may have at most {context - 1}")  # fmt: skip
+            raise bad_request(message, field, "context_length_exceeded")
+        if cap is not None and count >= cap + (0 if more else 1):
+            message = f"the prompt has {has} tokens; this server takes at most {cap} (--max-prompt-tokens)"
+            raise bad_request(message, field, "prompt_too_long")
 
     def _bias(self, body: ChatRequest | CompletionRequest) -> tuple[tuple[int, float], ...]:
         pairs = body.bias_pairs()
@@ -409,14 +454,7 @@ class _Routes:
         context = self.backend.context_length
         if not prompt:
             raise bad_request("the prompt is empty", field, "invalid_value")
-        if len(prompt) >= context:
-            message = (f"the prompt has {len(prompt)} tokens; the model's context is {context} "
-                       f"tokens, so a prompt may have at most {context - 1}")  # fmt: skip
-            raise bad_request(message, field, "context_length_exceeded")
-        if self.max_prompt_tokens is not None and len(prompt) > self.max_prompt_tokens:
-            message = (f"the prompt has {len(prompt)} tokens; this server takes at most "
-                       f"{self.max_prompt_tokens} (--max-prompt-tokens)")  # fmt: skip
-            raise bad_request(message, field, "prompt_too_long")
+        self._check_length(len(prompt), field)
         room = context - len(prompt)
         limit = body.limit
         if limit is not None and limit > room:

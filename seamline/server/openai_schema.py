@@ -10,6 +10,11 @@ Policy, chosen to keep the official ``openai`` client and common tools working:
   OpenAI has them; their grammars are compiled and checked by the API (server/grammars.py).
 - ``logprobs`` / ``top_logprobs`` (up to ``MAX_TOP_LOGPROBS``), ``presence_penalty`` and
   ``frequency_penalty`` ([-2, 2]) and ``logit_bias`` (token id -> [-100, 100]) as OpenAI has them.
+- Whatever reaches the nodes is bounded (``SamplingParams``' sizes): ``logit_bias`` at most 300
+  entries and ``stop`` at most 4 strings (as OpenAI), a stop string at most 1024 characters, a
+  ``response_format`` and each tool's ``parameters`` at most ``MAX_SCHEMA_BYTES`` of JSON, at
+  most ``MAX_TOOLS`` tools (as OpenAI); the grammar a request compiles to is bounded too
+  (server/grammars.py).
 - ``top_k``, ``min_p`` and ``ignore_eos`` are accepted as extensions (``extra_body`` in the client).
 """
 
@@ -20,9 +25,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from seamline.params import MAX_TOP_LOGPROBS
+from seamline.params import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS
 
-MAX_STOP = 4  # OpenAI's limit on stop sequences
+MAX_SCHEMA_BYTES = 64 << 10  # a response_format, a tool's parameters: as JSON (its grammar then fits the nodes')
+MAX_TOOLS = 128  # as OpenAI's API allows
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_CHOICES = 16  # n: each choice is a sequence of its own in the batch
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -160,6 +166,8 @@ class _Sampling(_Strict):
             raise ValueError("stop must be a string or a list of strings")
         if len(value) > MAX_STOP:
             raise ValueError(f"stop allows at most {MAX_STOP} strings, got {len(value)}")
+        if any(len(s) > MAX_STOP_CHARS for s in value):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return value
 
     @field_validator("logit_bias", mode="before")
@@ -169,6 +177,8 @@ class _Sampling(_Strict):
             return None
         if not isinstance(value, dict):
             raise ValueError("logit_bias maps token ids to numbers in [-100, 100]")  # noqa: TRY004
+        if len(value) > MAX_LOGIT_BIAS:  # it travels to the nodes with every request
+            raise ValueError(f"logit_bias allows at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
         for key, bias in value.items():
             if not str(key).isdigit():
                 raise ValueError(f"logit_bias key {key!r} is not a token id")
@@ -189,6 +199,13 @@ class FunctionDef(_Strict):
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON Schema; none: no arguments
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            check_json_size(value, "a tool's parameters")
+        return value
 
 
 class ToolDef(_Strict):
@@ -220,7 +237,16 @@ class ResponseFormat(_Strict):
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and self.json_schema is None:
             raise ValueError("response_format of type 'json_schema' needs 'json_schema'")
+        if self.json_schema is not None:  # its grammar travels to the nodes with every request
+            check_json_size(self.json_schema.model_dump(by_alias=True), "response_format")
         return self
+
+
+def check_json_size(value: Any, what: str) -> None:
+    """ValueError when ``value`` as JSON is over ``MAX_SCHEMA_BYTES``."""
+    size = len(json.dumps(value, ensure_ascii=False).encode())
+    if size > MAX_SCHEMA_BYTES:
+        raise ValueError(f"{what} is {size} bytes of JSON; at most {MAX_SCHEMA_BYTES} are taken")
 
 
 class ChatRequest(_Sampling):
@@ -234,6 +260,13 @@ class ChatRequest(_Sampling):
     functions: list[Any] | None = None  # the legacy spelling of tools
     function_call: Any = None
     response_format: ResponseFormat | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _few_tools(cls, value: Any) -> Any:
+        if isinstance(value, list) and len(value) > MAX_TOOLS:
+            raise ValueError(f"tools allows at most {MAX_TOOLS} tools, got {len(value)}")
+        return value
 
     @field_validator("functions", "function_call")
     @classmethod

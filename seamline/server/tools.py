@@ -164,7 +164,7 @@ def plan_tools(body: ChatRequest, template: str | None, check: GrammarCheck) -> 
     rules = [f"call_{i}: {fmt.call_rule(names[i], f'args_{i}', lit)}\nargs_{i}: %json {json.dumps(compact_schema(schemas[i]))}"
              for i in chosen]  # fmt: skip
     lark = f"start: {fmt.wrap(' | '.join(f'call_{i}' for i in chosen), lit)}\n" + "\n".join(rules)
-    grammar = check.check(LLMatcher.grammar_from_lark(lark), "tool_choice", "the required tool call")
+    grammar = check.check(LLMatcher.grammar_from_lark(lark), "tool_choice", "the required tool call", "tools")
     return ToolPlan(tools, fmt, grammar, isinstance(choice, NamedTool))
 
 
