@@ -4,11 +4,19 @@ Blocking sockets with TCP_NODELAY (the fastest option measured on these machines
 NETWORK.md); header and payload leave in one ``sendmsg``. Sends are serialised by a lock so
 several threads may share a link; one thread receives. Over TLS (``tls.TlsSocket``) the same
 calls run on the decrypted stream.
+
+Every send has a deadline (``net.deadlines``; the socket's timeout stays unset, as it would
+apply to the reader too): a peer that stops reading is cut off, the link closed, instead of
+holding its sender for good. A read waits as long as it must unless a deadline is asked for.
+Accepted links count against their port's bounds on unproved peers (``net.admission``) until
+their handler calls ``authenticated``.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
 import socket
 import ssl
 import threading
@@ -35,12 +43,16 @@ from seamline.net.frames import (
     encode_tokens,
     parse_header,
 )
+from seamline.net.admission import MAX_PENDING, MAX_PENDING_PER_HOST, Admission, Pending
+from seamline.net.deadlines import left, wait
 from seamline.net.messages import Message, decode_message, encode_message
-from seamline.net.tls import TlsRefused, TlsSocket
+from seamline.net.tls import TlsRefused, TlsSocket, recv_within, send_within
 
 log = logging.getLogger("seamline.link")
 
 Incoming = Union[Message, HiddenFrame, TokenFrame]
+SEND_DEADLINE_S = 30.0  # a frame the peer has not taken by then (plus the time its size takes) cuts the link
+SLOWEST_BYTES_PER_S = 1 << 20  # the slowest link a large frame must still cross within its deadline
 
 
 class LinkClosed(Exception):
@@ -57,13 +69,36 @@ def tune(sock: socket.socket) -> socket.socket:
 
 
 class Link:
-    def __init__(self, sock: socket.socket | TlsSocket, name: str = "") -> None:
+    def __init__(self, sock: socket.socket | TlsSocket, name: str = "", pending: Pending | None = None) -> None:
+        """``pending``: an accepted peer not yet proved (``accept_links``): it is held to the
+        port's bounds and its handshake deadline until ``authenticated``."""
+        sock.settimeout(None)  # blocking: deadlines are kept by polling (``net.deadlines``)
         self.sock = sock
         self.name = name
         self._send_lock = threading.Lock()
+        self._taken_at: float | None = None  # when the send under way began, or the kernel last took bytes of it
+        self._pending = pending
         self.closed = False
         self.bytes_sent = 0  # frame bytes sent so far (headers included)
-        self.limits = LIMITS  # frame sizes taken; HANDSHAKE_LIMITS until the peer is authenticated
+        self._limits = HANDSHAKE_LIMITS if pending is not None else LIMITS
+
+    @property
+    def limits(self) -> dict[FrameType, int]:
+        """Frame sizes taken; HANDSHAKE_LIMITS until the peer is authenticated."""
+        return self._limits
+
+    @limits.setter
+    def limits(self, value: dict[FrameType, int]) -> None:
+        self._limits = value
+        if value != HANDSHAKE_LIMITS:  # more than a handshake's frames go to a proved peer only: granting them says so
+            self.authenticated()
+
+    def authenticated(self) -> None:
+        """The handler has proved the peer: the link no longer counts against its port's bounds
+        on unproved connections, and the handshake's deadline is lifted."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.proved()
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float = 10.0, name: str = "",
@@ -105,43 +140,89 @@ class Link:
         """Send bytes as they are (tests use this to send malformed frames)."""
         self._send([data])
 
+    def try_send_message(self, message: Message, within_s: float) -> bool:
+        """Send ``message`` unless another send is under way or the socket has no room now
+        (False: not sent). A heartbeat goes this way, so it never waits behind another sender
+        or a peer that reads nothing; sent, it must leave within ``within_s``."""
+        if not self._send_lock.acquire(blocking=False):
+            return False
+        try:
+            try:
+                wait(self.sock, True, time.monotonic())  # type: ignore[arg-type]  # room now, or not at all
+            except TimeoutError:
+                return False
+            except OSError as exc:
+                self._broke(exc)
+            data = encode_message(message)
+            self._send_locked([data], len(data), time.monotonic() + within_s)
+        finally:
+            self._send_lock.release()
+        return True
+
+    def stalled_for(self) -> float:
+        """Seconds since the send under way last got bytes out (0 when none is under way): a
+        peer that stopped reading stalls it until its deadline."""
+        since = self._taken_at
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _took(self) -> None:
+        self._taken_at = time.monotonic()
+
     def _send(self, buffers: list[bytes | memoryview]) -> None:
         total = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in buffers)
+        deadline = time.monotonic() + SEND_DEADLINE_S + total / SLOWEST_BYTES_PER_S
+        pending = self._pending
+        if pending is not None:  # an unproved peer gets nothing past its handshake's deadline
+            deadline = min(deadline, pending.deadline)
+        with self._send_lock:
+            self._send_locked(buffers, total, deadline)
+
+    def _send_locked(self, buffers: list[bytes | memoryview], total: int, deadline: float) -> None:
+        """Send under the send lock by ``deadline``; a send that fails or times out closes the
+        link (the stream may have stopped mid-frame)."""
+        began = self._taken_at = time.monotonic()
         try:
-            with self._send_lock:
-                sent = self.sock.sendmsg(buffers)
-                if sent < total:  # rare: the kernel took part of it; send the rest plainly
-                    self.sock.sendall(b"".join(bytes(b) for b in buffers)[sent:])
-                self.bytes_sent += total
+            send_within(self.sock, buffers, deadline, self._took)
+        except TimeoutError:
+            self._broke(f"a frame of {total} bytes did not leave in {time.monotonic() - began:.1f} s")
         except OSError as exc:
-            self.closed = True
-            raise LinkClosed(f"link to {self.name} broke: {exc}") from None
+            self._broke(exc)
+        finally:
+            self._taken_at = None
+        self.bytes_sent += total
+
+    def _broke(self, why: object) -> None:
+        self.close()
+        raise LinkClosed(f"link to {self.name} broke: {why}") from None
 
     def recv(self, deadline_s: float | None = None) -> Incoming:
         """The next frame, decoded and validated; FrameError on anything malformed or larger
-        than ``self.limits``; LinkClosed when a whole frame has not come within ``deadline_s``."""
-        if deadline_s is not None:
-            self.sock.settimeout(deadline_s)
-        try:
-            frame_type, length = parse_header(bytes(self._read(HEADER.size)), self.limits)
-            payload = self._read(length)
-        finally:
-            if deadline_s is not None and not self.closed:
-                self.sock.settimeout(None)
+        than ``self.limits``; LinkClosed when a whole frame has not come within ``deadline_s``
+        (in all, however slowly its bytes drip) or, from an unproved peer, by the end of its
+        handshake's deadline."""
+        deadline = math.inf if deadline_s is None else time.monotonic() + deadline_s
+        pending = self._pending
+        if pending is not None:
+            deadline = min(deadline, pending.deadline)
+        until = None if deadline == math.inf else deadline
+        frame_type, length = parse_header(bytes(self._read(HEADER.size, until)), self.limits)
+        payload = self._read(length, until)
         if frame_type is FrameType.CONTROL:
             return decode_message(payload)
         if frame_type is FrameType.HIDDEN:
             return decode_hidden(payload)
         return decode_tokens(payload)
 
-    def _read(self, size: int) -> bytearray:
+    def _read(self, size: int, deadline: float | None = None) -> bytearray:
         buf = bytearray(size)
         view = memoryview(buf)
         got = 0
         while got < size:
             try:
-                n = self.sock.recv_into(view[got:], size - got)
+                n = recv_within(self.sock, view[got:], deadline)
             except TimeoutError:
+                if deadline is None:
+                    continue  # a socket timeout someone else set: no deadline was asked for here
                 raise LinkClosed(f"{self.name} sent no whole frame in time") from None
             except OSError as exc:
                 raise LinkClosed(f"link to {self.name} broke: {exc}") from None
@@ -166,50 +247,27 @@ class Link:
 
 
 TlsSource = Callable[[], ssl.SSLContext | None]  # the context to accept with now (certificates renew)
-MAX_LINKS_PER_HOST = 64  # connections one address may hold open on one port: its links, handshakes, strays
-REFUSAL_LOG_S = 10.0  # at most one line per port this often about connections over that bound
+PlainHandler = Callable[[socket.socket, tuple], None]  # a connection that opened with a magic (read already)
+ACCEPT_PAUSE_S = (0.05, 1.0)  # a failing accept (no descriptor, memory, buffer) is retried after a pause: first, most
+GONE = (errno.EBADF, errno.EINVAL, errno.ENOTSOCK)  # what accept says once its socket is closed (or shut)
 
 
-class _HostCount:
-    """Connections open per peer address on one port; a connection over the bound is closed
-    at once, before it costs a thread."""
-
-    def __init__(self, name: str, bound: int) -> None:
-        self.name, self.bound = name, bound
-        self._open: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._refused, self._logged = 0, 0.0
-
-    def admit(self, host: str) -> bool:
-        with self._lock:
-            if self._open.get(host, 0) >= self.bound:
-                self._refused += 1
-                now = time.monotonic()
-                if now - self._logged >= REFUSAL_LOG_S:
-                    log.warning("refused %d %s connection(s) from %s: it holds %d open already",
-                                self._refused, self.name, host, self.bound)  # fmt: skip
-                    self._refused, self._logged = 0, now
-                return False
-            self._open[host] = self._open.get(host, 0) + 1
-            return True
-
-    def release(self, host: str) -> None:
-        with self._lock:
-            left = self._open.get(host, 1) - 1
-            if left:
-                self._open[host] = left
-            else:
-                self._open.pop(host, None)
-
-
-def _took_plain(sock: socket.socket, address: tuple, plain: dict[bytes, PlainHandler]) -> bool:
-    """Whether the connection opened with a magic in ``plain``, whose handler then took it."""
-    sock.settimeout(HANDSHAKE_DEADLINE_S)
+def _took_plain(sock: socket.socket, address: tuple, plain: dict[bytes, PlainHandler], deadline: float) -> bool:
+    """Whether the connection opened with a magic in ``plain``, whose handler then took it. A
+    TLS client speaks first, so this waits (until ``deadline``) only while the bytes so far
+    could still begin a magic."""
+    opening, nap = b"", 0.01
     try:
-        opening = sock.recv(4, socket.MSG_PEEK | socket.MSG_WAITALL)
-    except OSError:
-        opening = b""
-    sock.settimeout(None)
+        while len(opening) < 4:
+            wait(sock, False, deadline)
+            opening = sock.recv(4, socket.MSG_PEEK)
+            if not opening or not any(magic.startswith(opening) for magic in plain) or time.monotonic() > deadline:
+                return False
+            if len(opening) < 4:
+                time.sleep(nap)  # the rest of a split magic is on its way
+                nap = min(0.5, nap * 2)
+    except OSError:  # the deadline passed, or the peer left: the TLS handshake says so
+        return False
     handler = plain.get(opening)
     if handler is None:
         return False
@@ -218,49 +276,75 @@ def _took_plain(sock: socket.socket, address: tuple, plain: dict[bytes, PlainHan
     return True
 
 
-PlainHandler = Callable[[socket.socket, tuple], None]  # a connection that opened with a magic (read already)
-
-
 def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None],
-                 tls: TlsSource = lambda: None, per_host: int = MAX_LINKS_PER_HOST,
-                 plain: dict[bytes, PlainHandler] | None = None) -> threading.Thread:  # fmt: skip
+                 tls: TlsSource = lambda: None, per_host: int = MAX_PENDING_PER_HOST,
+                 plain: dict[bytes, PlainHandler] | None = None,
+                 pending_max: int = MAX_PENDING) -> threading.Thread:  # fmt: skip
     """Accept connections until ``server`` closes; each becomes a Link handled on its own
-    thread, after a TLS handshake when ``tls`` gives a context (a failed one is logged). One
-    address holds at most ``per_host`` connections here at once. Over TLS, a connection that
-    opens with one of ``plain``'s 4-byte magics goes to its handler instead (a relay, a probe)."""
-    count = _HostCount(name, per_host)
+    thread, after a TLS handshake when ``tls`` gives a context. Over TLS, a connection that
+    opens with one of ``plain``'s 4-byte magics goes to its handler instead (a relay, a probe).
 
-    def open_link(sock: socket.socket, address: tuple) -> None:
+    Until its handler calls ``Link.authenticated`` (or returns), a connection is unproved: one
+    address holds at most ``per_host`` such here, all together at most ``pending_max`` (so at
+    most that many handshake threads; a new one over a bound cuts the oldest), and its whole
+    handshake, TLS and first messages, must end within ``HANDSHAKE_DEADLINE_S``
+    (``net.admission``). Proved links hold a thread each for as long as they last: bounded by
+    the members (control port) and the plan's links and probes (data port), not by strangers."""
+    admission = Admission(name, HANDSHAKE_DEADLINE_S, per_host, pending_max)
+
+    def open_link(sock: socket.socket, address: tuple, pending: Pending) -> None:
         try:
             context = tls()
             # a TLS client speaks first, so a peek cannot stall it; in plaintext the server does
-            if plain and context is not None and _took_plain(sock, address, plain):
+            if plain and context is not None and _took_plain(sock, address, plain, pending.deadline):
                 return
             if context is not None:
                 try:
-                    sock = TlsSocket.handshake(sock, context, True, HANDSHAKE_DEADLINE_S)  # type: ignore[assignment]
+                    sock = TlsSocket.handshake(sock, context, True, left(pending.deadline))  # type: ignore[assignment]
                 except TlsRefused as exc:
-                    log.warning("refused %s link from %s:%s: %s", name, address[0], address[1], exc)
+                    admission.refused(f"{address[0]}:{address[1]}", str(exc))
                     sock.close()
                     return
-            handle(Link(sock, name=name))
+            handle(Link(sock, name=name, pending=pending))
         finally:
-            count.release(address[0])
+            admission.release(pending)
 
-    def loop() -> None:
-        while True:
-            try:
-                sock, address = server.accept()
-            except OSError:
-                return
-            if not count.admit(address[0]):
-                sock.close()
-                continue
-            threading.Thread(target=open_link, args=(tune(sock), address), daemon=True).start()
+    def start(sock: socket.socket, address: tuple) -> None:
+        pending = admission.admit(sock, address[0])
+        try:
+            threading.Thread(target=open_link, args=(tune(sock), address, pending), daemon=True).start()
+        except BaseException:
+            admission.release(pending)
+            sock.close()
+            raise
 
-    thread = threading.Thread(target=loop, name=f"seamline-accept-{name}", daemon=True)
+    thread = threading.Thread(target=_accept_forever, args=(server, name, start), name=f"seamline-accept-{name}",
+                              daemon=True)  # fmt: skip
     thread.start()
     return thread
+
+
+def _accept_forever(server: socket.socket, name: str, start: Callable[[socket.socket, tuple], None]) -> None:
+    """Accept until ``server`` is closed. Anything else that fails (no descriptor, memory or
+    thread to be had; a connection aborted before it was taken) is waited out, the pause
+    doubling, and logged once per episode: a flood that ends leaves the port serving."""
+    pause, failures = 0.0, 0
+    while True:
+        try:
+            sock, address = server.accept()
+            start(sock, address)
+        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could start
+            if server.fileno() < 0 or (isinstance(exc, OSError) and exc.errno in GONE):
+                return
+            if not failures:
+                log.error("%s port cannot take connections (%s); retrying", name, exc)
+            failures += 1
+            pause = min(ACCEPT_PAUSE_S[1], max(ACCEPT_PAUSE_S[0], pause * 2))
+            time.sleep(pause)
+            continue
+        if failures:
+            log.warning("%s port takes connections again, after %d failed tries", name, failures)
+            pause, failures = 0.0, 0
 
 
 def listen(host: str, port: int) -> socket.socket:

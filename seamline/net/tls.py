@@ -8,6 +8,9 @@ the socket's reads and writes outside it. ``TlsSocket`` offers the calls ``Link`
 
 Both sides present a certificate from the mesh's CA (``seamline.mesh.identity`` makes the
 contexts); ``peer_id`` is the node id the peer's certificate names.
+
+A deadline here is total (``net.deadlines``): the handshake, a send, a read each end by one,
+however slowly the peer drips or drains bytes.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from seamline.net.deadlines import Buffer, send_by, wait
+
 RECV_CHUNK = 256 << 10
 ONE_RECORD = 16 << 10  # TLS's largest record: buffers up to this are sealed together, not one record each
+FLUSH_S = 30.0  # a reader's answer to the peer's TLS message (a key update) leaves within this
 
 
 @dataclass(frozen=True)
@@ -77,11 +84,11 @@ class TlsSocket:
     @classmethod
     def handshake(cls, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
                   deadline_s: float) -> "TlsSocket":  # fmt: skip
-        """Run the handshake within ``deadline_s``; TlsRefused says why it failed."""
+        """Run the whole handshake within ``deadline_s`` (not per read: a peer dripping its
+        hello is cut off at the deadline); TlsRefused says why it failed."""
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         tls = context.wrap_bio(incoming, outgoing, server_side=server_side)
-        previous = sock.gettimeout()
-        sock.settimeout(deadline_s)
+        end = time.monotonic() + deadline_s
         try:
             while True:
                 try:
@@ -90,9 +97,10 @@ class TlsSocket:
                 except ssl.SSLWantReadError:
                     done = False
                 if outgoing.pending:
-                    sock.sendall(outgoing.read())
+                    send_by(sock, [outgoing.read()], end)
                 if done:
                     break
+                wait(sock, False, end)
                 data = sock.recv(RECV_CHUNK)
                 if not data:
                     raise TlsRefused("the peer closed the connection during the TLS handshake")
@@ -104,11 +112,13 @@ class TlsSocket:
             raise TlsRefused(f"no TLS handshake within {deadline_s} s") from None
         except OSError as exc:
             raise TlsRefused(f"the link broke during the TLS handshake: {exc}") from None
-        sock.settimeout(previous)
         return cls(sock, tls, incoming, outgoing)
 
     # -- the socket calls Link and TcpComm make --------------------------------------------
-    def sendmsg(self, buffers: Iterable[bytes | bytearray | memoryview]) -> int:
+    def sendmsg(self, buffers: Iterable[Buffer], deadline: float | None = None,
+                took: Callable[[], None] | None = None) -> int:  # fmt: skip
+        """Seal and send every buffer; by ``deadline`` (TimeoutError after: the stream is cut)
+        or, with None, as the socket's timeout says. ``took``: see ``deadlines.send_by``."""
         views = [memoryview(b).cast("B") for b in buffers]
         total = sum(v.nbytes for v in views)
         if 1 < len(views) and total <= ONE_RECORD:  # a frame's header and payload as one record
@@ -119,14 +129,18 @@ class TlsSocket:
                     if view.nbytes:
                         self._tls.write(view)
                 sealed = self._outgoing.read()
-            self._sock.sendall(sealed)
+            if deadline is None:
+                self._sock.sendall(sealed)
+            else:
+                send_by(self._sock, [sealed], deadline, took)
         return total
 
-    def sendall(self, data: bytes | bytearray | memoryview) -> None:
+    def sendall(self, data: Buffer) -> None:
         self.sendmsg([data])
 
-    def recv_into(self, view: memoryview, nbytes: int = 0) -> int:
-        """Up to ``nbytes`` (default: the view's size) decrypted bytes; 0 when the peer closed."""
+    def recv_into(self, view: memoryview, nbytes: int = 0, deadline: float | None = None) -> int:
+        """Up to ``nbytes`` (default: the view's size) decrypted bytes; 0 when the peer closed;
+        TimeoutError when none has come by ``deadline`` (None: wait as the socket does)."""
         size = nbytes or len(view)
         while True:
             got: int | None = None
@@ -145,6 +159,8 @@ class TlsSocket:
                 self._flush()
             if got is not None:
                 return got
+            if deadline is not None:
+                wait(self._sock, False, deadline)
             data = self._sock.recv(RECV_CHUNK)
             if not data:
                 return 0
@@ -155,7 +171,7 @@ class TlsSocket:
         with self._send_lock:
             with self._tls_lock:
                 sealed = self._outgoing.read()
-            self._sock.sendall(sealed)
+            send_by(self._sock, [sealed], time.monotonic() + FLUSH_S)  # a reader never blocks for good
 
     def settimeout(self, timeout: float | None) -> None:
         self._sock.settimeout(timeout)
@@ -200,9 +216,29 @@ def _send_alert(sock: socket.socket, outgoing: ssl.MemoryBIO) -> None:
     """Tell the peer why (OpenSSL left an alert to send), so it fails at once, not at a timeout."""
     try:
         if outgoing.pending:
-            sock.sendall(outgoing.read())
+            send_by(sock, [outgoing.read()], time.monotonic() + 1.0)  # a peer that reads nothing gets none
     except OSError:
         pass
+
+
+def send_within(sock: socket.socket | TlsSocket, buffers: Sequence[Buffer], deadline: float,
+                took: Callable[[], None] | None = None) -> None:  # fmt: skip
+    """Send ``buffers`` on a plain or a TLS socket by ``deadline``; TimeoutError after (the
+    stream is then cut mid-frame: close it). ``took``: see ``deadlines.send_by``."""
+    if isinstance(sock, TlsSocket):
+        sock.sendmsg(buffers, deadline, took)
+    else:
+        send_by(sock, buffers, deadline, took)
+
+
+def recv_within(sock: socket.socket | TlsSocket, view: memoryview, deadline: float | None) -> int:
+    """Up to ``len(view)`` bytes from a plain or a TLS socket (0: the peer closed); TimeoutError
+    when none has come by ``deadline`` (None: wait as the socket does)."""
+    if isinstance(sock, TlsSocket):
+        return sock.recv_into(view, len(view), deadline)
+    if deadline is not None:
+        wait(sock, False, deadline)
+    return sock.recv_into(view)
 
 
 def certificate_name(certificate: dict) -> str:

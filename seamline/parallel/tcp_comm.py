@@ -19,12 +19,15 @@ fingerprint length u16, then the UTF-8 group fingerprint (model hash, shapes, dt
 schedule — opaque here). A mismatch in any field is refused with both values named.
 Rank i first accepts ranks < i, then dials ranks > i; dials retry until the connect deadline.
 With ``GroupTls`` every socket is TLS 1.3 first, both ends verified against the mesh CA, and a
-peer whose certificate does not name the node planned at its rank is refused.
+peer whose certificate does not name the node planned at its rank is refused. Each accepted
+connection's TLS handshake and HELLO run on a thread of their own (``_Lobby``), within one
+deadline in all, so a stranger dripping bytes at the port holds up no rank but itself.
 """
 
 from __future__ import annotations
 
 import logging
+import queue
 import socket
 import struct
 import threading
@@ -33,8 +36,9 @@ from typing import Callable, Iterable
 
 import torch
 
+from seamline.net.deadlines import left
 from seamline.net.link import listen, tune
-from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
+from seamline.net.tls import GroupTls, TlsRefused, TlsSocket, recv_within
 from seamline.parallel.comm import (
     GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference, sum_in_rank_order,
 )  # fmt: skip
@@ -57,13 +61,17 @@ log = logging.getLogger("seamline.comm")
 # Sends up to this size go out inline: kernel socket buffers hold two such messages per
 # peer, so ranks that all send before receiving cannot deadlock. Larger ones go from a thread.
 INLINE_SEND_MAX = 32 << 10
+GREET_S = 10.0  # an accepted connection's TLS handshake and HELLO end within this in all (or the comm's timeout)
+MAX_GREETING = 16  # accepted connections in their handshake at once (a thread each); more wait in the backlog
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, peer: int, timeout_s: float, what: str) -> None:
+def _recv_exact(sock: socket.socket, view: memoryview, peer: int, timeout_s: float, what: str,
+                deadline: float | None = None) -> None:  # fmt: skip
+    """Fill ``view``; each read within the socket's timeout and, with ``deadline``, all by then."""
     got = 0
     while got < len(view):
         try:
-            n = sock.recv_into(view[got:])
+            n = recv_within(sock, view[got:], deadline)
         except socket.timeout:
             raise CommError(f"rank {peer} sent nothing for {what} within {timeout_s} s", peer=peer) from None
         except OSError as exc:
@@ -123,23 +131,8 @@ class TcpComm:
         try:
             # lower ranks first: rank 0 dials at once, so a HELLO mismatch (another world size,
             # another model) is named before anyone waits on a rank that may not exist
-            while len(socks) < rank:
-                sock = _accept(server, rank, socks, deadline, connect_timeout_s)
-                try:
-                    sock = _secure(sock, tls, None, timeout_s)
-                    peer = _handshake(sock, hello, rank, world, fingerprint, None, timeout_s)
-                    _check_name(sock, tls, peer)
-                except NotAPeer as exc:  # a stranger at the port: the group forms without it
-                    sock.close()
-                    log.warning("rank %d dropped a connection to its comm port: %s", rank, exc)
-                    continue
-                except BaseException:
-                    sock.close()
-                    raise
-                if peer in socks:
-                    sock.close()
-                    raise CommError(f"rank {peer} connected twice to rank {rank}")
-                socks[peer] = sock
+            lobby = _Lobby(server, rank, world, fingerprint, tls, timeout_s)
+            socks.update(lobby.gather(deadline, connect_timeout_s))
             for peer in range(rank + 1, world):
                 sock = _secure(_dial(rank, peer, addresses[peer], deadline, connect_timeout_s), tls, peer, timeout_s)
                 socks[peer] = sock
@@ -294,17 +287,6 @@ def _dial(rank: int, peer: int, address: tuple[str, int], deadline: float, budge
             time.sleep(0.05)
 
 
-def _accept(server: socket.socket, rank: int, socks: dict[int, socket.socket],
-            deadline: float, budget: float) -> socket.socket:
-    server.settimeout(max(0.0, deadline - time.monotonic()))
-    try:
-        sock, _ = server.accept()
-    except socket.timeout:
-        missing = [r for r in range(rank) if r not in socks]
-        raise CommError(f"rank {rank} waited {budget} s for ranks {missing} to connect") from None
-    return tune(sock)
-
-
 class NotAPeer(CommError):
     """A connection to a rank's comm port that is no rank of its group: it failed TLS, sent
     something other than a HELLO, or closed or fell silent before one."""
@@ -331,15 +313,16 @@ def _check_name(sock: socket.socket, tls: GroupTls | None, peer: int) -> None:
 
 
 def _handshake(sock: socket.socket, hello: bytes, rank: int, world: int, fingerprint: str,
-               expect: int | None, timeout_s: float) -> int:
-    """Swap HELLOs; return the peer's rank. Refuse any mismatch, naming both values."""
+               expect: int | None, timeout_s: float, deadline: float | None = None) -> int:
+    """Swap HELLOs (all read by ``deadline``, if given); return the peer's rank. Refuse any
+    mismatch, naming both values."""
     sock.settimeout(timeout_s)
     who = "a peer" if expect is None else f"rank {expect}"
     failed = NotAPeer if expect is None else CommError  # what an accepted stranger gets: dropped
     try:
         sock.sendall(hello)
         head = bytearray(HELLO.size)
-        _recv_exact(sock, memoryview(head), expect if expect is not None else -1, timeout_s, "HELLO")
+        _recv_exact(sock, memoryview(head), expect if expect is not None else -1, timeout_s, "HELLO", deadline)
     except OSError as exc:
         raise failed(f"{who} closed the link during HELLO ({exc})") from None
     except CommError as exc:
@@ -357,8 +340,103 @@ def _handshake(sock: socket.socket, hello: bytes, rank: int, world: int, fingerp
     if length > MAX_FINGERPRINT:
         raise CommError(f"rank {peer}'s fingerprint of {length} bytes exceeds the {MAX_FINGERPRINT} cap")
     raw = bytearray(length)
-    _recv_exact(sock, memoryview(raw), peer, timeout_s, "HELLO fingerprint")
+    _recv_exact(sock, memoryview(raw), peer, timeout_s, "HELLO fingerprint", deadline)
     theirs = raw.decode(errors="replace")
     if theirs != fingerprint:
         raise CommError(f"group mismatch: {fingerprint_difference(rank, fingerprint, peer, theirs)}")
     return peer
+
+
+class _Lobby:
+    """Where a rank takes its lower ranks' connections: each one's TLS handshake and HELLO run
+    on a thread of their own (at most ``MAX_GREETING`` at once) within ``GREET_S`` in all, so
+    the peers get in while a stranger drips bytes, and the stranger is cut off at its deadline."""
+
+    def __init__(self, server: socket.socket, rank: int, world: int, fingerprint: str, tls: GroupTls | None,
+                 timeout_s: float) -> None:  # fmt: skip
+        self.server, self.rank, self.world, self.fingerprint = server, rank, world, fingerprint
+        self.tls, self.timeout_s = tls, timeout_s
+        self._met: queue.Queue[tuple[socket.socket, int | BaseException]] = queue.Queue()
+        self._slots = threading.Semaphore(MAX_GREETING)
+        self._greeting: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._over = False
+
+    def gather(self, deadline: float, budget: float) -> dict[int, socket.socket]:
+        """Every lower rank's socket, by ``deadline``; CommError on a peer that is refused."""
+        socks: dict[int, socket.socket] = {}
+        if self.rank == 0:
+            return socks
+        acceptor = threading.Thread(target=self._accept, daemon=True, name=f"seamline-comm-lobby-{self.rank}")
+        acceptor.start()
+        try:
+            while len(socks) < self.rank:
+                try:
+                    sock, met = self._met.get(timeout=left(deadline))
+                except queue.Empty:
+                    missing = [r for r in range(self.rank) if r not in socks]
+                    raise CommError(f"rank {self.rank} waited {budget} s for ranks {missing} to connect") from None
+                if isinstance(met, NotAPeer):  # a stranger at the port: the group forms without it
+                    log.warning("rank %d dropped a connection to its comm port: %s", self.rank, met)
+                    continue
+                if isinstance(met, BaseException):
+                    raise met
+                if met in socks:
+                    sock.close()
+                    raise CommError(f"rank {met} connected twice to rank {self.rank}")
+                socks[met] = sock
+        except BaseException:
+            for sock in socks.values():
+                sock.close()
+            raise
+        finally:
+            self._end()  # the acceptor sees it within its 0.2 s poll; the caller closes the server
+        return socks
+
+    def _accept(self) -> None:
+        self.server.settimeout(0.2)  # to see the lobby end
+        while not self._over:
+            if not self._slots.acquire(timeout=0.2):
+                continue
+            try:
+                sock, _ = self.server.accept()
+                threading.Thread(target=self._greet, args=(tune(sock),), daemon=True).start()
+            except (OSError, RuntimeError):  # none came (or no descriptor, no thread): try again
+                self._slots.release()
+
+    def _greet(self, raw: socket.socket) -> None:
+        """One connection's TLS handshake and HELLO, by its deadline; the rank it proved, or why not."""
+        deadline = time.monotonic() + min(self.timeout_s, GREET_S)
+        with self._lock:
+            self._greeting.add(raw)
+        met: int | BaseException
+        sock = raw
+        try:
+            sock = _secure(raw, self.tls, None, left(deadline))
+            hello = _hello_bytes(self.rank, self.world, self.fingerprint)
+            met = _handshake(sock, hello, self.rank, self.world, self.fingerprint, None, self.timeout_s, deadline)
+            _check_name(sock, self.tls, met)
+        except BaseException as exc:  # the gatherer reads it
+            met = exc
+            sock.close()
+        finally:
+            self._slots.release()
+        with self._lock:
+            self._greeting.discard(raw)
+            if not self._over:
+                self._met.put((sock, met))
+                return
+        sock.close()  # the lobby ended without it
+
+    def _end(self) -> None:
+        """No more greetings: cut those under way, close what was met and not taken."""
+        with self._lock:
+            self._over = True
+            greeting, self._greeting = self._greeting, set()
+        for sock in greeting:
+            _shut(sock)
+        while True:
+            try:
+                self._met.get_nowait()[0].close()
+            except queue.Empty:
+                return

@@ -2,7 +2,13 @@
 member that has sent nothing (a heartbeat answered, tokens, anything) for ``timeout_s`` is
 lost. This catches a node that stops without closing its sockets (SIGSTOP, a pulled cable),
 which a closed link never would; a node likewise takes its coordinator for lost when it hears
-nothing from it (``mesh.node.process.COORDINATOR_SILENT_S``)."""
+nothing from it (``mesh.node.process.COORDINATOR_SILENT_S``).
+
+A member that keeps talking but stops reading is lost too: when a send to it has got no byte
+out for ``timeout_s``, or its link has had no room for a beat that long. A beat never waits:
+it is skipped while another thread sends on the link or the link has no room, so one member
+that reads nothing cannot hold up the beats of the others. Losing one is left to a thread of
+its own (a re-plan may follow), its link closed first: that frees a sender stuck on it."""
 
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from seamline.net.messages import Heartbeat
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
+    from seamline.mesh.control.node_handle import NodeHandle
 
 log = logging.getLogger("seamline.coordinator")
 
@@ -30,18 +37,37 @@ def watch(coordinator: Coordinator, timeout_s: float) -> threading.Thread:
 
 
 def _beat_forever(coordinator: Coordinator, every_s: float, timeout_s: float) -> None:
+    full_since: dict[str, float] = {}  # node id -> since when its link has had no room for a beat
     while True:
         time.sleep(every_s)
         with coordinator.lock:
             handles = list(coordinator.nodes.values())
-        now = time.monotonic()
         for handle in handles:
-            silent = now - handle.last_heard
-            if silent > timeout_s:
-                log.warning("node %s sent nothing for %.1f s: taken for lost", handle.node_id, silent)
-                coordinator.lose(handle, f"no heartbeat for {silent:.1f} s")
-                continue
-            try:
-                handle.link.send_message(Heartbeat())
-            except LinkClosed:
-                pass  # its reader finds the link closed and reports the loss
+            reason = _beat(handle, every_s, timeout_s, full_since)
+            if reason is not None:
+                log.warning("node %s %s: taken for lost", handle.node_id, reason)
+                handle.link.close()  # wakes a sender stuck on it
+                threading.Thread(target=coordinator.lose, args=(handle, reason), daemon=True).start()
+        for gone in full_since.keys() - {h.node_id for h in handles}:
+            del full_since[gone]
+
+
+def _beat(handle: NodeHandle, every_s: float, timeout_s: float, full_since: dict[str, float]) -> str | None:
+    """Send ``handle`` a heartbeat if that cannot wait; why it is lost, or None."""
+    if handle.link.closed:
+        return None  # its reader finds the link closed and reports the loss
+    now = time.monotonic()
+    silent = now - handle.last_heard
+    if silent > timeout_s:
+        return f"sent nothing for {silent:.1f} s"
+    stalled = handle.link.stalled_for()
+    if stalled > timeout_s:
+        return f"read nothing for {stalled:.1f} s (a send to it got no byte out)"
+    try:
+        if handle.link.try_send_message(Heartbeat(), within_s=every_s) or stalled:  # busy sending: that send is watched
+            full_since.pop(handle.node_id, None)
+            return None
+    except LinkClosed:
+        return None
+    full = now - full_since.setdefault(handle.node_id, now)
+    return f"read nothing for {full:.1f} s (its link had no room for a heartbeat)" if full > timeout_s else None

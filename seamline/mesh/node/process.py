@@ -157,9 +157,19 @@ class Node(Membership):
 
     def _handle_control(self) -> None:
         """The coordinator's messages, in the order they came, apart from the control link's
-        reader: loading a stage or a close waiting on a long step never delays a heartbeat."""
+        reader: loading a stage or a close waiting on a long step never delays a heartbeat. An
+        Assign with a newer one queued behind it is dropped, not loaded: its plan is gone, and
+        loading it (a group that may never form) would only hold up the plan that replaced it."""
         while True:
-            self._on_control(self._inbox.get())
+            message = self._inbox.get()
+            if isinstance(message, Assign):
+                with self._inbox.mutex:  # a peek at what is queued; the order of the rest is kept
+                    newer = [m.plan_id for m in self._inbox.queue if isinstance(m, Assign)]
+                if newer and max(newer) > message.plan_id:
+                    log.info("skipped the assignment of plan %d: plan %d's is queued behind it",
+                             message.plan_id, max(newer))  # fmt: skip
+                    continue
+            self._on_control(message)
 
     def _batch_failed(self, requests: list[int], exc: Exception) -> None:
         """Stage 0 could not run these requests: the request's fault, the load's, or ours."""
