@@ -315,6 +315,10 @@ def cmd_admin(args: argparse.Namespace) -> int:
     if args.handler_name == "node":
         client.call("DELETE", f"nodes/{args.id}")
         print(f"removed node {args.id}")
+        for invite in client.call("GET", "invites")["invites"]:  # removal revokes the invite it joined with
+            if args.id in invite.get("nodes", ()) and invite["state"] == "revoked":
+                print(f"revoked invite {invite['id']}, which it joined with: new nodes need a new invite "
+                      "(seamline invite create)")  # fmt: skip
     elif args.action == "create":
         made = client.call("POST", "invites", {"uses": args.uses, "expires_s": parse_duration(args.expires)})
         print(f"invite {made['id']} ({'any number of' if args.uses is None else args.uses} uses, "

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from seamline.server.bodies import encode_within
 from tests.mesh_harness import MeshProcesses
 from tests.test_api_keys import _start, _stop
 from tests.test_openai_api import NAME, chat, client_for, serve
+from tests.test_tools import TEMPLATES
 
 MB = 1 << 20
 
@@ -92,6 +94,19 @@ def test_logit_bias_schemas_and_stops_over_their_bounds_are_400s_naming_the_fiel
         with pytest.raises(openai.BadRequestError) as caught:
             chat(client, max_tokens=4, stop=stop)
         assert _refusal(caught)["param"] == "stop"
+
+
+def test_a_required_tool_call_whose_grammar_is_too_large_is_a_400_naming_tools(model: LocalModel) -> None:
+    """Two tools each within the schema bound, whose required call would compile to a grammar
+    over the bound (it travels to the nodes with the request)."""
+    codec = replace(model.codec, chat_template=(TEMPLATES / "hermes.jinja").read_text(), _template=None)
+    schema = {"type": "object", "description": "x" * 60_000}
+    tools = [{"type": "function", "function": {"name": name, "parameters": schema}} for name in ("a", "b")]
+    with serve(LocalBackend(model.engine, codec, NAME)) as url:
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(client_for(url), max_tokens=4, tools=tools, tool_choice="required")
+    error = _refusal(caught)
+    assert error["param"] == "tools" and error["code"] == "grammar_too_large", error
 
 
 def test_a_long_prompt_is_counted_in_pieces_and_tokenised_exactly_when_it_fits(model: LocalModel) -> None:
@@ -191,7 +206,7 @@ def test_a_request_abandoned_before_its_first_token_is_dropped_unprefilled(model
     backend = LocalBackend(model.engine, model.codec, NAME, max_running=1)
     scheduler = backend.loop.scheduler
     with serve(backend) as base:
-        holder = chat(client_for(base), temperature=0, max_tokens=3000, stream=True, extra_body={"ignore_eos": True})
+        holder = chat(client_for(base), temperature=0, max_tokens=8000, stream=True, extra_body={"ignore_eos": True})
         next(iter(holder))  # it holds the one slot
         impatient = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=1.5)
         for stream in (False, True):

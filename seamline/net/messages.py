@@ -7,14 +7,34 @@ mistyped fields, extra fields are all refused), so a malformed control message i
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
 from seamline.net.frames import FrameError, FrameType, header
 from seamline.params import SamplingParams
 
 PROTOCOL_VERSION = 1
+NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what a node id may be: no log line or console event can be forged by one
+MAX_REASON = 2048  # a failure's or error's text, in characters: a longer one is cut, never refused
+
+
+def node_id_refusal(node_id: str) -> str:
+    """Why ``node_id`` cannot name a node ("" if it can); repr() keeps control characters out of logs."""
+    if NODE_ID.fullmatch(node_id):
+        return ""
+    return f"node id {node_id[:80]!r} is not 1 to 64 of the characters A-Z a-z 0-9 . _ -"
+
+
+def _clip(text: object) -> object:
+    return text[:MAX_REASON] if isinstance(text, str) else text
+
+
+# Fields of what members send the coordinator are bounded, so the largest member message fits
+# its control link's small cap (``joining.MEMBER_LIMITS``).
+NodeName = Annotated[str, Field(pattern=rf"^{NODE_ID.pattern}$")]  # a member's id, checked when it joined
+Reason = Annotated[str, BeforeValidator(_clip), Field(max_length=MAX_REASON)]
 
 
 class Message(BaseModel):
@@ -95,7 +115,7 @@ class Renew(Message):
     """A member asks for a fresh certificate for its key before its own expires."""
 
     kind: Literal["renew"] = "renew"
-    csr: str
+    csr: str = Field(max_length=4096)  # a P-256 request for a 64-character id is about 500
 
 
 class Certificate(Message):
@@ -166,11 +186,11 @@ class Assign(Message):
 class Descriptor(Message):
     """What a loaded stage is: checked against the plan before the route is published."""
 
-    node_id: str
+    node_id: NodeName
     plan_id: int
-    model_hash: str
+    model_hash: str = Field(max_length=128)
     layers: tuple[int, int]
-    dtype: str
+    dtype: str = Field(max_length=32)
     protocol_version: int
     shard: tuple[int, int] = (0, 1)
 
@@ -231,10 +251,10 @@ class PeerLink(Message):
     """Node -> coordinator: the link to ``peer_node`` as measured (``error`` when it could not be)."""
 
     kind: Literal["peer_link"] = "peer_link"
-    peer_node: str
+    peer_node: NodeName
     latency_s: float = 0.0  # one-way
     bandwidth_bytes_per_s: float = 0.0
-    error: str = ""
+    error: Reason = ""
 
 
 class Ping(Message):
@@ -268,7 +288,7 @@ class SpeedReady(Message):
 
 class SpeedSums(Message):
     kind: Literal["speed_sums"] = "speed_sums"
-    sums: list[float]
+    sums: list[float] = Field(max_length=1024)  # one per block of the probe (``claims.BLOCKS``: 64)
 
 
 class Linked(Message):
@@ -322,10 +342,10 @@ class Failure(Message):
 
     kind: Literal["failure"] = "failure"
     request: int | None = None
-    reason: str
+    reason: Reason
     blame: Literal["node", "request", "load"] = "node"  # a stage failed / the request is invalid / too busy
     plan_id: int | None = None
-    suspect: str | None = None
+    suspect: NodeName | None = None
 
 
 class StatsRequest(Message):
@@ -338,7 +358,7 @@ class Stats(Message):
     prompts that begin alike."""
 
     kind: Literal["stats"] = "stats"
-    node_id: str
+    node_id: NodeName
     decode_steps: int
     decode_seconds: float
     refused_frames: int
@@ -346,18 +366,27 @@ class Stats(Message):
     kv_bytes: int = 0
     kept_kv_bytes: int = 0
     micro_batches: int = 0  # stage 0: micro-batches it keeps in flight
-    link_bytes: dict[str, int] = {}  # bytes sent so far over its data link to each node (by node id)
+    link_bytes: dict[NodeName, int] = Field(default={}, max_length=64)  # bytes sent so far over its data link to each node
 
 
 class Heartbeat(Message):
     kind: Literal["heartbeat"] = "heartbeat"
 
 
+class Revoked(Message):
+    """Coordinator -> every member: every node removed from the mesh, sent as a member attaches
+    and on each removal. A removed node's certificate stays valid until it expires, so each
+    member refuses it itself (fragments, data and probe links) and drops the links it holds."""
+
+    kind: Literal["revoked"] = "revoked"
+    node_ids: list[str]
+
+
 AnyMessage = Annotated[
     Union[Challenge, Join, Attach, Rejoin, Attached, Renew, Certificate, RelayAccept, MeasurePeer, PeerLink, Ping, Pong, SpeedProbe,
           SpeedReady, SpeedSums, DataHello, ProbeHello,
           Welcome, Refuse, Assign, Ready, Loading, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure, StatsRequest,
-          Stats, Heartbeat],
+          Stats, Heartbeat, Revoked],
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)

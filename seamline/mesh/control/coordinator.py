@@ -23,8 +23,10 @@ from typing import Any
 from seamline.config import ModelConfig
 from seamline.errors import SeamlineError
 from seamline.mesh.control.enrollment import Enrollment
+from seamline.mesh.control.fragment_server import PeerGate
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.joining import Membership
+from seamline.mesh.control.member_gate import Refusals, drawer, may_end, serves
 from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.mesh_status import describe
 from seamline.mesh.control.node_handle import NodeHandle
@@ -89,6 +91,9 @@ class Coordinator(Membership, Planning):
         self.lock = threading.RLock()
         self.on_tokens: TokenSink = lambda rows: None
         self.on_failure: FailureSink = lambda request, reason, blame: None
+        self.in_flight: Callable[[int], bool] = lambda request: False  # the backend's: a client waits on it
+        self.refusals = Refusals()  # what members sent that was not theirs to say
+        self.fragment_gate: PeerGate | None = None  # the fragment port's, over TLS (``serve.Mesh``)
         self._server: socket.socket | None = None
         self._fragment_tokens: dict[str, str] = {}  # node id -> its bearer token for fragment downloads
         self.link_key = ""  # the current plan's
@@ -105,10 +110,11 @@ class Coordinator(Membership, Planning):
                 message = handle.link.recv()
             except (LinkClosed, FrameError) as exc:
                 self._lost(handle, str(exc))
+                handle.link.close()  # a frame it may not send (or a broken one): nothing more is read from it
                 return
             handle.last_heard = time.monotonic()
             if isinstance(message, TokenFrame):
-                self.on_tokens(list(message.rows))
+                self._take_tokens(handle, message)
             elif isinstance(message, (Ready, Linked)):
                 plan_id = message.descriptor.plan_id if isinstance(message, Ready) else message.plan_id
                 if plan_id != self.plan_id:  # a start-up a newer plan replaced
@@ -138,10 +144,26 @@ class Coordinator(Membership, Planning):
             elif isinstance(message, (SpeedReady, SpeedSums)) and handle.speed_check is not None:
                 handle.speed_check.answer(message)
 
+    def _take_tokens(self, handle: NodeHandle, frame: TokenFrame) -> None:
+        """Tokens go to their clients only from the node that draws them on the current plan,
+        and only for requests in flight (a member's control link could name any request)."""
+        plan = self.plan  # read once, without the lock a re-plan holds while it plans
+        if handle.node_id != drawer(plan) or self.nodes.get(handle.node_id) is not handle:
+            self.refusals.refuse(handle.node_id, "TOKEN frame: it does not draw the current plan's tokens",
+                                 len(frame.rows))  # fmt: skip
+            return
+        rows = [row for row in frame.rows if self.in_flight(row.request)]
+        if len(rows) < len(frame.rows):  # a client that went away leaves a few of these
+            self.refusals.refuse(handle.node_id, "tokens for requests not in flight", len(frame.rows) - len(rows),
+                                 logging.INFO)  # fmt: skip
+        if rows:
+            self.on_tokens(rows)
+
     def _reported(self, handle: NodeHandle, message: Failure) -> None:
         """A node's failure report: its own start-up, or a request it serves. A node outside the
-        plan serves no request, so its reports end none."""
-        log.warning("node %s reports: %s", handle.node_id, message.reason)
+        plan serves no request, so its reports end none; only stage 0 and the drawing stage may
+        end one (``member_gate``), another stage's report replays it."""
+        log.warning("node %s reports: %r", handle.node_id, message.reason)
         if message.plan_id is not None:
             self._group_broke(handle, message)
             return
@@ -150,13 +172,17 @@ class Coordinator(Membership, Planning):
                 handle.failure = message.reason
                 handle.events.notify_all()
             return
-        with self.lock:
-            serving = self.plan is not None and any(handle.node_id in s.members() for s in self.plan.stages)
-        if not serving:
-            log.warning("ignored node %s's report on request %d: it serves no stage", handle.node_id, message.request)
+        plan = self.plan
+        if not serves(plan, handle.node_id):
+            log.warning("ignored node %s's report on a request: it serves no stage", handle.node_id)
+            return
+        ends = may_end(plan, handle.node_id)
+        if message.blame != "node" and not (ends and self.in_flight(message.request)):
+            self.refusals.refuse(handle.node_id, f"a report ending a request ({message.blame}): it is not stage 0 "
+                                                 "or the drawing stage, or the request is not in flight")  # fmt: skip
             return
         reason = message.reason if message.blame != "node" else f"node {handle.node_id}: {message.reason}"
-        self.on_failure(message.request, reason, message.blame)
+        self.on_failure(message.request, reason, message.blame if ends else "lost")
 
     def _group_broke(self, handle: NodeHandle, message: Failure) -> None:
         """The lockstep group ``handle`` serves in broke (a gate timed out or its link closed):

@@ -59,3 +59,7 @@ class Enrollment:
     def is_removed(self, node_id: str) -> bool:
         with self._lock:
             return node_id in self.removed
+
+    def removed_ids(self) -> list[str]:
+        with self._lock:
+            return sorted(self.removed)

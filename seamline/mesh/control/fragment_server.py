@@ -6,10 +6,16 @@ past the end) so a node resumes an interrupted download. A request whose bearer 
 ``check_token`` refuses gets 401; a hash the folder's manifest does not name, or whose file
 the folder lacks (a peer holding part of the model), gets 404. The manifest is re-read when
 its file changes, so a peer whose folder is re-materialised serves its new fragments.
+
+On their own HTTPS port (``serve_fragments``) a ``PeerGate`` also checks the node id the
+client's certificate names: a removed member's certificate is valid until it expires, so the
+TLS handshake alone still takes it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import ssl
 import threading
 from collections.abc import Callable
@@ -19,10 +25,59 @@ from typing import Annotated
 import uvicorn
 from fastapi import APIRouter, FastAPI, Header, HTTPException
 from fastapi.responses import FileResponse
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from seamline.net.tls import certificate_name
 from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest
 
 TokenCheck = Callable[[str | None], bool]
+log = logging.getLogger("seamline.fragments")
+
+
+class PeerGate:
+    """Which members the fragment port takes now: a connection whose certificate names a node
+    ``refused`` says was removed is closed as it opens, and ``drop`` closes those already open."""
+
+    def __init__(self, refused: Callable[[str], bool]) -> None:
+        self.refused = refused
+        self._open: dict[asyncio.BaseTransport, str] = {}  # touched on the server's event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._logged: set[str] = set()  # one line per removed node, however often it dials
+
+    def protocol(self) -> type[H11Protocol]:
+        """uvicorn's HTTP/1.1 protocol, told of each connection as it opens and closes."""
+        gate = self
+
+        class GatedProtocol(H11Protocol):
+            def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+                super().connection_made(transport)
+                gate._opened(transport)
+
+            def connection_lost(self, exc: Exception | None) -> None:
+                gate._open.pop(self.transport, None)
+                super().connection_lost(exc)
+
+        return GatedProtocol
+
+    def drop(self) -> None:
+        """Close every open connection whose node is now refused (from any thread)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drop)
+
+    def _opened(self, transport: asyncio.Transport) -> None:
+        self._loop = asyncio.get_running_loop()
+        peer = certificate_name(transport.get_extra_info("peercert") or {})
+        self._open[transport] = peer
+        self._drop()
+
+    def _drop(self) -> None:
+        for transport, peer in list(self._open.items()):
+            if self.refused(peer):
+                if peer not in self._logged:
+                    self._logged.add(peer)
+                    log.warning("closed fragment connections from node %s: it was removed from the mesh", peer)
+                del self._open[transport]
+                transport.close()
 
 
 class _PackageIndex:
@@ -77,12 +132,14 @@ def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_tok
 
 
 def serve_fragments(package_dir: Path, check_token: TokenCheck, host: str, port: int,
-                    context: ssl.SSLContext) -> uvicorn.Server:  # fmt: skip
+                    context: ssl.SSLContext, gate: PeerGate | None = None) -> uvicorn.Server:  # fmt: skip
     """The fragment routes on their own HTTPS port, under ``context``: a mesh's, which takes only
-    clients presenting a member's certificate from the mesh CA (mutual TLS 1.3)."""
+    clients presenting a member's certificate from the mesh CA (mutual TLS 1.3), and of those
+    only the members ``gate`` takes."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     fragment_routes(app, package_dir, check_token)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+    gate = gate or PeerGate(lambda _node: False)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=gate.protocol(),
                             ssl_context_factory=lambda _config, _default: context)  # fmt: skip
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, name="seamline-fragments", daemon=True).start()

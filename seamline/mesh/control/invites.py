@@ -5,8 +5,10 @@ An invite is a record here (id, secret, expiry, uses); its token carries the id 
 A joining node names the id and proves the secret against a fresh challenge, and the record
 decides: unknown, revoked, expired or used up is refused. Nothing in a token is trusted that
 the record does not hold, so a forged or altered token gets nowhere; nodes in turn know the
-coordinator by the CA fingerprint the token pins. Kept in ``invites.json`` in the state
-directory (owner-only), so a restarted coordinator honours the invites it gave out.
+coordinator by the CA fingerprint the token pins. Each record names the nodes that joined with
+it, and removing a node revokes the invites it joined with (its holder could otherwise come
+back under a new id). Kept in ``invites.json`` in the state directory (owner-only), so a
+restarted coordinator honours the invites it gave out.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from seamline.mesh.control.invite import Invite, verify
@@ -34,6 +36,7 @@ class InviteRecord:
     used: int = 0
     revoked: bool = False
     created: float = 0.0
+    nodes: list[str] = field(default_factory=list)  # the node ids that joined with it
 
     def public(self) -> dict[str, object]:
         """What `seamline invite list` shows: everything but the secret."""
@@ -90,8 +93,9 @@ class InviteBook:
         log.warning("invite %s revoked", invite_id)
         return True
 
-    def claim(self, invite_id: str, nonce: str, proof: str) -> tuple[str, str]:
-        """Spend one use of an invite whose secret ``proof`` proves; (the refusal or "", the secret)."""
+    def claim(self, invite_id: str, nonce: str, proof: str, node_id: str = "") -> tuple[str, str]:
+        """Spend one use of an invite whose secret ``proof`` proves, for ``node_id``; (the refusal
+        or "", the secret)."""
         with self._lock:
             record = self._records.get(invite_id)
             if record is None or not verify(record.secret, nonce, proof):
@@ -100,8 +104,21 @@ class InviteBook:
             if refusal:
                 return f"the invite token was {refusal}" if refusal != "expired" else "the invite token has expired", ""
             record.used += 1
+            if node_id:
+                record.nodes.append(node_id)
             self._save()
             return "", record.secret
+
+    def revoke_for(self, node_id: str) -> list[str]:
+        """Revoke the invites ``node_id`` joined with (a removed node): whoever holds one could
+        join again under a new id, and no use of it tells them from an honest new node. The ids."""
+        with self._lock:
+            held = [r for r in self._records.values() if node_id in r.nodes and not r.revoked]
+            for record in held:
+                record.revoked = True
+            if held:
+                self._save()
+        return [r.id for r in held]
 
     def _load(self) -> dict[str, InviteRecord]:
         if self.path is None or not self.path.is_file():

@@ -25,10 +25,11 @@ from seamline.mesh.control.link_probe import measure
 from seamline.mesh.control.relay import RELAY_MAGIC, reachable
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.identity import COORDINATOR_ID, IdentityError
-from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, FrameError
+from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, FrameError, FrameType
 from seamline.net.link import Link, LinkClosed, accept_links, listen
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Join, MeasurePeer, Refuse, Rejoin, Renew, Welcome,
+    PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Join, MeasurePeer, Ping, Refuse, Rejoin, Renew, Revoked,
+    Welcome, node_id_refusal,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -36,6 +37,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("seamline.coordinator")
 ATTACH_WITHIN_S = 60.0  # an enrolled node opens its control link within this
+# A member's control link takes what members send: its messages, whose every field is bounded
+# (``messages``; the largest, a Renew or SpeedSums, is under 30 KiB), and the drawing stage's
+# tokens; never a hidden frame, which only travels between stages.
+MEMBER_LIMITS = {FrameType.CONTROL: 64 << 10, FrameType.HIDDEN: 0, FrameType.TOKEN: 1 << 20}
+REVOKED_ANSWER_S = 2.0  # a removal waits this long for the members to confirm they refuse the node
 
 
 class Membership:
@@ -58,7 +64,10 @@ class Membership:
             nonce = secrets.token_hex(16)
             link.send_message(self.enrollment.challenge(nonce) if self.enrollment else Challenge(nonce=nonce))
             first = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
-            if isinstance(first, Attach):
+            claimed = first.join.node_id if isinstance(first, Rejoin) else getattr(first, "node_id", None)
+            if isinstance(claimed, str) and (bad := node_id_refusal(claimed)):
+                self._refuse(link, peer, bad, final=True)
+            elif isinstance(first, Attach):
                 self._attach(link, first, peer)
             elif isinstance(first, Rejoin):
                 self._rejoin(link, first.join, peer)
@@ -130,7 +139,10 @@ class Membership:
 
     def _enter(self: Coordinator, join: Join, link: Link, peer: str) -> None:
         """Make the node a member on its control link; measure it; plan when enough have come."""
-        link.limits = LIMITS
+        link.limits = MEMBER_LIMITS
+        removed = self.enrollment.removed_ids() if self.enrollment is not None else []
+        if removed:  # so it refuses their certificates too
+            link.send_message(Revoked(node_ids=removed))
         handle = NodeHandle(join, link, inbound=reachable(join.data_host, join.data_port))
         link.name = f"node {join.node_id}"
         with self.lock:
@@ -186,7 +198,7 @@ class Membership:
         if join.node_id in self.nodes or join.node_id in self._enrolled:
             return f"a node named {join.node_id} has already joined", ""
         reason = self.enrollment.refusal(join) if self.enrollment is not None else ""
-        return (reason, "") if reason else self.invites.claim(join.invite_id, nonce, join.proof)
+        return (reason, "") if reason else self.invites.claim(join.invite_id, nonce, join.proof, join.node_id)
 
     def _certify(self: Coordinator, join: object) -> str | None:
         """The joining node's certificate ("" on a plaintext mesh; None if its request is bad)."""
@@ -211,18 +223,50 @@ class Membership:
             pass
 
     def remove_node(self: Coordinator, node_id: str) -> bool:
-        """Eject a member: no certificate for its id from now on, its control link dropped (its
-        data links go with the plan made without it). False if no such member is joined."""
+        """Eject a member: no certificate for its id from now on, the invite it joined with
+        revoked (whoever holds it could join as a new node), every member told to refuse its
+        certificate at once, its control link dropped (the plan is made again without it).
+        False if no such member is joined (or the id names none)."""
+        if node_id_refusal(node_id):
+            return False
         if self.enrollment is not None:
             self.enrollment.remove(node_id)
+        invites = self.invites.revoke_for(node_id)
+        log.warning("removing node %s; %s", node_id, f"revoked the invite it joined with: {', '.join(invites)}"
+                    if invites else "no invite of this mesh's is on record for it")  # fmt: skip
         with self.lock:
             handle = self.nodes.get(node_id)
-        if handle is None:
-            return False
-        log.warning("removing node %s", node_id)
-        handle.link.close()
-        self._lost(handle, "removed by the administrator")
-        return True
+            self._fragment_tokens.pop(node_id, None)
+            self._enrolled.pop(node_id, None)  # enrolled, not yet attached: it attaches no more
+        if handle is not None:
+            handle.link.close()
+            self._lost(handle, "removed by the administrator")
+        if self.fragment_gate is not None:
+            self.fragment_gate.drop()
+        with self.lock:
+            members = list(self.nodes.values())
+        self._tell_revoked(members, node_id)
+        return handle is not None
+
+    def _tell_revoked(self: Coordinator, members: list[NodeHandle], node_id: str) -> None:
+        """Every removed node, to ``members``, each followed by a ping: a member applies the list
+        before it answers, so once this returns every member that answered refuses them."""
+        removed = Revoked(node_ids=self.enrollment.removed_ids() if self.enrollment is not None else [node_id])
+        asked = []
+        for member in members:
+            nonce = secrets.randbits(62)
+            member.pongs.expect(nonce)
+            try:
+                member.link.send_message(removed)
+                member.link.send_message(Ping(nonce=nonce))
+                asked.append((member, nonce))
+            except LinkClosed:
+                pass  # its reader finds the link closed; it is told again when it rejoins
+        deadline = time.monotonic() + REVOKED_ANSWER_S
+        silent = [m.node_id for m, nonce in asked if m.pongs.wait(nonce, max(0.0, deadline - time.monotonic())) is None]
+        if silent:
+            log.warning("members %s did not confirm within %.0f s that they refuse node %s", ", ".join(silent),
+                        REVOKED_ANSWER_S, node_id)  # fmt: skip
 
     def fragment_token(self: Coordinator, node_id: str) -> str:
         return self._fragment_tokens.get(node_id, "")

@@ -56,6 +56,7 @@ class MeshBackend:
         self._lock = threading.Lock()
         coordinator.on_tokens = self._deliver
         coordinator.on_failure = self._fail
+        coordinator.in_flight = self._waiting.__contains__  # whose tokens and failures a member may report
         self.report = MeshReporter(coordinator)  # its nodes and links, for /metrics
 
     def readiness(self) -> Readiness:

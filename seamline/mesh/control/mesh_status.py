@@ -31,6 +31,7 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
     return {"ready": coordinator.ready.is_set(), "state": coordinator.state, "plan_id": coordinator.plan_id,
             "stages": stages, "nodes": nodes, "relayed_links": coordinator.relay.pairs,
             "links": coordinator.peer_links.describe(),
+            "refused_from_members": dict(coordinator.refusals.counts),  # tokens and reports not theirs to send
             "predicted_ms_per_token": plan.predicted_s_per_token * 1e3 if plan else None,
             "pace_ms": pace(plan) * 1e3 if plan else None,  # per token under load (what planning compares)
             "model": coordinator.model.name}  # fmt: skip

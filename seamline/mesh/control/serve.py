@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from seamline.config import ModelConfig
 from seamline.mesh.arenas import tame_malloc
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
-from seamline.mesh.control.fragment_server import fragment_routes, serve_fragments
+from seamline.mesh.control.fragment_server import PeerGate, fragment_routes, serve_fragments
 from seamline.mesh.plan.groups import check_world
 from seamline.mesh.control.admin import admin_key, admin_routes
 from seamline.mesh.control.invite import Invite
@@ -84,8 +84,9 @@ class Mesh:
         self.coordinator.start(host)
         enrollment = self.coordinator.enrollment
         if self.fragments_port and enrollment is not None:
+            self.coordinator.fragment_gate = PeerGate(enrollment.is_removed)
             serve_fragments(self.package_dir, self.coordinator.fragment_token_ok, host, self.fragments_port,
-                            enrollment.identity.server_context())  # fmt: skip
+                            enrollment.identity.server_context(), self.coordinator.fragment_gate)  # fmt: skip
 
 
 ENDPOINT_FILE = "endpoint.json"  # where `seamline invite` and `seamline node` find the running coordinator

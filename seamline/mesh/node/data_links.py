@@ -6,7 +6,8 @@ the last stage (tokens). The dialler answers the node's challenge with its node 
 plan, under the key. Until it has, a link takes only the handshake's small control messages,
 for at most ``HANDSHAKE_DEADLINE_S``; afterwards a frame is taken only from the link whose
 role expects it. Over TLS both ends present certificates from the mesh CA, and each checks that
-the other's names the node the plan put there.
+the other's names the node the plan put there. A node removed from the mesh is refused whatever
+it says (its certificate is valid until it expires).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import hashlib
 import hmac
 import secrets
 import ssl
+from collections.abc import Collection
 
 from seamline.errors import SeamlineError
 from seamline.mesh.control.relay import PAIR_WAIT_S, RELAY_MAGIC
@@ -56,14 +58,17 @@ def dial(address: tuple[str, int], peer_node: str, node_id: str, assign: Assign,
     return link
 
 
-def admit(link: Link, assign: Assign | None, certified: bool = False) -> str:
+def admit(link: Link, assign: Assign | None, certified: bool = False, revoked: Collection[str] = ()) -> str:
     """Challenge a link to this node's data port; its role (``UPSTREAM``, ``LAST``, or ``PROBE``:
     a member measuring the link, see ``peer_probe``), or Refused. ``certified``: the link is TLS
-    and its certificate must name the node the hello names."""
+    and its certificate must name the node the hello names; ``revoked``: removed nodes."""
     link.limits = HANDSHAKE_LIMITS
     nonce = secrets.token_hex(16)
     link.send_message(Challenge(nonce=nonce))
     hello = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
+    named = getattr(hello, "node_id", "")
+    if named in revoked or link.peer_id() in revoked:
+        raise Refused(f"node {link.peer_id() or named} was removed from the mesh")
     if isinstance(hello, ProbeHello):
         if certified and link.peer_id() != hello.node_id:
             raise Refused(f"a certificate for {link.peer_id()!r} probed as node {hello.node_id}")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from seamline.mesh.control.fragment_server import serve_fragments
+from seamline.mesh.control.fragment_server import PeerGate, serve_fragments
 from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
 from seamline.mesh.node.credentials import Credentials
@@ -31,6 +31,7 @@ from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError
 from seamline.net.link import Link, LinkClosed, free_port, listen
 from seamline.net.messages import (
     PROTOCOL_VERSION, Attach, Attached, Challenge, Holding, Join, Refuse, Rejoin, Renew, Resources, Welcome,
+    node_id_refusal,
 )  # fmt: skip
 from seamline.net.tls import TlsRefused
 
@@ -120,6 +121,8 @@ class Membership:
     """Joining and rejoining; mixed into ``Node``."""
 
     def join(self: Node) -> None:
+        if bad := node_id_refusal(self.options.node_id):
+            raise InviteError(f"{bad} (--node-id)")
         self.invite.check_fresh()
         self.control = control = connect_to_coordinator(self.invite)
         try:
@@ -183,12 +186,14 @@ class Membership:
 
     def _serve_fragments(self: Node, host: str, port: int) -> None:
         """Serve the fragments this node holds (its stage folder) to members: mutual TLS under
-        its certificate is the only key, so a peer that is no member is refused at the handshake.
-        (A renewed certificate is not taken up here: once the first expires, members fetch from
-        the coordinator.)"""
+        its certificate is the only key, so a peer that is no member is refused at the handshake,
+        and a removed one (``Revoked``) by the gate. (A renewed certificate is not taken up here:
+        once the first expires, members fetch from the coordinator.)"""
         assert self.credentials is not None and self.credentials.identity is not None
         folder = self.options.cache_dir / "stages" / self.options.node_id
-        serve_fragments(folder, lambda _token: True, host, port, self.credentials.identity.server_context())
+        self.fragment_gate = PeerGate(lambda peer: peer in self.revoked)
+        serve_fragments(folder, lambda _token: True, host, port, self.credentials.identity.server_context(),
+                        self.fragment_gate)  # fmt: skip
 
     def _holding(self: Node) -> Holding | None:
         """The stage this node has loaded, which a restarted coordinator may keep (a lockstep

@@ -28,6 +28,7 @@ import torch
 from seamline.errors import OverloadedError, RequestError
 from seamline.mesh.arenas import tame_malloc
 from seamline.mesh.control.claims import block_sums, probe_matrix
+from seamline.mesh.control.fragment_server import PeerGate
 from seamline.mesh.control.invite import Invite
 from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
 from seamline.mesh.node.credentials import Credentials
@@ -39,8 +40,8 @@ from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, accept_links, tune
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Forget, Fork, Heartbeat, Holding, Join, Linked, Loading,
-    MeasurePeer, Message, Open, Ping, Pong, Prompt, Ready, RelayAccept, Route, SpeedProbe, SpeedReady, SpeedSums,
-    Stats, StatsRequest,
+    MeasurePeer, Message, Open, Ping, Pong, Prompt, Ready, RelayAccept, Revoked, Route, SpeedProbe, SpeedReady,
+    SpeedSums, Stats, StatsRequest,
 )  # fmt: skip
 from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
 from seamline.parallel.comm import CommError
@@ -75,7 +76,9 @@ class Node(Membership):
         self.assignment: Assign | None = None
         self.data_server: socket.socket | None = None
         self.peers: list[Link] = []  # this plan's data links, dialled and accepted
-        self._inbox: queue.Queue[Message] = queue.Queue()  # from the coordinator, for ``_handle_control``
+        self._inbox: queue.Queue[Message] = _Inbox(self._revoke)  # from the coordinator, for ``_handle_control``
+        self.revoked: frozenset[str] = frozenset()  # nodes removed from the mesh: refused here too
+        self.fragment_gate: PeerGate | None = None  # the fragment server's check of its clients
         self._peers_lock = threading.Lock()
         self.bytes_downloaded = 0
         self.comm_port = 0  # lockstep peers reach this node here
@@ -360,7 +363,7 @@ class Node(Membership):
         peer = link.peer()
         assignment = self.assignment
         try:
-            role = admit(link, assignment, certified=self.credentials is not None)
+            role = admit(link, assignment, certified=self.credentials is not None, revoked=self.revoked)
             if role == PROBE:
                 answer_probe(link)
                 return
@@ -388,6 +391,18 @@ class Node(Membership):
                 log.exception("frame from %s failed", peer)
                 for request in {row.request for row in getattr(frame, "rows", ())}:
                     self._report(request, f"layers [{self._layers()}) failed: {self._explain(exc)}", cause=exc)
+
+    def _revoke(self, message: Revoked) -> None:
+        """Nodes removed from the mesh: refused from now on at the fragment and data ports, and
+        every link this node holds to one closed."""
+        self.revoked = self.revoked | frozenset(message.node_ids)
+        if self.fragment_gate is not None:
+            self.fragment_gate.drop()
+        with self._peers_lock:
+            gone = [link for link in self.peers if link.peer_id() in self.revoked]
+        for link in gone:
+            log.warning("closing %s: node %s was removed from the mesh", link.name, link.peer_id())
+            link.close()
 
     def _keep(self, link: Link) -> None:
         with self._peers_lock:
@@ -422,6 +437,21 @@ class Node(Membership):
         else:
             worker.refused += 1
             log.warning("refused %s from %s: not expected by this stage", type(frame).__name__, peer)
+
+
+class _Inbox(queue.Queue[Message]):
+    """The coordinator's messages for ``_handle_control``, in order, except a Revoked: applied as
+    it arrives, never behind a stage that is loading (a removed node must not fetch meanwhile)."""
+
+    def __init__(self, revoke: Callable[[Revoked], None]) -> None:
+        super().__init__()
+        self._revoke = revoke
+
+    def put(self, item: Message, block: bool = True, timeout: float | None = None) -> None:
+        if isinstance(item, Revoked):
+            self._revoke(item)
+        else:
+            super().put(item, block, timeout)
 
 
 def _kv_budget(assign: Assign) -> int | None:
