@@ -53,12 +53,12 @@ class Guard:
             await self.app(scope, receive, send)
             return
         admin = self.limits.admin_key is not None and scope["path"].startswith(ADMIN_PREFIX)
+        key: str | None = None  # an API caller's, counted in flight
         try:
             if admin or _is_open(scope["path"]):
                 if admin:
                     self._check_admin(scope)  # before the body: a stranger's is never read
                 receive = await self._read_body(scope, receive, SMALL_BODY_BYTES)
-                key = None
             else:
                 key = self._caller(scope)
                 receive = await self._read_body(scope, receive, self.limits.max_body_bytes)
