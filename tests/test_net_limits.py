@@ -190,7 +190,7 @@ def test_strangers_idle_connections_neither_keep_a_member_out_nor_cost_a_thread_
         except (LinkClosed, FrameError):
             link.close()
 
-    accept_links(server, "crowd", serve, tls=lambda: ca.identity("listener").server_context())
+    accepting = accept_links(server, "crowd", serve, tls=lambda: ca.identity("listener").server_context())
     before = threading.active_count()
     strangers = [socket.create_connection(address, source_address=(f"127.0.0.{1 + i // 64}", 0)) for i in range(192)]
     time.sleep(1.0)
@@ -206,7 +206,10 @@ def test_strangers_idle_connections_neither_keep_a_member_out_nor_cost_a_thread_
         sock.close()
     for link in members:
         link.close()
+    server.shutdown(socket.SHUT_RDWR)  # the one thing that ends an accept loop
     server.close()
+    accepting.join(2)
+    assert not accepting.is_alive()
 
 
 def test_a_stranger_dripping_a_client_hello_does_not_hold_up_a_group() -> None:

@@ -47,16 +47,21 @@ def send_by(sock: socket.socket, buffers: Sequence[Buffer], deadline: float,
     mid-frame, so the caller closes it. A send with room in the kernel's buffer (the common
     case) is one ``sendmsg``, as without a deadline. ``took`` is called whenever the kernel
     takes bytes (a peer that reads nothing stops that)."""
+    try:  # the fast path: the buffers as they are, all taken at once
+        sent = sock.sendmsg(buffers, [], socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        sent = 0
     views = [view for view in (memoryview(b).cast("B") for b in buffers) if view.nbytes]
     while views:
+        while views and sent >= views[0].nbytes:
+            sent -= views.pop(0).nbytes
+        if not views:
+            return
+        views[0] = views[0][sent:]
+        if took is not None and sent:
+            took()
+        wait(sock, True, deadline)
         try:
             sent = sock.sendmsg(views, [], socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
             sent = 0
-        if sent and took is not None:
-            took()
-        while views and sent >= views[0].nbytes:
-            sent -= views.pop(0).nbytes
-        if views:
-            views[0] = views[0][sent:]
-            wait(sock, True, deadline)

@@ -332,12 +332,19 @@ def _accept_forever(server: socket.socket, name: str, start: Callable[[socket.so
     while True:
         try:
             sock, address = server.accept()
-            start(sock, address)
-        except (OSError, RuntimeError) as exc:  # RuntimeError: no thread could start
-            if server.fileno() < 0 or (isinstance(exc, OSError) and exc.errno in GONE):
+        except OSError as exc:
+            if server.fileno() < 0 or exc.errno in GONE:
                 return
+            failure: Exception | None = exc
+        else:
+            try:
+                start(sock, address)
+                failure = None
+            except Exception as exc:  # no thread could start (RuntimeError), no memory: waited out too
+                failure = exc
+        if failure is not None:
             if not failures:
-                log.error("%s port cannot take connections (%s); retrying", name, exc)
+                log.error("%s port cannot take connections (%s); retrying", name, failure)
             failures += 1
             pause = min(ACCEPT_PAUSE_S[1], max(ACCEPT_PAUSE_S[0], pause * 2))
             time.sleep(pause)
