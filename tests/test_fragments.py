@@ -395,6 +395,30 @@ def test_a_cached_fragment_changed_on_disk_is_hashed_and_fetched_again(
     assert file_sha256(hidden) == damaged[0].sha256
 
 
+def test_a_node_loading_its_stage_hashes_every_cached_fragment_and_fetches_a_damaged_one_again(
+    served: tuple[str, Path, Manifest], tmp_path: Path
+) -> None:
+    """A node's load step reads every fragment anyway, so it hashes them all: a cached layer
+    damaged in place with its size and modification time put back (its stamp still matches) is
+    downloaded again, and the stage loads from intact files."""
+    from seamline.mesh.node.loading import fetch_assignment
+    from seamline.mesh.node.process import NodeOptions
+    from seamline.net.messages import Assign
+
+    url, _, manifest = served
+    assign = Assign(plan_id=1, model_hash=manifest.model_hash, fragments_url=url, fragments_token=TOKEN,
+                    layers=(0, LAYERS), owns_embedding=True, owns_head=True, dtype="float32", context_length=64)  # fmt: skip
+    options = NodeOptions(node_id="n1", cache_dir=tmp_path / "node", progress=False)
+    assert fetch_assignment(None, assign, options)[1].fragments_from_cache == 0  # type: ignore[arg-type]
+    hidden = options.cache_dir / "fragments" / manifest.fragment("layer.2").sha256
+    times = hidden.stat().st_atime_ns, hidden.stat().st_mtime_ns
+    _flip_a_byte(hidden)
+    os.utime(hidden, ns=times)
+    _, report = fetch_assignment(None, assign, options)  # type: ignore[arg-type]
+    assert (report.fragments_downloaded, report.bytes_downloaded) == (1, manifest.fragment("layer.2").bytes)
+    assert file_sha256(hidden) == manifest.fragment("layer.2").sha256
+
+
 def _flip_a_byte(path: Path) -> None:
     with open(path, "r+b") as f:
         f.seek(path.stat().st_size // 2)

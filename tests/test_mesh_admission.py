@@ -176,7 +176,7 @@ def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
     sent: list[object] = []
     serving = threading.Event()
     serving.set()
-    coordinator = SimpleNamespace(on_tokens=None, on_failure=None, open_request=lambda *m: sent.append(m),
+    coordinator = SimpleNamespace(on_tokens=None, on_failure=None, open_request=lambda request, tokens: sent.append((request, tuple(tokens))),
                                   close_request=lambda request: sent.append(("close", request)),
                                   ready=serving, state="ready", plan_id=1)  # fmt: skip
     backend = MeshBackend(coordinator, None, "m", 64, max_requests=2)  # type: ignore[arg-type]

@@ -127,6 +127,38 @@ def test_prompts_that_arrive_together_share_forwards_in_chunks(tmp_path: Path) -
             offset += row.count
 
 
+def test_a_prompt_in_chunks_runs_as_the_whole_prompt(tmp_path: Path) -> None:
+    """The coordinator sends a long prompt in chunks (one control frame could not hold a prompt
+    near a long context): stage 0 runs it only once the last chunk is in, as if sent whole; a
+    prompt whose chunks pass the context fails its request alone."""
+    from seamline.net.frames import LIMITS, FrameType
+    from seamline.net.messages import PROMPT_CHUNK_TOKENS, encode_message
+
+    big = Prompt.chunks(7, [129279] * 163840)  # DeepSeek's largest ids at its 160k context
+    assert len(big) == 5 and [c.more for c in big] == [True] * 4 + [False]
+    assert max(len(encode_message(c)) for c in big) < LIMITS[FrameType.CONTROL] // 2
+    assert sum((c.tokens for c in big), ()) == (129279,) * 163840
+    stage = _stages(tmp_path)[0]
+    worker = StageWorker(stage, is_first=True, is_last=False, context_length=1024)
+    frames: Frames = []
+    worker.links.downstream = lambda rows, hidden, ids: frames.append((list(rows), hidden.clone()))
+    failed: list[tuple[list[int], Exception]] = []
+    worker.links.failed = lambda requests, exc: failed.append((requests, exc))
+    prompt = [(5 * i) % 60 + 1 for i in range(40)]
+    worker.open(Open(request=1, sampling=SamplingParams(max_tokens=8), prompt_len=40, context_length=1024))
+    for start, more in ((0, True), (15, True), (30, False)):
+        worker.prompt(Prompt(request=1, tokens=tuple(prompt[start : start + 15]), more=more))
+        time.sleep(0.05 if more else 0)
+        assert not frames or not more  # nothing runs before the last chunk
+    _wait_for(frames, 1)
+    assert [(row.position, row.count) for row in frames[0][0]] == [(0, 40)]
+    torch.testing.assert_close(frames[0][1], stage(torch.tensor(prompt), 0, stage.new_cache()), atol=1e-5, rtol=0)
+    worker.open(Open(request=2, sampling=SamplingParams(max_tokens=8), prompt_len=2048, context_length=1024))
+    for _ in range(2):
+        worker.prompt(Prompt(request=2, tokens=(3,) * min(PROMPT_CHUNK_TOKENS, 1024), more=True))
+    assert [requests for requests, _ in failed] == [[2]] and "context" in str(failed[0][1])
+
+
 class TwoStages:
     """Stage 0 and a last stage wired in one process as a mesh wires them over sockets."""
 

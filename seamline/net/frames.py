@@ -39,7 +39,20 @@ MAX_NDIM = 4
 
 
 class FrameError(Exception):
-    """A frame broke the wire format; the connection that sent it is closed."""
+    """A frame broke the wire format; the connection that sent it is closed (unless its
+    payload was read whole and the receiver trusts its peer to stay in step)."""
+
+
+class Desync(FrameError):
+    """A header that is no seamline frame's: nothing after it on that stream can be trusted."""
+
+
+class Oversized(FrameError):
+    """A well-formed header over the cap: its ``length`` payload bytes have not been read."""
+
+    def __init__(self, message: str, length: int) -> None:
+        super().__init__(message)
+        self.length = length
 
 
 class FrameType(enum.IntEnum):
@@ -116,15 +129,15 @@ def parse_header(data: bytes, limits: dict[FrameType, int] = LIMITS) -> tuple[Fr
     """Validate a header against ``limits`` (per type, bytes); return (type, payload length)."""
     magic, version, kind, length = HEADER.unpack(data)
     if magic != MAGIC:
-        raise FrameError(f"bad magic {magic!r}: not a seamline frame")
+        raise Desync(f"bad magic {magic!r}: not a seamline frame")
     if version != VERSION:
-        raise FrameError(f"protocol version {version} is not {VERSION}")
+        raise Desync(f"protocol version {version} is not {VERSION}")
     try:
         frame_type = FrameType(kind)
     except ValueError:
-        raise FrameError(f"unknown frame type {kind}") from None
+        raise Desync(f"unknown frame type {kind}") from None
     if length > limits[frame_type]:
-        raise FrameError(f"{frame_type.name} frame of {length} bytes exceeds the {limits[frame_type]} cap")
+        raise Oversized(f"{frame_type.name} frame of {length} bytes exceeds the {limits[frame_type]} cap", length)
     return frame_type, length
 
 

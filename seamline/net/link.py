@@ -231,6 +231,14 @@ class Link:
             got += n
         return buf
 
+    def discard(self, size: int) -> None:
+        """Read and drop ``size`` bytes (an oversized frame's payload from a peer trusted to stay
+        in step), a MiB at a time: nothing of that size is allocated."""
+        while size > 0:
+            step = min(size, 1 << 20)
+            self._read(step)
+            size -= step
+
     def __enter__(self) -> "Link":
         return self
 

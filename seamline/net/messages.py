@@ -262,8 +262,8 @@ class Ping(Message):
     ``pad`` its bandwidth."""
 
     kind: Literal["ping"] = "ping"
+    pad: str = ""  # before the nonce: a pong cannot leave before the whole pad has come
     nonce: int
-    pad: str = ""
 
 
 class Pong(Message):
@@ -305,10 +305,24 @@ class Open(Message):
     output_start: int | None = None  # where the request's output began (a replay's is before prompt_len)
 
 
+PROMPT_CHUNK_TOKENS = 32768  # a chunk's JSON stays far below the control cap (at most ~11 bytes a token)
+
+
 class Prompt(Message):
+    """Coordinator -> stage 0: a request's tokens, in chunks of at most ``PROMPT_CHUNK_TOKENS``
+    (a prompt near a long context would not fit one control frame); ``more``: chunks follow."""
+
     kind: Literal["prompt"] = "prompt"
     request: int
-    tokens: tuple[int, ...]
+    tokens: tuple[int, ...] = Field(max_length=PROMPT_CHUNK_TOKENS)
+    more: bool = False
+
+    @classmethod
+    def chunks(cls, request: int, tokens: list[int]) -> list[Prompt]:
+        """``tokens`` as the chunks that carry them, in order."""
+        step = PROMPT_CHUNK_TOKENS
+        parts = [tuple(tokens[i : i + step]) for i in range(0, max(len(tokens), 1), step)]
+        return [cls(request=request, tokens=part, more=i < len(parts) - 1) for i, part in enumerate(parts)]
 
 
 class Close(Message):

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from seamline.errors import RequestError
 from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open
 from seamline.params import SamplingParams
@@ -64,6 +65,7 @@ class PipelineHead:
                                    max_running=MAX_RUNNING, kv_budget_bytes=kv_budget_bytes,
                                    max_waiting=MAX_WAITING, forks=False)  # fmt: skip
         self._opened: dict[int, SamplingParams] = {}  # opened, prompt not yet here
+        self._partial: dict[int, list[int] | None] = {}  # prompts whose last chunk has not come (None: refused)
         self._output_start: dict[int, int] = {}  # by request: where its output began (Open.output_start)
         self._sequences: dict[int, Sequence] = {}
         self._requests: dict[Sequence, int] = {}
@@ -86,10 +88,30 @@ class PipelineHead:
             self._opened[msg.request] = msg.sampling
             self._output_start[msg.request] = msg.prompt_len if msg.output_start is None else msg.output_start
 
-    def prompt(self, request: int, tokens: list[int]) -> None:
-        self._post(lambda inbox: inbox.prompts.append((request, tokens)))
+    def prompt(self, request: int, tokens: list[int], more: bool = False) -> None:
+        """A chunk of ``request``'s prompt; the whole prompt joins the scheduler with its last
+        chunk. A prompt longer than the context fails its request alone."""
+        with self._cond:
+            before = self._partial.pop(request, [])
+            if before is None:  # refused already: its other chunks are dropped
+                if more:
+                    self._partial[request] = None
+                return
+            whole = before + tokens
+            if more:
+                fits = len(whole) < self.scheduler.context_length
+                self._partial[request] = whole if fits else None
+                if fits:
+                    return
+        if more:
+            self._fail([request], RequestError(f"request {request}'s prompt exceeds the context of "
+                                               f"{self.scheduler.context_length} tokens"))  # fmt: skip
+            return
+        self._post(lambda inbox: inbox.prompts.append((request, whole)))
 
     def close(self, request: int) -> None:
+        with self._cond:
+            self._partial.pop(request, None)
         self._post(lambda inbox: inbox.closed.append(request))
 
     def output(self, request: int, drawing: Drawing) -> list[int]:

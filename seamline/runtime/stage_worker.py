@@ -171,7 +171,7 @@ class StageWorker:
         """Stage 0: queue the prompt; the pipeline's scheduler runs it in chunks with other rows."""
         if self.head is None:
             raise OutOfStep(f"request {msg.request}: a prompt reached a stage that does not embed")
-        self.head.prompt(msg.request, list(msg.tokens))
+        self.head.prompt(msg.request, list(msg.tokens), msg.more)
 
     def tokens(self, frame: TokenFrame) -> None:
         """Stage 0: tokens sampled by the last stage come back to be embedded."""

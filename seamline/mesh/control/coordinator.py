@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from seamline.config import ModelConfig
-from seamline.errors import SeamlineError
+from seamline.errors import RequestError, SeamlineError
 from seamline.mesh.control.enrollment import Enrollment
 from seamline.mesh.control.fragment_server import PeerGate
 from seamline.mesh.control.invites import InviteBook
@@ -34,11 +34,11 @@ from seamline.mesh.control.peer_links import PeerLinks
 from seamline.mesh.control.relay import Relay
 from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.types import ModelSpec, Plan, StageAssignment
-from seamline.net.frames import FrameError, TokenFrame, TokenRow
+from seamline.net.frames import LIMITS, FrameError, FrameType, TokenFrame, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Close, Failure, Join, Linked, Loading, Message, Open, PeerLink, Pong, Prompt, Ready, RelayAccept, Renew,
-    Route, SpeedReady, SpeedSums, Stats, StatsRequest,
+    Route, SpeedReady, SpeedSums, Stats, StatsRequest, encode_message,
 )  # fmt: skip
 
 log = logging.getLogger("seamline.coordinator")
@@ -137,8 +137,8 @@ class Coordinator(Membership, Planning):
                 self._reported(handle, message)
             elif isinstance(message, Renew):
                 self._renew(handle, message)
-            elif isinstance(message, Pong):
-                handle.pongs.arrived(message.nonce)
+            elif isinstance(message, Pong) and not handle.pongs.arrived(message.nonce):
+                log.warning("refused node %s's pong %d: no such ping is waiting", handle.node_id, message.nonce)
             elif isinstance(message, PeerLink) and not self.peer_links.report(handle.node_id, message):
                 log.warning("ignored node %s's link report on %s: it was not asked", handle.node_id, message.peer_node)
             elif isinstance(message, (SpeedReady, SpeedSums)) and handle.speed_check is not None:
@@ -228,6 +228,8 @@ class Coordinator(Membership, Planning):
             handle.events.notify_all()
         if in_plan:
             self._replan(f"node {handle.node_id} left the mesh", reason)
+        elif self.plan is None:  # no plan could be made: perhaps one can without this node
+            self._maybe_plan()
 
     def _replan(self, event: str, detail: str) -> None:
         """The plan serves no more (``event``): plan again; requests in flight replay on the next."""
@@ -366,11 +368,17 @@ class Coordinator(Membership, Planning):
                 raise StartupError(f"the mesh is not ready: {self.state}")
             return [self.nodes[s.node_id] for s in self.plan.stages]
 
-    def open_request(self, open_msg: Open, prompt: Prompt) -> None:
-        """Stage 0 opens the session and passes it down the pipeline ahead of the frames."""
+    def open_request(self, open_msg: Open, tokens: list[int]) -> None:
+        """Stage 0 opens the session and passes it down the pipeline ahead of the frames; the
+        prompt follows in chunks. An Open larger than a node takes is the request's fault."""
+        size = len(encode_message(open_msg))
+        if size > LIMITS[FrameType.CONTROL]:
+            raise RequestError(f"the request's sampling parameters take {size} bytes, more than the "
+                               f"{LIMITS[FrameType.CONTROL]} a node takes in one message")  # fmt: skip
         stage0 = self.pipeline()[0]
         stage0.link.send_message(open_msg)
-        stage0.link.send_message(prompt)
+        for chunk in Prompt.chunks(open_msg.request, tokens):
+            stage0.link.send_message(chunk)
 
     def close_request(self, request: int) -> None:
         """Stage 0 frees the request and tells the later stages, in order with its frames."""

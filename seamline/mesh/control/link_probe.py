@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,10 @@ PINGS = 3
 PADDED_PINGS = 2
 PAD_BYTES = 256 << 10
 PONG_TIMEOUT_S = 5.0
+# What a link can physically be: a one-way latency between a microsecond (loopback) and 30 s,
+# a bandwidth between 1 kB/s and 100 GB/s. A measurement outside is noise or a lie: refused.
+LATENCY_BOUNDS_S = (1e-6, 30.0)
+BANDWIDTH_BOUNDS = (1e3, 1e11)
 
 
 @dataclass(frozen=True)
@@ -37,23 +42,45 @@ class Reach:
 def measure(link: Link, pongs: Pongs) -> PlanLink | None:
     """A node's link to the coordinator, over its control link (whose reader collects the pongs)."""
     try:
-        return measure_link(lambda nonce, pad: _round_trip(link, pongs, nonce, pad))
+        measured = measure_link(lambda nonce, pad: _round_trip(link, pongs, nonce, pad))
     except (LinkClosed, TimeoutError) as exc:
         log.warning("could not measure the link to %s: %s", link.name, exc)
         return None
+    refusal = unphysical(measured)
+    if refusal:
+        log.warning("refused the measurement of the link to %s: %s; planned as a default link", link.name, refusal)
+        return None
+    return measured
 
 
 def measure_link(round_trip: Callable[[int, str], float]) -> PlanLink:
     """One-way latency (half the fastest of a few round trips) and bandwidth (a padded ping's
-    extra time over a bare one). ``round_trip(nonce, pad)`` pings and times the pong."""
-    nonces = itertools.count(1)
-    bare = [round_trip(next(nonces), "") for _ in range(PINGS)]
-    padded = [round_trip(next(nonces), "x" * PAD_BYTES) for _ in range(PADDED_PINGS)]
+    extra time over a bare one). ``round_trip(nonce, pad)`` pings and times the pong. Nonces
+    are random, so no pong can be sent before its ping has come whole (``Ping`` puts the nonce
+    after the pad)."""
+    bare = [round_trip(new_nonce(), "") for _ in range(PINGS)]
+    padded = [round_trip(new_nonce(), "x" * PAD_BYTES) for _ in range(PADDED_PINGS)]
     rtt = min(bare)
-    return PlanLink(latency_s=rtt / 2, bandwidth_bytes_per_s=PAD_BYTES / max(min(padded) - rtt, 1e-6))
+    return PlanLink(latency_s=rtt / 2, bandwidth_bytes_per_s=PAD_BYTES / max(min(padded) - rtt, 1e-9))
+
+
+def new_nonce() -> int:
+    return secrets.randbits(62)
+
+
+def unphysical(link: PlanLink) -> str:
+    """Why ``link`` cannot be a real link's measurement ("" if it can)."""
+    low, high = LATENCY_BOUNDS_S
+    if not low <= link.latency_s <= high:
+        return f"a one-way latency of {link.latency_s * 1e3:.4f} ms is outside [{low * 1e3:g}, {high * 1e3:g}] ms"
+    low, high = BANDWIDTH_BOUNDS
+    if not low <= link.bandwidth_bytes_per_s <= high:
+        return f"a bandwidth of {link.bandwidth_bytes_per_s:.3g} B/s is outside [{low:g}, {high:g}] B/s"
+    return ""
 
 
 def _round_trip(link: Link, pongs: Pongs, nonce: int, pad: str) -> float:
+    pongs.expect(nonce)
     began = time.perf_counter()
     link.send_message(Ping(nonce=nonce, pad=pad))
     arrived = pongs.wait(nonce, PONG_TIMEOUT_S)

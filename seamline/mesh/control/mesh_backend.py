@@ -20,7 +20,7 @@ from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.mesh.control.coordinator import Coordinator, StartupError
 from seamline.net.link import LinkClosed
 from seamline.net.frames import RowFlag, TokenRow
-from seamline.net.messages import Open, Prompt
+from seamline.net.messages import Open
 from seamline.params import SamplingParams
 from seamline.runtime.sampling import DrawnToken, request_seed
 from seamline.runtime.backend import Readiness
@@ -33,13 +33,25 @@ class RequestFailed(SeamlineError):
 
 
 class RouteLost(RequestFailed):
-    """A node of the request's route left the mesh: the request is replayed on the next route."""
+    """A node of the request's route left the mesh (or the mesh re-planned, ``node_lost``
+    False): the request is replayed on the next route."""
+
+    def __init__(self, message: str, node_lost: bool = True) -> None:
+        super().__init__(message)
+        self.node_lost = node_lost
+
+
+class Implicated(RouteLost):
+    """The route was lost while this request was starting on it, as a request that makes a
+    node fail would see it."""
 
 
 MAX_REQUESTS = 320  # in flight at once (the single-process server: 64 running + 256 waiting)
 REPLAY_DEADLINE_S = 120.0  # a request whose route was lost waits this long for the mesh to serve again
 READY_POLL_S = 0.05
 MAX_REPLAYS = 8  # routes a request may lose before it fails
+SUSPECT_WINDOW_S = 2.0  # a node lost this soon after a request opened on it, before its first token...
+MAX_IMPLICATED = 2  # ...this many times: the request is ended, not replayed again
 log = logging.getLogger("seamline.coordinator")
 
 
@@ -75,7 +87,7 @@ class MeshBackend:
         spec = dataclasses.replace(params, seed=request_seed(params.seed), stop_strings=())  # stop strings stay here
         generated: list[int] = []
         lost_at: float | None = None
-        replays = 0
+        replays = implicated = 0
         while True:
             if not self.coordinator.ready.is_set():  # healing: wait for the route, as a replay does
                 lost_at = lost_at or time.monotonic()
@@ -87,6 +99,10 @@ class MeshBackend:
                 return
             except RouteLost as exc:
                 replays += 1
+                implicated += isinstance(exc, Implicated)
+                if implicated >= MAX_IMPLICATED:
+                    raise RequestFailed(f"{exc}; the nodes this request ran on failed as it started, "
+                                        f"{implicated} times: ended rather than replayed again") from None  # fmt: skip
                 if replays > MAX_REPLAYS:
                     raise RequestFailed(f"{exc}; the request lost its route {MAX_REPLAYS} times, given up") from None
                 lost_at = lost_at or time.monotonic()
@@ -110,14 +126,19 @@ class MeshBackend:
                 self.coordinator.open_request(
                     Open(request=request, sampling=sampling, prompt_len=len(tokens), context_length=self.context_length,
                          output_start=len(tokens) - generated),
-                    Prompt(request=request, tokens=tuple(tokens)),
+                    tokens,
                 )
             except (StartupError, LinkClosed) as exc:  # the route went between the check and the open
                 raise RouteLost(f"the mesh is not ready: {exc}") from None
+            opened, drew = time.monotonic(), False
             while True:
                 item = await queue.get()
+                if isinstance(item, RouteLost) and item.node_lost and not drew \
+                        and time.monotonic() - opened < SUSPECT_WINDOW_S:  # fmt: skip
+                    raise Implicated(str(item))
                 if isinstance(item, Exception):
                     raise item
+                drew = True
                 assert isinstance(item, TokenRow)
                 if item.flags & RowFlag.STOPPED:
                     return
@@ -144,9 +165,8 @@ class MeshBackend:
     def _fail(self, request: int | None, reason: str, blame: str) -> None:
         with self._lock:
             targets = list(self._waiting) if request is None else [request]
-        error = {"request": RequestError, "load": OverloadedError, "lost": RouteLost}.get(blame, RequestFailed)
         for target in targets:
-            self._put(target, error(reason))
+            self._put(target, _failure(reason, blame))
 
     def _put(self, request: int, item: object) -> None:
         with self._lock:
@@ -154,6 +174,14 @@ class MeshBackend:
         if waiting is not None:
             loop, queue = waiting
             loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+def _failure(reason: str, blame: str) -> Exception:
+    """What a failure report means for a request: its own fault, the load's, a route lost
+    (replayed: ``replanned`` when no node was lost), or a stage's failure."""
+    if blame == "lost" or blame == "replanned":
+        return RouteLost(reason, node_lost=blame == "lost")
+    return {"request": RequestError, "load": OverloadedError}.get(blame, RequestFailed)(reason)
 
 
 def _new_id(taken: dict[int, object]) -> int:

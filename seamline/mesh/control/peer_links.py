@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from seamline.mesh.control.link_probe import unphysical
 from seamline.mesh.plan.types import Link as PlanLink
 from seamline.net.messages import PeerLink
 
@@ -48,12 +49,11 @@ class PeerLinks:
         with self._cond:
             self._cond.wait_for(lambda: self._asked.get(key) is not None, timeout=timeout_s)
             report = self._asked.pop(key, None)
-        if report is None or report.error or report.latency_s <= 0 or report.bandwidth_bytes_per_s <= 0:
-            why = "no report" if report is None else report.error or "a non-positive measure"
+        link, why = _taken(report)
+        if link is None:
             log.warning("the link between %s and %s was not measured (%s): planned from their access links",
                         prober, peer, why)  # fmt: skip
             return None
-        link = PlanLink(latency_s=report.latency_s, bandwidth_bytes_per_s=report.bandwidth_bytes_per_s)
         with self._cond:
             self._measured[key] = link
             if relayed:
@@ -79,3 +79,13 @@ class PeerLinks:
             for key in [k for k in self._measured if node_id in k]:
                 del self._measured[key]
                 self._relayed.discard(key)
+
+
+def _taken(report: PeerLink | None) -> tuple[PlanLink | None, str]:
+    """The link a report measured, or None and why it is not taken (a failure, or a
+    measurement no real link gives: a member's word is checked against physics)."""
+    if report is None or report.error:
+        return None, report.error if report is not None else "no report"
+    link = PlanLink(latency_s=report.latency_s, bandwidth_bytes_per_s=report.bandwidth_bytes_per_s)
+    refusal = unphysical(link)
+    return (None, f"refused: {refusal}") if refusal else (link, "")

@@ -112,7 +112,7 @@ class Planning:
         log.info("planning %s in: predicted %.2fx the throughput; requests in flight replay", ", ".join(newcomers), gain)
         self.ready.clear()
         self.state = f"taking {', '.join(newcomers)} in"
-        self.on_failure(None, f"the mesh re-planned to take {', '.join(newcomers)} in", "lost")
+        self.on_failure(None, f"the mesh re-planned to take {', '.join(newcomers)} in", "replanned")
         self._switch_to(proposed)
 
     def _switch_to(self: Coordinator, chosen: Plan) -> None:

@@ -122,15 +122,23 @@ class Pongs:
     """When each Pong came back on a node's control link (its reader records them)."""
 
     def __init__(self) -> None:
-        self._arrived: dict[int, float] = {}
+        self._arrived: dict[int, float | None] = {}  # nonce of a ping sent -> when its pong came
         self._cond = threading.Condition()
 
-    def arrived(self, nonce: int) -> None:
+    def expect(self, nonce: int) -> None:
         with self._cond:
+            self._arrived[nonce] = None
+
+    def arrived(self, nonce: int) -> bool:
+        """Record a pong; False (ignored) unless its ping was sent and not yet answered."""
+        with self._cond:
+            if nonce not in self._arrived or self._arrived[nonce] is not None:
+                return False
             self._arrived[nonce] = time.perf_counter()
             self._cond.notify_all()
+            return True
 
     def wait(self, nonce: int, timeout_s: float) -> float | None:
         with self._cond:
-            self._cond.wait_for(lambda: nonce in self._arrived, timeout=timeout_s)
+            self._cond.wait_for(lambda: self._arrived.get(nonce) is not None, timeout=timeout_s)
             return self._arrived.pop(nonce, None)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ log = logging.getLogger(__name__)
 STAMP_SUFFIX = ".verified"
 PEER_CONNECT_TIMEOUT_S = 3.0  # a member's fragment port that does not answer by then is not asked again
 DISK_MARGIN_BYTES = 64 << 20  # left free beyond the fragments
+HASH_THREADS = 4
 
 
 class FetchError(SeamlineError):
@@ -95,7 +97,9 @@ def fetch_fragments(
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     unique = list({e.sha256: e for e in entries}.values())
-    todo = [e for e in unique if not _cached(e, cache, rehash)]
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:  # hashlib lets go of the GIL: files hash in parallel
+        intact = list(pool.map(lambda e: _cached(e, cache, rehash), unique))
+    todo = [e for e, ok in zip(unique, intact) if not ok]
     _make_room(cache, todo)
     report = FetchReport(fragments_from_cache=len(unique) - len(todo))
     total = sum(e.bytes for e in todo)

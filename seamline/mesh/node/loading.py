@@ -70,8 +70,10 @@ def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions, tls: 
     entries = fragments_for(manifest, assign.layers, assign.owns_embedding, assign.owns_head, experts)
     cache = options.cache_dir / "fragments"
     peers = assign.fragment_peers if tls is not None else []  # a member's certificate is their only key
+    # every cached fragment is hashed as it is read for loading (the read happens anyway): a file
+    # damaged in place, its size and modification time as before, is fetched again, never loaded
     report = fetch_fragments(assign.fragments_url, entries, cache, token=assign.fragments_token, progress=options.progress,
-                             verify=verify, peers=peers, on_progress=on_progress)  # fmt: skip
+                             verify=verify, peers=peers, on_progress=on_progress, rehash=True)  # fmt: skip
     folder = materialise(manifest, entries, cache, options.cache_dir / "stages" / options.node_id)
     log.info("layers [%d,%d): %d fragments, %d bytes downloaded (%d from peers), %d from cache", *assign.layers,
              len(entries), report.bytes_downloaded, report.bytes_from_peers, report.fragments_from_cache)  # fmt: skip

@@ -36,7 +36,7 @@ from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.membership import Membership
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe, probe_peer
-from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
+from seamline.net.frames import Desync, FrameError, HiddenFrame, Oversized, TokenFrame
 from seamline.net.link import Link, LinkClosed, accept_links, tune
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Forget, Fork, Heartbeat, Holding, Join, Linked, Loading,
@@ -116,7 +116,13 @@ class Node(Membership):
                 log.warning("node stops")
                 return
             except FrameError as exc:
-                log.error("coordinator sent a malformed frame (%s); node stops", exc)
+                if self._skip_bad_frame(exc):
+                    continue
+                self.control.close()
+                log.error("the coordinator's link is out of step (%s); this node rejoins", exc)
+                if self.rejoin():
+                    continue
+                log.warning("node stops")
                 return
             if isinstance(message, Heartbeat):  # answered here: never behind a busy stage
                 self._report_quietly(Heartbeat())
@@ -124,6 +130,21 @@ class Node(Membership):
                 self._report_quietly(Pong(nonce=message.nonce))
             elif isinstance(message, Message):
                 self._inbox.put(message)
+
+    def _skip_bad_frame(self, exc: FrameError) -> bool:
+        """A frame from the coordinator this node cannot take: refused, the link kept, when the
+        stream is still in step (a malformed message read whole, or one over the cap, whose
+        bytes are skipped); False when it is not (the link must be made again)."""
+        assert self.control is not None
+        if isinstance(exc, Desync):
+            return False
+        if isinstance(exc, Oversized):
+            try:
+                self.control.discard(exc.length)
+            except LinkClosed:
+                return False
+        log.error("refused a message from the coordinator: %s", exc)
+        return True
 
     def _server_context(self) -> ssl.SSLContext | None:
         return self.credentials.server if self.credentials else None
