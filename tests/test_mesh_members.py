@@ -146,13 +146,14 @@ def _forged(request: int) -> list[TokenRow]:
 
 
 def test_every_message_a_member_sends_fits_its_control_link_cap() -> None:
-    """Each kind of message a member sends, with every bounded field at its bound (and text of
-    characters JSON escapes to six bytes), fits the member control link's cap; a longer failure
-    reason is cut by the message, so a node never fails to report one."""
-    name, text, big, wide = "n" * 64, "\x00", 1 << 63, -1.2345678901234567e-300
+    """Each kind of message a member sends, with every bounded field at its bound (text of
+    characters JSON escapes to six bytes; a reason, made one line, of four-byte ones) fits the
+    member control link's cap; a longer reason is cut, its line breaks blanked, so a node never
+    fails to report one and no reason forges a log line."""
+    name, text, emoji, big, wide = "n" * 64, "\x00", "\U0001f600", 1 << 63, -1.2345678901234567e-300
     largest = [
-        Failure(request=big, reason=text * MAX_REASON, blame="request", plan_id=big, suspect=name),
-        PeerLink(peer_node=name, latency_s=wide, bandwidth_bytes_per_s=wide, error=text * MAX_REASON),
+        Failure(request=big, reason=emoji * MAX_REASON, blame="request", plan_id=big, suspect=name),
+        PeerLink(peer_node=name, latency_s=wide, bandwidth_bytes_per_s=wide, error=emoji * MAX_REASON),
         Stats(node_id=name, decode_steps=big, decode_seconds=wide, refused_frames=big, sequences=big, kv_bytes=big,
               kept_kv_bytes=big, micro_batches=big, link_bytes={f"{i:064d}": big for i in range(64)}),
         SpeedSums(sums=[wide] * 1024), Renew(csr=text * 4096), SpeedReady(), Heartbeat(), Pong(nonce=big),
@@ -164,6 +165,7 @@ def test_every_message_a_member_sends_fits_its_control_link_cap() -> None:
     sizes = {m.kind: len(encode_message(m)) - HEADER.size for m in largest}  # type: ignore[attr-defined]
     assert max(sizes.values()) <= MEMBER_LIMITS[FrameType.CONTROL], sizes
     assert len(Failure(reason="x" * (10 * MAX_REASON)).reason) == MAX_REASON
+    assert Failure(reason="stage failed\n2030-01-01 forged line\r").reason == "stage failed 2030-01-01 forged line "
 
 
 def test_only_the_drawing_stage_writes_a_clients_answer(members: Members) -> None:

@@ -18,6 +18,7 @@ from seamline.params import SamplingParams
 PROTOCOL_VERSION = 1
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what a node id may be: no log line or console event can be forged by one
 MAX_REASON = 2048  # a failure's or error's text, in characters: a longer one is cut, never refused
+_LINE_BREAKING = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # control characters, line separators
 
 
 def node_id_refusal(node_id: str) -> str:
@@ -28,7 +29,8 @@ def node_id_refusal(node_id: str) -> str:
 
 
 def _clip(text: object) -> object:
-    return text[:MAX_REASON] if isinstance(text, str) else text
+    """A member's free text, cut to ``MAX_REASON`` and made one line: it is logged as it is."""
+    return _LINE_BREAKING.sub(" ", text[:MAX_REASON]) if isinstance(text, str) else text
 
 
 # Fields of what members send the coordinator are bounded, so the largest member message fits

@@ -163,7 +163,7 @@ class Coordinator(Membership, Planning):
         """A node's failure report: its own start-up, or a request it serves. A node outside the
         plan serves no request, so its reports end none; only stage 0 and the drawing stage may
         end one (``member_gate``), another stage's report replays it."""
-        log.warning("node %s reports: %r", handle.node_id, message.reason)
+        log.warning("node %s reports: %s", handle.node_id, message.reason)  # one line: ``messages.Reason``
         if message.plan_id is not None:
             self._group_broke(handle, message)
             return
