@@ -74,6 +74,9 @@ def _add_serve_command(sub: Any) -> None:
                        help="seconds a request whose node was lost waits for the mesh to serve again, then fails")
     serve.add_argument("--heartbeat-timeout", type=float, default=3.0,
                        help="seconds a node may stay silent before it is taken for lost (its requests replay)")
+    serve.add_argument("--verify-fraction", type=_fraction, default=0.0,
+                       help="follow this fraction of requests through the coordinator's own copy of the model, "
+                            "holding their tokens until they check out (0: only the start-up check)")
     serve.add_argument("--kv-cache-memory", type=float, default=0.0,
                        help="GiB of KV cache the first stage (or --single) admits requests into "
                             "(0: 80%% of the memory free at start); a request that cannot fit is refused")
@@ -266,11 +269,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            tensor_parallel=args.tensor_parallel, transport=args.transport,
                            gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches,
                            replay_deadline_s=args.replay_deadline, heartbeat_timeout_s=args.heartbeat_timeout,
-                           insecure_comm=args.insecure_comm,
+                           insecure_comm=args.insecure_comm, verify_fraction=args.verify_fraction,
                            state_dir=Path(args.state_dir) if args.state_dir else None,
                            kv_cache_bytes=_gib(args.kv_cache_memory))  # fmt: skip
     api = api_options(args)
     return run_serve(replace(options, tls_certificate=api.certificate_pem()), api)
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a fraction is in [0, 1], not {text}")
+    return value
 
 
 def _gib(value: float) -> int:

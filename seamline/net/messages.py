@@ -183,6 +183,7 @@ class Assign(Message):
     link_key: str = ""  # this plan's key for data links between its stages
     upstream_node: str = ""  # the node that may send this stage hidden frames ("" for stage 0)
     last_node: str = ""  # stage 0 of several: the last stage, which sends it tokens
+    digest_seed: int = 0  # report a digest of every row received and computed (``Digests``); 0: none
 
 
 class Descriptor(Message):
@@ -398,11 +399,45 @@ class Revoked(Message):
     node_ids: list[str]
 
 
+class Probe(Message):
+    """Coordinator -> a loaded stage, before its route is published: run these rows at positions
+    0.. on a fresh cache and answer their digest (``runtime.digest``, under ``seed``). ``hidden``:
+    the boundary tensor's bytes in the stage's dtype, base64 (empty for a stage that embeds)."""
+
+    kind: Literal["probe"] = "probe"
+    plan_id: int
+    probe: int
+    seed: int
+    ids: list[int] = Field(max_length=64)
+    hidden: str = ""
+
+
+class ProbeResult(Message):
+    kind: Literal["probe_result"] = "probe_result"
+    probe: int
+    digest: str = Field(max_length=4096)  # ``digest.pack`` of [1, 1, DIGEST_WIDTH]
+    error: Reason = ""
+
+
+MAX_DIGEST_ROWS = 128  # rows a Digests message carries: well within a member's control cap
+
+
+class Digests(Message):
+    """A stage's digests of the rows of one step (``Assign.digest_seed``): for each row
+    (request, position, count), what came in and what it computed (``digest.pack`` of
+    [rows, 2, DIGEST_WIDTH]; zeros for stage 0's input, which is token ids)."""
+
+    kind: Literal["digests"] = "digests"
+    plan_id: int
+    rows: list[tuple[int, int, int]] = Field(max_length=MAX_DIGEST_ROWS)
+    digests: str = Field(max_length=MAX_DIGEST_ROWS * 2 * 16 * 4 * 4 // 3 + 8)
+
+
 AnyMessage = Annotated[
     Union[Challenge, Join, Attach, Rejoin, Attached, Renew, Certificate, RelayAccept, MeasurePeer, PeerLink, Ping, Pong, SpeedProbe,
           SpeedReady, SpeedSums, DataHello, ProbeHello,
           Welcome, Refuse, Assign, Ready, Loading, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure, StatsRequest,
-          Stats, Heartbeat, Revoked],
+          Stats, Heartbeat, Revoked, Probe, ProbeResult, Digests],
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)

@@ -30,6 +30,7 @@ from seamline.model.cache import Span
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
+from seamline.runtime import digest
 from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.pipeline_head import PipelineHead
 from seamline.runtime.sampling import draw, finish_reason, request_seed
@@ -74,6 +75,7 @@ class StageLinks:
     stage0: SendTokens | None = None  # last stage -> stage 0 (tokens)
     results: SendTokens | None = None  # last stage -> coordinator (tokens)
     failed: Callable[[list[int], Exception], None] | None = None  # stage 0 could not run these requests
+    digests: Callable[[list[tuple[int, int, int]], torch.Tensor], None] | None = None  # rows, their digests
 
 
 class StageWorker:
@@ -94,6 +96,7 @@ class StageWorker:
         self.decode_seconds = 0.0
         self.micro_batches = 1  # the pipeline's stage count (set by the route)
         self.masks: TokenMasks | None = None  # the last stage's grammars, where it holds the tokenizer
+        self.digest_seed = 0  # report every row's digests under this seed (0: none): the coordinator checks them
         context = context_length or stage.config.max_position_embeddings
         self.head = PipelineHead(self, context, kv_budget_bytes) if is_first else None
 
@@ -236,6 +239,8 @@ class StageWorker:
         if all(w.row.count == 1 for w in work):
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started
+        if self.digest_seed and self.links.digests is not None:
+            self.links.digests([(w.row.request, w.row.position, w.row.count) for w in work], self._digests(work, inputs, out))
         if not self.is_last:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
             self.links.downstream([w.row for w in work], out, ids)
@@ -249,6 +254,22 @@ class StageWorker:
         return sampled if self.is_first else []
 
     # -- internals ----------------------------------------------------------------------
+    def _digests(self, work: list[Work], inputs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """[rows, 2, DIGEST_WIDTH]: each row's input (none at stage 0: token ids) and output (the
+        last stage: its last position's logits) as the coordinator's check computes them."""
+        result = torch.zeros(len(work), 2, digest.DIGEST_WIDTH)
+        offset = 0
+        for i, w in enumerate(work):
+            rows = slice(offset, offset + w.row.count)
+            if not self.is_first:
+                result[i, 0] = digest.digest(inputs[rows], w.row.position, self.digest_seed)
+            if self.is_last:
+                result[i, 1] = digest.digest(out[i : i + 1], w.row.position + w.row.count - 1, self.digest_seed)
+            else:
+                result[i, 1] = digest.digest(out[rows], w.row.position, self.digest_seed)
+            offset += w.row.count
+        return result
+
     def _ids(self, work: list[Work], inputs: torch.Tensor) -> torch.Tensor:
         """The rows' token ids: stage 0's inputs are the ids; later stages got them in the frame."""
         if self.is_first:

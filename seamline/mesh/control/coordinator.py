@@ -31,14 +31,18 @@ from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.mesh_status import describe
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.control.peer_links import PeerLinks
+from seamline.mesh.control.reference import Reference
 from seamline.mesh.control.relay import Relay
+from seamline.mesh.control.stage_checks import PROBE_TIMEOUT_S, StageFailedCheck, check_stages
+from seamline.mesh.control.verify import CheckedStage, Verifier
 from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.types import ModelSpec, Plan, StageAssignment
+from seamline.runtime.grammar import TokenMasks
 from seamline.net.frames import LIMITS, FrameError, FrameType, TokenFrame, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Close, Failure, Join, Linked, Loading, Message, Open, PeerLink, Pong, Prompt, Ready, RelayAccept, Renew,
-    Route, SpeedReady, SpeedSums, Stats, StatsRequest, encode_message,
+    PROTOCOL_VERSION, Assign, Close, Digests, Failure, Join, Linked, Loading, Message, Open, PeerLink, Pong, Probe,
+    ProbeResult, Prompt, Ready, RelayAccept, Renew, Route, SpeedReady, SpeedSums, Stats, StatsRequest, encode_message,
 )  # fmt: skip
 
 log = logging.getLogger("seamline.coordinator")
@@ -65,6 +69,8 @@ class CoordinatorOptions:
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
     heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
     state_dir: Path | None = None  # removed members are kept here
+    package_dir: Path | None = None  # the packaged model: stages are checked against it (None: unchecked)
+    verify_fraction: float = 0.0  # of requests followed through the coordinator's copy (``verify``)
 
 
 TokenSink = Callable[[list[TokenRow]], None]
@@ -94,6 +100,9 @@ class Coordinator(Membership, Planning):
         self.in_flight: Callable[[int], bool] = lambda request: False  # the backend's: a client waits on it
         self.refusals = Refusals()  # what members sent that was not theirs to say
         self.fragment_gate: PeerGate | None = None  # the fragment port's, over TLS (``serve.Mesh``)
+        reference = Reference(options.package_dir, options.dtype) if options.package_dir else None
+        self.verifier = Verifier(reference, options.verify_fraction, lambda rows: self.on_tokens(rows),
+                                 self._expel, masks=_masks(options.package_dir))  # fmt: skip
         self._server: socket.socket | None = None
         self._fragment_tokens: dict[str, str] = {}  # node id -> its bearer token for fragment downloads
         self.link_key = ""  # the current plan's
@@ -143,6 +152,12 @@ class Coordinator(Membership, Planning):
                 log.warning("ignored node %s's link report on %s: it was not asked", handle.node_id, message.peer_node)
             elif isinstance(message, (SpeedReady, SpeedSums)) and handle.speed_check is not None:
                 handle.speed_check.answer(message)
+            elif isinstance(message, Digests):
+                self.verifier.digests(handle.node_id, message)
+            elif isinstance(message, ProbeResult):
+                with handle.events:
+                    handle.probe_result = message
+                    handle.events.notify_all()
 
     def _take_tokens(self, handle: NodeHandle, frame: TokenFrame) -> None:
         """Tokens go to their clients only from the node that draws them on the current plan,
@@ -157,7 +172,7 @@ class Coordinator(Membership, Planning):
             self.refusals.refuse(handle.node_id, "tokens for requests not in flight", len(frame.rows) - len(rows),
                                  logging.INFO)  # fmt: skip
         if rows:
-            self.on_tokens(rows)
+            self.verifier.tokens(rows)  # held until checked, for a request the coordinator follows
 
     def _reported(self, handle: NodeHandle, message: Failure) -> None:
         """A node's failure report: its own start-up, or a request it serves. A node outside the
@@ -252,6 +267,7 @@ class Coordinator(Membership, Planning):
                 self.state = f"loading layers [{stage.start},{stage.end}) on {', '.join(stage.members())}"
                 senders = _senders(plan, index)
                 self._assign_stage(stage, plan_id, link_key, senders)
+            self._check_stages(plan, plan_id, handles)
             forks = all(len(s.members()) == 1 for s in plan.stages)  # a lockstep group's caches are not copied
             for index in reversed(range(len(handles))):
                 self._current(plan_id)
@@ -267,8 +283,37 @@ class Coordinator(Membership, Planning):
                 return
             self.state = "ready"
             self._failed_starts = 0
+            self.verifier.plan([CheckedStage((s.start, s.end), s.members()) for s in plan.stages])
             self.ready.set()
         log.info("route published: %s", " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in plan.stages))
+
+    def _check_stages(self, plan: Plan, plan_id: int, leaders: list[NodeHandle]) -> None:
+        """READY means loaded: every stage computes a probe as the coordinator's copy does
+        (``stage_checks``); a stage that does not is removed from the mesh."""
+        if self.verifier.reference is None:
+            return
+        self.state = "checking what every stage computes"
+        try:
+            check_stages(self.verifier.reference, plan, plan_id, leaders, self._ask_probe)
+        except StageFailedCheck as exc:
+            self._expel(list(exc.nodes), f"it failed the start-up check: {exc}")
+            raise StartupError(f"{', '.join(exc.nodes)} failed the start-up check: {exc}") from None
+        finally:
+            self.verifier.reference.keep_only([])
+
+    def _ask_probe(self, handle: NodeHandle, probe: Probe) -> ProbeResult:
+        with handle.events:
+            handle.probe_result = None
+        handle.link.send_message(probe)
+        answered = lambda: handle.probe_result if handle.probe_result and handle.probe_result.probe == probe.probe else None  # noqa: E731
+        return self._wait(handle, answered, "PROBE RESULT", PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
+
+    def _expel(self, nodes: list[str], reason: str) -> None:
+        """Members found computing something else than their layers: removed (``remove_node``)."""
+        for node in nodes:
+            log.error("removing node %s: %s", node, reason)
+            self.verifier.expelled.append(node)
+            self.remove_node(node)
 
     def _fragment_peers(self, handle: NodeHandle) -> list[str]:
         """The other members' fragment URLs (over TLS only: a member certificate is their key), of
@@ -305,9 +350,15 @@ class Coordinator(Membership, Planning):
                                             transport=self._transport(members),
                                             gate_timeout_s=self.options.gate_timeout_s,
                                             kv_cache_bytes=self.options.kv_cache_bytes, link_key=link_key,
-                                            upstream_node=senders[0], last_node=senders[1]))  # fmt: skip
+                                            upstream_node=senders[0], last_node=senders[1],
+                                            digest_seed=self.verifier.seed))  # fmt: skip
         for rank, handle in enumerate(members):
-            ready = self._wait(handle, lambda h=handle: h.ready, "READY")  # type: ignore[misc]
+            try:
+                ready = self._wait(handle, lambda h=handle: h.ready, "READY")  # type: ignore[misc]
+            except StartupError:
+                if handle.failure is not None:  # it could not load what it claimed room for: believed less
+                    handle.memory_cap = min(handle.memory_cap or s.predicted_bytes, s.predicted_bytes // 2)
+                raise
             d = ready.descriptor
             expected = (plan_id, self.model_hash, (s.start, s.end), self.options.dtype, PROTOCOL_VERSION,
                         (rank, len(members)))  # fmt: skip
@@ -376,12 +427,14 @@ class Coordinator(Membership, Planning):
             raise RequestError(f"the request's sampling parameters take {size} bytes, more than the "
                                f"{LIMITS[FrameType.CONTROL]} a node takes in one message")  # fmt: skip
         stage0 = self.pipeline()[0]
+        self.verifier.opened(open_msg, tokens)
         stage0.link.send_message(open_msg)
         for chunk in Prompt.chunks(open_msg.request, tokens):
             stage0.link.send_message(chunk)
 
     def close_request(self, request: int) -> None:
         """Stage 0 frees the request and tells the later stages, in order with its frames."""
+        self.verifier.closed(request)
         try:
             stage0 = self.pipeline()[0]
         except StartupError:
@@ -437,6 +490,12 @@ def choose_transport(requested: str, cuda: bool, hosts: set[str], insecure_comm:
 
 
 __all__ = ["Coordinator", "CoordinatorOptions", "StartupError", "Message"]
+
+
+def _masks(package_dir: Path | None) -> TokenMasks | None:
+    """The grammars of followed requests, matched with the packaged tokenizer."""
+    tokenizer = package_dir / "tokenizer.json" if package_dir else None
+    return TokenMasks(lambda: tokenizer.read_text()) if tokenizer is not None and tokenizer.is_file() else None  # type: ignore[union-attr]
 
 
 def _host(host: str) -> str:

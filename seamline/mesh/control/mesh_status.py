@@ -32,6 +32,7 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
             "stages": stages, "nodes": nodes, "relayed_links": coordinator.relay.pairs,
             "links": coordinator.peer_links.describe(),
             "refused_from_members": dict(coordinator.refusals.counts),  # tokens and reports not theirs to send
+            "verification": coordinator.verifier.describe(),
             "predicted_ms_per_token": plan.predicted_s_per_token * 1e3 if plan else None,
             "pace_ms": pace(plan) * 1e3 if plan else None,  # per token under load (what planning compares)
             "model": coordinator.model.name}  # fmt: skip

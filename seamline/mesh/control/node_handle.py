@@ -12,7 +12,7 @@ from seamline.mesh.plan.types import Link as PlanLink
 from seamline.mesh.plan.cores import Placement
 from seamline.mesh.plan.types import NodeInfo
 from seamline.net.link import Link
-from seamline.net.messages import Join, Loading, Ready, Stats
+from seamline.net.messages import Join, Loading, ProbeResult, Ready, Stats
 
 
 @dataclass
@@ -32,6 +32,8 @@ class NodeHandle:
     believed_rate: float | None = None  # its claimed speed, or what the probe measured when far below it
     checked: bool = False  # its link measured and its speed checked: it may be planned
     last_heard: float = field(default_factory=time.monotonic)  # when it last sent anything (heartbeats)
+    probe_result: ProbeResult | None = None  # its answer to the start-up check's probe
+    memory_cap: int | None = None  # it failed to load this much: planned with less than it claimed
 
     @property
     def node_id(self) -> str:
@@ -42,7 +44,8 @@ class NodeHandle:
         (``plan.cores``), which scales its measured rate."""
         r = self.join.resources
         rate = (self.believed_rate or r.bytes_per_second) * core_share
-        return NodeInfo(self.node_id, r.free_memory_bytes, rate, f"{self.join.data_host}:{self.join.data_port}",
+        memory = min(r.free_memory_bytes, self.memory_cap) if self.memory_cap is not None else r.free_memory_bytes
+        return NodeInfo(self.node_id, memory, rate, f"{self.join.data_host}:{self.join.data_port}",
                         r.device)  # fmt: skip
 
     def placement(self) -> Placement:

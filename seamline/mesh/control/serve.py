@@ -54,6 +54,7 @@ class ServeOptions:
     gate_timeout_s: float = 30.0
     replay_deadline_s: float = 120.0  # a request whose route was lost waits this long for the mesh to serve again
     heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
+    verify_fraction: float = 0.0  # of requests the coordinator follows through its own copy (``verify``)
     insecure_comm: bool = False  # --transport torch may run between hosts
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
@@ -129,7 +130,8 @@ def build_mesh(options: ServeOptions) -> Mesh:
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
         transport=options.transport, gate_timeout_s=options.gate_timeout_s, insecure_comm=options.insecure_comm,
         micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes,
-        heartbeat_timeout_s=options.heartbeat_timeout_s, state_dir=state_dir), authority)  # fmt: skip
+        heartbeat_timeout_s=options.heartbeat_timeout_s, state_dir=state_dir, package_dir=package_dir,
+        verify_fraction=options.verify_fraction), authority)  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s)
 

@@ -31,6 +31,7 @@ from seamline.mesh.control.claims import block_sums, probe_matrix
 from seamline.mesh.control.fragment_server import PeerGate
 from seamline.mesh.control.invite import Invite
 from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
+from seamline.mesh.node.checks import digest_reporter, probe_result
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_from
 from seamline.mesh.node.fetch import FetchReport
@@ -40,7 +41,7 @@ from seamline.net.frames import Desync, FrameError, HiddenFrame, Oversized, Toke
 from seamline.net.link import Link, LinkClosed, accept_links, tune
 from seamline.net.messages import (
     PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Forget, Fork, Heartbeat, Holding, Join, Linked, Loading,
-    MeasurePeer, Message, Open, Ping, Pong, Prompt, Ready, RelayAccept, Revoked, Route, SpeedProbe, SpeedReady,
+    MeasurePeer, Message, Open, Ping, Pong, Probe, Prompt, Ready, RelayAccept, Revoked, Route, SpeedProbe, SpeedReady,
     SpeedSums, Stats, StatsRequest,
 )  # fmt: skip
 from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
@@ -169,6 +170,8 @@ class Node(Membership):
                 self.worker.prompt(message)  # queued for stage 0's scheduler
             elif isinstance(message, Close) and self.worker:
                 self.worker.close(message)
+            elif isinstance(message, Probe) and self.worker and self.control:
+                self.control.send_message(probe_result(self.worker, message))
             elif isinstance(message, StatsRequest) and self.worker and self.control:
                 w = self.worker
                 sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
@@ -267,6 +270,9 @@ class Node(Membership):
                 self.worker.masks = TokenMasks(lambda: (folder / "tokenizer.json").read_text())
             self.worker.links.results = lambda rows: self.control.send_tokens(rows)  # type: ignore[union-attr]  # the link of now
             self.worker.links.failed = self._batch_failed
+            if assign.digest_seed:  # the coordinator checks what this stage computes
+                self.worker.digest_seed = assign.digest_seed
+                self.worker.links.digests = digest_reporter(assign.plan_id, self._report_quietly)
         descriptor = Descriptor(node_id=self.options.node_id, plan_id=assign.plan_id, model_hash=assign.model_hash,
                                 layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION,
                                 shard=assign.shard)  # fmt: skip

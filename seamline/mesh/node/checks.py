@@ -1,0 +1,49 @@
+"""A node's side of the coordinator's checks (``mesh.control.verify``): answering a start-up
+probe with the digest of what its stage computes, and reporting the digests of every row it
+runs when the plan asks (``Assign.digest_seed``)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable
+
+import torch
+
+from seamline.net.messages import MAX_DIGEST_ROWS, Digests, Message, Probe, ProbeResult
+from seamline.runtime import digest
+from seamline.runtime.stage_worker import StageWorker
+
+
+def probe_result(worker: StageWorker, probe: Probe) -> ProbeResult:
+    """Run the probe's rows through this node's stage on a fresh cache; their digest."""
+    stage = worker.stage
+    ids = torch.tensor(probe.ids, dtype=torch.long)
+    hidden = None
+    if probe.hidden:
+        raw = bytearray(base64.b64decode(probe.hidden.encode(), validate=True))
+        shape = (len(probe.ids), *stage.boundary_shape)
+        width = torch.empty(0, dtype=stage.compute_dtype).element_size()
+        if len(raw) != width * len(probe.ids) * _numel(shape[1:]):
+            return ProbeResult(probe=probe.probe, digest="", error=f"a probe of {len(raw)} bytes does not fit {shape}")
+        hidden = torch.frombuffer(raw, dtype=stage.compute_dtype).view(shape)
+    with worker.lock:
+        output, start = digest.probe_output(stage, ids, hidden)
+    return ProbeResult(probe=probe.probe, digest=digest.pack(digest.digest(output, start, probe.seed).view(1, 1, -1)))
+
+
+def digest_reporter(plan_id: int, send: Callable[[Message], None]) -> Callable[[list[tuple[int, int, int]], torch.Tensor], None]:
+    """What a stage calls with each step's rows and digests: Digests messages, a bounded number of rows each."""
+
+    def report(rows: list[tuple[int, int, int]], digests: torch.Tensor) -> None:
+        for at in range(0, len(rows), MAX_DIGEST_ROWS):
+            part = slice(at, at + MAX_DIGEST_ROWS)
+            send(Digests(plan_id=plan_id, rows=rows[part], digests=digest.pack(digests[part])))
+
+    return report
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
