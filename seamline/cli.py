@@ -74,6 +74,9 @@ def _add_serve_command(sub: Any) -> None:
                        help="seconds a request whose node was lost waits for the mesh to serve again, then fails")
     serve.add_argument("--heartbeat-timeout", type=float, default=3.0,
                        help="seconds a node may stay silent before it is taken for lost (its requests replay)")
+    serve.add_argument("--private", action="store_true",
+                       help="keep the embedding, the head and sampling on this machine's own node (the route's two "
+                            "ends): members hold only layers between and see no token id, prompt or answer")
     serve.add_argument("--verify-fraction", type=_fraction, default=0.0,
                        help="follow this fraction of requests through the coordinator's own copy of the model, "
                             "holding their tokens until they check out (0: only the start-up check)")
@@ -270,6 +273,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches,
                            replay_deadline_s=args.replay_deadline, heartbeat_timeout_s=args.heartbeat_timeout,
                            insecure_comm=args.insecure_comm, verify_fraction=args.verify_fraction,
+                           private=args.private,
                            state_dir=Path(args.state_dir) if args.state_dir else None,
                            kv_cache_bytes=_gib(args.kv_cache_memory))  # fmt: skip
     api = api_options(args)

@@ -59,8 +59,9 @@ class MeshProcesses:
         verify = ssl.create_default_context(cafile=self.tls_certificate) if self.tls_certificate else True
         return httpx.Client(headers={"Authorization": f"Bearer {self.api_key}"}, verify=verify, timeout=120)
 
-    def start(self, join: bool = True) -> "MeshProcesses":
-        args = ["serve", "--no-local-node", "--nodes-expected", str(self.nodes), "--port", str(self.port),
+    def start(self, join: bool = True, local_node: bool = False) -> "MeshProcesses":
+        """``local_node``: `serve` runs its own node too (one of ``nodes``), as a user's does."""
+        args = ["serve", *(() if local_node else ("--no-local-node",)), "--nodes-expected", str(self.nodes), "--port", str(self.port),
                 "--control-port", str(self.control_port), "--fragments-port", str(self.fragments_port),
                 *self.serve_args]  # fmt: skip
         if self.model:

@@ -22,6 +22,7 @@ the receiver refuses a row whose position or prefix hash is out of step with its
 from __future__ import annotations
 
 import enum
+import hashlib
 import struct
 from dataclasses import dataclass, replace
 
@@ -114,9 +115,16 @@ class TokenFrame:
     rows: tuple[TokenRow, ...]
 
 
-def prefix_hash(previous: int, tokens: list[int]) -> int:
-    """Rolling 64-bit FNV-1a style hash of a token prefix."""
+def prefix_hash(previous: int, tokens: list[int], key: bytes | None = None) -> int:
+    """Rolling 64-bit FNV-1a style hash of a token prefix. With ``key`` a keyed BLAKE2b chain
+    instead: FNV steps can be undone, so from two hashes a peer would read the token between
+    them; without the key it reads nothing (a private mesh's rows, ``--private``)."""
     value = previous
+    if key is not None:
+        for token in tokens:
+            step = hashlib.blake2b(struct.pack("<Qq", value, token), key=key, digest_size=8).digest()
+            value = int.from_bytes(step, "little")
+        return value
     for token in tokens:
         value = ((value ^ (token + 1)) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
     return value

@@ -184,6 +184,9 @@ class Assign(Message):
     upstream_node: str = ""  # the node that may send this stage hidden frames ("" for stage 0)
     last_node: str = ""  # stage 0 of several: the last stage, which sends it tokens
     digest_seed: int = 0  # report a digest of every row received and computed (``Digests``); 0: none
+    # A private mesh (``--private``): this node, the coordinator's own, is also the last stage, holding
+    # the layers ``tail`` and the head, and draws; the members between see no token id.
+    tail: tuple[int, int] | None = None
 
 
 class Descriptor(Message):
@@ -196,6 +199,7 @@ class Descriptor(Message):
     dtype: str = Field(max_length=32)
     protocol_version: int
     shard: tuple[int, int] = (0, 1)
+    tail: tuple[int, int] | None = None  # a private mesh's last layers, held beside ``layers``
 
 
 class Ready(Message):
@@ -363,6 +367,7 @@ class Failure(Message):
     blame: Literal["node", "request", "load"] = "node"  # a stage failed / the request is invalid / too busy
     plan_id: int | None = None
     suspect: NodeName | None = None
+    room_bytes: int | None = None  # a stage it could not load: the memory it has (planned with no more)
 
 
 class StatsRequest(Message):
@@ -408,6 +413,7 @@ class Probe(Message):
     plan_id: int
     probe: int
     seed: int
+    layers: tuple[int, int] | None = None  # which of the node's stages (a private mesh's holds two)
     ids: list[int] = Field(max_length=64)
     hidden: str = ""
 
@@ -429,6 +435,7 @@ class Digests(Message):
 
     kind: Literal["digests"] = "digests"
     plan_id: int
+    layers: tuple[int, int] = (0, 0)  # the stage that computed them (a private mesh's node has two)
     rows: list[tuple[int, int, int]] = Field(max_length=MAX_DIGEST_ROWS)
     digests: str = Field(max_length=MAX_DIGEST_ROWS * 2 * 16 * 4 * 4 // 3 + 8)
 

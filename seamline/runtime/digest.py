@@ -76,7 +76,7 @@ def unpack(text: str, rows: int, per_row: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.float32).view(rows, per_row, DIGEST_WIDTH)
 
 
-def probe_output(stage: Stage | object, ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+def probe_output(stage: object, ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """A probe's output and the position of its first row: every row of the probe at positions
     0.. on a fresh cache, or where the stage has the head, the last row's logits (all that a
     lockstep group's head gathers)."""

@@ -78,6 +78,7 @@ class PipelineHead:
         self._forget_later: set[int] = set()
         self.scheduler.on_free = self._freed
         self._inbox = Inbox()
+        self.hash_key: bytes | None = None  # rows' prefix hashes keyed (a private mesh: members read no token from them)
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -120,6 +121,18 @@ class PipelineHead:
         if sequence is None:
             return []
         return sequence.known(drawing.output_start, len(sequence.prompt) + len(sequence.tokens))
+
+    def drawing(self, request: int) -> Drawing | None:
+        """How ``request`` draws (its params, seed and where its output began), while it is open
+        here: a last stage in this process draws with it (a private mesh's). None before its
+        prompt has come whole (no frame of it has left this stage then)."""
+        with self._cond:
+            start = self._output_start.get(request)
+        sequence = self._sequences.get(request)
+        if sequence is None:
+            return None
+        return Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length,
+                       start if start is not None else len(sequence.prompt))  # fmt: skip
 
     def returned(self, rows: list[TokenRow]) -> None:
         self._post(lambda inbox: inbox.returned.extend(rows))
@@ -251,7 +264,7 @@ class PipelineHead:
             self._announce(first, self._requests[first], first.cached)
         donor = self._held[id(sequence.donor)]
         assert donor[0] is sequence.donor
-        self._hashes[sequence] = prefix_hash(EMPTY_HASH, sequence.known(0, start))
+        self._hashes[sequence] = prefix_hash(EMPTY_HASH, sequence.known(0, start), self.hash_key)
         self._send(Fork(request=request, donor=donor[1], positions=start, hash=self._hashes[sequence]))
 
     def _send(self, message: Message) -> None:
@@ -305,7 +318,7 @@ class PipelineHead:
                 self._announce(sequence, request, span.start)
             ids = batch.inputs[span.offset : span.offset + span.count]
             before = EMPTY_HASH if span.start == 0 else self._hashes[sequence]
-            after = prefix_hash(before, ids)
+            after = prefix_hash(before, ids, self.hash_key)
             self._hashes[sequence] = after
             flags = (RowFlag.FIRST if span.start == 0 else RowFlag.NONE) | (RowFlag.SAMPLE if draws else RowFlag.NONE)
             if draws:

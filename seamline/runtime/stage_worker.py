@@ -30,6 +30,7 @@ from seamline.model.cache import Span
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
+from seamline.params import SamplingParams
 from seamline.runtime import digest
 from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.pipeline_head import PipelineHead
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from seamline.runtime.group_stage import LockstepStage
 
 log = logging.getLogger("seamline.stage")
-SendHidden = Callable[[list[Row], torch.Tensor, torch.Tensor], None]  # rows, hidden states, the rows' token ids
+SendHidden = Callable[[list[Row], torch.Tensor, torch.Tensor | None], None]  # rows, hidden states, their token ids
 SendTokens = Callable[[list[TokenRow]], None]
 SendMessage = Callable[[Message], None]
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
@@ -97,6 +98,12 @@ class StageWorker:
         self.micro_batches = 1  # the pipeline's stage count (set by the route)
         self.masks: TokenMasks | None = None  # the last stage's grammars, where it holds the tokenizer
         self.digest_seed = 0  # report every row's digests under this seed (0: none): the coordinator checks them
+        # A private mesh (``--private``): stage 0 sends on no token id and no sampling parameter (``private``),
+        # and the last stage, in the same process, draws with stage 0's records (``source``); both key the
+        # rows' prefix hashes (``hash_key``), so a member between them reads no token from a frame.
+        self.private = False
+        self.source: PipelineHead | None = None
+        self.hash_key: bytes | None = None
         context = context_length or stage.config.max_position_embeddings
         self.head = PipelineHead(self, context, kv_budget_bytes) if is_first else None
 
@@ -112,8 +119,10 @@ class StageWorker:
         if self.head is not None:
             self.head.open(msg)
         else:
-            start = msg.prompt_len if msg.output_start is None else msg.output_start
-            drawing = Drawing(msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length, start)
+            drawing = self._drawing(msg)
+            if drawing is None:
+                self.refuse(msg.request, "open", OutOfStep(f"request {msg.request} is not open on stage 0 here"))
+                return
             with self.lock:
                 if len(self.sequences) >= MAX_SEQUENCES and msg.request not in self.sequences:
                     self.refused += 1
@@ -155,7 +164,15 @@ class StageWorker:
 
     def _pass_on(self, msg: Message) -> None:
         if not self.is_last and self.links.downstream_message is not None:
-            self.links.downstream_message(msg)
+            self.links.downstream_message(_stripped(msg) if self.private else msg)
+
+    def _drawing(self, msg: Open) -> Drawing | None:
+        """How the request draws: as its Open says, or on a private mesh's last stage as stage 0
+        in this process has it (the Open that came through the members says nothing)."""
+        if self.source is not None:
+            return self.source.drawing(msg.request)
+        start = msg.prompt_len if msg.output_start is None else msg.output_start
+        return Drawing(msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length, start)
 
     def holdings(self) -> dict[str, int]:
         """The sequences open here and the KV cache bytes they hold, and the bytes of finished
@@ -190,9 +207,9 @@ class StageWorker:
             log.warning("refused frame: tensor %s %s, this stage takes [tokens, %s] %s", frame.tensor.dtype,
                         tuple(frame.tensor.shape), ", ".join(map(str, boundary)), self.dtype)  # fmt: skip
             return
-        if frame.ids is None:
+        if frame.ids is None and (self.stage.passes_ids or (self.is_last and self.source is None)):
             self.refused += 1
-            log.warning("refused frame: no token ids beside the hidden state")
+            log.warning("refused frame: no token ids beside the hidden state, which this stage needs")
             return
         with self.lock:
             work: list[Work] = []
@@ -273,9 +290,10 @@ class StageWorker:
     def _ids(self, work: list[Work], inputs: torch.Tensor) -> torch.Tensor:
         """The rows' token ids: stage 0's inputs are the ids; later stages got them in the frame."""
         if self.is_first:
-            return inputs
+            return inputs if not self.private or self.stage.passes_ids else None
         parts = [w.ids for w in work]
-        assert all(p is not None for p in parts), "a frame without ids was refused"
+        if any(p is None for p in parts):  # a private mesh's: no ids travel where no layer needs them
+            return None
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type,return-value]
 
     def _closed(self, request: int) -> None:
@@ -329,15 +347,24 @@ class StageWorker:
             flags |= RowFlag.LOGPROBS
         if seq is not None and reason is not None:
             seq.done = True
-        return TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token]), int(flags),
+        return TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token], self.hash_key), int(flags),
                         token.logprob, token.top)  # fmt: skip
 
     def _output(self, request: int, seq: StageSequence | None, drawing: Drawing) -> list[int]:
         """What the request generated so far: stage 0's scheduler knows; a later stage read it."""
-        if self.head is not None:
-            return self.head.output(request, drawing)
+        if self.head is not None or self.source is not None:
+            return (self.head or self.source).output(request, drawing)  # type: ignore[union-attr]
         return seq.output if seq is not None else []
 
 
 def _nbytes(caches: list[Any]) -> int:
     return sum(c.nbytes() for c in caches if hasattr(c, "nbytes"))
+
+
+def _stripped(msg: Message) -> Message:
+    """What a private mesh's stage 0 tells the members of a request: that it is open, and its
+    lengths (its rows show them anyway), not how it samples (token ids: bias, stops, grammar)."""
+    if isinstance(msg, Open):
+        return Open(request=msg.request, sampling=SamplingParams(), prompt_len=msg.prompt_len,
+                    context_length=msg.context_length)  # fmt: skip
+    return msg

@@ -30,6 +30,6 @@ def run_serve(options: ServeOptions, api: ApiOptions | None = None) -> int:
     print(f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}", flush=True)
     print(f"seamline: join with: seamline join {mesh.token}", flush=True)
     if options.local_node:
-        spawn_node(mesh.token, "local")
+        spawn_node(mesh.own_token, "local")
     uvicorn.run(mesh_app(mesh, api), host=options.host, port=options.port, log_level="warning", **api.uvicorn_kwargs())
     return 0

@@ -11,44 +11,39 @@ nodes that remain.
 from __future__ import annotations
 
 import logging
-import secrets
 import socket
 import threading
-from pathlib import Path
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
 
 from seamline.config import ModelConfig
-from seamline.errors import RequestError, SeamlineError
+from seamline.errors import RequestError
 from seamline.mesh.control.enrollment import Enrollment
 from seamline.mesh.control.fragment_server import PeerGate
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.joining import Membership
 from seamline.mesh.control.member_gate import Refusals, drawer, may_end, serves
-from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.mesh_status import describe
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.control.peer_links import PeerLinks
+from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.reference import Reference
 from seamline.mesh.control.relay import Relay
-from seamline.mesh.control.stage_checks import PROBE_TIMEOUT_S, StageFailedCheck, check_stages
-from seamline.mesh.control.verify import CheckedStage, Verifier
+from seamline.mesh.control.startup import StartUp, StartupError, Superseded, choose_transport
+from seamline.mesh.control.verify import Verifier
 from seamline.mesh.identity import MeshAuthority
-from seamline.mesh.plan.types import ModelSpec, Plan, StageAssignment
-from seamline.runtime.grammar import TokenMasks
+from seamline.mesh.plan.types import ModelSpec, Plan
 from seamline.net.frames import LIMITS, FrameError, FrameType, TokenFrame, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Close, Digests, Failure, Join, Linked, Loading, Message, Open, PeerLink, Pong, Probe,
-    ProbeResult, Prompt, Ready, RelayAccept, Renew, Route, SpeedReady, SpeedSums, Stats, StatsRequest, encode_message,
+    Close, Digests, Failure, Join, Linked, Loading, Message, Open, PeerLink, Pong, ProbeResult, Prompt, Ready, Renew,
+    SpeedReady, SpeedSums, Stats, StatsRequest, encode_message,
 )  # fmt: skip
+from seamline.runtime.grammar import TokenMasks
 
 log = logging.getLogger("seamline.coordinator")
-STEP_TIMEOUT_S = 600.0  # loading a stage includes downloading its fragments
-MAX_FRAGMENT_PEERS = 8  # members a loading node asks for fragments before the coordinator
-MIN_RESIDENT_SHARE = 0.5  # a loaded stage's resident bytes, at least this share of its weights
 
 
 @dataclass
@@ -71,13 +66,15 @@ class CoordinatorOptions:
     state_dir: Path | None = None  # removed members are kept here
     package_dir: Path | None = None  # the packaged model: stages are checked against it (None: unchecked)
     verify_fraction: float = 0.0  # of requests followed through the coordinator's copy (``verify``)
+    private: bool = False  # the route's ends on the coordinator's own node: members see no token (``plan.private``)
+    own_invite: str = ""  # the invite made for the coordinator's own node alone
 
 
 TokenSink = Callable[[list[TokenRow]], None]
 FailureSink = Callable[[int | None, str, str], None]  # request (None: all), reason, blame
 
 
-class Coordinator(Membership, Planning):
+class Coordinator(Membership, Planning, StartUp):
     def __init__(self, invites: InviteBook, model: ModelSpec, model_hash: str, options: CoordinatorOptions,
                  authority: MeshAuthority | None = None) -> None:  # fmt: skip
         """``invites``: who may join; ``authority``: the mesh CA, whose certificates every link
@@ -184,6 +181,8 @@ class Coordinator(Membership, Planning):
             return
         if message.request is None:
             with handle.events:
+                if message.room_bytes is not None:  # it claimed more room than it has: planned with what it has
+                    handle.memory_cap = min(message.room_bytes, handle.memory_cap or message.room_bytes)
                 handle.failure = message.reason
                 handle.events.notify_all()
             return
@@ -256,162 +255,6 @@ class Coordinator(Membership, Planning):
             if self.plan is None:
                 self.state = f"{event}; {self.state}"
 
-    # -- start-up (planning: ``planning.Planning``) ------------------------------------
-    def _start_up(self, plan: Plan, plan_id: int) -> None:
-        try:
-            handles = [self.nodes[s.node_id] for s in plan.stages]  # the stages' leaders
-            self.link_key = link_key = secrets.token_hex(16)  # data links between this plan's stages prove it
-            for index in reversed(range(len(plan.stages))):
-                self._current(plan_id)
-                stage = plan.stages[index]
-                self.state = f"loading layers [{stage.start},{stage.end}) on {', '.join(stage.members())}"
-                senders = _senders(plan, index)
-                self._assign_stage(stage, plan_id, link_key, senders)
-            self._check_stages(plan, plan_id, handles)
-            forks = all(len(s.members()) == 1 for s in plan.stages)  # a lockstep group's caches are not copied
-            for index in reversed(range(len(handles))):
-                self._current(plan_id)
-                self.state = f"linking {handles[index].node_id}"
-                self._link(handles, index, plan_id, forks)
-        except Superseded:
-            return
-        except (StartupError, KeyError, LinkClosed) as exc:
-            self._retry_later(plan_id, str(exc))
-            return
-        with self.lock:
-            if plan_id != self.plan_id:
-                return
-            self.state = "ready"
-            self._failed_starts = 0
-            self.verifier.plan([CheckedStage((s.start, s.end), s.members()) for s in plan.stages])
-            self.ready.set()
-        log.info("route published: %s", " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in plan.stages))
-
-    def _check_stages(self, plan: Plan, plan_id: int, leaders: list[NodeHandle]) -> None:
-        """READY means loaded: every stage computes a probe as the coordinator's copy does
-        (``stage_checks``); a stage that does not is removed from the mesh."""
-        if self.verifier.reference is None:
-            return
-        self.state = "checking what every stage computes"
-        try:
-            check_stages(self.verifier.reference, plan, plan_id, leaders, self._ask_probe)
-        except StageFailedCheck as exc:
-            self._expel(list(exc.nodes), f"it failed the start-up check: {exc}")
-            raise StartupError(f"{', '.join(exc.nodes)} failed the start-up check: {exc}") from None
-        finally:
-            self.verifier.reference.keep_only([])
-
-    def _ask_probe(self, handle: NodeHandle, probe: Probe) -> ProbeResult:
-        with handle.events:
-            handle.probe_result = None
-        handle.link.send_message(probe)
-        answered = lambda: handle.probe_result if handle.probe_result and handle.probe_result.probe == probe.probe else None  # noqa: E731
-        return self._wait(handle, answered, "PROBE RESULT", PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
-
-    def _expel(self, nodes: list[str], reason: str) -> None:
-        """Members found computing something else than their layers: removed (``remove_node``)."""
-        for node in nodes:
-            log.error("removing node %s: %s", node, reason)
-            self.verifier.expelled.append(node)
-            self.remove_node(node)
-
-    def _fragment_peers(self, handle: NodeHandle) -> list[str]:
-        """The other members' fragment URLs (over TLS only: a member certificate is their key), of
-        those that take inbound connections."""
-        if self.enrollment is None:
-            return []
-        with self.lock:
-            others = [h.join for h in self.nodes.values()
-                      if h is not handle and h.checked and h.inbound and h.join.fragments_port]  # fmt: skip
-        return [f"https://{_host(j.data_host)}:{j.fragments_port}" for j in others[:MAX_FRAGMENT_PEERS]]
-
-    def _current(self, plan_id: int) -> None:
-        """Superseded when a newer plan has been made since ``plan_id``'s start-up began."""
-        if plan_id != self.plan_id:
-            raise Superseded(f"plan {plan_id} was replaced by plan {self.plan_id}")
-
-    def _assign_stage(self, s: StageAssignment, plan_id: int, link_key: str, senders: tuple[str, str]) -> None:
-        """Assign every rank of the stage, then wait for all: a group's ranks load and meet together."""
-        members = [self.nodes[m] for m in s.members()]
-        group = [(h.join.data_host, h.join.comm_port) for h in members] if len(members) > 1 else []
-        for rank, handle in enumerate(members):
-            with handle.events:
-                handle.ready, handle.linked, handle.failure = None, False, None
-            handle.link.send_message(Assign(plan_id=plan_id, model_hash=self.model_hash,
-                                            fragments_url=self.options.fragments_url,
-                                            fragments_certificate=self.options.fragments_certificate,
-                                            fragments_token=self._fragment_tokens.get(handle.node_id, ""),
-                                            fragment_peers=self._fragment_peers(handle),
-                                            layers=(s.start, s.end),
-                                            owns_embedding=s.owns_embedding, owns_head=s.owns_head,
-                                            dtype=self.options.dtype, context_length=self.options.context_length,
-                                            memory_bytes=s.predicted_bytes, shard=(rank, len(members)), group=group,
-                                            group_nodes=[h.node_id for h in members] if group else [],
-                                            transport=self._transport(members),
-                                            gate_timeout_s=self.options.gate_timeout_s,
-                                            kv_cache_bytes=self.options.kv_cache_bytes, link_key=link_key,
-                                            upstream_node=senders[0], last_node=senders[1],
-                                            digest_seed=self.verifier.seed))  # fmt: skip
-        for rank, handle in enumerate(members):
-            try:
-                ready = self._wait(handle, lambda h=handle: h.ready, "READY")  # type: ignore[misc]
-            except StartupError:
-                if handle.failure is not None:  # it could not load what it claimed room for: believed less
-                    handle.memory_cap = min(handle.memory_cap or s.predicted_bytes, s.predicted_bytes // 2)
-                raise
-            d = ready.descriptor
-            expected = (plan_id, self.model_hash, (s.start, s.end), self.options.dtype, PROTOCOL_VERSION,
-                        (rank, len(members)))  # fmt: skip
-            got = (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.protocol_version, tuple(d.shard))
-            if got != expected:
-                raise StartupError(f"node {handle.node_id} reported {d} which does not match the plan {expected}")
-            share = s.weight_bytes // len(members)
-            if ready.resident_bytes < MIN_RESIDENT_SHARE * share:
-                raise StartupError(f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
-                                   f"{share >> 20} MiB of weights: it does not hold what it was given")  # fmt: skip
-
-    def _transport(self, members: list[NodeHandle]) -> str:
-        cuda = all(h.join.resources.device.startswith("cuda") for h in members)
-        hosts = {h.join.data_host for h in members}
-        return choose_transport(self.options.transport, cuda, hosts, self.options.insecure_comm)
-
-    def _link(self, handles: list[NodeHandle], index: int, plan_id: int, forks: bool) -> None:
-        handle = handles[index]
-        last = index == len(handles) - 1
-        downstream, down_ticket = self._reach(None if last else handles[index + 1], handle)
-        stage0, stage0_ticket = self._reach(handles[0] if last and index > 0 else None, handle)
-        handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0, stages=len(handles),
-                                       downstream_node=handles[index + 1].node_id if downstream else "",
-                                       stage0_node=handles[0].node_id if stage0 else "",
-                                       downstream_relay=down_ticket, stage0_relay=stage0_ticket,
-                                       micro_batches=self.options.micro_batches, forks=forks))  # fmt: skip
-        self._wait(handle, lambda: handle.linked or None, "LINKED")
-
-    def _reach(self, target: NodeHandle | None, dialler: NodeHandle,
-               probe: bool = False) -> tuple[tuple[str, int] | None, str]:  # fmt: skip
-        """Where ``dialler`` dials ``target``'s data port, and the relay ticket when it must go
-        through the relay (``target`` takes no inbound connection and is told to dial out too).
-        ``probe``: the link only measures the pair (``peer_links``)."""
-        if target is None:
-            return None, ""
-        if target.inbound:
-            return (target.join.data_host, target.join.data_port), ""
-        ticket = self.relay.ticket(probe)
-        target.link.send_message(RelayAccept(ticket=ticket, peer_node=dialler.node_id, probe=probe))
-        return (self.invite.hosts[0], self.invite.control_port), ticket
-
-    def _wait(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float = STEP_TIMEOUT_S) -> Any:
-        deadline = time.monotonic() + timeout_s
-        with handle.events:
-            while (got := value()) is None:
-                if handle.failure is not None:
-                    raise StartupError(f"node {handle.node_id}: {handle.failure}")
-                if handle.node_id not in self.nodes:
-                    raise StartupError(f"node {handle.node_id} left before {what}")
-                if not handle.events.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise StartupError(f"node {handle.node_id} sent no {what} within {timeout_s:.0f} s")
-        return got
-
     # -- requests -----------------------------------------------------------------------
     def pipeline(self) -> list[NodeHandle]:
         with self.lock:
@@ -458,45 +301,10 @@ class Coordinator(Membership, Planning):
         return describe(self)
 
 
-class StartupError(SeamlineError):
-    """Start-up could not finish: a node left, timed out, or reported the wrong descriptor."""
-
-
-class Superseded(SeamlineError):
-    """A newer plan replaced the one being started."""
-
-
-def _senders(plan: Plan, index: int) -> tuple[str, str]:
-    """Who may dial stage ``index``'s leader: the stage before it, and for stage 0 of several the
-    last stage (its tokens); "" where none."""
-    upstream = plan.stages[index - 1].node_id if index > 0 else ""
-    last = plan.stages[-1].node_id if index == 0 and len(plan.stages) > 1 else ""
-    return upstream, last
-
-
-def choose_transport(requested: str, cuda: bool, hosts: set[str], insecure_comm: bool) -> str:
-    """A lockstep group's collectives. ``auto``: NCCL (torch) when every rank has CUDA, on one
-    host (or with ``insecure_comm``); otherwise our TCP mesh, which on CPUs measured >10x faster
-    than gloo for a 16 KB gate (NETWORK.md). torch.distributed encrypts nothing, so between
-    hosts it is refused unless ``insecure_comm`` says the network is trusted."""
-    across = len(hosts) > 1 and not insecure_comm
-    if requested == "auto":
-        return "torch" if cuda and not across else "tcp"
-    if requested == "torch" and across:
-        raise StartupError(f"--transport torch between hosts ({', '.join(sorted(hosts))}) would send every "
-                           "activation unencrypted (gloo and NCCL have no TLS): use --transport tcp, or pass "
-                           "--insecure-comm on a network you trust")  # fmt: skip
-    return requested
-
-
-__all__ = ["Coordinator", "CoordinatorOptions", "StartupError", "Message"]
+__all__ = ["Coordinator", "CoordinatorOptions", "StartupError", "Superseded", "choose_transport", "Message"]
 
 
 def _masks(package_dir: Path | None) -> TokenMasks | None:
     """The grammars of followed requests, matched with the packaged tokenizer."""
     tokenizer = package_dir / "tokenizer.json" if package_dir else None
     return TokenMasks(lambda: tokenizer.read_text()) if tokenizer is not None and tokenizer.is_file() else None  # type: ignore[union-attr]
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host

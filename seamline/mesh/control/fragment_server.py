@@ -31,6 +31,7 @@ from seamline.net.tls import certificate_name
 from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest
 
 TokenCheck = Callable[[str | None], bool]
+FragmentCheck = Callable[[str | None, FragmentEntry], bool]
 log = logging.getLogger("seamline.fragments")
 
 
@@ -95,6 +96,9 @@ class _PackageIndex:
         return path
 
     def lookup(self, sha256: str) -> Path:
+        return self.lookup_entry(sha256)[1]
+
+    def lookup_entry(self, sha256: str) -> tuple[FragmentEntry, Path]:
         path = self.manifest_path()
         stat = path.stat()
         if self._stamp != (stat.st_mtime_ns, stat.st_size):
@@ -103,13 +107,15 @@ class _PackageIndex:
             self._stamp = (stat.st_mtime_ns, stat.st_size)
         entry = self._by_hash.get(sha256)
         file = self.folder / entry.file if entry is not None else None
-        if file is None or not file.is_file():
+        if entry is None or file is None or not file.is_file():
             raise HTTPException(404, f"no fragment with sha256 {sha256} is served here")
-        return file
+        return entry, file
 
 
-def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_token: TokenCheck) -> None:
-    """Add the two fragment routes for ``package_dir`` to ``app``."""
+def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_token: TokenCheck,
+                    may_fetch: FragmentCheck | None = None) -> None:  # fmt: skip
+    """Add the two fragment routes for ``package_dir`` to ``app``; ``may_fetch(token, fragment)``:
+    whether that token's holder may have that fragment (a private mesh keeps its ends' own)."""
     index = _PackageIndex(Path(package_dir))
 
     def authorise(authorization: str | None) -> None:
@@ -128,16 +134,20 @@ def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_tok
     @app.get("/fragments/{sha256}")
     def fragment_file(sha256: str, authorization: Annotated[str | None, Header()] = None) -> FileResponse:
         authorise(authorization)
-        return FileResponse(index.lookup(sha256.lower()), media_type="application/octet-stream")
+        entry, path = index.lookup_entry(sha256.lower())
+        if may_fetch is not None and not may_fetch(_bearer(authorization), entry):
+            raise HTTPException(403, f"fragment {entry.name} is not served to this member: a private mesh keeps it")
+        return FileResponse(path, media_type="application/octet-stream")
 
 
 def serve_fragments(package_dir: Path, check_token: TokenCheck, host: str, port: int,
-                    context: ssl.SSLContext, gate: PeerGate | None = None) -> uvicorn.Server:  # fmt: skip
+                    context: ssl.SSLContext, gate: PeerGate | None = None,
+                    may_fetch: FragmentCheck | None = None) -> uvicorn.Server:  # fmt: skip
     """The fragment routes on their own HTTPS port, under ``context``: a mesh's, which takes only
     clients presenting a member's certificate from the mesh CA (mutual TLS 1.3), and of those
     only the members ``gate`` takes."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    fragment_routes(app, package_dir, check_token)
+    fragment_routes(app, package_dir, check_token, may_fetch)
     gate = gate or PeerGate(lambda _node: False)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=gate.protocol(),
                             ssl_context_factory=lambda _config, _default: context)  # fmt: skip

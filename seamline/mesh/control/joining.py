@@ -24,6 +24,7 @@ from seamline.mesh.control.invite import coordinator_proof
 from seamline.mesh.control.link_probe import measure
 from seamline.mesh.control.relay import RELAY_MAGIC, reachable
 from seamline.mesh.control.node_handle import NodeHandle
+from seamline.weights.fragments import FragmentEntry
 from seamline.mesh.identity import COORDINATOR_ID, IdentityError
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, FrameError, FrameType
 from seamline.net.link import Link, LinkClosed, accept_links, listen
@@ -35,6 +36,7 @@ from seamline.net.messages import (
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
 
+PRIVATE_KINDS = ("embed", "head", "tokenizer")  # a private mesh's ends hold these; no member is sent them
 log = logging.getLogger("seamline.coordinator")
 ATTACH_WITHIN_S = 60.0  # an enrolled node opens its control link within this
 # A member's control link takes what members send: its messages, whose every field is bounded
@@ -270,6 +272,15 @@ class Membership:
 
     def fragment_token(self: Coordinator, node_id: str) -> str:
         return self._fragment_tokens.get(node_id, "")
+
+    def fragment_allowed(self: Coordinator, token: str | None, fragment: FragmentEntry) -> bool:
+        """A private mesh serves its ends' fragments (the embedding, the head, the tokenizer) to
+        the coordinator's own node alone: with them a member could read the hidden states it
+        receives."""
+        if not self.options.private or fragment.kind not in PRIVATE_KINDS:
+            return True
+        own = self._fragment_tokens.get(self.own_node(), "")
+        return bool(own) and hmac.compare_digest((token or "").encode(), own.encode())
 
     def fragment_token_ok(self: Coordinator, token: str | None) -> bool:
         """Whether ``token`` is a joined member's fragment token (compared in constant time)."""

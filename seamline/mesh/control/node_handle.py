@@ -33,7 +33,7 @@ class NodeHandle:
     checked: bool = False  # its link measured and its speed checked: it may be planned
     last_heard: float = field(default_factory=time.monotonic)  # when it last sent anything (heartbeats)
     probe_result: ProbeResult | None = None  # its answer to the start-up check's probe
-    memory_cap: int | None = None  # it failed to load this much: planned with less than it claimed
+    memory_cap: int | None = None  # the room it said it has when it could not load a stage: planned with no more
 
     @property
     def node_id(self) -> str:

@@ -24,6 +24,7 @@ from seamline.mesh.plan.measured import steady_rates
 from seamline.mesh.plan.planner import check_plan
 from seamline.mesh.plan.planner import plan as make_plan
 from seamline.mesh.plan.pricing import price_route
+from seamline.mesh.plan.private import plan_private
 from seamline.mesh.plan.types import LinkTable, NodeInfo, Plan, PlanError, PlanOptions
 
 if TYPE_CHECKING:
@@ -136,12 +137,22 @@ class Planning:
 
     def _choose_plan(self: Coordinator, nodes: list[NodeInfo], links: LinkTable) -> Plan:
         locked, config = self.options.locked_plan, self.options.model_config
+        if self.options.private:
+            return plan_private(self.model, nodes, links, self._plan_options(), self.own_node())
         if locked is None and config is not None:
             return plan_auto(self.model, nodes, links, self._plan_options(), config, self.options.tensor_parallel)
         if locked is None:
             return make_plan(self.model, nodes, links, self._plan_options())
         check_plan(locked, self.model, nodes, self._plan_options())  # a stale lock is refused, not bent
         return locked
+
+    def own_node(self: Coordinator) -> str:
+        """The coordinator's own node: the one that joined with the invite made for it alone
+        ("" until it has); a private mesh's ends are its."""
+        with self.lock:
+            own = [h.node_id for h in self.nodes.values() if self.options.own_invite
+                   and h.join.invite_id == self.options.own_invite]  # fmt: skip
+        return own[0] if own else ""
 
     def _plan_options(self: Coordinator) -> PlanOptions:
         return PlanOptions(context_tokens=self.options.context_length, batch=1)

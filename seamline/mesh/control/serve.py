@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from seamline.config import ModelConfig
+from seamline.errors import ConfigError
 from seamline.mesh.arenas import tame_malloc
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
 from seamline.mesh.control.fragment_server import PeerGate, fragment_routes, serve_fragments
@@ -55,6 +56,7 @@ class ServeOptions:
     replay_deadline_s: float = 120.0  # a request whose route was lost waits this long for the mesh to serve again
     heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
     verify_fraction: float = 0.0  # of requests the coordinator follows through its own copy (``verify``)
+    private: bool = False  # the route's ends on this machine's own node: members see no token (``plan.private``)
     insecure_comm: bool = False  # --transport torch may run between hosts
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
@@ -79,6 +81,7 @@ class Mesh:
     package_dir: Path
     state_dir: Path
     fragments_port: int = 0  # over mutual TLS (0: the API serves the fragments: a plaintext mesh)
+    own_token: str = ""  # the invite of this machine's own node (`serve`'s local node), for it alone
 
     def start(self, host: str) -> None:
         """Open the control port, and the fragment port of a mesh over TLS."""
@@ -87,7 +90,8 @@ class Mesh:
         if self.fragments_port and enrollment is not None:
             self.coordinator.fragment_gate = PeerGate(enrollment.is_removed)
             serve_fragments(self.package_dir, self.coordinator.fragment_token_ok, host, self.fragments_port,
-                            enrollment.identity.server_context(), self.coordinator.fragment_gate)  # fmt: skip
+                            enrollment.identity.server_context(), self.coordinator.fragment_gate,
+                            self.coordinator.fragment_allowed)  # fmt: skip
 
 
 ENDPOINT_FILE = "endpoint.json"  # where `seamline invite` and `seamline node` find the running coordinator
@@ -103,6 +107,9 @@ def build_mesh(options: ServeOptions) -> Mesh:
 
     tame_malloc()  # the coordinator runs a thread per connection: see arenas.py
     path = Path(options.model) if options.model else default_model_path()
+    if options.private and (not options.local_node or options.tensor_parallel):
+        raise ConfigError("--private keeps the route's ends on this machine's own node: it needs that node "
+                          "(no --no-local-node) and stages of one node each (no --tensor-parallel)")  # fmt: skip
     if options.tensor_parallel:  # refuse before packaging, which may take minutes
         check_world(ModelConfig.from_hf_dict(open_source(path).config_dict()), options.tensor_parallel)
     package_dir = package_cached(path, options.cache_dir / "packages")
@@ -120,11 +127,13 @@ def build_mesh(options: ServeOptions) -> Mesh:
                    authority.fingerprint if authority else "")  # fmt: skip
     book = InviteBook(where, state_dir / "invites.json")
     _, token = book.create(options.invite_ttl_s)  # the one `serve` prints: any number of nodes
+    own, own_token = book.create(options.invite_ttl_s, uses=1)  # this machine's own node's, and no other's
     fragments_port = (options.fragments_port or options.port + 2) if authority else 0
     fragments_url = (f"https://{url_host(hosts[0])}:{fragments_port}" if fragments_port
                      else f"{scheme}://{url_host(hosts[0])}:{options.port}")  # fmt: skip
     coordinator = Coordinator(book, spec, manifest.model_hash, CoordinatorOptions(
-        nodes_expected=max(options.nodes_expected, options.tensor_parallel), dtype=options.dtype,
+        nodes_expected=max(options.nodes_expected, options.tensor_parallel, 2 if options.private else 1),
+        dtype=options.dtype, private=options.private, own_invite=own.id if options.local_node else "",
         context_length=context, fragments_url=fragments_url,
         fragments_certificate=options.tls_certificate,
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
@@ -141,11 +150,12 @@ def build_mesh(options: ServeOptions) -> Mesh:
 
     def routes(app: FastAPI) -> None:
         if not fragments_port:  # a plaintext mesh: the API serves the fragments, to members' tokens only
-            fragment_routes(app, package_dir, coordinator.fragment_token_ok)
+            fragment_routes(app, package_dir, coordinator.fragment_token_ok, coordinator.fragment_allowed)
         app.get("/api/status")(lambda: {**coordinator.status(), "events": events.recent()})
         admin_routes(app, coordinator, book, key)
 
-    return Mesh(routes, coordinator, backend, Invite.decode(token), token, package_dir, state_dir, fragments_port)
+    return Mesh(routes, coordinator, backend, Invite.decode(token), token, package_dir, state_dir, fragments_port,
+                own_token)  # fmt: skip
 
 
 def _reachable(host: str) -> str:

@@ -46,7 +46,8 @@ def check_stages(reference: Reference, plan: Plan, plan_id: int, leaders: list[N
         ids, hidden = reference.probe_inputs(layers, generator)
         expected, scale = reference.probe(layers, ids, hidden, seed)
         raw = base64.b64encode(hidden.contiguous().view(torch.uint8).numpy().tobytes()).decode() if hidden is not None else ""
-        result = ask(leader, Probe(plan_id=plan_id, probe=secrets.randbits(31), seed=seed, ids=ids.tolist(), hidden=raw))
+        result = ask(leader, Probe(plan_id=plan_id, probe=secrets.randbits(31), seed=seed, ids=ids.tolist(), hidden=raw,
+                                   layers=layers))  # fmt: skip
         reason = _judge(result, expected, scale, reference.dtype)
         if reason:
             raise StageFailedCheck(stage.members(), f"layers [{stage.start},{stage.end}): {reason}")

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import torch
 
 from seamline.mesh.control.reference import Reference
-from seamline.model.stage import Stage
 from seamline.net.frames import RowFlag, TokenRow
 from seamline.net.messages import Digests, Open
 from seamline.runtime import digest
@@ -144,7 +143,7 @@ class Verifier:
             self.followed += 1
 
     def _record(self, node_id: str, report: Digests) -> None:
-        index = next((i for i, s in enumerate(self.stages) if s.nodes[0] == node_id), None)
+        index = next((i for i, s in enumerate(self.stages) if s.nodes[0] == node_id and s.layers == report.layers), None)
         if index is None:
             return
         try:

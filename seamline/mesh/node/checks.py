@@ -31,13 +31,15 @@ def probe_result(worker: StageWorker, probe: Probe) -> ProbeResult:
     return ProbeResult(probe=probe.probe, digest=digest.pack(digest.digest(output, start, probe.seed).view(1, 1, -1)))
 
 
-def digest_reporter(plan_id: int, send: Callable[[Message], None]) -> Callable[[list[tuple[int, int, int]], torch.Tensor], None]:
-    """What a stage calls with each step's rows and digests: Digests messages, a bounded number of rows each."""
+def digest_reporter(plan_id: int, send: Callable[[Message], None],
+                    layers: tuple[int, int]) -> Callable[[list[tuple[int, int, int]], torch.Tensor], None]:  # fmt: skip
+    """What the stage of ``layers`` calls with each step's rows and digests: Digests messages,
+    a bounded number of rows each."""
 
     def report(rows: list[tuple[int, int, int]], digests: torch.Tensor) -> None:
         for at in range(0, len(rows), MAX_DIGEST_ROWS):
             part = slice(at, at + MAX_DIGEST_ROWS)
-            send(Digests(plan_id=plan_id, rows=rows[part], digests=digest.pack(digests[part])))
+            send(Digests(plan_id=plan_id, layers=layers, rows=rows[part], digests=digest.pack(digests[part])))
 
     return report
 

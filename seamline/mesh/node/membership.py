@@ -191,7 +191,8 @@ class Membership:
         once the first expires, members fetch from the coordinator.)"""
         assert self.credentials is not None and self.credentials.identity is not None
         folder = self.options.cache_dir / "stages" / self.options.node_id
-        self.fragment_gate = PeerGate(lambda peer: peer in self.revoked)
+        # a private mesh's ends serve no member: their folders hold the embedding and the head
+        self.fragment_gate = PeerGate(lambda peer: peer in self.revoked or self.tail is not None)
         serve_fragments(folder, lambda _token: True, host, port, self.credentials.identity.server_context(),
                         self.fragment_gate)  # fmt: skip
 
@@ -199,7 +200,7 @@ class Membership:
         """The stage this node has loaded, which a restarted coordinator may keep (a lockstep
         rank's share is re-formed with its group instead)."""
         held = self.assignment
-        if held is None or self.worker is None or self.group_stage is not None or held.shard != (0, 1):
+        if held is None or self.worker is None or self.group_stage is not None or held.shard != (0, 1) or held.tail:
             return None
         return Holding.of(held)
 

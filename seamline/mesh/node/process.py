@@ -8,6 +8,7 @@ sent it; an out-of-step frame is refused and logged; the node keeps serving.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
@@ -30,21 +31,22 @@ from seamline.mesh.arenas import tame_malloc
 from seamline.mesh.control.claims import block_sums, probe_matrix
 from seamline.mesh.control.fragment_server import PeerGate
 from seamline.mesh.control.invite import Invite
-from seamline.mesh.control.relay import PAIR_WAIT_S, PROBE_MAGIC, RELAY_MAGIC
+from seamline.mesh.control.relay import PROBE_MAGIC
 from seamline.mesh.node.checks import digest_reporter, probe_result
 from seamline.mesh.node.credentials import Credentials
-from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_from
+from seamline.mesh.node.data_path import DataPath
+from seamline.mesh.node.private_tail import load_tail, pair
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.membership import Membership
-from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe, probe_peer
-from seamline.net.frames import Desync, FrameError, HiddenFrame, Oversized, TokenFrame
-from seamline.net.link import Link, LinkClosed, accept_links, tune
+from seamline.mesh.node.peer_probe import probe_peer
+from seamline.net.frames import Desync, FrameError, Oversized
+from seamline.net.link import Link, LinkClosed, accept_links
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Forget, Fork, Heartbeat, Holding, Join, Linked, Loading,
+    PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Heartbeat, Holding, Join, Loading,
     MeasurePeer, Message, Open, Ping, Pong, Probe, Prompt, Ready, RelayAccept, Revoked, Route, SpeedProbe, SpeedReady,
     SpeedSums, Stats, StatsRequest,
 )  # fmt: skip
-from seamline.net.tls import GroupTls, TlsRefused, TlsSocket
+from seamline.net.tls import GroupTls
 from seamline.parallel.comm import CommError
 from seamline.model.stage import Stage
 from seamline.runtime.grammar import TokenMasks
@@ -67,12 +69,13 @@ class NodeOptions:
     progress: bool = True
 
 
-class Node(Membership):
+class Node(Membership, DataPath):
     def __init__(self, invite: Invite, options: NodeOptions) -> None:
         self.invite = invite
         self.options = options
         self.control: Link | None = None
         self.worker: StageWorker | None = None
+        self.tail: StageWorker | None = None  # a private mesh's last stage, beside stage 0 (``private_tail``)
         self._data_links: dict[str, Link] = {}  # the links this stage sends frames on, by the peer's node id
         self.assignment: Assign | None = None
         self.data_server: socket.socket | None = None
@@ -125,8 +128,9 @@ class Node(Membership):
                     continue
                 log.warning("node stops")
                 return
-            if isinstance(message, Heartbeat):  # answered here: never behind a busy stage
-                self._report_quietly(Heartbeat())
+            if isinstance(message, Heartbeat):  # answered here, never behind a busy stage or a send under way
+                with contextlib.suppress(LinkClosed):  # (which the coordinator hears as well: it counts as heard)
+                    self.control.try_send_message(Heartbeat(), COORDINATOR_SILENT_S)
             elif isinstance(message, Ping):  # likewise, so a measured round trip is the link's
                 self._report_quietly(Pong(nonce=message.nonce))
             elif isinstance(message, Message):
@@ -171,7 +175,8 @@ class Node(Membership):
             elif isinstance(message, Close) and self.worker:
                 self.worker.close(message)
             elif isinstance(message, Probe) and self.worker and self.control:
-                self.control.send_message(probe_result(self.worker, message))
+                tail = self.tail if self.assignment and message.layers == self.assignment.tail else None
+                self.control.send_message(probe_result(tail or self.worker, message))
             elif isinstance(message, StatsRequest) and self.worker and self.control:
                 w = self.worker
                 sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
@@ -180,7 +185,8 @@ class Node(Membership):
                                                 link_bytes=sent, **w.holdings()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
-            self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}")
+            self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}",
+                         room=exc.room if isinstance(exc, NoRoom) else None)  # fmt: skip
 
     def _handle_control(self) -> None:
         """The coordinator's messages, in the order they came, apart from the control link's
@@ -216,7 +222,7 @@ class Node(Membership):
         return str(exc)
 
     def _report(self, request: int | None, reason: str, blame: Literal["node", "request", "load"] = "node",
-                cause: Exception | None = None, assign: Assign | None = None) -> None:  # fmt: skip
+                cause: Exception | None = None, assign: Assign | None = None, room: int | None = None) -> None:  # fmt: skip
         """Tell the coordinator; a ``cause`` that broke the lockstep group of ``assign`` (the
         current one by default) says so, naming the rank's node at fault when it is known."""
         assign = assign or self.assignment
@@ -227,7 +233,7 @@ class Node(Membership):
         if self.control is not None:
             try:
                 self.control.send_message(Failure(request=request, reason=reason, blame=blame, plan_id=plan_id,
-                                                  suspect=suspect))  # fmt: skip
+                                                  suspect=suspect, room_bytes=room))  # fmt: skip
             except LinkClosed:
                 pass
 
@@ -240,7 +246,7 @@ class Node(Membership):
         self._probe_matrix = None  # the speed probe is over
         if self.worker is not None:
             self.worker.stop()
-        self.worker = None  # a new assignment replaces the old stage (freed before the new one loads)
+        self.worker = self.tail = None  # a new assignment replaces the old stage (freed before the new one loads)
         gc.collect()
         if self.group_stage is not None:
             self.group_stage.close()
@@ -262,23 +268,38 @@ class Node(Membership):
                                           assign.context_length, _kv_budget(assign))  # fmt: skip
             else:
                 threading.Thread(target=self._serve_rank, args=(member, assign), daemon=True).start()
+        if assign.tail is not None and self.worker is not None:
+            self.tail, tail_fetched = load_tail(self.invite, assign, self.options, self._fetch_tls(),
+                                                self._loading_reporter(assign))  # fmt: skip
+            pair(self.worker, self.tail)
+            fetched = FetchReport(fetched.bytes_downloaded + tail_fetched.bytes_downloaded,
+                                  bytes_from_peers=fetched.bytes_from_peers + tail_fetched.bytes_from_peers)  # fmt: skip
         self.bytes_downloaded += fetched.bytes_downloaded
         assert self.control is not None
-        if self.worker is not None:
-            if assign.owns_head:  # the last stage draws: a request's grammar needs the tokenizer it was sent
-                folder = self.options.cache_dir / "stages" / self.options.node_id
-                self.worker.masks = TokenMasks(lambda: (folder / "tokenizer.json").read_text())
-            self.worker.links.results = lambda rows: self.control.send_tokens(rows)  # type: ignore[union-attr]  # the link of now
-            self.worker.links.failed = self._batch_failed
-            if assign.digest_seed:  # the coordinator checks what this stage computes
-                self.worker.digest_seed = assign.digest_seed
-                self.worker.links.digests = digest_reporter(assign.plan_id, self._report_quietly)
+        for worker, layers in ((self.worker, assign.layers), (self.tail, assign.tail)):
+            self._wire(worker, assign, layers)  # type: ignore[arg-type]
         descriptor = Descriptor(node_id=self.options.node_id, plan_id=assign.plan_id, model_hash=assign.model_hash,
                                 layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION,
-                                shard=assign.shard)  # fmt: skip
+                                shard=assign.shard, tail=assign.tail)  # fmt: skip
         resident = psutil.Process().memory_info().rss
         self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=fetched.bytes_downloaded,
                                         bytes_from_peers=fetched.bytes_from_peers, resident_bytes=resident))  # fmt: skip
+
+    def _fetch_tls(self) -> ssl.SSLContext | None:
+        return self.credentials.client if self.credentials else None
+
+    def _wire(self, worker: StageWorker | None, assign: Assign, layers: tuple[int, int] | None) -> None:
+        """A loaded stage's reports to the coordinator: its tokens, failures and digests."""
+        if worker is None or layers is None:
+            return
+        if worker.is_last and worker.masks is None:  # the last stage draws: a grammar needs the tokenizer
+            folder = self.options.cache_dir / "stages" / self.options.node_id
+            worker.masks = TokenMasks(lambda: (folder / "tokenizer.json").read_text())
+        worker.links.results = lambda rows: self.control.send_tokens(rows)  # type: ignore[union-attr]  # the link of now
+        worker.links.failed = self._batch_failed
+        if assign.digest_seed:  # the coordinator checks what this stage computes
+            worker.digest_seed = assign.digest_seed
+            worker.links.digests = digest_reporter(assign.plan_id, self._report_quietly, layers)
 
     def _loading_reporter(self, assign: Assign) -> Callable[[int, int], None]:
         """Tells the coordinator how far the download has come, a second apart at most (the console shows it)."""
@@ -328,31 +349,8 @@ class Node(Membership):
         if self.options.max_memory_bytes is not None:
             room = min(room, self.options.max_memory_bytes)
         if assign.memory_bytes > room:
-            raise MemoryError(
-                f"cannot hold layers [{assign.layers[0]},{assign.layers[1]}): they need "
-                f"{assign.memory_bytes / 2**30:.2f} GiB, this node has {room / 2**30:.2f} GiB"
-            )
-
-    def _route(self, route: Route) -> None:
-        assert self.worker is not None and self.control is not None
-        self.worker.micro_batches = max(1, route.stages, route.micro_batches)
-        if self.worker.head is not None:
-            self.worker.head.share_prefixes(route.forks)
-        assert self.assignment is not None
-        tls = self.credentials.client if self.credentials else None
-        if route.downstream is not None:
-            link = dial(route.downstream, route.downstream_node, self.options.node_id, self.assignment, tls,
-                        route.downstream_relay)  # fmt: skip
-            self._keep(link)
-            self._data_links[route.downstream_node or "downstream"] = link
-            self.worker.links.downstream = link.send_hidden
-            self.worker.links.downstream_message = link.send_message
-        if route.stage0 is not None:
-            link = dial(route.stage0, route.stage0_node, self.options.node_id, self.assignment, tls, route.stage0_relay)
-            self._keep(link)
-            self._data_links[route.stage0_node or "stage0"] = link
-            self.worker.links.stage0 = link.send_tokens
-        self.control.send_message(Linked(plan_id=route.plan_id))
+            raise NoRoom(f"cannot hold layers [{assign.layers[0]},{assign.layers[1]}): they need "
+                         f"{assign.memory_bytes / 2**30:.2f} GiB, this node has {room / 2**30:.2f} GiB", room)  # fmt: skip
 
     def _speed_probe(self, probe: SpeedProbe) -> None:
         """The coordinator checks the speed this node claimed: make the matrix, then multiply."""
@@ -369,56 +367,6 @@ class Node(Membership):
             log.warning("could not measure the link to %s: %s", ask.peer_node, report.error)
         self._report_quietly(report)
 
-    def _accept_relayed(self, accept: RelayAccept) -> None:
-        """This node takes no inbound connection: dial the coordinator's relay with the ticket and
-        serve the data link that comes through it (TLS end to end, this node as the server)."""
-        assert self.control is not None
-        host = self.control.sock.getpeername()[0]
-        try:
-            sock = tune(socket.create_connection((host, self.invite.control_port), timeout=PAIR_WAIT_S))
-            sock.sendall(RELAY_MAGIC + accept.ticket.encode())
-            context = self._server_context()
-            channel = TlsSocket.handshake(sock, context, True, PAIR_WAIT_S) if context is not None else sock
-        except (OSError, TlsRefused) as exc:
-            log.error("relayed link from %s failed: %s", accept.peer_node, exc)
-            if not accept.probe:  # a probe that fails only leaves the pair unmeasured
-                self._report(None, f"the relayed link from {accept.peer_node} failed: {exc}")
-            return
-        self._read_data(Link(channel, name=f"relayed data from {accept.peer_node}"))
-
-    def _read_data(self, link: Link) -> None:
-        peer = link.peer()
-        assignment = self.assignment
-        try:
-            role = admit(link, assignment, certified=self.credentials is not None, revoked=self.revoked)
-            if role == PROBE:
-                answer_probe(link)
-                return
-        except (Refused, ProbeRefused, LinkClosed, FrameError) as exc:
-            log.warning("refused data link from %s: %s", peer, exc)
-            link.close()
-            return
-        self._keep(link)
-        while True:
-            try:
-                frame = link.recv()
-            except LinkClosed:
-                return
-            except FrameError as exc:
-                log.warning("closing data link from %s: %s", peer, exc)
-                link.close()
-                return
-            if self.assignment is not assignment:  # a newer plan: this link's route is gone
-                log.warning("closing data link from %s: its plan was replaced; its frames refused", peer)
-                link.close()
-                return
-            try:
-                self._on_frame(frame, peer, role)
-            except Exception as exc:  # one bad frame never stops the node; its requests fail
-                log.exception("frame from %s failed", peer)
-                for request in {row.request for row in getattr(frame, "rows", ())}:
-                    self._report(request, f"layers [{self._layers()}) failed: {self._explain(exc)}", cause=exc)
-
     def _revoke(self, message: Revoked) -> None:
         """Nodes removed from the mesh: refused from now on at the fragment and data ports, and
         every link this node holds to one closed."""
@@ -430,41 +378,6 @@ class Node(Membership):
         for link in gone:
             log.warning("closing %s: node %s was removed from the mesh", link.name, link.peer_id())
             link.close()
-
-    def _keep(self, link: Link) -> None:
-        with self._peers_lock:
-            self.peers.append(link)
-
-    def _drop_data_links(self) -> None:
-        with self._peers_lock:
-            peers, self.peers = self.peers, []
-            self._data_links = {}
-        for link in peers:
-            link.close()
-
-    def _on_frame(self, frame: object, peer: str, role: str) -> None:
-        worker = self.worker
-        if worker is None:
-            log.warning("frame from %s before this node was loaded; refused", peer)
-            return
-        if not expected_from(frame, role):
-            worker.refused += 1
-            log.warning("refused %s from %s: its %s link does not carry it", type(frame).__name__, peer, role)
-            return
-        if isinstance(frame, Open) and not worker.is_first:
-            worker.open(frame)
-        elif isinstance(frame, (Fork, Forget)) and not worker.is_first:
-            worker.lifetime(frame)
-        elif isinstance(frame, Close) and not worker.is_first:
-            worker.close(frame)
-        elif isinstance(frame, HiddenFrame) and not worker.is_first:
-            worker.hidden(frame)
-        elif isinstance(frame, TokenFrame) and worker.is_first:
-            worker.tokens(frame)
-        else:
-            worker.refused += 1
-            log.warning("refused %s from %s: not expected by this stage", type(frame).__name__, peer)
-
 
 class _Inbox(queue.Queue[Message]):
     """The coordinator's messages for ``_handle_control``, in order, except a Revoked: applied as
@@ -479,6 +392,14 @@ class _Inbox(queue.Queue[Message]):
             self._revoke(item)
         else:
             super().put(item, block, timeout)
+
+
+class NoRoom(MemoryError):
+    """An assignment larger than this node's memory: ``room`` is what it has."""
+
+    def __init__(self, message: str, room: int) -> None:
+        super().__init__(message)
+        self.room = room
 
 
 def _kv_budget(assign: Assign) -> int | None:

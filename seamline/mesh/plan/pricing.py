@@ -56,7 +56,8 @@ def range_bytes(model: ModelSpec, options: PlanOptions, s: int, e: int) -> tuple
     return weights, kv, read
 
 
-def check_route(model: ModelSpec, route: Route) -> None:
+def check_route(model: ModelSpec, route: Route, private: bool = False) -> None:
+    """``private``: the first and last stage are one node's (``plan.private``)."""
     if not route:
         raise PlanError("a plan has at least one stage")
     expected = 0
@@ -70,6 +71,10 @@ def check_route(model: ModelSpec, route: Route) -> None:
     if expected != model.num_layers:
         raise PlanError(f"stage ranges end at layer {expected}, not at {model.num_layers}")
     ids = [n for n, _, _ in route]
+    if private and (len(ids) < 3 or ids[0] != ids[-1]):
+        raise PlanError("a private route starts and ends on the same node, with a member between")
+    if private:
+        ids = ids[:-1]
     if len(set(ids)) != len(ids):
         raise PlanError(f"a node owns one stage at most: {sorted(ids)} repeats a node")
 
@@ -83,8 +88,8 @@ def check_plan(
             f"the locked plan is for model {plan.model_name!r} ({plan.num_layers} layers), "
             f"not {model.name!r} ({model.num_layers} layers)"
         )
-    check_route(model, [(s.node_id, s.start, s.end) for s in plan.stages])
-    members = [m for st in plan.stages for m in st.members()]
+    check_route(model, [(s.node_id, s.start, s.end) for s in plan.stages], plan.private)
+    members = [m for st in plan.loaded_stages() for m in st.members()]
     if len(set(members)) != len(members):
         raise PlanError(f"a node belongs to one stage at most: {sorted(members)} repeats a node")
     by_id = {n.node_id: n for n in nodes}

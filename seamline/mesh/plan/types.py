@@ -284,6 +284,7 @@ class Plan:
     context_tokens: int
     batch: int
     objective: str = "latency"  # what the planner optimised ("throughput" or "latency")
+    private: bool = False  # the first and the last stage are one node's, the coordinator's (``plan.private``)
 
     def slowest_stage_s(self) -> float:
         """The slowest stage's work per step under load: the pipeline's pace when it is full."""
@@ -294,6 +295,10 @@ class Plan:
 
     def node_ids(self) -> tuple[str, ...]:
         return tuple(s.node_id for s in self.stages)
+
+    def loaded_stages(self) -> tuple[StageAssignment, ...]:
+        """The stages assigned one by one: a private plan's last stage goes with its first."""
+        return self.stages[:-1] if self.private else self.stages
 
     def to_json(self) -> str:
         data = asdict(self)

@@ -1,0 +1,131 @@
+"""A node's data path: the links of its plan's route (dialled on ``Route``, taken on its data
+port after the challenge of ``data_links``), and the frames that come on them, each handed to
+the stage its link's role feeds; ``Node`` takes these methods."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from typing import TYPE_CHECKING
+
+from seamline.mesh.control.relay import PAIR_WAIT_S, RELAY_MAGIC
+from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_from
+from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
+from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
+from seamline.net.link import Link, LinkClosed, tune
+from seamline.net.messages import Close, Forget, Fork, Linked, Open, RelayAccept, Route
+from seamline.net.tls import TlsRefused, TlsSocket
+
+if TYPE_CHECKING:
+    from seamline.mesh.node.process import Node
+
+log = logging.getLogger("seamline.node")
+
+
+class DataPath:
+    """The route's links and frames; mixed into ``Node``."""
+
+    def _route(self: Node, route: Route) -> None:
+        assert self.worker is not None and self.control is not None
+        self.worker.micro_batches = max(1, route.stages, route.micro_batches)
+        if self.worker.head is not None:
+            self.worker.head.share_prefixes(route.forks)
+        assert self.assignment is not None
+        tls = self.credentials.client if self.credentials else None
+        if route.downstream is not None:
+            link = dial(route.downstream, route.downstream_node, self.options.node_id, self.assignment, tls,
+                        route.downstream_relay)  # fmt: skip
+            self._keep(link)
+            self._data_links[route.downstream_node or "downstream"] = link
+            self.worker.links.downstream = link.send_hidden
+            self.worker.links.downstream_message = link.send_message
+        if route.stage0 is not None:
+            link = dial(route.stage0, route.stage0_node, self.options.node_id, self.assignment, tls, route.stage0_relay)
+            self._keep(link)
+            self._data_links[route.stage0_node or "stage0"] = link
+            self.worker.links.stage0 = link.send_tokens
+        self.control.send_message(Linked(plan_id=route.plan_id))
+
+    def _accept_relayed(self: Node, accept: RelayAccept) -> None:
+        """This node takes no inbound connection: dial the coordinator's relay with the ticket and
+        serve the data link that comes through it (TLS end to end, this node as the server)."""
+        assert self.control is not None
+        host = self.control.sock.getpeername()[0]
+        try:
+            sock = tune(socket.create_connection((host, self.invite.control_port), timeout=PAIR_WAIT_S))
+            sock.sendall(RELAY_MAGIC + accept.ticket.encode())
+            context = self._server_context()
+            channel = TlsSocket.handshake(sock, context, True, PAIR_WAIT_S) if context is not None else sock
+        except (OSError, TlsRefused) as exc:
+            log.error("relayed link from %s failed: %s", accept.peer_node, exc)
+            if not accept.probe:  # a probe that fails only leaves the pair unmeasured
+                self._report(None, f"the relayed link from {accept.peer_node} failed: {exc}")
+            return
+        self._read_data(Link(channel, name=f"relayed data from {accept.peer_node}"))
+
+    def _read_data(self: Node, link: Link) -> None:
+        peer = link.peer()
+        assignment = self.assignment
+        try:
+            role = admit(link, assignment, certified=self.credentials is not None, revoked=self.revoked)
+            if role == PROBE:
+                answer_probe(link)
+                return
+        except (Refused, ProbeRefused, LinkClosed, FrameError) as exc:
+            log.warning("refused data link from %s: %s", peer, exc)
+            link.close()
+            return
+        self._keep(link)
+        while True:
+            try:
+                frame = link.recv()
+            except LinkClosed:
+                return
+            except FrameError as exc:
+                log.warning("closing data link from %s: %s", peer, exc)
+                link.close()
+                return
+            if self.assignment is not assignment:  # a newer plan: this link's route is gone
+                log.warning("closing data link from %s: its plan was replaced; its frames refused", peer)
+                link.close()
+                return
+            try:
+                self._on_frame(frame, peer, role)
+            except Exception as exc:  # one bad frame never stops the node; its requests fail
+                log.exception("frame from %s failed", peer)
+                for request in {row.request for row in getattr(frame, "rows", ())}:
+                    self._report(request, f"layers [{self._layers()}) failed: {self._explain(exc)}", cause=exc)
+
+    def _keep(self: Node, link: Link) -> None:
+        with self._peers_lock:
+            self.peers.append(link)
+
+    def _drop_data_links(self: Node) -> None:
+        with self._peers_lock:
+            peers, self.peers = self.peers, []
+            self._data_links = {}
+        for link in peers:
+            link.close()
+
+    def _on_frame(self: Node, frame: object, peer: str, role: str) -> None:
+        worker = self.tail or self.worker  # a private mesh's node takes frames as its last stage
+        if worker is None:
+            log.warning("frame from %s before this node was loaded; refused", peer)
+            return
+        if not expected_from(frame, role):
+            worker.refused += 1
+            log.warning("refused %s from %s: its %s link does not carry it", type(frame).__name__, peer, role)
+            return
+        if isinstance(frame, Open) and not worker.is_first:
+            worker.open(frame)
+        elif isinstance(frame, (Fork, Forget)) and not worker.is_first:
+            worker.lifetime(frame)
+        elif isinstance(frame, Close) and not worker.is_first:
+            worker.close(frame)
+        elif isinstance(frame, HiddenFrame) and not worker.is_first:
+            worker.hidden(frame)
+        elif isinstance(frame, TokenFrame) and worker.is_first:
+            worker.tokens(frame)
+        else:
+            worker.refused += 1
+            log.warning("refused %s from %s: not expected by this stage", type(frame).__name__, peer)
