@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--tokens", type=int, default=128)
     bench.add_argument("--inputs", type=int, default=0, help="fuzz: inputs per surface (default 100000)")
     bench.add_argument("--rounds", type=int, default=0, help="chaos: failures to cause (default 20)")
+    bench.add_argument("--only", choices=("surfaces", "attacks"), default=None,
+                       help="fuzz: only the generated inputs per surface, or only the known attacks on a live mesh")
     bench.set_defaults(handler=cmd_bench)
     _add_mesh_commands(sub)
     return parser
@@ -247,7 +249,7 @@ def _chat(model: Any, args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from seamline.bench import run_bench
 
-    options = {"fuzz": {"inputs": args.inputs}, "chaos": {"rounds": args.rounds}}.get(
+    options = {"fuzz": {"inputs": args.inputs, "only": args.only}, "chaos": {"rounds": args.rounds}}.get(
         args.name, {"repeats": args.repeats, "tokens": args.tokens})
     run_bench(args.name, args.json_path, **options)
     return 0

@@ -28,7 +28,8 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
     elif name == "fuzz":
         from seamline.bench.fuzz import bench_fuzz
 
-        result = bench_fuzz(**({"inputs_per_surface": options["inputs"]} if options.get("inputs") else {}))
+        result = bench_fuzz(**({"inputs_per_surface": options["inputs"]} if options.get("inputs") else {}),
+                            only=options.get("only"))  # fmt: skip
     elif name == "chaos":
         from seamline.bench.chaos import bench_chaos
 

@@ -66,20 +66,35 @@ def _send(target: Target, surface: str, inputs: Inputs, count: int) -> int:
     return comm_surface(target, inputs, count)
 
 
-def _fill_prefix_cache(api: str, least: int = 1000, most: int = 3000) -> int:
-    """Distinct short requests, at least ``least`` and then until stage 0's kept prefix KV nears
-    its bound: fuzzed requests that the API takes leave their KV there, a bounded cache by design
-    whose resident size settles only once it has been filled and churned, so RSS is taken then.
-    The number of requests it took."""
+def _fill_prefix_cache(api: str, least: int = 1000, most: int = 3000) -> tuple[int, list[int]]:
+    """Distinct short requests, at least ``least`` and then until every stage's kept prefix KV
+    has settled: fuzzed requests that the API takes leave their KV there, a bounded cache by
+    design whose resident size settles only once it has been filled and churned, so RSS is taken
+    then. Stage 0 decides what every stage keeps: its kept KV nears its bound, and each later
+    stage's (its share of the same requests') stops growing. The number of requests it took,
+    and every stage's kept KV bytes then."""
+    kept: list[int] = []
     with httpx.Client(base_url=api, timeout=30) as client:
         for i in range(most):
             client.post("/v1/completions", json={"model": "default", "prompt": f"Warm-up {i}: tell me about {i * 7919}",
                                                  "max_tokens": 1, "temperature": 0})  # fmt: skip
             if i % 50 == 49 and i >= least:
-                stage0 = client.get("/api/status").json()["stages"][0]  # it decides what every stage keeps
-                if stage0.get("kept_kv_bytes", 0) >= 0.9 * PREFIX_CACHE_BYTES:
-                    return i + 1
-    return most
+                before, kept = kept, [s.get("kept_kv_bytes", 0) for s in client.get("/api/status").json()["stages"]]
+                settled = len(before) == len(kept) and all(k <= 1.02 * b for k, b in zip(kept[1:], before[1:]))
+                if kept and kept[0] >= 0.9 * PREFIX_CACHE_BYTES and settled:
+                    return i + 1, kept
+    return most, kept
+
+
+def _fds(processes: dict[str, psutil.Process]) -> dict[str, int]:
+    """Open descriptors per process: a link kept after its peer left shows here, not in RSS alone."""
+    out = {}
+    for name, process in processes.items():
+        try:
+            out[name] = process.num_fds()
+        except psutil.Error:
+            out[name] = -1
+    return out
 
 
 def _rss_mb(processes: dict[str, psutil.Process]) -> dict[str, float]:
@@ -119,7 +134,20 @@ def _target(driver: Driver, comm_port: int, comm_tls: Path) -> Target:
 
 
 def bench_fuzz(inputs_per_surface: int = 100_000, slow: int = 1000, seed: int = 0,
-               surfaces: tuple[str, ...] = SURFACES) -> dict[str, Any]:  # fmt: skip
+               surfaces: tuple[str, ...] = SURFACES, only: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """The surfaces' figures and ``attacks`` (``bench.attacks``); ``only``: "surfaces" or "attacks"."""
+    result: dict[str, Any] = {"bench": "fuzz"}
+    if only != "attacks":
+        result.update(_surfaces(inputs_per_surface, slow, seed, surfaces))
+    if only != "surfaces":
+        from seamline.bench.attacks import bench_attacks, setup
+
+        result["attacks"] = bench_attacks()
+        result["attacks_setup"] = setup()
+    return result
+
+
+def _surfaces(inputs_per_surface: int, slow: int, seed: int, surfaces: tuple[str, ...]) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     work = Path(tempfile.mkdtemp(prefix="seamline-fuzz-"))
@@ -157,13 +185,14 @@ def _run(driver: Driver, comm: Driver, target: Target, count: int, slow: int, se
         processes[f"node{len(processes) - 2}"] = child
     expected, _ = _answer(target.api)
     inputs = Inputs(seed)
-    warm_requests = _fill_prefix_cache(target.api)
+    warm_requests, kept = _fill_prefix_cache(target.api)
     for surface in surfaces:  # warm-up: every code path once, before RSS is taken
         _send(target, surface, inputs, max(50, count // 100))
-    before = _rss_mb(processes)
+    before, fds_before = _rss_mb(processes), _fds(processes)
     sent: dict[str, int] = {}
     seconds: dict[str, float] = {}
     growth: dict[str, dict[str, float]] = {}  # RSS growth so far, after each surface
+    fd_growth: dict[str, dict[str, int]] = {}  # open descriptors gained so far, after each surface
     hangs, wrong, slowest = 0, 0, 0.0
     started = time.monotonic()
     for surface in surfaces:
@@ -176,6 +205,7 @@ def _run(driver: Driver, comm: Driver, target: Target, count: int, slow: int, se
             slowest = max(slowest, took)
         seconds[surface] = round(time.monotonic() - began, 1)
         growth[surface] = {k: round(v - before[k], 1) for k, v in _rss_mb(processes).items()}
+        fd_growth[surface] = {k: v - fds_before[k] for k, v in _fds(processes).items()}
     held = _hold_slow(target, slow)
     text, took = _answer(target.api)
     hangs, wrong, slowest = hangs + (text is None), wrong + (text is not None and text != expected), max(slowest, took)
@@ -199,10 +229,12 @@ def _run(driver: Driver, comm: Driver, target: Target, count: int, slow: int, se
         "rss_growth_mb": {name: round(after[name] - before[name], 1) for name in processes},
         "rss_mb_after": {name: round(v, 1) for name, v in after.items()},
         "rss_growth_mb_after_each_surface": growth,
+        "fd_growth_after_each_surface": fd_growth,
         "stages_after": [{k: s.get(k) for k in ("node_id", "sequences", "kv_bytes", "kept_kv_bytes")} for s in stages],
         "answers_correct_after": text == expected and expected is not None,
         "warm_up": f"{warm_requests} distinct requests (stage 0's kept prefix KV near its "
-                   f"{PREFIX_CACHE_BYTES >> 20} MiB bound), then 1% of each surface's inputs",
+                   f"{PREFIX_CACHE_BYTES >> 20} MiB bound, every later stage's settled), then 1% of each surface's inputs",
+        "kept_kv_mb_after_warm_up": [round(k / 2**20, 1) for k in kept],
         "slow_connections_held": len(held),
         "seconds": round(time.monotonic() - started, 1),
         "seconds_per_surface": seconds,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,9 @@ def main() -> int:
         try:
             comm = TcpComm.connect(1, 2, addresses, 2.0, "fuzz", connect_timeout_s=3600, tls=tls)
         except CommError:
+            continue
+        except OSError:  # the port is taken a moment (an outgoing connection's, between groups): listen again
+            time.sleep(0.2)
             continue
         try:
             for sequence in range(1 << 30):

@@ -95,12 +95,14 @@ def start_single(name: str, threads: int, env: dict[str, str], logs: Path) -> Se
 
 
 def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: str, env: dict[str, str],
-               logs: Path, cap_gb: float | None) -> Server:  # fmt: skip
-    """A coordinator (pinned as ``coordinator``) and one pinned node per ``nodes`` entry."""
+               logs: Path, cap_gb: float | None, serve_extra: tuple[str, ...] = (),
+               nodes_expected: int = 0) -> Server:  # fmt: skip
+    """A coordinator (pinned as ``coordinator``; ``serve_extra``: more `serve` options) and one
+    pinned node per ``nodes`` entry; it plans once ``nodes_expected`` (default: all) have joined."""
     port, control = free_port(), free_port()
-    serve = [*SEAMLINE, "serve", "--no-local-node", "--nodes-expected", str(len(nodes)), "--host", host,
-             "--port", str(port), "--control-port", str(control), "--dtype", env["SEAMLINE_BENCH_DTYPE"],
-             "--context", "2048"]  # fmt: skip
+    serve = [*SEAMLINE, "serve", "--no-local-node", "--nodes-expected", str(nodes_expected or len(nodes)),
+             "--host", host, "--port", str(port), "--control-port", str(control),
+             "--dtype", env["SEAMLINE_BENCH_DTYPE"], "--context", "2048", *serve_extra]  # fmt: skip
     command = _pinned(coordinator.cores, coordinator.threads, coordinator.netns, serve)
     coordinator_proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     token = _read_token(coordinator_proc, logs / f"{name}.log")
