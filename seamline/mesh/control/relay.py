@@ -16,6 +16,8 @@ import socket
 import threading
 import time
 
+from seamline.net.deadlines import send_by
+
 log = logging.getLogger("seamline.relay")
 
 RELAY_MAGIC = b"SLRY"
@@ -24,6 +26,7 @@ TICKET_CHARS = 32
 PAIR_WAIT_S = 30.0  # a ticket's first end waits this long for the second
 PROBE_TIMEOUT_S = 2.0
 CHUNK = 256 << 10
+RELAY_SEND_S = 60.0  # an end that takes none of a chunk for this long is not reading
 
 
 def reachable(host: str, port: int, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
@@ -104,10 +107,12 @@ class Relay:
 
 
 def _copy(source: socket.socket, sink: socket.socket) -> None:
+    """One direction of a pipe. An end that reads nothing for ``RELAY_SEND_S`` ends the pipe,
+    rather than holding both copies' threads forever."""
     try:
         while data := source.recv(CHUNK):
-            sink.sendall(data)
-    except OSError:
+            send_by(sink, [data], time.monotonic() + RELAY_SEND_S)
+    except (OSError, TimeoutError):
         pass
     finally:
         for sock in (source, sink):  # wakes the other direction's reader too
