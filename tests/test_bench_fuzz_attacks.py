@@ -43,6 +43,6 @@ def test_two_attacks_on_a_live_mesh_are_refused_and_cost_its_clients_nothing(mon
         assert figures["attack"]["requests"] > 0
         assert figures["processes_exited"] == 0 and figures["requests_lost"] == 0, (name, figures)
         assert figures["wrong_answers"] == 0 and figures["mesh_down_s"] <= 10, (name, figures)
-        assert "detected_s" not in figures  # no lying member in these
+        assert "detected_s" not in figures and figures["targets_met"]  # no lying member in these
     assert set(result["oversize_logit_bias"]["attack"]["statuses"]) == {"400"}
     assert set(result["admin_body"]["attack"]["statuses"]) == {"401"}

@@ -2,14 +2,15 @@
 legitimate streaming clients (``attack_session``), each attacker in a process of its own
 (``attackers``). Per attack: ``mesh_down_s``, ``requests_lost``, ``wrong_answers`` (over the
 attack and ``after_s`` after it), ``processes_exited`` (honest ones), and for a lying member
-``detected_s`` (from the attack's start until the coordinator shows it removed, or its tokens
-refused; null if never), beside what the attacker saw (``attack``).
+``detected_s`` (from the attack's start until the coordinator shows it removed, lost or its
+words refused; null if never), beside what the attacker saw (``attack``) and ``targets_met``.
 
 One mesh takes the attacks that leave it whole, in turn; ``fake_ready`` comes last there (a
-liar joins the serving mesh and is planned in). ``stalled_reader``, ``forged_tokens`` and
-``perturbed_hidden`` each get a fresh mesh of two honest nodes and the liar (stage 0, a middle
-stage, a middle stage), any two of which hold the model; ``perturbed_hidden``'s runs with
-``--verify-fraction 1``.
+liar joins the serving mesh and is planned in). A liar in the route gets a fresh mesh of two
+honest nodes and itself, any two of which hold the model, started again until the planner
+puts the liar where its attack needs it (``PLACES``): ``stalled_reader`` (stage 0 stops
+reading its control link), ``forged_tokens``, ``forged_reports`` (a middle stage says it failed
+on every request as it opens) and ``perturbed_hidden`` (with ``--verify-fraction 1``).
 """
 
 from __future__ import annotations
@@ -76,7 +77,17 @@ def bench_attacks(duration_s: float = DURATION_S, after_s: float = AFTER_S,
         results.update(figures)
         differ += changed
     _tell_near_ties(results, differ)
+    for figures in results.values():
+        figures["targets_met"] = _targets_met(figures)
     return {name: results[name] for name in ATTACKS if name in results}
+
+
+def _targets_met(figures: dict[str, Any]) -> bool:
+    """No honest process exited, no request lost or answered wrongly, the mesh down 10 s at most,
+    and a lying member found within ``LIAR_WITHIN_S``."""
+    found = "detected_s" not in figures or (figures["detected_s"] is not None and figures["detected_s"] <= LIAR_WITHIN_S)
+    return (figures["processes_exited"] == 0 and figures["requests_lost"] == 0 and figures["wrong_answers"] == 0
+            and figures["mesh_down_s"] <= 10 and found)  # fmt: skip
 
 
 def setup(duration_s: float = DURATION_S, after_s: float = AFTER_S) -> dict[str, Any]:
