@@ -182,9 +182,20 @@ def spawn_node(token: str, node_id: str, cache_dir: Path | None = None, extra: l
         env["SEAMLINE_CACHE"] = str(cache_dir)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.Popen(args, env=env)
+    proc = subprocess.Popen(args, env=env, preexec_fn=_ends_with_parent if sys.platform == "linux" else None)
     atexit.register(_stop, proc)
     return proc
+
+
+def _ends_with_parent() -> None:
+    """In the child: the kernel ends it when the process that started it dies however it dies
+    (a killed `serve` runs no atexit, and its node would go on dialling it for an hour). The
+    kernel watches the starting thread: nodes are started from the main thread."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
