@@ -16,7 +16,11 @@ Inputs (``fuzz_inputs``) mix random bytes, truncations, oversized length fields 
 frames with one field mutated. Then up to ``slow`` half-open connections are held at once.
 After each quarter of a surface's inputs the mesh must give its greedy answer from before the
 fuzzing within ``HANG_S`` (else a hang). ``crashes``: processes that died, plus exceptions no
-handler caught (``Exception in thread`` in their logs). RSS growth is from after a warm-up.
+handler caught (``Exception in thread`` in their logs). RSS growth is from after a warm-up
+(every stage's kept prefix KV settled); open descriptors are counted beside it, per surface.
+
+``attacks`` (``bench.attacks``): known attacks, each on a live 3-node mesh serving 8 streaming
+clients. ``only``: "surfaces" or "attacks" runs one part alone.
 """
 
 from __future__ import annotations
