@@ -257,9 +257,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from seamline.mesh.control.serve import ServeOptions
+    from seamline.net.http_guard import raise_descriptor_limit
     from seamline.server.mesh_app import run_serve
 
     _logging(quiet=False, fmt=args.log_format)
+    raise_descriptor_limit()  # a server's connections are its descriptors
     if args.single:
         from seamline.server.serve_local import serve_local
 
@@ -295,8 +297,10 @@ def _gib(value: float) -> int:
 
 def cmd_join(args: argparse.Namespace) -> int:
     from seamline.mesh.node.process import NodeOptions, run_node
+    from seamline.net.http_guard import raise_descriptor_limit
 
     _logging(quiet=args.quiet, fmt=args.log_format)
+    raise_descriptor_limit()
     options = NodeOptions(data_port=args.data_port, progress=not args.no_progress)
     if args.max_memory is not None:
         options.max_memory_bytes = int(args.max_memory * (1 << 30))

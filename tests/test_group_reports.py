@@ -87,3 +87,17 @@ def test_a_report_from_a_node_that_is_no_longer_a_member_changes_nothing(coordin
     gone = made.nodes.pop("a")
     made._reported(gone, Failure(request=None, reason="rank 1 closed the link", plan_id=3, suspect="b"))
     assert set(made.nodes) == {"b", "c", "d"} and made.ready.is_set() and failures == []
+
+
+def test_a_member_that_says_its_stage_failed_is_lost_and_its_word_implicates_no_request(coordinator: tuple) -> None:
+    """A rank that is neither stage 0's leader nor the drawing stage may not end a request
+    (refused, counted), and one that reports its stage failed is taken at its word: lost, the
+    requests replaying as "replanned" (a member's word is not a loss seen, which would count
+    against the requests it was starting), so one that says so of every request drops itself."""
+    made, failures = coordinator
+    made.in_flight = lambda request: True
+    made._reported(made.nodes["b"], Failure(request=5, reason="your request is bad", blame="request"))
+    assert failures == [] and "b" in made.nodes and made.refusals.counts["b"] == 1
+    made._reported(made.nodes["d"], Failure(request=5, reason="this stage failed", blame="node"))
+    assert "d" not in made.nodes
+    assert [(request, blame) for request, _, blame in failures] == [(None, "replanned")]

@@ -20,7 +20,7 @@ from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.node.process import Node, NodeOptions
 from seamline.mesh.plan.types import ModelSpec
 from seamline.net.link import Link, LinkClosed, listen, tune
-from seamline.net.messages import PROTOCOL_VERSION, Assign, Heartbeat, Join, Ping, Resources
+from seamline.net.messages import PROTOCOL_VERSION, Assign, Heartbeat, Join, Ping, Pong, Resources
 
 TIMEOUT_S = 1.5  # the heartbeat timeout: a beat every 0.5 s
 
@@ -54,9 +54,9 @@ def _member(coordinator: Coordinator, node_id: str, buffer: int = 0) -> socket.s
 
 def test_a_member_that_stops_reading_is_lost_and_the_others_keep_their_beats() -> None:
     """"stuck" sends a heartbeat every 0.3 s but reads nothing, while a coordinator thread sends
-    it large messages until one blocks; "honest" answers every beat. "stuck" is taken for
-    lost about the heartbeat timeout after its link filled, which frees the blocked sender;
-    "honest" gets a beat every 0.5 s throughout and stays."""
+    it large messages until one blocks; "honest" answers every beat (a ping with a fresh nonce).
+    "stuck" answers none and is taken for lost about the heartbeat timeout after its first
+    beat, which frees the blocked sender; "honest" gets a beat every 0.5 s throughout and stays."""
     coordinator = _coordinator()
     honest = Link(_member(coordinator, "honest"), "honest")
     stuck = _member(coordinator, "stuck", buffer=32 << 10)
@@ -65,9 +65,9 @@ def test_a_member_that_stops_reading_is_lost_and_the_others_keep_their_beats() -
     def answer() -> None:
         try:
             while True:
-                if isinstance(honest.recv(), Heartbeat):
+                if isinstance(beat := honest.recv(), Ping):  # a heartbeat is a ping with a fresh nonce
                     beats.append(time.monotonic())
-                    honest.send_message(Heartbeat())
+                    honest.send_message(Pong(nonce=beat.nonce))
         except LinkClosed:
             pass
 
@@ -91,10 +91,9 @@ def test_a_member_that_stops_reading_is_lost_and_the_others_keep_their_beats() -
 
     for target in (answer, talk_without_reading):
         threading.Thread(target=target, daemon=True).start()
-    heartbeats.watch(coordinator, TIMEOUT_S)
-    time.sleep(1.0)
     began = time.monotonic()
-    threading.Thread(target=flood, daemon=True).start()
+    threading.Thread(target=flood, daemon=True).start()  # blocks once the stuck member's buffers fill
+    heartbeats.watch(coordinator, TIMEOUT_S)
     while "stuck" in coordinator.nodes and time.monotonic() - began < 20:
         time.sleep(0.05)
     lost_after = time.monotonic() - began

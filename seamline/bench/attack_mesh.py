@@ -126,7 +126,16 @@ def start(name: str, logs: Path, honest_nodes: int = 3, nodes_expected: int = 0,
         if comm_tls is not None:
             mesh.comm_port = quiet_port()
             mesh.extra["comm"] = _comm_target(comm_tls, mesh.comm_port, logs)
+    for proc in mesh.honest().values():  # a hard limit too: a server lifts its soft limit to the hard one
+        _cap_descriptors(proc.pid)
     return mesh
+
+
+def _cap_descriptors(pid: int) -> None:
+    try:
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (HONEST_NOFILE, HONEST_NOFILE))
+    except (OSError, ValueError):
+        pass  # it has more open already, or it is gone: it keeps what it has
 
 
 def quiet_port(low: int = 20000, high: int = 32000) -> int:

@@ -19,6 +19,7 @@ import uvicorn
 if TYPE_CHECKING:
     from seamline.mesh.plan.types import ModelSpec, NodeInfo, PlanOptions
 
+from seamline.net.http_guard import guarded
 from seamline.mesh.control.serve import ServeOptions, build_mesh, spawn_node, wait_ready
 from seamline.server.mesh_app import mesh_app
 from seamline.net.link import free_port
@@ -36,7 +37,8 @@ def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port
     print(f"seamline demo: packaging the model and starting a coordinator on port {port}", flush=True)
     mesh = build_mesh(options)
     mesh.start(options.host)
-    server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=options.host, port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=options.host, port=port, log_level="warning",
+                                           http=guarded()))  # fmt: skip
     threading.Thread(target=server.run, daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="seamline-demo-") as tmp:
         # stage split: cap each node below the whole model; lockstep ranks share every layer anyway

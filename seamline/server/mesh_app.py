@@ -8,6 +8,7 @@ from fastapi import FastAPI
 
 from seamline.mesh.control.admin import admin_key
 from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_node, url_host
+from seamline.net.http_guard import guarded
 from seamline.server.api_options import ApiOptions
 from seamline.server.openai_api import create_app
 
@@ -31,5 +32,6 @@ def run_serve(options: ServeOptions, api: ApiOptions | None = None) -> int:
     print(f"seamline: join with: seamline join {mesh.token}", flush=True)
     if options.local_node:
         spawn_node(mesh.own_token, "local")
-    uvicorn.run(mesh_app(mesh, api), host=options.host, port=options.port, log_level="warning", **api.uvicorn_kwargs())
+    uvicorn.run(mesh_app(mesh, api), host=options.host, port=options.port, log_level="warning", http=guarded(),
+                **api.uvicorn_kwargs())  # fmt: skip
     return 0

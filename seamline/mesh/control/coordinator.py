@@ -143,7 +143,8 @@ class Coordinator(Membership, Planning, StartUp):
                 self._reported(handle, message)
             elif isinstance(message, Renew):
                 self._renew(handle, message)
-            elif isinstance(message, Pong) and not handle.pongs.arrived(message.nonce):
+            elif isinstance(message, Pong) and not handle.beats.answered(message.nonce) \
+                    and not handle.pongs.arrived(message.nonce):  # fmt: skip
                 log.warning("refused node %s's pong %d: no such ping is waiting", handle.node_id, message.nonce)
             elif isinstance(message, PeerLink) and not self.peer_links.report(handle.node_id, message):
                 log.warning("ignored node %s's link report on %s: it was not asked", handle.node_id, message.peer_node)
@@ -174,7 +175,9 @@ class Coordinator(Membership, Planning, StartUp):
     def _reported(self, handle: NodeHandle, message: Failure) -> None:
         """A node's failure report: its own start-up, or a request it serves. A node outside the
         plan serves no request, so its reports end none; only stage 0 and the drawing stage may
-        end one (``member_gate``), another stage's report replays it."""
+        end one (``member_gate``). Another stage that says its stage failed is taken at its
+        word: it is taken for lost and the requests replay without it (a member that says so of
+        every request only drops itself)."""
         log.warning("node %s reports: %s", handle.node_id, message.reason)  # one line: ``messages.Reason``
         if message.plan_id is not None:
             self._group_broke(handle, message)
@@ -195,8 +198,11 @@ class Coordinator(Membership, Planning, StartUp):
             self.refusals.refuse(handle.node_id, f"a report ending a request ({message.blame}): it is not stage 0 "
                                                  "or the drawing stage, or the request is not in flight")  # fmt: skip
             return
+        if not ends:
+            self.lose(handle, f"it reports its stage failed: {message.reason}", observed=False)
+            return
         reason = message.reason if message.blame != "node" else f"node {handle.node_id}: {message.reason}"
-        self.on_failure(message.request, reason, message.blame if ends else "lost")
+        self.on_failure(message.request, reason, message.blame)
 
     def _group_broke(self, handle: NodeHandle, message: Failure) -> None:
         """The lockstep group ``handle`` serves in broke (a gate timed out or its link closed):
@@ -218,16 +224,18 @@ class Coordinator(Membership, Planning, StartUp):
         elif suspect is not None:
             self.lose(suspect, f"its lockstep group lost it: {message.reason}")
 
-    def lose(self, handle: NodeHandle, reason: str) -> None:
-        """Take a member for lost (it stopped answering): its links close, its requests replay."""
-        self._lost(handle, reason)
+    def lose(self, handle: NodeHandle, reason: str, observed: bool = True) -> None:
+        """Take a member for lost: its links close, its requests replay. ``observed``: the
+        coordinator saw it fail (a closed link, missed beats), not only its word, which counts
+        against the requests it was starting (``mesh_backend.Implicated``)."""
+        self._lost(handle, reason, observed)
         handle.link.close()
 
     def shut_down(self) -> None:
         """The mesh is being stopped on purpose: nodes that leave now are not planned around."""
         self.closing = True
 
-    def _lost(self, handle: NodeHandle, reason: str) -> None:
+    def _lost(self, handle: NodeHandle, reason: str, observed: bool = True) -> None:
         if self.closing:
             log.info("node %s left: %s (the mesh is shutting down)", handle.node_id, reason)
             return
@@ -241,15 +249,15 @@ class Coordinator(Membership, Planning, StartUp):
         with handle.events:
             handle.events.notify_all()
         if in_plan:
-            self._replan(f"node {handle.node_id} left the mesh", reason)
+            self._replan(f"node {handle.node_id} left the mesh", reason, observed)
         elif self.plan is None:  # no plan could be made: perhaps one can without this node
             self._maybe_plan()
 
-    def _replan(self, event: str, detail: str) -> None:
+    def _replan(self, event: str, detail: str, observed: bool = True) -> None:
         """The plan serves no more (``event``): plan again; requests in flight replay on the next."""
         self.ready.clear()
         self.state = f"{event}; re-planning"
-        self.on_failure(None, f"{event} mid-request ({detail})", "lost")
+        self.on_failure(None, f"{event} mid-request ({detail})", "lost" if observed else "replanned")
         self._maybe_plan(force=True)
         with self.lock:
             if self.plan is None:

@@ -1,6 +1,7 @@
-"""Heartbeats: the coordinator tells every member it is there each ``every_s`` seconds, and a
-member that has sent nothing (a heartbeat answered, tokens, anything) for ``timeout_s`` is
-lost. This catches a node that stops without closing its sockets (SIGSTOP, a pulled cable),
+"""Heartbeats: the coordinator pings every member each ``every_s`` seconds, with a fresh random
+nonce, and a member that has answered no ping for ``timeout_s`` is lost (so is one that has sent
+nothing at all that long). A ping's answer proves the member reads its link: a member that
+stops reading but keeps sending cannot answer a nonce it never read. This catches a node that stops without closing its sockets (SIGSTOP, a pulled cable),
 which a closed link never would; a node likewise takes its coordinator for lost when it hears
 nothing from it (``mesh.node.process.COORDINATOR_SILENT_S``).
 
@@ -18,7 +19,8 @@ import time
 from typing import TYPE_CHECKING
 
 from seamline.net.link import LinkClosed
-from seamline.net.messages import Heartbeat
+from seamline.mesh.control.link_probe import new_nonce
+from seamline.net.messages import Ping
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
@@ -60,14 +62,22 @@ def _beat(handle: NodeHandle, every_s: float, timeout_s: float, full_since: dict
     silent = now - handle.last_heard
     if silent > timeout_s:
         return f"sent nothing for {silent:.1f} s"
+    unanswered = handle.beats.unanswered_for(now)
+    if unanswered > timeout_s:
+        return f"answered no heartbeat for {unanswered:.1f} s (it reads nothing)"
     stalled = handle.link.stalled_for()
     if stalled > timeout_s:
         return f"read nothing for {stalled:.1f} s (a send to it got no byte out)"
+    nonce = new_nonce()
+    handle.beats.sent(nonce, now)  # before the send: its pong may come back before the send returns
     try:
-        if handle.link.try_send_message(Heartbeat(), within_s=every_s) or stalled:  # busy sending: that send is watched
-            full_since.pop(handle.node_id, None)
-            return None
+        beaten = handle.link.try_send_message(Ping(nonce=nonce), within_s=every_s)
     except LinkClosed:
+        return None
+    if not beaten:
+        handle.beats.cancel(nonce)
+    if beaten or stalled:  # busy sending: that send is watched
+        full_since.pop(handle.node_id, None)
         return None
     full = now - full_since.setdefault(handle.node_id, now)
     return f"read nothing for {full:.1f} s (its link had no room for a heartbeat)" if full > timeout_s else None

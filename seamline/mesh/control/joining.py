@@ -242,7 +242,7 @@ class Membership:
             self._enrolled.pop(node_id, None)  # enrolled, not yet attached: it attaches no more
         if handle is not None:
             handle.link.close()
-            self._lost(handle, "removed by the administrator")
+            self._lost(handle, "removed by the administrator", observed=False)
         if self.fragment_gate is not None:
             self.fragment_gate.drop()
         with self.lock:

@@ -15,6 +15,38 @@ from seamline.net.link import Link
 from seamline.net.messages import Join, Loading, ProbeResult, Ready, Stats
 
 
+class Beats:
+    """The heartbeat pings a member has not answered yet (nonce -> when sent)."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, float] = {}
+        self._lock = threading.Lock()
+
+    def sent(self, nonce: int, when: float) -> None:
+        with self._lock:
+            self._sent[nonce] = when
+
+    def cancel(self, nonce: int) -> None:
+        """A ping that could not be sent."""
+        with self._lock:
+            self._sent.pop(nonce, None)
+
+    def answered(self, nonce: int) -> bool:
+        """A pong for one of them: it and every ping sent before it are answered; False when
+        no such ping is waiting."""
+        with self._lock:
+            when = self._sent.get(nonce)
+            if when is None:
+                return False
+            self._sent = {n: t for n, t in self._sent.items() if t > when}
+            return True
+
+    def unanswered_for(self, now: float) -> float:
+        """Seconds since the oldest unanswered ping was sent (0 when none waits)."""
+        with self._lock:
+            return now - min(self._sent.values()) if self._sent else 0.0
+
+
 @dataclass
 class NodeHandle:
     join: Join
@@ -32,6 +64,7 @@ class NodeHandle:
     believed_rate: float | None = None  # its claimed speed, or what the probe measured when far below it
     checked: bool = False  # its link measured and its speed checked: it may be planned
     last_heard: float = field(default_factory=time.monotonic)  # when it last sent anything (heartbeats)
+    beats: Beats = field(default_factory=lambda: Beats())  # heartbeat pings sent it and not yet answered
     probe_result: ProbeResult | None = None  # its answer to the start-up check's probe
     memory_cap: int | None = None  # the room it said it has when it could not load a stage: planned with no more
 

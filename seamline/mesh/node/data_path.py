@@ -76,6 +76,13 @@ class DataPath:
             link.close()
             return
         self._keep(link)
+        try:
+            self._read_frames(link, peer, role, assignment)
+        finally:  # a link whose reader ended is done with: its descriptor and buffers go now
+            link.close()
+            self._unkeep(link)
+
+    def _read_frames(self: Node, link: Link, peer: str, role: str, assignment: object) -> None:
         while True:
             try:
                 frame = link.recv()
@@ -83,11 +90,9 @@ class DataPath:
                 return
             except FrameError as exc:
                 log.warning("closing data link from %s: %s", peer, exc)
-                link.close()
                 return
             if self.assignment is not assignment:  # a newer plan: this link's route is gone
                 log.warning("closing data link from %s: its plan was replaced; its frames refused", peer)
-                link.close()
                 return
             try:
                 self._on_frame(frame, peer, role)
@@ -99,6 +104,11 @@ class DataPath:
     def _keep(self: Node, link: Link) -> None:
         with self._peers_lock:
             self.peers.append(link)
+
+    def _unkeep(self: Node, link: Link) -> None:
+        with self._peers_lock:
+            if link in self.peers:
+                self.peers.remove(link)
 
     def _drop_data_links(self: Node) -> None:
         with self._peers_lock:
