@@ -71,6 +71,8 @@ def _print_plan(status: dict[str, object]) -> None:
         group = f" in lockstep with {', '.join(ranks[1:])}" if len(ranks) > 1 else ""
         print(f"  {stage['node_id']:>8}: layers [{start:>2},{end:>2}) {' + '.join(extras)}{group}", flush=True)
     print(f"  predicted {status['predicted_ms_per_token']:.1f} ms/token", flush=True)
+    precision = status["precision"]
+    print(f"  precision {precision['name']}: {precision['label']} (--precision exact for float32)", flush=True)  # type: ignore[index]
 
 
 def _ask(base: str, model: str, question: str, max_tokens: int) -> None:

@@ -1,12 +1,13 @@
-// The exact decode path: the GGUF blocks decoded in registers (quants, scales, mins as gguf-py
-// reads them) and multiplied with the activations in float32, summed in float32. No activation
-// rounding, so a quantized model gives the float answers of its dequantised weights (up to
-// float32 rounding and summation order). Registered as torch.ops.seamline_quant.linear_exact
-// (decode steps and batched steps: each row's sums are the same however many rows come with it).
+// The exact path: a few weight rows at a time decoded to float32 as gguf-py decodes them, into a
+// buffer that stays in L1 while every activation row is multiplied with them in float32. No
+// activation rounding, so a quantized model gives the float answers of its dequantised weights
+// (up to float32 summation order, which is the same for a row alone and in a batch). Registered
+// as torch.ops.seamline_quant.linear_exact (decode and batched steps; prefill takes linear_tiled).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "kernels.h"
@@ -18,80 +19,69 @@
 namespace seamline_quant {
 namespace {
 
-// weight row w . activation rows [0, MB) -> res[MB]. Quants are taken lane-wise: lane l of a
-// pair holds elements 4l..4l+3 (one per byte), which share the lane's scale and min, so byte k
-// of every lane meets xt[k] (the activations of elements 4l+k, transposed once per call) with
-// no shuffle: per lane sum_k q * x, times the scale, plus (min - OFFSET * scale) * sum_k x.
-template <class D, int MB>
-inline void row_dot(const uint8_t* w, int64_t cols, const float* xt, int64_t x_stride, const float* xl,
-                    int64_t l_stride, float* res) {
-  __m512 acc[MB], rest[MB];
-  for (int i = 0; i < MB; ++i) acc[i] = rest[i] = _mm512_setzero_ps();
-  const __m512i byte = _mm512_set1_epi32(0xFF);
-  for_pairs<D>(w, cols, [&](int64_t p, const Pair& P) {
-    const __m512 q0 = _mm512_cvtepi32_ps(_mm512_and_si512(P.q, byte));
-    const __m512 q1 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(P.q, 8), byte));
-    const __m512 q2 = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(P.q, 16), byte));
-    const __m512 q3 = _mm512_cvtepi32_ps(_mm512_srli_epi32(P.q, 24));
-    __m512 c = _mm512_setzero_ps();  // per lane: min - OFFSET * scale
-    if constexpr (D::OFFSET != 0) c = _mm512_mul_ps(P.scale, _mm512_set1_ps(-(float)D::OFFSET));
-    if constexpr (D::MIN) c = _mm512_add_ps(c, P.minv);
-    for (int i = 0; i < MB; ++i) {
-      const float* xp = xt + i * x_stride + 64 * p;  // [4][16]: byte k, lane l
-      __m512 t = _mm512_mul_ps(q0, _mm512_loadu_ps(xp));
-      t = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xp + 16), t);
-      t = _mm512_fmadd_ps(q2, _mm512_loadu_ps(xp + 32), t);
-      t = _mm512_fmadd_ps(q3, _mm512_loadu_ps(xp + 48), t);
-      acc[i] = _mm512_fmadd_ps(P.scale, t, acc[i]);
-      rest[i] = _mm512_fmadd_ps(c, _mm512_loadu_ps(xl + i * l_stride + 16 * p), rest[i]);
-    }
-  });
-  for (int i = 0; i < MB; ++i) res[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i], rest[i]));
+constexpr int NB = 4;  // weight rows decoded together: their floats stay in L1 for every activation row
+
+// weight rows [0, nb) of w as float32, gguf-py's values, in wbuf rows of ``padded`` (zero past cols)
+template <class D>
+void decode_rows(const uint8_t* w, int64_t w_stride, int64_t cols, int64_t padded, int nb, float* wbuf) {
+  for (int i = 0; i < nb; ++i) {
+    float* dst = wbuf + i * padded;
+    for_pairs<D>(w + i * w_stride, cols, [&](int64_t p, const Pair& P) {
+      _mm512_storeu_ps(dst + 64 * p, chunk_f32<D, 0>(P));
+      _mm512_storeu_ps(dst + 64 * p + 16, chunk_f32<D, 1>(P));
+      _mm512_storeu_ps(dst + 64 * p + 32, chunk_f32<D, 2>(P));
+      _mm512_storeu_ps(dst + 64 * p + 48, chunk_f32<D, 3>(P));
+    });
+    for (int64_t e = (cols / 64) * 64 + (D::PAIRS == 1 && cols % 64 ? 64 : 0); e < padded; ++e) dst[e] = 0.0f;
+  }
+  for (int i = nb; i < NB; ++i) std::fill(wbuf + i * padded, wbuf + (i + 1) * padded, 0.0f);
 }
 
-// out[m, r] (float32, row stride n_out) for weight rows [r0, r1), activation rows [0, rows_x)
+// res[m][r] = x[m] . wbuf[r] for MB activation rows and NB weight rows. Every (m, r) sums its
+// 16 lanes in column order and then across lanes, however many rows come with it: a row's
+// result is the same in a batch as alone.
+template <int MB>
+inline void dots(const float* x, int64_t padded, const float* wbuf, float res[MB][NB]) {
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < NB; ++r) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t e = 0; e < padded; e += 16) {
+    __m512 wv[NB];
+    for (int r = 0; r < NB; ++r) wv[r] = _mm512_loadu_ps(wbuf + r * padded + e);
+    for (int m = 0; m < MB; ++m) {
+      const __m512 xv = _mm512_loadu_ps(x + m * padded + e);
+      for (int r = 0; r < NB; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < NB; ++r) res[m][r] = _mm512_reduce_add_ps(acc[m][r]);
+}
+
+// out[m, r] (float32, row stride n_out) for weight rows [r0, r1) and activation rows [0, M)
 template <class D>
-void rows_exact(const uint8_t* w, int64_t w_stride, int64_t cols, const float* x, int64_t x_stride, const float* xl,
-                int64_t rows_x, int64_t r0, int64_t r1, float* out, int64_t n_out) {
-  float res[8];
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = w + r * w_stride;
+void rows_exact(const uint8_t* w, int64_t w_stride, int64_t cols, const float* x, int64_t padded, int64_t M,
+                int64_t r0, int64_t r1, float* out, int64_t n_out) {
+  thread_local std::vector<float> wbuf;
+  wbuf.resize(NB * padded);
+  for (int64_t r = r0; r < r1; r += NB) {
+    const int nb = (int)std::min<int64_t>(NB, r1 - r);
+    decode_rows<D>(w + r * w_stride, w_stride, cols, padded, nb, wbuf.data());
     int64_t m = 0;
-    for (; m + 8 <= rows_x; m += 8) {  // a batched step: each weight block decoded once per 8 rows
-      row_dot<D, 8>(row, cols, x + m * x_stride, x_stride, xl + m * (x_stride / 4), x_stride / 4, res);
-      for (int i = 0; i < 8; ++i) out[(m + i) * n_out + r] = res[i];
+    for (; m + 4 <= M; m += 4) {
+      float res[4][NB];
+      dots<4>(x + m * padded, padded, wbuf.data(), res);
+      for (int i = 0; i < 4; ++i)
+        for (int j = 0; j < nb; ++j) out[(m + i) * n_out + r + j] = res[i][j];
     }
-    for (; m + 4 <= rows_x; m += 4) {
-      row_dot<D, 4>(row, cols, x + m * x_stride, x_stride, xl + m * (x_stride / 4), x_stride / 4, res);
-      for (int i = 0; i < 4; ++i) out[(m + i) * n_out + r] = res[i];
-    }
-    for (; m < rows_x; ++m) {
-      row_dot<D, 1>(row, cols, x + m * x_stride, x_stride, xl + m * (x_stride / 4), x_stride / 4, res);
-      out[m * n_out + r] = res[0];
+    for (; m < M; ++m) {
+      float res[1][NB];
+      dots<1>(x + m * padded, padded, wbuf.data(), res);
+      for (int j = 0; j < nb; ++j) out[m * n_out + r + j] = res[0][j];
     }
   }
 }
 
 }  // namespace
-
-// activation rows as the kernel reads them, per 64-wide pair p: xt[m][p][k][l] = x[m][64p + 4l + k]
-// and xl[m][p][l] = sum_k of those (zeros past cols)
-static void lay_out(const float* x, int64_t x_stride, int64_t M, int64_t cols, int64_t padded, float* xt, float* xl) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* row = x + m * x_stride;
-    float* t = xt + m * padded;
-    float* l = xl + m * (padded / 4);
-    for (int64_t e = 0; e < padded; e += 4) {
-      float sum = 0.0f;
-      for (int64_t k = 0; k < 4; ++k) {
-        const float v = e + k < cols ? row[e + k] : 0.0f;
-        t[(e / 64) * 64 + k * 16 + (e % 64) / 4] = v;
-        sum += v;
-      }
-      l[e / 4] = sum;
-    }
-  }
-}
 
 // x [M, cols] float32 @ W.T -> [M, N] float32 (+ bias)
 at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols,
@@ -102,18 +92,17 @@ at::Tensor linear_exact(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                     "weight blocks must be a CPU uint8 [rows, row_bytes] tensor with contiguous rows");
   TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.size(1) == cols, "activations must be [M, ", cols, "]");
   const int64_t M = x.size(0), N = w.size(0), padded = padded_cols(cols);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  thread_local std::vector<float> scratch;  // xt then xl, reused across calls
-  scratch.resize(M * padded + M * padded / 4);
-  float* xp = scratch.data();
-  float* lp = xp + M * padded;
-  lay_out(xf.data_ptr<float>(), cols, M, cols, padded, xp, lp);
-  at::Tensor out = at::empty({M, N}, xf.options());
+  // activations zero-padded to whole pairs (the decoded weights past cols are zero too)
+  const at::Tensor xp = at::constant_pad_nd(x.to(at::kFloat), {0, padded - cols}).contiguous();
+  const float* xd = xp.data_ptr<float>();
+  at::Tensor out = at::empty({M, N}, xp.options());
   float* op = out.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t grain = std::max<int64_t>(4, (int64_t{1} << 18) / (cols * M));
-  at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
-#define SEAMLINE_EXACT(D) rows_exact<D>(wp, w.stride(0), cols, xp, padded, lp, M, r0, r1, op, N)
+  const int64_t groups = (N + NB - 1) / NB;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (cols * M));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    const int64_t r0 = g0 * NB, r1 = std::min(N, g1 * NB);
+#define SEAMLINE_EXACT(D) rows_exact<D>(wp, w.stride(0), cols, xd, padded, M, r0, r1, op, N)
     SEAMLINE_DISPATCH(qtype, SEAMLINE_EXACT)
   });
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
