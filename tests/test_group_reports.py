@@ -93,11 +93,16 @@ def test_a_member_that_says_its_stage_failed_is_lost_and_its_word_implicates_no_
     """A rank that is neither stage 0's leader nor the drawing stage may not end a request
     (refused, counted), and one that reports its stage failed is taken at its word: lost, the
     requests replaying as "replanned" (a member's word is not a loss seen, which would count
-    against the requests it was starting), so one that says so of every request drops itself."""
+    against the requests it was starting), so one that says so of every request drops itself.
+    So is the drawing stage that says so: its word ends no request either."""
     made, failures = coordinator
     made.in_flight = lambda request: True
+    plan = made.plan
     made._reported(made.nodes["b"], Failure(request=5, reason="your request is bad", blame="request"))
     assert failures == [] and "b" in made.nodes and made.refusals.counts["b"] == 1
     made._reported(made.nodes["d"], Failure(request=5, reason="this stage failed", blame="node"))
     assert "d" not in made.nodes
     assert [(request, blame) for request, _, blame in failures] == [(None, "replanned")]
+    made.plan = plan  # as if planned again with "c" drawing
+    made._reported(made.nodes["c"], Failure(request=5, reason="this stage failed", blame="node"))
+    assert "c" not in made.nodes and all(request is None for request, _, _ in failures)

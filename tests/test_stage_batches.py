@@ -16,6 +16,7 @@ import torch
 from seamline.config import kv_bytes_per_token
 from seamline.model.cache import MIN_CAPACITY
 from seamline.model.ownership import Ownership
+from seamline.mesh.node.private_tail import pair
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Message, Open, Prompt
@@ -255,6 +256,23 @@ def test_prompts_that_begin_alike_share_the_prefix_on_every_stage(tmp_path: Path
         assert time.monotonic() < deadline, mesh.stage1.sequences
         time.sleep(0.01)
     assert set(mesh.stage1.sequences) == {request for _, request in head._held.values()}
+
+
+def test_a_private_last_stage_opened_before_stage_0_has_the_prompt_draws_as_the_whole_model(tmp_path: Path) -> None:
+    """A private mesh's ends (``pair``): stage 0 passes each Open on before its prompt has come,
+    so the last stage opens the request before stage 0 knows how it draws (here every time: the
+    Open reaches stage 1 at once). The first frame settles it, and the tokens are the whole
+    model's with the request's own parameters, none refused."""
+    first, second = _stages(tmp_path)
+    mesh = TwoStages(first, second)
+    pair(mesh.stage0, mesh.stage1)
+    prompts = {r: [(7 * r + 5 * i) % 200 + 3 for i in range(5 + 3 * r)] for r in range(3)}
+    params = {r: SamplingParams(temperature=0.8 * r, seed=r, max_tokens=6, presence_penalty=0.5 * r) for r in prompts}
+    mesh.generate({r: (prompt, params[r]) for r, prompt in prompts.items()})
+    assert mesh.stage0.refused == 0 and mesh.stage1.refused == 0
+    engine = Engine(load_stage(open_source(tmp_path)), 512)
+    for request, prompt in prompts.items():
+        assert mesh.results[request] == list(engine.generate(prompt, params[request])), request
 
 
 @pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3", "embedded"])

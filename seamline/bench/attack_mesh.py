@@ -2,8 +2,8 @@
 
 A mesh is chaos's: float32, nodes on memory caps under which any two (and no one) hold the
 model, `seamline serve` with its state directory in the bench's folder (so the bench is its
-administrator) and every honest process started with 1024 descriptors (a common default; the
-attacker may open as many as the machine's hard limit allows). A lying member is a node of
+administrator) and every honest process started with 1024 descriptors, its hard limit too (a common default;
+the attacker may open as many as the machine's hard limit allows). A lying member is a node of
 its own process (``attack_liar``), joined with an invite of its own.
 """
 
@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +22,7 @@ import httpx
 import psutil
 
 from seamline.bench.driver import Driver
-from seamline.bench.servers import NodeSpec, Server, start_mesh
+from seamline.bench.servers import NodeSpec, Server, descriptors_capped, start_mesh
 from seamline.mesh.control.admin_client import AdminClient
 from seamline.mesh.control.invite import Invite
 from seamline.net.link import free_port
@@ -33,17 +30,6 @@ from seamline.server.demo import memory_cap_gb
 
 CONTEXT = 2048
 HONEST_NOFILE = 1024
-
-
-@contextmanager
-def honest_descriptors() -> Iterator[None]:
-    """Processes started inside inherit a soft limit of ``HONEST_NOFILE`` descriptors."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (min(HONEST_NOFILE, hard), hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 @dataclass
@@ -119,23 +105,13 @@ def start(name: str, logs: Path, honest_nodes: int = 3, nodes_expected: int = 0,
     state_dir, fragments = logs / f"state-{name}", free_port()
     extra = ("--state-dir", str(state_dir), "--fragments-port", str(fragments), "--verify-fraction", str(verify_fraction))
     cap = memory_cap_gb(None, 2, CONTEXT)
-    with honest_descriptors():
-        server = start_mesh(name, [NodeSpec("0,1", 1) for _ in range(honest_nodes)], NodeSpec("0,1", 1), "127.0.0.1",
-                            env, logs, cap, extra, nodes_expected)  # fmt: skip
-        mesh = LiveMesh(server, name, logs, state_dir, fragments, comm_tls=comm_tls)
-        if comm_tls is not None:
-            mesh.comm_port = quiet_port()
-            mesh.extra["comm"] = _comm_target(comm_tls, mesh.comm_port, logs)
-    for proc in mesh.honest().values():  # a hard limit too: a server lifts its soft limit to the hard one
-        _cap_descriptors(proc.pid)
+    server = start_mesh(name, [NodeSpec("0,1", 1) for _ in range(honest_nodes)], NodeSpec("0,1", 1), "127.0.0.1",
+                        env, logs, cap, extra, nodes_expected, nofile=HONEST_NOFILE)  # fmt: skip
+    mesh = LiveMesh(server, name, logs, state_dir, fragments, comm_tls=comm_tls)
+    if comm_tls is not None:
+        mesh.comm_port = quiet_port()
+        mesh.extra["comm"] = _comm_target(comm_tls, mesh.comm_port, logs)
     return mesh
-
-
-def _cap_descriptors(pid: int) -> None:
-    try:
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (HONEST_NOFILE, HONEST_NOFILE))
-    except (OSError, ValueError):
-        pass  # it has more open already, or it is gone: it keeps what it has
 
 
 def quiet_port(low: int = 20000, high: int = 32000) -> int:
@@ -156,7 +132,7 @@ def quiet_port(low: int = 20000, high: int = 32000) -> int:
 
 
 def _comm_target(tls: Path, port: int, logs: Path) -> subprocess.Popen[Any]:
-    command = [sys.executable, "-m", "seamline.bench.fuzz_comm_target", "--port", str(port), "--tls-dir", str(tls)]
+    command = [*descriptors_capped(HONEST_NOFILE), sys.executable, "-m", "seamline.bench.fuzz_comm_target", "--port", str(port), "--tls-dir", str(tls)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=(logs / "comm.log").open("w"), text=True)
     assert proc.stdout is not None
     proc.stdout.readline()  # ready

@@ -3,7 +3,9 @@ here from tests/test_net_limits.py:
 
 - ``fd_exhaustion``: as many idle connections to every port as this process may open (its
   descriptor limit raised to the hard limit; honest processes keep theirs), held for
-  ``duration_s``, then dropped at once;
+  ``duration_s``, then dropped at once; from a loopback address of its own (``STRANGER``), as a
+  stranger's host has one (an attacker that shares the clients' address is cut per address with
+  them: tests/test_http_guard.py keeps new clients served then, not every keep-alive one);
 - ``dripped_handshake``: connections that drip a TLS ClientHello (or, after TLS, a first
   message; or, to the API, an HTTP request head) a byte a second; each should be cut about
   ``HANDSHAKE_DEADLINE_S`` after it opened. A lockstep rank's comm port is dripped at too while
@@ -27,6 +29,7 @@ from seamline.net.tls import TlsRefused, TlsSocket
 
 Address = tuple[str, int]
 PER_PORT = 1500  # more than an honest process's 1024 descriptors
+STRANGER = "127.0.0.66"  # fd_exhaustion's source address: not the clients' or the nodes' 127.0.0.1
 HTTP_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" * 4
 
 
@@ -70,7 +73,7 @@ def _flood(address: Address, held: list[socket.socket], most: int, until: float)
     count = failures = 0
     while count < most and failures < 5 and time.monotonic() < until:
         try:
-            held.append(socket.create_connection(address, timeout=0.2))
+            held.append(socket.create_connection(address, timeout=0.2, source_address=(STRANGER, 0)))
             count += 1
         except OSError:
             failures += 1

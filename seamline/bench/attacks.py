@@ -229,7 +229,8 @@ def _on_own_mesh(name: str, duration_s: float, after_s: float,
     try:
         session = Session(mesh, after_s)
         session.start()
-        watcher = {"perturbed_hidden": _expelled, "stalled_reader": _lost}.get(name, _refused)(mesh, liar)
+        watcher = {"perturbed_hidden": _expelled, "stalled_reader": _lost,
+                   "forged_reports": _refused_or_lost}.get(name, _refused)(mesh, liar)  # fmt: skip
         session.attack(name, lambda: _armed(driver, mesh, liar, name, duration_s), watcher, lying=True)
         quit_line = driver.ask("quit")
         figures, changed = session.finish()
@@ -263,6 +264,14 @@ def _mesh_with_liar(name: str, work: Path, tries: int = 6) -> tuple[LiveMesh, Dr
 
 def _refused(mesh: LiveMesh, liar: str) -> Watcher:
     return Watcher(mesh, lambda s: s.get("refused_from_members", {}).get(liar, 0) > 0)
+
+
+def _refused_or_lost(mesh: LiveMesh, liar: str) -> Watcher:
+    """A member's report of its own failure is believed of itself alone: it is taken for lost
+    (it may rejoin before the next poll: then it is seen out of the route the mesh serves on)."""
+    return Watcher(mesh, lambda s: s.get("refused_from_members", {}).get(liar, 0) > 0
+                   or (bool(s.get("nodes")) and liar not in {n["node_id"] for n in s["nodes"]})
+                   or (bool(s.get("ready")) and liar not in {r for st in s.get("stages", []) for r in st["ranks"]}))  # fmt: skip
 
 
 def _lost(mesh: LiveMesh, liar: str) -> Watcher:

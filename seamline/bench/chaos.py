@@ -95,7 +95,7 @@ class Clients:
                         answer.text += chunk.choices[0].delta.content
                         answer.token_times.append(time.monotonic())
             except openai.APIError as exc:
-                answer.error = str(exc)
+                answer.error = _described(exc, len(answer.token_times))
             answer.ended = time.monotonic()
             with self._lock:
                 self.answers.append(answer)
@@ -103,6 +103,12 @@ class Clients:
     def taken(self, since: float) -> list[Answer]:
         with self._lock:
             return [a for a in self.answers if a.began >= since]
+
+
+def _described(exc: openai.APIError, tokens: int) -> str:
+    """The error, with what lay under a connection error and how far the stream had come."""
+    cause = f" ({exc.__cause__!r})" if isinstance(exc, openai.APIConnectionError) and exc.__cause__ else ""
+    return f"{exc}{cause}" + (f" after {tokens} tokens" if tokens else "")
 
 
 def bench_chaos(rounds: int = 20, clients: int = 8, tokens: int = 48) -> dict[str, Any]:

@@ -94,13 +94,21 @@ def start_single(name: str, threads: int, env: dict[str, str], logs: Path) -> Se
     return server
 
 
+def descriptors_capped(limit: int) -> list[str]:
+    """A command prefix that starts a process with at most ``limit`` descriptors, hard limit
+    too, from its first instruction: a server sizes its listeners for the limit it starts with."""
+    return ["prlimit", f"--nofile={limit}:{limit}", "--"]
+
+
 def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: str, env: dict[str, str],
                logs: Path, cap_gb: float | None, serve_extra: tuple[str, ...] = (),
-               nodes_expected: int = 0) -> Server:  # fmt: skip
+               nodes_expected: int = 0, nofile: int = 0) -> Server:  # fmt: skip
     """A coordinator (pinned as ``coordinator``; ``serve_extra``: more `serve` options) and one
-    pinned node per ``nodes`` entry; it plans once ``nodes_expected`` (default: all) have joined."""
+    pinned node per ``nodes`` entry; it plans once ``nodes_expected`` (default: all) have joined.
+    ``nofile``: every process of the mesh starts with that many descriptors at most."""
     port, control = free_port(), free_port()
-    serve = [*SEAMLINE, "serve", "--no-local-node", "--nodes-expected", str(nodes_expected or len(nodes)),
+    capped = descriptors_capped(nofile) if nofile else []
+    serve = [*capped, *SEAMLINE, "serve", "--no-local-node", "--nodes-expected", str(nodes_expected or len(nodes)),
              "--host", host, "--port", str(port), "--control-port", str(control),
              "--dtype", env["SEAMLINE_BENCH_DTYPE"], "--context", "2048", *serve_extra]  # fmt: skip
     command = _pinned(coordinator.cores, coordinator.threads, coordinator.netns, serve)
@@ -110,16 +118,16 @@ def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: st
     server = Server(name, f"http://{host}:{port}/v1", "SmolLM2-135M-Instruct.Q4_1", prefix, [coordinator_proc],
                     coordinator.cores, token)  # fmt: skip
     for index, node in enumerate(nodes):
-        join_node(server, index, node, env, logs, cap_gb)
+        join_node(server, index, node, env, logs, cap_gb, nofile)
     return server
 
 
 def join_node(server: Server, index: int, node: NodeSpec, env: dict[str, str], logs: Path,
-              cap_gb: float | None) -> subprocess.Popen[str]:  # fmt: skip
+              cap_gb: float | None, nofile: int = 0) -> subprocess.Popen[str]:  # fmt: skip
     """Start node ``index`` (`seamline join`, pinned as ``node``) into the mesh ``server``."""
     name = server.name
     cap = ["--max-memory", f"{cap_gb:.3f}"] if cap_gb else []
-    join = [*SEAMLINE, "join", server.token, "--node-id", f"{name}{index}", "--quiet", "--no-progress", *cap]
+    join = [*(descriptors_capped(nofile) if nofile else []), *SEAMLINE, "join", server.token, "--node-id", f"{name}{index}", "--quiet", "--no-progress", *cap]
     node_env = {**env, "SEAMLINE_CACHE": str(logs / f"cache-{name}{index}")}
     proc = _popen(_pinned(node.cores, node.threads, node.netns, join), node_env, logs / f"{name}-node{index}.log")
     server.procs.append(proc)

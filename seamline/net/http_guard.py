@@ -8,6 +8,10 @@ closed, and connections that have not (yet) begun a request are bounded per peer
 all, a new one over a bound closing the oldest such. A connection inside a request (a stream
 being answered) is never cut; between requests uvicorn's keep-alive timeout applies.
 ``raise_descriptor_limit`` lifts the soft descriptor limit to the hard one, as servers do.
+
+The listen backlog is bounded too (``bounded``): the event loop accepts every queued connection
+at once, before the guard closes any, and one that runs out of descriptors mid-burst (libuv)
+accepts and drops what is left in the queue, clients' new connections among them.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ HEAD_DEADLINE_S = 10.0
 MAX_WAITING_PER_ADDRESS = 64  # connections with no request begun, from one address
 MAX_WAITING = 512  # and from all, at most a quarter of the process's descriptors
 LOG_EVERY_S = 10.0
+MAX_BACKLOG = 2048  # uvicorn's own
 
 
 class _Waiting:
@@ -87,6 +92,13 @@ def guarded(base: type[asyncio.Protocol] | None = None) -> type[asyncio.Protocol
             super().connection_lost(exc)
 
     return Guarded
+
+
+def bounded(base: type[asyncio.Protocol] | None = None) -> dict[str, Any]:
+    """uvicorn's keyword arguments for a bounded listener: the guarded protocol and a backlog
+    that one burst of accepts cannot take past an eighth of the process's descriptors."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return {"http": guarded(base), "backlog": max(64, min(MAX_BACKLOG, soft // 8))}
 
 
 def raise_descriptor_limit() -> int:

@@ -53,7 +53,7 @@ class StageSequence:
     """A later stage's record of a sequence: its cache and how far it has run."""
 
     cache: Any
-    drawing: Drawing
+    drawing: Drawing | None  # None: a private mesh's last stage learns it from stage 0 with the first frame
     next_position: int = 0
     hash: int = EMPTY_HASH
     done: bool = False
@@ -62,7 +62,7 @@ class StageSequence:
 
     def saw(self, position: int, ids: torch.Tensor | None) -> None:
         """A row's ids at ``position``: those past the output's start are generated tokens."""
-        skip = self.drawing.output_start - position
+        skip = self.drawing.output_start - position if self.drawing is not None else 0
         if ids is not None and skip < len(ids):
             self.output.extend(ids[max(skip, 0) :].tolist())
 
@@ -120,9 +120,6 @@ class StageWorker:
             self.head.open(msg)
         else:
             drawing = self._drawing(msg)
-            if drawing is None:
-                self.refuse(msg.request, "open", OutOfStep(f"request {msg.request} is not open on stage 0 here"))
-                return
             with self.lock:
                 if len(self.sequences) >= MAX_SEQUENCES and msg.request not in self.sequences:
                     self.refused += 1
@@ -168,7 +165,9 @@ class StageWorker:
 
     def _drawing(self, msg: Open) -> Drawing | None:
         """How the request draws: as its Open says, or on a private mesh's last stage as stage 0
-        in this process has it (the Open that came through the members says nothing)."""
+        in this process has it (the Open that came through the members says nothing). Stage 0
+        passes the Open on before the prompt has come whole, so there it may not be known yet:
+        None, and the first frame (which leaves stage 0 only after the prompt) resolves it."""
         if self.source is not None:
             return self.source.drawing(msg.request)
         start = msg.prompt_len if msg.output_start is None else msg.output_start
@@ -228,6 +227,7 @@ class StageWorker:
                 seq.saw(row.position, ids)
                 seq.next_position += row.count
                 seq.hash = row.hash_after
+                assert seq.drawing is not None  # _check_row resolved it
                 work.append(Work(row, seq.cache, x, seq.drawing, ids))
             self.run_batch(work)
 
@@ -307,6 +307,10 @@ class StageWorker:
         seq = self.sequences.get(row.request)
         if seq is None:
             raise OutOfStep(f"request {row.request} is not open on this stage")
+        if seq.drawing is None and self.source is not None:
+            seq.drawing = self.source.drawing(row.request)
+        if seq.drawing is None:
+            raise OutOfStep(f"request {row.request} is not open on stage 0 here")
         if row.position == 0 and row.flags & RowFlag.FIRST and row.hash_before == EMPTY_HASH and seq.next_position:
             self._start_over(seq)  # stage 0 preempted it and computes it again
         if row.position != seq.next_position or row.hash_before != seq.hash:
@@ -320,7 +324,7 @@ class StageWorker:
 
     def _start_over(self, seq: StageSequence) -> None:
         self.stage.release_cache(seq.cache)
-        seq.cache = self.stage.new_cache(seq.drawing.params.argmax_only)
+        seq.cache = self.stage.new_cache(seq.drawing is not None and seq.drawing.params.argmax_only)
         seq.next_position, seq.hash, seq.done, seq.output = 0, EMPTY_HASH, False, []
 
     def _sample(self, w: Work, logits: torch.Tensor) -> TokenRow | None:

@@ -19,7 +19,7 @@ import uvicorn
 if TYPE_CHECKING:
     from seamline.mesh.plan.types import ModelSpec, NodeInfo, PlanOptions
 
-from seamline.net.http_guard import guarded
+from seamline.net.http_guard import bounded
 from seamline.mesh.control.serve import ServeOptions, build_mesh, spawn_node, wait_ready
 from seamline.server.mesh_app import mesh_app
 from seamline.net.link import free_port
@@ -38,7 +38,7 @@ def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port
     mesh = build_mesh(options)
     mesh.start(options.host)
     server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=options.host, port=port, log_level="warning",
-                                           http=guarded()))  # fmt: skip
+                                           **bounded()))  # fmt: skip
     threading.Thread(target=server.run, daemon=True).start()
     with tempfile.TemporaryDirectory(prefix="seamline-demo-") as tmp:
         # stage split: cap each node below the whole model; lockstep ranks share every layer anyway

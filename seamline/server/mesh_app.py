@@ -8,7 +8,7 @@ from fastapi import FastAPI
 
 from seamline.mesh.control.admin import admin_key
 from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_node, url_host
-from seamline.net.http_guard import guarded
+from seamline.net.http_guard import bounded
 from seamline.server.api_options import ApiOptions
 from seamline.server.openai_api import create_app
 
@@ -32,6 +32,6 @@ def run_serve(options: ServeOptions, api: ApiOptions | None = None) -> int:
     print(f"seamline: join with: seamline join {mesh.token}", flush=True)
     if options.local_node:
         spawn_node(mesh.own_token, "local")
-    uvicorn.run(mesh_app(mesh, api), host=options.host, port=options.port, log_level="warning", http=guarded(),
+    uvicorn.run(mesh_app(mesh, api), host=options.host, port=options.port, log_level="warning", **bounded(),
                 **api.uvicorn_kwargs())  # fmt: skip
     return 0

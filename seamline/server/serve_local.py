@@ -9,7 +9,7 @@ from pathlib import Path
 import uvicorn
 
 from seamline.app import LocalModel, default_model_path
-from seamline.net.http_guard import guarded
+from seamline.net.http_guard import bounded
 from seamline.runtime.backend import LocalBackend
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.server.api_options import ApiOptions
@@ -39,4 +39,4 @@ def serve_local(model_path: str | None, host: str, port: int, dtype: str | None,
     print(f"seamline: serving {backend.model_name} at {api.scheme}://{host}:{port}/v1, precision "
           f"{model.precision.describe()}", file=sys.stderr, flush=True)  # fmt: skip
     logging.getLogger("seamline").setLevel(logging.INFO)
-    uvicorn.run(app, host=host, port=port, log_level="info", http=guarded(), **api.uvicorn_kwargs())
+    uvicorn.run(app, host=host, port=port, log_level="info", **bounded(), **api.uvicorn_kwargs())

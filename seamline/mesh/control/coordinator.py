@@ -177,9 +177,9 @@ class Coordinator(Membership, Planning, StartUp):
     def _reported(self, handle: NodeHandle, message: Failure) -> None:
         """A node's failure report: its own start-up, or a request it serves. A node outside the
         plan serves no request, so its reports end none; only stage 0 and the drawing stage may
-        end one (``member_gate``). Another stage that says its stage failed is taken at its
-        word: it is taken for lost and the requests replay without it (a member that says so of
-        every request only drops itself)."""
+        end one for the request's own fault or the load (``member_gate``). Any stage that says its
+        stage failed, these two included, is taken at its word: it is taken for lost and the
+        requests replay without it (a member that says so of every request only drops itself)."""
         log.warning("node %s reports: %s", handle.node_id, message.reason)  # one line: ``messages.Reason``
         if message.plan_id is not None:
             self._group_broke(handle, message)
@@ -200,11 +200,10 @@ class Coordinator(Membership, Planning, StartUp):
             self.refusals.refuse(handle.node_id, f"a report ending a request ({message.blame}): it is not stage 0 "
                                                  "or the drawing stage, or the request is not in flight")  # fmt: skip
             return
-        if not ends:
+        if message.blame == "node":
             self.lose(handle, f"it reports its stage failed: {message.reason}", observed=False)
             return
-        reason = message.reason if message.blame != "node" else f"node {handle.node_id}: {message.reason}"
-        self.on_failure(message.request, reason, message.blame)
+        self.on_failure(message.request, message.reason, message.blame)
 
     def _group_broke(self, handle: NodeHandle, message: Failure) -> None:
         """The lockstep group ``handle`` serves in broke (a gate timed out or its link closed):

@@ -27,7 +27,7 @@ from fastapi import APIRouter, FastAPI, Header, HTTPException
 from fastapi.responses import FileResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from seamline.net.http_guard import guarded
+from seamline.net.http_guard import bounded
 from seamline.net.tls import certificate_name
 from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest
 
@@ -150,7 +150,7 @@ def serve_fragments(package_dir: Path, check_token: TokenCheck, host: str, port:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     fragment_routes(app, package_dir, check_token, may_fetch)
     gate = gate or PeerGate(lambda _node: False)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", http=guarded(gate.protocol()),
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", **bounded(gate.protocol()),
                             ssl_context_factory=lambda _config, _default: context)  # fmt: skip
     server = uvicorn.Server(config)
     threading.Thread(target=server.run, name="seamline-fragments", daemon=True).start()
