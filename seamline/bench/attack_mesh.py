@@ -114,14 +114,14 @@ def start(name: str, logs: Path, honest_nodes: int = 3, nodes_expected: int = 0,
           comm_tls: Path | None = None) -> LiveMesh:  # fmt: skip
     """A mesh of ``honest_nodes`` (named NAME0, NAME1, ...), planned once ``nodes_expected``
     have joined (a liar may be one of them); with ``comm_tls``, a lockstep rank's comm port too."""
-    env = {**os.environ, "SEAMLINE_BENCH_DTYPE": "float32"}
+    env = dict(os.environ)
     logs.mkdir(parents=True, exist_ok=True)
     state_dir, fragments = logs / f"state-{name}", free_port()
     extra = ("--state-dir", str(state_dir), "--fragments-port", str(fragments), "--verify-fraction", str(verify_fraction))
     cap = memory_cap_gb(None, 2, CONTEXT)
     with honest_descriptors():
         server = start_mesh(name, [NodeSpec("0,1", 1) for _ in range(honest_nodes)], NodeSpec("0,1", 1), "127.0.0.1",
-                            env, logs, cap, extra, nodes_expected)  # fmt: skip
+                            env, logs, cap, extra, nodes_expected, precision="exact")  # fmt: skip (answers compared)
         mesh = LiveMesh(server, name, logs, state_dir, fragments, comm_tls=comm_tls)
         if comm_tls is not None:
             mesh.comm_port = quiet_port()

@@ -107,10 +107,10 @@ class Clients:
 
 def bench_chaos(rounds: int = 20, clients: int = 8, tokens: int = 48) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="seamline-chaos-"))
-    env = {**os.environ, "SEAMLINE_BENCH_DTYPE": "float32"}
+    env = dict(os.environ)
     cap = memory_cap_gb(None, 2, CONTEXT)
     server = start_mesh("chaos", [NodeSpec("0,1", 1) for _ in range(NODES)], NodeSpec("0,1", 1), "127.0.0.1", env,
-                        logs, cap)  # fmt: skip
+                        logs, cap, precision="exact")  # fmt: skip  (answers are compared)
     try:
         server.wait_healthy()
         load = Clients(server.url, clients, tokens)

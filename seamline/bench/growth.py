@@ -34,9 +34,10 @@ SWITCH_TIMEOUT_S = 300.0
 
 def bench_growth(clients: int = 8, tokens: int = 48, phase_s: float = PHASE_S) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="seamline-growth-"))
-    env = {**os.environ, "SEAMLINE_BENCH_DTYPE": "float32"}
+    env = dict(os.environ)
     cap = memory_cap_gb(None, 2, CONTEXT)
-    server = start_mesh("growth", [NodeSpec("0", 1), NodeSpec("0", 1)], NodeSpec("1", 1), "127.0.0.1", env, logs, cap)
+    server = start_mesh("growth", [NodeSpec("0", 1), NodeSpec("0", 1)], NodeSpec("1", 1), "127.0.0.1", env, logs, cap,
+                        precision="exact")  # fmt: skip  (answers are compared)
     try:
         server.wait_healthy()
         route_before = _route(server)
