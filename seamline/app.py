@@ -9,6 +9,7 @@ from pathlib import Path
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
+from seamline.precision import Precision, apply, resolve, weights_kind
 from seamline.runtime.engine import Engine
 from seamline.runtime.grammar import TokenMasks
 from seamline.text import TextCodec
@@ -37,16 +38,23 @@ class LocalModel:
     config: ModelConfig
     engine: Engine
     codec: TextCodec
+    precision: Precision
 
     @classmethod
     def load(
-        cls, path: str | Path | None = None, dtype: str = "float32", context: int | None = None
+        cls, path: str | Path | None = None, dtype: str | None = None, context: int | None = None,
+        precision: str = "exact",
     ) -> "LocalModel":
+        """The model at ``path`` in ``precision`` (``seamline.precision``; the commands default to
+        "fast", this to the reference arithmetic); ``dtype`` overrides its activation dtype. The
+        precision holds for this whole process's quantized matmuls: the last load's."""
         path = Path(path) if path else default_model_path()
         source = open_source(path)
         config = ModelConfig.from_hf_dict(source.config_dict())
-        stage = load_stage(source, dtype=DTYPES[dtype], config=config)
+        chosen = resolve(precision, weights_kind(source.stored_type(n) for n in source.names()), dtype)
+        apply(chosen)
+        stage = load_stage(source, dtype=DTYPES[chosen.dtype], config=config)
         codec = TextCodec.from_model(path, config.eos_token_ids)
         engine = Engine(stage, context)
         engine.masks = TokenMasks(codec.tokenizer.to_str)
-        return cls(path, config, engine, codec)
+        return cls(path, config, engine, codec, chosen)

@@ -25,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(run)
     _add_sampling_args(run)
     run.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    run.add_argument("--verbose", action="store_true",
+                     help="after each answer: prompt and decode rates, time to first token, precision")
     run.set_defaults(handler=cmd_run)
     bench = sub.add_parser("bench", help="run a benchmark and write its JSON")
     bench.add_argument("name", choices=BENCHES)
@@ -60,7 +62,7 @@ def _add_serve_command(sub: Any) -> None:
     serve.add_argument("--no-local-node", action="store_true", help="contribute no layers from this host")
     serve.add_argument("--single", action="store_true",
                        help="no mesh: this process holds the whole model and batches concurrent requests")
-    serve.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    _precision_args(serve)
     serve.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
     serve.add_argument("--invite-hours", type=float, default=24.0)
     serve.add_argument("--state-dir", default=None,
@@ -109,6 +111,7 @@ def _add_mesh_commands(sub: Any) -> None:
     demo.add_argument("--model", default=None)
     demo.add_argument("-p", "--prompt", default="What is the capital of France?")
     demo.add_argument("--max-tokens", type=int, default=64)
+    _precision_args(demo)
     _tensor_parallel_arg(demo, "N nodes per stage, in lockstep")
     demo.set_defaults(handler=cmd_demo)
     package = sub.add_parser("package", help="split a checkpoint into per-layer fragments")
@@ -160,9 +163,20 @@ def _at_least_zero(text: str) -> int:
     return value
 
 
+def _precision_args(p: argparse.ArgumentParser) -> None:
+    from seamline.precision import FLOAT_NAMES, PRECISIONS
+
+    p.add_argument("--precision", choices=PRECISIONS, default="fast",
+                   help="fast: quantized weights with bfloat16 activations and int8 blocks in the matmuls, as "
+                        "llama.cpp; exact: float32, the dequantised model's answers (default: fast)")
+    p.add_argument("--dtype", choices=FLOAT_NAMES, default=None,
+                   help="activation dtype, overriding the precision's (fast: bfloat16 for quantized weights, "
+                        "else the weights' own; exact: float32)")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    _precision_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
 
@@ -188,7 +202,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from seamline.app import LocalModel
 
     set_threads(args.threads)
-    model = LocalModel.load(args.model, args.dtype, args.context or None)
+    model = LocalModel.load(args.model, args.dtype, args.context or None, args.precision)
     if args.prompt is not None:
         messages = [{"role": "user", "content": args.prompt}]
         _stream(model, messages, args, raw=args.raw)
@@ -199,6 +213,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _stream(model: Any, messages: list[dict[str, str]], args: argparse.Namespace, raw: bool) -> str:
     from seamline.params import SamplingParams
     from seamline.text import StreamDecoder
+    from seamline.timings import Timings
 
     codec = model.codec
     prompt = codec.encode(messages[-1]["content"]) if raw else codec.encode_chat(messages)
@@ -209,12 +224,16 @@ def _stream(model: Any, messages: list[dict[str, str]], args: argparse.Namespace
     )  # fmt: skip
     decoder = StreamDecoder(codec, params.stop_strings)
     pieces: list[str] = []
+    timings = Timings(len(prompt))
     for token in model.engine.generate(prompt, params):
+        timings.token()
         pieces.append(_show(decoder.push(token)))
         if decoder.stopped:
             break
     pieces.append(_show(decoder.flush()))
     print(flush=True)
+    if args.verbose:
+        print(timings.report(model.precision.describe()), file=sys.stderr, flush=True)
     return "".join(pieces)
 
 
@@ -266,12 +285,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from seamline.server.serve_local import serve_local
 
         serve_local(args.model, args.host, args.port, args.dtype, args.context or None, _gib(args.kv_cache_memory),
-                    api_options(args))  # fmt: skip
+                    api_options(args), precision=args.precision)  # fmt: skip
         return 0
     options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
                            fragments_port=args.fragments_port,
                            advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,
-                           local_node=not args.no_local_node, dtype=args.dtype, context=args.context,
+                           local_node=not args.no_local_node, dtype=args.dtype, precision=args.precision,
+                           context=args.context,
                            invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock,
                            tensor_parallel=args.tensor_parallel, transport=args.transport,
                            gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches,
@@ -355,7 +375,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from seamline.server.demo import run_demo
 
     _logging(quiet=True)
-    return run_demo(args.nodes, args.prompt, args.model, args.max_tokens, tensor_parallel=args.tensor_parallel)
+    return run_demo(args.nodes, args.prompt, args.model, args.max_tokens, tensor_parallel=args.tensor_parallel,
+                    precision=args.precision, dtype=args.dtype)
 
 
 def cmd_package(args: argparse.Namespace) -> int:

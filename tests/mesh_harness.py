@@ -64,6 +64,8 @@ class MeshProcesses:
         args = ["serve", *(() if local_node else ("--no-local-node",)), "--nodes-expected", str(self.nodes), "--port", str(self.port),
                 "--control-port", str(self.control_port), "--fragments-port", str(self.fragments_port),
                 *self.serve_args]  # fmt: skip
+        if "--precision" not in self.serve_args:  # answers are compared with LocalModel.load()'s exact path
+            args += ["--precision", "exact"]
         if self.model:
             args += ["--model", self.model]
         env = {**os.environ, "SEAMLINE_CACHE": str(self.root / "coordinator")}

@@ -35,7 +35,7 @@ def _start(tmp: Path, *args: str, env_key: str | None = None, scheme: str = "htt
     env.pop("SEAMLINE_API_KEY", None)
     if env_key:
         env["SEAMLINE_API_KEY"] = env_key
-    proc = subprocess.Popen(seamline_cmd("serve", "--single", "--port", str(port), *args), env=env,
+    proc = subprocess.Popen(seamline_cmd("serve", "--single", "--port", str(port), "--precision", "exact", *args), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     url = f"{scheme}://127.0.0.1:{port}"
     deadline = time.monotonic() + 120

@@ -97,7 +97,7 @@ def test_a_node_behind_a_firewall_serves_through_the_relay(namespaces: None, tmp
     env = {**os.environ, "SEAMLINE_CACHE": str(tmp_path / "coordinator")}
     serve = _in(NS_OPEN, seamline_cmd("serve", "--host", ADDRESS_OPEN, "--port", str(port), "--control-port",
                                       str(control), "--no-local-node", "--nodes-expected", "2", "--context",
-                                      str(CONTEXT)), env)  # fmt: skip
+                                      str(CONTEXT), "--precision", "exact"), env)  # fmt: skip
     procs = [serve]
     try:
         token = _token(serve)

@@ -111,7 +111,7 @@ def test_quant_linear_matches_reference(qtype, dtype, use_kernels, request) -> N
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_int8_kernel_matches_reference(ops, qtype, dtype) -> None:
-    """The int8-activation op (SEAMLINE_QUANT_ACTIVATIONS=int8) whatever quant_linear's default."""
+    """The int8-activation op (``--precision fast``) whatever this process's precision."""
     gen = torch.Generator().manual_seed(7)
     blocks = 6 if qtype.name.endswith("K") else 19  # an odd count of 32-wide blocks: a half pair
     w = random_weight(qtype, (40, _cols(qtype, blocks)), gen)

@@ -45,7 +45,8 @@ def main() -> int:
     options = ServeOptions(host=args.host, port=port, control_port=free_port(args.host),
                            fragments_port=free_port(args.host),
                            nodes_expected=args.stages, local_node=False, context=CONTEXT,
-                           plaintext_links=args.plaintext, model=args.model, dtype=args.dtype)  # fmt: skip
+                           plaintext_links=args.plaintext, model=args.model, dtype=args.dtype,
+                           precision="exact")  # fmt: skip  (the single process it is compared with is exact)
     mesh = build_mesh(options)
     mesh.start(args.host)
     server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=args.host, port=port, log_level="warning"))

@@ -57,6 +57,7 @@ class Resources(Message):
     cores: int = 1
     host: str = ""  # this machine's boot id: nodes that report the same one share its CPUs
     cpus: list[int] = Field(default=[], max_length=4096)  # the CPUs this node may run on (its affinity)
+    int8_kernels: bool = False  # runs the int8-block matmuls (``--precision fast`` on quantized weights)
 
 
 class Holding(Message):
@@ -68,12 +69,14 @@ class Holding(Message):
     owns_head: bool
     dtype: str
     context_length: int
+    int8_activations: bool = False
 
     @classmethod
     def of(cls, assign: Assign) -> Holding:
         """What a stage loaded for ``assign`` holds."""
         return cls(model_hash=assign.model_hash, layers=assign.layers, owns_embedding=assign.owns_embedding,
-                   owns_head=assign.owns_head, dtype=assign.dtype, context_length=assign.context_length)  # fmt: skip
+                   owns_head=assign.owns_head, dtype=assign.dtype, context_length=assign.context_length,
+                   int8_activations=assign.int8_activations)  # fmt: skip
 
 
 class Join(Message):
@@ -171,6 +174,7 @@ class Assign(Message):
     owns_head: bool
     dtype: str
     context_length: int
+    int8_activations: bool = False  # the coordinator's precision: int8 blocks in the quantized matmuls
     memory_bytes: int = 0  # weights + KV cache the plan expects this node to hold
     # A lockstep group: this node is rank shard[0] of shard[1]; ``group`` has every rank's
     # comm address in rank order, ``group_nodes`` their node ids. (0, 1) and [] for a stage of one node.
@@ -197,6 +201,7 @@ class Descriptor(Message):
     model_hash: str = Field(max_length=128)
     layers: tuple[int, int]
     dtype: str = Field(max_length=32)
+    int8_activations: bool = False  # what its quantized matmuls run (Assign's)
     protocol_version: int
     shard: tuple[int, int] = (0, 1)
     tail: tuple[int, int] | None = None  # a private mesh's last layers, held beside ``layers``
@@ -388,6 +393,7 @@ class Stats(Message):
     kv_bytes: int = 0
     kept_kv_bytes: int = 0
     micro_batches: int = 0  # stage 0: micro-batches it keeps in flight
+    precision: str = Field(default="", max_length=64)  # what this stage computes in (``Precision.describe``)
     link_bytes: dict[NodeName, int] = Field(default={}, max_length=64)  # bytes sent so far over its data link to each node
 
 

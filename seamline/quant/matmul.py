@@ -1,19 +1,21 @@
-"""quant_linear: x @ W.T for a QuantTensor W, without ever holding W in float for a decode step.
+"""quant_linear: x @ W.T for a QuantTensor W, never holding the whole of W in float.
 
-On CPU with the C++ kernels (``native.kernels()``), by ``SEAMLINE_QUANT_ACTIVATIONS``:
+On CPU with the C++ kernels (``native.kernels()``), by the process's precision
+(``seamline.precision``, which calls ``set_int8_activations``):
 
-* ``exact`` (default): up to ``DECODE_ROWS`` activation rows, every weight is decoded in
-  registers as gguf-py decodes it and multiplied in float32 (``linear_exact``): the answers of
-  the dequantised weights. More rows (prefill): float32 activations multiply the dequantised
-  float32 matrix; bfloat16 ones dequantised bfloat16 tiles with torch's bf16 GEMM (oneDNN).
-* ``int8``: as llama.cpp does, activations rounded to int8 blocks of 32 (256 for K-quants) and
-  multiplied with the blocks by VNNI integer dot products: about 2x faster on big matrices,
-  at the cost of that rounding. Many rows (batched steps, prefill): on a CPU with AMX-INT8, the
-  32-wide block types go through AMX tiles from ``AMX_FROM_ROWS`` rows (3-4x the AVX-512
-  kernel at 16-64 rows; ``SEAMLINE_QUANT_AMX=0`` turns it off); otherwise above
-  ``DECODE_ROWS`` rows as prefill above, on bfloat16 tiles.
+* int8 activations (``--precision fast``, the default): as llama.cpp does, activations rounded
+  to int8 blocks of 32 (256 for K-quants) and multiplied with the blocks by VNNI integer dot
+  products: about 2x the float kernels, at the cost of that rounding. Many rows (batched steps,
+  prefill): on a CPU with AMX-INT8, the 32-wide block types go through AMX tiles from
+  ``AMX_FROM_ROWS`` rows (``SEAMLINE_QUANT_AMX=0`` turns it off); otherwise above
+  ``DECODE_ROWS`` rows on dequantised bfloat16 tiles with torch's bf16 GEMM (oneDNN).
+* exact (``--precision exact``): up to ``EXACT_BLOCK_ROWS`` rows (a decode or batched step),
+  every weight is decoded in registers as gguf-py decodes it and multiplied in float32
+  (``linear_exact``): the answers of the dequantised weights, and a row's sums are the same
+  whatever rows come with it. More rows (prefill): row tiles of W dequantised to float32 with
+  torch's float32 GEMM (``linear_tiled``); bfloat16 activations: bfloat16 tiles.
 
-Elsewhere (CUDA, no kernels, ``use_kernels=False``): dequantise, then F.linear.
+Elsewhere (CUDA, no kernels, ``use_kernels=False``): row tiles dequantised, then F.linear.
 """
 
 from __future__ import annotations
@@ -29,19 +31,23 @@ from seamline.quant.native import kernels
 from seamline.quant.tensor import QuantTensor
 
 DECODE_ROWS = 12  # up to this many rows the fused kernel beats dequantise + GEMM (measured, 2 threads)
+EXACT_BLOCK_ROWS = 64  # exact: up to this many rows on the blocks, beyond on float32 tiles
+TILE_BYTES = 1 << 22  # the torch path's float tiles
 AMX_FROM_ROWS = 9  # int8 mode, a CPU with AMX-INT8: from this many rows tiles beat the AVX-512 kernel
 AMX_ENV = "SEAMLINE_QUANT_AMX"  # "0": never AMX tiles
 _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
 _OP: list[Callable[..., torch.Tensor] | None] = []  # the kernel op (or None), resolved on first use
-_EXACT: list[Callable[..., torch.Tensor] | None] = []  # the exact (float32) decode op
-# "int8": activations rounded to int8 blocks for every matmul, as llama.cpp does (the fastest);
-# "exact" (default): decode in float32 on the blocks as gguf-py decodes them, prefill on
-# dequantised tiles (float32 activations: float32 weights; bfloat16: bfloat16 weights and GEMM)
-ACTIVATIONS_ENV = "SEAMLINE_QUANT_ACTIVATIONS"
-INT8_ACTIVATIONS = os.environ.get(ACTIVATIONS_ENV, "exact") == "int8"
+_EXACT: list[tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None] = []  # the exact (float32) ops: on the blocks, on tiles
+INT8_ACTIVATIONS = False  # set by ``set_int8_activations`` (seamline.precision.apply)
 _AMX_FROM = 0 if os.environ.get(AMX_ENV) == "0" else AMX_FROM_ROWS  # the op checks the CPU itself
+
+
+def set_int8_activations(on: bool) -> None:
+    """Round activations to int8 blocks in every quantized matmul of this process (or not)."""
+    global INT8_ACTIVATIONS
+    INT8_ACTIVATIONS = on
 
 
 def _kernel_op() -> Callable[..., torch.Tensor] | None:
@@ -51,10 +57,10 @@ def _kernel_op() -> Callable[..., torch.Tensor] | None:
     return _OP[0]
 
 
-def _exact_op() -> Callable[..., torch.Tensor] | None:
+def _exact_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
     if not _EXACT:
         ops = kernels()
-        _EXACT.append(None if ops is None else ops.linear_exact.default)
+        _EXACT.append(None if ops is None else (ops.linear_exact.default, ops.linear_tiled.default))
     return _EXACT[0]
 
 
@@ -62,17 +68,30 @@ def quant_linear(
     x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, *, use_kernels: bool = True
 ) -> torch.Tensor:
     """x [..., cols] -> [..., rows] in x.dtype, for a 2-D ``w`` [rows, cols]; ``use_kernels=False``
-    forces the torch path (dequantise, F.linear)."""
+    forces the torch path (dequantised tiles, F.linear)."""
     if use_kernels and x.is_cpu and x.dtype in _KERNEL_DTYPES:
         if INT8_ACTIVATIONS:
             op = _kernel_op()
             if op is not None:  # the op checks shapes, device and type itself (ValueError)
                 return op(x, w.data, w.qtype, w.shape[-1], bias, DECODE_ROWS, _AMX_FROM)
-        elif x.numel() <= DECODE_ROWS * x.shape[-1] and (exact := _exact_op()) is not None:
-            return exact(x.reshape(-1, x.shape[-1]), w.data, w.qtype, w.shape[-1], bias).to(x.dtype).view(*x.shape[:-1], w.shape[0])
-        elif x.dtype != torch.float32 and (op := _kernel_op()) is not None:
-            return op(x, w.data, w.qtype, w.shape[-1], bias, 0)  # prefill: dequantised bf16 tiles, bf16 GEMM
+        elif (x.dtype == torch.float32 or x.numel() <= EXACT_BLOCK_ROWS * x.shape[-1]) and \
+                (exact := _exact_ops()) is not None:  # fmt: skip
+            rows = x.reshape(-1, x.shape[-1])
+            op = exact[0] if rows.shape[0] <= EXACT_BLOCK_ROWS else exact[1]
+            return op(rows, w.data, w.qtype, w.shape[-1], bias).to(x.dtype).view(*x.shape[:-1], w.shape[0])
+        elif (op := _kernel_op()) is not None:
+            return op(x, w.data, w.qtype, w.shape[-1], bias, 0)  # dequantised bf16 tiles, bf16 GEMM
     if len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"quant_linear needs x [..., {w.shape[-1]}] and a 2-D weight, got {tuple(x.shape)} x {w.shape}")
-    weight = dequantize(w, x.dtype, use_kernels=use_kernels)
-    return F.linear(x, weight, None if bias is None else bias.to(x.dtype))
+    return _tiled(x, w, bias, use_kernels)
+
+
+def _tiled(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
+    """F.linear over row tiles of ``w`` dequantised one at a time (about ``TILE_BYTES`` each)."""
+    rows, cols = w.shape
+    tile = max(16, TILE_BYTES // (cols * x.element_size()))
+    parts = [F.linear(x, dequantize(QuantTensor(w.qtype, w.data[start:start + tile], (min(tile, rows - start), cols)),
+                                    x.dtype, use_kernels=use_kernels))
+             for start in range(0, rows, tile)]  # fmt: skip
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return out if bias is None else out + bias.to(x.dtype)

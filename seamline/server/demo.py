@@ -29,10 +29,10 @@ DEMO_CONTEXT = 2048
 
 
 def run_demo(nodes: int, question: str, model: str | None, max_tokens: int, port: int = 0,
-             tensor_parallel: int = 0) -> int:
+             tensor_parallel: int = 0, precision: str = "fast", dtype: str | None = None) -> int:
     port = port or free_port()
     options = ServeOptions(model=model, port=port, control_port=free_port(), fragments_port=free_port(),
-                           nodes_expected=nodes,
+                           nodes_expected=nodes, precision=precision, dtype=dtype,
                            local_node=False, context=DEMO_CONTEXT, tensor_parallel=tensor_parallel)  # fmt: skip
     print(f"seamline demo: packaging the model and starting a coordinator on port {port}", flush=True)
     mesh = build_mesh(options)

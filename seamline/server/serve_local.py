@@ -26,15 +26,17 @@ def model_name_for(path: str | Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def serve_local(model_path: str | None, host: str, port: int, dtype: str, context: int | None = None,
-                kv_cache_bytes: int = 0, api: ApiOptions | None = None) -> None:  # fmt: skip
-    """Load the model (the embedded default when ``model_path`` is None), then serve until stopped."""
+def serve_local(model_path: str | None, host: str, port: int, dtype: str | None, context: int | None = None,
+                kv_cache_bytes: int = 0, api: ApiOptions | None = None, precision: str = "fast") -> None:  # fmt: skip
+    """Load the model (the embedded default when ``model_path`` is None) in ``precision``
+    (``dtype``, when given, overriding its activation dtype), then serve until stopped."""
     path = Path(model_path) if model_path else default_model_path()
-    model = LocalModel.load(path, dtype, context)
+    model = LocalModel.load(path, dtype, context, precision)
     budget = kv_budget_bytes(kv_cache_bytes)
     backend = LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget)
     api = api or ApiOptions()
     app = create_app(backend, limits=api.limits)
-    print(f"seamline: serving {backend.model_name} at {api.scheme}://{host}:{port}/v1", file=sys.stderr, flush=True)
+    print(f"seamline: serving {backend.model_name} at {api.scheme}://{host}:{port}/v1, precision "
+          f"{model.precision.describe()}", file=sys.stderr, flush=True)  # fmt: skip
     logging.getLogger("seamline").setLevel(logging.INFO)
     uvicorn.run(app, host=host, port=port, log_level="info", http=guarded(), **api.uvicorn_kwargs())

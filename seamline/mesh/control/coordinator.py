@@ -50,6 +50,8 @@ log = logging.getLogger("seamline.coordinator")
 class CoordinatorOptions:
     nodes_expected: int = 1
     dtype: str = "float32"
+    int8_activations: bool = False  # every stage's quantized matmuls on int8 blocks (``seamline.precision``)
+    precision: str = "exact"  # the name of the precision ``dtype`` and ``int8_activations`` come from
     context_length: int = 4096
     fragments_url: str = ""
     fragments_certificate: str = ""  # PEM, when the API (and so the fragments) is served over HTTPS

@@ -9,6 +9,7 @@ from seamline.errors import SeamlineError
 from seamline.mesh.control.planning import pace
 from seamline.mesh.plan.cores import core_shares
 from seamline.net.link import LinkClosed
+from seamline.precision import Precision
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
@@ -33,6 +34,8 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
             "links": coordinator.peer_links.describe(),
             "refused_from_members": dict(coordinator.refusals.counts),  # tokens and reports not theirs to send
             "verification": coordinator.verifier.describe(),
+            "precision": Precision(coordinator.options.precision, coordinator.options.dtype,
+                                   coordinator.options.int8_activations).as_dict(),
             "predicted_ms_per_token": plan.predicted_s_per_token * 1e3 if plan else None,
             "pace_ms": pace(plan) * 1e3 if plan else None,  # per token under load (what planning compares)
             "model": coordinator.model.name}  # fmt: skip
@@ -64,5 +67,7 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
     for stage, stat in zip(stages, stats):
         stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, kept_kv_bytes=stat.kept_kv_bytes,
                      decode_steps=stat.decode_steps, decode_seconds=round(stat.decode_seconds, 3))  # fmt: skip
+        if stat.precision:
+            stage["precision"] = stat.precision
         if stat.micro_batches:
             stage["micro_batches"] = stat.micro_batches

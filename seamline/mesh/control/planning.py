@@ -26,6 +26,7 @@ from seamline.mesh.plan.planner import plan as make_plan
 from seamline.mesh.plan.pricing import price_route
 from seamline.mesh.plan.private import plan_private
 from seamline.mesh.plan.types import LinkTable, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.precision import once
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
@@ -63,6 +64,7 @@ class Planning:
 
     def candidate(self: Coordinator, joined: list[NodeHandle]) -> Plan:
         """The plan over ``joined`` (PlanError when they cannot hold the model)."""
+        joined = self._able(joined)
         shares = core_shares(h.placement() for h in joined)
         nodes = sorted((h.info(shares[h.node_id]) for h in joined), key=lambda n: n.node_id)
         links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined), self.peer_links.measured())
@@ -75,15 +77,28 @@ class Planning:
                  pace(held) / pace(fresh))  # fmt: skip
         return held
 
+    def _able(self: Coordinator, joined: list[NodeHandle]) -> list[NodeHandle]:
+        """The members that can compute in the mesh's precision; each one that cannot is said once."""
+        if not self.options.int8_activations:
+            return joined
+        unable = [h for h in joined if not h.join.resources.int8_kernels]
+        for handle in unable:
+            once(f"int8-{handle.node_id}", f"node {handle.node_id} cannot run the int8-block matmuls of precision "
+                                           f"{self.options.precision} (no AVX-512 VNNI): it is not planned")  # fmt: skip
+        if len(unable) == len(joined):
+            raise PlanError(f"no member can run precision {self.options.precision}: serve --precision exact")
+        return [h for h in joined if h.join.resources.int8_kernels]
+
     def _held_plan(self: Coordinator, joined: list[NodeHandle], nodes: list[NodeInfo], links: LinkTable) -> Plan | None:
         """The plan of the stages rejoined nodes still hold, when they are this model's, cover it
         and fit (a restarted coordinator takes its mesh back without loading anything again)."""
         if self.options.locked_plan is not None:
             return None
-        same = (self.model_hash, self.options.dtype, self.options.context_length)
+        same = (self.model_hash, self.options.dtype, self.options.context_length, self.options.int8_activations)
         held = [(h.node_id, h.join.holding) for h in joined if h.join.holding is not None]
         route = sorted(((node, *x.layers) for node, x in held
-                        if (x.model_hash, x.dtype, x.context_length) == same), key=lambda r: r[1])  # fmt: skip
+                        if (x.model_hash, x.dtype, x.context_length, x.int8_activations) == same),
+                       key=lambda r: r[1])  # fmt: skip
         flags = {node: (x.owns_embedding, x.owns_head) for node, x in held}
         if not route or any(flags[n] != (s == 0, e == self.model.num_layers) for n, s, e in route):
             return None

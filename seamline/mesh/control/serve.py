@@ -29,6 +29,7 @@ from seamline.mesh.control.mesh_backend import MeshBackend
 from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.types import ModelSpec, Plan
 from seamline.mesh.control.events import EventLog
+from seamline.precision import apply, resolve, weights_kind
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest
 from seamline.weights.packaging import package_cached
@@ -46,7 +47,8 @@ class ServeOptions:
     advertise: tuple[str, ...] = ()  # addresses nodes use to reach us (default: host)
     nodes_expected: int = 1
     local_node: bool = True
-    dtype: str = "float32"
+    precision: str = "fast"  # ``seamline.precision``: decided here once, for every stage and rank
+    dtype: str | None = None  # activations, overriding the precision's
     context: int = 0  # 0: the model's own
     invite_ttl_s: float = 24 * 3600
     lock_path: str | None = None
@@ -118,7 +120,10 @@ def build_mesh(options: ServeOptions) -> Mesh:
     context = options.context or config.max_position_embeddings
     shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
     types = {t.name: t.dtype for f in manifest.fragments for t in f.tensors}
-    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(options.dtype), types, context)
+    precision = resolve(options.precision, weights_kind(types.values()), options.dtype)
+    apply(precision)  # the coordinator's own copy (start-up checks, ``--verify-fraction``) computes alike
+    log.info("every stage computes in precision %s", precision.describe())
+    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(precision.dtype), types, context)
     hosts = options.advertise or (_reachable(options.host),)
     scheme = "https" if options.tls_certificate else "http"
     state_dir = options.state_dir or options.cache_dir / "mesh"
@@ -133,7 +138,8 @@ def build_mesh(options: ServeOptions) -> Mesh:
                      else f"{scheme}://{url_host(hosts[0])}:{options.port}")  # fmt: skip
     coordinator = Coordinator(book, spec, manifest.model_hash, CoordinatorOptions(
         nodes_expected=max(options.nodes_expected, options.tensor_parallel, 2 if options.private else 1),
-        dtype=options.dtype, private=options.private, own_invite=own.id if options.local_node else "",
+        dtype=precision.dtype, int8_activations=precision.int8_activations, precision=precision.name,
+        private=options.private, own_invite=own.id if options.local_node else "",
         context_length=context, fragments_url=fragments_url,
         fragments_certificate=options.tls_certificate,
         locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,

@@ -122,6 +122,7 @@ class StartUp:
                                             layers=(s.start, s.end),
                                             owns_embedding=s.owns_embedding, owns_head=s.owns_head,
                                             dtype=self.options.dtype, context_length=self.options.context_length,
+                                            int8_activations=self.options.int8_activations,
                                             memory_bytes=s.predicted_bytes + (tail.predicted_bytes if tail else 0),
                                             shard=(rank, len(members)), group=group,
                                             group_nodes=[h.node_id for h in members] if group else [],
@@ -134,10 +135,10 @@ class StartUp:
         for rank, handle in enumerate(members):
             ready = self._wait(handle, lambda h=handle: h.ready, "READY")  # type: ignore[misc]
             d = ready.descriptor
-            expected = (plan_id, self.model_hash, (s.start, s.end), self.options.dtype, PROTOCOL_VERSION,
-                        (rank, len(members)), (tail.start, tail.end) if tail else None)  # fmt: skip
-            got = (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.protocol_version, tuple(d.shard),
-                   tuple(d.tail) if d.tail else None)  # fmt: skip
+            expected = (plan_id, self.model_hash, (s.start, s.end), self.options.dtype, self.options.int8_activations,
+                        PROTOCOL_VERSION, (rank, len(members)), (tail.start, tail.end) if tail else None)  # fmt: skip
+            got = (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.int8_activations, d.protocol_version,
+                   tuple(d.shard), tuple(d.tail) if d.tail else None)  # fmt: skip
             if got != expected:
                 raise StartupError(f"node {handle.node_id} reported {d} which does not match the plan {expected}")
             share = s.weight_bytes // len(members)

@@ -38,6 +38,7 @@ from seamline.mesh.node.data_path import DataPath
 from seamline.mesh.node.private_tail import load_tail, pair
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.membership import Membership
+from seamline.mesh.node.node_precision import stage_precision, take_precision
 from seamline.mesh.node.peer_probe import probe_peer
 from seamline.net.frames import Desync, FrameError, Oversized
 from seamline.net.link import Link, LinkClosed, accept_links
@@ -48,6 +49,7 @@ from seamline.net.messages import (
 )  # fmt: skip
 from seamline.net.tls import GroupTls
 from seamline.parallel.comm import CommError
+from seamline.quant import matmul
 from seamline.model.stage import Stage
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.group_stage import LockstepStage
@@ -182,7 +184,8 @@ class Node(Membership, DataPath):
                 sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
                 self.control.send_message(Stats(node_id=self.options.node_id, decode_steps=w.decode_steps,
                                                 decode_seconds=w.decode_seconds, refused_frames=w.refused,
-                                                link_bytes=sent, **w.holdings()))  # fmt: skip
+                                                link_bytes=sent, precision=stage_precision(self.assignment),
+                                                **w.holdings()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
             self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}",
@@ -241,6 +244,7 @@ class Node(Membership, DataPath):
         from seamline.mesh.node.loading import load_assignment, load_rank
 
         self._drop_data_links()  # the old route's: no frame of it may reach the new stage
+        take_precision(assign)
         kept = self._kept_stage(assign)
         self.assignment = assign
         self._probe_matrix = None  # the speed probe is over
@@ -280,7 +284,8 @@ class Node(Membership, DataPath):
             self._wire(worker, assign, layers)  # type: ignore[arg-type]
         descriptor = Descriptor(node_id=self.options.node_id, plan_id=assign.plan_id, model_hash=assign.model_hash,
                                 layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION,
-                                shard=assign.shard, tail=assign.tail)  # fmt: skip
+                                int8_activations=matmul.INT8_ACTIVATIONS, shard=assign.shard,
+                                tail=assign.tail)  # fmt: skip
         resident = psutil.Process().memory_info().rss
         self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=fetched.bytes_downloaded,
                                         bytes_from_peers=fetched.bytes_from_peers, resident_bytes=resident))  # fmt: skip

@@ -1,7 +1,8 @@
 // The exact decode path: the GGUF blocks decoded in registers (quants, scales, mins as gguf-py
 // reads them) and multiplied with the activations in float32, summed in float32. No activation
 // rounding, so a quantized model gives the float answers of its dequantised weights (up to
-// float32 rounding and summation order). Registered as torch.ops.seamline_quant.linear_exact (decode-sized inputs).
+// float32 rounding and summation order). Registered as torch.ops.seamline_quant.linear_exact
+// (decode steps and batched steps: each row's sums are the same however many rows come with it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -52,10 +53,14 @@ inline void row_dot(const uint8_t* w, int64_t cols, const float* xt, int64_t x_s
 template <class D>
 void rows_exact(const uint8_t* w, int64_t w_stride, int64_t cols, const float* x, int64_t x_stride, const float* xl,
                 int64_t rows_x, int64_t r0, int64_t r1, float* out, int64_t n_out) {
-  float res[4];
+  float res[8];
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * w_stride;
     int64_t m = 0;
+    for (; m + 8 <= rows_x; m += 8) {  // a batched step: each weight block decoded once per 8 rows
+      row_dot<D, 8>(row, cols, x + m * x_stride, x_stride, xl + m * (x_stride / 4), x_stride / 4, res);
+      for (int i = 0; i < 8; ++i) out[(m + i) * n_out + r] = res[i];
+    }
     for (; m + 4 <= rows_x; m += 4) {
       row_dot<D, 4>(row, cols, x + m * x_stride, x_stride, xl + m * (x_stride / 4), x_stride / 4, res);
       for (int i = 0; i < 4; ++i) out[(m + i) * n_out + r] = res[i];

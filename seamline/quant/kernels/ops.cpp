@@ -77,6 +77,7 @@ static at::Tensor fused(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
 }
 
 at::Tensor dequant_bf16(const at::Tensor& w, int64_t qtype, int64_t cols, bool native);
+at::Tensor dequant_f32(const at::Tensor& w, int64_t qtype, int64_t cols);
 
 // many rows (prefill): W dequantised to bfloat16 in row tiles of ~8 MB, torch's bf16 GEMM
 // (oneDNN; AMX where the CPU has it) per tile; activations and output rounded to bf16
@@ -89,6 +90,24 @@ static at::Tensor tiled(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
     const int64_t n = std::min(tile, N - start);
     out.narrow(1, start, n).copy_(at::linear(xb, dequant_bf16(w.narrow(0, start, n), qtype, cols, true)));
   }
+  return out;
+}
+
+// x [M, cols] float32 @ W.T (+ bias) -> [M, N] float32, W dequantised to float32 (as gguf-py
+// decodes it) in row tiles of ~4 MB, each multiplied by torch's float32 GEMM: the exact path's
+// prefill, which never holds the whole matrix in float
+at::Tensor linear_tiled(const at::Tensor& x, const at::Tensor& w, int64_t qtype, int64_t cols,
+                        const std::optional<at::Tensor>& bias) {
+  check_weight(w, qtype, cols);
+  TORCH_CHECK_VALUE(x.device().is_cpu() && x.dim() == 2 && x.size(1) == cols, "activations must be [M, ", cols, "]");
+  const at::Tensor xf = x.to(at::kFloat);
+  const int64_t N = w.size(0), tile = std::max<int64_t>(16, (int64_t{1} << 20) / cols);
+  at::Tensor out = at::empty({x.size(0), N}, xf.options());
+  for (int64_t start = 0; start < N; start += tile) {
+    const int64_t n = std::min(tile, N - start);
+    out.narrow(1, start, n).copy_(at::linear(xf, dequant_f32(w.narrow(0, start, n), qtype, cols)));
+  }
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out;
 }
 
@@ -160,6 +179,7 @@ TORCH_LIBRARY(seamline_quant, m) {
   // native: AVX512-BF16 rounding where the CPU has it (False: the integer rounding, for tests)
   m.def("dequant_bf16(Tensor w, int qtype, int cols, bool native=True) -> Tensor");
   m.def("dequant_f32(Tensor w, int qtype, int cols) -> Tensor");
+  m.def("linear_tiled(Tensor x, Tensor w, int qtype, int cols, Tensor? bias) -> Tensor");
   m.def("cpu_supported() -> bool", &seamline_quant::kernels_usable);
   m.def("amx_supported() -> bool", &seamline_quant::amx_supported);
   m.def("decodes(int qtype) -> bool", &seamline_quant::decodes);
@@ -169,4 +189,5 @@ TORCH_LIBRARY_IMPL(seamline_quant, CPU, m) {
   m.impl("linear", &seamline_quant::linear);
   m.impl("dequant_bf16", &seamline_quant::dequant_bf16);
   m.impl("dequant_f32", &seamline_quant::dequant_f32);
+  m.impl("linear_tiled", &seamline_quant::linear_tiled);
 }
