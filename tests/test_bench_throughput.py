@@ -16,6 +16,7 @@ from seamline.bench.load import make_prompts
 from seamline.bench.servers import Server, start_single
 from seamline.bench.throughput import engine_decode_rate, plan_parties, prompts_file, seamline_env, wave
 from seamline.bench.throughput_result import TARGETS, result
+from seamline.precision import int8_kernels_here
 from seamline.text import TextCodec
 
 
@@ -86,6 +87,21 @@ def test_a_wave_of_streaming_clients_through_the_api(tmp_path: Path) -> None:
     assert len(done["ttft_ms"]) == 3 and all(t > 0 for t in done["ttft_ms"])
     assert len(done["itl_ms"]) >= 3 * 3 and done["tok_s"] > 0  # chunks may carry more than one token
     assert len(done["decode_tok_s"]) == 3 and all(r > 0 for r in done["decode_tok_s"])
+    said = (tmp_path / "one_node.log").read_text()
+    blocks = ", int8 blocks in the matmuls" if int8_kernels_here() else ""  # a CPU without VNNI: bfloat16
+    assert f"precision fast (bfloat16 activations{blocks})" in said, said[-2000:]
+
+
+def test_the_exact_party_names_its_precision(tmp_path: Path) -> None:
+    server = start_single("exact", 2, seamline_env(), tmp_path, precision="exact")
+    try:
+        server.wait_healthy(timeout_s=300)
+        done = wave(server, prompts_file(1, 2, tmp_path), 2)
+    finally:
+        server.close()
+    assert done["tokens"] == 2 and done["failed"] == 0
+    said = (tmp_path / "exact.log").read_text()
+    assert "precision exact (float32 activations)" in said, said[-2000:]
 
 
 def test_the_engine_decodes_the_prompt_alone() -> None:

@@ -1,6 +1,6 @@
 """The live meshes `seamline bench fuzz`'s ``attacks`` run against, and what an attacker is told.
 
-A mesh is chaos's: float32, nodes on memory caps under which any two (and no one) hold the
+A mesh is chaos's: ``--precision exact`` (float32), nodes on memory caps under which any two (and no one) hold the
 model, `seamline serve` with its state directory in the bench's folder (so the bench is its
 administrator) and every honest process started with 1024 descriptors (a common default; the
 attacker may open as many as the machine's hard limit allows). A lying member is a node of

@@ -1,6 +1,7 @@
 """`seamline bench chaos`: a mesh serving steadily while its nodes die and come back.
 
-Three nodes (float32; memory caps under which any two, and no one, hold the model) serve 8
+Three nodes (``--precision exact``, float32: answers are compared; memory caps under which any
+two, and no one, hold the model) serve 8
 clients that stream the same 8 requests over and over (greedy and seeded sampling, alternately).
 A calm phase gives each request's answer without failures and the steady rate. Then, for each
 round, a random node of the route is killed (SIGKILL; every fourth round SIGSTOP, which only

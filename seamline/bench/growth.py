@@ -1,8 +1,8 @@
 """`seamline bench growth`: does a node that joins a serving mesh raise its throughput?
 
 Two nodes share core 0 (one thread each; memory caps under which any two, and no one, hold
-the model, in float32) and serve 8 clients that stream the same 8 requests over and over
-(greedy and seeded, alternately, as in `bench chaos`). After a steady phase, a third node
+the model, ``--precision exact``: float32, for answers are compared) and serve 8 clients that
+stream the same 8 requests over and over (greedy and seeded, alternately, as in `bench chaos`). After a steady phase, a third node
 joins pinned to core 1: it brings a core, as a new machine would. The coordinator plans it in
 when it predicts the plan with it at least 10% faster (live growth); the requests in flight
 replay on the new route. After the switch, a second steady phase.

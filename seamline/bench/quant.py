@@ -4,7 +4,8 @@ Two GGUF files: the embedded SmolLM2 (Q4_1, Q8_0 tied head) and a Llama-shaped m
 about 1.1B parameters with random weights, written once in llama.cpp's Q4_K_M mix and cached.
 Each party runs in its own process (``quant_driver``) on the same file, prompt and threads:
 seamline's default (what a user gets with no flag: bfloat16 activations in int8 blocks in the
-matmuls, as llama.cpp), its exact path on the blocks, seamline on dequantised weights, and
+matmuls, as llama.cpp), its exact path (``--precision exact``: float32 activations on the
+blocks), seamline's default on dequantised bfloat16 weights, and
 llama.cpp's `llama-bench` built at its best here (``llama_server``: AVX-512 without AMX,
 repacking on; the JSON's ``llama_cpp`` names the build and its cmake flags). The parties take
 turns, one measurement at a time, for ``repeats`` rounds; medians are reported. ``ratio`` is
@@ -154,7 +155,8 @@ def _summary(runs: dict[str, list[dict[str, Any]]], resident: dict[str, Any]) ->
                           "llamacpp": rate("llamacpp", "prefill_tok_s"),
                           "seamline_exact": rate("exact", "prefill_tok_s")},
         "activation_dtype": ACTIVATIONS,
-        "matmul_activations": "int8 blocks, as llama.cpp (seamline's default: no flag)",
+        "matmul_activations": "int8 blocks, as llama.cpp (seamline's default: no flag, --precision fast)",
+        "exact_path": "--precision exact: float32 activations, the blocks decoded as gguf-py decodes them",
         "seamline_exact_tok_s": exact,
         "exact_ratio": round(exact / theirs, 3) if exact and theirs else None,
         "resident_weight_bytes": resident["resident_weight_bytes"],

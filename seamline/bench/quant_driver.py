@@ -1,10 +1,11 @@
 """One party of `seamline bench quant` in its own process (protocol: ``bench/driver.py``).
 
 ``python -m seamline.bench.quant_driver PARTY MODEL THREADS PROMPT_JSON [LLAMA_BENCH]`` with
-PARTY one of ``default`` (seamline as a user gets it with no flags: bfloat16 activations,
-rounded to int8 blocks in the matmuls, as llama.cpp), ``exact`` (on the blocks, decoded as
-gguf-py decodes them, float activations), ``dequant`` (every weight dequantised at load) and
-``llamacpp`` (the binary ``LLAMA_BENCH``, llama.cpp's own `llama-bench`, on the same file).
+PARTY one of ``default`` (seamline as a user gets it with no flag, ``--precision fast``:
+bfloat16 activations rounded to int8 blocks in the matmuls, as llama.cpp), ``exact``
+(``--precision exact``: float32 activations, the blocks decoded as gguf-py decodes them),
+``dequant`` (the default with every weight dequantised to bfloat16 at load) and ``llamacpp``
+(the binary ``LLAMA_BENCH``, llama.cpp's own `llama-bench`, on the same file).
 Each ``measure N`` times a 512-token prefill, then N greedy decode steps after the prompt, and
 prints ``{"decode_tok_s", "prefill_tok_s"}``. Ready line: ``{"party", "load_s"}``, or
 ``{"party", "unavailable": reason}`` when there is no llama-bench.
@@ -30,7 +31,7 @@ import torch
 
 PREFILL_TOKENS = 512
 CONTEXT = 2048
-SEAMLINE_DTYPE = {"default": "bfloat16", "exact": "bfloat16", "dequant": "bfloat16"}
+PRECISION = {"default": "fast", "exact": "exact", "dequant": "fast"}  # each seamline party's --precision
 
 # measure(long prompt, prompt, decode steps) -> {"decode_tok_s", "prefill_tok_s"}
 Measure = Callable[[list[int], list[int], int], dict[str, float]]
@@ -40,14 +41,12 @@ def seamline_party(name: str, model: str) -> Measure:
     """seamline's engine in this process, as party ``name`` runs it."""
     from seamline.app import LocalModel
     from seamline.model.linear import dequantize_weights
-    from seamline.quant import matmul
     from seamline.weights.loader import DTYPES
 
-    dtype = SEAMLINE_DTYPE[name]
-    matmul.INT8_ACTIVATIONS = name == "default"
-    engine = LocalModel.load(model, dtype, CONTEXT).engine
+    loaded = LocalModel.load(model, None, CONTEXT, PRECISION[name])  # as the commands load it, with no --dtype
+    engine = loaded.engine
     if name == "dequant":
-        dequantize_weights(engine.stage, DTYPES[dtype])
+        dequantize_weights(engine.stage, DTYPES[loaded.precision.dtype])
 
     def decode(prompt: list[int], steps: int) -> float:
         cache = engine.stage.new_cache()
