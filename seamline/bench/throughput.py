@@ -25,7 +25,9 @@ prompt cache), and a figure is the median of the rounds. Each round also times t
 alone (``quant_driver``'s default party, cores 0-1, 2 threads) decoding after the 1-client
 prompt: ``single_stream_ratio`` is the median over rounds of that stream's decode rate
 through the API (tokens after the first over the time from the first to the last) over the
-engine's. Ratios and ``targets`` are in ``throughput_result``.
+engine's. Ratios and ``targets`` are in ``throughput_result``. Each round waits (up to 2 min)
+for a quiet machine and ``machine`` reports, per round, the CPU share processes outside the
+bench took (``machine_load``): figures from a round another process shared say little.
 
 Left out to keep a run near half an hour on two cores: the one-core mesh, two one-core stages
 at 64 clients and the emulated-LAN mesh of earlier versions (`bench split` measures a stage
@@ -53,6 +55,7 @@ PROMPT_TOKENS = (32, 256)
 MAX_TOKENS = 128
 THREADS = 2
 SLOTS = (16, 64)  # llama-server's --parallel: the smaller serves up to its count, the larger the rest
+QUIET_WAIT_S = 120.0  # at most this long before a round for the machine to be quiet
 KEPT_VARIABLES = ("SEAMLINE_CACHE",)  # where built kernels are kept; every other SEAMLINE_* is dropped
 
 
@@ -78,16 +81,17 @@ def bench_throughput(repeats: int = 3, tokens: int = MAX_TOKENS, clients: tuple[
     parties, missing = plan_parties(ggufs, build.server if build else None, why, logs, clients, clients_1b, tokens)
     runs: Runs = {p.model: {} for p in parties}
     engine: list[float] = []
+    machine: list[dict[str, float]] = []
     servers: dict[Party, Server] = {}
     try:
         servers = start_all(parties, logs)
         for round_ in range(repeats):
-            _round(round_, servers, runs, engine, ggufs["embedded"], tokens, logs)
+            machine.append(_measured_round(round_, servers, runs, engine, ggufs["embedded"], tokens, logs))
     finally:
         for server in servers.values():
             server.close()
     build_info = build.describe() if build else {"unavailable": why}
-    out = result(runs, engine, missing, tokens, repeats, list(PROMPT_TOKENS), build_info, str(logs))
+    out = result(runs, engine, missing, tokens, repeats, list(PROMPT_TOKENS), build_info, str(logs), machine)
     for model, path in ggufs.items():
         out["models"].setdefault(model, {})["gguf"] = path.name
     return out
@@ -157,6 +161,22 @@ def start_all(parties: list[Party], logs: Path) -> dict[Party, Server]:
             server.close()
         raise
     return servers
+
+
+def _measured_round(round_: int, servers: dict[Party, Server], runs: Runs, engine: list[float], embedded: Path,
+                    tokens: int, logs: Path) -> dict[str, float]:  # fmt: skip
+    """One round, begun on a quiet machine if one comes within ``QUIET_WAIT_S``: how long it
+    waited and the CPU share other processes took during the round (``machine_load``)."""
+    from seamline.bench.machine_load import Meter, wait_quiet
+
+    def pids() -> list[int]:
+        return [proc.pid for server in servers.values() for proc in server.procs]
+
+    waited, _ = wait_quiet(pids, QUIET_WAIT_S)
+    meter = Meter(pids)
+    meter.start()
+    _round(round_, servers, runs, engine, embedded, tokens, logs)
+    return {"waited_for_quiet_s": waited, "foreign_cpu_share": meter.stop()}
 
 
 def _round(round_: int, servers: dict[Party, Server], runs: Runs, engine: list[float], embedded: Path, tokens: int,

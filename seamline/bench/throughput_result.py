@@ -7,7 +7,9 @@ and pooled latency percentiles, the ratios the issue asks for, and the targets t
 * ``exact_batch_gain_16``: ``--precision exact`` on the 1.1B, 16 clients ÷ 1;
 * ``mesh_single_ratio``: the 2-stage mesh at 1 client ÷ ``serve --single`` at 1 client;
 * ``single_stream_ratio``: the median over rounds of one stream's decode rate through the
-  API (embedded, 1 client) ÷ the engine's own decode rate on the same prompt in that round.
+  API (embedded, 1 client) ÷ the engine's own decode rate on the same prompt in that round;
+* ``machine``: per round, the seconds waited for a quiet machine and the CPU share (of all
+  cores) that processes outside the bench took; ``quiet``: every round under ``QUIET_SHARE``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from seamline.bench.machine_load import QUIET_SHARE
 from seamline.bench.quant import targets_met
 
 # model -> party -> client count -> that round's waves (``load.run_wave``'s dicts)
@@ -77,7 +80,8 @@ def single_stream(runs: Runs, engine: list[float]) -> dict[str, Any]:
 
 
 def result(runs: Runs, engine: list[float], missing: dict[str, str], tokens: int, repeats: int,
-           prompt_tokens: list[int], llama_cpp: dict[str, Any], logs: str) -> dict[str, Any]:  # fmt: skip
+           prompt_tokens: list[int], llama_cpp: dict[str, Any], logs: str,
+           machine: list[dict[str, float]] | None = None) -> dict[str, Any]:  # fmt: skip
     models = {name: _model(parties) for name, parties in runs.items()}
     big = models.get("llama_1b", {}).get("configs", {}).get("seamline_exact", {})
     small = models.get("embedded", {}).get("configs", {})
@@ -93,5 +97,7 @@ def result(runs: Runs, engine: list[float], missing: dict[str, str], tokens: int
         "targets": TARGETS, "targets_met": targets_met(flat, TARGETS),
         "seamline": SEAMLINE, "llama_cpp": llama_cpp, "threads": 2,
         "generated_tokens_per_client": tokens, "prompt_tokens": prompt_tokens, "repeats": repeats,
+        "machine": {"rounds": machine or [], "quiet_share": QUIET_SHARE,
+                    "quiet": all(r["foreign_cpu_share"] < QUIET_SHARE for r in machine or [])},
         "not_measured": missing, "logs": logs,
     }  # fmt: skip
