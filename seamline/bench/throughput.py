@@ -38,9 +38,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +85,8 @@ def bench_throughput(repeats: int = 3, tokens: int = MAX_TOKENS, clients: tuple[
     engine: list[float] = []
     machine: list[dict[str, float]] = []
     servers: dict[Party, Server] = {}
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit)  # a bench told to stop still stops its servers (finally)
     try:
         servers = start_all(parties, logs)
         for round_ in range(repeats):
@@ -95,6 +99,10 @@ def bench_throughput(repeats: int = 3, tokens: int = MAX_TOKENS, clients: tuple[
     for model, path in ggufs.items():
         out["models"].setdefault(model, {})["gguf"] = path.name
     return out
+
+
+def _exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def seamline_env() -> dict[str, str]:
