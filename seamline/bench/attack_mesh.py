@@ -1,9 +1,10 @@
 """The live meshes `seamline bench fuzz`'s ``attacks`` run against, and what an attacker is told.
 
-A mesh is chaos's: float32, nodes on memory caps under which any two (and no one) hold the
-model, `seamline serve` with its state directory in the bench's folder (so the bench is its
-administrator) and every honest process started with 1024 descriptors, its hard limit too (a common default;
-the attacker may open as many as the machine's hard limit allows). A lying member is a node of
+A mesh is chaos's: ``--precision exact`` (float32), nodes on memory caps under which any two
+(and no one) hold the model, `seamline serve` with its state directory in the bench's folder
+(so the bench is its administrator) and every honest process started with 1024 descriptors,
+its hard limit too (a common default; the attacker may open as many as the machine's hard
+limit allows). A lying member is a node of
 its own process (``attack_liar``), joined with an invite of its own.
 """
 
@@ -100,13 +101,14 @@ def start(name: str, logs: Path, honest_nodes: int = 3, nodes_expected: int = 0,
           comm_tls: Path | None = None) -> LiveMesh:  # fmt: skip
     """A mesh of ``honest_nodes`` (named NAME0, NAME1, ...), planned once ``nodes_expected``
     have joined (a liar may be one of them); with ``comm_tls``, a lockstep rank's comm port too."""
-    env = {**os.environ, "SEAMLINE_BENCH_DTYPE": "float32"}
+    env = dict(os.environ)
     logs.mkdir(parents=True, exist_ok=True)
     state_dir, fragments = logs / f"state-{name}", free_port()
     extra = ("--state-dir", str(state_dir), "--fragments-port", str(fragments), "--verify-fraction", str(verify_fraction))
     cap = memory_cap_gb(None, 2, CONTEXT)
     server = start_mesh(name, [NodeSpec("0,1", 1) for _ in range(honest_nodes)], NodeSpec("0,1", 1), "127.0.0.1",
-                        env, logs, cap, extra, nodes_expected, nofile=HONEST_NOFILE)  # fmt: skip
+                        env, logs, cap, extra, nodes_expected, precision="exact",  # answers compared
+                        nofile=HONEST_NOFILE)  # fmt: skip
     mesh = LiveMesh(server, name, logs, state_dir, fragments, comm_tls=comm_tls)
     if comm_tls is not None:
         mesh.comm_port = quiet_port()

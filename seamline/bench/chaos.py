@@ -1,6 +1,7 @@
 """`seamline bench chaos`: a mesh serving steadily while its nodes die and come back.
 
-Three nodes (float32; memory caps under which any two, and no one, hold the model) serve 8
+Three nodes (``--precision exact``, float32: answers are compared; memory caps under which any
+two, and no one, hold the model) serve 8
 clients that stream the same 8 requests over and over (greedy and seeded sampling, alternately).
 A calm phase gives each request's answer without failures and the steady rate. Then, for each
 round, a random node of the route is killed (SIGKILL; every fourth round SIGSTOP, which only
@@ -113,10 +114,10 @@ def _described(exc: openai.APIError, tokens: int) -> str:
 
 def bench_chaos(rounds: int = 20, clients: int = 8, tokens: int = 48) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="seamline-chaos-"))
-    env = {**os.environ, "SEAMLINE_BENCH_DTYPE": "float32"}
+    env = dict(os.environ)
     cap = memory_cap_gb(None, 2, CONTEXT)
     server = start_mesh("chaos", [NodeSpec("0,1", 1) for _ in range(NODES)], NodeSpec("0,1", 1), "127.0.0.1", env,
-                        logs, cap)  # fmt: skip
+                        logs, cap, precision="exact")  # fmt: skip  (answers are compared)
     try:
         server.wait_healthy()
         load = Clients(server.url, clients, tokens)

@@ -1,8 +1,8 @@
 """`seamline bench growth`: does a node that joins a serving mesh raise its throughput?
 
 Two nodes share core 0 (one thread each; memory caps under which any two, and no one, hold
-the model, in float32) and serve 8 clients that stream the same 8 requests over and over
-(greedy and seeded, alternately, as in `bench chaos`). After a steady phase, a third node
+the model, ``--precision exact``: float32, for answers are compared) and serve 8 clients that
+stream the same 8 requests over and over (greedy and seeded, alternately, as in `bench chaos`). After a steady phase, a third node
 joins pinned to core 1: it brings a core, as a new machine would. The coordinator plans it in
 when it predicts the plan with it at least 10% faster (live growth); the requests in flight
 replay on the new route. After the switch, a second steady phase.
@@ -34,9 +34,10 @@ SWITCH_TIMEOUT_S = 300.0
 
 def bench_growth(clients: int = 8, tokens: int = 48, phase_s: float = PHASE_S) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="seamline-growth-"))
-    env = {**os.environ, "SEAMLINE_BENCH_DTYPE": "float32"}
+    env = dict(os.environ)
     cap = memory_cap_gb(None, 2, CONTEXT)
-    server = start_mesh("growth", [NodeSpec("0", 1), NodeSpec("0", 1)], NodeSpec("1", 1), "127.0.0.1", env, logs, cap)
+    server = start_mesh("growth", [NodeSpec("0", 1), NodeSpec("0", 1)], NodeSpec("1", 1), "127.0.0.1", env, logs, cap,
+                        precision="exact")  # fmt: skip  (answers are compared)
     try:
         server.wait_healthy()
         route_before = _route(server)

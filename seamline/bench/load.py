@@ -4,7 +4,8 @@
 CLIENTS streams start together, each with its own prompt (``PROMPTS_JSON``: a list of texts)
 and ``max_tokens`` generated tokens with ``ignore_eos`` (an extension seamline accepts as vLLM
 does, and llama-server too). Prints one JSON line: generated tokens over the wave's wall time
-(prefill included), and every stream's time to first token and inter-token gaps.
+(prefill included), and every stream's time to first token, inter-token gaps and decode rate
+(tokens after the first over the time from the first to the last).
 
 It runs as its own process so that a benchmark can put it in a network namespace and pin it.
 """
@@ -53,10 +54,14 @@ async def _stream(client: Any, model: str, prompt: str, max_tokens: int) -> dict
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     ends = [began, *arrivals]
+    tokens = tokens or len(arrivals)  # a server without usage: one token per chunk
+    decode_s = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
     return {
         "ttft_ms": (arrivals[0] - began) * 1e3 if arrivals else None,
         "itl_ms": [(b - a) * 1e3 for a, b in zip(ends[1:], ends[2:])],
-        "tokens": tokens or len(arrivals),  # a server without usage: one token per chunk
+        "tokens": tokens,
+        # the stream's decode rate: tokens after the first over the time from the first to the last
+        "decode_tok_s": (tokens - 1) / decode_s if decode_s > 0 else None,
     }
 
 
@@ -82,6 +87,7 @@ async def run_wave(url: str, model: str, prompts: list[str], max_tokens: int) ->
         "clients": len(prompts), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
         "ttft_ms": [r["ttft_ms"] for r in done if r["ttft_ms"] is not None],
         "itl_ms": [gap for r in done for gap in r["itl_ms"]], "errors": errors[:3], "failed": len(errors),
+        "decode_tok_s": [r["decode_tok_s"] for r in done if r["decode_tok_s"] is not None],
     }  # fmt: skip
 
 

@@ -3,6 +3,9 @@
 ``single``: `seamline serve --single` (one process owns the model). ``mesh``: `seamline serve`
 with no local node plus one `seamline join` per node, each node pinned to its cores with its
 own thread count, optionally inside a network namespace. ``llama``: llama.cpp's server.
+seamline's start functions take the precision to name (``precision_args``): None passes no
+flag, what a user gets; a bench that compares answers names ``"exact"``. No ``SEAMLINE_*``
+variable chooses a path.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import httpx
 from seamline.net.link import free_port
 
 SEAMLINE = [sys.executable, "-m", "seamline.cli"]
+MODEL_ALIAS = "default"  # the name every seamline server answers to, whatever it serves
 
 
 @dataclass
@@ -85,11 +89,19 @@ def _popen(command: list[str], env: dict[str, str], log: Path) -> subprocess.Pop
     return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def start_single(name: str, threads: int, env: dict[str, str], logs: Path) -> Server:
+def precision_args(precision: str | None) -> list[str]:
+    """`--precision NAME`, or nothing for None: the default a user gets with no flag."""
+    return [] if precision is None else ["--precision", precision]
+
+
+def start_single(name: str, threads: int, env: dict[str, str], logs: Path, *, precision: str | None,
+                 model: Path | None = None) -> Server:  # fmt: skip
+    """`seamline serve --single` on cores 0..threads-1 (``model``: default the embedded one)."""
     port = free_port()
+    chosen = ["--model", str(model)] if model else []
     command = _pinned(",".join(map(str, range(threads))), threads, None, [
-        *SEAMLINE, "serve", "--single", "--port", str(port), "--dtype", env["SEAMLINE_BENCH_DTYPE"]])  # fmt: skip
-    server = Server(name, f"http://127.0.0.1:{port}/v1", "SmolLM2-135M-Instruct.Q4_1", [])
+        *SEAMLINE, "serve", "--single", "--port", str(port), *chosen, *precision_args(precision)])  # fmt: skip
+    server = Server(name, f"http://127.0.0.1:{port}/v1", MODEL_ALIAS, [])
     server.procs.append(_popen(command, env, logs / f"{name}.log"))
     return server
 
@@ -102,20 +114,21 @@ def descriptors_capped(limit: int) -> list[str]:
 
 def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: str, env: dict[str, str],
                logs: Path, cap_gb: float | None, serve_extra: tuple[str, ...] = (),
-               nodes_expected: int = 0, nofile: int = 0) -> Server:  # fmt: skip
+               nodes_expected: int = 0, *, precision: str | None, nofile: int = 0) -> Server:  # fmt: skip
     """A coordinator (pinned as ``coordinator``; ``serve_extra``: more `serve` options) and one
     pinned node per ``nodes`` entry; it plans once ``nodes_expected`` (default: all) have joined.
-    ``nofile``: every process of the mesh starts with that many descriptors at most."""
+    ``precision`` is the coordinator's (None: no flag); the nodes take its choice. ``nofile``:
+    every process of the mesh starts with that many descriptors at most."""
     port, control = free_port(), free_port()
     capped = descriptors_capped(nofile) if nofile else []
     serve = [*capped, *SEAMLINE, "serve", "--no-local-node", "--nodes-expected", str(nodes_expected or len(nodes)),
              "--host", host, "--port", str(port), "--control-port", str(control),
-             "--dtype", env["SEAMLINE_BENCH_DTYPE"], "--context", "2048", *serve_extra]  # fmt: skip
+             "--context", "2048", *precision_args(precision), *serve_extra]  # fmt: skip
     command = _pinned(coordinator.cores, coordinator.threads, coordinator.netns, serve)
     coordinator_proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     token = _read_token(coordinator_proc, logs / f"{name}.log")
     prefix = ["ip", "netns", "exec", coordinator.netns] if coordinator.netns else []
-    server = Server(name, f"http://{host}:{port}/v1", "SmolLM2-135M-Instruct.Q4_1", prefix, [coordinator_proc],
+    server = Server(name, f"http://{host}:{port}/v1", MODEL_ALIAS, prefix, [coordinator_proc],
                     coordinator.cores, token)  # fmt: skip
     for index, node in enumerate(nodes):
         join_node(server, index, node, env, logs, cap_gb, nofile)
@@ -153,12 +166,14 @@ def _drain(stream: object, out: object) -> None:
         out.flush()  # type: ignore[attr-defined]
 
 
-def start_llama(binary: Path, gguf: Path, threads: int, slots: int, context_per_slot: int, logs: Path) -> Server:
+def start_llama(name: str, binary: Path, gguf: Path, threads: int, slots: int, context_per_slot: int,
+                logs: Path) -> Server:  # fmt: skip
+    """llama.cpp's `llama-server --parallel slots` on cores 0..threads-1."""
     from seamline.bench.llama_server import server_command
 
     port = free_port()
     command = ["taskset", "-c", ",".join(map(str, range(threads))),
                *server_command(binary, gguf, port, threads, slots, context_per_slot)]  # fmt: skip
-    server = Server("llamacpp", f"http://127.0.0.1:{port}/v1", "llama-server", [])
-    server.procs.append(_popen(command, dict(os.environ), logs / "llamacpp.log"))
+    server = Server(name, f"http://127.0.0.1:{port}/v1", "llama-server", [])
+    server.procs.append(_popen(command, dict(os.environ), logs / f"{name}.log"))
     return server

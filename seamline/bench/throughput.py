@@ -1,203 +1,247 @@
-"""`seamline bench throughput`: many streaming clients through the OpenAI API.
+"""`seamline bench throughput`: streaming clients through the OpenAI API, seamline as a user
+gets it beside llama.cpp at its best.
 
-On the embedded model (its Q4_1 GGUF; seamline in bfloat16 with int8 activation blocks in the
-matmuls, as llama.cpp multiplies), for 1, 4, 16 and 64 concurrent clients (distinct prompts
-of 32-256 tokens, 128 generated tokens each with ``ignore_eos``), aggregate generated tokens/s
-(over the wave's wall time, prefill included) and p50/p95 time to first token and
-inter-token gap, for:
+Two GGUF models: the embedded SmolLM2 (Q4_1) and `bench quant`'s random 1.1B Llama in
+llama.cpp's Q4_K_M mix (written once and cached). Each client streams its own prompt (distinct,
+32-256 tokens) and gets ``tokens`` (128) tokens with ``ignore_eos``; a figure is the generated
+tokens/s of all clients together over the wave's wall time (prefill included), with p50/p95
+time to first token and inter-token gap. The parties, all on cores 0-1 with 2 threads:
 
-* ``one_node``: `seamline serve --single` on cores 0-1, 2 threads;
-* ``one_core``: a mesh of one node pinned to core 0 (one thread);
-* ``two_stages``: a mesh of two stage nodes pinned to cores 0 and 1 (one thread each);
-* ``two_stages_lan``: the same with the nodes in two network namespaces joined by an emulated
-  1 GbE link (0.25 ms one way, shared/netns.sh; needs root and iptables);
-* ``llamacpp``: llama.cpp's `llama-server --parallel 64` on the same GGUF, cores 0-1, 2 threads.
+* ``seamline``: `seamline serve --single --model X` with no flag and no ``SEAMLINE_*``
+  variable (``SEAMLINE_CACHE`` aside): the default path. Embedded: 1, 4, 16, 64 clients;
+  1.1B: 1 and 16;
+* ``seamline_exact`` (1.1B, 1 and 16 clients): the same with ``--precision exact``;
+* ``mesh_2_stages`` (embedded, 1 client): `seamline serve --no-local-node` and two `seamline
+  join` nodes on loopback, under a memory cap that makes them two stages; coordinator, nodes
+  and client all on cores 0-1, each node with 2 threads, as `serve --single`: at one client
+  one stage works at a time, so the figure prices the hops and the coordinator;
+* ``llamacpp_16``: `llama-server --parallel 16` for 1 to 16 clients, ``llamacpp_64``:
+  ``--parallel 64`` for 64, each slot 256 + ``tokens`` + 64 long (``llama_server``: built with
+  AVX-512 and no AMX, repacking on; the JSON's ``llama_cpp`` says which build ran).
 
-The mesh coordinator and its load generator run on core 0, beside the first node, in (b) and
-(c) alike (two_stages then has one core shared and one free, one_core one shared and one
-idle); against `serve --single` and llama-server the load generator may use both cores.
-All servers run side by side; each round measures every configuration at every client count
-in turn, with fresh prompts per round (no server can answer from a prompt cache); medians of
-the rounds are reported. ``single_stream_ratio`` divides one client's rate through the API by
-the engine's own decode rate (no server, same threads), measured in the same rounds.
+All servers run side by side (started one at a time); each of ``repeats`` (3) rounds measures
+every party at every client count in turn, with fresh prompts (no server answers from a
+prompt cache), and a figure is the median of the rounds. Each round also times the engine
+alone (``quant_driver``'s default party, cores 0-1, 2 threads) decoding after the 1-client
+prompt: ``single_stream_ratio`` is the median over rounds of that stream's decode rate
+through the API (tokens after the first over the time from the first to the last) over the
+engine's. Ratios and ``targets`` are in ``throughput_result``. Each round waits (up to 2 min)
+for a quiet machine and ``machine`` reports, per round, the CPU share processes outside the
+bench took (``machine_load``): figures from a round another process shared say little.
+
+Left out to keep a run near half an hour on two cores: the one-core mesh, two one-core stages
+at 64 clients and the emulated-LAN mesh of earlier versions (`bench split` measures a stage
+hop, on loopback and on the emulated LAN), and 4 or 64 clients on the 1.1B.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from seamline.bench.servers import NodeSpec, Server, start_llama, start_mesh, start_single
+from seamline.bench.throughput_result import Runs, result
 
-CLIENTS = (1, 4, 16, 64)
+CLIENTS = (1, 4, 16, 64)  # the embedded model
+CLIENTS_1B = (1, 16)
 PROMPT_TOKENS = (32, 256)
 MAX_TOKENS = 128
-DTYPE = "bfloat16"
-CONFIGS = ("one_node", "one_core", "two_stages", "two_stages_lan", "llamacpp")
+THREADS = 2
+SLOTS = (16, 64)  # llama-server's --parallel: the smaller serves up to its count, the larger the rest
+QUIET_WAIT_S = 120.0  # at most this long before a round for the machine to be quiet
+KEPT_VARIABLES = ("SEAMLINE_CACHE",)  # where built kernels are kept; every other SEAMLINE_* is dropped
 
 
-def bench_throughput(repeats: int = 2, tokens: int = MAX_TOKENS, clients: tuple[int, ...] = CLIENTS) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Party:
+    """One server of one model, measured at ``clients`` client counts."""
+
+    model: str  # "embedded" | "llama_1b"
+    name: str
+    clients: tuple[int, ...]
+    start: Callable[[], Server]
+
+
+def bench_throughput(repeats: int = 3, tokens: int = MAX_TOKENS, clients: tuple[int, ...] = CLIENTS,
+                     clients_1b: tuple[int, ...] = CLIENTS_1B) -> dict[str, Any]:  # fmt: skip
     from seamline.app import default_model_path
-    from seamline.bench.split import lan_down, lan_up
+    from seamline.bench.llama_server import llama_cpp_build
+    from seamline.bench.quant import llama_1b_path
 
-    env = {**os.environ, "SEAMLINE_QUANT_ACTIVATIONS": "int8", "SEAMLINE_BENCH_DTYPE": DTYPE}
     logs = Path(tempfile.mkdtemp(prefix="seamline-throughput-"))
-    gguf = default_model_path()
-    lan_reason = lan_up()
-    servers, missing = _start_all(gguf, env, logs, lan_reason)
-    runs: dict[str, dict[int, list[dict[str, Any]]]] = {name: {n: [] for n in clients} for name in servers}
-    engine_runs: list[float] = []
+    build, why = llama_cpp_build()
+    ggufs = {"embedded": default_model_path(), "llama_1b": llama_1b_path()}
+    parties, missing = plan_parties(ggufs, build.server if build else None, why, logs, clients, clients_1b, tokens)
+    runs: Runs = {p.model: {} for p in parties}
+    engine: list[float] = []
+    machine: list[dict[str, float]] = []
+    servers: dict[Party, Server] = {}
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit)  # a bench told to stop still stops its servers (finally)
     try:
-        for server in servers.values():
-            server.wait_healthy()
-            _wave(server, _prompts(1, 9999, logs), 8)  # warm-up
+        servers = start_all(parties, logs)
         for round_ in range(repeats):
-            engine_runs.append(_engine_decode_rate(gguf, tokens))
-            for n in clients:
-                prompts = _prompts(n, round_ * 1000 + n, logs)
-                for name, server in servers.items():
-                    runs[name][n].append(_wave(server, prompts, tokens))
-                    print(f"round {round_} {name} {n} clients: {runs[name][n][-1]['tok_s']:.1f} tok/s",
-                          file=sys.stderr, flush=True)  # fmt: skip
+            machine.append(_measured_round(round_, servers, runs, engine, ggufs["embedded"], tokens, logs))
     finally:
         for server in servers.values():
             server.close()
-        lan_down()
-    return _result(runs, engine_runs, missing, tokens, repeats, logs)
+    build_info = build.describe() if build else {"unavailable": why}
+    out = result(runs, engine, missing, tokens, repeats, list(PROMPT_TOKENS), build_info, str(logs), machine)
+    for model, path in ggufs.items():
+        out["models"].setdefault(model, {})["gguf"] = path.name
+    return out
 
 
-def _start_all(gguf: Path, env: dict[str, str], logs: Path, lan_reason: str) -> tuple[dict[str, Server], dict[str, str]]:
-    """Every configuration's server, started one at a time, each healthy before the next: a
-    node measures its speed as it joins, and the plan follows what it measured."""
-    from seamline.bench.llama_server import llama_server_binary
+def _exit(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def seamline_env() -> dict[str, str]:
+    """This environment less every ``SEAMLINE_*`` variable but ``KEPT_VARIABLES``: the defaults."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SEAMLINE_") or k in KEPT_VARIABLES}
+
+
+def plan_parties(ggufs: dict[str, Path], llama_server: Path | None, why: str, logs: Path, clients: tuple[int, ...],
+                 clients_1b: tuple[int, ...], tokens: int) -> tuple[list[Party], dict[str, str]]:  # fmt: skip
+    """Every party that will run, and why any other will not."""
+    env, missing = seamline_env(), {}
+    embedded, big = ggufs["embedded"], ggufs["llama_1b"]
+    parties = [
+        Party("embedded", "seamline", clients, lambda: start_single("embedded-seamline", THREADS, env, logs,
+                                                                    precision=None, model=embedded)),
+        Party("embedded", "mesh_2_stages", tuple(n for n in clients if n == 1), lambda: _mesh(env, logs)),
+        Party("llama_1b", "seamline", clients_1b, lambda: start_single("llama_1b-seamline", THREADS, env, logs,
+                                                                       precision=None, model=big)),
+        Party("llama_1b", "seamline_exact", clients_1b, lambda: start_single("llama_1b-seamline_exact", THREADS, env,
+                                                                             logs, precision="exact", model=big)),
+    ]  # fmt: skip
+    for model, counts in (("embedded", clients), ("llama_1b", clients_1b)):
+        for slots, served in _llama_slots(counts).items():
+            if llama_server is None:
+                missing[f"{model}.llamacpp_{slots}"] = why
+                continue
+            start = _llama_start(model, slots, llama_server, ggufs[model], tokens, logs)
+            parties.append(Party(model, f"llamacpp_{slots}", served, start))
+    return [p for p in parties if p.clients], missing
+
+
+def _llama_slots(counts: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
+    """``--parallel`` -> the client counts that server serves: 1 to 16 the first, more the second."""
+    small = tuple(n for n in counts if n <= SLOTS[0])
+    large = tuple(n for n in counts if n > SLOTS[0])
+    return {s: c for s, c in ((SLOTS[0], small), (max(SLOTS[1], *large, 0), large)) if c}
+
+
+def _llama_start(model: str, slots: int, binary: Path, gguf: Path, tokens: int, logs: Path) -> Callable[[], Server]:
+    context_per_slot = PROMPT_TOKENS[1] + tokens + 64
+    return lambda: start_llama(f"{model}-llamacpp_{slots}", binary, gguf, THREADS, slots, context_per_slot, logs)
+
+
+def _mesh(env: dict[str, str], logs: Path) -> Server:
+    """Two stages of the embedded model on loopback, every process on cores 0-1."""
     from seamline.server.demo import memory_cap_gb
 
     cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)
-    beside = NodeSpec("0", 1)  # the coordinator and the clients: on core 0 with the first node, in (b) and (c)
-    starts: dict[str, Callable[[], Server]] = {
-        "one_node": lambda: start_single("one_node", 2, env, logs),
-        "one_core": lambda: start_mesh("one_core", [NodeSpec("0", 1)], beside, "127.0.0.1", env, logs, None),
-        "two_stages": lambda: start_mesh("two_stages", [NodeSpec("0", 1), NodeSpec("1", 1)], beside, "127.0.0.1",
-                                         env, logs, cap),
-    }  # fmt: skip
-    missing: dict[str, str] = {}
-    if lan_reason:
-        missing["two_stages_lan"] = lan_reason
-    else:
-        nodes = [NodeSpec("0", 1, "slb1"), NodeSpec("1", 1, "slb2")]
-        coordinator = NodeSpec("0", 1, "slb1")
-        starts["two_stages_lan"] = lambda: start_mesh("two_stages_lan", nodes, coordinator, "10.77.0.1", env, logs, cap)
-    binary, why = llama_server_binary()
-    if binary is None:
-        missing["llamacpp"] = why
-    else:
-        context_per_slot = PROMPT_TOKENS[1] + MAX_TOKENS + 64
-        starts["llamacpp"] = lambda: start_llama(binary, gguf, 2, max(CLIENTS), context_per_slot, logs)
-    servers: dict[str, Server] = {}
+    both = NodeSpec("0,1", THREADS)
+    return start_mesh("embedded-mesh_2_stages", [both, both], both, "127.0.0.1", env, logs, cap, precision=None)
+
+
+def start_all(parties: list[Party], logs: Path) -> dict[Party, Server]:
+    """Every party's server, started one at a time, each healthy and warm before the next: a mesh
+    node measures its speed as it joins, and the plan follows what it measured."""
+    servers: dict[Party, Server] = {}
     try:
-        for name, start in starts.items():
-            servers[name] = start()
-            servers[name].wait_healthy()
+        for party in parties:
+            servers[party] = party.start()
+            servers[party].wait_healthy()
+            wave(servers[party], prompts_file(1, 9999, logs), 8)  # warm-up
     except BaseException:
         for server in servers.values():
             server.close()
         raise
-    return servers, missing
+    return servers
 
 
-def _prompts(count: int, seed: int, logs: Path) -> Path:
+def _measured_round(round_: int, servers: dict[Party, Server], runs: Runs, engine: list[float], embedded: Path,
+                    tokens: int, logs: Path) -> dict[str, float]:  # fmt: skip
+    """One round, begun on a quiet machine if one comes within ``QUIET_WAIT_S``: how long it
+    waited and the CPU share other processes took during the round (``machine_load``)."""
+    from seamline.bench.machine_load import Meter, wait_quiet
+
+    def pids() -> list[int]:
+        return [proc.pid for server in servers.values() for proc in server.procs]
+
+    waited, _ = wait_quiet(pids, QUIET_WAIT_S)
+    meter = Meter(pids)
+    meter.start()
+    _round(round_, servers, runs, engine, embedded, tokens, logs)
+    return {"waited_for_quiet_s": waited, "foreign_cpu_share": meter.stop()}
+
+
+def _round(round_: int, servers: dict[Party, Server], runs: Runs, engine: list[float], embedded: Path, tokens: int,
+           logs: Path) -> None:  # fmt: skip
+    """One round: the engine alone on the 1-client prompt, then every party at every count."""
+    counts = sorted({n for p in servers for n in p.clients})
+    first = prompts_file(1, round_ * 1000 + 1, logs)
+    engine.append(engine_decode_rate(embedded, json.loads(first.read_text())[0], tokens))
+    for n in counts:
+        prompts = first if n == 1 else prompts_file(n, round_ * 1000 + n, logs)
+        for party, server in servers.items():
+            if n in party.clients:
+                done = wave(server, prompts, tokens)
+                runs[party.model].setdefault(party.name, {}).setdefault(n, []).append(done)
+                print(f"round {round_} {party.model} {party.name} {n} clients: {done['tok_s']:.1f} tok/s",
+                      file=sys.stderr, flush=True)  # fmt: skip
+
+
+def prompts_file(count: int, seed: int, logs: Path) -> Path:
+    """``count`` distinct prompts of 32-256 tokens (the embedded tokenizer, which both models use)."""
     from seamline.app import default_model_path
     from seamline.bench.load import make_prompts
     from seamline.text import TextCodec
 
     codec = TextCodec.from_model(default_model_path(), ())
     texts = make_prompts(count, *PROMPT_TOKENS, seed, codec.encode)
-    path = logs / f"prompts-{seed}.json"
+    path = logs / f"prompts-{seed}-{count}.json"
     path.write_text(json.dumps(texts))
     return path
 
 
-def _wave(server: Server, prompts: Path, tokens: int) -> dict[str, Any]:
+def wave(server: Server, prompts: Path, tokens: int) -> dict[str, Any]:
+    """One wave of streaming clients, one per prompt in ``prompts``, from a load-generator process."""
     count = len(json.loads(prompts.read_text()))
     command = [*server.client_prefix, "taskset", "-c", server.client_cores, sys.executable, "-m", "seamline.bench.load",
                server.url, server.model, str(count), str(prompts), str(tokens)]  # fmt: skip
     out = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"load generator against {server.name} failed: {out.stderr[-2000:]}")
-    wave = dict(json.loads(out.stdout.strip().splitlines()[-1]))
-    if wave["failed"]:
-        raise RuntimeError(f"{server.name}: {wave['failed']} of {count} streams failed: {wave['errors']}")
-    return wave
+    done = dict(json.loads(out.stdout.strip().splitlines()[-1]))
+    if done["failed"]:
+        raise RuntimeError(f"{server.name}: {done['failed']} of {count} streams failed: {done['errors']}")
+    return done
 
 
-def _engine_decode_rate(gguf: Path, tokens: int) -> float:
-    """The engine's own greedy decode rate on 2 threads (no server, int8 activation blocks as
-    the servers here), in its own process."""
+def engine_decode_rate(gguf: Path, prompt: str, tokens: int) -> float:
+    """The engine's own greedy decode rate (no server, the default path, cores 0-1, 2 threads)
+    over ``tokens - 1`` steps after ``prompt`` (as the API encodes a completion's text), in its
+    own process: what one stream's tokens after the first cost without the API."""
     from seamline.bench.driver import Driver
     from seamline.text import TextCodec
 
-    prompt = TextCodec.from_model(gguf, ()).encode("Write a short story about a lighthouse keeper.")
-    driver = Driver("seamline.bench.quant_driver", ["quantized", str(gguf), DTYPE, "2", json.dumps(prompt)],
+    ids = TextCodec.from_model(gguf, ()).encode(prompt)
+    driver = Driver("seamline.bench.quant_driver", ["default", str(gguf), str(THREADS), json.dumps(ids)],
                     prefix=["taskset", "-c", "0,1"])  # fmt: skip
     try:
         driver.wait_ready()
-        return float(driver.measure(tokens)["decode_tok_s"])
+        return float(driver.measure(max(1, tokens - 1))["decode_tok_s"])
     finally:
         driver.close()
-
-
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 2)
-
-
-def _cell(waves: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """One configuration at one client count: median rate, pooled latency percentiles."""
-    if not waves:
-        return None
-    ttft = [t for w in waves for t in w["ttft_ms"]]
-    itl = [t for w in waves for t in w["itl_ms"]]
-    return {
-        "tok_s": round(statistics.median(w["tok_s"] for w in waves), 2),
-        "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p95_ms": _pct(ttft, 0.95),
-        "itl_p50_ms": _pct(itl, 0.5), "itl_p95_ms": _pct(itl, 0.95),
-        "runs_tok_s": [round(w["tok_s"], 2) for w in waves],
-    }  # fmt: skip
-
-
-def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
-    return round(a["tok_s"] / b["tok_s"], 3) if a and b else None
-
-
-def _result(runs: dict[str, dict[int, list[dict[str, Any]]]], engine_runs: list[float], missing: dict[str, str],
-            tokens: int, repeats: int, logs: Path) -> dict[str, Any]:  # fmt: skip
-    table = {name: {str(n): _cell(waves) for n, waves in by_n.items()} for name, by_n in runs.items()}
-
-    def cell(name: str, n: int) -> dict[str, Any] | None:
-        return table.get(name, {}).get(str(n))
-
-    engine = statistics.median(engine_runs) if engine_runs else None
-    single = cell("one_node", 1)
-    return {
-        "bench": "throughput",
-        "model": "SmolLM2-135M-Instruct.Q4_1 (GGUF), seamline in bfloat16 with int8 activation blocks",
-        "generated_tokens_per_client": tokens, "prompt_tokens": list(PROMPT_TOKENS), "repeats": repeats,
-        "configs": table,
-        "batch_gain_16": _ratio(cell("one_node", 16), single),
-        "vs_llamacpp_16": _ratio(cell("one_node", 16), cell("llamacpp", 16)),
-        "pipeline_gain_64": _ratio(cell("two_stages", 64), cell("one_core", 64)),
-        "pipeline_gain_lan_64": _ratio(cell("two_stages_lan", 64), cell("one_core", 64)),
-        "single_stream_ratio": round(single["tok_s"] / engine, 3) if single and engine else None,
-        "engine_decode_tok_s": round(engine, 2) if engine else None,
-        "not_measured": missing,
-        "logs": str(logs),
-    }  # fmt: skip
