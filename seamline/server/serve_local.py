@@ -11,6 +11,7 @@ import uvicorn
 from seamline.app import LocalModel, default_model_path
 from seamline.net.http_guard import bounded
 from seamline.runtime.backend import LocalBackend
+from seamline.runtime.openmp import on_passing_thread
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.server.api_options import ApiOptions
 from seamline.server.openai_api import create_app
@@ -26,14 +27,23 @@ def model_name_for(path: str | Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
+def local_backend(model_path: str | None, dtype: str | None, context: int | None = None, kv_cache_bytes: int = 0,
+                  precision: str = "fast") -> tuple[LocalBackend, LocalModel]:  # fmt: skip
+    """The model (the embedded default when ``model_path`` is None) in ``precision`` (``dtype``,
+    when given, overriding its activation dtype), behind a ``LocalBackend``.
+
+    It is loaded on a thread that ends (``on_passing_thread``): the batch loop's thread, which
+    generates, then holds the process's only OpenMP pool, whose workers spin between regions."""
+    path = Path(model_path) if model_path else default_model_path()
+    model = on_passing_thread(lambda: LocalModel.load(path, dtype, context, precision))
+    budget = kv_budget_bytes(kv_cache_bytes)
+    return LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget), model
+
+
 def serve_local(model_path: str | None, host: str, port: int, dtype: str | None, context: int | None = None,
                 kv_cache_bytes: int = 0, api: ApiOptions | None = None, precision: str = "fast") -> None:  # fmt: skip
-    """Load the model (the embedded default when ``model_path`` is None) in ``precision``
-    (``dtype``, when given, overriding its activation dtype), then serve until stopped."""
-    path = Path(model_path) if model_path else default_model_path()
-    model = LocalModel.load(path, dtype, context, precision)
-    budget = kv_budget_bytes(kv_cache_bytes)
-    backend = LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget)
+    """Load the model (the embedded default when ``model_path`` is None), then serve until stopped."""
+    backend, model = local_backend(model_path, dtype, context, kv_cache_bytes, precision)
     api = api or ApiOptions()
     app = create_app(backend, limits=api.limits)
     print(f"seamline: serving {backend.model_name} at {api.scheme}://{host}:{port}/v1, precision "
