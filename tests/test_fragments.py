@@ -478,6 +478,35 @@ def test_fragments_come_from_a_peer_that_serves_them_intact_else_from_the_coordi
     assert sum(f"peer {gone} cannot be reached" in r.getMessage() for r in caplog.records) == 1
 
 
+def test_a_peer_serves_the_verified_fragments_it_holds_after_its_folder_changed(served: tuple[str, Path, Manifest],
+                                                                                tmp_path: Path) -> None:  # fmt: skip
+    """A node re-planned to other layers rewrites its stage folder while its peers load: it still
+    serves what its cache holds verified (a file named by its hash, with its stamp), and nothing
+    else there (no stamp, or a name that is no hash: 404)."""
+    import httpx
+    from fastapi import FastAPI
+
+    from seamline.mesh.control.fragment_server import fragment_routes
+
+    url, _, manifest = served
+    held = tmp_path / "held"
+    fetch_fragments(url, _range(manifest, 0, 2), held, TOKEN, progress=False)
+    stage_folder = tmp_path / "stage"  # the new assignment's folder: no manifest yet
+    stage_folder.mkdir()
+    peer = FastAPI()
+    fragment_routes(peer, stage_folder, lambda _token: True, held=held)
+    entries = list({e.sha256: e for e in _range(manifest, 0, 2)}.values())
+    unstamped = entries[-1].sha256
+    (held / f"{unstamped}.verified").unlink()
+    (held / "notes").write_text("not a fragment")
+    with _serve(peer) as holding:
+        report = fetch_fragments(url, entries[:-1], tmp_path / "cache", TOKEN, progress=False, peers=[holding])
+        assert report.bytes_from_peers == sum(e.bytes for e in entries[:-1]) > 0
+        assert httpx.get(f"{holding}/fragments/{unstamped}").status_code == 404
+        assert httpx.get(f"{holding}/fragments/notes").status_code == 404
+        assert httpx.get(f"{holding}/fragments/{'b' * 64}").status_code == 404
+
+
 def test_bad_token_is_refused(served: tuple[str, Path, Manifest], tmp_path: Path) -> None:
     import httpx
 

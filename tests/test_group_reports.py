@@ -94,7 +94,8 @@ def test_a_member_that_says_its_stage_failed_is_lost_and_its_word_implicates_no_
     (refused, counted), and one that reports its stage failed is taken at its word: lost, the
     requests replaying as "replanned" (a member's word is not a loss seen, which would count
     against the requests it was starting), so one that says so of every request drops itself.
-    So is the drawing stage that says so: its word ends no request either."""
+    So is the drawing stage that says so while the mesh serves: its word ends no request either
+    (while it re-plans, such a report is of links broken by the switch, and changes nothing)."""
     made, failures = coordinator
     made.in_flight = lambda request: True
     plan = made.plan
@@ -103,6 +104,9 @@ def test_a_member_that_says_its_stage_failed_is_lost_and_its_word_implicates_no_
     made._reported(made.nodes["d"], Failure(request=5, reason="this stage failed", blame="node"))
     assert "d" not in made.nodes
     assert [(request, blame) for request, _, blame in failures] == [(None, "replanned")]
-    made.plan = plan  # as if planned again with "c" drawing
+    made.plan = plan  # re-planning, "c" drawing: a report now is of links broken by the switch
+    made._reported(made.nodes["c"], Failure(request=5, reason="link closed", blame="node"))
+    assert "c" in made.nodes
+    made.ready.set()  # serving again
     made._reported(made.nodes["c"], Failure(request=5, reason="this stage failed", blame="node"))
     assert "c" not in made.nodes and all(request is None for request, _, _ in failures)

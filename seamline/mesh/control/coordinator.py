@@ -178,8 +178,10 @@ class Coordinator(Membership, Planning, StartUp):
         """A node's failure report: its own start-up, or a request it serves. A node outside the
         plan serves no request, so its reports end none; only stage 0 and the drawing stage may
         end one for the request's own fault or the load (``member_gate``). Any stage that says its
-        stage failed, these two included, is taken at its word: it is taken for lost and the
-        requests replay without it (a member that says so of every request only drops itself)."""
+        stage failed, these two included, is taken at its word while the mesh serves: it is taken
+        for lost and the requests replay without it (a member that says so of every request only
+        drops itself); while it re-plans, stages' links break as they are replaced, and such a
+        report is no news."""
         log.warning("node %s reports: %s", handle.node_id, message.reason)  # one line: ``messages.Reason``
         if message.plan_id is not None:
             self._group_broke(handle, message)
@@ -201,6 +203,9 @@ class Coordinator(Membership, Planning, StartUp):
                                                  "or the drawing stage, or the request is not in flight")  # fmt: skip
             return
         if message.blame == "node":
+            if not self.ready.is_set():  # the route is being replaced: links break as stages go; nothing to replay
+                log.info("ignored node %s's report that its stage failed: the mesh is re-planning", handle.node_id)
+                return
             self.lose(handle, f"it reports its stage failed: {message.reason}", observed=False)
             return
         self.on_failure(message.request, message.reason, message.blame)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import ssl
 import threading
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from fastapi import APIRouter, FastAPI, Header, HTTPException
 from fastapi.responses import FileResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from seamline.mesh.node.fetch import STAMP_SUFFIX
 from seamline.net.http_guard import bounded
 from seamline.net.tls import certificate_name
 from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest
@@ -82,11 +84,17 @@ class PeerGate:
                 transport.close()
 
 
-class _PackageIndex:
-    """sha256 -> fragment for one folder, reloaded when manifest.json changes."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")  # a held file is named by its hash: nothing else is looked up
 
-    def __init__(self, folder: Path) -> None:
+class _PackageIndex:
+    """sha256 -> fragment for one folder, reloaded when manifest.json changes; and, where
+    ``held`` is given (a node's fragment cache, ``<sha256>`` files verified when fetched), any
+    fragment held there: a node re-planned to other layers still serves what it fetched before
+    (its peers, loading at the same time, would otherwise find it gone from the folder)."""
+
+    def __init__(self, folder: Path, held: Path | None = None) -> None:
         self.folder = folder
+        self.held = held
         self._stamp: tuple[int, int] | None = None
         self._by_hash: dict[str, FragmentEntry] = {}
 
@@ -99,7 +107,22 @@ class _PackageIndex:
     def lookup(self, sha256: str) -> Path:
         return self.lookup_entry(sha256)[1]
 
-    def lookup_entry(self, sha256: str) -> tuple[FragmentEntry, Path]:
+    def lookup_entry(self, sha256: str) -> tuple[FragmentEntry | None, Path]:
+        """The fragment's entry and file; a held fragment has no entry (the fetcher checks its hash)."""
+        try:
+            return self._listed(sha256)
+        except HTTPException:
+            if (held := self._held(sha256)) is None:
+                raise
+            return None, held
+
+    def _held(self, sha256: str) -> Path | None:
+        if self.held is None or not _SHA256.fullmatch(sha256):
+            return None
+        file = self.held / sha256
+        return file if file.is_file() and (self.held / f"{sha256}{STAMP_SUFFIX}").is_file() else None
+
+    def _listed(self, sha256: str) -> tuple[FragmentEntry, Path]:
         path = self.manifest_path()
         stat = path.stat()
         if self._stamp != (stat.st_mtime_ns, stat.st_size):
@@ -114,10 +137,11 @@ class _PackageIndex:
 
 
 def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_token: TokenCheck,
-                    may_fetch: FragmentCheck | None = None) -> None:  # fmt: skip
+                    may_fetch: FragmentCheck | None = None, held: Path | None = None) -> None:  # fmt: skip
     """Add the two fragment routes for ``package_dir`` to ``app``; ``may_fetch(token, fragment)``:
-    whether that token's holder may have that fragment (a private mesh keeps its ends' own)."""
-    index = _PackageIndex(Path(package_dir))
+    whether that token's holder may have that fragment (a private mesh keeps its ends' own);
+    ``held``: a fragment cache whose verified fragments are served too (never with ``may_fetch``)."""
+    index = _PackageIndex(Path(package_dir), held if may_fetch is None else None)
 
     def authorise(authorization: str | None) -> None:
         if not check_token(_bearer(authorization)):
@@ -136,19 +160,19 @@ def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_tok
     def fragment_file(sha256: str, authorization: Annotated[str | None, Header()] = None) -> FileResponse:
         authorise(authorization)
         entry, path = index.lookup_entry(sha256.lower())
-        if may_fetch is not None and not may_fetch(_bearer(authorization), entry):
+        if may_fetch is not None and entry is not None and not may_fetch(_bearer(authorization), entry):
             raise HTTPException(403, f"fragment {entry.name} is not served to this member: a private mesh keeps it")
         return FileResponse(path, media_type="application/octet-stream")
 
 
 def serve_fragments(package_dir: Path, check_token: TokenCheck, host: str, port: int,
                     context: ssl.SSLContext, gate: PeerGate | None = None,
-                    may_fetch: FragmentCheck | None = None) -> uvicorn.Server:  # fmt: skip
+                    may_fetch: FragmentCheck | None = None, held: Path | None = None) -> uvicorn.Server:  # fmt: skip
     """The fragment routes on their own HTTPS port, under ``context``: a mesh's, which takes only
     clients presenting a member's certificate from the mesh CA (mutual TLS 1.3), and of those
     only the members ``gate`` takes."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
-    fragment_routes(app, package_dir, check_token, may_fetch)
+    fragment_routes(app, package_dir, check_token, may_fetch, held)
     gate = gate or PeerGate(lambda _node: False)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", **bounded(gate.protocol()),
                             ssl_context_factory=lambda _config, _default: context)  # fmt: skip

@@ -187,7 +187,7 @@ class Membership:
         log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
 
     def _serve_fragments(self: Node, host: str, port: int) -> None:
-        """Serve the fragments this node holds (its stage folder) to members: mutual TLS under
+        """Serve the fragments this node holds (its stage folder, and its cache) to members: mutual TLS under
         its certificate is the only key, so a peer that is no member is refused at the handshake,
         and a removed one (``Revoked``) by the gate. (A renewed certificate is not taken up here:
         once the first expires, members fetch from the coordinator.)"""
@@ -196,7 +196,7 @@ class Membership:
         # a private mesh's ends serve no member: their folders hold the embedding and the head
         self.fragment_gate = PeerGate(lambda peer: peer in self.revoked or self.tail is not None)
         serve_fragments(folder, lambda _token: True, host, port, self.credentials.identity.server_context(),
-                        self.fragment_gate)  # fmt: skip
+                        self.fragment_gate, held=self.options.cache_dir / "fragments")  # fmt: skip
 
     def _holding(self: Node) -> Holding | None:
         """The stage this node has loaded, which a restarted coordinator may keep (a lockstep
