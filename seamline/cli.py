@@ -316,6 +316,9 @@ def _gib(value: float) -> int:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    from seamline.runtime.openmp import node_spin
+
+    node_spin()  # before torch loads: the next import brings it
     from seamline.mesh.node.process import NodeOptions, run_node
     from seamline.net.http_guard import raise_descriptor_limit
 

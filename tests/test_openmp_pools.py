@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from seamline.runtime.openmp import on_passing_thread
+from seamline.server.demo import memory_cap_gb
+from tests.mesh_harness import MeshProcesses
 
 # ``serve --single``'s backend in a fresh process, 64 tokens generated on the batch loop's thread
 SERVED = """
@@ -65,6 +67,44 @@ def test_served_model_generates_with_spinning_workers() -> None:
     served = _switches_per_token(direct=False)
     assert loaded_here > 100, f"the premise: a model loaded on another thread sleeps its workers ({loaded_here:.0f})"
     assert served < 50, f"{served:.0f} voluntary context switches per token: OpenMP workers sleep between regions"
+
+
+def _process_switches(pid: int) -> int:
+    """Voluntary context switches of every thread of process ``pid``."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        status = (task / "status").read_text()
+        total += int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts context switches in /proc (Linux)")
+def test_mesh_nodes_generate_with_spinning_workers(tmp_path: Path) -> None:
+    """A node measures its speed as it joins, loads its stage and answers probes on threads of
+    its own, and computes on another: only the computing thread's pool may last. A few
+    switches per token are the links' (a read that waits); a sleeping pool makes hundreds."""
+    mesh = MeshProcesses(tmp_path, nodes=2, node_memory_gb=memory_cap_gb(None, 2, 1024, dtype_bytes=2),
+                         serve_args=("--context", "1024", "--precision", "fast"))  # fmt: skip
+    mesh.start()
+    try:
+        mesh.wait_ready()
+        client = mesh.client()
+
+        def generate(count: int) -> int:
+            reply = client.completions.create(model="default", prompt="Once upon a time", max_tokens=count,
+                                              temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            assert reply.usage is not None
+            return reply.usage.completion_tokens
+
+        generate(4)
+        before = [_process_switches(proc.pid) for proc in mesh.node_procs]
+        count = generate(64)
+        after = [_process_switches(proc.pid) for proc in mesh.node_procs]
+        per_token = [(a - b) / count for a, b in zip(after, before, strict=True)]
+        assert count == 64
+        assert max(per_token) < 50, f"{per_token} voluntary context switches per token: OpenMP workers sleep"
+    finally:
+        mesh.stop()
 
 
 def test_passing_thread_returns_and_raises() -> None:

@@ -35,6 +35,7 @@ from seamline.net.messages import (
 )  # fmt: skip
 from seamline.net.tls import TlsRefused
 from seamline.precision import int8_kernels_here
+from seamline.runtime.openmp import on_passing_thread
 
 if TYPE_CHECKING:
     from seamline.mesh.node.process import Node, NodeOptions
@@ -91,7 +92,7 @@ def local_resources(options: NodeOptions) -> Resources:
         free = min(free, options.max_memory_bytes)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # picks a lockstep group's transport
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return Resources(free_memory_bytes=int(free), bytes_per_second=measure_rate(),
+    return Resources(free_memory_bytes=int(free), bytes_per_second=on_passing_thread(measure_rate, "seamline-measure"),
                      device=device, cores=os.cpu_count() or 1, host=_boot_id(), cpus=cpus,
                      int8_kernels=int8_kernels_here())  # fmt: skip
 

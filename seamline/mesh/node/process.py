@@ -21,7 +21,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import psutil
 import torch
@@ -53,11 +53,13 @@ from seamline.quant import matmul
 from seamline.model.stage import Stage
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.group_stage import LockstepStage
+from seamline.runtime.openmp import on_passing_thread
 from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
 
 log = logging.getLogger("seamline.node")
+T = TypeVar("T")
 LOADING_REPORT_S = 1.0  # a download's progress goes to the coordinator this often
 COORDINATOR_SILENT_S = 10.0  # the coordinator sends a heartbeat every second; silent this long, it is lost
 
@@ -178,7 +180,7 @@ class Node(Membership, DataPath):
                 self.worker.close(message)
             elif isinstance(message, Probe) and self.worker and self.control:
                 tail = self.tail if self.assignment and message.layers == self.assignment.tail else None
-                self.control.send_message(probe_result(tail or self.worker, message))
+                self.control.send_message(_on_passing(probe_result, tail or self.worker, message))
             elif isinstance(message, StatsRequest) and self.worker and self.control:
                 w = self.worker
                 sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
@@ -241,6 +243,11 @@ class Node(Membership, DataPath):
                 pass
 
     def _load(self, assign: Assign) -> None:
+        """Load ``assign``'s stage on a thread that ends: the stage's own thread keeps the only
+        OpenMP pool (``runtime.openmp``), so its workers spin between a step's regions."""
+        on_passing_thread(lambda: self._load_here(assign))
+
+    def _load_here(self, assign: Assign) -> None:
         from seamline.mesh.node.loading import load_assignment, load_rank
 
         self._drop_data_links()  # the old route's: no frame of it may reach the new stage
@@ -361,10 +368,11 @@ class Node(Membership, DataPath):
         """The coordinator checks the speed this node claimed: make the matrix, then multiply."""
         assert self.control is not None
         if not probe.vector:
-            self._probe_matrix = probe_matrix(probe.seed, probe.rows, probe.cols)
+            self._probe_matrix = _on_passing(probe_matrix, probe.seed, probe.rows, probe.cols)
             self.control.send_message(SpeedReady())
         elif self._probe_matrix is not None and len(probe.vector) == self._probe_matrix.shape[1]:
-            self.control.send_message(SpeedSums(sums=block_sums(self._probe_matrix, torch.tensor(probe.vector))))
+            sums = _on_passing(block_sums, self._probe_matrix, torch.tensor(probe.vector))
+            self.control.send_message(SpeedSums(sums=sums))
 
     def _measure_peer(self, ask: MeasurePeer) -> None:
         report = probe_peer(ask, self.options.node_id, self.credentials.client if self.credentials else None)
@@ -405,6 +413,12 @@ class NoRoom(MemoryError):
     def __init__(self, message: str, room: int) -> None:
         super().__init__(message)
         self.room = room
+
+
+def _on_passing(work: Callable[..., T], *args: Any) -> T:
+    """``work(*args)`` on a thread that ends: torch work of the control thread's (probes) makes
+    no OpenMP pool that outlives it beside the stage's."""
+    return on_passing_thread(lambda: work(*args), "seamline-probe")
 
 
 def _kv_budget(assign: Assign) -> int | None:
