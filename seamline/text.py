@@ -140,12 +140,21 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 
 class StreamDecoder:
-    """Turns generated ids into text pieces; holds back text that may start a stop string."""
+    """Turns generated ids into text pieces; holds back text that may start a stop string.
+
+    Each token costs a decode of a few ids, not of the whole answer: the text is kept as it
+    grows, and a new token is decoded after the tokens since the last piece that came whole
+    (its ``window``), whose text is then cut off its front. The window gives a token its
+    context (a word's leading space, the bytes of a character split over tokens), so the
+    pieces join to what decoding every id at once gives."""
 
     def __init__(self, codec: TextCodec, stop_strings: tuple[str, ...] = ()) -> None:
         self.codec = codec
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.ids: list[int] = []
+        self.text = ""  # the decoded text of ids[:read_offset]
+        self.prefix_offset = 0  # the window: ids[prefix_offset:read_offset] were decoded last, whole
+        self.read_offset = 0
         self.emitted = 0  # characters of the decoded text already returned
         self.stopped = False
         self.special = False  # keep special tokens in the text (an answer parsed for tool calls)
@@ -153,9 +162,12 @@ class StreamDecoder:
     def push(self, token: int) -> str:
         """Add one token; return the new text that is safe to show (may be empty)."""
         self.ids.append(token)
-        text = self.codec.decode_partial(self.ids, self.special)
-        if text.endswith("\ufffd"):
+        grown = self._grown()
+        if grown is None:
             return ""  # an incomplete UTF-8 sequence: wait for the next token
+        self.text += grown
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        text = self.text
         for stop in self.stop_strings:
             at = text.find(stop, max(0, self.emitted - len(stop)))
             if at != -1:
@@ -167,7 +179,23 @@ class StreamDecoder:
     def flush(self) -> str:
         """What remains once generation ends without a stop string, less a character whose
         bytes were cut (``max_tokens`` inside a multi-byte character): never half of one."""
-        return "" if self.stopped else self._emit(self.codec.decode(self.ids, self.special), None)
+        if self.stopped:
+            return ""
+        before, after = self._window()
+        return self._emit(self.text + after.rstrip("\ufffd")[len(before):], None)
+
+    def _grown(self) -> str | None:
+        """The text the ids after ``read_offset`` add, or None while a character is incomplete."""
+        before, after = self._window()
+        if after.endswith("\ufffd") or len(after) < len(before):
+            return None
+        return after[len(before):]
+
+    def _window(self) -> tuple[str, str]:
+        """The window's text without, then with, the ids after it."""
+        window = self.ids[self.prefix_offset :]
+        cut = self.read_offset - self.prefix_offset
+        return self.codec.decode_partial(window[:cut], self.special), self.codec.decode_partial(window, self.special)
 
     def _emit(self, text: str, end: int | None) -> str:
         end = len(text) if end is None else end

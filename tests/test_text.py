@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from seamline.app import default_model_path
@@ -55,3 +57,34 @@ def test_chat_template_renders_generation_prompt(codec: TextCodec) -> None:
     assert "<|im_start|>user\nHi there<|im_end|>" in text
     assert text.endswith("<|im_start|>assistant\n")
     assert codec.stop_ids and codec.tokenizer.id_to_token(codec.stop_ids[0]) == "<|im_end|>"
+
+
+def test_streamed_pieces_join_to_the_whole_decode_for_any_ids(codec: TextCodec) -> None:
+    """Random ids (split characters, lone bytes, special tokens among them): the pieces, with
+    special tokens dropped or kept, always join to what decoding every id at once gives."""
+    rng = random.Random(7)
+    vocabulary = codec.tokenizer.get_vocab_size()
+    for trial in range(300):
+        ids = [rng.randrange(vocabulary) if rng.random() < 0.7 else rng.randrange(300)  # byte tokens
+               for _ in range(rng.randint(1, 60))]  # fmt: skip
+        decoder = StreamDecoder(codec, ())
+        decoder.special = trial % 2 == 1
+        pieces = [decoder.push(token) for token in ids] + [decoder.flush()]
+        assert "".join(pieces) == codec.decode(ids, decoder.special), ids
+
+
+def test_a_token_decodes_a_window_not_the_whole_answer(codec: TextCodec) -> None:
+    """A long answer costs each token a decode of a few ids (it decoded all of them: quadratic)."""
+    decoded: list[int] = []
+
+    class Counting(TextCodec):
+        def decode_partial(self, ids: list[int], special: bool = False) -> str:
+            decoded.append(len(ids))
+            return super().decode_partial(ids, special)
+
+    counting = Counting(codec.tokenizer, codec.chat_template, stop_ids=codec.stop_ids)
+    decoder = StreamDecoder(counting, ())
+    ids = codec.encode("word " * 2000)
+    text = "".join(decoder.push(token) for token in ids) + decoder.flush()
+    assert text == "word " * 2000
+    assert max(decoded) <= 8, max(decoded)
