@@ -45,6 +45,7 @@ from seamline.quant.tensor import QUANT_TYPES, QuantTensor
 FORMAT = "seamline-fragments"
 VERSION = 3  # 2: routed experts in their own fragments; 3: quantized tensors as GGUF blocks
 MANIFEST_NAME = "manifest.json"
+STAMP_SUFFIX = ".verified"  # beside a fragment in a node's cache: its sha256 was checked
 KINDS = ("embed", "layer", "experts", "head", "tokenizer")
 EXPERT_CHUNKS = 8  # routed experts per MoE layer go in gcd(E, 8) fragments: whole for 2, 4, 8 ranks
 # Files of a Hugging Face folder that the text edge (seamline.text) reads, copied as-is.

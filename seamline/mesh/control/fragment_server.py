@@ -28,10 +28,9 @@ from fastapi import APIRouter, FastAPI, Header, HTTPException
 from fastapi.responses import FileResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from seamline.mesh.node.fetch import STAMP_SUFFIX
 from seamline.net.http_guard import bounded
 from seamline.net.tls import certificate_name
-from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest
+from seamline.weights.fragments import MANIFEST_NAME, STAMP_SUFFIX, FragmentEntry, Manifest
 
 TokenCheck = Callable[[str | None], bool]
 FragmentCheck = Callable[[str | None, FragmentEntry], bool]

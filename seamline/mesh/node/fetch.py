@@ -26,10 +26,9 @@ import ssl
 from tqdm import tqdm
 
 from seamline.errors import CheckpointError, SeamlineError
-from seamline.weights.fragments import MANIFEST_NAME, FragmentEntry, Manifest, file_sha256
+from seamline.weights.fragments import MANIFEST_NAME, STAMP_SUFFIX, FragmentEntry, Manifest, file_sha256
 
 log = logging.getLogger(__name__)
-STAMP_SUFFIX = ".verified"
 PEER_CONNECT_TIMEOUT_S = 3.0  # a member's fragment port that does not answer by then is not asked again
 DISK_MARGIN_BYTES = 64 << 20  # left free beyond the fragments
 HASH_THREADS = 4
