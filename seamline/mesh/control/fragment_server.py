@@ -85,6 +85,7 @@ class PeerGate:
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")  # a held file is named by its hash: nothing else is looked up
 
+
 class _PackageIndex:
     """sha256 -> fragment for one folder, reloaded when manifest.json changes; and, where
     ``held`` is given (a node's fragment cache, ``<sha256>`` files verified when fetched), any

@@ -9,6 +9,7 @@ sent it; an out-of-step frame is refused and logged; the node keeps serving.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -21,7 +22,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Literal
 
 import psutil
 import torch
@@ -59,7 +60,6 @@ from seamline.runtime.scheduler import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
 
 log = logging.getLogger("seamline.node")
-T = TypeVar("T")
 LOADING_REPORT_S = 1.0  # a download's progress goes to the coordinator this often
 COORDINATOR_SILENT_S = 10.0  # the coordinator sends a heartbeat every second; silent this long, it is lost
 
@@ -180,7 +180,7 @@ class Node(Membership, DataPath):
                 self.worker.close(message)
             elif isinstance(message, Probe) and self.worker and self.control:
                 tail = self.tail if self.assignment and message.layers == self.assignment.tail else None
-                self.control.send_message(_on_passing(probe_result, tail or self.worker, message))
+                self.control.send_message(on_passing_thread(functools.partial(probe_result, tail or self.worker, message)))
             elif isinstance(message, StatsRequest) and self.worker and self.control:
                 w = self.worker
                 sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
@@ -368,10 +368,10 @@ class Node(Membership, DataPath):
         """The coordinator checks the speed this node claimed: make the matrix, then multiply."""
         assert self.control is not None
         if not probe.vector:
-            self._probe_matrix = _on_passing(probe_matrix, probe.seed, probe.rows, probe.cols)
+            self._probe_matrix = on_passing_thread(functools.partial(probe_matrix, probe.seed, probe.rows, probe.cols))
             self.control.send_message(SpeedReady())
         elif self._probe_matrix is not None and len(probe.vector) == self._probe_matrix.shape[1]:
-            sums = _on_passing(block_sums, self._probe_matrix, torch.tensor(probe.vector))
+            sums = on_passing_thread(functools.partial(block_sums, self._probe_matrix, torch.tensor(probe.vector)))
             self.control.send_message(SpeedSums(sums=sums))
 
     def _measure_peer(self, ask: MeasurePeer) -> None:
@@ -413,12 +413,6 @@ class NoRoom(MemoryError):
     def __init__(self, message: str, room: int) -> None:
         super().__init__(message)
         self.room = room
-
-
-def _on_passing(work: Callable[..., T], *args: Any) -> T:
-    """``work(*args)`` on a thread that ends: torch work of the control thread's (probes) makes
-    no OpenMP pool that outlives it beside the stage's."""
-    return on_passing_thread(lambda: work(*args), "seamline-probe")
 
 
 def _kv_budget(assign: Assign) -> int | None:
