@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.weights.loader import load_stage, open_source
 

@@ -17,7 +17,7 @@ import torch
 import transformers  # the reference: a test dependency, never skipped
 
 from seamline.model import mla  # noqa: E402
-from seamline.model.ownership import Ownership  # noqa: E402
+from seamline.ownership import Ownership  # noqa: E402
 from seamline.model.stage import Stage  # noqa: E402
 from seamline.weights.loader import load_stage  # noqa: E402
 from seamline.weights.safetensors import HFFolderSource  # noqa: E402

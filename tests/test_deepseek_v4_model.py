@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from seamline.errors import CheckpointError
 from seamline.model.cache import Span
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.params import SamplingParams
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source

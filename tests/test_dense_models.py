@@ -55,7 +55,7 @@ def test_stage_split_equals_whole(cut: int, tmp_path: Path) -> None:
 
 
 def test_vocab_shards_concatenate_to_full_head(tmp_path: Path) -> None:
-    from seamline.model.ownership import Ownership
+    from seamline.ownership import Ownership
 
     save_random_model(_configs()["llama-tied"], tmp_path)
     source = open_source(tmp_path)
@@ -68,7 +68,7 @@ def test_vocab_shards_concatenate_to_full_head(tmp_path: Path) -> None:
 
 
 def test_stage_allocates_only_owned_layers(tmp_path: Path) -> None:
-    from seamline.model.ownership import Ownership
+    from seamline.ownership import Ownership
 
     save_random_model(_configs()["llama"], tmp_path)
     stage = load_stage(open_source(tmp_path), Ownership(layers=(1, 2)))

@@ -25,7 +25,7 @@ import torch
 from seamline.app import default_model_path
 from seamline.errors import CheckpointError
 from seamline.mesh.node.fetch import FetchError, fetch_fragments, fetch_manifest, materialise
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.text import TextCodec
 from seamline.weights.fragments import (
     FragmentEntry,
@@ -275,7 +275,7 @@ def served(tiny_package: tuple[Path, Manifest], tmp_path: Path) -> Iterator[tupl
     """A copy of the tiny package (so a test may tamper with it), served by real uvicorn."""
     from fastapi import FastAPI
 
-    from seamline.mesh.control.fragment_server import fragment_routes
+    from seamline.mesh.protocol.fragment_server import fragment_routes
 
     folder = tmp_path / "served"
     shutil.copytree(tiny_package[0], folder)
@@ -452,7 +452,7 @@ def test_fragments_come_from_a_peer_that_serves_them_intact_else_from_the_coordi
     without the node's token); the rest come from the coordinator. Every fragment lands verified."""
     from fastapi import FastAPI
 
-    from seamline.mesh.control.fragment_server import fragment_routes
+    from seamline.mesh.protocol.fragment_server import fragment_routes
 
     url, folder, manifest = served
     held = {e.sha256 for e in _range(manifest, 0, 2)}
@@ -486,7 +486,7 @@ def test_a_peer_serves_the_verified_fragments_it_holds_after_its_folder_changed(
     import httpx
     from fastapi import FastAPI
 
-    from seamline.mesh.control.fragment_server import fragment_routes
+    from seamline.mesh.protocol.fragment_server import fragment_routes
 
     url, _, manifest = served
     held = tmp_path / "held"
@@ -531,7 +531,7 @@ def test_a_lockstep_rank_fetches_only_its_routed_experts(tmp_path: Path) -> None
     rank's fragments hold its experts and no other's, and its shard loads from them alone,
     equal to the same shard read from the checkpoint."""
     from seamline.config import ModelConfig
-    from seamline.model.ownership import rank_ownership
+    from seamline.ownership import rank_ownership
     from tests.test_deepseek_models import _build as build_deepseek
 
     _, built = build_deepseek(tmp_path / "m", "v3")  # 8 routed experts, layers 1 and 2 MoE

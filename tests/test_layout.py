@@ -1,10 +1,13 @@
 """The layout shows the design: the packages of ``seamline`` import each other without a cycle
-(functions' own imports included), only the entry points import the server, and ``parallel``
-holds collectives only."""
+(functions' own imports included), only the entry points import the server, ``parallel``
+holds collectives only, a node and the coordinator share only ``mesh.protocol``, and the
+planner is arithmetic (no torch, no model)."""
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -55,3 +58,21 @@ def test_only_entry_points_import_the_server_and_parallel_holds_collectives() ->
     assert sorted(p for p, deps in graph.items() if "server" in deps) == sorted(ENTRY_POINTS)
     assert graph["parallel"] <= {"errors", "net"}
     assert graph["net"] <= {"errors", "params"}  # the wire knows no runtime
+
+
+def test_node_and_coordinator_share_only_the_protocol_package() -> None:
+    graph = _imports()
+    assert "mesh.protocol" in graph["mesh.node"] and "mesh.protocol" in graph["mesh.control"]  # the walk sees them
+    assert "mesh.control" not in graph["mesh.node"]
+    assert not graph["mesh.protocol"] & {"mesh.control", "mesh.node"}
+
+
+def test_the_planner_is_arithmetic_without_torch_or_the_model() -> None:
+    graph = _imports()
+    assert "ownership" in graph["mesh.plan"]  # the walk sees the planner's imports
+    assert "model" not in graph["mesh.plan"]
+    code = ("import importlib, pkgutil, sys, seamline.mesh.plan as p\n"
+            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('seamline.mesh.plan.' + m.name)\n"
+            "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('seamline.model')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", f"importing the planner loads {out.stdout.strip()}"

@@ -17,7 +17,7 @@ import pytest
 from seamline.net.frames import HANDSHAKE_DEADLINE_S
 from seamline.net.frames import HEADER, MAGIC, FrameType, header, parse_header
 from seamline.server.demo import memory_cap_gb
-from seamline.mesh.control.invite import Invite
+from seamline.mesh.protocol.invite import Invite
 from seamline.net.tls import TlsSocket
 from tests.mesh_harness import MeshProcesses
 from tests.tls_peers import tls_socket
@@ -228,7 +228,7 @@ def test_a_node_leaves_a_coordinator_that_cannot_prove_the_invite(tmp_path: Path
     clear error and the node exits."""
     import threading
 
-    from seamline.mesh.control.invite import new_invite
+    from seamline.mesh.protocol.invite import new_invite
     from seamline.net.link import Link, listen
     from seamline.net.messages import Challenge, Join, Welcome
     from tests.mesh_harness import join_once

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from seamline.app import LocalModel
-from seamline.mesh.control.invite import Invite
+from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.process import Node, NodeOptions
 from seamline.params import SamplingParams
@@ -103,7 +103,7 @@ def _loads_nothing(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     from seamline.app import default_model_path
     from seamline.config import ModelConfig
     from seamline.mesh.node import loading
-    from seamline.model.ownership import Ownership
+    from seamline.ownership import Ownership
     from seamline.weights.loader import build_stage, open_source
 
     config = ModelConfig.from_hf_dict(open_source(default_model_path()).config_dict())

@@ -14,7 +14,7 @@ import pytest
 
 from seamline.mesh.control import heartbeats
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
-from seamline.mesh.control.invite import Invite
+from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.node.process import Node, NodeOptions

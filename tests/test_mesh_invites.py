@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from seamline.mesh.control.invite import Invite, proof
+from seamline.mesh.protocol.invite import Invite, proof
 from seamline.mesh.identity import new_key, signing_request
 from seamline.net.messages import PROTOCOL_VERSION, Attach, Challenge, Join, Refuse, Resources
 from tests.mesh_harness import MeshProcesses, seamline_cmd

@@ -100,7 +100,7 @@ def _check_concurrent(mesh: MeshProcesses, folder: Path) -> None:
 def _check_downloads(mesh: MeshProcesses, status: dict) -> None:
     """Each rank downloaded its stage's fragments but only its own routed experts' chunks."""
     from seamline.config import ModelConfig
-    from seamline.model.ownership import rank_ownership
+    from seamline.ownership import rank_ownership
     from seamline.weights.fragments import Manifest, fragments_for
 
     manifest = Manifest.load(next((mesh.root / "coordinator" / "packages").glob("*/manifest.json")).parent)

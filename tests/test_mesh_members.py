@@ -23,7 +23,7 @@ import httpx
 import psutil
 import pytest
 
-from seamline.mesh.control.invite import Invite, proof
+from seamline.mesh.protocol.invite import Invite, proof
 from seamline.mesh.control.joining import MEMBER_LIMITS
 from seamline.mesh.identity import Identity, key_pem, new_key, signing_request
 from seamline.mesh.node.process import Node, NodeOptions

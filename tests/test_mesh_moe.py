@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from seamline.app import LocalModel, default_model_path
-from seamline.mesh.control.invite import Invite
+from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.node.process import Node, NodeOptions
 from seamline.net.messages import Assign
 from seamline.params import SamplingParams

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from seamline.app import LocalModel
-from seamline.mesh.control.invite import new_invite
+from seamline.mesh.protocol.invite import new_invite
 from seamline.mesh.identity import COORDINATOR_ID, Identity, MeshAuthority
 from seamline.bench.tls_hop import link_pair
 from seamline.net.frames import EMPTY_HASH, MAGIC, HiddenFrame, Row
@@ -75,7 +75,7 @@ def test_a_mesh_over_tls_answers_as_one_process_with_nothing_in_the_clear(tmp_pa
     recording holds no frame header, no message field and no token id list in the clear."""
     import dataclasses
 
-    from seamline.mesh.control.invite import Invite
+    from seamline.mesh.protocol.invite import Invite
 
     model = LocalModel.load(context=CONTEXT)
     mesh = MeshProcesses(tmp_path, nodes=2, node_memory_gb=memory_cap_gb(None, 2, CONTEXT),

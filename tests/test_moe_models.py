@@ -20,7 +20,7 @@ from torch import nn
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
 from seamline.model.moe import MoE, balance_rows, route
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.weights.loader import load_stage
 from seamline.weights.safetensors import HFFolderSource
 

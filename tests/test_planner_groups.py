@@ -12,7 +12,7 @@ from seamline.errors import ConfigError
 from seamline.mesh.plan.groups import check_world, group_sizes, group_spec, plan_auto, plan_groups
 from seamline.mesh.plan.planner import check_plan
 from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.weights.names import stage_plans
 
 MIB = 1 << 20
@@ -100,7 +100,7 @@ def test_a_ranks_planned_bytes_are_what_it_loads(tmp_path: Path) -> None:
     MLA down-projections and norms whole: the planner's per-rank layer bytes are exactly the
     bytes of the layer parameters each rank loads."""
     from seamline.mesh.plan.groups import group_spec
-    from seamline.model.ownership import rank_ownership
+    from seamline.ownership import rank_ownership
     from seamline.weights.loader import load_stage, open_source
     from tests.test_deepseek_models import _build as build_deepseek
 

@@ -15,7 +15,7 @@ import torch
 
 from seamline.config import kv_bytes_per_token
 from seamline.model.cache import MIN_CAPACITY
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.mesh.node.private_tail import pair
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from seamline.bench.attack_member import AttackRefused, _address, emit, member
-from seamline.mesh.control.invite import Invite
+from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.process import Node, NodeOptions
 from seamline.net.frames import EMPTY_HASH, RowFlag, TokenRow
@@ -180,7 +180,7 @@ def _loads_nothing() -> None:
     from seamline.app import default_model_path
     from seamline.config import ModelConfig
     from seamline.mesh.node import loading
-    from seamline.model.ownership import Ownership
+    from seamline.ownership import Ownership
     from seamline.weights.loader import build_stage, open_source
 
     config = ModelConfig.from_hf_dict(open_source(default_model_path()).config_dict())

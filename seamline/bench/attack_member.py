@@ -25,9 +25,9 @@ from typing import Any
 import httpx
 import torch
 
-from seamline.mesh.control.claims import block_sums, probe_matrix
-from seamline.mesh.control.invite import Invite, proof
-from seamline.mesh.control.relay import RELAY_MAGIC
+from seamline.mesh.protocol.claims import block_sums, probe_matrix
+from seamline.mesh.protocol.invite import Invite, proof
+from seamline.mesh.protocol.relay_wire import RELAY_MAGIC
 from seamline.mesh.identity import (
     Identity,
     enrolling_context,

@@ -25,7 +25,7 @@ import psutil
 from seamline.bench.driver import Driver
 from seamline.bench.servers import NodeSpec, Server, descriptors_capped, start_mesh
 from seamline.mesh.control.admin_client import AdminClient
-from seamline.mesh.control.invite import Invite
+from seamline.mesh.protocol.invite import Invite
 from seamline.net.link import free_port
 from seamline.server.demo import memory_cap_gb
 

@@ -22,13 +22,13 @@ import httpx
 import torch
 
 from seamline.bench.fuzz_inputs import Inputs
-from seamline.mesh.control.claims import block_sums, probe_matrix
+from seamline.mesh.protocol.claims import block_sums, probe_matrix
 from seamline.mesh.identity import Identity, MeshAuthority, enrolling_context, key_pem, new_key, signing_request
 from seamline.net.frames import FrameError
-from seamline.mesh.control.relay import RELAY_MAGIC
+from seamline.mesh.protocol.relay_wire import RELAY_MAGIC
 from seamline.mesh.node.data_links import PROBE, Refused, admit, data_proof
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
-from seamline.mesh.control.invite import Invite, proof
+from seamline.mesh.protocol.invite import Invite, proof
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import (
     PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Close, DataHello, Descriptor, Failure, Forget, Fork,

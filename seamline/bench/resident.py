@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import torch
 
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.weights.loader import DTYPES, load_stage, open_source
 
 

@@ -85,7 +85,7 @@ def _copy_tokenizer(folder: Path) -> int:
 def _write_tensors(folder: Path, config_dict: dict[str, Any]) -> None:
     """One safetensors file per layer (and one for the embedding and head), with an index."""
     from seamline.config import ModelConfig
-    from seamline.model.ownership import Ownership
+    from seamline.ownership import Ownership
     from seamline.model.v4_stage import V4Stage
     from seamline.weights.v4_names import v4_plans
 

@@ -22,7 +22,7 @@ from seamline.model.cache import LayerKV, Span
 from seamline.model.fused import op_for
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary
 
 

@@ -31,7 +31,7 @@ from seamline.model.attention import causal_mask
 from seamline.model.cache import LayerKV, Span
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary, yarn_mscale
 
 # DeepSeek's latent norms use the default epsilon, not config.rms_norm_eps (reference code

@@ -34,7 +34,7 @@ from seamline.errors import ConfigError
 from seamline.model.fused import silu_mul
 from seamline.model.layers import GatedMLP, empty_param
 from seamline.model.linear import granule, linear, select
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 
 SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")

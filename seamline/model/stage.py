@@ -28,7 +28,7 @@ from seamline.model.attention import GQAttention
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
 from seamline.model.linear import Weight, embedding, linear
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable
 from seamline.parallel.comm import Comm, GateTag, SingleComm
 

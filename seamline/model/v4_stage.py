@@ -24,15 +24,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from seamline.config import ModelConfig, v4_cache_bytes
-from seamline.errors import ConfigError
 from seamline.model.cache import Span
 from seamline.model.hyper import HyperConnection, HyperHead, widen
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import Weight, embedding, linear, select
 from seamline.model.moe import route
-from seamline.model.ownership import Ownership
 from seamline.model.v4_attention import Compression, SlidingCache, V4Attention
 from seamline.model.v4_parts import V4AttentionShape, weighted_rms
+from seamline.ownership import Ownership, v4_head_groups
 from seamline.parallel.comm import Comm, GateTag, SingleComm
 
 HF = Mapping[str, Any]
@@ -114,16 +113,6 @@ def _shape(config: ModelConfig, kind: str, own: Ownership) -> V4AttentionShape:
                             config.head_dim, int(hf["q_lora_rank"]), g1 - g0, int(hf["o_lora_rank"]),
                             int(config.head_dim * rope["partial_rotary_factor"]), float(rope["rope_theta"]),
                             int(hf["sliding_window"]), config.rms_norm_eps)  # fmt: skip
-
-
-def v4_head_groups(config: ModelConfig, own: Ownership) -> tuple[int, int]:
-    """The output-projection groups [g0, g1) a rank owns, and with them their query heads:
-    each group's projection reads its heads' outputs only, so a split along groups is exact."""
-    groups, (rank, world) = int(config.hf["o_groups"]), own.shard
-    if groups % world or config.num_heads % groups:
-        raise ConfigError(f"DeepSeek-V4's {groups} output groups of {config.num_heads} heads do not "
-                          f"divide among {world} lockstep ranks")  # fmt: skip
-    return rank * groups // world, (rank + 1) * groups // world
 
 
 def _compression(hf: HF, kind: str) -> Compression | None:

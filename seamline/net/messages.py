@@ -285,7 +285,7 @@ class Pong(Message):
 
 class SpeedProbe(Message):
     """Coordinator -> a joining node: make the seeded matrix (no ``vector``: answer SpeedReady),
-    then, given ``vector``, answer the product's row-block sums at once (``mesh.control.claims``)."""
+    then, given ``vector``, answer the product's row-block sums at once (``mesh.protocol.claims``)."""
 
     kind: Literal["speed_probe"] = "speed_probe"
     seed: int

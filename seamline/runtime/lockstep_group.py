@@ -49,7 +49,7 @@ import torch
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError, RequestError, SeamlineError
 from seamline.model.cache import SequenceCache, Span
-from seamline.model.ownership import rank_ownership
+from seamline.ownership import rank_ownership
 from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm, CommError, GateTag, Transport

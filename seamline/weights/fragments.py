@@ -38,7 +38,7 @@ from safetensors import safe_open
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError, ConfigError
-from seamline.model.ownership import Range
+from seamline.ownership import Range
 from seamline.quant.scaled import KIND_NAMES, ScaledTensor
 from seamline.quant.tensor import QUANT_TYPES, QuantTensor
 

@@ -24,7 +24,7 @@ from torch import nn
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
 from seamline.model.linear import ColumnWindow, RowConcat, Weight, columns, rows, to_float
-from seamline.model.ownership import Ownership, Range
+from seamline.ownership import Ownership, Range
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm
 from seamline.quant.native import kernels

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from seamline.config import ModelConfig
-from seamline.model.ownership import Ownership, Range
+from seamline.ownership import Ownership, Range
 
 L = "model.layers.{i}."
 

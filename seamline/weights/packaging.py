@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
-from seamline.model.ownership import Ownership, Range
+from seamline.ownership import Ownership, Range
 from seamline.quant.scaled import ScaledTensor
 from seamline.quant.tensor import QuantTensor
 from seamline.weights.fragments import (

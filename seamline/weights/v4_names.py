@@ -8,7 +8,7 @@ experts are one tensor each (w1 gate, w3 up, w2 down), stacked per layer here.
 from __future__ import annotations
 
 from seamline.config import ModelConfig
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership, v4_head_groups
 from seamline.weights.names import HeadSlices, TensorPlan, head_sliced
 
 V4_EMBED = "model.embed_tokens.weight"
@@ -44,8 +44,6 @@ def _shard_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
     """A lockstep rank's share, by target suffix: (dim, range). Query heads and the output
     projection by whole output groups (``v4_head_groups``), the shared experts' rows; the
     rest of attention (the shared key/value head, compressors, indexer) is whole on every rank."""
-    from seamline.model.v4_stage import v4_head_groups
-
     g0, g1 = v4_head_groups(config, own)
     heads_per_group, rank = config.num_heads // int(config.hf["o_groups"]), int(config.hf["o_lora_rank"])
     h0, h1 = g0 * heads_per_group, g1 * heads_per_group

@@ -21,7 +21,7 @@ from pathlib import Path
 from seamline.config import ModelConfig
 from seamline.errors import RequestError
 from seamline.mesh.control.enrollment import Enrollment
-from seamline.mesh.control.fragment_server import PeerGate
+from seamline.mesh.protocol.fragment_server import PeerGate
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.joining import Membership
 from seamline.mesh.control.member_gate import Refusals, drawer, may_end, serves

@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from seamline.net.link import LinkClosed
-from seamline.mesh.control.link_probe import new_nonce
+from seamline.mesh.protocol.link_probe import new_nonce
 from seamline.net.messages import Ping
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from seamline.mesh.control.invite import Invite, verify
+from seamline.mesh.protocol.invite import Invite, verify
 
 log = logging.getLogger("seamline.coordinator")
 

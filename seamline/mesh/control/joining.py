@@ -19,10 +19,11 @@ import time
 from typing import TYPE_CHECKING
 
 from seamline.mesh.control import heartbeats
-from seamline.mesh.control.claims import SpeedCheck
-from seamline.mesh.control.invite import coordinator_proof
-from seamline.mesh.control.link_probe import measure
-from seamline.mesh.control.relay import RELAY_MAGIC, reachable
+from seamline.mesh.protocol.claims import SpeedCheck
+from seamline.mesh.protocol.invite import coordinator_proof
+from seamline.mesh.protocol.link_probe import measure
+from seamline.mesh.control.relay import reachable
+from seamline.mesh.protocol.relay_wire import RELAY_MAGIC
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.weights.fragments import FragmentEntry
 from seamline.mesh.identity import COORDINATOR_ID, IdentityError

@@ -6,8 +6,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from seamline.mesh.control.claims import SpeedCheck
-from seamline.mesh.control.relay import Pongs
+from seamline.mesh.protocol.claims import SpeedCheck
+from seamline.mesh.protocol.link_probe import Pongs
 from seamline.mesh.plan.types import Link as PlanLink
 from seamline.mesh.plan.cores import Placement
 from seamline.mesh.plan.types import NodeInfo

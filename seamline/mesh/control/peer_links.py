@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from seamline.mesh.control.link_probe import unphysical
+from seamline.mesh.protocol.link_probe import unphysical
 from seamline.mesh.plan.types import Link as PlanLink
 from seamline.net.messages import PeerLink
 

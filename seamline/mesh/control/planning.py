@@ -17,7 +17,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from seamline.mesh.control.link_probe import Reach, link_table
+from seamline.mesh.protocol.link_probe import Reach, link_table
 from seamline.mesh.plan.cores import core_shares
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.measured import steady_rates

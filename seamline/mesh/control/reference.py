@@ -18,7 +18,7 @@ import torch
 
 from seamline.config import ModelConfig
 from seamline.model.cache import Span
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.runtime import digest
 from seamline.weights.fragments import FragmentSource, Manifest

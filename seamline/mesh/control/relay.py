@@ -16,14 +16,11 @@ import socket
 import threading
 import time
 
+from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, PROBE_MAGIC, TICKET_CHARS
 from seamline.net.deadlines import send_by
 
 log = logging.getLogger("seamline.relay")
 
-RELAY_MAGIC = b"SLRY"
-PROBE_MAGIC = b"SLPR"  # the coordinator's reachability probe: a node closes it without a word
-TICKET_CHARS = 32
-PAIR_WAIT_S = 30.0  # a ticket's first end waits this long for the second
 PROBE_TIMEOUT_S = 2.0
 CHUNK = 256 << 10
 RELAY_SEND_S = 60.0  # an end that takes none of a chunk for this long is not reading
@@ -121,29 +118,3 @@ def _copy(source: socket.socket, sink: socket.socket) -> None:
             except OSError:
                 pass
         source.close()  # each direction closes the socket it read
-
-
-class Pongs:
-    """When each Pong came back on a node's control link (its reader records them)."""
-
-    def __init__(self) -> None:
-        self._arrived: dict[int, float | None] = {}  # nonce of a ping sent -> when its pong came
-        self._cond = threading.Condition()
-
-    def expect(self, nonce: int) -> None:
-        with self._cond:
-            self._arrived[nonce] = None
-
-    def arrived(self, nonce: int) -> bool:
-        """Record a pong; False (ignored) unless its ping was sent and not yet answered."""
-        with self._cond:
-            if nonce not in self._arrived or self._arrived[nonce] is not None:
-                return False
-            self._arrived[nonce] = time.perf_counter()
-            self._cond.notify_all()
-            return True
-
-    def wait(self, nonce: int, timeout_s: float) -> float | None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._arrived.get(nonce) is not None, timeout=timeout_s)
-            return self._arrived.pop(nonce, None)

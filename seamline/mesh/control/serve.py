@@ -20,10 +20,10 @@ from seamline.config import ModelConfig
 from seamline.errors import ConfigError
 from seamline.mesh.arenas import tame_malloc
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
-from seamline.mesh.control.fragment_server import PeerGate, fragment_routes, serve_fragments
+from seamline.mesh.protocol.fragment_server import PeerGate, fragment_routes, serve_fragments
 from seamline.mesh.plan.groups import check_world
 from seamline.mesh.control.admin import admin_key, admin_routes
-from seamline.mesh.control.invite import Invite
+from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.mesh_backend import MeshBackend
 from seamline.mesh.identity import MeshAuthority

@@ -19,7 +19,7 @@ import ssl
 from collections.abc import Collection
 
 from seamline.errors import SeamlineError
-from seamline.mesh.control.relay import PAIR_WAIT_S, RELAY_MAGIC
+from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, HiddenFrame, TokenFrame
 from seamline.net.link import Link
 from seamline.net.messages import Assign, Challenge, Close, DataHello, Forget, Fork, Open, ProbeHello

@@ -8,7 +8,7 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from seamline.mesh.control.relay import PAIR_WAIT_S, RELAY_MAGIC
+from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_from
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame

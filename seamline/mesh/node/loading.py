@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 from seamline.config import ModelConfig
 from seamline.errors import CheckpointError
 from seamline.mesh.node.fetch import FetchReport, fetch_fragments, fetch_manifest, materialise, trusting
-from seamline.mesh.control.invite import Invite
-from seamline.model.ownership import Ownership
+from seamline.mesh.protocol.invite import Invite
+from seamline.ownership import Ownership
 from seamline.model.stage import Stage
 from seamline.net.messages import Assign
 from seamline.net.tls import GroupTls
-from seamline.model.ownership import rank_ownership
+from seamline.ownership import rank_ownership
 from seamline.runtime.lockstep_group import LockstepRank
 from seamline.weights.fragments import FragmentSource, fragments_for
 from seamline.weights.loader import DTYPES, load_stage

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from seamline.mesh.control.fragment_server import PeerGate, serve_fragments
-from seamline.mesh.control.invite import Invite, InviteError, coordinator_proof, proof
+from seamline.mesh.protocol.fragment_server import PeerGate, serve_fragments
+from seamline.mesh.protocol.invite import Invite, InviteError, coordinator_proof, proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
 from seamline.mesh.node.credentials import Credentials
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError

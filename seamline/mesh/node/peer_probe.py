@@ -13,8 +13,8 @@ from __future__ import annotations
 import ssl
 import time
 
-from seamline.mesh.control.link_probe import PADDED_PINGS, PAD_BYTES, PINGS, measure_link
-from seamline.mesh.control.relay import PAIR_WAIT_S, RELAY_MAGIC
+from seamline.mesh.protocol.link_probe import PADDED_PINGS, PAD_BYTES, PINGS, measure_link
+from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, FrameError, FrameType
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import Challenge, MeasurePeer, PeerLink, Ping, Pong, ProbeHello

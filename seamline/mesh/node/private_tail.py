@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.loading import load_assignment
-from seamline.mesh.control.invite import Invite
+from seamline.mesh.protocol.invite import Invite
 from seamline.net.frames import TokenFrame
 from seamline.net.messages import Assign
 from seamline.runtime.grammar import TokenMasks

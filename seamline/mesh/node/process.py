@@ -29,10 +29,10 @@ import torch
 
 from seamline.errors import OverloadedError, RequestError
 from seamline.mesh.arenas import tame_malloc
-from seamline.mesh.control.claims import block_sums, probe_matrix
-from seamline.mesh.control.fragment_server import PeerGate
-from seamline.mesh.control.invite import Invite
-from seamline.mesh.control.relay import PROBE_MAGIC
+from seamline.mesh.protocol.claims import block_sums, probe_matrix
+from seamline.mesh.protocol.fragment_server import PeerGate
+from seamline.mesh.protocol.invite import Invite
+from seamline.mesh.protocol.relay_wire import PROBE_MAGIC
 from seamline.mesh.node.checks import digest_reporter, probe_result
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_path import DataPath

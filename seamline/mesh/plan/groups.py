@@ -18,8 +18,7 @@ from seamline.config import ModelConfig
 from seamline.errors import ConfigError
 from seamline.mesh.plan.planner import plan
 from seamline.mesh.plan.types import Link, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
-from seamline.model.ownership import Ownership
-from seamline.model.ownership import rank_ownership
+from seamline.ownership import Ownership, rank_ownership, v4_head_groups
 
 Links = LinkTable | Mapping[tuple[str, str], Link] | None
 MAX_WORLD = 8
@@ -33,8 +32,6 @@ def check_world(config: ModelConfig, world: int) -> None:
     own = Ownership(layers=(0, 1), shard=(0, world))
     own.head_range(config.num_heads)
     if config.is_v4:
-        from seamline.model.v4_stage import v4_head_groups
-
         v4_head_groups(config, own)  # whole output groups of heads on each rank
         own.shard_rows(config.moe_intermediate_size * config.n_shared_experts)
     if any(not config.is_moe_layer(i) for i in range(config.num_layers)):

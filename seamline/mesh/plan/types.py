@@ -16,7 +16,7 @@ from typing import Any
 
 from seamline.config import V4_PLANNING_TOKENS, ModelConfig, kv_bytes_per_token, v4_cache_bytes
 from seamline.errors import CheckpointError, SeamlineError
-from seamline.model.ownership import Ownership
+from seamline.ownership import Ownership
 from seamline.quant.sizes import block_bytes, resident_bytes
 from seamline.weights.names import stage_plans
 

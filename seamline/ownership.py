@@ -91,3 +91,13 @@ def rank_ownership(config: ModelConfig, rank: int, world: int,
     experts = (rank * e // world, (rank + 1) * e // world) if e else None
     vocab = (rank * v // world, (rank + 1) * v // world)
     return Ownership(layers=layers or (0, config.num_layers), experts=experts, vocab=vocab, shard=(rank, world))
+
+
+def v4_head_groups(config: ModelConfig, own: Ownership) -> tuple[int, int]:
+    """The output-projection groups [g0, g1) a rank owns, and with them their query heads:
+    each group's projection reads its heads' outputs only, so a split along groups is exact."""
+    groups, (rank, world) = int(config.hf["o_groups"]), own.shard
+    if groups % world or config.num_heads % groups:
+        raise ConfigError(f"DeepSeek-V4's {groups} output groups of {config.num_heads} heads do not "
+                          f"divide among {world} lockstep ranks")  # fmt: skip
+    return rank * groups // world, (rank + 1) * groups // world

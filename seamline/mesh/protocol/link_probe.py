@@ -11,11 +11,11 @@ from __future__ import annotations
 import itertools
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from seamline.mesh.control.relay import Pongs
 from seamline.mesh.plan.types import Link as PlanLink
 from seamline.mesh.plan.types import LinkTable
 from seamline.net.link import Link, LinkClosed
@@ -30,6 +30,32 @@ PONG_TIMEOUT_S = 5.0
 # a bandwidth between 1 kB/s and 100 GB/s. A measurement outside is noise or a lie: refused.
 LATENCY_BOUNDS_S = (1e-6, 30.0)
 BANDWIDTH_BOUNDS = (1e3, 1e11)
+
+
+class Pongs:
+    """When each Pong came back on a node's control link (its reader records them)."""
+
+    def __init__(self) -> None:
+        self._arrived: dict[int, float | None] = {}  # nonce of a ping sent -> when its pong came
+        self._cond = threading.Condition()
+
+    def expect(self, nonce: int) -> None:
+        with self._cond:
+            self._arrived[nonce] = None
+
+    def arrived(self, nonce: int) -> bool:
+        """Record a pong; False (ignored) unless its ping was sent and not yet answered."""
+        with self._cond:
+            if nonce not in self._arrived or self._arrived[nonce] is not None:
+                return False
+            self._arrived[nonce] = time.perf_counter()
+            self._cond.notify_all()
+            return True
+
+    def wait(self, nonce: int, timeout_s: float) -> float | None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._arrived.get(nonce) is not None, timeout=timeout_s)
+            return self._arrived.pop(nonce, None)
 
 
 @dataclass(frozen=True)
