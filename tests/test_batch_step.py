@@ -20,7 +20,7 @@ from seamline.errors import RequestError
 from seamline.model.stage import Stage
 from seamline.runtime.engine import Engine
 from seamline.params import SamplingParams
-from seamline.runtime.scheduler import Scheduler, Sequence
+from seamline.runtime.scheduler import Scheduler, SequenceState
 from seamline.weights.loader import load_stage, open_source
 from seamline.weights.source import TensorSource
 from tests.reference import save_random_model
@@ -56,9 +56,9 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def _run_batched(stage: Stage, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[Sequence, list[torch.Tensor]]]:
+def _run_batched(stage: Stage, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[SequenceState, list[torch.Tensor]]]:
     scheduler = Scheduler(stage, context_length=512, max_step_tokens=24)
-    runs: list[tuple[Sequence, list[torch.Tensor]]] = []
+    runs: list[tuple[SequenceState, list[torch.Tensor]]] = []
     step = 0
     while step <= max(ARRIVALS) or not scheduler.idle:
         for prompt, p, arrival in zip(prompts, params, ARRIVALS):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from seamline.mesh.protocol.link_probe import Reach, link_table
 from seamline.mesh.plan.planner import plan
-from seamline.mesh.plan.types import Link
+from seamline.mesh.plan.types import LinkCost
 from tests.test_planner import EXACT, MIB, node, spec
 
 
@@ -13,11 +13,11 @@ def test_the_coordinator_plans_a_pair_as_its_nodes_measured_it() -> None:
     """Access links alone say a and b are close; the pair's own measurement (say, a relayed path)
     says otherwise, and the planner takes the pair's. A pair not measured falls back to the
     access links, summed when one end takes no inbound connection."""
-    near = Link(0.0001, 1e9)
+    near = LinkCost(0.0001, 1e9)
     reaches = [Reach("a", True, near), Reach("b", True, near), Reach("c", False, near)]
-    table = link_table(reaches, {("b", "a"): Link(0.2, 1e6)})
-    assert table.between("a", "b") == Link(0.2, 1e6)
-    assert table.between("a", "c") == Link(0.0002, 1e9)  # relayed, not measured: through the coordinator
+    table = link_table(reaches, {("b", "a"): LinkCost(0.2, 1e6)})
+    assert table.between("a", "b") == LinkCost(0.2, 1e6)
+    assert table.between("a", "c") == LinkCost(0.0002, 1e9)  # relayed, not measured: through the coordinator
     model = spec(20)
     nodes = [node("a", 12 * 100 * MIB), node("b", 12 * 100 * MIB), node("c", 12 * 100 * MIB)]
     assert set(plan(model, nodes, table, EXACT).node_ids()) != {"a", "b"}

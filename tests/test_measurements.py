@@ -13,7 +13,7 @@ import pytest
 from seamline.mesh.protocol.link_probe import measure, unphysical
 from seamline.mesh.control.peer_links import PeerLinks
 from seamline.mesh.protocol.link_probe import Pongs
-from seamline.mesh.plan.types import Link as PlanLink
+from seamline.mesh.plan.types import LinkCost
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import PeerLink, Ping, Pong
 
@@ -63,14 +63,14 @@ def test_a_member_that_answers_before_it_is_asked_is_not_measured_faster() -> No
 @pytest.mark.parametrize(
     "link, problem",
     [
-        (PlanLink(-0.057e-3, 1e8), "latency"),  # what a forged early pong gave
-        (PlanLink(1e-4, 262e9), "bandwidth"),
-        (PlanLink(float("nan"), 1e8), "latency"),
-        (PlanLink(1e-4, 0.0), "bandwidth"),
-        (PlanLink(60.0, 1e8), "latency"),
+        (LinkCost(-0.057e-3, 1e8), "latency"),  # what a forged early pong gave
+        (LinkCost(1e-4, 262e9), "bandwidth"),
+        (LinkCost(float("nan"), 1e8), "latency"),
+        (LinkCost(1e-4, 0.0), "bandwidth"),
+        (LinkCost(60.0, 1e8), "latency"),
     ],
 )
-def test_unphysical_measurements_are_named(link: PlanLink, problem: str) -> None:
+def test_unphysical_measurements_are_named(link: LinkCost, problem: str) -> None:
     assert problem in unphysical(link)
 
 
@@ -86,7 +86,7 @@ def test_a_forged_peer_report_is_refused_and_plans_are_still_made() -> None:
     assert peers.report("a", PeerLink(peer_node="b", latency_s=-0.057e-3, bandwidth_bytes_per_s=262e9))
     assert peers.wait("a", "b", relayed=False, timeout_s=1.0) is None
     assert peers.measured() == {}
-    access = PlanLink(2e-4, 1e8)
+    access = LinkCost(2e-4, 1e8)
     links = link_table([Reach("a", True, access), Reach("b", True, access)], peers.measured())
     spec = ModelSpec("m", 8, 64, (1 << 20,) * 8, 1 << 18, 1 << 18, 256, 256)
     nodes = [NodeInfo("a", 1 << 30, 1e9, "a:1"), NodeInfo("b", 1 << 30, 1e9, "b:1")]

@@ -17,7 +17,7 @@ from seamline.mesh.control.plan_cli import parse_pool, run_plan_command
 from seamline.mesh.plan.planner import check_plan, plan, price_route
 from seamline.mesh.plan.types import (
     HEAD_ROW_SHARE,
-    Link,
+    LinkCost,
     LinkTable,
     ModelSpec,
     NodeInfo,
@@ -117,13 +117,13 @@ def test_fast_node_with_little_memory_is_filled() -> None:
 def test_slow_link_is_avoided_while_others_suffice() -> None:
     model = spec(20)
     nodes = [node("a", 12 * 100 * MIB), node("b", 12 * 100 * MIB), node("far", 12 * 100 * MIB, 1.2e10)]
-    slow = LinkTable(access={"far": Link(0.5, 1e6)})  # half a second away
+    slow = LinkTable(access={"far": LinkCost(0.5, 1e6)})  # half a second away
     p = plan(model, nodes, slow, EXACT)
     assert set(p.node_ids()) == {"a", "b"}
     p = plan(model, nodes[:1] + nodes[2:], slow, EXACT)  # without b, far is needed
     assert set(p.node_ids()) == {"a", "far"}
     assert p.network_s_per_token == pytest.approx(0.5 + 4096 / 1e6 + 0.5 + 8 / 1e6)  # frame, token id
-    pairs = {("a", "b"): Link(0.5, 1e6)}  # a dict of pairs works as the links argument
+    pairs = {("a", "b"): LinkCost(0.5, 1e6)}  # a dict of pairs works as the links argument
     p = plan(model, nodes, pairs, EXACT)
     assert "far" in p.node_ids()
 
@@ -150,7 +150,7 @@ def test_invalid_inputs_name_the_invariant() -> None:
     with pytest.raises(PlanError, match="no nodes"):
         plan(spec(2), [], None, EXACT)
     with pytest.raises(PlanError, match="bandwidth > 0"):
-        plan(spec(2), [node("a", GIB)], {("a", "b"): Link(0.001, 0.0)}, EXACT)
+        plan(spec(2), [node("a", GIB)], {("a", "b"): LinkCost(0.001, 0.0)}, EXACT)
 
 
 Case = tuple[ModelSpec, list[NodeInfo], LinkTable, PlanOptions]
@@ -166,13 +166,13 @@ def random_case(rng: random.Random, n: int, layers: int, objective: str = "laten
              for i in range(n)]  # fmt: skip
     kind = rng.randrange(3)
     if kind == 0:
-        links = LinkTable(default=Link(rng.choice((1e-4, 1e-3, 2e-2)), 1.25e8))
+        links = LinkTable(default=LinkCost(rng.choice((1e-4, 1e-3, 2e-2)), 1.25e8))
     elif kind == 1:
-        access = {x.node_id: Link(rng.uniform(1e-4, 5e-2), rng.uniform(1e6, 1e9)) for x in nodes}
+        access = {x.node_id: LinkCost(rng.uniform(1e-4, 5e-2), rng.uniform(1e6, 1e9)) for x in nodes}
         links = LinkTable(access=access)
     else:
         few = rng.sample(nodes, min(n, 6))
-        links = LinkTable(pairs={(a.node_id, b.node_id): Link(rng.uniform(1e-4, 0.1), 1e7)
+        links = LinkTable(pairs={(a.node_id, b.node_id): LinkCost(rng.uniform(1e-4, 0.1), 1e7)
                                  for a, b in itertools.combinations(few, 2)})  # fmt: skip
     options = PlanOptions(context_tokens=rng.choice((128, 4096)), batch=rng.choice((1, 4)),
                           headroom_fraction=0.05, headroom_bytes=8 * MIB, objective=objective)  # fmt: skip
@@ -330,7 +330,7 @@ def big_pool(links_kind: str) -> tuple[ModelSpec, list[NodeInfo], LinkTable | No
     nodes = [node(f"n{i:03d}", rng.randint(4, 96) * GIB, rng.uniform(2e10, 3e11)) for i in range(500)]
     if links_kind == "uniform":
         return model, nodes, None
-    return model, nodes, LinkTable(access={x.node_id: Link(rng.uniform(1e-4, 5e-3), rng.uniform(1e8, 1.25e9))
+    return model, nodes, LinkTable(access={x.node_id: LinkCost(rng.uniform(1e-4, 5e-3), rng.uniform(1e8, 1.25e9))
                                            for x in nodes})  # fmt: skip
 
 
@@ -446,7 +446,7 @@ def test_nodes_file_is_checked_strictly() -> None:
         "nodes": [{"node_id": "a", "free_memory_bytes": 10, "bytes_per_second": 1.0}],
         "links": [{"a": "a", "b": "z", "latency_ms": 2, "bandwidth_mbps": 8}],
     })
-    assert nodes[0].free_memory_bytes == 10 and links.between("z", "a") == Link(0.002, 1e6)
+    assert nodes[0].free_memory_bytes == 10 and links.between("z", "a") == LinkCost(0.002, 1e6)
     with pytest.raises(PlanError, match="unknown field 'ram'"):
         parse_pool([{"node_id": "a", "ram": 1, "bytes_per_second": 1.0}])
     with pytest.raises(PlanError, match="exactly one of free_memory_gb"):

@@ -35,7 +35,7 @@ from seamline.mesh.identity import (
     new_key,
     signing_request,
 )
-from seamline.mesh.node.data_links import PROBE, Refused, admit
+from seamline.mesh.node.data_links import PROBE, LinkRefused, admit
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
 from seamline.net.frames import FrameError, FrameType, header
 from seamline.net.link import Link, LinkClosed
@@ -157,7 +157,7 @@ class Answering:
             link = Link(TlsSocket.handshake(sock, self.identity.server_context(), True, SHORT_S))
             if admit(link, None, certified=True) == PROBE:
                 answer_probe(link)
-        except (OSError, LinkClosed, FrameError, TlsRefused, Refused, ProbeRefused):
+        except (OSError, LinkClosed, FrameError, TlsRefused, LinkRefused, ProbeRefused):
             pass
 
 

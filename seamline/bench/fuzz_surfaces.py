@@ -26,7 +26,7 @@ from seamline.mesh.protocol.claims import block_sums, probe_matrix
 from seamline.mesh.identity import Identity, MeshAuthority, enrolling_context, key_pem, new_key, signing_request
 from seamline.net.frames import FrameError
 from seamline.mesh.protocol.relay_wire import RELAY_MAGIC
-from seamline.mesh.node.data_links import PROBE, Refused, admit, data_proof
+from seamline.mesh.node.data_links import PROBE, LinkRefused, admit, data_proof
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
 from seamline.mesh.protocol.invite import Invite, proof
 from seamline.net.link import Link, LinkClosed
@@ -187,7 +187,7 @@ def _probed(ticket: str, identity: Identity, control: tuple[str, int]) -> None:
         link = Link(TlsSocket.handshake(sock, identity.server_context(), True, SHORT_S * 5))
         if admit(link, None, certified=True) == PROBE:
             answer_probe(link)
-    except (OSError, LinkClosed, FrameError, TlsRefused, Refused, ProbeRefused):
+    except (OSError, LinkClosed, FrameError, TlsRefused, LinkRefused, ProbeRefused):
         pass
 
 

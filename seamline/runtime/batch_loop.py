@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from seamline.params import SamplingParams
-from seamline.runtime.scheduler import Scheduler, Sequence
+from seamline.runtime.scheduler import Scheduler, SequenceState
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     deliver: Deliver
-    sequence: Sequence | None = field(default=None, init=False)  # set once the loop adds it
+    sequence: SequenceState | None = field(default=None, init=False)  # set once the loop adds it
 
 
 class BatchLoop:
@@ -36,7 +36,7 @@ class BatchLoop:
         self._cond = threading.Condition()
         self._new: list[Request] = []
         self._cancelled: list[Request] = []
-        self._live: dict[Sequence, Request] = {}
+        self._live: dict[SequenceState, Request] = {}
         self._thread: threading.Thread | None = None
 
     def submit(self, prompt: list[int], params: SamplingParams, deliver: Deliver) -> Request:

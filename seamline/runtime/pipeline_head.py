@@ -35,7 +35,7 @@ from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open
 from seamline.params import SamplingParams
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
-from seamline.runtime.scheduler import Batch, Scheduler, Sequence
+from seamline.runtime.scheduler import Batch, Scheduler, SequenceState
 from seamline.runtime.sampling import DrawnToken
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
 
@@ -67,12 +67,12 @@ class PipelineHead:
         self._opened: dict[int, SamplingParams] = {}  # opened, prompt not yet here
         self._partial: dict[int, list[int] | None] = {}  # prompts whose last chunk has not come (None: refused)
         self._output_start: dict[int, int] = {}  # by request: where its output began (Open.output_start)
-        self._sequences: dict[int, Sequence] = {}
-        self._requests: dict[Sequence, int] = {}
-        self._hashes: dict[Sequence, int] = {}  # prefix hash of the positions stage 0 has run
-        self._in_flight: set[Sequence] = set()  # a token for it is being drawn downstream
+        self._sequences: dict[int, SequenceState] = {}
+        self._requests: dict[SequenceState, int] = {}
+        self._hashes: dict[SequenceState, int] = {}  # prefix hash of the positions stage 0 has run
+        self._in_flight: set[SequenceState] = set()  # a token for it is being drawn downstream
         self._held: dict[int, tuple[object, int]] = {}  # id(cache) -> (cache, request it has downstream)
-        self._announced: dict[Sequence, object] = {}  # the cache each sequence's rows went downstream with
+        self._announced: dict[SequenceState, object] = {}  # the cache each sequence's rows went downstream with
         # id(cache) of caches the scheduler freed that later stages keep until every sequence forked
         # from them has told the later stages (a kept prefix evicted between a fork and its first rows)
         self._forget_later: set[int] = set()
@@ -214,7 +214,7 @@ class PipelineHead:
         if all(held != request for _, held in self._held.values()):
             self._send(Forget(request=request))  # opened downstream, and no cache of it kept here
 
-    def _drop(self, sequence: Sequence, reached_downstream: bool = True) -> None:
+    def _drop(self, sequence: SequenceState, reached_downstream: bool = True) -> None:
         """Cancel a sequence; a cache whose rows did not all reach the later stages (none yet,
         or a failed batch's) is not kept for prefixes, since they do not hold it."""
         if not reached_downstream or self._announced.get(sequence) is not sequence.cache:
@@ -222,7 +222,7 @@ class PipelineHead:
         self.scheduler.cancel(sequence)
         self._forget(sequence)
 
-    def _forget(self, sequence: Sequence) -> None:
+    def _forget(self, sequence: SequenceState) -> None:
         request = self._requests.pop(sequence)
         del self._sequences[request]
         self._output_start.pop(request, None)
@@ -250,7 +250,7 @@ class PipelineHead:
             self._forget_later.discard(key)
             self._send(Forget(request=self._held.pop(key)[1]))
 
-    def _announce(self, sequence: Sequence, request: int, start: int) -> None:
+    def _announce(self, sequence: SequenceState, request: int, start: int) -> None:
         """A sequence's first rows since it got its cache: downstream starts from the same fork."""
         old = self._announced.get(sequence)
         if old is not None:

@@ -58,7 +58,7 @@ _ids = itertools.count()
 
 
 @dataclass(eq=False)
-class Sequence:
+class SequenceState:
     """One request's state: its prompt, what it generated, how much of it the cache holds."""
 
     prompt: list[int]
@@ -99,7 +99,7 @@ class Emission:
     """What a step gave one sequence: a token (None when it drew a stop token) and the logits
     [vocab] it was drawn from (None when another stage drew it)."""
 
-    sequence: Sequence
+    sequence: SequenceState
     token: int | None
     logits: torch.Tensor | None
     error: RequestError | None = None  # the draw failed (a grammar's): this sequence alone ends
@@ -111,14 +111,14 @@ class Batch:
 
     spans: list[Span] = field(default_factory=list)
     inputs: list[int] = field(default_factory=list)
-    owners: list[Sequence] = field(default_factory=list)
+    owners: list[SequenceState] = field(default_factory=list)
     draws: list[bool] = field(default_factory=list)  # per row, set by ``advance``: a token is drawn after it
 
 
-Ready = Callable[[Sequence], bool]
+Ready = Callable[[SequenceState], bool]
 
 
-def _always(sequence: Sequence) -> bool:
+def _always(sequence: SequenceState) -> bool:
     return True
 
 
@@ -164,19 +164,19 @@ class Scheduler:
         self.cache_bytes: Callable[[int], int] = stage.cache_bytes  # what a sequence of so many tokens holds
         self.prefix = PrefixCache(prefix_cache_bytes if stage.forks_caches else 0, self.kv_bytes_per_token, self._free)
         self.on_free: Callable[[object, bool], None] = lambda cache, for_good: None  # False: preempted
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []
         self.preemptions = 0  # sequences sent back to the queue to free memory, so far
         self.decode_steps = 0  # steps of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
         self.masks = masks  # a grammar's tokens, where this process has the tokenizer
 
-    def kv_reserve(self, sequence: Sequence) -> int:
+    def kv_reserve(self, sequence: SequenceState) -> int:
         """The KV bytes ``sequence`` may grow to: prompt + max_tokens, within the context."""
         tokens = min(len(sequence.prompt) + sequence.params.max_tokens, self.context_length)
         return self.cache_bytes(tokens)
 
-    def kv_held(self, sequence: Sequence) -> int:
+    def kv_held(self, sequence: SequenceState) -> int:
         """The KV bytes ``sequence`` holds once its next step is done: a position for every
         token it knows (the prompt, or its last generated token, computed by that step)."""
         tokens = min(len(sequence.prompt) + len(sequence.tokens), self.context_length)
@@ -185,13 +185,13 @@ class Scheduler:
     def kv_used(self) -> int:
         return sum(self.kv_held(s) for s in list(self.running)) + self.prefix.held_bytes()
 
-    def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
+    def add(self, prompt: list[int], params: SamplingParams) -> SequenceState:
         """Queue a request; it joins at the next step with room."""
         params.validate()
         check_prompt(prompt, self.context_length)
         if len(self.waiting) >= self.max_waiting:
             raise OverloadedError(f"{len(self.waiting)} requests are already waiting; try again later")
-        sequence = Sequence(list(prompt), params)
+        sequence = SequenceState(list(prompt), params)
         need = self.kv_reserve(sequence)
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
             raise RequestError(
@@ -201,7 +201,7 @@ class Scheduler:
         self.waiting.append(sequence)
         return sequence
 
-    def cancel(self, sequence: Sequence) -> None:
+    def cancel(self, sequence: SequenceState) -> None:
         """Drop a sequence wherever it is (a client went away); its cache is freed."""
         if sequence in self.waiting:
             self.waiting.remove(sequence)
@@ -243,7 +243,7 @@ class Scheduler:
             # a chunk short of the prompt's end, or recomputed history, draws nothing
             batch.draws.append(not (computing and (sequence.prefilling or bool(sequence.tokens))))
 
-    def record(self, sequence: Sequence, token: int, logits: torch.Tensor | None = None) -> Emission:
+    def record(self, sequence: SequenceState, token: int, logits: torch.Tensor | None = None) -> Emission:
         """Take a token drawn for ``sequence`` (here, or by a pipeline's last stage); finish it on
         a stop token, at max_tokens, or when the context is full."""
         position = len(sequence.prompt) + len(sequence.tokens)
@@ -292,7 +292,7 @@ class Scheduler:
             self.preemptions += 1
         return True
 
-    def _start(self, sequence: Sequence) -> None:
+    def _start(self, sequence: SequenceState) -> None:
         """A cache for a newly admitted sequence: a copy of the longest shared prefix, if any."""
         # a fresh prompt needs the logits of its last token; recomputed history, every position
         limit = sequence.prefill_end if sequence.tokens else len(sequence.prompt) - 1
@@ -327,7 +327,7 @@ class Scheduler:
             owners.append(sequence)
         return batch
 
-    def _draw(self, sequence: Sequence, logits: torch.Tensor) -> Emission:
+    def _draw(self, sequence: SequenceState, logits: torch.Tensor) -> Emission:
         position = len(sequence.prompt) + len(sequence.tokens)
         try:
             allowed = grammar_mask(self.masks, sequence.id, sequence.params, sequence.tokens, logits.shape[-1])
@@ -337,7 +337,7 @@ class Scheduler:
         token = draw(logits, sequence.params, sequence.seed, position, sequence.tokens, allowed)
         return self.record(sequence, token, logits)
 
-    def _release(self, sequence: Sequence, reason: str) -> None:
+    def _release(self, sequence: SequenceState, reason: str) -> None:
         sequence.finish_reason = reason
         if self.masks is not None:
             self.masks.forget(sequence.id)

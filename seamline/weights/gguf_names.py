@@ -62,7 +62,7 @@ BARE_NAMES: dict[tuple[str, str], str] = {
 JOINED_KEYS: dict[str, str] = {"attn_k_b": "k", "attn_v_b": "v"}
 
 
-class MoeNames(NamedTuple):
+class GgufMoeNames(NamedTuple):
     router: str  # blk.{L}.ffn_gate_inp -> model.layers.{L}.<router>
     expert: str  # per-expert prefix, formatted with e
     gate: str
@@ -70,11 +70,11 @@ class MoeNames(NamedTuple):
     down: str
 
 
-MOE_NAMES: dict[str, MoeNames] = {
-    "mixtral": MoeNames("block_sparse_moe.gate", "block_sparse_moe.experts.{e}", "w1", "w3", "w2"),
-    "qwen3_moe": MoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
-    "deepseek_v2": MoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
-    "deepseek_v3": MoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
+GGUF_MOE_NAMES: dict[str, GgufMoeNames] = {
+    "mixtral": GgufMoeNames("block_sparse_moe.gate", "block_sparse_moe.experts.{e}", "w1", "w3", "w2"),
+    "qwen3_moe": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v2": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
+    "deepseek_v3": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
 }
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?\.(weight|bias)")
@@ -112,7 +112,7 @@ def hf_names(gguf_name: str, family: str, leading: int) -> list[HFName] | None:
         return None
     layer, key, expert, suffix = m.group(1), m.group(2), m.group(3), m.group(4)
     prefix = f"model.layers.{layer}."
-    moe = MOE_NAMES.get(family)
+    moe = GGUF_MOE_NAMES.get(family)
     table = block_names(family)
     if expert is None and key in table:
         return [HFName(f"{prefix}{table[key]}.{suffix}", None)]

@@ -37,9 +37,9 @@ from seamline.weights.gguf_config import llama3_factors
 from seamline.weights.gguf_mla import split_kv_b
 from seamline.weights.gguf_names import (
     BARE_NAMES,
+    GGUF_MOE_NAMES,
     GLOBAL_NAMES,
     MLA_FAMILIES,
-    MOE_NAMES,
     STACKED_EXPERT_KEYS,
     block_names,
 )
@@ -217,7 +217,7 @@ def _order(p: Planned) -> tuple[int, str]:
 
 
 def _expert_of(family: str, hf: str) -> tuple[int, str, int] | None:
-    moe = MOE_NAMES.get(family)
+    moe = GGUF_MOE_NAMES.get(family)
     m = _HF_BLOCK.fullmatch(hf)
     if moe is None or m is None:
         return None
@@ -242,7 +242,7 @@ def _gguf_name(family: str, hf: str) -> str:
             if rest == bare:
                 return f"blk.{layer}.{key}.{suffix}"
     stem, _, suffix = rest.rpartition(".")
-    moe = MOE_NAMES.get(family)
+    moe = GGUF_MOE_NAMES.get(family)
     if moe is not None and stem == moe.router:
         return f"blk.{layer}.ffn_gate_inp.{suffix}"
     for key, hf_stem in block_names(family).items():

@@ -1,6 +1,6 @@
 """The coordinator: membership, planning, start-up order and the route; no model compute.
 
-Nodes join over the control port (``joining.Membership``: an invite proved, a certificate
+Nodes join over the control port (``joining.Joining``: an invite proved, a certificate
 issued, the node's link and speed measured). Once ``nodes_expected`` have joined, the planner assigns layer ranges; stages are assigned and
 loaded downstream first, each reports READY with a descriptor checked against the plan, then
 the links are made downstream first and stage 0's route is published last. Only then is the
@@ -23,7 +23,7 @@ from seamline.errors import RequestError
 from seamline.mesh.control.enrollment import Enrollment
 from seamline.mesh.protocol.fragment_server import PeerGate
 from seamline.mesh.control.invites import InviteBook
-from seamline.mesh.control.joining import Membership
+from seamline.mesh.control.joining import Joining
 from seamline.mesh.control.member_gate import Refusals, drawer, may_end, serves
 from seamline.mesh.control.mesh_status import describe
 from seamline.mesh.control.node_handle import NodeHandle
@@ -76,7 +76,7 @@ TokenSink = Callable[[list[TokenRow]], None]
 FailureSink = Callable[[int | None, str, str], None]  # request (None: all), reason, blame
 
 
-class Coordinator(Membership, Planning, StartUp):
+class Coordinator(Joining, Planning, StartUp):
     def __init__(self, invites: InviteBook, model: ModelSpec, model_hash: str, options: CoordinatorOptions,
                  authority: MeshAuthority | None = None) -> None:  # fmt: skip
         """``invites``: who may join; ``authority``: the mesh CA, whose certificates every link
@@ -111,7 +111,7 @@ class Coordinator(Membership, Planning, StartUp):
         self._failed_starts = 0  # start-ups failed in a row (the retry's pause doubles with each)
         self.closing = False  # shut down on purpose (``shut_down``)
 
-    # -- membership (joining: ``joining.Membership``) --------------------------------------
+    # -- membership (joining: ``joining.Joining``) --------------------------------------
     def _read_node(self, handle: NodeHandle) -> None:
         while True:
             try:

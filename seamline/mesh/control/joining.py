@@ -47,7 +47,7 @@ MEMBER_LIMITS = {FrameType.CONTROL: 64 << 10, FrameType.HIDDEN: 0, FrameType.TOK
 REVOKED_ANSWER_S = 2.0  # a removal waits this long for the members to confirm they refuse the node
 
 
-class Membership:
+class Joining:
     """Joining, certificates and removal; mixed into ``Coordinator``."""
 
     def start(self: Coordinator, host: str) -> int:

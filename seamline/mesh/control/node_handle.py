@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from seamline.mesh.protocol.claims import SpeedCheck
 from seamline.mesh.protocol.link_probe import Pongs
-from seamline.mesh.plan.types import Link as PlanLink
+from seamline.mesh.plan.types import LinkCost
 from seamline.mesh.plan.cores import Placement
 from seamline.mesh.plan.types import NodeInfo
 from seamline.net.link import Link
@@ -58,7 +58,7 @@ class NodeHandle:
     failure: str | None = None  # a failure the node reported outside any request
     events: threading.Condition = field(default_factory=threading.Condition)
     inbound: bool = True  # takes connections (else its data links come through the relay)
-    measured: PlanLink | None = None  # its link to the coordinator
+    measured: LinkCost | None = None  # its link to the coordinator
     pongs: Pongs = field(default_factory=Pongs)
     speed_check: SpeedCheck | None = None
     believed_rate: float | None = None  # its claimed speed, or what the probe measured when far below it

@@ -14,7 +14,7 @@ import logging
 import threading
 
 from seamline.mesh.protocol.link_probe import unphysical
-from seamline.mesh.plan.types import Link as PlanLink
+from seamline.mesh.plan.types import LinkCost
 from seamline.net.messages import PeerLink
 
 log = logging.getLogger("seamline.coordinator")
@@ -23,7 +23,7 @@ PEER_TIMEOUT_S = 15.0  # a relayed probe may wait for both ends to dial the rela
 
 class PeerLinks:
     def __init__(self) -> None:
-        self._measured: dict[tuple[str, str], PlanLink] = {}
+        self._measured: dict[tuple[str, str], LinkCost] = {}
         self._relayed: set[tuple[str, str]] = set()
         self._asked: dict[tuple[str, str], PeerLink | None] = {}  # (prober, peer) -> its report, once come
         self._cond = threading.Condition()
@@ -43,7 +43,7 @@ class PeerLinks:
             self._cond.notify_all()
         return True
 
-    def wait(self, prober: str, peer: str, relayed: bool, timeout_s: float = PEER_TIMEOUT_S) -> PlanLink | None:
+    def wait(self, prober: str, peer: str, relayed: bool, timeout_s: float = PEER_TIMEOUT_S) -> LinkCost | None:
         """The pair's link once ``prober`` reports it; None when it failed or did not come."""
         key = (prober, peer)
         with self._cond:
@@ -62,7 +62,7 @@ class PeerLinks:
                  link.latency_s * 2e3, link.bandwidth_bytes_per_s / 1e6)  # fmt: skip
         return link
 
-    def measured(self) -> dict[tuple[str, str], PlanLink]:
+    def measured(self) -> dict[tuple[str, str], LinkCost]:
         with self._cond:
             return dict(self._measured)
 
@@ -81,11 +81,11 @@ class PeerLinks:
                 self._relayed.discard(key)
 
 
-def _taken(report: PeerLink | None) -> tuple[PlanLink | None, str]:
+def _taken(report: PeerLink | None) -> tuple[LinkCost | None, str]:
     """The link a report measured, or None and why it is not taken (a failure, or a
     measurement no real link gives: a member's word is checked against physics)."""
     if report is None or report.error:
         return None, report.error if report is not None else "no report"
-    link = PlanLink(latency_s=report.latency_s, bandwidth_bytes_per_s=report.bandwidth_bytes_per_s)
+    link = LinkCost(latency_s=report.latency_s, bandwidth_bytes_per_s=report.bandwidth_bytes_per_s)
     refusal = unphysical(link)
     return (None, f"refused: {refusal}") if refusal else (link, "")

@@ -33,7 +33,7 @@ from seamline.mesh.plan.planner import check_plan, price_route
 from seamline.weights.loader import dtype_bytes
 from seamline.mesh.plan.types import (
     DEFAULT_LINK,
-    Link,
+    LinkCost,
     LinkTable,
     ModelSpec,
     NodeInfo,
@@ -135,8 +135,8 @@ def _current_plan(coordinator_url: str, proposed: Plan) -> str:
     return line
 
 
-def _status_link(entry: dict[str, Any]) -> Link:
-    return Link(latency_s=float(entry["rtt_ms"]) / 2e3, bandwidth_bytes_per_s=max(float(entry["bandwidth_mb_s"]), 0.1) * 1e6)
+def _status_link(entry: dict[str, Any]) -> LinkCost:
+    return LinkCost(latency_s=float(entry["rtt_ms"]) / 2e3, bandwidth_bytes_per_s=max(float(entry["bandwidth_mb_s"]), 0.1) * 1e6)
 
 
 def model_spec(model_path: str | None, dtype_bytes: int, context: int | None = None) -> tuple[ModelSpec, ModelConfig]:
@@ -196,7 +196,7 @@ def _object(item: Any, allowed: set[str], where: str) -> dict[str, Any]:
     return item
 
 
-def _parse_node(obj: dict[str, Any], where: str) -> tuple[NodeInfo, Link | None]:
+def _parse_node(obj: dict[str, Any], where: str) -> tuple[NodeInfo, LinkCost | None]:
     if not isinstance(obj.get("node_id"), str) or not obj["node_id"]:
         raise PlanError(f"{where} needs a non-empty string node_id")
     where = f"{where} ({obj['node_id']})"
@@ -215,7 +215,7 @@ def _parse_node(obj: dict[str, Any], where: str) -> tuple[NodeInfo, Link | None]
     return NodeInfo(obj["node_id"], int(free), rate, address, device), link
 
 
-def _link(obj: dict[str, Any], where: str, default: Link) -> Link:
+def _link(obj: dict[str, Any], where: str, default: LinkCost) -> LinkCost:
     latency, bandwidth = default.latency_s, default.bandwidth_bytes_per_s
     if "latency_ms" in obj:
         latency = _number(obj, "latency_ms", where) / 1e3
@@ -223,7 +223,7 @@ def _link(obj: dict[str, Any], where: str, default: Link) -> Link:
         bandwidth = _number(obj, "bandwidth_mbps", where) * 1e6 / 8  # megabits -> bytes
     if bandwidth <= 0:
         raise PlanError(f"{where} needs bandwidth_mbps > 0")
-    return Link(latency, bandwidth)
+    return LinkCost(latency, bandwidth)
 
 
 def _number(obj: dict[str, Any], key: str, where: str) -> float:

@@ -28,7 +28,7 @@ UPSTREAM, LAST, PROBE = "upstream", "last", "probe"
 FROM_UPSTREAM = (HiddenFrame, Open, Fork, Forget, Close)
 
 
-class Refused(SeamlineError):
+class LinkRefused(SeamlineError):
     """A peer on the data port that is not the planned sender."""
 
 
@@ -46,12 +46,12 @@ def dial(address: tuple[str, int], peer_node: str, node_id: str, assign: Assign,
                         timeout=PAIR_WAIT_S if relay_ticket else 10.0)  # fmt: skip
     if tls is not None and link.peer_id() != peer_node:
         link.close()
-        raise Refused(f"{link.name} presented a certificate for {link.peer_id()!r}, not the planned {peer_node!r}")
+        raise LinkRefused(f"{link.name} presented a certificate for {link.peer_id()!r}, not the planned {peer_node!r}")
     link.limits = HANDSHAKE_LIMITS
     challenge = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
     if not isinstance(challenge, Challenge):
         link.close()
-        raise Refused(f"{link.name} sent {type(challenge).__name__} instead of a challenge")
+        raise LinkRefused(f"{link.name} sent {type(challenge).__name__} instead of a challenge")
     proof = data_proof(assign.link_key, challenge.nonce, node_id, assign.plan_id)
     link.send_message(DataHello(node_id=node_id, plan_id=assign.plan_id, proof=proof))
     link.limits = LIMITS
@@ -60,7 +60,7 @@ def dial(address: tuple[str, int], peer_node: str, node_id: str, assign: Assign,
 
 def admit(link: Link, assign: Assign | None, certified: bool = False, revoked: Collection[str] = ()) -> str:
     """Challenge a link to this node's data port; its role (``UPSTREAM``, ``LAST``, or ``PROBE``:
-    a member measuring the link, see ``peer_probe``), or Refused. ``certified``: the link is TLS
+    a member measuring the link, see ``peer_probe``), or LinkRefused. ``certified``: the link is TLS
     and its certificate must name the node the hello names; ``revoked``: removed nodes."""
     link.limits = HANDSHAKE_LIMITS
     nonce = secrets.token_hex(16)
@@ -68,24 +68,24 @@ def admit(link: Link, assign: Assign | None, certified: bool = False, revoked: C
     hello = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
     named = getattr(hello, "node_id", "")
     if named in revoked or link.peer_id() in revoked:
-        raise Refused(f"node {link.peer_id() or named} was removed from the mesh")
+        raise LinkRefused(f"node {link.peer_id() or named} was removed from the mesh")
     if isinstance(hello, ProbeHello):
         if certified and link.peer_id() != hello.node_id:
-            raise Refused(f"a certificate for {link.peer_id()!r} probed as node {hello.node_id}")
+            raise LinkRefused(f"a certificate for {link.peer_id()!r} probed as node {hello.node_id}")
         link.name = f"probe from {hello.node_id}"
         return PROBE
     if not isinstance(hello, DataHello):
-        raise Refused(f"expected a data hello, got {type(hello).__name__}")
+        raise LinkRefused(f"expected a data hello, got {type(hello).__name__}")
     if assign is None or not assign.link_key or hello.plan_id != assign.plan_id:
-        raise Refused(f"node {hello.node_id} dialled for plan {hello.plan_id}, which this node does not serve")
+        raise LinkRefused(f"node {hello.node_id} dialled for plan {hello.plan_id}, which this node does not serve")
     roles = {assign.upstream_node: UPSTREAM, assign.last_node: LAST}
     role = roles.get(hello.node_id) if hello.node_id else None
     if role is None:
-        raise Refused(f"node {hello.node_id} is not a planned sender to this stage")
+        raise LinkRefused(f"node {hello.node_id} is not a planned sender to this stage")
     if certified and link.peer_id() != hello.node_id:
-        raise Refused(f"a certificate for {link.peer_id()!r} claimed to be node {hello.node_id}")
+        raise LinkRefused(f"a certificate for {link.peer_id()!r} claimed to be node {hello.node_id}")
     if not hmac.compare_digest(hello.proof, data_proof(assign.link_key, nonce, hello.node_id, hello.plan_id)):
-        raise Refused(f"node {hello.node_id} did not prove the plan's link key")
+        raise LinkRefused(f"node {hello.node_id} did not prove the plan's link key")
     link.limits = LIMITS
     link.name = f"{role} {hello.node_id}"
     return role

@@ -9,7 +9,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
-from seamline.mesh.node.data_links import PROBE, Refused, admit, dial, expected_from
+from seamline.mesh.node.data_links import PROBE, LinkRefused, admit, dial, expected_from
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, tune
@@ -71,7 +71,7 @@ class DataPath:
             if role == PROBE:
                 answer_probe(link)
                 return
-        except (Refused, ProbeRefused, LinkClosed, FrameError) as exc:
+        except (LinkRefused, ProbeRefused, LinkClosed, FrameError) as exc:
             log.warning("refused data link from %s: %s", peer, exc)
             link.close()
             return

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("seamline.node")
 
 
-class Refused(InviteError):
+class JoinRefused(InviteError):
     """The coordinator refused this node for good (removed from the mesh, say)."""
 
 
@@ -150,7 +150,7 @@ class Membership:
         answer = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
         if not isinstance(answer, Attached):
             link.close()
-            error = Refused if isinstance(answer, Refuse) and answer.final else InviteError
+            error = JoinRefused if isinstance(answer, Refuse) and answer.final else InviteError
             raise error(f"the coordinator did not take this node's control link: {getattr(answer, 'reason', answer)}")
         return link
 
@@ -219,7 +219,7 @@ class Membership:
                 self.control = self._attach(rejoin=self.joined_as.model_copy(update={"holding": self._holding()}))
                 log.info("the coordinator took this node back")
                 return True
-            except Refused as exc:
+            except JoinRefused as exc:
                 log.error("%s: node stops", exc)
                 return False
             except (InviteError, OSError, LinkClosed, FrameError, TlsRefused) as exc:

@@ -17,10 +17,10 @@ from dataclasses import replace
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
 from seamline.mesh.plan.planner import plan
-from seamline.mesh.plan.types import Link, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
 from seamline.ownership import Ownership, rank_ownership, v4_head_groups
 
-Links = LinkTable | Mapping[tuple[str, str], Link] | None
+Links = LinkTable | Mapping[tuple[str, str], LinkCost] | None
 MAX_WORLD = 8
 
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from seamline.mesh.plan.pricing import TOKEN_ID_BYTES, check_plan, price_route
-from seamline.mesh.plan.types import Link, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
 
 __all__ = ["PlanError", "check_plan", "plan", "price_route"]
 
@@ -108,7 +108,7 @@ class _Found:
 def plan(
     model: ModelSpec,
     nodes: Sequence[NodeInfo],
-    links: LinkTable | Mapping[tuple[str, str], Link] | None,
+    links: LinkTable | Mapping[tuple[str, str], LinkCost] | None,
     options: PlanOptions,
 ) -> Plan:
     """The pipeline with the lowest predicted time per token; PlanError if nothing fits."""

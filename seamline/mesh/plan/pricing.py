@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from seamline.mesh.plan.types import Link, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
+from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
 
 TOKEN_ID_BYTES = 8  # per sequence, on the return hop
 Route = Sequence[tuple[str, int, int]]  # (node_id, start, end) in pipeline order
 
 
 def price_route(
-    model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | Mapping[tuple[str, str], Link] | None,
+    model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | Mapping[tuple[str, str], LinkCost] | None,
     options: PlanOptions, route: Route,
 ) -> Plan:  # fmt: skip
     """The Plan for an explicit route, every cost computed from scratch (no DP state)."""

@@ -18,12 +18,12 @@ from collections.abc import Mapping, Sequence
 
 from seamline.mesh.plan.planner import plan
 from seamline.mesh.plan.pricing import range_bytes
-from seamline.mesh.plan.types import Link, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
+from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
 
 END_LAYERS = (1, 2, 3, 4, 6, 8)  # layers each end of the route may keep
 
 
-def plan_private(model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | Mapping[tuple[str, str], Link] | None,
+def plan_private(model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | Mapping[tuple[str, str], LinkCost] | None,
                  options: PlanOptions, own: str) -> Plan:  # fmt: skip
     """The fastest private plan whose ends are ``own``'s; PlanError when none fits."""
     by_id = {n.node_id: n for n in nodes}

@@ -191,7 +191,9 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
-class Link:
+class LinkCost:
+    """A link as the planner prices it (measured, or assumed): one-way latency and bandwidth."""
+
     latency_s: float  # one-way
     bandwidth_bytes_per_s: float
 
@@ -199,7 +201,7 @@ class Link:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
 
-DEFAULT_LINK = Link(latency_s=0.0005, bandwidth_bytes_per_s=125e6)  # a 1 Gb/s LAN
+DEFAULT_LINK = LinkCost(latency_s=0.0005, bandwidth_bytes_per_s=125e6)  # a 1 Gb/s LAN
 
 
 @dataclass(frozen=True)
@@ -208,23 +210,23 @@ class LinkTable:
     ``access`` links combined (as slow as the slower end: max latency, min bandwidth), a
     node without one using ``default``."""
 
-    default: Link = DEFAULT_LINK
-    access: Mapping[str, Link] = field(default_factory=dict)
-    pairs: Mapping[tuple[str, str], Link] = field(default_factory=dict)
+    default: LinkCost = DEFAULT_LINK
+    access: Mapping[str, LinkCost] = field(default_factory=dict)
+    pairs: Mapping[tuple[str, str], LinkCost] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, links: "LinkTable | Mapping[tuple[str, str], Link] | None") -> "LinkTable":
+    def of(cls, links: "LinkTable | Mapping[tuple[str, str], LinkCost] | None") -> "LinkTable":
         """A LinkTable as given, or one from a dict keyed by (node_a, node_b)."""
         if isinstance(links, LinkTable):
             return links
         return cls(pairs=dict(links or {}))
 
-    def between(self, a: str, b: str) -> Link:
+    def between(self, a: str, b: str) -> LinkCost:
         pair = self.pairs.get((a, b)) or self.pairs.get((b, a))
         if pair is not None:
             return pair
         la, lb = self.access.get(a, self.default), self.access.get(b, self.default)
-        return Link(
+        return LinkCost(
             max(la.latency_s, lb.latency_s), min(la.bandwidth_bytes_per_s, lb.bandwidth_bytes_per_s)
         )
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from seamline.mesh.plan.types import Link as PlanLink
+from seamline.mesh.plan.types import LinkCost
 from seamline.mesh.plan.types import LinkTable
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import Ping
@@ -62,10 +62,10 @@ class Pongs:
 class Reach:
     node_id: str
     inbound: bool  # takes connections: peers dial it directly
-    link: PlanLink | None  # measured to the coordinator (None: the node did not answer)
+    link: LinkCost | None  # measured to the coordinator (None: the node did not answer)
 
 
-def measure(link: Link, pongs: Pongs) -> PlanLink | None:
+def measure(link: Link, pongs: Pongs) -> LinkCost | None:
     """A node's link to the coordinator, over its control link (whose reader collects the pongs)."""
     try:
         measured = measure_link(lambda nonce, pad: _round_trip(link, pongs, nonce, pad))
@@ -79,7 +79,7 @@ def measure(link: Link, pongs: Pongs) -> PlanLink | None:
     return measured
 
 
-def measure_link(round_trip: Callable[[int, str], float]) -> PlanLink:
+def measure_link(round_trip: Callable[[int, str], float]) -> LinkCost:
     """One-way latency (half the fastest of a few round trips) and bandwidth (a padded ping's
     extra time over a bare one). ``round_trip(nonce, pad)`` pings and times the pong. Nonces
     are random, so no pong can be sent before its ping has come whole (``Ping`` puts the nonce
@@ -89,14 +89,14 @@ def measure_link(round_trip: Callable[[int, str], float]) -> PlanLink:
     rtt = min(bare)
     # a pad that cost less than the timing's noise (loopback) reads as the fastest link there is
     extra = max(min(padded) - rtt, PAD_BYTES / BANDWIDTH_BOUNDS[1])
-    return PlanLink(latency_s=rtt / 2, bandwidth_bytes_per_s=PAD_BYTES / extra)
+    return LinkCost(latency_s=rtt / 2, bandwidth_bytes_per_s=PAD_BYTES / extra)
 
 
 def new_nonce() -> int:
     return secrets.randbits(62)
 
 
-def unphysical(link: PlanLink) -> str:
+def unphysical(link: LinkCost) -> str:
     """Why ``link`` cannot be a real link's measurement ("" if it can)."""
     low, high = LATENCY_BOUNDS_S
     if not low <= link.latency_s <= high:
@@ -117,7 +117,7 @@ def _round_trip(link: Link, pongs: Pongs, nonce: int, pad: str) -> float:
     return arrived - began
 
 
-def link_table(reaches: Iterable[Reach], measured: Mapping[tuple[str, str], PlanLink] | None = None) -> LinkTable:
+def link_table(reaches: Iterable[Reach], measured: Mapping[tuple[str, str], LinkCost] | None = None) -> LinkTable:
     """Access links as measured; each pair as its nodes measured it, else (not measured) as the
     slower access link, or their sum when one end takes no inbound connection (relayed)."""
     known = [r for r in reaches if r.link is not None]
@@ -128,6 +128,6 @@ def link_table(reaches: Iterable[Reach], measured: Mapping[tuple[str, str], Plan
         if pair is not None:
             pairs[(a.node_id, b.node_id)] = pair
         elif not (a.inbound and b.inbound) and a.link is not None and b.link is not None:
-            pairs[(a.node_id, b.node_id)] = PlanLink(a.link.latency_s + b.link.latency_s,
+            pairs[(a.node_id, b.node_id)] = LinkCost(a.link.latency_s + b.link.latency_s,
                                                      min(a.link.bandwidth_bytes_per_s, b.link.bandwidth_bytes_per_s))  # fmt: skip
     return LinkTable(access=access, pairs=pairs)
