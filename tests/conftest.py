@@ -11,7 +11,7 @@ import pytest
 
 from seamline.app import LocalModel
 from seamline.runtime.backend import LocalBackend
-from tests.test_openai_api import NAME, client_for, serve
+from tests.support.api import NAME, client_for, serve
 
 
 @pytest.fixture(scope="module")

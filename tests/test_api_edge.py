@@ -27,9 +27,9 @@ from seamline.params import MAX_LOGIT_BIAS
 from seamline.runtime.backend import LocalBackend
 from seamline.server.bodies import encode_within
 from tests.mesh_harness import MeshProcesses
-from tests.test_api_keys import _start, _stop
-from tests.test_openai_api import NAME, chat, client_for, serve
-from tests.test_tools import TEMPLATES
+from tests.support.api import _start, _stop
+from tests.support.api import NAME, chat, client_for, serve
+from tests.support.tools import TEMPLATES
 
 MB = 1 << 20
 

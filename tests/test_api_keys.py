@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 import ssl
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,39 +21,10 @@ from cryptography.x509.oid import NameOID
 from seamline.net.link import free_port
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import seamline_cmd
+from tests.support.api import _start, _stop
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ARGV_KEY, FILE_KEY, ENV_KEY = "key-from-argv", "key-from-file", "key-from-env"
-
-
-def _start(tmp: Path, *args: str, env_key: str | None = None, scheme: str = "http",
-           verify: ssl.SSLContext | bool = True) -> tuple[subprocess.Popen[str], str]:  # fmt: skip
-    port = free_port()
-    env = {**os.environ, "SEAMLINE_CACHE": str(tmp / "cache")}
-    env.pop("SEAMLINE_API_KEY", None)
-    if env_key:
-        env["SEAMLINE_API_KEY"] = env_key
-    proc = subprocess.Popen(seamline_cmd("serve", "--single", "--port", str(port), "--precision", "exact", *args), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    url = f"{scheme}://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-        try:
-            if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
-
-
-def _stop(proc: subprocess.Popen[str]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 @pytest.fixture(scope="module")

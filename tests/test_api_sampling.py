@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from seamline.app import LocalModel
-from tests.test_openai_api import NAME, QUESTION
+from tests.support.api import NAME, QUESTION
 
 TOKENS = 10
 
@@ -105,8 +105,8 @@ def test_a_two_stage_mesh_draws_alike(model: LocalModel, tmp_path) -> None:  # t
     against them (it holds the tokenizer), as the single process does."""
     import httpx
 
-    from tests.test_mesh import start_mesh
-    from tests.test_structured import ASK, SCHEMA_FORMAT, greedy_under_schema
+    from tests.support.mesh import start_mesh
+    from tests.support.structured import ASK, SCHEMA_FORMAT, greedy_under_schema
 
     prompt = model.codec.encode_chat(QUESTION)
     penalised, raw = greedy_reference(model, prompt, 12, frequency=1.5, presence=0.7)
@@ -140,7 +140,7 @@ def test_a_lockstep_group_gathers_whole_logits_for_logprobs_and_grammars(model: 
     from seamline.runtime.grammar import TokenMasks
     from seamline.runtime.group_stage import LockstepStage
     from tests.lockstep_harness import running_group
-    from tests.test_structured import greedy_under_schema
+    from tests.support.structured import greedy_under_schema
 
     prompt = model.codec.encode_chat(QUESTION)
     tokens, raw = greedy_reference(model, prompt, 6)

@@ -15,36 +15,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from seamline.app import default_model_path
 from seamline.errors import RequestError
 from seamline.model.stage import Stage
 from seamline.runtime.engine import Engine
 from seamline.params import SamplingParams
 from seamline.runtime.scheduler import Scheduler, SequenceState
-from seamline.weights.loader import load_stage, open_source
-from seamline.weights.source import TensorSource
-from tests.reference import save_random_model
-from tests.test_deepseek_models import _build as build_deepseek
-from tests.test_dense_models import _configs as dense_configs
-from tests.test_moe_models import mixtral_config
+from seamline.weights.loader import load_stage
+from tests.support.configs import checkpoint_source
 
 ATOL = 1e-4
 ARRIVALS = (0, 0, 1, 2, 3, 5, 8, 13)  # the step at which each sequence is added
 LENGTHS = (5, 40, 12, 33, 7, 21, 9, 28)  # its prompt length
 NEW_TOKENS = 12
-
-
-def checkpoint_source(kind: str, folder: Path) -> TensorSource:
-    """A random checkpoint of ``kind`` written to ``folder``, or the embedded GGUF, to load from."""
-    if kind == "dense":
-        save_random_model(dense_configs()["llama"], folder)
-    elif kind == "mixtral":
-        save_random_model(mixtral_config(), folder)
-    elif kind == "deepseek_v3":
-        folder = build_deepseek(folder, "v3")[1]
-    else:
-        return open_source(default_model_path())
-    return open_source(folder)
 
 
 def _stage(kind: str, folder: Path) -> Stage:

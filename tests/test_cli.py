@@ -89,7 +89,7 @@ def test_serve_single_answers_concurrent_clients() -> None:
     import httpx
     import openai
 
-    from tests.test_openai_api import _bind_free_port
+    from tests.support.api import _bind_free_port
 
     probe = _bind_free_port()
     port = probe.getsockname()[1]

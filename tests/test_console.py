@@ -19,8 +19,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 from seamline.app import LocalModel
 from seamline.runtime.backend import LocalBackend
 from seamline.server.api_options import ApiLimits
-from tests.test_mesh import start_mesh
-from tests.test_openai_api import NAME
+from tests.support.mesh import start_mesh
+from tests.support.api import NAME
 
 BROWSER, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
@@ -74,7 +74,7 @@ def test_the_console_draws_the_mesh_chats_and_shows_a_lost_node(tmp_path: Path, 
 
 
 def test_a_server_that_wants_a_key_shows_why(browser: webdriver.Chrome) -> None:
-    from tests.test_openai_api import serve
+    from tests.support.api import serve
 
     model = LocalModel.load()
     with serve(LocalBackend(model.engine, model.codec, NAME), limits=ApiLimits(keys=("sesame",))) as url:

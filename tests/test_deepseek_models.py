@@ -9,111 +9,16 @@ atol 1e-4 on fp32 logits.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-import transformers  # the reference: a test dependency, never skipped
 
 from seamline.model import mla  # noqa: E402
 from seamline.ownership import Ownership  # noqa: E402
-from seamline.model.stage import Stage  # noqa: E402
 from seamline.weights.loader import load_stage  # noqa: E402
 from seamline.weights.safetensors import HFFolderSource  # noqa: E402
-
-ATOL = 1e-4
-PROMPT, DECODE = 32, 16
-YARN = dict(
-    rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.9, mscale_all_dim=0.7,
-    original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
-)
-BASE = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-    num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
-    max_position_embeddings=128, tie_word_embeddings=False,
-)
-# name -> (family, overrides of BASE)
-CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "v3": ("v3", dict(n_group=4, topk_group=2, routed_scaling_factor=2.5)),
-    "v3_yarn": ("v3", dict(n_group=2, topk_group=1, rope_parameters=YARN)),
-    "v3_halfsplit_rope": ("v3", dict(n_group=2, topk_group=1, rope_interleave=False)),
-    "v2_lite_greedy": ("v2", dict(q_lora_rank=None, n_shared_experts=2, topk_method="greedy")),
-    "v2_group_limited_yarn": (
-        "v2",
-        # one group of two: with max-scored groups, keeping 2 of 4 never binds at top-2
-        dict(topk_method="group_limited_greedy", n_group=2, topk_group=1,
-             routed_scaling_factor=1.5, rope_parameters=YARN),
-    ),
-    # Every layer dense: latent attention alone, independent of the router.
-    "v3_dense": ("v3", dict(first_k_dense_replace=3, n_group=2, topk_group=1)),
-    "v2_dense_lite": ("v2", dict(first_k_dense_replace=3, q_lora_rank=None)),
-}
-
-
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Weights large enough that a wrong formula shows; norms away from 1; a non-zero V3 bias."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.2 * noise)
-            else:
-                p.copy_(0.08 * noise)
-        for name, buf in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
-
-
-def _build(tmp_path: Path, case: str, seed: int = 0) -> tuple[torch.nn.Module, Path]:
-    family, overrides = CASES[case]
-    kwargs = {**BASE, **overrides}
-    if family == "v3":
-        config = transformers.DeepseekV3Config(**kwargs)
-        model = transformers.DeepseekV3ForCausalLM(config)
-    else:
-        config = transformers.DeepseekV2Config(**kwargs)
-        model = transformers.DeepseekV2ForCausalLM(config)
-    _randomize(model, seed)
-    model.eval()
-    folder = tmp_path / case
-    model.save_pretrained(folder)
-    return model, folder
-
-
-def _tokens(seed: int = 1) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, BASE["vocab_size"], (PROMPT + DECODE,), generator=gen)
-
-
-def _reference(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(ids.unsqueeze(0)).logits[0].float()  # [T, vocab]
-
-
-def _run(stages: list[Stage], ids: torch.Tensor, chunks: tuple[int, ...] = (PROMPT,)) -> torch.Tensor:
-    """Prefill in ``chunks``, then decode the rest one token at a time, through the stages."""
-    caches = [s.new_cache() for s in stages]
-    bounds = [0]
-    for c in chunks:
-        bounds.append(bounds[-1] + c)
-    bounds += list(range(bounds[-1] + 1, ids.shape[0] + 1))
-    out = []
-    for a, b in zip(bounds, bounds[1:]):
-        x: torch.Tensor = ids[a:b]
-        for stage, cache in zip(stages, caches):
-            x = stage(x, a, cache)
-        out.append(x)
-    return torch.cat(out)  # [T, vocab]
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape
-    err = (got - want).abs().max().item()
-    assert err < ATOL, f"max |seamline - transformers| = {err:.2e} >= {ATOL} (logit scale {want.abs().max():.2f})"
+from tests.support.deepseek import CASES, _build, _close, _reference, _run, _tokens
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from seamline.weights.loader import load_stage, open_source
 from tests.reference import random_ids, reference_logits, save_random_model, seamline_logits, split_logits
+from tests.support.configs import _configs
 
 ATOL = 1e-4
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
-
-
-def _configs() -> dict[str, Any]:
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    return {
-        "llama": LlamaConfig(**SMALL, tie_word_embeddings=False),
-        "llama-tied": LlamaConfig(**SMALL, tie_word_embeddings=True),
-        "llama-mha": LlamaConfig(**{**SMALL, "num_key_value_heads": 4}),
-        "llama3-rope": LlamaConfig(**SMALL, rope_scaling=dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=64), rope_theta=500000.0),  # fmt: skip
-        "linear-rope": LlamaConfig(**SMALL, rope_scaling=dict(rope_type="linear", factor=2.0)),
-        "yarn-rope": LlamaConfig(**SMALL, rope_scaling=dict(
-            rope_type="yarn", factor=4.0, original_max_position_embeddings=128)),  # fmt: skip
-        "qwen2": Qwen2Config(**SMALL, tie_word_embeddings=False),
-        "qwen3": Qwen3Config(**SMALL, head_dim=32, tie_word_embeddings=True),
-    }
 
 
 @pytest.mark.parametrize("name", list(_configs()))

@@ -532,7 +532,7 @@ def test_a_lockstep_rank_fetches_only_its_routed_experts(tmp_path: Path) -> None
     equal to the same shard read from the checkpoint."""
     from seamline.config import ModelConfig
     from seamline.ownership import rank_ownership
-    from tests.test_deepseek_models import _build as build_deepseek
+    from tests.support.deepseek import _build as build_deepseek
 
     _, built = build_deepseek(tmp_path / "m", "v3")  # 8 routed experts, layers 1 and 2 MoE
     manifest = package(built, tmp_path / "pkg", progress=False)

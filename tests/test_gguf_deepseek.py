@@ -24,7 +24,7 @@ from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage
 from seamline.weights.safetensors import HFFolderSource
 from tests.gguf_reference import dequantised_model
-from tests.test_deepseek_models import CASES, YARN, _build, _close, _reference, _run, _tokens
+from tests.support.deepseek import CASES, YARN, _build, _close, _reference, _run, _tokens
 
 # llama.cpp's deepseek2 keeps one yarn mscale (mscale_all_dim): cases with mscale equal to it
 EQUAL_YARN = {**YARN, "mscale": YARN["mscale_all_dim"]}

@@ -1,7 +1,7 @@
 """The layout shows the design: the packages of ``seamline`` import each other without a cycle
 (functions' own imports included), only the entry points import the server, ``parallel``
 holds collectives only, a node and the coordinator share only ``mesh.protocol``, and the
-planner is arithmetic (no torch, no model)."""
+planner is arithmetic (no torch, no model); no test imports another test file."""
 
 from __future__ import annotations
 
@@ -76,3 +76,15 @@ def test_the_planner_is_arithmetic_without_torch_or_the_model() -> None:
             "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('seamline.model')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", f"importing the planner loads {out.stdout.strip()}"
+
+
+def test_no_test_imports_another_test_file() -> None:
+    """What tests share lives in tests/support (or a harness module), never in a test file."""
+    tests = Path(__file__).parent
+    reaching = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            reaching += [f"{path.name} imports {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    assert (tests / "support").is_dir() and not reaching, reaching

@@ -6,7 +6,7 @@ from __future__ import annotations
 from seamline.mesh.protocol.link_probe import Reach, link_table
 from seamline.mesh.plan.planner import plan
 from seamline.mesh.plan.types import LinkCost
-from tests.test_planner import EXACT, MIB, node, spec
+from tests.support.planner import EXACT, MIB, node, spec
 
 
 def test_the_coordinator_plans_a_pair_as_its_nodes_measured_it() -> None:

@@ -33,9 +33,9 @@ from tests.lockstep_harness import (
     run_group,
     running_group,
 )
-from tests.test_deepseek_models import _build as build_deepseek
-from tests.test_deepseek_models import _randomize as randomize
-from tests.test_moe_models import qwen3_moe_config
+from tests.support.deepseek import _build as build_deepseek
+from tests.support.deepseek import _randomize as randomize
+from tests.support.configs import qwen3_moe_config
 from tests.upcycle import upcycle
 
 # The embedded model's real weights give logits of magnitude ~38 through 30 layers, and

@@ -22,7 +22,7 @@ from seamline.server.demo import memory_cap_gb
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import check_greedy_exchange, engine_reference, generate_recording, running_group
 from tests.mesh_harness import MeshProcesses
-from tests.test_mesh_v4 import CONTEXT, PROMPT, build_v4_folder
+from tests.support.v4_folder import CONTEXT, PROMPT, build_v4_folder
 from tests.v4_reference import save_random_v4
 
 ATOL = 1e-4

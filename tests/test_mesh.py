@@ -19,8 +19,7 @@ import psutil
 import pytest
 
 from seamline.app import LocalModel
-from seamline.server.demo import memory_cap_gb
-from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, encode_hidden, header
+from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, header
 from seamline.mesh.identity import MeshAuthority
 from seamline.net.frames import FrameError
 from seamline.net.link import Link, LinkClosed
@@ -31,10 +30,10 @@ from tests.mesh_harness import MeshProcesses, at_once
 from tests.tls_peers import member, tls_link
 
 import torch
+from tests.support.mesh import QUESTION, ask, expected_text, start_mesh
+from tests.support.mesh import CONTEXT
 
-QUESTION = "Name three rivers in Europe and one fact about each."
 TOKENS = 48
-CONTEXT = 1024
 RSS_MARGIN = 1.3  # resident memory beyond an idle process: at most 1.3 × the node's weights
 # Stage 0's KV budget: 16 MiB holds 450-990 tokens of 11-24 float32 layers (1536 bytes per layer
 # and token; the two nodes measure alike, so stage 0 gets 15-18): every test's request fits, one
@@ -46,26 +45,6 @@ KV_PER_LAYER_TOKEN = 1536
 @pytest.fixture(scope="module")
 def model() -> LocalModel:
     return LocalModel.load(context=CONTEXT)
-
-
-def expected_text(model: LocalModel, question: str, tokens: int) -> str:
-    ids = model.codec.encode_chat([{"role": "user", "content": question}])
-    params = SamplingParams(max_tokens=tokens, stop_token_ids=model.codec.stop_ids)
-    return model.codec.decode(list(model.engine.generate(ids, params)))
-
-
-def ask(mesh: MeshProcesses, question: str, tokens: int) -> dict:
-    body = {"model": "default", "messages": [{"role": "user", "content": question}],
-            "temperature": 0, "max_tokens": tokens}  # fmt: skip
-    reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=300)
-    assert reply.status_code == 200, reply.text
-    return dict(reply.json())
-
-
-def start_mesh(root: Path, stages: int, *serve_args: str) -> MeshProcesses:
-    mesh = MeshProcesses(root, nodes=stages, node_memory_gb=memory_cap_gb(None, stages, CONTEXT),
-                         serve_args=("--context", str(CONTEXT), *serve_args))  # fmt: skip
-    return mesh.start()
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from seamline.mesh.protocol.invite import Invite
 from seamline.net.tls import TlsSocket
 from tests.mesh_harness import MeshProcesses
 from tests.tls_peers import tls_socket
+from tests.support.mesh import _refused
 
 REPLAY_DEADLINE_S = 3
 CONTEXT = 1024
@@ -47,13 +48,6 @@ def _wait_http(mesh: MeshProcesses) -> httpx.Response:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
-
-
-def _refused(mesh: MeshProcesses, token: str, fragment: str) -> None:
-    proc = mesh.join(f"bad{len(mesh.node_procs)}", token=token)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode != 0
-    assert fragment in stderr and "Traceback" not in stderr, stderr
 
 
 def test_not_ready_until_the_expected_nodes_join(mesh: MeshProcesses) -> None:

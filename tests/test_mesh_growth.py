@@ -17,7 +17,7 @@ import pytest
 
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses
-from tests.test_mesh_heal import REQUESTS, _stream, _until
+from tests.support.heal import REQUESTS, _stream, _until
 
 CONTEXT = 1024
 CORE = {0: ("env", "OMP_NUM_THREADS=1", "taskset", "-c", "0"), 1: ("env", "OMP_NUM_THREADS=1", "taskset", "-c", "1")}

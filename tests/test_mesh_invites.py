@@ -19,7 +19,7 @@ from seamline.mesh.protocol.invite import Invite, proof
 from seamline.mesh.identity import new_key, signing_request
 from seamline.net.messages import PROTOCOL_VERSION, Attach, Challenge, Join, Refuse, Resources
 from tests.mesh_harness import MeshProcesses, seamline_cmd
-from tests.test_mesh_admission import _refused
+from tests.support.mesh import _refused
 from tests.tls_peers import member, mesh_authority, tls_link
 
 

@@ -21,7 +21,7 @@ from seamline.app import LocalModel
 from seamline.server.demo import memory_cap_gb
 from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses, at_once
-from tests.test_mesh_moe import CONTEXT, PROMPT, build_moe_folder
+from tests.support.moe_folder import CONTEXT, PROMPT, build_moe_folder
 
 TOKENS = 24
 

@@ -16,8 +16,8 @@ import pytest
 
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses
-from tests.test_mesh_heal import REQUESTS, _fail_mid_streams, _process, _stream, _until
-from tests.test_mesh_moe import CONTEXT, build_moe_folder
+from tests.support.heal import REQUESTS, _fail_mid_streams, _process, _stream, _until
+from tests.support.moe_folder import CONTEXT, build_moe_folder
 
 NODES = 5
 

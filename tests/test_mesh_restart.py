@@ -18,9 +18,9 @@ from seamline.net.messages import Challenge, Join, Refuse, Rejoin, Resources
 from seamline.params import SamplingParams
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses
-from tests.test_mesh import QUESTION, ask
-from tests.test_mesh_moe import CONTEXT as MOE_CONTEXT
-from tests.test_mesh_moe import build_moe_folder
+from tests.support.mesh import QUESTION, ask
+from tests.support.moe_folder import CONTEXT as MOE_CONTEXT
+from tests.support.moe_folder import build_moe_folder
 from tests.tls_peers import member, tls_link
 
 CONTEXT = 1024

@@ -12,9 +12,9 @@ import pytest
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses
-from tests.test_mesh import QUESTION, ask
+from tests.support.mesh import QUESTION, ask
 from tests.small_disk import grow, small_file_system
-from tests.test_mesh_heal import _until
+from tests.support.heal import _until
 
 CONTEXT = 1024
 

@@ -25,25 +25,10 @@ from seamline.weights.loader import load_stage
 from seamline.weights.safetensors import HFFolderSource
 
 import transformers  # the reference: a test dependency, never skipped
+from tests.support.configs import mixtral_config, qwen3_moe_config
 
 PREFILL, DECODE = 32, 16
 LOGIT_ATOL, LAYER_ATOL = 1e-4, 1e-5
-SMALL = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
-
-
-def mixtral_config() -> Any:
-    return transformers.MixtralConfig(
-        **SMALL, intermediate_size=128, num_hidden_layers=2, num_local_experts=8,
-        num_experts_per_tok=2,
-    )
-
-
-def qwen3_moe_config(norm_topk_prob: bool) -> Any:
-    return transformers.Qwen3MoeConfig(
-        **SMALL, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
-        norm_topk_prob=norm_topk_prob, mlp_only_layers=[1],
-    )
 
 
 def deepseek_config(version: int, **routing: Any) -> Any:

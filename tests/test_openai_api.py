@@ -8,68 +8,20 @@ mid-stream, and reporting that a cancelled request's iterator was closed.
 from __future__ import annotations
 
 import asyncio
-import random
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from seamline.app import LocalModel
 from seamline.errors import SeamlineError
 from seamline.params import SamplingParams
-from seamline.runtime.backend import Backend, LocalBackend, Readiness
-from seamline.server.api_options import ApiLimits
-from seamline.server.openai_api import create_app
-
-NAME = "SmolLM2-135M-Instruct.Q4_1"
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def _bind_free_port() -> socket.socket:
-    """A listening-ready socket on a free port in 20000-30000 (below the ephemeral range)."""
-    for port in random.sample(range(20000, 30000), 50):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.bind(("127.0.0.1", port))
-            return sock
-        except OSError:
-            sock.close()
-    raise RuntimeError("no free port in 20000-30000")
-
-
-@contextmanager
-def serve(backend: Backend, limits: ApiLimits = ApiLimits()) -> Iterator[str]:
-    """Run the API for ``backend`` on a real uvicorn server in a thread; yield its base URL."""
-    sock = _bind_free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, limits=limits), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
-
-
-def client_for(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def chat(client: openai.OpenAI, messages: Any = QUESTION, **fields: Any) -> Any:
-    """``client.chat.completions.create`` with the served model and the capital question by default."""
-    return client.chat.completions.create(**{"model": NAME, "messages": messages, **fields})
+from seamline.runtime.backend import LocalBackend, Readiness
+from tests.support.api import NAME, QUESTION, chat, client_for, serve
 
 
 @pytest.fixture(scope="module")

@@ -27,19 +27,9 @@ from seamline.mesh.plan.types import (
 )
 from seamline.ownership import Ownership
 from seamline.weights.names import stage_plans
+from tests.support.planner import EXACT, MIB, node, spec
 
-MIB = 1 << 20
 GIB = 1 << 30
-EXACT = PlanOptions(context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0, objective="latency")
-
-
-def spec(layers: int, layer: int = 100 * MIB, embed: int = 0, head: int = 0, kv: int = 0,
-         name: str = "m", tied: bool = False) -> ModelSpec:  # fmt: skip
-    return ModelSpec(name, layers, 1024, (layer,) * layers, embed, head, kv, 4096, tied)
-
-
-def node(node_id: str, free: int, rate: float = 1e10) -> NodeInfo:
-    return NodeInfo(node_id, free, rate)
 
 
 def need(model: ModelSpec, options: PlanOptions, s: int, e: int) -> int:

@@ -102,7 +102,7 @@ def test_a_ranks_planned_bytes_are_what_it_loads(tmp_path: Path) -> None:
     from seamline.mesh.plan.groups import group_spec
     from seamline.ownership import rank_ownership
     from seamline.weights.loader import load_stage, open_source
-    from tests.test_deepseek_models import _build as build_deepseek
+    from tests.support.deepseek import _build as build_deepseek
 
     _, built = build_deepseek(tmp_path / "m", "v3")
     source = open_source(built)

@@ -9,8 +9,6 @@ Tolerances (activations are rounded by the fast paths, weights never are):
 
 from __future__ import annotations
 
-import platform
-import shutil
 
 import numpy as np
 import pytest
@@ -23,26 +21,9 @@ from seamline.quant.bench_kernels import KERNEL_TYPES, random_weight
 from seamline.quant.dequant import dequantize, dequantize_rows
 from seamline.quant.matmul import DECODE_ROWS, quant_linear
 from seamline.quant.tensor import QuantTensor
+from tests.support.kernels import ops  # noqa: F401  (the fixture: the kernels must load)
 
 REL_NORM, REL_MAX = 0.015, 0.03
-
-
-def _kernels_expected() -> bool:
-    """The kernels must load wherever they can: x86-64, a compiler, AVX-512 VNNI."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or shutil.which("c++") is None:
-        return False
-    with open("/proc/cpuinfo") as f:
-        return "avx512_vnni" in f.read()
-
-
-@pytest.fixture(scope="module")
-def ops():
-    """The C++ ops: every machine of this project (x86-64, AVX-512 VNNI, a compiler) must load
-    them. The torch path that other CPUs take is tested everywhere (``use_kernels=False``)."""
-    assert _kernels_expected(), "this project's machines have x86-64, a C++ compiler and AVX-512 VNNI"
-    ops = native.kernels()
-    assert ops is not None, "the quant kernels failed to load on a CPU that supports them"
-    return ops
 
 
 def _cols(qtype, blocks: int) -> int:

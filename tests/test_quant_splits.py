@@ -25,7 +25,7 @@ from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import PROMPT, check_group, engine_reference, running_group
 from tests.mesh_harness import split_completion
-from tests.test_deepseek_models import _randomize as randomize
+from tests.support.deepseek import _randomize as randomize
 
 ATOL = 1e-4  # float32 logits of random weights; measured 1.1e-6 to 1.3e-6 (printed by check_group)
 CONTEXT = 256

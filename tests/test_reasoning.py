@@ -14,7 +14,7 @@ from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Readiness
 from seamline.server.reasoning import ThinkSplitter, uses_think_blocks
-from tests.test_openai_api import NAME, client_for, serve
+from tests.support.api import NAME, client_for, serve
 
 CASES = [
     ("<｜Assistant｜><think>\n", "Paris is the capital.</think>\n\nParis.", "Paris is the capital.", "Paris."),

@@ -27,8 +27,8 @@ from seamline.runtime.stage_worker import StageWorker
 from seamline.weights.loader import load_stage, open_source
 from seamline.runtime.stage_rows import Work
 from tests.reference import save_random_model
-from tests.test_batch_step import checkpoint_source
-from tests.test_dense_models import _configs as dense_configs
+from tests.support.configs import checkpoint_source
+from tests.support.configs import _configs as dense_configs
 
 SEQUENCES = 6
 Frames = list[tuple[list[Row], torch.Tensor]]

@@ -18,25 +18,12 @@ import pytest
 import torch
 
 from seamline.app import LocalModel
-from seamline.params import SamplingParams
 from seamline.runtime.grammar import TokenMasks
 from seamline.server.grammars import GrammarCheck
 from seamline.server.openai_schema import ResponseFormat
-from tests.test_openai_api import NAME
-
-PERSON = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "minLength": 1, "maxLength": 16},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"enum": ["Paris", "Rome", "Oslo"]},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
-    },
-    "required": ["name", "age", "city", "tags"],
-    "additionalProperties": False,
-}
-ASK = [{"role": "user", "content": "Describe a person as JSON."}]
-SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+from tests.support.api import NAME
+from tests.support.structured import ASK, SCHEMA_FORMAT, greedy_under_schema
+from tests.support.structured import PERSON
 
 
 def test_json_schema_answers_parse_validate_and_stop_at_temperature_1(client: openai.OpenAI) -> None:
@@ -93,15 +80,6 @@ def test_an_unknown_response_format_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4, response_format={"type": "yaml"})  # type: ignore[arg-type,typeddict-item]
     assert isinstance(caught.value.body, dict) and caught.value.body["param"].startswith("response_format")
-
-
-def greedy_under_schema(model: LocalModel, tokens: int) -> tuple[str, list[int], SamplingParams]:
-    """The one process's greedy answer under ``SCHEMA_FORMAT`` (the splits' tests in
-    test_api_sampling.py compare theirs with it), its prompt and its parameters."""
-    grammar = GrammarCheck(model.codec).response_format(ResponseFormat.model_validate(SCHEMA_FORMAT))
-    params = SamplingParams(max_tokens=tokens, grammar=grammar, stop_token_ids=tuple(model.codec.stop_ids))
-    prompt = model.codec.encode_chat(ASK)
-    return model.codec.decode(list(model.engine.generate(prompt, params))), prompt, params
 
 
 def test_a_matcher_follows_the_output_it_is_given_replays_included(model: LocalModel) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -21,9 +20,9 @@ from tokenizers import Tokenizer
 from seamline.app import LocalModel
 from seamline.runtime.backend import LocalBackend
 from seamline.server.tools import DeepSeekFormat, HermesFormat, ToolCall, ToolFormat, ToolStream, tool_format
-from tests.test_openai_api import NAME, client_for, serve
+from tests.support.api import NAME, client_for, serve
+from tests.support.tools import TEMPLATES
 
-TEMPLATES = Path(__file__).parent / "templates"
 WEATHER = {
     "type": "object",
     "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},

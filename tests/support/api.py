@@ -1,0 +1,100 @@
+"""A served OpenAI API in this process, and its client."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import uvicorn
+
+from seamline.net.link import free_port
+from seamline.runtime.backend import Backend
+from seamline.server.api_options import ApiLimits
+from seamline.server.openai_api import create_app
+from tests.mesh_harness import seamline_cmd
+
+NAME = "SmolLM2-135M-Instruct.Q4_1"
+
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _bind_free_port() -> socket.socket:
+    """A listening-ready socket on a free port in 20000-30000 (below the ephemeral range)."""
+    for port in random.sample(range(20000, 30000), 50):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("127.0.0.1", port))
+            return sock
+        except OSError:
+            sock.close()
+    raise RuntimeError("no free port in 20000-30000")
+
+
+@contextmanager
+def serve(backend: Backend, limits: ApiLimits = ApiLimits()) -> Iterator[str]:
+    """Run the API for ``backend`` on a real uvicorn server in a thread; yield its base URL."""
+    sock = _bind_free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, limits=limits), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+
+def client_for(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat(client: openai.OpenAI, messages: Any = QUESTION, **fields: Any) -> Any:
+    """``client.chat.completions.create`` with the served model and the capital question by default."""
+    return client.chat.completions.create(**{"model": NAME, "messages": messages, **fields})
+
+
+def _start(tmp: Path, *args: str, env_key: str | None = None, scheme: str = "http",
+           verify: ssl.SSLContext | bool = True) -> tuple[subprocess.Popen[str], str]:  # fmt: skip
+    port = free_port()
+    env = {**os.environ, "SEAMLINE_CACHE": str(tmp / "cache")}
+    env.pop("SEAMLINE_API_KEY", None)
+    if env_key:
+        env["SEAMLINE_API_KEY"] = env_key
+    proc = subprocess.Popen(seamline_cmd("serve", "--single", "--port", str(port), "--precision", "exact", *args), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    url = f"{scheme}://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        try:
+            if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.2)
+
+
+def _stop(proc: subprocess.Popen[str]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()

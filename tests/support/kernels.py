@@ -1,0 +1,28 @@
+"""The quant kernels' fixture: they must load on every machine of this project."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+
+from seamline.quant import native
+
+
+def _kernels_expected() -> bool:
+    """The kernels must load wherever they can: x86-64, a compiler, AVX-512 VNNI."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or shutil.which("c++") is None:
+        return False
+    with open("/proc/cpuinfo") as f:
+        return "avx512_vnni" in f.read()
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The C++ ops: every machine of this project (x86-64, AVX-512 VNNI, a compiler) must load
+    them. The torch path that other CPUs take is tested everywhere (``use_kernels=False``)."""
+    assert _kernels_expected(), "this project's machines have x86-64, a C++ compiler and AVX-512 VNNI"
+    ops = native.kernels()
+    assert ops is not None, "the quant kernels failed to load on a CPU that supports them"
+    return ops

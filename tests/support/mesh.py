@@ -1,0 +1,43 @@
+"""A mesh of real processes for a test, and what it answers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from seamline.app import LocalModel
+from seamline.params import SamplingParams
+from seamline.server.demo import memory_cap_gb
+from tests.mesh_harness import MeshProcesses
+
+CONTEXT = 1024
+
+QUESTION = "Name three rivers in Europe and one fact about each."
+
+
+def expected_text(model: LocalModel, question: str, tokens: int) -> str:
+    ids = model.codec.encode_chat([{"role": "user", "content": question}])
+    params = SamplingParams(max_tokens=tokens, stop_token_ids=model.codec.stop_ids)
+    return model.codec.decode(list(model.engine.generate(ids, params)))
+
+
+def ask(mesh: MeshProcesses, question: str, tokens: int) -> dict:
+    body = {"model": "default", "messages": [{"role": "user", "content": question}],
+            "temperature": 0, "max_tokens": tokens}  # fmt: skip
+    reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    return dict(reply.json())
+
+
+def start_mesh(root: Path, stages: int, *serve_args: str) -> MeshProcesses:
+    mesh = MeshProcesses(root, nodes=stages, node_memory_gb=memory_cap_gb(None, stages, CONTEXT),
+                         serve_args=("--context", str(CONTEXT), *serve_args))  # fmt: skip
+    return mesh.start()
+
+
+def _refused(mesh: MeshProcesses, token: str, fragment: str) -> None:
+    proc = mesh.join(f"bad{len(mesh.node_procs)}", token=token)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert fragment in stderr and "Traceback" not in stderr, stderr
