@@ -88,3 +88,26 @@ def test_no_test_imports_another_test_file() -> None:
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             reaching += [f"{path.name} imports {n}" for n in names if n.split(".")[-1].startswith("test_")]
     assert (tests / "support").is_dir() and not reaching, reaching
+
+
+def _readme_table() -> dict[str, set[str] | None]:
+    """The README's "may import" table: package -> what it may import (None: anything)."""
+    readme = (ROOT.parent / "README.md").read_text()
+    table: dict[str, set[str] | None] = {}
+    for line in readme.split("| package | may import |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        allowed = cells[1].split("(")[0].strip()
+        for package in (p.strip().strip("`") for p in cells[0].split(",")):
+            table[package] = None if allowed == "anything" else (
+                set() if allowed == "nothing of seamline" else {a.strip() for a in allowed.split(",")})
+    return table
+
+
+def test_the_readme_says_what_each_package_may_import() -> None:
+    graph, table = _imports(), _readme_table()
+    packages = {_package(".".join(("seamline", *p.relative_to(ROOT).with_suffix("").parts)))
+                for p in ROOT.rglob("*.py") if p.name != "__init__.py"}  # fmt: skip
+    assert packages == set(table), f"the README's table lacks {packages - set(table)}, has gone {set(table) - packages}"
+    for package, allowed in table.items():
+        if allowed is not None:
+            assert graph[package] <= allowed, f"{package} imports {sorted(graph[package] - allowed)} beyond the README"
