@@ -103,33 +103,60 @@ def test_stop_token_and_context_end_finish_a_sequence(tmp_path: Path) -> None:
     assert stopped.cache is None and cut.cache is None
 
 
+def _held(scheduler: Scheduler) -> int:
+    """The bytes the running sequences' caches and the kept prefixes take, as allocated."""
+    return sum(s.cache.nbytes() for s in scheduler.running if s.cache is not None) + scheduler.prefix.held_bytes()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
 def test_a_full_kv_budget_preempts_and_recomputes_without_changing_any_token(temperature: float,
                                                                              tmp_path: Path) -> None:  # fmt: skip
-    """A budget that holds every prompt but not every sequence grown to its end: sequences are
-    admitted as they fit now, the newest is preempted when the next step would not fit, and
-    readmitted it recomputes its history; every sequence's tokens equal its run alone, and
-    the memory held never exceeds the budget. A request that could not fit even alone is
-    refused and leaves nothing behind."""
+    """A budget that holds every prompt's first buffer (256 positions) but not every cache grown
+    past it: sequences are admitted as they fit now, the newest is preempted when the next step
+    would not fit, and readmitted it recomputes its history; every sequence's tokens equal its
+    run alone, and the memory the caches take never exceeds the budget. A request that could
+    not fit even alone is refused and leaves nothing behind."""
     stage = _stage("dense", tmp_path)
-    prompts = _prompts(256)[:4]
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=NEW_TOKENS) for i in range(4)]
-    probe = Scheduler(stage, context_length=512)
-    budget = (sum(len(p) for p in prompts) + NEW_TOKENS) * probe.kv_bytes_per_token  # one can grow to its end
-    scheduler = Scheduler(stage, context_length=512, kv_budget_bytes=budget)
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (250, 241, 246, 238)]
+    new_tokens = 24  # each cache grows past 256 positions, to its prompt + max_tokens
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=new_tokens) for i in range(4)]
+    probe = Scheduler(stage, context_length=2048)
+    budget = (4 * 256 + new_tokens) * probe.kv_bytes_per_token  # every first buffer, one cache grown
+    scheduler = Scheduler(stage, context_length=2048, kv_budget_bytes=budget)
     sequences = [scheduler.add(p, q) for p, q in zip(prompts, params)]
     scheduler.step()
     assert scheduler.running == sequences  # every prompt fits now
     while not scheduler.idle:
         scheduler.step()
-        assert sum(s.cached for s in scheduler.running) * probe.kv_bytes_per_token <= budget
+        assert _held(scheduler) <= budget
     assert scheduler.preemptions > 0
-    engine = Engine(stage, 512)
+    engine = Engine(stage, 2048)
     for sequence, prompt, q in zip(sequences, prompts, params):
         assert sequence.tokens == list(engine.generate(prompt, q)), sequence.id
     with pytest.raises(RequestError, match="MiB of KV cache"):
         scheduler.add(prompts[1], SamplingParams(max_tokens=budget // probe.kv_bytes_per_token))
     assert scheduler.idle  # the refused request left nothing behind
+
+
+def test_many_short_sequences_hold_no_more_memory_than_the_budget(tmp_path: Path) -> None:
+    """A cache's buffers start at 256 positions: counted by tokens, 40 sequences of ~20
+    positions under a budget of 8 such sequences held 256-position buffers each, many times the
+    budget. Counted as allocated (each cache bounded by its prompt + max_tokens), the memory
+    held stays within the budget at every step, and every request still ends."""
+    stage = _stage("dense", tmp_path)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in torch.randint(6, 13, (40,), generator=gen)]
+    probe = Scheduler(stage, context_length=2048)
+    budget = 8 * (12 + 8) * probe.kv_bytes_per_token
+    scheduler = Scheduler(stage, context_length=2048, kv_budget_bytes=budget)
+    sequences = [scheduler.add(p, SamplingParams(max_tokens=8)) for p in prompts]
+    most = 0
+    while not scheduler.idle:
+        scheduler.step()
+        most = max(most, len(scheduler.running))
+        assert _held(scheduler) <= budget
+    assert most >= 8 and all(s.finish_reason in ("stop", "length") for s in sequences)
 
 
 def test_a_shared_prompt_prefix_is_copied_not_recomputed(tmp_path: Path) -> None:

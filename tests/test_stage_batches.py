@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from seamline.config import kv_bytes_per_token
-from seamline.model.cache import MIN_CAPACITY
 from seamline.ownership import Ownership
 from seamline.mesh.node.private_tail import pair
 from seamline.model.stage import Stage
@@ -209,14 +208,15 @@ class TwoStages:
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
 def test_a_full_kv_budget_preempts_across_stages_without_changing_any_token(temperature: float,
                                                                             tmp_path: Path) -> None:  # fmt: skip
-    """Two stages wired in one process, stage 0 with a KV budget that holds every prompt but
-    not every sequence grown to its end: stage 0 preempts, the sequence starts over at position
-    0 on both stages, and every sequence's tokens equal its run on the whole model alone."""
+    """Two stages wired in one process, stage 0 with a KV budget that holds every prompt's first
+    buffer (256 positions) but not every cache grown past it: stage 0 preempts, the sequence
+    starts over at position 0 on both stages, and every sequence's tokens equal its run on the
+    whole model alone."""
     first, second = _stages(tmp_path)
-    new_tokens = 12
-    prompts = [[(5 * r + 3 * i) % 200 + 3 for i in range(6 + 5 * r)] for r in range(4)]
+    new_tokens = 24  # each cache grows past 256 positions, to its prompt + max_tokens
+    prompts = [[(5 * r + 3 * i) % 200 + 3 for i in range(238 + 4 * r)] for r in range(4)]
     per_token = kv_bytes_per_token(first.config, 4) * len(first.layers)  # float32, stage 0's layers
-    budget = (sum(len(p) for p in prompts) + new_tokens) * per_token
+    budget = (4 * 256 + new_tokens) * per_token  # every first buffer, one cache grown
     mesh = TwoStages(first, second, budget)
     params = [SamplingParams(temperature=temperature, seed=r, max_tokens=new_tokens) for r in range(len(prompts))]
     mesh.generate({r: (prompt, p) for r, (prompt, p) in enumerate(zip(prompts, params))})
@@ -239,9 +239,11 @@ def test_prompts_that_begin_alike_share_the_prefix_on_every_stage(tmp_path: Path
     assert head is not None
     head.share_prefixes(True)
     system = [(11 * i) % 200 + 3 for i in range(30)]
-    # room for one request's cache: its buffers hold MIN_CAPACITY positions, and the bound counts buffers
-    head.scheduler.prefix.capacity_bytes = int(1.5 * MIN_CAPACITY * head.scheduler.kv_bytes_per_token)
     params = SamplingParams(max_tokens=6)
+    # room for one request's cache: its buffers hold its prompt + max_tokens positions (under
+    # MIN_CAPACITY), and the bound counts buffers
+    positions = len(system) + 3 + params.max_tokens
+    head.scheduler.prefix.capacity_bytes = int(1.5 * positions * head.scheduler.kv_bytes_per_token)
     prompts = {0: system + [5, 6], 1: system + [9, 10, 11], 2: system + [7], 3: system + [7]}
     mesh.generate({0: (prompts[0], params)})
     mesh.generate({r: (prompts[r], params) for r in (1, 2, 3)})

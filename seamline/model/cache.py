@@ -15,20 +15,32 @@ import torch
 MIN_CAPACITY = 256
 
 
+def grown(capacity: int, end: int, limit: int | None = None) -> int:
+    """The positions a buffer of ``capacity`` positions holds once it holds ``end``: as it is
+    while it has room, else at least ``MIN_CAPACITY`` and twice what it was, but no more than
+    ``limit`` (the most its sequence may need; never fewer than ``end``). The scheduler counts
+    a sequence's memory by this rule, so that its budget bounds what the buffers take."""
+    if capacity >= end:
+        return capacity
+    wanted = max(end, MIN_CAPACITY, 2 * capacity)
+    return wanted if limit is None else max(end, min(wanted, limit))
+
+
 class LayerKV:
     """Two growable buffers (keys, values), indexed by position along dim 1."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
+        self.limit = limit  # the most positions its sequence may need (None: unbounded)
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, start: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v ([heads, T, dim]) at positions [start, start+T); return [heads, :start+T, dim]."""
         end = start + k.shape[1]
-        self.k = _fit(self.k, k, end)
-        self.v = _fit(self.v, v, end)
+        self.k = _fit(self.k, k, end, self.limit)
+        self.v = _fit(self.v, v, end, self.limit)
         self.k[:, start:end] = k
         self.v[:, start:end] = v
         return self.k[:, :end], self.v[:, :end]
@@ -37,34 +49,46 @@ class LayerKV:
         """The whole buffers [heads, capacity >= end, dim], for a kernel that writes them itself."""
         if self.k is None or self.v is None or self.k.shape[1] < end:
             like = torch.empty(heads, 0, dim, dtype=dtype)
-            self.k, self.v = _fit(self.k, like, end), _fit(self.v, like, end)
+            self.k, self.v = _fit(self.k, like, end, self.limit), _fit(self.v, like, end, self.limit)
         return self.k, self.v
 
-    def fork(self, length: int) -> LayerKV:
-        """A new pair holding a copy of positions [0, length) (a shared prompt prefix)."""
-        twin = LayerKV()
+    def fork(self, length: int, limit: int | None = None) -> LayerKV:
+        """A new pair holding a copy of positions [0, length) (a shared prompt prefix), bounded
+        by ``limit``."""
+        twin = LayerKV(limit)
         if self.k is not None and self.v is not None and length > 0:
-            twin.k, twin.v = _fit(None, self.k, length), _fit(None, self.v, length)
+            twin.k, twin.v = _fit(None, self.k, length, limit), _fit(None, self.v, length, limit)
             twin.k[:, :length] = self.k[:, :length]
             twin.v[:, :length] = self.v[:, :length]
         return twin
 
 
-def _fit(buf: torch.Tensor | None, like: torch.Tensor, end: int) -> torch.Tensor:
+def _fit(buf: torch.Tensor | None, like: torch.Tensor, end: int, limit: int | None) -> torch.Tensor:
     if buf is not None and buf.shape[1] >= end:
         return buf
-    capacity = max(end, MIN_CAPACITY, 2 * (buf.shape[1] if buf is not None else 0))
-    grown = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
+    capacity = grown(buf.shape[1] if buf is not None else 0, end, limit)
+    bigger = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
     if buf is not None:
-        grown[:, : buf.shape[1]] = buf
-    return grown
+        bigger[:, : buf.shape[1]] = buf
+    return bigger
 
 
 class SequenceCache:
     """The KV state of one sequence for the layers one process owns."""
 
-    def __init__(self, layers: range) -> None:
-        self.layers = {i: LayerKV() for i in layers}
+    def __init__(self, layers: range, limit: int | None = None) -> None:
+        self.limit = limit
+        self.layers = {i: LayerKV(limit) for i in layers}
+
+    def bound(self, positions: int) -> None:
+        """Never grow past ``positions`` (the most its sequence may need: prompt + max_tokens)."""
+        self.limit = positions
+        for kv in self.layers.values():
+            kv.limit = positions
+
+    def capacity(self) -> int:
+        """The positions its buffers hold (0 before its first write)."""
+        return max((kv.k.shape[1] for kv in self.layers.values() if kv.k is not None), default=0)
 
     def layer(self, index: int) -> LayerKV:
         return self.layers[index]
@@ -73,10 +97,11 @@ class SequenceCache:
         """Bytes its buffers take (their capacity, not only the positions written)."""
         return sum(t.nbytes for kv in self.layers.values() for t in (kv.k, kv.v) if t is not None)
 
-    def fork(self, length: int) -> SequenceCache:
-        """A new cache starting with a copy of this one's positions [0, length)."""
-        twin = SequenceCache(range(0))
-        twin.layers = {i: kv.fork(length) for i, kv in self.layers.items()}
+    def fork(self, length: int, limit: int | None = None) -> SequenceCache:
+        """A new cache starting with a copy of this one's positions [0, length), bounded by
+        ``limit`` (see ``bound``)."""
+        twin = SequenceCache(range(0), limit)
+        twin.layers = {i: kv.fork(length, limit) for i, kv in self.layers.items()}
         return twin
 
 

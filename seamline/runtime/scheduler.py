@@ -4,8 +4,11 @@ A step carries the decode row of every sequence past its prompt, then chunks of 
 still being prefilled, first come first served, up to ``max_step_tokens`` rows; one forward
 (``Stage.forward_batch``) runs them all. Sequences join and leave at step boundaries: a
 waiting sequence is admitted, in arrival order, when fewer than ``max_running`` hold a cache
-and the KV memory it will hold after its next step (a position per token it knows) fits in what the
-running ones leave of ``kv_budget_bytes``; a finished one frees its cache at once.
+and the KV memory it will hold after its next step fits in what the running ones leave of
+``kv_budget_bytes``; a finished one frees its cache at once. Memory is counted as allocated: a
+cache's buffers hold at least 256 positions and double as they grow (``model/cache.grown``),
+never past the sequence's prompt + max_tokens, and the budget counts those buffers, so that it
+bounds the memory the caches take however short the sequences.
 
 Preemption. Running sequences grow a position per step; when the next step would not fit the
 budget, the newest running sequence is preempted (as vLLM's recompute): its cache is freed and
@@ -44,7 +47,7 @@ import torch
 
 from seamline.errors import OverloadedError, RequestError
 from seamline.config import kv_bytes_per_token
-from seamline.model.cache import SequenceCache, Span
+from seamline.model.cache import SequenceCache, Span, grown
 from seamline.model.stage import Stage
 from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
@@ -162,6 +165,7 @@ class Scheduler:
         dtype_bytes = torch.finfo(stage.compute_dtype).bits // 8
         self.kv_bytes_per_token = kv_bytes_per_token(stage.config, dtype_bytes) * len(stage.layers)
         self.cache_bytes: Callable[[int], int] = stage.cache_bytes  # what a sequence of so many tokens holds
+        self.counts_capacity = isinstance(stage, Stage)  # its caches are buffers here, bounded per sequence
         self.prefix = PrefixCache(prefix_cache_bytes if stage.forks_caches else 0, self.kv_bytes_per_token, self._free)
         self.on_free: Callable[[object, bool], None] = lambda cache, for_good: None  # False: preempted
         self.waiting: deque[SequenceState] = deque()
@@ -171,15 +175,26 @@ class Scheduler:
         self.decode_seconds = 0.0
         self.masks = masks  # a grammar's tokens, where this process has the tokenizer
 
+    def kv_positions(self, sequence: SequenceState) -> int:
+        """The most positions ``sequence`` may need: prompt + max_tokens, within the context
+        (its cache never grows past them)."""
+        return min(len(sequence.prompt) + sequence.params.max_tokens, self.context_length)
+
     def kv_reserve(self, sequence: SequenceState) -> int:
-        """The KV bytes ``sequence`` may grow to: prompt + max_tokens, within the context."""
-        tokens = min(len(sequence.prompt) + sequence.params.max_tokens, self.context_length)
-        return self.cache_bytes(tokens)
+        """The KV bytes ``sequence`` may grow to."""
+        return self.cache_bytes(self.kv_positions(sequence))
 
     def kv_held(self, sequence: SequenceState) -> int:
-        """The KV bytes ``sequence`` holds once its next step is done: a position for every
-        token it knows (the prompt, or its last generated token, computed by that step)."""
+        """The KV bytes ``sequence`` holds once its next step is done, as allocated: its cache's
+        buffers grown (by the cache's rule, within the sequence's bound) to a position for every
+        token it knows (the prompt, or its last generated token, computed by that step). A
+        lockstep group's or DeepSeek-V4's caches, which this process does not allocate as
+        buffers it sees, count their tokens."""
         tokens = min(len(sequence.prompt) + len(sequence.tokens), self.context_length)
+        if self.counts_capacity:
+            cache = sequence.cache
+            capacity = cache.capacity() if isinstance(cache, SequenceCache) else 0
+            tokens = grown(capacity, tokens, self.kv_positions(sequence))
         return self.cache_bytes(tokens)
 
     def kv_used(self) -> int:
@@ -301,11 +316,14 @@ class Scheduler:
         for other in self.running:
             if other.cache is not None and (n := common_prefix(other.known(0, other.cached), wanted)) > shared:
                 donor, shared = other.cache, n
+        bound = self.kv_positions(sequence)
         if self.forks and isinstance(donor, SequenceCache) and shared > 0:  # a lockstep group's are not copied
-            sequence.cache, sequence.cached, sequence.donor = donor.fork(shared), shared, donor
+            sequence.cache, sequence.cached, sequence.donor = donor.fork(shared, bound), shared, donor
         else:
             sequence.cache, sequence.cached = self.stage.new_cache(greedy=sequence.params.argmax_only), 0
             sequence.donor = None
+            if isinstance(sequence.cache, SequenceCache):
+                sequence.cache.bound(bound)
 
     def _plan(self, ready: Ready, max_decode_rows: int | None) -> Batch:
         """Decode rows first (one each), then prompt chunks in arrival order, within the budget."""
