@@ -140,10 +140,10 @@ def generate_recording(group: LockstepGroup, prompt: list[int],
 def check_rewind(group: LockstepGroup, prompt: list[int], token: int) -> None:
     """A decode rewound and run again recomputes the same logits, bit for bit."""
     seq = group.create()
-    group.prefill(seq, prompt)
-    first = group.decode(seq, token, len(prompt))
+    group.run(seq, 0, torch.tensor(prompt))
+    first = group.run(seq, len(prompt), torch.tensor([token]))
     group.rewind(seq, len(prompt))
-    torch.testing.assert_close(group.decode(seq, token, len(prompt)), first, atol=0, rtol=0)
+    torch.testing.assert_close(group.run(seq, len(prompt), torch.tensor([token])), first, atol=0, rtol=0)
     group.destroy(seq)
 
 

@@ -360,20 +360,6 @@ class LockstepGroup:
         self.call(CREATE, seq, flags=GREEDY if greedy and self.greedy_exchange else 0)
         return seq
 
-    def prefill(self, seq: int, ids: list[int], start: int = 0) -> torch.Tensor:
-        """Prefill in chunks; the logits [vocab] of the last position."""
-        logits = None
-        for at in range(0, len(ids), PREFILL_CHUNK):
-            logits = self.call(PREFILL, seq, start + at, ids[at : at + PREFILL_CHUNK])
-        if logits is None:
-            raise RequestError("the prompt is empty")
-        return logits
-
-    def decode(self, seq: int, token: int, position: int) -> torch.Tensor:
-        logits = self.call(DECODE, seq, position, [token])
-        assert logits is not None
-        return logits
-
     def run(self, seq: int, position: int, inputs: torch.Tensor | HiddenWithIds) -> torch.Tensor:
         """One forward of ``inputs`` (ids or hidden states) at ``position`` on every rank."""
         out = self.call(DECODE if input_rows(inputs) == 1 else PREFILL, seq, position, inputs)
