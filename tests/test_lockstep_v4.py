@@ -45,10 +45,10 @@ def test_v4_group_of_two_ranks_equals_the_engine(tmp_path: Path) -> None:
         group.greedy_exchange = True
         check_greedy_exchange(group, ref, ATOL)
         seq = group.create()
-        group.prefill(seq, IDS)
+        group.run(seq, 0, torch.tensor(IDS))
         with pytest.raises(RequestError, match="cannot be rewound"):
             group.rewind(seq, 3)
-        after = group.decode(seq, ref.tokens[0], len(IDS))  # the group stays in step after the refusal
+        after = group.run(seq, len(IDS), torch.tensor([ref.tokens[0]]))  # the group stays in step after the refusal
         torch.testing.assert_close(after, ref.logits[1], rtol=0, atol=ATOL)
 
 
