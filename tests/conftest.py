@@ -1,15 +1,18 @@
-"""Fixtures shared by the API tests: the embedded model, loaded once per module, and the real
+"""Fixtures shared by the tests: the embedded model, loaded once per module, and the real
 openai client against a real server on it (test_openai_api.py and test_mesh.py keep their own:
-theirs differ)."""
+theirs differ); the quant kernels (``ops``), which must load on every machine of this project."""
 
 from __future__ import annotations
 
+import platform
+import shutil
 from collections.abc import Iterator
 
 import openai
 import pytest
 
 from seamline.app import LocalModel
+from seamline.quant import native
 from seamline.runtime.backend import LocalBackend
 from tests.support.api import NAME, client_for, serve
 
@@ -23,3 +26,21 @@ def model() -> LocalModel:
 def client(model: LocalModel) -> Iterator[openai.OpenAI]:
     with serve(LocalBackend(model.engine, model.codec, NAME)) as url:
         yield client_for(url)
+
+
+def _kernels_expected() -> bool:
+    """The kernels must load wherever they can: x86-64, a compiler, AVX-512 VNNI."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or shutil.which("c++") is None:
+        return False
+    with open("/proc/cpuinfo") as f:
+        return "avx512_vnni" in f.read()
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """The C++ ops: every machine of this project (x86-64, AVX-512 VNNI, a compiler) must load
+    them. The torch path that other CPUs take is tested everywhere (``use_kernels=False``)."""
+    assert _kernels_expected(), "this project's machines have x86-64, a C++ compiler and AVX-512 VNNI"
+    ops = native.kernels()
+    assert ops is not None, "the quant kernels failed to load on a CPU that supports them"
+    return ops

@@ -21,10 +21,10 @@ import torch
 
 from seamline.net.link import free_port
 from seamline.parallel.comm import Transport
-from seamline.runtime.lockstep_group import DECODE, PREFILL, LockstepGroup, LockstepRank
+from seamline.params import SamplingParams
 from seamline.runtime.engine import PREFILL_CHUNK, Engine
 from seamline.runtime.group_stage import LockstepStage
-from seamline.params import SamplingParams
+from seamline.runtime.lockstep_group import DECODE, PREFILL, LockstepGroup, LockstepRank
 
 STEPS = 64
 ATOL = 1e-4  # random checkpoints (small activations), fp32

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from seamline.ownership import Ownership
 from seamline.model.stage import Stage
+from seamline.ownership import Ownership
 from seamline.weights.loader import load_stage, open_source
 
 PREFILL = 32

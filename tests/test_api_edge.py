@@ -27,8 +27,7 @@ from seamline.params import MAX_LOGIT_BIAS
 from seamline.runtime.backend import LocalBackend
 from seamline.server.bodies import encode_within
 from tests.mesh_harness import MeshProcesses
-from tests.support.api import _start, _stop
-from tests.support.api import NAME, chat, client_for, serve
+from tests.support.api import NAME, chat, client_for, serve, start_server, stop_server
 from tests.support.tools import TEMPLATES
 
 MB = 1 << 20
@@ -164,7 +163,7 @@ def test_administration_checks_its_key_before_reading_a_body_and_caps_it(coordin
 
 
 def test_health_answers_while_a_15_mb_prompt_is_parsed_and_memory_stays_bounded(tmp_path: Path) -> None:
-    proc, url = _start(tmp_path)
+    proc, url = start_server(tmp_path)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         client.completions.create(model="default", prompt="Hello", max_tokens=1)  # warm
@@ -194,7 +193,7 @@ def test_health_answers_while_a_15_mb_prompt_is_parsed_and_memory_stays_bounded(
         assert slowest < 1.0, f"/health took {slowest:.2f} s while large prompts were parsed"
         assert grown[0] < 250, f"four 15 MB prompts grew the server's memory by {grown[0]:.0f} MiB"
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 # --- a client that left before its first token ------------------------------------------------

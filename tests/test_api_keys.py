@@ -21,7 +21,7 @@ from cryptography.x509.oid import NameOID
 from seamline.net.link import free_port
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import seamline_cmd
-from tests.support.api import _start, _stop
+from tests.support.api import start_server, stop_server
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ARGV_KEY, FILE_KEY, ENV_KEY = "key-from-argv", "key-from-file", "key-from-env"
@@ -31,13 +31,13 @@ ARGV_KEY, FILE_KEY, ENV_KEY = "key-from-argv", "key-from-file", "key-from-env"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("keys")
     (tmp / "keys.txt").write_text(f"# one key per line\n{FILE_KEY}\n\n")
-    proc, url = _start(tmp, "--api-key", ARGV_KEY, "--api-key-file", str(tmp / "keys.txt"),
+    proc, url = start_server(tmp, "--api-key", ARGV_KEY, "--api-key-file", str(tmp / "keys.txt"),
                        "--max-prompt-tokens", "60", "--max-concurrent-per-key", "1", "--max-body-mb", "0.01",
                        env_key=ENV_KEY)  # fmt: skip
     try:
         yield url
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def _client(url: str, key: str, **kwargs: object) -> openai.OpenAI:

@@ -17,8 +17,8 @@ import torch
 
 from seamline.errors import RequestError
 from seamline.model.stage import Stage
-from seamline.runtime.engine import Engine
 from seamline.params import SamplingParams
+from seamline.runtime.engine import Engine
 from seamline.runtime.scheduler import Scheduler, SequenceState
 from seamline.weights.loader import load_stage
 from tests.support.configs import checkpoint_source

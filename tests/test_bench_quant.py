@@ -15,7 +15,13 @@ import pytest
 
 from seamline.app import default_model_path
 from seamline.bench import llama_server
-from seamline.bench.llama_server import CMAKE_FLAGS, LlamaBuild, build_key, llama_cpp_build, server_command
+from seamline.bench.llama_server import (
+    CMAKE_FLAGS,
+    LlamaBuild,
+    build_key,
+    llama_cpp_build,
+    server_command,
+)
 from seamline.bench.quant import PARTIES, TARGETS, _bench_model, targets_met
 from seamline.text import TextCodec
 

@@ -14,7 +14,13 @@ from seamline.app import default_model_path
 from seamline.bench import throughput
 from seamline.bench.load import make_prompts
 from seamline.bench.servers import Server, start_single
-from seamline.bench.throughput import engine_decode_rate, plan_parties, prompts_file, seamline_env, wave
+from seamline.bench.throughput import (
+    engine_decode_rate,
+    plan_parties,
+    prompts_file,
+    seamline_env,
+    wave,
+)
 from seamline.bench.throughput_result import TARGETS, result
 from seamline.precision import int8_kernels_here
 from seamline.text import TextCodec

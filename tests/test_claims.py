@@ -10,7 +10,12 @@ import time
 
 import torch
 
-from seamline.mesh.protocol.claims import SpeedCheck, block_sums, expected_sums, probe_matrix
+from seamline.mesh.protocol.claims import (
+    SpeedCheck,
+    block_sums,
+    expected_sums,
+    probe_matrix,
+)
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import SpeedProbe, SpeedReady, SpeedSums
 

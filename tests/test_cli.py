@@ -89,9 +89,9 @@ def test_serve_single_answers_concurrent_clients() -> None:
     import httpx
     import openai
 
-    from tests.support.api import _bind_free_port
+    from tests.support.api import bind_free_port
 
-    probe = _bind_free_port()
+    probe = bind_free_port()
     port = probe.getsockname()[1]
     probe.close()
     proc = subprocess.Popen([sys.executable, "-m", "seamline.cli", "serve", "--single", "--port", str(port)],

@@ -15,7 +15,14 @@ import torch
 
 from seamline.net.link import free_port
 from seamline.parallel import CommError, DesyncError, GateTag, SingleComm, make_comm
-from seamline.parallel.tcp_comm import GATE, GATE_MAGIC, HELLO, HELLO_MAGIC, VERSION, TcpComm
+from seamline.parallel.tcp_comm import (
+    GATE,
+    GATE_MAGIC,
+    HELLO,
+    HELLO_MAGIC,
+    VERSION,
+    TcpComm,
+)
 
 # Fresh processes forked from a server that has imported torch once (saves ~3 s per rank
 # over "spawn"); no parent state or threads are inherited.

@@ -19,8 +19,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 from seamline.app import LocalModel
 from seamline.runtime.backend import LocalBackend
 from seamline.server.api_options import ApiLimits
-from tests.support.mesh import start_mesh
 from tests.support.api import NAME
+from tests.support.mesh import start_mesh
 
 BROWSER, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 

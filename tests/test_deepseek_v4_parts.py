@@ -36,7 +36,9 @@ def _ours(module: torch.nn.Module, reference: torch.nn.Module) -> torch.nn.Modul
 
 
 def test_the_mixes_equal_the_reference(config) -> None:  # type: ignore[no-untyped-def]
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4HyperConnection,
+    )
 
     reference = _randomised(DeepseekV4HyperConnection(config).float(), 1)
     ours = _ours(HyperConnection(HIDDEN, STREAMS, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps), reference)
@@ -71,7 +73,10 @@ def test_the_first_residual_is_one_copy_of_the_embedding_per_stream() -> None:
 def test_v4_routing_equals_the_reference(config, hashed: bool) -> None:  # type: ignore[no-untyped-def]
     """sqrt(softplus) scores; top-k of the scores plus the correction bias (``noaux_tc`` over one
     group), or the experts a token's id selects in ``tid2eid``; weights normalised and scaled."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter, DeepseekV4TopKRouter
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4HashRouter,
+        DeepseekV4TopKRouter,
+    )
 
     from seamline.config import ModelConfig
     from seamline.model.moe import check_routing, route
@@ -152,7 +157,9 @@ def _attention_pair(config):  # type: ignore[no-untyped-def]
 
 
 def _reference_attention(reference, config, x: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4RotaryEmbedding,
+    )
 
     tokens = x.shape[0]
     positions = torch.arange(tokens).unsqueeze(0)

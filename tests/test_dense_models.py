@@ -8,15 +8,21 @@ import pytest
 import torch
 
 from seamline.weights.loader import load_stage, open_source
-from tests.reference import random_ids, reference_logits, save_random_model, seamline_logits, split_logits
-from tests.support.configs import _configs
+from tests.reference import (
+    random_ids,
+    reference_logits,
+    save_random_model,
+    seamline_logits,
+    split_logits,
+)
+from tests.support.configs import dense_configs
 
 ATOL = 1e-4
 
 
-@pytest.mark.parametrize("name", list(_configs()))
+@pytest.mark.parametrize("name", list(dense_configs()))
 def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
-    model = save_random_model(_configs()[name], tmp_path)
+    model = save_random_model(dense_configs()[name], tmp_path)
     stage = load_stage(open_source(tmp_path))
     ids = random_ids(256)
     expected = reference_logits(model, ids)
@@ -27,7 +33,7 @@ def test_logits_match_transformers(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("cut", [1, 2])
 def test_stage_split_equals_whole(cut: int, tmp_path: Path) -> None:
-    model = save_random_model(_configs()["qwen2"], tmp_path)
+    model = save_random_model(dense_configs()["qwen2"], tmp_path)
     ids = random_ids(256)
     whole = seamline_logits(load_stage(open_source(tmp_path)), ids)
     torch.testing.assert_close(split_logits(tmp_path, cut, ids), whole, atol=1e-5, rtol=0)
@@ -37,7 +43,7 @@ def test_stage_split_equals_whole(cut: int, tmp_path: Path) -> None:
 def test_vocab_shards_concatenate_to_full_head(tmp_path: Path) -> None:
     from seamline.ownership import Ownership
 
-    save_random_model(_configs()["llama-tied"], tmp_path)
+    save_random_model(dense_configs()["llama-tied"], tmp_path)
     source = open_source(tmp_path)
     ids = random_ids(256)
     whole = seamline_logits(load_stage(source), ids)
@@ -50,7 +56,7 @@ def test_vocab_shards_concatenate_to_full_head(tmp_path: Path) -> None:
 def test_stage_allocates_only_owned_layers(tmp_path: Path) -> None:
     from seamline.ownership import Ownership
 
-    save_random_model(_configs()["llama"], tmp_path)
+    save_random_model(dense_configs()["llama"], tmp_path)
     stage = load_stage(open_source(tmp_path), Ownership(layers=(1, 2)))
     assert list(stage.layers.keys()) == ["1"]
     assert stage.embed is None and stage.head is None

@@ -24,7 +24,12 @@ import torch
 
 from seamline.app import default_model_path
 from seamline.errors import CheckpointError
-from seamline.mesh.node.fetch import FetchError, fetch_fragments, fetch_manifest, materialise
+from seamline.mesh.node.fetch import (
+    FetchError,
+    fetch_fragments,
+    fetch_manifest,
+    materialise,
+)
 from seamline.ownership import Ownership
 from seamline.text import TextCodec
 from seamline.weights.fragments import (
@@ -34,8 +39,8 @@ from seamline.weights.fragments import (
     file_sha256,
     fragments_for,
 )
-from seamline.weights.packaging import package, package_cached
 from seamline.weights.loader import load_stage, open_source
+from seamline.weights.packaging import package, package_cached
 from tests.reference import random_ids, save_random_model
 from tests.small_disk import small_file_system
 
@@ -532,7 +537,7 @@ def test_a_lockstep_rank_fetches_only_its_routed_experts(tmp_path: Path) -> None
     equal to the same shard read from the checkpoint."""
     from seamline.config import ModelConfig
     from seamline.ownership import rank_ownership
-    from tests.support.deepseek import _build as build_deepseek
+    from tests.support.deepseek import build_deepseek
 
     _, built = build_deepseek(tmp_path / "m", "v3")  # 8 routed experts, layers 1 and 2 MoE
     manifest = package(built, tmp_path / "pkg", progress=False)

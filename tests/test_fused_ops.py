@@ -16,7 +16,6 @@ from seamline.model import fused
 from seamline.model.attention import GQAttention
 from seamline.model.rope import apply_rotary
 from seamline.params import SamplingParams
-from tests.support.kernels import ops  # noqa: F401  (the fixture: the kernels must load)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2 * 2**-8, torch.float16: 2 * 2**-11}

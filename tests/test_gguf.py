@@ -26,6 +26,7 @@ from seamline.weights.gguf_tokenizer import (
 )
 from seamline.weights.source import TensorSource
 
+
 def dense(source: GGUFSource, name: str) -> torch.Tensor:
     """A tensor as float32: quantized ones dequantised (the loader keeps them quantized)."""
     return to_float(source.get(name), torch.float32)

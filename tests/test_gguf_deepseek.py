@@ -24,7 +24,15 @@ from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage
 from seamline.weights.safetensors import HFFolderSource
 from tests.gguf_reference import dequantised_model
-from tests.support.deepseek import CASES, YARN, _build, _close, _reference, _run, _tokens
+from tests.support.deepseek import (
+    CASES,
+    YARN,
+    assert_close_logits,
+    build_deepseek,
+    deepseek_tokens,
+    run_stages,
+    transformers_logits,
+)
 
 # llama.cpp's deepseek2 keeps one yarn mscale (mscale_all_dim): cases with mscale equal to it
 EQUAL_YARN = {**YARN, "mscale": YARN["mscale_all_dim"]}
@@ -53,13 +61,13 @@ def torch_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("kv_b", ["split", "joined"])
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))
 def test_f32_file_matches_transformers(tmp_path: Path, case: str, kv_b: str) -> None:
-    model, folder = _build(tmp_path, "gguf_" + case)
+    model, folder = build_deepseek(tmp_path, "gguf_" + case)
     path = write_gguf_from_folder(folder, tmp_path / "m.gguf", "F32", kv_b=kv_b)
     names = set(GGUFFile.open(path).tensors)
     split = {"blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"} <= names
     assert split == (kv_b == "split") != ("blk.0.attn_kv_b.weight" in names)
-    ids = _tokens()
-    _close(_run([load_stage(GGUFSource(path))], ids), _reference(model, ids))
+    ids = deepseek_tokens()
+    assert_close_logits(run_stages([load_stage(GGUFSource(path))], ids), transformers_logits(model, ids))
 
 
 @pytest.mark.parametrize(
@@ -69,16 +77,16 @@ def test_f32_file_matches_transformers(tmp_path: Path, case: str, kv_b: str) -> 
 def test_quantised_file_matches_its_dequantised_weights(
     tmp_path: Path, case: str, kv_b: str, types: str, torch_matmul: None
 ) -> None:
-    _, folder = _build(tmp_path, "gguf_" + case)
+    _, folder = build_deepseek(tmp_path, "gguf_" + case)
     path = write_gguf_from_folder(folder, tmp_path / "m.gguf", types, kv_b=kv_b)
-    ids = _tokens()
-    ref = _reference(dequantised_model(path, folder, tmp_path / "deq"), ids)
-    _close(_run([load_stage(GGUFSource(path))], ids), ref)
+    ids = deepseek_tokens()
+    ref = transformers_logits(dequantised_model(path, folder, tmp_path / "deq"), ids)
+    assert_close_logits(run_stages([load_stage(GGUFSource(path))], ids), ref)
 
 
 @pytest.mark.parametrize("case", sorted(GGUF_CASES))
 def test_config_round_trips(tmp_path: Path, case: str) -> None:
-    _, folder = _build(tmp_path, "gguf_" + case)
+    _, folder = build_deepseek(tmp_path, "gguf_" + case)
     path = write_gguf_from_folder(folder, tmp_path / "m.gguf", "F32")
     got = ModelConfig.from_hf_dict(GGUFSource(path).config_dict())
     want = ModelConfig.from_hf_dict(HFFolderSource(folder).config_dict())
@@ -108,6 +116,6 @@ def test_k_b_v_b_join_inverts_the_split() -> None:
 
 
 def test_unequal_yarn_mscales_are_refused(tmp_path: Path) -> None:
-    _, folder = _build(tmp_path, "v3_yarn")  # mscale 0.9, mscale_all_dim 0.7
+    _, folder = build_deepseek(tmp_path, "v3_yarn")  # mscale 0.9, mscale_all_dim 0.7
     with pytest.raises(ValueError, match="mscale"):
         write_gguf_from_folder(folder, tmp_path / "m.gguf", "F32")

@@ -17,9 +17,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType as Q
-
 import transformers  # the reference: a test dependency, never skipped
+from gguf import GGMLQuantizationType as Q
 
 from seamline.quant import matmul
 from seamline.quant.quantize import QUANTIZABLE, quantize, row_bytes
@@ -30,7 +29,12 @@ from seamline.weights.gguf_tokenizer import tokenizer_info_from_gguf
 from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage, open_source
 from tests.gguf_reference import dequantised_model
-from tests.reference import random_ids, reference_logits, save_random_model, seamline_logits
+from tests.reference import (
+    random_ids,
+    reference_logits,
+    save_random_model,
+    seamline_logits,
+)
 
 ATOL = 1e-4
 KERNEL_REL = 0.05

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import pytest
 
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
-from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.plan.types import ModelSpec, Plan, StageAssignment
+from seamline.mesh.protocol.invite import Invite
 from seamline.net.link import Link
 from seamline.net.messages import PROTOCOL_VERSION, Failure, Join, Resources
 

@@ -17,14 +17,13 @@ from typing import Any
 
 import pytest
 import torch
-
 import transformers  # the reference: a test dependency, never skipped
 
 from seamline.config import ModelConfig  # noqa: E402
 from seamline.errors import ConfigError  # noqa: E402
 from seamline.model.cache import SequenceCache  # noqa: E402
-from seamline.ownership import Ownership  # noqa: E402
 from seamline.model.stage import Stage  # noqa: E402
+from seamline.ownership import Ownership  # noqa: E402
 from seamline.parallel.comm import GATHER_TAG, Comm, GateTag  # noqa: E402
 from seamline.weights.loader import load_stage, open_source  # noqa: E402
 

@@ -8,8 +8,15 @@ import time
 
 import pytest
 
-from seamline.mesh.identity import COORDINATOR_ID, IdentityError, MeshAuthority, check_coordinator, fingerprint
-from seamline.mesh.identity import new_key, signing_request
+from seamline.mesh.identity import (
+    COORDINATOR_ID,
+    IdentityError,
+    MeshAuthority,
+    check_coordinator,
+    fingerprint,
+    new_key,
+    signing_request,
+)
 from seamline.mesh.node.credentials import Credentials
 from seamline.net.tls import certificate_name
 

@@ -3,9 +3,9 @@ nodes' links to the coordinator (summed when relayed), and the plan that follows
 
 from __future__ import annotations
 
-from seamline.mesh.protocol.link_probe import Reach, link_table
 from seamline.mesh.plan.planner import plan
 from seamline.mesh.plan.types import LinkCost
+from seamline.mesh.protocol.link_probe import Reach, link_table
 from tests.support.planner import EXACT, MIB, node, spec
 
 

@@ -15,10 +15,10 @@ import pytest
 
 from seamline.net.link import free_port
 from seamline.parallel.comm import CommError, Transport
-from seamline.runtime.lockstep_group import LockstepRank
+from seamline.params import SamplingParams
 from seamline.runtime.engine import Engine
 from seamline.runtime.group_stage import LockstepStage
-from seamline.params import SamplingParams
+from seamline.runtime.lockstep_group import LockstepRank
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import (
     ATOL,

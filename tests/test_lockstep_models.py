@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 import transformers  # the reference builder: a test dependency, never skipped
 
 from seamline.app import default_model_path
 from seamline.config import ModelConfig
-from seamline.runtime.engine import Engine
 from seamline.params import SamplingParams
+from seamline.runtime.engine import Engine
 from seamline.text import TextCodec
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import (
@@ -33,9 +32,8 @@ from tests.lockstep_harness import (
     run_group,
     running_group,
 )
-from tests.support.deepseek import _build as build_deepseek
-from tests.support.deepseek import _randomize as randomize
 from tests.support.configs import qwen3_moe_config
+from tests.support.deepseek import build_deepseek, randomize
 from tests.upcycle import upcycle
 
 # The embedded model's real weights give logits of magnitude ~38 through 30 layers, and

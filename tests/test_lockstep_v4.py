@@ -20,7 +20,12 @@ from seamline.params import SamplingParams
 from seamline.runtime.engine import Engine
 from seamline.server.demo import memory_cap_gb
 from seamline.weights.loader import load_stage, open_source
-from tests.lockstep_harness import check_greedy_exchange, engine_reference, generate_recording, running_group
+from tests.lockstep_harness import (
+    check_greedy_exchange,
+    engine_reference,
+    generate_recording,
+    running_group,
+)
 from tests.mesh_harness import MeshProcesses
 from tests.support.v4_folder import CONTEXT, PROMPT, build_v4_folder
 from tests.v4_reference import save_random_v4

@@ -10,10 +10,9 @@ import threading
 
 import pytest
 
-from seamline.mesh.protocol.link_probe import measure, unphysical
 from seamline.mesh.control.peer_links import PeerLinks
-from seamline.mesh.protocol.link_probe import Pongs
 from seamline.mesh.plan.types import LinkCost
+from seamline.mesh.protocol.link_probe import Pongs, measure, unphysical
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import PeerLink, Ping, Pong
 
@@ -77,9 +76,9 @@ def test_unphysical_measurements_are_named(link: LinkCost, problem: str) -> None
 def test_a_forged_peer_report_is_refused_and_plans_are_still_made() -> None:
     """A member reports a link with negative latency and 262 GB/s: it is refused (the pair is
     planned from the access links) and the planner still plans."""
-    from seamline.mesh.protocol.link_probe import Reach, link_table
     from seamline.mesh.plan.planner import plan
     from seamline.mesh.plan.types import ModelSpec, NodeInfo, PlanOptions
+    from seamline.mesh.protocol.link_probe import Reach, link_table
 
     peers = PeerLinks()
     peers.ask("a", "b")

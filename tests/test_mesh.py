@@ -17,21 +17,18 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 
 from seamline.app import LocalModel
-from seamline.net.frames import EMPTY_HASH, FrameType, Row, RowFlag, header
 from seamline.mesh.identity import MeshAuthority
-from seamline.net.frames import FrameError
-from seamline.net.link import Link, LinkClosed
 from seamline.mesh.node.peer_probe import PROBE_PINGS
+from seamline.net.frames import EMPTY_HASH, FrameError, FrameType, Row, RowFlag, header
+from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import Challenge, DataHello, Open, Ping, Pong, ProbeHello
 from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses, at_once
+from tests.support.mesh import CONTEXT, QUESTION, ask, expected_text, start_mesh
 from tests.tls_peers import member, tls_link
-
-import torch
-from tests.support.mesh import QUESTION, ask, expected_text, start_mesh
-from tests.support.mesh import CONTEXT
 
 TOKENS = 48
 RSS_MARGIN = 1.3  # resident memory beyond an idle process: at most 1.3 × the node's weights

@@ -10,18 +10,24 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 import openai
+import psutil
 import pytest
 
-from seamline.net.frames import HANDSHAKE_DEADLINE_S
-from seamline.net.frames import HEADER, MAGIC, FrameType, header, parse_header
-from seamline.server.demo import memory_cap_gb
 from seamline.mesh.protocol.invite import Invite
+from seamline.net.frames import (
+    HANDSHAKE_DEADLINE_S,
+    HEADER,
+    MAGIC,
+    FrameType,
+    header,
+    parse_header,
+)
 from seamline.net.tls import TlsSocket
+from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses
+from tests.support.mesh import assert_join_refused
 from tests.tls_peers import tls_socket
-from tests.support.mesh import _refused
 
 REPLAY_DEADLINE_S = 3
 CONTEXT = 1024
@@ -61,10 +67,10 @@ def test_not_ready_until_the_expected_nodes_join(mesh: MeshProcesses) -> None:
 def test_wrong_expired_and_corrupt_tokens_are_refused(mesh: MeshProcesses) -> None:
     good = Invite.decode(mesh.token)
     wrong = dataclasses.replace(good, secret="0" * 32).encode()
-    _refused(mesh, wrong, "wrong invite token")
+    assert_join_refused(mesh, wrong, "wrong invite token")
     expired = dataclasses.replace(good, expires=time.time() - 5).encode()
-    _refused(mesh, expired, "expired")
-    _refused(mesh, mesh.token[:-6], "corrupt")
+    assert_join_refused(mesh, expired, "expired")
+    assert_join_refused(mesh, mesh.token[:-6], "corrupt")
     assert len(mesh.status()["nodes"]) == 0  # none of them was admitted
 
 
@@ -120,7 +126,7 @@ def test_the_control_port_takes_tls_only(mesh: MeshProcesses) -> None:
     assert answer is not None, "the coordinator kept a plaintext peer's connection open"
     assert MAGIC not in answer  # a TLS alert at most: never a challenge in the clear
     tampered = dataclasses.replace(Invite.decode(mesh.token), ca_fingerprint="ab" * 32).encode()
-    _refused(mesh, tampered, "not the one this invite names")
+    assert_join_refused(mesh, tampered, "not the one this invite names")
 
 
 def test_before_its_invite_is_proved_a_peer_gets_small_frames_and_little_time(mesh: MeshProcesses) -> None:

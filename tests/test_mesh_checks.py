@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from seamline.app import LocalModel
-from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.process import Node, NodeOptions
+from seamline.mesh.protocol.invite import Invite
 from seamline.params import SamplingParams
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses

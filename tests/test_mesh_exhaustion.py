@@ -14,13 +14,21 @@ import pytest
 
 from seamline.mesh.control import heartbeats
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
-from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.node.process import Node, NodeOptions
 from seamline.mesh.plan.types import ModelSpec
+from seamline.mesh.protocol.invite import Invite
 from seamline.net.link import Link, LinkClosed, listen, tune
-from seamline.net.messages import PROTOCOL_VERSION, Assign, Heartbeat, Join, Ping, Pong, Resources
+from seamline.net.messages import (
+    PROTOCOL_VERSION,
+    Assign,
+    Heartbeat,
+    Join,
+    Ping,
+    Pong,
+    Resources,
+)
 
 TIMEOUT_S = 1.5  # the heartbeat timeout: a beat every 0.5 s
 

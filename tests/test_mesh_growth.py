@@ -17,7 +17,7 @@ import pytest
 
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses
-from tests.support.heal import REQUESTS, _stream, _until
+from tests.support.heal import REQUESTS, stream_request, wait_until
 
 CONTEXT = 1024
 CORE = {0: ("env", "OMP_NUM_THREADS=1", "taskset", "-c", "0"), 1: ("env", "OMP_NUM_THREADS=1", "taskset", "-c", "1")}
@@ -39,19 +39,19 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
 
 def test_a_node_that_joins_under_load_is_planned_in_and_no_request_is_lost(mesh: MeshProcesses) -> None:
     client = mesh.client(timeout=300)
-    before = [_stream(client, r) for r in REQUESTS]
+    before = [stream_request(client, r) for r in REQUESTS]
     answers: list[tuple[int, tuple[str, str]]] = []
     planned_in = threading.Event()
 
     def keep_asking(i: int) -> None:  # load until the switch is over
         while not planned_in.is_set():
-            answers.append((i, _stream(client, REQUESTS[i])))
+            answers.append((i, stream_request(client, REQUESTS[i])))
 
     load = [threading.Thread(target=keep_asking, args=(i,)) for i in range(len(REQUESTS))]
     for thread in load:
         thread.start()
     mesh.join("node2", prefix=CORE[1])
-    _until(lambda: "node2" in [s["node_id"] for s in mesh.status()["stages"]] and mesh.status()["ready"],
+    wait_until(lambda: "node2" in [s["node_id"] for s in mesh.status()["stages"]] and mesh.status()["ready"],
            "the joining node to be planned in")  # fmt: skip
     planned_in.set()
     for thread in load:

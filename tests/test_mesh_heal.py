@@ -19,7 +19,13 @@ import pytest
 
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses
-from tests.support.heal import REQUESTS, _fail_mid_streams, _process, _stream, _until
+from tests.support.heal import (
+    REQUESTS,
+    fail_mid_streams,
+    live_process,
+    stream_request,
+    wait_until,
+)
 
 CONTEXT = 1024
 
@@ -38,13 +44,13 @@ def mesh3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
 
 def test_a_route_node_killed_mid_stream_loses_no_request(mesh3: MeshProcesses) -> None:
     client = mesh3.client(timeout=300)
-    before = [_stream(client, r) for r in REQUESTS]  # the answers without a failure
+    before = [stream_request(client, r) for r in REQUESTS]  # the answers without a failure
     route = [s["node_id"] for s in mesh3.status()["stages"]]
     victim = route[-1]  # the last stage: it samples every token
-    _fail_mid_streams(mesh3, lambda: _process(mesh3, victim).kill(), before)
+    fail_mid_streams(mesh3, lambda: live_process(mesh3, victim).kill(), before)
     after = mesh3.status()
     assert after["ready"] and victim not in [s["node_id"] for s in after["stages"]], after
-    assert _stream(client, REQUESTS[0]) == before[0]  # and the healed mesh serves on
+    assert stream_request(client, REQUESTS[0]) == before[0]  # and the healed mesh serves on
 
 
 def test_a_stopped_node_is_lost_within_the_heartbeat_timeout_and_a_standby_takes_its_place(
@@ -57,17 +63,17 @@ def test_a_stopped_node_is_lost_within_the_heartbeat_timeout_and_a_standby_takes
     client = mesh3.client(timeout=300)
     down = next(f"node{i}" for i in range(3) if f"node{i}" not in [n["node_id"] for n in mesh3.status()["nodes"]])
     mesh3.join(down)
-    _until(lambda: any(n["node_id"] == down and n["checked"] for n in mesh3.status()["nodes"])
+    wait_until(lambda: any(n["node_id"] == down and n["checked"] for n in mesh3.status()["nodes"])
            and mesh3.status()["ready"], "the node to join again and the mesh to serve")  # fmt: skip
-    before = [_stream(client, r) for r in REQUESTS]
+    before = [stream_request(client, r) for r in REQUESTS]
     status = mesh3.status()
     route = [s["node_id"] for s in status["stages"]]
     standbys = [n["node_id"] for n in status["nodes"] if n["node_id"] not in route]
     victim = route[0]  # stage 0: it schedules every request
-    stopped = _process(mesh3, victim)
+    stopped = live_process(mesh3, victim)
     try:
         began = time.monotonic()
-        _fail_mid_streams(mesh3, lambda: stopped.send_signal(signal.SIGSTOP), before)
+        fail_mid_streams(mesh3, lambda: stopped.send_signal(signal.SIGSTOP), before)
         assert time.monotonic() - began < 60
         after = mesh3.status()
         assert after["ready"] and victim not in [n["node_id"] for n in after["nodes"]], after
@@ -85,19 +91,19 @@ def test_requests_wait_when_the_survivors_cannot_hold_the_model_and_a_joining_no
     requests wait (the deadline is 120 s); a node that joins 3 s later lets the mesh plan again,
     and every stream ends as it would have."""
     client = mesh3.client(timeout=300)
-    _until(lambda: [n["checked"] for n in mesh3.status()["nodes"]] == [True] * 3 and mesh3.status()["ready"],
+    wait_until(lambda: [n["checked"] for n in mesh3.status()["nodes"]] == [True] * 3 and mesh3.status()["ready"],
            "all three nodes to be members and the mesh to serve")  # fmt: skip
-    before = [_stream(client, r) for r in REQUESTS]
+    before = [stream_request(client, r) for r in REQUESTS]
     keeper = mesh3.status()["stages"][0]["node_id"]
     others = [f"node{i}" for i in range(3) if f"node{i}" != keeper]
 
     def kill_all_but_one() -> None:
         for node_id in others:
-            _process(mesh3, node_id).kill()
+            live_process(mesh3, node_id).kill()
         threading.Timer(3.0, mesh3.join, args=(others[0],)).start()
 
     began = time.monotonic()
-    _fail_mid_streams(mesh3, kill_all_but_one, before)
+    fail_mid_streams(mesh3, kill_all_but_one, before)
     assert time.monotonic() - began > 3.0
     after = mesh3.status()
     assert sorted(s["node_id"] for s in after["stages"]) == sorted([keeper, others[0]]), after

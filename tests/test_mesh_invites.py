@@ -15,11 +15,18 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from seamline.mesh.protocol.invite import Invite, proof
 from seamline.mesh.identity import new_key, signing_request
-from seamline.net.messages import PROTOCOL_VERSION, Attach, Challenge, Join, Refuse, Resources
+from seamline.mesh.protocol.invite import Invite, proof
+from seamline.net.messages import (
+    PROTOCOL_VERSION,
+    Attach,
+    Challenge,
+    Join,
+    Refuse,
+    Resources,
+)
 from tests.mesh_harness import MeshProcesses, seamline_cmd
-from tests.support.mesh import _refused
+from tests.support.mesh import assert_join_refused
 from tests.tls_peers import member, mesh_authority, tls_link
 
 
@@ -55,7 +62,7 @@ def test_a_single_use_invite_admits_one_node_then_is_used_up(mesh: MeshProcesses
     assert token.startswith("seamline-")
     mesh.join("node0", token=token)
     mesh.wait_ready()
-    _refused(mesh, token, "used up")
+    assert_join_refused(mesh, token, "used up")
     listing = admin(mesh, "invite", "list")
     line = next(row for row in listing.stdout.splitlines() if row.startswith(Invite.decode(token).id))
     assert "used up" in line and " 1 1 " in " ".join(line.split()) + " ", listing.stdout
@@ -75,13 +82,13 @@ def test_a_node_named_as_a_member_is_refused_and_the_member_serves_on(mesh: Mesh
 def test_a_revoked_forged_or_replayed_invite_is_refused(mesh: MeshProcesses) -> None:
     default = Invite.decode(mesh.token)
     forged = dataclasses.replace(default, id=secrets.token_hex(6)).encode()
-    _refused(mesh, forged, "wrong invite token")
+    assert_join_refused(mesh, forged, "wrong invite token")
     altered = dataclasses.replace(default, secret=secrets.token_hex(16)).encode()
-    _refused(mesh, altered, "wrong invite token")
+    assert_join_refused(mesh, altered, "wrong invite token")
     _replay_join(mesh, default)
     revoked = admin(mesh, "invite", "revoke", default.id)
     assert revoked.returncode == 0, revoked.stderr
-    _refused(mesh, mesh.token, "revoked")
+    assert_join_refused(mesh, mesh.token, "revoked")
     assert admin(mesh, "invite", "revoke", "nosuchinvite").returncode != 0
 
 

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from seamline.app import LocalModel
-from seamline.server.demo import memory_cap_gb
 from seamline.params import SamplingParams
+from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses, at_once
 from tests.support.moe_folder import CONTEXT, PROMPT, build_moe_folder
 

@@ -16,7 +16,13 @@ import pytest
 
 from seamline.server.demo import memory_cap_gb
 from tests.mesh_harness import MeshProcesses
-from tests.support.heal import REQUESTS, _fail_mid_streams, _process, _stream, _until
+from tests.support.heal import (
+    REQUESTS,
+    fail_mid_streams,
+    live_process,
+    stream_request,
+    wait_until,
+)
 from tests.support.moe_folder import CONTEXT, build_moe_folder
 
 NODES = 5
@@ -60,11 +66,11 @@ def test_a_rank_killed_mid_stream_is_replaced_by_the_standby_and_no_request_is_l
     client = groups.client(timeout=300)
     status = groups.status()
     assert [len(r) for r in _ranks(status)] == [2, 2] and len(_standbys(status)) == 1, status
-    before = [_stream(client, r) for r in REQUESTS]
+    before = [stream_request(client, r) for r in REQUESTS]
     victim = _ranks(status)[0][1]  # stage 0's follower: its leader's gate finds the link closed
-    _fail_mid_streams(groups, lambda: _process(groups, victim).kill(), before)
+    fail_mid_streams(groups, lambda: live_process(groups, victim).kill(), before)
     _check_healed(groups, victim, _standbys(status))
-    assert _stream(client, REQUESTS[0]) == before[0]
+    assert stream_request(client, REQUESTS[0]) == before[0]
 
 
 def test_a_stopped_rank_is_lost_at_its_groups_gate_timeout_and_no_request_is_lost(groups: MeshProcesses) -> None:
@@ -73,14 +79,14 @@ def test_a_stopped_rank_is_lost_at_its_groups_gate_timeout_and_no_request_is_los
     client = groups.client(timeout=300)
     down = next(f"node{i}" for i in range(NODES) if f"node{i}" not in [n["node_id"] for n in groups.status()["nodes"]])
     groups.join(down)
-    _until(lambda: any(n["node_id"] == down and n["checked"] for n in groups.status()["nodes"])
+    wait_until(lambda: any(n["node_id"] == down and n["checked"] for n in groups.status()["nodes"])
            and groups.status()["ready"], "the node to join again and the mesh to serve")  # fmt: skip
     status = groups.status()
-    before = [_stream(client, r) for r in REQUESTS]
+    before = [stream_request(client, r) for r in REQUESTS]
     victim = _ranks(status)[1][0]
-    stopped = _process(groups, victim)
+    stopped = live_process(groups, victim)
     try:
-        _fail_mid_streams(groups, lambda: stopped.send_signal(signal.SIGSTOP), before)
+        fail_mid_streams(groups, lambda: stopped.send_signal(signal.SIGSTOP), before)
         _check_healed(groups, victim, _standbys(status))
         lost = [line for line in groups.output if f"node {victim} left: its lockstep group lost it" in line]
         assert lost and "sent nothing" in lost[0] and "within 3.0 s" in lost[0], lost

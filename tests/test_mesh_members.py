@@ -23,16 +23,39 @@ import httpx
 import psutil
 import pytest
 
-from seamline.mesh.protocol.invite import Invite, proof
 from seamline.mesh.control.joining import MEMBER_LIMITS
 from seamline.mesh.identity import Identity, key_pem, new_key, signing_request
 from seamline.mesh.node.process import Node, NodeOptions
+from seamline.mesh.protocol.invite import Invite, proof
 from seamline.net.frames import EMPTY_HASH, HEADER, FrameType, RowFlag, TokenRow, header
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import (
-    MAX_REASON, PROTOCOL_VERSION, Assign, Attach, Attached, Challenge, Descriptor, Failure, Heartbeat, Join, Linked,
-    Loading, Open, PeerLink, Ping, Pong, ProbeHello, Ready, Refuse, Renew, Resources, SpeedReady, SpeedSums, Stats,
-    Welcome, encode_message,
+    MAX_REASON,
+    PROTOCOL_VERSION,
+    Assign,
+    Attach,
+    Attached,
+    Challenge,
+    Descriptor,
+    Failure,
+    Heartbeat,
+    Join,
+    Linked,
+    Loading,
+    Open,
+    PeerLink,
+    Ping,
+    Pong,
+    ProbeHello,
+    Ready,
+    Refuse,
+    Renew,
+    Resources,
+    SpeedReady,
+    SpeedSums,
+    Stats,
+    Welcome,
+    encode_message,
 )  # fmt: skip
 from seamline.net.tls import TlsRefused
 from seamline.server.demo import memory_cap_gb

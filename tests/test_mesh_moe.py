@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from seamline.app import LocalModel
-from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.node.process import Node, NodeOptions
+from seamline.mesh.protocol.invite import Invite
 from seamline.net.messages import Assign
 from seamline.params import SamplingParams
 from tests.mesh_harness import split_completion

@@ -20,8 +20,8 @@ import httpx
 import pytest
 
 from seamline.app import LocalModel
-from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.node.process import Node, NodeOptions
+from seamline.mesh.protocol.invite import Invite
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, TokenFrame, prefix_hash
 from seamline.net.messages import Assign, Message, Open, Prompt
 from seamline.params import SamplingParams

@@ -12,9 +12,9 @@ import pytest
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from tests.mesh_harness import MeshProcesses
-from tests.support.mesh import QUESTION, ask
 from tests.small_disk import grow, small_file_system
-from tests.support.heal import _until
+from tests.support.heal import wait_until
+from tests.support.mesh import QUESTION, ask
 
 CONTEXT = 1024
 
@@ -30,7 +30,7 @@ def test_a_start_up_failed_for_want_of_disk_is_retried_and_heals_once_there_is_r
     try:
         mesh.start()
         failed = lambda: [line for line in mesh.output if "start-up failed" in line and "planning again" in line]  # noqa: E731
-        _until(lambda: len(failed()) >= 2, "the start-up to fail and be tried again")
+        wait_until(lambda: len(failed()) >= 2, "the start-up to fail and be tried again")
         assert "free some space" in failed()[0], failed()
         grow(small_cache, "2g")
         mesh.wait_ready()

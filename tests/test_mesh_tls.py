@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from seamline.app import LocalModel
-from seamline.mesh.protocol.invite import new_invite
-from seamline.mesh.identity import COORDINATOR_ID, Identity, MeshAuthority
 from seamline.bench.tls_hop import link_pair
+from seamline.mesh.identity import COORDINATOR_ID, Identity, MeshAuthority
+from seamline.mesh.protocol.invite import new_invite
 from seamline.net.frames import EMPTY_HASH, MAGIC, HiddenFrame, Row
 from seamline.net.link import Link, listen
 from seamline.net.messages import Challenge

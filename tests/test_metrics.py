@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from seamline.app import LocalModel
 from seamline.runtime.backend import LocalBackend
 from tests.mesh_harness import seamline_cmd
-from tests.support.mesh import start_mesh
 from tests.support.api import NAME, QUESTION, client_for, serve
+from tests.support.mesh import start_mesh
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers  # the reference: a test dependency, never skipped
 from torch import nn
 
 from seamline.config import ModelConfig
@@ -23,8 +24,6 @@ from seamline.model.moe import MoE, balance_rows, route
 from seamline.ownership import Ownership
 from seamline.weights.loader import load_stage
 from seamline.weights.safetensors import HFFolderSource
-
-import transformers  # the reference: a test dependency, never skipped
 from tests.support.configs import mixtral_config, qwen3_moe_config
 
 PREFILL, DECODE = 32, 16

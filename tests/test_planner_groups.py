@@ -9,7 +9,13 @@ import pytest
 
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
-from seamline.mesh.plan.groups import check_world, group_sizes, group_spec, plan_auto, plan_groups
+from seamline.mesh.plan.groups import (
+    check_world,
+    group_sizes,
+    group_spec,
+    plan_auto,
+    plan_groups,
+)
 from seamline.mesh.plan.planner import check_plan
 from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
 from seamline.ownership import Ownership
@@ -102,7 +108,7 @@ def test_a_ranks_planned_bytes_are_what_it_loads(tmp_path: Path) -> None:
     from seamline.mesh.plan.groups import group_spec
     from seamline.ownership import rank_ownership
     from seamline.weights.loader import load_stage, open_source
-    from tests.support.deepseek import _build as build_deepseek
+    from tests.support.deepseek import build_deepseek
 
     _, built = build_deepseek(tmp_path / "m", "v3")
     source = open_source(built)

@@ -12,10 +12,10 @@ import transformers
 from seamline.app import default_model_path
 from seamline.errors import CheckpointError
 from seamline.weights.fragments import FragmentEntry, FragmentSource, model_hash
-from seamline.weights.packaging import package
 from seamline.weights.gguf_file import GGUFFile
 from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage, open_source
+from seamline.weights.packaging import package
 from tests.reference import save_random_model
 
 TARGET = "blk.1.ffn_down.weight"  # a Q8_0 tensor of the file below

@@ -9,7 +9,6 @@ Tolerances (activations are rounded by the fast paths, weights never are):
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -21,7 +20,6 @@ from seamline.quant.bench_kernels import KERNEL_TYPES, random_weight
 from seamline.quant.dequant import dequantize, dequantize_rows
 from seamline.quant.matmul import DECODE_ROWS, quant_linear
 from seamline.quant.tensor import QuantTensor
-from tests.support.kernels import ops  # noqa: F401  (the fixture: the kernels must load)
 
 REL_NORM, REL_MAX = 0.015, 0.03
 

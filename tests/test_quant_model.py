@@ -18,9 +18,9 @@ import torch
 from seamline.app import LocalModel
 from seamline.model.linear import dequantize_weights
 from seamline.model.stage import Stage
+from seamline.params import SamplingParams
 from seamline.quant.tensor import QuantTensor
 from seamline.runtime.engine import Engine
-from seamline.params import SamplingParams
 
 PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")
 POSITIONS = 256

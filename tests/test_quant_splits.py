@@ -18,14 +18,14 @@ import transformers
 
 from seamline.app import LocalModel, default_model_path
 from seamline.model.linear import ColumnWindow
+from seamline.params import SamplingParams
 from seamline.quant.tensor import QuantTensor
 from seamline.runtime.engine import Engine
-from seamline.params import SamplingParams
 from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage, open_source
 from tests.lockstep_harness import PROMPT, check_group, engine_reference, running_group
 from tests.mesh_harness import split_completion
-from tests.support.deepseek import _randomize as randomize
+from tests.support.deepseek import randomize
 
 ATOL = 1e-4  # float32 logits of random weights; measured 1.1e-6 to 1.3e-6 (printed by check_group)
 CONTEXT = 256

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 import transformers  # the reference: a test dependency, never skipped
 
 from seamline.config import ModelConfig, sliding_window_active

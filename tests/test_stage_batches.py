@@ -14,20 +14,27 @@ import pytest
 import torch
 
 from seamline.config import kv_bytes_per_token
-from seamline.ownership import Ownership
 from seamline.mesh.node.private_tail import pair
 from seamline.model.stage import Stage
-from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
+from seamline.net.frames import (
+    EMPTY_HASH,
+    HiddenFrame,
+    Row,
+    RowFlag,
+    TokenFrame,
+    TokenRow,
+    prefix_hash,
+)
 from seamline.net.messages import Close, Message, Open, Prompt
+from seamline.ownership import Ownership
+from seamline.params import SamplingParams
 from seamline.runtime.engine import Engine
 from seamline.runtime.pipeline_head import MAX_STEP_TOKENS
-from seamline.params import SamplingParams
+from seamline.runtime.stage_rows import Work
 from seamline.runtime.stage_worker import StageWorker
 from seamline.weights.loader import load_stage, open_source
-from seamline.runtime.stage_rows import Work
 from tests.reference import save_random_model
-from tests.support.configs import checkpoint_source
-from tests.support.configs import _configs as dense_configs
+from tests.support.configs import checkpoint_source, dense_configs
 
 SEQUENCES = 6
 Frames = list[tuple[list[Row], torch.Tensor]]

@@ -22,8 +22,7 @@ from seamline.runtime.grammar import TokenMasks
 from seamline.server.grammars import GrammarCheck
 from seamline.server.openai_schema import ResponseFormat
 from tests.support.api import NAME
-from tests.support.structured import ASK, SCHEMA_FORMAT, greedy_under_schema
-from tests.support.structured import PERSON
+from tests.support.structured import ASK, PERSON, SCHEMA_FORMAT, greedy_under_schema
 
 
 def test_json_schema_answers_parse_validate_and_stop_at_temperature_1(client: openai.OpenAI) -> None:

@@ -19,7 +19,14 @@ from tokenizers import Tokenizer
 
 from seamline.app import LocalModel
 from seamline.runtime.backend import LocalBackend
-from seamline.server.tools import DeepSeekFormat, HermesFormat, ToolCall, ToolFormat, ToolStream, tool_format
+from seamline.server.tools import (
+    DeepSeekFormat,
+    HermesFormat,
+    ToolCall,
+    ToolFormat,
+    ToolStream,
+    tool_format,
+)
 from tests.support.api import NAME, client_for, serve
 from tests.support.tools import TEMPLATES
 

@@ -30,7 +30,7 @@ NAME = "SmolLM2-135M-Instruct.Q4_1"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _bind_free_port() -> socket.socket:
+def bind_free_port() -> socket.socket:
     """A listening-ready socket on a free port in 20000-30000 (below the ephemeral range)."""
     for port in random.sample(range(20000, 30000), 50):
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -45,7 +45,7 @@ def _bind_free_port() -> socket.socket:
 @contextmanager
 def serve(backend: Backend, limits: ApiLimits = ApiLimits()) -> Iterator[str]:
     """Run the API for ``backend`` on a real uvicorn server in a thread; yield its base URL."""
-    sock = _bind_free_port()
+    sock = bind_free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(backend, limits=limits), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -70,7 +70,7 @@ def chat(client: openai.OpenAI, messages: Any = QUESTION, **fields: Any) -> Any:
     return client.chat.completions.create(**{"model": NAME, "messages": messages, **fields})
 
 
-def _start(tmp: Path, *args: str, env_key: str | None = None, scheme: str = "http",
+def start_server(tmp: Path, *args: str, env_key: str | None = None, scheme: str = "http",
            verify: ssl.SSLContext | bool = True) -> tuple[subprocess.Popen[str], str]:  # fmt: skip
     port = free_port()
     env = {**os.environ, "SEAMLINE_CACHE": str(tmp / "cache")}
@@ -92,7 +92,7 @@ def _start(tmp: Path, *args: str, env_key: str | None = None, scheme: str = "htt
         time.sleep(0.2)
 
 
-def _stop(proc: subprocess.Popen[str]) -> None:
+def stop_server(proc: subprocess.Popen[str]) -> None:
     proc.terminate()
     try:
         proc.wait(timeout=20)

@@ -10,10 +10,8 @@ import transformers  # the reference: a test dependency, never skipped
 from seamline.app import default_model_path
 from seamline.weights.loader import open_source
 from seamline.weights.source import TensorSource
-from tests.reference import (
-    save_random_model,
-)
-from tests.support.deepseek import _build
+from tests.reference import save_random_model
+from tests.support.deepseek import build_deepseek
 
 SMALL = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # the MoE families'
 DENSE_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -35,7 +33,7 @@ def qwen3_moe_config(norm_topk_prob: bool) -> Any:
     )
 
 
-def _configs() -> dict[str, Any]:
+def dense_configs() -> dict[str, Any]:
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     return {
@@ -56,11 +54,11 @@ def _configs() -> dict[str, Any]:
 def checkpoint_source(kind: str, folder: Path) -> TensorSource:
     """A random checkpoint of ``kind`` written to ``folder``, or the embedded GGUF, to load from."""
     if kind == "dense":
-        save_random_model(_configs()["llama"], folder)
+        save_random_model(dense_configs()["llama"], folder)
     elif kind == "mixtral":
         save_random_model(mixtral_config(), folder)
     elif kind == "deepseek_v3":
-        folder = _build(folder, "v3")[1]
+        folder = build_deepseek(folder, "v3")[1]
     else:
         return open_source(default_model_path())
     return open_source(folder)

@@ -44,7 +44,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
+def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights large enough that a wrong formula shows; norms away from 1; a non-zero V3 bias."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -59,7 +59,7 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
 
 
-def _build(tmp_path: Path, case: str, seed: int = 0) -> tuple[torch.nn.Module, Path]:
+def build_deepseek(tmp_path: Path, case: str, seed: int = 0) -> tuple[torch.nn.Module, Path]:
     family, overrides = CASES[case]
     kwargs = {**BASE, **overrides}
     if family == "v3":
@@ -68,24 +68,24 @@ def _build(tmp_path: Path, case: str, seed: int = 0) -> tuple[torch.nn.Module, P
     else:
         config = transformers.DeepseekV2Config(**kwargs)
         model = transformers.DeepseekV2ForCausalLM(config)
-    _randomize(model, seed)
+    randomize(model, seed)
     model.eval()
     folder = tmp_path / case
     model.save_pretrained(folder)
     return model, folder
 
 
-def _tokens(seed: int = 1) -> torch.Tensor:
+def deepseek_tokens(seed: int = 1) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, BASE["vocab_size"], (PROMPT + DECODE,), generator=gen)
 
 
-def _reference(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def transformers_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(ids.unsqueeze(0)).logits[0].float()  # [T, vocab]
 
 
-def _run(stages: list[Stage], ids: torch.Tensor, chunks: tuple[int, ...] = (PROMPT,)) -> torch.Tensor:
+def run_stages(stages: list[Stage], ids: torch.Tensor, chunks: tuple[int, ...] = (PROMPT,)) -> torch.Tensor:
     """Prefill in ``chunks``, then decode the rest one token at a time, through the stages."""
     caches = [s.new_cache() for s in stages]
     bounds = [0]
@@ -101,7 +101,7 @@ def _run(stages: list[Stage], ids: torch.Tensor, chunks: tuple[int, ...] = (PROM
     return torch.cat(out)  # [T, vocab]
 
 
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_close_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape
     err = (got - want).abs().max().item()
     assert err < ATOL, f"max |seamline - transformers| = {err:.2e} >= {ATOL} (logit scale {want.abs().max():.2f})"

@@ -22,7 +22,7 @@ REQUESTS: list[dict[str, Any]] = [
 ]
 
 
-def _stream(client: openai.OpenAI, request: dict[str, Any], started: threading.Event | None = None) -> tuple[str, str]:
+def stream_request(client: openai.OpenAI, request: dict[str, Any], started: threading.Event | None = None) -> tuple[str, str]:
     """The streamed text and finish reason; ``started`` is set once three chunks have come."""
     sampling = {k: v for k, v in request.items() if k != "content"}
     stream = client.chat.completions.create(model="default", max_tokens=TOKENS, stream=True,
@@ -39,20 +39,20 @@ def _stream(client: openai.OpenAI, request: dict[str, Any], started: threading.E
     return text, reason
 
 
-def _process(mesh: MeshProcesses, node_id: str) -> subprocess.Popen[str]:
+def live_process(mesh: MeshProcesses, node_id: str) -> subprocess.Popen[str]:
     """The live process of ``node_id`` (a node that joined again has a newer one)."""
-    index = max(i for i, proc in enumerate(mesh.node_procs) if _node_id(proc) == node_id)
+    index = max(i for i, proc in enumerate(mesh.node_procs) if node_id_of(proc) == node_id)
     return mesh.node_procs[index]
 
 
-def _until(condition: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.25)
 
 
-def _fail_mid_streams(mesh: MeshProcesses, fail: Callable[[], None], before: list[tuple[str, str]]) -> None:
+def fail_mid_streams(mesh: MeshProcesses, fail: Callable[[], None], before: list[tuple[str, str]]) -> None:
     """Stream every request at once; ``fail()`` once each has its first tokens; every answer
     must equal ``before``."""
     client = mesh.client(timeout=300)
@@ -62,7 +62,7 @@ def _fail_mid_streams(mesh: MeshProcesses, fail: Callable[[], None], before: lis
 
     def client_thread(i: int) -> None:
         try:
-            answers[i] = _stream(client, REQUESTS[i], started[i])
+            answers[i] = stream_request(client, REQUESTS[i], started[i])
         except BaseException as exc:  # reported below with the request it belongs to
             errors[i] = exc
             started[i].set()
@@ -79,6 +79,6 @@ def _fail_mid_streams(mesh: MeshProcesses, fail: Callable[[], None], before: lis
     assert [answers[i] for i in range(len(REQUESTS))] == before
 
 
-def _node_id(proc: subprocess.Popen[str]) -> str:
+def node_id_of(proc: subprocess.Popen[str]) -> str:
     args = list(proc.args)  # type: ignore[arg-type]
     return str(args[args.index("--node-id") + 1])

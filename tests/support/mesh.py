@@ -36,7 +36,7 @@ def start_mesh(root: Path, stages: int, *serve_args: str) -> MeshProcesses:
     return mesh.start()
 
 
-def _refused(mesh: MeshProcesses, token: str, fragment: str) -> None:
+def assert_join_refused(mesh: MeshProcesses, token: str, fragment: str) -> None:
     proc = mesh.join(f"bad{len(mesh.node_procs)}", token=token)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode != 0
