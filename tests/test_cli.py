@@ -84,7 +84,6 @@ def test_serve_refuses_a_group_size_the_model_does_not_divide_into(tmp_path: Pat
 def test_serve_single_answers_concurrent_clients() -> None:
     """`seamline serve --single`: one process, the OpenAI API, several clients at once."""
     import threading
-    import time
 
     import httpx
     import openai
@@ -97,14 +96,15 @@ def test_serve_single_answers_concurrent_clients() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "seamline.cli", "serve", "--single", "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.stderr else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        assert proc.stderr is not None
+        printed = ""
+        while "seamline: serving" not in printed:  # a user reads the address, then uses it at once
+            line = proc.stderr.readline()
+            assert line, f"serve --single exited before it said where it serves:\n{printed}"
+            printed += line
+        assert f"http://127.0.0.1:{port}/v1" in printed, printed
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 200  # no retry
+        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep its log from filling the pipe
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         answers: list[str] = []
 

@@ -21,7 +21,7 @@ import logging
 import resource
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("seamline.http")
 HEAD_DEADLINE_S = 10.0
@@ -99,6 +99,19 @@ def bounded(base: type[asyncio.Protocol] | None = None) -> dict[str, Any]:
     that one burst of accepts cannot take past an eighth of the process's descriptors."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     return {"http": guarded(base), "backlog": max(64, min(MAX_BACKLOG, soft // 8))}
+
+
+def serve_once_listening(app: Any, announce: Callable[[], None], host: str, port: int, **config: Any) -> None:
+    """Serve ``app`` with uvicorn (bounded) on a socket that listens before ``announce`` prints
+    where: a client that connects as soon as it reads the address waits in the backlog until
+    the event loop accepts it, rather than being refused."""
+    import uvicorn
+
+    settings = uvicorn.Config(app, host=host, port=port, **bounded(), **config)
+    sock = settings.bind_socket()
+    sock.listen(settings.backlog)
+    announce()
+    uvicorn.Server(settings).run(sockets=[sock])
 
 
 def raise_descriptor_limit() -> int:

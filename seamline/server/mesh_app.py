@@ -8,7 +8,7 @@ from fastapi import FastAPI
 
 from seamline.mesh.control.admin import admin_key
 from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_node, url_host
-from seamline.net.http_guard import bounded
+from seamline.net.http_guard import serve_once_listening
 from seamline.server.api_options import ApiOptions
 from seamline.server.openai_api import create_app
 
@@ -21,17 +21,18 @@ def mesh_app(mesh: Mesh, api: ApiOptions | None = None) -> FastAPI:
 
 
 def run_serve(options: ServeOptions, api: ApiOptions | None = None) -> int:
-    import uvicorn
-
     api = api or ApiOptions()
     mesh = build_mesh(options)
     mesh.start(options.host)
-    where = f"{api.scheme}://{url_host(options.host)}:{options.port}/v1"
-    print(f"seamline: serving {mesh.coordinator.model.name} on {where}", flush=True)
-    print(f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}", flush=True)
-    print(f"seamline: join with: seamline join {mesh.token}", flush=True)
-    if options.local_node:
-        spawn_node(mesh.own_token, "local")
-    uvicorn.run(mesh_app(mesh, api), host=options.host, port=options.port, log_level="warning", **bounded(),
-                **api.uvicorn_kwargs())  # fmt: skip
+
+    def announce() -> None:  # once the API's port listens: what it prints can be used at once
+        where = f"{api.scheme}://{url_host(options.host)}:{options.port}/v1"
+        print(f"seamline: serving {mesh.coordinator.model.name} on {where}", flush=True)
+        print(f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}", flush=True)
+        print(f"seamline: join with: seamline join {mesh.token}", flush=True)
+        if options.local_node:
+            spawn_node(mesh.own_token, "local")
+
+    serve_once_listening(mesh_app(mesh, api), announce, options.host, options.port, log_level="warning",
+                         **api.uvicorn_kwargs())  # fmt: skip
     return 0

@@ -6,10 +6,8 @@ import logging
 import sys
 from pathlib import Path
 
-import uvicorn
-
 from seamline.app import LocalModel, default_model_path
-from seamline.net.http_guard import bounded
+from seamline.net.http_guard import serve_once_listening
 from seamline.runtime.backend import LocalBackend
 from seamline.runtime.openmp import on_passing_thread
 from seamline.runtime.scheduler import kv_budget_bytes
@@ -46,7 +44,10 @@ def serve_local(model_path: str | None, host: str, port: int, dtype: str | None,
     backend, model = local_backend(model_path, dtype, context, kv_cache_bytes, precision)
     api = api or ApiOptions()
     app = create_app(backend, limits=api.limits)
-    print(f"seamline: serving {backend.model_name} at {api.scheme}://{host}:{port}/v1, precision "
-          f"{model.precision.describe()}", file=sys.stderr, flush=True)  # fmt: skip
     logging.getLogger("seamline").setLevel(logging.INFO)
-    uvicorn.run(app, host=host, port=port, log_level="info", **bounded(), **api.uvicorn_kwargs())
+
+    def announce() -> None:  # once the port listens: the address printed can be used at once
+        print(f"seamline: serving {backend.model_name} at {api.scheme}://{host}:{port}/v1, precision "
+              f"{model.precision.describe()}", file=sys.stderr, flush=True)  # fmt: skip
+
+    serve_once_listening(app, announce, host, port, log_level="info", **api.uvicorn_kwargs())
