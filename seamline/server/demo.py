@@ -97,13 +97,15 @@ def _ask(base: str, model: str, question: str, max_tokens: int) -> None:
     print(f"\n{tokens} tokens, {rate:.1f} tokens/s after the first token", flush=True)
 
 
-def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int = 4, ranks: int = 1) -> float:
+def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int = 4, ranks: int = 1,
+                  within: float = 0.5) -> float:  # fmt: skip
     """A per-node memory cap under which the planner needs exactly ``stages`` stages of
     ``ranks`` equal nodes each (lockstep groups when ``ranks`` > 1).
 
-    The middle of the range of caps under which that many nodes plan that many stages and
-    one stage fewer cannot hold the model: no node can hold more than its share, which is the
-    situation the mesh exists for (and a mesh that loses one of them cannot serve alone).
+    By default the middle (``within``: 0 the least, 1 the most) of the range of caps under which
+    that many nodes plan that many stages and one stage fewer cannot hold the model: no node can
+    hold more than its share, which is the situation the mesh exists for (and a mesh that loses
+    one of them cannot serve alone). Near the least, each node holds about its even share.
     """
     from seamline.app import default_model_path
     from seamline.config import ModelConfig
@@ -132,7 +134,7 @@ def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int
         fitting.append(cap)
     if not fitting:
         raise ValueError(f"no memory cap makes {stages} equal nodes split this model")
-    return (fitting[0] + fitting[-1]) / 2 / (1 << 30)
+    return (fitting[0] + within * (fitting[-1] - fitting[0])) / (1 << 30)
 
 
 def _holds(spec: ModelSpec, nodes: list[NodeInfo], options: PlanOptions, ranks: int, kv_split: bool) -> bool:

@@ -30,8 +30,11 @@ def ask(mesh: MeshProcesses, question: str, tokens: int) -> dict:
     return dict(reply.json())
 
 
-def start_mesh(root: Path, stages: int, *serve_args: str) -> MeshProcesses:
-    mesh = MeshProcesses(root, nodes=stages, node_memory_gb=memory_cap_gb(None, stages, CONTEXT),
+def start_mesh(root: Path, stages: int, *serve_args: str, cap_within: float = 0.5) -> MeshProcesses:
+    """``cap_within``: where in the range of per-node memory caps that need ``stages`` stages
+    (``memory_cap_gb``); lower keeps each stage nearer its even share of the layers."""
+    cap = memory_cap_gb(None, stages, CONTEXT, within=cap_within)
+    mesh = MeshProcesses(root, nodes=stages, node_memory_gb=cap,
                          serve_args=("--context", str(CONTEXT), *serve_args))  # fmt: skip
     return mesh.start()
 
