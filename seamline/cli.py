@@ -265,9 +265,20 @@ def _chat(model: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_EXTRAS = ("openai", "transformers")  # the benchmarks' client and reference, not the server's
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+
     from seamline.bench import run_bench
 
+    for module in BENCH_EXTRAS:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            raise SeamlineError(f"the benchmarks need {module}, which the server does not: ./install.sh --bench "
+                                f"(or pip install -e '.[bench]')") from None  # fmt: skip
     options = {"fuzz": {"inputs": args.inputs, "only": args.only}, "chaos": {"rounds": args.rounds}}.get(
         args.name, {"repeats": args.repeats, "tokens": args.tokens})
     run_bench(args.name, args.json_path, **options)

@@ -142,3 +142,13 @@ def test_join_reads_its_invite_from_one_place(tmp_path: Path) -> None:
     assert_clean_error(join("--token-file", str(token_file)), "corrupt")
     assert_clean_error(join(SEAMLINE_INVITE="seamline-not-a-real-token"), "corrupt")
     assert_clean_error(join("--token-file", str(tmp_path / "missing")), "cannot read the invite token file")
+
+
+def test_bench_without_its_extras_says_how_to_install_them() -> None:
+    """A server installed without the benchmarks' extras (./install.sh): `seamline bench` names
+    the missing client and the command that installs it, in one line, before it starts anything."""
+    hide_openai = "import sys; sys.modules['openai'] = None; from seamline.cli import main; sys.exit(main())"
+    proc = subprocess.run([sys.executable, "-c", hide_openai, "bench", "throughput"], capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert_clean_error(proc, "the benchmarks need openai")
+    assert "./install.sh --bench" in proc.stderr
