@@ -148,10 +148,11 @@ def test_a_lockstep_group_gathers_whole_logits_for_logprobs_and_grammars(model: 
     with running_group(default_model_path(), 2) as group:
         engine = Engine(LockstepStage(group))
         engine.masks = TokenMasks(model.codec.tokenizer.to_str)
-        drawn = list(engine.generate(prompt, SamplingParams(max_tokens=6, logprobs=2)))
+        drawn = list(engine.events(prompt, SamplingParams(max_tokens=6, logprobs=2)))
         structured = list(engine.generate(json_prompt, json_params))
     assert model.codec.decode(structured) == expected_json
-    assert drawn == tokens
-    for token, logits in zip(drawn, raw):
-        assert abs(token.logprob - float(torch.log_softmax(logits, dim=-1)[token])) < 1e-3  # type: ignore[attr-defined]
-        assert len(token.top) == 2  # type: ignore[attr-defined]
+    assert [event.token for event in drawn] == tokens
+    for event, logits in zip(drawn, raw):
+        assert event.logprob is not None
+        assert abs(event.logprob - float(torch.log_softmax(logits, dim=-1)[event.token])) < 1e-3
+        assert len(event.top) == 2

@@ -21,6 +21,7 @@ from seamline.app import LocalModel
 from seamline.errors import SeamlineError
 from seamline.params import SamplingParams
 from seamline.runtime.backend import LocalBackend, Readiness
+from seamline.runtime.sampling import TokenEvent
 from tests.support.api import NAME, QUESTION, chat, client_for, serve
 
 
@@ -181,6 +182,39 @@ def test_models_and_health(client: openai.OpenAI, url: str) -> None:
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
+class Scripted:
+    """A backend that yields fixed events, as an engine whose context filled early would."""
+
+    def __init__(self, real: LocalBackend, events: list[TokenEvent]) -> None:
+        self.model_name, self.codec, self.context_length = real.model_name, real.codec, real.context_length
+        self.events = events
+
+    def readiness(self) -> Readiness:
+        return Readiness(True)
+
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        for event in self.events:
+            yield event
+
+
+def test_the_finish_reason_is_the_backends_and_a_stop_token_is_not_output(backend: LocalBackend) -> None:
+    """The API reports why a request ended as the backend's last event says (here "length"
+    after 3 of 40 tokens, as at a full context), never worked out again from its own count; a
+    stop token ends the text without being in it or counted."""
+    words = backend.codec.encode(" Paris is big")
+    ended = [*(TokenEvent(t) for t in words[:-1]), TokenEvent(words[-1], finish_reason="length")]
+    stopped = [*(TokenEvent(t) for t in words), TokenEvent(backend.codec.stop_ids[0], finish_reason="stop")]
+    for events, reason in ((ended, "length"), (stopped, "stop")):
+        with serve(Scripted(backend, events)) as base:  # type: ignore[arg-type]
+            client = client_for(base)
+            reply = chat(client, max_tokens=40)
+            streamed = [c.choices[0] for c in chat(client, max_tokens=40, stream=True) if c.choices]
+        assert reply.choices[0].finish_reason == reason and streamed[-1].finish_reason == reason
+        assert reply.choices[0].message.content == backend.codec.decode(words)
+        assert reply.usage.completion_tokens == len(words)
+        assert "".join(c.delta.content or "" for c in streamed) == reply.choices[0].message.content
+
+
 # --- errors -----------------------------------------------------------------------------------
 
 
@@ -283,7 +317,7 @@ class Wrapped:
     def readiness(self) -> Readiness:
         return self.real.readiness()
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         self.closed.clear()
         inner = self.real.generate(prompt, params)
         try:

@@ -24,7 +24,6 @@ SERVED = """
 import json, os, threading
 import torch
 from seamline.params import SamplingParams
-from seamline.runtime.batch_loop import DONE
 from seamline.server import serve_local
 
 torch.set_num_threads(2)  # a pool of two: a worker beside the thread that starts each region
@@ -41,7 +40,10 @@ def switches():
 
 def generate(count):
     done, tokens = threading.Event(), []
-    deliver = lambda item: done.set() if item is DONE else tokens.append(item)
+    def deliver(event):  # the last event carries the finish reason
+        tokens.append(event)
+        if event.finish_reason is not None:
+            done.set()
     backend.loop.submit([1, 2, 3, 4], SamplingParams(max_tokens=count), deliver)
     done.wait()
     return len(tokens)

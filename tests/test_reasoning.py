@@ -13,6 +13,7 @@ import pytest
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Readiness
+from seamline.runtime.sampling import TokenEvent
 from seamline.server.reasoning import ThinkSplitter, uses_think_blocks
 from tests.support.api import NAME, client_for, serve
 
@@ -49,9 +50,12 @@ class Canned:
     def readiness(self) -> Readiness:
         return Readiness(True)
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
-        for token in self.codec.encode(self.answer)[: params.max_tokens]:
-            yield token
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        tokens = self.codec.encode(self.answer)
+        for i, token in enumerate(tokens[: params.max_tokens]):
+            yield TokenEvent(token, finish_reason="length" if i + 1 == params.max_tokens else None)
+        if len(tokens) < params.max_tokens:
+            yield TokenEvent(self.codec.stop_ids[0], finish_reason="stop")  # the model's end of turn
 
 
 def test_the_api_returns_reasoning_content_apart() -> None:

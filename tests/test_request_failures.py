@@ -91,7 +91,7 @@ def test_a_replan_or_a_loss_after_the_first_token_still_replays() -> None:
     mesh = _Mesh()
     backend = MeshBackend(mesh, None, "m", 64)  # type: ignore[arg-type]
 
-    async def scenario() -> list[int]:
+    async def scenario() -> list[object]:
         stream = backend.generate([1, 2, 3], SamplingParams(max_tokens=2))
         first = asyncio.ensure_future(anext(stream))
         for attempt, blame in ((1, "replanned"), (2, "replanned"), (3, "replanned")):
@@ -114,4 +114,6 @@ def test_a_replan_or_a_loss_after_the_first_token_still_replays() -> None:
         tokens.append(await second)
         return tokens
 
-    assert asyncio.run(scenario()) == [42, 43]
+    events = asyncio.run(scenario())
+    assert [e.token for e in events] == [42, 43]  # type: ignore[attr-defined]
+    assert [e.finish_reason for e in events] == [None, "length"]  # type: ignore[attr-defined]

@@ -103,7 +103,7 @@ async def measure_request(mesh: Mesh, tokens: int, prompt_tokens: int) -> dict[s
     assert config is not None
     prompt = fixed_prompt(prompt_tokens, config.vocab_size)
     start = time.perf_counter()
-    out = [t async for t in mesh.backend.generate(prompt, SamplingParams(max_tokens=tokens))]
+    out = [e.token async for e in mesh.backend.generate(prompt, SamplingParams(max_tokens=tokens)) if e.shown]
     return {"seconds": time.perf_counter() - start, "tokens": out}
 
 

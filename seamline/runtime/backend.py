@@ -1,8 +1,10 @@
 """Backend: what the HTTP API needs from whatever generates tokens (one process or a mesh).
 
-The API speaks text; a backend speaks token ids. ``generate`` is an async iterator of token
-ids that ends at a stop token or ``max_tokens``; closing it early (client gone, stop string
-seen) cancels the request. ``LocalBackend`` batches concurrent requests on one process.
+The API speaks text; a backend speaks tokens. ``generate`` is an async iterator of
+``TokenEvent``s whose last carries the finish reason its draw gave ("stop": a stop token,
+which is not output; "length": max_tokens or the context), after which it ends; closing it
+early (client gone, stop string seen) cancels the request. ``LocalBackend`` batches
+concurrent requests on one process.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from seamline.runtime.grammar import TokenMasks
-from seamline.runtime.batch_loop import DONE, BatchLoop
+from seamline.runtime.batch_loop import BatchLoop
 from seamline.runtime.engine import Engine
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.params import SamplingParams
 from seamline.runtime.scheduler import Scheduler
 from seamline.runtime.reports import MeshReport, NodeReport
+from seamline.runtime.sampling import TokenEvent
 from seamline.text import TextCodec
 
 LOCAL_NODE = "local"  # the one node of a single-process server, in /metrics
@@ -38,7 +41,7 @@ class Backend(Protocol):
 
     def readiness(self) -> Readiness: ...
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]: ...
+    def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]: ...
 
 
 
@@ -70,16 +73,19 @@ class LocalBackend:
         step = scheduler.decode_seconds / steps if steps else None
         return MeshReport([NodeReport(LOCAL_NODE, True, step, scheduler.kv_used())])
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
-        self.engine.check_prompt(prompt)
-        params.validate()
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+        """The request's tokens; its prompt and parameters are the API's, validated there."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
         request = self.loop.submit(prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
         try:
-            while (item := await queue.get()) is not DONE:
+            while True:
+                item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                yield item  # type: ignore[misc]  # a DrawnToken: the id, and its log-probabilities if asked
+                assert isinstance(item, TokenEvent)
+                yield item
+                if item.finish_reason is not None:
+                    return
         finally:
             self.loop.cancel(request)  # a no-op once it finished

@@ -18,8 +18,7 @@ from seamline.runtime.scheduler import Scheduler, SequenceState
 
 log = logging.getLogger(__name__)
 
-DONE = object()  # delivered after a request's last token
-Deliver = Callable[[object], None]  # gets each token (int), then DONE or an exception
+Deliver = Callable[[object], None]  # gets each TokenEvent (the last with its finish reason), or an exception
 
 
 @dataclass(eq=False)
@@ -93,17 +92,14 @@ class BatchLoop:
             request = self._live.get(emission.sequence)
             if request is None:
                 continue
-            if emission.error is not None:
+            if emission.event is None:  # the draw failed: the request alone ends, with its error
                 del self._live[emission.sequence]
                 _send(request, emission.error)
                 continue
-            finished = emission.sequence.finished
-            if emission.token is not None and not _send(request, emission.token) and not finished:
+            if not _send(request, emission.event) and not emission.sequence.finished:
                 self.scheduler.cancel(emission.sequence)  # its receiver is gone
-                finished = True
-            if finished:
+            if emission.sequence.finished:
                 del self._live[emission.sequence]
-                _send(request, DONE)
 
 
 def _send(request: Request, item: object) -> bool:

@@ -14,6 +14,7 @@ import torch
 from seamline.model.stage import Stage
 from seamline.params import SamplingParams
 from seamline.runtime.grammar import TokenMasks
+from seamline.runtime.sampling import TokenEvent
 from seamline.runtime.scheduler import Scheduler, check_prompt
 
 if TYPE_CHECKING:
@@ -44,8 +45,13 @@ class Engine:
         return logits[-1]
 
     def generate(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
-        """Yield generated token ids until a stop token, max_tokens, or the context is full:
-        the scheduler's loop (the one a server batches many requests with), for one sequence."""
+        """Yield generated token ids until a stop token, max_tokens, or the context is full."""
+        return (event.token for event in self.events(prompt, params) if event.shown)
+
+    def events(self, prompt: list[int], params: SamplingParams) -> Iterator[TokenEvent]:
+        """Every token drawn, with its log-probabilities if asked, the last with why the request
+        ended (a stop token's event is not output): the scheduler's loop (the one a server
+        batches many requests with), for one sequence."""
         params.validate()
         self.check_prompt(prompt)
         scheduler = Scheduler(self.stage, self.context_length, max_step_tokens=PREFILL_CHUNK, masks=self.masks)
@@ -53,10 +59,9 @@ class Engine:
         try:
             while not sequence.finished:
                 for emission in scheduler.step():
-                    if emission.error is not None:
-                        raise emission.error
-                    if emission.token is not None:
-                        yield emission.token
+                    if emission.event is None:
+                        raise emission.error or RuntimeError("a draw failed without its error")
+                    yield emission.event
         finally:
             if not sequence.finished:  # the caller stopped early: free the cache
                 scheduler.cancel(sequence)

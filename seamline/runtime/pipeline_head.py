@@ -33,11 +33,9 @@ import torch
 from seamline.errors import RequestError
 from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open
-from seamline.params import SamplingParams
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
-from seamline.runtime.scheduler import Batch, Scheduler, SequenceState
-from seamline.runtime.sampling import DrawnToken
-from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
+from seamline.runtime.scheduler import Batch, Scheduler, SequenceState, check_prompt
+from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_event
 
 if TYPE_CHECKING:
     from seamline.runtime.stage_worker import StageWorker
@@ -64,15 +62,10 @@ class PipelineHead:
         self.scheduler = Scheduler(worker.stage, context_length, max_step_tokens=MAX_STEP_TOKENS,
                                    max_running=MAX_RUNNING, kv_budget_bytes=kv_budget_bytes,
                                    max_waiting=MAX_WAITING, forks=False)  # fmt: skip
-        self._opened: dict[int, SamplingParams] = {}  # opened, prompt not yet here
+        self._opened: dict[int, Open] = {}  # opened, prompt not yet here
         self._partial: dict[int, list[int] | None] = {}  # prompts whose last chunk has not come (None: refused)
-        self._output_start: dict[int, int] = {}  # by request: where its output began (Open.output_start)
-        self._sequences: dict[int, SequenceState] = {}
-        self._requests: dict[SequenceState, int] = {}
-        self._hashes: dict[SequenceState, int] = {}  # prefix hash of the positions stage 0 has run
-        self._in_flight: set[SequenceState] = set()  # a token for it is being drawn downstream
+        self._sequences: dict[int, SequenceState] = {}  # by request id: each holds its wire state too
         self._held: dict[int, tuple[object, int]] = {}  # id(cache) -> (cache, request it has downstream)
-        self._announced: dict[SequenceState, object] = {}  # the cache each sequence's rows went downstream with
         # id(cache) of caches the scheduler freed that later stages keep until every sequence forked
         # from them has told the later stages (a kept prefix evicted between a fork and its first rows)
         self._forget_later: set[int] = set()
@@ -86,8 +79,7 @@ class PipelineHead:
     # -- from the link readers (any thread) ----------------------------------------------
     def open(self, msg: Open) -> None:
         with self._cond:
-            self._opened[msg.request] = msg.sampling
-            self._output_start[msg.request] = msg.prompt_len if msg.output_start is None else msg.output_start
+            self._opened[msg.request] = msg
 
     def prompt(self, request: int, tokens: list[int], more: bool = False) -> None:
         """A chunk of ``request``'s prompt; the whole prompt joins the scheduler with its last
@@ -126,13 +118,12 @@ class PipelineHead:
         """How ``request`` draws (its params, seed and where its output began), while it is open
         here: a last stage in this process draws with it (a private mesh's). None before its
         prompt has come whole (no frame of it has left this stage then)."""
-        with self._cond:
-            start = self._output_start.get(request)
         sequence = self._sequences.get(request)
-        if sequence is None:
-            return None
+        return None if sequence is None else self._drawing(sequence)
+
+    def _drawing(self, sequence: SequenceState) -> Drawing:
         return Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length,
-                       start if start is not None else len(sequence.prompt))  # fmt: skip
+                       sequence.output_start)  # fmt: skip
 
     def returned(self, rows: list[TokenRow]) -> None:
         self._post(lambda inbox: inbox.returned.extend(rows))
@@ -191,22 +182,23 @@ class PipelineHead:
 
     def _add(self, request: int, tokens: list[int]) -> None:
         with self._cond:
-            params = self._opened.pop(request, None)
+            opened = self._opened.pop(request, None)
         try:
-            if params is None:
+            if opened is None:
                 raise OutOfStep(f"request {request} is not open on this stage")
-            sequence = self.scheduler.add(tokens, params)
+            opened.sampling.validate()  # as the wire brought them: the request enters the engine here
+            check_prompt(tokens, self.scheduler.context_length)
+            sequence = self.scheduler.add(tokens, opened.sampling)
         except Exception as exc:  # this request ends alone
             self._fail([request], exc)
             return
+        sequence.request = request
+        sequence.output_start = opened.prompt_len if opened.output_start is None else opened.output_start
         self._sequences[request] = sequence
-        self._requests[sequence] = request
 
     def _cancel(self, request: int) -> None:
         with self._cond:
             self._opened.pop(request, None)
-            if request not in self._sequences:
-                self._output_start.pop(request, None)
         sequence = self._sequences.get(request)
         if sequence is not None:
             self._drop(sequence)
@@ -217,18 +209,15 @@ class PipelineHead:
     def _drop(self, sequence: SequenceState, reached_downstream: bool = True) -> None:
         """Cancel a sequence; a cache whose rows did not all reach the later stages (none yet,
         or a failed batch's) is not kept for prefixes, since they do not hold it."""
-        if not reached_downstream or self._announced.get(sequence) is not sequence.cache:
+        if not reached_downstream or sequence.announced is not sequence.cache:
             sequence.cached = 0
         self.scheduler.cancel(sequence)
         self._forget(sequence)
 
     def _forget(self, sequence: SequenceState) -> None:
-        request = self._requests.pop(sequence)
-        del self._sequences[request]
-        self._output_start.pop(request, None)
-        self._hashes.pop(sequence, None)
-        self._in_flight.discard(sequence)
-        self._announced.pop(sequence, None)
+        assert sequence.request is not None
+        del self._sequences[sequence.request]
+        sequence.in_flight, sequence.announced = False, None
 
     def _freed(self, cache: object, for_good: bool) -> None:
         """The scheduler freed a cache: free it downstream too, unless its sequence was preempted
@@ -243,29 +232,29 @@ class PipelineHead:
 
     def _awaited(self, cache: object) -> bool:
         """Whether a sequence forked from ``cache`` has not yet told the later stages."""
-        return any(s.donor is cache and self._announced.get(s) is not s.cache for s in self._sequences.values())
+        return any(s.donor is cache and s.announced is not s.cache for s in self._sequences.values())
 
     def _forget_released(self) -> None:
         for key in [k for k in self._forget_later if not self._awaited(self._held[k][0])]:
             self._forget_later.discard(key)
             self._send(Forget(request=self._held.pop(key)[1]))
 
-    def _announce(self, sequence: SequenceState, request: int, start: int) -> None:
+    def _announce(self, sequence: SequenceState, start: int) -> None:
         """A sequence's first rows since it got its cache: downstream starts from the same fork."""
-        old = self._announced.get(sequence)
-        if old is not None:
-            self._held.pop(id(old), None)
-        self._announced[sequence] = sequence.cache
-        self._held[id(sequence.cache)] = (sequence.cache, request)
+        assert sequence.request is not None
+        if sequence.announced is not None:
+            self._held.pop(id(sequence.announced), None)
+        sequence.announced = sequence.cache
+        self._held[id(sequence.cache)] = (sequence.cache, sequence.request)
         if sequence.donor is None:
             return  # it starts at position 0: its first row resets the later stages
         if id(sequence.donor) not in self._held:  # a sequence admitted with it that has run no row yet
             first = next(s for s in self._sequences.values() if s.cache is sequence.donor)
-            self._announce(first, self._requests[first], first.cached)
+            self._announce(first, first.cached)
         donor = self._held[id(sequence.donor)]
         assert donor[0] is sequence.donor
-        self._hashes[sequence] = prefix_hash(EMPTY_HASH, sequence.known(0, start), self.hash_key)
-        self._send(Fork(request=request, donor=donor[1], positions=start, hash=self._hashes[sequence]))
+        sequence.prefix_hash = prefix_hash(EMPTY_HASH, sequence.known(0, start), self.hash_key)
+        self._send(Fork(request=sequence.request, donor=donor[1], positions=start, hash=sequence.prefix_hash))
 
     def _send(self, message: Message) -> None:
         if self.worker.links.downstream_message is not None:
@@ -276,16 +265,16 @@ class PipelineHead:
         for row in rows:
             sequence = self._sequences.get(row.request)
             try:
-                if sequence is None or sequence not in self._in_flight:
+                if sequence is None or not sequence.in_flight:
                     raise OutOfStep(f"request {row.request} is not waiting for a token here")
                 expected = len(sequence.prompt) + len(sequence.tokens)
-                if row.position != expected or row.hash_before != self._hashes[sequence]:
+                if row.position != expected or row.hash_before != sequence.prefix_hash:
                     raise OutOfStep(f"request {row.request}: token for position {row.position}, stage 0 is at {expected}")
             except OutOfStep as exc:
                 self.worker.refuse(row.request, "token", exc)
                 continue
-            self._in_flight.discard(sequence)
-            if self.scheduler.record(sequence, DrawnToken(row.token, row.logprob, row.top)).sequence.finished:
+            sequence.in_flight = False
+            if self.scheduler.record(sequence, token_event(row)).sequence.finished:
                 self._forget(sequence)
 
     def _run_next(self) -> bool:
@@ -293,7 +282,7 @@ class PipelineHead:
         if self._forget_later:
             self._forget_released()
         cap = max(1, -(-len(self.scheduler.running) // max(1, self.worker.micro_batches)))
-        batch = self.scheduler.next_batch(ready=lambda s: s not in self._in_flight, max_decode_rows=cap)
+        batch = self.scheduler.next_batch(ready=lambda s: not s.in_flight, max_decode_rows=cap)
         if not batch.spans:
             return False
         self.scheduler.advance(batch)
@@ -313,20 +302,16 @@ class PipelineHead:
         """The batch's rows with their prefix hashes; the rows that draw put their sequence in flight."""
         work = []
         for sequence, span, draws in zip(batch.owners, batch.spans, batch.draws):
-            request = self._requests[sequence]
-            if self._announced.get(sequence) is not sequence.cache:
-                self._announce(sequence, request, span.start)
+            assert sequence.request is not None
+            if sequence.announced is not sequence.cache:
+                self._announce(sequence, span.start)
             ids = batch.inputs[span.offset : span.offset + span.count]
-            before = EMPTY_HASH if span.start == 0 else self._hashes[sequence]
-            after = prefix_hash(before, ids, self.hash_key)
-            self._hashes[sequence] = after
+            before = EMPTY_HASH if span.start == 0 else sequence.prefix_hash
+            sequence.prefix_hash = after = prefix_hash(before, ids, self.hash_key)
             flags = (RowFlag.FIRST if span.start == 0 else RowFlag.NONE) | (RowFlag.SAMPLE if draws else RowFlag.NONE)
-            if draws:
-                self._in_flight.add(sequence)
-            drawing = Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length,
-                              self._output_start.get(request, len(sequence.prompt)))  # fmt: skip
-            row = Row(request, span.start, span.count, before, after, int(flags))
-            work.append(Work(row, span.cache, torch.tensor(ids, dtype=torch.long), drawing))
+            sequence.in_flight = sequence.in_flight or draws
+            row = Row(sequence.request, span.start, span.count, before, after, int(flags))
+            work.append(Work(row, span.cache, torch.tensor(ids, dtype=torch.long), self._drawing(sequence)))
         return work
 
     def _fail(self, requests: list[int], exc: Exception) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import secrets
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -38,17 +39,22 @@ def draw_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1  # 63 bits: torch takes a signed 64-bit seed
 
 
-class DrawnToken(int):
-    """A drawn token id; with ``logprobs`` asked, its log-probability and the likeliest ids
-    with theirs. An int wherever only the id matters."""
+@dataclass(frozen=True)
+class TokenEvent:
+    """A token drawn for a request, as it crosses every seam up to the API (the scheduler's
+    emission, a pipeline's token row read back, a backend's stream): its id; with ``logprobs``
+    asked, its log-probability and the likeliest ids with theirs; and on the request's last
+    token, why it ended (``finish_reason``)."""
 
-    logprob: float | None
-    top: tuple[tuple[int, float], ...]
+    token: int
+    logprob: float | None = None
+    top: tuple[tuple[int, float], ...] = ()
+    finish_reason: str | None = None  # "stop": a stop token; "length": max_tokens, or the context full
 
-    def __new__(cls, token: int, logprob: float | None = None, top: Iterable[tuple[int, float]] = ()) -> DrawnToken:
-        drawn = super().__new__(cls, token)
-        drawn.logprob, drawn.top = logprob, tuple(top)
-        return drawn
+    @property
+    def shown(self) -> bool:
+        """Whether the token is part of the output: a stop token ends it but is not in it."""
+        return self.finish_reason != "stop"
 
 
 def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int] = ()) -> torch.Tensor:
@@ -70,7 +76,7 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[i
 
 
 def draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
-         generated: Sequence[int] = (), allowed: torch.Tensor | None = None) -> DrawnToken:  # fmt: skip
+         generated: Sequence[int] = (), allowed: torch.Tensor | None = None) -> TokenEvent:  # fmt: skip
     """``sample`` among the ``allowed`` tokens (a grammar's mask; None: all), and the
     log-probabilities the request asked for."""
     choices = adjusted(logits, params, generated)
@@ -78,10 +84,19 @@ def draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
         choices = choices.float().masked_fill(~allowed, float("-inf"))
     token = sample(choices, params, seed, position)
     if params.logprobs is None:
-        return DrawnToken(token)
+        return TokenEvent(token)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logprobs, params.logprobs) if params.logprobs else (torch.empty(0), torch.empty(0))
-    return DrawnToken(token, float(logprobs[token]), zip(ids.tolist(), values.tolist()))
+    return TokenEvent(token, float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist())))
+
+
+def draw_next(logits: torch.Tensor, params: SamplingParams, seed: int, position: int, generated: Sequence[int],
+              allowed: torch.Tensor | None, prompt_len: int, context_length: int) -> TokenEvent:  # fmt: skip
+    """The token for ``position`` and whether the request ends with it: the one sampler and the
+    one finish rule, applied where a token is drawn (one process's scheduler, a pipeline's last
+    stage); every later seam carries the reason on."""
+    drawn = draw(logits, params, seed, position, generated, allowed)
+    return replace(drawn, finish_reason=finish_reason(drawn.token, position, params, prompt_len, context_length))
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -52,7 +52,7 @@ from seamline.model.stage import Stage
 from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
 from seamline.params import SamplingParams
-from seamline.runtime.sampling import finish_reason, request_seed, draw
+from seamline.runtime.sampling import TokenEvent, draw_next, request_seed
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import GroupCache, LockstepStage
@@ -74,6 +74,15 @@ class SequenceState:
     cache: SequenceCache | GroupCache | None = None
     donor: SequenceCache | None = None  # the cache its own began as a copy of (None: computed from 0)
     seed: int = field(init=False)
+    # where a pipeline's stage 0 (PipelineHead) runs it: its request id on the wire, where its
+    # output began (a replay's is before its prompt's end), the prefix hash of the positions
+    # stage 0 has run, whether a token for it is being drawn downstream, and the cache its rows
+    # went downstream with (the later stages hold a cache of that lineage)
+    request: int | None = None
+    output_start: int = 0
+    prefix_hash: int = 0
+    in_flight: bool = False
+    announced: object | None = None
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.params.seed)
@@ -99,13 +108,18 @@ class SequenceState:
 
 @dataclass(frozen=True)
 class Emission:
-    """What a step gave one sequence: a token (None when it drew a stop token) and the logits
-    [vocab] it was drawn from (None when another stage drew it)."""
+    """What a step gave one sequence: the token drawn (with why the sequence ended, on its last)
+    and the logits [vocab] it was drawn from (None when another stage drew it)."""
 
     sequence: SequenceState
-    token: int | None
+    event: TokenEvent | None  # None when the draw failed
     logits: torch.Tensor | None
     error: RequestError | None = None  # the draw failed (a grammar's): this sequence alone ends
+
+    @property
+    def token(self) -> int | None:
+        """The token as output: None for a stop token (or a failed draw)."""
+        return self.event.token if self.event is not None and self.event.shown else None
 
 
 @dataclass
@@ -201,9 +215,9 @@ class Scheduler:
         return sum(self.kv_held(s) for s in list(self.running)) + self.prefix.held_bytes()
 
     def add(self, prompt: list[int], params: SamplingParams) -> SequenceState:
-        """Queue a request; it joins at the next step with room."""
-        params.validate()
-        check_prompt(prompt, self.context_length)
+        """Queue a request, validated where it came in (the API, ``Engine.generate``, stage 0's
+        reading of the wire); it joins at the next step with room, or is refused when it could
+        never fit or too many wait."""
         if len(self.waiting) >= self.max_waiting:
             raise OverloadedError(f"{len(self.waiting)} requests are already waiting; try again later")
         sequence = SequenceState(list(prompt), params)
@@ -258,19 +272,16 @@ class Scheduler:
             # a chunk short of the prompt's end, or recomputed history, draws nothing
             batch.draws.append(not (computing and (sequence.prefilling or bool(sequence.tokens))))
 
-    def record(self, sequence: SequenceState, token: int, logits: torch.Tensor | None = None) -> Emission:
-        """Take a token drawn for ``sequence`` (here, or by a pipeline's last stage); finish it on
-        a stop token, at max_tokens, or when the context is full."""
-        position = len(sequence.prompt) + len(sequence.tokens)
-        reason = finish_reason(token, position, sequence.params, len(sequence.prompt), self.context_length)
+    def record(self, sequence: SequenceState, event: TokenEvent, logits: torch.Tensor | None = None) -> Emission:
+        """Take a token drawn for ``sequence`` (here, or by a pipeline's last stage) with the
+        finish reason its draw gave (``draw_next``): a stop token is not kept; either reason
+        ends the sequence."""
         sequence.samples += 1
-        if reason == "stop":
-            self._release(sequence, reason)
-            return Emission(sequence, None, logits)
-        sequence.tokens.append(token)
-        if reason is not None:
-            self._release(sequence, reason)
-        return Emission(sequence, token, logits)
+        if event.shown:
+            sequence.tokens.append(event.token)
+        if event.finish_reason is not None:
+            self._release(sequence, event.finish_reason)
+        return Emission(sequence, event, logits)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -352,8 +363,9 @@ class Scheduler:
         except RequestError as exc:
             self._release(sequence, "error")
             return Emission(sequence, None, None, exc)
-        token = draw(logits, sequence.params, sequence.seed, position, sequence.tokens, allowed)
-        return self.record(sequence, token, logits)
+        event = draw_next(logits, sequence.params, sequence.seed, position, sequence.tokens, allowed,
+                          len(sequence.prompt), self.context_length)  # fmt: skip
+        return self.record(sequence, event, logits)
 
     def _release(self, sequence: SequenceState, reason: str) -> None:
         sequence.finish_reason = reason

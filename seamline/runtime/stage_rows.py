@@ -1,4 +1,5 @@
-"""What a pipeline stage's batch is made of: rows with their cache and how to draw after them."""
+"""What a pipeline stage's batch is made of: rows with their cache and how to draw after them;
+and a drawn token as the last stage's token row carries it (flags for its finish reason)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from typing import Any
 
 import torch
 
-from seamline.net.frames import Row
+from seamline.net.frames import Row, RowFlag, TokenRow
 from seamline.params import SamplingParams
+from seamline.runtime.sampling import TokenEvent
 
 
 class OutOfStep(Exception):
@@ -36,3 +38,20 @@ class Work:
     inputs: torch.Tensor
     drawing: Drawing
     ids: torch.Tensor | None = None
+
+
+def token_flags(event: TokenEvent) -> RowFlag:
+    """A token row's flags for a drawn token: DONE on a request's last, STOPPED too when a stop
+    token ended it, LOGPROBS when its log-probabilities travel."""
+    flags = RowFlag.NONE if event.finish_reason is None else RowFlag.DONE
+    if event.finish_reason == "stop":
+        flags |= RowFlag.STOPPED
+    if event.logprob is not None:
+        flags |= RowFlag.LOGPROBS
+    return flags
+
+
+def token_event(row: TokenRow) -> TokenEvent:
+    """The drawn token a token row carries, with the finish reason the last stage's draw gave."""
+    reason = "stop" if row.flags & RowFlag.STOPPED else "length" if row.flags & RowFlag.DONE else None
+    return TokenEvent(row.token, row.logprob, tuple(row.top), reason)

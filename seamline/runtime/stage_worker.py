@@ -34,8 +34,8 @@ from seamline.params import SamplingParams
 from seamline.runtime import digest
 from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.pipeline_head import PipelineHead
-from seamline.runtime.sampling import draw, finish_reason, request_seed
-from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
+from seamline.runtime.sampling import draw_next, request_seed
+from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_flags
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import LockstepStage
@@ -342,17 +342,13 @@ class StageWorker:
             if self.links.failed is not None:
                 self.links.failed([row.request], exc)
             return None
-        token = draw(logits, drawing.params, drawing.seed, position, output, allowed)
-        reason = finish_reason(token, position, drawing.params, drawing.prompt_len, drawing.context_length)
-        flags = RowFlag.NONE if reason is None else RowFlag.DONE
-        if reason == "stop":
-            flags |= RowFlag.STOPPED
-        if token.logprob is not None:
-            flags |= RowFlag.LOGPROBS
-        if seq is not None and reason is not None:
+        event = draw_next(logits, drawing.params, drawing.seed, position, output, allowed, drawing.prompt_len,
+                          drawing.context_length)  # fmt: skip
+        if seq is not None and event.finish_reason is not None:
             seq.done = True
-        return TokenRow(row.request, position, token, row.hash_after, prefix_hash(row.hash_after, [token], self.hash_key), int(flags),
-                        token.logprob, token.top)  # fmt: skip
+        after = prefix_hash(row.hash_after, [event.token], self.hash_key)
+        return TokenRow(row.request, position, event.token, row.hash_after, after, int(token_flags(event)),
+                        event.logprob, event.top)  # fmt: skip
 
     def _output(self, request: int, seq: StageSequence | None, drawing: Drawing) -> list[int]:
         """What the request generated so far: stage 0's scheduler knows; a later stage read it."""

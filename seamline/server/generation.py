@@ -11,7 +11,7 @@ import anyio
 
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend
-from seamline.runtime.sampling import DrawnToken
+from seamline.runtime.sampling import TokenEvent
 from seamline.server.logprobs import chat_logprobs, completion_logprobs
 from seamline.server.metrics import RequestMeter
 from seamline.server.reasoning import ThinkSplitter
@@ -26,7 +26,7 @@ class Piece:
     with think blocks the part of the text that is reasoning, with tools the calls made."""
 
     text: str
-    token: DrawnToken | None
+    token: TokenEvent | None
     reasoning: str = ""
     calls: tuple[ToolCall, ...] = ()  # tool calls the text completed
 
@@ -41,10 +41,9 @@ class Generation:
         self.prompt_tokens = len(prompt)
         self.completion_tokens = 0
         self.finish_reason = "stop"
-        self._limit = min(params.max_tokens, backend.context_length - len(prompt))
         self._decoder = StreamDecoder(backend.codec, params.stop_strings)
         self._tokens = backend.generate(prompt, params)
-        self._first: DrawnToken | None = None
+        self._first: TokenEvent | None = None
         self._closed = False
         self.logprobs = params.logprobs is not None
         self.thinker: ThinkSplitter | None = None  # a chat whose template uses think blocks
@@ -62,20 +61,23 @@ class Generation:
         self._first = await self._next()
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        """The new text for each generated token ('' while text is held back), with the token."""
+        """The new text for each generated token ('' while text is held back), with the token;
+        the request ends as the backend's last event says (or at a stop string)."""
         try:
-            token = self._first
-            while token is not None:
+            event = self._first or await self._next()
+            while event.shown:
                 self.completion_tokens += 1
-                yield self._piece(self._decoder.push(token), token)
+                yield self._piece(self._decoder.push(event.token), event)
                 if self._decoder.stopped:  # a stop string
                     last = self._piece("", None, last=True)
                     self._end("stop")
                     yield last
                     return
-                token = await self._next()
+                if event.finish_reason is not None:
+                    break
+                event = await self._next()
             last = self._piece(self._decoder.flush(), None, last=True)
-            self._end("length" if self.completion_tokens >= self._limit else "stop")
+            self._end(event.finish_reason or "stop")
             yield last
         except Exception:
             self.meter.end("error")
@@ -89,7 +91,7 @@ class Generation:
         self.finish_reason = reason
         self.meter.end(reason)
 
-    def _piece(self, text: str, token: DrawnToken | None, last: bool = False) -> Piece:
+    def _piece(self, text: str, token: TokenEvent | None, last: bool = False) -> Piece:
         reasoning, content = "", text
         if self.thinker is not None:
             reasoning, content = self.thinker.feed(text)
@@ -115,7 +117,7 @@ class Generation:
             with anyio.CancelScope(shield=True):
                 await aclose()
 
-    def logprobs_of(self, tokens: list[DrawnToken], chat: bool) -> dict[str, Any]:
+    def logprobs_of(self, tokens: list[TokenEvent], chat: bool) -> dict[str, Any]:
         """These tokens' log-probabilities as the response shows them (each token once: a
         completion's ``text_offset`` runs on over the calls)."""
         if chat:
@@ -124,10 +126,11 @@ class Generation:
         self.text_offset += sum(len(t) for t in out["tokens"])
         return out
 
-    async def _next(self) -> DrawnToken | None:
+    async def _next(self) -> TokenEvent:
         try:
-            token = await anext(self._tokens)
+            event = await anext(self._tokens)
         except StopAsyncIteration:
-            return None
-        self.meter.token()  # timed as it arrives
-        return token if isinstance(token, DrawnToken) else DrawnToken(token)
+            raise RuntimeError("the backend ended a request without its finish reason") from None
+        if event.shown:
+            self.meter.token()  # timed as it arrives
+        return event

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from seamline.runtime.sampling import DrawnToken
+from seamline.runtime.sampling import TokenEvent
 from seamline.text import TextCodec
 
 
@@ -16,17 +16,18 @@ def token_text(codec: TextCodec, token: int) -> str:
     return codec.decode_partial([token], special=True)
 
 
-def chat_logprobs(codec: TextCodec, tokens: Sequence[DrawnToken]) -> dict[str, Any]:
+def chat_logprobs(codec: TextCodec, tokens: Sequence[TokenEvent]) -> dict[str, Any]:
     def entry(token: int, logprob: float | None) -> dict[str, Any]:
         text = token_text(codec, token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(t, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]} for t in tokens]}
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                        for t in tokens]}  # fmt: skip
 
 
-def completion_logprobs(codec: TextCodec, tokens: Sequence[DrawnToken], offset: int) -> dict[str, Any]:
+def completion_logprobs(codec: TextCodec, tokens: Sequence[TokenEvent], offset: int) -> dict[str, Any]:
     """``offset``: where the first token's text starts in the choice's text."""
-    texts = [token_text(codec, t) for t in tokens]
+    texts = [token_text(codec, t.token) for t in tokens]
     offsets = []
     for text in texts:
         offsets.append(offset)

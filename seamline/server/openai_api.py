@@ -38,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend
-from seamline.runtime.sampling import DrawnToken
+from seamline.runtime.sampling import TokenEvent
 from seamline.server.api_options import ApiLimits
 from seamline.server.bodies import LargeBodies, encode_within
 from seamline.server.leaving import unless_gone
@@ -223,7 +223,7 @@ async def _pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | No
 async def _collect(gens: list[Generation], chat: bool, echo: str) -> list[Choice]:
     """Every choice whole."""
     texts, reasoning = [[echo] for _ in gens], [[] for _ in gens]  # type: list[list[str]], list[list[str]]
-    drawn: list[list[DrawnToken]] = [[] for _ in gens]
+    drawn: list[list[TokenEvent]] = [[] for _ in gens]
     calls: list[list[ToolCall]] = [[] for _ in gens]
     async for index, item in _pieces(gens):
         if item is not None:

@@ -19,10 +19,11 @@ from collections.abc import AsyncIterator
 from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.mesh.control.coordinator import Coordinator, StartupError
 from seamline.net.link import LinkClosed
-from seamline.net.frames import RowFlag, TokenRow
+from seamline.net.frames import TokenRow
 from seamline.net.messages import Open
 from seamline.params import SamplingParams
-from seamline.runtime.sampling import DrawnToken, request_seed
+from seamline.runtime.sampling import TokenEvent, request_seed
+from seamline.runtime.stage_rows import token_event
 from seamline.runtime.backend import Readiness
 from seamline.mesh.control.mesh_metrics import MeshReporter
 from seamline.text import TextCodec
@@ -77,13 +78,11 @@ class MeshBackend:
         ready = self.coordinator.ready.is_set()
         return Readiness(ready, "" if ready else self.coordinator.state, waits=self.coordinator.plan_id > 0)
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[int]:
+    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """The request's tokens. When a node is lost mid-answer the mesh re-plans, and the request
         is replayed on the new route: prompt and tokens so far prefilled, then decoding from the
-        next position. Sampling draws from (seed, position), so the tokens go on as they would have."""
-        params.validate()
-        if not prompt or len(prompt) >= self.context_length:
-            raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {self.context_length}")
+        next position. Sampling draws from (seed, position), so the tokens go on as they would have.
+        The prompt and parameters are the API's, validated there (and by stage 0 as it reads them)."""
         spec = dataclasses.replace(params, seed=request_seed(params.seed), stop_strings=())  # stop strings stay here
         generated: list[int] = []
         lost_at: float | None = None
@@ -93,9 +92,10 @@ class MeshBackend:
                 lost_at = lost_at or time.monotonic()
                 await self._until_ready(lost_at, RouteLost(f"the mesh is not serving: {self.coordinator.state}"))
             try:
-                async for token in self._attempt(prompt + generated, spec, len(generated), replaying=replays > 0):
-                    generated.append(token)
-                    yield token
+                async for event in self._attempt(prompt + generated, spec, len(generated), replaying=replays > 0):
+                    if event.shown:
+                        generated.append(event.token)
+                    yield event
                 return
             except RouteLost as exc:
                 replays += 1
@@ -111,7 +111,7 @@ class MeshBackend:
                 await self._until_ready(lost_at, exc)
 
     async def _attempt(self, tokens: list[int], spec: SamplingParams, generated: int,
-                       replaying: bool) -> AsyncIterator[int]:  # fmt: skip
+                       replaying: bool) -> AsyncIterator[TokenEvent]:  # fmt: skip
         """One run of the request on the current route: ``tokens`` as its prompt, ``generated`` of
         them drawn already (so ``max_tokens`` counts from the original prompt)."""
         queue: asyncio.Queue[object] = asyncio.Queue()
@@ -140,10 +140,9 @@ class MeshBackend:
                     raise item
                 drew = True
                 assert isinstance(item, TokenRow)
-                if item.flags & RowFlag.STOPPED:
-                    return
-                yield DrawnToken(item.token, item.logprob, item.top)
-                if item.flags & RowFlag.DONE:
+                event = token_event(item)
+                yield event
+                if event.finish_reason is not None:
                     return
         finally:
             with self._lock:

@@ -242,9 +242,9 @@ class Verifier:
         start = opening.prompt_len if opening.output_start is None else opening.output_start
         output = shadow.tokens[start : row.position]
         allowed = grammar_mask(self.masks, row.request, params, output, logits.shape[-1]) if self.masks else None
-        expected = draw(logits, params, params.seed or 0, row.position, output, allowed)
+        expected = draw(logits, params, params.seed or 0, row.position, output, allowed).token
         stopped = bool(row.flags & RowFlag.STOPPED)
-        if row.token == int(expected) or (not stopped and _near_tie(logits, params, output, row.token, int(expected),
+        if row.token == expected or (not stopped and _near_tie(logits, params, output, row.token, expected,
                                                                     self._ref.dtype)):  # fmt: skip
             return True
         return self._fault([len(self.stages) - 1], f"it drew token {row.token} at position {row.position} where the "
