@@ -1,7 +1,8 @@
 """The layout shows the design: the packages of ``seamline`` import each other without a cycle
 (functions' own imports included), only the entry points import the server, ``parallel``
-holds collectives only, a node and the coordinator share only ``mesh.protocol``, and the
-planner is arithmetic (no torch, no model); no test imports another test file."""
+holds collectives only, a node and the coordinator share only ``mesh.protocol``, the
+planner is arithmetic (no torch, no model), and only the runtime drives the scheduler; no test
+imports another test file."""
 
 from __future__ import annotations
 
@@ -76,6 +77,22 @@ def test_the_planner_is_arithmetic_without_torch_or_the_model() -> None:
             "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('seamline.model')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", f"importing the planner loads {out.stdout.strip()}"
+
+
+def test_only_the_runtime_drives_the_scheduler() -> None:
+    """One loop: a scheduler is driven by the runtime's engine core only (the one-process loop,
+    ``Engine``, stage 0 of a pipeline); nothing else in seamline imports it."""
+    importers = []
+    for path in ROOT.rglob("*.py"):
+        if path.relative_to(ROOT).parts[0] == "runtime":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module == "seamline.runtime":
+                names += [f"seamline.runtime.{alias.name}" for alias in node.names]
+            importers += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n == "seamline.runtime.scheduler"]
+    assert not importers, importers
 
 
 def test_no_test_imports_another_test_file() -> None:

@@ -42,7 +42,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import psutil
 import torch
 
 from seamline.errors import OverloadedError, RequestError
@@ -137,14 +136,6 @@ Ready = Callable[[SequenceState], bool]
 
 def _always(sequence: SequenceState) -> bool:
     return True
-
-
-KV_SHARE_OF_FREE_MEMORY = 0.8  # the default KV budget: this much of the memory free at start
-
-
-def kv_budget_bytes(requested: int = 0) -> int:
-    """The KV cache budget: ``requested`` bytes, or (0) most of the memory free now."""
-    return requested if requested > 0 else int(psutil.virtual_memory().available * KV_SHARE_OF_FREE_MEMORY)
 
 
 def check_prompt(prompt: list[int], context_length: int) -> None:

@@ -10,7 +10,7 @@ from seamline.app import LocalModel, default_model_path
 from seamline.net.http_guard import serve_once_listening
 from seamline.runtime.backend import LocalBackend
 from seamline.runtime.openmp import on_passing_thread
-from seamline.runtime.scheduler import kv_budget_bytes
+from seamline.runtime.kv_budget import kv_budget_bytes
 from seamline.server.api_options import ApiOptions
 from seamline.server.openai_api import create_app
 

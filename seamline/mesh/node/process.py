@@ -56,7 +56,7 @@ from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.group_stage import LockstepStage
 from seamline.runtime.openmp import on_passing_thread
 from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
-from seamline.runtime.scheduler import kv_budget_bytes
+from seamline.runtime.kv_budget import kv_budget_bytes
 from seamline.runtime.stage_worker import StageWorker
 
 log = logging.getLogger("seamline.node")
