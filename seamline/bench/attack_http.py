@@ -1,6 +1,6 @@
 """Attackers on the OpenAI API and administration (`seamline bench fuzz`'s ``attacks``), each
 sending its request again and again for ``duration_s`` on one connection (moved here from
-tests/test_api_edge.py):
+tests/api/test_api_edge.py):
 
 - ``oversize_logit_bias``: a chat request with ~1.7 MB of ``logit_bias`` (100,000 entries);
 - ``oversize_schema``: a 1.2 MB schema description, as ``response_format`` and as a tool;

@@ -1,5 +1,5 @@
 """A lying member (`seamline bench fuzz`'s ``attacks``): a real ``Node`` of the mesh, changed as an
-attacker would change it (moved here from tests/test_mesh_checks.py and test_mesh_members.py).
+attacker would change it (moved here from tests/mesh/test_mesh_checks.py and test_mesh_members.py).
 It serves honestly until the bench writes ``arm`` on its stdin; then, by ``mode``:
 
 - ``fake_ready``: it loads nothing and reports READY (armed from the start: it joins a serving

@@ -1,11 +1,11 @@
 """Attackers on every listening port of a live mesh (`seamline bench fuzz`'s ``attacks``), moved
-here from tests/test_net_limits.py:
+here from tests/api/test_net_limits.py:
 
 - ``fd_exhaustion``: as many idle connections to every port as this process may open (its
   descriptor limit raised to the hard limit; honest processes keep theirs), held for
   ``duration_s``, then dropped at once; from a loopback address of its own (``STRANGER``), as a
   stranger's host has one (an attacker that shares the clients' address is cut per address with
-  them: tests/test_http_guard.py keeps new clients served then, not every keep-alive one);
+  them: tests/api/test_http_guard.py keeps new clients served then, not every keep-alive one);
 - ``dripped_handshake``: connections that drip a TLS ClientHello (or, after TLS, a first
   message; or, to the API, an HTTP request head) a byte a second; each should be cut about
   ``HANDSHAKE_DEADLINE_S`` after it opened. A lockstep rank's comm port is dripped at too while

@@ -22,7 +22,7 @@ from seamline.net.link import free_port
 from seamline.runtime.backend import Backend
 from seamline.server.api_options import ApiLimits
 from seamline.server.openai_api import create_app
-from tests.mesh_harness import seamline_cmd
+from tests.support.mesh_harness import seamline_cmd
 
 NAME = "SmolLM2-135M-Instruct.Q4_1"
 

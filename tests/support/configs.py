@@ -10,7 +10,7 @@ import transformers  # the reference: a test dependency, never skipped
 from seamline.app import default_model_path
 from seamline.weights.loader import open_source
 from seamline.weights.source import TensorSource
-from tests.reference import save_random_model
+from tests.support.reference import save_random_model
 from tests.support.deepseek import build_deepseek
 
 SMALL = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # the MoE families'

@@ -10,7 +10,7 @@ from typing import Any
 
 import openai
 
-from tests.mesh_harness import MeshProcesses
+from tests.support.mesh_harness import MeshProcesses
 
 TOKENS = 40
 

@@ -9,7 +9,7 @@ import httpx
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from seamline.server.demo import memory_cap_gb
-from tests.mesh_harness import MeshProcesses
+from tests.support.mesh_harness import MeshProcesses
 
 CONTEXT = 1024
 

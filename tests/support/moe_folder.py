@@ -7,7 +7,7 @@ from pathlib import Path
 
 from seamline.app import default_model_path
 from seamline.weights.gguf import chat_template_from_gguf, tokenizer_from_gguf
-from tests.reference import save_random_model
+from tests.support.reference import save_random_model
 
 CONTEXT = 512
 

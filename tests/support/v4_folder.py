@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.v4_reference import save_random_v4, v4_config, with_tokenizer
+from tests.support.v4_reference import save_random_v4, v4_config, with_tokenizer
 
 CONTEXT = 256
 

@@ -1,0 +1,142 @@
+"""The layout shows the design: the packages of ``seamline`` import each other without a cycle
+(functions' own imports included), only the entry points import the server, ``parallel``
+holds collectives only, a node and the coordinator share only ``mesh.protocol``, the
+planner is arithmetic (no torch, no model), and only the runtime drives the scheduler; no test
+imports another test file."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import seamline
+
+ROOT = Path(seamline.__file__).parent
+ENTRY_POINTS = {"cli", "bench"}  # what a user runs; they may import anything
+
+
+def _package(module: str) -> str:
+    """``seamline.mesh.node.process`` -> ``mesh.node``; ``seamline.runtime.engine`` -> ``runtime``;
+    ``seamline.text`` -> ``text``. The mesh's subpackages count apart: each has its own job."""
+    parts = module.split(".")[1:]
+    return f"mesh.{parts[1]}" if parts[0] == "mesh" and len(parts) > 1 and parts[1] != "__init__" else parts[0]
+
+
+def _imports() -> dict[str, set[str]]:
+    """Package -> the other packages its modules import."""
+    graph: dict[str, set[str]] = defaultdict(set)
+    for path in ROOT.rglob("*.py"):
+        module = ".".join(("seamline", *path.relative_to(ROOT).with_suffix("").parts))
+        if path.name == "__init__.py":
+            module += ".__init__"
+        source = _package(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            for target in {_package(name) for name in names if name.startswith("seamline.")} - {source}:
+                graph[source].add(target)
+    return graph
+
+
+def test_packages_import_each_other_without_a_cycle() -> None:
+    graph = _imports()
+    assert "runtime" in graph["mesh.node"] and "net" in graph["runtime"]  # the walk sees imports
+    for start in list(graph):
+        reached, frontier = set(), [start]
+        while frontier:
+            for nxt in graph[frontier.pop()]:
+                if nxt not in reached:
+                    reached.add(nxt)
+                    frontier.append(nxt)
+        assert start not in reached, f"{start} imports itself through {sorted(reached)}"
+
+
+def test_only_entry_points_import_the_server_and_parallel_holds_collectives() -> None:
+    graph = _imports()
+    assert sorted(p for p, deps in graph.items() if "server" in deps) == sorted(ENTRY_POINTS)
+    assert graph["parallel"] <= {"errors", "net"}
+    assert graph["net"] <= {"errors", "params"}  # the wire knows no runtime
+
+
+def test_node_and_coordinator_share_only_the_protocol_package() -> None:
+    graph = _imports()
+    assert "mesh.protocol" in graph["mesh.node"] and "mesh.protocol" in graph["mesh.control"]  # the walk sees them
+    assert "mesh.control" not in graph["mesh.node"]
+    assert not graph["mesh.protocol"] & {"mesh.control", "mesh.node"}
+
+
+def test_the_planner_is_arithmetic_without_torch_or_the_model() -> None:
+    graph = _imports()
+    assert "ownership" in graph["mesh.plan"]  # the walk sees the planner's imports
+    assert "model" not in graph["mesh.plan"]
+    code = ("import importlib, pkgutil, sys, seamline.mesh.plan as p\n"
+            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('seamline.mesh.plan.' + m.name)\n"
+            "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('seamline.model')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", f"importing the planner loads {out.stdout.strip()}"
+
+
+def test_only_the_runtime_drives_the_scheduler() -> None:
+    """One loop: a scheduler is driven by the runtime's engine core only (the one-process loop,
+    ``Engine``, stage 0 of a pipeline); nothing else in seamline imports it."""
+    importers = []
+    for path in ROOT.rglob("*.py"):
+        if path.relative_to(ROOT).parts[0] == "runtime":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module == "seamline.runtime":
+                names += [f"seamline.runtime.{alias.name}" for alias in node.names]
+            importers += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n == "seamline.runtime.scheduler"]
+    assert not importers, importers
+
+
+def test_no_test_imports_another_test_file() -> None:
+    """What tests share lives in tests/support (or a harness module), never in a test file."""
+    tests = Path(__file__).parents[1]
+    reaching = []
+    for path in tests.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            reaching += [f"{path.name} imports {n}" for n in names if n.split(".")[-1].startswith("test_")]
+    assert (tests / "support").is_dir() and not reaching, reaching
+
+
+TIERS = ("unit", "model", "api", "mesh")  # the README says what each holds and how to run one
+
+
+def test_every_test_lives_in_a_tier_and_shared_code_in_support() -> None:
+    tests = Path(__file__).parents[1]
+    loose = sorted(p.name for p in tests.glob("*.py") if p.name not in ("__init__.py", "conftest.py"))
+    tiers = {p.parent.name for p in tests.rglob("test_*.py")}
+    assert not loose, f"{loose} belong in a tier or in tests/support"
+    assert tiers == set(TIERS), tiers
+    assert not [p for p in (tests / "support").glob("test_*.py")]
+
+
+def _readme_table() -> dict[str, set[str] | None]:
+    """The README's "may import" table: package -> what it may import (None: anything)."""
+    readme = (ROOT.parent / "README.md").read_text()
+    table: dict[str, set[str] | None] = {}
+    for line in readme.split("| package | may import |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        allowed = cells[1].split("(")[0].strip()
+        for package in (p.strip().strip("`") for p in cells[0].split(",")):
+            table[package] = None if allowed == "anything" else (
+                set() if allowed == "nothing of seamline" else {a.strip() for a in allowed.split(",")})
+    return table
+
+
+def test_the_readme_says_what_each_package_may_import() -> None:
+    graph, table = _imports(), _readme_table()
+    packages = {_package(".".join(("seamline", *p.relative_to(ROOT).with_suffix("").parts)))
+                for p in ROOT.rglob("*.py") if p.name != "__init__.py"}  # fmt: skip
+    assert packages == set(table), f"the README's table lacks {packages - set(table)}, has gone {set(table) - packages}"
+    for package, allowed in table.items():
+        if allowed is not None:
+            assert graph[package] <= allowed, f"{package} imports {sorted(graph[package] - allowed)} beyond the README"
