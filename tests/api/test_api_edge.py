@@ -26,8 +26,8 @@ from seamline.app import LocalModel
 from seamline.params import MAX_LOGIT_BIAS
 from seamline.runtime.backend import LocalBackend
 from seamline.server.bodies import encode_within
-from tests.support.mesh_harness import MeshProcesses
 from tests.support.api import NAME, chat, client_for, serve, start_server, stop_server
+from tests.support.mesh_harness import MeshProcesses
 from tests.support.tools import TEMPLATES
 
 MB = 1 << 20

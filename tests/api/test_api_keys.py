@@ -20,8 +20,8 @@ from cryptography.x509.oid import NameOID
 
 from seamline.net.link import free_port
 from seamline.server.demo import memory_cap_gb
-from tests.support.mesh_harness import seamline_cmd
 from tests.support.api import start_server, stop_server
+from tests.support.mesh_harness import seamline_cmd
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 ARGV_KEY, FILE_KEY, ENV_KEY = "key-from-argv", "key-from-file", "key-from-env"

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from seamline.app import LocalModel
 from seamline.runtime.backend import LocalBackend
-from tests.support.mesh_harness import seamline_cmd
 from tests.support.api import NAME, QUESTION, client_for, serve
 from tests.support.mesh import start_mesh
+from tests.support.mesh_harness import seamline_cmd
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -26,8 +26,8 @@ from seamline.net.frames import EMPTY_HASH, FrameError, FrameType, Row, RowFlag,
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import Challenge, DataHello, Open, Ping, Pong, ProbeHello
 from seamline.params import SamplingParams
-from tests.support.mesh_harness import MeshProcesses, at_once
 from tests.support.mesh import CONTEXT, QUESTION, ask, expected_text, start_mesh
+from tests.support.mesh_harness import MeshProcesses, at_once
 from tests.support.tls_peers import member, tls_link
 
 TOKENS = 48

@@ -25,8 +25,8 @@ from seamline.net.frames import (
 )
 from seamline.net.tls import TlsSocket
 from seamline.server.demo import memory_cap_gb
-from tests.support.mesh_harness import MeshProcesses
 from tests.support.mesh import assert_join_refused
+from tests.support.mesh_harness import MeshProcesses
 from tests.support.tls_peers import tls_socket
 
 REPLAY_DEADLINE_S = 3

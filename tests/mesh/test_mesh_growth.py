@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 
 from seamline.server.demo import memory_cap_gb
-from tests.support.mesh_harness import MeshProcesses
 from tests.support.heal import REQUESTS, stream_request, wait_until
+from tests.support.mesh_harness import MeshProcesses
 
 CONTEXT = 1024
 CORE = {0: ("env", "OMP_NUM_THREADS=1", "taskset", "-c", "0"), 1: ("env", "OMP_NUM_THREADS=1", "taskset", "-c", "1")}

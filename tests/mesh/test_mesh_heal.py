@@ -18,7 +18,6 @@ from collections.abc import Iterator
 import pytest
 
 from seamline.server.demo import memory_cap_gb
-from tests.support.mesh_harness import MeshProcesses
 from tests.support.heal import (
     REQUESTS,
     fail_mid_streams,
@@ -26,6 +25,7 @@ from tests.support.heal import (
     stream_request,
     wait_until,
 )
+from tests.support.mesh_harness import MeshProcesses
 
 CONTEXT = 1024
 

@@ -25,8 +25,8 @@ from seamline.net.messages import (
     Refuse,
     Resources,
 )
-from tests.support.mesh_harness import MeshProcesses, seamline_cmd
 from tests.support.mesh import assert_join_refused
+from tests.support.mesh_harness import MeshProcesses, seamline_cmd
 from tests.support.tls_peers import member, mesh_authority, tls_link
 
 

@@ -15,7 +15,6 @@ from collections.abc import Iterator
 import pytest
 
 from seamline.server.demo import memory_cap_gb
-from tests.support.mesh_harness import MeshProcesses
 from tests.support.heal import (
     REQUESTS,
     fail_mid_streams,
@@ -23,6 +22,7 @@ from tests.support.heal import (
     stream_request,
     wait_until,
 )
+from tests.support.mesh_harness import MeshProcesses
 from tests.support.moe_folder import CONTEXT, build_moe_folder
 
 NODES = 5

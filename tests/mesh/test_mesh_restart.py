@@ -17,8 +17,8 @@ from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import Challenge, Join, Refuse, Rejoin, Resources
 from seamline.params import SamplingParams
 from seamline.server.demo import memory_cap_gb
-from tests.support.mesh_harness import MeshProcesses
 from tests.support.mesh import QUESTION, ask
+from tests.support.mesh_harness import MeshProcesses
 from tests.support.moe_folder import CONTEXT as MOE_CONTEXT
 from tests.support.moe_folder import build_moe_folder
 from tests.support.tls_peers import member, tls_link

@@ -11,10 +11,10 @@ import pytest
 
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
-from tests.support.mesh_harness import MeshProcesses
-from tests.support.small_disk import grow, small_file_system
 from tests.support.heal import wait_until
 from tests.support.mesh import QUESTION, ask
+from tests.support.mesh_harness import MeshProcesses
+from tests.support.small_disk import grow, small_file_system
 
 CONTEXT = 1024
 

@@ -22,8 +22,8 @@ from seamline.net.tls import GroupTls
 from seamline.parallel import CommError, GateTag
 from seamline.parallel.tcp_comm import TcpComm
 from seamline.server.demo import memory_cap_gb
-from tests.support.mesh_harness import MeshProcesses, join_once
 from tests.support.mesh import ask, expected_text
+from tests.support.mesh_harness import MeshProcesses, join_once
 
 CONTEXT = 1024
 QUESTION = "Name three rivers in Europe and one fact about each."

@@ -13,7 +13,11 @@ from seamline.quant.scaled import ScaledTensor
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
 from seamline.weights.packaging import package
-from tests.support.lockstep_harness import engine_reference, generate_recording, running_group
+from tests.support.lockstep_harness import (
+    engine_reference,
+    generate_recording,
+    running_group,
+)
 from tests.support.v4_formats import dequantized_by_transformers, quantize_folder
 from tests.support.v4_reference import reference_logits, save_random_v4, v4_config
 

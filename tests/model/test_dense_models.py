@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from seamline.weights.loader import load_stage, open_source
+from tests.support.configs import dense_configs
 from tests.support.reference import (
     random_ids,
     reference_logits,
@@ -15,7 +16,6 @@ from tests.support.reference import (
     seamline_logits,
     split_logits,
 )
-from tests.support.configs import dense_configs
 
 ATOL = 1e-4
 

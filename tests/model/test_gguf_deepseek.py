@@ -23,7 +23,6 @@ from seamline.weights.gguf_mla import join_kv_b, split_kv_b
 from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage
 from seamline.weights.safetensors import HFFolderSource
-from tests.support.gguf_reference import dequantised_model
 from tests.support.deepseek import (
     CASES,
     YARN,
@@ -33,6 +32,7 @@ from tests.support.deepseek import (
     run_stages,
     transformers_logits,
 )
+from tests.support.gguf_reference import dequantised_model
 
 # llama.cpp's deepseek2 keeps one yarn mscale (mscale_all_dim): cases with mscale equal to it
 EQUAL_YARN = {**YARN, "mscale": YARN["mscale_all_dim"]}

@@ -23,6 +23,8 @@ from seamline.params import SamplingParams
 from seamline.runtime.engine import Engine
 from seamline.text import TextCodec
 from seamline.weights.loader import load_stage, open_source
+from tests.support.configs import qwen3_moe_config
+from tests.support.deepseek import build_deepseek, randomize
 from tests.support.lockstep_harness import (
     PROMPT,
     Reference,
@@ -32,8 +34,6 @@ from tests.support.lockstep_harness import (
     run_group,
     running_group,
 )
-from tests.support.configs import qwen3_moe_config
-from tests.support.deepseek import build_deepseek, randomize
 from tests.support.upcycle import upcycle
 
 # The embedded model's real weights give logits of magnitude ~38 through 30 layers, and

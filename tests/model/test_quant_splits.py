@@ -23,9 +23,14 @@ from seamline.quant.tensor import QuantTensor
 from seamline.runtime.engine import Engine
 from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage, open_source
-from tests.support.lockstep_harness import PROMPT, check_group, engine_reference, running_group
-from tests.support.mesh_harness import split_completion
 from tests.support.deepseek import randomize
+from tests.support.lockstep_harness import (
+    PROMPT,
+    check_group,
+    engine_reference,
+    running_group,
+)
+from tests.support.mesh_harness import split_completion
 
 ATOL = 1e-4  # float32 logits of random weights; measured 1.1e-6 to 1.3e-6 (printed by check_group)
 CONTEXT = 256

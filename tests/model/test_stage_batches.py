@@ -33,8 +33,8 @@ from seamline.runtime.pipeline_head import MAX_STEP_TOKENS
 from seamline.runtime.stage_rows import Work
 from seamline.runtime.stage_worker import StageWorker
 from seamline.weights.loader import load_stage, open_source
-from tests.support.reference import save_random_model
 from tests.support.configs import checkpoint_source, dense_configs
+from tests.support.reference import save_random_model
 
 SEQUENCES = 6
 Frames = list[tuple[list[Row], torch.Tensor]]

@@ -10,8 +10,8 @@ import transformers  # the reference: a test dependency, never skipped
 from seamline.app import default_model_path
 from seamline.weights.loader import open_source
 from seamline.weights.source import TensorSource
-from tests.support.reference import save_random_model
 from tests.support.deepseek import build_deepseek
+from tests.support.reference import save_random_model
 
 SMALL = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # the MoE families'
 DENSE_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
