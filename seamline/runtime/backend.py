@@ -19,7 +19,7 @@ from seamline.runtime.batch_loop import BatchLoop
 from seamline.runtime.engine import Engine
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.params import SamplingParams
-from seamline.runtime.scheduler import Scheduler
+from seamline.runtime.core import EngineCore, LocalExecutor
 from seamline.runtime.reports import MeshReport, NodeReport
 from seamline.runtime.sampling import TokenEvent
 from seamline.text import TextCodec
@@ -58,20 +58,22 @@ class LocalBackend:
         self.codec = codec
         self.model_name = model_name
         self.context_length = engine.context_length
-        scheduler = Scheduler(engine.stage, engine.context_length, max_running=max_running, max_waiting=max_waiting,
-                              kv_budget_bytes=kv_budget_bytes, prefix_cache_bytes=prefix_cache_bytes,
-                              masks=TokenMasks(codec.tokenizer.to_str))  # fmt: skip  # the served tokenizer (the API compiled against it)
-        self.loop = BatchLoop(scheduler)
+        masks = TokenMasks(codec.tokenizer.to_str)  # the served tokenizer (the API compiled against it)
+        self.core = EngineCore.local(engine.stage, engine.context_length, masks, max_running=max_running,
+                                     max_waiting=max_waiting, kv_budget_bytes=kv_budget_bytes,
+                                     prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
+        self.loop = BatchLoop(self.core)
 
     def readiness(self) -> Readiness:
         return Readiness(True)
 
     def report(self) -> MeshReport:
         """For /metrics: this process is the one node."""
-        scheduler = self.loop.scheduler
-        steps = scheduler.decode_steps
-        step = scheduler.decode_seconds / steps if steps else None
-        return MeshReport([NodeReport(LOCAL_NODE, True, step, scheduler.kv_used())])
+        executor = self.core.executor
+        assert isinstance(executor, LocalExecutor)
+        steps = executor.decode_steps
+        step = executor.decode_seconds / steps if steps else None
+        return MeshReport([NodeReport(LOCAL_NODE, True, step, self.core.scheduler.kv_used())])
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """The request's tokens; its prompt and parameters are the API's, validated there."""

@@ -1,4 +1,4 @@
-"""One thread drives a ``Scheduler``; requests come from any thread and get their tokens back
+"""One thread drives an engine core (``EngineCore``); requests come from any thread and get their tokens back
 through a callback, so concurrent requests share steps instead of taking turns.
 
 A request cancelled while it waits is never prefilled; one cancelled while it runs frees its
@@ -14,7 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from seamline.params import SamplingParams
-from seamline.runtime.scheduler import Scheduler, SequenceState
+from seamline.runtime.core import EngineCore
+from seamline.runtime.scheduler import SequenceState
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +31,9 @@ class Request:
 
 
 class BatchLoop:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.scheduler = core.scheduler
         self._cond = threading.Condition()
         self._new: list[Request] = []
         self._cancelled: list[Request] = []
@@ -80,7 +82,7 @@ class BatchLoop:
 
     def _step(self) -> None:
         try:
-            emissions = self.scheduler.step()
+            emissions = self.core.step() or []
         except Exception as exc:
             log.exception("a batched step failed; its requests end with the error")
             for sequence, request in list(self._live.items()):

@@ -15,7 +15,8 @@ from seamline.model.stage import Stage
 from seamline.params import SamplingParams
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.sampling import TokenEvent
-from seamline.runtime.scheduler import Scheduler, check_prompt
+from seamline.runtime.core import EngineCore
+from seamline.runtime.scheduler import check_prompt
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import LockstepStage
@@ -54,15 +55,15 @@ class Engine:
         batches many requests with), for one sequence."""
         params.validate()
         self.check_prompt(prompt)
-        scheduler = Scheduler(self.stage, self.context_length, max_step_tokens=PREFILL_CHUNK, masks=self.masks)
-        sequence = scheduler.add(prompt, params)
+        core = EngineCore.local(self.stage, self.context_length, self.masks, max_step_tokens=PREFILL_CHUNK)
+        sequence = core.scheduler.add(prompt, params)
         try:
             while not sequence.finished:
-                for emission in scheduler.step():
+                for emission in core.step() or ():
                     if emission.event is None:
                         raise emission.error or RuntimeError("a draw failed without its error")
                     yield emission.event
         finally:
             if not sequence.finished:  # the caller stopped early: free the cache
-                scheduler.cancel(sequence)
+                core.scheduler.cancel(sequence)
 

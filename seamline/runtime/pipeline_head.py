@@ -34,7 +34,8 @@ from seamline.errors import RequestError
 from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
-from seamline.runtime.scheduler import Batch, Scheduler, SequenceState, check_prompt
+from seamline.runtime.core import EngineCore
+from seamline.runtime.scheduler import Batch, Emission, Scheduler, SequenceState, check_prompt
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_event
 
 if TYPE_CHECKING:
@@ -70,6 +71,7 @@ class PipelineHead:
         # from them has told the later stages (a kept prefix evicted between a fork and its first rows)
         self._forget_later: set[int] = set()
         self.scheduler.on_free = self._freed
+        self.core = EngineCore(self.scheduler, self)  # this head is the pipeline's executor
         self._inbox = Inbox()
         self.hash_key: bytes | None = None  # rows' prefix hashes keyed (a private mesh: members read no token from them)
         self._cond = threading.Condition()
@@ -278,14 +280,17 @@ class PipelineHead:
                 self._forget(sequence)
 
     def _run_next(self) -> bool:
-        """Plan and run one batch; False when there was nothing to run."""
+        """The engine core's step over the sequences with no token in flight; False when there
+        was nothing to run."""
         if self._forget_later:
             self._forget_released()
         cap = max(1, -(-len(self.scheduler.running) // max(1, self.worker.micro_batches)))
-        batch = self.scheduler.next_batch(ready=lambda s: not s.in_flight, max_decode_rows=cap)
-        if not batch.spans:
-            return False
-        self.scheduler.advance(batch)
+        return self.core.step(ready=lambda s: not s.in_flight, max_decode_rows=cap) is not None
+
+    def run(self, batch: Batch) -> list[Emission]:
+        """The pipeline's executor: the batch runs stage 0's layers and goes downstream as one
+        frame; its tokens are recorded as the last stage returns them (``_accept``: at once
+        when stage 0 is the last stage too), so it gives back none itself."""
         work = self._rows(batch)
         try:
             looped = self.worker.run_batch(work)
@@ -294,9 +299,9 @@ class PipelineHead:
             for sequence in batch.owners:
                 self._drop(sequence, reached_downstream=False)
             self._fail([w.row.request for w in work], exc)
-            return True
-        self._accept(looped)  # stage 0 is also the last stage
-        return True
+            return []
+        self._accept(looped)
+        return []
 
     def _rows(self, batch: Batch) -> list[Work]:
         """The batch's rows with their prefix hashes; the rows that draw put their sequence in flight."""

@@ -1,8 +1,10 @@
-"""Continuous batching over one stage that owns the embedding and the head.
+"""Continuous batching: the plan of each step over a stage that owns the embedding, and the
+record of what was drawn. It runs no model: the engine core (``runtime/core.py``) runs each
+batch it plans with an executor, then records the tokens here.
 
 A step carries the decode row of every sequence past its prompt, then chunks of the prompts
 still being prefilled, first come first served, up to ``max_step_tokens`` rows; one forward
-(``Stage.forward_batch``) runs them all. Sequences join and leave at step boundaries: a
+(``Stage.forward_batch``, in the executor) runs them all. Sequences join and leave at step boundaries: a
 waiting sequence is admitted, in arrival order, when fewer than ``max_running`` hold a cache
 and the KV memory it will hold after its next step fits in what the running ones leave of
 ``kv_budget_bytes``; a finished one frees its cache at once. Memory is counted as allocated: a
@@ -36,7 +38,6 @@ later stages must free too.
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -48,10 +49,10 @@ from seamline.errors import OverloadedError, RequestError
 from seamline.config import kv_bytes_per_token
 from seamline.model.cache import SequenceCache, Span, grown
 from seamline.model.stage import Stage
-from seamline.runtime.grammar import TokenMasks, grammar_mask
+from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
 from seamline.params import SamplingParams
-from seamline.runtime.sampling import TokenEvent, draw_next, request_seed
+from seamline.runtime.sampling import TokenEvent, request_seed
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import GroupCache, LockstepStage
@@ -176,9 +177,7 @@ class Scheduler:
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.preemptions = 0  # sequences sent back to the queue to free memory, so far
-        self.decode_steps = 0  # steps of decode rows only, and the seconds they took
-        self.decode_seconds = 0.0
-        self.masks = masks  # a grammar's tokens, where this process has the tokenizer
+        self.masks = masks  # a grammar's tokens: a finished sequence's state there is forgotten
 
     def kv_positions(self, sequence: SequenceState) -> int:
         """The most positions ``sequence`` may need: prompt + max_tokens, within the context
@@ -231,21 +230,6 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def step(self) -> list[Emission]:
-        """One forward over every running sequence's next rows; the tokens it gave."""
-        if self.stage.head is None:
-            raise ValueError("a step samples: the scheduler's stage must own the head")
-        batch = self.next_batch()
-        if not batch.spans:
-            return []
-        started = time.perf_counter()
-        logits = self.stage.forward_batch(torch.tensor(batch.inputs, dtype=torch.long), batch.spans, last_only=True)
-        if all(span.count == 1 for span in batch.spans):  # decode rows only
-            self.decode_steps += 1
-            self.decode_seconds += time.perf_counter() - started
-        self.advance(batch)
-        return [self._draw(sequence, logits[row]) for row, sequence in enumerate(batch.owners) if batch.draws[row]]
-
     def next_batch(self, ready: Ready | None = None, max_decode_rows: int | None = None) -> Batch:
         """Admit what fits, preempt what must go, and plan the next rows: a decode row for each
         sequence past its prompt (at most ``max_decode_rows``), then prompt chunks. Only
@@ -273,6 +257,11 @@ class Scheduler:
         if event.finish_reason is not None:
             self._release(sequence, event.finish_reason)
         return Emission(sequence, event, logits)
+
+    def fail(self, sequence: SequenceState, error: RequestError) -> Emission:
+        """A draw for ``sequence`` failed (its grammar's): it alone ends, with ``error``."""
+        self._release(sequence, "error")
+        return Emission(sequence, None, None, error)
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running:
@@ -346,17 +335,6 @@ class Scheduler:
             inputs += rows
             owners.append(sequence)
         return batch
-
-    def _draw(self, sequence: SequenceState, logits: torch.Tensor) -> Emission:
-        position = len(sequence.prompt) + len(sequence.tokens)
-        try:
-            allowed = grammar_mask(self.masks, sequence.id, sequence.params, sequence.tokens, logits.shape[-1])
-        except RequestError as exc:
-            self._release(sequence, "error")
-            return Emission(sequence, None, None, exc)
-        event = draw_next(logits, sequence.params, sequence.seed, position, sequence.tokens, allowed,
-                          len(sequence.prompt), self.context_length)  # fmt: skip
-        return self.record(sequence, event, logits)
 
     def _release(self, sequence: SequenceState, reason: str) -> None:
         sequence.finish_reason = reason

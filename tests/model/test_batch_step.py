@@ -18,6 +18,7 @@ import torch
 from seamline.errors import RequestError
 from seamline.model.stage import Stage
 from seamline.params import SamplingParams
+from seamline.runtime.core import EngineCore
 from seamline.runtime.engine import Engine
 from seamline.runtime.scheduler import Scheduler, SequenceState
 from seamline.weights.loader import load_stage
@@ -39,7 +40,8 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 
 def _run_batched(stage: Stage, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[SequenceState, list[torch.Tensor]]]:
-    scheduler = Scheduler(stage, context_length=512, max_step_tokens=24)
+    core = EngineCore.local(stage, context_length=512, max_step_tokens=24)
+    scheduler = core.scheduler
     runs: list[tuple[SequenceState, list[torch.Tensor]]] = []
     step = 0
     while step <= max(ARRIVALS) or not scheduler.idle:
@@ -47,7 +49,7 @@ def _run_batched(stage: Stage, prompts: list[list[int]], params: list[SamplingPa
             if arrival == step:
                 runs.append((scheduler.add(prompt, p), []))
         logits_of = {id(seq): logits for seq, logits in runs}
-        for emission in scheduler.step():
+        for emission in core.step() or ():
             logits_of[id(emission.sequence)].append(emission.logits.float())
         step += 1
     return runs
@@ -92,12 +94,13 @@ def test_stop_token_and_context_end_finish_a_sequence(tmp_path: Path) -> None:
     stage = _stage("dense", tmp_path)
     prompt = _prompts(256)[0]
     first = list(Engine(stage, 512).generate(prompt, SamplingParams(max_tokens=3)))
-    scheduler = Scheduler(stage, context_length=len(prompt) + 2)
+    core = EngineCore.local(stage, context_length=len(prompt) + 2)
+    scheduler = core.scheduler
     assert first[0] != first[1], "the stop token must not be the first token too"
     stopped = scheduler.add(prompt, SamplingParams(max_tokens=8, stop_token_ids=(first[1],)))
     cut = scheduler.add(prompt, SamplingParams(max_tokens=8))
     while not scheduler.idle:
-        scheduler.step()
+        core.step()
     assert stopped.tokens == first[:1] and stopped.finish_reason == "stop"
     assert cut.tokens == first[:2] and cut.finish_reason == "length"  # the context is full
     assert stopped.cache is None and cut.cache is None
@@ -123,12 +126,13 @@ def test_a_full_kv_budget_preempts_and_recomputes_without_changing_any_token(tem
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=new_tokens) for i in range(4)]
     probe = Scheduler(stage, context_length=2048)
     budget = (4 * 256 + new_tokens) * probe.kv_bytes_per_token  # every first buffer, one cache grown
-    scheduler = Scheduler(stage, context_length=2048, kv_budget_bytes=budget)
+    core = EngineCore.local(stage, context_length=2048, kv_budget_bytes=budget)
+    scheduler = core.scheduler
     sequences = [scheduler.add(p, q) for p, q in zip(prompts, params)]
-    scheduler.step()
+    core.step()
     assert scheduler.running == sequences  # every prompt fits now
     while not scheduler.idle:
-        scheduler.step()
+        core.step()
         assert _held(scheduler) <= budget
     assert scheduler.preemptions > 0
     engine = Engine(stage, 2048)
@@ -149,11 +153,12 @@ def test_many_short_sequences_hold_no_more_memory_than_the_budget(tmp_path: Path
     prompts = [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in torch.randint(6, 13, (40,), generator=gen)]
     probe = Scheduler(stage, context_length=2048)
     budget = 8 * (12 + 8) * probe.kv_bytes_per_token
-    scheduler = Scheduler(stage, context_length=2048, kv_budget_bytes=budget)
+    core = EngineCore.local(stage, context_length=2048, kv_budget_bytes=budget)
+    scheduler = core.scheduler
     sequences = [scheduler.add(p, SamplingParams(max_tokens=8)) for p in prompts]
     most = 0
     while not scheduler.idle:
-        scheduler.step()
+        core.step()
         most = max(most, len(scheduler.running))
         assert _held(scheduler) <= budget
     assert most >= 8 and all(s.finish_reason in ("stop", "length") for s in sequences)
@@ -166,10 +171,11 @@ def test_a_shared_prompt_prefix_is_copied_not_recomputed(tmp_path: Path) -> None
     stage = _stage("dense", tmp_path)
     system = _prompts(256)[3]
     params = SamplingParams(max_tokens=NEW_TOKENS)
-    scheduler = Scheduler(stage, context_length=512, prefix_cache_bytes=1 << 24)
+    core = EngineCore.local(stage, context_length=512, prefix_cache_bytes=1 << 24)
+    scheduler = core.scheduler
     first = scheduler.add(system + [5, 6], params)
     while not scheduler.idle:
-        scheduler.step()
+        core.step()
     follow = scheduler.add(system + [9, 10, 11], params)
     twins = [scheduler.add(system + [7], params) for _ in range(2)]
     rows = []
@@ -178,7 +184,7 @@ def test_a_shared_prompt_prefix_is_copied_not_recomputed(tmp_path: Path) -> None
     logits: dict[int, list[torch.Tensor]] = {}
     try:
         while not scheduler.idle:
-            for emission in scheduler.step():
+            for emission in core.step() or ():
                 logits.setdefault(emission.sequence.id, []).append(emission.logits)
     finally:
         del stage.forward_batch

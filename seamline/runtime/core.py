@@ -1,0 +1,92 @@
+"""The engine core: one step is schedule → executor.run → record.
+
+The scheduler plans (admission, preemption, the batch's rows) and records what was drawn; it
+runs no model. An executor runs a batch: ``LocalExecutor`` on a stage in this process that
+owns the embedding and the head (one forward, then a draw after each row that ends in one,
+by the one sampler and finish rule), giving back what it drew; a pipeline's stage 0
+(``PipelineHead``) sends the rows downstream instead, and the tokens are recorded when the
+last stage returns them. ``Engine.generate``, ``serve --single``'s batch loop and a mesh's
+stage 0 all run this step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from seamline.errors import RequestError
+from seamline.model.stage import Stage
+from seamline.runtime.grammar import TokenMasks, grammar_mask
+from seamline.runtime.sampling import draw_next
+from seamline.runtime.scheduler import Batch, Emission, Ready, Scheduler, SequenceState
+
+if TYPE_CHECKING:
+    from seamline.runtime.group_stage import LockstepStage
+
+
+class Executor(Protocol):
+    def run(self, batch: Batch) -> list[Emission]: ...
+
+
+class LocalExecutor:
+    """Runs a batch on a stage in this process that owns the embedding and the head."""
+
+    def __init__(self, stage: Stage | LockstepStage, context_length: int, masks: TokenMasks | None = None) -> None:
+        if stage.head is None:
+            raise ValueError("a local executor draws: its stage must own the head")
+        self.stage = stage
+        self.context_length = context_length
+        self.masks = masks  # a grammar's tokens, where this process has the tokenizer
+        self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
+        self.decode_seconds = 0.0
+
+    def run(self, batch: Batch) -> list[Emission]:
+        """One forward over the batch; a token drawn after each row that ends in a draw."""
+        started = time.perf_counter()
+        logits = self.stage.forward_batch(torch.tensor(batch.inputs, dtype=torch.long), batch.spans, last_only=True)
+        if all(span.count == 1 for span in batch.spans):  # decode rows only
+            self.decode_steps += 1
+            self.decode_seconds += time.perf_counter() - started
+        return [self._draw(sequence, logits[row]) for row, sequence in enumerate(batch.owners) if batch.draws[row]]
+
+    def _draw(self, sequence: SequenceState, logits: torch.Tensor) -> Emission:
+        position = len(sequence.prompt) + len(sequence.tokens)
+        try:
+            allowed = grammar_mask(self.masks, sequence.id, sequence.params, sequence.tokens, logits.shape[-1])
+        except RequestError as exc:  # this sequence alone ends
+            return Emission(sequence, None, None, exc)
+        event = draw_next(logits, sequence.params, sequence.seed, position, sequence.tokens, allowed,
+                          len(sequence.prompt), self.context_length)  # fmt: skip
+        return Emission(sequence, event, logits)
+
+
+class EngineCore:
+    """A scheduler and the executor that runs its batches."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+
+    @classmethod
+    def local(cls, stage: Stage | LockstepStage, context_length: int, masks: TokenMasks | None = None,
+              **scheduler_options: Any) -> EngineCore:  # fmt: skip
+        """The core of one process that owns the whole model."""
+        scheduler = Scheduler(stage, context_length, masks=masks, **scheduler_options)
+        return cls(scheduler, LocalExecutor(stage, context_length, masks))
+
+    def step(self, ready: Ready | None = None, max_decode_rows: int | None = None) -> list[Emission] | None:
+        """Plan a batch, run it, record what it drew; None when there was nothing to run."""
+        batch = self.scheduler.next_batch(ready, max_decode_rows)
+        if not batch.spans:
+            return None
+        self.scheduler.advance(batch)
+        return [self._record(emission) for emission in self.executor.run(batch)]
+
+    def _record(self, emission: Emission) -> Emission:
+        if emission.event is None:
+            return self.scheduler.fail(emission.sequence, emission.error or RequestError("the draw failed"))
+        return self.scheduler.record(emission.sequence, emission.event, emission.logits)
+
+
