@@ -58,7 +58,8 @@ class LocalBackend:
         self.codec = codec
         self.model_name = model_name
         self.context_length = engine.context_length
-        masks = TokenMasks(codec.tokenizer.to_str)  # the served tokenizer (the API compiled against it)
+        # the served tokenizer's (the API compiled against it): the engine's own where it has them
+        masks = engine.masks or TokenMasks(codec.tokenizer.to_str)
         self.core = EngineCore.local(engine.stage, engine.context_length, masks, max_running=max_running,
                                      max_waiting=max_waiting, kv_budget_bytes=kv_budget_bytes,
                                      prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
