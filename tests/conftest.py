@@ -44,3 +44,15 @@ def ops():
     ops = native.kernels()
     assert ops is not None, "the quant kernels failed to load on a CPU that supports them"
     return ops
+
+
+@pytest.fixture
+def torch_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantised weights multiply as dequantise + F.linear (no int8 / bf16 kernel rounding).
+    The kernel ops are resolved once per process into ``_OP`` / ``_EXACT``: fresh lists here,
+    so a test's "no kernels" is not what later tests in the process find."""
+    from seamline.quant import matmul
+
+    monkeypatch.setattr(matmul, "kernels", lambda: None)
+    monkeypatch.setattr(matmul, "_OP", [])
+    monkeypatch.setattr(matmul, "_EXACT", [])

@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 
 from seamline.config import ModelConfig
-from seamline.quant import matmul
 from seamline.weights.gguf import GGUFSource
 from seamline.weights.gguf_file import GGUFFile
 from seamline.weights.gguf_mla import join_kv_b, split_kv_b
@@ -52,10 +51,6 @@ def gguf_cases(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setitem(CASES, "gguf_" + name, case)
 
 
-@pytest.fixture
-def torch_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quantised weights multiply as dequantise + F.linear (no int8 / bf16 kernel rounding)."""
-    monkeypatch.setattr(matmul, "kernels", lambda: None)
 
 
 @pytest.mark.parametrize("kv_b", ["split", "joined"])

