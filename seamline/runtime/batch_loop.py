@@ -1,5 +1,6 @@
-"""One thread drives an engine core (``EngineCore``); requests come from any thread and get their tokens back
-through a callback, so concurrent requests share steps instead of taking turns.
+"""One thread drives an engine core (``EngineCore``); requests come from any thread and get
+their token events back through a callback, so concurrent requests share steps instead of
+taking turns.
 
 A request cancelled while it waits is never prefilled; one cancelled while it runs frees its
 cache at the next step boundary. A step that raises ends every request it carried with that
