@@ -10,7 +10,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +42,16 @@ def bind_free_port() -> socket.socket:
     raise RuntimeError("no free port in 20000-30000")
 
 
-@contextmanager
-def serve(backend: Backend, limits: ApiLimits = ApiLimits()) -> Iterator[str]:
+def serve(backend: Backend, limits: ApiLimits = ApiLimits()) -> AbstractContextManager[str]:
     """Run the API for ``backend`` on a real uvicorn server in a thread; yield its base URL."""
+    return serve_app(create_app(backend, limits=limits))
+
+
+@contextmanager
+def serve_app(app: Any, log_level: str = "warning") -> Iterator[str]:
+    """Run ``app`` on a real uvicorn server on 127.0.0.1 in a thread; yield its base URL."""
     sock = bind_free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, limits=limits), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
