@@ -85,8 +85,9 @@ class EngineCore:
         return [self._record(emission) for emission in self.executor.run(batch)]
 
     def _record(self, emission: Emission) -> Emission:
-        if emission.event is None:
-            return self.scheduler.fail(emission.sequence, emission.error or RequestError("the draw failed"))
+        if emission.error is not None:
+            return self.scheduler.fail(emission.sequence, emission.error)
+        assert emission.event is not None  # an executor's emission holds a token or an error
         return self.scheduler.record(emission.sequence, emission.event, emission.logits)
 
 

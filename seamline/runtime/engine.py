@@ -60,8 +60,9 @@ class Engine:
         try:
             while not sequence.finished:
                 for emission in core.step() or ():
-                    if emission.event is None:
-                        raise emission.error or RuntimeError("a draw failed without its error")
+                    if emission.error is not None:
+                        raise emission.error
+                    assert emission.event is not None
                     yield emission.event
         finally:
             if not sequence.finished:  # the caller stopped early: free the cache
