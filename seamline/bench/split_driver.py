@@ -85,7 +85,7 @@ def _secrets(mesh: Mesh, host: str, port: int) -> dict[str, Any]:
     _, invite = coordinator.invites.create(ttl_s=24 * 3600)
     return {"api": f"http://{host}:{port}", "control": [host, coordinator.invite.control_port],
             "plan_id": coordinator.plan_id, "link_key": coordinator.link_key, "stages": stages,
-            "fragment_token": coordinator.fragment_token(stages[0][0]), "invite": invite,
+            "fragment_token": coordinator.joining.fragment_token(stages[0][0]), "invite": invite,
             "state_dir": str(mesh.state_dir), "hidden_size": config.hidden_size if config else 0}  # fmt: skip
 
 

@@ -25,3 +25,4 @@ class LinkReport:
 class MeshReport:
     nodes: list[NodeReport] = field(default_factory=list)
     links: list[LinkReport] = field(default_factory=list)
+    events: dict[str, int] = field(default_factory=dict)  # the mesh's events so far, by kind

@@ -102,4 +102,8 @@ class _MeshCollector(Collector):
                 rtt.add_metric([link.src, link.dst], link.rtt_seconds)
             if link.bytes_total is not None:
                 sent.add_metric([link.src, link.dst], link.bytes_total)
-        yield from (up, step, kv, rtt, sent)
+        events = CounterMetricFamily("seamline_mesh_events", "The mesh's events so far (nodes joining and "
+                                     "leaving, plans, routes published, requests replayed)", labels=["kind"])  # fmt: skip
+        for kind, count in sorted(report.events.items()):
+            events.add_metric([kind], count)
+        yield from (up, step, kv, rtt, sent, events)

@@ -171,6 +171,7 @@ def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
 
     from seamline.errors import OverloadedError
     from seamline.mesh.control.mesh_backend import MeshBackend
+    from seamline.mesh.control.state_keeper import StateKeeper
     from seamline.params import SamplingParams
 
     sent: list[object] = []
@@ -178,7 +179,7 @@ def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
     serving.set()
     coordinator = SimpleNamespace(on_tokens=None, on_failure=None, open_request=lambda request, tokens: sent.append((request, tuple(tokens))),
                                   close_request=lambda request: sent.append(("close", request)),
-                                  ready=serving, state="ready", plan_id=1)  # fmt: skip
+                                  ready=serving, state="ready", plan_id=1, keeper=StateKeeper())  # fmt: skip
     backend = MeshBackend(coordinator, None, "m", 64, max_requests=2)  # type: ignore[arg-type]
 
     async def scenario() -> None:

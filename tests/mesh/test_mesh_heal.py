@@ -80,8 +80,23 @@ def test_a_stopped_node_is_lost_within_the_heartbeat_timeout_and_a_standby_takes
         assert all(standby in [s["node_id"] for s in after["stages"]] for standby in standbys), after
         lost_lines = [line for line in mesh3.output if f"node {victim} sent nothing for" in line]
         assert lost_lines and float(lost_lines[0].split("sent nothing for ")[1].split(" s")[0]) <= 4.0, lost_lines
+        _events_tell_it(mesh3, victim)
     finally:
         stopped.send_signal(signal.SIGCONT)
+
+
+def _events_tell_it(mesh: MeshProcesses, victim: str) -> None:
+    """The console's feed and /metrics read the coordinator's events: the loss, the re-plan, the
+    replays and the new route, in the order they were applied."""
+    feed = mesh.status()["events"]
+    lost = next(i for i, e in enumerate(feed) if e["kind"] == "node_lost" and e["message"].startswith(f"node {victim} left"))
+    after = [e["kind"] for e in feed[lost:]]
+    assert after[1] == "replanning" and after[-1] == "route_published" and "request_replayed" in after, feed
+    assert feed[lost]["level"] == "warning" and [e["seq"] for e in feed] == sorted(e["seq"] for e in feed)
+    metrics = mesh.http().get(f"{mesh.base_url}/metrics", timeout=10).text
+    counted = {kind: float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("seamline_mesh_events_total{") for kind in [line.split('"')[1]]}  # fmt: skip
+    assert counted["node_lost"] >= 1 and counted["route_published"] >= 2 and counted["request_replayed"] >= 1, counted
 
 
 def test_requests_wait_when_the_survivors_cannot_hold_the_model_and_a_joining_node_saves_them(

@@ -16,6 +16,12 @@ import pytest
 
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
 from seamline.mesh.control.invites import InviteBook
+from seamline.mesh.control.mesh_state import (
+    NodeAdmitted,
+    NodeLost,
+    PlanChosen,
+    RoutePublished,
+)
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.plan.types import ModelSpec, Plan, StageAssignment
 from seamline.mesh.protocol.invite import Invite
@@ -38,10 +44,11 @@ def coordinator() -> Iterator[tuple[Coordinator, list[tuple[str | None, str, str
             ends.append(theirs)
             join = Join(node_id=node_id, proof="p", protocol_version=PROTOCOL_VERSION,
                         resources=Resources(free_memory_bytes=1 << 30, bytes_per_second=1e9), data_host="h", data_port=1)  # fmt: skip
-            made.nodes[node_id] = NodeHandle(join, Link(ours, node_id))
+            made.apply(NodeAdmitted(NodeHandle(join, Link(ours, node_id))))
     stages = tuple(StageAssignment(r[0], 2 * i, 2 * i + 2, i == 0, i == 1, 1, 1, 0.1, ranks=r) for i, r in enumerate(GROUPS))
-    made.plan, made.plan_id = Plan("m", 4, stages, 0.2, 0.0, 1024, 1), 3
-    made.ready.set()
+    for _ in range(3):  # plan 3 serves
+        made.apply(PlanChosen(Plan("m", 4, stages, 0.2, 0.0, 1024, 1)))
+    made.apply(RoutePublished(3))
     yield made, failures
     for end in ends:
         end.close()
@@ -84,7 +91,8 @@ def test_a_report_on_another_plan_or_blaming_outside_the_group_changes_nothing(
 
 def test_a_report_from_a_node_that_is_no_longer_a_member_changes_nothing(coordinator: tuple) -> None:
     made, failures = coordinator
-    gone = made.nodes.pop("a")
+    gone = made.nodes["a"]
+    made.apply(NodeLost("a", "its link closed"))
     made._reported(gone, Failure(request=None, reason="rank 1 closed the link", plan_id=3, suspect="b"))
     assert set(made.nodes) == {"b", "c", "d"} and made.ready.is_set() and failures == []
 
@@ -104,9 +112,9 @@ def test_a_member_that_says_its_stage_failed_is_lost_and_its_word_implicates_no_
     made._reported(made.nodes["d"], Failure(request=5, reason="this stage failed", blame="node"))
     assert "d" not in made.nodes
     assert [(request, blame) for request, _, blame in failures] == [(None, "replanned")]
-    made.plan = plan  # re-planning, "c" drawing: a report now is of links broken by the switch
+    made.apply(PlanChosen(plan))  # re-planning, "c" drawing: a report now is of links broken by the switch
     made._reported(made.nodes["c"], Failure(request=5, reason="link closed", blame="node"))
     assert "c" in made.nodes
-    made.ready.set()  # serving again
+    made.apply(RoutePublished(made.plan_id))  # serving again
     made._reported(made.nodes["c"], Failure(request=5, reason="this stage failed", blame="node"))
     assert "c" not in made.nodes and all(request is None for request, _, _ in failures)

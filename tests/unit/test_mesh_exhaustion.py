@@ -15,6 +15,7 @@ import pytest
 from seamline.mesh.control import heartbeats
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
 from seamline.mesh.control.invites import InviteBook
+from seamline.mesh.control.mesh_state import NodeAdmitted
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.node.process import Node, NodeOptions
 from seamline.mesh.plan.types import ModelSpec
@@ -54,9 +55,8 @@ def _member(coordinator: Coordinator, node_id: str, buffer: int = 0) -> socket.s
     join = Join(node_id=node_id, proof="", protocol_version=PROTOCOL_VERSION, data_host="127.0.0.1", data_port=1,
                 resources=Resources(free_memory_bytes=1 << 30, bytes_per_second=1e9))  # fmt: skip
     handle = NodeHandle(join, Link(tune(ours), name=f"node {node_id}"))
-    with coordinator.lock:
-        coordinator.nodes[node_id] = handle
-    threading.Thread(target=coordinator._read_node, args=(handle,), daemon=True).start()
+    coordinator.apply(NodeAdmitted(handle))
+    threading.Thread(target=coordinator.read_node, args=(handle,), daemon=True).start()
     return tune(theirs)
 
 

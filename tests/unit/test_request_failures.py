@@ -15,6 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from seamline.mesh.control.mesh_backend import MeshBackend, RequestFailed
+from seamline.mesh.control.mesh_state import NoMembers
+from seamline.mesh.control.state_keeper import StateKeeper
 from seamline.net.frames import LIMITS, FrameType, Oversized, header
 from seamline.net.link import Link
 from seamline.net.messages import Heartbeat, Open
@@ -52,7 +54,8 @@ class _Mesh(SimpleNamespace):
     def __init__(self) -> None:
         ready = threading.Event()
         ready.set()
-        super().__init__(on_tokens=None, on_failure=None, ready=ready, state="ready", plan_id=1, opened=[])
+        super().__init__(on_tokens=None, on_failure=None, ready=ready, state="ready", plan_id=1, opened=[],
+                         keeper=StateKeeper())  # its events: the requests replayed
         self.open_request = lambda request, tokens: self.opened.append(request.request)
         self.close_request = lambda request: None
 
@@ -81,6 +84,8 @@ def test_a_request_that_fails_the_nodes_it_starts_on_twice_is_ended() -> None:
     ended = asyncio.run(scenario())
     assert isinstance(ended, RequestFailed) and "failed as it started, 2 times" in str(ended)
     assert len(mesh.opened) == 2  # replayed once, then ended
+    mesh.keeper.apply(NoMembers())  # events apply in order: the replay posted before this one has been heard
+    assert backend.report.events["request_replayed"] == 1
 
 
 def test_a_replan_or_a_loss_after_the_first_token_still_replays() -> None:

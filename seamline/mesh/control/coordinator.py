@@ -11,35 +11,67 @@ nodes that remain.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from seamline.config import ModelConfig
 from seamline.errors import RequestError
 from seamline.mesh.control.enrollment import Enrollment
-from seamline.mesh.protocol.fragment_server import PeerGate
+from seamline.mesh.control.events import EventFeed
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.joining import Joining
 from seamline.mesh.control.member_gate import Refusals, drawer, may_end, serves
+from seamline.mesh.control.mesh_state import (
+    Event,
+    MeshState,
+    NodeLost,
+    NodeReported,
+    Replanning,
+    ShuttingDown,
+)
 from seamline.mesh.control.mesh_status import describe
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.control.peer_links import PeerLinks
 from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.reference import Reference
 from seamline.mesh.control.relay import Relay
-from seamline.mesh.control.startup import StartUp, StartupError, Superseded, choose_transport
+from seamline.mesh.control.startup import (
+    StartUp,
+    StartupError,
+    Superseded,
+    choose_transport,
+)
+from seamline.mesh.control.state_keeper import StateKeeper
 from seamline.mesh.control.verify import Verifier
 from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.types import ModelSpec, Plan
+from seamline.mesh.protocol.fragment_server import PeerGate
 from seamline.net.frames import LIMITS, FrameError, FrameType, TokenFrame, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import (
-    Close, Digests, Failure, Join, Linked, Loading, Message, Open, PeerLink, Pong, ProbeResult, Prompt, Ready, Renew,
-    SpeedReady, SpeedSums, Stats, StatsRequest, encode_message,
+    Close,
+    Digests,
+    Failure,
+    Linked,
+    Loading,
+    Message,
+    Open,
+    PeerLink,
+    Pong,
+    ProbeResult,
+    Prompt,
+    Ready,
+    RelayAccept,
+    Renew,
+    SpeedReady,
+    SpeedSums,
+    Stats,
+    StatsRequest,
+    encode_message,
 )  # fmt: skip
 from seamline.runtime.grammar import TokenMasks
 
@@ -76,7 +108,11 @@ TokenSink = Callable[[list[TokenRow]], None]
 FailureSink = Callable[[int | None, str, str], None]  # request (None: all), reason, blame
 
 
-class Coordinator(Joining, Planning, StartUp):
+class Coordinator:
+    """The mesh's state (``state_keeper``) and what reads and changes it, composed of its
+    joining (``joining.Joining``), its planning (``planning.Planning``) and the start-up of each
+    plan (``startup.StartUp``)."""
+
     def __init__(self, invites: InviteBook, model: ModelSpec, model_hash: str, options: CoordinatorOptions,
                  authority: MeshAuthority | None = None) -> None:  # fmt: skip
         """``invites``: who may join; ``authority``: the mesh CA, whose certificates every link
@@ -88,31 +124,64 @@ class Coordinator(Joining, Planning, StartUp):
         self.model = model
         self.model_hash = model_hash
         self.options = options
-        self.nodes: dict[str, NodeHandle] = {}
-        self.plan: Plan | None = None
-        self.plan_id = 0
-        self.state = "waiting for nodes"
-        self.ready = threading.Event()
-        self.lock = threading.RLock()
+        self.keeper = StateKeeper()
+        self.feed = EventFeed()  # the console's
+        self.keeper.listen(self.feed)
+        self.lock = threading.RLock()  # held while a decision is taken on the state it reads
         self.on_tokens: TokenSink = lambda rows: None
         self.on_failure: FailureSink = lambda request, reason, blame: None
         self.in_flight: Callable[[int], bool] = lambda request: False  # the backend's: a client waits on it
         self.refusals = Refusals()  # what members sent that was not theirs to say
         self.fragment_gate: PeerGate | None = None  # the fragment port's, over TLS (``serve.Mesh``)
         reference = Reference(options.package_dir, options.dtype) if options.package_dir else None
-        self.verifier = Verifier(reference, options.verify_fraction, lambda rows: self.on_tokens(rows),
-                                 self._expel, masks=_masks(options.package_dir))  # fmt: skip
-        self._server: socket.socket | None = None
-        self._fragment_tokens: dict[str, str] = {}  # node id -> its bearer token for fragment downloads
-        self.link_key = ""  # the current plan's
-        self._enrolled: dict[str, tuple[Join, float]] = {}  # certified, not yet attached: (join, deadline)
         self.relay = Relay()
         self.peer_links = PeerLinks()
-        self._failed_starts = 0  # start-ups failed in a row (the retry's pause doubles with each)
-        self.closing = False  # shut down on purpose (``shut_down``)
+        self.joining = Joining(self)
+        self.planning = Planning(self)
+        self.startup = StartUp(self)
+        self.verifier = Verifier(reference, options.verify_fraction, lambda rows: self.on_tokens(rows),
+                                 self.startup.expel, masks=_masks(options.package_dir))  # fmt: skip
+
+    # -- the state: read here, changed only by ``apply`` ---------------------------------
+    def apply(self, event: Event) -> MeshState:
+        """Apply ``event`` to the mesh's state (``mesh_state.apply``, on the keeper's thread)."""
+        return self.keeper.apply(event)
+
+    @property
+    def nodes(self) -> Mapping[str, NodeHandle]:
+        return self.keeper.current.nodes
+
+    @property
+    def plan(self) -> Plan | None:
+        return self.keeper.current.plan
+
+    @property
+    def plan_id(self) -> int:
+        return self.keeper.current.plan_id
+
+    @property
+    def state(self) -> str:
+        """What the mesh is doing, in words (/api/status's ``state``)."""
+        return self.keeper.current.phase
+
+    @property
+    def ready(self) -> threading.Event:
+        """Set while the current plan's route serves."""
+        return self.keeper.ready
+
+    @property
+    def link_key(self) -> str:
+        return self.startup.link_key
+
+    def start(self, host: str) -> int:
+        """Listen for nodes on the control port (``joining``); the port."""
+        return self.joining.start(host)
+
+    def remove_node(self, node_id: str) -> bool:
+        return self.joining.remove_node(node_id)
 
     # -- membership (joining: ``joining.Joining``) --------------------------------------
-    def _read_node(self, handle: NodeHandle) -> None:
+    def read_node(self, handle: NodeHandle) -> None:
         while True:
             try:
                 message = handle.link.recv()
@@ -144,7 +213,7 @@ class Coordinator(Joining, Planning, StartUp):
             elif isinstance(message, Failure):
                 self._reported(handle, message)
             elif isinstance(message, Renew):
-                self._renew(handle, message)
+                self.joining.renew(handle, message)
             elif isinstance(message, Pong) and not handle.beats.answered(message.nonce) \
                     and not handle.pongs.arrived(message.nonce):  # fmt: skip
                 log.warning("refused node %s's pong %d: no such ping is waiting", handle.node_id, message.nonce)
@@ -182,7 +251,7 @@ class Coordinator(Joining, Planning, StartUp):
         for lost and the requests replay without it (a member that says so of every request only
         drops itself); while it re-plans, stages' links break as they are replaced, and such a
         report is no news."""
-        log.warning("node %s reports: %s", handle.node_id, message.reason)  # one line: ``messages.Reason``
+        self.apply(NodeReported(handle.node_id, message.reason))  # one line: ``messages.Reason``
         if message.plan_id is not None:
             self._group_broke(handle, message)
             return
@@ -239,35 +308,63 @@ class Coordinator(Joining, Planning, StartUp):
 
     def shut_down(self) -> None:
         """The mesh is being stopped on purpose: nodes that leave now are not planned around."""
-        self.closing = True
+        self.apply(ShuttingDown())
 
     def _lost(self, handle: NodeHandle, reason: str, observed: bool = True) -> None:
-        if self.closing:
-            log.info("node %s left: %s (the mesh is shutting down)", handle.node_id, reason)
-            return
         with self.lock:
             if self.nodes.get(handle.node_id) is not handle:
                 return
-            del self.nodes[handle.node_id]
             self.peer_links.forget(handle.node_id)
-            in_plan = self.plan is not None and any(handle.node_id in s.members() for s in self.plan.stages)
-        log.warning("node %s left: %s", handle.node_id, reason)
+            plan = self.plan
+            state = self.apply(NodeLost(handle.node_id, reason))
         with handle.events:
             handle.events.notify_all()
-        if in_plan:
+        if state.closing:
+            return
+        if plan is not None and any(handle.node_id in s.members() for s in plan.stages):
             self._replan(f"node {handle.node_id} left the mesh", reason, observed)
-        elif self.plan is None:  # no plan could be made: perhaps one can without this node
-            self._maybe_plan()
+        elif plan is None:  # no plan could be made: perhaps one can without this node
+            self.planning.maybe_plan()
 
     def _replan(self, event: str, detail: str, observed: bool = True) -> None:
         """The plan serves no more (``event``): plan again; requests in flight replay on the next."""
-        self.ready.clear()
-        self.state = f"{event}; re-planning"
+        self.apply(Replanning(event))
         self.on_failure(None, f"{event} mid-request ({detail})", "lost" if observed else "replanned")
-        self._maybe_plan(force=True)
-        with self.lock:
-            if self.plan is None:
-                self.state = f"{event}; {self.state}"
+        self.planning.maybe_plan(force=True)
+
+    def own_node(self) -> str:
+        """The coordinator's own node: the one that joined with the invite made for it alone
+        ("" until it has); a private mesh's ends are its."""
+        own = [h.node_id for h in self.nodes.values() if self.options.own_invite
+               and h.join.invite_id == self.options.own_invite]  # fmt: skip
+        return own[0] if own else ""
+
+    def reach(self, target: NodeHandle | None, dialler: NodeHandle,
+              probe: bool = False) -> tuple[tuple[str, int] | None, str]:  # fmt: skip
+        """Where ``dialler`` dials ``target``'s data port, and the relay ticket when it must go
+        through the relay (``target`` takes no inbound connection and is told to dial out too).
+        ``probe``: the link only measures the pair (``peer_links``)."""
+        if target is None:
+            return None, ""
+        if target.inbound:
+            return (target.join.data_host, target.join.data_port), ""
+        ticket = self.relay.ticket(probe)
+        target.link.send_message(RelayAccept(ticket=ticket, peer_node=dialler.node_id, probe=probe))
+        return (self.invite.hosts[0], self.invite.control_port), ticket
+
+    def wait_for(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float) -> Any:
+        """``value()`` once it is not None: what ``handle``'s reader set; StartupError when the
+        node reports a failure, leaves, or sends nothing within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        with handle.events:
+            while (got := value()) is None:
+                if handle.failure is not None:
+                    raise StartupError(f"node {handle.node_id}: {handle.failure}")
+                if handle.node_id not in self.nodes:
+                    raise StartupError(f"node {handle.node_id} left before {what}")
+                if not handle.events.wait(timeout=max(0.0, deadline - time.monotonic())):
+                    raise StartupError(f"node {handle.node_id} sent no {what} within {timeout_s:.0f} s")
+        return got
 
     # -- requests -----------------------------------------------------------------------
     def pipeline(self) -> list[NodeHandle]:
@@ -308,10 +405,10 @@ class Coordinator(Joining, Planning, StartUp):
             with handle.events:
                 handle.stats = None
             handle.link.send_message(StatsRequest())
-        return [self._wait(h, lambda h=h: h.stats, "STATS", timeout_s) for h in handles]  # type: ignore[misc]
+        return [self.wait_for(h, lambda h=h: h.stats, "STATS", timeout_s) for h in handles]  # type: ignore[misc]
 
     def status(self) -> dict[str, object]:
-        """What /api/status shows (``mesh_status``)."""
+        """What /api/status shows (``mesh_status``), with the console's feed."""
         return describe(self)
 
 

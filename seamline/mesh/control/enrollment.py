@@ -14,7 +14,12 @@ import ssl
 import threading
 from pathlib import Path
 
-from seamline.mesh.identity import CERT_TTL_S, COORDINATOR_ID, IdentityError, MeshAuthority
+from seamline.mesh.identity import (
+    CERT_TTL_S,
+    COORDINATOR_ID,
+    IdentityError,
+    MeshAuthority,
+)
 from seamline.net.messages import Challenge, Join
 
 

@@ -1,40 +1,35 @@
-"""The coordinator's recent events for the console: what its log says at INFO and above (nodes
-joining and leaving, routes published, reports, requests replayed), kept in a bounded ring."""
+"""The console's feed: the mesh's recent events (``mesh_state``) at INFO and above, as the
+coordinator applied them (nodes joining and leaving, plans, routes published, reports, requests
+replayed), kept in a bounded ring."""
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 
+from seamline.mesh.control.mesh_state import Event, MeshState
+
 KEPT = 100
-COORDINATOR_LOGGER = "seamline.coordinator"
 
 
-class EventLog(logging.Handler):
+class EventFeed:
+    """A listener of the coordinator's ``StateKeeper``."""
+
     def __init__(self, kept: int = KEPT) -> None:
-        super().__init__(level=logging.INFO)
         self._events: deque[dict[str, object]] = deque(maxlen=kept)
         self._guard = threading.Lock()
         self._count = 0
 
-    def emit(self, record: logging.LogRecord) -> None:
+    def __call__(self, event: Event, state: MeshState) -> None:
+        if event.level < logging.INFO:
+            return
         with self._guard:
             self._count += 1
-            self._events.append({"seq": self._count, "time": record.created, "level": record.levelname.lower(),
-                                 "message": record.getMessage()})  # fmt: skip
+            self._events.append({"seq": self._count, "time": time.time(), "kind": event.kind,
+                                 "level": logging.getLevelName(event.level).lower(), "message": event.describe(state)})  # fmt: skip
 
     def recent(self) -> list[dict[str, object]]:
         with self._guard:
             return list(self._events)
-
-    @classmethod
-    def attached(cls) -> EventLog:
-        """A log of the coordinator's logger from now on (its level lowered to INFO if need be)."""
-        logger = logging.getLogger(COORDINATOR_LOGGER)
-        handler = next((h for h in logger.handlers if isinstance(h, cls)), None) or cls()
-        if handler not in logger.handlers:
-            logger.addHandler(handler)
-        if logger.getEffectiveLevel() > logging.INFO:
-            logger.setLevel(logging.INFO)
-        return handler

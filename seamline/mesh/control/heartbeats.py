@@ -18,8 +18,8 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
-from seamline.net.link import LinkClosed
 from seamline.mesh.protocol.link_probe import new_nonce
+from seamline.net.link import LinkClosed
 from seamline.net.messages import Ping
 
 if TYPE_CHECKING:

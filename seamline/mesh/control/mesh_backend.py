@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import logging
 import secrets
 import threading
 import time
@@ -18,14 +17,15 @@ from collections.abc import AsyncIterator
 
 from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.mesh.control.coordinator import Coordinator, StartupError
-from seamline.net.link import LinkClosed
+from seamline.mesh.control.mesh_metrics import MeshReporter
+from seamline.mesh.control.mesh_state import RequestReplayed
 from seamline.net.frames import TokenRow
+from seamline.net.link import LinkClosed
 from seamline.net.messages import Open
 from seamline.params import SamplingParams
+from seamline.runtime.backend import Readiness
 from seamline.runtime.sampling import TokenEvent, request_seed
 from seamline.runtime.stage_rows import token_event
-from seamline.runtime.backend import Readiness
-from seamline.mesh.control.mesh_metrics import MeshReporter
 from seamline.text import TextCodec
 
 
@@ -53,7 +53,6 @@ READY_POLL_S = 0.05
 MAX_REPLAYS = 8  # routes a request may lose before it fails
 SUSPECT_WINDOW_S = 2.0  # a node lost this soon after a request opened on it, before its first token...
 MAX_IMPLICATED = 2  # ...this many times: the request is ended, not replayed again
-log = logging.getLogger("seamline.coordinator")
 
 
 class MeshBackend:
@@ -70,7 +69,7 @@ class MeshBackend:
         coordinator.on_tokens = self._deliver
         coordinator.on_failure = self._fail
         coordinator.in_flight = self._waiting.__contains__  # whose tokens and failures a member may report
-        self.report = MeshReporter(coordinator)  # its nodes and links, for /metrics
+        self.report = MeshReporter(coordinator)  # its nodes, links and events, for /metrics
 
     def readiness(self) -> Readiness:
         """Ready while a route serves. Once the mesh has served, a new request is taken while it
@@ -106,8 +105,7 @@ class MeshBackend:
                 if replays > MAX_REPLAYS:
                     raise RequestFailed(f"{exc}; the request lost its route {MAX_REPLAYS} times, given up") from None
                 lost_at = lost_at or time.monotonic()
-                log.warning("a request lost its route after %d tokens (%s); replaying it when the mesh is ready",
-                            len(generated), exc)  # fmt: skip
+                self.coordinator.keeper.post(RequestReplayed(len(generated), str(exc)))
                 await self._until_ready(lost_at, exc)
 
     async def _attempt(self, tokens: list[int], spec: SamplingParams, generated: int,

@@ -19,17 +19,17 @@ STATUS_TIMEOUT_S = 2.0  # /api/status waits this long for the stages' counters
 
 
 def describe(coordinator: Coordinator) -> dict[str, object]:
-    with coordinator.lock:
-        plan = coordinator.plan
-        stages = [] if plan is None else [
-            {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding,
-             "head": s.owns_head, "weight_bytes": s.weight_bytes, "ranks": list(s.members())}
-            for s in plan.stages
-        ]  # fmt: skip
-        shares = core_shares(h.placement() for h in coordinator.nodes.values())
-        nodes = [_node(h, shares[h.node_id]) for h in coordinator.nodes.values()]
+    state = coordinator.keeper.current  # one state: plan, members and readiness read together
+    plan = state.plan
+    stages = [] if plan is None else [
+        {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding,
+         "head": s.owns_head, "weight_bytes": s.weight_bytes, "ranks": list(s.members())}
+        for s in plan.stages
+    ]  # fmt: skip
+    shares = core_shares(h.placement() for h in state.nodes.values())
+    nodes = [_node(h, shares[h.node_id]) for h in state.nodes.values()]
     _add_holdings(coordinator, stages)
-    return {"ready": coordinator.ready.is_set(), "state": coordinator.state, "plan_id": coordinator.plan_id,
+    return {"ready": state.ready, "state": state.phase, "plan_id": state.plan_id,
             "stages": stages, "nodes": nodes, "relayed_links": coordinator.relay.pairs,
             "links": coordinator.peer_links.describe(),
             "refused_from_members": dict(coordinator.refusals.counts),  # tokens and reports not theirs to send
@@ -38,7 +38,8 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
                                    coordinator.options.int8_activations).as_dict(),
             "predicted_ms_per_token": plan.predicted_s_per_token * 1e3 if plan else None,
             "pace_ms": pace(plan) * 1e3 if plan else None,  # per token under load (what planning compares)
-            "model": coordinator.model.name}  # fmt: skip
+            "model": coordinator.model.name,
+            "events": coordinator.feed.recent()}  # fmt: skip
 
 
 def _node(h: NodeHandle, core_share: float) -> dict[str, object]:

@@ -6,11 +6,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from seamline.mesh.plan.cores import Placement
+from seamline.mesh.plan.types import LinkCost, NodeInfo
 from seamline.mesh.protocol.claims import SpeedCheck
 from seamline.mesh.protocol.link_probe import Pongs
-from seamline.mesh.plan.types import LinkCost
-from seamline.mesh.plan.cores import Placement
-from seamline.mesh.plan.types import NodeInfo
 from seamline.net.link import Link
 from seamline.net.messages import Join, Loading, ProbeResult, Ready, Stats
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from seamline.mesh.protocol.link_probe import unphysical
 from seamline.mesh.plan.types import LinkCost
+from seamline.mesh.protocol.link_probe import unphysical
 from seamline.net.messages import PeerLink
 
 log = logging.getLogger("seamline.coordinator")

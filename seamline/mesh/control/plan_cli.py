@@ -30,7 +30,6 @@ from typing import Any
 from seamline.config import ModelConfig
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.planner import check_plan, price_route
-from seamline.weights.loader import dtype_bytes
 from seamline.mesh.plan.types import (
     DEFAULT_LINK,
     LinkCost,
@@ -41,6 +40,7 @@ from seamline.mesh.plan.types import (
     PlanError,
     PlanOptions,
 )
+from seamline.weights.loader import dtype_bytes
 
 GIB = 1 << 30
 NODE_KEYS = {"node_id", "free_memory_gb", "free_memory_bytes", "bytes_per_second", "latency_ms",

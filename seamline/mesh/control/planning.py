@@ -1,4 +1,4 @@
-"""When the coordinator plans, and over whom; ``Coordinator`` takes these methods.
+"""When the coordinator plans, and over whom (``Coordinator.planning``).
 
 Nodes are planned at their measured rates times the share of their CPUs they have to
 themselves (``plan.cores``). The first plan waits for ``nodes_expected`` checked members. A
@@ -17,7 +17,13 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from seamline.mesh.protocol.link_probe import Reach, link_table
+from seamline.mesh.control.mesh_state import (
+    Growing,
+    NoMembers,
+    NoPlan,
+    PlanChosen,
+    StartupFailed,
+)
 from seamline.mesh.plan.cores import core_shares
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.measured import steady_rates
@@ -26,6 +32,7 @@ from seamline.mesh.plan.planner import plan as make_plan
 from seamline.mesh.plan.pricing import price_route
 from seamline.mesh.plan.private import plan_private
 from seamline.mesh.plan.types import LinkTable, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.mesh.protocol.link_probe import Reach, link_table
 from seamline.precision import once
 
 if TYPE_CHECKING:
@@ -33,51 +40,56 @@ if TYPE_CHECKING:
     from seamline.mesh.control.node_handle import NodeHandle
 
 log = logging.getLogger("seamline.coordinator")
-RETRY_FIRST_S, RETRY_MAX_S = 1.0, 30.0  # a failed start-up is planned again after 1, 2, 4 ... 30 s
 GROWTH_GAIN = 1.10  # a joining node is planned in when the plan with it is predicted this much faster
 
 
 class Planning:
-    """Planning over the members; mixed into ``Coordinator``."""
+    """The coordinator's planning over its members: it reads the mesh's state and changes it
+    only through the coordinator's events."""
 
-    def _maybe_plan(self: Coordinator, force: bool = False) -> None:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.options = coordinator.options
+
+    def maybe_plan(self, force: bool = False) -> None:
         """Plan over the checked members: the first time once ``nodes_expected`` have joined; then
         whenever no plan serves (``force``: a planned node left), or to take a new node in."""
-        with self.lock:
-            joined = [h for h in self.nodes.values() if h.checked]
-            first = self.plan_id == 0
-            if first and len(joined) < self.options.nodes_expected:
+        c = self.coordinator
+        with c.lock:
+            state = c.keeper.current
+            joined = [h for h in state.nodes.values() if h.checked]
+            if state.plan_id == 0 and len(joined) < self.options.nodes_expected:
                 return
-            if self.plan is not None and not force:
+            if state.plan is not None and not force:
                 self._maybe_grow(joined)
                 return
             if not joined:
-                self.plan, self.state = None, "waiting for nodes"
+                c.apply(NoMembers())
                 return
             try:
                 chosen = self.candidate(joined)
             except PlanError as exc:
-                self.plan, self.state = None, f"cannot plan: {exc}; waiting for a node to join"
-                log.error(self.state)
+                c.apply(NoPlan(f"cannot plan: {exc}; waiting for a node to join"))
                 return
             self._switch_to(chosen)
 
-    def candidate(self: Coordinator, joined: list[NodeHandle]) -> Plan:
+    def candidate(self, joined: list[NodeHandle]) -> Plan:
         """The plan over ``joined`` (PlanError when they cannot hold the model)."""
         joined = self._able(joined)
         shares = core_shares(h.placement() for h in joined)
         nodes = sorted((h.info(shares[h.node_id]) for h in joined), key=lambda n: n.node_id)
-        links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined), self.peer_links.measured())
+        links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined),
+                           self.coordinator.peer_links.measured())  # fmt: skip
         nodes = steady_rates(nodes)  # like nodes measured apart plan alike
         fresh = self._choose_plan(nodes, links)
-        held = self._held_plan(joined, nodes, links) if self.plan_id == 0 else None
+        held = self._held_plan(joined, nodes, links) if self.coordinator.plan_id == 0 else None
         if held is None or (members(fresh) - members(held) and pace(held) > pace(fresh) * GROWTH_GAIN):
             return fresh
         log.info("the rejoined nodes keep the stages they hold (a fresh plan would be %.2fx as fast)",
                  pace(held) / pace(fresh))  # fmt: skip
         return held
 
-    def _able(self: Coordinator, joined: list[NodeHandle]) -> list[NodeHandle]:
+    def _able(self, joined: list[NodeHandle]) -> list[NodeHandle]:
         """The members that can compute in the mesh's precision; each one that cannot is said once."""
         if not self.options.int8_activations:
             return joined
@@ -89,30 +101,32 @@ class Planning:
             raise PlanError(f"no member can run precision {self.options.precision}: serve --precision exact")
         return [h for h in joined if h.join.resources.int8_kernels]
 
-    def _held_plan(self: Coordinator, joined: list[NodeHandle], nodes: list[NodeInfo], links: LinkTable) -> Plan | None:
+    def _held_plan(self, joined: list[NodeHandle], nodes: list[NodeInfo], links: LinkTable) -> Plan | None:
         """The plan of the stages rejoined nodes still hold, when they are this model's, cover it
         and fit (a restarted coordinator takes its mesh back without loading anything again)."""
         if self.options.locked_plan is not None:
             return None
-        same = (self.model_hash, self.options.dtype, self.options.context_length, self.options.int8_activations)
+        c = self.coordinator
+        same = (c.model_hash, self.options.dtype, self.options.context_length, self.options.int8_activations)
         held = [(h.node_id, h.join.holding) for h in joined if h.join.holding is not None]
         route = sorted(((node, *x.layers) for node, x in held
                         if (x.model_hash, x.dtype, x.context_length, x.int8_activations) == same),
                        key=lambda r: r[1])  # fmt: skip
         flags = {node: (x.owns_embedding, x.owns_head) for node, x in held}
-        if not route or any(flags[n] != (s == 0, e == self.model.num_layers) for n, s, e in route):
+        if not route or any(flags[n] != (s == 0, e == c.model.num_layers) for n, s, e in route):
             return None
         try:
-            plan = price_route(self.model, nodes, links, self._plan_options(), route)
-            check_plan(plan, self.model, nodes, self._plan_options())
+            plan = price_route(c.model, nodes, links, self._plan_options(), route)
+            check_plan(plan, c.model, nodes, self._plan_options())
         except PlanError:
             return None
         return plan
 
-    def _maybe_grow(self: Coordinator, joined: list[NodeHandle]) -> None:
+    def _maybe_grow(self, joined: list[NodeHandle]) -> None:
         """A node joined a serving mesh: switch to the plan with it when it is fast enough more."""
-        current = self.plan
-        if not self.options.live_growth or current is None or not self.ready.is_set():
+        c = self.coordinator
+        current = c.plan
+        if not self.options.live_growth or current is None or not c.ready.is_set():
             return
         if {h.node_id for h in joined} <= members(current):
             return
@@ -121,55 +135,42 @@ class Planning:
         except PlanError:
             return
         gain = pace(current) / pace(proposed)
-        newcomers = sorted(members(proposed) - members(current))
+        newcomers = tuple(sorted(members(proposed) - members(current)))
         if gain < GROWTH_GAIN or not newcomers:
             log.info("a plan with the standbys would be %.2fx as fast: not worth a switch", gain)
             return
-        log.info("planning %s in: predicted %.2fx the throughput; requests in flight replay", ", ".join(newcomers), gain)
-        self.ready.clear()
-        self.state = f"taking {', '.join(newcomers)} in"
-        self.on_failure(None, f"the mesh re-planned to take {', '.join(newcomers)} in", "replanned")
+        c.apply(Growing(newcomers, gain))
+        c.on_failure(None, f"the mesh re-planned to take {', '.join(newcomers)} in", "replanned")
         self._switch_to(proposed)
 
-    def _switch_to(self: Coordinator, chosen: Plan) -> None:
+    def _switch_to(self, chosen: Plan) -> None:
         """Make ``chosen`` the plan and start it up (under the coordinator's lock)."""
-        self.plan, self.plan_id = chosen, self.plan_id + 1
-        threading.Thread(target=self._start_up, args=(chosen, self.plan_id), daemon=True).start()
+        plan_id = self.coordinator.apply(PlanChosen(chosen)).plan_id
+        threading.Thread(target=self.coordinator.startup.run, args=(chosen, plan_id), daemon=True).start()
 
-    def _retry_later(self: Coordinator, plan_id: int, failure: str) -> None:
+    def retry_later(self, plan_id: int, failure: str) -> None:
         """Start-up of ``plan_id`` failed: plan again after a pause that doubles while it keeps failing."""
-        with self.lock:
-            if plan_id != self.plan_id:
+        c = self.coordinator
+        with c.lock:
+            if plan_id != c.plan_id:
                 return  # a newer plan is under way
-            self.plan = None
-            self._failed_starts += 1
-            pause = min(RETRY_MAX_S, RETRY_FIRST_S * 2 ** (self._failed_starts - 1))
-            self.state = f"start-up failed: {failure}; planning again in {pause:.0f} s"
-        log.error(self.state)
-        timer = threading.Timer(pause, self._maybe_plan)
+            state = c.apply(StartupFailed(plan_id, failure))
+        timer = threading.Timer(state.retry_pause_s(), self.maybe_plan)
         timer.daemon = True
         timer.start()
 
-    def _choose_plan(self: Coordinator, nodes: list[NodeInfo], links: LinkTable) -> Plan:
-        locked, config = self.options.locked_plan, self.options.model_config
+    def _choose_plan(self, nodes: list[NodeInfo], links: LinkTable) -> Plan:
+        locked, config, model = self.options.locked_plan, self.options.model_config, self.coordinator.model
         if self.options.private:
-            return plan_private(self.model, nodes, links, self._plan_options(), self.own_node())
+            return plan_private(model, nodes, links, self._plan_options(), self.coordinator.own_node())
         if locked is None and config is not None:
-            return plan_auto(self.model, nodes, links, self._plan_options(), config, self.options.tensor_parallel)
+            return plan_auto(model, nodes, links, self._plan_options(), config, self.options.tensor_parallel)
         if locked is None:
-            return make_plan(self.model, nodes, links, self._plan_options())
-        check_plan(locked, self.model, nodes, self._plan_options())  # a stale lock is refused, not bent
+            return make_plan(model, nodes, links, self._plan_options())
+        check_plan(locked, model, nodes, self._plan_options())  # a stale lock is refused, not bent
         return locked
 
-    def own_node(self: Coordinator) -> str:
-        """The coordinator's own node: the one that joined with the invite made for it alone
-        ("" until it has); a private mesh's ends are its."""
-        with self.lock:
-            own = [h.node_id for h in self.nodes.values() if self.options.own_invite
-                   and h.join.invite_id == self.options.own_invite]  # fmt: skip
-        return own[0] if own else ""
-
-    def _plan_options(self: Coordinator) -> PlanOptions:
+    def _plan_options(self) -> PlanOptions:
         return PlanOptions(context_tokens=self.options.context_length, batch=1)
 
 

@@ -18,8 +18,8 @@ import torch
 
 from seamline.config import ModelConfig
 from seamline.model.cache import Span
-from seamline.ownership import Ownership
 from seamline.model.stage import Stage
+from seamline.ownership import Ownership
 from seamline.runtime import digest
 from seamline.weights.fragments import FragmentSource, Manifest
 from seamline.weights.loader import DTYPES, load_stage

@@ -19,21 +19,24 @@ from fastapi import FastAPI
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
 from seamline.mesh.arenas import tame_malloc
-from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
-from seamline.mesh.protocol.fragment_server import PeerGate, fragment_routes, serve_fragments
-from seamline.mesh.plan.groups import check_world
 from seamline.mesh.control.admin import admin_key, admin_routes
-from seamline.mesh.protocol.invite import Invite
+from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.mesh_backend import MeshBackend
 from seamline.mesh.identity import MeshAuthority
+from seamline.mesh.plan.groups import check_world
 from seamline.mesh.plan.types import ModelSpec, Plan
-from seamline.mesh.control.events import EventLog
+from seamline.mesh.protocol.fragment_server import (
+    PeerGate,
+    fragment_routes,
+    serve_fragments,
+)
+from seamline.mesh.protocol.invite import Invite
 from seamline.precision import apply, resolve, weights_kind
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest
-from seamline.weights.packaging import package_cached
 from seamline.weights.loader import dtype_bytes, open_source
+from seamline.weights.packaging import package_cached
 
 log = logging.getLogger("seamline.serve")
 
@@ -91,9 +94,9 @@ class Mesh:
         enrollment = self.coordinator.enrollment
         if self.fragments_port and enrollment is not None:
             self.coordinator.fragment_gate = PeerGate(enrollment.is_removed)
-            serve_fragments(self.package_dir, self.coordinator.fragment_token_ok, host, self.fragments_port,
+            serve_fragments(self.package_dir, self.coordinator.joining.fragment_token_ok, host, self.fragments_port,
                             enrollment.identity.server_context(), self.coordinator.fragment_gate,
-                            self.coordinator.fragment_allowed)  # fmt: skip
+                            self.coordinator.joining.fragment_allowed)  # fmt: skip
 
 
 ENDPOINT_FILE = "endpoint.json"  # where `seamline invite` and `seamline node` find the running coordinator
@@ -150,14 +153,13 @@ def build_mesh(options: ServeOptions) -> Mesh:
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s)
 
-    events = EventLog.attached()  # for the console: failures as they happen
     key = admin_key(state_dir)
     _write_endpoint(state_dir, f"{scheme}://{url_host(hosts[0])}:{options.port}", options.tls_certificate)
 
     def routes(app: FastAPI) -> None:
         if not fragments_port:  # a plaintext mesh: the API serves the fragments, to members' tokens only
-            fragment_routes(app, package_dir, coordinator.fragment_token_ok, coordinator.fragment_allowed)
-        app.get("/api/status")(lambda: {**coordinator.status(), "events": events.recent()})
+            fragment_routes(app, package_dir, coordinator.joining.fragment_token_ok, coordinator.joining.fragment_allowed)
+        app.get("/api/status")(coordinator.status)
         admin_routes(app, coordinator, book, key)
 
     return Mesh(routes, coordinator, backend, Invite.decode(token), token, package_dir, state_dir, fragments_port,

@@ -1,22 +1,25 @@
 """Start-up of a plan: its stages assigned and loaded downstream first, checked against the
 coordinator's copy (``stage_checks``), then linked downstream first; only then is the route
-published. ``Coordinator`` takes these methods; a newer plan supersedes one being started.
+published (``Coordinator.startup``); a newer plan supersedes one being started.
 A private plan's last stage is the first stage's node: it is assigned and linked with it."""
 
 from __future__ import annotations
 
 import logging
 import secrets
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from seamline.errors import SeamlineError
-from seamline.mesh.control.stage_checks import PROBE_TIMEOUT_S, StageFailedCheck, check_stages
+from seamline.mesh.control.mesh_state import RoutePublished, StartupStep
+from seamline.mesh.control.stage_checks import (
+    PROBE_TIMEOUT_S,
+    StageFailedCheck,
+    check_stages,
+)
 from seamline.mesh.control.verify import CheckedStage
 from seamline.mesh.plan.types import Plan, StageAssignment
 from seamline.net.link import LinkClosed
-from seamline.net.messages import PROTOCOL_VERSION, Assign, Probe, ProbeResult, RelayAccept, Route
+from seamline.net.messages import PROTOCOL_VERSION, Assign, Probe, ProbeResult, Route
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
@@ -29,95 +32,102 @@ MIN_RESIDENT_SHARE = 0.5  # a loaded stage's resident bytes, at least this share
 
 
 class StartUp:
-    """Starting a plan; mixed into ``Coordinator``."""
+    """Starting a plan (``Coordinator.startup``); its steps are the coordinator's events."""
 
-    def _start_up(self: Coordinator, plan: Plan, plan_id: int) -> None:
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.options = coordinator.options
+        self.link_key = ""  # the current plan's: data links between its stages prove it
+
+    def run(self, plan: Plan, plan_id: int) -> None:
+        c = self.coordinator
         try:
-            handles = [self.nodes[s.node_id] for s in plan.stages]  # the stages' leaders
-            self.link_key = link_key = secrets.token_hex(16)  # data links between this plan's stages prove it
+            handles = [c.nodes[s.node_id] for s in plan.stages]  # the stages' leaders
+            self.link_key = link_key = secrets.token_hex(16)
             for index in reversed(range(len(plan.loaded_stages()))):
                 self._current(plan_id)
                 stage = plan.stages[index]
-                self.state = f"loading layers [{stage.start},{stage.end}) on {', '.join(stage.members())}"
+                on = ", ".join(stage.members())
+                c.apply(StartupStep(plan_id, f"loading layers [{stage.start},{stage.end}) on {on}"))
                 tail = plan.stages[-1] if plan.private and index == 0 else None
                 self._assign_stage(stage, plan_id, link_key, _senders(plan, index), tail)
             self._check_stages(plan, plan_id, handles)
             forks = all(len(s.members()) == 1 for s in plan.stages)  # a lockstep group's caches are not copied
             for index in reversed(range(len(plan.loaded_stages()))):
                 self._current(plan_id)
-                self.state = f"linking {handles[index].node_id}"
+                c.apply(StartupStep(plan_id, f"linking {handles[index].node_id}"))
                 self._link(handles, index, plan_id, forks)
         except Superseded:
             return
         except (StartupError, KeyError, LinkClosed) as exc:
-            self._retry_later(plan_id, str(exc))
+            c.planning.retry_later(plan_id, str(exc))
             return
-        with self.lock:
-            if plan_id != self.plan_id:
+        with c.lock:
+            if plan_id != c.plan_id:
                 return
-            self.state = "ready"
-            self._failed_starts = 0
-            self.verifier.plan([CheckedStage((s.start, s.end), s.members()) for s in plan.stages])
-            self.ready.set()
-        log.info("route published: %s", " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in plan.stages))
+            c.verifier.plan([CheckedStage((s.start, s.end), s.members()) for s in plan.stages])
+            c.apply(RoutePublished(plan_id))
 
-    def _check_stages(self: Coordinator, plan: Plan, plan_id: int, leaders: list[NodeHandle]) -> None:
+    def _check_stages(self, plan: Plan, plan_id: int, leaders: list[NodeHandle]) -> None:
         """READY means loaded: every stage computes a probe as the coordinator's copy does
         (``stage_checks``); a stage that does not is removed from the mesh."""
-        if self.verifier.reference is None:
+        reference = self.coordinator.verifier.reference
+        if reference is None:
             return
-        self.state = "checking what every stage computes"
+        self.coordinator.apply(StartupStep(plan_id, "checking what every stage computes"))
         try:
-            check_stages(self.verifier.reference, plan, plan_id, leaders, self._ask_probe)
+            check_stages(reference, plan, plan_id, leaders, self._ask_probe)
         except StageFailedCheck as exc:
-            self._expel(list(exc.nodes), f"it failed the start-up check: {exc}")
+            self.expel(list(exc.nodes), f"it failed the start-up check: {exc}")
             raise StartupError(f"{', '.join(exc.nodes)} failed the start-up check: {exc}") from None
         finally:
-            self.verifier.reference.keep_only([])
+            reference.keep_only([])
 
-    def _ask_probe(self: Coordinator, handle: NodeHandle, probe: Probe) -> ProbeResult:
+    def _ask_probe(self, handle: NodeHandle, probe: Probe) -> ProbeResult:
         with handle.events:
             handle.probe_result = None
         handle.link.send_message(probe)
         answered = lambda: handle.probe_result if handle.probe_result and handle.probe_result.probe == probe.probe else None  # noqa: E731
-        return self._wait(handle, answered, "PROBE RESULT", PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
+        return self.coordinator.wait_for(handle, answered, "PROBE RESULT", PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
 
-    def _expel(self: Coordinator, nodes: list[str], reason: str) -> None:
+    def expel(self, nodes: list[str], reason: str) -> None:
         """Members found computing something else than their layers: removed (``remove_node``)."""
         for node in nodes:
             log.error("removing node %s: %s", node, reason)
-            self.verifier.expelled.append(node)
-            self.remove_node(node)
+            self.coordinator.verifier.expelled.append(node)
+            self.coordinator.remove_node(node)
 
-    def _fragment_peers(self: Coordinator, handle: NodeHandle) -> list[str]:
+    def _fragment_peers(self, handle: NodeHandle) -> list[str]:
         """The other members' fragment URLs (over TLS only: a member certificate is their key), of
         those that take inbound connections."""
-        if self.enrollment is None:
+        c = self.coordinator
+        if c.enrollment is None:
             return []
-        own = self.own_node() if self.options.private else ""  # a private mesh's ends serve no member
-        with self.lock:
-            others = [h.join for h in self.nodes.values() if h is not handle and h.checked and h.inbound
-                      and h.join.fragments_port and h.node_id != own]  # fmt: skip
+        own = c.own_node() if self.options.private else ""  # a private mesh's ends serve no member
+        others = [h.join for h in c.nodes.values() if h is not handle and h.checked and h.inbound
+                  and h.join.fragments_port and h.node_id != own]  # fmt: skip
         return [f"https://{_host(j.data_host)}:{j.fragments_port}" for j in others[:MAX_FRAGMENT_PEERS]]
 
-    def _current(self: Coordinator, plan_id: int) -> None:
+    def _current(self, plan_id: int) -> None:
         """Superseded when a newer plan has been made since ``plan_id``'s start-up began."""
-        if plan_id != self.plan_id:
-            raise Superseded(f"plan {plan_id} was replaced by plan {self.plan_id}")
+        current = self.coordinator.plan_id
+        if plan_id != current:
+            raise Superseded(f"plan {plan_id} was replaced by plan {current}")
 
-    def _assign_stage(self: Coordinator, s: StageAssignment, plan_id: int, link_key: str, senders: tuple[str, str],
+    def _assign_stage(self, s: StageAssignment, plan_id: int, link_key: str, senders: tuple[str, str],
                       tail: StageAssignment | None = None) -> None:  # fmt: skip
         """Assign every rank of the stage, then wait for all: a group's ranks load and meet
         together. ``tail``: a private plan's last stage, which the first stage's node holds too."""
-        members = [self.nodes[m] for m in s.members()]
+        c = self.coordinator
+        members = [c.nodes[m] for m in s.members()]
         group = [(h.join.data_host, h.join.comm_port) for h in members] if len(members) > 1 else []
         for rank, handle in enumerate(members):
             with handle.events:
                 handle.ready, handle.linked, handle.failure = None, False, None
-            handle.link.send_message(Assign(plan_id=plan_id, model_hash=self.model_hash,
+            handle.link.send_message(Assign(plan_id=plan_id, model_hash=c.model_hash,
                                             fragments_url=self.options.fragments_url,
                                             fragments_certificate=self.options.fragments_certificate,
-                                            fragments_token=self._fragment_tokens.get(handle.node_id, ""),
+                                            fragments_token=c.joining.fragment_token(handle.node_id),
                                             fragment_peers=self._fragment_peers(handle),
                                             layers=(s.start, s.end),
                                             owns_embedding=s.owns_embedding, owns_head=s.owns_head,
@@ -130,12 +140,12 @@ class StartUp:
                                             gate_timeout_s=self.options.gate_timeout_s,
                                             kv_cache_bytes=self.options.kv_cache_bytes, link_key=link_key,
                                             upstream_node=senders[0], last_node=senders[1],
-                                            digest_seed=self.verifier.seed,
+                                            digest_seed=c.verifier.seed,
                                             tail=(tail.start, tail.end) if tail else None))  # fmt: skip
         for rank, handle in enumerate(members):
-            ready = self._wait(handle, lambda h=handle: h.ready, "READY")  # type: ignore[misc]
+            ready = c.wait_for(handle, lambda h=handle: h.ready, "READY", STEP_TIMEOUT_S)  # type: ignore[misc]
             d = ready.descriptor
-            expected = (plan_id, self.model_hash, (s.start, s.end), self.options.dtype, self.options.int8_activations,
+            expected = (plan_id, c.model_hash, (s.start, s.end), self.options.dtype, self.options.int8_activations,
                         PROTOCOL_VERSION, (rank, len(members)), (tail.start, tail.end) if tail else None)  # fmt: skip
             got = (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.int8_activations, d.protocol_version,
                    tuple(d.shard), tuple(d.tail) if d.tail else None)  # fmt: skip
@@ -146,47 +156,22 @@ class StartUp:
                 raise StartupError(f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
                                    f"{share >> 20} MiB of weights: it does not hold what it was given")  # fmt: skip
 
-    def _transport(self: Coordinator, members: list[NodeHandle]) -> str:
+    def _transport(self, members: list[NodeHandle]) -> str:
         cuda = all(h.join.resources.device.startswith("cuda") for h in members)
         hosts = {h.join.data_host for h in members}
         return choose_transport(self.options.transport, cuda, hosts, self.options.insecure_comm)
 
-    def _link(self: Coordinator, handles: list[NodeHandle], index: int, plan_id: int, forks: bool) -> None:
+    def _link(self, handles: list[NodeHandle], index: int, plan_id: int, forks: bool) -> None:
         handle = handles[index]
         last = index == len(handles) - 1
-        downstream, down_ticket = self._reach(None if last else handles[index + 1], handle)
-        stage0, stage0_ticket = self._reach(handles[0] if last and index > 0 else None, handle)
+        downstream, down_ticket = self.coordinator.reach(None if last else handles[index + 1], handle)
+        stage0, stage0_ticket = self.coordinator.reach(handles[0] if last and index > 0 else None, handle)
         handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0, stages=len(handles),
                                        downstream_node=handles[index + 1].node_id if downstream else "",
                                        stage0_node=handles[0].node_id if stage0 else "",
                                        downstream_relay=down_ticket, stage0_relay=stage0_ticket,
                                        micro_batches=self.options.micro_batches, forks=forks))  # fmt: skip
-        self._wait(handle, lambda: handle.linked or None, "LINKED")
-
-    def _reach(self: Coordinator, target: NodeHandle | None, dialler: NodeHandle,
-               probe: bool = False) -> tuple[tuple[str, int] | None, str]:  # fmt: skip
-        """Where ``dialler`` dials ``target``'s data port, and the relay ticket when it must go
-        through the relay (``target`` takes no inbound connection and is told to dial out too).
-        ``probe``: the link only measures the pair (``peer_links``)."""
-        if target is None:
-            return None, ""
-        if target.inbound:
-            return (target.join.data_host, target.join.data_port), ""
-        ticket = self.relay.ticket(probe)
-        target.link.send_message(RelayAccept(ticket=ticket, peer_node=dialler.node_id, probe=probe))
-        return (self.invite.hosts[0], self.invite.control_port), ticket
-
-    def _wait(self: Coordinator, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float = STEP_TIMEOUT_S) -> Any:
-        deadline = time.monotonic() + timeout_s
-        with handle.events:
-            while (got := value()) is None:
-                if handle.failure is not None:
-                    raise StartupError(f"node {handle.node_id}: {handle.failure}")
-                if handle.node_id not in self.nodes:
-                    raise StartupError(f"node {handle.node_id} left before {what}")
-                if not handle.events.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise StartupError(f"node {handle.node_id} sent no {what} within {timeout_s:.0f} s")
-        return got
+        self.coordinator.wait_for(handle, lambda: handle.linked or None, "LINKED", STEP_TIMEOUT_S)
 
 
 class StartupError(SeamlineError):
