@@ -1,8 +1,8 @@
 """The layout shows the design: the packages of ``seamline`` import each other without a cycle
 (functions' own imports included), only the entry points import the server, ``parallel``
 holds collectives only, a node and the coordinator share only ``mesh.protocol``, the
-planner is arithmetic (no torch, no model), and only the runtime drives the scheduler; no test
-imports another test file."""
+planner is arithmetic (no torch, no model), only the runtime drives the scheduler, and the
+coordinator's state changes only through its events; no test imports another test file."""
 
 from __future__ import annotations
 
@@ -93,6 +93,39 @@ def test_only_the_runtime_drives_the_scheduler() -> None:
                 names += [f"seamline.runtime.{alias.name}" for alias in node.names]
             importers += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n == "seamline.runtime.scheduler"]
     assert not importers, importers
+
+
+MESH_STATE = {"nodes", "plan", "plan_id", "state", "ready", "closing"}  # the coordinator's, in ``MeshState``
+COORDINATOR_PARTS = {"Coordinator", "Joining", "Planning", "StartUp"}
+
+
+def test_the_coordinator_state_changes_only_through_its_events() -> None:
+    """Nothing in the mesh's control assigns the coordinator's state (``coordinator.plan = ...``,
+    ``self.nodes[x] = ...`` in the coordinator or its parts), nor sets or clears its readiness,
+    outside ``mesh_state.apply`` and the keeper that applies it."""
+    writes = []
+    for path in (ROOT / "mesh" / "control").glob("*.py"):
+        if path.name in ("mesh_state.py", "state_keeper.py"):
+            continue
+        tree = ast.parse(path.read_text())
+        others = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name not in COORDINATOR_PARTS
+                  for n in ast.walk(c)}  # fmt: skip  (their ``self`` is not the coordinator)
+        for node in ast.walk(tree):
+            writes += [f"{path.name}:{node.lineno}" for t in _written(node) if isinstance(t, ast.Attribute)
+                       and t.attr in MESH_STATE and isinstance(t.value, ast.Name)
+                       and t.value.id in ("c", "coordinator", *(("self",) if id(node) not in others else ()))]  # fmt: skip
+    assert not writes, writes
+
+
+def _written(node: ast.AST) -> list[ast.expr]:
+    """What ``node`` assigns (a subscript's container included), or sets or clears."""
+    targets = list(node.targets) if isinstance(node, ast.Assign) else []
+    targets += [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+    targets = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+    targets = [t.value if isinstance(t, ast.Subscript) else t for t in targets]
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("set", "clear"):
+        targets.append(node.func.value)
+    return targets
 
 
 def test_no_test_imports_another_test_file() -> None:
