@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 from pathlib import Path
 from dataclasses import replace
@@ -199,20 +200,26 @@ def set_threads(threads: int) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from seamline.app import LocalModel
+    from seamline.server.serve_local import local_backend
 
     set_threads(args.threads)
-    model = LocalModel.load(args.model, args.dtype, args.context or None, args.precision)
-    if args.prompt is not None:
-        messages = [{"role": "user", "content": args.prompt}]
-        _stream(model, messages, args, raw=args.raw)
-        return 0
-    return _chat(model, args)
+    # the one-process backend `serve --single` serves with: one loop, one way to draw and end
+    backend, model = local_backend(args.model, args.dtype, args.context or None, 0, args.precision)
+    try:
+        if args.prompt is not None:
+            _stream(model, backend, [{"role": "user", "content": args.prompt}], args, raw=args.raw)
+            return 0
+        return _chat(model, backend, args)
+    finally:
+        backend.close()
 
 
-def _stream(model: Any, messages: list[dict[str, str]], args: argparse.Namespace, raw: bool) -> str:
+def _stream(model: Any, backend: Any, messages: list[dict[str, str]], args: argparse.Namespace, raw: bool) -> str:
+    """Print the answer as it comes and return it: the API's ``Generation`` (stop strings, the
+    backend's finish reason) over ``backend``; the parameters are checked here, at the edge."""
     from seamline.params import SamplingParams
-    from seamline.text import StreamDecoder
+    from seamline.server.generation import Generation
+    from seamline.server.metrics import Metrics, RequestMeter
     from seamline.timings import Timings
 
     codec = model.codec
@@ -222,19 +229,24 @@ def _stream(model: Any, messages: list[dict[str, str]], args: argparse.Namespace
         seed=args.seed, max_tokens=args.max_tokens, stop_token_ids=codec.stop_ids,
         stop_strings=tuple(args.stop),
     )  # fmt: skip
-    decoder = StreamDecoder(codec, params.stop_strings)
-    pieces: list[str] = []
+    params.validate()
+    model.engine.check_prompt(prompt)
     timings = Timings(len(prompt))
-    for token in model.engine.generate(prompt, params):
-        timings.token()
-        pieces.append(_show(decoder.push(token)))
-        if decoder.stopped:
-            break
-    pieces.append(_show(decoder.flush()))
+
+    async def show() -> str:
+        generation = Generation(backend, prompt, params, RequestMeter(Metrics()))
+        pieces = []
+        async for piece in generation.pieces():
+            if piece.token is not None:
+                timings.token()
+            pieces.append(_show(piece.text))
+        return "".join(pieces)
+
+    answer = asyncio.run(show())
     print(flush=True)
     if args.verbose:
         print(timings.report(model.precision.describe()), file=sys.stderr, flush=True)
-    return "".join(pieces)
+    return answer
 
 
 def _show(piece: str) -> str:
@@ -251,7 +263,7 @@ def _lines(prompt: str) -> Iterator[str]:
             return
 
 
-def _chat(model: Any, args: argparse.Namespace) -> int:
+def _chat(model: Any, backend: Any, args: argparse.Namespace) -> int:
     print("seamline chat: type a message, /exit or Ctrl-D to leave.", file=sys.stderr)
     messages: list[dict[str, str]] = []
     for line in _lines("> "):
@@ -260,7 +272,7 @@ def _chat(model: Any, args: argparse.Namespace) -> int:
         if not line.strip():
             continue
         messages.append({"role": "user", "content": line})
-        answer = _stream(model, messages, args, raw=False)
+        answer = _stream(model, backend, messages, args, raw=False)
         messages.append({"role": "assistant", "content": answer})
     return 0
 

@@ -68,6 +68,10 @@ class LocalBackend:
     def readiness(self) -> Readiness:
         return Readiness(True)
 
+    def close(self) -> None:
+        """Stop its batch loop (before the process exits: no step may be mid-way then)."""
+        self.loop.close()
+
     def report(self) -> MeshReport:
         """For /metrics: this process is the one node."""
         executor = self.core.executor

@@ -40,6 +40,7 @@ class BatchLoop:
         self._cancelled: list[Request] = []
         self._live: dict[SequenceState, Request] = {}
         self._thread: threading.Thread | None = None
+        self._closing = False
 
     def submit(self, prompt: list[int], params: SamplingParams, deliver: Deliver) -> Request:
         request = Request(list(prompt), params, deliver)
@@ -56,11 +57,23 @@ class BatchLoop:
             self._cancelled.append(request)
             self._cond.notify()
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop the loop after the step it is in (the process may exit while no step runs);
+        requests still running get no more tokens."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._new or self._cancelled or not self.scheduler.idle):
+                while not (self._new or self._cancelled or not self.scheduler.idle or self._closing):
                     self._cond.wait()
+                if self._closing:
+                    return
                 new, self._new = self._new, []
                 cancelled, self._cancelled = self._cancelled, []
             self._take(new, cancelled)
