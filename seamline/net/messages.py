@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 from seamline.net.frames import FrameError, FrameType, header
 from seamline.params import SamplingParams
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a replay is a resume (``Open.prompt_len``), not a longer prompt
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what a node id may be: no log line or console event can be forged by one
 MAX_REASON = 2048  # a failure's or error's text, in characters: a longer one is cut, never refused
 _LINE_BREAKING = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # control characters, line separators
@@ -312,9 +312,10 @@ class Open(Message):
     kind: Literal["open"] = "open"
     request: int
     sampling: SamplingParams  # with the seed chosen: every stage draws alike
+    # the prompt's tokens; its Prompt chunks may carry more: the tokens a request resumed on a
+    # new route (``mesh_backend``) drew before, recomputed as a preempted sequence's are
     prompt_len: int
     context_length: int
-    output_start: int | None = None  # where the request's output began (a replay's is before prompt_len)
 
 
 PROMPT_CHUNK_TOKENS = 32768  # a chunk's JSON stays far below the control cap (at most ~11 bytes a token)

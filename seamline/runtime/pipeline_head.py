@@ -110,11 +110,9 @@ class PipelineHead:
         self._post(lambda inbox: inbox.closed.append(request))
 
     def output(self, request: int, drawing: Drawing) -> list[int]:
-        """The tokens the request generated so far (a replay's include those before it)."""
+        """The tokens the request generated so far (a resumed one's include those before it)."""
         sequence = self._sequences.get(request)
-        if sequence is None:
-            return []
-        return sequence.known(drawing.output_start, len(sequence.prompt) + len(sequence.tokens))
+        return [] if sequence is None else list(sequence.tokens)
 
     def drawing(self, request: int) -> Drawing | None:
         """How ``request`` draws (its params, seed and where its output began), while it is open
@@ -124,8 +122,7 @@ class PipelineHead:
         return None if sequence is None else self._drawing(sequence)
 
     def _drawing(self, sequence: SequenceState) -> Drawing:
-        return Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length,
-                       sequence.output_start)  # fmt: skip
+        return Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length)
 
     def returned(self, rows: list[TokenRow]) -> None:
         self._post(lambda inbox: inbox.returned.extend(rows))
@@ -190,12 +187,16 @@ class PipelineHead:
                 raise OutOfStep(f"request {request} is not open on this stage")
             opened.sampling.validate()  # as the wire brought them: the request enters the engine here
             check_prompt(tokens, self.scheduler.context_length)
-            sequence = self.scheduler.add(tokens, opened.sampling)
+            if not 0 < opened.prompt_len <= len(tokens):
+                raise RequestError(f"request {request} opened with a prompt of {opened.prompt_len} tokens "
+                                   f"and sent {len(tokens)}")  # fmt: skip
+            # tokens past the prompt were drawn on an earlier route: resumed as a preempted sequence is
+            prompt, drawn = tokens[: opened.prompt_len], tokens[opened.prompt_len :]
+            sequence = self.scheduler.add(prompt, opened.sampling, drawn)
         except Exception as exc:  # this request ends alone
             self._fail([request], exc)
             return
         sequence.request = request
-        sequence.output_start = opened.prompt_len if opened.output_start is None else opened.output_start
         self._sequences[request] = sequence
 
     def _cancel(self, request: int) -> None:

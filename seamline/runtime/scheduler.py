@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -74,12 +74,10 @@ class SequenceState:
     cache: SequenceCache | GroupCache | None = None
     donor: SequenceCache | None = None  # the cache its own began as a copy of (None: computed from 0)
     seed: int = field(init=False)
-    # where a pipeline's stage 0 (PipelineHead) runs it: its request id on the wire, where its
-    # output began (a replay's is before its prompt's end), the prefix hash of the positions
-    # stage 0 has run, whether a token for it is being drawn downstream, and the cache its rows
-    # went downstream with (the later stages hold a cache of that lineage)
+    # where a pipeline's stage 0 (PipelineHead) runs it: its request id on the wire, the prefix
+    # hash of the positions stage 0 has run, whether a token for it is being drawn downstream,
+    # and the cache its rows went downstream with (the later stages hold a cache of that lineage)
     request: int | None = None
-    output_start: int = 0
     prefix_hash: int = 0
     in_flight: bool = False
     announced: object | None = None
@@ -204,13 +202,14 @@ class Scheduler:
     def kv_used(self) -> int:
         return sum(self.kv_held(s) for s in list(self.running)) + self.prefix.held_bytes()
 
-    def add(self, prompt: list[int], params: SamplingParams) -> SequenceState:
+    def add(self, prompt: list[int], params: SamplingParams, drawn: Sequence[int] = ()) -> SequenceState:
         """Queue a request, validated where it came in (the API, ``Engine.generate``, stage 0's
         reading of the wire); it joins at the next step with room, or is refused when it could
-        never fit or too many wait."""
+        never fit or too many wait. ``drawn``: the tokens it drew before (a request resumed on a
+        new route), recomputed when it is admitted, as a preempted sequence's are."""
         if len(self.waiting) >= self.max_waiting:
             raise OverloadedError(f"{len(self.waiting)} requests are already waiting; try again later")
-        sequence = SequenceState(list(prompt), params)
+        sequence = SequenceState(list(prompt), params, tokens=list(drawn))
         need = self.kv_reserve(sequence)
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
             raise RequestError(

@@ -23,9 +23,8 @@ class Drawing:
 
     params: SamplingParams
     seed: int
-    prompt_len: int
+    prompt_len: int  # the tokens after it are the output: penalties count them, max_tokens too
     context_length: int
-    output_start: int  # tokens from here on count for presence and frequency penalties
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class StageSequence:
 
     def saw(self, position: int, ids: torch.Tensor | None) -> None:
         """A row's ids at ``position``: those past the output's start are generated tokens."""
-        skip = self.drawing.output_start - position if self.drawing is not None else 0
+        skip = self.drawing.prompt_len - position if self.drawing is not None else 0
         if ids is not None and skip < len(ids):
             self.output.extend(ids[max(skip, 0) :].tolist())
 
@@ -170,8 +170,7 @@ class StageWorker:
         None, and the first frame (which leaves stage 0 only after the prompt) resolves it."""
         if self.source is not None:
             return self.source.drawing(msg.request)
-        start = msg.prompt_len if msg.output_start is None else msg.output_start
-        return Drawing(msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length, start)
+        return Drawing(msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length)
 
     def holdings(self) -> dict[str, int]:
         """The sequences open here and the KV cache bytes they hold, and the bytes of finished

@@ -234,6 +234,26 @@ def test_a_full_kv_budget_preempts_across_stages_without_changing_any_token(temp
         assert mesh.results[request] == list(engine.generate(prompt, p)), request
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
+def test_a_request_resumed_with_the_tokens_it_drew_goes_on_as_the_uninterrupted_run(temperature: float,
+                                                                                    tmp_path: Path) -> None:  # fmt: skip
+    """How a mesh replays a request on a new route: its Open says the prompt's length and its
+    chunks carry the tokens drawn before too. Stage 0 resumes it as it resumes a preempted
+    sequence (those tokens recomputed, none drawn again, max_tokens counted from the prompt),
+    and the rest equals the run that was not interrupted, with the same finish."""
+    first, second = _stages(tmp_path)
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+    params = SamplingParams(temperature=temperature, seed=11, max_tokens=12)
+    whole = list(Engine(load_stage(open_source(tmp_path)), 512).generate(prompt, params))
+    mesh = TwoStages(first, second)
+    mesh.stage0.open(Open(request=1, sampling=params, prompt_len=len(prompt), context_length=512))
+    mesh.stage0.prompt(Prompt(request=1, tokens=tuple(prompt + whole[:5])))
+    assert mesh.finished.acquire(timeout=60)
+    assert mesh.results[1] == whole[5:] and len(whole) == 12
+    drawn = [row.position for row in mesh.rows if row.flags & RowFlag.SAMPLE]
+    assert drawn[0] == len(prompt) + 4  # the first draw is the sixth token's: none of the five again
+
+
 def test_prompts_that_begin_alike_share_the_prefix_on_every_stage(tmp_path: Path) -> None:
     """With prefix sharing on, a request whose prompt begins as a finished one's, and two
     identical prompts at once, start from a copy of that cache on both stages (Fork): stage 1

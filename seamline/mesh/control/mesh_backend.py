@@ -91,7 +91,7 @@ class MeshBackend:
                 lost_at = lost_at or time.monotonic()
                 await self._until_ready(lost_at, RouteLost(f"the mesh is not serving: {self.coordinator.state}"))
             try:
-                async for event in self._attempt(prompt + generated, spec, len(generated), replaying=replays > 0):
+                async for event in self._attempt(prompt, spec, generated, replaying=replays > 0):
                     if event.shown:
                         generated.append(event.token)
                     yield event
@@ -108,23 +108,21 @@ class MeshBackend:
                 self.coordinator.keeper.post(RequestReplayed(len(generated), str(exc)))
                 await self._until_ready(lost_at, exc)
 
-    async def _attempt(self, tokens: list[int], spec: SamplingParams, generated: int,
+    async def _attempt(self, prompt: list[int], spec: SamplingParams, generated: list[int],
                        replaying: bool) -> AsyncIterator[TokenEvent]:  # fmt: skip
-        """One run of the request on the current route: ``tokens`` as its prompt, ``generated`` of
-        them drawn already (so ``max_tokens`` counts from the original prompt)."""
+        """One run of the request on the current route: stage 0 takes ``prompt`` and the tokens
+        ``generated`` so far, and resumes after them as it resumes a preempted sequence."""
         queue: asyncio.Queue[object] = asyncio.Queue()
         with self._lock:
             if len(self._waiting) >= self.max_requests and not replaying:
                 raise OverloadedError(f"{len(self._waiting)} requests are already in flight; try again later")
             request = _new_id(self._waiting)
             self._waiting[request] = (asyncio.get_running_loop(), queue)
-        sampling = dataclasses.replace(spec, max_tokens=spec.max_tokens - generated)
         try:
             try:
                 self.coordinator.open_request(
-                    Open(request=request, sampling=sampling, prompt_len=len(tokens), context_length=self.context_length,
-                         output_start=len(tokens) - generated),
-                    tokens,
+                    Open(request=request, sampling=spec, prompt_len=len(prompt), context_length=self.context_length),
+                    prompt + generated,
                 )
             except (StartupError, LinkClosed) as exc:  # the route went between the check and the open
                 raise RouteLost(f"the mesh is not ready: {exc}") from None

@@ -239,8 +239,7 @@ class Verifier:
     def _check_token(self, shadow: Shadow, row: TokenRow, logits: torch.Tensor) -> bool:
         opening = shadow.opening
         params = opening.sampling
-        start = opening.prompt_len if opening.output_start is None else opening.output_start
-        output = shadow.tokens[start : row.position]
+        output = shadow.tokens[opening.prompt_len : row.position]
         allowed = grammar_mask(self.masks, row.request, params, output, logits.shape[-1]) if self.masks else None
         expected = draw(logits, params, params.seed or 0, row.position, output, allowed).token
         stopped = bool(row.flags & RowFlag.STOPPED)
