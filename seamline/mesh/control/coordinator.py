@@ -1,11 +1,12 @@
 """The coordinator: membership, planning, start-up order and the route; no model compute.
 
 Nodes join over the control port (``joining.Joining``: an invite proved, a certificate
-issued, the node's link and speed measured). Once ``nodes_expected`` have joined, the planner assigns layer ranges; stages are assigned and
-loaded downstream first, each reports READY with a descriptor checked against the plan, then
-the links are made downstream first and stage 0's route is published last. Only then is the
-mesh ready. A node that leaves fails the requests in flight and triggers a re-plan over the
-nodes that remain.
+issued, the node's link and speed measured). Once ``nodes_expected`` have joined, the planner
+(``planning.Planning``) assigns layer ranges; stages are assigned and loaded downstream first
+(``startup.StartUp``), each reports READY with a descriptor checked against the plan, then the
+links are made downstream first and stage 0's route is published last. Only then is the mesh
+ready. A node that leaves fails the requests in flight and triggers a re-plan over the nodes
+that remain. Every change of the mesh's state is an event applied by ``mesh_state.apply``.
 """
 
 from __future__ import annotations
