@@ -18,6 +18,7 @@ from seamline.mesh.control.mesh_state import (
     PlanChosen,
     Replanning,
     RoutePublished,
+    ShuttingDown,
     StartupFailed,
     StartupStep,
     apply,
@@ -96,6 +97,19 @@ def test_the_keeper_applies_every_event_on_its_own_thread_in_one_order() -> None
     assert state.ready and keeper.ready.is_set() and keeper.current is state
     assert [e["kind"] for e in feed.recent()] == ["plan_chosen", "route_published"]  # admissions are DEBUG
     assert feed.recent()[-1]["message"] == "route published: a[0,4)" and feed.recent()[-1]["level"] == "info"
+
+
+def test_nodes_that_leave_a_mesh_shutting_down_are_news_not_warnings() -> None:
+    keeper = StateKeeper()
+    feed = EventFeed()
+    keeper.listen(feed)
+    keeper.apply(NodeLost("a", "its link closed"))
+    keeper.apply(ShuttingDown())
+    keeper.apply(NodeLost("b", "its link closed"))
+    assert [(e["level"], e["message"]) for e in feed.recent() if e["kind"] == "node_lost"] == [
+        ("warning", "node a left: its link closed"),
+        ("info", "node b left: its link closed (the mesh is shutting down)"),
+    ]
 
 
 def test_a_failing_listener_costs_the_others_nothing(caplog: object) -> None:

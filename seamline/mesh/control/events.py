@@ -23,12 +23,13 @@ class EventFeed:
         self._count = 0
 
     def __call__(self, event: Event, state: MeshState) -> None:
-        if event.level < logging.INFO:
+        level = event.level_in(state)
+        if level < logging.INFO:
             return
         with self._guard:
             self._count += 1
             self._events.append({"seq": self._count, "time": time.time(), "kind": event.kind,
-                                 "level": logging.getLevelName(event.level).lower(), "message": event.describe(state)})  # fmt: skip
+                                 "level": logging.getLevelName(level).lower(), "message": event.describe(state)})  # fmt: skip
 
     def recent(self) -> list[dict[str, object]]:
         with self._guard:

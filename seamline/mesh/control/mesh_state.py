@@ -50,6 +50,10 @@ class Event:
         """One line for the log and the feed, given the state the event led to."""
         raise NotImplementedError
 
+    def level_in(self, state: MeshState) -> int:
+        """How loud it is, given the state it led to (the feed shows INFO and above)."""
+        return self.level
+
 
 @dataclass(frozen=True)
 class NodeAdmitted(Event):
@@ -88,6 +92,9 @@ class NodeLost(Event):
     def describe(self, state: MeshState) -> str:
         shutting = " (the mesh is shutting down)" if state.closing else ""
         return f"node {self.node_id} left: {self.reason}{shutting}"
+
+    def level_in(self, state: MeshState) -> int:
+        return logging.INFO if state.closing else self.level  # nodes leave a mesh stopped on purpose
 
 
 @dataclass(frozen=True)

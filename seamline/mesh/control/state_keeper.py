@@ -84,5 +84,6 @@ class _Listen(Event):
 
 
 def _log(event: Event, state: MeshState) -> None:
-    if log.isEnabledFor(event.level):
-        log.log(event.level, "%s", event.describe(state))
+    level = event.level_in(state)
+    if log.isEnabledFor(level):
+        log.log(level, "%s", event.describe(state))
