@@ -10,7 +10,7 @@ from dataclasses import replace
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from seamline.errors import SeamlineError
+from seamline.errors import ConfigError, SeamlineError
 from seamline.server.api_options import add_api_arguments, api_options
 
 INVITE_ENV = "SEAMLINE_INVITE"  # where `join` may read its invite (argv shows in `ps`)
@@ -64,6 +64,7 @@ def _add_serve_command(sub: Any) -> None:
     serve.add_argument("--single", action="store_true",
                        help="no mesh: this process holds the whole model and batches concurrent requests")
     _precision_args(serve)
+    _speculation_args(serve)
     serve.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
     serve.add_argument("--invite-hours", type=float, default=24.0)
     serve.add_argument("--state-dir", default=None,
@@ -175,9 +176,25 @@ def _precision_args(p: argparse.ArgumentParser) -> None:
                         "else the weights' own; exact: float32)")
 
 
+def _speculation_args(p: argparse.ArgumentParser) -> None:
+    from seamline.runtime.speculation import DRAFT_MAX, MODES
+
+    p.add_argument("--speculative", choices=MODES, default="auto",
+                   help="draft tokens and verify them in the decode step: the output is the same, sooner when "
+                        "drafts are right (auto: what the model offers, n-grams of the prompt and answer)")
+    p.add_argument("--draft-max", type=int, default=DRAFT_MAX, help="the most tokens one window drafts")
+
+
+def _speculation(args: argparse.Namespace) -> Any:
+    from seamline.runtime.speculation import Speculation
+
+    return Speculation(args.speculative, args.draft_max)
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
     _precision_args(p)
+    _speculation_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
 
@@ -204,7 +221,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     # the one-process backend `serve --single` serves with: one loop, one way to draw and end
-    backend, model = local_backend(args.model, args.dtype, args.context or None, 0, args.precision)
+    backend, model = local_backend(args.model, args.dtype, args.context or None, 0, args.precision,
+                                   _speculation(args))  # fmt: skip
     try:
         if args.prompt is not None:
             _stream(model, backend, [{"role": "user", "content": args.prompt}], args, raw=args.raw)
@@ -308,8 +326,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from seamline.server.serve_local import serve_local
 
         serve_local(args.model, args.host, args.port, args.dtype, args.context or None, _gib(args.kv_cache_memory),
-                    api_options(args), precision=args.precision)  # fmt: skip
+                    api_options(args), precision=args.precision, speculation=_speculation(args))  # fmt: skip
         return 0
+    if _speculation(args).mode == "ngram":
+        raise ConfigError("--speculative ngram: a mesh does not speculate yet; run, serve --single and "
+                          "one-process servers do (auto leaves a mesh without it)")
     options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
                            fragments_port=args.fragments_port,
                            advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,

@@ -74,28 +74,37 @@ class GQAttention(nn.Module):
         """x [N, hidden]: the rows of every span; one projection for all rows, attention per
         span over its own sequence's cache of ``layer``."""
         qkv = linear(x, self.qkv, self.qkv_bias)  # [N, (H + 2*Hkv) * D]
-        if len(spans) == 1:
+        if len(spans) == 1 and not spans[0].rowwise:
             out = self._attend(qkv, spans[0].start, spans[0].cache.layer(layer))
         else:
             out = self._attend_spans(qkv, spans, layer)
         return linear(out, self.o)
 
     def _attend_spans(self, qkv: torch.Tensor, spans: Sequence[Span], layer: int) -> torch.Tensor:
-        """Several sequences' rows: the one-token rows at the head of the step (where the
-        scheduler puts decode rows) in one fused call, every other span on its own."""
+        """Several sequences' rows: the one-token rows and speculative windows at the head of the
+        step (where the scheduler puts decode rows) in one fused call, row by row; every other
+        span on its own."""
         ones = 0
-        while ones < len(spans) and spans[ones].count == 1:
+        while ones < len(spans) and (spans[ones].count == 1 or spans[ones].rowwise):
             ones += 1
-        op = op_for(qkv, "decode_attention_batch") if self.fused_decode and ones > 1 else None
+        head = [(s, s.start + j) for s in spans[:ones] for j in range(s.count)]  # (span, position) per row
+        op = op_for(qkv, "decode_attention_batch") if self.fused_decode and len(head) > 1 else None
         if op is None:
-            return torch.cat([self._attend(qkv[s.offset : s.end], s.start, s.cache.layer(layer)) for s in spans])
-        head = spans[:ones]
-        cos, sin = self.rope.tables(max(s.start for s in head) + 1, qkv.dtype)
-        kv = [s.cache.layer(layer).reserve(self.kv_heads, self.head_dim, s.start + 1, qkv.dtype) for s in head]
-        out = op(qkv[:ones], cos, sin, [k for k, _ in kv], [v for _, v in kv], [s.start for s in head],
+            return torch.cat([self._attend_span(qkv, s, layer) for s in spans])
+        cos, sin = self.rope.tables(max(position for _, position in head) + 1, qkv.dtype)
+        kv = [s.cache.layer(layer).reserve(self.kv_heads, self.head_dim, s.start + s.count, qkv.dtype) for s, _ in head]
+        rows = head[-1][0].end
+        out = op(qkv[:rows], cos, sin, [k for k, _ in kv], [v for _, v in kv], [position for _, position in head],
                  self.heads, self.kv_heads)  # fmt: skip
-        rest = [self._attend(qkv[s.offset : s.end], s.start, s.cache.layer(layer)) for s in spans[ones:]]
+        rest = [self._attend_span(qkv, s, layer) for s in spans[ones:]]
         return torch.cat([out, *rest]) if rest else out
+
+    def _attend_span(self, qkv: torch.Tensor, span: Span, layer: int) -> torch.Tensor:
+        kv = span.cache.layer(layer)
+        if not span.rowwise:
+            return self._attend(qkv[span.offset : span.end], span.start, kv)
+        return torch.cat([self._attend(qkv[row : row + 1], span.start + row - span.offset, kv)
+                          for row in range(span.offset, span.end)])  # fmt: skip
 
     def _attend(self, qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         """One sequence's rows [T, (H + 2*Hkv) * D] at positions from ``start`` -> [T, H * D]."""

@@ -115,6 +115,7 @@ class Span:
     count: int
     start: int
     cache: SequenceCache
+    rowwise: bool = False  # each row computed as a one-row step at its position would be (a speculative window)
 
     @property
     def end(self) -> int:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from seamline.quant.dequant import dequantize, dequantize_rows
-from seamline.quant.matmul import quant_linear
+from seamline.quant.matmul import quant_linear, same_arithmetic_rows
 from seamline.quant.scaled import ScaledTensor
 from seamline.quant.tensor import QuantTensor
 
@@ -95,6 +95,13 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
         return quant_linear(w.padded(x), w.cover, bias)
     out = torch.cat([linear(x, part) for part in w.parts], dim=-1)
     return out if bias is None else out + bias
+
+
+def rows_computed_alike() -> int:
+    """The most rows a step may hold while each quantized matmul computes a row as it would
+    alone (``quant.matmul.same_arithmetic_rows``). Float weights go to torch's GEMMs, whose
+    sums may differ in the last bits by the number of rows (near ties, not more)."""
+    return same_arithmetic_rows()
 
 
 def embedding(ids: torch.Tensor, table: Weight, dtype: torch.dtype) -> torch.Tensor:

@@ -98,14 +98,13 @@ class MLAttention(nn.Module):
         q = self._query(x).view(x.shape[0], self.heads, self.nope + self.rope_dim)
         latent, k_pe = linear(x, self.kv_a).split((self.rank, self.rope_dim), dim=-1)
         latent = self.kv_a_norm(latent)  # [N, C]
-        if len(spans) == 1:
+        if len(spans) == 1 and not spans[0].rowwise:
             out = self._attend(q, latent, k_pe, spans[0].start, spans[0].cache.layer(layer))
-        else:
-            out = torch.cat([
-                self._attend(q[s.offset : s.end], latent[s.offset : s.end], k_pe[s.offset : s.end], s.start,
-                             s.cache.layer(layer))
-                for s in spans
-            ])  # fmt: skip
+        else:  # a speculative window's rows one at a time, as one-row steps compute them
+            pieces = [(s, a, b) for s in spans
+                      for a, b in ([(r, r + 1) for r in range(s.offset, s.end)] if s.rowwise else [(s.offset, s.end)])]
+            out = torch.cat([self._attend(q[a:b], latent[a:b], k_pe[a:b], s.start + a - s.offset, s.cache.layer(layer))
+                             for s, a, b in pieces])  # fmt: skip
         return linear(out.reshape(x.shape[0], self.heads * self.v_dim), self.o)  # out: [N, H, V]
 
     def _attend(

@@ -82,6 +82,7 @@ class Block(nn.Module):
 class Stage(nn.Module):
     forks_caches = True  # a cache may start from a copy of another's first positions (prefixes)
     passes_ids = False  # the layers after the first need the tokens' ids beside the hidden state
+    verifies_drafts = True  # a window's rejected positions need no undoing: caches are written by position
 
     def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None) -> None:
         super().__init__()
@@ -133,16 +134,20 @@ class Stage(nn.Module):
         return self.forward_batch(inputs, [Span(0, inputs.shape[0], start, cache)], last_only)
 
     @torch.inference_mode()
-    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False) -> torch.Tensor:
+    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
+                      logit_rows: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
         """inputs: ids [N] or hidden [N, hidden], the rows of ``spans``. Returns the residual
         stream [N, hidden], or logits: [N, vocab_owned], or with ``last_only`` one row per
-        span (its last), [len(spans), vocab_owned]."""
+        span (its last), [len(spans), vocab_owned], or those of ``logit_rows`` (a speculative
+        window's every row beside other spans' last)."""
         x = embedding(inputs, self.embed, self.compute_dtype) if self.embed is not None else inputs
         step, self.step = self.step, self.step + 1
         for block in self.layers.values():
             x = block(x, spans, step)
         if self.head is None or self.norm is None:
             return x
-        if last_only:
+        if logit_rows is not None:
+            x = x[list(logit_rows)]
+        elif last_only:
             x = x[-1:] if len(spans) == 1 else x[[s.end - 1 for s in spans]]
         return linear(self.norm(x), self.head)  # [rows, vocab_owned]

@@ -50,6 +50,14 @@ def set_int8_activations(on: bool) -> None:
     INT8_ACTIVATIONS = on
 
 
+def same_arithmetic_rows() -> int:
+    """The most rows a step may hold while each row's products are the ones it gets alone: past
+    it the kernels change method (AMX tiles or bfloat16 tiles; float32 tiles when exact)."""
+    if INT8_ACTIVATIONS:
+        return _AMX_FROM - 1 if _AMX_FROM else DECODE_ROWS
+    return EXACT_BLOCK_ROWS
+
+
 def _kernel_op() -> Callable[..., torch.Tensor] | None:
     if not _OP:  # a plain list, not a cache wrapper, so that torch.compile traces through
         ops = kernels()

@@ -22,6 +22,7 @@ from seamline.params import SamplingParams
 from seamline.runtime.core import EngineCore, LocalExecutor
 from seamline.runtime.reports import MeshReport, NodeReport
 from seamline.runtime.sampling import TokenEvent
+from seamline.runtime.speculation import Speculation
 from seamline.text import TextCodec
 
 LOCAL_NODE = "local"  # the one node of a single-process server, in /metrics
@@ -53,6 +54,7 @@ class LocalBackend:
     def __init__(
         self, engine: Engine, codec: TextCodec, model_name: str, max_running: int = 64, max_waiting: int = 256,
         prefix_cache_bytes: int = PREFIX_CACHE_BYTES, kv_budget_bytes: int | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         self.engine = engine
         self.codec = codec
@@ -62,7 +64,7 @@ class LocalBackend:
         masks = engine.masks or TokenMasks(codec.tokenizer.to_str)
         self.core = EngineCore.local(engine.stage, engine.context_length, masks, max_running=max_running,
                                      max_waiting=max_waiting, kv_budget_bytes=kv_budget_bytes,
-                                     prefix_cache_bytes=prefix_cache_bytes)  # fmt: skip
+                                     prefix_cache_bytes=prefix_cache_bytes, speculation=speculation)  # fmt: skip
         self.loop = BatchLoop(self.core)
 
     def readiness(self) -> Readiness:
@@ -78,7 +80,8 @@ class LocalBackend:
         assert isinstance(executor, LocalExecutor)
         steps = executor.decode_steps
         step = executor.decode_seconds / steps if steps else None
-        return MeshReport([NodeReport(LOCAL_NODE, True, step, self.core.scheduler.kv_used())])
+        speculated = self.core.scheduler.speculated
+        return MeshReport([NodeReport(LOCAL_NODE, True, step, self.core.scheduler.kv_used())], speculation=speculated)
 
     async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
         """The request's tokens; its prompt and parameters are the API's, validated there."""

@@ -112,10 +112,12 @@ class BatchLoop:
                 del self._live[emission.sequence]
                 _send(request, emission.error)
                 continue
-            if not _send(request, emission.event) and not emission.sequence.finished:
-                self.scheduler.cancel(emission.sequence)  # its receiver is gone
-            if emission.sequence.finished:
+            delivered = _send(request, emission.event)
+            if emission.event.finish_reason is not None:  # its last (a window may give several in a step)
                 del self._live[emission.sequence]
+            elif not delivered:  # its receiver is gone
+                del self._live[emission.sequence]
+                self.scheduler.cancel(emission.sequence)
 
 
 def _send(request: Request, item: object) -> bool:

@@ -43,21 +43,50 @@ class LocalExecutor:
         self.decode_seconds = 0.0
 
     def run(self, batch: Batch) -> list[Emission]:
-        """One forward over the batch; a token drawn after each row that ends in a draw."""
+        """One forward over the batch; a token drawn after each row that ends in a draw, and
+        after each row of a speculative window while its drafts are accepted."""
         started = time.perf_counter()
-        logits = self.stage.forward_batch(torch.tensor(batch.inputs, dtype=torch.long), batch.spans, last_only=True)
+        windows = [len(s.drafter.window) if s.drafter is not None and draws else 0
+                   for s, draws in zip(batch.owners, batch.draws)]  # fmt: skip
+        rows = [row for span, drafts in zip(batch.spans, windows) for row in range(span.end - 1 - drafts, span.end)]
+        inputs = torch.tensor(batch.inputs, dtype=torch.long)
+        if any(windows):
+            logits = self.stage.forward_batch(inputs, batch.spans, logit_rows=rows)  # type: ignore[call-arg]
+        else:
+            logits = self.stage.forward_batch(inputs, batch.spans, last_only=True)
         if all(span.count == 1 for span in batch.spans):  # decode rows only
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started
-        return [self._draw(sequence, logits[row]) for row, sequence in enumerate(batch.owners) if batch.draws[row]]
+        emissions: list[Emission] = []
+        first = 0
+        for sequence, draws, drafts in zip(batch.owners, batch.draws, windows):
+            if draws:
+                emissions += self._draw_window(sequence, logits[first : first + drafts + 1])
+            first += drafts + 1
+        return emissions
 
-    def _draw(self, sequence: SequenceState, logits: torch.Tensor) -> Emission:
-        position = len(sequence.prompt) + len(sequence.tokens)
+    def _draw_window(self, sequence: SequenceState, rows: torch.Tensor) -> list[Emission]:
+        """The draws after a sequence's rows [1 + drafts, vocab]: one per row while each draw
+        equals the draft in the next row (that row's logits then follow the drawn token)."""
+        drafts = sequence.drafter.window if sequence.drafter is not None else []
+        generated = list(sequence.tokens)
+        emissions = []
+        for row, logits in enumerate(rows):
+            emission = self._draw(sequence, logits, generated)
+            emissions.append(emission)
+            event = emission.event
+            if event is None or event.finish_reason is not None or row >= len(drafts) or event.token != drafts[row]:
+                break
+            generated.append(event.token)
+        return emissions
+
+    def _draw(self, sequence: SequenceState, logits: torch.Tensor, generated: list[int]) -> Emission:
+        position = len(sequence.prompt) + len(generated)
         try:
-            allowed = grammar_mask(self.masks, sequence.id, sequence.params, sequence.tokens, logits.shape[-1])
+            allowed = grammar_mask(self.masks, sequence.id, sequence.params, generated, logits.shape[-1])
         except RequestError as exc:  # this sequence alone ends
             return Emission(sequence, None, None, exc)
-        event = draw_next(logits, sequence.params, sequence.seed, position, sequence.tokens, allowed,
+        event = draw_next(logits, sequence.params, sequence.seed, position, generated, allowed,
                           len(sequence.prompt), self.context_length)  # fmt: skip
         return Emission(sequence, event, logits)
 

@@ -15,6 +15,7 @@ from seamline.model.stage import Stage
 from seamline.params import SamplingParams
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.sampling import TokenEvent
+from seamline.runtime.speculation import OFF, Speculation
 from seamline.runtime.core import EngineCore
 from seamline.runtime.scheduler import check_prompt
 
@@ -32,6 +33,7 @@ class Engine:
         self.config = stage.config
         self.context_length = context_length or self.config.max_position_embeddings
         self.masks: TokenMasks | None = None  # set where the tokenizer is known: requests may carry a grammar
+        self.speculation: Speculation = OFF  # drafts verified in the decode steps (``runtime/speculation.py``)
 
     def check_prompt(self, prompt: list[int]) -> None:
         check_prompt(prompt, self.context_length)
@@ -55,7 +57,8 @@ class Engine:
         batches many requests with), for one sequence."""
         params.validate()
         self.check_prompt(prompt)
-        core = EngineCore.local(self.stage, self.context_length, self.masks, max_step_tokens=PREFILL_CHUNK)
+        core = EngineCore.local(self.stage, self.context_length, self.masks, max_step_tokens=PREFILL_CHUNK,
+                                speculation=self.speculation)  # fmt: skip
         sequence = core.scheduler.add(prompt, params)
         try:
             while not sequence.finished:

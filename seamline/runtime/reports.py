@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from seamline.runtime.speculation import SpeculationStats
+
 
 @dataclass(frozen=True)
 class NodeReport:
@@ -26,3 +28,4 @@ class MeshReport:
     nodes: list[NodeReport] = field(default_factory=list)
     links: list[LinkReport] = field(default_factory=list)
     events: dict[str, int] = field(default_factory=dict)  # the mesh's events so far, by kind
+    speculation: SpeculationStats | None = None  # windows verified, drafts made and accepted (None: none)

@@ -29,6 +29,13 @@ rest, as vLLM's automatic prefix caching and llama.cpp's prompt cache do. A sequ
 whole prompt another running sequence is still prefilling waits for it (``n`` > 1 choices share
 one prefill).
 
+Speculation (``runtime/speculation.py``). With a ``Speculation`` on, a decoding sequence's row
+may carry drafted tokens after its last one (a window): ``advance`` counts only the last
+token's position as cached, ``record`` counts each draft its draw accepted, and the first
+draw that differs closes the window; the positions of rejected drafts are written over later.
+Drafts fill only rows a step has to spare and positions the cache's buffers already hold, so
+they neither take memory the budget did not count nor crowd other sequences' rows out.
+
 The same scheduler drives a pipeline from its stage 0 (``PipelineHead``): ``next_batch`` plans
 only sequences that are ``ready`` (no token being drawn downstream), ``advance`` marks the rows
 run, ``record`` takes a token drawn by the last stage, and ``on_free`` tells it which caches the
@@ -48,11 +55,13 @@ import torch
 from seamline.errors import OverloadedError, RequestError
 from seamline.config import kv_bytes_per_token
 from seamline.model.cache import SequenceCache, Span, grown
+from seamline.model.linear import rows_computed_alike
 from seamline.model.stage import Stage
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
 from seamline.params import SamplingParams
 from seamline.runtime.sampling import TokenEvent, request_seed
+from seamline.runtime.speculation import SPARE_STEP_ROWS, Drafter, Speculation, SpeculationStats
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import GroupCache, LockstepStage
@@ -72,6 +81,7 @@ class SequenceState:
     samples: int = 0  # tokens drawn, a stop token included: max_tokens counts these
     finish_reason: str | None = None  # "stop" or "length" once finished
     cache: SequenceCache | GroupCache | None = None
+    drafter: Drafter | None = None  # its speculation, where it speculates
     donor: SequenceCache | None = None  # the cache its own began as a copy of (None: computed from 0)
     seed: int = field(init=False)
     # where a pipeline's stage 0 (PipelineHead) runs it: its request id on the wire, the prefix
@@ -156,6 +166,7 @@ class Scheduler:
         prefix_cache_bytes: int = 0,
         forks: bool = True,
         masks: TokenMasks | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         if stage.embed is None:
             raise ValueError("the scheduler needs a stage that owns the embedding")
@@ -176,6 +187,9 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self.preemptions = 0  # sequences sent back to the queue to free memory, so far
         self.masks = masks  # a grammar's tokens: a finished sequence's state there is forgotten
+        verifies = getattr(stage, "verifies_drafts", False) and speculation is not None and speculation.enabled
+        self.speculation = speculation if verifies else None
+        self.speculated = SpeculationStats()
 
     def kv_positions(self, sequence: SequenceState) -> int:
         """The most positions ``sequence`` may need: prompt + max_tokens, within the context
@@ -210,6 +224,8 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting:
             raise OverloadedError(f"{len(self.waiting)} requests are already waiting; try again later")
         sequence = SequenceState(list(prompt), params, tokens=list(drawn))
+        if self.speculation is not None and not params.grammar:  # a grammar's matcher follows one token at a time
+            sequence.drafter = Drafter(self.speculation.draft_max, self.speculation.source)
         need = self.kv_reserve(sequence)
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
             raise RequestError(
@@ -242,7 +258,8 @@ class Scheduler:
         """Count the batch's rows as computed; mark which rows end in a draw."""
         for sequence, span in zip(batch.owners, batch.spans):
             computing = sequence.prefilling
-            sequence.cached += span.count
+            drafts = len(sequence.drafter.window) if sequence.drafter is not None and not computing else 0
+            sequence.cached += span.count - drafts  # a draft's position counts once its draw accepts it
             # a chunk short of the prompt's end, or recomputed history, draws nothing
             batch.draws.append(not (computing and (sequence.prefilling or bool(sequence.tokens))))
 
@@ -253,6 +270,11 @@ class Scheduler:
         sequence.samples += 1
         if event.shown:
             sequence.tokens.append(event.token)
+        if sequence.drafter is not None and sequence.drafter.window:
+            if event.shown and sequence.drafter.check(event.token):
+                sequence.cached += 1  # the draft's row is in the cache, and its logits drew the next token
+            else:
+                self.speculated.add(*sequence.drafter.close())
         if event.finish_reason is not None:
             self._release(sequence, event.finish_reason)
         return Emission(sequence, event, logits)
@@ -320,23 +342,38 @@ class Scheduler:
         batch = Batch()
         spans, inputs, owners = batch.spans, batch.inputs, batch.owners
         decoding = [s for s in self.running if not s.prefilling and ready(s)][:max_decode_rows]
+        spare = min(SPARE_STEP_ROWS, rows_computed_alike()) - len(decoding)
         for sequence in decoding + [s for s in self.running if s.prefilling and ready(s)]:
             start = sequence.cached
             if sequence.prefilling:
                 count = min(sequence.prefill_end - start, self.max_step_tokens - len(inputs))
                 rows = sequence.known(start, start + count)
             else:
-                count, rows = 1, sequence.tokens[-1:]
+                rows = sequence.tokens[-1:] + self._drafts(sequence, min(spare, self.max_step_tokens - len(inputs) - 1))
+                count = len(rows)
+                spare -= count - 1
             if count <= 0 or (spans and len(inputs) + count > self.max_step_tokens):
                 break
             assert sequence.cache is not None
-            spans.append(Span(len(inputs), count, start, sequence.cache))
+            spans.append(Span(len(inputs), count, start, sequence.cache, rowwise=not sequence.prefilling and count > 1))
             inputs += rows
             owners.append(sequence)
         return batch
 
+    def _drafts(self, sequence: SequenceState, spare: int) -> list[int]:
+        """Tokens drafted after ``sequence``'s last: within the step's ``spare`` rows, the
+        positions its cache's buffers hold, and the tokens it may still draw."""
+        if sequence.drafter is None or spare <= 0 or not isinstance(sequence.cache, SequenceCache):
+            return []
+        next_position = sequence.cached + 1
+        room = min(spare, sequence.cache.capacity() - next_position,
+                   sequence.params.max_tokens - sequence.samples - 1, self.context_length - next_position - 1)  # fmt: skip
+        return sequence.drafter.propose(sequence.prompt + sequence.tokens, room)
+
     def _release(self, sequence: SequenceState, reason: str) -> None:
         sequence.finish_reason = reason
+        if sequence.drafter is not None:
+            self.speculated.add(*sequence.drafter.close())
         if self.masks is not None:
             self.masks.forget(sequence.id)
         if sequence in self.running:

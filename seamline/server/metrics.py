@@ -6,7 +6,8 @@ reason ``stop`` / ``length``, or ``error``, or ``abort`` when the client went aw
 requests running (a token came) and waiting (admitted, no token yet: queued or in prefill),
 time to first token and the gaps between tokens. Node and link figures are asked of the
 backend (``Backend.report``) at each scrape: whether a node serves, its mean decode step, the
-KV cache bytes it holds, each measured link's round trip and the bytes its data links carried.
+KV cache bytes it holds, each measured link's round trip and the bytes its data links carried,
+and where the backend speculates, its windows, drafts and accepted drafts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from seamline.runtime.reports import MeshReport
+from seamline.runtime.speculation import SpeculationStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -107,3 +109,17 @@ class _MeshCollector(Collector):
         for kind, count in sorted(report.events.items()):
             events.add_metric([kind], count)
         yield from (up, step, kv, rtt, sent, events)
+        if report.speculation is not None:
+            yield from _speculation_metrics(report.speculation)
+
+
+def _speculation_metrics(stats: SpeculationStats) -> Iterator[Metric]:
+    """Windows verified, drafts made and accepted; the acceptance and tokens per window so far."""
+    yield CounterMetricFamily("seamline_speculative_windows", "Speculative windows verified", value=stats.windows)
+    yield CounterMetricFamily("seamline_speculative_draft_tokens", "Tokens drafted", value=stats.drafted)
+    yield CounterMetricFamily("seamline_speculative_accepted_tokens", "Drafted tokens accepted", value=stats.accepted)
+    if stats.acceptance is not None and stats.tokens_per_window is not None:
+        yield GaugeMetricFamily("seamline_speculative_acceptance", "Drafted tokens accepted / drafted",
+                                value=stats.acceptance)  # fmt: skip
+        yield GaugeMetricFamily("seamline_speculative_tokens_per_window", "Tokens a window gave (accepted drafts "
+                                "and the token drawn after them)", value=stats.tokens_per_window)  # fmt: skip

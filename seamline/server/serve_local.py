@@ -11,6 +11,7 @@ from seamline.net.http_guard import serve_once_listening
 from seamline.runtime.backend import LocalBackend
 from seamline.runtime.openmp import on_passing_thread
 from seamline.runtime.kv_budget import kv_budget_bytes
+from seamline.runtime.speculation import Speculation
 from seamline.server.api_options import ApiOptions
 from seamline.server.openai_api import create_app
 
@@ -26,22 +27,26 @@ def model_name_for(path: str | Path) -> str:
 
 
 def local_backend(model_path: str | None, dtype: str | None, context: int | None = None, kv_cache_bytes: int = 0,
-                  precision: str = "fast") -> tuple[LocalBackend, LocalModel]:  # fmt: skip
+                  precision: str = "fast", speculation: Speculation | None = None) -> tuple[LocalBackend, LocalModel]:  # fmt: skip
     """The model (the embedded default when ``model_path`` is None) in ``precision`` (``dtype``,
-    when given, overriding its activation dtype), behind a ``LocalBackend``.
+    when given, overriding its activation dtype), behind a ``LocalBackend`` that speculates as
+    ``speculation`` says (the default: ``auto``).
 
     It is loaded on a thread that ends (``on_passing_thread``): the batch loop's thread, which
     generates, then holds the process's only OpenMP pool, whose workers spin between regions."""
     path = Path(model_path) if model_path else default_model_path()
     model = on_passing_thread(lambda: LocalModel.load(path, dtype, context, precision))
     budget = kv_budget_bytes(kv_cache_bytes)
-    return LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget), model
+    backend = LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget,
+                           speculation=speculation or Speculation())  # fmt: skip
+    return backend, model
 
 
 def serve_local(model_path: str | None, host: str, port: int, dtype: str | None, context: int | None = None,
-                kv_cache_bytes: int = 0, api: ApiOptions | None = None, precision: str = "fast") -> None:  # fmt: skip
+                kv_cache_bytes: int = 0, api: ApiOptions | None = None, precision: str = "fast",
+                speculation: Speculation | None = None) -> None:  # fmt: skip
     """Load the model (the embedded default when ``model_path`` is None), then serve until stopped."""
-    backend, model = local_backend(model_path, dtype, context, kv_cache_bytes, precision)
+    backend, model = local_backend(model_path, dtype, context, kv_cache_bytes, precision, speculation)
     api = api or ApiOptions()
     app = create_app(backend, limits=api.limits)
     logging.getLogger("seamline").setLevel(logging.INFO)

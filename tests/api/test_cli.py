@@ -10,23 +10,11 @@ from pathlib import Path
 import pytest
 
 from seamline.app import default_model_path
+from tests.support.cli import assert_clean_error, seamline
 
 # these answers are the float32 path's: with int8 activation blocks (the default) the embedded
 # model's first token for the capital of France is a near tie ("The" 25.33, "L" 25.24) that flips
 EXACT = ("--precision", "exact")
-
-
-def seamline(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "seamline.cli", *args], input=stdin,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-
-
-def assert_clean_error(proc: subprocess.CompletedProcess[str], fragment: str) -> None:
-    assert proc.returncode != 0
-    assert "Traceback" not in proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("seamline: error:"), proc.stderr
-    assert fragment in lines[0]
 
 
 def test_run_answers_paris() -> None:

@@ -294,8 +294,10 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
   return out;
 }
 
-// B one-token rows of B sequences at once: qkv [B, (H + 2 Hkv) D], each row with its own caches
-// and position; the rows are shared between threads (one call instead of B)
+// B one-token rows at once: qkv [B, (H + 2 Hkv) D], each row with its caches and position (one
+// call instead of B). Rows may share a cache at consecutive positions (a speculative window):
+// every row's key and value are stored before any row attends, so each row reads the rows
+// before it, and computes as a one-row step at its position would.
 at::Tensor decode_attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                   at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef positions,
                                   int64_t heads, int64_t kv_heads) {
@@ -309,15 +311,20 @@ at::Tensor decode_attention_batch(const at::Tensor& qkv, const at::Tensor& cos, 
     check_cache(qkv, k_caches[b], v_caches[b], positions[b], kv_heads, k_caches[0].size(2), cos.size(0));
   const int dt = dtype_of(qkv.scalar_type());
   const int64_t D = k_caches[0].size(2), width = qkv.size(1) * (dt == F32 ? 4 : 2);
+  auto job = [&](int64_t b) {
+    return RowJob{(const char*)qkv.data_ptr() + b * width, k_caches[b].data_ptr(), v_caches[b].data_ptr(),
+                  k_caches[b].size(1), positions[b]};
+  };
+  std::vector<float> q(B * heads * D);
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) rotate_and_store(job(b), cos, sin, dt, heads, kv_heads, D, &q[b * heads * D]);
+  });
   at::Tensor out = at::empty({B, heads * D}, qkv.options());
   void* op = out.data_ptr();
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> q(heads * D), result(heads * D);
+    std::vector<float> result(heads * D);
     for (int64_t b = b0; b < b1; ++b) {
-      const RowJob job{(const char*)qkv.data_ptr() + b * width, k_caches[b].data_ptr(), v_caches[b].data_ptr(),
-                       k_caches[b].size(1), positions[b]};
-      rotate_and_store(job, cos, sin, dt, heads, kv_heads, D, q.data());
-      attend_heads(job, q.data(), dt, 0, heads, heads / kv_heads, D, result.data());
+      attend_heads(job(b), &q[b * heads * D], dt, 0, heads, heads / kv_heads, D, result.data());
       for (int64_t i = 0; i < heads * D; ++i) store(op, b * heads * D + i, dt, result[i]);
     }
   });

@@ -1,0 +1,146 @@
+"""Speculative decoding: drafts from the sequence's own n-grams, verified in the step that
+computes its next token.
+
+A decoding sequence's row becomes a window: its last token and ``k`` drafted tokens, ``k + 1``
+rows of one span. The token for each position is then drawn from that row's logits by the one
+sampler (``sampling.draw_next``): greedy takes the argmax, a seeded draw takes the randomness
+of (seed, position) alone, so no draw depends on what was drafted. A draft is accepted while
+it equals the draw for its position; the first draw that differs (or the one after the last
+draft) ends the window. The output is therefore the output without speculation, apart from
+near ties where the arithmetic of ``k + 1`` rows differs from one row's in the last bits.
+
+Rejected drafts cost nothing to undo: a cache is written at explicit positions, and nothing
+past the positions the scheduler counts as cached is read (``model/cache.py``).
+
+Drafts come from prompt lookup: the longest recent n-gram at the end of the sequence that
+occurred before, and the tokens that followed it then (no extra model). The draft length
+adapts to what was accepted, and drafting pauses for a while after windows that accepted
+nothing; a step drafts only into rows it has to spare (``SPARE_STEP_ROWS``), so a step already
+full of other sequences' rows drafts little or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from seamline.errors import ConfigError
+
+MODES = ("auto", "ngram", "off")  # auto: what the model offers (n-grams for every family)
+DRAFT_MAX = 8  # the default and the most tokens one window drafts
+DRAFT_LIMIT = 32
+NGRAM_MAX, NGRAM_MIN = 4, 2  # the longest and shortest suffix looked up
+SPARE_STEP_ROWS = 16  # a step's rows (decode rows and drafts) up to which drafts ride along
+MAX_PAUSE_STEPS = 32  # the longest pause of drafting after windows that accepted nothing
+
+
+DraftSource = Callable[[list[int], int], list[int]]  # (prompt + tokens so far, the most to draft) -> drafts
+
+
+def ngram_draft(history: list[int], limit: int, longest: int = NGRAM_MAX, shortest: int = NGRAM_MIN) -> list[int]:
+    """Up to ``limit`` tokens that followed the latest earlier occurrence of the longest suffix
+    of ``history`` (``longest`` down to ``shortest`` tokens); [] when none occurred before."""
+    if limit <= 0 or len(history) <= shortest:
+        return []
+    tokens = np.asarray(history, dtype=np.int64)
+    for n in range(min(longest, len(tokens) - 1), shortest - 1, -1):
+        earlier = sliding_window_view(tokens[:-1], n)  # every n-gram that has a token after it
+        hits = np.flatnonzero((earlier == tokens[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start : start + limit].tolist()
+    return []
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How a server speculates (``--speculative``, ``--draft-max``); ``source`` drafts."""
+
+    mode: str = "auto"
+    draft_max: int = DRAFT_MAX
+    source: DraftSource = ngram_draft
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"--speculative {self.mode!r}: choose one of {', '.join(MODES)}")
+        if not 1 <= self.draft_max <= DRAFT_LIMIT:
+            raise ConfigError(f"--draft-max {self.draft_max}: a window drafts 1 to {DRAFT_LIMIT} tokens")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+OFF = Speculation("off")
+
+
+@dataclass
+class Drafter:
+    """One sequence's drafting: the window it is verifying and how long the next may be."""
+
+    draft_max: int
+    source: DraftSource = ngram_draft
+    length: int = 0  # the next window's length (0: start at draft_max)
+    pause: int = 0  # steps left without drafting
+    misses: int = 0  # windows in a row that accepted nothing
+    window: list[int] = field(default_factory=list)  # drafts being verified
+    accepted: int = 0  # of ``window``, accepted so far
+
+    def propose(self, history: list[int], room: int) -> list[int]:
+        """The drafts for the next window, at most ``room`` tokens."""
+        if self.pause > 0:
+            self.pause -= 1
+            return []
+        self.window = self.source(history, min(room, self.length or self.draft_max))[: max(0, room)]
+        self.accepted = 0
+        return self.window
+
+    def check(self, token: int) -> bool:
+        """Whether the token just drawn is the next draft (its row then holds a valid position)."""
+        if self.accepted < len(self.window) and token == self.window[self.accepted]:
+            self.accepted += 1
+            return True
+        return False
+
+    def close(self) -> tuple[int, int]:
+        """End the window; (drafted, accepted), and the next window's length from them."""
+        drafted, accepted = len(self.window), self.accepted
+        self.window, self.accepted = [], 0
+        if not drafted:
+            return 0, 0
+        if accepted == 0:
+            self.misses += 1
+            self.length = max(1, (self.length or self.draft_max) // 2)
+            self.pause = min(MAX_PAUSE_STEPS, 2 ** (self.misses - 1)) if self.misses > 1 else 0
+        else:
+            self.misses = 0
+            grown = 2 * drafted if accepted == drafted else accepted + 1
+            self.length = min(self.draft_max, grown)
+        return drafted, accepted
+
+
+@dataclass
+class SpeculationStats:
+    """Windows verified, tokens drafted and accepted, since start (``/metrics``)."""
+
+    windows: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            self.windows += 1
+            self.drafted += drafted
+            self.accepted += accepted
+
+    @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def tokens_per_window(self) -> float | None:
+        """Tokens a window gave: the accepted drafts and the token drawn after them."""
+        return (self.accepted + self.windows) / self.windows if self.windows else None

@@ -1,0 +1,67 @@
+"""Drafts from n-grams, and how a sequence's draft length follows what it accepts."""
+
+from __future__ import annotations
+
+import pytest
+
+from seamline.errors import ConfigError
+from seamline.runtime.speculation import (
+    MAX_PAUSE_STEPS,
+    Drafter,
+    Speculation,
+    SpeculationStats,
+    ngram_draft,
+)
+
+
+def test_a_draft_is_what_followed_the_latest_longest_match() -> None:
+    history = [1, 2, 3, 4, 9, 9, 2, 3, 4, 5, 6, 7, 8, 2, 3, 4]
+    assert ngram_draft(history, 3) == [5, 6, 7]  # [2, 3, 4] twice before: the latest one's sequel
+    assert ngram_draft(history, 10) == [5, 6, 7, 8, 2, 3, 4]  # up to the end of what is known
+    assert ngram_draft([5, 6, 7, 8], 4) == []  # nothing repeats
+    assert ngram_draft([1, 2, 1, 2], 0) == []
+    assert ngram_draft([7, 7, 7], 2) == [7]  # the match may overlap the suffix itself
+
+
+def test_the_longest_suffix_wins_over_a_later_shorter_one() -> None:
+    history = [1, 2, 3, 50, 60, 9, 3, 70, 1, 2, 3]
+    assert ngram_draft(history, 2) == [50, 60]  # [1, 2, 3] (not the later [3] alone: too short anyway)
+
+
+def test_the_draft_length_grows_on_full_acceptance_and_pauses_after_misses() -> None:
+    drafter = Drafter(draft_max=8, source=lambda history, limit: [0] * limit)
+    assert drafter.propose([], room=8) == [0] * 8
+    for token in [0] * 3:
+        assert drafter.check(token)
+    assert not drafter.check(5)
+    assert drafter.close() == (8, 3)
+    assert len(drafter.propose([], room=8)) == 4  # accepted + 1
+    for _ in range(4):
+        drafter.check(0)
+    drafter.close()
+    assert len(drafter.propose([], room=8)) == 8  # doubled, within draft_max
+    assert len(drafter.propose([], room=3)) == 3  # within the room the step has
+    pauses = []
+    for _ in range(8):  # windows that accept nothing: shorter, then pauses that double
+        drafter.propose([], room=8)
+        drafter.close()
+        pauses.append(drafter.pause)
+        while drafter.pause:
+            assert drafter.propose([], room=8) == []
+    assert pauses[:2] == [0, 2] and pauses[-1] == MAX_PAUSE_STEPS and sorted(pauses) == pauses
+
+
+def test_stats_count_windows_drafts_and_tokens_per_window() -> None:
+    stats = SpeculationStats()
+    stats.add(4, 4)
+    stats.add(4, 0)
+    stats.add(0, 0)  # no window was drafted
+    assert (stats.windows, stats.drafted, stats.accepted) == (2, 8, 4)
+    assert stats.acceptance == 0.5 and stats.tokens_per_window == 3.0
+
+
+@pytest.mark.parametrize("mode, draft_max, fragment", [("sometimes", 4, "--speculative"), ("auto", 0, "--draft-max 0"),
+                                                       ("ngram", 99, "--draft-max 99")])  # fmt: skip
+def test_bad_options_name_their_flag(mode: str, draft_max: int, fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        Speculation(mode, draft_max)
