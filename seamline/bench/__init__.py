@@ -38,6 +38,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.growth import bench_growth
 
         result = bench_growth()
+    elif name == "spec":
+        from seamline.bench.spec import bench_spec
+
+        result = bench_spec(repeats=options["repeats"])
     elif name == "throughput":
         from seamline.bench.throughput import bench_throughput
 

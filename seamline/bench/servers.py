@@ -95,12 +95,13 @@ def precision_args(precision: str | None) -> list[str]:
 
 
 def start_single(name: str, threads: int, env: dict[str, str], logs: Path, *, precision: str | None,
-                 model: Path | None = None) -> Server:  # fmt: skip
-    """`seamline serve --single` on cores 0..threads-1 (``model``: default the embedded one)."""
+                 model: Path | None = None, extra: tuple[str, ...] = ()) -> Server:  # fmt: skip
+    """`seamline serve --single` on cores 0..threads-1 (``model``: default the embedded one;
+    ``extra``: more options)."""
     port = free_port()
     chosen = ["--model", str(model)] if model else []
     command = _pinned(",".join(map(str, range(threads))), threads, None, [
-        *SEAMLINE, "serve", "--single", "--port", str(port), *chosen, *precision_args(precision)])  # fmt: skip
+        *SEAMLINE, "serve", "--single", "--port", str(port), *chosen, *precision_args(precision), *extra])  # fmt: skip
     server = Server(name, f"http://127.0.0.1:{port}/v1", MODEL_ALIAS, [])
     server.procs.append(_popen(command, env, logs / f"{name}.log"))
     return server

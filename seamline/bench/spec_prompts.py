@@ -7,32 +7,26 @@ prompt: the case speculation is for); ``quote`` asks for a passage back with its
 
 from __future__ import annotations
 
-EDIT_FUNCTION = '''def summarize_orders(orders, discount_rate, tax_rate):
-    """Return the totals of a list of orders after discount and tax."""
-    subtotal = 0.0
-    item_count = 0
-    largest_order = None
-    for order in orders:
-        order_total = 0.0
-        for line in order["lines"]:
-            price = line["price"]
-            quantity = line["quantity"]
-            order_total += price * quantity
-            item_count += quantity
-        if largest_order is None or order_total > largest_order["total"]:
-            largest_order = {"id": order["id"], "total": order_total}
-        subtotal += order_total
-    discount = subtotal * discount_rate
-    taxed = (subtotal - discount) * (1 + tax_rate)
-    average = subtotal / len(orders) if orders else 0.0
-    return {
-        "subtotal": subtotal,
-        "discount": discount,
-        "total": taxed,
-        "items": item_count,
-        "average": average,
-        "largest": largest_order,
-    }
+EDIT_FUNCTION = '''def parse_config(path):
+    settings = {}
+    with open(path) as handle:
+        for line in handle:
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, value = line.split("=", 1)
+            key = key.strip().lower()
+            value = value.strip()
+            if value.isdigit():
+                value = int(value)
+            elif value.lower() in ("true", "false"):
+                value = value.lower() == "true"
+            settings[key] = value
+    if "name" not in settings:
+        raise ValueError("the config has no name")
+    if "port" in settings and not 0 < settings["port"] < 65536:
+        raise ValueError("the port is out of range")
+    return settings
 '''
 
 QUOTE_PASSAGE = (
@@ -46,8 +40,7 @@ QUOTE_PASSAGE = (
 )
 
 WORKLOADS: dict[str, str] = {
-    "edit": "Rename the variable subtotal to gross_amount in this Python function. Reply with the whole "
-            "function and nothing else.\n\n" + EDIT_FUNCTION,
+    "edit": "```python\n" + EDIT_FUNCTION + "```\n\nRename the variable `settings` to `options` and return the whole function.",
     "quote": "Repeat this passage exactly, fixing only its two spelling mistakes:\n\n" + QUOTE_PASSAGE,
     "open": "Write a short story about a fox and a crow who argue about who owns a piece of cheese.",
 }
