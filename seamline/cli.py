@@ -328,9 +328,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_local(args.model, args.host, args.port, args.dtype, args.context or None, _gib(args.kv_cache_memory),
                     api_options(args), precision=args.precision, speculation=_speculation(args))  # fmt: skip
         return 0
-    if _speculation(args).mode == "ngram":
-        raise ConfigError("--speculative ngram: a mesh does not speculate yet; run, serve --single and "
-                          "one-process servers do (auto leaves a mesh without it)")
+    speculation = _speculation(args)
+    if speculation.mode == "ngram" and (args.private or args.verify_fraction > 0):
+        raise ConfigError("--speculative ngram: a mesh speculates only where every row is not checked and members "
+                          "see the tokens (not with --private or --verify-fraction)")
     options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
                            fragments_port=args.fragments_port,
                            advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,
@@ -343,7 +344,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            insecure_comm=args.insecure_comm, verify_fraction=args.verify_fraction,
                            private=args.private,
                            state_dir=Path(args.state_dir) if args.state_dir else None,
-                           kv_cache_bytes=_gib(args.kv_cache_memory))  # fmt: skip
+                           kv_cache_bytes=_gib(args.kv_cache_memory), speculation=speculation)  # fmt: skip
     api = api_options(args)
     return run_serve(replace(options, tls_certificate=api.certificate_pem()), api)
 

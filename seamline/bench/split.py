@@ -86,14 +86,14 @@ def netns_script() -> Path | None:
     return None
 
 
-def lan_up() -> str:
-    """Bring up the two namespaces; return why not, or "" when they are up."""
+def lan_up(delay_ms: float = LAN_DELAY_MS) -> str:
+    """Bring up the two namespaces (``delay_ms`` one way); return why not, or "" when they are up."""
     script = netns_script()
     if script is None or os.geteuid() != 0 or shutil.which("iptables-legacy") is None:
         return "needs root, iptables (apt-get install iptables) and shared/netns.sh"
     env = {**os.environ, "PFX": NS_PREFIX, "PYTHON": sys.executable}
     subprocess.run(["bash", str(script), "down"], env=env, capture_output=True)
-    subprocess.run(["bash", str(script), "up", "2", str(LAN_DELAY_MS), LAN_RATE], env=env, check=True, capture_output=True)
+    subprocess.run(["bash", str(script), "up", "2", str(delay_ms), LAN_RATE], env=env, check=True, capture_output=True)
     return ""
 
 

@@ -69,6 +69,7 @@ class RowFlag(enum.IntFlag):
     DONE = 4  # (TOKEN) generation ended: stop token, max tokens or context full
     STOPPED = 8  # (TOKEN) ended on a stop token (which is not part of the output)
     LOGPROBS = 16  # (TOKEN) the row's log-probabilities follow the rows
+    WINDOW = 32  # (HIDDEN) the tokens after the row's first are drafts: a draw after each while they are accepted
 
 
 LIMITS = {FrameType.CONTROL: 1 << 20, FrameType.HIDDEN: 256 << 20, FrameType.TOKEN: 1 << 20}

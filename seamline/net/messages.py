@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 from seamline.net.frames import FrameError, FrameType, header
 from seamline.params import SamplingParams
 
-PROTOCOL_VERSION = 2  # 2: a replay is a resume (``Open.prompt_len``), not a longer prompt
+PROTOCOL_VERSION = 3  # 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what a node id may be: no log line or console event can be forged by one
 MAX_REASON = 2048  # a failure's or error's text, in characters: a longer one is cut, never refused
 _LINE_BREAKING = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # control characters, line separators
@@ -236,6 +236,8 @@ class Route(Message):
     stages: int = 1  # stages in the pipeline: stage 0 keeps at least this many micro-batches in flight
     micro_batches: int = 0  # more micro-batches in flight than stages (0: as many as stages)
     forks: bool = False  # every stage can copy a cache (no lockstep group): stage 0 shares prefixes
+    speculation: Literal["off", "auto", "ngram"] = "off"  # stage 0 drafts windows (``runtime/speculation.py``)
+    draft_max: int = Field(default=8, ge=1, le=32)
 
 
 class RelayAccept(Message):
@@ -396,6 +398,9 @@ class Stats(Message):
     micro_batches: int = 0  # stage 0: micro-batches it keeps in flight
     precision: str = Field(default="", max_length=64)  # what this stage computes in (``Precision.describe``)
     link_bytes: dict[NodeName, int] = Field(default={}, max_length=64)  # bytes sent so far over its data link to each node
+    windows: int = 0  # stage 0: speculative windows verified, tokens drafted and accepted, so far
+    drafted: int = 0
+    accepted: int = 0
 
 
 class Heartbeat(Message):

@@ -36,6 +36,7 @@ from seamline.net.messages import Close, Forget, Fork, Message, Open
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.core import EngineCore
 from seamline.runtime.scheduler import Batch, Emission, Scheduler, SequenceState, check_prompt
+from seamline.runtime.speculation import Speculation
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_event
 
 if TYPE_CHECKING:
@@ -132,6 +133,10 @@ class PipelineHead:
         on = on and self.worker.stage.forks_caches
         self.scheduler.forks = on
         self.scheduler.prefix.capacity_bytes = PREFIX_CACHE_BYTES if on else 0
+
+    def speculate(self, speculation: Speculation | None) -> None:
+        """Set before any request: whether stage 0 drafts windows for the later stages to verify."""
+        self.scheduler.speculate(speculation)
 
     def caches(self) -> tuple[list[Any], list[Any]]:
         """The running sequences' caches, and the finished ones kept for prompts that begin alike."""
@@ -264,21 +269,32 @@ class PipelineHead:
             self.worker.links.downstream_message(message)
 
     def _accept(self, rows: list[TokenRow]) -> None:
-        """Tokens drawn downstream: each must be the one its sequence is waiting for."""
+        """Tokens drawn downstream: each must be the one its sequence is waiting for. A window's
+        draws come one after another; it stays in flight until the draw that closes it."""
         for row in rows:
             sequence = self._sequences.get(row.request)
             try:
                 if sequence is None or not sequence.in_flight:
                     raise OutOfStep(f"request {row.request} is not waiting for a token here")
                 expected = len(sequence.prompt) + len(sequence.tokens)
-                if row.position != expected or row.hash_before != sequence.prefix_hash:
+                if row.position != expected or row.hash_before != self._hash_before(sequence, expected):
                     raise OutOfStep(f"request {row.request}: token for position {row.position}, stage 0 is at {expected}")
             except OutOfStep as exc:
                 self.worker.refuse(row.request, "token", exc)
                 continue
-            sequence.in_flight = False
+            windowed = _window_open(sequence)
             if self.scheduler.record(sequence, token_event(row)).sequence.finished:
                 self._forget(sequence)
+            elif not _window_open(sequence):
+                sequence.in_flight = False
+                if windowed:  # the positions computed are the last token and the drafts accepted
+                    sequence.prefix_hash = self._hash_before(sequence, sequence.cached)
+
+    def _hash_before(self, sequence: SequenceState, position: int) -> int:
+        """The prefix hash through ``position - 1``: inside an open window, from its start's."""
+        if not _window_open(sequence) and position == len(sequence.prompt) + len(sequence.tokens):
+            return sequence.prefix_hash
+        return prefix_hash(sequence.window_hash, sequence.known(sequence.window_start + 1, position), self.hash_key)
 
     def _run_next(self) -> bool:
         """The engine core's step over the sequences with no token in flight; False when there
@@ -315,6 +331,9 @@ class PipelineHead:
             before = EMPTY_HASH if span.start == 0 else sequence.prefix_hash
             sequence.prefix_hash = after = prefix_hash(before, ids, self.hash_key)
             flags = (RowFlag.FIRST if span.start == 0 else RowFlag.NONE) | (RowFlag.SAMPLE if draws else RowFlag.NONE)
+            if span.rowwise:  # a window: its draws are checked from the hash through its first position
+                sequence.window_start, sequence.window_hash = span.start, prefix_hash(before, ids[:1], self.hash_key)
+                flags |= RowFlag.WINDOW
             sequence.in_flight = sequence.in_flight or draws
             row = Row(sequence.request, span.start, span.count, before, after, int(flags))
             work.append(Work(row, span.cache, torch.tensor(ids, dtype=torch.long), self._drawing(sequence)))
@@ -325,3 +344,7 @@ class PipelineHead:
             self.worker.links.failed(requests, exc)
         else:
             log.warning("requests %s failed: %s", requests, exc)
+
+
+def _window_open(sequence: SequenceState) -> bool:
+    return sequence.drafter is not None and bool(sequence.drafter.window)

@@ -91,6 +91,8 @@ class SequenceState:
     prefix_hash: int = 0
     in_flight: bool = False
     announced: object | None = None
+    window_start: int = 0  # a window's first position (its last known token) and the prefix hash through it
+    window_hash: int = 0
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.params.seed)
@@ -187,9 +189,15 @@ class Scheduler:
         self.running: list[SequenceState] = []
         self.preemptions = 0  # sequences sent back to the queue to free memory, so far
         self.masks = masks  # a grammar's tokens: a finished sequence's state there is forgotten
-        verifies = getattr(stage, "verifies_drafts", False) and speculation is not None and speculation.enabled
-        self.speculation = speculation if verifies else None
+        self.speculation: Speculation | None = None
+        self.speculate(speculation)
         self.speculated = SpeculationStats()
+
+    def speculate(self, speculation: Speculation | None) -> None:
+        """Draft for the sequences added from now on (None or off: not), where the stage can
+        verify drafts."""
+        verifies = getattr(self.stage, "verifies_drafts", False) and speculation is not None and speculation.enabled
+        self.speculation = speculation if verifies else None
 
     def kv_positions(self, sequence: SequenceState) -> int:
         """The most positions ``sequence`` may need: prompt + max_tokens, within the context

@@ -22,8 +22,9 @@ full of other sequences' rows drafts little or nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -151,3 +152,12 @@ class SpeculationStats:
     def tokens_per_window(self) -> float | None:
         """Tokens a window gave: the accepted drafts and the token drawn after them."""
         return (self.accepted + self.windows) / self.windows if self.windows else None
+
+
+def speculated(counts: Iterable[Any]) -> SpeculationStats | None:
+    """The sum of stages' reported windows, drafts and accepted drafts (``Stats``); None when none drafted."""
+    total = SpeculationStats()
+    for c in counts:
+        total.windows, total.drafted, total.accepted = total.windows + c.windows, total.drafted + c.drafted, \
+            total.accepted + c.accepted  # fmt: skip
+    return total if total.windows else None

@@ -38,6 +38,10 @@ class Work:
     drawing: Drawing
     ids: torch.Tensor | None = None
 
+    def token_ids(self) -> list[int]:
+        """The row's token ids: stage 0's inputs are the ids; a later stage's came beside the hidden state."""
+        return [int(t) for t in (self.ids if self.ids is not None else self.inputs).tolist()]
+
 
 def token_flags(event: TokenEvent) -> RowFlag:
     """A token row's flags for a drawn token: DONE on a request's last, STOPPED too when a stop

@@ -59,12 +59,19 @@ class StageSequence:
     done: bool = False
     closed: bool = False  # the request is over; its cache stays until stage 0 forgets it
     output: list[int] = field(default_factory=list)  # tokens generated so far, read from the frames' ids
+    window: tuple[int, int, list[int]] | None = None  # the last window row's position, prefix hash before, ids
 
     def saw(self, position: int, ids: torch.Tensor | None) -> None:
         """A row's ids at ``position``: those past the output's start are generated tokens."""
         skip = self.drawing.prompt_len - position if self.drawing is not None else 0
         if ids is not None and skip < len(ids):
             self.output.extend(ids[max(skip, 0) :].tolist())
+
+    def rewind(self, position: int, hash_before: int) -> None:
+        """Go back to ``position`` inside the last window (its later drafts were rejected)."""
+        self.next_position, self.hash = position, hash_before
+        if self.drawing is not None:
+            del self.output[max(0, position - self.drawing.prompt_len) :]
 
 
 @dataclass
@@ -184,6 +191,11 @@ class StageWorker:
         return {"sequences": len(open_caches), "kv_bytes": _nbytes(open_caches), "kept_kv_bytes": _nbytes(kept),
                 "micro_batches": self.micro_batches if self.is_first else 0}  # fmt: skip
 
+    def speculated(self) -> dict[str, int]:
+        """Stage 0: its windows, drafts and accepted drafts so far (other stages: none)."""
+        stats = self.head.scheduler.speculated if self.head is not None else None
+        return {"windows": stats.windows, "drafted": stats.drafted, "accepted": stats.accepted} if stats else {}
+
     # -- data path ----------------------------------------------------------------------
     def prompt(self, msg: Prompt) -> None:
         """Stage 0: queue the prompt; the pipeline's scheduler runs it in chunks with other rows."""
@@ -226,6 +238,8 @@ class StageWorker:
                 seq.saw(row.position, ids)
                 seq.next_position += row.count
                 seq.hash = row.hash_after
+                windowed = row.flags & RowFlag.WINDOW and ids is not None
+                seq.window = (row.position, row.hash_before, ids.tolist()) if windowed else None  # type: ignore[union-attr]
                 assert seq.drawing is not None  # _check_row resolved it
                 work.append(Work(row, seq.cache, x, seq.drawing, ids))
             self.run_batch(work)
@@ -244,11 +258,14 @@ class StageWorker:
         inputs = work[0].inputs if len(work) == 1 else torch.cat([w.inputs for w in work])
         spans, offset = [], 0
         for w in work:
-            spans.append(Span(offset, w.row.count, w.row.position, w.cache))
+            spans.append(Span(offset, w.row.count, w.row.position, w.cache, rowwise=bool(w.row.flags & RowFlag.WINDOW)))
             offset += w.row.count
         started = time.perf_counter()
         ids = self._ids(work, inputs)  # every frame carries them: the sampler counts generated tokens
-        if not self.stage.passes_ids:
+        logit_rows = _logit_rows(spans) if self.is_last and any(s.rowwise for s in spans) else None
+        if logit_rows is not None:  # a window draws after every row: its every row's logits
+            out = self.stage.forward_batch(inputs, spans, logit_rows=logit_rows)  # type: ignore[call-arg]
+        elif not self.stage.passes_ids:
             out = self.stage.forward_batch(inputs, spans, last_only=self.is_last)
         else:
             out = self.stage.forward_batch(inputs, spans, last_only=self.is_last, ids=ids)  # type: ignore[call-arg]
@@ -261,8 +278,10 @@ class StageWorker:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
             self.links.downstream([w.row for w in work], out, ids)
             return []
-        drawn = [self._sample(w, out[i]) for i, w in enumerate(work) if w.row.flags & RowFlag.SAMPLE]
-        sampled = [row for row in drawn if row is not None]
+        sampled = []
+        for w, logits in zip(work, _logits_by_row(spans, out, logit_rows is not None)):
+            if w.row.flags & RowFlag.SAMPLE:
+                sampled += self._sample(w, logits)
         if sampled and not self.is_first and self.links.stage0 is not None:
             self.links.stage0(sampled)  # the critical path first: stage 0 waits for these tokens
         if sampled and self.links.results is not None:
@@ -312,6 +331,8 @@ class StageWorker:
             raise OutOfStep(f"request {row.request} is not open on stage 0 here")
         if row.position == 0 and row.flags & RowFlag.FIRST and row.hash_before == EMPTY_HASH and seq.next_position:
             self._start_over(seq)  # stage 0 preempted it and computes it again
+        if row.position < seq.next_position and self._resumes_window(seq, row):
+            seq.rewind(row.position, row.hash_before)  # the drafts after it were rejected
         if row.position != seq.next_position or row.hash_before != seq.hash:
             raise OutOfStep(
                 f"request {row.request}: frame at position {row.position} (prefix {row.hash_before:016x}) "
@@ -321,39 +342,79 @@ class StageWorker:
             raise OutOfStep(f"request {row.request} has already finished")
         return seq
 
+    def _resumes_window(self, seq: StageSequence, row: Row) -> bool:
+        """Whether ``row`` goes on inside the last window: after its first token and the drafts
+        accepted, with the prefix hash of those positions."""
+        if seq.window is None:
+            return False
+        start, hash_before, ids = seq.window
+        return start < row.position < start + len(ids) and \
+            row.hash_before == prefix_hash(hash_before, ids[: row.position - start], self.hash_key)  # fmt: skip
+
     def _start_over(self, seq: StageSequence) -> None:
         self.stage.release_cache(seq.cache)
         seq.cache = self.stage.new_cache(seq.drawing is not None and seq.drawing.params.argmax_only)
         seq.next_position, seq.hash, seq.done, seq.output = 0, EMPTY_HASH, False, []
 
-    def _sample(self, w: Work, logits: torch.Tensor) -> TokenRow | None:
-        """The row's token; None when its grammar failed (the request alone ends, reported)."""
+    def _sample(self, w: Work, logits: torch.Tensor) -> list[TokenRow]:
+        """The row's token (logits [vocab]), or a window's (logits [rows, vocab]): a draw after
+        each of its rows while the draw is the draft in the next row. [] when a grammar failed
+        (the request alone ends, reported)."""
         row, drawing = w.row, w.drawing
-        position = row.position + row.count
         seq = self.sequences.get(row.request)
+        windowed = logits.dim() == 2
+        drafts = w.token_ids()[1:] if windowed else []
         needs_output = drawing.params.penalised or bool(drawing.params.grammar)
         output = self._output(row.request, seq, drawing) if needs_output else []
-        try:
-            allowed = grammar_mask(self.masks, row.request, drawing.params, output, logits.shape[-1])
-        except RequestError as exc:
-            if seq is not None:
+        if needs_output and seq is not None and self.head is None and self.source is None:
+            output = output[: len(output) - len(drafts)]  # a later stage read the drafts as output too
+        rows, before = [], row.hash_after
+        if windowed:
+            before = prefix_hash(row.hash_before, w.token_ids()[:1], self.hash_key)
+        for j, these in enumerate(logits if windowed else [logits]):
+            position = row.position + (1 + j if windowed else row.count)
+            try:
+                allowed = grammar_mask(self.masks, row.request, drawing.params, output, these.shape[-1])
+            except RequestError as exc:
+                if seq is not None:
+                    seq.done = True
+                if self.links.failed is not None:
+                    self.links.failed([row.request], exc)
+                return []
+            event = draw_next(these, drawing.params, drawing.seed, position, output, allowed, drawing.prompt_len,
+                              drawing.context_length)  # fmt: skip
+            after = prefix_hash(before, [event.token], self.hash_key)
+            rows.append(TokenRow(row.request, position, event.token, before, after, int(token_flags(event)),
+                                 event.logprob, event.top))  # fmt: skip
+            if event.finish_reason is not None and seq is not None:
                 seq.done = True
-            if self.links.failed is not None:
-                self.links.failed([row.request], exc)
-            return None
-        event = draw_next(logits, drawing.params, drawing.seed, position, output, allowed, drawing.prompt_len,
-                          drawing.context_length)  # fmt: skip
-        if seq is not None and event.finish_reason is not None:
-            seq.done = True
-        after = prefix_hash(row.hash_after, [event.token], self.hash_key)
-        return TokenRow(row.request, position, event.token, row.hash_after, after, int(token_flags(event)),
-                        event.logprob, event.top)  # fmt: skip
+            if event.finish_reason is not None or j >= len(drafts) or event.token != drafts[j]:
+                break
+            output, before = output + [event.token] if needs_output else output, after
+        return rows
 
     def _output(self, request: int, seq: StageSequence | None, drawing: Drawing) -> list[int]:
         """What the request generated so far: stage 0's scheduler knows; a later stage read it."""
         if self.head is not None or self.source is not None:
             return (self.head or self.source).output(request, drawing)  # type: ignore[union-attr]
         return seq.output if seq is not None else []
+
+
+def _logit_rows(spans: list[Span]) -> list[int]:
+    """The rows a last stage needs logits of: every row of a window, the last of any other."""
+    return [row for s in spans for row in (range(s.offset, s.end) if s.rowwise else [s.end - 1])]
+
+
+def _logits_by_row(spans: list[Span], out: torch.Tensor, windowed: bool) -> list[torch.Tensor]:
+    """Each span's logits: [vocab] (its last row), or a window's [rows, vocab]."""
+    if not windowed:
+        return [out[i] for i in range(len(spans))]
+    pieces, first = [], 0
+    for s in spans:
+        count = s.count if s.rowwise else 1
+        pieces.append(out[first : first + count] if s.rowwise else out[first])
+        first += count
+    return pieces
 
 
 def _nbytes(caches: list[Any]) -> int:

@@ -103,6 +103,8 @@ class CoordinatorOptions:
     verify_fraction: float = 0.0  # of requests followed through the coordinator's copy (``verify``)
     private: bool = False  # the route's ends on the coordinator's own node: members see no token (``plan.private``)
     own_invite: str = ""  # the invite made for the coordinator's own node alone
+    speculation: str = "auto"  # stage 0 drafts windows (``runtime/speculation.py``) where the route allows
+    draft_max: int = 8
 
 
 TokenSink = Callable[[list[TokenRow]], None]

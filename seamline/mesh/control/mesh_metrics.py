@@ -19,6 +19,7 @@ from seamline.mesh.control.mesh_state import Event, MeshState, NodeAdmitted
 from seamline.net.link import LinkClosed
 from seamline.net.messages import Stats
 from seamline.runtime.reports import LinkReport, MeshReport, NodeReport
+from seamline.runtime.speculation import speculated
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
@@ -59,7 +60,7 @@ class MeshReporter:
             links.append(LinkReport(str(src), str(dst), rtt_seconds=float(pair["rtt_ms"]) / 1e3))  # type: ignore[arg-type]
         for node, stat in stats.items():
             links += [LinkReport(node, peer, bytes_total=sent) for peer, sent in stat.link_bytes.items()]
-        return MeshReport(nodes, links, events)
+        return MeshReport(nodes, links, events, speculation=speculated(stats.values()))
 
     def _stats(self) -> list[Stats]:
         if not self.coordinator.ready.is_set():

@@ -10,6 +10,7 @@ from seamline.mesh.control.planning import pace
 from seamline.mesh.plan.cores import core_shares
 from seamline.net.link import LinkClosed
 from seamline.precision import Precision
+from seamline.runtime.speculation import speculated
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
@@ -65,6 +66,11 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
         stats = coordinator.stage_stats(timeout_s=STATUS_TIMEOUT_S)
     except (SeamlineError, LinkClosed, TimeoutError):
         return  # a stage that does not answer: status says what the plan says
+    speculation = speculated(stats)
+    if speculation is not None:
+        stages[0]["speculation"] = {"windows": speculation.windows, "drafted": speculation.drafted,
+                                    "accepted": speculation.accepted, "acceptance": speculation.acceptance,
+                                    "tokens_per_window": speculation.tokens_per_window}  # fmt: skip
     for stage, stat in zip(stages, stats):
         stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, kept_kv_bytes=stat.kept_kv_bytes,
                      decode_steps=stat.decode_steps, decode_seconds=round(stat.decode_seconds, 3))  # fmt: skip

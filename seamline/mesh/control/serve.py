@@ -37,6 +37,7 @@ from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest
 from seamline.weights.loader import dtype_bytes, open_source
 from seamline.weights.packaging import package_cached
+from seamline.runtime.speculation import Speculation
 
 log = logging.getLogger("seamline.serve")
 
@@ -65,6 +66,7 @@ class ServeOptions:
     insecure_comm: bool = False  # --transport torch may run between hosts
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
+    speculation: Speculation = field(default_factory=Speculation)  # stage 0 drafts, where the route allows
     tls_certificate: str = ""  # PEM: the API is served over HTTPS with it
     fragments_port: int = 0  # a mesh over TLS serves fragments here, to members only (0: port + 2)
     plaintext_links: bool = False  # no mesh CA, links unencrypted: only to measure what TLS costs
@@ -149,7 +151,8 @@ def build_mesh(options: ServeOptions) -> Mesh:
         transport=options.transport, gate_timeout_s=options.gate_timeout_s, insecure_comm=options.insecure_comm,
         micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes,
         heartbeat_timeout_s=options.heartbeat_timeout_s, state_dir=state_dir, package_dir=package_dir,
-        verify_fraction=options.verify_fraction), authority)  # fmt: skip
+        verify_fraction=options.verify_fraction, speculation=options.speculation.mode,
+        draft_max=options.speculation.draft_max), authority)  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s)
 

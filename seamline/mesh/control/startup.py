@@ -156,6 +156,13 @@ class StartUp:
                 raise StartupError(f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
                                    f"{share >> 20} MiB of weights: it does not hold what it was given")  # fmt: skip
 
+    def _speculation(self, forks: bool) -> str:
+        """Whether stage 0 drafts: not where a lockstep group is in the route (its caches are not
+        rewound yet), nor where rows are checked (``--verify-fraction``) or members see no token
+        (``--private``: a later stage could not check where a window goes on)."""
+        o = self.options
+        return o.speculation if forks and not o.private and o.verify_fraction == 0 else "off"
+
     def _transport(self, members: list[NodeHandle]) -> str:
         cuda = all(h.join.resources.device.startswith("cuda") for h in members)
         hosts = {h.join.data_host for h in members}
@@ -170,7 +177,8 @@ class StartUp:
                                        downstream_node=handles[index + 1].node_id if downstream else "",
                                        stage0_node=handles[0].node_id if stage0 else "",
                                        downstream_relay=down_ticket, stage0_relay=stage0_ticket,
-                                       micro_batches=self.options.micro_batches, forks=forks))  # fmt: skip
+                                       micro_batches=self.options.micro_batches, forks=forks,
+                                       speculation=self._speculation(forks), draft_max=self.options.draft_max))  # fmt: skip
         self.coordinator.wait_for(handle, lambda: handle.linked or None, "LINKED", STEP_TIMEOUT_S)
 
 

@@ -15,6 +15,7 @@ from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, tune
 from seamline.net.messages import Close, Forget, Fork, Linked, Open, RelayAccept, Route
 from seamline.net.tls import TlsRefused, TlsSocket
+from seamline.runtime.speculation import Speculation
 
 if TYPE_CHECKING:
     from seamline.mesh.node.process import Node
@@ -30,6 +31,7 @@ class DataPath:
         self.worker.micro_batches = max(1, route.stages, route.micro_batches)
         if self.worker.head is not None:
             self.worker.head.share_prefixes(route.forks)
+            self.worker.head.speculate(Speculation(route.speculation, route.draft_max))
         assert self.assignment is not None
         tls = self.credentials.client if self.credentials else None
         if route.downstream is not None:

@@ -187,7 +187,7 @@ class Node(Membership, DataPath):
                 self.control.send_message(Stats(node_id=self.options.node_id, decode_steps=w.decode_steps,
                                                 decode_seconds=w.decode_seconds, refused_frames=w.refused,
                                                 link_bytes=sent, precision=stage_precision(self.assignment),
-                                                **w.holdings()))  # fmt: skip
+                                                **w.holdings(), **w.speculated()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
             self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}",

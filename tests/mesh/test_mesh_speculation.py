@@ -1,0 +1,41 @@
+"""Speculative windows across a 2-stage mesh, in real node processes over real sockets: stage 0
+drafts, the window's rows cross the link as one row flagged WINDOW, the last stage draws after
+each while the drafts are accepted, and the next row goes on from the first rejected position
+(every later stage rewinds to it). The answers (64 tokens: greedy, seeded, and with a frequency
+penalty, which counts the tokens a later stage read from the frames) must be those of the same
+mesh with ``--speculative off``; drafts must have been accepted and rejected both."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tests.support.mesh import start_mesh
+
+LIST = [{"role": "user", "content": "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates."}]
+ASKS = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}, {"temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5}]
+
+
+def _answers(root: Path, *serve_args: str) -> tuple[list[str], dict[str, float]]:
+    mesh = start_mesh(root, 2, *serve_args)
+    try:
+        assert len(mesh.wait_ready()["stages"]) == 2
+        answers = []
+        for ask in ASKS:
+            body = {"model": "default", "messages": LIST, "max_tokens": 64, "ignore_eos": True, **ask}
+            reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=120).json()
+            assert reply["usage"]["completion_tokens"] == 64, reply
+            answers.append(reply["choices"][0]["message"]["content"])
+        status = httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()
+    finally:
+        mesh.stop()
+    return answers, status["stages"][0].get("speculation") or {}
+
+
+def test_a_mesh_that_speculates_answers_as_one_that_does_not(tmp_path: Path) -> None:
+    plain, none = _answers(tmp_path / "off", "--speculative", "off")
+    drafted, counts = _answers(tmp_path / "auto")  # the default
+    assert not none
+    assert drafted == plain
+    assert counts["windows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
