@@ -58,7 +58,7 @@ def test_the_default_server_speculates_and_answers_as_one_that_does_not(tmp_path
 
 def test_bad_speculation_options_are_one_line() -> None:
     assert_clean_error(seamline("run", "-p", "hi", "--draft-max", "0"), "--draft-max 0")
-    assert_clean_error(seamline("serve", "--speculative", "ngram", "--port", "1"), "a mesh does not speculate yet")
+    assert_clean_error(seamline("serve", "--speculative", "ngram", "--private", "--port", "1"), "not with --private")
     bad = subprocess.run([sys.executable, "-m", "seamline.cli", "run", "-p", "hi", "--speculative", "sometimes"],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert bad.returncode == 2 and "--speculative" in bad.stderr and "Traceback" not in bad.stderr
