@@ -45,6 +45,7 @@ later stages must free too.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
 from seamline.params import SamplingParams
 from seamline.runtime.sampling import TokenEvent, request_seed
-from seamline.runtime.speculation import SPARE_STEP_ROWS, Drafter, Speculation, SpeculationStats
+from seamline.runtime.speculation import SPARE_STEP_ROWS, Drafter, Speculation, SpeculationStats, StepCost
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import GroupCache, LockstepStage
@@ -93,6 +94,9 @@ class SequenceState:
     announced: object | None = None
     window_start: int = 0  # a window's first position (its last known token) and the prefix hash through it
     window_hash: int = 0
+    step_started: float = 0.0  # when its last decode rows were planned (0: their tokens are in), how many, and
+    step_rows: int = 0  # whether it was the only sequence running then (``Scheduler.step_cost``)
+    step_alone: bool = False
 
     def __post_init__(self) -> None:
         self.seed = request_seed(self.params.seed)
@@ -192,6 +196,7 @@ class Scheduler:
         self.speculation: Speculation | None = None
         self.speculate(speculation)
         self.speculated = SpeculationStats()
+        self.step_cost = StepCost()  # what a draft's row costs here, measured
 
     def speculate(self, speculation: Speculation | None) -> None:
         """Draft for the sequences added from now on (None or off: not), where the stage can
@@ -268,6 +273,9 @@ class Scheduler:
             computing = sequence.prefilling
             drafts = len(sequence.drafter.window) if sequence.drafter is not None and not computing else 0
             sequence.cached += span.count - drafts  # a draft's position counts once its draw accepts it
+            if sequence.drafter is not None and not computing:
+                sequence.step_started, sequence.step_rows = time.perf_counter(), span.count
+                sequence.step_alone = len(self.running) == 1
             # a chunk short of the prompt's end, or recomputed history, draws nothing
             batch.draws.append(not (computing and (sequence.prefilling or bool(sequence.tokens))))
 
@@ -282,7 +290,11 @@ class Scheduler:
             if event.shown and sequence.drafter.check(event.token):
                 sequence.cached += 1  # the draft's row is in the cache, and its logits drew the next token
             else:
-                self.speculated.add(*sequence.drafter.close())
+                self.speculated.add(*sequence.drafter.close(self.step_cost.row_cost))
+        if sequence.step_started and not (sequence.drafter is not None and sequence.drafter.window):
+            if sequence.step_alone:  # its step's tokens are all in: what the step cost
+                self.step_cost.observe(sequence.step_rows, time.perf_counter() - sequence.step_started)
+            sequence.step_started = 0.0
         if event.finish_reason is not None:
             self._release(sequence, event.finish_reason)
         return Emission(sequence, event, logits)
@@ -376,12 +388,12 @@ class Scheduler:
         next_position = sequence.cached + 1
         room = min(spare, sequence.cache.capacity() - next_position,
                    sequence.params.max_tokens - sequence.samples - 1, self.context_length - next_position - 1)  # fmt: skip
-        return sequence.drafter.propose(sequence.prompt + sequence.tokens, room)
+        return sequence.drafter.propose(sequence.prompt + sequence.tokens, room, self.step_cost.row_cost)
 
     def _release(self, sequence: SequenceState, reason: str) -> None:
         sequence.finish_reason = reason
         if sequence.drafter is not None:
-            self.speculated.add(*sequence.drafter.close())
+            self.speculated.add(*sequence.drafter.close(self.step_cost.row_cost))
         if self.masks is not None:
             self.masks.forget(sequence.id)
         if sequence in self.running:

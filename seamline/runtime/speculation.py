@@ -15,8 +15,8 @@ past the positions the scheduler counts as cached is read (``model/cache.py``).
 Drafts come from prompt lookup: the longest recent n-gram at the end of the sequence that
 occurred before, and the tokens that followed it then (no extra model). The draft length
 adapts to what was accepted, and drafting pauses for a while (longer each time) after windows
-that accepted nothing or while the sequence accepts fewer drafts than a verified row costs
-(``ROW_COST`` of a step); a step drafts only into rows it has to spare (``SPARE_STEP_ROWS``), so a step already
+that accepted nothing or while the sequence accepts too few drafts for what their rows cost
+(measured: ``StepCost``; ``MARGIN``); a step drafts only into rows it has to spare (``SPARE_STEP_ROWS``), so a step already
 full of other sequences' rows drafts little or nothing.
 """
 
@@ -37,8 +37,11 @@ DRAFT_LIMIT = 32
 NGRAM_MAX, NGRAM_MIN = 4, 2  # the longest and shortest suffix looked up
 SPARE_STEP_ROWS = 16  # a step's rows (decode rows and drafts) up to which drafts ride along
 MAX_PAUSE_STEPS = 32  # the longest pause of drafting after windows that did not pay
-ROW_COST = 0.3  # a verified draft's row, in one-row steps (the embedded model on 2 threads: 5.2 ms a step, +1.5 ms a row)
+ROW_COST = 0.3  # a draft's row, in one-row steps, until measured (the embedded model on 2 threads: 5.2 ms, +1.5 ms a row)
+CHEAP_ROW_COST = 0.15  # rows this cheap (a step waits on links): one-token n-grams are drafted too
 DECAY = 0.7  # the weight of a sequence's earlier windows in its acceptance
+MARGIN = 2.0  # drafting goes on while a draft is accepted this many times more often than its row costs
+COST_DECAY = 0.9  # the weight of earlier steps in the measured step times
 
 
 DraftSource = Callable[[list[int], int], list[int]]  # (prompt + tokens so far, the most to draft) -> drafts
@@ -95,13 +98,17 @@ class Drafter:
     window: list[int] = field(default_factory=list)  # drafts being verified
     accepted: int = 0  # of ``window``, accepted so far
 
-    def propose(self, history: list[int], room: int) -> list[int]:
-        """The drafts for the next window, at most ``room`` tokens."""
+    def propose(self, history: list[int], room: int, row_cost: float = ROW_COST) -> list[int]:
+        """The drafts for the next window, at most ``room`` tokens; where rows are cheap, from
+        a one-token match too when no longer one occurred."""
         if self.pause > 0:
             self.pause -= 1
             return []
-        self.window = self.source(history, min(room, self.length or self.draft_max))[: max(0, room)]
-        self.accepted = 0
+        limit = min(room, self.length or self.draft_max)
+        drafts = self.source(history, limit)
+        if not drafts and row_cost < CHEAP_ROW_COST and self.source is ngram_draft:
+            drafts = ngram_draft(history, limit, shortest=1)
+        self.window, self.accepted = drafts[: max(0, room)], 0
         return self.window
 
     def check(self, token: int) -> bool:
@@ -111,15 +118,17 @@ class Drafter:
             return True
         return False
 
-    def close(self) -> tuple[int, int]:
-        """End the window; (drafted, accepted), and the next window's length from them."""
+    def close(self, row_cost: float = ROW_COST) -> tuple[int, int]:
+        """End the window; (drafted, accepted), and the next window's length from them: shorter,
+        and a pause, while its sequence accepts drafts less than ``MARGIN`` times as often as a
+        draft's row costs (break-even, measured: a sampled story lost 4% there)."""
         drafted, accepted = len(self.window), self.accepted
         self.window, self.accepted = [], 0
         if not drafted:
             return 0, 0
         self.hits = DECAY * self.hits + accepted
         self.tries = DECAY * self.tries + accepted + (accepted < drafted)
-        if accepted == 0 or self.hits < ROW_COST * self.tries:  # a draft's row costs more than it saves
+        if accepted == 0 or self.hits < MARGIN * row_cost * self.tries:  # at break-even a draft saves nothing
             self.misses += 1
             self.length = max(1, (self.length or self.draft_max) // 2)
             self.pause = min(MAX_PAUSE_STEPS, 2 ** (self.misses - 1)) if self.misses > 1 else 0
@@ -128,6 +137,30 @@ class Drafter:
             grown = 2 * drafted if accepted == drafted else accepted + 1
             self.length = min(self.draft_max, grown)
         return drafted, accepted
+
+
+@dataclass
+class StepCost:
+    """What a draft's row costs, in one-row steps, measured: the time from a sequence's rows
+    being planned to its tokens recorded (a forward here, or a pipeline's round trip), for
+    steps where it ran alone: one row, and windows of more (their time over one row's, per
+    extra row). Until both are measured, ``ROW_COST``."""
+
+    one_row_s: float = 0.0
+    per_row_s: float = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if rows == 1:
+            self.one_row_s = seconds if not self.one_row_s else COST_DECAY * self.one_row_s + (1 - COST_DECAY) * seconds
+        elif self.one_row_s:
+            extra = max(0.0, seconds - self.one_row_s) / (rows - 1)
+            self.per_row_s = extra if not self.per_row_s else COST_DECAY * self.per_row_s + (1 - COST_DECAY) * extra
+
+    @property
+    def row_cost(self) -> float:
+        if not self.one_row_s or not self.per_row_s:
+            return ROW_COST
+        return min(1.0, self.per_row_s / self.one_row_s)
 
 
 @dataclass

@@ -7,9 +7,11 @@ import pytest
 from seamline.errors import ConfigError
 from seamline.runtime.speculation import (
     MAX_PAUSE_STEPS,
+    ROW_COST,
     Drafter,
     Speculation,
     SpeculationStats,
+    StepCost,
     ngram_draft,
 )
 
@@ -65,3 +67,16 @@ def test_stats_count_windows_drafts_and_tokens_per_window() -> None:
 def test_bad_options_name_their_flag(mode: str, draft_max: int, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         Speculation(mode, draft_max)
+
+
+def test_a_rows_cost_is_measured_from_steps_alone_and_cheap_rows_draft_more() -> None:
+    cost = StepCost()
+    assert cost.row_cost == ROW_COST  # nothing measured yet
+    cost.observe(5, 0.030)  # a window before any one-row step: nothing to compare it with
+    assert cost.row_cost == ROW_COST
+    cost.observe(1, 0.010)
+    cost.observe(5, 0.018)  # 2 ms a row over a 10 ms step
+    assert cost.row_cost == pytest.approx(0.2)
+    history = [1, 2, 3, 9, 5, 6, 7, 3]  # only "3" occurred before
+    assert Drafter(draft_max=4).propose(history, room=4, row_cost=0.2) == []
+    assert Drafter(draft_max=4).propose(history, room=4, row_cost=0.05) == [9, 5, 6, 7]  # a step that waits on links
