@@ -61,10 +61,13 @@ def test_the_console_draws_the_mesh_chats_and_shows_a_lost_node(tmp_path: Path, 
             WebDriverWait(browser, 10).until(lambda b, n=node, s=start, e=end: f"[{s}, {e})" in _row(b, n))
             assert "up" in _row(browser, node).split()
             assert _drawn(browser, node)
-        browser.find_element(By.ID, "prompt").send_keys("What is the capital of France?")
+        browser.find_element(By.ID, "prompt").send_keys("Repeat this list exactly, twice: apples, pears, plums, figs.")
         browser.find_element(By.ID, "send").click()
         WebDriverWait(browser, 120).until(lambda b: len(b.find_element(By.ID, "answer").text) > 20)
         assert not browser.find_element(By.ID, "error").text
+        # the answer repeats the question: the mesh drafted from it, and the header says how it went
+        WebDriverWait(browser, 10).until(lambda b: b.find_element(By.ID, "acceptance").text.endswith("%"))
+        assert float(browser.find_element(By.ID, "per-window").text) >= 1
         lost = stages[1]["node_id"]
         mesh.node_procs[int(lost.removeprefix("node"))].kill()
         WebDriverWait(browser, 5).until(lambda b: "down" in _row(b, lost).split())

@@ -130,6 +130,9 @@ async function poll() {
     lastTokens = tokens; lastTime = now;
     $("running").textContent = one(metrics, "seamline_requests_running");
     $("waiting").textContent = one(metrics, "seamline_requests_waiting");
+    const accepted = metrics.seamline_speculative_acceptance, perWindow = metrics.seamline_speculative_tokens_per_window;
+    $("acceptance").textContent = accepted ? (100 * accepted[0].value).toFixed(0) + "%" : "–";
+    $("per-window").textContent = perWindow ? perWindow[0].value.toFixed(2) : "–";
     let status = null;
     try { status = await (await fetchOk("/api/status")).json(); } catch (e) { status = null; }
     if (status) {
