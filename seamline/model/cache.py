@@ -8,6 +8,7 @@ just writing from an earlier position; nothing past ``start + count`` is ever re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -120,3 +121,19 @@ class Span:
     @property
     def end(self) -> int:
         return self.offset + self.count
+
+
+def logit_rows(spans: Sequence[Span]) -> list[int]:
+    """The rows a step that draws needs logits of: every row of a speculative window (a draw
+    after each), the last of any other span."""
+    return [row for s in spans for row in (range(s.offset, s.end) if s.rowwise else [s.end - 1])]
+
+
+def logits_by_span(spans: Sequence[Span], logits: torch.Tensor) -> list[torch.Tensor]:
+    """``logits`` of ``logit_rows(spans)`` cut per span: a window's [rows, vocab], any other's [1, vocab]."""
+    pieces, first = [], 0
+    for s in spans:
+        count = s.count if s.rowwise else 1
+        pieces.append(logits[first : first + count])
+        first += count
+    return pieces

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from seamline.errors import RequestError
+from seamline.model.cache import logit_rows, logits_by_span
 from seamline.model.stage import Stage
 from seamline.runtime.grammar import TokenMasks, grammar_mask
-from seamline.runtime.sampling import draw_next
+from seamline.runtime.sampling import TokenEvent, draw_next
 from seamline.runtime.scheduler import Batch, Emission, Ready, Scheduler, SequenceState
+from seamline.runtime.speculation import draws_while_accepted
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import LockstepStage
@@ -46,38 +48,30 @@ class LocalExecutor:
         """One forward over the batch; a token drawn after each row that ends in a draw, and
         after each row of a speculative window while its drafts are accepted."""
         started = time.perf_counter()
-        windows = [len(s.drafter.window) if s.drafter is not None and draws else 0
-                   for s, draws in zip(batch.owners, batch.draws)]  # fmt: skip
-        rows = [row for span, drafts in zip(batch.spans, windows) for row in range(span.end - 1 - drafts, span.end)]
         inputs = torch.tensor(batch.inputs, dtype=torch.long)
-        if any(windows):
-            logits = self.stage.forward_batch(inputs, batch.spans, logit_rows=rows)  # type: ignore[call-arg]
+        if any(span.rowwise for span in batch.spans):
+            logits = self.stage.forward_batch(inputs, batch.spans, logit_rows=logit_rows(batch.spans))  # type: ignore[call-arg]
         else:
             logits = self.stage.forward_batch(inputs, batch.spans, last_only=True)
         if all(span.count == 1 for span in batch.spans):  # decode rows only
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started
         emissions: list[Emission] = []
-        first = 0
-        for sequence, draws, drafts in zip(batch.owners, batch.draws, windows):
+        for sequence, draws, rows in zip(batch.owners, batch.draws, logits_by_span(batch.spans, logits)):
             if draws:
-                emissions += self._draw_window(sequence, logits[first : first + drafts + 1])
-            first += drafts + 1
+                emissions += self._draw_window(sequence, rows)
         return emissions
 
     def _draw_window(self, sequence: SequenceState, rows: torch.Tensor) -> list[Emission]:
-        """The draws after a sequence's rows [1 + drafts, vocab]: one per row while each draw
-        equals the draft in the next row (that row's logits then follow the drawn token)."""
+        """The draws after a sequence's rows [1 + drafts, vocab] (``draws_while_accepted``)."""
         drafts = sequence.drafter.window if sequence.drafter is not None else []
-        generated = list(sequence.tokens)
-        emissions = []
-        for row, logits in enumerate(rows):
-            emission = self._draw(sequence, logits, generated)
-            emissions.append(emission)
-            event = emission.event
-            if event is None or event.finish_reason is not None or row >= len(drafts) or event.token != drafts[row]:
-                break
-            generated.append(event.token)
+        emissions: list[Emission] = []
+
+        def draw(logits: torch.Tensor, generated: list[int]) -> TokenEvent | None:
+            emissions.append(self._draw(sequence, logits, generated))
+            return emissions[-1].event
+
+        draws_while_accepted(rows, drafts, sequence.tokens, draw)
         return emissions
 
     def _draw(self, sequence: SequenceState, logits: torch.Tensor, generated: list[int]) -> Emission:

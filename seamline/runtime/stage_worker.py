@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from seamline.errors import RequestError
-from seamline.model.cache import Span
+from seamline.model.cache import Span, logit_rows, logits_by_span
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
@@ -34,7 +34,8 @@ from seamline.params import SamplingParams
 from seamline.runtime import digest
 from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.pipeline_head import PipelineHead
-from seamline.runtime.sampling import draw_next, request_seed
+from seamline.runtime.sampling import TokenEvent, draw_next, request_seed
+from seamline.runtime.speculation import draws_while_accepted
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_flags
 
 if TYPE_CHECKING:
@@ -262,9 +263,9 @@ class StageWorker:
             offset += w.row.count
         started = time.perf_counter()
         ids = self._ids(work, inputs)  # every frame carries them: the sampler counts generated tokens
-        logit_rows = _logit_rows(spans) if self.is_last and any(s.rowwise for s in spans) else None
-        if logit_rows is not None:  # a window draws after every row: its every row's logits
-            out = self.stage.forward_batch(inputs, spans, logit_rows=logit_rows)  # type: ignore[call-arg]
+        windowed = self.is_last and any(s.rowwise for s in spans)
+        if windowed:  # a window draws after every row: its every row's logits
+            out = self.stage.forward_batch(inputs, spans, logit_rows=logit_rows(spans))  # type: ignore[call-arg]
         elif not self.stage.passes_ids:
             out = self.stage.forward_batch(inputs, spans, last_only=self.is_last)
         else:
@@ -279,7 +280,7 @@ class StageWorker:
             self.links.downstream([w.row for w in work], out, ids)
             return []
         sampled = []
-        for w, logits in zip(work, _logits_by_row(spans, out, logit_rows is not None)):
+        for w, logits in zip(work, logits_by_span(spans, out) if windowed else out.unsqueeze(1)):
             if w.row.flags & RowFlag.SAMPLE:
                 sampled += self._sample(w, logits)
         if sampled and not self.is_first and self.links.stage0 is not None:
@@ -357,64 +358,52 @@ class StageWorker:
         seq.next_position, seq.hash, seq.done, seq.output = 0, EMPTY_HASH, False, []
 
     def _sample(self, w: Work, logits: torch.Tensor) -> list[TokenRow]:
-        """The row's token (logits [vocab]), or a window's (logits [rows, vocab]): a draw after
-        each of its rows while the draw is the draft in the next row. [] when a grammar failed
-        (the request alone ends, reported)."""
+        """The row's draws (logits [rows, vocab]: one row, or a window's every row, drawn after
+        while accepted: ``draws_while_accepted``). [] when a grammar failed (the request alone
+        ends, reported)."""
         row, drawing = w.row, w.drawing
         seq = self.sequences.get(row.request)
-        windowed = logits.dim() == 2
+        windowed = bool(row.flags & RowFlag.WINDOW)
         drafts = w.token_ids()[1:] if windowed else []
         needs_output = drawing.params.penalised or bool(drawing.params.grammar)
         output = self._output(row.request, seq, drawing) if needs_output else []
         if needs_output and seq is not None and self.head is None and self.source is None:
             output = output[: len(output) - len(drafts)]  # a later stage read the drafts as output too
-        rows, before = [], row.hash_after
-        if windowed:
-            before = prefix_hash(row.hash_before, w.token_ids()[:1], self.hash_key)
-        for j, these in enumerate(logits if windowed else [logits]):
-            position = row.position + (1 + j if windowed else row.count)
+        first = row.position + (1 if windowed else row.count)  # the first draw's position
+        hashes = [prefix_hash(row.hash_before, w.token_ids()[:1], self.hash_key) if windowed else row.hash_after]
+        rows: list[TokenRow] = []
+
+        def draw(these: torch.Tensor, generated: list[int]) -> TokenEvent | None:
+            position = first + len(rows)
             try:
-                allowed = grammar_mask(self.masks, row.request, drawing.params, output, these.shape[-1])
+                allowed = grammar_mask(self.masks, row.request, drawing.params, generated, these.shape[-1])
             except RequestError as exc:
-                if seq is not None:
-                    seq.done = True
-                if self.links.failed is not None:
-                    self.links.failed([row.request], exc)
-                return []
-            event = draw_next(these, drawing.params, drawing.seed, position, output, allowed, drawing.prompt_len,
+                self._failed(seq, row.request, exc)
+                rows.clear()
+                return None
+            event = draw_next(these, drawing.params, drawing.seed, position, generated, allowed, drawing.prompt_len,
                               drawing.context_length)  # fmt: skip
-            after = prefix_hash(before, [event.token], self.hash_key)
-            rows.append(TokenRow(row.request, position, event.token, before, after, int(token_flags(event)),
+            hashes.append(prefix_hash(hashes[-1], [event.token], self.hash_key))
+            rows.append(TokenRow(row.request, position, event.token, hashes[-2], hashes[-1], int(token_flags(event)),
                                  event.logprob, event.top))  # fmt: skip
             if event.finish_reason is not None and seq is not None:
                 seq.done = True
-            if event.finish_reason is not None or j >= len(drafts) or event.token != drafts[j]:
-                break
-            output, before = output + [event.token] if needs_output else output, after
+            return event
+
+        draws_while_accepted(logits, drafts, output, draw)
         return rows
+
+    def _failed(self, seq: StageSequence | None, request: int, exc: RequestError) -> None:
+        if seq is not None:
+            seq.done = True
+        if self.links.failed is not None:
+            self.links.failed([request], exc)
 
     def _output(self, request: int, seq: StageSequence | None, drawing: Drawing) -> list[int]:
         """What the request generated so far: stage 0's scheduler knows; a later stage read it."""
         if self.head is not None or self.source is not None:
             return (self.head or self.source).output(request, drawing)  # type: ignore[union-attr]
         return seq.output if seq is not None else []
-
-
-def _logit_rows(spans: list[Span]) -> list[int]:
-    """The rows a last stage needs logits of: every row of a window, the last of any other."""
-    return [row for s in spans for row in (range(s.offset, s.end) if s.rowwise else [s.end - 1])]
-
-
-def _logits_by_row(spans: list[Span], out: torch.Tensor, windowed: bool) -> list[torch.Tensor]:
-    """Each span's logits: [vocab] (its last row), or a window's [rows, vocab]."""
-    if not windowed:
-        return [out[i] for i in range(len(spans))]
-    pieces, first = [], 0
-    for s in spans:
-        count = s.count if s.rowwise else 1
-        pieces.append(out[first : first + count] if s.rowwise else out[first])
-        first += count
-    return pieces
 
 
 def _nbytes(caches: list[Any]) -> int:
