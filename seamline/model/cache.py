@@ -130,10 +130,10 @@ def logit_rows(spans: Sequence[Span]) -> list[int]:
 
 
 def logits_by_span(spans: Sequence[Span], logits: torch.Tensor) -> list[torch.Tensor]:
-    """``logits`` of ``logit_rows(spans)`` cut per span: a window's [rows, vocab], any other's [1, vocab]."""
+    """``logits`` of ``logit_rows(spans)`` cut per span: a window's [rows, vocab], any other's [vocab]."""
     pieces, first = [], 0
     for s in spans:
         count = s.count if s.rowwise else 1
-        pieces.append(logits[first : first + count])
+        pieces.append(logits[first : first + count] if s.rowwise else logits[first])
         first += count
     return pieces

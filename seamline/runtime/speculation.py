@@ -24,14 +24,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from seamline.errors import ConfigError
-from seamline.runtime.sampling import TokenEvent
+
+if TYPE_CHECKING:  # torch is not imported here: a node sets its OpenMP spin before torch loads
+    import torch
+
+    from seamline.runtime.sampling import TokenEvent
 
 MODES = ("auto", "ngram", "off")  # auto: what the model offers (n-grams for every family)
 DRAFT_MAX = 8  # the default and the most tokens one window drafts
@@ -198,15 +201,15 @@ def speculated(counts: Iterable[Any]) -> SpeculationStats | None:
     return total if total.windows else None
 
 
-def draws_while_accepted(rows: Iterable[torch.Tensor], drafts: Sequence[int], generated: Sequence[int],
+def draws_while_accepted(rows: torch.Tensor, drafts: Sequence[int], generated: Sequence[int],
                          draw: Callable[[torch.Tensor, list[int]], TokenEvent | None]) -> None:  # fmt: skip
     """A window's draws, wherever it is verified (one process's executor, a pipeline's last
     stage): ``draw(logits, generated so far)`` after each row in turn, while its token is the
-    draft in the next row; it ends after a failed draw (None), a finishing one, or the first
+    draft in the next row (``rows``: [rows, vocab], or one row's [vocab]); it ends after a failed draw (None), a finishing one, or the first
     token that is not the next draft (the model's own draw there). A row without a window is a
     window of no drafts: one draw."""
     generated = list(generated)
-    for index, logits in enumerate(rows):
+    for index, logits in enumerate(rows if rows.dim() == 2 else rows.unsqueeze(0)):
         event = draw(logits, generated)
         if event is None or event.finish_reason is not None or index >= len(drafts) or event.token != drafts[index]:
             return

@@ -280,7 +280,7 @@ class StageWorker:
             self.links.downstream([w.row for w in work], out, ids)
             return []
         sampled = []
-        for w, logits in zip(work, logits_by_span(spans, out) if windowed else out.unsqueeze(1)):
+        for w, logits in zip(work, logits_by_span(spans, out) if windowed else out):
             if w.row.flags & RowFlag.SAMPLE:
                 sampled += self._sample(w, logits)
         if sampled and not self.is_first and self.links.stage0 is not None:
@@ -358,8 +358,8 @@ class StageWorker:
         seq.next_position, seq.hash, seq.done, seq.output = 0, EMPTY_HASH, False, []
 
     def _sample(self, w: Work, logits: torch.Tensor) -> list[TokenRow]:
-        """The row's draws (logits [rows, vocab]: one row, or a window's every row, drawn after
-        while accepted: ``draws_while_accepted``). [] when a grammar failed (the request alone
+        """The row's draw (logits [vocab]), or a window's (logits [rows, vocab]: a draw after each
+        row while accepted, ``draws_while_accepted``). [] when a grammar failed (the request alone
         ends, reported)."""
         row, drawing = w.row, w.drawing
         seq = self.sequences.get(row.request)
