@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
@@ -21,6 +22,8 @@ from seamline.runtime.backend import LocalBackend
 from seamline.server.api_options import ApiLimits
 from tests.support.api import NAME
 from tests.support.mesh import start_mesh
+
+REPEAT = "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates."
 
 BROWSER, DRIVER = shutil.which("chromium"), shutil.which("chromedriver")
 
@@ -61,12 +64,15 @@ def test_the_console_draws_the_mesh_chats_and_shows_a_lost_node(tmp_path: Path, 
             WebDriverWait(browser, 10).until(lambda b, n=node, s=start, e=end: f"[{s}, {e})" in _row(b, n))
             assert "up" in _row(browser, node).split()
             assert _drawn(browser, node)
-        browser.find_element(By.ID, "prompt").send_keys("Repeat this list exactly, twice: apples, pears, plums, figs.")
+        browser.find_element(By.ID, "prompt").send_keys("What is the capital of France?")
         browser.find_element(By.ID, "send").click()
         WebDriverWait(browser, 120).until(lambda b: len(b.find_element(By.ID, "answer").text) > 20)
         assert not browser.find_element(By.ID, "error").text
-        # the answer repeats the question: the mesh drafted from it, and the header says how it went
-        WebDriverWait(browser, 10).until(lambda b: b.find_element(By.ID, "acceptance").text.endswith("%"))
+        # a greedy answer that repeats its question: the mesh drafts from it; the header says how it went
+        body = {"model": "default", "messages": [{"role": "user", "content": REPEAT}], "max_tokens": 64,
+                "temperature": 0, "ignore_eos": True}  # fmt: skip
+        assert httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=120).status_code == 200
+        WebDriverWait(browser, 15).until(lambda b: b.find_element(By.ID, "acceptance").text.endswith("%"))
         assert float(browser.find_element(By.ID, "per-window").text) >= 1
         lost = stages[1]["node_id"]
         mesh.node_procs[int(lost.removeprefix("node"))].kill()
