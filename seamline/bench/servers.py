@@ -95,13 +95,14 @@ def precision_args(precision: str | None) -> list[str]:
 
 
 def start_single(name: str, threads: int, env: dict[str, str], logs: Path, *, precision: str | None,
-                 model: Path | None = None, extra: tuple[str, ...] = ()) -> Server:  # fmt: skip
+                 model: Path | None = None, extra: tuple[str, ...] = (), speculative: str = "off") -> Server:  # fmt: skip
     """`seamline serve --single` on cores 0..threads-1 (``model``: default the embedded one;
-    ``extra``: more options)."""
+    ``extra``: more options; ``speculative``: its mode, off but in `bench spec`)."""
     port = free_port()
     chosen = ["--model", str(model)] if model else []
     command = _pinned(",".join(map(str, range(threads))), threads, None, [
-        *SEAMLINE, "serve", "--single", "--port", str(port), *chosen, *precision_args(precision), *extra])  # fmt: skip
+        *SEAMLINE, "serve", "--single", "--port", str(port), *chosen, *precision_args(precision),
+        "--speculative", speculative, *extra])  # fmt: skip
     server = Server(name, f"http://127.0.0.1:{port}/v1", MODEL_ALIAS, [])
     server.procs.append(_popen(command, env, logs / f"{name}.log"))
     return server
@@ -115,16 +116,18 @@ def descriptors_capped(limit: int) -> list[str]:
 
 def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: str, env: dict[str, str],
                logs: Path, cap_gb: float | None, serve_extra: tuple[str, ...] = (),
-               nodes_expected: int = 0, *, precision: str | None, nofile: int = 0) -> Server:  # fmt: skip
+               nodes_expected: int = 0, *, precision: str | None, nofile: int = 0,
+               speculative: str = "off") -> Server:  # fmt: skip
     """A coordinator (pinned as ``coordinator``; ``serve_extra``: more `serve` options) and one
     pinned node per ``nodes`` entry; it plans once ``nodes_expected`` (default: all) have joined.
     ``precision`` is the coordinator's (None: no flag); the nodes take its choice. ``nofile``:
-    every process of the mesh starts with that many descriptors at most."""
+    every process of the mesh starts with that many descriptors at most. ``speculative``: the
+    mesh's mode, off but in `bench spec` (so other benches compare plain decoding)."""
     port, control = free_port(), free_port()
     capped = descriptors_capped(nofile) if nofile else []
     serve = [*capped, *SEAMLINE, "serve", "--no-local-node", "--nodes-expected", str(nodes_expected or len(nodes)),
              "--host", host, "--port", str(port), "--control-port", str(control),
-             "--context", "2048", *precision_args(precision), *serve_extra]  # fmt: skip
+             "--context", "2048", *precision_args(precision), "--speculative", speculative, *serve_extra]  # fmt: skip
     command = _pinned(coordinator.cores, coordinator.threads, coordinator.netns, serve)
     coordinator_proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     token = _read_token(coordinator_proc, logs / f"{name}.log")

@@ -116,7 +116,7 @@ def _peak_rss_of_run() -> float:
     ``ru_maxrss`` would not do: it is carried across exec from this large parent.
     """
     args = [sys.executable, "-m", "seamline.cli", "run", "-p", "What is the capital of France?",
-            "--max-tokens", "16"]  # fmt: skip
+            "--max-tokens", "16", "--speculative", "off"]  # fmt: skip
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     peak_kb = 0
     status = f"/proc/{proc.pid}/status"

@@ -44,8 +44,8 @@ def bench_spec(repeats: int = 3, tokens: int = MAX_TOKENS) -> dict[str, Any]:
     env = seamline_env()
     configurations: dict[str, Any] = {}
     singles: dict[str, Starter] = {
-        "one_node": lambda mode, e, lg: start_single(f"one_node-{mode}", 2, e, lg, precision=None, extra=_flag(mode)),
-        "one_core": lambda mode, e, lg: start_single(f"one_core-{mode}", 1, e, lg, precision=None, extra=_flag(mode)),
+        "one_node": lambda mode, e, lg: start_single(f"one_node-{mode}", 2, e, lg, precision=None, speculative=mode),
+        "one_core": lambda mode, e, lg: start_single(f"one_core-{mode}", 1, e, lg, precision=None, speculative=mode),
     }
     for name, start in singles.items():
         configurations[name] = _configuration(name, start, env, logs, repeats, tokens, many=name == "one_node")
@@ -55,10 +55,6 @@ def bench_spec(repeats: int = 3, tokens: int = MAX_TOKENS) -> dict[str, Any]:
     return _result(configurations, repeats, tokens, logs)
 
 
-def _flag(mode: str) -> tuple[str, ...]:
-    return ("--speculative", mode)
-
-
 def _mesh_starter(name: str) -> Starter:
     """Two stages on one core each, one per namespace; the coordinator beside the first."""
     from seamline.server.demo import memory_cap_gb
@@ -66,7 +62,7 @@ def _mesh_starter(name: str) -> Starter:
     first, second = NodeSpec("0", 1, f"{NS_PREFIX}1"), NodeSpec("1", 1, f"{NS_PREFIX}2")
     cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)
     return lambda mode, env, logs: start_mesh(f"{name}-{mode}", [first, second], first, "10.77.0.1", env, logs, cap,
-                                              _flag(mode), precision=None)  # fmt: skip
+                                              precision=None, speculative=mode)  # fmt: skip
 
 
 @contextmanager

@@ -23,6 +23,7 @@ import uvicorn
 
 from seamline.server.demo import memory_cap_gb
 from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_node, wait_ready
+from seamline.runtime.speculation import OFF
 from seamline.server.mesh_app import mesh_app
 from seamline.net.link import free_port
 from seamline.params import SamplingParams
@@ -46,7 +47,7 @@ def main() -> int:
                            fragments_port=free_port(args.host),
                            nodes_expected=args.stages, local_node=False, context=CONTEXT,
                            plaintext_links=args.plaintext, model=args.model, dtype=args.dtype,
-                           precision="exact")  # fmt: skip  (the single process it is compared with is exact)
+                           precision="exact", speculation=OFF)  # fmt: skip  (the single process it is compared with is exact and plain)
     mesh = build_mesh(options)
     mesh.start(args.host)
     server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=args.host, port=port, log_level="warning"))
