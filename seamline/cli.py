@@ -181,7 +181,8 @@ def _speculation_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--speculative", choices=MODES, default="auto",
                    help="draft tokens and verify them in the decode step: the output is the same, sooner when "
-                        "drafts are right (auto: what the model offers, n-grams of the prompt and answer)")
+                        "drafts are right (auto: what the model offers: DeepSeek-V3's multi-token-prediction layer where "
+                        "the checkpoint has it and one process serves, else n-grams of the prompt and answer)")
     p.add_argument("--draft-max", type=int, default=DRAFT_MAX, help="the most tokens one window drafts")
 
 
@@ -329,6 +330,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     api_options(args), precision=args.precision, speculation=_speculation(args))  # fmt: skip
         return 0
     speculation = _speculation(args)
+    if speculation.mode == "mtp":
+        raise ConfigError("--speculative mtp: a mesh drafts n-grams so far; the multi-token-prediction layer drafts "
+                          "on one process (serve --single, run)")
     if speculation.mode == "ngram" and (args.private or args.verify_fraction > 0):
         raise ConfigError("--speculative ngram: a mesh speculates only where every row is not checked and members "
                           "see the tokens (not with --private or --verify-fraction)")

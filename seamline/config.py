@@ -87,6 +87,7 @@ class ModelConfig:
     scoring_func: str = "softmax"  # softmax | sigmoid | sqrtsoftplus (DeepSeek-V4)
     routed_scaling_factor: float = 1.0
     rope_interleave: bool = False  # DeepSeek's rope dims are stored pairwise-interleaved
+    mtp_layers: int = 0  # DeepSeek-V3's multi-token-prediction layers (layer num_layers on), which may draft
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # DeepSeek-V4: its config.json as read; its modules take their many layout fields from it
@@ -99,6 +100,11 @@ class ModelConfig:
     @property
     def is_v4(self) -> bool:
         return self.family == V4_FAMILY
+
+    @property
+    def mtp_moe(self) -> bool:
+        """Whether the multi-token-prediction layer's feed-forward is MoE (as the last layer's)."""
+        return self.is_moe_layer(self.num_layers - 1)
 
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
@@ -254,6 +260,7 @@ def _mla_fields(d: dict[str, Any]) -> dict[str, Any]:
         scoring_func=str(d.get("scoring_func") or default_scoring),
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
         rope_interleave=bool(d.get("rope_interleave", True)),
+        mtp_layers=int(d.get("num_nextn_predict_layers") or 0) if family == "deepseek_v3" else 0,
     )
 
 

@@ -8,7 +8,7 @@ just writing from an earlier position; nothing past ``start + count`` is ever re
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +77,7 @@ def _fit(buf: torch.Tensor | None, like: torch.Tensor, end: int, limit: int | No
 class SequenceCache:
     """The KV state of one sequence for the layers one process owns."""
 
-    def __init__(self, layers: range, limit: int | None = None) -> None:
+    def __init__(self, layers: Iterable[int], limit: int | None = None) -> None:
         self.limit = limit
         self.layers = {i: LayerKV(limit) for i in layers}
 

@@ -19,6 +19,7 @@ forwards. The default comm is ``SingleComm`` (one rank: the gates are no-ops).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from seamline.model.linear import Weight, embedding, linear
 from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable
 from seamline.parallel.comm import Comm, GateTag, SingleComm
+
+if TYPE_CHECKING:
+    from seamline.model.mtp import NextTokenLayer
 
 
 def make_rope(config: ModelConfig) -> RotaryTable:
@@ -46,8 +50,9 @@ def make_attention(config: ModelConfig, rope: RotaryTable, own: Ownership) -> nn
     return GQAttention(config, rope, own)
 
 
-def make_ffn(config: ModelConfig, layer: int, own: Ownership) -> nn.Module:
-    if config.is_moe_layer(layer):
+def make_ffn(config: ModelConfig, layer: int, own: Ownership, moe: bool | None = None) -> nn.Module:
+    """``moe``: whether it is MoE (None: as the config says of ``layer``)."""
+    if config.is_moe_layer(layer) if moe is None else moe:
         from seamline.model.moe import MoE
 
         return MoE(config, own)
@@ -57,7 +62,8 @@ def make_ffn(config: ModelConfig, layer: int, own: Ownership) -> nn.Module:
 
 class Block(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, own: Ownership, rope: RotaryTable, comm: Comm
+        self, config: ModelConfig, layer: int, own: Ownership, rope: RotaryTable, comm: Comm,
+        moe: bool | None = None,
     ) -> None:
         super().__init__()
         self.layer = layer
@@ -65,7 +71,7 @@ class Block(nn.Module):
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = make_attention(config, rope, own)
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.ffn = make_ffn(config, layer, own)
+        self.ffn = make_ffn(config, layer, own, moe)
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], step: int = 0) -> torch.Tensor:
         partial = self.attn(self.input_norm(x), spans, self.layer)  # [N, hidden], this rank's heads
@@ -84,7 +90,9 @@ class Stage(nn.Module):
     passes_ids = False  # the layers after the first need the tokens' ids beside the hidden state
     verifies_drafts = True  # a window's rejected positions need no undoing: caches are written by position
 
-    def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None) -> None:
+    def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None, mtp: bool = False) -> None:
+        """``mtp``: with the model's multi-token-prediction layer, which drafts (``model/mtp.py``;
+        a stage that owns the whole head, alone in its group)."""
         super().__init__()
         own.validate(config)
         self.config = config
@@ -104,6 +112,24 @@ class Stage(nn.Module):
             v0, v1 = own.vocab_range(config)
             tied = self._tied_head(v0, v1)
             self.head = tied if tied is not None else empty_param(v1 - v0, config.hidden_size)
+        self.mtp: NextTokenLayer | None = None
+        self.hidden: torch.Tensor | None = None  # with ``mtp``: the last forward's rows after the norm
+        if mtp:
+            from seamline.model.mtp import NextTokenLayer
+
+            self.mtp = NextTokenLayer(config, rope, own)
+    @torch.inference_mode()
+    def draft_states(self, states: torch.Tensor, next_ids: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        """The drafting layer over rows of final ``states`` [N, hidden] and the tokens after
+        them ``next_ids`` [N], at the spans' positions: its output [N, hidden]."""
+        assert self.mtp is not None and self.embed is not None
+        return self.mtp(states, embedding(next_ids, self.embed, self.compute_dtype), spans)
+
+    @torch.inference_mode()
+    def draft_logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The logits [rows, vocab] of drafting-layer outputs [rows, hidden]: the token after next."""
+        assert self.mtp is not None and self.head is not None
+        return linear(self.mtp.norm(outputs), self.head)
 
     def _tied_head(self, v0: int, v1: int) -> Weight | None:
         full = (v0, v1) == (0, self.config.vocab_size)
@@ -118,14 +144,19 @@ class Stage(nn.Module):
 
     def new_cache(self, greedy: bool = False) -> SequenceCache:
         """``greedy``: unused here; a lockstep group then exchanges only (max, argmax)."""
-        return SequenceCache(self.ownership.layer_indices())
+        return SequenceCache(self.cache_layers)
+
+    @property
+    def cache_layers(self) -> list[int]:
+        """The layers a sequence's cache holds: the owned ones and the drafting layer's."""
+        return [*self.ownership.layer_indices(), *([self.mtp.layer] if self.mtp is not None else [])]
 
     def release_cache(self, cache: SequenceCache) -> None:
         """A finished sequence's cache: garbage here (a lockstep group tells its ranks)."""
 
     def cache_bytes(self, tokens: int) -> int:
         """The KV bytes one sequence of ``tokens`` holds in this stage's layers (whole heads)."""
-        return tokens * kv_bytes_per_token(self.config, self.compute_dtype.itemsize) * len(self.layers)
+        return tokens * kv_bytes_per_token(self.config, self.compute_dtype.itemsize) * len(self.cache_layers)
 
     def forward(
         self, inputs: torch.Tensor, start: int, cache: SequenceCache, last_only: bool = False
@@ -146,6 +177,10 @@ class Stage(nn.Module):
             x = block(x, spans, step)
         if self.head is None or self.norm is None:
             return x
+        if self.mtp is not None:  # the drafting layer reads every row's final state
+            self.hidden = self.norm(x)
+            rows = logit_rows if logit_rows is not None else [s.end - 1 for s in spans] if last_only else None
+            return linear(self.hidden if rows is None else self.hidden[list(rows)], self.head)
         if logit_rows is not None:
             x = x[list(logit_rows)]
         elif last_only:

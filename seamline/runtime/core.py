@@ -12,6 +12,8 @@ stage 0 all run this step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -88,16 +90,24 @@ class LocalExecutor:
 class EngineCore:
     """A scheduler and the executor that runs its batches."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor,
+                 after_step: Callable[[Batch], None] | None = None) -> None:  # fmt: skip
         self.scheduler = scheduler
         self.executor = executor
+        self.after_step = after_step  # once a step's tokens are recorded (a model's drafts for the next)
 
     @classmethod
     def local(cls, stage: Stage | LockstepStage, context_length: int, masks: TokenMasks | None = None,
               **scheduler_options: Any) -> EngineCore:  # fmt: skip
         """The core of one process that owns the whole model."""
         scheduler = Scheduler(stage, context_length, masks=masks, **scheduler_options)
-        return cls(scheduler, LocalExecutor(stage, context_length, masks))
+        after_step = None
+        if isinstance(stage, Stage) and stage.mtp is not None and scheduler.speculation is not None \
+                and scheduler.speculation.mode == "mtp":  # fmt: skip
+            from seamline.runtime.mtp_drafts import offer_drafts
+
+            after_step = partial(offer_drafts, stage)
+        return cls(scheduler, LocalExecutor(stage, context_length, masks), after_step)
 
     def step(self, ready: Ready | None = None, max_decode_rows: int | None = None) -> list[Emission] | None:
         """Plan a batch, run it, record what it drew; None when there was nothing to run."""
@@ -105,7 +115,10 @@ class EngineCore:
         if not batch.spans:
             return None
         self.scheduler.advance(batch)
-        return [self._record(emission) for emission in self.executor.run(batch)]
+        emissions = [self._record(emission) for emission in self.executor.run(batch)]
+        if self.after_step is not None:
+            self.after_step(batch)
+        return emissions
 
     def _record(self, emission: Emission) -> Emission:
         if emission.error is not None:

@@ -15,7 +15,7 @@ from typing import cast
 import torch
 
 from seamline.model.cache import Span
-from seamline.runtime.lockstep_group import HiddenWithIds, LockstepGroup
+from seamline.runtime.lockstep_group import WINDOW, HiddenWithIds, LockstepGroup
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class LockstepStage:
         # what the family's stage says of its frames and caches (DeepSeek-V4's differ)
         self.boundary_shape: tuple[int, ...] = stage.boundary_shape
         self.passes_ids, self.forks_caches = stage.passes_ids, stage.forks_caches
+        # windows, where the ranks' caches may go back to a rejected draft's position
+        self.verifies_drafts = getattr(stage, "verifies_drafts", False) and stage.forks_caches
         self.cache_bytes = stage.cache_bytes
 
     def new_cache(self, greedy: bool = False) -> GroupCache:
@@ -54,12 +56,14 @@ class LockstepStage:
         return out.unsqueeze(0) if self.is_last else out
 
     def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
-                      ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                      ids: torch.Tensor | None = None, logit_rows: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
         """Every span's rows in one mirrored BATCH command (one forward on every rank): hidden
-        states of every row, or each span's last logits [len(spans), vocab]."""
-        if len(spans) == 1:
+        states of every row, or each span's last logits [len(spans), vocab], and every row's
+        of a speculative window (the ranks pick ``logit_rows`` from the spans' flags)."""
+        if len(spans) == 1 and not spans[0].rowwise:
             return self(inputs, spans[0].start, cast(GroupCache, spans[0].cache), last_only, ids)
-        table = torch.tensor([[cast(GroupCache, s.cache).seq, s.start, s.count] for s in spans], dtype=torch.int64)
+        table = torch.tensor([[cast(GroupCache, s.cache).seq, s.start, s.count, WINDOW if s.rowwise else 0]
+                              for s in spans], dtype=torch.int64)  # fmt: skip
         return self.group.batch(table, self._inputs(inputs, ids))
 
     def _inputs(self, inputs: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor | HiddenWithIds:

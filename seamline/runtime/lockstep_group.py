@@ -19,10 +19,11 @@ n_tokens, flags, token, 0, 0]`` (non-leaders contribute zeros) tagged ``GateTag(
 one token id rides in ``token``, more inputs follow tagged ``GateTag(-2, 1, k)``: token ids
 ``[n_tokens]``, or hidden states ``[n_tokens, hidden]`` (others add zeros: the sum is the
 leader's, exactly). A BATCH command (``[BATCH, n_spans, 0, n_rows, ...]``) runs many sequences'
-rows in one forward: its span table ``[n_spans, 3]`` of (seq_id, position, rows) follows tagged
-``GateTag(-2, 2, k)``, then the rows; every gate then carries ``[n_rows, hidden]``, and the last
-stage gathers each span's last-position logits (or (max, argmax) pairs when every sequence in
-it is greedy). Every rank then applies the same call to its own caches; prefill/decode
+rows in one forward: its span table ``[n_spans, 4]`` of (seq_id, position, rows, flags) follows
+tagged ``GateTag(-2, 2, k)``, then the rows; every gate then carries ``[n_rows, hidden]``, and
+the last stage gathers each span's last-position logits, and every row's of a speculative
+window (flag ``WINDOW``; its next rows may start at any of its positions after the first, so a
+rejected draft needs no REWIND), or (max, argmax) pairs when every sequence in it is greedy. Every rank then applies the same call to its own caches; prefill/decode
 run the Stage (two gates per layer) and, on the last stage, all-gather the vocab-shard logits
 of the last position (``GateTag(-1, 0, step)``) — or, for a sequence created with the GREEDY
 flag, only each shard's (max, argmax) pair: an exact argmax for 16 bytes instead of V/N
@@ -48,7 +49,7 @@ import torch
 
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError, RequestError, SeamlineError
-from seamline.model.cache import SequenceCache, Span
+from seamline.model.cache import SequenceCache, Span, logit_rows
 from seamline.ownership import rank_ownership
 from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
@@ -64,6 +65,8 @@ OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rew
 MAX_BATCH_ROWS = 4096  # rows of one BATCH command (decode rows and prefill chunks of many sequences)
 CMD_LEN = 8
 GREEDY = 1  # command flag (create): exchange (max, argmax) pairs, not whole logits
+SPAN_COLUMNS = 4  # a BATCH's span table: (seq, position, rows, flags)
+WINDOW = 1  # span flag: a speculative window (``runtime/speculation.py``): computed row by row, each row's logits
 CONTROL_LAYER = -2  # GateTag layer of control messages (model gates use >= 0, logits -1)
 PREFILL_CHUNK = 512
 
@@ -128,6 +131,7 @@ class _Sequence:
     cache: SequenceCache
     position: int = 0  # the next position
     greedy: bool = False  # the leader samples greedily: (max, argmax) pairs suffice
+    floor: int = 0  # the earliest position its next rows may start at: after a window, its first row's next
 
 
 class LockstepRank:
@@ -196,7 +200,7 @@ class LockstepRank:
     def _span_table(self, n_spans: int, spans: torch.Tensor | None, tag: int) -> torch.Tensor:
         if not 0 < n_spans <= MAX_BATCH_ROWS:
             raise CommError(f"rank {self.rank} got a batch of {n_spans} sequences")
-        mine = torch.zeros(n_spans, 3, dtype=torch.int64) if spans is None else spans
+        mine = torch.zeros(n_spans, SPAN_COLUMNS, dtype=torch.int64) if spans is None else spans
         return self.comm.all_reduce(mine, GateTag(CONTROL_LAYER, 2, tag))
 
     def apply(self, cmd: list[int], inputs: Inputs | None, table: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -225,43 +229,48 @@ class LockstepRank:
                 raise RequestError(f"rewind of sequence {seq} to {position}: must be in [0, {state.position}]")
             if position != state.position and not self.stage.forks_caches:
                 raise RequestError(f"sequence {seq} cannot be rewound: this model's caches forget what they pass")
-            state.position = position
+            state.position = state.floor = position
             return None
         if op not in (PREFILL, DECODE):
             raise CommError(f"rank {self.rank} got unknown lockstep op {op}")
         count = input_rows(inputs)
-        if position != state.position or not count:
+        if not state.floor <= position <= state.position or not count:
             raise RequestError(f"sequence {seq} is at position {state.position}; {OP_NAMES[op]} came for "
                                f"{position} with {count} tokens")
         assert inputs is not None
         out = self._forward(inputs, [Span(0, count, position, state.cache)])
-        state.position += count
+        state.position = state.floor = position + count
         if not self.last:
             return out
         return self._gather_logits(out[-1].float(), state.greedy)
 
     def _forward(self, inputs: Inputs, spans: list[Span]) -> torch.Tensor:
+        """Hidden states of every row, or on the last stage the logits of each span's last row
+        and of every row of a speculative window (``logit_rows``)."""
         if isinstance(inputs, HiddenWithIds):
             return self.stage.forward_batch(inputs.hidden, spans, last_only=self.last, ids=inputs.ids)  # type: ignore[call-arg]
+        if self.last and any(s.rowwise for s in spans):  # (a stage that verifies drafts: not DeepSeek-V4's)
+            return self.stage.forward_batch(torch.as_tensor(inputs), spans, logit_rows=logit_rows(spans))
         return self.stage.forward_batch(torch.as_tensor(inputs), spans, last_only=self.last)
 
     def _apply_batch(self, inputs: Inputs | None, table: torch.Tensor) -> torch.Tensor:
         """Every span checked first (all ranks hold the same sequences, so all refuse alike),
         then one forward for all their rows."""
         spans, states, offset = [], [], 0
-        for seq, position, count in table.tolist():
+        for seq, position, count, flags in table.tolist():
             state = self.seqs.get(seq)
-            if state is None or position != state.position or count <= 0:
+            if state is None or not state.floor <= position <= state.position or count <= 0:
                 where = "does not exist" if state is None else f"is at position {state.position}"
                 raise RequestError(f"sequence {seq} {where}; a batch came for {position} with {count} rows")
-            spans.append(Span(offset, count, position, state.cache))
+            spans.append(Span(offset, count, position, state.cache, rowwise=bool(flags & WINDOW)))
             states.append(state)
             offset += count
         if inputs is None or input_rows(inputs) != offset:
             raise RequestError(f"a batch of {offset} rows came with {input_rows(inputs)}")
         out = self._forward(inputs, spans)
-        for state, span in zip(states, spans):
-            state.position += span.count
+        for state, span in zip(states, spans):  # a window's drafts past the accepted are written over later
+            state.position = span.start + span.count
+            state.floor = span.start + 1 if span.rowwise else state.position
         if not self.last:
             return out
         return self._gather_batch_logits(out.float(), all(s.greedy for s in states))
@@ -368,8 +377,11 @@ class LockstepGroup:
 
     def batch(self, spans: torch.Tensor, inputs: torch.Tensor | HiddenWithIds) -> torch.Tensor:
         """One forward of many sequences' rows on every rank: ``spans`` [n, 3] of (seq,
-        position, rows) in row order. Each span's last logits [n, vocab], or every row's
-        hidden states (a stage before the head)."""
+        position, rows) in row order, or [n, 4] with flags (``WINDOW``: a speculative window,
+        whose every row gets logits). Each span's last logits [n, vocab] (and a window's every
+        row's), or every row's hidden states (a stage before the head)."""
+        if spans.shape[1] < SPAN_COLUMNS:
+            spans = torch.cat([spans, torch.zeros(spans.shape[0], SPAN_COLUMNS - spans.shape[1], dtype=spans.dtype)], 1)
         out = self.call(BATCH, spans.shape[0], 0, inputs, spans=spans)
         assert out is not None
         return out

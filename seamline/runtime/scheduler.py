@@ -383,10 +383,12 @@ class Scheduler:
     def _drafts(self, sequence: SequenceState, spare: int) -> list[int]:
         """Tokens drafted after ``sequence``'s last: within the step's ``spare`` rows, the
         positions its cache's buffers hold, and the tokens it may still draw."""
-        if sequence.drafter is None or spare <= 0 or not isinstance(sequence.cache, SequenceCache):
+        if sequence.drafter is None or spare <= 0:
             return []
         next_position = sequence.cached + 1
-        room = min(spare, sequence.cache.capacity() - next_position,
+        # a lockstep group's caches, on its ranks, grow by position as a sequence's next tokens would
+        held = sequence.cache.capacity() if isinstance(sequence.cache, SequenceCache) else self.kv_positions(sequence)
+        room = min(spare, held - next_position,
                    sequence.params.max_tokens - sequence.samples - 1, self.context_length - next_position - 1)  # fmt: skip
         return sequence.drafter.propose(sequence.prompt + sequence.tokens, room, self.step_cost.row_cost)
 

@@ -23,7 +23,7 @@ full of other sequences' rows drafts little or nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch is not imported here: a node sets its OpenMP spin bef
 
     from seamline.runtime.sampling import TokenEvent
 
-MODES = ("auto", "ngram", "off")  # auto: what the model offers (n-grams for every family)
+MODES = ("auto", "ngram", "mtp", "off")  # auto: what the model offers (its MTP layer, else n-grams)
 DRAFT_MAX = 8  # the default and the most tokens one window drafts
 DRAFT_LIMIT = 32
 NGRAM_MAX, NGRAM_MIN = 4, 2  # the longest and shortest suffix looked up
@@ -67,6 +67,11 @@ def ngram_draft(history: list[int], limit: int, longest: int = NGRAM_MAX, shorte
     return []
 
 
+def offered_only(history: list[int], limit: int) -> list[int]:
+    """The source where a model drafts (``Drafter.offered``, after each step): none from the history."""
+    return []
+
+
 @dataclass(frozen=True)
 class Speculation:
     """How a server speculates (``--speculative``, ``--draft-max``); ``source`` drafts."""
@@ -85,6 +90,15 @@ class Speculation:
     def enabled(self) -> bool:
         return self.mode != "off"
 
+    def for_model(self, drafts_itself: bool) -> Speculation:
+        """As it speculates over a model that has (``drafts_itself``) a multi-token-prediction
+        layer or not: ``auto`` takes the layer where there is one; ``mtp`` needs it."""
+        if self.mode == "mtp" and not drafts_itself:
+            raise ConfigError("--speculative mtp: the model has no multi-token-prediction layer here")
+        if self.mode in ("auto", "mtp") and drafts_itself:
+            return replace(self, mode="mtp", source=offered_only)
+        return self
+
 
 OFF = Speculation("off")
 
@@ -102,15 +116,21 @@ class Drafter:
     tries: float = 0.0  # drafts checked (the accepted and the first rejected), likewise
     window: list[int] = field(default_factory=list)  # drafts being verified
     accepted: int = 0  # of ``window``, accepted so far
+    offered: list[int] | None = None  # drafts a model made for the next window (``runtime/mtp_drafts.py``)
+
+    def wanted(self) -> int:
+        """How many tokens the next window may draft (0 while drafting pauses)."""
+        return 0 if self.pause > 0 else self.length or self.draft_max
 
     def propose(self, history: list[int], room: int, row_cost: float = ROW_COST) -> list[int]:
         """The drafts for the next window, at most ``room`` tokens; where rows are cheap, from
         a one-token match too when no longer one occurred."""
+        offered, self.offered = self.offered, None
         if self.pause > 0:
             self.pause -= 1
             return []
         limit = min(room, self.length or self.draft_max)
-        drafts = self.source(history, limit)
+        drafts = offered[:limit] if offered is not None else self.source(history, limit)
         if not drafts and row_cost < CHEAP_ROW_COST and self.source is ngram_draft:
             drafts = ngram_draft(history, limit, shortest=1)
         self.window, self.accepted = drafts[: max(0, room)], 0

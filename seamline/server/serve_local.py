@@ -35,10 +35,12 @@ def local_backend(model_path: str | None, dtype: str | None, context: int | None
     It is loaded on a thread that ends (``on_passing_thread``): the batch loop's thread, which
     generates, then holds the process's only OpenMP pool, whose workers spin between regions."""
     path = Path(model_path) if model_path else default_model_path()
-    model = on_passing_thread(lambda: LocalModel.load(path, dtype, context, precision))
+    speculation = speculation or Speculation()
+    model = on_passing_thread(lambda: LocalModel.load(path, dtype, context, precision, speculation.mode))
     budget = kv_budget_bytes(kv_cache_bytes)
+    speculation = speculation.for_model(getattr(model.engine.stage, "mtp", None) is not None)
     backend = LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget,
-                           speculation=speculation or Speculation())  # fmt: skip
+                           speculation=speculation)  # fmt: skip
     return backend, model
 
 

@@ -30,7 +30,7 @@ from seamline.parallel.comm import Comm
 from seamline.quant.native import kernels
 from seamline.quant.scaled import ScaledTensor, concat_scaled_rows, stack_scaled
 from seamline.quant.tensor import QuantTensor, concat_rows, stack
-from seamline.weights.names import TensorPlan, ignorable, stage_plans
+from seamline.weights.names import TensorPlan, ignorable, mtp_plans, stage_plans
 from seamline.weights.source import TensorSource
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -88,14 +88,18 @@ def load_stage(
     dtype: torch.dtype = torch.float32,
     config: ModelConfig | None = None,
     comm: Comm | None = None,
+    mtp: bool = False,
 ) -> Stage:
-    """Build the Stage this ownership describes and fill every parameter from ``source``."""
+    """Build the Stage this ownership describes and fill every parameter from ``source``
+    (``mtp``: and the multi-token-prediction layer, which drafts; ``mtp_missing`` first)."""
     config = config or ModelConfig.from_hf_dict(source.config_dict())
     own = own or Ownership.full(config)
     check_names(source, config)
-    stage = build_stage(config, own, comm)
+    if mtp and (why := mtp_missing(source, config)):
+        raise CheckpointError(f"--speculative mtp: {why}")
+    stage = build_stage(config, own, comm, mtp)
     params = dict(stage.named_parameters(remove_duplicate=False))
-    plans = stage_plans(config, own)
+    plans = stage_plans(config, own, mtp)
     unfilled = set(params) - {p.target for p in plans}
     if unfilled:
         raise CheckpointError(f"no checkpoint table entry for parameter {sorted(unfilled)[0]}")
@@ -118,13 +122,24 @@ def load_stage(
     return stage
 
 
-def build_stage(config: ModelConfig, own: Ownership, comm: Comm | None = None) -> Stage:
+def mtp_missing(source: TensorSource, config: ModelConfig) -> str | None:
+    """Why the checkpoint has no multi-token-prediction layer to draft with (None: it has one)."""
+    if config.is_v4:
+        return "DeepSeek-V4's multi-token-prediction layers (mtp.*) are not run yet: use auto or ngram"
+    if not config.mtp_layers:
+        return f"the {config.family} checkpoint has no multi-token-prediction layer (num_nextn_predict_layers)"
+    names = source.names()
+    missing = [n for p in mtp_plans(config, Ownership.full(config)) for n in p.sources() if n not in names]
+    return f"the checkpoint lacks tensor {missing[0]} of its multi-token-prediction layer" if missing else None
+
+
+def build_stage(config: ModelConfig, own: Ownership, comm: Comm | None = None, mtp: bool = False) -> Stage:
     """The empty Stage of this family (every parameter a placeholder until loaded)."""
     if config.is_v4:
         from seamline.model.v4_stage import V4Stage
 
         return V4Stage(config, own, comm)  # type: ignore[return-value]  # a Stage in all the runtime uses
-    return Stage(config, own, comm)
+    return Stage(config, own, comm, mtp)
 
 
 def _resident(target: str, value: Weight, dtype: torch.dtype) -> Weight:

@@ -93,8 +93,9 @@ MOE_NAMES: dict[str, MoeNames] = {
 }  # fmt: skip
 
 
-def stage_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
-    """Every parameter a Stage with this ownership has, and where it comes from."""
+def stage_plans(config: ModelConfig, own: Ownership, mtp: bool = False) -> list[TensorPlan]:
+    """Every parameter a Stage with this ownership has (``mtp``: and the multi-token-prediction
+    layer), and where it comes from."""
     if config.is_v4:
         from seamline.weights.v4_names import v4_plans
 
@@ -108,6 +109,25 @@ def stage_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
         plans.append(TensorPlan("norm.weight", (("model.norm.weight",),)))
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
         plans.append(TensorPlan("head", ((head,),), slice=own.vocab_range(config)))
+    return plans + (mtp_plans(config, own) if mtp else [])
+
+
+MTP_TABLE = {  # DeepSeek-V3's multi-token-prediction layer, beyond its block: target -> source
+    "mtp.enorm.weight": "enorm.weight",
+    "mtp.hnorm.weight": "hnorm.weight",
+    "mtp.eh_proj": "eh_proj.weight",
+    "mtp.norm.weight": "shared_head.norm.weight",
+}
+
+
+def mtp_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
+    """The multi-token-prediction layer's parameters, from the checkpoint's layer
+    ``num_hidden_layers`` (its embedding and head are the model's own)."""
+    i = config.num_layers
+    plans = [TensorPlan(target, ((L.format(i=i) + source,),)) for target, source in MTP_TABLE.items()]
+    inner = f"layers.{i}."
+    for plan in _layer_plans(config, i, own, moe=config.mtp_moe):
+        plans.append(replace(plan, target="mtp.block." + plan.target.removeprefix(inner)))
     return plans
 
 
@@ -116,10 +136,10 @@ def _fill(table: Mapping[str, tuple[str, ...]], i: int) -> list[TensorPlan]:
     return [TensorPlan(prefix + t, (tuple(s.format(i=i) for s in srcs),)) for t, srcs in table.items()]
 
 
-def _layer_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
+def _layer_plans(config: ModelConfig, i: int, own: Ownership, moe: bool | None = None) -> list[TensorPlan]:
     plans = _fill(NORM_TABLE, i)
     plans += _attention_plans(config, i, own)
-    if config.is_moe_layer(i):
+    if config.is_moe_layer(i) if moe is None else moe:
         return plans + _moe_plans(config, i, own)
     names = tuple(n.format(i=i) for n in MLP_NAMES)
     return plans + _gated_plans(f"layers.{i}.ffn.", names, own.shard_rows(config.intermediate_size))

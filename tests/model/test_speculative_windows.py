@@ -16,40 +16,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from seamline.app import LocalModel, default_model_path
 from seamline.model.stage import Stage
 from seamline.params import SamplingParams
 from seamline.quant.matmul import set_int8_activations
-from seamline.runtime.core import EngineCore
 from seamline.runtime.speculation import OFF, DraftSource, Speculation, SpeculationStats
 from seamline.weights.loader import load_stage
 from tests.support.configs import checkpoint_source
-
-TOKENS = 64
-GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0)
-SEEDED = SamplingParams(max_tokens=TOKENS, temperature=0.8, top_p=0.9, seed=11)
-LIST = "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates, limes, lemons."
-
-
-def repetitive_prompt(vocab: int, seed: int = 3) -> list[int]:
-    """A random phrase said four times, then its start: n-grams to draft from."""
-    phrase = torch.randint(3, vocab, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
-    return phrase * 4 + phrase[:5]
-
-
-def generate(stage: Stage, prompt: list[int], params: SamplingParams,
-             speculation: Speculation) -> tuple[list[int], int, SpeculationStats]:  # fmt: skip
-    """The tokens, the steps taken and what was speculated, on the scheduler's loop."""
-    core = EngineCore.local(stage, 4096, speculation=speculation)
-    sequence = core.scheduler.add(prompt, params)
-    steps = 0
-    while not sequence.finished:
-        core.step()
-        steps += 1
-    return sequence.tokens, steps, core.scheduler.speculated
-
+from tests.support.speculation import GREEDY, LIST, SEEDED, TOKENS, generate, partly_right, repetitive_prompt
 
 def _same_with_and_without(stage: Stage, prompt: list[int], params: SamplingParams,
                            source: Callable[[list[int]], DraftSource] | None = None) -> SpeculationStats:  # fmt: skip
@@ -61,22 +36,6 @@ def _same_with_and_without(stage: Stage, prompt: list[int], params: SamplingPara
     assert drafted == plain
     assert stats.windows > 0 and stats.drafted > 0
     return stats
-
-
-def partly_right(prompt_len: int) -> Callable[[list[int]], DraftSource]:
-    """Drafts of the tokens to come with one in three wrong (where it falls moves along), so
-    windows end after 0, 1 or 2 accepted drafts: random weights' answers hold no n-grams."""
-
-    def make(expected: list[int]) -> DraftSource:
-        def source(history: list[int], limit: int) -> list[int]:
-            done = len(history) - prompt_len
-            upcoming = expected[done:][:limit]
-            wrong = done % 3
-            return [(t + 1) % 256 if i == wrong else t for i, t in enumerate(upcoming)]
-
-        return source
-
-    return make
 
 
 @pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3"])

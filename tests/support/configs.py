@@ -51,8 +51,8 @@ def dense_configs() -> dict[str, Any]:
     }
 
 
-def checkpoint_source(kind: str, folder: Path) -> TensorSource:
-    """A random checkpoint of ``kind`` written to ``folder``, or the embedded GGUF, to load from."""
+def checkpoint_folder(kind: str, folder: Path) -> Path:
+    """A random checkpoint of ``kind`` written into ``folder`` (its folder), or the embedded GGUF."""
     if kind == "dense":
         save_random_model(dense_configs()["llama"], folder)
     elif kind == "mixtral":
@@ -60,5 +60,10 @@ def checkpoint_source(kind: str, folder: Path) -> TensorSource:
     elif kind == "deepseek_v3":
         folder = build_deepseek(folder, "v3")[1]
     else:
-        return open_source(default_model_path())
-    return open_source(folder)
+        return default_model_path()
+    return folder
+
+
+def checkpoint_source(kind: str, folder: Path) -> TensorSource:
+    """A random checkpoint of ``kind`` written to ``folder``, or the embedded GGUF, to load from."""
+    return open_source(checkpoint_folder(kind, folder))

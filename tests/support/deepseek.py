@@ -105,3 +105,83 @@ def assert_close_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape
     err = (got - want).abs().max().item()
     assert err < ATOL, f"max |seamline - transformers| = {err:.2e} >= {ATOL} (logit scale {want.abs().max():.2f})"
+
+
+def silence_outputs(model: torch.nn.Module) -> None:
+    """Zero every attention output and feed-forward down projection: each layer then adds
+    nothing, and the model's final state is the norm of its input's embedding."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "o_proj" in name or "down_proj" in name:
+                p.zero_()
+
+
+def add_mtp_layer(model: torch.nn.Module, folder: Path, seed: int = 7, echo: bool = False) -> torch.nn.Module:
+    """Write a random multi-token-prediction layer (DeepSeek-V3's layer ``num_hidden_layers``:
+    enorm, hnorm, eh_proj, a block, shared_head) into the checkpoint at ``folder``, and say so
+    in its config. Returns the reference for it: a one-layer transformers model whose layer,
+    norm and head are the MTP layer's block, ``shared_head.norm`` and the model's head, with
+    the layer's own tensors in ``mtp_tensors`` (names without the layer prefix). With ``echo``
+    (over a model whose layers add nothing: ``silence_outputs``) the layer computes what the
+    model computes for the token after: its greedy drafts are right."""
+    import json
+
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    settings = {**model.config.to_dict(), "num_hidden_layers": 1}
+    settings["first_k_dense_replace"] = 0 if model.config.num_hidden_layers > model.config.first_k_dense_replace else 1
+    block = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**settings))
+    randomize(block, seed)
+    block.eval()
+    with torch.no_grad():
+        block.lm_head.weight.copy_(model.lm_head.weight)
+        if echo:
+            silence_outputs(block)
+            block.model.norm.weight.copy_(model.model.norm.weight)
+    hidden = model.config.hidden_size
+    gen = torch.Generator().manual_seed(seed + 1)
+    own = {
+        "enorm.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen),
+        "hnorm.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen),
+        "eh_proj.weight": 0.08 * torch.randn(hidden, 2 * hidden, generator=gen),
+        "shared_head.norm.weight": block.model.norm.weight.detach(),
+        **({"enorm.weight": torch.ones(hidden), "eh_proj.weight": torch.eye(hidden, 2 * hidden)} if echo else {}),
+        "shared_head.head.weight": model.lm_head.weight.detach(),
+        "embed_tokens.weight": model.model.embed_tokens.weight.detach(),
+    }
+    prefix = f"model.layers.{model.config.num_hidden_layers}."
+    tensors = {prefix + name: t.clone().contiguous() for name, t in own.items()}
+    block.save_pretrained(folder / "mtp-block")  # the checkpoint's own spelling (one tensor per expert)
+    for name, t in load_file(folder / "mtp-block" / "model.safetensors").items():
+        if name.startswith("model.layers.0."):
+            tensors[prefix + name.removeprefix("model.layers.0.")] = t.clone().contiguous()
+    shutil.rmtree(folder / "mtp-block")
+    save_file(tensors, folder / "model-mtp.safetensors")
+    config_path = folder / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    block.mtp_tensors = own  # type: ignore[assignment]
+    return block
+
+
+def mtp_reference_logits(model: torch.nn.Module, block: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The published formula in float64: row i [len(ids) - 1, vocab] drafts token i + 2 from
+    the final state of position i (after the model's norm) and token i + 1, embedding first."""
+    import copy
+
+    main, mtp = copy.deepcopy(model).double(), copy.deepcopy(block).double()
+    for m in (main, mtp):  # the experts' grouped matmul takes no float64: the plain loop does
+        m.config._experts_implementation = "eager"
+    own = {name: t.double() for name, t in block.mtp_tensors.items()}
+    eps = model.config.rms_norm_eps
+
+    def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+    with torch.no_grad():
+        states = main.model(ids[None]).last_hidden_state[0]  # after the model's norm
+        embedded = main.model.embed_tokens(ids[1:])
+        joined = torch.cat([rms(embedded, own["enorm.weight"]), rms(states[:-1], own["hnorm.weight"])], dim=-1)
+        return mtp(inputs_embeds=(joined @ own["eh_proj.weight"].T)[None]).logits[0]
