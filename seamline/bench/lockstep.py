@@ -40,6 +40,7 @@ import torch
 
 from seamline.bench.driver import Driver, median
 from seamline.bench.moe_model import build_model, model_facts
+from seamline.bench.v4_parting import v4_parting
 
 PROMPT_TOKENS = 16
 DRIVER = "seamline.bench.lockstep_driver"
@@ -148,7 +149,9 @@ def v4_lockstep(repeats: int, tokens: int, size: str, core0: int, core1: int) ->
         for driver in drivers.values():
             driver.close()
     single, group = median(runs["single"], "tok_s"), median(runs["lockstep2"], "tok_s")
-    return {
+    first = runs["single"][0]["tokens"]
+    parted = next((r["tokens"] for rs in runs.values() for r in rs if r["tokens"] != first), first)
+    return v4_parting(folder, ids, first, parted, tokens, core0, core1) | {
         "v4_model": folder.name,
         "v4_single_tok_s": round(single, 2),
         "v4_lockstep2_tok_s": round(group, 2),

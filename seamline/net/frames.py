@@ -70,6 +70,8 @@ class RowFlag(enum.IntFlag):
     STOPPED = 8  # (TOKEN) ended on a stop token (which is not part of the output)
     LOGPROBS = 16  # (TOKEN) the row's log-probabilities follow the rows
     WINDOW = 32  # (HIDDEN) the tokens after the row's first are drafts: a draw after each while they are accepted
+    FOLLOW = 64  # (HIDDEN, with WINDOW) the row's first token is a draft too: it goes on from the window before,
+    # as if that one is accepted whole; the last stage draws only if its last draw was that first token
 
 
 LIMITS = {FrameType.CONTROL: 1 << 20, FrameType.HIDDEN: 256 << 20, FrameType.TOKEN: 1 << 20}

@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 from seamline.net.frames import FrameError, FrameType, header
 from seamline.params import SamplingParams
 
-PROTOCOL_VERSION = 3  # 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
+PROTOCOL_VERSION = 4  # 4: windows in flight (``RowFlag.FOLLOW``); 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what a node id may be: no log line or console event can be forged by one
 MAX_REASON = 2048  # a failure's or error's text, in characters: a longer one is cut, never refused
 _LINE_BREAKING = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # control characters, line separators
@@ -401,6 +401,7 @@ class Stats(Message):
     windows: int = 0  # stage 0: speculative windows verified, tokens drafted and accepted, so far
     drafted: int = 0
     accepted: int = 0
+    follows: int = 0  # stage 0: windows sent on while one of the sequence's was in flight
 
 
 class Heartbeat(Message):

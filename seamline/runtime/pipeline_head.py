@@ -302,7 +302,17 @@ class PipelineHead:
         if self._forget_later:
             self._forget_released()
         cap = max(1, -(-len(self.scheduler.running) // max(1, self.worker.micro_batches)))
-        return self.core.step(ready=lambda s: not s.in_flight, max_decode_rows=cap) is not None
+        return self.core.step(ready=self._ready, max_decode_rows=cap) is not None
+
+    def _ready(self, sequence: SequenceState) -> bool:
+        """Whether ``sequence`` takes rows in the next step: none of its tokens is being drawn
+        downstream, or its window is and another may follow it (the last one was accepted
+        whole, and fewer windows than the pipeline's stages are in flight)."""
+        if not sequence.in_flight:
+            return True
+        drafter = sequence.drafter
+        return drafter is not None and bool(drafter.window) and drafter.full and \
+            drafter.in_flight < self.worker.micro_batches  # fmt: skip
 
     def run(self, batch: Batch) -> list[Emission]:
         """The pipeline's executor: the batch runs stage 0's layers and goes downstream as one
@@ -323,7 +333,7 @@ class PipelineHead:
     def _rows(self, batch: Batch) -> list[Work]:
         """The batch's rows with their prefix hashes; the rows that draw put their sequence in flight."""
         work = []
-        for sequence, span, draws in zip(batch.owners, batch.spans, batch.draws):
+        for sequence, span, draws, follow in zip(batch.owners, batch.spans, batch.draws, batch.follows):
             assert sequence.request is not None
             if sequence.announced is not sequence.cache:
                 self._announce(sequence, span.start)
@@ -331,7 +341,9 @@ class PipelineHead:
             before = EMPTY_HASH if span.start == 0 else sequence.prefix_hash
             sequence.prefix_hash = after = prefix_hash(before, ids, self.hash_key)
             flags = (RowFlag.FIRST if span.start == 0 else RowFlag.NONE) | (RowFlag.SAMPLE if draws else RowFlag.NONE)
-            if span.rowwise:  # a window: its draws are checked from the hash through its first position
+            if follow:  # drafts going on from the window in flight: its draws are checked from that window's start
+                flags |= RowFlag.WINDOW | RowFlag.FOLLOW
+            elif span.rowwise:  # a window: its draws are checked from the hash through its first position
                 sequence.window_start, sequence.window_hash = span.start, prefix_hash(before, ids[:1], self.hash_key)
                 flags |= RowFlag.WINDOW
             sequence.in_flight = sequence.in_flight or draws

@@ -144,6 +144,7 @@ class Batch:
     inputs: list[int] = field(default_factory=list)
     owners: list[SequenceState] = field(default_factory=list)
     draws: list[bool] = field(default_factory=list)  # per row, set by ``advance``: a token is drawn after it
+    follows: list[bool] = field(default_factory=list)  # per row: drafts going on from its sequence's window in flight
 
 
 Ready = Callable[[SequenceState], bool]
@@ -269,7 +270,10 @@ class Scheduler:
 
     def advance(self, batch: Batch) -> None:
         """Count the batch's rows as computed; mark which rows end in a draw."""
-        for sequence, span in zip(batch.owners, batch.spans):
+        for sequence, span, follow in zip(batch.owners, batch.spans, batch.follows):
+            if follow:  # only drafts: no position is known yet, and draws follow the window's
+                batch.draws.append(True)
+                continue
             computing = sequence.prefilling
             drafts = len(sequence.drafter.window) if sequence.drafter is not None and not computing else 0
             sequence.cached += span.count - drafts  # a draft's position counts once its draw accepts it
@@ -328,7 +332,7 @@ class Scheduler:
         """Preempt the newest ready running sequences until the next step fits the budget;
         False when it cannot fit before a sequence that is not ready comes back."""
         while len(self.running) > 1 and not self._fits(0):
-            victims = [s for s in self.running[1:] if ready(s)]
+            victims = [s for s in self.running[1:] if ready(s) and not (s.drafter and s.drafter.window)]
             if not victims:
                 return False
             victim = victims[-1]
@@ -365,7 +369,14 @@ class Scheduler:
         spare = min(SPARE_STEP_ROWS, rows_computed_alike()) - len(decoding)
         for sequence in decoding + [s for s in self.running if s.prefilling and ready(s)]:
             start = sequence.cached
-            if sequence.prefilling:
+            follow = sequence.drafter is not None and bool(sequence.drafter.window)  # a window in flight
+            if follow:
+                rows = self._follow_drafts(sequence, min(spare + 1, self.max_step_tokens - len(inputs)))
+                if not rows:
+                    continue
+                start, count = self._follow_start(sequence) - len(rows), len(rows)
+                spare -= count - 1
+            elif sequence.prefilling:
                 count = min(sequence.prefill_end - start, self.max_step_tokens - len(inputs))
                 rows = sequence.known(start, start + count)
             else:
@@ -375,9 +386,11 @@ class Scheduler:
             if count <= 0 or (spans and len(inputs) + count > self.max_step_tokens):
                 break
             assert sequence.cache is not None
-            spans.append(Span(len(inputs), count, start, sequence.cache, rowwise=not sequence.prefilling and count > 1))
+            rowwise = follow or (not sequence.prefilling and count > 1)
+            spans.append(Span(len(inputs), count, start, sequence.cache, rowwise=rowwise))
             inputs += rows
             owners.append(sequence)
+            batch.follows.append(follow)
         return batch
 
     def _drafts(self, sequence: SequenceState, spare: int) -> list[int]:
@@ -391,6 +404,25 @@ class Scheduler:
         room = min(spare, held - next_position,
                    sequence.params.max_tokens - sequence.samples - 1, self.context_length - next_position - 1)  # fmt: skip
         return sequence.drafter.propose(sequence.prompt + sequence.tokens, room, self.step_cost.row_cost)
+
+    @staticmethod
+    def _follow_start(sequence: SequenceState) -> int:
+        """The position after the drafts of ``sequence``'s window in flight."""
+        assert sequence.drafter is not None
+        return sequence.cached - sequence.drafter.accepted + len(sequence.drafter.window)
+
+    def _follow_drafts(self, sequence: SequenceState, spare: int) -> list[int]:
+        """Drafts that go on from ``sequence``'s window in flight (a pipeline keeps several in
+        flight): within the step's ``spare`` rows, the cache's buffers and the tokens it may draw."""
+        drafter = sequence.drafter
+        if drafter is None or spare <= 0 or not isinstance(sequence.cache, SequenceCache):
+            return []
+        first = self._follow_start(sequence)
+        room = min(spare, sequence.cache.capacity() - first, self.context_length - first - 1,
+                   sequence.params.max_tokens - sequence.samples - drafter.pending - 1)  # fmt: skip
+        drafts = drafter.follow(sequence.prompt + sequence.tokens + drafter.window[drafter.accepted :], room)
+        self.speculated.follows += bool(drafts)
+        return drafts
 
     def _release(self, sequence: SequenceState, reason: str) -> None:
         sequence.finish_reason = reason

@@ -117,6 +117,8 @@ class Drafter:
     window: list[int] = field(default_factory=list)  # drafts being verified
     accepted: int = 0  # of ``window``, accepted so far
     offered: list[int] | None = None  # drafts a model made for the next window (``runtime/mtp_drafts.py``)
+    full: bool = False  # the last window's drafts were all accepted
+    ends: list[int] = field(default_factory=list)  # where each window in flight ends in ``window`` (a pipeline's)
 
     def wanted(self) -> int:
         """How many tokens the next window may draft (0 while drafting pauses)."""
@@ -134,7 +136,32 @@ class Drafter:
         if not drafts and row_cost < CHEAP_ROW_COST and self.source is ngram_draft:
             drafts = ngram_draft(history, limit, shortest=1)
         self.window, self.accepted = drafts[: max(0, room)], 0
+        self.ends = [len(self.window)] if self.window else []
         return self.window
+
+    @property
+    def in_flight(self) -> int:
+        """Windows sent whose draws are not all in: the draw after a window's last row checks
+        the next window's first draft, so a window is done once that one is accepted."""
+        return sum(1 for end in self.ends if self.accepted <= end)
+
+    @property
+    def pending(self) -> int:
+        """Drafts in flight: sent, and not yet accepted or rejected."""
+        return len(self.window) - self.accepted
+
+    def follow(self, history: list[int], room: int) -> list[int]:
+        """Drafts that go on from the window in flight (``history``: the tokens so far and its
+        drafts not yet checked), as if they are all accepted: one window more of a pipeline's,
+        while the last window was accepted whole. They join the window: a draw goes on checking
+        against them; the first rejection drops them all."""
+        if not self.full or not self.window or room <= 0:
+            return []
+        drafts = self.source(history, min(room, self.length or self.draft_max))
+        self.window += drafts
+        if drafts:
+            self.ends.append(len(self.window))
+        return drafts
 
     def check(self, token: int) -> bool:
         """Whether the token just drawn is the next draft (its row then holds a valid position)."""
@@ -148,7 +175,8 @@ class Drafter:
         and a pause, while its sequence accepts drafts less than ``MARGIN`` times as often as a
         draft's row costs (break-even, measured: a sampled story lost 4% there)."""
         drafted, accepted = len(self.window), self.accepted
-        self.window, self.accepted = [], 0
+        self.window, self.accepted, self.ends = [], 0, []
+        self.full = 0 < drafted == accepted
         if not drafted:
             return 0, 0
         self.hits = DECAY * self.hits + accepted
@@ -195,6 +223,7 @@ class SpeculationStats:
     windows: int = 0
     drafted: int = 0
     accepted: int = 0
+    follows: int = 0  # windows sent on while one of the sequence's was in flight (a pipeline's)
 
     def add(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -218,6 +247,7 @@ def speculated(counts: Iterable[Any]) -> SpeculationStats | None:
     for c in counts:
         total.windows, total.drafted, total.accepted = total.windows + c.windows, total.drafted + c.drafted, \
             total.accepted + c.accepted  # fmt: skip
+        total.follows += getattr(c, "follows", 0)
     return total if total.windows else None
 
 

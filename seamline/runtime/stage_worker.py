@@ -47,6 +47,7 @@ SendTokens = Callable[[list[TokenRow]], None]
 SendMessage = Callable[[Message], None]
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
 MAX_SEQUENCES = 4096  # a later stage holds at most this many (open, or kept for prefixes): stage 0 never asks more
+WINDOWS_KEPT = 8  # windows a later stage remembers per sequence: a pipeline keeps up to one per stage in flight
 
 
 @dataclass
@@ -60,7 +61,9 @@ class StageSequence:
     done: bool = False
     closed: bool = False  # the request is over; its cache stays until stage 0 forgets it
     output: list[int] = field(default_factory=list)  # tokens generated so far, read from the frames' ids
-    window: tuple[int, int, list[int]] | None = None  # the last window row's position, prefix hash before, ids
+    # the windows since its last plain row, newest last: (position, prefix hash before, ids)
+    windows: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    drew: tuple[int, int] | None = None  # (position, token) of the last stage's latest draw for it
 
     def saw(self, position: int, ids: torch.Tensor | None) -> None:
         """A row's ids at ``position``: those past the output's start are generated tokens."""
@@ -69,8 +72,10 @@ class StageSequence:
             self.output.extend(ids[max(skip, 0) :].tolist())
 
     def rewind(self, position: int, hash_before: int) -> None:
-        """Go back to ``position`` inside the last window (its later drafts were rejected)."""
+        """Go back to ``position`` inside one of its windows (the drafts from there on were
+        rejected: the windows that went on after it are dropped)."""
         self.next_position, self.hash = position, hash_before
+        self.windows = [w for w in self.windows if w[0] <= position]
         if self.drawing is not None:
             del self.output[max(0, position - self.drawing.prompt_len) :]
 
@@ -101,6 +106,7 @@ class StageWorker:
         self.closed: dict[int, None] = {}  # insertion-ordered set of recently closed requests
         self.lock = threading.Lock()
         self.refused = 0
+        self.stale_windows = 0  # the last stage: windows that went on from one not accepted whole, not drawn from
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
         self.micro_batches = 1  # the pipeline's stage count (set by the route)
@@ -195,7 +201,9 @@ class StageWorker:
     def speculated(self) -> dict[str, int]:
         """Stage 0: its windows, drafts and accepted drafts so far (other stages: none)."""
         stats = self.head.scheduler.speculated if self.head is not None else None
-        return {"windows": stats.windows, "drafted": stats.drafted, "accepted": stats.accepted} if stats else {}
+        if stats is None:
+            return {}
+        return {"windows": stats.windows, "drafted": stats.drafted, "accepted": stats.accepted, "follows": stats.follows}
 
     # -- data path ----------------------------------------------------------------------
     def prompt(self, msg: Prompt) -> None:
@@ -234,13 +242,16 @@ class StageWorker:
                         raise OutOfStep(f"request {row.request} has two rows in one frame")
                     seq = self._check_row(row)
                 except OutOfStep as exc:
-                    self.refuse(row.request, "frame", exc)
+                    if not self._stale(row):
+                        self.refuse(row.request, "frame", exc)
                     continue
                 seq.saw(row.position, ids)
                 seq.next_position += row.count
                 seq.hash = row.hash_after
-                windowed = row.flags & RowFlag.WINDOW and ids is not None
-                seq.window = (row.position, row.hash_before, ids.tolist()) if windowed else None  # type: ignore[union-attr]
+                if row.flags & RowFlag.WINDOW and ids is not None:
+                    seq.windows = [*seq.windows[-WINDOWS_KEPT + 1 :], (row.position, row.hash_before, ids.tolist())]
+                else:
+                    seq.windows = []
                 assert seq.drawing is not None  # _check_row resolved it
                 work.append(Work(row, seq.cache, x, seq.drawing, ids))
             self.run_batch(work)
@@ -344,13 +355,19 @@ class StageWorker:
         return seq
 
     def _resumes_window(self, seq: StageSequence, row: Row) -> bool:
-        """Whether ``row`` goes on inside the last window: after its first token and the drafts
-        accepted, with the prefix hash of those positions."""
-        if seq.window is None:
-            return False
-        start, hash_before, ids = seq.window
-        return start < row.position < start + len(ids) and \
-            row.hash_before == prefix_hash(hash_before, ids[: row.position - start], self.hash_key)  # fmt: skip
+        """Whether ``row`` goes on inside one of the windows since the last plain row: after the
+        tokens accepted there, with the prefix hash of those positions."""
+        return any(start <= row.position < start + len(ids) and
+                   row.hash_before == prefix_hash(hash_before, ids[: row.position - start], self.hash_key)
+                   for start, hash_before, ids in seq.windows)  # fmt: skip
+
+    def _stale(self, row: Row) -> bool:
+        """A window that went on from one whose drafts were not all accepted, met where its
+        sequence has ended: expected, dropped without a word."""
+        seq = self.sequences.get(row.request)
+        stale = bool(row.flags & RowFlag.FOLLOW) and (seq is None or seq.done)
+        self.stale_windows += stale
+        return stale
 
     def _start_over(self, seq: StageSequence) -> None:
         self.stage.release_cache(seq.cache)
@@ -363,6 +380,9 @@ class StageWorker:
         ends, reported)."""
         row, drawing = w.row, w.drawing
         seq = self.sequences.get(row.request)
+        if row.flags & RowFlag.FOLLOW and (seq is None or seq.done or seq.drew != (row.position, w.token_ids()[0])):
+            self.stale_windows += 1
+            return []  # stale: the window it went on from was not accepted whole, or drew another token last
         windowed = bool(row.flags & RowFlag.WINDOW)
         drafts = w.token_ids()[1:] if windowed else []
         needs_output = drawing.params.penalised or bool(drawing.params.grammar)
@@ -386,8 +406,9 @@ class StageWorker:
             hashes.append(prefix_hash(hashes[-1], [event.token], self.hash_key))
             rows.append(TokenRow(row.request, position, event.token, hashes[-2], hashes[-1], int(token_flags(event)),
                                  event.logprob, event.top))  # fmt: skip
-            if event.finish_reason is not None and seq is not None:
-                seq.done = True
+            if seq is not None:
+                seq.drew = (position, event.token)
+                seq.done = seq.done or event.finish_reason is not None
             return event
 
         draws_while_accepted(logits, drafts, output, draw)

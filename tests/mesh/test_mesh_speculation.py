@@ -17,10 +17,10 @@ LIST = [{"role": "user", "content": "Repeat this list exactly, twice: apples, pe
 ASKS = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}, {"temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5}]
 
 
-def _answers(root: Path, *serve_args: str) -> tuple[list[str], dict[str, float]]:
-    mesh = start_mesh(root, 2, *serve_args)
+def _answers(root: Path, *serve_args: str, stages: int = 2) -> tuple[list[str], dict[str, float]]:
+    mesh = start_mesh(root, stages, *serve_args)
     try:
-        assert len(mesh.wait_ready()["stages"]) == 2
+        assert len(mesh.wait_ready()["stages"]) == stages
         answers = []
         for ask in ASKS:
             body = {"model": "default", "messages": LIST, "max_tokens": 64, "ignore_eos": True, **ask}
@@ -39,3 +39,11 @@ def test_a_mesh_that_speculates_answers_as_one_that_does_not(tmp_path: Path) -> 
     assert not none
     assert drafted == plain
     assert counts["windows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
+
+
+def test_windows_in_flight_across_three_stages_change_no_answer(tmp_path: Path) -> None:
+    """Three stages: stage 0 keeps windows in flight behind one another (``follows``)."""
+    plain, _ = _answers(tmp_path / "off", "--speculative", "off", stages=3)
+    drafted, counts = _answers(tmp_path / "auto", stages=3)
+    assert drafted == plain
+    assert counts["follows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts

@@ -69,7 +69,8 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
     speculation = speculated(stats)
     if speculation is not None:
         stages[0]["speculation"] = {"windows": speculation.windows, "drafted": speculation.drafted,
-                                    "accepted": speculation.accepted, "acceptance": speculation.acceptance,
+                                    "accepted": speculation.accepted, "follows": speculation.follows,
+                                    "acceptance": speculation.acceptance,
                                     "tokens_per_window": speculation.tokens_per_window}  # fmt: skip
     for stage, stat in zip(stages, stats):
         stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, kept_kv_bytes=stat.kept_kv_bytes,
