@@ -34,6 +34,7 @@ from seamline.runtime.stage_rows import Work
 from seamline.runtime.stage_worker import StageWorker
 from seamline.weights.loader import load_stage, open_source
 from tests.support.configs import checkpoint_source, dense_configs
+from tests.support.pipeline import collect
 from tests.support.reference import save_random_model
 
 SEQUENCES = 6
@@ -196,11 +197,7 @@ class TwoStages:
             self.stage1.lifetime(msg)  # type: ignore[arg-type]
 
     def _collect(self, rows: list[TokenRow]) -> None:
-        for row in rows:
-            if not row.flags & RowFlag.STOPPED:
-                self.results.setdefault(row.request, []).append(row.token)
-            if row.flags & RowFlag.DONE:
-                self.finished.release()
+        collect(rows, self.results, self.finished)
 
     def generate(self, requests: dict[int, tuple[list[int], SamplingParams]]) -> None:
         """Send every request at once and wait for all to finish; close them as a coordinator does."""

@@ -75,11 +75,7 @@ class Pipeline:
         return send
 
     def _collect(self, rows: list[TokenRow]) -> None:
-        for row in rows:
-            if not row.flags & RowFlag.STOPPED:
-                self.results.setdefault(row.request, []).append(row.token)
-            if row.flags & RowFlag.DONE:
-                self.finished.release()
+        collect(rows, self.results, self.finished)
 
     def generate(self, request: int, prompt: list[int], params: SamplingParams) -> list[int]:
         """One request's tokens; its caches stay on every stage until ``close``."""
@@ -91,6 +87,16 @@ class Pipeline:
     def close(self) -> None:
         for link in self.links:
             link.close()
+
+
+def collect(rows: list[TokenRow], results: dict[int, list[int]], finished: threading.Semaphore) -> None:
+    """The coordinator's side of the last stage's tokens: each request's output, and a release
+    of ``finished`` per request that ended."""
+    for row in rows:
+        if not row.flags & RowFlag.STOPPED:
+            results.setdefault(row.request, []).append(row.token)
+        if row.flags & RowFlag.DONE:
+            finished.release()
 
 
 def _message(worker: StageWorker, msg: Message) -> None:
