@@ -184,11 +184,16 @@ def _speculation_args(p: argparse.ArgumentParser) -> None:
                         "drafts are right (auto: what the model offers: DeepSeek-V3's multi-token-prediction layer where "
                         "the checkpoint has it and one process serves, else n-grams of the prompt and answer)")
     p.add_argument("--draft-max", type=int, default=DRAFT_MAX, help="the most tokens one window drafts")
+    p.add_argument("--speculative-config", metavar="JSON", default=None,
+                   help='as vLLM takes it: {"method": "ngram"|"mtp"|"deepseek_mtp", "num_speculative_tokens": N}, '
+                        "in place of --speculative and --draft-max")
 
 
 def _speculation(args: argparse.Namespace) -> Any:
-    from seamline.runtime.speculation import Speculation
+    from seamline.runtime.speculation import Speculation, from_config
 
+    if args.speculative_config is not None:
+        return from_config(args.speculative_config)
     return Speculation(args.speculative, args.draft_max)
 
 

@@ -101,6 +101,30 @@ class Speculation:
 
 
 OFF = Speculation("off")
+CONFIG_METHODS = {"ngram": "ngram", "mtp": "mtp", "deepseek_mtp": "mtp"}  # vLLM's names -> a mode
+
+
+def from_config(text: str) -> Speculation:
+    """``--speculative-config`` as vLLM takes it: a JSON object with ``method`` and optionally
+    ``num_speculative_tokens`` (the draft length); one clear error for anything else."""
+    import json
+
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigError("--speculative-config takes a JSON object, such as {\"method\": \"ngram\"}")
+    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    if unknown:
+        raise ConfigError(f"--speculative-config: {unknown[0]!r} is not taken here (method, num_speculative_tokens)")
+    method = config.get("method")
+    if method not in CONFIG_METHODS:
+        raise ConfigError(f"--speculative-config: method {method!r}: choose one of {', '.join(CONFIG_METHODS)}")
+    draft_max = config.get("num_speculative_tokens", DRAFT_MAX)
+    if not isinstance(draft_max, int) or isinstance(draft_max, bool):
+        raise ConfigError(f"--speculative-config: num_speculative_tokens {draft_max!r} is not a whole number")
+    return Speculation(CONFIG_METHODS[method], draft_max)
 
 
 @dataclass

@@ -12,6 +12,7 @@ from seamline.runtime.speculation import (
     Speculation,
     SpeculationStats,
     StepCost,
+    from_config,
     ngram_draft,
 )
 
@@ -80,3 +81,14 @@ def test_a_rows_cost_is_measured_from_steps_alone_and_cheap_rows_draft_more() ->
     history = [1, 2, 3, 9, 5, 6, 7, 3]  # only "3" occurred before
     assert Drafter(draft_max=4).propose(history, room=4, row_cost=0.2) == []
     assert Drafter(draft_max=4).propose(history, room=4, row_cost=0.05) == [9, 5, 6, 7]  # a step that waits on links
+
+
+def test_a_vllm_speculative_config_names_a_mode_and_a_draft_length() -> None:
+    assert from_config('{"method": "ngram", "num_speculative_tokens": 5}') == Speculation("ngram", 5)
+    assert from_config('{"method": "deepseek_mtp"}').mode == "mtp"
+    for text, why in (("{", "not JSON"), ("[1]", "JSON object"), ('{"method": "eagle"}', "method 'eagle'"),
+                      ('{"method": "ngram", "prompt_lookup_max": 4}', "'prompt_lookup_max' is not taken"),
+                      ('{"method": "ngram", "num_speculative_tokens": "5"}', "not a whole number"),
+                      ('{"method": "ngram", "num_speculative_tokens": 0}', "--draft-max 0")):  # fmt: skip
+        with pytest.raises(ConfigError, match=why):
+            from_config(text)
