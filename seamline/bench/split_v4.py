@@ -21,6 +21,7 @@ from seamline.bench.driver import Driver, median
 from seamline.bench.split import lan_driver, one_core, pinned_driver
 from seamline.bench.split_driver import fixed_prompt
 from seamline.bench.v4_model import build_v4_model
+from seamline.bench.v4_parting import parting
 from seamline.params import SamplingParams
 
 PROMPT_TOKENS = 512
@@ -47,7 +48,12 @@ def bench_split_v4(repeats: int, lan_reason: str) -> dict[str, Any]:
     finally:
         for driver in drivers.values():
             driver.close()
-    return _result(runs, model, folder.name, drivers["split_1core_each"].wait_ready(), lan_reason)
+    result = _result(runs, model, folder.name, drivers["split_1core_each"].wait_ready(), lan_reason)
+    reference = runs["single_1core"][0]["tokens"]
+    parted = next((r["tokens"] for rs in runs.values() for r in rs if r["tokens"] != reference), reference)
+    found = parting(folder, prompt, reference, parted, "bfloat16")
+    return result | {"v4_parting": found, "v4_near_tie_flips": int(bool(found and found["near_tie"])),
+                     "v4_parting_is_a_fault": bool(found and not found["near_tie"])}  # fmt: skip
 
 
 def _request(model: LocalModel, prompt: list[int], tokens: int) -> dict[str, Any]:

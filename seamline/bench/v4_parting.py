@@ -30,22 +30,24 @@ def bfloat16_step(value: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(value))) - 7) if value else 2.0**-133
 
 
-def v4_parting(folder: Path, prompt: list[int], single: list[int], group: list[int], tokens: int,
+def v4parting(folder: Path, prompt: list[int], single: list[int], group: list[int], tokens: int,
                core0: int, core1: int) -> dict[str, Any]:  # fmt: skip
     """The parting of ``group``'s tokens from ``single``'s (both bfloat16), and of the two in
     float32: see the module."""
     if first_difference(single, group) is None:
         return {"v4_parting": None}
     float32 = _float32_tokens(folder, prompt, tokens, core0, core1)
-    partings = {"bfloat16": _parting(folder, prompt, single, group, "bfloat16"),
-                "float32": _parting(folder, prompt, float32["single"], float32["lockstep2"], "float32")}
+    partings = {"bfloat16": parting(folder, prompt, single, group, "bfloat16"),
+                "float32": parting(folder, prompt, float32["single"], float32["lockstep2"], "float32")}
     found = [p for p in partings.values() if p is not None]
     ties = sum(p["near_tie"] for p in found)
     return {"v4_parting": partings, "v4_float32_tokens_match": partings["float32"] is None,
             "v4_near_tie_flips": ties, "v4_parting_is_a_fault": ties < len(found)}  # fmt: skip
 
 
-def _parting(folder: Path, prompt: list[int], single: list[int], group: list[int], dtype: str) -> dict[str, Any] | None:
+def parting(folder: Path, prompt: list[int], single: list[int], group: list[int], dtype: str) -> dict[str, Any] | None:
+    """Where ``group``'s tokens (a group's, or a split's) first differ from ``single``'s, the two
+    logits there on one process in ``dtype``, and whether they are within a bfloat16 step."""
     at = first_difference(single, group)
     if at is None or at >= min(len(single), len(group)):
         return None if at is None else {"generated_token": at, "near_tie": False, "why": "one answer ended"}
