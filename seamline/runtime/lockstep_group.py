@@ -22,8 +22,8 @@ leader's, exactly). A BATCH command (``[BATCH, n_spans, 0, n_rows, ...]``) runs 
 rows in one forward: its span table ``[n_spans, 4]`` of (seq_id, position, rows, flags) follows
 tagged ``GateTag(-2, 2, k)``, then the rows; every gate then carries ``[n_rows, hidden]``, and
 the last stage gathers each span's last-position logits, and every row's of a speculative
-window (flag ``WINDOW``; its next rows may start at any of its positions after the first, so a
-rejected draft needs no REWIND), or (max, argmax) pairs when every sequence in it is greedy. Every rank then applies the same call to its own caches; prefill/decode
+window (flag ``WINDOW``; its next rows may start at any position of the windows since its last
+plain rows, so a rejected draft needs no REWIND), or (max, argmax) pairs when every sequence in it is greedy. Every rank then applies the same call to its own caches; prefill/decode
 run the Stage (two gates per layer) and, on the last stage, all-gather the vocab-shard logits
 of the last position (``GateTag(-1, 0, step)``) — or, for a sequence created with the GREEDY
 flag, only each shard's (max, argmax) pair: an exact argmax for 16 bytes instead of V/N
@@ -131,7 +131,8 @@ class _Sequence:
     cache: SequenceCache
     position: int = 0  # the next position
     greedy: bool = False  # the leader samples greedily: (max, argmax) pairs suffice
-    floor: int = 0  # the earliest position its next rows may start at: after a window, its first row's next
+    floor: int = 0  # the earliest position its next rows may start at: after windows, the first one's start
+    windowed: bool = False  # its last rows were a speculative window
 
 
 class LockstepRank:
@@ -230,6 +231,7 @@ class LockstepRank:
             if position != state.position and not self.stage.forks_caches:
                 raise RequestError(f"sequence {seq} cannot be rewound: this model's caches forget what they pass")
             state.position = state.floor = position
+            state.windowed = False
             return None
         if op not in (PREFILL, DECODE):
             raise CommError(f"rank {self.rank} got unknown lockstep op {op}")
@@ -240,6 +242,7 @@ class LockstepRank:
         assert inputs is not None
         out = self._forward(inputs, [Span(0, count, position, state.cache)])
         state.position = state.floor = position + count
+        state.windowed = False
         if not self.last:
             return out
         return self._gather_logits(out[-1].float(), state.greedy)
@@ -270,7 +273,11 @@ class LockstepRank:
         out = self._forward(inputs, spans)
         for state, span in zip(states, spans):  # a window's drafts past the accepted are written over later
             state.position = span.start + span.count
-            state.floor = span.start + 1 if span.rowwise else state.position
+            if span.rowwise:  # windows in flight: the next rows may go back into any since the last plain row
+                state.floor = min(state.floor, span.start) if state.windowed else span.start
+            else:
+                state.floor = state.position
+            state.windowed = span.rowwise
         if not self.last:
             return out
         return self._gather_batch_logits(out.float(), all(s.greedy for s in states))

@@ -2,7 +2,8 @@
 
 Real processes over real sockets: a coordinator and `seamline join` nodes on loopback. A stage
 that is a lockstep group must answer exactly as the single process does (greedy text equal),
-alone (1 stage x 2 ranks) and in a pipeline (2 stages x 2 ranks); a rank killed or stopped
+alone (1 stage x 2 ranks) and in a pipeline (2 stages x 2 ranks, where the groups also verify
+stage 0's speculative windows); a rank killed or stopped
 mid-answer, with no node to take its place, ends the request with a clear error at the replay
 deadline instead of a hang (with a standby: test_mesh_lockstep_heal.py).
 """
@@ -74,6 +75,7 @@ def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder
         assert sorted(r for s in stages for r in s["ranks"]) == [f"node{i}" for i in range(4)]
         assert _complete(mesh) == expected
         _check_concurrent(mesh, moe_folder)
+        _check_speculation(mesh, moe_folder)
         _check_downloads(mesh, status)
         _kill_mid_answer(mesh, stages[1]["ranks"][1])  # the second stage's follower: no hang either
     finally:
@@ -95,6 +97,18 @@ def _check_concurrent(mesh: MeshProcesses, folder: Path) -> None:
         ids = local.codec.encode(prompt)
         alone = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=12 + i))))
         assert answers.get(i) == alone, prompt
+
+
+def _check_speculation(mesh: MeshProcesses, folder: Path) -> None:
+    """A longer greedy answer, which this random model fills with repeats: stage 0 drafts them,
+    both groups verify the windows (flagged in their BATCH commands), and the text is the one
+    process's without drafts."""
+    local = LocalModel.load(folder, context=CONTEXT)
+    alone = local.codec.decode(list(local.engine.generate(local.codec.encode(PROMPT), SamplingParams(max_tokens=64))))
+    reply = mesh.client().completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=64)
+    assert reply.choices[0].text == alone
+    counts = httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()["stages"][0].get("speculation") or {}
+    assert counts.get("windows", 0) > 0 and counts["accepted"] > 0, counts
 
 
 def _check_downloads(mesh: MeshProcesses, status: dict) -> None:

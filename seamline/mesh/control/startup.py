@@ -156,12 +156,13 @@ class StartUp:
                 raise StartupError(f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
                                    f"{share >> 20} MiB of weights: it does not hold what it was given")  # fmt: skip
 
-    def _speculation(self, forks: bool) -> str:
-        """Whether stage 0 drafts: not where a lockstep group is in the route (its caches are not
-        rewound yet), nor where rows are checked (``--verify-fraction``) or members see no token
-        (``--private``: a later stage could not check where a window goes on)."""
+    def _speculation(self) -> str:
+        """Whether stage 0 drafts: not where rows are checked (``--verify-fraction``) or members see
+        no token (``--private``: a later stage could not check where a window goes on). Stage 0
+        drafts only where its stage verifies drafts (a lockstep group's does; DeepSeek-V4's
+        caches cannot go back)."""
         o = self.options
-        return o.speculation if forks and not o.private and o.verify_fraction == 0 else "off"
+        return o.speculation if not o.private and o.verify_fraction == 0 else "off"
 
     def _transport(self, members: list[NodeHandle]) -> str:
         cuda = all(h.join.resources.device.startswith("cuda") for h in members)
@@ -178,7 +179,7 @@ class StartUp:
                                        stage0_node=handles[0].node_id if stage0 else "",
                                        downstream_relay=down_ticket, stage0_relay=stage0_ticket,
                                        micro_batches=self.options.micro_batches, forks=forks,
-                                       speculation=self._speculation(forks), draft_max=self.options.draft_max))  # fmt: skip
+                                       speculation=self._speculation(), draft_max=self.options.draft_max))  # fmt: skip
         self.coordinator.wait_for(handle, lambda: handle.linked or None, "LINKED", STEP_TIMEOUT_S)
 
 
