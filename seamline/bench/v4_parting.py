@@ -30,7 +30,7 @@ def bfloat16_step(value: float) -> float:
     return 2.0 ** (math.floor(math.log2(abs(value))) - 7) if value else 2.0**-133
 
 
-def v4parting(folder: Path, prompt: list[int], single: list[int], group: list[int], tokens: int,
+def v4_parting(folder: Path, prompt: list[int], single: list[int], group: list[int], tokens: int,
                core0: int, core1: int) -> dict[str, Any]:  # fmt: skip
     """The parting of ``group``'s tokens from ``single``'s (both bfloat16), and of the two in
     float32: see the module."""
