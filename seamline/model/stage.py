@@ -118,6 +118,9 @@ class Stage(nn.Module):
             from seamline.model.mtp import NextTokenLayer
 
             self.mtp = NextTokenLayer(config, rope, own)
+        # the layers a sequence's cache holds: the owned ones and the drafting layer's
+        self.cache_layers = [*own.layer_indices(), *([self.mtp.layer] if self.mtp is not None else [])]
+
     @torch.inference_mode()
     def draft_states(self, states: torch.Tensor, next_ids: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
         """The drafting layer over rows of final ``states`` [N, hidden] and the tokens after
@@ -145,11 +148,6 @@ class Stage(nn.Module):
     def new_cache(self, greedy: bool = False) -> SequenceCache:
         """``greedy``: unused here; a lockstep group then exchanges only (max, argmax)."""
         return SequenceCache(self.cache_layers)
-
-    @property
-    def cache_layers(self) -> list[int]:
-        """The layers a sequence's cache holds: the owned ones and the drafting layer's."""
-        return [*self.ownership.layer_indices(), *([self.mtp.layer] if self.mtp is not None else [])]
 
     def release_cache(self, cache: SequenceCache) -> None:
         """A finished sequence's cache: garbage here (a lockstep group tells its ranks)."""

@@ -402,6 +402,7 @@ class Stats(Message):
     drafted: int = 0
     accepted: int = 0
     follows: int = 0  # stage 0: windows sent on while one of the sequence's was in flight
+    stale_windows: int = 0  # the last stage: windows sent on after one not accepted whole, not drawn from
 
 
 class Heartbeat(Message):

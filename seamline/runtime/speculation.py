@@ -102,12 +102,16 @@ class Speculation:
 
 OFF = Speculation("off")
 CONFIG_METHODS = {"ngram": "ngram", "mtp": "mtp", "deepseek_mtp": "mtp"}  # vLLM's names -> a mode
+CONFIG_NUMBERS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
 def from_config(text: str) -> Speculation:
     """``--speculative-config`` as vLLM takes it: a JSON object with ``method`` and optionally
-    ``num_speculative_tokens`` (the draft length); one clear error for anything else."""
+    ``num_speculative_tokens`` (the draft length) and, for n-grams, ``prompt_lookup_max`` and
+    ``prompt_lookup_min`` (the longest and shortest suffix looked up); one clear error for
+    anything else."""
     import json
+    from functools import partial
 
     try:
         config = json.loads(text)
@@ -115,16 +119,23 @@ def from_config(text: str) -> Speculation:
         raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ConfigError("--speculative-config takes a JSON object, such as {\"method\": \"ngram\"}")
-    unknown = sorted(set(config) - {"method", "num_speculative_tokens"})
+    unknown = sorted(set(config) - {"method", *CONFIG_NUMBERS})
     if unknown:
-        raise ConfigError(f"--speculative-config: {unknown[0]!r} is not taken here (method, num_speculative_tokens)")
+        raise ConfigError(f"--speculative-config: {unknown[0]!r} is not taken here (method, {', '.join(CONFIG_NUMBERS)})")
     method = config.get("method")
     if method not in CONFIG_METHODS:
         raise ConfigError(f"--speculative-config: method {method!r}: choose one of {', '.join(CONFIG_METHODS)}")
+    for key in CONFIG_NUMBERS:
+        if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 0):
+            raise ConfigError(f"--speculative-config: {key} {config[key]!r} is not a whole number")
     draft_max = config.get("num_speculative_tokens", DRAFT_MAX)
-    if not isinstance(draft_max, int) or isinstance(draft_max, bool):
-        raise ConfigError(f"--speculative-config: num_speculative_tokens {draft_max!r} is not a whole number")
-    return Speculation(CONFIG_METHODS[method], draft_max)
+    longest, shortest = config.get("prompt_lookup_max", NGRAM_MAX), config.get("prompt_lookup_min", NGRAM_MIN)
+    if not 1 <= shortest <= longest:
+        raise ConfigError(f"--speculative-config: prompt_lookup_min {shortest} and prompt_lookup_max {longest}: "
+                          "1 <= min <= max")  # fmt: skip
+    if (longest, shortest) == (NGRAM_MAX, NGRAM_MIN):
+        return Speculation(CONFIG_METHODS[method], draft_max)
+    return Speculation(CONFIG_METHODS[method], draft_max, partial(ngram_draft, longest=longest, shortest=shortest))
 
 
 @dataclass
@@ -248,6 +259,7 @@ class SpeculationStats:
     drafted: int = 0
     accepted: int = 0
     follows: int = 0  # windows sent on while one of the sequence's was in flight (a pipeline's)
+    stale: int = 0  # of those, found stale by the last stage (the window before was not accepted whole)
 
     def add(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -266,12 +278,13 @@ class SpeculationStats:
 
 
 def speculated(counts: Iterable[Any]) -> SpeculationStats | None:
-    """The sum of stages' reported windows, drafts and accepted drafts (``Stats``); None when none drafted."""
+    """The sum of stages' reported windows, drafts, accepted drafts, follow-on and stale windows
+    (``Stats``); None when none drafted."""
     total = SpeculationStats()
     for c in counts:
         total.windows, total.drafted, total.accepted = total.windows + c.windows, total.drafted + c.drafted, \
             total.accepted + c.accepted  # fmt: skip
-        total.follows += getattr(c, "follows", 0)
+        total.follows, total.stale = total.follows + c.follows, total.stale + c.stale_windows
     return total if total.windows else None
 
 

@@ -199,11 +199,14 @@ class StageWorker:
                 "micro_batches": self.micro_batches if self.is_first else 0}  # fmt: skip
 
     def speculated(self) -> dict[str, int]:
-        """Stage 0: its windows, drafts and accepted drafts so far (other stages: none)."""
-        stats = self.head.scheduler.speculated if self.head is not None else None
-        if stats is None:
-            return {}
-        return {"windows": stats.windows, "drafted": stats.drafted, "accepted": stats.accepted, "follows": stats.follows}
+        """Stage 0: its windows, drafts, accepted drafts and windows sent on behind others so far;
+        the last stage: the windows it found stale."""
+        counts = {"stale_windows": self.stale_windows} if self.stale_windows else {}
+        if self.head is None:
+            return counts
+        stats = self.head.scheduler.speculated
+        return {**counts, "windows": stats.windows, "drafted": stats.drafted, "accepted": stats.accepted,
+                "follows": stats.follows}  # fmt: skip
 
     # -- data path ----------------------------------------------------------------------
     def prompt(self, msg: Prompt) -> None:
@@ -242,7 +245,9 @@ class StageWorker:
                         raise OutOfStep(f"request {row.request} has two rows in one frame")
                     seq = self._check_row(row)
                 except OutOfStep as exc:
-                    if not self._stale(row):
+                    if self._ended_before(row):
+                        self.stale_windows += 1
+                    else:
                         self.refuse(row.request, "frame", exc)
                     continue
                 seq.saw(row.position, ids)
@@ -361,13 +366,11 @@ class StageWorker:
                    row.hash_before == prefix_hash(hash_before, ids[: row.position - start], self.hash_key)
                    for start, hash_before, ids in seq.windows)  # fmt: skip
 
-    def _stale(self, row: Row) -> bool:
-        """A window that went on from one whose drafts were not all accepted, met where its
-        sequence has ended: expected, dropped without a word."""
+    def _ended_before(self, row: Row) -> bool:
+        """A window sent on after one that ended its sequence (a stale window): expected, so
+        dropped without a warning."""
         seq = self.sequences.get(row.request)
-        stale = bool(row.flags & RowFlag.FOLLOW) and (seq is None or seq.done)
-        self.stale_windows += stale
-        return stale
+        return bool(row.flags & RowFlag.FOLLOW) and (seq is None or seq.done)
 
     def _start_over(self, seq: StageSequence) -> None:
         self.stage.release_cache(seq.cache)

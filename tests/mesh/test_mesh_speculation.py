@@ -47,3 +47,4 @@ def test_windows_in_flight_across_three_stages_change_no_answer(tmp_path: Path) 
     drafted, counts = _answers(tmp_path / "auto", stages=3)
     assert drafted == plain
     assert counts["follows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
+    assert 0 <= counts["stale"] <= counts["follows"], counts

@@ -23,20 +23,20 @@ from seamline.runtime.speculation import OFF, Speculation
 from seamline.weights.loader import load_stage, open_source
 from tests.support.speculation import GREEDY, SEEDED, TOKENS, generate
 from tests.support.cli import assert_clean_error, seamline
-from tests.support.deepseek import add_mtp_layer, build_deepseek, deepseek_tokens, mtp_reference_logits, silence_outputs
+from tests.support.deepseek import MtpLayer, add_mtp_layer, build_deepseek, deepseek_tokens, mtp_reference_logits, silence_outputs
 
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def v3_with_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, torch.nn.Module, Path]:
+def v3_with_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, MtpLayer, Path]:
     model, folder = build_deepseek(tmp_path_factory.mktemp("mtp"), "v3")
-    block = add_mtp_layer(model, folder)
-    return model, block, folder
+    layer = add_mtp_layer(model, folder)
+    return model, layer, folder
 
 
-def test_mtp_draft_logits_follow_the_published_formula(v3_with_mtp: tuple[torch.nn.Module, torch.nn.Module, Path]) -> None:
-    model, block, folder = v3_with_mtp
+def test_mtp_draft_logits_follow_the_published_formula(v3_with_mtp: tuple[torch.nn.Module, MtpLayer, Path]) -> None:
+    model, layer, folder = v3_with_mtp
     ids = deepseek_tokens()
     stage = load_stage(open_source(folder), mtp=True)
     cache = stage.new_cache()
@@ -44,13 +44,13 @@ def test_mtp_draft_logits_follow_the_published_formula(v3_with_mtp: tuple[torch.
     assert stage.hidden is not None
     outputs = stage.draft_states(stage.hidden[:-1], ids[1:], [Span(0, len(ids) - 1, 0, cache)])
     ours = stage.draft_logits(outputs)
-    reference = mtp_reference_logits(model, block, ids).float()
+    reference = mtp_reference_logits(model, layer, ids).float()
     assert ours.shape == reference.shape
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_mtp_drafts_change_no_token(v3_with_mtp: tuple[torch.nn.Module, torch.nn.Module, Path],
+def test_mtp_drafts_change_no_token(v3_with_mtp: tuple[torch.nn.Module, MtpLayer, Path],
                                     params: SamplingParams) -> None:  # fmt: skip
     _, _, folder = v3_with_mtp
     prompt = deepseek_tokens().tolist()[:32]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,12 +117,20 @@ def silence_outputs(model: torch.nn.Module) -> None:
                 p.zero_()
 
 
-def add_mtp_layer(model: torch.nn.Module, folder: Path, seed: int = 7, echo: bool = False) -> torch.nn.Module:
+@dataclass
+class MtpLayer:
+    """A multi-token-prediction layer written into a checkpoint, for the reference: ``block`` a
+    one-layer transformers model holding its block, ``shared_head.norm`` and the model's head;
+    ``tensors`` its own (enorm, hnorm, eh_proj, ...; names without the layer prefix)."""
+
+    block: torch.nn.Module
+    tensors: dict[str, torch.Tensor]
+
+
+def add_mtp_layer(model: torch.nn.Module, folder: Path, seed: int = 7, echo: bool = False) -> MtpLayer:
     """Write a random multi-token-prediction layer (DeepSeek-V3's layer ``num_hidden_layers``:
     enorm, hnorm, eh_proj, a block, shared_head) into the checkpoint at ``folder``, and say so
-    in its config. Returns the reference for it: a one-layer transformers model whose layer,
-    norm and head are the MTP layer's block, ``shared_head.norm`` and the model's head, with
-    the layer's own tensors in ``mtp_tensors`` (names without the layer prefix). With ``echo``
+    in its config, and return it (``MtpLayer``). With ``echo``
     (over a model whose layers add nothing: ``silence_outputs``) the layer computes what the
     model computes for the token after: its greedy drafts are right."""
     import json
@@ -162,19 +171,18 @@ def add_mtp_layer(model: torch.nn.Module, folder: Path, seed: int = 7, echo: boo
     config_path = folder / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
-    block.mtp_tensors = own  # type: ignore[assignment]
-    return block
+    return MtpLayer(block, own)
 
 
-def mtp_reference_logits(model: torch.nn.Module, block: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def mtp_reference_logits(model: torch.nn.Module, layer: MtpLayer, ids: torch.Tensor) -> torch.Tensor:
     """The published formula in float64: row i [len(ids) - 1, vocab] drafts token i + 2 from
     the final state of position i (after the model's norm) and token i + 1, embedding first."""
     import copy
 
-    main, mtp = copy.deepcopy(model).double(), copy.deepcopy(block).double()
+    main, mtp = copy.deepcopy(model).double(), copy.deepcopy(layer.block).double()
     for m in (main, mtp):  # the experts' grouped matmul takes no float64: the plain loop does
         m.config._experts_implementation = "eager"
-    own = {name: t.double() for name, t in block.mtp_tensors.items()}
+    own = {name: t.double() for name, t in layer.tensors.items()}
     eps = model.config.rms_norm_eps
 
     def rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

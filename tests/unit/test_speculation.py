@@ -86,8 +86,12 @@ def test_a_rows_cost_is_measured_from_steps_alone_and_cheap_rows_draft_more() ->
 def test_a_vllm_speculative_config_names_a_mode_and_a_draft_length() -> None:
     assert from_config('{"method": "ngram", "num_speculative_tokens": 5}') == Speculation("ngram", 5)
     assert from_config('{"method": "deepseek_mtp"}').mode == "mtp"
+    looked_up = from_config('{"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 1}').source
+    assert looked_up([5, 6, 7, 5, 9, 6], 3) == [7, 5, 9]  # a one-token match, as prompt_lookup_min 1 allows
+    assert from_config('{"method": "ngram"}').source([5, 6, 7, 5, 9, 6], 3) == []  # the default: 2 tokens at least
     for text, why in (("{", "not JSON"), ("[1]", "JSON object"), ('{"method": "eagle"}', "method 'eagle'"),
-                      ('{"method": "ngram", "prompt_lookup_max": 4}', "'prompt_lookup_max' is not taken"),
+                      ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "'draft_tensor_parallel_size' is not taken"),
+                      ('{"method": "ngram", "prompt_lookup_min": 5}', "1 <= min <= max"),
                       ('{"method": "ngram", "num_speculative_tokens": "5"}', "not a whole number"),
                       ('{"method": "ngram", "num_speculative_tokens": 0}', "--draft-max 0")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):

@@ -70,6 +70,7 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
     if speculation is not None:
         stages[0]["speculation"] = {"windows": speculation.windows, "drafted": speculation.drafted,
                                     "accepted": speculation.accepted, "follows": speculation.follows,
+                                    "stale": speculation.stale,
                                     "acceptance": speculation.acceptance,
                                     "tokens_per_window": speculation.tokens_per_window}  # fmt: skip
     for stage, stat in zip(stages, stats):
