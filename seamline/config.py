@@ -295,25 +295,28 @@ def _v4_fields(d: dict[str, Any], layers: int) -> dict[str, Any]:
 V4_ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
 
 
+V4_REWIND_REACH = 33  # positions a V4 cache can take back: a window of the most drafts (32) and its draw
+
+
 def v4_cache_bytes(config: ModelConfig, layers: range, tokens: int, dtype_bytes: int) -> int:
     """The most a V4 sequence of ``tokens`` holds over ``layers``, per layer type: the window's
     last keys (every type), one entry per ``rate`` tokens (compressed types; the sparse type's
-    indexer keeps its own), and a compressor's open window (candidates and gates; the sparse
-    type's are two halves wide, and it keeps the last closed window's first halves)."""
+    indexer keeps its own), and a compressor's latest rows (candidates and gates: the open
+    window's, the last closed window's where windows overlap, two halves wide, as in the sparse
+    type), each with ``V4_REWIND_REACH`` more positions kept to rewind a speculative window."""
     hf = config.hf
     head, window = config.head_dim, int(hf["sliding_window"])
     total = 0
     for i in layers:
         kind = hf["layer_types"][i]
-        total += min(tokens, max(window - 1, 0)) * head
+        total += min(tokens, max(window - 1, 0) + V4_REWIND_REACH) * head
         if kind == "sliding_attention":
             continue
         sparse = kind == "compressed_sparse_attention"
         rate = int(hf["compress_rates"][kind])
         width = head + (int(hf["index_head_dim"]) if sparse else 0)
-        open_window = 2 * min(tokens, rate - 1) * width * (2 if sparse else 1)
-        prior = 2 * rate * width if sparse and tokens >= rate else 0
-        total += tokens // rate * width + open_window + prior
+        tail = min(tokens, (2 if sparse else 1) * rate - 1 + V4_REWIND_REACH)
+        total += tokens // rate * width + 2 * tail * width * (2 if sparse else 1)
     return total * dtype_bytes
 
 

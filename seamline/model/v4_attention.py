@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from seamline.config import V4_REWIND_REACH
 from seamline.model.layers import empty_param
 from seamline.model.linear import linear, to_float
 from seamline.model.v4_compress import Compressor, CompressorState, Indexer
@@ -37,7 +38,8 @@ class Compression:
 
 
 class SlidingCache:
-    """The last ``window - 1`` shared keys (already normed and turned) and how many came; a
+    """The last ``window - 1`` shared keys (already normed and turned), ``V4_REWIND_REACH``
+    more to take back a speculative window's rejected positions, and how many came; a
     compressed layer's compressor keeps its state here too."""
 
     def __init__(self) -> None:
@@ -71,6 +73,8 @@ class V4Attention(nn.Module):
     def forward(self, x: torch.Tensor, start: int, cache: SlidingCache) -> torch.Tensor:
         """x [T, hidden] at positions [start, start + T) -> [T, hidden]; ``cache`` grows by T."""
         s, tokens = self.shape, x.shape[0]
+        if start < cache.length:
+            self._rewind(cache, start)  # the drafts from ``start`` on were rejected
         if start != cache.length:
             raise ValueError(f"the cache holds {cache.length} positions; this step starts at {start}")
         positions = torch.arange(start, start + tokens)
@@ -91,7 +95,7 @@ class V4Attention(nn.Module):
             visible = torch.cat([visible, seen], dim=1)
         out = self._attend(q, keys, visible)
         window = keys[: keys.shape[0] - (0 if self.compressor is None else entries.shape[0])]
-        kept = window[-(s.window - 1) :] if s.window > 1 else window[:0]
+        kept = window[-(max(s.window - 1, 0) + V4_REWIND_REACH) :]
         cache.kv, cache.length = kept.clone(), cache.length + tokens  # not a view holding every key
         out = turn(out, positions, s.rope_dim, s.rope_theta, back=True)
         grouped = out.reshape(tokens, s.o_groups, -1).transpose(0, 1)  # [G, T, heads * head_dim / G]
@@ -99,6 +103,19 @@ class V4Attention(nn.Module):
         o_a = dense.view(s.o_groups, s.o_lora_rank, -1).transpose(1, 2)  # a narrower checkpoint keeps its dtype
         mixed = torch.bmm(grouped.to(o_a.dtype), o_a).to(x.dtype)
         return linear(mixed.transpose(0, 1).reshape(tokens, -1), self.o_b)
+
+    def _rewind(self, cache: SlidingCache, position: int) -> None:
+        """Take back the positions from ``position`` on, within the keys and rows kept."""
+        back, kept = cache.length - position, cache.kv.shape[0] if cache.kv is not None else 0
+        if cache.length - kept > max(0, position - (self.shape.window - 1)):
+            raise ValueError(f"the cache holds {cache.length} positions; it cannot go back {back} to {position}")
+        if cache.kv is not None:
+            cache.kv = cache.kv[: kept - back].clone()
+        cache.length = position
+        if self.compressor is not None:
+            self.compressor.rewind(cache.compressed, position)
+        if self.indexer is not None:
+            self.indexer.compressor.rewind(cache.indexed, position)
 
     def _window_mask(self, positions: torch.Tensor, first_key: int, keys: int) -> torch.Tensor:
         """[T, keys] bool: which of the window's keys each query sees."""

@@ -21,24 +21,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from seamline.config import V4_REWIND_REACH
 from seamline.model.layers import empty_param
 from seamline.model.linear import linear
 from seamline.model.v4_parts import V4AttentionShape, turn, weighted_rms
 
 
 class CompressorState:
-    """A compressor's state for one sequence: the tokens of the open window, the last closed
-    window's first halves (overlapping windows), the entries so far."""
+    """A compressor's state for one sequence: its latest tokens' candidates and gates (the open
+    window's, the last closed window's for overlapping windows, and ``V4_REWIND_REACH`` more,
+    so that a speculative window's rejected positions can be taken back), and the entries."""
 
     def __init__(self) -> None:
-        self.pending_kv: torch.Tensor | None = None  # [tokens < rate, width]
-        self.pending_gate: torch.Tensor | None = None
-        self.prior: tuple[torch.Tensor, torch.Tensor] | None = None  # ([rate, dim] kv, gate)
+        self.count = 0  # positions taken
+        self.tail_kv: torch.Tensor | None = None  # [rows, width]: positions [count - rows, count)
+        self.tail_gate: torch.Tensor | None = None
         self.entries: torch.Tensor | None = None  # [entries, dim]
 
     def nbytes(self) -> int:
-        held = [self.pending_kv, self.pending_gate, self.entries, *(self.prior or ())]
+        held = [self.tail_kv, self.tail_gate, self.entries]
         return sum(t.nbytes for t in held if t is not None)
+
+    def tail_start(self) -> int:
+        """The position of the tail's first row."""
+        return self.count - (self.tail_kv.shape[0] if self.tail_kv is not None else 0)
 
 
 class Compressor(nn.Module):
@@ -51,40 +57,63 @@ class Compressor(nn.Module):
         self.position_bias = empty_param(rate, width)
         self.kv_norm = empty_param(dim)
 
+    def kept_rows(self) -> int:
+        """The tail a state keeps: the open window, the last closed one when windows overlap,
+        and the positions a rewind may take back."""
+        return (2 if self.overlap else 1) * self.rate - 1 + V4_REWIND_REACH
+
     def forward(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
         """Take the next tokens (x [T, hidden]); every entry so far [entries, dim]."""
         s, rate = self.shape, self.rate
         kv, gate = linear(x, self.kv), linear(x, self.gate)
-        if state.pending_kv is not None and state.pending_gate is not None:
-            kv, gate = torch.cat([state.pending_kv, kv]), torch.cat([state.pending_gate, gate])
+        first = state.tail_start()  # the position of rows[0]
+        if state.tail_kv is not None and state.tail_gate is not None:
+            kv, gate = torch.cat([state.tail_kv, kv]), torch.cat([state.tail_gate, gate])
         done = state.entries.shape[0] if state.entries is not None else 0
-        usable = kv.shape[0] // rate * rate
-        state.pending_kv, state.pending_gate = kv[usable:].clone(), gate[usable:].clone()
-        windows, width = usable // rate, kv.shape[1]
-        if windows == 0:
-            state.entries = kv.new_zeros(0, self.dim) if state.entries is None else state.entries
-            return state.entries
-        kv, gate = kv[:usable].view(windows, rate, width), gate[:usable].view(windows, rate, width) + self.position_bias
-        if self.overlap:
-            kv, gate = self._overlapped(kv, gate, state)
-        weights = gate.softmax(dim=1, dtype=torch.float32)
-        fresh = weighted_rms((kv * weights.to(kv.dtype)).sum(dim=1), self.kv_norm, s.eps)
-        fresh = turn(fresh.unsqueeze(1), torch.arange(done, done + windows) * rate, s.rope_dim, s.rope_theta)[:, 0]
-        state.entries = fresh if state.entries is None else torch.cat([state.entries, fresh])
+        state.count += x.shape[0]
+        windows, width = state.count // rate - done, kv.shape[1]
+        if windows > 0:
+            begin = done * rate - first
+            wkv = kv[begin : begin + windows * rate].view(windows, rate, width)
+            wgate = gate[begin : begin + windows * rate].view(windows, rate, width) + self.position_bias
+            if self.overlap:
+                before = (kv[begin - rate : begin], gate[begin - rate : begin]) if done else None
+                wkv, wgate = self._overlapped(wkv, wgate, before)
+            weights = wgate.softmax(dim=1, dtype=torch.float32)
+            fresh = weighted_rms((wkv * weights.to(wkv.dtype)).sum(dim=1), self.kv_norm, s.eps)
+            fresh = turn(fresh.unsqueeze(1), torch.arange(done, done + windows) * rate, s.rope_dim, s.rope_theta)[:, 0]
+            state.entries = fresh if state.entries is None else torch.cat([state.entries, fresh])
+        elif state.entries is None:
+            state.entries = kv.new_zeros(0, self.dim)
+        keep = self.kept_rows()  # copies: not views holding a long prompt's rows
+        state.tail_kv, state.tail_gate = kv[-keep:].clone(), gate[-keep:].clone()
         return state.entries
 
+    def rewind(self, state: CompressorState, position: int) -> None:
+        """Take back the positions from ``position`` on: the entries of windows not ended
+        before it, and their rows."""
+        closed = position // self.rate
+        needed = max(0, closed - (1 if self.overlap else 0)) * self.rate  # rows the next window reads
+        if not needed >= state.tail_start() or position > state.count:
+            raise ValueError(f"a compressor at {state.count} keeps positions from {state.tail_start()}: "
+                             f"it cannot go back to {position}")  # fmt: skip
+        assert state.tail_kv is not None and state.tail_gate is not None and state.entries is not None
+        rows = state.tail_kv.shape[0] - (state.count - position)
+        state.tail_kv, state.tail_gate = state.tail_kv[:rows].clone(), state.tail_gate[:rows].clone()
+        state.entries, state.count = state.entries[:closed].clone(), position
+
     def _overlapped(self, kv: torch.Tensor, gate: torch.Tensor,
-                    state: CompressorState) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """[windows, 2 * rate, dim]: the previous window's first halves, then this window's
-        second halves. Before the first window nothing is there (zero, with weight 0)."""
+                    before: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """[windows, 2 * rate, dim]: the previous window's first halves (``before``: the rows
+        of the window before the first, with no position bias yet), then this window's second
+        halves. Before the first window nothing is there (zero, with weight 0)."""
         windows, rate, d = kv.shape[0], self.rate, self.dim
         wide_kv = kv.new_zeros(windows, 2 * rate, d)
         wide_gate = gate.new_full((windows, 2 * rate, d), float("-inf"))
         wide_kv[:, rate:], wide_gate[:, rate:] = kv[..., d:], gate[..., d:]
         wide_kv[1:, :rate], wide_gate[1:, :rate] = kv[:-1, :, :d], gate[:-1, :, :d]
-        if state.prior is not None:
-            wide_kv[0, :rate], wide_gate[0, :rate] = state.prior
-        state.prior = kv[-1, :, :d].clone(), gate[-1, :, :d].clone()
+        if before is not None:
+            wide_kv[0, :rate], wide_gate[0, :rate] = before[0][:, :d], (before[1] + self.position_bias)[:, :d]
         return wide_kv, wide_gate
 
     def ended(self, positions: torch.Tensor, entries: int) -> torch.Tensor:

@@ -9,8 +9,10 @@ correction bias (``moe``), or the experts a fixed table gives the token id (``ha
 routed and shared experts clamp their SwiGLU inputs to ``swiglu_limit``. Attention runs per
 span over that sequence's ``V4Cache``; everything else runs once over all rows of a step.
 
-A V4 cache forgets the keys behind its window, so it cannot be rewound nor forked at an
-earlier position (``forks_caches``): a prompt that begins as another is computed afresh.
+A V4 cache forgets the keys behind its window, so it cannot be forked at an earlier
+position (``forks_caches``): a prompt that begins as another is computed afresh. It keeps
+``V4_REWIND_REACH`` positions more than its window needs, so a step may start up to that many
+positions back (a speculative window's rejected drafts: ``verifies_drafts``).
 The multi-token-prediction layers are not run (checkpoint tensors ``mtp.*`` are ignored).
 """
 
@@ -140,6 +142,7 @@ class V4Cache:
 class V4Stage(nn.Module):
     forks_caches = False  # see the module docstring
     passes_ids = True
+    verifies_drafts = True  # a step may start within V4_REWIND_REACH positions before the cache's end
 
     def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None) -> None:
         super().__init__()
@@ -180,10 +183,10 @@ class V4Stage(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
-                      ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                      ids: torch.Tensor | None = None, logit_rows: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
         """inputs: ids [N] (the first stage) or the residual [N, hc_mult, hidden] with the
         rows' ``ids``. Returns the residual for the next stage, or logits [N, vocab] (with
-        ``last_only``: each span's last row)."""
+        ``last_only``: each span's last row; with ``logit_rows``: those rows')."""
         if self.embed is not None:
             ids = inputs
             residual = widen(embedding(inputs, self.embed, self.compute_dtype), self.streams)
@@ -196,8 +199,8 @@ class V4Stage(nn.Module):
             residual = block(residual, ids, spans, step)
         if self.head is None or self.hc_head is None or self.norm is None:
             return residual
-        if last_only:
-            residual = residual[[s.end - 1 for s in spans]]
+        if logit_rows is not None or last_only:
+            residual = residual[list(logit_rows) if logit_rows is not None else [s.end - 1 for s in spans]]
         return linear(weighted_rms(self.hc_head(residual), self.norm.weight, self.config.rms_norm_eps), self.head)
 
 

@@ -38,7 +38,7 @@ class LockstepStage:
         self.boundary_shape: tuple[int, ...] = stage.boundary_shape
         self.passes_ids, self.forks_caches = stage.passes_ids, stage.forks_caches
         # windows, where the ranks' caches may go back to a rejected draft's position
-        self.verifies_drafts = getattr(stage, "verifies_drafts", False) and stage.forks_caches
+        self.verifies_drafts = getattr(stage, "verifies_drafts", False)
         self.cache_bytes = stage.cache_bytes
 
     def new_cache(self, greedy: bool = False) -> GroupCache:

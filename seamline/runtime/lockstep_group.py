@@ -228,7 +228,7 @@ class LockstepRank:
         if op == REWIND:
             if not 0 <= position <= state.position:
                 raise RequestError(f"rewind of sequence {seq} to {position}: must be in [0, {state.position}]")
-            if position != state.position and not self.stage.forks_caches:
+            if position != state.position and not self.stage.forks_caches:  # (a V4 cache goes back at its next step)
                 raise RequestError(f"sequence {seq} cannot be rewound: this model's caches forget what they pass")
             state.position = state.floor = position
             state.windowed = False
@@ -250,11 +250,11 @@ class LockstepRank:
     def _forward(self, inputs: Inputs, spans: list[Span]) -> torch.Tensor:
         """Hidden states of every row, or on the last stage the logits of each span's last row
         and of every row of a speculative window (``logit_rows``)."""
+        windowed = self.last and any(s.rowwise for s in spans)
+        rows: dict[str, Any] = {"logit_rows": logit_rows(spans)} if windowed else {"last_only": self.last}
         if isinstance(inputs, HiddenWithIds):
-            return self.stage.forward_batch(inputs.hidden, spans, last_only=self.last, ids=inputs.ids)  # type: ignore[call-arg]
-        if self.last and any(s.rowwise for s in spans):  # (a stage that verifies drafts: not DeepSeek-V4's)
-            return self.stage.forward_batch(torch.as_tensor(inputs), spans, logit_rows=logit_rows(spans))
-        return self.stage.forward_batch(torch.as_tensor(inputs), spans, last_only=self.last)
+            return self.stage.forward_batch(inputs.hidden, spans, ids=inputs.ids, **rows)
+        return self.stage.forward_batch(torch.as_tensor(inputs), spans, **rows)
 
     def _apply_batch(self, inputs: Inputs | None, table: torch.Tensor) -> torch.Tensor:
         """Every span checked first (all ranks hold the same sequences, so all refuse alike),

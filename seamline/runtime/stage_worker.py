@@ -280,12 +280,11 @@ class StageWorker:
         started = time.perf_counter()
         ids = self._ids(work, inputs)  # every frame carries them: the sampler counts generated tokens
         windowed = self.is_last and any(s.rowwise for s in spans)
-        if windowed:  # a window draws after every row: its every row's logits
-            out = self.stage.forward_batch(inputs, spans, logit_rows=logit_rows(spans))  # type: ignore[call-arg]
-        elif not self.stage.passes_ids:
-            out = self.stage.forward_batch(inputs, spans, last_only=self.is_last)
-        else:
-            out = self.stage.forward_batch(inputs, spans, last_only=self.is_last, ids=ids)  # type: ignore[call-arg]
+        # a window draws after every row: its every row's logits
+        rows: dict[str, Any] = {"logit_rows": logit_rows(spans)} if windowed else {"last_only": self.is_last}
+        if self.stage.passes_ids:
+            rows["ids"] = ids
+        out = self.stage.forward_batch(inputs, spans, **rows)
         if all(w.row.count == 1 for w in work):
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started

@@ -12,13 +12,14 @@ from pathlib import Path
 import httpx
 
 from tests.support.mesh import start_mesh
+from tests.support.v4_folder import CONTEXT, build_v4_folder
 
 LIST = [{"role": "user", "content": "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates."}]
 ASKS = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}, {"temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5}]
 
 
-def _answers(root: Path, *serve_args: str, stages: int = 2) -> tuple[list[str], dict[str, float]]:
-    mesh = start_mesh(root, stages, *serve_args)
+def _answers(root: Path, *serve_args: str, stages: int = 2, model: Path | None = None) -> tuple[list[str], dict[str, float]]:
+    mesh = start_mesh(root, stages, *serve_args, model=model, context=CONTEXT)
     try:
         assert len(mesh.wait_ready()["stages"]) == stages
         answers = []
@@ -48,3 +49,14 @@ def test_windows_in_flight_across_three_stages_change_no_answer(tmp_path: Path) 
     assert drafted == plain
     assert counts["follows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
     assert 0 <= counts["stale"] <= counts["follows"], counts
+
+
+def test_a_deepseek_v4_mesh_that_speculates_answers_as_one_that_does_not(tmp_path: Path) -> None:
+    """DeepSeek-V4's caches forget what leaves their window: each stage's takes a window's
+    rejected positions back at the next step (a random 4-layer checkpoint whose attention
+    speaks softly: its greedy answers loop, so n-grams draft)."""
+    folder = build_v4_folder(tmp_path / "v4", attention_scale=0.05)
+    plain, _ = _answers(tmp_path / "off", "--speculative", "off", model=folder)
+    drafted, counts = _answers(tmp_path / "auto", model=folder)
+    assert drafted == plain
+    assert counts["windows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts

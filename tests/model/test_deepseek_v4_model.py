@@ -151,3 +151,40 @@ def test_the_planner_and_the_scheduler_count_each_layer_kinds_cache(checkpoint) 
         scheduler.add(_ids(9, 50).tolist(), SamplingParams(max_tokens=50))
     scheduler.add(_ids(9, 50).tolist(), SamplingParams(max_tokens=49))
     assert not scheduler.forks and scheduler.prefix.capacity_bytes == 0  # V4's caches are not forked
+
+
+def _state(cache) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Every tensor a V4 cache holds, layer by layer."""
+    held = []
+    for layer in cache.layers.values():
+        held += [layer.kv, torch.tensor(layer.length)]
+        for state in (layer.compressed, layer.indexed):
+            held += [t for t in (state.tail_kv, state.tail_gate, state.entries) if t is not None]
+    return held
+
+
+@pytest.mark.parametrize("back", [1, 5, 9])
+def test_a_window_taken_back_leaves_the_cache_of_a_run_that_never_drafted(checkpoint, back: int) -> None:  # type: ignore[no-untyped-def]
+    """A window of 9 rows (drafts) whose last ``back`` were rejected: the next step starts
+    there. The caches (window keys, compressors' rows and entries, indexer's) and the logits
+    after it equal a run that only ever took the accepted tokens; going back past what a cache
+    keeps is refused with the positions named."""
+    from seamline.config import V4_REWIND_REACH
+
+    _, _, stage = checkpoint
+    ids, drafts = _ids(4, 20), _ids(5, 9)
+    accepted = 9 - back
+    drafted, plain = stage.new_cache(), stage.new_cache()
+    stage(ids, 0, drafted)
+    stage(drafts, 20, drafted)  # positions 20..28
+    stage(ids, 0, plain)
+    if accepted:
+        stage(drafts[:accepted], 20, plain)
+    after = _ids(6, 3)
+    torch.testing.assert_close(stage(after, 20 + accepted, drafted), stage(after, 20 + accepted, plain), rtol=0, atol=1e-5)
+    for a, b in zip(_state(drafted), _state(plain), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    far = 23 + accepted + V4_REWIND_REACH + 1
+    stage(_ids(7, far - 23 - accepted), 23 + accepted, drafted)
+    with pytest.raises(ValueError, match=f"holds {far} positions; it cannot go back"):
+        stage(after[:1], far - V4_REWIND_REACH - 1, drafted)

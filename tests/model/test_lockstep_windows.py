@@ -5,7 +5,8 @@ The leader's scheduler drafts (partly right, so windows end after 0, 1 or 2 acce
 and the mirrored BATCH command carries each window flagged, so every rank computes its rows
 as one-row steps and the head gathers every row's logits; the next rows start at the first
 rejected position on every rank with no REWIND. Each family (a dense Llama, Mixtral,
-DeepSeek-V3's latent attention) runs in a real group: rank 1 is another process over TCP.
+DeepSeek-V3's latent attention, DeepSeek-V4, whose caches take the rejected positions back
+at the next step) runs in a real group: rank 1 is another process over TCP.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tests.support.configs import checkpoint_folder
 from tests.support.lockstep_harness import running_group
 
 
-@pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3", "deepseek_v4"])
 def test_a_lockstep_group_verifies_windows_and_changes_no_token(kind: str, tmp_path: Path) -> None:
     folder = checkpoint_folder(kind, tmp_path)
     with running_group(folder, 2) as group:

@@ -38,7 +38,7 @@ def _same_with_and_without(stage: Stage, prompt: list[int], params: SamplingPara
     return stats
 
 
-@pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3", "deepseek_v4"])
 def test_drafts_change_no_token(kind: str, tmp_path: Path) -> None:
     stage = load_stage(checkpoint_source(kind, tmp_path))
     prompt = repetitive_prompt(stage.config.vocab_size)

@@ -12,6 +12,7 @@ from seamline.weights.loader import open_source
 from seamline.weights.source import TensorSource
 from tests.support.deepseek import build_deepseek
 from tests.support.reference import save_random_model
+from tests.support.v4_reference import save_random_v4
 
 SMALL = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # the MoE families'
 DENSE_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -59,6 +60,8 @@ def checkpoint_folder(kind: str, folder: Path) -> Path:
         save_random_model(mixtral_config(), folder)
     elif kind == "deepseek_v3":
         folder = build_deepseek(folder, "v3")[1]
+    elif kind == "deepseek_v4":
+        save_random_v4(folder)
     else:
         return default_model_path()
     return folder

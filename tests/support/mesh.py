@@ -30,12 +30,15 @@ def ask(mesh: MeshProcesses, question: str, tokens: int) -> dict:
     return dict(reply.json())
 
 
-def start_mesh(root: Path, stages: int, *serve_args: str, cap_within: float = 0.5) -> MeshProcesses:
+def start_mesh(root: Path, stages: int, *serve_args: str, cap_within: float = 0.5, model: Path | None = None,
+               context: int = CONTEXT) -> MeshProcesses:  # fmt: skip
     """``cap_within``: where in the range of per-node memory caps that need ``stages`` stages
-    (``memory_cap_gb``); lower keeps each stage nearer its even share of the layers."""
-    cap = memory_cap_gb(None, stages, CONTEXT, within=cap_within)
-    mesh = MeshProcesses(root, nodes=stages, node_memory_gb=cap,
-                         serve_args=("--context", str(CONTEXT), *serve_args))  # fmt: skip
+    (``memory_cap_gb``); lower keeps each stage nearer its even share of the layers. ``model``:
+    a checkpoint folder (None: the embedded model)."""
+    name = str(model) if model is not None else None
+    cap = memory_cap_gb(name, stages, context, within=cap_within)
+    mesh = MeshProcesses(root, nodes=stages, node_memory_gb=cap, model=name,
+                         serve_args=("--context", str(context), *serve_args))  # fmt: skip
     return mesh.start()
 
 

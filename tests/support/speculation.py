@@ -45,7 +45,7 @@ def partly_right(prompt_len: int) -> Callable[[list[int]], DraftSource]:
             done = len(history) - prompt_len
             upcoming = expected[done:][:limit]
             wrong = done % 3
-            return [(t + 1) % 256 if i == wrong else t for i, t in enumerate(upcoming)]
+            return [(t + 1) % 96 if i == wrong else t for i, t in enumerate(upcoming)]
 
         return source
 
