@@ -335,11 +335,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     api_options(args), precision=args.precision, speculation=_speculation(args))  # fmt: skip
         return 0
     speculation = _speculation(args)
-    if speculation.mode == "mtp":
-        raise ConfigError("--speculative mtp: a mesh drafts n-grams so far; the multi-token-prediction layer drafts "
-                          "on one process (serve --single, run)")
-    if speculation.mode == "ngram" and (args.private or args.verify_fraction > 0):
-        raise ConfigError("--speculative ngram: a mesh speculates only where every row is not checked and members "
+    if speculation.mode in ("ngram", "mtp") and (args.private or args.verify_fraction > 0):
+        raise ConfigError(f"--speculative {speculation.mode}: a mesh speculates only where every row is not checked and members "
                           "see the tokens (not with --private or --verify-fraction)")
     options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
                            fragments_port=args.fragments_port,

@@ -8,7 +8,9 @@ published formula, embedding first:
     o  = Block_N(h') at position t, over its own attention cache (layer N of the sequence's cache)
     logits = head(norm_N(o))          (``shared_head.norm``; the model's own head)
 
-Chained for a longer draft, ``o`` stands where ``h`` stood, at the next position. The layer
+Chained for a longer draft, ``o`` stands where ``h`` stood, at the next position. On a stage
+without the model's embedding (a pipeline's last stage) the layer reads its own copy, which
+DeepSeek's checkpoints store with it (``embed_tokens``). The layer
 only proposes: a draft's token is kept only where the model's own draw agrees, so its cache
 may lag or hold a chained draft's state at some position without changing any output.
 """
@@ -39,6 +41,7 @@ class NextTokenLayer(nn.Module):
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = empty_param(hidden, 2 * hidden)
+        self.embed = None if own.owns_embedding() else empty_param(config.vocab_size, hidden)  # the layer's own
         self.block = Block(config, self.layer, own, rope, SingleComm(), moe=config.mtp_moe)
         self.norm = RMSNorm(hidden, eps)
 

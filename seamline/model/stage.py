@@ -125,8 +125,10 @@ class Stage(nn.Module):
     def draft_states(self, states: torch.Tensor, next_ids: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
         """The drafting layer over rows of final ``states`` [N, hidden] and the tokens after
         them ``next_ids`` [N], at the spans' positions: its output [N, hidden]."""
-        assert self.mtp is not None and self.embed is not None
-        return self.mtp(states, embedding(next_ids, self.embed, self.compute_dtype), spans)
+        assert self.mtp is not None
+        table = self.embed if self.embed is not None else self.mtp.embed
+        assert table is not None
+        return self.mtp(states, embedding(next_ids, table, self.compute_dtype), spans)
 
     @torch.inference_mode()
     def draft_logits(self, outputs: torch.Tensor) -> torch.Tensor:

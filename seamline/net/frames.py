@@ -14,9 +14,12 @@ Payloads:
   layers route by token id (DeepSeek-V4's hash-routed experts) needs them.
 - TOKEN: sampled token ids travelling from the last stage back to stage 0:
   u16 rows, then rows × TOKEN_ROW, then for each row flagged ``LOGPROBS`` (in row order) its
-  log-probability (f32), a count k (u8) and k × (token i32, log-probability f32).
+  log-probability (f32), a count k (u8) and k × (token i32, log-probability f32), then for
+  each row flagged ``DRAFTS`` a count k (u8) and k × token (i32): the last stage's
+  multi-token-prediction drafts for the sequence's next window.
 A ROW carries (request id, position, count, prefix hash before, prefix hash after, flags):
 the receiver refuses a row whose position or prefix hash is out of step with its record.
+Bits 16-23 of a HIDDEN row's flags (``drafts_wanted``) ask the last stage for that many drafts.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ ROW = struct.Struct("<QIIQQI")  # request, position, count, hash_before, hash_af
 TOKEN_ROW = struct.Struct("<QIIQQI")  # request, position, token, hash_before, hash_after, flags
 LOGPROB = struct.Struct("<fB")  # a token's log-probability, how many alternatives follow
 ALTERNATIVE = struct.Struct("<if")  # token id, log-probability
+DRAFT_COUNT = struct.Struct("<B")
+DRAFT = struct.Struct("<i")
+WANTED_SHIFT, WANTED_MASK = 16, 0xFF  # a HIDDEN row's flags: drafts wanted from the last stage's MTP layer
 MAX_ROWS = 4096
 MAX_NDIM = 4
 
@@ -72,6 +78,7 @@ class RowFlag(enum.IntFlag):
     WINDOW = 32  # (HIDDEN) the tokens after the row's first are drafts: a draw after each while they are accepted
     FOLLOW = 64  # (HIDDEN, with WINDOW) the row's first token is a draft too: it goes on from the window before,
     # as if that one is accepted whole; the last stage draws only if its last draw was that first token
+    DRAFTS = 128  # (TOKEN) the model's drafts for the sequence's next window follow the log-probabilities
 
 
 LIMITS = {FrameType.CONTROL: 1 << 20, FrameType.HIDDEN: 256 << 20, FrameType.TOKEN: 1 << 20}
@@ -104,6 +111,17 @@ class TokenRow:
     flags: int = 0
     logprob: float | None = None  # with LOGPROBS: the token's, and the likeliest tokens' (id, logprob)
     top: tuple[tuple[int, float], ...] = ()
+    drafts: tuple[int, ...] = ()  # with DRAFTS: the tokens the model drafts after this one
+
+
+def drafts_wanted(flags: int) -> int:
+    """How many drafts a HIDDEN row asks of the last stage's multi-token-prediction layer."""
+    return (flags >> WANTED_SHIFT) & WANTED_MASK
+
+
+def asking_drafts(flags: int, wanted: int) -> int:
+    """``flags`` with ``wanted`` drafts asked (0 to 255)."""
+    return (flags & ~(WANTED_MASK << WANTED_SHIFT)) | (min(max(wanted, 0), WANTED_MASK) << WANTED_SHIFT)
 
 
 @dataclass(frozen=True)
@@ -219,6 +237,9 @@ def encode_tokens(rows: list[TokenRow] | tuple[TokenRow, ...]) -> bytes:
     for r in rows:
         if r.flags & RowFlag.LOGPROBS:
             body += LOGPROB.pack(r.logprob or 0.0, len(r.top)) + b"".join(ALTERNATIVE.pack(i, lp) for i, lp in r.top)
+    for r in rows:
+        if r.flags & RowFlag.DRAFTS:
+            body += DRAFT_COUNT.pack(len(r.drafts)) + b"".join(DRAFT.pack(t) for t in r.drafts)
     return header(FrameType.TOKEN, len(body)) + body
 
 
@@ -236,6 +257,9 @@ def decode_tokens(payload: bytes | bytearray | memoryview) -> TokenFrame:
         if row.flags & RowFlag.LOGPROBS:
             row, end = _with_logprobs(view, end, row)
         rows.append(row)
+    for i, row in enumerate(rows):
+        if row.flags & RowFlag.DRAFTS:
+            rows[i], end = _with_drafts(view, end, row)
     if end != len(view):
         raise FrameError(f"TOKEN frame of {len(view)} bytes: its rows and log-probabilities take {end}")
     return TokenFrame(tuple(rows))
@@ -250,6 +274,17 @@ def _with_logprobs(view: memoryview, at: int, row: TokenRow) -> tuple[TokenRow, 
         raise FrameError(f"TOKEN frame too short for {count} alternatives")
     top = tuple(ALTERNATIVE.unpack_from(view, at + j * ALTERNATIVE.size) for j in range(count))
     return replace(row, logprob=logprob, top=top), at + count * ALTERNATIVE.size
+
+
+def _with_drafts(view: memoryview, at: int, row: TokenRow) -> tuple[TokenRow, int]:
+    if len(view) < at + DRAFT_COUNT.size:
+        raise FrameError("TOKEN frame too short for a row's draft count")
+    (count,) = DRAFT_COUNT.unpack_from(view, at)
+    at += DRAFT_COUNT.size
+    if len(view) < at + count * DRAFT.size:
+        raise FrameError(f"TOKEN frame too short for {count} drafts")
+    drafts = tuple(DRAFT.unpack_from(view, at + j * DRAFT.size)[0] for j in range(count))
+    return replace(row, drafts=drafts), at + count * DRAFT.size
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 from seamline.net.frames import FrameError, FrameType, header
 from seamline.params import SamplingParams
 
-PROTOCOL_VERSION = 4  # 4: windows in flight (``RowFlag.FOLLOW``); 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
+PROTOCOL_VERSION = 5  # 5: the last stage's MTP drafts (``RowFlag.DRAFTS``, ``Assign.mtp``); 4: windows in flight (``RowFlag.FOLLOW``); 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what a node id may be: no log line or console event can be forged by one
 MAX_REASON = 2048  # a failure's or error's text, in characters: a longer one is cut, never refused
 _LINE_BREAKING = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # control characters, line separators
@@ -175,6 +175,7 @@ class Assign(Message):
     dtype: str
     context_length: int
     int8_activations: bool = False  # the coordinator's precision: int8 blocks in the quantized matmuls
+    mtp: bool = False  # the last stage: with the model's multi-token-prediction layer, which drafts
     memory_bytes: int = 0  # weights + KV cache the plan expects this node to hold
     # A lockstep group: this node is rank shard[0] of shard[1]; ``group`` has every rank's
     # comm address in rank order, ``group_nodes`` their node ids. (0, 1) and [] for a stage of one node.
@@ -236,7 +237,7 @@ class Route(Message):
     stages: int = 1  # stages in the pipeline: stage 0 keeps at least this many micro-batches in flight
     micro_batches: int = 0  # more micro-batches in flight than stages (0: as many as stages)
     forks: bool = False  # every stage can copy a cache (no lockstep group): stage 0 shares prefixes
-    speculation: Literal["off", "auto", "ngram"] = "off"  # stage 0 drafts windows (``runtime/speculation.py``)
+    speculation: Literal["off", "auto", "ngram", "mtp"] = "off"  # stage 0 drafts windows (``runtime/speculation.py``)
     draft_max: int = Field(default=8, ge=1, le=32)
 
 

@@ -7,15 +7,25 @@ cache follows the model's positions; the last of those rows gives the first draf
 that decodes next, and each further draft chains the layer's output and the draft before it one
 position on, as many as the sequence's drafter wants. Drafts are the argmax of the layer's
 logits: a draft is only a proposal, which the model's own draw keeps or rejects.
+
+In a pipeline the layer runs on the last stage (``pipeline_drafts``), where the head and the
+final states are: after the step's draws, over the rows whose next token is now known (a prompt
+chunk's last row waits for the next chunk's first token and stays out of the layer's cache, which
+may only make drafts worse), and a sequence whose row asked for drafts (``drafts_wanted``) gets
+them on its last token row, back to stage 0 with it.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
+from seamline.net.frames import RowFlag, TokenRow, drafts_wanted
 from seamline.runtime.scheduler import Batch, SequenceState
+from seamline.runtime.stage_rows import Work
 
 
 def offer_drafts(stage: Stage, batch: Batch) -> None:
@@ -43,7 +53,46 @@ def offer_drafts(stage: Stage, batch: Batch) -> None:
     chosen = [i for i, want in enumerate(wants) if want > 0]
     if chosen:
         last = outputs[[spans[i].end - 1 for i in chosen]]
-        _chain(stage, last, [owners[i] for i in chosen], [wants[i] for i in chosen])
+        drafts = _chain(stage, last, [spans[i] for i in chosen], [wants[i] for i in chosen])
+        for i, draft in zip(chosen, drafts):
+            assert owners[i].drafter is not None
+            owners[i].drafter.offered = draft
+
+
+def pipeline_drafts(stage: Stage, work: list[Work], draws: list[list[TokenRow]]) -> list[list[TokenRow]]:
+    """The last stage of a pipeline, after a step of ``work`` and its ``draws`` (each row's
+    token rows): the drafting layer over the rows whose next token is known; each row that asked
+    for drafts, and drew a token that does not end its request, carries them on its last."""
+    assert stage.hidden is not None
+    rows: list[int] = []
+    ids: list[int] = []
+    spans: list[Span] = []
+    asking: list[tuple[int, int, int]] = []  # (work index, span index, drafts wanted)
+    offset = 0
+    for index, (w, drawn) in enumerate(zip(work, draws)):
+        known = [t.token for t in drawn]
+        nexts = known[: w.row.count] if w.row.flags & RowFlag.WINDOW else w.token_ids()[1:] + known[:1]
+        if nexts and isinstance(w.cache, SequenceCache):
+            room = w.cache.capacity() - (w.row.position + len(nexts)) - 1
+            want = min(drafts_wanted(w.row.flags), room) if drawn and not drawn[-1].flags & RowFlag.DONE else 0
+            if want > 0:
+                asking.append((index, len(spans), want))
+            spans.append(Span(len(ids), len(nexts), w.row.position, w.cache))
+            rows += range(offset, offset + len(nexts))
+            ids += nexts
+        offset += w.row.count
+    if not spans:
+        return draws
+    outputs = stage.draft_states(stage.hidden[rows], torch.tensor(ids, dtype=torch.long), spans)
+    if not asking:
+        return draws
+    chosen = [spans[j] for _, j, _ in asking]
+    drafts = _chain(stage, outputs[[s.end - 1 for s in chosen]], chosen, [n for _, _, n in asking])
+    draws = list(draws)
+    for (index, _, _), draft in zip(asking, drafts):
+        last = draws[index][-1]
+        draws[index] = [*draws[index][:-1], replace(last, flags=last.flags | RowFlag.DRAFTS, drafts=tuple(draft))]
+    return draws
 
 
 def _wanted(sequence: SequenceState) -> int:
@@ -52,23 +101,20 @@ def _wanted(sequence: SequenceState) -> int:
     return max(0, min(sequence.drafter.wanted(), sequence.cache.capacity() - sequence.cached - 1))
 
 
-def _chain(stage: Stage, states: torch.Tensor, sequences: list[SequenceState], wants: list[int]) -> None:
-    """Each sequence's drafts (its row of ``states`` the layer's output at its last known
-    position): one position further per round, every sequence that wants more in one pass."""
-    drafts: list[list[int]] = [[] for _ in sequences]
-    active = list(range(len(sequences)))
+def _chain(stage: Stage, states: torch.Tensor, spans: list[Span], wants: list[int]) -> list[list[int]]:
+    """Each span's drafts (its row of ``states`` the layer's output at the span's last
+    position): one position further per round, every span that wants more in one pass."""
+    drafts: list[list[int]] = [[] for _ in spans]
+    active = list(range(len(spans)))
     while True:
         tokens = stage.draft_logits(states).argmax(dim=-1).tolist()
         for i, token in zip(active, tokens):
             drafts[i].append(token)
         going = [row for row, i in enumerate(active) if len(drafts[i]) < wants[i]]
         if not going:
-            break
+            return drafts
         active = [active[row] for row in going]
-        spans = [Span(row, 1, sequences[i].cached + len(drafts[i]) - 1, sequences[i].cache)  # type: ignore[arg-type]
-                 for row, i in enumerate(active)]  # fmt: skip
+        chained = [Span(row, 1, spans[i].start + spans[i].count + len(drafts[i]) - 1, spans[i].cache)
+                   for row, i in enumerate(active)]  # fmt: skip
         next_ids = torch.tensor([drafts[i][-1] for i in active], dtype=torch.long)
-        states = stage.draft_states(states[going], next_ids, spans)
-    for sequence, draft in zip(sequences, drafts):
-        assert sequence.drafter is not None
-        sequence.drafter.offered = draft
+        states = stage.draft_states(states[going], next_ids, chained)

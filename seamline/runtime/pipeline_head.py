@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from seamline.errors import RequestError
-from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, prefix_hash
+from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, asking_drafts, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.core import EngineCore
@@ -73,6 +73,7 @@ class PipelineHead:
         self._forget_later: set[int] = set()
         self.scheduler.on_free = self._freed
         self.core = EngineCore(self.scheduler, self)  # this head is the pipeline's executor
+        self._model_drafts = False  # the last stage drafts with its MTP layer (``speculate``)
         self._inbox = Inbox()
         self.hash_key: bytes | None = None  # rows' prefix hashes keyed (a private mesh: members read no token from them)
         self._cond = threading.Condition()
@@ -135,8 +136,10 @@ class PipelineHead:
         self.scheduler.prefix.capacity_bytes = PREFIX_CACHE_BYTES if on else 0
 
     def speculate(self, speculation: Speculation | None) -> None:
-        """Set before any request: whether stage 0 drafts windows for the later stages to verify."""
+        """Set before any request: whether stage 0 drafts windows for the later stages to verify
+        (``mtp``: the last stage's multi-token-prediction layer drafts; rows ask it how many)."""
         self.scheduler.speculate(speculation)
+        self._model_drafts = self.scheduler.speculation is not None and self.scheduler.speculation.mode == "mtp"
 
     def caches(self) -> tuple[list[Any], list[Any]]:
         """The running sequences' caches, and the finished ones kept for prompts that begin alike."""
@@ -287,6 +290,8 @@ class PipelineHead:
                 self._forget(sequence)
             elif not _window_open(sequence):
                 sequence.in_flight = False
+                if row.drafts and sequence.drafter is not None:  # the last stage's, for the next window
+                    sequence.drafter.offered = list(row.drafts)
                 if windowed:  # the positions computed are the last token and the drafts accepted
                     sequence.prefix_hash = self._hash_before(sequence, sequence.cached)
 
@@ -347,6 +352,8 @@ class PipelineHead:
                 sequence.window_start, sequence.window_hash = span.start, prefix_hash(before, ids[:1], self.hash_key)
                 flags |= RowFlag.WINDOW
             sequence.in_flight = sequence.in_flight or draws
+            if draws and self._model_drafts and sequence.drafter is not None:  # the last stage's MTP layer drafts
+                flags = asking_drafts(int(flags), sequence.drafter.wanted())
             row = Row(sequence.request, span.start, span.count, before, after, int(flags))
             work.append(Work(row, span.cache, torch.tensor(ids, dtype=torch.long), self._drawing(sequence)))
         return work

@@ -192,7 +192,8 @@ class Drafter:
         against them; the first rejection drops them all."""
         if not self.full or not self.window or room <= 0:
             return []
-        drafts = self.source(history, min(room, self.length or self.draft_max))
+        source = ngram_draft if self.source is offered_only else self.source  # a model drafts after its tokens only
+        drafts = source(history, min(room, self.length or self.draft_max))
         self.window += drafts
         if drafts:
             self.ends.append(len(self.window))

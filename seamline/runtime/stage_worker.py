@@ -27,6 +27,7 @@ import torch
 
 from seamline.errors import RequestError
 from seamline.model.cache import Span, logit_rows, logits_by_span
+from seamline.runtime.mtp_drafts import pipeline_drafts
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
@@ -294,10 +295,11 @@ class StageWorker:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
             self.links.downstream([w.row for w in work], out, ids)
             return []
-        sampled = []
-        for w, logits in zip(work, logits_by_span(spans, out) if windowed else out):
-            if w.row.flags & RowFlag.SAMPLE:
-                sampled += self._sample(w, logits)
+        draws = [self._sample(w, logits) if w.row.flags & RowFlag.SAMPLE else []
+                 for w, logits in zip(work, logits_by_span(spans, out) if windowed else out)]  # fmt: skip
+        if getattr(self.stage, "mtp", None) is not None:  # the model's drafts travel back with the tokens
+            draws = pipeline_drafts(self.stage, work, draws)  # type: ignore[arg-type]
+        sampled = [token for drawn in draws for token in drawn]
         if sampled and not self.is_first and self.links.stage0 is not None:
             self.links.stage0(sampled)  # the critical path first: stage 0 waits for these tokens
         if sampled and self.links.results is not None:

@@ -226,10 +226,12 @@ def _has_file(folder: Path, entry: FragmentEntry) -> bool:
 
 
 def fragments_for(
-    manifest: Manifest, layer_range: Range, owns_embedding: bool, owns_head: bool, experts: Range | None = None
+    manifest: Manifest, layer_range: Range, owns_embedding: bool, owns_head: bool, experts: Range | None = None,
+    mtp: bool = False,
 ) -> list[FragmentEntry]:
     """The fragments a stage owning ``[start, end)`` (and the embedding / head) needs; of
-    the routed experts only the chunks that hold one of ``experts`` (None: every expert).
+    the routed experts only the chunks that hold one of ``experts`` (None: every expert);
+    with ``mtp`` the multi-token-prediction layer's too (layer ``num_layers``).
 
     The last stage of a tied model also needs ``embed`` (its head is the embedding); stage 0
     and the last stage get the tokenizer files.
@@ -237,7 +239,7 @@ def fragments_for(
     start, end = layer_range
     if not 0 <= start < end <= manifest.num_layers:
         raise ConfigError(f"layer range [{start},{end}) is not inside [0,{manifest.num_layers})")
-    in_range = lambda f: f.layer is not None and start <= f.layer < end  # noqa: E731
+    in_range = lambda f: f.layer is not None and (start <= f.layer < end or (mtp and f.layer == manifest.num_layers))  # noqa: E731
     wants: dict[str, Callable[[FragmentEntry], bool]] = {
         "layer": in_range,
         "experts": lambda f: in_range(f) and (experts is None or _overlaps(f.experts, experts)),

@@ -95,7 +95,7 @@ def load_stage(
     config = config or ModelConfig.from_hf_dict(source.config_dict())
     own = own or Ownership.full(config)
     check_names(source, config)
-    if mtp and (why := mtp_missing(source, config)):
+    if mtp and (why := mtp_missing(source, config, embed=not own.owns_embedding())):
         raise CheckpointError(f"--speculative mtp: {why}")
     stage = build_stage(config, own, comm, mtp)
     params = dict(stage.named_parameters(remove_duplicate=False))
@@ -122,14 +122,15 @@ def load_stage(
     return stage
 
 
-def mtp_missing(source: TensorSource, config: ModelConfig) -> str | None:
-    """Why the checkpoint has no multi-token-prediction layer to draft with (None: it has one)."""
+def mtp_missing(source: TensorSource, config: ModelConfig, embed: bool = False) -> str | None:
+    """Why the checkpoint has no multi-token-prediction layer to draft with (None: it has one;
+    ``embed``: with its own copy of the embedding, which a pipeline's last stage reads)."""
     if config.is_v4:
         return "DeepSeek-V4's multi-token-prediction layers (mtp.*) are not run yet: use auto or ngram"
     if not config.mtp_layers:
         return f"the {config.family} checkpoint has no multi-token-prediction layer (num_nextn_predict_layers)"
     names = source.names()
-    missing = [n for p in mtp_plans(config, Ownership.full(config)) for n in p.sources() if n not in names]
+    missing = [n for p in mtp_plans(config, Ownership.full(config), embed) for n in p.sources() if n not in names]
     return f"the checkpoint lacks tensor {missing[0]} of its multi-token-prediction layer" if missing else None
 
 

@@ -120,11 +120,14 @@ MTP_TABLE = {  # DeepSeek-V3's multi-token-prediction layer, beyond its block: t
 }
 
 
-def mtp_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
+def mtp_plans(config: ModelConfig, own: Ownership, embed: bool | None = None) -> list[TensorPlan]:
     """The multi-token-prediction layer's parameters, from the checkpoint's layer
-    ``num_hidden_layers`` (its embedding and head are the model's own)."""
+    ``num_hidden_layers`` (its head is the model's own; ``embed``: its own copy of the
+    embedding too, which a stage without the model's reads; None: where ``own`` lacks it)."""
     i = config.num_layers
     plans = [TensorPlan(target, ((L.format(i=i) + source,),)) for target, source in MTP_TABLE.items()]
+    if embed or (embed is None and not own.owns_embedding()):
+        plans.append(TensorPlan("mtp.embed", ((L.format(i=i) + "embed_tokens.weight",),)))
     inner = f"layers.{i}."
     for plan in _layer_plans(config, i, own, moe=config.mtp_moe):
         plans.append(replace(plan, target="mtp.block." + plan.target.removeprefix(inner)))

@@ -38,8 +38,8 @@ from seamline.weights.fragments import (
     is_complete,
     model_hash,
 )
-from seamline.weights.loader import check_names, open_source
-from seamline.weights.names import stage_plans
+from seamline.weights.loader import check_names, mtp_missing, open_source
+from seamline.weights.names import mtp_plans, stage_plans
 from seamline.weights.source import TensorSource
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,8 @@ def package(model_path: str | Path, out_dir: str | Path, progress: bool = True) 
     check_names(source, config)  # nothing missing, nothing unexpected; ignorable ones are dropped
     out_dir.mkdir(parents=True, exist_ok=True)
     entries: list[FragmentEntry] = []
-    groups = _tensor_groups(config)
+    # a multi-token-prediction layer (with its embedding) goes in the fragments of layer N
+    groups = _tensor_groups(config, mtp=mtp_missing(source, config, embed=True) is None)
     for group in tqdm(groups, desc=f"packaging {model_path.name}", unit="fragment", disable=not progress):
         entries.append(_write_tensors(source, group, out_dir))
     entries += _write_tokenizer(model_path, out_dir)
@@ -74,9 +75,11 @@ class _Group(NamedTuple):
     tensors: list[str]
 
 
-def _tensor_groups(config: ModelConfig) -> list[_Group]:
-    """embed, layer.0 (then its routed experts in chunks) .. layer.{L-1}, head."""
-    plans = stage_plans(config, Ownership.full(config))
+def _tensor_groups(config: ModelConfig, mtp: bool = False) -> list[_Group]:
+    """embed, layer.0 (then its routed experts in chunks) .. layer.{L-1} (``mtp``: .. layer.L,
+    the multi-token-prediction layer), head."""
+    full = Ownership.full(config)
+    plans = stage_plans(config, full) + (mtp_plans(config, full, embed=True) if mtp else [])
     names = {n for p in plans for n in p.sources()}
     # routed experts are the stacked plans, one part per expert 0..E-1 (the checkpoint tables' order)
     expert_of = {n: e for p in plans if p.stack for e, part in enumerate(p.parts) for n in part}

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.deepseek import add_mtp_layer, build_deepseek, silence_outputs
 from tests.support.mesh import start_mesh
 from tests.support.v4_folder import CONTEXT, build_v4_folder
+from tests.support.v4_reference import with_tokenizer
 
 LIST = [{"role": "user", "content": "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates."}]
 ASKS = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}, {"temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5}]
@@ -60,3 +62,32 @@ def test_a_deepseek_v4_mesh_that_speculates_answers_as_one_that_does_not(tmp_pat
     drafted, counts = _answers(tmp_path / "auto", model=folder)
     assert drafted == plain
     assert counts["windows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
+
+
+def _v3_with_echo_mtp(folder: Path) -> Path:
+    """A random DeepSeek-V3 (the embedded tokenizer's vocabulary) whose layers add nothing, with
+    a multi-token-prediction layer that computes what the model computes for the token after:
+    its greedy drafts are right."""
+    from seamline.app import default_model_path
+    from seamline.weights.gguf import tokenizer_from_gguf
+
+    vocab = tokenizer_from_gguf(default_model_path()).get_vocab_size()
+    model, folder = build_deepseek(folder, "v3", vocab_size=vocab, max_position_embeddings=CONTEXT)
+    silence_outputs(model)
+    model.save_pretrained(folder)
+    add_mtp_layer(model, folder, echo=True)
+    return with_tokenizer(folder)
+
+
+def test_the_last_stages_mtp_layer_drafts_for_a_mesh(tmp_path: Path) -> None:
+    """DeepSeek-V3 with its MTP layer over two stages: the last stage loads the layer (and its
+    own copy of the embedding) from the fragments of layer N, drafts after each draw and sends
+    the drafts back with the token; stage 0's windows take them. The answers are those of the
+    same mesh with ``--speculative off``; greedy, every draft is right."""
+    folder = _v3_with_echo_mtp(tmp_path / "v3")
+    plain, _ = _answers(tmp_path / "off", "--speculative", "off", model=folder)
+    drafted, counts = _answers(tmp_path / "auto", model=folder)
+    assert drafted == plain
+    assert counts["method"] == "mtp", counts
+    assert counts["windows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
+    assert counts["tokens_per_window"] > 2, counts

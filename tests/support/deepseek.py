@@ -60,9 +60,10 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
 
 
-def build_deepseek(tmp_path: Path, case: str, seed: int = 0) -> tuple[torch.nn.Module, Path]:
+def build_deepseek(tmp_path: Path, case: str, seed: int = 0, **changes: Any) -> tuple[torch.nn.Module, Path]:
+    """``changes``: config fields over the case's (a vocabulary a tokenizer reads, say)."""
     family, overrides = CASES[case]
-    kwargs = {**BASE, **overrides}
+    kwargs = {**BASE, **overrides, **changes}
     if family == "v3":
         config = transformers.DeepseekV3Config(**kwargs)
         model = transformers.DeepseekV3ForCausalLM(config)

@@ -96,3 +96,23 @@ def test_a_vllm_speculative_config_names_a_mode_and_a_draft_length() -> None:
                       ('{"method": "ngram", "num_speculative_tokens": 0}', "--draft-max 0")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             from_config(text)
+
+
+def test_token_frames_carry_the_last_stages_drafts_after_the_log_probabilities() -> None:
+    """A TOKEN frame's rows flagged DRAFTS carry the model's drafts for the next window; a
+    frame cut inside them is refused; a HIDDEN row's flags ask for up to 255 drafts."""
+    from seamline.net.frames import HEADER, FrameError, RowFlag, TokenRow, asking_drafts, decode_tokens, \
+        drafts_wanted, encode_tokens  # fmt: skip
+
+    rows = [TokenRow(1, 10, 5, 7, 8, RowFlag.LOGPROBS | RowFlag.DRAFTS, -0.5, ((5, -0.5), (6, -1.0)), (9, 3, 4)),
+            TokenRow(2, 3, 6, 1, 2, int(RowFlag.DONE)),
+            TokenRow(3, 4, 7, 1, 2, int(RowFlag.DRAFTS), drafts=(11,))]  # fmt: skip
+    payload = encode_tokens(rows)[HEADER.size :]
+    back = decode_tokens(payload).rows
+    assert [r.drafts for r in back] == [(9, 3, 4), (), (11,)]
+    assert back[0].top == ((5, -0.5), (6, -1.0)) and back[0].logprob == -0.5
+    with pytest.raises(FrameError, match="too short for 1 drafts"):
+        decode_tokens(payload[:-1])
+    flags = asking_drafts(int(RowFlag.SAMPLE | RowFlag.WINDOW), 6)
+    assert drafts_wanted(flags) == 6 and flags & 0xFF == RowFlag.SAMPLE | RowFlag.WINDOW
+    assert drafts_wanted(asking_drafts(flags, 400)) == 255 and drafts_wanted(asking_drafts(flags, 0)) == 0

@@ -68,7 +68,8 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
         return  # a stage that does not answer: status says what the plan says
     speculation = speculated(stats)
     if speculation is not None:
-        stages[0]["speculation"] = {"windows": speculation.windows, "drafted": speculation.drafted,
+        stages[0]["speculation"] = {"method": coordinator.startup.speculation,  # ngram, or mtp: the last stage drafts
+                                    "windows": speculation.windows, "drafted": speculation.drafted,
                                     "accepted": speculation.accepted, "follows": speculation.follows,
                                     "stale": speculation.stale,
                                     "acceptance": speculation.acceptance,

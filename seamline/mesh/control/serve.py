@@ -122,6 +122,8 @@ def build_mesh(options: ServeOptions) -> Mesh:
     package_dir = package_cached(path, options.cache_dir / "packages")
     manifest = Manifest.load(package_dir)
     config = ModelConfig.from_hf_dict(manifest.config)
+    # auto drafts with the model's multi-token-prediction layer (on the last stage) where it came packaged
+    speculation = options.speculation.for_model(any(f.layer == manifest.num_layers for f in manifest.fragments))
     context = options.context or config.max_position_embeddings
     shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
     types = {t.name: t.dtype for f in manifest.fragments for t in f.tensors}
@@ -151,8 +153,8 @@ def build_mesh(options: ServeOptions) -> Mesh:
         transport=options.transport, gate_timeout_s=options.gate_timeout_s, insecure_comm=options.insecure_comm,
         micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes,
         heartbeat_timeout_s=options.heartbeat_timeout_s, state_dir=state_dir, package_dir=package_dir,
-        verify_fraction=options.verify_fraction, speculation=options.speculation.mode,
-        draft_max=options.speculation.draft_max), authority)  # fmt: skip
+        verify_fraction=options.verify_fraction, speculation=speculation.mode,
+        draft_max=speculation.draft_max), authority)  # fmt: skip
     codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s)
 

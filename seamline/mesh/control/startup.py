@@ -38,12 +38,14 @@ class StartUp:
         self.coordinator = coordinator
         self.options = coordinator.options
         self.link_key = ""  # the current plan's: data links between its stages prove it
+        self.speculation = "off"  # the current plan's route: how stage 0 drafts
 
     def run(self, plan: Plan, plan_id: int) -> None:
         c = self.coordinator
         try:
             handles = [c.nodes[s.node_id] for s in plan.stages]  # the stages' leaders
             self.link_key = link_key = secrets.token_hex(16)
+            self.speculation = self._speculation(plan)
             for index in reversed(range(len(plan.loaded_stages()))):
                 self._current(plan_id)
                 stage = plan.stages[index]
@@ -133,6 +135,7 @@ class StartUp:
                                             owns_embedding=s.owns_embedding, owns_head=s.owns_head,
                                             dtype=self.options.dtype, context_length=self.options.context_length,
                                             int8_activations=self.options.int8_activations,
+                                            mtp=s.owns_head and self.speculation == "mtp",
                                             memory_bytes=s.predicted_bytes + (tail.predicted_bytes if tail else 0),
                                             shard=(rank, len(members)), group=group,
                                             group_nodes=[h.node_id for h in members] if group else [],
@@ -156,13 +159,15 @@ class StartUp:
                 raise StartupError(f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
                                    f"{share >> 20} MiB of weights: it does not hold what it was given")  # fmt: skip
 
-    def _speculation(self) -> str:
+    def _speculation(self, plan: Plan) -> str:
         """Whether stage 0 drafts: not where rows are checked (``--verify-fraction``) or members see
-        no token (``--private``: a later stage could not check where a window goes on). Stage 0
-        drafts only where its stage verifies drafts (a lockstep group's does; DeepSeek-V4's
-        caches cannot go back)."""
+        no token (``--private``: a later stage could not check where a window goes on). With
+        ``mtp`` the last stage drafts with the model's multi-token-prediction layer, where it is
+        one node (a lockstep group's head is split: n-grams there)."""
         o = self.options
-        return o.speculation if not o.private and o.verify_fraction == 0 else "off"
+        if o.private or o.verify_fraction > 0:
+            return "off"
+        return "ngram" if o.speculation == "mtp" and len(plan.stages[-1].members()) > 1 else o.speculation
 
     def _transport(self, members: list[NodeHandle]) -> str:
         cuda = all(h.join.resources.device.startswith("cuda") for h in members)
@@ -179,7 +184,7 @@ class StartUp:
                                        stage0_node=handles[0].node_id if stage0 else "",
                                        downstream_relay=down_ticket, stage0_relay=stage0_ticket,
                                        micro_batches=self.options.micro_batches, forks=forks,
-                                       speculation=self._speculation(), draft_max=self.options.draft_max))  # fmt: skip
+                                       speculation=self.speculation, draft_max=self.options.draft_max))  # fmt: skip
         self.coordinator.wait_for(handle, lambda: handle.linked or None, "LINKED", STEP_TIMEOUT_S)
 
 

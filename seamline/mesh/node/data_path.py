@@ -31,7 +31,8 @@ class DataPath:
         self.worker.micro_batches = max(1, route.stages, route.micro_batches)
         if self.worker.head is not None:
             self.worker.head.share_prefixes(route.forks)
-            self.worker.head.speculate(Speculation(route.speculation, route.draft_max))
+            speculation = Speculation(route.speculation, route.draft_max)  # mtp: the last stage's layer drafts
+            self.worker.head.speculate(speculation.for_model(True) if speculation.mode == "mtp" else speculation)
         assert self.assignment is not None
         tls = self.credentials.client if self.credentials else None
         if route.downstream is not None:

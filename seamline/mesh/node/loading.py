@@ -36,7 +36,7 @@ def load_assignment(invite: Invite, assign: Assign, options: NodeOptions, tls: s
     source, report = fetch_assignment(invite, assign, options, tls, on_progress)
     config = ModelConfig.from_hf_dict(source.config_dict())
     own = Ownership(layers=(assign.layers[0], assign.layers[1]))
-    return load_stage(source, own, DTYPES[assign.dtype], config), report
+    return load_stage(source, own, DTYPES[assign.dtype], config, mtp=assign.mtp), report
 
 
 def load_rank(invite: Invite, assign: Assign, options: NodeOptions, tls: GroupTls | None = None,
@@ -67,7 +67,7 @@ def fetch_assignment(invite: Invite, assign: Assign, options: NodeOptions, tls: 
     experts = None
     if assign.shard[1] > 1:  # a lockstep rank: only the chunks of its routed experts
         experts = rank_ownership(ModelConfig.from_hf_dict(manifest.config), *assign.shard).experts
-    entries = fragments_for(manifest, assign.layers, assign.owns_embedding, assign.owns_head, experts)
+    entries = fragments_for(manifest, assign.layers, assign.owns_embedding, assign.owns_head, experts, assign.mtp)
     cache = options.cache_dir / "fragments"
     peers = assign.fragment_peers if tls is not None else []  # a member's certificate is their only key
     # every cached fragment is hashed as it is read for loading (the read happens anyway): a file
