@@ -80,9 +80,12 @@ def test_a_misshapen_mtp_tensor_is_named(tmp_path: Path) -> None:
         load_stage(open_source(folder), mtp=True)
 
 
-def test_the_command_line_refuses_mtp_for_a_model_without_it() -> None:
+def test_the_command_line_refuses_mtp_for_a_model_without_it(tmp_path: Path) -> None:
     proc = seamline("run", "-p", "hi", "--max-tokens", "2", "--speculative", "mtp")
     assert_clean_error(proc, "the llama checkpoint has no multi-token-prediction layer")
+    _, folder = build_deepseek(tmp_path, "v3")  # declares the layer; its tensors are not there
+    proc = seamline("serve", "--model", str(folder), "--speculative", "mtp", "--port", "1")  # a mesh: before it packages
+    assert_clean_error(proc, "--speculative mtp: the checkpoint lacks tensor model.layers.3.enorm.weight")
 
 
 def test_right_mtp_drafts_are_accepted_and_save_steps(tmp_path: Path) -> None:

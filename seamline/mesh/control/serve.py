@@ -35,7 +35,7 @@ from seamline.mesh.protocol.invite import Invite
 from seamline.precision import apply, resolve, weights_kind
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest
-from seamline.weights.loader import dtype_bytes, open_source
+from seamline.weights.loader import dtype_bytes, mtp_missing, open_source
 from seamline.weights.packaging import package_cached
 from seamline.runtime.speculation import Speculation
 
@@ -119,6 +119,10 @@ def build_mesh(options: ServeOptions) -> Mesh:
                           "(no --no-local-node) and stages of one node each (no --tensor-parallel)")  # fmt: skip
     if options.tensor_parallel:  # refuse before packaging, which may take minutes
         check_world(ModelConfig.from_hf_dict(open_source(path).config_dict()), options.tensor_parallel)
+    if options.speculation.mode == "mtp":  # likewise: the layer and its own embedding, for the last stage
+        source = open_source(path)
+        if why := mtp_missing(source, ModelConfig.from_hf_dict(source.config_dict()), embed=True):
+            raise ConfigError(f"--speculative mtp: {why}")
     package_dir = package_cached(path, options.cache_dir / "packages")
     manifest = Manifest.load(package_dir)
     config = ModelConfig.from_hf_dict(manifest.config)
