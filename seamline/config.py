@@ -8,7 +8,7 @@ Hugging Face configs (legacy ``rope_scaling`` and newer ``rope_parameters`` alik
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,7 +87,7 @@ class ModelConfig:
     scoring_func: str = "softmax"  # softmax | sigmoid | sqrtsoftplus (DeepSeek-V4)
     routed_scaling_factor: float = 1.0
     rope_interleave: bool = False  # DeepSeek's rope dims are stored pairwise-interleaved
-    mtp_layers: int = 0  # DeepSeek-V3's multi-token-prediction layers (layer num_layers on), which may draft
+    mtp_layers: int = 0  # DeepSeek's multi-token-prediction layers (V3: layer num_layers on; V4: mtp.*), which may draft
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     # DeepSeek-V4: its config.json as read; its modules take their many layout fields from it
@@ -288,6 +288,7 @@ def _v4_fields(d: dict[str, Any], layers: int) -> dict[str, Any]:
         topk_method="noaux_tc",
         scoring_func="sqrtsoftplus",
         routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+        mtp_layers=int(d.get("num_nextn_predict_layers") or 0),
         hf=json.loads(json.dumps(d)),
     )
 
@@ -298,7 +299,7 @@ V4_ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavi
 V4_REWIND_REACH = 33  # positions a V4 cache can take back: a window of the most drafts (32) and its draw
 
 
-def v4_cache_bytes(config: ModelConfig, layers: range, tokens: int, dtype_bytes: int) -> int:
+def v4_cache_bytes(config: ModelConfig, layers: Sequence[int], tokens: int, dtype_bytes: int) -> int:
     """The most a V4 sequence of ``tokens`` holds over ``layers``, per layer type: the window's
     last keys (every type), one entry per ``rate`` tokens (compressed types; the sparse type's
     indexer keeps its own), and a compressor's latest rows (candidates and gates: the open
@@ -308,7 +309,7 @@ def v4_cache_bytes(config: ModelConfig, layers: range, tokens: int, dtype_bytes:
     head, window = config.head_dim, int(hf["sliding_window"])
     total = 0
     for i in layers:
-        kind = hf["layer_types"][i]
+        kind = hf["layer_types"][i] if i < config.num_layers else "sliding_attention"  # the MTP layer's
         total += min(tokens, max(window - 1, 0) + V4_REWIND_REACH) * head
         if kind == "sliding_attention":
             continue

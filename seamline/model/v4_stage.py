@@ -13,7 +13,8 @@ A V4 cache forgets the keys behind its window, so it cannot be forked at an earl
 position (``forks_caches``): a prompt that begins as another is computed afresh. It keeps
 ``V4_REWIND_REACH`` positions more than its window needs, so a step may start up to that many
 positions back (a speculative window's rejected drafts: ``verifies_drafts``).
-The multi-token-prediction layers are not run (checkpoint tensors ``mtp.*`` are ignored).
+With ``mtp`` a stage that owns the head runs the model's multi-token-prediction layer
+(``model/v4_mtp.py``, checkpoint tensors ``mtp.0.*``), which drafts; else those are ignored.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import Weight, embedding, linear, select
 from seamline.model.moe import route
 from seamline.model.v4_attention import Compression, SlidingCache, V4Attention
+from seamline.model.v4_mtp import V4NextTokenLayer
 from seamline.model.v4_parts import V4AttentionShape, weighted_rms
 from seamline.ownership import Ownership, v4_head_groups
 from seamline.parallel.comm import Comm, GateTag, SingleComm
@@ -79,16 +81,20 @@ class V4MoE(nn.Module):
 
 
 class V4Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, own: Ownership, comm: Comm) -> None:
+    def __init__(self, config: ModelConfig, layer: int, own: Ownership, comm: Comm,
+                 kinds: tuple[str, str] | None = None) -> None:  # fmt: skip
+        """``kinds``: its attention and feed-forward kinds where the config's lists do not name
+        them (the multi-token-prediction layer's)."""
         super().__init__()
-        hf, kind = config.hf, config.hf["layer_types"][layer]
+        hf = config.hf
+        kind, mlp_kind = kinds if kinds is not None else (hf["layer_types"][layer], hf["mlp_layer_types"][layer])
         hidden, streams, eps = config.hidden_size, int(hf["hc_mult"]), config.rms_norm_eps
         self.layer, self.comm, self.eps = layer, comm, eps
         self.attn_hc = HyperConnection(hidden, streams, hf["hc_sinkhorn_iters"], hf["hc_eps"], eps)
         self.ffn_hc = HyperConnection(hidden, streams, hf["hc_sinkhorn_iters"], hf["hc_eps"], eps)
         self.input_norm, self.post_norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps)
         self.attn = V4Attention(_shape(config, kind, own), _compression(hf, kind))
-        self.ffn = V4MoE(config, hf["mlp_layer_types"][layer] == "hash_moe", own)
+        self.ffn = V4MoE(config, mlp_kind == "hash_moe", own)
 
     def forward(self, residual: torch.Tensor, ids: torch.Tensor, spans: Sequence[Span], step: int) -> torch.Tensor:
         collapsed, post, comb = self.attn_hc.mixes(residual)
@@ -129,7 +135,7 @@ class V4Cache:
     """One sequence's state for the V4 layers one process owns: each layer's window of keys
     and its compressors' state."""
 
-    def __init__(self, layers: range) -> None:
+    def __init__(self, layers: Sequence[int]) -> None:
         self.layers = {i: SlidingCache() for i in layers}
 
     def layer(self, index: int) -> SlidingCache:
@@ -144,7 +150,9 @@ class V4Stage(nn.Module):
     passes_ids = True
     verifies_drafts = True  # a step may start within V4_REWIND_REACH positions before the cache's end
 
-    def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None) -> None:
+    def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None, mtp: bool = False) -> None:
+        """``mtp``: with the model's multi-token-prediction layer, which drafts (``model/v4_mtp.py``;
+        a stage that owns the whole head, alone in its group)."""
         super().__init__()
         own.validate(config)
         self.config, self.ownership = config, own
@@ -159,6 +167,25 @@ class V4Stage(nn.Module):
         self.norm = RMSNorm(hidden, config.rms_norm_eps) if owns_head else None
         v0, v1 = own.vocab_range(config)
         self.head: Weight | None = empty_param(v1 - v0, hidden) if owns_head else None
+        self.mtp: V4NextTokenLayer | None = V4NextTokenLayer(config, own) if mtp else None
+        self.hidden: torch.Tensor | None = None  # with ``mtp``: the last forward's residual rows before the head
+        # the layers a sequence's cache holds: the owned ones and the drafting layer's
+        self.cache_layers = [*own.layer_indices(), *([self.mtp.layer] if self.mtp is not None else [])]
+
+    @torch.inference_mode()
+    def draft_states(self, states: torch.Tensor, next_ids: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+        """The drafting layer over residual rows ``states`` [N, hc_mult, hidden] and the tokens
+        after them ``next_ids`` [N], at the spans' positions: its output [N, hc_mult, hidden]."""
+        assert self.mtp is not None
+        table = self.embed if self.embed is not None else self.mtp.embed
+        assert table is not None
+        return self.mtp(states, embedding(next_ids, table, self.compute_dtype), next_ids, spans)
+
+    @torch.inference_mode()
+    def draft_logits(self, outputs: torch.Tensor) -> torch.Tensor:
+        """The logits [rows, vocab] of drafting-layer outputs: the token after next."""
+        assert self.mtp is not None and self.head is not None
+        return linear(self.mtp.logits_input(outputs), self.head)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -167,7 +194,7 @@ class V4Stage(nn.Module):
         return block.input_norm.weight.dtype
 
     def new_cache(self, greedy: bool = False) -> V4Cache:
-        return V4Cache(self.ownership.layer_indices())
+        return V4Cache(self.cache_layers)
 
     def release_cache(self, cache: V4Cache) -> None:
         """A finished sequence's cache: garbage here."""
@@ -175,7 +202,7 @@ class V4Stage(nn.Module):
     def cache_bytes(self, tokens: int) -> int:
         """The most one sequence of ``tokens`` holds in this stage's caches."""
         size = torch.finfo(self.compute_dtype).bits // 8
-        return v4_cache_bytes(self.config, self.ownership.layer_indices(), tokens, size)
+        return v4_cache_bytes(self.config, self.cache_layers, tokens, size)
 
     def forward(self, inputs: torch.Tensor, start: int, cache: V4Cache, last_only: bool = False,
                 ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -199,6 +226,8 @@ class V4Stage(nn.Module):
             residual = block(residual, ids, spans, step)
         if self.head is None or self.hc_head is None or self.norm is None:
             return residual
+        if self.mtp is not None:  # the drafting layer reads every row's last residual
+            self.hidden = residual
         if logit_rows is not None or last_only:
             residual = residual[list(logit_rows) if logit_rows is not None else [s.end - 1 for s in spans]]
         return linear(weighted_rms(self.hc_head(residual), self.norm.weight, self.config.rms_norm_eps), self.head)

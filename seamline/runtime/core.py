@@ -102,7 +102,7 @@ class EngineCore:
         """The core of one process that owns the whole model."""
         scheduler = Scheduler(stage, context_length, masks=masks, **scheduler_options)
         after_step = None
-        if isinstance(stage, Stage) and stage.mtp is not None and scheduler.speculation is not None \
+        if getattr(stage, "mtp", None) is not None and scheduler.speculation is not None \
                 and scheduler.speculation.mode == "mtp":  # fmt: skip
             from seamline.runtime.mtp_drafts import offer_drafts
 

@@ -96,8 +96,11 @@ def pipeline_drafts(stage: Stage, work: list[Work], draws: list[list[TokenRow]])
 
 
 def _wanted(sequence: SequenceState) -> int:
-    """The drafts its next window may use: what its drafter wants, within its cache's buffers."""
-    assert sequence.drafter is not None and isinstance(sequence.cache, SequenceCache)
+    """The drafts its next window may use: what its drafter wants, within its cache's buffers
+    (a DeepSeek-V4 cache has none: it grows and takes back by position)."""
+    assert sequence.drafter is not None
+    if not isinstance(sequence.cache, SequenceCache):
+        return sequence.drafter.wanted()
     return max(0, min(sequence.drafter.wanted(), sequence.cache.capacity() - sequence.cached - 1))
 
 

@@ -125,12 +125,16 @@ def load_stage(
 def mtp_missing(source: TensorSource, config: ModelConfig, embed: bool = False) -> str | None:
     """Why the checkpoint has no multi-token-prediction layer to draft with (None: it has one;
     ``embed``: with its own copy of the embedding, which a pipeline's last stage reads)."""
-    if config.is_v4:
-        return "DeepSeek-V4's multi-token-prediction layers (mtp.*) are not run yet: use auto or ngram"
     if not config.mtp_layers:
         return f"the {config.family} checkpoint has no multi-token-prediction layer (num_nextn_predict_layers)"
     names = source.names()
-    missing = [n for p in mtp_plans(config, Ownership.full(config), embed) for n in p.sources() if n not in names]
+    if config.is_v4:
+        from seamline.weights.v4_names import v4_mtp_plans
+
+        plans = v4_mtp_plans(config, Ownership.full(config), embed)
+    else:
+        plans = mtp_plans(config, Ownership.full(config), embed)
+    missing = [n for p in plans for n in p.sources() if n not in names]
     return f"the checkpoint lacks tensor {missing[0]} of its multi-token-prediction layer" if missing else None
 
 
@@ -139,7 +143,7 @@ def build_stage(config: ModelConfig, own: Ownership, comm: Comm | None = None, m
     if config.is_v4:
         from seamline.model.v4_stage import V4Stage
 
-        return V4Stage(config, own, comm)  # type: ignore[return-value]  # a Stage in all the runtime uses
+        return V4Stage(config, own, comm, mtp)  # type: ignore[return-value]  # a Stage in all the runtime uses
     return Stage(config, own, comm, mtp)
 
 

@@ -99,7 +99,7 @@ def stage_plans(config: ModelConfig, own: Ownership, mtp: bool = False) -> list[
     if config.is_v4:
         from seamline.weights.v4_names import v4_plans
 
-        return v4_plans(config, own)
+        return v4_plans(config, own, mtp)
     plans: list[TensorPlan] = []
     if own.owns_embedding():
         plans.append(TensorPlan("embed", (("model.embed_tokens.weight",),)))

@@ -54,8 +54,11 @@ def package(model_path: str | Path, out_dir: str | Path, progress: bool = True) 
     check_names(source, config)  # nothing missing, nothing unexpected; ignorable ones are dropped
     out_dir.mkdir(parents=True, exist_ok=True)
     entries: list[FragmentEntry] = []
-    # a multi-token-prediction layer (with its embedding) goes in the fragments of layer N
-    groups = _tensor_groups(config, mtp=mtp_missing(source, config, embed=True) is None)
+    # DeepSeek-V3's multi-token-prediction layer (with its embedding) goes in the fragments of layer
+    # N, for a pipeline's last stage; DeepSeek-V4's drafts on one process only (its cache needs
+    # every row, and a pipeline's last stage sees a prompt chunk's last next token one chunk late)
+    mtp = not config.is_v4 and mtp_missing(source, config, embed=True) is None
+    groups = _tensor_groups(config, mtp=mtp)
     for group in tqdm(groups, desc=f"packaging {model_path.name}", unit="fragment", disable=not progress):
         entries.append(_write_tensors(source, group, out_dir))
     entries += _write_tokenizer(model_path, out_dir)

@@ -26,8 +26,9 @@ _COMPRESSOR = {"kv": "wkv.weight", "gate": "wgate.weight", "position_bias": "ape
 _INDEXER = {"attn.indexer.q_b": "attn.indexer.wq_b.weight", "attn.indexer.weights": "attn.indexer.weights_proj.weight"}
 
 
-def v4_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
-    """Every parameter a V4Stage with this ownership has, and where it comes from."""
+def v4_plans(config: ModelConfig, own: Ownership, mtp: bool = False) -> list[TensorPlan]:
+    """Every parameter a V4Stage with this ownership has (``mtp``: and the multi-token-prediction
+    layer), and where it comes from."""
     plans: list[TensorPlan] = []
     if own.owns_embedding():
         plans.append(TensorPlan("embed", ((V4_EMBED,),)))
@@ -37,6 +38,25 @@ def v4_plans(config: ModelConfig, own: Ownership) -> list[TensorPlan]:
         plans += [TensorPlan(f"hc_head.{part}", ((f"model.hc_head.hc_{part}",),)) for part in ("fn", "base", "scale")]
         plans.append(TensorPlan("norm.weight", (("model.norm.weight",),)))
         plans.append(TensorPlan("head", (("head.weight",),), slice=own.vocab_range(config)))
+    return plans + (v4_mtp_plans(config, own) if mtp else [])
+
+
+MTP_SOURCE = "mtp.0."  # DeepSeek-V4's multi-token-prediction layer, in the original checkpoint's spelling
+_MTP_OWN = {"e_proj": "e_proj.weight", "h_proj": "h_proj.weight", "enorm.weight": "enorm.weight",
+            "hnorm.weight": "hnorm.weight", "norm.weight": "norm.weight", "hc_head.fn": "hc_head_fn",
+            "hc_head.base": "hc_head_base", "hc_head.scale": "hc_head_scale"}  # fmt: skip
+
+
+def v4_mtp_plans(config: ModelConfig, own: Ownership, embed: bool | None = None) -> list[TensorPlan]:
+    """The multi-token-prediction layer's parameters (``model/v4_mtp.py``): its projections,
+    norms and hyper-head, a block of the reference's kinds, and (``embed``; None: where ``own``
+    lacks the model's) a copy of the model's embedding."""
+    from seamline.model.v4_mtp import MTP_ATTENTION, MTP_FEED_FORWARD
+
+    plans = [TensorPlan("mtp." + target, ((MTP_SOURCE + source,),)) for target, source in _MTP_OWN.items()]
+    plans += _block_plans(config, (MTP_ATTENTION, MTP_FEED_FORWARD), own, "mtp.block.", MTP_SOURCE)
+    if embed or (embed is None and not own.owns_embedding()):
+        plans.append(TensorPlan("mtp.embed", ((V4_EMBED,),)))
     return plans
 
 
@@ -54,15 +74,20 @@ def _shard_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
 
 
 def _layer_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
-    ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+    kinds = (config.hf["layer_types"][i], config.hf["mlp_layer_types"][i])
+    return _block_plans(config, kinds, own, f"layers.{i}.", f"model.layers.{i}.")
+
+
+def _block_plans(config: ModelConfig, kinds: tuple[str, str], own: Ownership, ours: str, theirs: str) -> list[TensorPlan]:
+    """A block's parameters (``ours``: their prefix) from the checkpoint's (``theirs``)."""
     table = dict(_BLOCK)
-    kind = config.hf["layer_types"][i]
+    kind = kinds[0]
     if kind != "sliding_attention":
         table.update({f"attn.compressor.{k}": f"attn.compressor.{v}" for k, v in _COMPRESSOR.items()})
     if kind == "compressed_sparse_attention":
         table.update({f"attn.indexer.compressor.{k}": f"attn.indexer.compressor.{v}" for k, v in _COMPRESSOR.items()})
         table.update(_INDEXER)
-    hashed = config.hf["mlp_layer_types"][i] == "hash_moe"
+    hashed = kinds[1] == "hash_moe"
     table["ffn.table" if hashed else "ffn.router_bias"] = "ffn.gate.tid2eid" if hashed else "ffn.gate.bias"
     plans = [TensorPlan(ours + target, ((theirs + source,),)) for target, source in table.items()]
     shared = (theirs + "ffn.shared_experts.w1.weight", theirs + "ffn.shared_experts.w3.weight")
