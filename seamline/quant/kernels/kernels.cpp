@@ -221,10 +221,14 @@ static void gemv_t(const uint8_t* w, int64_t w_stride, int64_t cols, const XBuf&
   if (rows_x == 1) {  // decode: two weight rows per pass (four measured no faster)
     for (; r + 2 <= r1; r += 2) tile<D, 2, 1>(w, w_stride, cols, x, 0, r, bias, out, dt, n_out);
   }
-  for (; r < r1; ++r) {
+  for (; r < r1; ++r) {  // a weight row decoded once for up to 8 activation rows (a window's)
     int64_t m = 0;
-    for (; m + 4 <= rows_x; m += 4) tile<D, 1, 4>(w, w_stride, cols, x, m, r, bias, out, dt, n_out);
+    for (; m + 8 <= rows_x; m += 8) tile<D, 1, 8>(w, w_stride, cols, x, m, r, bias, out, dt, n_out);
     switch (rows_x - m) {
+      case 7: tile<D, 1, 7>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
+      case 6: tile<D, 1, 6>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
+      case 5: tile<D, 1, 5>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
+      case 4: tile<D, 1, 4>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
       case 3: tile<D, 1, 3>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
       case 2: tile<D, 1, 2>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
       case 1: tile<D, 1, 1>(w, w_stride, cols, x, m, r, bias, out, dt, n_out); break;
