@@ -311,13 +311,16 @@ class PipelineHead:
 
     def _ready(self, sequence: SequenceState) -> bool:
         """Whether ``sequence`` takes rows in the next step: none of its tokens is being drawn
-        downstream, or its window is and another may follow it (the last one was accepted
-        whole, and fewer windows than the pipeline's stages are in flight)."""
+        downstream, or its window is and another may follow it: fewer windows than the
+        pipeline's stages are in flight, and the last one was accepted whole or the pipeline has
+        stages to spare (fewer sequences than stages: a window that turns out stale costs the
+        stages only time they would have waited, and the last stage skips it)."""
         if not sequence.in_flight:
             return True
         drafter = sequence.drafter
-        return drafter is not None and bool(drafter.window) and drafter.full and \
-            drafter.in_flight < self.worker.micro_batches  # fmt: skip
+        if drafter is None or not drafter.window or drafter.in_flight >= self.worker.micro_batches:
+            return False
+        return drafter.full or len(self.scheduler.running) < self.worker.micro_batches
 
     def run(self, batch: Batch) -> list[Emission]:
         """The pipeline's executor: the batch runs stage 0's layers and goes downstream as one

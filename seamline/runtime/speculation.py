@@ -187,10 +187,10 @@ class Drafter:
 
     def follow(self, history: list[int], room: int) -> list[int]:
         """Drafts that go on from the window in flight (``history``: the tokens so far and its
-        drafts not yet checked), as if they are all accepted: one window more of a pipeline's,
-        while the last window was accepted whole. They join the window: a draw goes on checking
+        drafts not yet checked), as if they are all accepted: one window more of a pipeline's
+        (``PipelineHead._ready`` says when). They join the window: a draw goes on checking
         against them; the first rejection drops them all."""
-        if not self.full or not self.window or room <= 0:
+        if not self.window or room <= 0:
             return []
         source = ngram_draft if self.source is offered_only else self.source  # a model drafts after its tokens only
         drafts = source(history, min(room, self.length or self.draft_max))

@@ -271,6 +271,8 @@ class StageWorker:
     def run_batch(self, work: list[Work]) -> list[TokenRow]:
         """Run our layers on every row at once; pass the rows on as one frame, or sample them.
         Returns the tokens a first-and-last stage loops back."""
+        if self.is_last:
+            work = [w for w in work if not self._stale(w)]
         if not work:
             return []
         inputs = work[0].inputs if len(work) == 1 else torch.cat([w.inputs for w in work])
@@ -384,9 +386,6 @@ class StageWorker:
         ends, reported)."""
         row, drawing = w.row, w.drawing
         seq = self.sequences.get(row.request)
-        if row.flags & RowFlag.FOLLOW and (seq is None or seq.done or seq.drew != (row.position, w.token_ids()[0])):
-            self.stale_windows += 1
-            return []  # stale: the window it went on from was not accepted whole, or drew another token last
         windowed = bool(row.flags & RowFlag.WINDOW)
         drafts = w.token_ids()[1:] if windowed else []
         needs_output = drawing.params.penalised or bool(drawing.params.grammar)
@@ -417,6 +416,17 @@ class StageWorker:
 
         draws_while_accepted(logits, drafts, output, draw)
         return rows
+
+    def _stale(self, w: Work) -> bool:
+        """Whether ``w`` is a window that went on from one not accepted whole (or from another
+        draw than its first token): the last stage neither computes nor draws from it, and the
+        sequence's next row goes back before it, where its positions are written again."""
+        if not w.row.flags & RowFlag.FOLLOW:
+            return False
+        seq = self.sequences.get(w.row.request)
+        stale = seq is None or seq.done or seq.drew != (w.row.position, w.token_ids()[0])
+        self.stale_windows += stale
+        return stale
 
     def _failed(self, seq: StageSequence | None, request: int, exc: RequestError) -> None:
         if seq is not None:
