@@ -46,6 +46,27 @@ def test_top_p_keeps_smallest_nucleus() -> None:
     assert (probs > 0).tolist() == [True, True, False, False, False]
 
 
+def test_top_p_keeps_tied_tokens_together_over_a_large_vocabulary() -> None:
+    """49,152 tokens (the embedded model's vocabulary): the nucleus is the likeliest tokens
+    while the mass before them is under top_p, and every token tied with the last of them."""
+    logits = torch.full((49152,), -20.0)
+    logits[[5, 900, 40000]] = 3.0  # three tied, 1/3 of the mass each (nearly)
+    logits[7] = 2.0
+    probs = filtered_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
+    assert torch.nonzero(probs).flatten().tolist() == [5, 900, 40000]
+    assert probs.sum().item() == pytest.approx(1.0)
+
+
+def test_seeded_draws_follow_the_filtered_distribution_and_never_take_a_dropped_token() -> None:
+    """Over 4,000 positions the draws' frequencies match the probabilities (within 0.03), and
+    a token that top-k dropped is never drawn."""
+    params = SamplingParams(temperature=1.0, top_k=4)
+    draws = torch.tensor([sample(LOGITS, params, 3, p) for p in range(4000)])
+    frequencies = torch.bincount(draws, minlength=5).float() / len(draws)
+    assert frequencies[4] == 0
+    torch.testing.assert_close(frequencies, filtered_probs(LOGITS, params), atol=0.03, rtol=0)
+
+
 def test_min_p_drops_unlikely_tokens() -> None:
     full = torch.softmax(LOGITS, -1)
     threshold = float(full[2] / full[0]) + 1e-3  # drops index 2 and below
