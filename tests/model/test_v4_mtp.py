@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from seamline.errors import CheckpointError
-from seamline.model.cache import Span
 from seamline.params import SamplingParams
 from seamline.runtime.speculation import OFF, Speculation
 from seamline.weights.loader import load_stage, open_source
-from tests.support.speculation import GREEDY, SEEDED, TOKENS, generate, repetitive_prompt
+from tests.support.speculation import COOL, GREEDY, SEEDED, assert_mtp_changes_no_token, generate, mtp_draft_logits, \
+    repetitive_prompt  # fmt: skip
 from tests.support.v4_mtp import V4MtpLayer, add_v4_mtp, silence_v4, v4_mtp_reference_logits
 from tests.support.v4_reference import random_v4, v4_config
 
@@ -44,12 +44,7 @@ def v4_with_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Modu
 def test_v4_mtp_draft_logits_follow_the_reference(v4_with_mtp: tuple[torch.nn.Module, V4MtpLayer, Path]) -> None:
     model, layer, folder = v4_with_mtp
     ids = torch.randint(0, 96, (13,), generator=torch.Generator().manual_seed(4))
-    stage = load_stage(open_source(folder), mtp=True)
-    cache = stage.new_cache()
-    stage.forward(ids, 0, cache)
-    assert stage.hidden is not None
-    outputs = stage.draft_states(stage.hidden[:-1], ids[1:], [Span(0, len(ids) - 1, 0, cache)])
-    ours = stage.draft_logits(outputs)
+    ours = mtp_draft_logits(folder, ids)
     reference = v4_mtp_reference_logits(model, layer, ids).float()
     assert ours.shape == reference.shape
     torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
@@ -58,14 +53,7 @@ def test_v4_mtp_draft_logits_follow_the_reference(v4_with_mtp: tuple[torch.nn.Mo
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 def test_v4_mtp_drafts_change_no_token(v4_with_mtp: tuple[torch.nn.Module, V4MtpLayer, Path],
                                        params: SamplingParams) -> None:  # fmt: skip
-    _, _, folder = v4_with_mtp
-    prompt = repetitive_prompt(96)
-    plain, _, _ = generate(load_stage(open_source(folder)), prompt, params, OFF)
-    stage = load_stage(open_source(folder), mtp=True)
-    drafted, _, stats = generate(stage, prompt, params, Speculation("mtp").for_model(True))
-    assert len(plain) == TOKENS
-    assert drafted == plain
-    assert stats.windows > 0 and stats.drafted > 0
+    assert_mtp_changes_no_token(v4_with_mtp[2], repetitive_prompt(96), params)
 
 
 def test_right_v4_mtp_drafts_are_accepted_and_save_steps(tmp_path: Path) -> None:
@@ -73,13 +61,14 @@ def test_right_v4_mtp_drafts_are_accepted_and_save_steps(tmp_path: Path) -> None
     prompt = repetitive_prompt(96)
     stage = load_stage(open_source(folder), mtp=True)
     speculation = Speculation("mtp", draft_max=4).for_model(True)
-    for params in (GREEDY, SEEDED):
+    for params in (GREEDY, COOL):
         plain, plain_steps, _ = generate(stage, prompt, params, OFF)
         drafted, steps, stats = generate(stage, prompt, params, speculation)
         assert drafted == plain
+        assert stats.accepted > 0
         if params is GREEDY:
-            assert stats.accepted >= 0.9 * stats.drafted > 0 and steps < plain_steps / 2
-        else:  # draws at temperature 0.8 over a small random vocabulary are seldom the argmax
+            assert stats.accepted >= 0.9 * stats.drafted and steps < plain_steps / 2
+        else:
             assert stats.accepted < stats.drafted
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from seamline.runtime.speculation import DraftSource, Speculation, SpeculationSt
 TOKENS = 64
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=TOKENS, temperature=0.8, top_p=0.9, seed=11)
+COOL = SamplingParams(max_tokens=TOKENS, temperature=0.1, top_p=0.9, seed=11)  # draws that are often, not always, the argmax
 LIST = "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates, limes, lemons."
 
 
@@ -50,3 +52,31 @@ def partly_right(prompt_len: int) -> Callable[[list[int]], DraftSource]:
         return source
 
     return make
+
+
+def mtp_draft_logits(folder: Path, ids: torch.Tensor) -> torch.Tensor:
+    """The logits of the checkpoint's multi-token-prediction layer over ``ids``: at each
+    position t but the last, from the model's state at t and the token at t+1."""
+    from seamline.model.cache import Span
+    from seamline.weights.loader import load_stage, open_source
+
+    stage = load_stage(open_source(folder), mtp=True)
+    cache = stage.new_cache()
+    stage.forward(ids, 0, cache)
+    assert stage.hidden is not None
+    outputs = stage.draft_states(stage.hidden[:-1], ids[1:], [Span(0, len(ids) - 1, 0, cache)])
+    return stage.draft_logits(outputs)
+
+
+def assert_mtp_changes_no_token(folder: Path, prompt: list[int], params: SamplingParams) -> None:
+    """The checkpoint's tokens with its multi-token-prediction drafts are those without, and
+    drafts were made."""
+    from seamline.runtime.speculation import OFF
+    from seamline.weights.loader import load_stage, open_source
+
+    plain, _, _ = generate(load_stage(open_source(folder)), prompt, params, OFF)
+    drafted, _, stats = generate(load_stage(open_source(folder), mtp=True), prompt, params,
+                                 Speculation("mtp").for_model(True))  # fmt: skip
+    assert len(plain) == TOKENS
+    assert drafted == plain
+    assert stats.windows > 0 and stats.drafted > 0

@@ -64,6 +64,10 @@ class StartUp:
         except (StartupError, KeyError, LinkClosed) as exc:
             c.planning.retry_later(plan_id, str(exc))
             return
+        except Exception as exc:  # a fault of ours: said and retried, never a start-up stuck half way
+            log.exception("start-up of plan %d failed", plan_id)
+            c.planning.retry_later(plan_id, f"{type(exc).__name__}: {exc}")
+            return
         with c.lock:
             if plan_id != c.plan_id:
                 return
