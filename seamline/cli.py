@@ -184,17 +184,21 @@ def _speculation_args(p: argparse.ArgumentParser) -> None:
                         "drafts are right (auto: what the model offers: DeepSeek-V3's multi-token-prediction layer where "
                         "the checkpoint has it and one process serves, else n-grams of the prompt and answer)")
     p.add_argument("--draft-max", type=int, default=DRAFT_MAX, help="the most tokens one window drafts")
+    p.add_argument("--draft-model", metavar="PATH", default=None,
+                   help="a smaller model with the same vocabulary drafts (one process: run, serve --single)")
     p.add_argument("--speculative-config", metavar="JSON", default=None,
                    help='as vLLM takes it: {"method": "ngram"|"mtp"|"deepseek_mtp", "num_speculative_tokens": N}, '
                         "in place of --speculative and --draft-max")
 
 
 def _speculation(args: argparse.Namespace) -> Any:
+    from dataclasses import replace
+
     from seamline.runtime.speculation import Speculation, from_config
 
     if args.speculative_config is not None:
-        return from_config(args.speculative_config)
-    return Speculation(args.speculative, args.draft_max)
+        return replace(from_config(args.speculative_config), draft_model=args.draft_model)
+    return Speculation(args.speculative, args.draft_max, draft_model=args.draft_model)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -335,6 +339,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     api_options(args), precision=args.precision, speculation=_speculation(args))  # fmt: skip
         return 0
     speculation = _speculation(args)
+    if speculation.draft_model is not None:
+        raise ConfigError("--draft-model drafts on one process (run, serve --single); a mesh drafts n-grams "
+                          "or with the model's multi-token-prediction layer")  # fmt: skip
     if speculation.mode in ("ngram", "mtp") and (args.private or args.verify_fraction > 0):
         raise ConfigError(f"--speculative {speculation.mode}: a mesh speculates only where every row is not checked and members "
                           "see the tokens (not with --private or --verify-fraction)")

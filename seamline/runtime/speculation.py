@@ -79,12 +79,15 @@ class Speculation:
     mode: str = "auto"
     draft_max: int = DRAFT_MAX
     source: DraftSource = ngram_draft
+    draft_model: str | None = None  # a smaller model that drafts (``runtime/draft_model.py``; one process)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"--speculative {self.mode!r}: choose one of {', '.join(MODES)}")
         if not 1 <= self.draft_max <= DRAFT_LIMIT:
             raise ConfigError(f"--draft-max {self.draft_max}: a window drafts 1 to {DRAFT_LIMIT} tokens")
+        if self.draft_model is not None and self.mode not in ("auto", "ngram"):
+            raise ConfigError(f"--draft-model drafts in place of n-grams: not with --speculative {self.mode}")
 
     @property
     def enabled(self) -> bool:
@@ -93,6 +96,8 @@ class Speculation:
     def for_model(self, drafts_itself: bool) -> Speculation:
         """As it speculates over a model that has (``drafts_itself``) a multi-token-prediction
         layer or not: ``auto`` takes the layer where there is one; ``mtp`` needs it."""
+        if self.draft_model is not None:
+            return self  # the draft model drafts (``with_draft_model``)
         if self.mode == "mtp" and not drafts_itself:
             raise ConfigError("--speculative mtp: the model has no multi-token-prediction layer here")
         if self.mode in ("auto", "mtp") and drafts_itself:

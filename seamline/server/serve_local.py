@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from seamline.app import LocalModel, default_model_path
@@ -36,9 +37,16 @@ def local_backend(model_path: str | None, dtype: str | None, context: int | None
     generates, then holds the process's only OpenMP pool, whose workers spin between regions."""
     path = Path(model_path) if model_path else default_model_path()
     speculation = speculation or Speculation()
-    model = on_passing_thread(lambda: LocalModel.load(path, dtype, context, precision, speculation.mode))
+    layer = "off" if speculation.draft_model is not None else speculation.mode  # the MTP layer: not with a draft model
+    model = on_passing_thread(lambda: LocalModel.load(path, dtype, context, precision, layer))
     budget = kv_budget_bytes(kv_cache_bytes)
     speculation = speculation.for_model(getattr(model.engine.stage, "mtp", None) is not None)
+    if speculation.draft_model is not None:
+        from seamline.runtime.draft_model import DraftModel
+
+        stage = model.engine.stage
+        drafting = on_passing_thread(lambda: DraftModel.load(speculation.draft_model, stage.config, stage.compute_dtype))  # type: ignore[arg-type]
+        speculation = replace(speculation, source=drafting.draft)
     backend = LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget,
                            speculation=speculation)  # fmt: skip
     return backend, model

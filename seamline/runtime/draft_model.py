@@ -1,0 +1,85 @@
+"""Drafts from a smaller model with the same vocabulary (``--draft-model PATH``), on one process.
+
+The drafting model reads the sequence so far and proposes its greedy continuation, one token
+at a time, as many as the window takes. It keeps the caches of the sequences it drafted for
+lately (``SLOTS``, the least recently used go first), each with the tokens it holds: a call
+takes the cache that shares the longest beginning with the history, computes only the rest
+and writes its drafts' positions, which the next call writes over from the first that
+changed. A draft is only a proposal: the target model's own draw keeps or rejects it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from seamline.config import ModelConfig
+from seamline.errors import ConfigError
+from seamline.model.cache import SequenceCache
+from seamline.model.stage import Stage
+
+SLOTS = 64  # sequences whose drafting caches are kept
+
+
+def _shared(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` begin with alike."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModel:
+    """A ``DraftSource``: ``draft(history, limit)`` -> up to ``limit`` greedy tokens after it."""
+
+    def __init__(self, stage: Stage, slots: int = SLOTS) -> None:
+        self.stage = stage
+        self.slots = slots
+        self._caches: OrderedDict[int, tuple[list[int], SequenceCache]] = OrderedDict()
+        self._next_key = 0
+
+    @classmethod
+    def load(cls, path: str | Path, target: ModelConfig, dtype: torch.dtype) -> DraftModel:
+        """The model at ``path`` (its activations in ``dtype``, the target's); refused, naming
+        both, unless its vocabulary is the target's."""
+        from seamline.weights.loader import load_stage, open_source
+
+        source = open_source(Path(path))
+        config = ModelConfig.from_hf_dict(source.config_dict())
+        if config.vocab_size != target.vocab_size:
+            raise ConfigError(f"--draft-model {path}: its vocabulary has {config.vocab_size} tokens, the model's "
+                              f"{target.vocab_size}: a draft model must share the model's vocabulary")  # fmt: skip
+        if config.is_v4:
+            raise ConfigError(f"--draft-model {path}: a DeepSeek-V4 checkpoint cannot draft (its caches only go back a little)")
+        return cls(load_stage(source, dtype=dtype, config=config))
+
+    @torch.inference_mode()
+    def draft(self, history: list[int], limit: int) -> list[int]:
+        if limit <= 0 or not history:
+            return []
+        key, held, cache = self._closest(history)
+        start = min(_shared(held, history), len(history) - 1)  # the last token is run again for its logits
+        logits = self.stage.forward(torch.tensor(history[start:]), start, cache, last_only=True)
+        drafts: list[int] = []
+        while True:
+            drafts.append(int(logits[-1].float().argmax()))
+            if len(drafts) == limit:
+                break
+            logits = self.stage.forward(torch.tensor(drafts[-1:]), len(history) + len(drafts) - 1, cache, last_only=True)
+        self._caches[key] = (list(history), cache)
+        self._caches.move_to_end(key)
+        return drafts
+
+    def _closest(self, history: list[int]) -> tuple[int, list[int], SequenceCache]:
+        """The kept cache whose tokens are the longest beginning of ``history`` (that sequence's,
+        grown since), else a fresh one (the least recently used goes when all slots are taken)."""
+        best = max(self._caches.items(), key=lambda item: _shared(item[1][0], history), default=None)
+        if best is not None and _shared(best[1][0], history) == len(best[1][0]):
+            return best[0], *best[1]
+        if len(self._caches) >= self.slots:
+            self._caches.popitem(last=False)
+        self._next_key += 1
+        return self._next_key, [], self.stage.new_cache()

@@ -1,0 +1,74 @@
+"""A smaller model with the same vocabulary drafts (``--draft-model``): the output with its
+drafts is the output without, and a model that drafts what the target would say has its
+drafts accepted.
+
+The embedded model drafts for itself here (float32, the exact path): greedy, every draft is
+the target's own next token, so windows are accepted whole, in fewer steps; seeded, draws
+agree with the greedy drafts only some of the time. Two sequences drafted for in turn keep
+their own caches. A checkpoint of another vocabulary is refused in one line, and a mesh
+refuses the option.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from seamline.app import LocalModel, default_model_path
+from seamline.errors import ConfigError
+from seamline.runtime.core import EngineCore
+from seamline.runtime.draft_model import DraftModel
+from seamline.runtime.speculation import OFF, Speculation
+from seamline.weights.loader import load_stage, open_source
+from tests.support.cli import assert_clean_error, seamline
+from tests.support.configs import checkpoint_folder
+from tests.support.speculation import GREEDY, LIST, SEEDED, generate
+
+
+@pytest.fixture(scope="module")
+def target() -> LocalModel:
+    return LocalModel.load(default_model_path())
+
+
+def _drafting(model: LocalModel) -> Speculation:
+    stage = model.engine.stage
+    drafting = DraftModel.load(default_model_path(), stage.config, stage.compute_dtype)
+    return Speculation("auto", draft_max=6, source=drafting.draft)
+
+
+def test_a_model_drafting_for_itself_is_accepted_and_changes_no_token(target: LocalModel) -> None:
+    prompt = target.codec.encode_chat([{"role": "user", "content": "Tell me about the sea."}])
+    for params in (GREEDY, SEEDED):
+        plain, plain_steps, _ = generate(target.engine.stage, prompt, params, OFF)
+        drafted, steps, stats = generate(target.engine.stage, prompt, params, _drafting(target))
+        assert drafted == plain
+        assert stats.drafted > 0
+        if params is GREEDY:
+            assert stats.accepted >= 0.9 * stats.drafted and steps < plain_steps / 3
+        else:
+            assert stats.accepted < stats.drafted
+
+
+def test_sequences_drafted_for_in_turn_keep_their_own_caches(target: LocalModel) -> None:
+    prompts = [target.codec.encode_chat([{"role": "user", "content": text}]) for text in (LIST, "Name three rivers.")]
+    alone = [generate(target.engine.stage, p, GREEDY, OFF)[0] for p in prompts]
+    core = EngineCore.local(target.engine.stage, 4096, speculation=_drafting(target))
+    sequences = [core.scheduler.add(p, GREEDY) for p in prompts]
+    while not all(s.finished for s in sequences):
+        core.step()
+    assert [s.tokens for s in sequences] == alone
+    stats = core.scheduler.speculated
+    assert stats.accepted >= 0.9 * stats.drafted > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(target: LocalModel, tmp_path: Path) -> None:
+    folder = checkpoint_folder("dense", tmp_path)
+    vocab = load_stage(open_source(folder)).config.vocab_size
+    message = rf"--draft-model {folder}: its vocabulary has {vocab} tokens, the model's {target.engine.stage.config.vocab_size}"
+    with pytest.raises(ConfigError, match=message):
+        DraftModel.load(folder, target.engine.stage.config, target.engine.stage.compute_dtype)
+    assert_clean_error(seamline("run", "-p", "hi", "--max-tokens", "2", "--draft-model", str(folder)), "its vocabulary has")
+    assert_clean_error(seamline("serve", "--draft-model", str(folder), "--port", "1"), "--draft-model drafts on one process")
+    assert_clean_error(seamline("run", "-p", "hi", "--draft-model", str(folder), "--speculative", "off"),
+                       "--draft-model drafts in place of n-grams: not with --speculative off")  # fmt: skip
