@@ -58,8 +58,8 @@ class DraftModel:
 
     @torch.inference_mode()
     def draft(self, history: list[int], limit: int) -> list[int]:
-        if limit <= 0 or not history:
-            return []
+        if limit <= 0 or not history or len(history) + limit > self.stage.config.max_position_embeddings:
+            return []  # (past its own context the drafting model proposes nothing)
         key, held, cache = self._closest(history)
         start = min(_shared(held, history), len(history) - 1)  # the last token is run again for its logits
         logits = self.stage.forward(torch.tensor(history[start:]), start, cache, last_only=True)
