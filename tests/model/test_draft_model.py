@@ -11,6 +11,7 @@ refuses the option.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ from seamline.runtime.speculation import OFF, Speculation
 from seamline.weights.loader import load_stage, open_source
 from tests.support.cli import assert_clean_error, seamline
 from tests.support.configs import checkpoint_folder
-from tests.support.speculation import GREEDY, LIST, SEEDED, generate
+from tests.support.speculation import GREEDY as GREEDY_64, LIST, SEEDED as SEEDED_64, generate
+
+GREEDY, SEEDED = replace(GREEDY_64, max_tokens=24), replace(SEEDED_64, max_tokens=24)  # the model drafts for itself: slow
 
 
 @pytest.fixture(scope="module")
