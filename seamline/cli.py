@@ -187,8 +187,8 @@ def _speculation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", metavar="PATH", default=None,
                    help="a smaller model with the same vocabulary drafts (one process: run, serve --single)")
     p.add_argument("--speculative-config", metavar="JSON", default=None,
-                   help='as vLLM takes it: {"method": "ngram"|"mtp"|"deepseek_mtp", "num_speculative_tokens": N}, '
-                        "in place of --speculative and --draft-max")
+                   help='as vLLM takes it: {"method": "ngram"|"mtp"|"deepseek_mtp", "num_speculative_tokens": N} '
+                        'or {"model": PATH, ...}, in place of --speculative, --draft-max and --draft-model')
 
 
 def _speculation(args: argparse.Namespace) -> Any:
@@ -197,7 +197,8 @@ def _speculation(args: argparse.Namespace) -> Any:
     from seamline.runtime.speculation import Speculation, from_config
 
     if args.speculative_config is not None:
-        return replace(from_config(args.speculative_config), draft_model=args.draft_model)
+        chosen = from_config(args.speculative_config)
+        return chosen if args.draft_model is None else replace(chosen, draft_model=args.draft_model)
     return Speculation(args.speculative, args.draft_max, draft_model=args.draft_model)
 
 

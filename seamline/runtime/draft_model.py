@@ -3,9 +3,9 @@
 The drafting model reads the sequence so far and proposes its greedy continuation, one token
 at a time, as many as the window takes. It keeps the caches of the sequences it drafted for
 lately (``SLOTS``, the least recently used go first), each with the tokens it holds: a call
-takes the cache that shares the longest beginning with the history, computes only the rest
-and writes its drafts' positions, which the next call writes over from the first that
-changed. A draft is only a proposal: the target model's own draw keeps or rejects it.
+takes the cache whose tokens are the longest beginning of the history, computes only the rest
+and writes its drafts' positions, which the next call writes over. A draft is only a
+proposal: the target model's own draw keeps or rejects it.
 """
 
 from __future__ import annotations
@@ -21,15 +21,6 @@ from seamline.model.cache import SequenceCache
 from seamline.model.stage import Stage
 
 SLOTS = 64  # sequences whose drafting caches are kept
-
-
-def _shared(a: list[int], b: list[int]) -> int:
-    """How many tokens ``a`` and ``b`` begin with alike."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class DraftModel:
@@ -61,7 +52,7 @@ class DraftModel:
         if limit <= 0 or not history or len(history) + limit > self.stage.config.max_position_embeddings:
             return []  # (past its own context the drafting model proposes nothing)
         key, held, cache = self._closest(history)
-        start = min(_shared(held, history), len(history) - 1)  # the last token is run again for its logits
+        start = min(len(held), len(history) - 1)  # the last token is run again for its logits
         logits = self.stage.forward(torch.tensor(history[start:]), start, cache, last_only=True)
         drafts: list[int] = []
         while True:
@@ -76,9 +67,11 @@ class DraftModel:
     def _closest(self, history: list[int]) -> tuple[int, list[int], SequenceCache]:
         """The kept cache whose tokens are the longest beginning of ``history`` (that sequence's,
         grown since), else a fresh one (the least recently used goes when all slots are taken)."""
-        best = max(self._caches.items(), key=lambda item: _shared(item[1][0], history), default=None)
-        if best is not None and _shared(best[1][0], history) == len(best[1][0]):
-            return best[0], *best[1]
+        beginnings = [(len(held), key) for key, (held, _) in self._caches.items()
+                      if len(held) <= len(history) and history[: len(held)] == held]  # fmt: skip
+        if beginnings:
+            key = max(beginnings)[1]
+            return key, *self._caches[key]
         if len(self._caches) >= self.slots:
             self._caches.popitem(last=False)
         self._next_key += 1

@@ -97,7 +97,7 @@ class Speculation:
         """As it speculates over a model that has (``drafts_itself``) a multi-token-prediction
         layer or not: ``auto`` takes the layer where there is one; ``mtp`` needs it."""
         if self.draft_model is not None:
-            return self  # the draft model drafts (``with_draft_model``)
+            return self  # the draft model drafts (``serve_local.local_backend`` gives it the source)
         if self.mode == "mtp" and not drafts_itself:
             raise ConfigError("--speculative mtp: the model has no multi-token-prediction layer here")
         if self.mode in ("auto", "mtp") and drafts_itself:
@@ -108,13 +108,14 @@ class Speculation:
 OFF = Speculation("off")
 CONFIG_METHODS = {"ngram": "ngram", "mtp": "mtp", "deepseek_mtp": "mtp"}  # vLLM's names -> a mode
 CONFIG_NUMBERS = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+DRAFT_MODEL_METHOD = "draft_model"  # vLLM's method for {"model": PATH}
 
 
 def from_config(text: str) -> Speculation:
-    """``--speculative-config`` as vLLM takes it: a JSON object with ``method`` and optionally
-    ``num_speculative_tokens`` (the draft length) and, for n-grams, ``prompt_lookup_max`` and
-    ``prompt_lookup_min`` (the longest and shortest suffix looked up); one clear error for
-    anything else."""
+    """``--speculative-config`` as vLLM takes it: a JSON object with ``method`` (or ``model``, a
+    draft model's path: method ``draft_model``) and optionally ``num_speculative_tokens`` (the
+    draft length) and, for n-grams, ``prompt_lookup_max`` and ``prompt_lookup_min`` (the longest
+    and shortest suffix looked up); one clear error for anything else."""
     import json
     from functools import partial
 
@@ -124,16 +125,23 @@ def from_config(text: str) -> Speculation:
         raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ConfigError("--speculative-config takes a JSON object, such as {\"method\": \"ngram\"}")
-    unknown = sorted(set(config) - {"method", *CONFIG_NUMBERS})
+    unknown = sorted(set(config) - {"method", "model", *CONFIG_NUMBERS})
     if unknown:
-        raise ConfigError(f"--speculative-config: {unknown[0]!r} is not taken here (method, {', '.join(CONFIG_NUMBERS)})")
-    method = config.get("method")
-    if method not in CONFIG_METHODS:
-        raise ConfigError(f"--speculative-config: method {method!r}: choose one of {', '.join(CONFIG_METHODS)}")
+        raise ConfigError(f"--speculative-config: {unknown[0]!r} is not taken here (method, model, {', '.join(CONFIG_NUMBERS)})")
     for key in CONFIG_NUMBERS:
         if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 0):
             raise ConfigError(f"--speculative-config: {key} {config[key]!r} is not a whole number")
     draft_max = config.get("num_speculative_tokens", DRAFT_MAX)
+    model = config.get("model")
+    method = config.get("method", DRAFT_MODEL_METHOD if model is not None else None)
+    if (method == DRAFT_MODEL_METHOD) != isinstance(model, str):
+        raise ConfigError(f"--speculative-config: a draft model takes method {DRAFT_MODEL_METHOD!r} (or none) and "
+                          f"\"model\": its path; got method {method!r} and model {model!r}")  # fmt: skip
+    if model is not None:
+        return Speculation("auto", draft_max, draft_model=model)
+    if method not in CONFIG_METHODS:
+        raise ConfigError(f"--speculative-config: method {method!r}: choose one of "
+                          f"{', '.join([*CONFIG_METHODS, DRAFT_MODEL_METHOD])}")  # fmt: skip
     longest, shortest = config.get("prompt_lookup_max", NGRAM_MAX), config.get("prompt_lookup_min", NGRAM_MIN)
     if not 1 <= shortest <= longest:
         raise ConfigError(f"--speculative-config: prompt_lookup_min {shortest} and prompt_lookup_max {longest}: "

@@ -27,13 +27,13 @@ import torch
 
 from seamline.errors import RequestError
 from seamline.model.cache import Span, logit_rows, logits_by_span
-from seamline.runtime.mtp_drafts import pipeline_drafts
 from seamline.model.stage import Stage
 from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
 from seamline.params import SamplingParams
 from seamline.runtime import digest
 from seamline.runtime.grammar import TokenMasks, grammar_mask
+from seamline.runtime.mtp_drafts import pipeline_drafts
 from seamline.runtime.pipeline_head import PipelineHead
 from seamline.runtime.sampling import TokenEvent, draw_next, request_seed
 from seamline.runtime.speculation import draws_while_accepted

@@ -128,13 +128,7 @@ def mtp_missing(source: TensorSource, config: ModelConfig, embed: bool = False) 
     if not config.mtp_layers:
         return f"the {config.family} checkpoint has no multi-token-prediction layer (num_nextn_predict_layers)"
     names = source.names()
-    if config.is_v4:
-        from seamline.weights.v4_names import v4_mtp_plans
-
-        plans = v4_mtp_plans(config, Ownership.full(config), embed)
-    else:
-        plans = mtp_plans(config, Ownership.full(config), embed)
-    missing = [n for p in plans for n in p.sources() if n not in names]
+    missing = [n for p in mtp_plans(config, Ownership.full(config), embed) for n in p.sources() if n not in names]
     return f"the checkpoint lacks tensor {missing[0]} of its multi-token-prediction layer" if missing else None
 
 

@@ -123,7 +123,12 @@ MTP_TABLE = {  # DeepSeek-V3's multi-token-prediction layer, beyond its block: t
 def mtp_plans(config: ModelConfig, own: Ownership, embed: bool | None = None) -> list[TensorPlan]:
     """The multi-token-prediction layer's parameters, from the checkpoint's layer
     ``num_hidden_layers`` (its head is the model's own; ``embed``: its own copy of the
-    embedding too, which a stage without the model's reads; None: where ``own`` lacks it)."""
+    embedding too, which a stage without the model's reads; None: where ``own`` lacks it).
+    DeepSeek-V4's are its ``mtp.0.*`` tensors (``v4_names.v4_mtp_plans``)."""
+    if config.is_v4:
+        from seamline.weights.v4_names import v4_mtp_plans
+
+        return v4_mtp_plans(config, own, embed)
     i = config.num_layers
     plans = [TensorPlan(target, ((L.format(i=i) + source,),)) for target, source in MTP_TABLE.items()]
     if embed or (embed is None and not own.owns_embedding()):

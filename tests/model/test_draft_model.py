@@ -11,6 +11,7 @@ refuses the option.
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from seamline.runtime.speculation import OFF, Speculation
 from seamline.weights.loader import load_stage, open_source
 from tests.support.cli import assert_clean_error, seamline
 from tests.support.configs import checkpoint_folder
-from tests.support.speculation import GREEDY as GREEDY_64, LIST, SEEDED as SEEDED_64, generate
+from tests.support.speculation import GREEDY as GREEDY_64, LIST, SEEDED as SEEDED_64, assert_right_drafts_save_steps, generate
 
 GREEDY, SEEDED = replace(GREEDY_64, max_tokens=24), replace(SEEDED_64, max_tokens=24)  # the model drafts for itself: slow
 
@@ -42,15 +43,8 @@ def _drafting(model: LocalModel) -> Speculation:
 
 def test_a_model_drafting_for_itself_is_accepted_and_changes_no_token(target: LocalModel) -> None:
     prompt = target.codec.encode_chat([{"role": "user", "content": "Tell me about the sea."}])
-    for params in (GREEDY, SEEDED):
-        plain, plain_steps, _ = generate(target.engine.stage, prompt, params, OFF)
-        drafted, steps, stats = generate(target.engine.stage, prompt, params, _drafting(target))
-        assert drafted == plain
-        assert stats.drafted > 0
-        if params is GREEDY:
-            assert stats.accepted >= 0.9 * stats.drafted and steps < plain_steps / 3
-        else:
-            assert stats.accepted < stats.drafted
+    assert_right_drafts_save_steps(target.engine.stage, prompt, _drafting(target), GREEDY, SEEDED, steps_share=1 / 3,
+                                   sampled_accepts=False)  # fmt: skip
 
 
 def test_sequences_drafted_for_in_turn_keep_their_own_caches(target: LocalModel) -> None:
@@ -72,6 +66,8 @@ def test_a_draft_model_of_another_vocabulary_is_refused(target: LocalModel, tmp_
     with pytest.raises(ConfigError, match=message):
         DraftModel.load(folder, target.engine.stage.config, target.engine.stage.compute_dtype)
     assert_clean_error(seamline("run", "-p", "hi", "--max-tokens", "2", "--draft-model", str(folder)), "its vocabulary has")
+    as_vllm = json.dumps({"model": str(folder), "num_speculative_tokens": 4})  # vLLM's spelling of the same
+    assert_clean_error(seamline("run", "-p", "hi", "--max-tokens", "2", "--speculative-config", as_vllm), "its vocabulary has")
     assert_clean_error(seamline("serve", "--draft-model", str(folder), "--port", "1"), "--draft-model drafts on one process")
     assert_clean_error(seamline("run", "-p", "hi", "--draft-model", str(folder), "--speculative", "off"),
                        "--draft-model drafts in place of n-grams: not with --speculative off")  # fmt: skip

@@ -18,9 +18,10 @@ from safetensors.torch import load_file, save_file
 
 from seamline.errors import CheckpointError
 from seamline.params import SamplingParams
-from seamline.runtime.speculation import OFF, Speculation
+from seamline.runtime.speculation import Speculation
 from seamline.weights.loader import load_stage, open_source
-from tests.support.speculation import COOL, GREEDY, SEEDED, assert_mtp_changes_no_token, generate, mtp_draft_logits
+from tests.support.speculation import COOL, GREEDY, SEEDED, assert_mtp_changes_no_token, assert_right_drafts_save_steps, \
+    mtp_draft_logits  # fmt: skip
 from tests.support.cli import assert_clean_error, seamline
 from tests.support.deepseek import MtpLayer, add_mtp_layer, build_deepseek, deepseek_tokens, mtp_reference_logits, silence_outputs
 
@@ -85,12 +86,4 @@ def test_right_mtp_drafts_are_accepted_and_save_steps(tmp_path: Path) -> None:
     prompt = deepseek_tokens().tolist()[:32]
     stage = load_stage(open_source(folder), mtp=True)
     speculation = Speculation("mtp", draft_max=4).for_model(True)
-    for params in (GREEDY, COOL):
-        plain, plain_steps, _ = generate(stage, prompt, params, OFF)
-        drafted, steps, stats = generate(stage, prompt, params, speculation)
-        assert drafted == plain
-        assert stats.accepted > 0
-        if params is GREEDY:
-            assert stats.accepted >= 0.9 * stats.drafted and steps < plain_steps / 2
-        else:
-            assert stats.accepted < stats.drafted
+    assert_right_drafts_save_steps(stage, prompt, speculation, GREEDY, COOL, steps_share=1 / 2)

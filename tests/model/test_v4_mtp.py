@@ -18,10 +18,10 @@ import torch
 
 from seamline.errors import CheckpointError
 from seamline.params import SamplingParams
-from seamline.runtime.speculation import OFF, Speculation
+from seamline.runtime.speculation import Speculation
 from seamline.weights.loader import load_stage, open_source
-from tests.support.speculation import COOL, GREEDY, SEEDED, assert_mtp_changes_no_token, generate, mtp_draft_logits, \
-    repetitive_prompt  # fmt: skip
+from tests.support.speculation import COOL, GREEDY, SEEDED, assert_mtp_changes_no_token, \
+    assert_right_drafts_save_steps, mtp_draft_logits, repetitive_prompt  # fmt: skip
 from tests.support.v4_mtp import V4MtpLayer, add_v4_mtp, silence_v4, v4_mtp_reference_logits
 from tests.support.v4_reference import random_v4, v4_config
 
@@ -61,15 +61,7 @@ def test_right_v4_mtp_drafts_are_accepted_and_save_steps(tmp_path: Path) -> None
     prompt = repetitive_prompt(96)
     stage = load_stage(open_source(folder), mtp=True)
     speculation = Speculation("mtp", draft_max=4).for_model(True)
-    for params in (GREEDY, COOL):
-        plain, plain_steps, _ = generate(stage, prompt, params, OFF)
-        drafted, steps, stats = generate(stage, prompt, params, speculation)
-        assert drafted == plain
-        assert stats.accepted > 0
-        if params is GREEDY:
-            assert stats.accepted >= 0.9 * stats.drafted and steps < plain_steps / 2
-        else:
-            assert stats.accepted < stats.drafted
+    assert_right_drafts_save_steps(stage, prompt, speculation, GREEDY, COOL, steps_share=1 / 2)
 
 
 def test_a_v4_checkpoint_without_its_mtp_tensors_is_refused_for_mtp(tmp_path: Path) -> None:

@@ -80,3 +80,23 @@ def assert_mtp_changes_no_token(folder: Path, prompt: list[int], params: Samplin
     assert len(plain) == TOKENS
     assert drafted == plain
     assert stats.windows > 0 and stats.drafted > 0
+
+
+def assert_right_drafts_save_steps(stage: Stage | LockstepStage, prompt: list[int], speculation: Speculation,
+                                   greedy: SamplingParams, sampled: SamplingParams, steps_share: float,
+                                   sampled_accepts: bool = True) -> None:  # fmt: skip
+    """Drafts that are the model's own greedy tokens: greedy, at least 90% are accepted, in under
+    ``steps_share`` of the steps; ``sampled``, the draws agree with them only part of the time
+    (some accepted, where ``sampled_accepts``). Either way the tokens are those without drafts."""
+    from seamline.runtime.speculation import OFF
+
+    for params in (greedy, sampled):
+        plain, plain_steps, _ = generate(stage, prompt, params, OFF)
+        drafted, steps, stats = generate(stage, prompt, params, speculation)
+        assert drafted == plain
+        assert stats.drafted > 0
+        if params is greedy:
+            assert stats.accepted >= 0.9 * stats.drafted and steps < plain_steps * steps_share
+        else:
+            assert stats.accepted < stats.drafted
+            assert stats.accepted > 0 or not sampled_accepts

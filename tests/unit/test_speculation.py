@@ -89,11 +89,15 @@ def test_a_vllm_speculative_config_names_a_mode_and_a_draft_length() -> None:
     looked_up = from_config('{"method": "ngram", "prompt_lookup_max": 2, "prompt_lookup_min": 1}').source
     assert looked_up([5, 6, 7, 5, 9, 6], 3) == [7, 5, 9]  # a one-token match, as prompt_lookup_min 1 allows
     assert from_config('{"method": "ngram"}').source([5, 6, 7, 5, 9, 6], 3) == []  # the default: 2 tokens at least
+    assert from_config('{"model": "/m", "num_speculative_tokens": 4}') == Speculation("auto", 4, draft_model="/m")
+    assert from_config('{"method": "draft_model", "model": "/m"}').draft_model == "/m"
     for text, why in (("{", "not JSON"), ("[1]", "JSON object"), ('{"method": "eagle"}', "method 'eagle'"),
                       ('{"method": "ngram", "draft_tensor_parallel_size": 1}', "'draft_tensor_parallel_size' is not taken"),
                       ('{"method": "ngram", "prompt_lookup_min": 5}', "1 <= min <= max"),
                       ('{"method": "ngram", "num_speculative_tokens": "5"}', "not a whole number"),
-                      ('{"method": "ngram", "num_speculative_tokens": 0}', "--draft-max 0")):  # fmt: skip
+                      ('{"method": "ngram", "num_speculative_tokens": 0}', "--draft-max 0"),
+                      ('{"method": "ngram", "model": "/m"}', "a draft model takes method 'draft_model'"),
+                      ('{"method": "draft_model"}', "got method 'draft_model' and model None")):  # fmt: skip
         with pytest.raises(ConfigError, match=why):
             from_config(text)
 

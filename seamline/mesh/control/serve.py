@@ -109,20 +109,28 @@ def _write_endpoint(state_dir: Path, url: str, certificate_pem: str) -> None:
     (state_dir / ENDPOINT_FILE).write_text(json.dumps({"url": url, "certificate": certificate_pem}))
 
 
+def _refuse_early(options: ServeOptions, path: Path) -> None:
+    """What the options cannot do with this model, said before packaging (which may take minutes)."""
+    if options.private and (not options.local_node or options.tensor_parallel):
+        raise ConfigError("--private keeps the route's ends on this machine's own node: it needs that node "
+                          "(no --no-local-node) and stages of one node each (no --tensor-parallel)")  # fmt: skip
+    if not options.tensor_parallel and options.speculation.mode != "mtp":
+        return
+    source = open_source(path)
+    config = ModelConfig.from_hf_dict(source.config_dict())
+    if options.tensor_parallel:
+        check_world(config, options.tensor_parallel)
+    # the last stage drafts with the layer and its own copy of the embedding
+    if options.speculation.mode == "mtp" and (why := mtp_missing(source, config, embed=True)):
+        raise ConfigError(f"--speculative mtp: {why}")
+
+
 def build_mesh(options: ServeOptions) -> Mesh:
     from seamline.app import default_model_path
 
     tame_malloc()  # the coordinator runs a thread per connection: see arenas.py
     path = Path(options.model) if options.model else default_model_path()
-    if options.private and (not options.local_node or options.tensor_parallel):
-        raise ConfigError("--private keeps the route's ends on this machine's own node: it needs that node "
-                          "(no --no-local-node) and stages of one node each (no --tensor-parallel)")  # fmt: skip
-    if options.tensor_parallel:  # refuse before packaging, which may take minutes
-        check_world(ModelConfig.from_hf_dict(open_source(path).config_dict()), options.tensor_parallel)
-    if options.speculation.mode == "mtp":  # likewise: the layer and its own embedding, for the last stage
-        source = open_source(path)
-        if why := mtp_missing(source, ModelConfig.from_hf_dict(source.config_dict()), embed=True):
-            raise ConfigError(f"--speculative mtp: {why}")
+    _refuse_early(options, path)
     package_dir = package_cached(path, options.cache_dir / "packages")
     manifest = Manifest.load(package_dir)
     config = ModelConfig.from_hf_dict(manifest.config)
