@@ -80,6 +80,9 @@ class SequenceCache:
     def __init__(self, layers: Iterable[int], limit: int | None = None) -> None:
         self.limit = limit
         self.layers = {i: LayerKV(limit) for i in layers}
+        # a pipeline's last stage: (position, final state) of the drafting layer's row whose next
+        # token comes with the next prompt chunk (``runtime/mtp_drafts.py``)
+        self.draft_pending: tuple[int, torch.Tensor] | None = None
 
     def bound(self, positions: int) -> None:
         """Never grow past ``positions`` (the most its sequence may need: prompt + max_tokens)."""

@@ -137,6 +137,7 @@ class V4Cache:
 
     def __init__(self, layers: Sequence[int]) -> None:
         self.layers = {i: SlidingCache() for i in layers}
+        self.draft_pending: tuple[int, torch.Tensor] | None = None  # as SequenceCache's
 
     def layer(self, index: int) -> SlidingCache:
         return self.layers[index]

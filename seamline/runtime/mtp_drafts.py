@@ -10,9 +10,9 @@ logits: a draft is only a proposal, which the model's own draw keeps or rejects.
 
 In a pipeline the layer runs on the last stage (``pipeline_drafts``), where the head and the
 final states are: after the step's draws, over the rows whose next token is now known (a prompt
-chunk's last row waits for the next chunk's first token and stays out of the layer's cache, which
-may only make drafts worse), and a sequence whose row asked for drafts (``drafts_wanted``) gets
-them on its last token row, back to stage 0 with it.
+chunk's last row waits, kept on its cache, for the next chunk's first token), and a sequence
+whose row asked for drafts (``drafts_wanted``) gets them on its last token row, back to stage 0
+with it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import torch
 
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.stage import Stage
+from seamline.model.v4_stage import V4Cache
 from seamline.net.frames import RowFlag, TokenRow, drafts_wanted
 from seamline.runtime.scheduler import Batch, SequenceState
+from seamline.runtime.speculation import DRAFT_LIMIT
 from seamline.runtime.stage_rows import Work
 
 
@@ -64,26 +66,26 @@ def pipeline_drafts(stage: Stage, work: list[Work], draws: list[list[TokenRow]])
     token rows): the drafting layer over the rows whose next token is known; each row that asked
     for drafts, and drew a token that does not end its request, carries them on its last."""
     assert stage.hidden is not None
-    rows: list[int] = []
+    states: list[torch.Tensor] = []
     ids: list[int] = []
     spans: list[Span] = []
     asking: list[tuple[int, int, int]] = []  # (work index, span index, drafts wanted)
     offset = 0
     for index, (w, drawn) in enumerate(zip(work, draws)):
-        known = [t.token for t in drawn]
-        nexts = known[: w.row.count] if w.row.flags & RowFlag.WINDOW else w.token_ids()[1:] + known[:1]
-        if nexts and isinstance(w.cache, SequenceCache):
-            room = w.cache.capacity() - (w.row.position + len(nexts)) - 1
-            want = min(drafts_wanted(w.row.flags), room) if drawn and not drawn[-1].flags & RowFlag.DONE else 0
-            if want > 0:
-                asking.append((index, len(spans), want))
-            spans.append(Span(len(ids), len(nexts), w.row.position, w.cache))
-            rows += range(offset, offset + len(nexts))
-            ids += nexts
+        rows, nexts, first = _known_rows(stage.hidden, w, drawn, offset)
         offset += w.row.count
+        if not nexts:
+            continue
+        goes_on = bool(drawn) and not drawn[-1].flags & RowFlag.DONE
+        want = min(drafts_wanted(w.row.flags), _room(w, first + len(nexts))) if goes_on else 0
+        if want > 0:
+            asking.append((index, len(spans), want))
+        spans.append(Span(len(ids), len(nexts), first, w.cache))  # type: ignore[arg-type]
+        states.append(rows)
+        ids += nexts
     if not spans:
         return draws
-    outputs = stage.draft_states(stage.hidden[rows], torch.tensor(ids, dtype=torch.long), spans)
+    outputs = stage.draft_states(torch.cat(states), torch.tensor(ids, dtype=torch.long), spans)
     if not asking:
         return draws
     chosen = [spans[j] for _, j, _ in asking]
@@ -93,6 +95,32 @@ def pipeline_drafts(stage: Stage, work: list[Work], draws: list[list[TokenRow]])
         last = draws[index][-1]
         draws[index] = [*draws[index][:-1], replace(last, flags=last.flags | RowFlag.DRAFTS, drafts=tuple(draft))]
     return draws
+
+
+def _known_rows(hidden: torch.Tensor, w: Work, drawn: list[TokenRow], offset: int) -> tuple[torch.Tensor, list[int], int]:
+    """The final states of ``w``'s rows whose next token is now known, those tokens, and the
+    first one's position. A prompt chunk's last row waits in its cache (``draft_pending``) for
+    the next chunk's first token, so that the layer's cache has every position."""
+    known = [t.token for t in drawn]
+    ids = w.token_ids()
+    window = bool(w.row.flags & RowFlag.WINDOW)
+    nexts = known[: w.row.count] if window else ids[1:] + known[:1]
+    rows, first = hidden[offset : offset + len(nexts)], w.row.position
+    cache = w.cache
+    pending = cache.draft_pending if isinstance(cache, (SequenceCache, V4Cache)) else None
+    if pending is not None and pending[0] == first - 1 and ids:
+        rows, nexts, first = torch.cat([pending[1], rows]), [ids[0], *nexts], first - 1
+    if isinstance(cache, (SequenceCache, V4Cache)):
+        last = offset + w.row.count - 1
+        waits = not window and not known
+        cache.draft_pending = (w.row.position + w.row.count - 1, hidden[last : last + 1].clone()) if waits else None
+    return rows, nexts, first
+
+
+def _room(w: Work, end: int) -> int:
+    """The drafts the layer's cache can take after position ``end``: a cache of buffers stops
+    at their end; a DeepSeek-V4 cache grows, and takes its drafts' positions back."""
+    return w.cache.capacity() - end - 1 if isinstance(w.cache, SequenceCache) else DRAFT_LIMIT
 
 
 def _wanted(sequence: SequenceState) -> int:

@@ -7,6 +7,8 @@ A package is one folder::
     layer.{i}.safetensors     every model.layers.{i}.* tensor, under its Hugging Face name, but
     layer.{i}.experts.{a}-{b}.safetensors   the routed experts [a, b) of an MoE layer, in
                               gcd(E, 8) chunks, so a lockstep rank fetches only its experts
+    layer.{N}.safetensors     the multi-token-prediction layer, where the checkpoint has one
+                              (DeepSeek-V3's layer N, V4's mtp.0.*): the last stage's drafts
     head.safetensors          model.norm.weight (+ lm_head.weight when the head is untied)
     tokenizer.json, tokenizer_config.json [, generation_config.json, chat_template.jinja]
 
@@ -233,8 +235,9 @@ def fragments_for(
     the routed experts only the chunks that hold one of ``experts`` (None: every expert);
     with ``mtp`` the multi-token-prediction layer's too (layer ``num_layers``).
 
-    The last stage of a tied model also needs ``embed`` (its head is the embedding); stage 0
-    and the last stage get the tokenizer files.
+    The last stage of a tied model also needs ``embed`` (its head is the embedding), and so does
+    one drafting with a layer that has no copy of its own (DeepSeek-V4's); stage 0 and the last
+    stage get the tokenizer files.
     """
     start, end = layer_range
     if not 0 <= start < end <= manifest.num_layers:
@@ -243,11 +246,18 @@ def fragments_for(
     wants: dict[str, Callable[[FragmentEntry], bool]] = {
         "layer": in_range,
         "experts": lambda f: in_range(f) and (experts is None or _overlaps(f.experts, experts)),
-        "embed": lambda f: owns_embedding or (owns_head and manifest.tie_word_embeddings),
+        "embed": lambda f: owns_embedding or (owns_head and (manifest.tie_word_embeddings or mtp and _mtp_reads_embed(manifest))),
         "head": lambda f: owns_head,
         "tokenizer": lambda f: owns_embedding or owns_head,
     }
     return [f for f in manifest.fragments if wants[f.kind](f)]
+
+
+def _mtp_reads_embed(manifest: Manifest) -> bool:
+    """Whether the multi-token-prediction layer (layer N) reads the model's embedding: it has no
+    copy of its own in its fragment."""
+    layer = [f for f in manifest.fragments if f.layer == manifest.num_layers]
+    return not any(t.name.endswith("embed_tokens.weight") for f in layer for t in f.tensors)
 
 
 def _overlaps(chunk: Range | None, wanted: Range) -> bool:

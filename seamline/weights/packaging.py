@@ -41,6 +41,7 @@ from seamline.weights.fragments import (
 from seamline.weights.loader import check_names, mtp_missing, open_source
 from seamline.weights.names import mtp_plans, stage_plans
 from seamline.weights.source import TensorSource
+from seamline.weights.v4_names import MTP_SOURCE
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,9 @@ def package(model_path: str | Path, out_dir: str | Path, progress: bool = True) 
     check_names(source, config)  # nothing missing, nothing unexpected; ignorable ones are dropped
     out_dir.mkdir(parents=True, exist_ok=True)
     entries: list[FragmentEntry] = []
-    # DeepSeek-V3's multi-token-prediction layer (with its embedding) goes in the fragments of layer
-    # N, for a pipeline's last stage; DeepSeek-V4's drafts on one process only (its cache needs
-    # every row, and a pipeline's last stage sees a prompt chunk's last next token one chunk late)
-    mtp = not config.is_v4 and mtp_missing(source, config, embed=True) is None
+    # the multi-token-prediction layer goes in the fragments of layer N, for a pipeline's last
+    # stage (DeepSeek-V3's with its own copy of the embedding; V4's reads the model's)
+    mtp = mtp_missing(source, config, embed=True) is None
     groups = _tensor_groups(config, mtp=mtp)
     for group in tqdm(groups, desc=f"packaging {model_path.name}", unit="fragment", disable=not progress):
         entries.append(_write_tensors(source, group, out_dir))
@@ -90,9 +90,8 @@ def _tensor_groups(config: ModelConfig, mtp: bool = False) -> list[_Group]:
     per_chunk = experts // math.gcd(experts, EXPERT_CHUNKS) if experts else 0
     groups = {"embed": _Group("embed", "embed", None, None, []), "head": _Group("head", "head", None, None, [])}
     for name in sorted(names):
-        match = _LAYER.match(name)
-        if match:
-            layer = int(match.group(1))
+        layer = _layer_of(name, config)
+        if layer is not None:
             expert = expert_of.get(name)
             if expert is None or not per_chunk:
                 key, chunk = f"layer.{layer}", None
@@ -109,6 +108,15 @@ def _tensor_groups(config: ModelConfig, mtp: bool = False) -> list[_Group]:
             raise CheckpointError(f"tensor {name} belongs to no fragment (embed, layer.i, head)")
     order = lambda g: (g.kind != "embed", g.kind == "head", g.layer or 0, g.experts or (-1, -1))  # noqa: E731
     return sorted((g for g in groups.values() if g.tensors), key=order)
+
+
+def _layer_of(name: str, config: ModelConfig) -> int | None:
+    """The layer a tensor belongs to: DeepSeek-V4's multi-token-prediction layer (``mtp.0.*``)
+    is layer N, as V3's is."""
+    if name.startswith(MTP_SOURCE):
+        return config.num_layers
+    match = _LAYER.match(name)
+    return int(match.group(1)) if match else None
 
 
 def _write_tensors(source: TensorSource, group: _Group, out_dir: Path) -> FragmentEntry:

@@ -91,3 +91,15 @@ def test_the_last_stages_mtp_layer_drafts_for_a_mesh(tmp_path: Path) -> None:
     assert counts["method"] == "mtp", counts
     assert counts["windows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
     assert counts["tokens_per_window"] > 2, counts
+
+
+def test_the_last_stages_deepseek_v4_mtp_layer_drafts_for_a_mesh(tmp_path: Path) -> None:
+    """DeepSeek-V4's MTP layer (``mtp.0.*``) over two stages: packaged as layer N, loaded by the
+    last stage with the model's embedding, its cache fed every position; answers as without."""
+    folder = build_v4_folder(tmp_path / "v4", echo_mtp=True)
+    plain, _ = _answers(tmp_path / "off", "--speculative", "off", model=folder)
+    drafted, counts = _answers(tmp_path / "auto", model=folder)
+    assert drafted == plain
+    assert counts["method"] == "mtp", counts
+    assert counts["windows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
+    assert counts["tokens_per_window"] > 2, counts

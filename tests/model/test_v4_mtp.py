@@ -18,8 +18,10 @@ import torch
 
 from seamline.errors import CheckpointError
 from seamline.params import SamplingParams
-from seamline.runtime.speculation import Speculation
+from seamline.ownership import Ownership
+from seamline.runtime.speculation import OFF, Speculation
 from seamline.weights.loader import load_stage, open_source
+from tests.support.pipeline import Pipeline
 from tests.support.speculation import COOL, GREEDY, SEEDED, assert_mtp_changes_no_token, \
     assert_right_drafts_save_steps, mtp_draft_logits, repetitive_prompt  # fmt: skip
 from tests.support.v4_mtp import V4MtpLayer, add_v4_mtp, silence_v4, v4_mtp_reference_logits
@@ -69,3 +71,30 @@ def test_a_v4_checkpoint_without_its_mtp_tensors_is_refused_for_mtp(tmp_path: Pa
     with pytest.raises(CheckpointError, match="lacks tensor mtp.0.e_proj.weight of its multi-token-prediction"):
         load_stage(open_source(tmp_path), mtp=True)
     load_stage(open_source(tmp_path))
+
+
+@pytest.mark.parametrize("params", [GREEDY, COOL], ids=["greedy", "cool"])
+def test_a_pipelines_last_stage_drafts_over_every_prompt_position(tmp_path: Path, params: SamplingParams) -> None:
+    """Two stages in one process, the prompt in chunks of 8 rows: the last stage's drafting
+    layer takes a chunk's last row when the next chunk's first token comes (its cache has every
+    position, as a V4 cache must); the tokens are those without drafts, and drafts are taken."""
+    _, _, folder = _checkpoint(tmp_path, echo=True)
+    source = open_source(folder)
+    layers = load_stage(source).config.num_layers
+    prompt = repetitive_prompt(96)
+    runs = []
+    for speculation in (OFF, Speculation("mtp", draft_max=4).for_model(True)):
+        stages = [load_stage(source, Ownership(layers=(0, 1))), load_stage(source, Ownership(layers=(1, layers)), mtp=True)]
+        pipeline = Pipeline(stages, speculation)
+        try:
+            pipeline.workers[0].head.scheduler.max_step_tokens = 8  # type: ignore[union-attr]
+            tokens = pipeline.generate(1, prompt, params)
+            cache = pipeline.workers[-1].sequences[1].cache
+            runs.append((tokens, pipeline.workers[0].speculated()))
+        finally:
+            pipeline.close()
+        drafting = cache.layer(stages[-1].mtp.layer)
+        assert drafting.length == len(prompt) + len(tokens) - 1, "a position of the drafting layer's cache is missing"
+    (plain, _), (drafted, stats) = runs
+    assert drafted == plain
+    assert stats["windows"] > 0 and stats["accepted"] > 0, stats
