@@ -47,3 +47,27 @@ def assert_join_refused(mesh: MeshProcesses, token: str, fragment: str) -> None:
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode != 0
     assert fragment in stderr and "Traceback" not in stderr, stderr
+
+
+SPECULATION_LIST = [{"role": "user", "content": "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates."}]
+SPECULATION_ASKS = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 3},
+                    {"temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5}]  # fmt: skip
+
+
+def speculation_answers(root: Path, *serve_args: str, stages: int = 2, model: Path | None = None,
+                        context: int = CONTEXT) -> tuple[list[str], dict[str, float]]:  # fmt: skip
+    """A mesh's answers of 64 tokens to the list (greedy, seeded, with penalties) and stage 0's
+    speculation counts from /api/status (empty where it drafted nothing)."""
+    mesh = start_mesh(root, stages, *serve_args, model=model, context=context)
+    try:
+        assert len(mesh.wait_ready()["stages"]) == stages
+        answers = []
+        for ask_ in SPECULATION_ASKS:
+            body = {"model": "default", "messages": SPECULATION_LIST, "max_tokens": 64, "ignore_eos": True, **ask_}
+            reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=120).json()
+            assert reply["usage"]["completion_tokens"] == 64, reply
+            answers.append(reply["choices"][0]["message"]["content"])
+        status = httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()
+    finally:
+        mesh.stop()
+    return answers, status["stages"][0].get("speculation") or {}
