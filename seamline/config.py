@@ -20,7 +20,7 @@ MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 V4_FAMILY = "deepseek_v4"
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES + (V4_FAMILY,)
 
-# model_type -> when transformers applies config.json's sliding_window (seamline does not):
+# model_type -> when transformers applies config.json's sliding_window (and so does seamline):
 # "always": whenever it is set (Mistral, Mixtral); "flag": when use_sliding_window is true
 # (Qwen3-MoE: every layer); "layers": when use_sliding_window is true, on the layers that
 # layer_types marks "sliding_attention" or, without layer_types, from max_window_layers on
@@ -68,6 +68,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    # sliding-window attention: a query at position i sees keys (i - sliding_window, i] on these layers
+    sliding_window: int = 0
+    sliding_layers: frozenset[int] = frozenset()
     # Mixture of experts (Mixtral, Qwen3-MoE, DeepSeek)
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -112,7 +115,6 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         family = _family_of(d)
-        _refuse_sliding_window(family, d)
         heads = _req(d, "num_attention_heads")
         hidden = _req(d, "hidden_size")
         layers = _req(d, "num_hidden_layers")
@@ -134,6 +136,7 @@ class ModelConfig:
             eos_token_ids=_eos_ids(d.get("eos_token_id")),
         )
         kwargs["rope_theta"], kwargs["rope_scaling"] = rope_of(d)
+        kwargs["sliding_window"], kwargs["sliding_layers"] = sliding_layers(family, d)
         kwargs.update(_moe_fields(family, d, layers))
         if family in MLA_FAMILIES:
             kwargs.update(_mla_fields(d))
@@ -160,29 +163,25 @@ def _family_of(d: dict[str, Any]) -> str:
 def sliding_window_active(family: str, d: dict[str, Any]) -> bool:
     """Whether transformers would restrict some layer's attention to ``sliding_window`` keys
     within the model's context (a window of max_position_embeddings or more never binds)."""
+    window, layers = sliding_layers(family, d)
+    return bool(layers) and window < int(d.get("max_position_embeddings", 4096))
+
+
+def sliding_layers(family: str, d: dict[str, Any]) -> tuple[int, frozenset[int]]:
+    """(window, the layers whose attention it restricts) as transformers applies config.json's
+    ``sliding_window`` (``SLIDING_RULES``); (0, none) where it applies none."""
     rule, window = SLIDING_RULES.get(family), d.get("sliding_window")
+    count = int(d.get("num_hidden_layers", 0))
     if rule is None or window is None or int(window) <= 0:
-        return False
-    if int(window) >= int(d.get("max_position_embeddings", 4096)):
-        return False
+        return 0, frozenset()
     if rule != "always" and not d.get("use_sliding_window", False):
-        return False
+        return 0, frozenset()
     if rule == "layers":
         types = d.get("layer_types")
-        if types:
-            return "sliding_attention" in types
         first = int(d.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS))
-        return first < int(d.get("num_hidden_layers", 0))
-    return True
-
-
-def _refuse_sliding_window(family: str, d: dict[str, Any]) -> None:
-    if sliding_window_active(family, d):
-        raise ConfigError(
-            f"sliding_window {d['sliding_window']} is active for {family} (shorter than "
-            f"max_position_embeddings {d.get('max_position_embeddings', 4096)}); seamline has no "
-            f"sliding-window attention"
-        )
+        chosen = [i for i in range(count) if (types[i] == "sliding_attention" if types else i >= first)]
+        return (int(window), frozenset(chosen)) if chosen else (0, frozenset())
+    return int(window), frozenset(range(count))
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:

@@ -26,13 +26,15 @@ from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary
 
 
-def causal_mask(start: int, count: int) -> torch.Tensor | None:
-    """Boolean mask [count, start+count] for a chunk after ``start`` cached positions."""
-    if count == 1:
+def causal_mask(start: int, count: int, window: int = 0) -> torch.Tensor | None:
+    """Boolean mask [count, start+count] for a chunk after ``start`` cached positions; with a
+    ``window``, a query at i sees only keys (i - window, i], as transformers' sliding window."""
+    if count == 1 and (not window or start < window):
         return None
     keys = torch.arange(start + count)
     queries = torch.arange(start, start + count).unsqueeze(1)
-    return keys <= queries
+    visible = keys <= queries
+    return visible & (keys > queries - window) if window else visible
 
 
 def _uneven_kv_map(q0: int, q1: int, k0: int, group: int) -> torch.Tensor | None:
@@ -47,8 +49,11 @@ def _uneven_kv_map(q0: int, q1: int, k0: int, group: int) -> torch.Tensor | None
 
 
 class GQAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryTable, own: Ownership) -> None:
+    def __init__(self, config: ModelConfig, rope: RotaryTable, own: Ownership, window: int = 0) -> None:
+        """``window``: a sliding window's keys (0: every position); its cache keeps every position
+        and the mask (or the fused op's first key) hides those behind the window."""
         super().__init__()
+        self.window = window
         q0, q1 = own.head_range(config.num_heads)
         k0, k1 = own.kv_head_range(config.num_heads, config.num_kv_heads)
         self.heads = q1 - q0  # owned query heads
@@ -68,7 +73,7 @@ class GQAttention(nn.Module):
     def _decode(self, op: Callable[..., torch.Tensor], qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         cos, sin = self.rope.tables(start + 1, qkv.dtype)
         keys, values = kv.reserve(self.kv_heads, self.head_dim, start + 1, qkv.dtype)
-        return op(qkv, cos, sin, keys, values, start, self.heads, self.kv_heads)  # [1, H * D]
+        return op(qkv, cos, sin, keys, values, start, self.heads, self.kv_heads, self.window)  # [1, H * D]
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], layer: int) -> torch.Tensor:
         """x [N, hidden]: the rows of every span; one projection for all rows, attention per
@@ -95,7 +100,7 @@ class GQAttention(nn.Module):
         kv = [s.cache.layer(layer).reserve(self.kv_heads, self.head_dim, s.start + s.count, qkv.dtype) for s, _ in head]
         rows = head[-1][0].end
         out = op(qkv[:rows], cos, sin, [k for k, _ in kv], [v for _, v in kv], [position for _, position in head],
-                 self.heads, self.kv_heads)  # fmt: skip
+                 self.heads, self.kv_heads, self.window)  # fmt: skip
         rest = [self._attend_span(qkv, s, layer) for s in spans[ones:]]
         return torch.cat([out, *rest]) if rest else out
 
@@ -126,7 +131,7 @@ class GQAttention(nn.Module):
             q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
             keys.unsqueeze(0),
             values.unsqueeze(0),
-            attn_mask=causal_mask(start, count),
+            attn_mask=causal_mask(start, count, self.window),
             enable_gqa=self.kv_map is None and self.kv_heads != self.heads,
         )  # [1, H, T, D]
         return out.transpose(1, 2).reshape(count, self.heads * self.head_dim)  # a view when T == 1

@@ -42,12 +42,13 @@ def make_rope(config: ModelConfig) -> RotaryTable:
     return RotaryTable(dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
 
 
-def make_attention(config: ModelConfig, rope: RotaryTable, own: Ownership) -> nn.Module:
+def make_attention(config: ModelConfig, rope: RotaryTable, own: Ownership, layer: int = -1) -> nn.Module:
+    """``layer``: its index, for a sliding window (-1: none, as the drafting layer's)."""
     if config.is_mla:
         from seamline.model.mla import MLAttention
 
         return MLAttention(config, rope, own)
-    return GQAttention(config, rope, own)
+    return GQAttention(config, rope, own, config.sliding_window if layer in config.sliding_layers else 0)
 
 
 def make_ffn(config: ModelConfig, layer: int, own: Ownership, moe: bool | None = None) -> nn.Module:
@@ -69,7 +70,7 @@ class Block(nn.Module):
         self.layer = layer
         self.comm = comm
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = make_attention(config, rope, own)
+        self.attn = make_attention(config, rope, own, layer)
         self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = make_ffn(config, layer, own, moe)
 

@@ -140,12 +140,13 @@ def _register_shapes() -> None:
 
     @torch.library.register_fake("seamline_quant::decode_attention")
     def _attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+                   v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, window: int = 0) -> torch.Tensor:  # fmt: skip
         return qkv.new_empty((1, heads * k_cache.shape[-1]))
 
     @torch.library.register_fake("seamline_quant::decode_attention_batch")
     def _attention_batch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
-                         v_caches: list[torch.Tensor], positions: list[int], heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+                         v_caches: list[torch.Tensor], positions: list[int], heads: int, kv_heads: int,
+                         window: int = 0) -> torch.Tensor:  # fmt: skip
         return qkv.new_empty((qkv.shape[0], heads * k_caches[0].shape[-1]))
 
     @torch.library.register_fake("seamline_quant::rms_norm")

@@ -53,42 +53,48 @@ def test_silu_mul_at_the_extremes(ops) -> None:
     assert torch.allclose(got[0], want, rtol=1e-6, atol=1e-30, equal_nan=True)  # silu(-inf) is nan in both
 
 
-def _eager_attention(qkv, cos, sin, keys, values, pos, heads, kv_heads):
-    """RoPE, cache write and SDPA in eager torch, in float64 (keys/values: the cache before)."""
+def _eager_attention(qkv, cos, sin, keys, values, pos, heads, kv_heads, window=0):
+    """RoPE, cache write and SDPA in eager torch, in float64 (keys/values: the cache before),
+    over positions (pos - window, pos] (window 0: every one)."""
     dim = keys.shape[-1]
     parts = qkv.double().view(1, heads + 2 * kv_heads, dim)
     qk = apply_rotary(parts[:, : heads + kv_heads], cos[pos : pos + 1].double(), sin[pos : pos + 1].double())
     q, k, v = qk[:, :heads], qk[:, heads:], parts[:, heads + kv_heads :]
     keys, values = keys.double().clone(), values.double().clone()
     keys[:, pos], values[:, pos] = k[0], v[0]
+    first = max(0, pos - window + 1) if window else 0
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), keys[:, : pos + 1].unsqueeze(0), values[:, : pos + 1].unsqueeze(0),
+        q.transpose(0, 1).unsqueeze(0), keys[:, first : pos + 1].unsqueeze(0), values[:, first : pos + 1].unsqueeze(0),
         enable_gqa=True,
     )
     return out.reshape(1, heads * dim), keys, values
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim,pos", [(9, 3, 64, 0), (9, 3, 64, 300), (4, 4, 40, 17), (8, 1, 128, 5),
-                                                     (8, 2, 128, 40), (4, 2, 64, 33)])
-def test_decode_attention_equals_rope_cache_and_sdpa(ops, dtype, heads, kv_heads, dim, pos) -> None:
+@pytest.mark.parametrize("heads,kv_heads,dim,pos,window", [
+    (9, 3, 64, 0, 0), (9, 3, 64, 300, 0), (4, 4, 40, 17, 0), (8, 1, 128, 5, 0), (8, 2, 128, 40, 0), (4, 2, 64, 33, 0),
+    (9, 3, 64, 300, 32), (4, 4, 40, 17, 5), (4, 2, 64, 3, 8), (8, 2, 128, 40, 1),
+])  # fmt: skip
+def test_decode_attention_equals_rope_cache_and_sdpa(ops, dtype, heads, kv_heads, dim, pos, window) -> None:
+    """``window``: a sliding window's keys (0: all of them)."""
     gen = torch.Generator().manual_seed(pos)
     capacity = pos + 9
     qkv = torch.randn(1, (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
     angles = torch.rand(capacity, dim // 2, generator=gen) * 6
     cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
     keys, values = (torch.randn(kv_heads, capacity, dim, generator=gen).to(dtype) for _ in range(2))
-    want, want_keys, want_values = _eager_attention(qkv, cos, sin, keys, values, pos, heads, kv_heads)
-    got = ops.decode_attention(qkv, cos, sin, keys, values, pos, heads, kv_heads)
+    want, want_keys, want_values = _eager_attention(qkv, cos, sin, keys, values, pos, heads, kv_heads, window)
+    got = ops.decode_attention(qkv, cos, sin, keys, values, pos, heads, kv_heads, window)
     _assert_close(got, want, dtype)
     _assert_close(keys, want_keys, dtype)  # the new key, rotated, was written at pos; nothing else
     assert torch.equal(values, want_values.to(dtype))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_batched_decode_attention_equals_one_call_per_sequence(ops, dtype) -> None:
+@pytest.mark.parametrize("window", [0, 16])
+def test_batched_decode_attention_equals_one_call_per_sequence(ops, dtype, window) -> None:
     """Five sequences at different positions in one call: the same output rows and the same
-    cache writes as five calls of the one-row op."""
+    cache writes as five calls of the one-row op (``window``: a sliding window's keys)."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, dim, positions = 9, 3, 64, [0, 7, 31, 130, 2]
     qkv = torch.randn(len(positions), (heads + 2 * kv_heads) * dim, generator=gen).to(dtype)
@@ -97,9 +103,10 @@ def test_batched_decode_attention_equals_one_call_per_sequence(ops, dtype) -> No
     caches = [[torch.randn(kv_heads, p + 4, dim, generator=gen).to(dtype) for _ in range(2)] for p in positions]
     alone = [[k.clone(), v.clone()] for k, v in caches]
     got = ops.decode_attention_batch(qkv, cos, sin, [k for k, _ in caches], [v for _, v in caches], positions,
-                                     heads, kv_heads)  # fmt: skip
+                                     heads, kv_heads, window)  # fmt: skip
     for row, (pos, (k, v)) in enumerate(zip(positions, alone)):
-        assert torch.equal(got[row : row + 1], ops.decode_attention(qkv[row : row + 1], cos, sin, k, v, pos, heads, kv_heads))
+        one = ops.decode_attention(qkv[row : row + 1], cos, sin, k, v, pos, heads, kv_heads, window)
+        assert torch.equal(got[row : row + 1], one)
         assert torch.equal(caches[row][0], k) and torch.equal(caches[row][1], v)
     with pytest.raises(ValueError, match="B caches and positions"):
         ops.decode_attention_batch(qkv, cos, sin, [k for k, _ in caches][:2], [v for _, v in caches], positions,

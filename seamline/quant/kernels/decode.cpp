@@ -10,6 +10,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -222,7 +223,11 @@ struct RowJob {
   void* kc;
   void* vc;
   int64_t capacity, pos;
+  int64_t first;  // the first position it attends to (a sliding window's; else 0)
 };
+
+// the first key a query at pos sees: within a sliding window of ``window`` keys (0: every key)
+inline int64_t first_key(int64_t pos, int64_t window) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; }
 
 void rotate_and_store(const RowJob& job, const at::Tensor& cos, const at::Tensor& sin, int dt, int64_t heads,
                       int64_t kv_heads, int64_t D, float* q) {
@@ -244,12 +249,12 @@ void rotate_and_store(const RowJob& job, const at::Tensor& cos, const at::Tensor
 
 void attend_heads(const RowJob& job, const float* q, int dt, int64_t h0, int64_t h1, int64_t group, int64_t D,
                   float* result) {
-  const int64_t n = job.pos + 1, elt = dt == F32 ? 4 : 2;
+  const int64_t n = job.pos + 1 - job.first, elt = dt == F32 ? 4 : 2;
   const float scale = 1.f / std::sqrt((float)D);
   std::vector<float> scores(n * group);
   for (int64_t h = h0; h < h1;) {
-    const int64_t g = h / group;
-    const char *K = (const char*)job.kc + g * job.capacity * D * elt, *V = (const char*)job.vc + g * job.capacity * D * elt;
+    const int64_t g = h / group, at = (g * job.capacity + job.first) * D * elt;
+    const char *K = (const char*)job.kc + at, *V = (const char*)job.vc + at;
     if (h % group == 0 && h + group <= h1 && attend_group(q + h * D, K, V, dt, n, D, scale, group, scores.data(), result + h * D)) {
       h += group;  // the query heads that share this KV head, over one pass of its cache
       continue;
@@ -275,13 +280,15 @@ void check_cache(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Ten
 
 }  // namespace
 
-// qkv [1, (H + 2 Hkv) D]; cos, sin [positions, D] tables; caches [Hkv, capacity, D], written at pos
+// qkv [1, (H + 2 Hkv) D]; cos, sin [positions, D] tables; caches [Hkv, capacity, D], written at pos;
+// attention over the positions (pos - window, pos] (window 0: [0, pos])
 at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
-                            at::Tensor v_cache, int64_t pos, int64_t heads, int64_t kv_heads) {
+                            at::Tensor v_cache, int64_t pos, int64_t heads, int64_t kv_heads, int64_t window) {
   check(qkv, cos, sin, k_cache, v_cache, pos, heads, kv_heads);
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0, got ", window);
   const int dt = dtype_of(qkv.scalar_type());
-  const int64_t D = k_cache.size(2), n = pos + 1;
-  const RowJob job{qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(1), pos};
+  const int64_t D = k_cache.size(2), first = first_key(pos, window), n = pos + 1 - first;
+  const RowJob job{qkv.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.size(1), pos, first};
   std::vector<float> q(heads * D), result(heads * D);
   rotate_and_store(job, cos, sin, dt, heads, kv_heads, D, q.data());
   // one thread below ~64K multiply-adds: waking another costs more than it saves
@@ -300,8 +307,9 @@ at::Tensor decode_attention(const at::Tensor& qkv, const at::Tensor& cos, const 
 // before it, and computes as a one-row step at its position would.
 at::Tensor decode_attention_batch(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
                                   at::TensorList k_caches, at::TensorList v_caches, at::IntArrayRef positions,
-                                  int64_t heads, int64_t kv_heads) {
+                                  int64_t heads, int64_t kv_heads, int64_t window) {
   const int64_t B = qkv.size(0);
+  TORCH_CHECK_VALUE(window >= 0, "window must be >= 0, got ", window);
   TORCH_CHECK_VALUE(qkv.dim() == 2 && (int64_t)k_caches.size() == B && (int64_t)v_caches.size() == B &&
                         (int64_t)positions.size() == B,
                     "decode_attention_batch needs qkv [B, width] and B caches and positions, got ", qkv.sizes(), ", ",
@@ -313,7 +321,7 @@ at::Tensor decode_attention_batch(const at::Tensor& qkv, const at::Tensor& cos, 
   const int64_t D = k_caches[0].size(2), width = qkv.size(1) * (dt == F32 ? 4 : 2);
   auto job = [&](int64_t b) {
     return RowJob{(const char*)qkv.data_ptr() + b * width, k_caches[b].data_ptr(), v_caches[b].data_ptr(),
-                  k_caches[b].size(1), positions[b]};
+                  k_caches[b].size(1), positions[b], first_key(positions[b], window)};
   };
   std::vector<float> q(B * heads * D);
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
@@ -434,11 +442,11 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 
 namespace seamline_quant {
 at::Tensor decode_attention_batch(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::TensorList,
-                                  at::TensorList, at::IntArrayRef, int64_t, int64_t) {
+                                  at::TensorList, at::IntArrayRef, int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "decode_attention_batch needs x86-64");
 }
 at::Tensor decode_attention(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, int64_t,
-                            int64_t, int64_t) {
+                            int64_t, int64_t, int64_t) {
   TORCH_CHECK(false, "decode_attention needs x86-64");
 }
 at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double) { TORCH_CHECK(false, "rms_norm needs x86-64"); }
@@ -453,10 +461,10 @@ at::Tensor silu_mul(const at::Tensor&) { TORCH_CHECK(false, "silu_mul needs x86-
 TORCH_LIBRARY_FRAGMENT(seamline_quant, m) {
   m.def(
       "decode_attention(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, "
-      "int heads, int kv_heads) -> Tensor");
+      "int heads, int kv_heads, int window=0) -> Tensor");
   m.def(
       "decode_attention_batch(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
-      "int[] positions, int heads, int kv_heads) -> Tensor");
+      "int[] positions, int heads, int kv_heads, int window=0) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
