@@ -15,7 +15,7 @@ from typing import Any
 from seamline.errors import ConfigError
 
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "glm4_moe")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 V4_FAMILY = "deepseek_v4"
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES + (V4_FAMILY,)
@@ -67,7 +67,8 @@ class ModelConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2)
-    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3; GLM-4.5's use_qk_norm)
+    rotary_dim: int = 0  # the leading dims of each head RoPE turns (partial_rotary_factor; 0: all)
     # sliding-window attention: a query at position i sees keys (i - sliding_window, i] on these layers
     sliding_window: int = 0
     sliding_layers: frozenset[int] = frozenset()
@@ -131,7 +132,8 @@ class ModelConfig:
             max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=family == "qwen2" or bool(d.get("attention_bias", False)),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qk_norm=family in ("qwen3", "qwen3_moe") or bool(d.get("use_qk_norm", False)),
+            rotary_dim=_rotary_dim(d),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=_eos_ids(d.get("eos_token_id")),
         )
@@ -226,20 +228,39 @@ def _moe_fields(family: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             moe_layers=moe if experts > 0 else (),
         )
+    if family == "glm4_moe":  # DeepSeek-V3's routing: sigmoid scores, a bias, groups by their top-2
+        return {**_deepseek_moe(d, layers), "topk_method": "noaux_tc", "scoring_func": "sigmoid",
+                "n_group": int(d.get("n_group") or 1), "topk_group": int(d.get("topk_group") or 1),
+                "routed_scaling_factor": float(d.get("routed_scaling_factor") or 1.0)}  # fmt: skip
     if family in MLA_FAMILIES:
-        first_dense = int(d.get("first_k_dense_replace", 0) or 0)
-        freq = int(d.get("moe_layer_freq", 1) or 1)
-        experts = int(d.get("n_routed_experts") or 0)
-        moe = tuple(i for i in range(first_dense, layers) if i % freq == 0) if experts else ()
-        return dict(
-            num_experts=experts,
-            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
-            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            moe_layers=moe,
-            n_shared_experts=int(d.get("n_shared_experts") or 0),
-        )
+        return _deepseek_moe(d, layers)
     return {}
+
+
+def _deepseek_moe(d: dict[str, Any], layers: int) -> dict[str, Any]:
+    """DeepSeek's MoE layout (GLM-4.5's too): dense first layers, routed and shared experts."""
+    first_dense = int(d.get("first_k_dense_replace", 0) or 0)
+    freq = int(d.get("moe_layer_freq", 1) or 1)
+    experts = int(d.get("n_routed_experts") or 0)
+    moe = tuple(i for i in range(first_dense, layers) if i % freq == 0) if experts else ()
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+        moe_layers=moe,
+        n_shared_experts=int(d.get("n_shared_experts") or 0),
+    )
+
+
+def _rotary_dim(d: dict[str, Any]) -> int:
+    """The dims of each head RoPE turns: head_dim x partial_rotary_factor (top level or in
+    rope_parameters, as transformers 5 writes it); 0 where it turns all of them."""
+    factor = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    if factor is None or float(factor) >= 1.0:
+        return 0
+    head_dim = int(d.get("head_dim") or _req(d, "hidden_size") // _req(d, "num_attention_heads"))
+    return int(head_dim * float(factor))
 
 
 def _mla_fields(d: dict[str, Any]) -> dict[str, Any]:

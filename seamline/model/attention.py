@@ -1,4 +1,5 @@
-"""Grouped-query attention for the Llama family (Llama, SmolLM2, Qwen2 biases, Qwen3 q/k norm).
+"""Grouped-query attention for the Llama family (Llama, SmolLM2, Qwen2 biases, Qwen3 q/k norm,
+GLM-4.5's RoPE on half of each head).
 
 q, k and v are one fused projection; RoPE is applied to q and k in one call. A one-token step on
 CPU runs RoPE, the cache write and attention as one C++ op (``decode_attention``) when the kernels
@@ -54,6 +55,7 @@ class GQAttention(nn.Module):
         and the mask (or the fused op's first key) hides those behind the window."""
         super().__init__()
         self.window = window
+        self.rotary_dim = config.rotary_dim or config.head_dim  # GLM-4.5 turns half of each head
         q0, q1 = own.head_range(config.num_heads)
         k0, k1 = own.kv_head_range(config.num_heads, config.num_kv_heads)
         self.heads = q1 - q0  # owned query heads
@@ -67,8 +69,8 @@ class GQAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rope = rope
-        # the fused op covers the plain layout: no q/k norm, SDPA's own head grouping
-        self.fused_decode = self.q_norm is None and self.kv_map is None
+        # the fused op covers the plain layout: no q/k norm, SDPA's own head grouping, whole-head RoPE
+        self.fused_decode = self.q_norm is None and self.kv_map is None and self.rotary_dim == self.head_dim
 
     def _decode(self, op: Callable[..., torch.Tensor], qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         cos, sin = self.rope.tables(start + 1, qkv.dtype)
@@ -122,7 +124,11 @@ class GQAttention(nn.Module):
             q, k = qk.split((self.heads, self.kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         cos, sin = self.rope.lookup(start, count, qkv.dtype)
-        qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D]
+        if self.rotary_dim < self.head_dim:  # the leading dims turn; the rest pass as they are
+            turned = apply_rotary(qk[..., : self.rotary_dim], cos, sin)
+            qk = torch.cat((turned, qk[..., self.rotary_dim :]), dim=-1)
+        else:
+            qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D]
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         keys, values = kv.update(k.transpose(0, 1), v.transpose(0, 1), start)  # [Hkv, S, D]
         if self.kv_map is not None:  # an uneven share: one KV row per query head

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 
 def make_rope(config: ModelConfig) -> RotaryTable:
-    dim = config.qk_rope_head_dim if config.is_mla else config.head_dim
+    dim = config.qk_rope_head_dim if config.is_mla else config.rotary_dim or config.head_dim
     return RotaryTable(dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
 
 

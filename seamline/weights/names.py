@@ -91,6 +91,7 @@ MOE_NAMES: dict[str, MoeNames] = {
                          _triple(L + "mlp.experts.{e}.{w}_proj.weight", ("gate", "up", "down")),
                          _triple(L + "mlp.shared_experts.{w}_proj.weight", ("gate", "up", "down"))),
 }  # fmt: skip
+MOE_NAMES["glm4_moe"] = MOE_NAMES["deepseek"]  # GLM-4.5 names its MoE as DeepSeek does
 
 
 def stage_plans(config: ModelConfig, own: Ownership, mtp: bool = False) -> list[TensorPlan]:

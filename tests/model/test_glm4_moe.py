@@ -1,0 +1,106 @@
+"""GLM-4.5-style MoE (``glm4_moe``) against transformers' ``Glm4MoeForCausalLM``.
+
+Random checkpoints written by transformers: grouped-query attention with q/k/v biases, RoPE on
+the leading half of each head (``partial_rotary_factor`` 0.5), q/k norms where the config asks,
+a dense first layer, then DeepSeek-V3's routing (sigmoid scores, a correction bias, groups
+ranked by their top-2 biased scores, the chosen scores normalised and scaled) over routed
+experts plus a shared one. Float32 logits within 1e-4 at once, in chunks and decoding; 32
+greedy tokens equal transformers'; a 2-stage split and a 2-rank lockstep group equal one
+process; sequences batched together equal each alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers  # the reference: a test dependency, never skipped
+
+from seamline.params import SamplingParams
+from seamline.runtime.core import EngineCore
+from seamline.runtime.engine import Engine
+from seamline.weights.loader import load_stage, open_source
+from tests.support.deepseek import randomize
+from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
+from tests.support.reference import PREFILL, random_ids, reference_logits, seamline_logits, split_logits
+
+ATOL = 1e-4
+GLM = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, moe_intermediate_size=32,
+    n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+    first_k_dense_replace=1, attention_bias=True, partial_rotary_factor=0.5, routed_scaling_factor=2.5,
+    norm_topk_prob=True, tie_word_embeddings=False,
+)  # fmt: skip
+
+
+def save_glm(folder: Path, qk_norm: bool = True, seed: int = 0) -> Any:
+    config = transformers.Glm4MoeConfig(**GLM, use_qk_norm=qk_norm)
+    model = transformers.Glm4MoeForCausalLM(config).eval()
+    randomize(model, seed)  # a non-zero correction bias, norms away from 1
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["qk-norm", "no-qk-norm"])
+def glm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    folder = tmp_path_factory.mktemp("glm")
+    return save_glm(folder, request.param), folder
+
+
+def test_the_config_reads_as_transformers_builds_it(glm: tuple[Any, Path]) -> None:
+    model, folder = glm
+    config = load_stage(open_source(folder)).config
+    assert (config.rotary_dim, config.attention_bias, config.qk_norm) == (8, True, model.config.use_qk_norm)
+    assert (config.topk_method, config.scoring_func, config.n_group, config.topk_group) == ("noaux_tc", "sigmoid", 2, 1)
+    assert config.moe_layers == (1, 2) and config.n_shared_experts == 1 and config.routed_scaling_factor == 2.5
+
+
+def test_logits_match_transformers_at_once_in_chunks_and_decoding(glm: tuple[Any, Path]) -> None:
+    model, folder = glm
+    ids = random_ids(256)
+    want = reference_logits(model, ids)
+    stage = load_stage(open_source(folder))
+    cache = stage.new_cache()
+    chunks = torch.cat([stage(ids[i : i + 7], i, cache) for i in range(0, ids.shape[0], 7)])
+    for got in (stage(ids, 0, stage.new_cache()), chunks, seamline_logits(stage, ids)):
+        assert (got - want).abs().max().item() < ATOL
+
+
+def test_greedy_tokens_match_transformers(glm: tuple[Any, Path]) -> None:
+    model, folder = glm
+    prompt = random_ids(256, PREFILL)
+    with torch.no_grad():
+        theirs = model.generate(prompt.unsqueeze(0), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, PREFILL:]
+    ours = list(Engine(load_stage(open_source(folder))).generate(prompt.tolist(), SamplingParams(max_tokens=32)))
+    assert ours == theirs.tolist()
+
+
+def test_a_stage_split_equals_transformers(glm: tuple[Any, Path]) -> None:
+    model, folder = glm
+    ids = random_ids(256)
+    for cut in (1, 2):  # after the dense layer; between the MoE layers
+        assert (split_logits(folder, cut, ids) - reference_logits(model, ids)).abs().max().item() < ATOL
+
+
+def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
+    """Experts, heads and the head's vocabulary rows split over 2 ranks."""
+    save_glm(tmp_path)
+    ref = engine_reference(Engine(load_stage(open_source(tmp_path))), PROMPT)
+    run_group(tmp_path, 2, ref)
+
+
+def test_batched_sequences_equal_each_alone(glm: tuple[Any, Path]) -> None:
+    _, folder = glm
+    stage = load_stage(open_source(folder))
+    prompts = [random_ids(256, n, seed=n).tolist() for n in (5, 19, 12)]
+    params = SamplingParams(max_tokens=16)
+    core = EngineCore.local(stage, context_length=128)
+    batched = [core.scheduler.add(p, params) for p in prompts]
+    while not core.scheduler.idle:
+        core.step()
+    engine = Engine(stage, 128)
+    for sequence in batched:
+        assert sequence.tokens == list(engine.generate(sequence.prompt, params))
