@@ -14,7 +14,7 @@ from typing import Any
 
 from seamline.errors import ConfigError
 
-DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "glm4_moe")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 V4_FAMILY = "deepseek_v4"
@@ -31,7 +31,10 @@ SLIDING_RULES: dict[str, str] = {
     "qwen3_moe": "flag",
     "qwen2": "layers",
     "qwen3": "layers",
+    "gemma3_text": "types",  # layer_types, or every sliding_window_pattern-th layer full (6)
 }
+GEMMA_PATTERN = 6  # transformers' Gemma3TextConfig default: 5 sliding layers, then 1 full
+SLIDING_KIND = "sliding_attention"  # layer_types' name for a windowed layer
 DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config / Qwen3Config default
 
 
@@ -69,6 +72,13 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v biases (Qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3; GLM-4.5's use_qk_norm)
     rotary_dim: int = 0  # the leading dims of each head RoPE turns (partial_rotary_factor; 0: all)
+    # Gemma 3: the embedding times sqrt(hidden), norms after attention and the feed-forward too,
+    # a GELU-tanh gate, queries scaled by query_pre_attn_scalar, sliding layers on their own RoPE base
+    embed_scale: float = 1.0
+    sandwich_norms: bool = False
+    hidden_act: str = "silu"  # silu | gelu_tanh
+    attention_scale: float = 0.0  # 0: 1 / sqrt(head_dim)
+    local_rope_theta: float = 0.0  # the sliding layers' RoPE base (0: the model's)
     # sliding-window attention: a query at position i sees keys (i - sliding_window, i] on these layers
     sliding_window: int = 0
     sliding_layers: frozenset[int] = frozenset()
@@ -138,6 +148,8 @@ class ModelConfig:
             eos_token_ids=_eos_ids(d.get("eos_token_id")),
         )
         kwargs["rope_theta"], kwargs["rope_scaling"] = rope_of(d)
+        if family == "gemma3_text":
+            kwargs.update(_gemma_fields(d, hidden))
         kwargs["sliding_window"], kwargs["sliding_layers"] = sliding_layers(family, d)
         kwargs.update(_moe_fields(family, d, layers))
         if family in MLA_FAMILIES:
@@ -176,14 +188,26 @@ def sliding_layers(family: str, d: dict[str, Any]) -> tuple[int, frozenset[int]]
     count = int(d.get("num_hidden_layers", 0))
     if rule is None or window is None or int(window) <= 0:
         return 0, frozenset()
-    if rule != "always" and not d.get("use_sliding_window", False):
+    if rule in ("always", "types"):
+        chosen = range(count) if rule == "always" else _sliding_types(d, count)
+    elif not d.get("use_sliding_window", False):
         return 0, frozenset()
-    if rule == "layers":
-        types = d.get("layer_types")
-        first = int(d.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS))
-        chosen = [i for i in range(count) if (types[i] == "sliding_attention" if types else i >= first)]
-        return (int(window), frozenset(chosen)) if chosen else (0, frozenset())
-    return int(window), frozenset(range(count))
+    elif rule == "flag":
+        chosen = range(count)
+    elif types := d.get("layer_types"):
+        chosen = [i for i in range(count) if types[i] == SLIDING_KIND]
+    else:
+        chosen = range(int(d.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS)), count)
+    layers = frozenset(chosen)
+    return (int(window), layers) if layers else (0, frozenset())
+
+
+def _sliding_types(d: dict[str, Any], count: int) -> list[int]:
+    """Gemma 3's sliding layers: as layer_types says, or all but every pattern-th."""
+    if types := d.get("layer_types"):
+        return [i for i in range(count) if types[i] == SLIDING_KIND]
+    pattern = int(d.get("sliding_window_pattern") or GEMMA_PATTERN)
+    return [i for i in range(count) if (i + 1) % pattern]
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -251,6 +275,29 @@ def _deepseek_moe(d: dict[str, Any], layers: int) -> dict[str, Any]:
         moe_layers=moe,
         n_shared_experts=int(d.get("n_shared_experts") or 0),
     )
+
+
+def _gemma_fields(d: dict[str, Any], hidden: int) -> dict[str, Any]:
+    """Gemma 3's text model: what sets it apart from Llama (see the fields' comments); its
+    RoPE per layer kind (transformers 5's rope_parameters by layer type, or the older
+    rope_theta / rope_scaling / rope_local_base_freq)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ConfigError(f"config.json sets {key}; seamline's Gemma 3 has no soft-capping")
+    if d.get("use_bidirectional_attention"):
+        raise ConfigError("config.json sets use_bidirectional_attention: seamline serves causal models only")
+    if (act := d.get("hidden_activation") or "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(f"hidden_activation {act!r} is not Gemma 3's gelu_pytorch_tanh")
+    fields: dict[str, Any] = dict(embed_scale=hidden**0.5, sandwich_norms=True, hidden_act="gelu_tanh", qk_norm=True,
+                                  attention_scale=float(d.get("query_pre_attn_scalar") or 256) ** -0.5)  # fmt: skip
+    by_kind = d.get("rope_parameters") or {}
+    if "full_attention" in by_kind:
+        fields["rope_theta"], fields["rope_scaling"] = rope_of({"rope_parameters": by_kind["full_attention"]})
+        local = by_kind.get("sliding_attention") or {}
+        fields["local_rope_theta"] = float(local.get("rope_theta") or d.get("rope_local_base_freq") or 10000.0)
+    else:
+        fields["local_rope_theta"] = float(d.get("rope_local_base_freq") or 10000.0)
+    return fields
 
 
 def _rotary_dim(d: dict[str, Any]) -> int:

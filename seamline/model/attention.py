@@ -56,6 +56,7 @@ class GQAttention(nn.Module):
         super().__init__()
         self.window = window
         self.rotary_dim = config.rotary_dim or config.head_dim  # GLM-4.5 turns half of each head
+        self.scale = config.attention_scale or None  # Gemma 3: query_pre_attn_scalar ** -0.5
         q0, q1 = own.head_range(config.num_heads)
         k0, k1 = own.kv_head_range(config.num_heads, config.num_kv_heads)
         self.heads = q1 - q0  # owned query heads
@@ -70,7 +71,8 @@ class GQAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rope = rope
         # the fused op covers the plain layout: no q/k norm, SDPA's own head grouping, whole-head RoPE
-        self.fused_decode = self.q_norm is None and self.kv_map is None and self.rotary_dim == self.head_dim
+        whole = self.rotary_dim == self.head_dim and self.scale is None
+        self.fused_decode = self.q_norm is None and self.kv_map is None and whole
 
     def _decode(self, op: Callable[..., torch.Tensor], qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         cos, sin = self.rope.tables(start + 1, qkv.dtype)
@@ -139,5 +141,6 @@ class GQAttention(nn.Module):
             values.unsqueeze(0),
             attn_mask=causal_mask(start, count, self.window),
             enable_gqa=self.kv_map is None and self.kv_heads != self.heads,
+            scale=self.scale,
         )  # [1, H, T, D]
         return out.transpose(1, 2).reshape(count, self.heads * self.head_dim)  # a view when T == 1

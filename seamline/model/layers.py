@@ -1,4 +1,4 @@
-"""Small building blocks: RMSNorm and the gated (SwiGLU) feed-forward."""
+"""Small building blocks: RMSNorm and the gated (SwiGLU, or Gemma's GELU-tanh) feed-forward."""
 
 from __future__ import annotations
 
@@ -32,16 +32,25 @@ class RMSNorm(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one [2*rows, hidden] matrix."""
+    """down(act(gate(x)) * up(x)) with gate and up fused into one [2*rows, hidden] matrix; act
+    is silu, or ``gelu_tanh`` (Gemma)."""
 
-    def __init__(self, hidden: int, rows: int) -> None:
+    def __init__(self, hidden: int, rows: int, act: str = "silu") -> None:
         super().__init__()
         self.gate_up = empty_param(2 * rows, hidden)
         self.down = empty_param(hidden, rows)
         self.rows = rows
+        self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_mul(linear(x, self.gate_up)), self.down)  # gate_up: [T, 2*rows]
+        gate_up = linear(x, self.gate_up)  # [T, 2*rows]
+        if self.act == "silu":
+            return linear(silu_mul(gate_up), self.down)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return linear(self._act(gate) * up, self.down)
+
+    def _act(self, gate: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
 
     def rows_forward(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """The partial output of intermediate rows [start, end) only (a quantized ``down``
@@ -50,4 +59,4 @@ class GatedMLP(nn.Module):
             return self.forward(x)
         gate = linear(x, rows(self.gate_up, start, end))
         up = linear(x, rows(self.gate_up, self.rows + start, self.rows + end))
-        return linear(F.silu(gate) * up, columns(self.down, start, end))
+        return linear(self._act(gate) * up, columns(self.down, start, end))

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from seamline.config import ModelConfig, kv_bytes_per_token
+from seamline.config import ModelConfig, RopeScaling, kv_bytes_per_token
 from seamline.model.attention import GQAttention
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
@@ -37,8 +37,11 @@ if TYPE_CHECKING:
     from seamline.model.mtp import NextTokenLayer
 
 
-def make_rope(config: ModelConfig) -> RotaryTable:
+def make_rope(config: ModelConfig, local: bool = False) -> RotaryTable:
+    """``local``: the sliding layers' own table (Gemma 3: its base, no scaling)."""
     dim = config.qk_rope_head_dim if config.is_mla else config.rotary_dim or config.head_dim
+    if local:
+        return RotaryTable(dim, config.local_rope_theta, RopeScaling(), config.max_position_embeddings)
     return RotaryTable(dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
 
 
@@ -58,7 +61,11 @@ def make_ffn(config: ModelConfig, layer: int, own: Ownership, moe: bool | None =
 
         return MoE(config, own)
     rows = own.shard_rows(config.intermediate_size)
-    return GatedMLP(config.hidden_size, rows[1] - rows[0])
+    return GatedMLP(config.hidden_size, rows[1] - rows[0], config.hidden_act)
+
+
+def _normed(x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+    return x if norm is None else norm(x)
 
 
 class Block(nn.Module):
@@ -71,14 +78,18 @@ class Block(nn.Module):
         self.comm = comm
         self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn = make_attention(config, rope, own, layer)
-        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)  # before the feed-forward
         self.ffn = make_ffn(config, layer, own, moe)
+        # Gemma 3: norms of the attention's and the feed-forward's outputs (after the gates' sums)
+        sandwich = config.sandwich_norms
+        self.attn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
+        self.ffn_out_norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if sandwich else None
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], step: int = 0) -> torch.Tensor:
         partial = self.attn(self.input_norm(x), spans, self.layer)  # [N, hidden], this rank's heads
-        x, normed = self.post_norm.add_forward(x, self._gate(partial, 0, step))
+        x, normed = self.post_norm.add_forward(x, _normed(self._gate(partial, 0, step), self.attn_out_norm))
         partial = self.ffn(normed)  # [N, hidden], this rank's rows / experts
-        return x + self._gate(partial, 1, step)
+        return x + _normed(self._gate(partial, 1, step), self.ffn_out_norm)
 
     def _gate(self, partial: torch.Tensor, gate: int, step: int) -> torch.Tensor:
         if self.comm.world == 1:  # the whole layer is here: nothing to sum, no tag to build
@@ -102,9 +113,11 @@ class Stage(nn.Module):
         self.step = 0  # forwards so far: the third part of every gate's tag
         self.boundary_shape: tuple[int, ...] = (config.hidden_size,)  # a token's row between stages
         rope = make_rope(config)
+        local = make_rope(config, local=True) if config.local_rope_theta else rope
         self.embed: Weight | None = empty_param(config.vocab_size, config.hidden_size) if own.owns_embedding() else None
         self.layers = nn.ModuleDict(
-            {str(i): Block(config, i, own, rope, self.comm) for i in own.layer_indices()}
+            {str(i): Block(config, i, own, local if i in config.sliding_layers else rope, self.comm)
+             for i in own.layer_indices()}  # fmt: skip
         )
         self.norm: RMSNorm | None = None
         self.head: Weight | None = None
@@ -136,6 +149,12 @@ class Stage(nn.Module):
         """The logits [rows, vocab] of drafting-layer outputs [rows, hidden]: the token after next."""
         assert self.mtp is not None and self.head is not None
         return linear(self.mtp.norm(outputs), self.head)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = embedding(ids, self.embed, self.compute_dtype)  # type: ignore[arg-type]
+        if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the dtype, as transformers does
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
+        return x
 
     def _tied_head(self, v0: int, v1: int) -> Weight | None:
         full = (v0, v1) == (0, self.config.vocab_size)
@@ -172,7 +191,7 @@ class Stage(nn.Module):
         stream [N, hidden], or logits: [N, vocab_owned], or with ``last_only`` one row per
         span (its last), [len(spans), vocab_owned], or those of ``logit_rows`` (a speculative
         window's every row beside other spans' last)."""
-        x = embedding(inputs, self.embed, self.compute_dtype) if self.embed is not None else inputs
+        x = self._embed(inputs) if self.embed is not None else inputs
         step, self.step = self.step, self.step + 1
         for block in self.layers.values():
             x = block(x, spans, step)

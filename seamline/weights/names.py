@@ -63,6 +63,12 @@ NORM_TABLE = {
     "input_norm.weight": (L + "input_layernorm.weight",),
     "post_norm.weight": (L + "post_attention_layernorm.weight",),
 }
+SANDWICH_NORM_TABLE = {  # Gemma 3: its post_attention_layernorm norms the attention's output
+    "input_norm.weight": (L + "input_layernorm.weight",),
+    "attn_out_norm.weight": (L + "post_attention_layernorm.weight",),
+    "post_norm.weight": (L + "pre_feedforward_layernorm.weight",),
+    "ffn_out_norm.weight": (L + "post_feedforward_layernorm.weight",),
+}
 # Dense feed-forward: (gate, up) rows and down columns are sliced by the shard.
 MLP_NAMES = (L + "mlp.gate_proj.weight", L + "mlp.up_proj.weight", L + "mlp.down_proj.weight")
 
@@ -146,7 +152,7 @@ def _fill(table: Mapping[str, tuple[str, ...]], i: int) -> list[TensorPlan]:
 
 
 def _layer_plans(config: ModelConfig, i: int, own: Ownership, moe: bool | None = None) -> list[TensorPlan]:
-    plans = _fill(NORM_TABLE, i)
+    plans = _fill(SANDWICH_NORM_TABLE if config.sandwich_norms else NORM_TABLE, i)
     plans += _attention_plans(config, i, own)
     if config.is_moe_layer(i) if moe is None else moe:
         return plans + _moe_plans(config, i, own)

@@ -6,7 +6,8 @@ A weight stored as low-bit values with block scales (DeepSeek's fp8 and packed f
 beside ``X.scale`` or ``X.weight_scale_inv``) is one tensor here, a ``ScaledTensor`` of its
 logical shape; its scales are not listed apart. A DeepSeek-V4 folder in the original
 checkpoint's spelling (``layers.0.attn.wq_a.weight``, ``embed.weight``) is read under the names
-transformers writes (``weights/v4_names.py``).
+transformers writes (``weights/v4_names.py``). Gemma's norm weights w (its norms multiply by
+1 + w) are read as 1 + w, as llama.cpp's converter writes them to GGUF.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from seamline.quant.scaled import KIND_NAMES, ScaledTensor, scale_values
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
+OFFSET_NORM_FAMILIES = ("gemma3_text",)  # norm weights w stored for a 1 + w multiply
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")  # a low-bit weight's block scales, beside ``X.weight``
 
 
@@ -36,6 +38,7 @@ class HFFolderSource:
         self._scale_of: dict[str, str] | None = None
         self._spelling: dict[str, str] = {}  # our name -> the file's, where they differ
         self._handles: dict[Path, Any] = {}
+        self._offset: bool | None = None
 
     def config_dict(self) -> dict[str, Any]:
         path = self.folder / "config.json"
@@ -69,12 +72,19 @@ class HFFolderSource:
         tensor = self._read(name)
         scale = self._scales().get(name)
         if scale is None:
-            return tensor
+            return tensor.float() + 1.0 if self._offset_norms() and name.endswith("norm.weight") else tensor
         kind = "fp8" if tensor.dtype == torch.float8_e4m3fn else "fp4"
         try:
             return ScaledTensor(kind, tensor, scale_values(self._read(scale)))
         except CheckpointError as exc:
             raise CheckpointError(f"tensor {name}: {exc}") from None
+
+    def _offset_norms(self) -> bool:
+        """Gemma's norms multiply by 1 + weight: read as that (in float32), as llama.cpp's
+        converter writes them, so every norm here multiplies by its weight."""
+        if self._offset is None:
+            self._offset = self.config_dict().get("model_type") in OFFSET_NORM_FAMILIES
+        return self._offset
 
     def _read(self, name: str) -> torch.Tensor:
         try:
