@@ -98,9 +98,11 @@ def _ask(base: str, model: str, question: str, max_tokens: int) -> None:
 
 
 def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int = 4, ranks: int = 1,
-                  within: float = 0.5) -> float:  # fmt: skip
+                  within: float = 0.5, mtp: bool = True) -> float:  # fmt: skip
     """A per-node memory cap under which the planner needs exactly ``stages`` stages of
-    ``ranks`` equal nodes each (lockstep groups when ``ranks`` > 1).
+    ``ranks`` equal nodes each (lockstep groups when ``ranks`` > 1). ``mtp``: the mesh drafts
+    with the checkpoint's multi-token-prediction layer where it has one (``--speculative`` auto
+    or mtp), which its last stage holds.
 
     By default the middle (``within``: 0 the least, 1 the most) of the range of caps under which
     that many nodes plan that many stages and one stage fewer cannot hold the model: no node can
@@ -111,13 +113,14 @@ def memory_cap_gb(model: str | None, stages: int, context: int, dtype_bytes: int
     from seamline.config import ModelConfig
     from seamline.mesh.plan.groups import kv_divides, plan_groups
     from seamline.mesh.plan.types import ModelSpec, NodeInfo, PlanError, PlanOptions
-    from seamline.weights.loader import open_source
+    from seamline.weights.loader import mtp_missing, open_source
 
     source = open_source(model or default_model_path())
     config = ModelConfig.from_hf_dict(source.config_dict())
     names = source.names()
     shapes, types = {n: source.shape(n) for n in names}, {n: source.stored_type(n) for n in names}
-    spec = ModelSpec.from_checkpoint_shapes(config, "cap", shapes, dtype_bytes, types, context)
+    drafts = mtp and mtp_missing(source, config, embed=True) is None  # packaged with the layer: serve drafts with it
+    spec = ModelSpec.from_checkpoint_shapes(config, "cap", shapes, dtype_bytes, types, context, drafts)
     options = PlanOptions(context_tokens=context)
     whole = spec.weight_bytes() + sum(spec.layer_kv()) * context
     fitting = []

@@ -36,10 +36,16 @@ def start_mesh(root: Path, stages: int, *serve_args: str, cap_within: float = 0.
     (``memory_cap_gb``); lower keeps each stage nearer its even share of the layers. ``model``:
     a checkpoint folder (None: the embedded model)."""
     name = str(model) if model is not None else None
-    cap = memory_cap_gb(name, stages, context, within=cap_within)
+    cap = memory_cap_gb(name, stages, context, within=cap_within, mtp=_drafts_with_mtp(serve_args))
     mesh = MeshProcesses(root, nodes=stages, node_memory_gb=cap, model=name,
                          serve_args=("--context", str(context), *serve_args))  # fmt: skip
     return mesh.start()
+
+
+def _drafts_with_mtp(serve_args: tuple[str, ...]) -> bool:
+    """Whether ``serve_args`` leave ``--speculative`` auto or mtp (a checkpoint's MTP layer drafts)."""
+    args = list(serve_args)
+    return "--speculative" not in args or args[args.index("--speculative") + 1] in ("auto", "mtp")
 
 
 def assert_join_refused(mesh: MeshProcesses, token: str, fragment: str) -> None:

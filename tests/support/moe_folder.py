@@ -18,7 +18,8 @@ PROMPT = "The rivers of Europe include"
 def build_moe_folder(folder: Path, attention_scale: float = 1.0, hidden_size: int = 64) -> Path:
     """A tiny random Mixtral with the embedded model's tokenizer (so text round-trips).
     ``attention_scale`` scales the attention's output projections: small, each token's next
-    depends mostly on the token itself, so greedy answers fall into loops that n-grams draft."""
+    depends mostly on the token itself, so greedy answers fall into loops that n-grams draft
+    (short ones where ``hidden_size`` is narrow: few tokens ever win the head's argmax)."""
     import torch
     from transformers import MixtralConfig
 

@@ -140,10 +140,11 @@ def _status_link(entry: dict[str, Any]) -> LinkCost:
 
 
 def model_spec(model_path: str | None, dtype_bytes: int, context: int | None = None) -> tuple[ModelSpec, ModelConfig]:
-    """The planner's view of a checkpoint (exact bytes from its shapes) and its config
+    """The planner's view of a checkpoint (exact bytes from its shapes; its multi-token-prediction
+    layer on the last stage, which drafts with it as ``serve`` does by default) and its config
     (``context``: the tokens a V4 model's caches are counted for; None: its own context)."""
     from seamline.app import default_model_path
-    from seamline.weights.loader import open_source
+    from seamline.weights.loader import mtp_missing, open_source
 
     path = Path(model_path) if model_path else default_model_path()
     source = open_source(path)
@@ -152,7 +153,8 @@ def model_spec(model_path: str | None, dtype_bytes: int, context: int | None = N
     name = path.stem if path.is_file() else path.resolve().name  # as `seamline package` names it
     types = {n: source.stored_type(n) for n in shapes}
     context = context or config.max_position_embeddings
-    spec = ModelSpec.from_checkpoint_shapes(config, name, shapes, dtype_bytes, types, context)
+    mtp = mtp_missing(source, config, embed=True) is None
+    spec = ModelSpec.from_checkpoint_shapes(config, name, shapes, dtype_bytes, types, context, mtp)
     return spec, config
 
 

@@ -23,6 +23,7 @@ from seamline.mesh.control.admin import admin_key, admin_routes
 from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.mesh_backend import MeshBackend
+from seamline.mesh.control.startup import route_speculation
 from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.groups import check_world
 from seamline.mesh.plan.types import ModelSpec, Plan
@@ -142,7 +143,8 @@ def build_mesh(options: ServeOptions) -> Mesh:
     precision = resolve(options.precision, weights_kind(types.values()), options.dtype)
     apply(precision)  # the coordinator's own copy (start-up checks, ``--verify-fraction``) computes alike
     log.info("every stage computes in precision %s", precision.describe())
-    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(precision.dtype), types, context)
+    mtp = route_speculation(speculation.mode, options.private, options.verify_fraction) == "mtp"  # the last stage holds it
+    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(precision.dtype), types, context, mtp)
     hosts = options.advertise or (_reachable(options.host),)
     scheme = "https" if options.tls_certificate else "http"
     state_dir = options.state_dir or options.cache_dir / "mesh"

@@ -164,14 +164,8 @@ class StartUp:
                                    f"{share >> 20} MiB of weights: it does not hold what it was given")  # fmt: skip
 
     def _speculation(self, plan: Plan) -> str:
-        """Whether stage 0 drafts: not where rows are checked (``--verify-fraction``) or members see
-        no token (``--private``: a later stage could not check where a window goes on). With
-        ``mtp`` the last stage drafts with the model's multi-token-prediction layer, where it is
-        one node (a lockstep group's head is split: n-grams there)."""
         o = self.options
-        if o.private or o.verify_fraction > 0:
-            return "off"
-        return "ngram" if o.speculation == "mtp" and len(plan.stages[-1].members()) > 1 else o.speculation
+        return route_speculation(o.speculation, o.private, o.verify_fraction, len(plan.stages[-1].members()))
 
     def _transport(self, members: list[NodeHandle]) -> str:
         cuda = all(h.join.resources.device.startswith("cuda") for h in members)
@@ -190,6 +184,16 @@ class StartUp:
                                        micro_batches=self.options.micro_batches, forks=forks,
                                        speculation=self.speculation, draft_max=self.options.draft_max))  # fmt: skip
         self.coordinator.wait_for(handle, lambda: handle.linked or None, "LINKED", STEP_TIMEOUT_S)
+
+
+def route_speculation(mode: str, private: bool, verify_fraction: float, last_ranks: int = 1) -> str:
+    """How a route drafts: not where rows are checked (``--verify-fraction``) or members see no
+    token (``--private``: a later stage could not check where a window goes on). With ``mtp``
+    the last stage drafts with the model's multi-token-prediction layer, where it is one node
+    (``last_ranks``; a lockstep group's head is split: n-grams there)."""
+    if private or verify_fraction > 0:
+        return "off"
+    return "ngram" if mode == "mtp" and last_ranks > 1 else mode
 
 
 class StartupError(SeamlineError):

@@ -5,8 +5,9 @@ A group of N ranks holds, per rank, 1/N of every layer's weights and of the outp
 every rank holds whole (``ModelSpec.layer_replicated_bytes``: router, shared experts, MLA's
 down-projections, norms); the whole embedding (replicated); and 1/N of the KV cache when the
 KV heads divide among the ranks (else all of it: replicated KV heads, or MLA's shared
-latent). Groups are planned as one virtual node with the memory and rate of their smallest
-member; the planner then places them exactly like single nodes.
+latent); no multi-token-prediction layer (a group's head is split: it drafts n-grams).
+Groups are planned as one virtual node with the memory and rate of their smallest member; the
+planner then places them exactly like single nodes.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def group_spec(model: ModelSpec, world: int, kv_split: bool) -> ModelSpec:
     held = tuple(-(-(b - r) // world) + r + w for b, r, w in zip(model.layer_bytes, whole, window))
     return replace(model, layer_bytes=held, layer_active_bytes=share(model.active_bytes()),
                    head_bytes=-(-model.head_bytes // world), tied_embeddings=False,
-                   head_load_bytes=-(-model.head_load() // world),
+                   head_load_bytes=-(-model.head_load() // world), mtp_bytes=0, mtp_embed_bytes=0,
                    kv_bytes_per_token_per_layer=-(-kv // world) if kv_split else kv,
                    layer_kv_bytes_per_token=share(model.layer_kv_bytes_per_token) if kv_split else
                    model.layer_kv_bytes_per_token)  # fmt: skip

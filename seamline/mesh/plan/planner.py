@@ -78,7 +78,7 @@ class _Model:
     span_need: np.ndarray  # [L] the least any range of d+1 layers needs (nondecreasing)
     layer_need: float  # a layer's mean need (weights + KV)
     embed: float  # bytes
-    head: float
+    head: float  # the last stage's besides its layers (the multi-token-prediction layer's too)
 
 
 @dataclass(frozen=True)
@@ -335,6 +335,7 @@ def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
     s = np.maximum(s, 0)
     head = np.where(e == L, float(model.head_bytes), 0.0)
     mem = held[e] - held[s] + head + np.where(s == 0, float(model.embed_bytes), 0.0)
+    mem += np.where(e == L, model.mtp_bytes + np.where(s > 0, float(model.mtp_embed_bytes), 0.0), 0.0)  # drafts
     if model.tied_embeddings:
         mem[L - 1, L] -= model.embed_bytes  # one node owns both: the shared matrix once
     mem = np.where(valid, mem, INF)
@@ -342,7 +343,8 @@ def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
     load = read - head + np.where(e == L, float(model.head_load()), 0.0)
     span_need = np.maximum.accumulate(mem.min(axis=1))
     layer_need = float(np.mean(model.layer_bytes)) + float(kv.mean())
-    return _Model(L, mem, read, load, span_need, layer_need, float(model.embed_bytes), float(model.head_bytes))
+    return _Model(L, mem, read, load, span_need, layer_need, float(model.embed_bytes),
+                  float(model.head_bytes + model.mtp_held(1)))  # fmt: skip
 
 
 def _pool(

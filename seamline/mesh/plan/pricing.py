@@ -48,7 +48,7 @@ def range_bytes(model: ModelSpec, options: PlanOptions, s: int, e: int) -> tuple
     if s == 0:
         weights += model.embed_bytes
     if e == L:
-        weights += model.head_bytes
+        weights += model.head_bytes + model.mtp_held(s)
         read += model.head_bytes
     if s == 0 and e == L and model.tied_embeddings:
         weights -= model.embed_bytes

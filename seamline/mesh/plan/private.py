@@ -65,7 +65,8 @@ def _middle(model: ModelSpec, a: int, b: int) -> ModelSpec:
                                head_bytes=0, tied_embeddings=False, layer_active_bytes=cut(model.layer_active_bytes),
                                layer_replicated_bytes=cut(model.layer_replicated_bytes),
                                layer_window_bytes=cut(model.layer_window_bytes), head_load_bytes=0,
-                               layer_kv_bytes_per_token=cut(model.layer_kv_bytes_per_token))  # fmt: skip
+                               layer_kv_bytes_per_token=cut(model.layer_kv_bytes_per_token),
+                               mtp_bytes=0, mtp_embed_bytes=0)  # fmt: skip
 
 
 def _assemble(model: ModelSpec, own: NodeInfo, middle: Plan, links: LinkTable, options: PlanOptions,

@@ -2,8 +2,10 @@
 
 All frozen. ``ModelSpec`` reduces a model to bytes per layer: weights held (memory), weights
 read per decoded token (time: one sequence's decode is memory-bound), KV cache per token, and
-the frame that crosses a stage boundary; and the head's work under a batched load (see
-``head_load``). ``Plan`` round-trips through JSON so a run can be pinned.
+the frame that crosses a stage boundary; the head's work under a batched load (see
+``head_load``); and what the last stage holds besides to draft with the model's
+multi-token-prediction layer (``mtp_held``). ``Plan`` round-trips through JSON so a run can
+be pinned.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from seamline.config import V4_PLANNING_TOKENS, ModelConfig, kv_bytes_per_token, v4_cache_bytes
 from seamline.errors import CheckpointError, SeamlineError
 from seamline.ownership import Ownership
 from seamline.quant.sizes import block_bytes, resident_bytes
-from seamline.weights.names import stage_plans
+from seamline.weights.names import mtp_plans, stage_plans
 
 PLAN_VERSION = 1
 FRAME_DTYPE_BYTES = 4  # hidden-state frames travel as float32
@@ -59,6 +61,14 @@ class ModelSpec:
     # KV bytes per token of each layer where layers differ (DeepSeek-V4's kinds; averaged over
     # the planned context); () = kv_bytes_per_token_per_layer for every layer
     layer_kv_bytes_per_token: tuple[int, ...] = ()
+    # The multi-token-prediction layer, held by the last stage where it drafts with it (0: it
+    # does not), and the embedding it reads there unless that stage owns the model's
+    mtp_bytes: int = 0
+    mtp_embed_bytes: int = 0
+
+    def mtp_held(self, start: int) -> int:
+        """What a last stage from layer ``start`` holds to draft with the multi-token-prediction layer."""
+        return self.mtp_bytes + (self.mtp_embed_bytes if start > 0 else 0)
 
     def layer_kv(self) -> tuple[int, ...]:
         """KV bytes per token of each layer."""
@@ -77,7 +87,7 @@ class ModelSpec:
     def weight_bytes(self) -> int:
         """Every weight once (the single-node footprint without KV cache)."""
         shared = self.embed_bytes if self.tied_embeddings else 0
-        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes - shared
+        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes - shared + self.mtp_held(0)
 
     @classmethod
     def from_config(
@@ -123,10 +133,12 @@ class ModelSpec:
         dtype_bytes: int,
         types: Mapping[str, str] | None = None,
         context: int | None = None,
+        mtp: bool = False,
     ) -> "ModelSpec":
         """Exact bytes per layer: the tensors ``stage_plans`` names for each one-layer stage,
         at the size they are kept in memory (``types``: each tensor's stored type, as
-        ``TensorSource.stored_type`` gives it; quantized ones count their GGUF blocks)."""
+        ``TensorSource.stored_type`` gives it; quantized ones count their GGUF blocks).
+        ``mtp``: the last stage drafts with the multi-token-prediction layer (``mtp_held``)."""
         types = types or {}
         held = [0] * config.num_layers
         active = [0] * config.num_layers
@@ -152,10 +164,11 @@ class ModelSpec:
                         window[i] += sum(2 * shapes[src][0] * block_bytes(types.get(src, "")) for src in p.sources())
         per_param = sum(active) / active_params if active_params else 0.0  # the layers' bytes per parameter
         head_load = round(head_params * per_param * HEAD_ROW_SHARE) if per_param else None
-        return cls.from_config(
+        spec = cls.from_config(
             config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated), tuple(window),
             head_load, context,
         )
+        return replace(spec, **_mtp_bytes(config, shapes, types, dtype_bytes)) if mtp else spec
 
 
 def boundary_row_bytes(config: ModelConfig) -> int:
@@ -169,6 +182,20 @@ def _v4_layer_kv(config: ModelConfig, dtype_bytes: int, context: int | None) -> 
     tokens = context or V4_PLANNING_TOKENS
     return tuple(-(-v4_cache_bytes(config, range(i, i + 1), tokens, dtype_bytes) // tokens)
                  for i in range(config.num_layers))  # fmt: skip
+
+
+def _mtp_bytes(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str],
+               dtype_bytes: int) -> dict[str, int]:  # fmt: skip
+    """The multi-token-prediction layer's bytes (the tensors of layer ``num_layers``), and those
+    of the embedding it reads on a stage that does not own the model's (DeepSeek-V3's own copy,
+    V4's the model's)."""
+    full = Ownership.full(config)
+
+    def held(embed: bool) -> int:
+        return sum(_bytes(shapes, types, src, dtype_bytes) for p in mtp_plans(config, full, embed) for src in p.sources())
+
+    layer = held(False)
+    return {"mtp_bytes": layer, "mtp_embed_bytes": held(True) - layer}
 
 
 def _params(shapes: Mapping[str, tuple[int, ...]], name: str) -> int:
