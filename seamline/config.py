@@ -15,7 +15,7 @@ from typing import Any
 from seamline.errors import ConfigError
 
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "glm4_moe")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 V4_FAMILY = "deepseek_v4"
 SUPPORTED_FAMILIES = DENSE_FAMILIES + MOE_FAMILIES + MLA_FAMILIES + (V4_FAMILY,)
@@ -31,9 +31,10 @@ SLIDING_RULES: dict[str, str] = {
     "qwen3_moe": "flag",
     "qwen2": "layers",
     "qwen3": "layers",
-    "gemma3_text": "types",  # layer_types, or every sliding_window_pattern-th layer full (6)
+    "gemma3_text": "types",  # layer_types, or every sliding_window_pattern-th layer full
+    "gpt_oss": "types",
 }
-GEMMA_PATTERN = 6  # transformers' Gemma3TextConfig default: 5 sliding layers, then 1 full
+TYPE_PATTERNS = {"gemma3_text": 6, "gpt_oss": 2}  # transformers' defaults without layer_types: every n-th layer full
 SLIDING_KIND = "sliding_attention"  # layer_types' name for a windowed layer
 DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config / Qwen3Config default
 
@@ -52,6 +53,7 @@ class RopeScaling:
     mscale: float = 1.0  # yarn (DeepSeek)
     mscale_all_dim: float = 0.0  # yarn (DeepSeek)
     attention_factor: float | None = None  # yarn / longrope override
+    truncate: bool = True  # yarn: round the ramp's ends to whole dims (gpt-oss: not)
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,12 @@ class ModelConfig:
     hidden_act: str = "silu"  # silu | gelu_tanh
     attention_scale: float = 0.0  # 0: 1 / sqrt(head_dim)
     local_rope_theta: float = 0.0  # the sliding layers' RoPE base (0: the model's)
+    # gpt-oss: a learned logit per head in each softmax, a bias on the attention's output, and its
+    # experts' clamped SwiGLU (gate and up interleaved, with biases)
+    attention_sinks: bool = False
+    attention_out_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 0.0
     # sliding-window attention: a query at position i sees keys (i - sliding_window, i] on these layers
     sliding_window: int = 0
     sliding_layers: frozenset[int] = frozenset()
@@ -203,10 +211,10 @@ def sliding_layers(family: str, d: dict[str, Any]) -> tuple[int, frozenset[int]]
 
 
 def _sliding_types(d: dict[str, Any], count: int) -> list[int]:
-    """Gemma 3's sliding layers: as layer_types says, or all but every pattern-th."""
+    """Gemma 3's and gpt-oss's sliding layers: as layer_types says, or all but every n-th."""
     if types := d.get("layer_types"):
         return [i for i in range(count) if types[i] == SLIDING_KIND]
-    pattern = int(d.get("sliding_window_pattern") or GEMMA_PATTERN)
+    pattern = int(d.get("sliding_window_pattern") or TYPE_PATTERNS[str(d.get("model_type"))])
     return [i for i in range(count) if (i + 1) % pattern]
 
 
@@ -252,6 +260,11 @@ def _moe_fields(family: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
             norm_topk_prob=bool(d.get("norm_topk_prob", False)),
             moe_layers=moe if experts > 0 else (),
         )
+    if family == "gpt_oss":  # softmax over the top-k logits of a router with a bias
+        return dict(num_experts=int(d["num_local_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
+                    moe_intermediate_size=int(d["intermediate_size"]), moe_layers=tuple(range(layers)),
+                    scoring_func="topk_softmax", attention_sinks=True, attention_out_bias=True,
+                    swiglu_limit=float(d.get("swiglu_limit") or 7.0), swiglu_alpha=float(d.get("swiglu_alpha") or 1.702))  # fmt: skip
     if family == "glm4_moe":  # DeepSeek-V3's routing: sigmoid scores, a bias, groups by their top-2
         return {**_deepseek_moe(d, layers), "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                 "n_group": int(d.get("n_group") or 1), "topk_group": int(d.get("topk_group") or 1),

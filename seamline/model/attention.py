@@ -38,6 +38,20 @@ def causal_mask(start: int, count: int, window: int = 0) -> torch.Tensor | None:
     return visible & (keys > queries - window) if window else visible
 
 
+def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                      sinks: torch.Tensor, scale: float | None) -> torch.Tensor:  # fmt: skip
+    """Attention whose softmax has one more logit per head, its sink, that takes weight and adds
+    no value (gpt-oss): q [T, H, D], keys/values [Hkv, S, D], mask [T, S] -> [T, H, D]."""
+    heads, group = q.shape[1], q.shape[1] // keys.shape[0]
+    keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)  # [H, S, D]
+    scores = torch.einsum("thd,hsd->hts", q, keys) * (scale or q.shape[-1] ** -0.5)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(heads, 1, 1).expand(heads, scores.shape[1], 1)
+    weights = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+    return torch.einsum("hts,hsd->thd", weights.to(values.dtype), values)
+
+
 def _uneven_kv_map(q0: int, q1: int, k0: int, group: int) -> torch.Tensor | None:
     """Local KV head of each owned query head, or None when SDPA's own grouping (``H/Hkv``
     consecutive query heads per KV head) already gets it right."""
@@ -66,12 +80,15 @@ class GQAttention(nn.Module):
         self.qkv = empty_param(rows, config.hidden_size)
         self.qkv_bias = empty_param(rows) if config.attention_bias else None
         self.o = empty_param(config.hidden_size, self.heads * self.head_dim)
+        # gpt-oss: the output's bias (added once: by rank 0 of a group) and a sink logit per head
+        self.o_bias = empty_param(config.hidden_size) if config.attention_out_bias and own.shard[0] == 0 else None
+        self.sinks = empty_param(self.heads) if config.attention_sinks else None
         self.kv_map = _uneven_kv_map(q0, q1, k0, config.num_heads // config.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rope = rope
         # the fused op covers the plain layout: no q/k norm, SDPA's own head grouping, whole-head RoPE
-        whole = self.rotary_dim == self.head_dim and self.scale is None
+        whole = self.rotary_dim == self.head_dim and self.scale is None and self.sinks is None
         self.fused_decode = self.q_norm is None and self.kv_map is None and whole
 
     def _decode(self, op: Callable[..., torch.Tensor], qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
@@ -87,7 +104,7 @@ class GQAttention(nn.Module):
             out = self._attend(qkv, spans[0].start, spans[0].cache.layer(layer))
         else:
             out = self._attend_spans(qkv, spans, layer)
-        return linear(out, self.o)
+        return linear(out, self.o, self.o_bias)
 
     def _attend_spans(self, qkv: torch.Tensor, spans: Sequence[Span], layer: int) -> torch.Tensor:
         """Several sequences' rows: the one-token rows and speculative windows at the head of the
@@ -135,6 +152,9 @@ class GQAttention(nn.Module):
         keys, values = kv.update(k.transpose(0, 1), v.transpose(0, 1), start)  # [Hkv, S, D]
         if self.kv_map is not None:  # an uneven share: one KV row per query head
             keys, values = keys.index_select(0, self.kv_map), values.index_select(0, self.kv_map)
+        if self.sinks is not None:
+            out = attend_with_sinks(q, keys, values, causal_mask(start, count, self.window), self.sinks, self.scale)
+            return out.reshape(count, self.heads * self.head_dim)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
             keys.unsqueeze(0),

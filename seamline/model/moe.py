@@ -5,7 +5,8 @@ holds only its owned experts [e0, e1) and the owned rows of the shared experts, 
 its partial sum. The ranks' outputs add up to the full layer's output (the caller sums).
 
 Routing (matching transformers' reference code):
-  scores  = softmax(logits) | sigmoid(logits) | sqrt(softplus(logits)) (scoring_func)
+  scores  = softmax(logits) | sigmoid(logits) | sqrt(softplus(logits)) (scoring_func; or
+            topk_softmax: softmax over the top-k logits alone, gpt-oss's, ``moe_oss.py``)
   choose  = top-k of scores                                          greedy
           | top-k within the topk_group groups of highest max score  group_limited_greedy
           | top-k of scores + bias within the topk_group groups of
@@ -36,7 +37,7 @@ from seamline.model.layers import GatedMLP, empty_param
 from seamline.model.linear import granule, linear, select
 from seamline.ownership import Ownership
 
-SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus", "topk_softmax")  # topk_softmax: gpt-oss's
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 
 
@@ -114,6 +115,9 @@ def route(
     ``fixed_ids`` [T, k] (hash routing: a table's rows for the tokens' ids) the experts are
     those, and only their weights come from the scores."""
     k, groups = config.num_experts_per_tok, config.n_group
+    if config.scoring_func == "topk_softmax":  # the top-k logits, then a softmax over them alone
+        top, ids = torch.topk(logits, k=k, dim=-1)
+        return top.softmax(dim=-1), ids
     scores = _scores(config.scoring_func, logits)
     if fixed_ids is not None:
         ids = fixed_ids.long()
@@ -152,6 +156,7 @@ class MoE(nn.Module):
         self.router = empty_param(config.num_experts, hidden)  # replicated
         biased = config.topk_method == "noaux_tc"
         self.router_bias = empty_param(config.num_experts) if biased else None
+        self.router_logit_bias = empty_param(config.num_experts) if config.family == "gpt_oss" else None  # replicated
         self.experts_gate_up = empty_param(self.owned, 2 * inter, hidden)  # gate rows, then up rows
         self.experts_down = empty_param(self.owned, hidden, inter)
         self.inter = inter
@@ -169,7 +174,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, hidden]
         # Route in float32; a float32 router (if the loader keeps one) sees float32 input.
-        logits = F.linear(x.to(self.router.dtype), self.router).float()  # [T, E]
+        logits = F.linear(x.to(self.router.dtype), self.router, self.router_logit_bias).float()  # [T, E]
         bias = self.router_bias.float() if self.router_bias is not None else None
         weights, ids = route(self.config, logits, bias)
         weights = weights.to(x.dtype)

@@ -60,8 +60,11 @@ def _yarn(dim: int, theta: float, s: RopeScaling, max_positions: int) -> tuple[t
     def correction_dim(rotations: float) -> float:
         return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.beta_fast)), 0)
-    high: float = min(math.ceil(correction_dim(s.beta_slow)), dim - 1)
+    low: float = correction_dim(s.beta_fast)
+    high: float = correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

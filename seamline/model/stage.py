@@ -58,8 +58,9 @@ def make_ffn(config: ModelConfig, layer: int, own: Ownership, moe: bool | None =
     """``moe``: whether it is MoE (None: as the config says of ``layer``)."""
     if config.is_moe_layer(layer) if moe is None else moe:
         from seamline.model.moe import MoE
+        from seamline.model.moe_oss import OssMoE
 
-        return MoE(config, own)
+        return OssMoE(config, own) if config.family == "gpt_oss" else MoE(config, own)
     rows = own.shard_rows(config.intermediate_size)
     return GatedMLP(config.hidden_size, rows[1] - rows[0], config.hidden_act)
 

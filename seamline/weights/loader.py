@@ -34,7 +34,7 @@ from seamline.weights.names import TensorPlan, ignorable, mtp_plans, stage_plans
 from seamline.weights.source import TensorSource
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FP32_SUFFIXES = (".router", ".router_bias")  # routing decisions stay in full precision
+FP32_SUFFIXES = (".router", ".router_bias", ".router_logit_bias")  # routing decisions stay in full precision
 FLOAT_SUFFIXES = FP32_SUFFIXES + (".attn.kv_b",)  # dequantised at load (see the docstring)
 INTEGER_SUFFIXES = (".ffn.table",)
 CACHE_LINE = 64  # bytes: where a matrix the kernels read should start  # DeepSeek-V4's token id -> experts tables

@@ -173,7 +173,8 @@ def _gqa_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
     d = config.head_dim
     q = _rows(own.head_range(config.num_heads), d)
     kv = _rows(own.kv_head_range(config.num_heads, config.num_kv_heads), d)
-    return {"attn.qkv": (0, (q, kv, kv)), "attn.qkv_bias": (0, (q, kv, kv)), "attn.o": (1, (q,))}
+    sinks = own.head_range(config.num_heads)  # gpt-oss: one per query head
+    return {"attn.qkv": (0, (q, kv, kv)), "attn.qkv_bias": (0, (q, kv, kv)), "attn.o": (1, (q,)), "attn.sinks": (0, (sinks,))}
 
 
 def _mla_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
@@ -191,6 +192,10 @@ def _attention_plans(config: ModelConfig, i: int, own: Ownership) -> list[Tensor
         plans = _fill(MLA_TABLE, i) + _fill(q_table, i)
         return head_sliced(plans, _mla_slices(config, own), own)
     plans = _fill(GQA_TABLE, i) + (_fill(GQA_BIAS_TABLE, i) if config.attention_bias else [])
+    if config.attention_sinks:
+        plans += _fill({"attn.sinks": (L + "self_attn.sinks",)}, i)
+    if config.attention_out_bias and own.shard[0] == 0:  # added once, by a group's rank 0
+        plans += _fill({"attn.o_bias": (L + "self_attn.o_proj.bias",)}, i)
     plans = head_sliced(plans, _gqa_slices(config, own), own)
     return plans + (_fill(QK_NORM_TABLE, i) if config.qk_norm else [])  # per-head norms: replicated
 
@@ -217,7 +222,22 @@ def _gated_plans(prefix: str, names: tuple[str, ...], rows: Range) -> list[Tenso
     ]
 
 
+def _oss_moe_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
+    """gpt-oss: the router's weight and bias, and the owned experts' matrices and biases (one
+    tensor per expert as ``HFFolderSource`` lists its stacked ones)."""
+    ours, theirs, experts = f"layers.{i}.ffn.", L.format(i=i) + "mlp.", range(*own.expert_range(config))
+    plans = [TensorPlan(ours + "router", ((theirs + "router.weight",),)),
+             TensorPlan(ours + "router_logit_bias", ((theirs + "router.bias",),))]  # fmt: skip
+    for target, source in (("experts_gate_up", "gate_up_proj"), ("experts_down", "down_proj")):
+        for suffix in ("", "_bias"):
+            parts = tuple((f"{theirs}experts.{e}.{source}{suffix}",) for e in experts)
+            plans.append(TensorPlan(ours + target + suffix, parts, stack=True))
+    return plans
+
+
 def _moe_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
+    if config.family == "gpt_oss":
+        return _oss_moe_plans(config, i, own)
     names = MOE_NAMES["deepseek" if config.is_mla else config.family]
     prefix = f"layers.{i}."
     plans = [TensorPlan(prefix + "ffn.router", ((names.router.format(i=i),),))]

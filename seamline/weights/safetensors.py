@@ -13,6 +13,7 @@ transformers writes (``weights/v4_names.py``). Gemma's norm weights w (its norms
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,8 @@ from seamline.quant.scaled import KIND_NAMES, ScaledTensor, scale_values
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
-OFFSET_NORM_FAMILIES = ("gemma3_text",)  # norm weights w stored for a 1 + w multiply
+OFFSET_NORM_FAMILIES = ("gemma3_text",)
+STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.((?:gate_up|down)_proj(?:_bias)?)$")  # gpt-oss  # norm weights w stored for a 1 + w multiply
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")  # a low-bit weight's block scales, beside ``X.weight``
 
 
@@ -38,7 +40,8 @@ class HFFolderSource:
         self._scale_of: dict[str, str] | None = None
         self._spelling: dict[str, str] = {}  # our name -> the file's, where they differ
         self._handles: dict[Path, Any] = {}
-        self._offset: bool | None = None
+        self._model_type: str | None = None  # config.json's, read once
+        self._expert_of: dict[str, int] = {}  # one expert's name -> its index in the stacked tensor
 
     def config_dict(self) -> dict[str, Any]:
         path = self.folder / "config.json"
@@ -56,6 +59,8 @@ class HFFolderSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         shape = tuple(self._handle(name).get_slice(self._stored(name)).get_shape())
+        if name in self._expert_of:  # one expert of a stacked tensor; a matrix output rows first
+            return shape[1:] if len(shape) == 2 else (shape[2], shape[1])
         packed = name in self._scales() and self.dtype_name(name) in ("I8", "U8")
         return (*shape[:-1], 2 * shape[-1]) if packed else shape  # two fp4 values a byte
 
@@ -82,12 +87,18 @@ class HFFolderSource:
     def _offset_norms(self) -> bool:
         """Gemma's norms multiply by 1 + weight: read as that (in float32), as llama.cpp's
         converter writes them, so every norm here multiplies by its weight."""
-        if self._offset is None:
-            self._offset = self.config_dict().get("model_type") in OFFSET_NORM_FAMILIES
-        return self._offset
+        return self._family() in OFFSET_NORM_FAMILIES
+
+    def _family(self) -> str:
+        if self._model_type is None:
+            self._model_type = str(self.config_dict().get("model_type"))
+        return self._model_type
 
     def _read(self, name: str) -> torch.Tensor:
         try:
+            if name in self._expert_of:
+                one = self._handle(name).get_slice(self._stored(name))[self._expert_of[name]]
+                return one.T.contiguous() if one.dim() == 2 else one
             return self._handle(name).get_tensor(self._stored(name))
         except CheckpointError:
             raise
@@ -117,8 +128,26 @@ class HFFolderSource:
 
                 self._spelling = {v4_alias(n): n for n in files}
                 files = {v4_alias(n): path for n, path in files.items()}
+            if self.config_dict().get("model_type") == "gpt_oss":
+                files = self._split_experts(files)
             self._file_of = files
         return self._file_of
+
+    def _split_experts(self, files: dict[str, Path]) -> dict[str, Path]:
+        """gpt-oss's experts are stacked tensors (``mlp.experts.gate_up_proj`` [E, in, out] and
+        its bias [E, out]): listed here as one tensor per expert (``mlp.experts.{e}.gate_up_proj``,
+        a matrix output rows first), so a stage reads and a fragment holds only its experts."""
+        out: dict[str, Path] = {}
+        for name, path in files.items():
+            match = STACKED_EXPERTS.match(name)
+            if match is None:
+                out[name] = path
+                continue
+            count = self._open(path).get_slice(name).get_shape()[0]
+            for e in range(count):
+                one = f"{match.group(1)}.{e}.{match.group(2)}"
+                out[one], self._spelling[one], self._expert_of[one] = path, name, e
+        return out
 
     def _index(self) -> dict[str, Path]:
         index = self.folder / INDEX_NAME
