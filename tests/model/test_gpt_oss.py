@@ -1,0 +1,108 @@
+"""gpt-oss (``gpt_oss``) against transformers' ``GptOssForCausalLM``.
+
+Random checkpoints written by transformers (float weights; its experts stacked as transformers
+writes them), with non-zero biases and sinks: attention with a learned sink logit per head and
+biases on q/k/v and the output, sliding (window 8, shorter than the prompt) and full layers
+alternating, YaRN RoPE without truncation, a router with a bias whose top-k logits are
+softmaxed, experts with biases and the clamped SwiGLU. Float32 logits within 1e-4 at once, in
+chunks and decoding; 32 greedy tokens equal transformers'; a 2-stage split and a 2-rank lockstep
+group equal one process; batched sequences equal each alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers  # the reference: a test dependency, never skipped
+
+from seamline.params import SamplingParams
+from seamline.runtime.core import EngineCore
+from seamline.runtime.engine import Engine
+from seamline.weights.loader import load_stage, open_source
+from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
+from tests.support.reference import PREFILL, random_ids, reference_logits, save_random_model, seamline_logits, split_logits
+
+ATOL = 1e-4
+OSS = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+    max_position_embeddings=256,
+    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                     "original_max_position_embeddings": 64, "rope_theta": 150000.0, "truncate": False},
+)  # fmt: skip
+
+
+def save_oss(folder: Path) -> Any:
+    model = save_random_model(transformers.GptOssConfig(**OSS), folder)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # transformers starts biases and sinks at zero: make them count
+        for name, p in model.named_parameters():
+            if "sinks" in name or name.endswith("bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+    folder = tmp_path_factory.mktemp("oss")
+    return save_oss(folder), folder
+
+
+def test_the_config_reads_as_transformers_builds_it(oss: tuple[Any, Path]) -> None:
+    _, folder = oss
+    config = load_stage(open_source(folder)).config
+    assert (config.sliding_window, set(config.sliding_layers)) == (8, {0, 2})
+    assert (config.rope_scaling.rope_type, config.rope_scaling.truncate) == ("yarn", False)
+    assert config.attention_sinks and config.attention_out_bias and config.scoring_func == "topk_softmax"
+    assert (config.swiglu_limit, config.swiglu_alpha) == (7.0, 1.702)
+
+
+def test_logits_match_transformers_at_once_in_chunks_and_decoding(oss: tuple[Any, Path]) -> None:
+    model, folder = oss
+    ids = random_ids(256)
+    want = reference_logits(model, ids)
+    stage = load_stage(open_source(folder))
+    cache = stage.new_cache()
+    chunks = torch.cat([stage(ids[i : i + 6], i, cache) for i in range(0, ids.shape[0], 6)])
+    for got in (stage(ids, 0, stage.new_cache()), chunks, seamline_logits(stage, ids)):
+        assert (got - want).abs().max().item() < ATOL
+
+
+def test_greedy_tokens_match_transformers(oss: tuple[Any, Path]) -> None:
+    model, folder = oss
+    prompt = random_ids(256, PREFILL)
+    with torch.no_grad():
+        theirs = model.generate(prompt.unsqueeze(0), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, PREFILL:]
+    ours = list(Engine(load_stage(open_source(folder))).generate(prompt.tolist(), SamplingParams(max_tokens=32)))
+    assert ours == theirs.tolist()
+
+
+def test_a_stage_split_equals_transformers(oss: tuple[Any, Path]) -> None:
+    model, folder = oss
+    ids = random_ids(256)
+    assert (split_logits(folder, 1, ids) - reference_logits(model, ids)).abs().max().item() < ATOL
+
+
+def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
+    """Experts, heads (their sinks with them), the head's vocabulary over 2 ranks; the output
+    bias added once."""
+    save_oss(tmp_path)
+    ref = engine_reference(Engine(load_stage(open_source(tmp_path))), PROMPT)
+    run_group(tmp_path, 2, ref)
+
+
+def test_batched_sequences_equal_each_alone(oss: tuple[Any, Path]) -> None:
+    _, folder = oss
+    stage = load_stage(open_source(folder))
+    params = SamplingParams(max_tokens=16)
+    core = EngineCore.local(stage, context_length=128)
+    batched = [core.scheduler.add(random_ids(256, n, seed=n).tolist(), params) for n in (5, 19, 12)]
+    while not core.scheduler.idle:
+        core.step()
+    engine = Engine(stage, 128)
+    for sequence in batched:
+        assert sequence.tokens == list(engine.generate(sequence.prompt, params))
