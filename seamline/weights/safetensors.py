@@ -13,7 +13,6 @@ transformers writes (``weights/v4_names.py``). Gemma's norm weights w (its norms
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +20,13 @@ import torch
 from safetensors import safe_open
 
 from seamline.errors import CheckpointError
+from seamline.weights import oss_experts
 from seamline.quant.scaled import KIND_NAMES, ScaledTensor, scale_values
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
-OFFSET_NORM_FAMILIES = ("gemma3_text",)
-STACKED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.((?:gate_up|down)_proj(?:_bias)?)$")  # gpt-oss  # norm weights w stored for a 1 + w multiply
+OFFSET_NORM_FAMILIES = ("gemma3_text",)  # norm weights w stored for a 1 + w multiply
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")  # a low-bit weight's block scales, beside ``X.weight``
 
 
@@ -41,7 +40,8 @@ class HFFolderSource:
         self._spelling: dict[str, str] = {}  # our name -> the file's, where they differ
         self._handles: dict[Path, Any] = {}
         self._model_type: str | None = None  # config.json's, read once
-        self._expert_of: dict[str, int] = {}  # one expert's name -> its index in the stacked tensor
+        self._experts: dict[str, oss_experts.ExpertPart] = {}  # gpt-oss: one expert's name -> where it lies
+        self._side: dict[str, Path] = {}  # gpt-oss: its MXFP4 scales' files
 
     def config_dict(self) -> dict[str, Any]:
         path = self.folder / "config.json"
@@ -59,8 +59,8 @@ class HFFolderSource:
 
     def shape(self, name: str) -> tuple[int, ...]:
         shape = tuple(self._handle(name).get_slice(self._stored(name)).get_shape())
-        if name in self._expert_of:  # one expert of a stacked tensor; a matrix output rows first
-            return shape[1:] if len(shape) == 2 else (shape[2], shape[1])
+        if name in self._experts:  # gpt-oss: one expert of a stacked tensor
+            return oss_experts.expert_shape(self._experts[name], shape)
         packed = name in self._scales() and self.dtype_name(name) in ("I8", "U8")
         return (*shape[:-1], 2 * shape[-1]) if packed else shape  # two fp4 values a byte
 
@@ -71,9 +71,13 @@ class HFFolderSource:
         """The torch dtype name ("bfloat16") of a stored tensor, or a scaled weight's kind."""
         if name in self._scales():
             return KIND_NAMES["fp8" if self.dtype_name(name).startswith("F8") else "fp4"]
+        if name in self._experts and self._experts[name].scales is not None:
+            return KIND_NAMES["fp4"]  # gpt-oss's MXFP4
         return SAFETENSORS_DTYPES.get(self.dtype_name(name), "float32")
 
     def get(self, name: str) -> torch.Tensor | ScaledTensor:
+        if name in self._experts:
+            return self._expert(name)
         tensor = self._read(name)
         scale = self._scales().get(name)
         if scale is None:
@@ -96,9 +100,6 @@ class HFFolderSource:
 
     def _read(self, name: str) -> torch.Tensor:
         try:
-            if name in self._expert_of:
-                one = self._handle(name).get_slice(self._stored(name))[self._expert_of[name]]
-                return one.T.contiguous() if one.dim() == 2 else one
             return self._handle(name).get_tensor(self._stored(name))
         except CheckpointError:
             raise
@@ -134,20 +135,23 @@ class HFFolderSource:
         return self._file_of
 
     def _split_experts(self, files: dict[str, Path]) -> dict[str, Path]:
-        """gpt-oss's experts are stacked tensors (``mlp.experts.gate_up_proj`` [E, in, out] and
-        its bias [E, out]): listed here as one tensor per expert (``mlp.experts.{e}.gate_up_proj``,
-        a matrix output rows first), so a stage reads and a fragment holds only its experts."""
-        out: dict[str, Path] = {}
-        for name, path in files.items():
-            match = STACKED_EXPERTS.match(name)
-            if match is None:
-                out[name] = path
-                continue
-            count = self._open(path).get_slice(name).get_shape()[0]
-            for e in range(count):
-                one = f"{match.group(1)}.{e}.{match.group(2)}"
-                out[one], self._spelling[one], self._expert_of[one] = path, name, e
-        return out
+        """gpt-oss's stacked experts, one name per expert (``weights/oss_experts.py``)."""
+        listed, self._experts, self._side = oss_experts.split(files, int(self.config_dict()["num_local_experts"]))
+        self._spelling.update({name: part.stored for name, part in self._experts.items()})
+        return listed
+
+    def _expert(self, name: str) -> torch.Tensor | ScaledTensor:
+        part = self._experts[name]
+        try:
+            one = self._handle(name).get_slice(part.stored)[part.index]
+            scales = None
+            if part.scales is not None:
+                scales = self._open(self._side[part.scales]).get_slice(part.scales)[part.index]
+        except KeyError:
+            raise CheckpointError(f"checkpoint has no tensor {part.scales} beside {part.stored}") from None
+        except Exception as exc:  # safetensors raises its own error types
+            raise CheckpointError(f"cannot read tensor {name}: {exc}") from None
+        return oss_experts.expert_tensor(part, one, scales)
 
     def _index(self) -> dict[str, Path]:
         index = self.folder / INDEX_NAME

@@ -19,10 +19,12 @@ import torch
 import transformers  # the reference: a test dependency, never skipped
 
 from seamline.params import SamplingParams
+from seamline.quant.scaled import ScaledTensor
 from seamline.runtime.core import EngineCore
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
 from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
+from tests.support.mxfp4 import write_mxfp4_experts
 from tests.support.reference import PREFILL, random_ids, reference_logits, save_random_model, seamline_logits, split_logits
 
 ATOL = 1e-4
@@ -106,3 +108,19 @@ def test_batched_sequences_equal_each_alone(oss: tuple[Any, Path]) -> None:
     engine = Engine(stage, 128)
     for sequence in batched:
         assert sequence.tokens == list(engine.generate(sequence.prompt, params))
+
+
+def test_mxfp4_experts_stay_at_their_size_and_match_transformers(tmp_path: Path) -> None:
+    """The published layout: each expert matrix as MXFP4 blocks and scales. Read as fp4 weights
+    of the file's bytes (not float), the logits equal transformers' over the float weights those
+    blocks hold; a 2-rank group (each rank its experts) equals one process."""
+    model = save_oss(tmp_path)
+    write_mxfp4_experts(model, tmp_path)
+    stage = load_stage(open_source(tmp_path))
+    experts = stage.layers["0"].ffn.experts_gate_up
+    assert isinstance(experts, ScaledTensor) and experts.kind == "fp4"
+    e, rows, cols = OSS["num_local_experts"], 2 * OSS["intermediate_size"], OSS["hidden_size"]
+    assert experts.values.numel() == e * rows * cols // 2 and experts.values.dtype == torch.uint8
+    ids = random_ids(256)
+    assert (seamline_logits(stage, ids) - reference_logits(model, ids)).abs().max().item() < ATOL
+    run_group(tmp_path, 2, engine_reference(Engine(stage), PROMPT))
