@@ -14,7 +14,8 @@ from seamline.runtime.backend import Backend
 from seamline.runtime.sampling import TokenEvent
 from seamline.server.logprobs import chat_logprobs, completion_logprobs
 from seamline.server.metrics import RequestMeter
-from seamline.server.reasoning import ThinkSplitter
+from seamline.server.harmony import HarmonySplitter
+from seamline.server.reasoning import Splitter
 from seamline.server.tools import ToolCall, ToolStream
 from seamline.text import StreamDecoder
 
@@ -46,9 +47,16 @@ class Generation:
         self._first: TokenEvent | None = None
         self._closed = False
         self.logprobs = params.logprobs is not None
-        self.thinker: ThinkSplitter | None = None  # a chat whose template uses think blocks
+        self.thinker: Splitter | None = None  # a chat whose template has reasoning (``split_reasoning``)
         self.tools: ToolStream | None = None  # a chat whose answer is parsed for tool calls (``parse_tools``)
         self.named_tool = False  # tool_choice named a function: it ends with "stop", as OpenAI's
+
+    def split_reasoning(self, splitter: Splitter) -> None:
+        """Tell the answer's reasoning from its content; harmony's markers are special tokens,
+        so its text keeps them."""
+        self.thinker = splitter
+        if isinstance(splitter, HarmonySplitter):
+            self._decoder.special = True
 
     def parse_tools(self, stream: ToolStream, named: bool) -> None:
         """Parse the answer for tool calls; their markers may be special tokens, so the text

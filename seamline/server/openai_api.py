@@ -49,7 +49,8 @@ from seamline.server.grammars import GrammarCheck
 from seamline.server.replies import Choice, Reply
 from seamline.server.tools import ToolCall, ToolPlan, ToolStream, plan_tools
 from seamline.server.metrics import Metrics, RequestMeter
-from seamline.server.reasoning import ThinkSplitter, uses_think_blocks
+from seamline.server.harmony import HarmonySplitter, uses_harmony
+from seamline.server.reasoning import Splitter, ThinkSplitter, uses_think_blocks
 from seamline.server.openai_schema import (
     ChatMessage,
     ChatRequest,
@@ -308,10 +309,17 @@ class _Routes:
             shape = await anyio.to_thread.run_sync(self._shape, body)  # compiling a grammar takes a while
             text, prompt = await anyio.to_thread.run_sync(self._render_chat, body.messages, shape.tools.tools)  # a large prompt must not stall the loop
         params = replace(self._params(body, prompt, "messages"), grammar=shape.grammar)
-        thinks = uses_think_blocks(self.backend.codec.chat_template)
         return await self._respond(request, Reply.new(True, self.backend.model_name), prompt, params,
                                    bool(body.stream), body.include_usage, "", body.n or 1,
-                                   text if thinks else None, shape.tools)  # fmt: skip
+                                   self._reasoning(text), shape.tools)  # fmt: skip
+
+    def _reasoning(self, prompt_text: str) -> Callable[[], Splitter] | None:
+        """How an answer's reasoning is told from its content, where the template says: think
+        blocks, or harmony's analysis channel (``server/harmony.py``)."""
+        template = self.backend.codec.chat_template
+        if uses_harmony(template):
+            return HarmonySplitter
+        return (lambda: ThinkSplitter(prompt_text)) if uses_think_blocks(template) else None
 
     async def completions(self, request: Request) -> Response:
         """POST /v1/completions."""
@@ -330,14 +338,15 @@ class _Routes:
 
     async def _respond(self, request: Request, reply: Reply, prompt: list[int], params: SamplingParams,
                        stream: bool, include_usage: bool, echo: str, n: int = 1,
-                       thinking_after: str | None = None, tools: ToolPlan | None = None) -> Response:  # fmt: skip
-        """``thinking_after``: the rendered chat prompt, when its template uses think blocks;
-        ``tools``: the request's, when its answer is parsed for tool calls."""
+                       reasoning: Callable[[], Splitter] | None = None, tools: ToolPlan | None = None) -> Response:  # fmt: skip
+        """``reasoning``: makes each choice's splitter of reasoning from content, where the chat
+        template has reasoning; ``tools``: the request's, when its answer is parsed for tool calls."""
         self.telemetry.prompt_tokens.inc(len(prompt))
         gens = [Generation(self.backend, prompt, p, RequestMeter(self.telemetry)) for p in _choice_params(params, n)]
         for gen in gens:
             gen.text_offset = len(echo)
-            gen.thinker = ThinkSplitter(thinking_after) if thinking_after is not None else None
+            if reasoning is not None:
+                gen.split_reasoning(reasoning())
             if tools is not None and tools.fmt is not None:
                 gen.parse_tools(ToolStream(tools.fmt), tools.named)
         try:

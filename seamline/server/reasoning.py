@@ -9,7 +9,17 @@ tokens is held back until it is whole, so no piece of a tag is ever shown.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 OPEN, CLOSE = "<think>", "</think>"
+
+
+class Splitter(Protocol):
+    """Feeds of an answer's text -> (reasoning, content) safe to show; ``flush`` at its end."""
+
+    def feed(self, text: str) -> tuple[str, str]: ...
+
+    def flush(self) -> tuple[str, str]: ...
 
 
 def uses_think_blocks(template: str | None) -> bool:

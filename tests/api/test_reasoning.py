@@ -14,6 +14,7 @@ from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Readiness
 from seamline.runtime.sampling import TokenEvent
+from seamline.server.harmony import HarmonySplitter, uses_harmony
 from seamline.server.reasoning import ThinkSplitter, uses_think_blocks
 from tests.support.api import NAME, client_for, serve
 
@@ -71,3 +72,41 @@ def test_the_api_returns_reasoning_content_apart() -> None:
         chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **ask) if c.choices]  # type: ignore[call-overload]
         assert "".join(d.content or "" for d in chunks) == "Paris."
         assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == "The capital of France is Paris."
+
+
+HARMONY_ANSWER = ("<|channel|>analysis<|message|>The user asks for France's capital: Paris.<|end|>"
+                  "<|start|>assistant<|channel|>final<|message|>Paris.<|return|>")  # fmt: skip
+HARMONY_CASES = [
+    (HARMONY_ANSWER, "The user asks for France's capital: Paris.", "Paris."),
+    ("<|channel|>final<|message|>Paris.", "", "Paris."),
+    ("<|channel|>analysis<|message|>still thinking", "still thinking", ""),
+    ("Paris, plainly.", "", "Paris, plainly."),
+]
+
+
+@pytest.mark.parametrize("output, reasoning, content", HARMONY_CASES)
+@pytest.mark.parametrize("size", [1, 2, 5, 13])
+def test_harmony_channels_split_from_the_answer_wherever_the_tokens_cut(output: str, reasoning: str, content: str,
+                                                                        size: int) -> None:  # fmt: skip
+    splitter, got = HarmonySplitter(), ["", ""]
+    for at in range(0, len(output), size):
+        r, c = splitter.feed(output[at : at + size])
+        assert "<|" not in r + c and "|>" not in r + c  # no piece of a marker or header is ever shown
+        got[0], got[1] = got[0] + r, got[1] + c
+    r, c = splitter.flush()
+    assert (got[0] + r, got[1] + c) == (reasoning, content)
+
+
+def test_the_api_returns_harmonys_analysis_channel_as_reasoning_content() -> None:
+    """gpt-oss's format: the analysis channel is reasoning, the final channel the content."""
+    template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+                "<|start|>assistant{# <|channel|> #}")  # fmt: skip
+    assert uses_harmony(template) and not uses_harmony("{{ messages }}")
+    backend = Canned(LocalModel.load(), HARMONY_ANSWER, template)
+    with serve(backend) as url:  # type: ignore[arg-type]
+        client = client_for(url)
+        ask = dict(model=NAME, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=96)
+        message = client.chat.completions.create(**ask).choices[0].message  # type: ignore[call-overload]
+        assert message.content == "Paris." and message.model_extra["reasoning_content"] == "The user asks for France's capital: Paris."
+        chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **ask) if c.choices]  # type: ignore[call-overload]
+        assert "".join(d.content or "" for d in chunks) == "Paris."
