@@ -3,7 +3,8 @@
 Supported: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: tokens + merges), with the
 pre-tokenizer llama.cpp uses for ``tokenizer.ggml.pre`` (``PRE_TOKENIZERS``). Tokens llama.cpp
 marks CONTROL become special added tokens (``<|im_start|>`` is one id); USER_DEFINED ones
-become plain added tokens, matched whole. SentencePiece (``llama``) vocabularies are refused.
+become plain added tokens, matched whole. SentencePiece (``llama``: Llama 1/2, Gemma)
+vocabularies are read too (``gguf_spm.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from seamline.errors import CheckpointError
 from seamline.weights.gguf_config import eos_ids
 from seamline.weights.gguf_file import GGUFFile
+from seamline.weights.gguf_spm import spm_tokenizer
 
 # llama.cpp's token types (llama_token_type)
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
@@ -64,11 +66,23 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     """A ``tokenizers.Tokenizer`` that encodes like llama.cpp's for this file's vocabulary."""
     f = GGUFFile.open(path)
     kind = f.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise CheckpointError(
             f"GGUF file {f.path}: tokenizer model {kind!r} is unsupported; "
-            "seamline reads 'gpt2' (byte-level BPE)"
+            "seamline reads 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)"
         )
+    tokens: list[str] = f.get("tokenizer.ggml.tokens") or []
+    types: list[int] = f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
+    if not tokens or len(types) != len(tokens):
+        raise CheckpointError(
+            f"GGUF file {f.path}: tokenizer has {len(tokens)} tokens and {len(types)} token types"
+        )
+    tok = spm_tokenizer(f, tokens, types) if kind == "llama" else _byte_level(f, tokens)
+    _add_tokens(tok, tokens, types)
+    return tok
+
+
+def _byte_level(f: GGUFFile, tokens: list[str]) -> Tokenizer:
     pre_name = f.get("tokenizer.ggml.pre")
     pre = PRE_TOKENIZERS.get(pre_name)
     if pre is None:
@@ -76,13 +90,7 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
             f"GGUF file {f.path}: pre-tokenizer {pre_name!r} is unsupported; seamline knows "
             f"{', '.join(sorted(PRE_TOKENIZERS))}"
         )
-    tokens: list[str] = f.get("tokenizer.ggml.tokens") or []
-    types: list[int] = f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     merges: list[str] = f.get("tokenizer.ggml.merges") or []
-    if not tokens or len(types) != len(tokens):
-        raise CheckpointError(
-            f"GGUF file {f.path}: tokenizer has {len(tokens)} tokens and {len(types)} token types"
-        )
     vocab = {token: i for i, token in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     if any(len(p) != 2 for p in pairs):
@@ -92,6 +100,11 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre.ignore_merges))  # type: ignore[arg-type]
     tok.pre_tokenizer = _pre_tokenizer(pre)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _add_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """CONTROL tokens as special added tokens, USER_DEFINED ones as plain added tokens."""
     tok.add_special_tokens(
         [
             AddedToken(t, special=True, normalized=False)
@@ -106,7 +119,6 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
             if k == USER_DEFINED
         ]
     )
-    return tok
 
 
 def _pre_tokenizer(pre: PreTokenizer) -> pre_tokenizers.PreTokenizer:

@@ -487,7 +487,7 @@ def test_unknown_tensor_and_architecture_are_refused(tmp_path: Path) -> None:
 
 def test_unsupported_tokenizers_are_refused(tmp_path: Path) -> None:
     for model, pre, why in (
-        ("llama", "default", "tokenizer model 'llama'"),
+        ("bert", "default", "tokenizer model 'bert'"),
         ("gpt2", "mystery", "pre-tokenizer 'mystery'"),
     ):
         meta = {"tokenizer.ggml.model": model, "tokenizer.ggml.pre": pre}

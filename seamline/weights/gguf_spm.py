@@ -1,0 +1,50 @@
+"""A SentencePiece vocabulary in a GGUF file (``tokenizer.ggml.model == "llama"``: Llama 1/2,
+Gemma) as a ``tokenizers.Tokenizer`` that encodes as llama.cpp's SPM tokenizer does.
+
+llama.cpp writes spaces as "▁" (after a leading one where ``tokenizer.ggml.add_space_prefix``,
+true unless said), splits the text into characters, and merges the adjacent pair whose joined
+text is a token of the highest score, again and again; a character no token covers becomes its
+UTF-8 bytes' ``<0xXX>`` tokens. That is BPE with a merge for every way a token splits into two
+tokens, ranked by the joined token's score (highest first), and byte fallback.
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, normalizers
+
+from seamline.errors import CheckpointError
+from seamline.weights.gguf_file import GGUFFile
+
+SPACE = "\u2581"  # "▁", SentencePiece's space
+CONTROL, BYTE = 3, 6  # llama.cpp's token types that take no part in merges
+
+
+def spm_tokenizer(f: GGUFFile, tokens: list[str], types: list[int]) -> Tokenizer:
+    scores: list[float] = f.get("tokenizer.ggml.scores") or []
+    if len(scores) != len(tokens):
+        raise CheckpointError(f"GGUF file {f.path}: a SentencePiece vocabulary has {len(tokens)} tokens and {len(scores)} scores")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    unknown = f.get("tokenizer.ggml.unknown_token_id")
+    model = models.BPE(vocab, merges(tokens, scores, types), byte_fallback=True, fuse_unk=True,
+                       unk_token=tokens[int(unknown)] if unknown is not None else None)  # fmt: skip
+    tok = Tokenizer(model)
+    prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))
+    steps = [normalizers.Prepend(SPACE)] if prefix else []
+    tok.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", SPACE)])
+    tail = [decoders.Strip(" ", 1, 0)] if prefix else []
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse(), *tail])
+    return tok
+
+
+def merges(tokens: list[str], scores: list[float], types: list[int]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens, the joined token's score highest first (ties:
+    its lower id, then the shorter left part)."""
+    ids = {token: i for i, token in enumerate(tokens) if types[i] not in (CONTROL, BYTE)}
+    found = []
+    for token, i in ids.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in ids and right in ids:
+                found.append((-scores[i], i, cut, left, right))
+    found.sort()
+    return [(left, right) for *_, left, right in found]
