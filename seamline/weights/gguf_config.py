@@ -27,7 +27,9 @@ FAMILY_OF_ARCH: dict[str, str] = {
     "qwen3": "qwen3",
     "qwen3moe": "qwen3_moe",
     "deepseek2": "deepseek_v2",  # deepseek_v3 when its router is sigmoid-gated (family_of)
+    "gemma3": "gemma3_text",
 }
+GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden / heads, others' by head_dim
 
 # {arch}.expert_gating_func values (gguf's ExpertGatingFuncType)
 GATING_FUNCS: dict[int, str] = {1: "softmax", 2: "sigmoid"}
@@ -40,6 +42,7 @@ SLIDING_FIELDS: dict[str, dict[str, Any]] = {
     "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
     "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
     "qwen3_moe": {"use_sliding_window": True},
+    "gemma3_text": {},  # every 6th layer full, as llama.cpp and transformers have it
 }
 
 # Architectures whose Q and K rows llama.cpp's converter permutes (LlamaModel.permute).
@@ -126,6 +129,9 @@ def config_dict(f: GGUFFile, family: str, rope_freqs: np.ndarray | None) -> dict
     if family in ("deepseek_v2", "deepseek_v3"):
         d.update(_mla(f, family, meta, d))
     d.update(_sliding_window(f, family, meta))
+    if family == "gemma3_text":
+        layers, hidden = d["num_hidden_layers"], d["hidden_size"]
+        d["query_pre_attn_scalar"] = hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim
     return d
 
 

@@ -53,6 +53,13 @@ MLA_BLOCK_NAMES: dict[str, str] = {
 }
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
+# Gemma 3's four norms a block (llama.cpp's converter writes them as 1 + w, as seamline reads them)
+GEMMA_BLOCK_NAMES: dict[str, str] = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
 # (key, suffix) -> model.layers.{L}.<value>: HF names without a .weight/.bias of their own.
 BARE_NAMES: dict[tuple[str, str], str] = {
     ("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias",  # DeepSeek-V3 router bias
@@ -86,6 +93,8 @@ STACKED_EXPERT_KEYS: dict[str, str] = {proj: key for key, proj in _EXPERT_KEYS.i
 
 def block_names(family: str) -> dict[str, str]:
     """The per-block key table of one family."""
+    if family == "gemma3_text":
+        return {**BLOCK_NAMES, **GEMMA_BLOCK_NAMES}
     return {**BLOCK_NAMES, **MLA_BLOCK_NAMES} if family in MLA_FAMILIES else BLOCK_NAMES
 
 

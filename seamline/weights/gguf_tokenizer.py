@@ -71,18 +71,19 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
             f"GGUF file {f.path}: tokenizer model {kind!r} is unsupported; "
             "seamline reads 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)"
         )
+    pre = _pre_tokenizer_of(f) if kind == "gpt2" else None
     tokens: list[str] = f.get("tokenizer.ggml.tokens") or []
     types: list[int] = f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if not tokens or len(types) != len(tokens):
         raise CheckpointError(
             f"GGUF file {f.path}: tokenizer has {len(tokens)} tokens and {len(types)} token types"
         )
-    tok = spm_tokenizer(f, tokens, types) if kind == "llama" else _byte_level(f, tokens)
+    tok = _byte_level(f, tokens, pre) if pre is not None else spm_tokenizer(f, tokens, types)
     _add_tokens(tok, tokens, types)
     return tok
 
 
-def _byte_level(f: GGUFFile, tokens: list[str]) -> Tokenizer:
+def _pre_tokenizer_of(f: GGUFFile) -> PreTokenizer:
     pre_name = f.get("tokenizer.ggml.pre")
     pre = PRE_TOKENIZERS.get(pre_name)
     if pre is None:
@@ -90,6 +91,10 @@ def _byte_level(f: GGUFFile, tokens: list[str]) -> Tokenizer:
             f"GGUF file {f.path}: pre-tokenizer {pre_name!r} is unsupported; seamline knows "
             f"{', '.join(sorted(PRE_TOKENIZERS))}"
         )
+    return pre
+
+
+def _byte_level(f: GGUFFile, tokens: list[str], pre: PreTokenizer) -> Tokenizer:
     merges: list[str] = f.get("tokenizer.ggml.merges") or []
     vocab = {token: i for i, token in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]

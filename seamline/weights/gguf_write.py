@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from seamline.config import rope_of
+from seamline.config import ModelConfig, rope_of
 from seamline.quant.quantize import quantize, row_bytes
 from seamline.weights.gguf_config import llama3_factors
 from seamline.weights.gguf_mla import split_kv_b
@@ -51,6 +51,7 @@ ARCH_OF_FAMILY: dict[str, str] = {
     "mixtral": "llama",
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
+    "gemma3_text": "gemma3",
 }
 FILE_TYPES: dict[str, gguf.LlamaFileType] = {
     "F32": gguf.LlamaFileType.ALL_F32,
@@ -126,7 +127,7 @@ def write_gguf(
     arch = ARCH_OF_FAMILY[family]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    (_deepseek_meta if arch == "deepseek2" else _llama_meta)(w, cfg)
+    {"deepseek2": _deepseek_meta, "gemma3": _gemma_meta}.get(arch, _llama_meta)(w, cfg)
     preset = types if isinstance(types, str) else ""
     w.add_file_type(FILE_TYPES.get(preset, gguf.LlamaFileType.GUESSED))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -360,6 +361,17 @@ def _llama_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
     window = cfg.get("sliding_window")
     if cfg["model_type"] in ("mistral", "mixtral") and window:
         w.add_sliding_window(int(window))  # transformers applies it; the reader carries it
+
+
+def _gemma_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
+    """Gemma 3: its full layers' RoPE as the model's (llama.cpp fixes the sliding layers' base at
+    10000 and the pattern at 6, and reads query_pre_attn_scalar from the size)."""
+    config = ModelConfig.from_hf_dict(dict(cfg))
+    if config.local_rope_theta != 10000.0 or config.sliding_layers != frozenset(i for i in range(config.num_layers) if (i + 1) % 6):
+        raise ValueError("write_gguf writes Gemma 3 with llama.cpp's fixed sliding layers (base 10000, every 6th full)")
+    scaling = {"rope_type": config.rope_scaling.rope_type, "factor": config.rope_scaling.factor}
+    _llama_meta(w, {**cfg, "rope_parameters": None, "rope_theta": config.rope_theta, "rope_scaling": scaling})
+    w.add_sliding_window(config.sliding_window)
 
 
 def _deepseek_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
