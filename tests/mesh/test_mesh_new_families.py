@@ -1,0 +1,27 @@
+"""Gemma 3 and gpt-oss (MXFP4 experts) split over a 2-node mesh equal the single process:
+packaged into fragments (Gemma's norms read as 1 + w once; gpt-oss's experts one fragment per
+chunk, kept as fp4), each stage loading only its layers, the sliding windows crossing stages."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from seamline.app import LocalModel
+from seamline.params import SamplingParams
+from tests.support.family_folders import CONTEXT, build_gemma3_folder, build_oss_folder
+from tests.support.mesh_harness import split_completion
+
+PROMPT = "The rivers of Europe include the Rhine, the Danube and"
+
+
+@pytest.mark.parametrize("build", [build_gemma3_folder, build_oss_folder], ids=["gemma3", "gpt-oss-mxfp4"])
+def test_a_new_family_split_over_two_nodes_matches_one_process(tmp_path: Path, build: Callable[[Path], Path]) -> None:
+    folder = build(tmp_path / "model")
+    local = LocalModel.load(folder, context=CONTEXT)
+    ids = local.codec.encode(PROMPT)
+    assert len(ids) > 8  # longer than the sliding window
+    expected = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=24))))
+    assert split_completion(tmp_path / "mesh", folder, PROMPT, 24, CONTEXT) == expected
