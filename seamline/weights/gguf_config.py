@@ -28,6 +28,7 @@ FAMILY_OF_ARCH: dict[str, str] = {
     "qwen3moe": "qwen3_moe",
     "deepseek2": "deepseek_v2",  # deepseek_v3 when its router is sigmoid-gated (family_of)
     "gemma3": "gemma3_text",
+    "glm4moe": "glm4_moe",
 }
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden / heads, others' by head_dim
 
@@ -129,6 +130,8 @@ def config_dict(f: GGUFFile, family: str, rope_freqs: np.ndarray | None) -> dict
     if family in ("deepseek_v2", "deepseek_v3"):
         d.update(_mla(f, family, meta, d))
     d.update(_sliding_window(f, family, meta))
+    if family == "glm4_moe":
+        d.update(_glm(f, meta, d))
     if family == "gemma3_text":
         layers, hidden = d["num_hidden_layers"], d["hidden_size"]
         d["query_pre_attn_scalar"] = hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim
@@ -214,6 +217,28 @@ def _mla(f: GGUFFile, family: str, meta: Callable[..., Any], d: dict[str, Any]) 
     if scaling is not None and scaling["rope_type"] == "yarn":
         scaling.update(_deepseek_yarn(f, meta))
     return out
+
+
+def _glm(f: GGUFFile, meta: Callable[..., Any], d: dict[str, Any]) -> dict[str, Any]:
+    """GLM-4.5: DeepSeek-V3's routing over GQA attention turning ``rope.dimension_count`` dims of
+    each head; its block count includes the multi-token-prediction layers (``nextn``), which
+    seamline does not run."""
+    nextn = int(meta("nextn_predict_layers", 0) or 0)
+    return {
+        "num_hidden_layers": d["num_hidden_layers"] - nextn,
+        "num_nextn_predict_layers": nextn,
+        "partial_rotary_factor": int(meta("rope.dimension_count", d["head_dim"])) / d["head_dim"],
+        "use_qk_norm": "blk.0.attn_q_norm.weight" in f.tensors,
+        "first_k_dense_replace": int(meta("leading_dense_block_count", 0) or 0),
+        "n_routed_experts": int(meta("expert_count")),
+        "num_experts_per_tok": int(meta("expert_used_count")),
+        "n_shared_experts": int(meta("expert_shared_count", 0) or 0),
+        "moe_intermediate_size": int(meta("expert_feed_forward_length")),
+        "routed_scaling_factor": _f32(meta("expert_weights_scale", 1.0) or 1.0),
+        "norm_topk_prob": bool(meta("expert_weights_norm", False)),
+        "n_group": int(meta("expert_group_count", 1) or 1),
+        "topk_group": int(meta("expert_group_used_count", 1) or 1),
+    }
 
 
 def _deepseek_yarn(f: GGUFFile, meta: Callable[..., Any]) -> dict[str, Any]:

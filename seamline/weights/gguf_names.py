@@ -53,6 +53,13 @@ MLA_BLOCK_NAMES: dict[str, str] = {
 }
 MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 
+# GLM-4.5 (glm4moe): its pre-feed-forward norm is post_attention_norm; DeepSeek's shared experts
+GLM_BLOCK_NAMES: dict[str, str] = {
+    "post_attention_norm": "post_attention_layernorm",
+    **{k: v for k, v in MLA_BLOCK_NAMES.items() if k.endswith("_shexp")},
+}
+ROUTER_BIAS_FAMILIES = (*MLA_FAMILIES, "glm4_moe")  # exp_probs_b: the correction bias of sigmoid routing
+
 # Gemma 3's four norms a block (llama.cpp's converter writes them as 1 + w, as seamline reads them)
 GEMMA_BLOCK_NAMES: dict[str, str] = {
     "post_attention_norm": "post_attention_layernorm",
@@ -82,6 +89,7 @@ GGUF_MOE_NAMES: dict[str, GgufMoeNames] = {
     "qwen3_moe": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
     "deepseek_v2": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
 }
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?\.(weight|bias)")
@@ -95,6 +103,8 @@ def block_names(family: str) -> dict[str, str]:
     """The per-block key table of one family."""
     if family == "gemma3_text":
         return {**BLOCK_NAMES, **GEMMA_BLOCK_NAMES}
+    if family == "glm4_moe":
+        return {**BLOCK_NAMES, **GLM_BLOCK_NAMES}
     return {**BLOCK_NAMES, **MLA_BLOCK_NAMES} if family in MLA_FAMILIES else BLOCK_NAMES
 
 
@@ -125,7 +135,7 @@ def hf_names(gguf_name: str, family: str, leading: int) -> list[HFName] | None:
     table = block_names(family)
     if expert is None and key in table:
         return [HFName(f"{prefix}{table[key]}.{suffix}", None)]
-    if expert is None and (key, suffix) in BARE_NAMES and family in MLA_FAMILIES:
+    if expert is None and (key, suffix) in BARE_NAMES and family in ROUTER_BIAS_FAMILIES:
         return [HFName(prefix + BARE_NAMES[key, suffix], None)]
     if moe is None:
         return None

@@ -39,7 +39,7 @@ from seamline.weights.gguf_names import (
     BARE_NAMES,
     GGUF_MOE_NAMES,
     GLOBAL_NAMES,
-    MLA_FAMILIES,
+    ROUTER_BIAS_FAMILIES,
     STACKED_EXPERT_KEYS,
     block_names,
 )
@@ -52,6 +52,7 @@ ARCH_OF_FAMILY: dict[str, str] = {
     "deepseek_v2": "deepseek2",
     "deepseek_v3": "deepseek2",
     "gemma3_text": "gemma3",
+    "glm4_moe": "glm4moe",
 }
 FILE_TYPES: dict[str, gguf.LlamaFileType] = {
     "F32": gguf.LlamaFileType.ALL_F32,
@@ -127,7 +128,7 @@ def write_gguf(
     arch = ARCH_OF_FAMILY[family]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    {"deepseek2": _deepseek_meta, "gemma3": _gemma_meta}.get(arch, _llama_meta)(w, cfg)
+    {"deepseek2": _deepseek_meta, "gemma3": _gemma_meta, "glm4moe": _glm_meta}.get(arch, _llama_meta)(w, cfg)
     preset = types if isinstance(types, str) else ""
     w.add_file_type(FILE_TYPES.get(preset, gguf.LlamaFileType.GUESSED))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -238,7 +239,7 @@ def _gguf_name(family: str, hf: str) -> str:
     if m is None:
         raise ValueError(f"no GGUF name for tensor {hf} ({family})")
     layer, rest = m.group(1), m.group(2)
-    if family in MLA_FAMILIES:
+    if family in ROUTER_BIAS_FAMILIES:
         for (key, suffix), bare in BARE_NAMES.items():
             if rest == bare:
                 return f"blk.{layer}.{key}.{suffix}"
@@ -372,6 +373,26 @@ def _gemma_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
     scaling = {"rope_type": config.rope_scaling.rope_type, "factor": config.rope_scaling.factor}
     _llama_meta(w, {**cfg, "rope_parameters": None, "rope_theta": config.rope_theta, "rope_scaling": scaling})
     w.add_sliding_window(config.sliding_window)
+
+
+def _glm_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
+    """GLM-4.5 as llama.cpp's converter describes it (without its multi-token-prediction layers)."""
+    config = ModelConfig.from_hf_dict(dict(cfg))
+    _common_meta(w, cfg, config.num_kv_heads)
+    w.add_key_length(config.head_dim)
+    w.add_value_length(config.head_dim)
+    w.add_rope_dimension_count(config.rotary_dim or config.head_dim)
+    _rope_meta(w, cfg)
+    w.add_leading_dense_block_count(min(config.moe_layers, default=config.num_layers))
+    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    w.add_expert_count(config.num_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    w.add_expert_shared_count(config.n_shared_experts)
+    w.add_expert_weights_scale(config.routed_scaling_factor)
+    w.add_expert_weights_norm(config.norm_topk_prob)
+    w.add_expert_group_count(config.n_group)
+    w.add_expert_group_used_count(config.topk_group)
+    w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
 
 
 def _deepseek_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
