@@ -173,6 +173,8 @@ def _map_tensors(
         key = info.name.split(".")[2] if info.name.startswith("blk.") else ""
         if info.name in CONSUMED_NAMES or key in JOINED_KEYS:
             continue  # joined below
+        if key and int(info.name.split(".")[1]) >= config["num_hidden_layers"]:
+            continue  # a block past the model's layers: GLM-4.5's multi-token prediction (nextn)
         names = hf_names(info.name, family, info.shape[0])
         if names is None:
             raise CheckpointError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 
 from seamline.weights.gguf import GGUFSource
@@ -31,3 +32,34 @@ def test_glm4_moe_gguf_reads_back_as_the_folder(tmp_path: Path) -> None:
     quantized = write_gguf_from_folder(tmp_path / "hf", tmp_path / "glm-q8.gguf", "Q8_0")
     got = seamline_logits(load_stage(open_source(quantized)), ids)
     assert np.corrcoef(got.flatten().numpy(), want.flatten().numpy())[0, 1] > 0.99
+
+
+def test_the_nextn_block_llama_cpp_keeps_is_left_out(tmp_path: Path) -> None:
+    """llama.cpp's converter keeps GLM's multi-token-prediction layer as one more block (its
+    ``nextn.*`` tensors beside a block's usual ones) and counts it in the block count."""
+    model = save_glm(tmp_path / "hf")
+    plain = write_gguf_from_folder(tmp_path / "hf", tmp_path / "glm.gguf", "F32")
+    reader = gguf.GGUFReader(str(plain))
+    layers = int(reader.fields["glm4moe.block_count"].contents())
+    w = gguf.GGUFWriter(str(tmp_path / "nextn.gguf"), "glm4moe")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "glm4moe.block_count"):
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)
+    w.add_block_count(layers + 1)
+    w.add_uint32("glm4moe.nextn_predict_layers", 1)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data).reshape([int(n) for n in reversed(t.shape)]))
+    hidden = int(reader.fields["glm4moe.embedding_length"].contents())
+    w.add_tensor(f"blk.{layers}.nextn.eh_proj.weight", np.zeros((hidden, 2 * hidden), np.float32))
+    w.add_tensor(f"blk.{layers}.attn_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    config = GGUFSource(tmp_path / "nextn.gguf").config_dict()
+    assert (config["num_hidden_layers"], config["num_nextn_predict_layers"]) == (layers, 1)
+    ids = random_ids(256)
+    got = seamline_logits(load_stage(open_source(tmp_path / "nextn.gguf")), ids)
+    assert (got - reference_logits(model, ids)).abs().max().item() < ATOL
