@@ -1,6 +1,6 @@
 """gpt-oss's mixture of experts: a router with a bias whose top-k logits are softmaxed
-(``moe.route``, scoring ``topk_softmax``), and experts with biases whose gate and up rows are
-interleaved (gate at even rows, up at odd ones) and meet in a clamped SwiGLU:
+(``moe.route``, scoring ``topk_softmax``), and experts with biases whose gate and up rows (read
+apart: ``weights/oss_experts.py``) meet in a clamped SwiGLU:
 ``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)`` with ``g = min(gate, limit)``, as
 transformers' ``GptOssExperts`` computes it. Routing, grouping and expert shares are ``MoE``'s."""
 
@@ -24,6 +24,7 @@ class OssMoE(MoE):
 
     def _expert(self, x: torch.Tensor, local: int) -> torch.Tensor:
         gate_up = linear(x, select(self.experts_gate_up, local), self.experts_gate_up_bias[local])
-        gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
         return linear((up + 1) * glu, select(self.experts_down, local), self.experts_down_bias[local])

@@ -224,14 +224,15 @@ def _gated_plans(prefix: str, names: tuple[str, ...], rows: Range) -> list[Tenso
 
 def _oss_moe_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
     """gpt-oss: the router's weight and bias, and the owned experts' matrices and biases (one
-    tensor per expert as ``HFFolderSource`` lists its stacked ones)."""
+    tensor per expert and matrix, as ``HFFolderSource`` lists its stacked ones and GGUF has them)."""
     ours, theirs, experts = f"layers.{i}.ffn.", L.format(i=i) + "mlp.", range(*own.expert_range(config))
     plans = [TensorPlan(ours + "router", ((theirs + "router.weight",),)),
              TensorPlan(ours + "router_logit_bias", ((theirs + "router.bias",),))]  # fmt: skip
-    for target, source in (("experts_gate_up", "gate_up_proj"), ("experts_down", "down_proj")):
-        for suffix in ("", "_bias"):
-            parts = tuple((f"{theirs}experts.{e}.{source}{suffix}",) for e in experts)
-            plans.append(TensorPlan(ours + target + suffix, parts, stack=True))
+    for target, suffix in (("", "weight"), ("_bias", "bias")):
+        gate_up = tuple(tuple(f"{theirs}experts.{e}.{m}_proj.{suffix}" for m in ("gate", "up")) for e in experts)
+        down = tuple((f"{theirs}experts.{e}.down_proj.{suffix}",) for e in experts)
+        plans += [TensorPlan(f"{ours}experts_gate_up{target}", gate_up, stack=True),
+                  TensorPlan(f"{ours}experts_down{target}", down, stack=True)]  # fmt: skip
     return plans
 
 
