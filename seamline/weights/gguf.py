@@ -22,7 +22,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 
 from seamline.errors import CheckpointError
+from seamline.quant.scaled import KIND_NAMES
 from seamline.quant.tensor import QUANT_TYPES, QuantTensor
+from seamline.weights.gguf_mxfp4 import mxfp4_blocks
 from seamline.weights.gguf_config import PERMUTED_ARCHS, config_dict, family_of
 from seamline.weights.gguf_file import GGUFFile, TensorInfo
 from seamline.weights.gguf_mla import JoinedEntry, joined_entries
@@ -51,6 +53,7 @@ SUPPORTED_TYPES: frozenset[Q] = frozenset(
         Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
         Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
         Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
+        Q.MXFP4,
     }
 )  # fmt: skip
 
@@ -101,6 +104,9 @@ class GGUFSource:
                 raw = unpermute_rows(raw, entry.heads)
             data = torch.from_numpy(np.array(raw, dtype=np.uint8))  # a copy: owns its memory
             return QuantTensor(qtype, data, entry.shape)
+        if qtype == Q.MXFP4:  # gpt-oss's experts, kept at their size as fp4 weights
+            raw = self.file.raw(entry.info)
+            return mxfp4_blocks(np.array(raw[entry.expert] if entry.expert is not None else raw))
         values = _dequantize(self.file, entry.info, entry.expert).reshape(entry.shape)
         if entry.heads is not None:
             values = unpermute_rows(values, entry.heads)
@@ -116,6 +122,8 @@ class GGUFSource:
         qtype = entry.info.qtype
         if qtype in QUANT_TYPES:
             return qtype.name
+        if qtype == Q.MXFP4:
+            return KIND_NAMES["fp4"]
         return str(_FLOAT_TYPES.get(qtype, torch.bfloat16)).removeprefix("torch.")
 
     def stored_bytes(self, name: str) -> int:

@@ -29,6 +29,7 @@ FAMILY_OF_ARCH: dict[str, str] = {
     "deepseek2": "deepseek_v2",  # deepseek_v3 when its router is sigmoid-gated (family_of)
     "gemma3": "gemma3_text",
     "glm4moe": "glm4_moe",
+    "gpt-oss": "gpt_oss",
 }
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden / heads, others' by head_dim
 
@@ -44,6 +45,7 @@ SLIDING_FIELDS: dict[str, dict[str, Any]] = {
     "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
     "qwen3_moe": {"use_sliding_window": True},
     "gemma3_text": {},  # every 6th layer full, as llama.cpp and transformers have it
+    "gpt_oss": {},  # every 2nd layer full
 }
 
 # Architectures whose Q and K rows llama.cpp's converter permutes (LlamaModel.permute).
@@ -132,6 +134,8 @@ def config_dict(f: GGUFFile, family: str, rope_freqs: np.ndarray | None) -> dict
     d.update(_sliding_window(f, family, meta))
     if family == "glm4_moe":
         d.update(_glm(f, meta, d))
+    if family == "gpt_oss":
+        d.update(_oss(meta, d))
     if family == "gemma3_text":
         layers, hidden = d["num_hidden_layers"], d["hidden_size"]
         d["query_pre_attn_scalar"] = hidden // heads if layers == GEMMA3_27B_LAYERS else head_dim
@@ -239,6 +243,16 @@ def _glm(f: GGUFFile, meta: Callable[..., Any], d: dict[str, Any]) -> dict[str, 
         "n_group": int(meta("expert_group_count", 1) or 1),
         "topk_group": int(meta("expert_group_used_count", 1) or 1),
     }
+
+
+def _oss(meta: Callable[..., Any], d: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: its experts and, as transformers' config has it, YaRN without truncation."""
+    out: dict[str, Any] = {"num_local_experts": int(meta("expert_count")),
+                           "num_experts_per_tok": int(meta("expert_used_count")),
+                           "intermediate_size": int(meta("expert_feed_forward_length"))}  # fmt: skip
+    if (scaling := d.get("rope_scaling")) is not None and scaling["rope_type"] == "yarn":
+        scaling["truncate"] = False
+    return out
 
 
 def _deepseek_yarn(f: GGUFFile, meta: Callable[..., Any]) -> dict[str, Any]:

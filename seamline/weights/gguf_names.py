@@ -58,7 +58,8 @@ GLM_BLOCK_NAMES: dict[str, str] = {
     "post_attention_norm": "post_attention_layernorm",
     **{k: v for k, v in MLA_BLOCK_NAMES.items() if k.endswith("_shexp")},
 }
-ROUTER_BIAS_FAMILIES = (*MLA_FAMILIES, "glm4_moe")  # exp_probs_b: the correction bias of sigmoid routing
+# gpt-oss: post_attention_norm before the feed-forward, a sink logit per head (a bare HF name)
+OSS_BLOCK_NAMES: dict[str, str] = {"post_attention_norm": "post_attention_layernorm"}  # exp_probs_b: the correction bias of sigmoid routing
 
 # Gemma 3's four norms a block (llama.cpp's converter writes them as 1 + w, as seamline reads them)
 GEMMA_BLOCK_NAMES: dict[str, str] = {
@@ -70,7 +71,9 @@ GEMMA_BLOCK_NAMES: dict[str, str] = {
 # (key, suffix) -> model.layers.{L}.<value>: HF names without a .weight/.bias of their own.
 BARE_NAMES: dict[tuple[str, str], str] = {
     ("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias",  # DeepSeek-V3 router bias
+    ("attn_sinks", "weight"): "self_attn.sinks",  # gpt-oss
 }
+BARE_FAMILIES = {("exp_probs_b", "bias"): ("deepseek_v2", "deepseek_v3", "glm4_moe"), ("attn_sinks", "weight"): ("gpt_oss",)}
 
 # The halves of a split attn_kv_b; gguf_mla joins them into self_attn.kv_b_proj.
 JOINED_KEYS: dict[str, str] = {"attn_k_b": "k", "attn_v_b": "v"}
@@ -90,6 +93,7 @@ GGUF_MOE_NAMES: dict[str, GgufMoeNames] = {
     "deepseek_v2": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
     "glm4_moe": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
+    "gpt_oss": GgufMoeNames("mlp.router", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
 }
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.([a-z0-9_]+?)(?:\.(\d+))?\.(weight|bias)")
@@ -105,6 +109,8 @@ def block_names(family: str) -> dict[str, str]:
         return {**BLOCK_NAMES, **GEMMA_BLOCK_NAMES}
     if family == "glm4_moe":
         return {**BLOCK_NAMES, **GLM_BLOCK_NAMES}
+    if family == "gpt_oss":
+        return {**BLOCK_NAMES, **OSS_BLOCK_NAMES}
     return {**BLOCK_NAMES, **MLA_BLOCK_NAMES} if family in MLA_FAMILIES else BLOCK_NAMES
 
 
@@ -135,7 +141,7 @@ def hf_names(gguf_name: str, family: str, leading: int) -> list[HFName] | None:
     table = block_names(family)
     if expert is None and key in table:
         return [HFName(f"{prefix}{table[key]}.{suffix}", None)]
-    if expert is None and (key, suffix) in BARE_NAMES and family in ROUTER_BIAS_FAMILIES:
+    if expert is None and family in BARE_FAMILIES.get((key, suffix), ()):
         return [HFName(prefix + BARE_NAMES[key, suffix], None)]
     if moe is None:
         return None

@@ -39,11 +39,11 @@ from seamline.weights.gguf_names import (
     BARE_NAMES,
     GGUF_MOE_NAMES,
     GLOBAL_NAMES,
-    ROUTER_BIAS_FAMILIES,
+    BARE_FAMILIES,
     STACKED_EXPERT_KEYS,
     block_names,
 )
-from seamline.weights.gguf_policy import PRESETS, ModelShape, TypePolicy, preset_policy
+from seamline.weights.gguf_policy import ModelShape, TypePolicy, preset_policy
 
 ARCH_OF_FAMILY: dict[str, str] = {
     "llama": "llama",
@@ -53,6 +53,7 @@ ARCH_OF_FAMILY: dict[str, str] = {
     "deepseek_v3": "deepseek2",
     "gemma3_text": "gemma3",
     "glm4_moe": "glm4moe",
+    "gpt_oss": "gpt-oss",
 }
 FILE_TYPES: dict[str, gguf.LlamaFileType] = {
     "F32": gguf.LlamaFileType.ALL_F32,
@@ -128,7 +129,8 @@ def write_gguf(
     arch = ARCH_OF_FAMILY[family]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    {"deepseek2": _deepseek_meta, "gemma3": _gemma_meta, "glm4moe": _glm_meta}.get(arch, _llama_meta)(w, cfg)
+    writers = {"deepseek2": _deepseek_meta, "gemma3": _gemma_meta, "glm4moe": _glm_meta, "gpt-oss": _oss_meta}
+    writers.get(arch, _llama_meta)(w, cfg)
     preset = types if isinstance(types, str) else ""
     w.add_file_type(FILE_TYPES.get(preset, gguf.LlamaFileType.GUESSED))
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -193,7 +195,7 @@ def plan_tensors(cfg: Mapping[str, Any], src: Readable, kv_b: str = "split") -> 
     layers = int(cfg["num_hidden_layers"])
     tied = bool(cfg.get("tie_word_embeddings", False))
     single: list[Planned] = []
-    experts: dict[tuple[int, str], dict[int, str]] = {}  # (layer, proj) -> expert -> HF name
+    experts: dict[tuple[int, str, str], dict[int, str]] = {}  # (layer, proj, weight|bias) -> expert -> HF name
     for hf in sorted(src.names()):
         if hf.endswith("rotary_emb.inv_freq") or (hf == "lm_head.weight" and tied):
             continue
@@ -202,11 +204,11 @@ def plan_tensors(cfg: Mapping[str, Any], src: Readable, kv_b: str = "split") -> 
             continue  # DeepSeek's next-token-prediction layers: llama.cpp skips them too
         expert = _expert_of(family, hf)
         if expert is not None:
-            layer, proj, e = expert
-            experts.setdefault((layer, proj), {})[e] = hf
+            layer, proj, e, suffix = expert
+            experts.setdefault((layer, proj, suffix), {})[e] = hf
             continue
         single += _single(cfg, family, src, hf, kv_b)
-    single += [_stacked(src, layer, proj, by_e) for (layer, proj), by_e in experts.items()]
+    single += [_stacked(src, layer, proj, by_e, suffix) for (layer, proj, suffix), by_e in experts.items()]
     single += _rope_freqs(cfg, family)
     return sorted(single, key=_order)
 
@@ -218,17 +220,18 @@ def _order(p: Planned) -> tuple[int, str]:
     return (0 if first else 1 << 30, p.name)
 
 
-def _expert_of(family: str, hf: str) -> tuple[int, str, int] | None:
+def _expert_of(family: str, hf: str) -> tuple[int, str, int, str] | None:
+    """(layer, gate|up|down, expert, weight|bias) of one expert's tensor."""
     moe = GGUF_MOE_NAMES.get(family)
     m = _HF_BLOCK.fullmatch(hf)
     if moe is None or m is None:
         return None
     pattern = re.escape(moe.expert).replace(re.escape("{e}"), r"(\d+)")
     projs = {moe.gate: "gate", moe.up: "up", moe.down: "down"}
-    e = re.fullmatch(pattern + r"\.(\w+)\.weight", m.group(2))
+    e = re.fullmatch(pattern + r"\.(\w+)\.(weight|bias)", m.group(2))
     if e is None or e.group(2) not in projs:
         return None
-    return int(m.group(1)), projs[e.group(2)], int(e.group(1))
+    return int(m.group(1)), projs[e.group(2)], int(e.group(1)), e.group(3)
 
 
 def _gguf_name(family: str, hf: str) -> str:
@@ -239,10 +242,9 @@ def _gguf_name(family: str, hf: str) -> str:
     if m is None:
         raise ValueError(f"no GGUF name for tensor {hf} ({family})")
     layer, rest = m.group(1), m.group(2)
-    if family in ROUTER_BIAS_FAMILIES:
-        for (key, suffix), bare in BARE_NAMES.items():
-            if rest == bare:
-                return f"blk.{layer}.{key}.{suffix}"
+    for (key, suffix), bare in BARE_NAMES.items():
+        if rest == bare and family in BARE_FAMILIES[key, suffix]:
+            return f"blk.{layer}.{key}.{suffix}"
     stem, _, suffix = rest.rpartition(".")
     moe = GGUF_MOE_NAMES.get(family)
     if moe is not None and stem == moe.router:
@@ -286,7 +288,7 @@ def _split_kv_b(
     ]
 
 
-def _stacked(src: Readable, layer: int, proj: str, by_expert: dict[int, str]) -> Planned:
+def _stacked(src: Readable, layer: int, proj: str, by_expert: dict[int, str], suffix: str = "weight") -> Planned:
     count = len(by_expert)
     if sorted(by_expert) != list(range(count)):
         raise ValueError(f"layer {layer} {proj}: experts {sorted(by_expert)} are not 0..{count-1}")
@@ -295,7 +297,7 @@ def _stacked(src: Readable, layer: int, proj: str, by_expert: dict[int, str]) ->
     def read() -> np.ndarray:
         return np.stack([_float(src.get(by_expert[e])) for e in range(count)])
 
-    return Planned(f"blk.{layer}.{STACKED_EXPERT_KEYS[proj]}.weight", (count, *first), read)
+    return Planned(f"blk.{layer}.{STACKED_EXPERT_KEYS[proj]}.{suffix}", (count, *first), read)
 
 
 def _rope_freqs(cfg: Mapping[str, Any], family: str) -> list[Planned]:
@@ -393,6 +395,19 @@ def _glm_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
     w.add_expert_group_count(config.n_group)
     w.add_expert_group_used_count(config.topk_group)
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+
+
+def _oss_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
+    """gpt-oss as llama.cpp describes it (its layer pattern and SwiGLU limits are llama.cpp's own)."""
+    config = ModelConfig.from_hf_dict(dict(cfg))
+    _common_meta(w, cfg, config.num_kv_heads)
+    for add in (w.add_key_length, w.add_value_length, w.add_rope_dimension_count):
+        add(config.head_dim)
+    _rope_meta(w, cfg)
+    w.add_expert_count(config.num_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    w.add_sliding_window(config.sliding_window)
 
 
 def _deepseek_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:

@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-import transformers  # the reference: a test dependency, never skipped
 
 from seamline.params import SamplingParams
 from seamline.quant.scaled import ScaledTensor
@@ -25,29 +24,10 @@ from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
 from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
 from tests.support.mxfp4 import write_mxfp4_experts
-from tests.support.reference import PREFILL, random_ids, reference_logits, save_random_model, seamline_logits, split_logits
+from tests.support.oss import OSS, save_oss
+from tests.support.reference import PREFILL, random_ids, reference_logits, seamline_logits, split_logits
 
 ATOL = 1e-4
-OSS = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-    max_position_embeddings=256,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "original_max_position_embeddings": 64, "rope_theta": 150000.0, "truncate": False},
-)  # fmt: skip
-
-
-def save_oss(folder: Path) -> Any:
-    model = save_random_model(transformers.GptOssConfig(**OSS), folder)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # transformers starts biases and sinks at zero: make them count
-        for name, p in model.named_parameters():
-            if "sinks" in name or name.endswith("bias"):
-                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(folder)
-    return model
-
-
 @pytest.fixture(scope="module")
 def oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     folder = tmp_path_factory.mktemp("oss")
