@@ -206,8 +206,8 @@ REFERENCE = {
     Q.Q4_1: lambda b: _half(b, 0) * _nibbles(b[:, 4:20]) + _half(b, 2),
     Q.Q5_0: lambda b: _half(b, 0) * (_nibbles(b[:, 6:22]) + _fifth_bits(b[:, 2:6]) - 16),
     Q.Q5_1: lambda b: _half(b, 0) * (_nibbles(b[:, 8:24]) + _fifth_bits(b[:, 4:8])) + _half(b, 2),
-    # MXFP4 (gpt-oss): e2m1 codes (Q4_0's nibble order) times 2 ** (byte 0 - 127)
-    Q.MXFP4: lambda b: E2M1[_nibbles(b[:, 1:17]).astype(np.int64)] * np.exp2(b[:, :1].astype(np.float32) - 127),
+    Q.MXFP4: lambda b:  # gpt-oss: e2m1 codes (Q4_0's nibble order) times 2 ** (byte 0 - 127)
+        E2M1[_nibbles(b[:, 1:17]).astype(np.int64)] * np.exp2(b[:, :1].astype(np.float32) - 127),
 }
 
 
@@ -254,9 +254,7 @@ def test_block32_types(tmp_path: Path, qtype: Q) -> None:
     expected = REFERENCE[qtype](raw.reshape(-1, block_bytes)).reshape(8, 64)
     got = _read_back(tmp_path, raw, qtype)
     assert torch.equal(got, torch.from_numpy(expected.astype(np.float32)))
-    # and it is x, quantised: MXFP4's 3-bit magnitudes step by up to a quarter of a block's top
-    # (2 to 3 where the top is 3) where the others' 4-8 bits step by at most 1/8 of it
-    assert np.abs(expected - x).max() < (0.6 if qtype == Q.MXFP4 else 0.3)
+    assert np.abs(expected - x).max() < (0.6 if qtype == Q.MXFP4 else 0.3)  # x, quantised (MXFP4: 3-bit steps)
 
 
 def test_q4_k_hand_built_block(tmp_path: Path) -> None:
@@ -485,11 +483,7 @@ def test_unknown_tensor_and_architecture_are_refused(tmp_path: Path) -> None:
     ):
         GGUFSource(write_gguf(tmp_path / "x.gguf", t))
     with pytest.raises(CheckpointError, match="architecture 'gpt2'"):
-        GGUFSource(
-            write_gguf(
-                tmp_path / "y.gguf", {"token_embd.weight": t["token_embd.weight"]}, arch="gpt2"
-            )
-        )
+        GGUFSource(write_gguf(tmp_path / "y.gguf", {"token_embd.weight": t["token_embd.weight"]}, arch="gpt2"))
 
 
 def test_unsupported_tokenizers_are_refused(tmp_path: Path) -> None:
@@ -498,10 +492,6 @@ def test_unsupported_tokenizers_are_refused(tmp_path: Path) -> None:
         ("gpt2", "mystery", "pre-tokenizer 'mystery'"),
     ):
         meta = {"tokenizer.ggml.model": model, "tokenizer.ggml.pre": pre}
-        path = write_gguf(
-            tmp_path / f"{model}.gguf",
-            {"token_embd.weight": np.ones((4, 64), np.float32)},
-            meta=meta,
-        )
+        path = write_gguf(tmp_path / f"{model}.gguf", {"token_embd.weight": np.ones((4, 64), np.float32)}, meta=meta)
         with pytest.raises(CheckpointError, match=why):
             tokenizer_from_gguf(path)
