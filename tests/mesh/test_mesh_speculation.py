@@ -9,31 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
-
 from tests.support.deepseek import add_mtp_layer, build_deepseek, silence_outputs
-from tests.support.mesh import start_mesh
+from tests.support.mesh import speculation_answers
 from tests.support.v4_folder import CONTEXT, build_v4_folder
 from tests.support.v4_reference import with_tokenizer
 
-LIST = [{"role": "user", "content": "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates."}]
-ASKS = [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}, {"temperature": 0, "frequency_penalty": 1.0, "presence_penalty": 0.5}]
-
 
 def _answers(root: Path, *serve_args: str, stages: int = 2, model: Path | None = None) -> tuple[list[str], dict[str, float]]:
-    mesh = start_mesh(root, stages, *serve_args, model=model, context=CONTEXT)
-    try:
-        assert len(mesh.wait_ready()["stages"]) == stages
-        answers = []
-        for ask in ASKS:
-            body = {"model": "default", "messages": LIST, "max_tokens": 64, "ignore_eos": True, **ask}
-            reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=120).json()
-            assert reply["usage"]["completion_tokens"] == 64, reply
-            answers.append(reply["choices"][0]["message"]["content"])
-        status = httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()
-    finally:
-        mesh.stop()
-    return answers, status["stages"][0].get("speculation") or {}
+    return speculation_answers(root, *serve_args, stages=stages, model=model, context=CONTEXT)
 
 
 def test_a_mesh_that_speculates_answers_as_one_that_does_not(tmp_path: Path) -> None:
@@ -84,19 +67,18 @@ def test_the_last_stages_mtp_layer_drafts_for_a_mesh(tmp_path: Path) -> None:
     own copy of the embedding) from the fragments of layer N, drafts after each draw and sends
     the drafts back with the token; stage 0's windows take them. The answers are those of the
     same mesh with ``--speculative off``; greedy, every draft is right."""
-    folder = _v3_with_echo_mtp(tmp_path / "v3")
-    plain, _ = _answers(tmp_path / "off", "--speculative", "off", model=folder)
-    drafted, counts = _answers(tmp_path / "auto", model=folder)
-    assert drafted == plain
-    assert counts["method"] == "mtp", counts
-    assert counts["windows"] > 0 and 0 < counts["accepted"] < counts["drafted"], counts
-    assert counts["tokens_per_window"] > 2, counts
+    _assert_mtp_drafts_change_nothing(_v3_with_echo_mtp(tmp_path / "v3"), tmp_path)
 
 
 def test_the_last_stages_deepseek_v4_mtp_layer_drafts_for_a_mesh(tmp_path: Path) -> None:
     """DeepSeek-V4's MTP layer (``mtp.0.*``) over two stages: packaged as layer N, loaded by the
     last stage with the model's embedding, its cache fed every position; answers as without."""
-    folder = build_v4_folder(tmp_path / "v4", echo_mtp=True)
+    _assert_mtp_drafts_change_nothing(build_v4_folder(tmp_path / "v4", echo_mtp=True), tmp_path)
+
+
+def _assert_mtp_drafts_change_nothing(folder: Path, tmp_path: Path) -> None:
+    """The mesh's answers with the default (the last stage's MTP drafts) equal those with
+    ``--speculative off``; the drafts, an echo of the model, fill windows of more than 2."""
     plain, _ = _answers(tmp_path / "off", "--speculative", "off", model=folder)
     drafted, counts = _answers(tmp_path / "auto", model=folder)
     assert drafted == plain

@@ -22,8 +22,9 @@ from seamline.params import SamplingParams
 from seamline.runtime.core import EngineCore
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
-from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
-from tests.support.reference import PREFILL, random_ids, reference_logits, save_random_model, seamline_logits, split_logits
+from tests.support.family_checks import assert_greedy_matches, assert_group_matches, \
+    assert_logits_match  # fmt: skip
+from tests.support.reference import random_ids, reference_logits, save_random_model, split_logits
 
 ATOL = 1e-4
 GEMMA = dict(
@@ -56,23 +57,11 @@ def test_the_config_reads_as_transformers_builds_it(gemma: tuple[Any, Path]) -> 
 
 
 def test_logits_match_transformers_at_once_in_chunks_and_decoding(gemma: tuple[Any, Path]) -> None:
-    model, folder = gemma
-    ids = random_ids(256)
-    want = reference_logits(model, ids)
-    stage = load_stage(open_source(folder))
-    cache = stage.new_cache()
-    chunks = torch.cat([stage(ids[i : i + 5], i, cache) for i in range(0, ids.shape[0], 5)])
-    for got in (stage(ids, 0, stage.new_cache()), chunks, seamline_logits(stage, ids)):
-        assert (got - want).abs().max().item() < ATOL
+    assert_logits_match(*gemma, chunk=5)
 
 
 def test_greedy_tokens_match_transformers(gemma: tuple[Any, Path]) -> None:
-    model, folder = gemma
-    prompt = random_ids(256, PREFILL)
-    with torch.no_grad():
-        theirs = model.generate(prompt.unsqueeze(0), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, PREFILL:]
-    ours = list(Engine(load_stage(open_source(folder))).generate(prompt.tolist(), SamplingParams(max_tokens=32)))
-    assert ours == theirs.tolist()
+    assert_greedy_matches(*gemma)
 
 
 def test_a_stage_split_equals_transformers(gemma: tuple[Any, Path]) -> None:
@@ -85,8 +74,7 @@ def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
     """Heads, feed-forward rows and the head's vocabulary over 2 ranks; the norms after the
     attention and the feed-forward apply to the gates' sums."""
     save_gemma(tmp_path)
-    ref = engine_reference(Engine(load_stage(open_source(tmp_path))), PROMPT)
-    run_group(tmp_path, 2, ref)
+    assert_group_matches(tmp_path)
 
 
 def test_batched_sequences_and_a_forked_prefix_equal_each_alone(gemma: tuple[Any, Path]) -> None:

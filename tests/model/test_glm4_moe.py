@@ -15,17 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
-from seamline.params import SamplingParams
-from seamline.runtime.core import EngineCore
-from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
 from tests.support.glm import save_glm
-from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
-from tests.support.reference import PREFILL, random_ids, reference_logits, seamline_logits, split_logits
+from tests.support.family_checks import assert_batched_equal_alone, assert_greedy_matches, assert_group_matches, \
+    assert_logits_match  # fmt: skip
+from tests.support.reference import random_ids, reference_logits, split_logits
 
 ATOL = 1e-4
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["qk-norm", "no-qk-norm"])
 def glm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     folder = tmp_path_factory.mktemp("glm")
@@ -41,23 +40,11 @@ def test_the_config_reads_as_transformers_builds_it(glm: tuple[Any, Path]) -> No
 
 
 def test_logits_match_transformers_at_once_in_chunks_and_decoding(glm: tuple[Any, Path]) -> None:
-    model, folder = glm
-    ids = random_ids(256)
-    want = reference_logits(model, ids)
-    stage = load_stage(open_source(folder))
-    cache = stage.new_cache()
-    chunks = torch.cat([stage(ids[i : i + 7], i, cache) for i in range(0, ids.shape[0], 7)])
-    for got in (stage(ids, 0, stage.new_cache()), chunks, seamline_logits(stage, ids)):
-        assert (got - want).abs().max().item() < ATOL
+    assert_logits_match(*glm, chunk=7)
 
 
 def test_greedy_tokens_match_transformers(glm: tuple[Any, Path]) -> None:
-    model, folder = glm
-    prompt = random_ids(256, PREFILL)
-    with torch.no_grad():
-        theirs = model.generate(prompt.unsqueeze(0), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, PREFILL:]
-    ours = list(Engine(load_stage(open_source(folder))).generate(prompt.tolist(), SamplingParams(max_tokens=32)))
-    assert ours == theirs.tolist()
+    assert_greedy_matches(*glm)
 
 
 def test_a_stage_split_equals_transformers(glm: tuple[Any, Path]) -> None:
@@ -70,19 +57,8 @@ def test_a_stage_split_equals_transformers(glm: tuple[Any, Path]) -> None:
 def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
     """Experts, heads and the head's vocabulary rows split over 2 ranks."""
     save_glm(tmp_path)
-    ref = engine_reference(Engine(load_stage(open_source(tmp_path))), PROMPT)
-    run_group(tmp_path, 2, ref)
+    assert_group_matches(tmp_path)
 
 
 def test_batched_sequences_equal_each_alone(glm: tuple[Any, Path]) -> None:
-    _, folder = glm
-    stage = load_stage(open_source(folder))
-    prompts = [random_ids(256, n, seed=n).tolist() for n in (5, 19, 12)]
-    params = SamplingParams(max_tokens=16)
-    core = EngineCore.local(stage, context_length=128)
-    batched = [core.scheduler.add(p, params) for p in prompts]
-    while not core.scheduler.idle:
-        core.step()
-    engine = Engine(stage, 128)
-    for sequence in batched:
-        assert sequence.tokens == list(engine.generate(sequence.prompt, params))
+    assert_batched_equal_alone(glm[1])

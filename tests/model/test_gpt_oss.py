@@ -17,17 +17,19 @@ from typing import Any
 import pytest
 import torch
 
-from seamline.params import SamplingParams
 from seamline.quant.scaled import ScaledTensor
-from seamline.runtime.core import EngineCore
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
+from tests.support.family_checks import assert_batched_equal_alone, assert_greedy_matches, assert_group_matches, \
+    assert_logits_match  # fmt: skip
 from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
 from tests.support.mxfp4 import write_mxfp4_experts
 from tests.support.oss import OSS, save_oss
-from tests.support.reference import PREFILL, random_ids, reference_logits, seamline_logits, split_logits
+from tests.support.reference import random_ids, reference_logits, seamline_logits, split_logits
 
 ATOL = 1e-4
+
+
 @pytest.fixture(scope="module")
 def oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
     folder = tmp_path_factory.mktemp("oss")
@@ -44,23 +46,11 @@ def test_the_config_reads_as_transformers_builds_it(oss: tuple[Any, Path]) -> No
 
 
 def test_logits_match_transformers_at_once_in_chunks_and_decoding(oss: tuple[Any, Path]) -> None:
-    model, folder = oss
-    ids = random_ids(256)
-    want = reference_logits(model, ids)
-    stage = load_stage(open_source(folder))
-    cache = stage.new_cache()
-    chunks = torch.cat([stage(ids[i : i + 6], i, cache) for i in range(0, ids.shape[0], 6)])
-    for got in (stage(ids, 0, stage.new_cache()), chunks, seamline_logits(stage, ids)):
-        assert (got - want).abs().max().item() < ATOL
+    assert_logits_match(*oss, chunk=6)
 
 
 def test_greedy_tokens_match_transformers(oss: tuple[Any, Path]) -> None:
-    model, folder = oss
-    prompt = random_ids(256, PREFILL)
-    with torch.no_grad():
-        theirs = model.generate(prompt.unsqueeze(0), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, PREFILL:]
-    ours = list(Engine(load_stage(open_source(folder))).generate(prompt.tolist(), SamplingParams(max_tokens=32)))
-    assert ours == theirs.tolist()
+    assert_greedy_matches(*oss)
 
 
 def test_a_stage_split_equals_transformers(oss: tuple[Any, Path]) -> None:
@@ -73,21 +63,11 @@ def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
     """Experts, heads (their sinks with them), the head's vocabulary over 2 ranks; the output
     bias added once."""
     save_oss(tmp_path)
-    ref = engine_reference(Engine(load_stage(open_source(tmp_path))), PROMPT)
-    run_group(tmp_path, 2, ref)
+    assert_group_matches(tmp_path)
 
 
 def test_batched_sequences_equal_each_alone(oss: tuple[Any, Path]) -> None:
-    _, folder = oss
-    stage = load_stage(open_source(folder))
-    params = SamplingParams(max_tokens=16)
-    core = EngineCore.local(stage, context_length=128)
-    batched = [core.scheduler.add(random_ids(256, n, seed=n).tolist(), params) for n in (5, 19, 12)]
-    while not core.scheduler.idle:
-        core.step()
-    engine = Engine(stage, 128)
-    for sequence in batched:
-        assert sequence.tokens == list(engine.generate(sequence.prompt, params))
+    assert_batched_equal_alone(oss[1])
 
 
 def test_mxfp4_experts_stay_at_their_size_and_match_transformers(tmp_path: Path) -> None:
