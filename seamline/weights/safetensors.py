@@ -21,12 +21,13 @@ from safetensors import safe_open
 
 from seamline.errors import CheckpointError
 from seamline.weights import oss_experts
+from seamline.weights.gemma3_folder import gemma3_text_config, gemma3_text_names
 from seamline.quant.scaled import KIND_NAMES, ScaledTensor, scale_values
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
-OFFSET_NORM_FAMILIES = ("gemma3_text",)  # norm weights w stored for a 1 + w multiply
+OFFSET_NORM_FAMILIES = ("gemma3_text", "gemma3")  # norm weights w stored for a 1 + w multiply
 SCALE_SUFFIXES = (".scale", ".weight_scale_inv")  # a low-bit weight's block scales, beside ``X.weight``
 
 
@@ -44,6 +45,11 @@ class HFFolderSource:
         self._side: dict[str, Path] = {}  # gpt-oss: its MXFP4 scales' files
 
     def config_dict(self) -> dict[str, Any]:
+        """config.json; of a multimodal Gemma 3 folder, its text model's (``text_config``)."""
+        raw = self._raw_config()
+        return gemma3_text_config(raw) if raw.get("model_type") == "gemma3" else raw
+
+    def _raw_config(self) -> dict[str, Any]:
         path = self.folder / "config.json"
         if not self.folder.is_dir():
             raise CheckpointError(f"{self.folder} is not a folder")
@@ -95,7 +101,7 @@ class HFFolderSource:
 
     def _family(self) -> str:
         if self._model_type is None:
-            self._model_type = str(self.config_dict().get("model_type"))
+            self._model_type = str(self._raw_config().get("model_type"))
         return self._model_type
 
     def _read(self, name: str) -> torch.Tensor:
@@ -129,8 +135,10 @@ class HFFolderSource:
 
                 self._spelling = {v4_alias(n): n for n in files}
                 files = {v4_alias(n): path for n, path in files.items()}
-            if self.config_dict().get("model_type") == "gpt_oss":
+            if self._family() == "gpt_oss":
                 files = self._split_experts(files)
+            if self._family() == "gemma3":
+                self._spelling, files = gemma3_text_names(files)
             self._file_of = files
         return self._file_of
 

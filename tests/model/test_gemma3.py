@@ -24,7 +24,7 @@ from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
 from tests.support.family_checks import assert_greedy_matches, assert_group_matches, \
     assert_logits_match  # fmt: skip
-from tests.support.reference import random_ids, reference_logits, save_random_model, split_logits
+from tests.support.reference import random_ids, reference_logits, save_random_model, seamline_logits, split_logits
 
 ATOL = 1e-4
 GEMMA = dict(
@@ -92,3 +92,19 @@ def test_batched_sequences_and_a_forked_prefix_equal_each_alone(gemma: tuple[Any
     engine = Engine(stage, 128)
     for sequence in (*batched, forked):
         assert sequence.tokens == list(engine.generate(sequence.prompt, params))
+
+
+def test_a_multimodal_gemma3_folder_serves_its_text_model(tmp_path: Path) -> None:
+    """``gemma3`` (4B and up): the text model under ``text_config`` and ``language_model.*``,
+    beside a vision tower left out; logits as transformers' ``Gemma3ForConditionalGeneration``
+    gives them for text."""
+    text = transformers.Gemma3TextConfig(**GEMMA)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)  # fmt: skip
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                                       image_token_index=255, boi_token_index=254, eoi_token_index=253)  # fmt: skip
+    model = save_random_model(config, tmp_path)
+    stage = load_stage(open_source(tmp_path))
+    assert stage.config.family == "gemma3_text" and stage.config.num_layers == GEMMA["num_hidden_layers"]
+    ids = random_ids(200)
+    assert (seamline_logits(stage, ids) - reference_logits(model, ids)).abs().max().item() < ATOL
