@@ -11,8 +11,9 @@ import pytest
 
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
+from seamline.server.demo import memory_cap_gb
 from tests.support.family_folders import CONTEXT, build_gemma3_folder, build_oss_folder
-from tests.support.mesh_harness import split_completion
+from tests.support.mesh_harness import MeshProcesses, split_completion
 
 PROMPT = "The rivers of Europe include the Rhine, the Danube and"
 
@@ -25,3 +26,21 @@ def test_a_new_family_split_over_two_nodes_matches_one_process(tmp_path: Path, b
     assert len(ids) > 8  # longer than the sliding window
     expected = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=24))))
     assert split_completion(tmp_path / "mesh", folder, PROMPT, 24, CONTEXT) == expected
+
+
+def test_gpt_oss_over_two_stages_of_two_ranks_matches_one_process(tmp_path: Path) -> None:
+    """Stages × lockstep groups: each rank holds its MXFP4 experts and heads (their sinks), rank 0
+    adds the attention's output bias."""
+    folder = build_oss_folder(tmp_path / "model")
+    local = LocalModel.load(folder, context=CONTEXT)
+    expected = local.codec.decode(list(local.engine.generate(local.codec.encode(PROMPT), SamplingParams(max_tokens=24))))
+    mesh = MeshProcesses(tmp_path / "mesh", nodes=4, model=str(folder), node_memory_gb=memory_cap_gb(str(folder), 2, CONTEXT, ranks=2),
+                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2"))  # fmt: skip
+    try:
+        mesh.start()
+        stages = mesh.wait_ready()["stages"]
+        assert len(stages) == 2 and all(len(s["ranks"]) == 2 for s in stages), stages
+        reply = mesh.client().completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=24)
+        assert reply.choices[0].text == expected
+    finally:
+        mesh.stop()
