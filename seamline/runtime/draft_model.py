@@ -2,10 +2,13 @@
 
 The drafting model reads the sequence so far and proposes its greedy continuation, one token
 at a time, as many as the window takes. It keeps the caches of the sequences it drafted for
-lately (``SLOTS``, the least recently used go first), each with the tokens it holds: a call
+lately (``SLOTS``, within ``budget_bytes``: the least recently used go first), each with the
+tokens it holds: a call
 takes the cache whose tokens are the longest beginning of the history, computes only the rest
 and writes its drafts' positions, which the next call writes over. A draft is only a
-proposal: the target model's own draw keeps or rejects it.
+proposal: the target model's own draw keeps or rejects it. A server gives the drafting caches
+their share of its KV budget (``draft_share``), as the target's caches and the draft's grow
+together, token for token.
 """
 
 from __future__ import annotations
@@ -26,9 +29,11 @@ SLOTS = 64  # sequences whose drafting caches are kept
 class DraftModel:
     """A ``DraftSource``: ``draft(history, limit)`` -> up to ``limit`` greedy tokens after it."""
 
-    def __init__(self, stage: Stage, slots: int = SLOTS) -> None:
+    def __init__(self, stage: Stage, slots: int = SLOTS, budget_bytes: int = 0) -> None:
+        """``budget_bytes``: the most the kept caches may hold (0: no bound but ``slots``)."""
         self.stage = stage
         self.slots = slots
+        self.budget_bytes = budget_bytes
         self._caches: OrderedDict[int, tuple[list[int], SequenceCache]] = OrderedDict()
         self._next_key = 0
 
@@ -47,6 +52,7 @@ class DraftModel:
             raise ConfigError(f"--draft-model {path}: a DeepSeek-V4 checkpoint cannot draft (its caches only go back a little)")
         return cls(load_stage(source, dtype=dtype, config=config))
 
+
     @torch.inference_mode()
     def draft(self, history: list[int], limit: int) -> list[int]:
         if limit <= 0 or not history or len(history) + limit > self.stage.config.max_position_embeddings:
@@ -62,7 +68,17 @@ class DraftModel:
             logits = self.stage.forward(torch.tensor(drafts[-1:]), len(history) + len(drafts) - 1, cache, last_only=True)
         self._caches[key] = (list(history), cache)
         self._caches.move_to_end(key)
+        self._evict()
         return drafts
+
+    def held_bytes(self) -> int:
+        return sum(cache.nbytes() for _, cache in self._caches.values())
+
+    def _evict(self) -> None:
+        """The least recently used caches go while the kept ones hold more than the budget (the
+        one just used stays)."""
+        while self.budget_bytes and len(self._caches) > 1 and self.held_bytes() > self.budget_bytes:
+            self._caches.popitem(last=False)
 
     def _closest(self, history: list[int]) -> tuple[int, list[int], SequenceCache]:
         """The kept cache whose tokens are the longest beginning of ``history`` (that sequence's,
@@ -76,3 +92,10 @@ class DraftModel:
             self._caches.popitem(last=False)
         self._next_key += 1
         return self._next_key, [], self.stage.new_cache()
+
+
+def draft_share(budget: int, target: Stage, drafting: Stage) -> int:
+    """The drafting caches' bytes of a KV budget of ``budget``: as their bytes per token are to the
+    target's and theirs together (each sequence drafted for holds both, the same length)."""
+    mine, theirs = drafting.cache_bytes(1), target.cache_bytes(1)
+    return budget * mine // (mine + theirs) if mine + theirs else 0

@@ -42,10 +42,12 @@ def local_backend(model_path: str | None, dtype: str | None, context: int | None
     budget = kv_budget_bytes(kv_cache_bytes)
     speculation = speculation.for_model(getattr(model.engine.stage, "mtp", None) is not None)
     if speculation.draft_model is not None:
-        from seamline.runtime.draft_model import DraftModel
+        from seamline.runtime.draft_model import DraftModel, draft_share
 
         stage = model.engine.stage
         drafting = on_passing_thread(lambda: DraftModel.load(speculation.draft_model, stage.config, stage.compute_dtype))  # type: ignore[arg-type]
+        drafting.budget_bytes = draft_share(budget, stage, drafting.stage)  # the drafting caches' share of the budget
+        budget -= drafting.budget_bytes
         speculation = replace(speculation, source=drafting.draft)
     backend = LocalBackend(model.engine, model.codec, model_name_for(path), kv_budget_bytes=budget,
                            speculation=speculation)  # fmt: skip

@@ -20,7 +20,7 @@ import pytest
 from seamline.app import LocalModel, default_model_path
 from seamline.errors import ConfigError
 from seamline.runtime.core import EngineCore
-from seamline.runtime.draft_model import DraftModel
+from seamline.runtime.draft_model import DraftModel, draft_share
 from seamline.runtime.speculation import OFF, Speculation
 from seamline.weights.loader import load_stage, open_source
 from tests.support.cli import assert_clean_error, seamline
@@ -71,3 +71,40 @@ def test_a_draft_model_of_another_vocabulary_is_refused(target: LocalModel, tmp_
     assert_clean_error(seamline("serve", "--draft-model", str(folder), "--port", "1"), "--draft-model drafts on one process")
     assert_clean_error(seamline("run", "-p", "hi", "--draft-model", str(folder), "--speculative", "off"),
                        "--draft-model drafts in place of n-grams: not with --speculative off")  # fmt: skip
+
+
+def test_the_drafting_caches_keep_within_their_share_of_the_kv_budget(target: LocalModel) -> None:
+    """Three sequences drafted for in turn with room for about one's caches: the least recently
+    used go, the kept ones stay within the budget (but the one in use), and no token changes.
+    The share of a budget is the drafting model's bytes per token over both models'."""
+    stage = target.engine.stage
+    drafting = DraftModel.load(default_model_path(), stage.config, stage.compute_dtype)
+    prompts = [target.codec.encode_chat([{"role": "user", "content": text}]) for text in (LIST, "Name three rivers.", "Hi")]
+    drafting.budget_bytes = stage.cache_bytes(len(prompts[0]) + 40)
+    alone = [generate(stage, p, GREEDY, OFF)[0] for p in prompts]
+    core = EngineCore.local(stage, 4096, speculation=Speculation("auto", draft_max=6, source=drafting.draft))
+    sequences = [core.scheduler.add(p, GREEDY) for p in prompts]
+    most = 0
+    while not all(s.finished for s in sequences):
+        core.step()
+        assert len(drafting._caches) == 1 or drafting.held_bytes() <= drafting.budget_bytes
+        most = max(most, len(drafting._caches))
+    assert most < len(prompts)  # caches went for want of room
+    assert [s.tokens for s in sequences] == alone
+    assert draft_share(1000, stage, drafting.stage) == 500  # the same model: half
+
+
+def test_a_server_gives_the_drafting_caches_their_share_of_the_kv_budget() -> None:
+    """``serve --single --draft-model``: the scheduler admits into what the drafting caches leave
+    (the embedded model drafting for itself: half each)."""
+    from seamline.server.serve_local import local_backend
+
+    total = 1 << 30
+    speculation = Speculation("auto", draft_max=4, draft_model=str(default_model_path()))
+    backend, _ = local_backend(None, None, 512, total, "exact", speculation)
+    try:
+        drafting = backend.core.scheduler.speculation.source.__self__  # type: ignore[union-attr]
+        assert isinstance(drafting, DraftModel) and drafting.budget_bytes == total // 2
+        assert backend.core.scheduler.kv_budget_bytes == total - drafting.budget_bytes
+    finally:
+        backend.close()
