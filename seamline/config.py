@@ -158,6 +158,9 @@ class ModelConfig:
         kwargs["rope_theta"], kwargs["rope_scaling"] = rope_of(d)
         if family == "gemma3_text":
             kwargs.update(_gemma_fields(d, hidden))
+        if family == "gpt_oss":  # attention sinks, the output's bias, the experts' clamped SwiGLU
+            kwargs.update(attention_sinks=True, attention_out_bias=True, swiglu_limit=float(d.get("swiglu_limit") or 7.0),
+                          swiglu_alpha=float(d.get("swiglu_alpha") or 1.702))  # fmt: skip
         kwargs["sliding_window"], kwargs["sliding_layers"] = sliding_layers(family, d)
         kwargs.update(_moe_fields(family, d, layers))
         if family in MLA_FAMILIES:
@@ -263,8 +266,7 @@ def _moe_fields(family: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
     if family == "gpt_oss":  # softmax over the top-k logits of a router with a bias
         return dict(num_experts=int(d["num_local_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
                     moe_intermediate_size=int(d["intermediate_size"]), moe_layers=tuple(range(layers)),
-                    scoring_func="topk_softmax", attention_sinks=True, attention_out_bias=True,
-                    swiglu_limit=float(d.get("swiglu_limit") or 7.0), swiglu_alpha=float(d.get("swiglu_alpha") or 1.702))  # fmt: skip
+                    scoring_func="topk_softmax")  # fmt: skip
     if family == "glm4_moe":  # DeepSeek-V3's routing: sigmoid scores, a bias, groups by their top-2
         return {**_deepseek_moe(d, layers), "topk_method": "noaux_tc", "scoring_func": "sigmoid",
                 "n_group": int(d.get("n_group") or 1), "topk_group": int(d.get("topk_group") or 1),

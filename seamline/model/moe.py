@@ -156,7 +156,7 @@ class MoE(nn.Module):
         self.router = empty_param(config.num_experts, hidden)  # replicated
         biased = config.topk_method == "noaux_tc"
         self.router_bias = empty_param(config.num_experts) if biased else None
-        self.router_logit_bias = empty_param(config.num_experts) if config.family == "gpt_oss" else None  # replicated
+        self.router_logit_bias: nn.Parameter | None = None  # a router's own bias (gpt-oss: ``moe_oss.py``)
         self.experts_gate_up = empty_param(self.owned, 2 * inter, hidden)  # gate rows, then up rows
         self.experts_down = empty_param(self.owned, hidden, inter)
         self.inter = inter

@@ -18,6 +18,7 @@ from seamline.ownership import Ownership
 class OssMoE(MoE):
     def __init__(self, config: ModelConfig, own: Ownership) -> None:
         super().__init__(config, own)
+        self.router_logit_bias = empty_param(config.num_experts)  # replicated, as the router
         self.experts_gate_up_bias = empty_param(self.owned, 2 * self.inter)
         self.experts_down_bias = empty_param(self.owned, config.hidden_size)
         self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha

@@ -273,7 +273,7 @@ def _deepseek_yarn(f: GGUFFile, meta: Callable[..., Any]) -> dict[str, Any]:
 
 def _sliding_window(f: GGUFFile, family: str, meta: Callable[..., Any]) -> dict[str, Any]:
     """``{arch}.attention.sliding_window`` as the config.json fields that make it active, so that
-    ``ModelConfig`` refuses it like any other sliding window."""
+    ``ModelConfig`` applies it to the layers transformers would (``SLIDING_RULES``)."""
     window = int(meta("attention.sliding_window", 0) or 0)
     if not window:
         return {}

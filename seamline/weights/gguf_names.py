@@ -59,7 +59,7 @@ GLM_BLOCK_NAMES: dict[str, str] = {
     **{k: v for k, v in MLA_BLOCK_NAMES.items() if k.endswith("_shexp")},
 }
 # gpt-oss: post_attention_norm before the feed-forward, a sink logit per head (a bare HF name)
-OSS_BLOCK_NAMES: dict[str, str] = {"post_attention_norm": "post_attention_layernorm"}  # exp_probs_b: the correction bias of sigmoid routing
+OSS_BLOCK_NAMES: dict[str, str] = {"post_attention_norm": "post_attention_layernorm"}
 
 # Gemma 3's four norms a block (llama.cpp's converter writes them as 1 + w, as seamline reads them)
 GEMMA_BLOCK_NAMES: dict[str, str] = {
@@ -73,7 +73,10 @@ BARE_NAMES: dict[tuple[str, str], str] = {
     ("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias",  # DeepSeek-V3 router bias
     ("attn_sinks", "weight"): "self_attn.sinks",  # gpt-oss
 }
-BARE_FAMILIES = {("exp_probs_b", "bias"): ("deepseek_v2", "deepseek_v3", "glm4_moe"), ("attn_sinks", "weight"): ("gpt_oss",)}
+BARE_FAMILIES: dict[tuple[str, str], tuple[str, ...]] = {  # the families that have each
+    ("exp_probs_b", "bias"): ("deepseek_v2", "deepseek_v3", "glm4_moe"),  # sigmoid routing's correction bias
+    ("attn_sinks", "weight"): ("gpt_oss",),
+}
 
 # The halves of a split attn_kv_b; gguf_mla joins them into self_attn.kv_b_proj.
 JOINED_KEYS: dict[str, str] = {"attn_k_b": "k", "attn_v_b": "v"}

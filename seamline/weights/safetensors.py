@@ -150,13 +150,11 @@ class HFFolderSource:
 
     def _expert(self, name: str) -> torch.Tensor | ScaledTensor:
         part = self._experts[name]
+        if part.scales is not None and part.scales not in self._side:
+            raise CheckpointError(f"checkpoint has no tensor {part.scales} beside {part.stored}")
         try:
             one = self._handle(name).get_slice(part.stored)[part.index]
-            scales = None
-            if part.scales is not None:
-                scales = self._open(self._side[part.scales]).get_slice(part.scales)[part.index]
-        except KeyError:
-            raise CheckpointError(f"checkpoint has no tensor {part.scales} beside {part.stored}") from None
+            scales = None if part.scales is None else self._open(self._side[part.scales]).get_slice(part.scales)[part.index]
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read tensor {name}: {exc}") from None
         return oss_experts.expert_tensor(part, one, scales)

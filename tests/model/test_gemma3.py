@@ -23,8 +23,8 @@ from seamline.runtime.core import EngineCore
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
 from tests.support.family_checks import assert_greedy_matches, assert_group_matches, \
-    assert_logits_match  # fmt: skip
-from tests.support.reference import random_ids, reference_logits, save_random_model, seamline_logits, split_logits
+    assert_logits_match, assert_split_matches  # fmt: skip
+from tests.support.reference import random_ids, reference_logits, save_random_model, seamline_logits
 
 ATOL = 1e-4
 GEMMA = dict(
@@ -65,10 +65,7 @@ def test_greedy_tokens_match_transformers(gemma: tuple[Any, Path]) -> None:
 
 
 def test_a_stage_split_equals_transformers(gemma: tuple[Any, Path]) -> None:
-    model, folder = gemma
-    ids = random_ids(256)
-    assert (split_logits(folder, 3, ids) - reference_logits(model, ids)).abs().max().item() < ATOL
-
+    assert_split_matches(*gemma, cuts=(3,))
 
 def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
     """Heads, feed-forward rows and the head's vocabulary over 2 ranks; the norms after the

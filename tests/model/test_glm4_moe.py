@@ -19,8 +19,7 @@ import pytest
 from seamline.weights.loader import load_stage, open_source
 from tests.support.glm import save_glm
 from tests.support.family_checks import assert_batched_equal_alone, assert_greedy_matches, assert_group_matches, \
-    assert_logits_match  # fmt: skip
-from tests.support.reference import random_ids, reference_logits, split_logits
+    assert_logits_match, assert_split_matches  # fmt: skip
 
 ATOL = 1e-4
 
@@ -48,11 +47,7 @@ def test_greedy_tokens_match_transformers(glm: tuple[Any, Path]) -> None:
 
 
 def test_a_stage_split_equals_transformers(glm: tuple[Any, Path]) -> None:
-    model, folder = glm
-    ids = random_ids(256)
-    for cut in (1, 2):  # after the dense layer; between the MoE layers
-        assert (split_logits(folder, cut, ids) - reference_logits(model, ids)).abs().max().item() < ATOL
-
+    assert_split_matches(*glm, cuts=(1, 2))  # after the dense layer; between the MoE layers
 
 def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
     """Experts, heads and the head's vocabulary rows split over 2 ranks."""

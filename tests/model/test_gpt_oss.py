@@ -21,11 +21,11 @@ from seamline.quant.scaled import ScaledTensor
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
 from tests.support.family_checks import assert_batched_equal_alone, assert_greedy_matches, assert_group_matches, \
-    assert_logits_match  # fmt: skip
+    assert_logits_match, assert_split_matches  # fmt: skip
 from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
 from tests.support.mxfp4 import write_mxfp4_experts
 from tests.support.oss import OSS, save_oss
-from tests.support.reference import random_ids, reference_logits, seamline_logits, split_logits
+from tests.support.reference import random_ids, reference_logits, seamline_logits
 
 ATOL = 1e-4
 
@@ -54,10 +54,7 @@ def test_greedy_tokens_match_transformers(oss: tuple[Any, Path]) -> None:
 
 
 def test_a_stage_split_equals_transformers(oss: tuple[Any, Path]) -> None:
-    model, folder = oss
-    ids = random_ids(256)
-    assert (split_logits(folder, 1, ids) - reference_logits(model, ids)).abs().max().item() < ATOL
-
+    assert_split_matches(*oss, cuts=(1,))
 
 def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
     """Experts, heads (their sinks with them), the head's vocabulary over 2 ranks; the output

@@ -26,14 +26,13 @@ from seamline.runtime.engine import Engine
 from seamline.weights.gguf import GGUFSource
 from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage, open_source
-from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
+from tests.support.family_checks import assert_greedy_matches, assert_group_matches, assert_logits_match, \
+    assert_split_matches  # fmt: skip
 from tests.support.reference import (
-    PREFILL,
     random_ids,
     reference_logits,
     save_random_model,
     seamline_logits,
-    split_logits,
 )
 
 ATOL = 1e-4
@@ -70,12 +69,6 @@ def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     return request.param, save_random_model(_config(request.param), folder), folder
 
 
-def _chunked(folder: Path, ids: torch.Tensor, chunk: int) -> torch.Tensor:
-    stage = load_stage(open_source(folder))
-    cache = stage.new_cache()
-    return torch.cat([stage(ids[i : i + chunk], i, cache) for i in range(0, ids.shape[0], chunk)])
-
-
 def test_the_window_applies_to_the_layers_transformers_gives_it(windowed: tuple[str, Any, Path]) -> None:
     kind, model, folder = windowed
     config = load_stage(open_source(folder)).config
@@ -86,38 +79,27 @@ def test_the_window_applies_to_the_layers_transformers_gives_it(windowed: tuple[
 
 
 def test_logits_match_transformers_at_once_in_chunks_and_decoding(windowed: tuple[str, Any, Path]) -> None:
-    _, model, folder = windowed
-    ids = random_ids(256)
-    want = reference_logits(model, ids)
-    for got in (_chunked(folder, ids, ids.shape[0]), _chunked(folder, ids, 5),
-                seamline_logits(load_stage(open_source(folder)), ids)):  # fmt: skip
-        assert (got - want).abs().max().item() < ATOL
+    kind, model, folder = windowed
+    assert_logits_match(model, folder, chunk=5)
     # the window matters: the same weights with a window longer than the ids give other logits
-    full = save_random_model(_config(windowed[0], 64), folder.parent / f"{folder.name}-full")
-    assert (reference_logits(full, ids) - want).abs().max().item() > 100 * ATOL
+    ids = random_ids(256)
+    full = save_random_model(_config(kind, 64), folder.parent / f"{folder.name}-full")
+    assert (reference_logits(full, ids) - reference_logits(model, ids)).abs().max().item() > 100 * ATOL
 
 
 def test_greedy_tokens_match_transformers(windowed: tuple[str, Any, Path]) -> None:
-    _, model, folder = windowed
-    prompt = random_ids(256, PREFILL)
-    with torch.no_grad():
-        theirs = model.generate(prompt.unsqueeze(0), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, PREFILL:]
-    ours = list(Engine(load_stage(open_source(folder))).generate(prompt.tolist(), SamplingParams(max_tokens=32)))
-    assert ours == theirs.tolist()
+    assert_greedy_matches(*windowed[1:])
 
 
 def test_a_stage_split_equals_transformers(windowed: tuple[str, Any, Path]) -> None:
-    _, model, folder = windowed
-    ids = random_ids(256)
-    assert (split_logits(folder, 2, ids) - reference_logits(model, ids)).abs().max().item() < ATOL
+    assert_split_matches(*windowed[1:], cuts=(2,))
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2"])
 def test_a_lockstep_group_equals_one_process(kind: str, tmp_path: Path) -> None:
     """64 greedy tokens after an 8-token prompt: the window slides during decoding."""
     save_random_model(_config(kind), tmp_path)
-    ref = engine_reference(Engine(load_stage(open_source(tmp_path))), PROMPT)
-    run_group(tmp_path, 2, ref)
+    assert_group_matches(tmp_path)
 
 
 def test_batched_sequences_and_a_forked_prefix_equal_each_alone(windowed: tuple[str, Any, Path]) -> None:

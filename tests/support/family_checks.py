@@ -1,6 +1,7 @@
 """The checks every newer family's random checkpoint passes against transformers: float32 logits
-within 1e-4 at once, in chunks and decoding; 32 greedy tokens equal; a 2-rank lockstep group
-equal to one process; sequences batched together equal each alone."""
+within 1e-4 at once, in chunks and decoding, split into two stages and read back from GGUF;
+32 greedy tokens equal; a 2-rank lockstep group equal to one process; sequences batched
+together equal each alone."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from seamline.runtime.core import EngineCore
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
 from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
-from tests.support.reference import PREFILL, random_ids, reference_logits, seamline_logits
+from tests.support.reference import PREFILL, random_ids, reference_logits, seamline_logits, split_logits
 
 ATOL = 1e-4
 
@@ -53,3 +54,26 @@ def assert_batched_equal_alone(folder: Path, lengths: tuple[int, ...] = (5, 19, 
     engine = Engine(stage, 128)
     for sequence in batched:
         assert sequence.tokens == list(engine.generate(sequence.prompt, params))
+
+
+def assert_split_matches(model: Any, folder: Path, cuts: tuple[int, ...]) -> None:
+    """Two stages cut at each of ``cuts`` give transformers' logits."""
+    ids = random_ids(256)
+    want = reference_logits(model, ids)
+    for cut in cuts:
+        assert (split_logits(folder, cut, ids) - want).abs().max().item() < ATOL
+
+
+def assert_gguf_matches(model: Any, path: Path) -> torch.Tensor:
+    """A GGUF file's logits (prefill, then decoding) within 1e-4 of transformers'; they are returned."""
+    ids = random_ids(256)
+    want = reference_logits(model, ids)
+    got = seamline_logits(load_stage(open_source(path)), ids)
+    assert (got - want).abs().max().item() < ATOL
+    return want
+
+
+def assert_gguf_follows(want: torch.Tensor, path: Path) -> None:
+    """A quantized GGUF file's logits follow the float model's ``want`` (correlation > 0.99)."""
+    got = seamline_logits(load_stage(open_source(path)), random_ids(256))
+    assert torch.corrcoef(torch.stack((got.flatten(), want.flatten())))[0, 1] > 0.99
