@@ -8,6 +8,7 @@ from pathlib import Path
 
 
 from seamline.config import ModelConfig
+from seamline.model.devices import is_accelerator, resolve_device
 from seamline.errors import CheckpointError
 from seamline.precision import Precision, apply, resolve, weights_kind
 from seamline.runtime.engine import Engine
@@ -43,20 +44,22 @@ class LocalModel:
     @classmethod
     def load(
         cls, path: str | Path | None = None, dtype: str | None = None, context: int | None = None,
-        precision: str = "exact", speculative: str = "off",
+        precision: str = "exact", speculative: str = "off", device: str | None = "cpu",
     ) -> "LocalModel":
         """The model at ``path`` in ``precision`` (``seamline.precision``; the commands default to
         "fast", this to the reference arithmetic); ``dtype`` overrides its activation dtype. The
         precision holds for this whole process's quantized matmuls: the last load's. With
         ``speculative`` mtp, or auto where the checkpoint has it, the model's multi-token-prediction
-        layer is loaded too (``model/mtp.py``)."""
+        layer is loaded too (``model/mtp.py``). ``device``: where it computes (``seamline.model.devices``)."""
+        where = resolve_device(device)
         path = Path(path) if path else default_model_path()
         source = open_source(path)
         config = ModelConfig.from_hf_dict(source.config_dict())
-        chosen = resolve(precision, weights_kind(source.stored_type(n) for n in source.names()), dtype)
+        chosen = resolve(precision, weights_kind(source.stored_type(n) for n in source.names()), dtype,
+                         accelerator=is_accelerator(where))
         apply(chosen)
         mtp = speculative == "mtp" or (speculative == "auto" and mtp_missing(source, config) is None)
-        stage = load_stage(source, dtype=DTYPES[chosen.dtype], config=config, mtp=mtp)
+        stage = load_stage(source, dtype=DTYPES[chosen.dtype], config=config, mtp=mtp, device=where)
         codec = TextCodec.from_model(path, config.eos_token_ids)
         engine = Engine(stage, context)
         engine.masks = TokenMasks(codec.tokenizer.to_str)

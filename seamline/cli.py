@@ -15,7 +15,7 @@ from seamline.server.api_options import add_api_arguments, api_options
 
 INVITE_ENV = "SEAMLINE_INVITE"  # where `join` may read its invite (argv shows in `ps`)
 
-BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos", "growth", "spec")
+BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos", "growth", "spec", "gpu")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +53,7 @@ def _add_serve_command(sub: Any) -> None:
     serve = sub.add_parser("serve", help="start a coordinator + OpenAI API (and a local node)")
     serve.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
     serve.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object a line")
+    _device_arg(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--control-port", type=int, default=0, help="node control port (default: port+1)")
@@ -107,6 +108,7 @@ def _add_mesh_commands(sub: Any) -> None:
     join.add_argument("--quiet", action="store_true", help="log warnings only")
     join.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object a line")
     join.add_argument("--no-progress", action="store_true", help="no download progress bar")
+    _device_arg(join)
     join.set_defaults(handler=cmd_join)
     demo = sub.add_parser("demo", help="a coordinator and N nodes on this machine answer one question")
     demo.add_argument("--nodes", type=int, default=2)
@@ -202,9 +204,15 @@ def _speculation(args: argparse.Namespace) -> Any:
     return Speculation(args.speculative, args.draft_max, draft_model=args.draft_model)
 
 
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="auto",
+                   help="where the model computes: auto (CUDA when torch sees it, else the CPU), cpu, cuda, cuda:N, mps")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
     _precision_args(p)
+    _device_arg(p)
     _speculation_args(p)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     p.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
@@ -233,7 +241,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     set_threads(args.threads)
     # the one-process backend `serve --single` serves with: one loop, one way to draw and end
     backend, model = local_backend(args.model, args.dtype, args.context or None, 0, args.precision,
-                                   _speculation(args))  # fmt: skip
+                                   _speculation(args), device=args.device)  # fmt: skip
     try:
         if args.prompt is not None:
             _stream(model, backend, [{"role": "user", "content": args.prompt}], args, raw=args.raw)
@@ -337,7 +345,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from seamline.server.serve_local import serve_local
 
         serve_local(args.model, args.host, args.port, args.dtype, args.context or None, _gib(args.kv_cache_memory),
-                    api_options(args), precision=args.precision, speculation=_speculation(args))  # fmt: skip
+                    api_options(args), precision=args.precision, speculation=_speculation(args),
+                    device=args.device)  # fmt: skip
         return 0
     speculation = _speculation(args)
     if speculation.draft_model is not None:
@@ -358,7 +367,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                            insecure_comm=args.insecure_comm, verify_fraction=args.verify_fraction,
                            private=args.private,
                            state_dir=Path(args.state_dir) if args.state_dir else None,
-                           kv_cache_bytes=_gib(args.kv_cache_memory), speculation=speculation)  # fmt: skip
+                           kv_cache_bytes=_gib(args.kv_cache_memory), speculation=speculation,
+                           device=args.device)  # fmt: skip
     api = api_options(args)
     return run_serve(replace(options, tls_certificate=api.certificate_pem()), api)
 
@@ -383,7 +393,10 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     _logging(quiet=args.quiet, fmt=args.log_format)
     raise_descriptor_limit()
-    options = NodeOptions(data_port=args.data_port, progress=not args.no_progress)
+    from seamline.model.devices import resolve_device
+
+    resolve_device(args.device)  # a device this machine lacks: one line now, not after the download
+    options = NodeOptions(data_port=args.data_port, progress=not args.no_progress, device=args.device)
     if args.max_memory is not None:
         options.max_memory_bytes = int(args.max_memory * (1 << 30))
     if args.node_id:

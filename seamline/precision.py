@@ -55,9 +55,10 @@ def weights_kind(stored_types: Iterable[str]) -> str:
     return max(floats, key=lambda name: floats[name]) if floats else "float32"
 
 
-def resolve(name: str, kind: str, dtype: str | None = None) -> Precision:
+def resolve(name: str, kind: str, dtype: str | None = None, accelerator: bool = False) -> Precision:
     """The precision ``name`` means for weights of ``kind`` (``weights_kind``), with ``dtype``
-    (an explicit --dtype) for the activations when given; a bad name is a ConfigError."""
+    (an explicit --dtype) for the activations when given; a bad name is a ConfigError. On an
+    ``accelerator`` fast means bfloat16 activations without int8 blocks (a CPU kernel's trick)."""
     if name not in PRECISIONS:
         raise ConfigError(f"unknown precision {name!r}: choose {' or '.join(PRECISIONS)}")
     if dtype is not None and dtype not in FLOAT_NAMES:
@@ -66,7 +67,7 @@ def resolve(name: str, kind: str, dtype: str | None = None) -> Precision:
         return Precision(name, dtype or "float32", False)
     quantized = kind == "quantized"
     chosen = dtype or ("bfloat16" if quantized else kind)
-    return Precision(name, chosen, quantized and int8_kernels_here())
+    return Precision(name, chosen, quantized and not accelerator and int8_kernels_here())
 
 
 def int8_kernels_here() -> bool:

@@ -42,6 +42,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.spec import bench_spec
 
         result = bench_spec(repeats=options["repeats"])
+    elif name == "gpu":
+        from seamline.bench.gpu import bench_gpu
+
+        result = bench_gpu(tokens=options["tokens"])
     elif name == "throughput":
         from seamline.bench.throughput import bench_throughput
 

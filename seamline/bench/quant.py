@@ -73,8 +73,9 @@ class RandomLlama:
         return rng.standard_normal(shape, np.float32) * np.float32(0.02)
 
 
-def llama_1b_path(cache_root: Path | None = None) -> Path:
-    """The cached 1B Q4_K_M file, written on first use (about a minute)."""
+def llama_1b_path(cache_root: Path | None = None, tokenizer: Path | None = None) -> Path:
+    """The cached 1B Q4_K_M file, written on first use (about a minute), with ``tokenizer``'s
+    vocabulary (default: the embedded model's)."""
     from seamline.weights.gguf_write import write_gguf
 
     root = cache_root or Path(os.environ.get("SEAMLINE_CACHE", Path.home() / ".cache" / "seamline")) / "bench"
@@ -82,7 +83,7 @@ def llama_1b_path(cache_root: Path | None = None) -> Path:
     if not path.is_file():
         root.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
-        write_gguf(partial, LLAMA_1B, RandomLlama(LLAMA_1B), "Q4_K_M", tokenizer_from=default_model_path(),
+        write_gguf(partial, LLAMA_1B, RandomLlama(LLAMA_1B), "Q4_K_M", tokenizer_from=tokenizer or default_model_path(),
                    name="random-llama-1b")  # fmt: skip
         partial.rename(path)
     return path

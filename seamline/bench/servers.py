@@ -31,6 +31,7 @@ class NodeSpec:
     cores: str  # taskset list, e.g. "0" or "0,1"
     threads: int
     netns: str | None = None  # run inside this network namespace
+    device: str | None = None  # `--device` (None: the default, auto)
 
 
 @dataclass
@@ -144,7 +145,9 @@ def join_node(server: Server, index: int, node: NodeSpec, env: dict[str, str], l
     """Start node ``index`` (`seamline join`, pinned as ``node``) into the mesh ``server``."""
     name = server.name
     cap = ["--max-memory", f"{cap_gb:.3f}"] if cap_gb else []
-    join = [*(descriptors_capped(nofile) if nofile else []), *SEAMLINE, "join", server.token, "--node-id", f"{name}{index}", "--quiet", "--no-progress", *cap]
+    device = ["--device", node.device] if node.device else []
+    join = [*(descriptors_capped(nofile) if nofile else []), *SEAMLINE, "join", server.token, "--node-id", f"{name}{index}",
+            "--quiet", "--no-progress", *cap, *device]  # fmt: skip
     node_env = {**env, "SEAMLINE_CACHE": str(logs / f"cache-{name}{index}")}
     proc = _popen(_pinned(node.cores, node.threads, node.netns, join), node_env, logs / f"{name}-node{index}.log")
     server.procs.append(proc)

@@ -27,13 +27,13 @@ from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary
 
 
-def causal_mask(start: int, count: int, window: int = 0) -> torch.Tensor | None:
+def causal_mask(start: int, count: int, window: int = 0, device: torch.device | None = None) -> torch.Tensor | None:
     """Boolean mask [count, start+count] for a chunk after ``start`` cached positions; with a
     ``window``, a query at i sees only keys (i - window, i], as transformers' sliding window."""
     if count == 1 and (not window or start < window):
         return None
-    keys = torch.arange(start + count)
-    queries = torch.arange(start, start + count).unsqueeze(1)
+    keys = torch.arange(start + count, device=device)
+    queries = torch.arange(start, start + count, device=device).unsqueeze(1)
     visible = keys <= queries
     return visible & (keys > queries - window) if window else visible
 
@@ -90,10 +90,15 @@ class GQAttention(nn.Module):
         # the fused op covers the plain layout: no q/k norm, SDPA's own head grouping, whole-head RoPE
         whole = self.rotary_dim == self.head_dim and self.scale is None and self.sinks is None
         self.fused_decode = self.q_norm is None and self.kv_map is None and whole
+        self.gpu_decode = self.fused_decode and self.head_dim >= 16 and not self.head_dim & (self.head_dim - 1)
+
+    def _decode_op(self, qkv: torch.Tensor, name: str) -> Callable[..., torch.Tensor] | None:
+        """The fused decode op ``name`` for these rows' device (the GPU's takes power-of-two heads)."""
+        return op_for(qkv, name) if (self.gpu_decode if qkv.is_cuda else self.fused_decode) else None
 
     def _decode(self, op: Callable[..., torch.Tensor], qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         cos, sin = self.rope.tables(start + 1, qkv.dtype)
-        keys, values = kv.reserve(self.kv_heads, self.head_dim, start + 1, qkv.dtype)
+        keys, values = kv.reserve(self.kv_heads, self.head_dim, start + 1, qkv.dtype, qkv.device)
         return op(qkv, cos, sin, keys, values, start, self.heads, self.kv_heads, self.window)  # [1, H * D]
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], layer: int) -> torch.Tensor:
@@ -114,11 +119,12 @@ class GQAttention(nn.Module):
         while ones < len(spans) and (spans[ones].count == 1 or spans[ones].rowwise):
             ones += 1
         head = [(s, s.start + j) for s in spans[:ones] for j in range(s.count)]  # (span, position) per row
-        op = op_for(qkv, "decode_attention_batch") if self.fused_decode and len(head) > 1 else None
+        op = self._decode_op(qkv, "decode_attention_batch") if len(head) > 1 else None
         if op is None:
             return torch.cat([self._attend_span(qkv, s, layer) for s in spans])
         cos, sin = self.rope.tables(max(position for _, position in head) + 1, qkv.dtype)
-        kv = [s.cache.layer(layer).reserve(self.kv_heads, self.head_dim, s.start + s.count, qkv.dtype) for s, _ in head]
+        kv = [s.cache.layer(layer).reserve(self.kv_heads, self.head_dim, s.start + s.count, qkv.dtype, qkv.device)
+              for s, _ in head]  # fmt: skip
         rows = head[-1][0].end
         out = op(qkv[:rows], cos, sin, [k for k, _ in kv], [v for _, v in kv], [position for _, position in head],
                  self.heads, self.kv_heads, self.window)  # fmt: skip
@@ -135,7 +141,7 @@ class GQAttention(nn.Module):
     def _attend(self, qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         """One sequence's rows [T, (H + 2*Hkv) * D] at positions from ``start`` -> [T, H * D]."""
         count = qkv.shape[0]
-        if count == 1 and self.fused_decode and (op := op_for(qkv, "decode_attention")) is not None:
+        if count == 1 and (op := self._decode_op(qkv, "decode_attention")) is not None:
             return self._decode(op, qkv, start, kv)
         qkv = qkv.view(count, self.heads + 2 * self.kv_heads, self.head_dim)
         qk, v = qkv.split((self.heads + self.kv_heads, self.kv_heads), dim=1)
@@ -153,13 +159,13 @@ class GQAttention(nn.Module):
         if self.kv_map is not None:  # an uneven share: one KV row per query head
             keys, values = keys.index_select(0, self.kv_map), values.index_select(0, self.kv_map)
         if self.sinks is not None:
-            out = attend_with_sinks(q, keys, values, causal_mask(start, count, self.window), self.sinks, self.scale)
+            out = attend_with_sinks(q, keys, values, causal_mask(start, count, self.window, q.device), self.sinks, self.scale)
             return out.reshape(count, self.heads * self.head_dim)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
             keys.unsqueeze(0),
             values.unsqueeze(0),
-            attn_mask=causal_mask(start, count, self.window),
+            attn_mask=causal_mask(start, count, self.window, q.device),
             enable_gqa=self.kv_map is None and self.kv_heads != self.heads,
             scale=self.scale,
         )  # [1, H, T, D]

@@ -46,10 +46,12 @@ class LayerKV:
         self.v[:, start:end] = v
         return self.k[:, :end], self.v[:, :end]
 
-    def reserve(self, heads: int, dim: int, end: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole buffers [heads, capacity >= end, dim], for a kernel that writes them itself."""
+    def reserve(self, heads: int, dim: int, end: int, dtype: torch.dtype,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """The whole buffers [heads, capacity >= end, dim] (on ``device``: the rows'), for a
+        kernel that writes them itself."""
         if self.k is None or self.v is None or self.k.shape[1] < end:
-            like = torch.empty(heads, 0, dim, dtype=dtype)
+            like = torch.empty(heads, 0, dim, dtype=dtype, device=device)
             self.k, self.v = _fit(self.k, like, end, self.limit), _fit(self.v, like, end, self.limit)
         return self.k, self.v
 

@@ -20,7 +20,12 @@ _DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
 def op_for(x: torch.Tensor, name: str) -> Callable[..., Any] | None:
-    """The C++ op ``name`` when it can take ``x`` (CPU, a float dtype, contiguous), else None."""
+    """The C++ op ``name`` when it can take ``x`` (CPU, a float dtype, contiguous), its Triton
+    form on a GPU (``model/gpu_ops.py``) where there is one, else None."""
+    if x.is_cuda:
+        from seamline.model.gpu_ops import op_for as gpu_op_for
+
+        return gpu_op_for(x, name)
     if not (x.is_cpu and x.dtype in _DTYPES and x.is_contiguous()):
         return None
     ops = kernels()  # cached: loaded once per process

@@ -117,7 +117,7 @@ class MLAttention(nn.Module):
         q_pe = apply_rotary(self._layout(q_pe), cos, sin)  # [T, H, R]
         k_pe = apply_rotary(self._layout(k_pe.unsqueeze(1)), cos, sin)  # [T, 1, R]
         latents, k_pes = kv.update(latent.unsqueeze(0), k_pe.transpose(0, 1), start)  # [1, S, C], [1, S, R]
-        mask = causal_mask(start, count)  # [T, S] or None
+        mask = causal_mask(start, count, device=q.device)  # [T, S] or None
         if self._prefer_absorbed(count):
             return self._attend_absorbed(q_nope, q_pe, latents[0], k_pes[0], mask)
         return self._attend_expanded(q_nope, q_pe, latents[0], k_pes[0], mask)

@@ -82,6 +82,11 @@ class RotaryTable:
         self.cos = torch.empty(0, dim)
         self.sin = torch.empty(0, dim)
 
+    def move_to(self, device: torch.device) -> None:
+        """Compute and keep the tables on ``device`` (a stage's)."""
+        self.inv_freq = self.inv_freq.to(device)
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
     def lookup(
         self, start: int, count: int, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +104,7 @@ class RotaryTable:
         return self.cos, self.sin
 
     def _grow(self, length: int) -> None:
-        positions = torch.arange(length, dtype=torch.float32)
+        positions = torch.arange(length, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(positions, self.inv_freq)  # [length, dim/2]
         angles = torch.cat((freqs, freqs), dim=-1)  # [length, dim]
         dtype = self.cos.dtype

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from seamline.config import ModelConfig, RopeScaling, kv_bytes_per_token
+from seamline.model.devices import to_device
 from seamline.model.attention import GQAttention
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
@@ -162,6 +163,15 @@ class Stage(nn.Module):
         return self.embed if self.config.tie_word_embeddings and full else None
 
     @property
+    def input_device(self) -> torch.device:
+        """Where a step's input goes: the embedding's device, else the first layer's."""
+        if self.embed is not None:
+            return self.embed.device
+        block = next(iter(self.layers.values()))
+        assert isinstance(block, Block)
+        return block.input_norm.weight.device
+
+    @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of the residual stream (routers may be kept in float32)."""
         block = next(iter(self.layers.values()))
@@ -192,12 +202,17 @@ class Stage(nn.Module):
         stream [N, hidden], or logits: [N, vocab_owned], or with ``last_only`` one row per
         span (its last), [len(spans), vocab_owned], or those of ``logit_rows`` (a speculative
         window's every row beside other spans' last)."""
-        x = self._embed(inputs) if self.embed is not None else inputs
+        x = to_device(inputs, self.input_device)  # the step's one crossing in (``seamline.model.devices``)
+        x = self._embed(x) if self.embed is not None else x
         step, self.step = self.step, self.step + 1
         for block in self.layers.values():
+            if x.device != block.input_norm.weight.device:  # a node spanning its GPU and its CPU
+                x = x.to(block.input_norm.weight.device)
             x = block(x, spans, step)
         if self.head is None or self.norm is None:
             return x
+        if x.device != self.norm.weight.device:
+            x = x.to(self.norm.weight.device)
         if self.mtp is not None:  # the drafting layer reads every row's final state
             self.hidden = self.norm(x)
             rows = logit_rows if logit_rows is not None else [s.end - 1 for s in spans] if last_only else None

@@ -77,7 +77,7 @@ class V4Attention(nn.Module):
             self._rewind(cache, start)  # the drafts from ``start`` on were rejected
         if start != cache.length:
             raise ValueError(f"the cache holds {cache.length} positions; this step starts at {start}")
-        positions = torch.arange(start, start + tokens)
+        positions = torch.arange(start, start + tokens, device=x.device)
         q_residual = weighted_rms(linear(x, self.q_a), self.q_a_norm, s.eps)
         q = linear(q_residual, self.q_b)
         q = turn(unweighted_rms(q.view(tokens, s.heads, s.head_dim), s.eps), positions, s.rope_dim, s.rope_theta)
@@ -119,7 +119,7 @@ class V4Attention(nn.Module):
 
     def _window_mask(self, positions: torch.Tensor, first_key: int, keys: int) -> torch.Tensor:
         """[T, keys] bool: which of the window's keys each query sees."""
-        distance = positions[:, None] - torch.arange(first_key, first_key + keys)[None, :]
+        distance = positions[:, None] - torch.arange(first_key, first_key + keys, device=positions.device)[None, :]
         return (distance >= 0) & (distance < self.shape.window)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -81,7 +81,7 @@ class Compressor(nn.Module):
                 wkv, wgate = self._overlapped(wkv, wgate, before)
             weights = wgate.softmax(dim=1, dtype=torch.float32)
             fresh = weighted_rms((wkv * weights.to(wkv.dtype)).sum(dim=1), self.kv_norm, s.eps)
-            fresh = turn(fresh.unsqueeze(1), torch.arange(done, done + windows) * rate, s.rope_dim, s.rope_theta)[:, 0]
+            fresh = turn(fresh.unsqueeze(1), torch.arange(done, done + windows, device=fresh.device) * rate, s.rope_dim, s.rope_theta)[:, 0]
             state.entries = fresh if state.entries is None else torch.cat([state.entries, fresh])
         elif state.entries is None:
             state.entries = kv.new_zeros(0, self.dim)
@@ -118,7 +118,7 @@ class Compressor(nn.Module):
 
     def ended(self, positions: torch.Tensor, entries: int) -> torch.Tensor:
         """[T, entries] bool: entry w is seen from position p once p >= (w + 1) * rate - 1."""
-        return torch.arange(entries)[None, :] < ((positions + 1) // self.rate)[:, None]
+        return torch.arange(entries, device=positions.device)[None, :] < ((positions + 1) // self.rate)[:, None]
 
 
 class Indexer(nn.Module):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 from seamline.net.frames import FrameError, FrameType, header
 from seamline.params import SamplingParams
 
-PROTOCOL_VERSION = 5  # 5: the last stage's MTP drafts (``RowFlag.DRAFTS``, ``Assign.mtp``); 4: windows in flight (``RowFlag.FOLLOW``); 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
+PROTOCOL_VERSION = 6  # 6: a node's GPUs (``Resources.devices``), a stage's GPU share (``Assign.gpu_layers``); 5: the last stage's MTP drafts (``RowFlag.DRAFTS``, ``Assign.mtp``); 4: windows in flight (``RowFlag.FOLLOW``); 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
 NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what a node id may be: no log line or console event can be forged by one
 MAX_REASON = 2048  # a failure's or error's text, in characters: a longer one is cut, never refused
 _LINE_BREAKING = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # control characters, line separators
@@ -50,10 +50,20 @@ class Challenge(Message):
     ca_certificate: str = ""  # the coordinator's: the mesh CA (PEM), which the invite pins by fingerprint
 
 
+class DeviceResources(Message):
+    """One accelerator of a node: what is free on it now and its measured weight-streaming rate."""
+
+    device: str = Field(pattern=r"^[a-z]{1,16}(:[0-9]{1,3})?$")  # "cuda:0"
+    free_memory_bytes: int = Field(ge=0)
+    bytes_per_second: float = Field(gt=0, allow_inf_nan=False)
+
+
 class Resources(Message):
-    free_memory_bytes: int
-    bytes_per_second: float  # measured weight-streaming rate
+    free_memory_bytes: int  # system memory
+    bytes_per_second: float  # measured weight-streaming rate (its CPU's)
     device: str = "cpu"
+    # Its GPUs, the one it computes on first ([] from a node without one, or one that predates them)
+    devices: list[DeviceResources] = Field(default=[], max_length=16)
     cores: int = 1
     host: str = ""  # this machine's boot id: nodes that report the same one share its CPUs
     cpus: list[int] = Field(default=[], max_length=4096)  # the CPUs this node may run on (its affinity)
@@ -176,7 +186,10 @@ class Assign(Message):
     context_length: int
     int8_activations: bool = False  # the coordinator's precision: int8 blocks in the quantized matmuls
     mtp: bool = False  # the last stage: with the model's multi-token-prediction layer, which drafts
-    memory_bytes: int = 0  # weights + KV cache the plan expects this node to hold
+    memory_bytes: int = 0  # weights + KV cache the plan expects this node to hold in system memory
+    # Where the stage's layers run (``StageAssignment.gpu_layers``): None, all on the node's own device;
+    # N, its first N layers (with the embedding) on its GPU (``Resources.devices[0]``), the rest and the head on its CPU
+    gpu_layers: int | None = Field(default=None, ge=0)
     # A lockstep group: this node is rank shard[0] of shard[1]; ``group`` has every rank's
     # comm address in rank order, ``group_nodes`` their node ids. (0, 1) and [] for a stage of one node.
     shard: tuple[int, int] = (0, 1)

@@ -15,13 +15,18 @@ On CPU with the C++ kernels (``native.kernels()``), by the process's precision
   whatever rows come with it. More rows (prefill): row tiles of W dequantised to float32 with
   torch's float32 GEMM (``linear_tiled``); bfloat16 activations: bfloat16 tiles.
 
-Elsewhere (CUDA, no kernels, ``use_kernels=False``): row tiles dequantised, then F.linear.
+On CUDA (``quant.triton_gguf``, Triton kernels): up to a few rows, one kernel decodes the
+blocks in registers and accumulates in float32; more rows multiply bfloat16 tiles dequantised
+by a Triton kernel with torch's GEMM.
+
+Elsewhere (no kernels, ``use_kernels=False``): row tiles dequantised, then F.linear.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +77,21 @@ def _exact_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tenso
     return _EXACT[0]
 
 
+_GPU: list[ModuleType | None] = []  # quant.triton_gguf, or None where Triton is missing
+
+
+def _gpu_kernels(x: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels' module, imported on first use (Triton is no dependency on a CPU)."""
+    if not _GPU:
+        try:
+            from seamline.quant import triton_gguf
+        except ImportError:
+            _GPU.append(None)
+        else:
+            _GPU.append(triton_gguf if triton_gguf.available(x) else None)
+    return _GPU[0]
+
+
 def quant_linear(
     x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None = None, *, use_kernels: bool = True
 ) -> torch.Tensor:
@@ -89,6 +109,8 @@ def quant_linear(
             return op(rows, w.data, w.qtype, w.shape[-1], bias).to(x.dtype).view(*x.shape[:-1], w.shape[0])
         elif (op := _kernel_op()) is not None:
             return op(x, w.data, w.qtype, w.shape[-1], bias, 0)  # dequantised bf16 tiles, bf16 GEMM
+    if use_kernels and x.is_cuda and (gpu := _gpu_kernels(x)) is not None and w.qtype in gpu.SUPPORTED:
+        return gpu.gguf_linear(x, w.data, w.qtype, w.shape[-1], bias)
     if len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
         raise ValueError(f"quant_linear needs x [..., {w.shape[-1]}] and a 2-D weight, got {tuple(x.shape)} x {w.shape}")
     return _tiled(x, w, bias, use_kernels)

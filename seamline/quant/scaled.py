@@ -78,7 +78,8 @@ class ScaledTensor:
             values = self.values.float()
         else:
             packed = self.values.view(torch.uint8).long()
-            values = torch.stack((E2M1[packed & 0xF], E2M1[packed >> 4]), dim=-1).flatten(-2)
+            grid = E2M1.to(packed.device)
+            values = torch.stack((grid[packed & 0xF], grid[packed >> 4]), dim=-1).flatten(-2)
         bm, bn = self.block
         scales = self.scales.repeat_interleave(bm, dim=-2).repeat_interleave(bn, dim=-1)
         return (values * scales).to(dtype)

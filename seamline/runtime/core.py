@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from seamline.model.devices import to_host
 from seamline.errors import RequestError
 from seamline.model.cache import logit_rows, logits_by_span
 from seamline.model.stage import Stage
@@ -55,6 +56,7 @@ class LocalExecutor:
             logits = self.stage.forward_batch(inputs, batch.spans, logit_rows=logit_rows(batch.spans))  # type: ignore[call-arg]
         else:
             logits = self.stage.forward_batch(inputs, batch.spans, last_only=True)
+        logits = to_host(logits)  # a GPU stage's one crossing out: the draws read the host copy
         if all(span.count == 1 for span in batch.spans):  # decode rows only
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started

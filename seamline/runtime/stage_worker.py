@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from seamline.model.devices import to_host
 from seamline.errors import RequestError
 from seamline.model.cache import Span, logit_rows, logits_by_span
 from seamline.model.stage import Stage
@@ -287,7 +288,7 @@ class StageWorker:
         rows: dict[str, Any] = {"logit_rows": logit_rows(spans)} if windowed else {"last_only": self.is_last}
         if self.stage.passes_ids:
             rows["ids"] = ids
-        out = self.stage.forward_batch(inputs, spans, **rows)
+        out = to_host(self.stage.forward_batch(inputs, spans, **rows))  # a GPU stage's one crossing out
         if all(w.row.count == 1 for w in work):
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started

@@ -31,7 +31,7 @@ def run_serve(options: ServeOptions, api: ApiOptions | None = None) -> int:
         print(f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}", flush=True)
         print(f"seamline: join with: seamline join {mesh.token}", flush=True)
         if options.local_node:
-            spawn_node(mesh.own_token, "local")
+            spawn_node(mesh.own_token, "local", extra=["--device", options.device])
 
     serve_once_listening(mesh_app(mesh, api), announce, options.host, options.port, log_level="warning",
                          **api.uvicorn_kwargs())  # fmt: skip

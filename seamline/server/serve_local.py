@@ -28,7 +28,8 @@ def model_name_for(path: str | Path) -> str:
 
 
 def local_backend(model_path: str | None, dtype: str | None, context: int | None = None, kv_cache_bytes: int = 0,
-                  precision: str = "fast", speculation: Speculation | None = None) -> tuple[LocalBackend, LocalModel]:  # fmt: skip
+                  precision: str = "fast", speculation: Speculation | None = None,
+                  device: str = "auto") -> tuple[LocalBackend, LocalModel]:  # fmt: skip
     """The model (the embedded default when ``model_path`` is None) in ``precision`` (``dtype``,
     when given, overriding its activation dtype), behind a ``LocalBackend`` that speculates as
     ``speculation`` says (the default: ``auto``).
@@ -38,8 +39,8 @@ def local_backend(model_path: str | None, dtype: str | None, context: int | None
     path = Path(model_path) if model_path else default_model_path()
     speculation = speculation or Speculation()
     layer = "off" if speculation.draft_model is not None else speculation.mode  # the MTP layer: not with a draft model
-    model = on_passing_thread(lambda: LocalModel.load(path, dtype, context, precision, layer))
-    budget = kv_budget_bytes(kv_cache_bytes)
+    model = on_passing_thread(lambda: LocalModel.load(path, dtype, context, precision, layer, device))
+    budget = kv_budget_bytes(kv_cache_bytes, model.engine.stage.input_device)
     speculation = speculation.for_model(getattr(model.engine.stage, "mtp", None) is not None)
     if speculation.draft_model is not None:
         from seamline.runtime.draft_model import DraftModel, draft_share
@@ -56,9 +57,9 @@ def local_backend(model_path: str | None, dtype: str | None, context: int | None
 
 def serve_local(model_path: str | None, host: str, port: int, dtype: str | None, context: int | None = None,
                 kv_cache_bytes: int = 0, api: ApiOptions | None = None, precision: str = "fast",
-                speculation: Speculation | None = None) -> None:  # fmt: skip
+                speculation: Speculation | None = None, device: str = "auto") -> None:  # fmt: skip
     """Load the model (the embedded default when ``model_path`` is None), then serve until stopped."""
-    backend, model = local_backend(model_path, dtype, context, kv_cache_bytes, precision, speculation)
+    backend, model = local_backend(model_path, dtype, context, kv_cache_bytes, precision, speculation, device)
     api = api or ApiOptions()
     app = create_app(backend, limits=api.limits)
     logging.getLogger("seamline").setLevel(logging.INFO)

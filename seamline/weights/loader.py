@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from seamline.config import ModelConfig
+from seamline.model.devices import place_stage
 from seamline.errors import CheckpointError
 from seamline.model.linear import ColumnWindow, RowConcat, Weight, columns, rows, to_float
 from seamline.ownership import Ownership, Range
@@ -89,9 +90,12 @@ def load_stage(
     config: ModelConfig | None = None,
     comm: Comm | None = None,
     mtp: bool = False,
+    device: torch.device | None = None,
+    gpu_layers: int | None = None,
 ) -> Stage:
     """Build the Stage this ownership describes and fill every parameter from ``source``
-    (``mtp``: and the multi-token-prediction layer, which drafts; ``mtp_missing`` first)."""
+    (``mtp``: and the multi-token-prediction layer, which drafts; ``mtp_missing`` first), then
+    put it on ``device`` (``devices.place_stage``: ``gpu_layers`` of it on an accelerator)."""
     config = config or ModelConfig.from_hf_dict(source.config_dict())
     own = own or Ownership.full(config)
     check_names(source, config)
@@ -117,8 +121,11 @@ def load_stage(
         _assign(stage, plan.target, _resident(plan.target, value, dtype))
     if tied:
         _assign(stage, "head", stage.embed)
-    if any(isinstance(w, (QuantTensor, RowConcat, ColumnWindow)) for m in stage.modules() for w in vars(m).values()):
-        kernels()  # build (once per machine) or load the quant kernels now, not in the first request
+    if device is not None:
+        place_stage(stage, device, gpu_layers)
+    on_cpu = device is None or device.type == "cpu" or gpu_layers is not None
+    if on_cpu and any(isinstance(w, (QuantTensor, RowConcat, ColumnWindow)) for m in stage.modules() for w in vars(m).values()):
+        kernels()  # build (once per machine) or load the CPU's quant kernels now, not in the first request
     return stage
 
 

@@ -24,7 +24,8 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
     plan = state.plan
     stages = [] if plan is None else [
         {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding,
-         "head": s.owns_head, "weight_bytes": s.weight_bytes, "ranks": list(s.members())}
+         "head": s.owns_head, "weight_bytes": s.weight_bytes, "ranks": list(s.members()),
+         "device": s.gpu_device or "cpu", "gpu_layers": s.gpu_layers}
         for s in plan.stages
     ]  # fmt: skip
     shares = core_shares(h.placement() for h in state.nodes.values())

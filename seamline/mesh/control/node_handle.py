@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from seamline.mesh.plan.cores import Placement
-from seamline.mesh.plan.types import LinkCost, NodeInfo
+from seamline.mesh.plan.types import DeviceInfo, LinkCost, NodeInfo
 from seamline.mesh.protocol.claims import SpeedCheck
 from seamline.mesh.protocol.link_probe import Pongs
 from seamline.net.link import Link
@@ -73,12 +73,13 @@ class NodeHandle:
 
     def info(self, core_share: float = 1.0) -> NodeInfo:
         """What the planner knows of it; ``core_share``: the share of its CPUs' time it has
-        (``plan.cores``), which scales its measured rate."""
+        (``plan.cores``), which scales its measured rate (its CPU's; its GPUs' are their own)."""
         r = self.join.resources
         rate = (self.believed_rate or r.bytes_per_second) * core_share
         memory = min(r.free_memory_bytes, self.memory_cap) if self.memory_cap is not None else r.free_memory_bytes
+        devices = tuple(DeviceInfo(d.device, d.free_memory_bytes, d.bytes_per_second) for d in r.devices)
         return NodeInfo(self.node_id, memory, rate, f"{self.join.data_host}:{self.join.data_port}",
-                        r.device)  # fmt: skip
+                        r.device, devices)  # fmt: skip
 
     def placement(self) -> Placement:
         r = self.join.resources

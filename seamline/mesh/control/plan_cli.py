@@ -12,7 +12,13 @@ running mesh (``--live URL``, see ``live_pool``). The file is a list of nodes, o
 ``bytes_per_second`` is the node's measured weight-streaming rate. ``latency_ms`` (one-way)
 and ``bandwidth_mbps`` (megabits per second) describe the node's own link: a pair of nodes
 is as slow as its slower end unless ``links`` names the pair. ``address`` and ``device``
-are optional and informational.
+are optional and informational. A node's GPUs are an optional list, the one it computes on
+first; the top-level memory and rate stay its system memory and its CPU's::
+
+    "devices": [{"device": "cuda:0", "free_memory_gb": 24, "bytes_per_second": 1.5e12}]
+
+A stage's first layers then go on that GPU as far as they fit, the rest on the CPU
+(``plan.split``); the table shows each stage's split, e.g. ``cuda:0 [0,16) + cpu [16,19)``.
 
 Lock files: when ``--lock FILE`` does not exist, the new plan is written to it; when it
 exists, the pinned plan is loaded and checked against the pool (same model, every node
@@ -32,6 +38,7 @@ from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.planner import check_plan, price_route
 from seamline.mesh.plan.types import (
     DEFAULT_LINK,
+    DeviceInfo,
     LinkCost,
     LinkTable,
     ModelSpec,
@@ -39,12 +46,15 @@ from seamline.mesh.plan.types import (
     Plan,
     PlanError,
     PlanOptions,
+    StageAssignment,
 )
 from seamline.weights.loader import dtype_bytes
 
 GIB = 1 << 30
 NODE_KEYS = {"node_id", "free_memory_gb", "free_memory_bytes", "bytes_per_second", "latency_ms",
-             "bandwidth_mbps", "address", "device"}  # fmt: skip
+             "bandwidth_mbps", "address", "device", "devices"}  # fmt: skip
+DEVICE_KEYS = {"device", "free_memory_gb", "free_memory_bytes", "bytes_per_second"}
+MAX_DEVICES = 16
 LINK_KEYS = {"a", "b", "latency_ms", "bandwidth_mbps"}
 
 
@@ -108,7 +118,9 @@ def live_pool(coordinator_url: str) -> tuple[list[NodeInfo], LinkTable]:
     status = _live_status(coordinator_url)
     nodes = steady_rates([NodeInfo(str(n["node_id"]), int(n["free_memory_bytes"]),
                                    float(n.get("planned_bytes_per_second") or n["bytes_per_second"]),
-                                   str(n.get("address", ""))) for n in status.get("nodes", [])])  # fmt: skip
+                                   str(n.get("address", "")),
+                                   devices=_parse_devices(n.get("devices") or [], f"node {n['node_id']}"))
+                          for n in status.get("nodes", [])])  # fmt: skip
     if not nodes:
         raise PlanError(f"the mesh at {coordinator_url} has no nodes yet")
     access = {str(n["node_id"]): _status_link(n) for n in status["nodes"] if n.get("rtt_ms")}
@@ -202,6 +214,15 @@ def _parse_node(obj: dict[str, Any], where: str) -> tuple[NodeInfo, LinkCost | N
     if not isinstance(obj.get("node_id"), str) or not obj["node_id"]:
         raise PlanError(f"{where} needs a non-empty string node_id")
     where = f"{where} ({obj['node_id']})"
+    free, rate = _memory_and_rate(obj, where)
+    has_link = "latency_ms" in obj or "bandwidth_mbps" in obj
+    link = _link(obj, where, DEFAULT_LINK) if has_link else None
+    address, device = str(obj.get("address", "")), str(obj.get("device", "cpu"))
+    devices = _parse_devices(obj.get("devices", []), where)
+    return NodeInfo(obj["node_id"], int(free), rate, address, device, devices), link
+
+
+def _memory_and_rate(obj: dict[str, Any], where: str) -> tuple[float, float]:
     if ("free_memory_gb" in obj) == ("free_memory_bytes" in obj):
         raise PlanError(f"{where} needs exactly one of free_memory_gb and free_memory_bytes")
     if "free_memory_bytes" in obj:
@@ -211,10 +232,26 @@ def _parse_node(obj: dict[str, Any], where: str) -> tuple[NodeInfo, LinkCost | N
     rate = _number(obj, "bytes_per_second", where)
     if rate <= 0:
         raise PlanError(f"{where} needs bytes_per_second > 0")
-    has_link = "latency_ms" in obj or "bandwidth_mbps" in obj
-    link = _link(obj, where, DEFAULT_LINK) if has_link else None
-    address, device = str(obj.get("address", "")), str(obj.get("device", "cpu"))
-    return NodeInfo(obj["node_id"], int(free), rate, address, device), link
+    return free, rate
+
+
+def _parse_devices(items: Any, where: str) -> tuple[DeviceInfo, ...]:
+    """A node's GPUs: each a name (not "cpu": system memory is the node's own fields), its free
+    memory and its weight-streaming rate."""
+    if not isinstance(items, list) or len(items) > MAX_DEVICES:
+        raise PlanError(f"{where}: devices must be a list of at most {MAX_DEVICES} objects")
+    devices = []
+    for i, item in enumerate(items):
+        obj = _object(item, DEVICE_KEYS, f"{where}: device {i}")
+        name = obj.get("device")
+        if not isinstance(name, str) or not name or name.strip().lower() == "cpu":
+            raise PlanError(f"{where}: device {i} needs a name such as cuda:0 (the CPU is the node's own fields)")
+        free, rate = _memory_and_rate(obj, f"{where}: device {name}")
+        devices.append(DeviceInfo(name, int(free), rate))
+    names = [d.device for d in devices]
+    if len(set(names)) != len(names):
+        raise PlanError(f"{where}: each device is listed once, not {names}")
+    return tuple(devices)
 
 
 def _link(obj: dict[str, Any], where: str, default: LinkCost) -> LinkCost:
@@ -238,13 +275,15 @@ def _number(obj: dict[str, Any], key: str, where: str) -> float:
 def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
     """A human table: one row per stage, then the predicted time per token."""
     free = {n.node_id: n.free_memory_bytes for n in nodes}
+    own_device = {n.node_id: n.device for n in nodes}
+    split = any(s.gpu_device for s in p.stages)  # a pool with GPUs: each stage's devices shown
     names = ["+".join(s.members()) for s in p.stages]  # a lockstep group: its ranks, leader first
     width = max(4, *(len(name) for name in names))
     rows = [
         f"plan for {p.model_name} ({p.num_layers} layers), context {p.context_tokens} x {p.batch} "
         f"sequence{'s' if p.batch > 1 else ''}",
         f"{'stage':>5}  {'node':<{width}}  {'layers':<11} {'owns':<11} {'weights':>10} "
-        f"{'KV cache':>10} {'free':>10} {'compute':>11} {'under load':>11}",
+        f"{'KV cache':>10} {'free':>10} {'compute':>11} {'under load':>11}" + ("  devices" if split else ""),
     ]
     for i, (s, name) in enumerate(zip(p.stages, names)):
         owns = "+".join(x for x, o in (("embed", s.owns_embedding), ("head", s.owns_head)) if o) or "-"
@@ -253,7 +292,9 @@ def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
             f"{i:>5}  {name:<{width}}  {f'[{s.start},{s.end})':<11} {owns:<11} "
             f"{_size(s.weight_bytes):>10} {_size(s.kv_bytes):>10} {_size(least):>10} "
             f"{s.compute_s * 1e3:>8.3f} ms {s.under_load_s * 1e3:>8.3f} ms"
+            + (f"  {device_split(s, own_device.get(s.node_id, 'cpu'))}" if split else "")
         )
+    rows.extend(p.notes)
     if any(s.ranks for s in p.stages):
         rows.append("a stage of several nodes is a lockstep group: weights, KV cache and free are per rank")
     rows.append(
@@ -265,6 +306,12 @@ def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
     )
     rows.append(_objective_line(p))
     return "\n".join(rows)
+
+
+def device_split(s: StageAssignment, own_device: str = "cpu") -> str:
+    """Where a stage's layers run: ``cuda:0 [0,16) + cpu [16,19)``; ``own_device`` names the node's
+    own device where the plan places none."""
+    return " + ".join(f"{device or own_device} [{a},{b})" for device, a, b in s.device_ranges())
 
 
 def _objective_line(p: Plan) -> str:

@@ -54,6 +54,7 @@ class ServeOptions:
     local_node: bool = True
     precision: str = "fast"  # ``seamline.precision``: decided here once, for every stage and rank
     dtype: str | None = None  # activations, overriding the precision's
+    device: str = "auto"  # the local node's (``seamline.model.devices``)
     context: int = 0  # 0: the model's own
     invite_ttl_s: float = 24 * 3600
     lock_path: str | None = None

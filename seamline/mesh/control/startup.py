@@ -140,7 +140,9 @@ class StartUp:
                                             dtype=self.options.dtype, context_length=self.options.context_length,
                                             int8_activations=self.options.int8_activations,
                                             mtp=s.owns_head and self.speculation == "mtp",
-                                            memory_bytes=s.predicted_bytes + (tail.predicted_bytes if tail else 0),
+                                            # what its system memory holds: not its GPU's share (``plan.split``)
+                                            memory_bytes=s.predicted_bytes - s.gpu_bytes + (tail.predicted_bytes if tail else 0),
+                                            gpu_layers=s.gpu_layers,
                                             shard=(rank, len(members)), group=group,
                                             group_nodes=[h.node_id for h in members] if group else [],
                                             transport=self._transport(members),

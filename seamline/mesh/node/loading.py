@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 
 from seamline.config import ModelConfig
+from seamline.model.devices import resolve_device
 from seamline.errors import CheckpointError
 from seamline.mesh.node.fetch import FetchReport, fetch_fragments, fetch_manifest, materialise, trusting
 from seamline.mesh.protocol.invite import Invite
@@ -36,7 +37,9 @@ def load_assignment(invite: Invite, assign: Assign, options: NodeOptions, tls: s
     source, report = fetch_assignment(invite, assign, options, tls, on_progress)
     config = ModelConfig.from_hf_dict(source.config_dict())
     own = Ownership(layers=(assign.layers[0], assign.layers[1]))
-    return load_stage(source, own, DTYPES[assign.dtype], config, mtp=assign.mtp), report
+    stage = load_stage(source, own, DTYPES[assign.dtype], config, mtp=assign.mtp,
+                       device=resolve_device(options.device), gpu_layers=assign.gpu_layers)  # fmt: skip
+    return stage, report
 
 
 def load_rank(invite: Invite, assign: Assign, options: NodeOptions, tls: GroupTls | None = None,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
+from seamline.model.devices import resolve_device
 from seamline.mesh.protocol.fragment_server import PeerGate, serve_fragments
 from seamline.mesh.protocol.invite import Invite, InviteError, coordinator_proof, proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
@@ -30,8 +31,8 @@ from seamline.mesh.node.credentials import Credentials
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError
 from seamline.net.link import Link, LinkClosed, free_port, listen
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Attach, Attached, Challenge, Holding, Join, Refuse, Rejoin, Renew, Resources, Welcome,
-    node_id_refusal,
+    PROTOCOL_VERSION, Attach, Attached, Challenge, DeviceResources, Holding, Join, Refuse, Rejoin, Renew, Resources,
+    Welcome, node_id_refusal,
 )  # fmt: skip
 from seamline.net.tls import TlsRefused
 from seamline.precision import int8_kernels_here
@@ -48,6 +49,7 @@ class JoinRefused(InviteError):
 
 
 REJOIN_FIRST_S, REJOIN_MAX_S = 1.0, 15.0  # pauses between tries to reach a lost coordinator
+DEVICE_PROBE_BYTES = 256 << 20  # a GPU's rate probe: a matrix this large, read a few dozen times (milliseconds)
 
 
 def measure_rate(megabytes: int = 32, repeats: int = 7, pause_s: float = 0.02, retries: int = 6) -> float:
@@ -86,6 +88,53 @@ def _fastest_mv(matrix: torch.Tensor, vector: torch.Tensor, repeats: int, pause_
     return fastest
 
 
+def measure_device_rate(device: torch.device, free: int, repeats: int = 3, inner: int = 8) -> float:
+    """Weight-streaming rate (bytes/s) of a matrix-vector product on a CUDA device, as
+    ``measure_rate`` on the CPU: the fastest of a few timings of ``inner`` products over a
+    ``DEVICE_PROBE_BYTES`` matrix (smaller where less is free), timed by the device itself."""
+    rows = max(1, min(DEVICE_PROBE_BYTES, free // 4) // (4 * 1024))
+    with torch.cuda.device(device):
+        matrix, vector = torch.randn(rows, 1024, device=device), torch.randn(1024, device=device)
+        torch.mv(matrix, vector)  # warm: cuBLAS picks its kernel
+        fastest = float("inf")
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(inner):
+                torch.mv(matrix, vector)
+            end.record()
+            end.synchronize()
+            fastest = min(fastest, start.elapsed_time(end) / 1e3 / inner)  # ms -> s, per product
+        nbytes = matrix.numel() * 4
+        del matrix, vector
+        torch.cuda.empty_cache()  # give the probe's memory back to the device, not to torch's cache
+    return nbytes / fastest
+
+
+def local_devices(options: NodeOptions) -> list[DeviceResources]:
+    """The CUDA devices this node may compute on, the one it computes on (``--device``) first:
+    each one's free memory and measured rate. None on a machine without CUDA, or told to
+    compute on its CPU."""
+    if not torch.cuda.is_available():
+        return []
+    chosen = resolve_device(options.device)
+    if chosen.type != "cuda":
+        return []
+    first = torch.cuda.current_device() if chosen.index is None else chosen.index
+    order = [first, *(i for i in range(torch.cuda.device_count()) if i != first)]
+    devices = []
+    for index in order:
+        device = torch.device("cuda", index)
+        try:
+            free = int(torch.cuda.mem_get_info(device)[0])  # before the probe takes any
+            rate = measure_device_rate(device, free)
+        except RuntimeError as exc:  # torch.OutOfMemoryError too: the device is busy; plan without it
+            log.warning("%s not reported: its rate probe failed (%s)", device, exc)
+            continue
+        devices.append(DeviceResources(device=str(device), free_memory_bytes=free, bytes_per_second=rate))
+    return devices
+
+
 def local_resources(options: NodeOptions) -> Resources:
     free = psutil.virtual_memory().available
     if options.max_memory_bytes is not None:
@@ -94,7 +143,7 @@ def local_resources(options: NodeOptions) -> Resources:
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return Resources(free_memory_bytes=int(free), bytes_per_second=on_passing_thread(measure_rate, "seamline-measure"),
                      device=device, cores=os.cpu_count() or 1, host=_boot_id(), cpus=cpus,
-                     int8_kernels=int8_kernels_here())  # fmt: skip
+                     int8_kernels=int8_kernels_here(), devices=local_devices(options))  # fmt: skip
 
 
 def _boot_id() -> str:

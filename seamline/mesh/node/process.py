@@ -71,6 +71,7 @@ class NodeOptions:
     cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
     data_port: int = 0
     progress: bool = True
+    device: str = "auto"  # where this node's stage computes (``seamline.model.devices``)
 
 
 class Node(Membership, DataPath):
@@ -268,7 +269,7 @@ class Node(Membership, DataPath):
             stage, fetched = (kept, FetchReport()) if kept is not None else load_assignment(
                 self.invite, assign, self.options, client, self._loading_reporter(assign))  # fmt: skip
             self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
-                                      _kv_budget(assign))  # fmt: skip
+                                      _kv_budget(assign, stage.input_device))  # fmt: skip
         else:
             member, fetched = load_rank(self.invite, assign, self.options, self._group_tls(assign),
                                         self.credentials.client if self.credentials else None,
@@ -293,7 +294,8 @@ class Node(Membership, DataPath):
                                 layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION,
                                 int8_activations=matmul.INT8_ACTIVATIONS, shard=assign.shard,
                                 tail=assign.tail)  # fmt: skip
-        resident = psutil.Process().memory_info().rss
+        resident = psutil.Process().memory_info().rss  # and what its GPU holds, where it computes on one
+        resident += torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
         self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=fetched.bytes_downloaded,
                                         bytes_from_peers=fetched.bytes_from_peers, resident_bytes=resident))  # fmt: skip
 
@@ -415,9 +417,10 @@ class NoRoom(MemoryError):
         self.room = room
 
 
-def _kv_budget(assign: Assign) -> int | None:
-    """Stage 0 admits requests into a KV budget; later stages follow what it admits."""
-    return kv_budget_bytes(assign.kv_cache_bytes) if assign.owns_embedding else None
+def _kv_budget(assign: Assign, device: torch.device | None = None) -> int | None:
+    """Stage 0 admits requests into a KV budget (on its GPU, where it computes on one); later
+    stages follow what it admits."""
+    return kv_budget_bytes(assign.kv_cache_bytes, device) if assign.owns_embedding else None
 
 
 def run_node(token: str, options: NodeOptions) -> int:

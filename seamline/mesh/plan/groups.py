@@ -87,8 +87,9 @@ def plan_groups(model: ModelSpec, nodes: Sequence[NodeInfo], links: Links, optio
     groups = form_groups(nodes, world)
     if not groups:
         raise PlanError(f"lockstep groups of {world} need at least {world} nodes; the pool has {len(nodes)}")
+    # a rank's share is planned in system memory at its node's rate: never split over a GPU (``plan.split``)
     virtual = [replace(g[0], free_memory_bytes=min(n.free_memory_bytes for n in g),
-                       bytes_per_second=min(n.bytes_per_second for n in g)) for g in groups]  # fmt: skip
+                       bytes_per_second=min(n.bytes_per_second for n in g), devices=()) for g in groups]  # fmt: skip
     members = {g[0].node_id: tuple(n.node_id for n in g) for g in groups}
     try:
         found = plan(group_spec(model, world, kv_split), virtual, links, options)

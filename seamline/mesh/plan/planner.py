@@ -3,7 +3,9 @@
 A plan is a pipeline: an ordered subset of nodes, each owning a contiguous half-open layer
 range, the ranges covering ``[0, L)`` exactly once; stage 0 also holds the embedding, the
 last stage the final norm and head. A node fits when its weights plus the KV cache of its
-layers (``context_tokens × batch``) fit in its free memory less headroom.
+layers (``context_tokens × batch``) fit in its free memory less headroom. A node with a GPU
+(``NodeInfo.devices``) holds a stage's first layers there and the rest in system memory, each
+layer read at its device's rate (``plan.split``); a pool without GPUs plans as the CPUs alone.
 
 Objective (``PlanOptions.objective``). ``throughput`` (the default): with several micro-batches
 in flight every stage works at once, so the pipeline delivers tokens at the pace of its slowest
@@ -15,7 +17,7 @@ that time alone (one sequence at a time). Links count only in the latency: a hop
 compute (a 1 GbE link carries a decode row of the embedded model in ~10 µs).
 
 Predicted seconds per decode step (one token for every sequence of the batch):
-  Σ stages (weight bytes read per token [+ head on the last]) / node rate      (memory-bound)
+  Σ stages (weight bytes read per token [+ head on the last]) / device rate    (memory-bound)
   + Σ hops (latency + batch × hidden frame / bandwidth)
   + the return hop last -> stage 0 carrying the token ids (none for a single node).
 Among plans of equal time the most even one wins: the DP minimises Σt + κΣt² over stage
@@ -56,6 +58,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from seamline.mesh.plan.pricing import TOKEN_ID_BYTES, check_plan, price_route
+from seamline.mesh.plan.split import capacities, planning_rate, split_band
 from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
 
 __all__ = ["PlanError", "check_plan", "plan", "price_route"]
@@ -76,6 +79,8 @@ class _Model:
     read: np.ndarray  # [L, L+1] bytes read per token, head included when e == L
     load: np.ndarray  # [L, L+1] work per step under load (ModelSpec.head_load for the head)
     span_need: np.ndarray  # [L] the least any range of d+1 layers needs (nondecreasing)
+    held: np.ndarray  # [L+1] bytes (weights + KV) of the layers before each: a GPU's share (``split``)
+    active: np.ndarray  # [L+1] bytes read per token of the layers before each
     layer_need: float  # a layer's mean need (weights + KV)
     embed: float  # bytes
     head: float  # the last stage's besides its layers (the multi-token-prediction layer's too)
@@ -87,7 +92,7 @@ class _Pool:
 
     ids: tuple[str, ...]
     cap: np.ndarray  # bytes after headroom
-    rate: np.ndarray  # bytes per second
+    rate: np.ndarray  # bytes per second (a node with a GPU: ``split.planning_rate``, to rank it)
     hop: np.ndarray  # [p, j] seconds for a frame p -> j
     ret: np.ndarray  # [p, j] seconds for the token ids p -> j
     ret_floor: np.ndarray  # [j] the cheapest return hop into j: charged when j starts a pipeline
@@ -343,7 +348,7 @@ def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
     load = read - head + np.where(e == L, float(model.head_load()), 0.0)
     span_need = np.maximum.accumulate(mem.min(axis=1))
     layer_need = float(np.mean(model.layer_bytes)) + float(kv.mean())
-    return _Model(L, mem, read, load, span_need, layer_need, float(model.embed_bytes),
+    return _Model(L, mem, read, load, span_need, held, active, layer_need, float(model.embed_bytes),
                   float(model.head_bytes + model.mtp_held(1)))  # fmt: skip
 
 
@@ -351,15 +356,21 @@ def _pool(
     model: ModelSpec, nodes: Sequence[NodeInfo], table: LinkTable, options: PlanOptions,
     costs: _Model,
 ) -> _Pool:  # fmt: skip
-    """The nodes worth planning over (indexed by node_id) and every cost the DP reads."""
-    cap = np.array([options.capacity(n.free_memory_bytes) for n in nodes], dtype=np.float64)
-    rate = np.array([n.bytes_per_second for n in nodes], dtype=np.float64)
+    """The nodes worth planning over (indexed by node_id) and every cost the DP reads. A node
+    with a GPU counts both memories (``cap``) and is ranked by ``split.planning_rate``."""
+    cpu_cap, gpu_cap = np.array([capacities(n, options) for n in nodes], dtype=np.float64).reshape(-1, 2).T
+    cpu_rate = np.array([n.bytes_per_second for n in nodes], dtype=np.float64)
+    gpu_rate = np.array([a.bytes_per_second if (a := n.accelerator()) else 0.0 for n in nodes], dtype=np.float64)
+    cap = cpu_cap + gpu_cap
+    whole = float(costs.mem[costs.L - 1, costs.L])
+    rate = np.array([planning_rate(n, options, whole) if n.devices else n.bytes_per_second for n in nodes])
     access = [table.access.get(n.node_id, table.default) for n in nodes]
     lat = np.array([a.latency_s for a in access], dtype=np.float64)
     bw = np.array([a.bandwidth_bytes_per_s for a in access], dtype=np.float64)
     paired = {x for pair in table.pairs for x in pair}
     explicit = np.array([n.node_id in paired for n in nodes], dtype=bool)
-    keep = (cap >= costs.span_need[0]) & ~_dominated(cap, rate, lat, bw, explicit, costs.L)
+    devices = (cpu_cap, cpu_rate, gpu_cap, gpu_rate)
+    keep = (cap >= costs.span_need[0]) & ~_dominated(devices, lat, bw, explicit, costs.L)
     idx = np.flatnonzero(keep)
     ids = tuple(nodes[int(i)].node_id for i in idx)
     lat_m, bw_m = np.maximum.outer(lat[idx], lat[idx]), np.minimum.outer(bw[idx], bw[idx])
@@ -370,7 +381,7 @@ def _pool(
                 lat_m[x, y], bw_m[x, y] = link.latency_s, link.bandwidth_bytes_per_s
     hop = lat_m + float(model.bytes_per_boundary_per_token * options.batch) / bw_m
     ret = lat_m + float(TOKEN_ID_BYTES * options.batch) / bw_m
-    stage, single, load, single_load = _stage_costs(costs, cap[idx], rate[idx])
+    stage, single, load, single_load = _stage_costs(costs, cap[idx], rate[idx], tuple(d[idx] for d in devices))
     off = hop[~np.eye(len(idx), dtype=bool)]
     flat = float(off[0]) if len(off) and (off == off[0]).all() else None
     others = np.where(np.eye(len(idx), dtype=bool), INF, ret)
@@ -379,11 +390,13 @@ def _pool(
 
 
 def _stage_costs(
-    costs: _Model, cap: np.ndarray, rate: np.ndarray
+    costs: _Model, cap: np.ndarray, rate: np.ndarray, devices: tuple[np.ndarray, ...]
 ) -> tuple[tuple[np.ndarray, ...], np.ndarray, tuple[np.ndarray, ...], np.ndarray]:
     """Per node: t + κt² for every range it can hold (t = seconds per token), inf elsewhere,
     cut to the longest span it can hold; and its cost alone (inf if the model does not fit).
-    Then the same for the work per step under load (no κ term)."""
+    Then the same for the work per step under load (no κ term). ``devices``: each node's CPU
+    capacity and rate, GPU capacity and rate (rate 0: it has none)."""
+    cpu_cap, cpu_rate, gpu_cap, gpu_rate = devices
     L = costs.L
     kappa = BALANCE_WEIGHT * rate.max() / costs.read[L - 1, L] if len(rate) else 0.0
     spans = np.searchsorted(costs.span_need, cap, side="right")
@@ -391,9 +404,13 @@ def _stage_costs(
     single, single_load = np.full(len(rate), INF), np.full(len(rate), INF)
     for i in range(len(rate)):
         D = int(spans[i])
-        fits = costs.mem[:D] <= cap[i]
-        t = costs.read[:D] / rate[i]
-        band, load = np.where(fits, t + kappa * t * t, INF), np.where(fits, costs.load[:D] / rate[i], INF)
+        if gpu_rate[i] > 0:  # a node with a GPU: its first layers there
+            tables = (costs.mem[:D], costs.read[:D], costs.load[:D])
+            fits, t, t_load = split_band(costs.held, costs.active, costs.embed, tables,
+                                         (cpu_cap[i], cpu_rate[i]), (gpu_cap[i], gpu_rate[i]))  # fmt: skip
+        else:
+            fits, t, t_load = costs.mem[:D] <= cap[i], costs.read[:D] / rate[i], costs.load[:D] / rate[i]
+        band, load = np.where(fits, t + kappa * t * t, INF), np.where(fits, t_load, INF)
         if D == L and band[L - 1, L] < INF:
             single[i], single_load[i] = band[L - 1, L], load[L - 1, L]
             band[L - 1, L] = load[L - 1, L] = INF  # alone, a node has no hops: scored apart
@@ -403,15 +420,20 @@ def _stage_costs(
 
 
 def _dominated(
-    cap: np.ndarray, rate: np.ndarray, lat: np.ndarray, bw: np.ndarray, explicit: np.ndarray,
-    max_stages: int,
+    devices: tuple[np.ndarray, ...], lat: np.ndarray, bw: np.ndarray, explicit: np.ndarray, max_stages: int,
 ) -> np.ndarray:  # fmt: skip
-    """Nodes with at least ``max_stages`` others no worse in every respect (ties: node_id)."""
-    n = len(cap)
+    """Nodes with at least ``max_stages`` others no worse in every respect (ties: node_id).
+    ``devices`` as ``_stage_costs``: y is no worse than x on its GPU too when its GPU is at
+    least as large as x's and as fast as x's GPU and x's CPU (it may hold x's CPU layers)."""
+    cpu_cap, cpu_rate, gpu_cap, gpu_rate = devices
+    gpu_rate = np.where(gpu_rate > 0, gpu_rate, cpu_rate)  # none: its layers run at its CPU's
+    n = len(cpu_cap)
     if n <= max_stages:
         return np.zeros(n, dtype=bool)
-    good = np.stack([cap, rate, -lat, bw], axis=1)  # higher is better
+    good = np.stack([cpu_cap, cpu_rate, gpu_cap, -lat, bw], axis=1)  # higher is better
     ge = (good[:, None, :] >= good[None, :, :]).all(axis=2)  # [y, x]: y no worse than x
+    ge &= gpu_rate[:, None] >= np.maximum(gpu_rate, cpu_rate)[None, :]
+    good = np.concatenate((good, gpu_rate[:, None]), axis=1)  # equal in every respect, for ties
     eq = (good[:, None, :] == good[None, :, :]).all(axis=2)
     earlier = np.arange(n)[:, None] < np.arange(n)[None, :]
     dom = ge & (~eq | earlier) & ~explicit[:, None] & ~explicit[None, :]
@@ -421,8 +443,8 @@ def _dominated(
 def _refusal(model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions) -> str:
     kv_layers = [kv * options.context_tokens * options.batch for kv in model.layer_kv()]
     need = model.weight_bytes() + sum(kv_layers)
-    have = sum(max(0, options.capacity(n.free_memory_bytes)) for n in nodes)
-    biggest = max(max(0, options.capacity(n.free_memory_bytes)) for n in nodes)
+    offers = [max(0, cpu) + gpu for cpu, gpu in (capacities(n, options) for n in nodes)]  # a GPU's too
+    have, biggest = sum(offers), max(offers)
     layer = max(range(model.num_layers), key=lambda i: model.layer_bytes[i])
     layer_need = model.layer_bytes[layer] + kv_layers[layer]
     why = "" if need > have else ", yet the planner found no contiguous split of the layers that fits"
@@ -453,6 +475,9 @@ def _check_inputs(
     for n in nodes:
         if not (0 < n.bytes_per_second < INF) or n.free_memory_bytes < 0:
             raise PlanError(f"node {n.node_id!r} needs a positive finite rate and free memory >= 0")
+        for d in n.devices:
+            if not (0 < d.bytes_per_second < INF) or d.free_memory_bytes < 0 or not d.device:
+                raise PlanError(f"node {n.node_id!r}: a device needs a name, a positive finite rate and free memory >= 0")
     for link in (table.default, *table.access.values(), *table.pairs.values()):
         if not (link.latency_s >= 0 and 0 < link.bandwidth_bytes_per_s):
             raise PlanError(f"a link needs latency >= 0 and bandwidth > 0, not {link}")

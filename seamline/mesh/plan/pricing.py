@@ -5,7 +5,9 @@ Pure functions of numbers, as the planner that uses them."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
+from seamline.mesh.plan.split import capacities, gpu_note, split_stage
 from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
 
 TOKEN_ID_BYTES = 8  # per sequence, on the return hop
@@ -21,15 +23,17 @@ def price_route(
     table = LinkTable.of(links)
     by_id = {n.node_id: n for n in nodes}
     L = model.num_layers
-    stages = []
+    stages, notes = [], []
     for node_id, s, e in route:
         if node_id not in by_id:
             raise PlanError(f"a route may name only nodes of the pool; {node_id!r} is not one")
-        weights, kv, read = range_bytes(model, options, s, e)
-        load = read - model.head_bytes + model.head_load() if e == L else read
-        rate = by_id[node_id].bytes_per_second
-        stages.append(StageAssignment(node_id, s, e, s == 0, e == L, weights, kv, read / rate,
-                                      load_s=load / rate))  # fmt: skip
+        sizes = range_bytes(model, options, s, e)
+        split = split_stage(model, options, by_id[node_id], s, e, sizes)
+        stages.append(StageAssignment(node_id, s, e, s == 0, e == L, sizes[0], sizes[1], split.read_s,
+                                      load_s=split.load_s, gpu_layers=split.gpu_layers, gpu_device=split.device,
+                                      gpu_bytes=split.gpu_bytes))  # fmt: skip
+        if split.gpu_layers == 0:
+            notes.append(gpu_note(model, options, by_id[node_id], s, e))
     frame = model.bytes_per_boundary_per_token * options.batch
     ids = [n for n, _, _ in route]
     network = float(sum(table.between(a, b).seconds(frame) for a, b in zip(ids, ids[1:])))
@@ -37,7 +41,7 @@ def price_route(
         network += table.between(ids[-1], ids[0]).seconds(TOKEN_ID_BYTES * options.batch)
     total = sum(st.compute_s for st in stages) + network
     return Plan(model.name, L, tuple(stages), total, network, options.context_tokens, options.batch,
-                options.objective)  # fmt: skip
+                options.objective, notes=tuple(notes))  # fmt: skip
 
 
 def range_bytes(model: ModelSpec, options: PlanOptions, s: int, e: int) -> tuple[int, int, int]:
@@ -101,12 +105,13 @@ def check_plan(
                     f"the locked plan needs node {member!r}, which is not in the pool "
                     f"({', '.join(sorted(by_id)) or 'empty'})"
                 )
-            # a group's bytes are per rank, as planned; a single node's are recomputed
-            weights, kv, _ = range_bytes(model, options, st.start, st.end) if not st.ranks else (
-                st.weight_bytes, st.kv_bytes, 0)
-            cap = options.capacity(node.free_memory_bytes)
-            if weights + kv > cap:
+            # a group's bytes are per rank, as planned (in system memory); a single node's are recomputed
+            sizes = range_bytes(model, options, st.start, st.end) if not st.ranks else (st.weight_bytes, st.kv_bytes, 0)
+            plain = replace(node, devices=()) if st.ranks else node
+            if not split_stage(model, options, plain, st.start, st.end, sizes).fits:
+                cpu, gpu = capacities(plain, options)
+                on_gpu = f" (and {gpu} on its {plain.devices[0].device})" if plain.devices else ""
                 raise PlanError(
                     f"node {member!r} no longer fits its locked layers [{st.start},{st.end}): "
-                    f"they need {weights + kv} bytes, it has {cap} after headroom"
+                    f"they need {sizes[0] + sizes[1]} bytes, it has {cpu} after headroom{on_gpu}"
                 )

@@ -209,12 +209,27 @@ def _bytes(shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str], name
 
 
 @dataclass(frozen=True)
+class DeviceInfo:
+    """An accelerator of a node: its free memory and its weight-streaming rate."""
+
+    device: str  # "cuda:0"
+    free_memory_bytes: int
+    bytes_per_second: float
+
+
+@dataclass(frozen=True)
 class NodeInfo:
     node_id: str
-    free_memory_bytes: int
-    bytes_per_second: float  # measured weight-streaming rate: a layer takes bytes / rate
+    free_memory_bytes: int  # system memory
+    bytes_per_second: float  # measured weight-streaming rate on its CPU: a layer takes bytes / rate
     address: str = ""  # informational
     device: str = "cpu"
+    # Its accelerators; the planner places layers on the first (the one the node computes on),
+    # the rest of a stage on its CPU (``plan.split``). (): the node is planned on its CPU alone.
+    devices: tuple[DeviceInfo, ...] = ()
+
+    def accelerator(self) -> DeviceInfo | None:
+        return self.devices[0] if self.devices else None
 
 
 @dataclass(frozen=True)
@@ -288,6 +303,11 @@ class StageAssignment:
     # ``weight_bytes`` and ``kv_bytes`` are then per rank.
     ranks: tuple[str, ...] = ()
     load_s: float = 0.0  # its work per step under a batched load / rate (ModelSpec.head_load); 0: unknown
+    # Where its layers run (``plan.split``): None, all on the node's device (``gpu_device`` names it
+    # when the planner placed them there); N, its first N layers on ``gpu_device``, the rest on its CPU.
+    gpu_layers: int | None = None
+    gpu_device: str = ""
+    gpu_bytes: int = 0  # of ``predicted_bytes``, held on ``gpu_device``; the rest in system memory
 
     @property
     def under_load_s(self) -> float:
@@ -302,6 +322,13 @@ class StageAssignment:
         """Every node of this stage, the leader first."""
         return self.ranks or (self.node_id,)
 
+    def device_ranges(self) -> tuple[tuple[str, int, int], ...]:
+        """(device, start, end) of each part of its layers, in order; device "" is the node's own."""
+        if self.gpu_layers is None:
+            return ((self.gpu_device, self.start, self.end),)
+        cut = self.start + self.gpu_layers
+        return tuple(p for p in ((self.gpu_device, self.start, cut), ("cpu", cut, self.end)) if p[1] < p[2])
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -314,6 +341,7 @@ class Plan:
     batch: int
     objective: str = "latency"  # what the planner optimised ("throughput" or "latency")
     private: bool = False  # the first and the last stage are one node's, the coordinator's (``plan.private``)
+    notes: tuple[str, ...] = ()  # one line each: what the plan could not do as a node offered (a GPU too small)
 
     def slowest_stage_s(self) -> float:
         """The slowest stage's work per step under load: the pipeline's pace when it is full."""
@@ -343,7 +371,7 @@ class Plan:
                 raise PlanError(f"a plan file must have version {PLAN_VERSION}")
             stages = tuple(StageAssignment(**{**s, "ranks": tuple(s.get("ranks", ()))})
                            for s in data.pop("stages"))
-            return cls(stages=stages, **data)
+            return cls(stages=stages, **{**data, "notes": tuple(data.get("notes", ()))})
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise PlanError(f"a plan file must be a JSON plan ({exc})") from None
 
