@@ -4,6 +4,13 @@ theirs differ); the quant kernels (``ops``), which must load on every machine of
 
 from __future__ import annotations
 
+import os
+
+import torch
+
+if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter on CPU tensors;
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined: before any import of one
+
 import platform
 import shutil
 from collections.abc import Iterator
