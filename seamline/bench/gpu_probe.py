@@ -71,21 +71,44 @@ def probe(path: str) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _launch_share(stage: Any, cache: Any) -> dict[str, float]:
+def _launch_share(stage: Any, cache: Any) -> dict[str, Any]:
+    """One-row decode steps, eager and replayed as CUDA graphs (``runtime/cuda_graphs.py``)."""
+    from seamline.model.cache import Span
+    from seamline.runtime.cuda_graphs import GraphedDecode
+
+    graphs = GraphedDecode.for_stage(stage, PROMPT_ROWS + 4 * DECODE_STEPS)
+    position = [PROMPT_ROWS]
+
+    def eager() -> None:
+        stage.forward(torch.tensor([1]), position[0], cache, last_only=True)
+        position[0] += 1
+
+    def replayed() -> None:
+        assert graphs is not None and graphs.run([1], [Span(0, 1, position[0], cache)]) is not None
+        position[0] += 1
+
+    out: dict[str, Any] = {"eager": _steps_profiled(eager)}
+    if graphs is not None:
+        replayed()  # the capture
+        out["cuda_graphs"] = _steps_profiled(replayed)
+    return out
+
+
+def _steps_profiled(step: Any) -> dict[str, float]:
+    """Wall time of ``DECODE_STEPS`` steps against the GPU's busy time in them."""
     from torch.profiler import ProfilerActivity, profile
 
-    token = torch.tensor([1])
-
     def steps() -> None:
-        for step in range(DECODE_STEPS):
-            stage.forward(token, PROMPT_ROWS + step, cache, last_only=True)
+        for _ in range(DECODE_STEPS):
+            step()
 
     wall = _synced(steps)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         steps()
         torch.cuda.synchronize()
-    busy_us = sum(e.self_device_time_total for e in prof.key_averages())
-    kernels = sum(e.count for e in prof.key_averages() if e.self_device_time_total > 0)
+    events = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in events)
+    kernels = sum(e.count for e in events if e.self_device_time_total > 0)
     return {"decode_step_ms": wall / DECODE_STEPS * 1e3, "gpu_busy_ms": busy_us / 1e3 / DECODE_STEPS,
             "launch_share": max(0.0, 1 - busy_us / 1e6 / wall), "kernels_per_step": kernels / DECODE_STEPS}  # fmt: skip
 

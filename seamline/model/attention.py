@@ -21,6 +21,7 @@ from torch import nn
 from seamline.config import ModelConfig
 from seamline.model.cache import LayerKV, Span
 from seamline.model.fused import op_for
+from seamline.model.gpu_static import attend_with_table, static_table
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
 from seamline.ownership import Ownership
@@ -105,7 +106,10 @@ class GQAttention(nn.Module):
         """x [N, hidden]: the rows of every span; one projection for all rows, attention per
         span over its own sequence's cache of ``layer``."""
         qkv = linear(x, self.qkv, self.qkv_bias)  # [N, (H + 2*Hkv) * D]
-        if len(spans) == 1 and not spans[0].rowwise:
+        if qkv.is_cuda and (table := static_table(layer)) is not None:  # a decode step being captured
+            cos, sin = self.rope.tables(1, qkv.dtype)  # grown to the context before the capture
+            out = attend_with_table(qkv, cos, sin, table, self.heads, self.kv_heads, self.head_dim, self.window)
+        elif len(spans) == 1 and not spans[0].rowwise:
             out = self._attend(qkv, spans[0].start, spans[0].cache.layer(layer))
         else:
             out = self._attend_spans(qkv, spans, layer)

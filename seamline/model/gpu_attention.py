@@ -46,7 +46,7 @@ def _rope_write(qkv_ptr, cos_ptr, sin_ptr, table_ptr, q_out_ptr, rows, H: tl.con
 
 
 @triton.jit
-def _attend(q_ptr, table_ptr, out_ptr, rows, window, blocks, scale, H: tl.constexpr, HKV: tl.constexpr,
+def _attend(q_ptr, table_ptr, out_ptr, rows, window, scale, H: tl.constexpr, HKV: tl.constexpr,
             D: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     r = tl.program_id(0)
     h = tl.program_id(1)
@@ -61,9 +61,9 @@ def _attend(q_ptr, table_ptr, out_ptr, rows, window, blocks, scale, H: tl.conste
     best = float("-inf")
     total = 0.0
     acc = tl.zeros((D,), tl.float32)
-    for block in range(blocks):  # the host's count for the longest row; shorter rows mask the rest
-        n = first // BLOCK * BLOCK + block * BLOCK + tl.arange(0, BLOCK)
-        seen = (n >= first) & (n <= pos)
+    for start in range(first, pos + 1, BLOCK):  # bounds read from the table: a replayed graph stays right
+        n = start + tl.arange(0, BLOCK)
+        seen = n <= pos
         at = (g * capacity + n)[:, None] * D + d[None, :]
         k = tl.load(keys + at, mask=seen[:, None], other=0.0).to(tl.float32)
         score = tl.where(seen, tl.sum(k * q[None, :], axis=1), float("-inf"))
@@ -87,19 +87,22 @@ def decode_attention_batch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
                            window: int = 0) -> torch.Tensor:  # fmt: skip
     """Rows ``qkv`` [R, (H + 2 Hkv) D], row i at ``positions[i]`` of the sequence whose caches
     [Hkv, capacity, D] are ``k_caches[i]``, ``v_caches[i]`` -> attention outputs [R, H D]."""
-    rows, dim = qkv.shape[0], k_caches[0].shape[-1]
+    dim = k_caches[0].shape[-1]
     table = torch.tensor([positions, [k.data_ptr() for k in k_caches], [v.data_ptr() for v in v_caches],
                           [k.shape[1] for k in k_caches]], dtype=torch.int64).to(qkv.device, non_blocking=True)  # fmt: skip
-    qkv = qkv.contiguous()
+    return attend_with_table(qkv.contiguous(), cos.contiguous(), sin.contiguous(), table, heads, kv_heads, dim, window)
+
+
+def attend_with_table(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, heads: int,
+                      kv_heads: int, dim: int, window: int = 0) -> torch.Tensor:  # fmt: skip
+    """The two kernels over rows whose positions and caches a device ``table`` [4, R] int64 holds
+    (position, keys' address, values' address, capacity): what a captured graph replays."""
+    rows = qkv.shape[0]
     turned = torch.empty(rows, heads, dim, dtype=torch.float32, device=qkv.device)
-    _rope_write[(rows, heads + kv_heads)](qkv, cos.contiguous(), sin.contiguous(), table, turned, rows,
-                                           H=heads, HKV=kv_heads, D=dim)  # fmt: skip
+    _rope_write[(rows, heads + kv_heads)](qkv, cos, sin, table, turned, rows, H=heads, HKV=kv_heads, D=dim)
     out = torch.empty(rows, heads * dim, dtype=qkv.dtype, device=qkv.device)
-    window = window or 1 << 30  # none: every position from 0
-    longest = max(p + 1 - max(p - window + 1, 0) for p in positions)
-    blocks = -(-longest // BLOCK_KEYS) + 1  # +1: a row's first key may sit mid-block
-    _attend[(rows, heads)](turned, table, out, rows, window, blocks, dim**-0.5, H=heads, HKV=kv_heads, D=dim,
-                           BLOCK=BLOCK_KEYS)  # fmt: skip
+    _attend[(rows, heads)](turned, table, out, rows, window or 1 << 30, dim**-0.5, H=heads, HKV=kv_heads, D=dim,
+                           BLOCK=BLOCK_KEYS)  # fmt: skip  (no window: every position from 0)
     return out
 
 
@@ -107,3 +110,4 @@ def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_
                      v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, window: int = 0) -> torch.Tensor:  # fmt: skip
     """One sequence's one row: ``decode_attention_batch`` of one."""
     return decode_attention_batch(qkv, cos, sin, [k_cache], [v_cache], [pos], heads, kv_heads, window)
+

@@ -96,9 +96,10 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     dev = b.device
-    ql = b[:, 0:128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], device=dev, dtype=torch.uint8).reshape(1, 1, 2, 1)
+    # shifts made on the device (arange): no copy from the host, so a CUDA graph can hold this
+    ql = b[:, 0:128].reshape(n, 2, 1, 64) >> torch.arange(0, 8, 4, device=dev, dtype=torch.uint8).reshape(1, 1, 2, 1)
     ql = (ql & 0x0F).reshape(n, 8, 32)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], device=dev, dtype=torch.uint8).reshape(1, 1, 4, 1)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> torch.arange(0, 8, 2, device=dev, dtype=torch.uint8).reshape(1, 1, 4, 1)
     qh = (qh & 0x03).reshape(n, 8, 32)
     q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
     scales = b[:, 192:208].contiguous().view(torch.int8).float()

@@ -15,7 +15,7 @@ On CPU with the C++ kernels (``native.kernels()``), by the process's precision
   whatever rows come with it. More rows (prefill): row tiles of W dequantised to float32 with
   torch's float32 GEMM (``linear_tiled``); bfloat16 activations: bfloat16 tiles.
 
-On CUDA (``quant.triton_gguf``, Triton kernels): up to a few rows, one kernel decodes the
+On CUDA (``quant.gpu_matmul``, Triton kernels): up to a few rows, one kernel decodes the
 blocks in registers and accumulates in float32; more rows multiply bfloat16 tiles dequantised
 by a Triton kernel with torch's GEMM.
 
@@ -77,18 +77,18 @@ def _exact_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tenso
     return _EXACT[0]
 
 
-_GPU: list[ModuleType | None] = []  # quant.triton_gguf, or None where Triton is missing
+_GPU: list[ModuleType | None] = []  # quant.gpu_matmul, or None where Triton is missing
 
 
 def _gpu_kernels(x: torch.Tensor) -> ModuleType | None:
     """The Triton kernels' module, imported on first use (Triton is no dependency on a CPU)."""
     if not _GPU:
         try:
-            from seamline.quant import triton_gguf
+            from seamline.quant import gpu_matmul
         except ImportError:
             _GPU.append(None)
         else:
-            _GPU.append(triton_gguf if triton_gguf.available(x) else None)
+            _GPU.append(gpu_matmul if gpu_matmul.available(x) else None)
     return _GPU[0]
 
 

@@ -22,6 +22,7 @@ from seamline.model.devices import to_host
 from seamline.errors import RequestError
 from seamline.model.cache import logit_rows, logits_by_span
 from seamline.model.stage import Stage
+from seamline.runtime.cuda_graphs import GraphedDecode
 from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.sampling import TokenEvent, draw_next
 from seamline.runtime.scheduler import Batch, Emission, Ready, Scheduler, SequenceState
@@ -46,17 +47,13 @@ class LocalExecutor:
         self.masks = masks  # a grammar's tokens, where this process has the tokenizer
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
+        self.graphs = GraphedDecode.for_stage(stage, context_length)  # decode steps as CUDA graphs, on a GPU
 
     def run(self, batch: Batch) -> list[Emission]:
         """One forward over the batch; a token drawn after each row that ends in a draw, and
         after each row of a speculative window while its drafts are accepted."""
         started = time.perf_counter()
-        inputs = torch.tensor(batch.inputs, dtype=torch.long)
-        if any(span.rowwise for span in batch.spans):
-            logits = self.stage.forward_batch(inputs, batch.spans, logit_rows=logit_rows(batch.spans))  # type: ignore[call-arg]
-        else:
-            logits = self.stage.forward_batch(inputs, batch.spans, last_only=True)
-        logits = to_host(logits)  # a GPU stage's one crossing out: the draws read the host copy
+        logits = self._logits(batch)
         if all(span.count == 1 for span in batch.spans):  # decode rows only
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started
@@ -65,6 +62,18 @@ class LocalExecutor:
             if draws:
                 emissions += self._draw_window(sequence, rows)
         return emissions
+
+    def _logits(self, batch: Batch) -> torch.Tensor:
+        """The step's logits, on the host (a GPU stage's one crossing out): from a replayed CUDA
+        graph where one covers the step (decode rows only), else from an eager forward."""
+        if self.graphs is not None and all(span.count == 1 and not span.rowwise for span in batch.spans):
+            replayed = self.graphs.run(batch.inputs, batch.spans)
+            if replayed is not None:
+                return to_host(replayed)
+        inputs = torch.tensor(batch.inputs, dtype=torch.long)
+        if any(span.rowwise for span in batch.spans):
+            return to_host(self.stage.forward_batch(inputs, batch.spans, logit_rows=logit_rows(batch.spans)))  # type: ignore[call-arg]
+        return to_host(self.stage.forward_batch(inputs, batch.spans, last_only=True))
 
     def _draw_window(self, sequence: SequenceState, rows: torch.Tensor) -> list[Emission]:
         """The draws after a sequence's rows [1 + drafts, vocab] (``draws_while_accepted``)."""

@@ -77,3 +77,30 @@ def test_a_stage_spanning_the_gpu_and_the_cpu_gives_the_cpu_path(tmp_path: Path)
     _assert_close(got, want[:20])
     for position in range(20, 29):
         _assert_close(spanned.forward(ids[position : position + 1], position, cache), want[position : position + 1])
+
+
+def test_decode_steps_replayed_as_cuda_graphs_give_the_eager_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphs of 1 row and of 4 (three sequences and a padding row) against eager steps."""
+    from seamline.runtime import cuda_graphs
+    from seamline.runtime.scheduler import Scheduler
+    from seamline.runtime.core import EngineCore, LocalExecutor
+
+    model = LocalModel.load(embedded_or_standin(), precision="exact", device="cuda")
+    stage = model.engine.stage
+    assert cuda_graphs.GraphedDecode.fits(stage)
+    prompts = [model.codec.encode_chat([{"role": "user", "content": text}]) for text in (PROMPT, "Hi!", "Count to ten.")]
+
+    def answers(graphs: bool) -> tuple[list[list[int]], cuda_graphs.GraphedDecode | None]:
+        executor = LocalExecutor(stage, 4096)
+        executor.graphs = executor.graphs if graphs else None
+        core = EngineCore(Scheduler(stage, 4096), executor)
+        sequences = [core.scheduler.add(p, SamplingParams(max_tokens=TOKENS)) for p in prompts]
+        while not all(s.finished for s in sequences):
+            core.step()
+        return [s.tokens for s in sequences], executor.graphs
+
+    eager, _ = answers(graphs=False)
+    replayed, graphs = answers(graphs=True)
+    assert graphs is not None and set(graphs.captured) >= {4} and not graphs.failed
+    assert replayed == eager
+    assert _greedy(model, prompts[1]) == eager[1]  # one sequence alone: the 1-row graph
