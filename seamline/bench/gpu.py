@@ -90,11 +90,19 @@ def _api_rates(name: str, path: Path, tokens: int, logs: Path) -> dict[str, Any]
     }  # fmt: skip
 
 
+def half_node_cap_gb(cap_gb: float) -> float:
+    """A ``--max-memory`` under which a GPU node holds what a node capped at ``cap_gb`` holds, half
+    on its GPU and half in its memory: the planner keeps 256 MiB of headroom on each of the two
+    (``PlanOptions.headroom_bytes``), so the node needs both halves and the mesh both nodes."""
+    headroom = 0.25
+    return headroom + (cap_gb - headroom) / 2
+
+
 def _mixed_mesh(path: Path, tokens: int, logs: Path, gpu_alone: float) -> dict[str, Any]:
     from seamline.server.demo import memory_cap_gb
 
     cap = memory_cap_gb(str(path), 2, 2048, dtype_bytes=2)
-    nodes = [NodeSpec("0-3", 4, device="cpu"), NodeSpec("4-7", 4, device="cuda")]
+    nodes = [NodeSpec("0-3", 4, device="cpu"), NodeSpec("4-7", 4, device="cuda", max_memory_gb=half_node_cap_gb(cap))]
     server = start_mesh("gpu-mixed", nodes, NodeSpec("8-9", 2), "127.0.0.1", {**os.environ}, logs, cap,
                         ("--model", str(path)), precision=None)  # fmt: skip
     try:

@@ -32,6 +32,7 @@ class NodeSpec:
     threads: int
     netns: str | None = None  # run inside this network namespace
     device: str | None = None  # `--device` (None: the default, auto)
+    max_memory_gb: float | None = None  # its own `--max-memory`, in place of the mesh's cap
 
 
 @dataclass
@@ -144,6 +145,7 @@ def join_node(server: Server, index: int, node: NodeSpec, env: dict[str, str], l
               cap_gb: float | None, nofile: int = 0) -> subprocess.Popen[str]:  # fmt: skip
     """Start node ``index`` (`seamline join`, pinned as ``node``) into the mesh ``server``."""
     name = server.name
+    cap_gb = node.max_memory_gb or cap_gb
     cap = ["--max-memory", f"{cap_gb:.3f}"] if cap_gb else []
     device = ["--device", node.device] if node.device else []
     join = [*(descriptors_capped(nofile) if nofile else []), *SEAMLINE, "join", server.token, "--node-id", f"{name}{index}",

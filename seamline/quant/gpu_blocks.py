@@ -8,8 +8,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-# GGMLQuantizationType values, as constexpr branches
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+# GGMLQuantizationType values, as constexpr branches (a kernel reads only constexpr globals)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = tl.constexpr(2), tl.constexpr(3), tl.constexpr(6), tl.constexpr(7), tl.constexpr(8)
+Q4_K, Q5_K, Q6_K = tl.constexpr(12), tl.constexpr(13), tl.constexpr(14)
 
 
 @triton.jit

@@ -107,3 +107,14 @@ def test_cuda_without_cuda_is_one_clear_line() -> None:
 def test_a_cpu_tensor_crosses_to_the_host_as_itself() -> None:
     t = torch.arange(4)
     assert to_host(t) is t
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the line a machine without CUDA gives")
+def test_run_on_a_missing_gpu_says_so_in_one_line() -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "seamline.cli", "run", "--device", "cuda", "-p", "hi"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith("seamline: error: --device cuda: torch sees no CUDA device")

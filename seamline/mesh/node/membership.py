@@ -113,8 +113,8 @@ def measure_device_rate(device: torch.device, free: int, repeats: int = 3, inner
 
 def local_devices(options: NodeOptions) -> list[DeviceResources]:
     """The CUDA devices this node may compute on, the one it computes on (``--device``) first:
-    each one's free memory and measured rate. None on a machine without CUDA, or told to
-    compute on its CPU."""
+    each one's free memory (at most ``--max-memory``) and measured rate. None on a machine
+    without CUDA, or told to compute on its CPU."""
     if not torch.cuda.is_available():
         return []
     chosen = resolve_device(options.device)
@@ -131,6 +131,8 @@ def local_devices(options: NodeOptions) -> list[DeviceResources]:
         except RuntimeError as exc:  # torch.OutOfMemoryError too: the device is busy; plan without it
             log.warning("%s not reported: its rate probe failed (%s)", device, exc)
             continue
+        if options.max_memory_bytes is not None:  # --max-memory caps what it may use there too
+            free = min(free, options.max_memory_bytes)
         devices.append(DeviceResources(device=str(device), free_memory_bytes=free, bytes_per_second=rate))
     return devices
 
