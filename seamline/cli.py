@@ -389,12 +389,11 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     node_spin()  # before torch loads: the next import brings it
     from seamline.mesh.node.process import NodeOptions, run_node
+    from seamline.model.devices import resolve_device
     from seamline.net.http_guard import raise_descriptor_limit
 
     _logging(quiet=args.quiet, fmt=args.log_format)
     raise_descriptor_limit()
-    from seamline.model.devices import resolve_device
-
     resolve_device(args.device)  # a device this machine lacks: one line now, not after the download
     options = NodeOptions(data_port=args.data_port, progress=not args.no_progress, device=args.device)
     if args.max_memory is not None:
@@ -402,7 +401,6 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.node_id:
         options.node_id = args.node_id
     return run_node(_invite_token(args), options)
-
 
 
 def _invite_token(args: argparse.Namespace) -> str:
