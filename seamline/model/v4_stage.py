@@ -195,6 +195,11 @@ class V4Stage(nn.Module):
         assert isinstance(block, V4Block)
         return block.input_norm.weight.dtype
 
+    @property
+    def input_device(self) -> torch.device:
+        """Where a step's input goes: the stage's one device."""
+        return module_device(self)
+
     def new_cache(self, greedy: bool = False) -> V4Cache:
         return V4Cache(self.cache_layers)
 
@@ -216,7 +221,7 @@ class V4Stage(nn.Module):
         """inputs: ids [N] (the first stage) or the residual [N, hc_mult, hidden] with the
         rows' ``ids``. Returns the residual for the next stage, or logits [N, vocab] (with
         ``last_only``: each span's last row; with ``logit_rows``: those rows')."""
-        device = module_device(self)  # one device for the whole stage (no GPU/CPU span here)
+        device = self.input_device  # one device for the whole stage (no GPU/CPU span here)
         inputs = to_device(inputs, device)
         ids = to_device(ids, device) if ids is not None else None
         if self.embed is not None:

@@ -30,6 +30,7 @@ class LockstepStage:
         self.group = group
         self.config = group.config
         self.compute_dtype: torch.dtype = group.leader.stage.compute_dtype
+        self.input_device = torch.device("cpu")  # a group's ranks compute on their CPUs
         self.is_last = group.leader.last
         stage = group.leader.stage
         self.embed, self.head = stage.embed, stage.head
