@@ -91,6 +91,7 @@ def move_module(module: nn.Module, device: torch.device) -> None:
     try:
         module.to(device)
         done: dict[int, object] = {}  # one copy of a weight two attributes share (a tied head)
+        originals: list[object] = []  # kept alive through the walk, so that no id in ``done`` is reused
         for sub in module.modules():
             for name, value in list(vars(sub).items()):
                 if name.startswith("_") or value is None:
@@ -103,11 +104,13 @@ def move_module(module: nn.Module, device: torch.device) -> None:
                 if moved is not None:
                     setattr(sub, name, moved)
                     done[id(value)] = done[id(moved)] = moved
+                    originals.append(value)
                 elif hasattr(value, "move_to"):  # a rotary table: one copy per device for the blocks sharing it
                     table = copy.copy(value)
                     table.move_to(device)
                     setattr(sub, name, table)
                     done[id(value)] = done[id(table)] = table
+                    originals.append(value)
     except torch.OutOfMemoryError as exc:
         raise ConfigError(out_of_memory_line(device, module_bytes(module), str(exc))) from None
 

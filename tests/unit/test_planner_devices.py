@@ -266,6 +266,7 @@ def test_messages_carry_devices_and_the_gpu_share_old_and_new() -> None:
 def test_a_node_reports_its_cuda_devices_the_one_it_computes_on_first(monkeypatch: pytest.MonkeyPatch) -> None:
     class Options:
         device = "auto"
+        max_memory_bytes: int | None = None
 
     if not torch.cuda.is_available():
         assert membership.local_devices(Options()) == []  # type: ignore[arg-type]  # a CPU machine: as before
@@ -278,5 +279,8 @@ def test_a_node_reports_its_cuda_devices_the_one_it_computes_on_first(monkeypatc
     got = membership.local_devices(Options())  # type: ignore[arg-type]
     assert [(d.device, d.free_memory_bytes, d.bytes_per_second) for d in got] == [
         ("cuda:1", 2 << 30, 1e12 + 1), ("cuda:0", 1 << 30, 1e12), ("cuda:2", 3 << 30, 1e12 + 2)]
+    Options.max_memory_bytes = 3 << 29  # --max-memory 1.5: caps what it offers on each GPU too
+    got = membership.local_devices(Options())  # type: ignore[arg-type]
+    assert [d.free_memory_bytes for d in got] == [3 << 29, 1 << 30, 3 << 29]
     Options.device = "cpu"  # told to compute on its CPU: planned on it alone
     assert membership.local_devices(Options()) == []  # type: ignore[arg-type]
