@@ -80,13 +80,14 @@ class Holding(Message):
     dtype: str
     context_length: int
     int8_activations: bool = False
+    gpu_layers: int | None = None  # how it is split over the node's GPU and CPU (``Assign.gpu_layers``)
 
     @classmethod
     def of(cls, assign: Assign) -> Holding:
         """What a stage loaded for ``assign`` holds."""
         return cls(model_hash=assign.model_hash, layers=assign.layers, owns_embedding=assign.owns_embedding,
                    owns_head=assign.owns_head, dtype=assign.dtype, context_length=assign.context_length,
-                   int8_activations=assign.int8_activations)  # fmt: skip
+                   int8_activations=assign.int8_activations, gpu_layers=assign.gpu_layers)  # fmt: skip
 
 
 class Join(Message):

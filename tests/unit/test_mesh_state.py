@@ -120,3 +120,12 @@ def test_a_failing_listener_costs_the_others_nothing(caplog: object) -> None:
     with caplog.at_level(logging.ERROR, logger="seamline.coordinator"):  # type: ignore[attr-defined]
         assert keeper.apply(NodeLost("a", "gone")) == MeshState()
     assert heard == ["node_lost"] and "a listener of the mesh's events failed" in caplog.text  # type: ignore[attr-defined]
+
+
+def test_a_plan_that_could_not_use_a_gpu_says_so_in_its_event() -> None:
+    from dataclasses import replace
+
+    note = "node a: cuda:0 has 0.20 GiB free, less than layer 0 needs there: layers [0,4) run on its CPU"
+    state = _run([PlanChosen(replace(PLAN, notes=(note,)))])
+    assert note in PlanChosen(replace(PLAN, notes=(note,))).describe(state)
+    assert "cuda" not in PlanChosen(PLAN).describe(state)

@@ -284,3 +284,16 @@ def test_a_node_reports_its_cuda_devices_the_one_it_computes_on_first(monkeypatc
     assert [d.free_memory_bytes for d in got] == [3 << 29, 1 << 30, 3 << 29]
     Options.device = "cpu"  # told to compute on its CPU: planned on it alone
     assert membership.local_devices(Options()) == []  # type: ignore[arg-type]
+
+
+def test_a_stage_held_with_another_gpu_split_is_not_kept() -> None:
+    """A rejoining node's loaded stage is kept only for the same split over its GPU and CPU."""
+    from seamline.net.messages import Holding
+
+    base = dict(plan_id=1, model_hash="h", fragments_url="http://x", layers=(0, 4), owns_embedding=True,
+                owns_head=False, dtype="bfloat16", context_length=512)  # fmt: skip
+    held = Holding.of(Assign(**base, gpu_layers=3))
+    assert held == Holding.of(Assign(**base, gpu_layers=3))
+    assert held != Holding.of(Assign(**base, gpu_layers=2))
+    assert held != Holding.of(Assign(**base))  # now all on the node's own device
+    assert Holding.model_validate_json(held.model_dump_json()) == held

@@ -157,7 +157,8 @@ class PlanChosen(Event):
 
     def describe(self, state: MeshState) -> str:
         route = " -> ".join(f"{s.node_id}[{s.start},{s.end})" for s in self.plan.stages)
-        return f"plan {state.plan_id}: {route}, predicted {self.plan.predicted_s_per_token * 1e3:.1f} ms/token"
+        notes = "".join(f"; {note}" for note in self.plan.notes)  # what a node's GPU could not take
+        return f"plan {state.plan_id}: {route}, predicted {self.plan.predicted_s_per_token * 1e3:.1f} ms/token{notes}"
 
 
 @dataclass(frozen=True)
