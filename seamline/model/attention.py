@@ -106,7 +106,7 @@ class GQAttention(nn.Module):
         """x [N, hidden]: the rows of every span; one projection for all rows, attention per
         span over its own sequence's cache of ``layer``."""
         qkv = linear(x, self.qkv, self.qkv_bias)  # [N, (H + 2*Hkv) * D]
-        if qkv.is_cuda and (table := static_table(layer)) is not None:  # a decode step being captured
+        if (table := static_table(layer)) is not None:  # a decode step being captured (``runtime/cuda_graphs.py``)
             cos, sin = self.rope.tables(1, qkv.dtype)  # grown to the context before the capture
             out = attend_with_table(qkv, cos, sin, table, self.heads, self.kv_heads, self.head_dim, self.window)
         elif len(spans) == 1 and not spans[0].rowwise:

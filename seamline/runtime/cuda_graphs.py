@@ -42,6 +42,24 @@ class _Captured:
     tables_read: list[tuple[torch.Tensor, torch.Tensor]]  # the rotary tables the graph reads, kept alive
 
 
+def fill_tables(tables: np.ndarray, attention: Sequence[tuple[int, GQAttention]], spans: Sequence[Span],
+                scratch: SequenceCache, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+    """``tables`` [layers, 4, bucket]: per layer, each row's position and its cache's addresses and
+    capacity (the caches grown to hold the row first); rows past the spans' are padding that
+    write position 0 of ``scratch``."""
+    bucket = tables.shape[2]
+    for slot, (layer, attn) in enumerate(attention):
+        entries = [(s.start, *_buffers(s.cache, layer, attn, s.start + 1, dtype, device)) for s in spans]
+        pad = (0, *_buffers(scratch, layer, attn, 1, dtype, device))
+        tables[slot] = np.array(entries + [pad] * (bucket - len(spans)), dtype=np.int64).T
+
+
+def _buffers(cache: SequenceCache, layer: int, attn: GQAttention, end: int, dtype: torch.dtype,
+             device: torch.device) -> tuple[int, int, int]:  # fmt: skip
+    keys, values = cache.layer(layer).reserve(attn.kv_heads, attn.head_dim, end, dtype, device)
+    return keys.data_ptr(), values.data_ptr(), keys.shape[1]
+
+
 class GraphedDecode:
     def __init__(self, stage: Stage, context_length: int) -> None:
         self.stage = stage
@@ -94,18 +112,10 @@ class GraphedDecode:
 
     def _fill(self, captured: _Captured, ids: Sequence[int], spans: Sequence[Span]) -> None:
         """The pinned ids and tables of this step; padding rows read and write the scratch cache."""
-        rows, bucket = len(ids), captured.ids.shape[0]
+        rows = len(ids)
         host_ids = captured.host_ids.numpy()
         host_ids[:rows], host_ids[rows:] = ids, 0
-        tables = captured.host_tables.numpy()
-        for slot, (layer, attn) in enumerate(self.attention):
-            entries = [(s.start, *self._buffers(s.cache, layer, attn, s.start + 1)) for s in spans]
-            pad = (0, *self._buffers(self.scratch, layer, attn, 1))
-            tables[slot] = np.array(entries + [pad] * (bucket - rows), dtype=np.int64).T
-
-    def _buffers(self, cache: SequenceCache, layer: int, attn: GQAttention, end: int) -> tuple[int, int, int]:
-        keys, values = cache.layer(layer).reserve(attn.kv_heads, attn.head_dim, end, self.dtype, self.device)
-        return keys.data_ptr(), values.data_ptr(), keys.shape[1]
+        fill_tables(captured.host_tables.numpy(), self.attention, spans, self.scratch, self.dtype, self.device)
 
     def _capture(self, bucket: int) -> _Captured | None:
         try:
