@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 import torch
 from torch import nn
 
@@ -71,18 +72,23 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type in ("cuda", "mps")
 
 
-def _moved(value: object, device: torch.device) -> object:
-    """``value`` on ``device`` when it is a tensor or a weight (quantized, scaled, a
-    concatenation, a window), else None: the attributes ``nn.Module.to`` does not see."""
-    from seamline.model.linear import ColumnWindow, RowConcat, to_device
+def _is_weight(value: object) -> bool:
+    """A tensor, or a weight ``nn.Module.to`` does not see (quantized, scaled, a concatenation, a window)."""
+    from seamline.model.linear import ColumnWindow, RowConcat
     from seamline.quant.scaled import ScaledTensor
     from seamline.quant.tensor import QuantTensor
 
-    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
-        return value.to(device)
-    if isinstance(value, (QuantTensor, ScaledTensor, RowConcat, ColumnWindow)):
-        return to_device(value, device)
-    return None
+    return isinstance(value, (torch.Tensor, QuantTensor, ScaledTensor, RowConcat, ColumnWindow))
+
+
+def _moved(value: object, device: torch.device) -> object:
+    """``value`` on ``device`` when it is a weight attribute (a parameter is ``nn.Module.to``'s),
+    else None."""
+    from seamline.model.linear import to_device
+
+    if not _is_weight(value) or isinstance(value, nn.Parameter):
+        return None
+    return value.to(device) if isinstance(value, torch.Tensor) else to_device(value, device)  # type: ignore[arg-type]
 
 
 def move_module(module: nn.Module, device: torch.device) -> None:
@@ -123,21 +129,11 @@ def module_bytes(module: nn.Module) -> int:
     total = 0
     for sub in module.modules():
         for value in [*sub._parameters.values(), *vars(sub).values()]:
-            if value is None or id(value) in seen or _moved_kind(value) is None:
+            if not _is_weight(value) or id(value) in seen:
                 continue
             seen.add(id(value))
             total += weight_bytes(value)  # type: ignore[arg-type]
     return total
-
-
-def _moved_kind(value: object) -> str | None:
-    from seamline.model.linear import ColumnWindow, RowConcat
-    from seamline.quant.scaled import ScaledTensor
-    from seamline.quant.tensor import QuantTensor
-
-    if isinstance(value, torch.Tensor):
-        return "tensor"
-    return "weight" if isinstance(value, (QuantTensor, ScaledTensor, RowConcat, ColumnWindow)) else None
 
 
 def out_of_memory_line(device: torch.device, wanted: int, detail: str = "") -> str:
@@ -180,18 +176,19 @@ def module_device(module: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
-_PINNED: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
+_PINNED = threading.local()  # per thread: a node's two stage workers never share a buffer
 
 
 def _pinned(tensor: torch.Tensor) -> torch.Tensor:
-    """A page-locked host buffer of ``tensor``'s shape and dtype, reused: a copy from or to it
-    runs at the link's full rate, where pageable memory is staged by the driver first."""
+    """A page-locked host buffer of ``tensor``'s shape and dtype, reused by this thread: a copy
+    from or to it runs at the link's full rate, where pageable memory is staged by the driver."""
+    buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = _PINNED.__dict__.setdefault("buffers", {})
     key = (tuple(tensor.shape), tensor.dtype)
-    buffer = _PINNED.get(key)
+    buffer = buffers.get(key)
     if buffer is None:
-        if len(_PINNED) > 64:  # shapes vary with the batch: keep a bounded few
-            _PINNED.clear()
-        buffer = _PINNED[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        if len(buffers) > 64:  # shapes vary with the batch: keep a bounded few
+            buffers.clear()
+        buffer = buffers[key] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     return buffer
 
 
@@ -207,8 +204,9 @@ def to_host(tensor: torch.Tensor) -> torch.Tensor:
     return buffer.clone()
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor onto ``device`` (from a pinned buffer on CUDA)."""
+def from_host(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A step's input (token ids, a hidden frame) onto ``device``, from a pinned buffer on CUDA
+    (``linear.to_device`` moves weights)."""
     if tensor.device == device:
         return tensor
     if device.type == "cuda" and tensor.device.type == "cpu" and tensor.numel() > 4096:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from seamline.quant.native import kernels
 
-_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
+from seamline.model.gpu_ops import FLOAT_DTYPES as _DTYPES  # one list for both devices
 
 
 def op_for(x: torch.Tensor, name: str) -> Callable[..., Any] | None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+FLOAT_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))  # what the kernels take, as the C++ ops
+
 
 @lru_cache(maxsize=1)
 def ops() -> dict[str, Callable[..., Any]]:
@@ -29,6 +31,6 @@ def ops() -> dict[str, Callable[..., Any]]:
 
 def op_for(x: torch.Tensor, name: str) -> Callable[..., Any] | None:
     """The Triton op ``name`` for a contiguous float CUDA tensor, else None."""
-    if not (x.is_cuda and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+    if not (x.is_cuda and x.is_contiguous() and x.dtype in FLOAT_DTYPES):
         return None
     return ops().get(name)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from seamline.config import ModelConfig, RopeScaling, kv_bytes_per_token
-from seamline.model.devices import to_device
+from seamline.model.devices import from_host
 from seamline.model.attention import GQAttention
 from seamline.model.cache import SequenceCache, Span
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
@@ -202,7 +202,7 @@ class Stage(nn.Module):
         stream [N, hidden], or logits: [N, vocab_owned], or with ``last_only`` one row per
         span (its last), [len(spans), vocab_owned], or those of ``logit_rows`` (a speculative
         window's every row beside other spans' last)."""
-        x = to_device(inputs, self.input_device)  # the step's one crossing in (``seamline.model.devices``)
+        x = from_host(inputs, self.input_device)  # the step's one crossing in (``seamline.model.devices``)
         x = self._embed(x) if self.embed is not None else x
         step, self.step = self.step, self.step + 1
         for block in self.layers.values():

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from seamline.config import ModelConfig, v4_cache_bytes
-from seamline.model.devices import module_device, to_device
+from seamline.model.devices import module_device, from_host
 from seamline.model.cache import Span
 from seamline.model.hyper import HyperConnection, HyperHead, widen
 from seamline.model.layers import RMSNorm, empty_param
@@ -222,8 +222,8 @@ class V4Stage(nn.Module):
         rows' ``ids``. Returns the residual for the next stage, or logits [N, vocab] (with
         ``last_only``: each span's last row; with ``logit_rows``: those rows')."""
         device = self.input_device  # one device for the whole stage (no GPU/CPU span here)
-        inputs = to_device(inputs, device)
-        ids = to_device(ids, device) if ids is not None else None
+        inputs = from_host(inputs, device)
+        ids = from_host(ids, device) if ids is not None else None
         if self.embed is not None:
             ids = inputs
             residual = widen(embedding(inputs, self.embed, self.compute_dtype), self.streams)
