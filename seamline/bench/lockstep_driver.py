@@ -154,8 +154,6 @@ def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes]
     from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 
     ports = [free_port(), free_port()]
-    while ports[1] == ports[0]:
-        ports[1] = free_port()
     addresses = ",".join(f"127.0.0.1:{p}" for p in ports)
     root = Path(__file__).resolve().parents[2]
     peer_core = args.peer_core

@@ -373,15 +373,23 @@ def listen(host: str, port: int) -> socket.socket:
 __all__ = ["Link", "LinkClosed", "FrameError", "listen", "Incoming", "HANDSHAKE_LIMITS"]
 
 
+_HANDED_OUT: set[tuple[str, int]] = set()  # ports this process took: a caller may not have bound them yet
+_HANDED_OUT_LOCK = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1", low: int = 20000, high: int = 30000) -> int:
-    """A port that is free now, outside the ephemeral range (where a dial can self-connect)."""
+    """A port that is free now, outside the ephemeral range (where a dial can self-connect),
+    and never one this process handed out before (a group's ports, taken together, are distinct)."""
     import random
 
-    for port in random.sample(range(low, high), 200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    for port in random.sample(range(low, high), min(200, high - low)):
+        with _HANDED_OUT_LOCK, socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            if (host, port) in _HANDED_OUT:
+                continue
             try:
                 probe.bind((host, port))
             except OSError:
                 continue
+            _HANDED_OUT.add((host, port))
             return port
     raise OSError(f"no free port in {low}-{high} on {host}")

@@ -299,3 +299,10 @@ def _dial_when_listening(address: tuple[str, int], within_s: float = 10.0) -> so
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def test_free_ports_taken_together_are_distinct() -> None:
+    # a group's ports come from separate free_port calls: a port handed out twice would make a
+    # rank dial the leader's own listener and wait on a HELLO that never comes
+    ports = [free_port(low=40000, high=40064) for _ in range(64)]
+    assert sorted(ports) == list(range(40000, 40064))
