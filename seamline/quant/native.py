@@ -114,6 +114,9 @@ def _kernels_once() -> Any | None:
         missing = "a C++ compiler" if _compiler() is None else "ninja (pip install ninja)"
         log.warning("no %s found; quantized matmuls use the slower torch path", missing)
         return None
+    if not cpu_has_avx512_vnni():  # checked before loading: the library's code is AVX-512 throughout
+        log.warning("CPU lacks AVX-512 VNNI; quantized matmuls use the slower torch path")
+        return None
     try:
         ops = _load()
     except Exception as exc:  # a failed build must not stop seamline
@@ -124,6 +127,21 @@ def _kernels_once() -> Any | None:
         return None
     _register_shapes()
     return ops
+
+
+NEEDED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+
+
+def cpu_has_avx512_vnni(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    """Whether this CPU runs the kernels: its flags (Linux), else torch's own capability reading."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return NEEDED_FLAGS <= set(line.partition(":")[2].split())
+    return False
 
 
 def _register_shapes() -> None:
