@@ -143,6 +143,14 @@ def out_of_memory_line(device: torch.device, wanted: int, detail: str = "") -> s
     return f"{describe(device)}: {wanted / 2**30:.2f} GiB of weights do not fit{have} ({first})"
 
 
+def concrete_device(device: torch.device) -> torch.device:
+    """``device`` with its index (``cuda`` is this process's current GPU): two ranks on one host
+    tell from it whether they share a GPU."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def place_stage(stage: nn.Module, device: torch.device, gpu_layers: int | None = None) -> None:
     """Put ``stage`` on ``device``; with ``gpu_layers`` N and an accelerator, only its first N
     layers (and the embedding when it owns it, unless the head shares it) go there, the rest

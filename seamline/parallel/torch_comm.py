@@ -9,7 +9,9 @@ dim, rest) that every rank compares with its own, so every rank sees a desync an
 collective: an all_gather of the row and the payload as bytes, summed here in rank order
 (for 2 ranks the same bytes as a ring all-reduce, and bit-identical on every rank). An
 all_gather first gathers the rows alone: they carry the per-rank sizes along ``dim``.
-``check_tags=False`` sends a bare all_reduce instead.
+``check_tags=False`` sends a bare all_reduce instead. A tensor on another device than the
+group's (a control message on the host, with NCCL) travels on the group's device and comes
+back on its own.
 This process holds the default process group: one TorchComm per process.
 """
 
@@ -52,13 +54,15 @@ class TorchComm:
         timeout_s: float,
         fingerprint: str,
         check_tags: bool = True,
+        device: torch.device | None = None,
     ) -> "TorchComm":
-        """Rendezvous at ``addresses[0]`` (rank 0 hosts the store), then check the HELLO fields."""
+        """Rendezvous at ``addresses[0]`` (rank 0 hosts the store), then check the HELLO fields.
+        NCCL on ``device`` when it is a GPU (default: this process's current GPU, if any), else gloo."""
         if dist.is_initialized():
             raise CommError("torch.distributed is already initialised in this process: one TorchComm per process")
-        cuda = torch.cuda.is_available()
-        backend = "nccl" if cuda else "gloo"
-        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        backend = "nccl" if device.type == "cuda" else "gloo"
         host, port = addresses[0]
         try:
             dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
@@ -125,10 +129,10 @@ class TorchComm:
         if self.world == 1:
             return tensor
         if not self.check_tags:
-            out = tensor.contiguous()
+            out = tensor.to(self.device).contiguous()
             self._call(lambda: dist.all_reduce(out, op=dist.ReduceOp.SUM), f"gate {tag}")
-            return out
-        flat = tensor.detach().contiguous().view(-1)
+            return out.to(tensor.device)
+        flat = tensor.detach().to(self.device).contiguous().view(-1)
         row = self._row(REDUCE, tag, tensor, flat.numel(), 1)
         header = torch.tensor(row, dtype=torch.int64).to(self.device).view(torch.uint8)
         mine = torch.cat([header, flat.view(torch.uint8)])
@@ -137,7 +141,7 @@ class TorchComm:
         head = ROW_LEN * 8
         self._compare(row, torch.stack([g[:head] for g in gathered]).cpu().view(torch.int64).tolist(), tensor)
         parts = [g[head:].view(flat.dtype) for g in gathered]
-        return sum_in_rank_order(parts, tensor.dtype).view(tensor.shape)
+        return sum_in_rank_order(parts, tensor.dtype).view(tensor.shape).to(tensor.device)
 
     def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GATHER_TAG) -> torch.Tensor:
         if self.world == 1:
@@ -150,10 +154,11 @@ class TorchComm:
         widest = max(sizes)
         pad = list(tensor.shape)
         pad[dim] = widest - tensor.shape[dim]  # gloo/NCCL gather equal sizes: pad, then trim
-        mine = torch.cat([tensor, tensor.new_zeros(pad)], dim).contiguous() if pad[dim] else tensor.contiguous()
+        mine = tensor.to(self.device)
+        mine = torch.cat([mine, mine.new_zeros(pad)], dim).contiguous() if pad[dim] else mine.contiguous()
         out = [torch.empty_like(mine) for _ in range(self.world)]
         self._call(lambda: dist.all_gather(out, mine), f"gather gate {tag}")
-        return torch.cat([part.narrow(dim, 0, size) for part, size in zip(out, sizes)], dim)
+        return torch.cat([part.narrow(dim, 0, size) for part, size in zip(out, sizes)], dim).to(tensor.device)
 
     def _call(self, op: Callable[[], object], what: str) -> None:
         try:

@@ -30,9 +30,9 @@ class LockstepStage:
         self.group = group
         self.config = group.config
         self.compute_dtype: torch.dtype = group.leader.stage.compute_dtype
-        self.input_device = torch.device("cpu")  # a group's ranks compute on their CPUs
         self.is_last = group.leader.last
         stage = group.leader.stage
+        self.input_device: torch.device = stage.input_device  # the leader's: each rank computes on its own
         self.embed, self.head = stage.embed, stage.head
         self.layers = stage.layers
         # what the family's stage says of its frames and caches (DeepSeek-V4's differ)

@@ -50,13 +50,14 @@ import torch
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError, RequestError, SeamlineError
 from seamline.model.cache import SequenceCache, Span, logit_rows
+from seamline.model.devices import resolve_device, to_host
 from seamline.ownership import rank_ownership
 from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
 from seamline.parallel.comm import Comm, CommError, GateTag, Transport
 from seamline.net.tls import GroupTls, group_tls_from_folder
 from seamline.parallel.connect import make_comm
-from seamline.weights.loader import DTYPES, load_stage, open_source
+from seamline.weights.loader import DTYPES, fill_stage, open_source, settle_stage
 from seamline.weights.source import TensorSource
 
 CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN, BATCH = range(1, 9)
@@ -142,9 +143,10 @@ class LockstepRank:
                  addresses: list[tuple[str, int]], timeout_s: float = 30.0, dtype: torch.dtype = torch.float32,
                  connect_timeout_s: float = 60.0, *, transport: Transport = "tcp",
                  layers: tuple[int, int] | None = None, identity: str | None = None,
-                 tls: GroupTls | None = None) -> None:
+                 tls: GroupTls | None = None, device: torch.device | None = None) -> None:
         """Load this rank's shard of ``layers`` from ``model`` (a path, or an open source with
-        an ``identity`` naming its model), then join the group over ``transport``."""
+        an ``identity`` naming its model) onto ``device`` (default: the CPU), then join the group
+        over ``transport`` (NCCL's collectives run on this rank's GPU: its current device)."""
         if isinstance(model, (str, Path)):
             source, identity = open_source(Path(model)), identity or Path(model).name
         elif identity is None:
@@ -157,10 +159,13 @@ class LockstepRank:
         self.comm = _LateComm(rank, world)
         own = rank_ownership(self.config, rank, world, layers)
         self.first, self.last = own.owns_embedding(), own.owns_head(self.config)
-        self.stage = load_stage(source, own, dtype, self.config, comm=self.comm)
-        self.fingerprint = group_fingerprint(identity, raw_config, self.stage, dtype, world)
+        self.stage = fill_stage(source, own, dtype, self.config, comm=self.comm)
+        self.fingerprint = group_fingerprint(identity, raw_config, self.stage, dtype, world)  # read on the host
+        settle_stage(self.stage, device)
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_device(device)
         self.comm.inner = make_comm(transport, rank, world, addresses, timeout_s, self.fingerprint,
-                                    connect_timeout_s, tls)
+                                    connect_timeout_s, tls, device=device or torch.device("cpu"))
         self.seqs: dict[int, _Sequence] = {}
         self._control = 0  # control messages so far: the sequence of their tags
 
@@ -291,7 +296,7 @@ class LockstepRank:
         values, index = local.max(dim=-1)  # the first maximum of each row
         start = self.stage.ownership.vocab_range(self.config)[0]
         pairs = torch.stack((values.double(), (index + start).double()), dim=-1)  # [spans, 2]
-        every = self.comm.all_gather(pairs, 0, tag).view(self.world, -1, 2)  # rank order: ascending vocab
+        every = to_host(self.comm.all_gather(pairs, 0, tag)).view(self.world, -1, 2)  # rank order: ascending vocab
         best = every[:, :, 0].argmax(dim=0)  # the first of equal maxima
         rows = torch.arange(every.shape[1])
         logits = torch.full((every.shape[1], self.config.vocab_size), float("-inf"))
@@ -305,10 +310,9 @@ class LockstepRank:
         tag = GateTag(-1, 0, self.stage.step)
         if not greedy:
             return self.comm.all_gather(local, -1, tag)
-        values = local.numpy()
-        index = int(values.argmax())  # the first maximum, as numpy's and the sampler's argmax
+        index = int(local.argmax())  # the first maximum, as the sampler's argmax (on the rank's device)
         start = self.stage.ownership.vocab_range(self.config)[0]
-        pair = torch.tensor([float(values[index]), float(start + index)], dtype=torch.float64)
+        pair = torch.tensor([float(local[index]), float(start + index)], dtype=torch.float64)
         pairs = self.comm.all_gather(pair, 0, tag).view(-1, 2)  # rank order: ascending vocab
         best = int(pairs[:, 0].argmax())  # torch takes the first of equal maxima too
         logits = torch.full((self.config.vocab_size,), float("-inf"))
@@ -453,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--transport", choices=["auto", "tcp", "torch"], default="tcp")
     ap.add_argument("--layers", help="START:END, the pipeline stage this group owns (default: all)")
+    ap.add_argument("--device", default="cpu", help="where this rank computes: cpu, cuda, cuda:N (default cpu)")
     ap.add_argument("--tls-dir", help="mutual TLS (tcp): ca.pem, rank{R}.pem and rank{R}.key in this folder")
     args = ap.parse_args(argv)
     try:
@@ -461,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
         layers = tuple(int(v) for v in args.layers.split(":")) if args.layers else None
         rank = LockstepRank(args.model, args.rank, args.world, parse_addresses(args.addresses),
                             args.timeout, DTYPES[args.dtype], args.connect_timeout,
-                            transport=args.transport, layers=layers,  # type: ignore[arg-type]
+                            transport=args.transport, layers=layers, device=resolve_device(args.device),  # type: ignore[arg-type]
                             tls=group_tls_from_folder(Path(args.tls_dir), args.rank, args.world) if args.tls_dir else None)
         try:
             rank.serve()

@@ -96,6 +96,14 @@ def load_stage(
     """Build the Stage this ownership describes and fill every parameter from ``source``
     (``mtp``: and the multi-token-prediction layer, which drafts; ``mtp_missing`` first), then
     put it on ``device`` (``devices.place_stage``: ``gpu_layers`` of it on an accelerator)."""
+    stage = fill_stage(source, own, dtype, config, comm, mtp)
+    settle_stage(stage, device, gpu_layers)
+    return stage
+
+
+def fill_stage(source: TensorSource, own: Ownership | None = None, dtype: torch.dtype = torch.float32,
+               config: ModelConfig | None = None, comm: Comm | None = None, mtp: bool = False) -> Stage:
+    """``load_stage``'s stage, filled in host memory and not yet placed (``settle_stage``)."""
     config = config or ModelConfig.from_hf_dict(source.config_dict())
     own = own or Ownership.full(config)
     check_names(source, config)
@@ -121,12 +129,17 @@ def load_stage(
         _assign(stage, plan.target, _resident(plan.target, value, dtype))
     if tied:
         _assign(stage, "head", stage.embed)
+    return stage
+
+
+def settle_stage(stage: Stage, device: torch.device | None = None, gpu_layers: int | None = None) -> None:
+    """Put a filled stage on ``device``, and make ready the CPU's quant kernels where a CPU
+    part of it needs them (built once per machine: now, not in the first request)."""
     if device is not None:
         place_stage(stage, device, gpu_layers)
     on_cpu = device is None or device.type == "cpu" or gpu_layers is not None
     if on_cpu and any(isinstance(w, (QuantTensor, RowConcat, ColumnWindow)) for m in stage.modules() for w in vars(m).values()):
-        kernels()  # build (once per machine) or load the CPU's quant kernels now, not in the first request
-    return stage
+        kernels()
 
 
 def mtp_missing(source: TensorSource, config: ModelConfig, embed: bool = False) -> str | None:

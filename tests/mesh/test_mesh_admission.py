@@ -223,6 +223,17 @@ def test_torch_collectives_between_hosts_need_insecure_comm() -> None:
     assert choose_transport("tcp", True, two, insecure_comm=False) == "tcp"
 
 
+def test_nccl_only_for_ranks_on_gpus_of_their_own() -> None:
+    """NCCL takes one rank per GPU: two ranks on one host's one GPU, or a rank on a CPU, keep
+    the group on the TCP mesh (whose gates copy to the host)."""
+    from seamline.mesh.control.startup import gpus_apart
+
+    assert gpus_apart([("10.0.0.1", "cuda:0"), ("10.0.0.1", "cuda:1")])
+    assert gpus_apart([("10.0.0.1", "cuda:0"), ("10.0.0.2", "cuda:0")])
+    assert not gpus_apart([("10.0.0.1", "cuda:0"), ("10.0.0.1", "cuda:0")])
+    assert not gpus_apart([("10.0.0.1", "cuda:0"), ("10.0.0.1", "cpu")])
+
+
 def test_a_node_leaves_a_coordinator_that_cannot_prove_the_invite(tmp_path: Path) -> None:
     """Whoever answers at the invite's address must prove it holds the invite's secret too (the
     node's own nonce, answered apart from the node's proof); one that cannot is refused with a

@@ -11,7 +11,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 (python3 -c "from seamline.bench.gpu_models import gpu_models; print(gpu_models())" > "$out/models.log" 2>&1) &
 models=$!
 tests="tests/model/test_triton_gguf.py tests/model/test_triton_ops.py tests/model/test_triton_attention.py
-       tests/model/test_cuda.py tests/mesh/test_mesh_cuda.py"
+       tests/model/test_cuda.py tests/model/test_cuda_lockstep.py tests/mesh/test_mesh_cuda.py"
 # the CPU reference runs the torch path: the check does not wait for the C++ kernels to build
 SEAMLINE_QUANT_KERNELS=0 timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -p timeout \
   --timeout 120 -rs --tb=short $tests 2>&1 | tee "$out/tests.log" | tail -40

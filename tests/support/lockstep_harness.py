@@ -53,12 +53,12 @@ def loopback(ports: list[int]) -> list[tuple[str, int]]:
 
 
 def rank_argv(model: Path, rank: int, world: int, ports: list[int], timeout_s: float = 30.0,
-              transport: Transport = "tcp", layers: str | None = None) -> list[str]:
+              transport: Transport = "tcp", layers: str | None = None, device: str = "cpu") -> list[str]:
     """The command line of a non-leader rank (``layers``: "START:END", default all)."""
     addresses = ",".join(f"{h}:{p}" for h, p in loopback(ports))
     argv = [sys.executable, "-m", "seamline.runtime.lockstep_group", "--rank", str(rank), "--world", str(world),
             "--addresses", addresses, "--model", str(model), "--timeout", str(timeout_s),
-            "--transport", transport]  # fmt: skip
+            "--transport", transport, "--device", device]  # fmt: skip
     return argv + (["--layers", layers] if layers else [])
 
 
@@ -68,14 +68,18 @@ def spawn(argvs: list[list[str]], threads: int) -> list[subprocess.Popen]:
 
 
 def start_group(model: Path, world: int, timeout_s: float = 30.0, transport: Transport = "tcp",
-                worker_model: Path | None = None) -> tuple[LockstepGroup, list[subprocess.Popen]]:
+                worker_model: Path | None = None, devices: list[str] | None = None,
+                ) -> tuple[LockstepGroup, list[subprocess.Popen]]:  # fmt: skip
     """Ranks 1..world-1 as subprocesses (on ``worker_model`` if given), rank 0 here; returns
-    once every rank has passed HELLO."""
+    once every rank has passed HELLO. ``devices``: each rank's (default: all on the CPU)."""
     ports = [free_port() for _ in range(world)]
-    argvs = [rank_argv(worker_model or model, r, world, ports, timeout_s, transport) for r in range(1, world)]
+    devices = devices or ["cpu"] * world
+    argvs = [rank_argv(worker_model or model, r, world, ports, timeout_s, transport, device=devices[r])
+             for r in range(1, world)]  # fmt: skip
     procs = spawn(argvs, threads_for(world))
     try:
-        leader = LockstepRank(model, 0, world, loopback(ports), timeout_s, transport=transport)
+        leader = LockstepRank(model, 0, world, loopback(ports), timeout_s, transport=transport,
+                              device=torch.device(devices[0]))
     except BaseException:
         reap(procs)
         raise
@@ -126,7 +130,8 @@ def generate_recording(group: LockstepGroup, prompt: list[int],
     def recording(op: int, seq: int, position: int = 0, inputs: Any = None, flags: int = 0) -> torch.Tensor | None:
         out = call(op, seq, position, inputs, flags)
         if op in (PREFILL, DECODE):
-            rows.append(out)  # type: ignore[arg-type]
+            # a GPU rank's logits come back on its device: compared on the host
+            rows.append(out.cpu())  # type: ignore[union-attr]
         return out
 
     group.call = recording  # type: ignore[method-assign]
@@ -178,12 +183,13 @@ def check_greedy_exchange(group: LockstepGroup, ref: Reference, atol: float, ste
 
 
 @contextmanager
-def running_group(model: Path, world: int, transport: Transport = "tcp") -> Iterator[LockstepGroup]:
+def running_group(model: Path, world: int, transport: Transport = "tcp",
+                  devices: list[str] | None = None) -> Iterator[LockstepGroup]:
     """A group on ``model`` with this process's threads set to its share of the CPUs; on
     exit, shut down, and every other rank must have exited cleanly."""
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_for(world))
-    group, procs = start_group(model, world, transport=transport)
+    group, procs = start_group(model, world, transport=transport, devices=devices)
     try:
         yield group
     finally:
@@ -193,7 +199,8 @@ def running_group(model: Path, world: int, transport: Transport = "tcp") -> Iter
     assert all(rc == 0 for rc, _ in results), results
 
 
-def run_group(model: Path, world: int, ref: Reference, atol: float = ATOL, transport: Transport = "tcp") -> float:
-    """Start a group on ``model`` and hold it to ``ref``; the max logit error."""
-    with running_group(model, world, transport) as group:
+def run_group(model: Path, world: int, ref: Reference, atol: float = ATOL, transport: Transport = "tcp",
+              devices: list[str] | None = None) -> float:
+    """Start a group on ``model`` (its ranks on ``devices``) and hold it to ``ref``; the max logit error."""
+    with running_group(model, world, transport, devices) as group:
         return check_group(group, ref, atol)

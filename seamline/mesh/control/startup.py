@@ -170,9 +170,9 @@ class StartUp:
         return route_speculation(o.speculation, o.private, o.verify_fraction, len(plan.stages[-1].members()))
 
     def _transport(self, members: list[NodeHandle]) -> str:
-        cuda = all(h.join.resources.device.startswith("cuda") for h in members)
-        hosts = {h.join.data_host for h in members}
-        return choose_transport(self.options.transport, cuda, hosts, self.options.insecure_comm)
+        placed = [(h.join.data_host, h.join.resources.device) for h in members]
+        return choose_transport(self.options.transport, gpus_apart(placed), {host for host, _ in placed},
+                                self.options.insecure_comm)
 
     def _link(self, handles: list[NodeHandle], index: int, plan_id: int, forks: bool) -> None:
         handle = handles[index]
@@ -215,6 +215,12 @@ def _senders(plan: Plan, index: int) -> tuple[str, str]:
     upstream = plan.stages[index - 1].node_id if index > 0 else ""
     last = plan.stages[-1].node_id if index == 0 and len(plan.stages) > 1 else ""
     return upstream, last
+
+
+def gpus_apart(placed: list[tuple[str, str]]) -> bool:
+    """Whether every rank (host, device) computes on a GPU of its own: NCCL takes one rank per
+    GPU, so ranks that share one (or any on a CPU) keep to the TCP mesh."""
+    return all(device.startswith("cuda") for _, device in placed) and len(set(placed)) == len(placed)
 
 
 def choose_transport(requested: str, cuda: bool, hosts: set[str], insecure_comm: bool) -> str:

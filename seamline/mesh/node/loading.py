@@ -53,7 +53,8 @@ def load_rank(invite: Invite, assign: Assign, options: NodeOptions, tls: GroupTl
     log.info("rank %d of %d: joining the group over %s", rank, world, assign.transport)
     member = LockstepRank(source, rank, world, [(host, port) for host, port in assign.group], assign.gate_timeout_s,
                           DTYPES[assign.dtype], GROUP_CONNECT_TIMEOUT_S, transport=assign.transport,  # type: ignore[arg-type]
-                          layers=assign.layers, identity=assign.model_hash, tls=tls)  # fmt: skip
+                          layers=assign.layers, identity=assign.model_hash, tls=tls,
+                          device=resolve_device(options.device))  # fmt: skip
     return member, report
 
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from seamline.model.devices import resolve_device
+from seamline.model.devices import concrete_device, resolve_device
 from seamline.mesh.protocol.fragment_server import PeerGate, serve_fragments
 from seamline.mesh.protocol.invite import Invite, InviteError, coordinator_proof, proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
@@ -141,7 +141,7 @@ def local_resources(options: NodeOptions) -> Resources:
     free = psutil.virtual_memory().available
     if options.max_memory_bytes is not None:
         free = min(free, options.max_memory_bytes)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # picks a lockstep group's transport
+    device = str(concrete_device(resolve_device(options.device)))  # picks a lockstep group's transport
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     return Resources(free_memory_bytes=int(free), bytes_per_second=on_passing_thread(measure_rate, "seamline-measure"),
                      device=device, cores=os.cpu_count() or 1, host=_boot_id(), cpus=cpus,
