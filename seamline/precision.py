@@ -90,6 +90,8 @@ def apply(precision: Precision) -> None:
 
 
 def once(key: str, message: str) -> None:
+    """Say ``message`` once per process, at info level: a note on how this machine computes
+    (a server's log shows it; a command's one-line error stays one line)."""
     if key not in _SAID:
         _SAID.add(key)
-        log.warning(message)
+        log.info(message)

@@ -115,7 +115,7 @@ def _kernels_once() -> Any | None:
         log.warning("no %s found; quantized matmuls use the slower torch path", missing)
         return None
     if not cpu_has_avx512_vnni():  # checked before loading: the library's code is AVX-512 throughout
-        log.warning("CPU lacks AVX-512 VNNI; quantized matmuls use the slower torch path")
+        log.info("CPU lacks AVX-512 VNNI; quantized matmuls use the slower torch path")  # nothing to act on
         return None
     try:
         ops = _load()
