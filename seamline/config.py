@@ -404,6 +404,23 @@ def v4_cache_bytes(config: ModelConfig, layers: Sequence[int], tokens: int, dtyp
 
 
 V4_PLANNING_TOKENS = 4096  # the context a V4 layer's bytes per token are averaged over
+RING_SLACK = 32  # a sliding layer keeps its window and this many positions: 16 for rewinds, 16 a block
+
+
+def ring_size(window: int) -> int:
+    """The positions a sliding layer of ``window`` keys keeps (``model/cache.py``; 0: no window,
+    every position)."""
+    return window + RING_SLACK if window else 0
+
+
+def sliding_layer_kv(config: ModelConfig, dtype_bytes: int, context: int | None) -> tuple[int, ...]:
+    """Each layer's KV bytes per token over ``context`` tokens (default ``V4_PLANNING_TOKENS``):
+    a sliding layer's ring spread over them, rounded up; () for a model without windows."""
+    if not config.sliding_window or not config.sliding_layers:
+        return ()
+    tokens, full = context or V4_PLANNING_TOKENS, kv_bytes_per_token(config, dtype_bytes)
+    held = min(tokens, ring_size(config.sliding_window))
+    return tuple(-(-full * held // tokens) if i in config.sliding_layers else full for i in range(config.num_layers))
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:

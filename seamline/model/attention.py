@@ -28,12 +28,14 @@ from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary
 
 
-def causal_mask(start: int, count: int, window: int = 0, device: torch.device | None = None) -> torch.Tensor | None:
-    """Boolean mask [count, start+count] for a chunk after ``start`` cached positions; with a
-    ``window``, a query at i sees only keys (i - window, i], as transformers' sliding window."""
-    if count == 1 and (not window or start < window):
+def causal_mask(start: int, count: int, window: int = 0, device: torch.device | None = None,
+                first: int = 0) -> torch.Tensor | None:  # fmt: skip
+    """Boolean mask [count, start+count-first] for a chunk after ``start`` cached positions over
+    keys from position ``first``; with a ``window``, a query at i sees only keys (i - window, i],
+    as transformers' sliding window."""
+    if count == 1 and (not window or start - first < window):
         return None
-    keys = torch.arange(start + count, device=device)
+    keys = torch.arange(first, start + count, device=device)
     queries = torch.arange(start, start + count, device=device).unsqueeze(1)
     visible = keys <= queries
     return visible & (keys > queries - window) if window else visible
@@ -66,8 +68,8 @@ def _uneven_kv_map(q0: int, q1: int, k0: int, group: int) -> torch.Tensor | None
 
 class GQAttention(nn.Module):
     def __init__(self, config: ModelConfig, rope: RotaryTable, own: Ownership, window: int = 0) -> None:
-        """``window``: a sliding window's keys (0: every position); its cache keeps every position
-        and the mask (or the fused op's first key) hides those behind the window."""
+        """``window``: a sliding window's keys (0: every position); its cache is a ring that keeps
+        the window (``LayerKV.window_update``), and the mask hides what lies behind it."""
         super().__init__()
         self.window = window
         self.rotary_dim = config.rotary_dim or config.head_dim  # GLM-4.5 turns half of each head
@@ -89,8 +91,9 @@ class GQAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.rope = rope
         # the fused op covers the plain layout: no q/k norm, SDPA's own head grouping, whole-head RoPE
+        # (a sliding layer's ring is read by position runs here, not by the fused ops)
         whole = self.rotary_dim == self.head_dim and self.scale is None and self.sinks is None
-        self.fused_decode = self.q_norm is None and self.kv_map is None and whole
+        self.fused_decode = self.q_norm is None and self.kv_map is None and whole and not window
         self.gpu_decode = self.fused_decode and self.head_dim >= 16 and not self.head_dim & (self.head_dim - 1)
 
     def _decode_op(self, qkv: torch.Tensor, name: str) -> Callable[..., torch.Tensor] | None:
@@ -159,17 +162,21 @@ class GQAttention(nn.Module):
         else:
             qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D]
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
-        keys, values = kv.update(k.transpose(0, 1), v.transpose(0, 1), start)  # [Hkv, S, D]
+        if self.window:  # its cache is a ring of its window's positions (``model/cache.py``)
+            keys, values, first = kv.window_update(k.transpose(0, 1), v.transpose(0, 1), start, self.window)
+        else:
+            (keys, values), first = kv.update(k.transpose(0, 1), v.transpose(0, 1), start), 0  # [Hkv, S, D]
         if self.kv_map is not None:  # an uneven share: one KV row per query head
             keys, values = keys.index_select(0, self.kv_map), values.index_select(0, self.kv_map)
         if self.sinks is not None:
-            out = attend_with_sinks(q, keys, values, causal_mask(start, count, self.window, q.device), self.sinks, self.scale)
+            mask = causal_mask(start, count, self.window, q.device, first)
+            out = attend_with_sinks(q, keys, values, mask, self.sinks, self.scale)
             return out.reshape(count, self.heads * self.head_dim)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),  # [1, H, T, D]
             keys.unsqueeze(0),
             values.unsqueeze(0),
-            attn_mask=causal_mask(start, count, self.window, q.device),
+            attn_mask=causal_mask(start, count, self.window, q.device, first),
             enable_gqa=self.kv_map is None and self.kv_heads != self.heads,
             scale=self.scale,
         )  # [1, H, T, D]

@@ -4,16 +4,26 @@ of one sequence in a batched step.
 A buffer holds [heads, capacity, dim] (any trailing shape: latent-KV attention stores its
 compressed state here too). Writes go to explicit positions, so rewinding a sequence is
 just writing from an earlier position; nothing past ``start + count`` is ever read.
+
+A sliding-window layer's buffer is a ring (``ring_size``): position p in slot p % ring, at
+most its window and ``RING_SLACK`` positions held, so its memory stays that of its window
+whatever the context. The slack (``config.RING_SLACK``) is what a rewind may go back past the furthest position
+written (a rejected speculative window) and still find the keys its window sees.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from seamline.config import ring_size
+
 MIN_CAPACITY = 256
+
+class CacheOverrun(RuntimeError):
+    """A step went back further than a sliding layer's ring still holds."""
 
 
 def grown(capacity: int, end: int, limit: int | None = None) -> int:
@@ -28,12 +38,50 @@ def grown(capacity: int, end: int, limit: int | None = None) -> int:
 
 
 class LayerKV:
-    """Two growable buffers (keys, values), indexed by position along dim 1."""
+    """Two growable buffers (keys, values), indexed by position along dim 1 (a ring of ``ring``
+    slots for a sliding layer: ``window_update``)."""
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, ring: int = 0) -> None:
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
         self.limit = limit  # the most positions its sequence may need (None: unbounded)
+        self.ring = ring
+        self.held_from = 0  # a ring's oldest position still held
+
+    def window_update(self, k: torch.Tensor, v: torch.Tensor, start: int,
+                      window: int) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+        """A ring's ``update``: write k, v ([heads, T, dim]) at positions [start, start+T); return
+        the keys and values of positions [first, start+T) and ``first``, the oldest a row of
+        theirs sees (start - window + 1)."""
+        end, first = start + k.shape[1], max(0, start - window + 1)
+        if first < self.held_from:
+            raise CacheOverrun(f"a step at position {start} needs keys from {first}; this sliding layer's "
+                               f"ring of {self.ring} holds them from {self.held_from}")
+        held = min(end, self.ring)
+        bound = min(self.limit, self.ring) if self.limit is not None else self.ring
+        self.k, self.v = _fit(self.k, k, held, bound), _fit(self.v, v, held, bound)
+        keys = torch.cat((self._read(self.k, first, start), k), dim=1)
+        values = torch.cat((self._read(self.v, first, start), v), dim=1)
+        kept = max(start, end - self.ring)  # a chunk longer than the ring keeps its last positions
+        for slot, lo, hi in self._slots(kept, end):
+            self.k[:, slot : slot + hi - lo] = k[:, lo - start : hi - start]
+            self.v[:, slot : slot + hi - lo] = v[:, lo - start : hi - start]
+        self.held_from = max(self.held_from, end - self.ring)
+        return keys, values, first
+
+    def _slots(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """Positions [lo, hi) as (first slot, from, to) runs that do not wrap."""
+        runs = []
+        while lo < hi:
+            slot = lo % self.ring
+            upto = min(hi, lo + self.ring - slot)
+            runs.append((slot, lo, upto))
+            lo = upto
+        return runs
+
+    def _read(self, buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        runs = [buf[:, slot : slot + b - a] for slot, a, b in self._slots(lo, hi)]
+        return runs[0] if len(runs) == 1 else torch.cat(runs, dim=1) if runs else buf[:, :0]
 
     def update(
         self, k: torch.Tensor, v: torch.Tensor, start: int
@@ -57,9 +105,12 @@ class LayerKV:
 
     def fork(self, length: int, limit: int | None = None) -> LayerKV:
         """A new pair holding a copy of positions [0, length) (a shared prompt prefix), bounded
-        by ``limit``."""
-        twin = LayerKV(limit)
-        if self.k is not None and self.v is not None and length > 0:
+        by ``limit``; a ring's copy holds those it still has (``SequenceCache.holds``)."""
+        twin = LayerKV(limit, self.ring)
+        if self.ring and self.k is not None and self.v is not None and length > 0:
+            twin.k, twin.v = self.k.clone(), self.v.clone()  # a ring: slots stay where they are
+            twin.held_from = max(self.held_from, length - self.ring)
+        elif self.k is not None and self.v is not None and length > 0:
             twin.k, twin.v = _fit(None, self.k, length, limit), _fit(None, self.v, length, limit)
             twin.k[:, :length] = self.k[:, :length]
             twin.v[:, :length] = self.v[:, :length]
@@ -79,9 +130,15 @@ def _fit(buf: torch.Tensor | None, like: torch.Tensor, end: int, limit: int | No
 class SequenceCache:
     """The KV state of one sequence for the layers one process owns."""
 
-    def __init__(self, layers: Iterable[int], limit: int | None = None) -> None:
+    def __init__(self, layers: Iterable[int], limit: int | None = None, rings: Mapping[int, int] | None = None,
+                 window: int = 0) -> None:  # fmt: skip
+        """``rings``: the sliding layers' ring sizes; ``window``: the model's sliding window (any
+        stage's caches tell alike what a fork can start from, whichever layers they hold)."""
         self.limit = limit
-        self.layers = {i: LayerKV(limit) for i in layers}
+        self.rings = dict(rings or {})
+        self.window, self.ring = window, ring_size(window)
+        self.held_from = 0  # the oldest position every sliding layer of the model still holds
+        self.layers = {i: LayerKV(limit, self.rings.get(i, 0)) for i in layers}
         # a pipeline's last stage: (position, final state) of the drafting layer's row whose next
         # token comes with the next prompt chunk (``runtime/mtp_drafts.py``)
         self.draft_pending: tuple[int, torch.Tensor] | None = None
@@ -91,6 +148,15 @@ class SequenceCache:
         self.limit = positions
         for kv in self.layers.values():
             kv.limit = positions
+
+    def wrote(self, end: int) -> None:
+        """A step wrote positions up to ``end``: a ring of the model's has moved past ``end - ring``."""
+        if self.ring:
+            self.held_from = max(self.held_from, end - self.ring)
+
+    def holds(self, length: int) -> bool:
+        """Whether a fork of its first ``length`` positions has every key its next step sees."""
+        return not self.window or max(0, length - self.window + 1) >= self.held_from
 
     def capacity(self) -> int:
         """The positions its buffers hold (0 before its first write)."""
@@ -106,7 +172,8 @@ class SequenceCache:
     def fork(self, length: int, limit: int | None = None) -> SequenceCache:
         """A new cache starting with a copy of this one's positions [0, length), bounded by
         ``limit`` (see ``bound``)."""
-        twin = SequenceCache(range(0), limit)
+        twin = SequenceCache(range(0), limit, self.rings, self.window)
+        twin.held_from = max(self.held_from, length - self.ring) if self.ring else 0
         twin.layers = {i: kv.fork(length, limit) for i, kv in self.layers.items()}
         return twin
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from seamline.config import ModelConfig, RopeScaling, kv_bytes_per_token
+from seamline.config import ModelConfig, RopeScaling, kv_bytes_per_token, ring_size
 from seamline.model.devices import from_host
 from seamline.model.attention import GQAttention
 from seamline.model.cache import SequenceCache, Span
@@ -180,14 +180,23 @@ class Stage(nn.Module):
 
     def new_cache(self, greedy: bool = False) -> SequenceCache:
         """``greedy``: unused here; a lockstep group then exchanges only (max, argmax)."""
-        return SequenceCache(self.cache_layers)
+        return SequenceCache(self.cache_layers, rings=self.rings, window=self.config.sliding_window)
+
+    @property
+    def rings(self) -> dict[int, int]:
+        """The owned sliding layers' ring sizes (``model/cache.py``)."""
+        ring = ring_size(self.config.sliding_window)
+        return {i: ring for i in self.cache_layers if i in self.config.sliding_layers and ring}
 
     def release_cache(self, cache: SequenceCache) -> None:
         """A finished sequence's cache: garbage here (a lockstep group tells its ranks)."""
 
     def cache_bytes(self, tokens: int) -> int:
-        """The KV bytes one sequence of ``tokens`` holds in this stage's layers (whole heads)."""
-        return tokens * kv_bytes_per_token(self.config, self.compute_dtype.itemsize) * len(self.cache_layers)
+        """The KV bytes one sequence of ``tokens`` holds in this stage's layers (whole heads; a
+        sliding layer at most its ring's)."""
+        rings = self.rings
+        positions = sum(min(tokens, rings[i]) if i in rings else tokens for i in self.cache_layers)
+        return positions * kv_bytes_per_token(self.config, self.compute_dtype.itemsize)
 
     def forward(
         self, inputs: torch.Tensor, start: int, cache: SequenceCache, last_only: bool = False
@@ -209,6 +218,8 @@ class Stage(nn.Module):
             if x.device != block.input_norm.weight.device:  # a node spanning its GPU and its CPU
                 x = x.to(block.input_norm.weight.device)
             x = block(x, spans, step)
+        for span in spans:
+            span.cache.wrote(span.start + span.count)
         if self.head is None or self.norm is None:
             return x
         if x.device != self.norm.weight.device:

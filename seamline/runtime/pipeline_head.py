@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from seamline.config import RING_SLACK
 from seamline.errors import RequestError
 from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, asking_drafts, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open
@@ -320,6 +321,8 @@ class PipelineHead:
         drafter = sequence.drafter
         if drafter is None or not drafter.window or drafter.in_flight >= self.worker.micro_batches:
             return False
+        if self.worker.stage.config.sliding_window and drafter.pending + drafter.wanted() > RING_SLACK:
+            return False  # a rejection would go back past what the model's sliding layers keep
         return drafter.full or len(self.scheduler.running) < self.worker.micro_batches
 
     def run(self, batch: Batch) -> list[Emission]:

@@ -353,6 +353,8 @@ class Scheduler:
             if other.cache is not None and (n := common_prefix(other.known(0, other.cached), wanted)) > shared:
                 donor, shared = other.cache, n
         bound = self.kv_positions(sequence)
+        if isinstance(donor, SequenceCache) and not donor.holds(shared):  # its sliding layers moved past it
+            donor, shared = None, 0
         if self.forks and isinstance(donor, SequenceCache) and shared > 0:  # a lockstep group's are not copied
             sequence.cache, sequence.cached, sequence.donor = donor.fork(shared, bound), shared, donor
         else:

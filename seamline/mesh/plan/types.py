@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from seamline.config import V4_PLANNING_TOKENS, ModelConfig, kv_bytes_per_token, v4_cache_bytes
+from seamline.config import V4_PLANNING_TOKENS, ModelConfig, kv_bytes_per_token, sliding_layer_kv, v4_cache_bytes
 from seamline.errors import CheckpointError, SeamlineError
 from seamline.ownership import Ownership
 from seamline.quant.sizes import block_bytes, resident_bytes
@@ -105,8 +105,8 @@ class ModelSpec:
         context: int | None = None,
     ) -> "ModelSpec":
         """A spec whose KV and frame sizes come from the config (KV in ``dtype_bytes``; a V4
-        model's per layer, averaged over ``context`` tokens)."""
-        per_layer = _v4_layer_kv(config, dtype_bytes, context) if config.is_v4 else ()
+        model's, or a sliding layer's, per layer, averaged over ``context`` tokens)."""
+        per_layer = _v4_layer_kv(config, dtype_bytes, context) if config.is_v4 else sliding_layer_kv(config, dtype_bytes, context)
         return cls(
             name=name,
             num_layers=config.num_layers,
