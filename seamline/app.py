@@ -59,8 +59,9 @@ class LocalModel:
                          accelerator=is_accelerator(where))
         apply(chosen)
         mtp = speculative == "mtp" or (speculative == "auto" and mtp_missing(source, config) is None)
-        stage = load_stage(source, dtype=DTYPES[chosen.dtype], config=config, mtp=mtp, device=where)
         codec = TextCodec.from_model(path, config.eos_token_ids)
+        codec.check_fits(config.vocab_size)  # before the weights load
+        stage = load_stage(source, dtype=DTYPES[chosen.dtype], config=config, mtp=mtp, device=where)
         engine = Engine(stage, context)
         engine.masks = TokenMasks(codec.tokenizer.to_str)
         return cls(path, config, engine, codec, chosen)

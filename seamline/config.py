@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from seamline.config_checks import check_fields
 from seamline.errors import ConfigError
 
 DENSE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
@@ -134,6 +135,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         family = _family_of(d)
+        check_fields(family, d)
         heads = _req(d, "num_attention_heads")
         hidden = _req(d, "hidden_size")
         layers = _req(d, "num_hidden_layers")

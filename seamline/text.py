@@ -14,7 +14,7 @@ from typing import Any
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from seamline.errors import CheckpointError, RequestError
+from seamline.errors import CheckpointError, ConfigError, RequestError
 
 
 @dataclass
@@ -32,6 +32,14 @@ class TextCodec:
         if path.is_file() and path.suffix == ".gguf":
             return _codec_from_gguf(path)
         return _codec_from_folder(path, eos_ids)
+
+    def check_fits(self, rows: int) -> None:
+        """ConfigError where the tokenizer gives ids past the model's ``rows`` embedding rows
+        (a folder without tokenizer files given DeepSeek's whole vocabulary, say)."""
+        top = max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= rows:
+            raise ConfigError(f"the tokenizer's ids reach {top}, but the model's embedding has {rows} rows "
+                              f"(config.json vocab_size = {rows}): give the model its own tokenizer files")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)

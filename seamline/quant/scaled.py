@@ -138,7 +138,11 @@ def stack_scaled(parts: Sequence[ScaledTensor]) -> ScaledTensor:
 
 
 def scale_values(scales: torch.Tensor) -> torch.Tensor:
-    """A checkpoint's scales as float32: UE8M0 bytes are powers of two, 2 ** (byte - 127)."""
+    """A checkpoint's scales as float32: UE8M0 bytes are powers of two, 2 ** (byte - 127); the
+    byte 0xFF is NaN, no power of two (a CheckpointError, where the caller names the tensor)."""
     if scales.dtype == torch.uint8:
+        if bool((scales == 0xFF).any()):
+            bad = int((scales.reshape(-1) == 0xFF).nonzero()[0])
+            raise CheckpointError(f"block scale {bad} is the UE8M0 byte 0xFF (NaN): not a power of two")
         return (scales.float() - 127.0).exp2()
     return scales.float()

@@ -106,7 +106,10 @@ class GGUFSource:
             return QuantTensor(qtype, data, entry.shape)
         if qtype == Q.MXFP4:  # gpt-oss's experts, kept at their size as fp4 weights
             raw = self.file.raw(entry.info)
-            return mxfp4_blocks(np.array(raw[entry.expert] if entry.expert is not None else raw))
+            try:
+                return mxfp4_blocks(np.array(raw[entry.expert] if entry.expert is not None else raw))
+            except CheckpointError as exc:
+                raise CheckpointError(f"tensor {entry.info.name} (MXFP4): {exc}") from None
         values = _dequantize(self.file, entry.info, entry.expert).reshape(entry.shape)
         if entry.heads is not None:
             values = unpermute_rows(values, entry.heads)

@@ -157,7 +157,10 @@ class HFFolderSource:
             scales = None if part.scales is None else self._open(self._side[part.scales]).get_slice(part.scales)[part.index]
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read tensor {name}: {exc}") from None
-        return oss_experts.expert_tensor(part, one, scales)
+        try:
+            return oss_experts.expert_tensor(part, one, scales)
+        except CheckpointError as exc:
+            raise CheckpointError(f"tensor {part.scales or name}: {exc}") from None
 
     def _index(self) -> dict[str, Path]:
         index = self.folder / INDEX_NAME

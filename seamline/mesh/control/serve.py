@@ -136,6 +136,8 @@ def build_mesh(options: ServeOptions) -> Mesh:
     package_dir = package_cached(path, options.cache_dir / "packages")
     manifest = Manifest.load(package_dir)
     config = ModelConfig.from_hf_dict(manifest.config)
+    codec = TextCodec.from_model(path, config.eos_token_ids)
+    codec.check_fits(config.vocab_size)  # before any node loads a layer
     # auto drafts with the model's multi-token-prediction layer (on the last stage) where it came packaged
     speculation = options.speculation.for_model(any(f.layer == manifest.num_layers for f in manifest.fragments))
     context = options.context or config.max_position_embeddings
@@ -170,7 +172,6 @@ def build_mesh(options: ServeOptions) -> Mesh:
         heartbeat_timeout_s=options.heartbeat_timeout_s, state_dir=state_dir, package_dir=package_dir,
         verify_fraction=options.verify_fraction, speculation=speculation.mode,
         draft_max=speculation.draft_max), authority)  # fmt: skip
-    codec = TextCodec.from_model(path, config.eos_token_ids)
     backend = MeshBackend(coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s)
 
     key = admin_key(state_dir)
