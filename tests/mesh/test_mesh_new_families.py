@@ -1,6 +1,7 @@
-"""Gemma 3 and gpt-oss (MXFP4 experts) split over a 2-node mesh equal the single process:
-packaged into fragments (Gemma's norms read as 1 + w once; gpt-oss's experts one fragment per
-chunk, kept as fp4), each stage loading only its layers, the sliding windows crossing stages."""
+"""Gemma 3, gpt-oss (MXFP4 experts) and GLM-4.5's MoE split over a 2-node mesh, and over 2 stages
+of 2 lockstep ranks, equal the single process: packaged into fragments (Gemma's norms read as
+1 + w once; gpt-oss's experts one fragment per chunk, kept as fp4), each stage loading only its
+layers, each rank its heads and experts, the sliding windows crossing stages."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from seamline.server.demo import memory_cap_gb
-from tests.support.family_folders import CONTEXT, build_gemma3_folder, build_oss_folder
+from tests.support.family_folders import CONTEXT, build_gemma3_folder, build_glm4_moe_folder, build_oss_folder
 from tests.support.mesh_harness import MeshProcesses, split_completion
 
 PROMPT = "The rivers of Europe include the Rhine, the Danube and"
@@ -28,10 +29,14 @@ def test_a_new_family_split_over_two_nodes_matches_one_process(tmp_path: Path, b
     assert split_completion(tmp_path / "mesh", folder, PROMPT, 24, CONTEXT) == expected
 
 
-def test_gpt_oss_over_two_stages_of_two_ranks_matches_one_process(tmp_path: Path) -> None:
-    """Stages × lockstep groups: each rank holds its MXFP4 experts and heads (their sinks), rank 0
-    adds the attention's output bias."""
-    folder = build_oss_folder(tmp_path / "model")
+@pytest.mark.parametrize("build", [build_oss_folder, build_gemma3_folder, build_glm4_moe_folder],
+                         ids=["gpt-oss-mxfp4", "gemma3", "glm4_moe"])  # fmt: skip
+def test_a_new_family_over_two_stages_of_two_ranks_matches_one_process(tmp_path: Path,
+                                                                       build: Callable[[Path], Path]) -> None:  # fmt: skip
+    """Stages × lockstep groups: each rank holds its experts (gpt-oss's MXFP4, GLM's routed ones
+    beside the shared expert) and heads (gpt-oss's sinks, Gemma's q/k norms), rank 0 adds
+    gpt-oss's attention output bias."""
+    folder = build(tmp_path / "model")
     local = LocalModel.load(folder, context=CONTEXT)
     expected = local.codec.decode(list(local.engine.generate(local.codec.encode(PROMPT), SamplingParams(max_tokens=24))))
     mesh = MeshProcesses(tmp_path / "mesh", nodes=4, model=str(folder), node_memory_gb=memory_cap_gb(str(folder), 2, CONTEXT, ranks=2),

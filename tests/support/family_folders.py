@@ -1,5 +1,5 @@
 """Small random checkpoints of the newer families, with the embedded model's tokenizer (so text
-round-trips), for mesh tests: Gemma 3's text model and gpt-oss with MXFP4 experts."""
+round-trips), for mesh tests: Gemma 3's text model, gpt-oss with MXFP4 experts and GLM-4.5's MoE."""
 
 from __future__ import annotations
 
@@ -43,4 +43,18 @@ def build_oss_folder(folder: Path) -> Path:
     model: Any = save_random_model(GptOssConfig(vocab_size=_vocab(), intermediate_size=32, num_local_experts=4,
                                                 num_experts_per_tok=2, **SHAPE), folder)  # fmt: skip
     write_mxfp4_experts(model, folder)
+    return with_embedded_tokenizer(folder)
+
+
+def build_glm4_moe_folder(folder: Path) -> Path:
+    """GLM-4.5-style MoE (``tests/support/glm.py``'s shape, 4 layers, q/k norms), no sliding window."""
+    import transformers
+
+    from tests.support.deepseek import randomize
+    from tests.support.glm import GLM
+
+    shape = {**GLM, "vocab_size": _vocab(), "num_hidden_layers": 4, "max_position_embeddings": CONTEXT}
+    model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**shape, use_qk_norm=True)).eval()
+    randomize(model, 0)
+    model.save_pretrained(folder)
     return with_embedded_tokenizer(folder)
