@@ -15,7 +15,7 @@ from seamline.server.api_options import add_api_arguments, api_options
 
 INVITE_ENV = "SEAMLINE_INVITE"  # where `join` may read its invite (argv shows in `ps`)
 
-BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos", "growth", "spec", "gpu")
+BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos", "growth", "spec", "gpu", "families")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -50,6 +50,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.throughput import bench_throughput
 
         result = bench_throughput(repeats=options["repeats"], tokens=options["tokens"])
+    elif name == "families":
+        from seamline.bench.families import bench_families
+
+        result = bench_families(repeats=options["repeats"])
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     text = json.dumps(result, indent=2)

@@ -44,8 +44,31 @@ LLAMA_1B: dict[str, Any] = {
 CACHE_KEY = "llama_1b_q4km_v1"
 
 
-class RandomLlama:
-    """HF-named random tensors of ``LLAMA_1B``, made on demand (the writer streams them)."""
+class RandomTensors:
+    """HF-named random tensors of ``shapes``, made on demand (the writer streams them): ones
+    where ``is_one`` says (norms), else N(0, 0.02) seeded by the name."""
+
+    shapes: dict[str, tuple[int, ...]]
+
+    def names(self) -> set[str]:
+        return set(self.shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.shapes[name]
+
+    def is_one(self, name: str) -> bool:
+        return len(self.shapes[name]) == 1
+
+    def get(self, name: str) -> np.ndarray:
+        shape = self.shapes[name]
+        if self.is_one(name):
+            return np.ones(shape, np.float32)
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
+        return rng.standard_normal(shape, np.float32) * np.float32(0.02)
+
+
+class RandomLlama(RandomTensors):
+    """HF-named random tensors of ``LLAMA_1B``."""
 
     def __init__(self, config: dict[str, Any]) -> None:
         h, i, kv = config["hidden_size"], config["intermediate_size"], config["num_key_value_heads"] * config["head_dim"]
@@ -58,19 +81,6 @@ class RandomLlama:
                      "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}  # fmt: skip
         for layer in range(config["num_hidden_layers"]):
             self.shapes.update({f"model.layers.{layer}.{k}": v for k, v in per_layer.items()})
-
-    def names(self) -> set[str]:
-        return set(self.shapes)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.shapes[name]
-
-    def get(self, name: str) -> np.ndarray:
-        shape = self.shapes[name]
-        if len(shape) == 1:
-            return np.ones(shape, np.float32)
-        rng = np.random.default_rng(zlib.crc32(name.encode()))
-        return rng.standard_normal(shape, np.float32) * np.float32(0.02)
 
 
 def llama_1b_path(cache_root: Path | None = None, tokenizer: Path | None = None) -> Path:
