@@ -7,8 +7,9 @@ llama.cpp's Q4_K_M mix, one family at a time. The timed work is a whole request,
 prompt then 32 greedy tokens (decode dominates), from the request to its last token: on the
 single engine on one pinned core with one thread, and through a 2-stage mesh of two nodes
 pinned to a core each, on loopback and over the emulated 1 GbE link (two network namespaces,
-``split.lan_up``), as the coordinator receives the tokens. The parties take turns for
-``repeats`` rounds; medians are reported. ``split_ratio_*`` = the single process's seconds /
+``split.lan_up``), as the coordinator receives the tokens. One mesh is up at a time (an idle
+mesh's nodes share the two cores); the single engine takes turns with it for ``repeats`` rounds;
+medians are reported. ``split_ratio_*`` = the single process's seconds /
 the mesh's (target: at least 0.9 over the LAN). Where the three copies of a model (the single
 process's and two meshes') would not fit ``MEMORY_BUDGET`` comfortably, the single runs come
 first and its model is let go before the meshes start.
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 
 from seamline.app import LocalModel
-from seamline.bench.driver import Driver, median
+from seamline.bench.driver import median
 from seamline.bench.family_models import SHAPES, VOCAB, family_path, file_types, shape_summary
 from seamline.bench.split import LAN_DELAY_MS, LAN_RATE, lan_down, lan_driver, lan_up, one_core, pinned_driver
 from seamline.bench.split_driver import fixed_prompt
@@ -185,32 +186,30 @@ def rounds_alone(model: LocalModel, repeats: int) -> list[dict[str, Any]]:
 
 def rounds(path: Path, repeats: int, lan_reason: str,
            model: LocalModel | None) -> tuple[dict[str, list[dict[str, Any]]], list[Any]]:  # fmt: skip
-    """The meshes' runs, each round after the single engine's when ``model`` is given."""
+    """The meshes' runs, one mesh alive at a time (an idle mesh's nodes, pinned to the same two
+    cores, would take time from the measured one), each round after the single engine's when
+    ``model`` is given."""
     extra = ("--model", str(path), "--dtype", DTYPE)
     runs: dict[str, list[dict[str, Any]]] = {"single": []} if model is not None else {}
     prompt = fixed_prompt(PROMPT_TOKENS, model.config.vocab_size) if model is not None else []
     if model is not None:
         request(model, prompt[:4], 2)  # warm-up
-    drivers = {"loopback": pinned_driver(extra)}
-    try:
-        if not lan_reason:
-            drivers["lan"] = lan_driver(one_core_each=True, extra=extra)
-        for driver in drivers.values():
+    stages: list[Any] = []
+    parties = {"loopback": lambda: pinned_driver(extra)}
+    if not lan_reason:
+        parties["lan"] = lambda: lan_driver(one_core_each=True, extra=extra)
+    for party, start in parties.items():
+        driver = start()
+        try:
             driver.ask(f"measure 2 {PROMPT_TOKENS}")  # warm-up
-        for _ in range(repeats):
-            if model is not None:
-                runs["single"].append(request(model, prompt, TOKENS))
-            for party, driver in drivers.items():
+            for _ in range(repeats):
+                if model is not None:
+                    runs["single"].append(request(model, prompt, TOKENS))
                 runs.setdefault(party, []).append(driver.ask(f"measure {TOKENS} {PROMPT_TOKENS}"))
-        stages = [s["layers"] for s in drivers["loopback"].wait_ready()["stages"]]
-    finally:
-        _close(drivers)
+            stages = stages or [s["layers"] for s in driver.wait_ready()["stages"]]
+        finally:
+            driver.close()
     return runs, stages
-
-
-def _close(drivers: dict[str, Driver]) -> None:
-    for driver in drivers.values():
-        driver.close()
 
 
 def fits_together(file_bytes: int, budget: int = MEMORY_BUDGET) -> bool:
