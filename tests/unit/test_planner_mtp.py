@@ -63,10 +63,16 @@ def test_serve_plans_the_drafting_layer_as_its_fragments_and_as_the_last_stage_l
     from seamline.runtime.speculation import Speculation
     from seamline.weights.fragments import Manifest
     from seamline.weights.loader import load_stage, open_source
+    from seamline.app import default_model_path
+    from seamline.weights.gguf import tokenizer_from_gguf
     from tests.support.deepseek import add_mtp_layer, build_deepseek
+    from tests.support.v4_reference import with_tokenizer
 
-    model, folder = build_deepseek(tmp_path / "m", "v3")
+    # the embedded tokenizer and its vocabulary: serve reads the tokenizer before it plans
+    vocab = tokenizer_from_gguf(default_model_path()).get_vocab_size()
+    model, folder = build_deepseek(tmp_path / "m", "v3", vocab_size=vocab)
     add_mtp_layer(model, folder)
+    with_tokenizer(folder)
     specs: dict[str, ModelSpec] = {}
     for mode in ("auto", "off"):
         mesh = build_mesh(ServeOptions(model=str(folder), cache_dir=tmp_path / "cache", precision="exact",
