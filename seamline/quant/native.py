@@ -1,8 +1,14 @@
 """The C++ kernels (quantized matmuls, decode attention): compiled once per source and torch version, cached, loaded on first use.
 
 ``kernels()`` answers ``torch.ops.seamline_quant`` or None when they cannot be had (no compiler,
-not x86-64, CPU without AVX-512 VNNI, or ``SEAMLINE_QUANT_KERNELS=0``); callers then take the
-torch path, which is slower but gives the same answers up to activation rounding.
+not x86-64, a CPU without AVX2, or ``SEAMLINE_QUANT_KERNELS=0``); callers then take the torch
+path, which is slower but gives the same answers up to activation rounding.
+
+The sources are AVX-512 code. A CPU with AVX-512 VNNI gets them as written; one with only AVX2
+(most AMD desktops and EPYCs before Zen 4, Intel's client cores) gets the same sources built
+with ``SEAMLINE_AVX2``, their AVX-512 intrinsics emulated on 256-bit registers
+(``kernels/avx2_512.h``): the same answers, at a fraction of the speed of native AVX-512 but
+many times the torch path's.
 """
 
 from __future__ import annotations
@@ -25,13 +31,18 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "SEAMLINE_QUANT_KERNELS"  # "0" turns the C++ kernels off
 KERNEL_DIR = Path(__file__).parent / "kernels"
 SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp", "float_gemv.cpp", "decode.cpp", "amx.cpp")
-HEADERS = ("kernels.h", "blocks.h", "store16.h")  # sources and headers: the cache key
+HEADERS = ("kernels.h", "blocks.h", "store16.h", "intrinsics.h", "avx2_512.h")  # sources and headers: the cache key
+AVX2_FLAG = "-DSEAMLINE_AVX2=1"  # the build for CPUs without AVX-512
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for is inline
 LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch already loaded, so set_num_threads holds
 
 
-def _digest() -> str:
-    h = hashlib.sha256(f"{torch.__version__} {sys.version_info[:2]} {CFLAGS} {LDFLAGS}".encode())
+def _cflags(isa: str) -> list[str]:
+    return [*CFLAGS, AVX2_FLAG] if isa == "avx2" else list(CFLAGS)
+
+
+def _digest(isa: str) -> str:
+    h = hashlib.sha256(f"{torch.__version__} {sys.version_info[:2]} {_cflags(isa)} {LDFLAGS}".encode())
     for name in (*SOURCES, *HEADERS):
         h.update((KERNEL_DIR / name).read_bytes())
     return h.hexdigest()[:16]
@@ -52,7 +63,7 @@ def _ninja() -> str | None:
     return shutil.which("ninja", path=path)
 
 
-def _build(name: str, build_dir: Path) -> None:
+def _build(name: str, build_dir: Path, isa: str) -> None:
     """Compile with torch's extension builder; the interpreter's own bin dir joins PATH for ninja."""
     from torch.utils.cpp_extension import load
 
@@ -64,7 +75,7 @@ def _build(name: str, build_dir: Path) -> None:
         load(
             name=name,
             sources=[str(KERNEL_DIR / s) for s in SOURCES],
-            extra_cflags=list(CFLAGS),
+            extra_cflags=_cflags(isa),
             extra_ldflags=list(LDFLAGS),
             build_directory=str(build_dir),
             is_python_module=False,
@@ -74,10 +85,10 @@ def _build(name: str, build_dir: Path) -> None:
         os.environ["PATH"] = old_path
 
 
-def _load() -> Any:
-    """Load the cached library, else build it; a failed build is remembered (FAILED) so that
-    later processes do not retry the same sources with the same compiler."""
-    name = f"seamline_quant_{_digest()}"
+def _load(isa: str) -> Any:
+    """Load the cached library for ``isa``, else build it; a failed build is remembered (FAILED)
+    so that later processes do not retry the same sources with the same compiler."""
+    name = f"seamline_quant_{isa}_{_digest(isa)}"
     build_dir = cache_dir() / name
     library, failed = build_dir / f"{name}.so", build_dir / "FAILED"
     if library.exists() and not (build_dir / "lock").exists():  # "lock": another process still building
@@ -87,7 +98,7 @@ def _load() -> Any:
     else:
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            _build(name, build_dir)
+            _build(name, build_dir, isa)
         except Exception as exc:
             failed.write_text(str(exc))
             raise
@@ -114,34 +125,39 @@ def _kernels_once() -> Any | None:
         missing = "a C++ compiler" if _compiler() is None else "ninja (pip install ninja)"
         log.warning("no %s found; quantized matmuls use the slower torch path", missing)
         return None
-    if not cpu_has_avx512_vnni():  # checked before loading: the library's code is AVX-512 throughout
-        log.info("CPU lacks AVX-512 VNNI; quantized matmuls use the slower torch path")  # nothing to act on
+    isa = kernel_isa()  # checked before loading: code for an instruction set the CPU lacks kills the process
+    if isa is None:
+        log.info("CPU lacks AVX2; quantized matmuls use the slower torch path")  # nothing to act on
         return None
     try:
-        ops = _load()
+        ops = _load(isa)
     except Exception as exc:  # a failed build must not stop seamline
         log.warning("quant kernels failed to build (%s); using the slower torch path", str(exc).splitlines()[0])
         return None
     if not ops.cpu_supported():
-        log.warning("CPU lacks AVX-512 VNNI; quantized matmuls use the slower torch path")
+        log.warning("CPU lacks %s; quantized matmuls use the slower torch path", isa.upper())
         return None
     _register_shapes()
     return ops
 
 
-NEEDED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
+AVX2_FLAGS = frozenset({"avx2", "fma", "f16c", "bmi2"})
 
 
-def cpu_has_avx512_vnni(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
-    """Whether this CPU runs the kernels: its flags (Linux), else torch's own capability reading."""
+def kernel_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+    """The kernels' build this CPU runs: "avx512", "avx2" or None, from its flags (Linux), else
+    from torch's own capability reading."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        capability = torch.backends.cpu.get_cpu_capability()
+        return "avx512" if capability.startswith("AVX512") else "avx2" if capability == "AVX2" else None
     for line in text.splitlines():
         if line.startswith("flags"):
-            return NEEDED_FLAGS <= set(line.partition(":")[2].split())
-    return False
+            flags = set(line.partition(":")[2].split())
+            return "avx512" if AVX512_FLAGS <= flags else "avx2" if AVX2_FLAGS <= flags else None
+    return None
 
 
 def _register_shapes() -> None:

@@ -1,6 +1,6 @@
 """A mesh computes in one precision, the coordinator's: with no flag the fast one (bfloat16
 activations, int8 blocks), every stage reports it in /api/status, and a node that cannot run
-it (no int8 kernels: ``SEAMLINE_QUANT_KERNELS=0`` stands in for a CPU without AVX-512 VNNI)
+it (no int8 kernels: ``SEAMLINE_QUANT_KERNELS=0`` stands in for a CPU without AVX2)
 is said once and not planned, while the others serve."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ CONTEXT = 1024
 QUESTION = "List three prime numbers."
 
 
-@pytest.mark.skipif(kernels() is None, reason="the int8-block kernels need AVX-512 VNNI")
+@pytest.mark.skipif(kernels() is None, reason="the int8-block kernels need x86-64 with AVX2 and a compiler")
 def test_a_fast_mesh_plans_only_the_nodes_that_run_its_precision(tmp_path: Path) -> None:
     cap = memory_cap_gb(None, 2, CONTEXT, dtype_bytes=2)  # two stages of bfloat16 KV
     mesh = MeshProcesses(tmp_path, nodes=3, node_memory_gb=cap,

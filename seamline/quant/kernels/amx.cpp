@@ -10,7 +10,7 @@
 // the kernel lets this process use the tile registers).
 #include "kernels.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if (defined(__x86_64__) || defined(_M_X64)) && !SEAMLINE_AVX2
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,avx2,bmi2,amx-tile,amx-int8")
 #include <cpuid.h>
 #include <sys/syscall.h>

@@ -7,7 +7,7 @@
 // Included only from kernels.cpp, after its AVX-512 target pragma.
 #pragma once
 
-#include <immintrin.h>
+#include "intrinsics.h"
 #include <cstdint>
 #include <cstring>
 

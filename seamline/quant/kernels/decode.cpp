@@ -18,8 +18,8 @@
 #include "kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
-#include <immintrin.h>
+SEAMLINE_TARGET("avx512f,avx512bw,avx512vl,avx512dq,fma,avx2")
+#include "intrinsics.h"
 
 #include "store16.h"
 

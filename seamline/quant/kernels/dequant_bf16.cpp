@@ -3,7 +3,7 @@
 // only when the CPU has AVX512-BF16.
 #include "kernels.h"
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if (defined(__x86_64__) || defined(_M_X64)) && !SEAMLINE_AVX2
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,f16c,fma,avx2,bmi2")
 #include "blocks.h"
 

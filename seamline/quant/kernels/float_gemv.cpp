@@ -13,7 +13,7 @@
 #include "kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,avx2,bmi2")
+SEAMLINE_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,avx2,bmi2")
 #include "blocks.h"
 
 namespace seamline_quant {

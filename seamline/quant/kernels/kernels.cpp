@@ -7,16 +7,21 @@
 #include "kernels.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,avx2,bmi2")
+SEAMLINE_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma,avx2,bmi2")
 #include "blocks.h"
 
 namespace seamline_quant {
 
 bool cpu_supported() {
   __builtin_cpu_init();
+#if SEAMLINE_AVX2
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+         __builtin_cpu_supports("bmi2");
+#else
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("avx512vnni");
+#endif
 }
 
 int64_t padded_cols(int64_t cols) { return (cols + 63) / 64 * 64; }

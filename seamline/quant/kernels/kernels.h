@@ -4,6 +4,17 @@
 
 #include <cstdint>
 
+// The instruction set of a kernel file: its own list of AVX-512 features, or with SEAMLINE_AVX2
+// defined (the library built for CPUs without AVX-512) AVX2, FMA and F16C, the AVX-512
+// intrinsics then emulated by avx2_512.h (intrinsics.h). Files that only AVX-512 can run
+// (amx.cpp, dequant_bf16.cpp) compile to their stubs there.
+#define SEAMLINE_PRAGMA(x) _Pragma(#x)
+#if SEAMLINE_AVX2
+#define SEAMLINE_TARGET(features) SEAMLINE_PRAGMA(GCC target("avx2,fma,f16c,bmi2"))
+#else
+#define SEAMLINE_TARGET(features) SEAMLINE_PRAGMA(GCC target(features))
+#endif
+
 namespace seamline_quant {
 
 enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
@@ -29,7 +40,7 @@ struct AmxX {
   float* sum;
 };
 
-bool cpu_supported();                 // AVX-512 F/BW/VL/DQ/VNNI present at run time
+bool cpu_supported();                 // AVX-512 F/BW/VL/DQ/VNNI (AVX2 build: AVX2, FMA, F16C) present
 bool qtype_supported(int qtype);      // one of the GGML types the kernels decode
 int64_t padded_cols(int64_t cols);    // cols rounded up to 64
 int64_t row_bytes(int qtype, int64_t cols);  // bytes of one row of cols weights; -1 if not whole blocks

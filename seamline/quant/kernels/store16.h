@@ -2,7 +2,7 @@
 // as torch rounds; NaN stays NaN). For files compiled with AVX-512 F/BW/VL (decode.cpp, amx.cpp).
 #pragma once
 
-#include <immintrin.h>
+#include "intrinsics.h"
 
 #include "kernels.h"
 
