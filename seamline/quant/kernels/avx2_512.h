@@ -309,6 +309,28 @@ static inline __m256i sl_maskz_loadu_epi16_256(unsigned k, const void* p) {  // 
   return _mm256_load_si256((const __m256i*)w);
 }
 
+// ---- shortcuts for the kernels' word permutes whose pattern is known (blocks.h takes them)
+// fp16 values at a and b as 16 floats [a x8, b x8]
+static inline sl_m512 sl_halves(const uint8_t* a, const uint8_t* b) {
+  uint16_t ha, hb;
+  std::memcpy(&ha, a, 2);
+  std::memcpy(&hb, b, 2);
+  return {_mm256_set1_ps(_cvtsh_ss(ha)), _mm256_set1_ps(_cvtsh_ss(hb))};
+}
+// words 2d and 2d + 1 of w.lo (its dword d): lo = [word 2d x16], hi = [word 2d + 1 x16]
+static inline sl_m512i sl_word_pair(sl_m512i w, int d) {
+  const __m256i dword = _mm256_permutevar8x32_epi32(w.lo, _mm256_set1_epi32(d));
+  return {_mm256_shuffle_epi8(dword, _mm256_set1_epi16(0x0100)), _mm256_shuffle_epi8(dword, _mm256_set1_epi16(0x0302))};
+}
+// words of w.lo's dwords d0 and d1 (d = words 2d, 2d + 1), each spread over a 128-bit lane:
+// lo = [word 2 d0 x8, word 2 d0 + 1 x8], hi = [word 2 d1 x8, word 2 d1 + 1 x8]
+static inline sl_m512i sl_spread_words(sl_m512i w, int d0, int d1) {
+  const __m256i first_second = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                                2, 3, 2, 3, 2, 3, 2, 3);
+  return {_mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(w.lo, _mm256_set1_epi32(d0)), first_second),
+          _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(w.lo, _mm256_set1_epi32(d1)), first_second)};
+}
+
 // ---- the names the kernels use
 #define __m512 sl_m512
 #define __m512i sl_m512i

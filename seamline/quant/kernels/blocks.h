@@ -42,6 +42,9 @@ static inline uint32_t ld32(const uint8_t* p) {
 // fp16 fields at 16-bit word offsets A (first block) and B (second) of a unit -> [A x8, B x8]
 template <int A, int B>
 static inline __m512 halves(const uint8_t* p) {
+#if SEAMLINE_AVX2  // no cross-lane word permute there: two scalar loads
+  return sl_halves(p + 2 * A, p + 2 * B);
+#endif
   const __m512i idx = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                        B, B, B, B, B, B, B, B, A, A, A, A, A, A, A, A);
   if constexpr (B < 16) {  // within the unit's first 32 bytes
@@ -190,6 +193,9 @@ struct KIntHead {
     neg_dmin = _mm512_broadcastss_ps(_mm_sub_ps(_mm_setzero_ps(), _mm_movehdup_ps(dd)));
   }
   inline __m512i scales(int j) const {  // [sc_2j x16 words, sc_2j+1 x16 words]
+#if SEAMLINE_AVX2
+    return sl_word_pair(w, j);
+#endif
     const __m512i base = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 1);
     return _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(2 * j))), w);
   }
@@ -254,6 +260,9 @@ struct Q6IntHead {
     d = _cvtsh_ss(h);
   }
   inline __m512i scales(int j) const {  // [sc_4j x8, sc_4j+1 x8, sc_4j+2 x8, sc_4j+3 x8] words
+#if SEAMLINE_AVX2
+    return sl_spread_words(w, 2 * j, 2 * j + 1);
+#endif
     const __m512i base = _mm512_srli_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16,
                                                             15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 3);
     return _mm512_permutexvar_epi16(_mm512_add_epi16(base, _mm512_set1_epi16((short)(4 * j))), w);
