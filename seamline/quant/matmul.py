@@ -37,7 +37,11 @@ from seamline.quant.tensor import QuantTensor
 
 DECODE_ROWS = 12  # up to this many rows the fused kernel beats dequantise + GEMM (measured, 2 threads)
 EXACT_BLOCK_ROWS = 64  # exact: up to this many rows on the blocks, beyond on float32 tiles
-TILE_BYTES = 1 << 22  # the torch path's float tiles
+# the torch path's tiles, in float32 bytes (its decoders' dtype): a tile's few float temporaries
+# land in glibc's heap once its mmap threshold has risen (to 29 MB as a load frees the embedded
+# model's misaligned embedding copy) and stay in the process's RSS after; 8 MB temporaries held
+# that model at +38 MB over its weights, 1 MiB ones hold a few MB, no slower (measured)
+TILE_BYTES = 1 << 20
 AMX_FROM_ROWS = 9  # int8 mode, a CPU with AMX-INT8: from this many rows tiles beat the AVX-512 kernel
 AMX_ENV = "SEAMLINE_QUANT_AMX"  # "0": never AMX tiles
 _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
@@ -119,7 +123,7 @@ def quant_linear(
 def _tiled(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
     """F.linear over row tiles of ``w`` dequantised one at a time (about ``TILE_BYTES`` each)."""
     rows, cols = w.shape
-    tile = max(16, TILE_BYTES // (cols * x.element_size()))
+    tile = max(16, TILE_BYTES // (cols * 4))  # float32: what the decoders compute in, whatever x's dtype
     parts = [F.linear(x, dequantize(QuantTensor(w.qtype, w.data[start:start + tile], (min(tile, rows - start), cols)),
                                     x.dtype, use_kernels=use_kernels))
              for start in range(0, rows, tile)]  # fmt: skip

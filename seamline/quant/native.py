@@ -26,9 +26,10 @@ from typing import Any
 
 import torch
 
+from seamline.runtime.cpu_flags import CPUINFO, ENV_SWITCH, cpu_flags, isa_of
+
 log = logging.getLogger(__name__)
 
-ENV_SWITCH = "SEAMLINE_QUANT_KERNELS"  # "0" turns the C++ kernels off
 KERNEL_DIR = Path(__file__).parent / "kernels"
 SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp", "float_gemv.cpp", "decode.cpp", "amx.cpp")
 HEADERS = ("kernels.h", "blocks.h", "store16.h", "intrinsics.h", "avx2_512.h")  # sources and headers: the cache key
@@ -141,23 +142,13 @@ def _kernels_once() -> Any | None:
     return ops
 
 
-AVX512_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"})
-AVX2_FLAGS = frozenset({"avx2", "fma", "f16c", "bmi2"})
-
-
-def kernel_isa(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
+def kernel_isa(cpuinfo: Path = CPUINFO) -> str | None:
     """The kernels' build this CPU runs: "avx512", "avx2" or None, from its flags (Linux), else
     from torch's own capability reading."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        capability = torch.backends.cpu.get_cpu_capability()
-        return "avx512" if capability.startswith("AVX512") else "avx2" if capability == "AVX2" else None
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.partition(":")[2].split())
-            return "avx512" if AVX512_FLAGS <= flags else "avx2" if AVX2_FLAGS <= flags else None
-    return None
+    if cpuinfo.is_file():  # a flags line that lacks them, or no flags line at all: not proven
+        return isa_of(cpu_flags(cpuinfo))
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "avx512" if capability.startswith("AVX512") else "avx2" if capability == "AVX2" else None
 
 
 def _register_shapes() -> None:
