@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from seamline.runtime.cpu_flags import CPUINFO, ENV_SWITCH, cpu_flags, isa_of
+from seamline.cpu_flags import CPUINFO, ENV_SWITCH, cpu_flags, isa_of
 
 log = logging.getLogger(__name__)
 

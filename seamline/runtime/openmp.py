@@ -15,7 +15,7 @@ the next stage computes. Stages that share a machine then take each other's core
 mesh on 2 cores ran at 0.55x one process, against 0.67x with its workers throttled), and a
 node's steps are a link's round trip apart anyway: ``node_spin`` keeps them spinning through
 a step's regions (tens of microseconds apart) but not between steps. On the torch path (no C++
-kernels: ``runtime.cpu_flags``) a step's regions are further apart, Python dequantising a tile
+kernels: ``seamline.cpu_flags``) a step's regions are further apart, Python dequantising a tile
 between two, so its workers spin longer; its steps are tens of times longer too.
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from seamline.runtime.cpu_flags import CPUINFO, takes_torch_path
+from seamline.cpu_flags import CPUINFO, takes_torch_path
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

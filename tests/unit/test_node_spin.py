@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from seamline.runtime import cpu_flags, openmp
-from seamline.runtime.cpu_flags import ENV_SWITCH, KERNEL_FLAGS, kernel_cpu, takes_torch_path
+from seamline import cpu_flags
+from seamline.runtime import openmp
+from seamline.cpu_flags import ENV_SWITCH, KERNEL_FLAGS, kernel_cpu, takes_torch_path
 from seamline.runtime.openmp import NODE_SPIN_COUNT, SPIN_VARIABLE, TORCH_PATH_SPIN_COUNT, node_spin, node_spin_count
 
 BASE_FLAGS = ("fpu", "sse", "sse2", "avx")  # no AVX2: the kernels need KERNEL_FLAGS beside
