@@ -105,6 +105,30 @@ def test_int8_kernel_matches_reference(ops, qtype, dtype) -> None:
         assert torch.equal(part, ops.linear(x, w.data, w.qtype, w.shape[1], None, 16)[:, 3:29])
 
 
+def _rounded_activations(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x rounded as the kernels round it, in float32 (scale amax / 127 per block of 32, or of 256
+    for K-quants; quants to nearest even), then widened to float64."""
+    blocks = x.float().reshape(x.shape[0], -1, block)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    quants = torch.round(blocks * inverse)
+    return ((amax / 127.0).double() * quants.double()).reshape(x.shape)
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
+def test_int8_kernel_is_the_int8_block_arithmetic(ops, qtype) -> None:
+    """Tighter than the tolerance above: the int8 kernel's sums are those of the rounded
+    activations times the dequantised weights, up to float32 accumulation (each build: AVX-512
+    as written, AVX2 emulated)."""
+    gen = torch.Generator().manual_seed(11)
+    block = 256 if qtype.name.endswith("K") else 32
+    w = random_weight(qtype, (48, 2048), gen)
+    x = torch.randn(3, 2048, generator=gen)
+    y = ops.linear(x, w.data, w.qtype, 2048, None, 16).double()
+    ref = _reference(_rounded_activations(x, block), w)
+    assert (y - ref).abs().max().item() <= 2e-6 * ref.abs().max().item(), qtype.name
+
+
 AMX_TYPES = [t for t in KERNEL_TYPES if not t.name.endswith("K")]  # the 32-wide block types
 
 

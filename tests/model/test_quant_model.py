@@ -6,9 +6,12 @@ positions fed one decode step at a time, the logits stay within a tolerance of a
 dequantised bfloat16 reference (twice that reference's own distance from float32) and the
 top-1 token agrees at 99% of positions at least.
 
-The reference's logits are bfloat16: near 30 they step by 0.125, and at about 3% of this
-model's positions its two best tokens tie exactly, so that its argmax is merely the lower
-token id. At such a position either tied token is its top-1.
+The logits on both sides are bfloat16: near 30 they step by 0.125, and at about 3% of this
+model's positions the two best tokens tie exactly, so that the argmax is merely the lower token
+id. At such a position either tied token is the top-1, on either side: on an AVX2 CPU our two
+best tied exactly at three of 256 positions and the lower id was the reference's second, which
+counted as misses made 98.4% (the kernels there equal the int8-block arithmetic, computed in
+float64, to 4e-7 of the largest output).
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def test_fast_path_follows_the_dequantised_reference() -> None:
     tokens = (ids + text)[:POSITIONS]
     ours, theirs = _decode_logits(model.engine.stage, tokens), _decode_logits(reference.stage, tokens)
     noise = (theirs - _decode_logits(exact, tokens)).abs().max().item()
-    picked = theirs.gather(1, ours.argmax(-1, keepdim=True))[:, 0]  # the reference's logit of our top-1
+    ours_tied = ours == ours.max(-1, keepdim=True).values  # our top-1, or our tokens tied for it
+    picked = theirs.masked_fill(~ours_tied, float("-inf")).max(-1).values  # the reference's best of them
     agree = (picked == theirs.max(-1).values).float().mean().item()
     err = (ours - theirs).abs().max().item()
     print(f"top-1 agreement {agree:.4f}, max |quantized - dequantised| {err:.3f}, bfloat16 noise {noise:.3f} "
