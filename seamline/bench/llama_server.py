@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from seamline.cpu_flags import cpu_flags, isa_of
+
 LLAMA_CPP_PYTHON = "0.3.36"  # the source package whose vendored llama.cpp is built
 BIN_ENV = "SEAMLINE_LLAMA_CPP_BIN"
 TARGETS = ("llama-server", "llama-bench")
@@ -31,11 +33,13 @@ BASE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
 )  # fmt: skip
-CPU_FLAGS = (
+AVX2_FLAGS = (
     "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-    "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON",
     "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
 )  # fmt: skip
+AVX512_FLAGS = ("-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON")
+# AVX-512 where the CPU has it (an AVX2-only CPU dies of an illegal instruction in such a build)
+CPU_FLAGS = AVX2_FLAGS + (AVX512_FLAGS if isa_of(cpu_flags()) == "avx512" else ())
 CMAKE_FLAGS = BASE_FLAGS + CPU_FLAGS
 
 
