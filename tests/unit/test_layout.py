@@ -12,6 +12,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 import seamline
 
 ROOT = Path(seamline.__file__).parent
@@ -68,15 +70,16 @@ def test_node_and_coordinator_share_only_the_protocol_package() -> None:
     assert not graph["mesh.protocol"] & {"mesh.control", "mesh.node"}
 
 
-def test_the_planner_is_arithmetic_without_torch_or_the_model() -> None:
+@pytest.mark.parametrize("package", ["mesh.plan", "sim"])
+def test_the_planner_and_simulator_are_arithmetic_without_torch_or_the_model(package: str) -> None:
     graph = _imports()
-    assert "ownership" in graph["mesh.plan"]  # the walk sees the planner's imports
-    assert "model" not in graph["mesh.plan"]
-    code = ("import importlib, pkgutil, sys, seamline.mesh.plan as p\n"
-            "for m in pkgutil.iter_modules(p.__path__): importlib.import_module('seamline.mesh.plan.' + m.name)\n"
-            "print(sorted(k for k in sys.modules if k == 'torch' or k.startswith('seamline.model')))")
+    assert "mesh.plan" in graph["sim"] and "ownership" in graph["mesh.plan"]  # the walk sees their imports
+    assert "model" not in graph[package]
+    code = (f"import importlib, pkgutil, sys, seamline.{package} as p\n"
+            f"for m in pkgutil.iter_modules(p.__path__): importlib.import_module('seamline.{package}.' + m.name)\n"
+            "print(sorted(k for k in sys.modules if k in ('torch', 'transformers') or k.startswith('seamline.model')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "[]", f"importing the planner loads {out.stdout.strip()}"
+    assert out.stdout.strip() == "[]", f"importing seamline.{package} loads {out.stdout.strip()}"
 
 
 def test_only_the_runtime_drives_the_scheduler() -> None:

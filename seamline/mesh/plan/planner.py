@@ -58,7 +58,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from seamline.mesh.plan.pricing import TOKEN_ID_BYTES, check_plan, price_route
-from seamline.mesh.plan.split import capacities, planning_rate, split_band
+from seamline.mesh.plan.split import capacities, planning_rate, shortfall_note, split_band
 from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
 
 __all__ = ["PlanError", "check_plan", "plan", "price_route"]
@@ -453,7 +453,7 @@ def _refusal(model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions) 
         f"{model.weight_bytes()} + KV cache {sum(kv_layers)} for "
         f"{options.context_tokens} tokens x {options.batch} sequences), the {len(nodes)} "
         f"nodes offer {have} after headroom{why}; the largest layer (layer {layer}) needs "
-        f"{layer_need} bytes, the largest node offers {biggest}"
+        f"{layer_need} bytes, the largest node offers {biggest}{shortfall_note(need, offers, nodes)}"
     )
 
 

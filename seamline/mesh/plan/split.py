@@ -18,6 +18,7 @@ overestimate there). Headroom is kept on both memories as ``PlanOptions.headroom
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +131,24 @@ def gpu_note(model: ModelSpec, options: PlanOptions, node: NodeInfo, s: int, e: 
     return (f"node {node.node_id}: {acc.device} has {_gib(acc.free_memory_bytes)} free "
             f"({_gib(capacities(node, options)[1])} after headroom), less than layer {s} needs there "
             f"({_gib(first)} with its KV cache{with_embed}): layers [{s},{e}) run on its CPU")  # fmt: skip
+
+
+def shortfall_note(need: int, offers: Sequence[int], nodes: Sequence[NodeInfo]) -> str:
+    """A refusal's plain words when the pool is short of bytes: by how much, and which of its
+    nodes (the smallest that covers the shortfall, else as many of the largest as it takes) to add."""
+    short = need - sum(offers)
+    if short <= 0:
+        return ""
+    said = (f"; the pool holds {sum(offers) / GIB:.1f} GiB after headroom and the model needs "
+            f"{need / GIB:.1f} GiB: {short / GIB:.1f} GiB short")  # fmt: skip
+    covers = [i for i in range(len(nodes)) if offers[i] >= short]
+    i = min(covers, key=lambda j: offers[j]) if covers else max(range(len(nodes)), key=lambda j: offers[j])
+    if offers[i] <= 0:  # no node offers anything after headroom: none is worth copying
+        return said
+    count = -(-short // offers[i])
+    free = (nodes[i].free_memory_bytes + sum(d.free_memory_bytes for d in nodes[i].devices[:1])) / GIB
+    like = f"one more node like {nodes[i].node_id!r}" if count == 1 else f"{count} more nodes like {nodes[i].node_id!r}"
+    return f"{said}; {like} ({free:.1f} GiB free{' each' if count > 1 else ''}) would cover it"
 
 
 def _gib(nbytes: float) -> str:

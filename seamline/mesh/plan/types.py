@@ -215,6 +215,8 @@ class DeviceInfo:
     device: str  # "cuda:0"
     free_memory_bytes: int
     bytes_per_second: float
+    # The speed probe's batched rates: (rows, weight bytes x rows per second), rows ascending; () unknown
+    batched_bytes_per_second: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -227,6 +229,9 @@ class NodeInfo:
     # Its accelerators; the planner places layers on the first (the one the node computes on),
     # the rest of a stage on its CPU (``plan.split``). (): the node is planned on its CPU alone.
     devices: tuple[DeviceInfo, ...] = ()
+    # Its CPU's batched rates, as ``DeviceInfo.batched_bytes_per_second``; the planner reads none of them
+    batched_bytes_per_second: tuple[tuple[int, float], ...] = ()
+    fails_at_s: float | None = None  # a simulated pool: the simulator fails this node then
 
     def accelerator(self) -> DeviceInfo | None:
         return self.devices[0] if self.devices else None
