@@ -11,11 +11,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from seamline.errors import ConfigError, SeamlineError
+from seamline.mesh.control.plan_args import add_plan_arguments
 from seamline.server.api_options import add_api_arguments, api_options
 
 INVITE_ENV = "SEAMLINE_INVITE"  # where `join` may read its invite (argv shows in `ps`)
 
-BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos", "growth", "spec", "gpu", "families")
+BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos", "growth", "spec", "gpu", "families", "scale")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,15 +123,8 @@ def _add_mesh_commands(sub: Any) -> None:
     package.add_argument("model")
     package.add_argument("--out", required=True)
     package.set_defaults(handler=cmd_package)
-    plan = sub.add_parser("plan", help="print the layer plan for a pool of nodes")
-    plan.add_argument("--nodes", dest="nodes_json", help="JSON list of nodes")
-    plan.add_argument("--live", help="URL of a running coordinator (http://host:port)")
-    plan.add_argument("--model", default=None)
-    plan.add_argument("--lock", default=None, help="write (or check) the plan in this file")
-    plan.add_argument("--context", type=int, default=4096)
-    plan.add_argument("--batch", type=int, default=1)
-    plan.add_argument("--objective", choices=("throughput", "latency"), default="throughput",
-                      help="throughput under load (the slowest stage; the default) or per-token latency")
+    plan = sub.add_parser("plan", help="print the layer plan for a pool of nodes, and its predictions under load")
+    add_plan_arguments(plan)
     _tensor_parallel_arg(plan, "N nodes per stage in lockstep (0: groups only where no node holds a stage)")
     plan.set_defaults(handler=cmd_plan)
     _add_admin_commands(sub)
@@ -471,10 +465,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from seamline.mesh.control.plan_args import plan_sim_options
     from seamline.mesh.control.plan_cli import run_plan_command
 
     return run_plan_command(args.nodes_json, args.model, args.lock, args.context, args.batch, live_url=args.live,
-                            tensor_parallel=args.tensor_parallel, objective=args.objective)
+                            tensor_parallel=args.tensor_parallel, objective=args.objective,
+                            sim=plan_sim_options(args))
 
 
 def _logging(quiet: bool, fmt: str = "text") -> None:

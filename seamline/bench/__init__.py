@@ -50,6 +50,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.throughput import bench_throughput
 
         result = bench_throughput(repeats=options["repeats"], tokens=options["tokens"])
+    elif name == "scale":
+        from seamline.bench.scale import bench_scale
+
+        result = bench_scale(repeats=options["repeats"], tokens=options["tokens"])
     elif name == "families":
         from seamline.bench.families import bench_families
 

@@ -21,7 +21,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Union
 
 import torch
@@ -135,6 +135,10 @@ class Link:
 
     def send_tokens(self, rows: list[TokenRow]) -> None:
         self._send([encode_tokens(rows)])
+
+    def send_buffers(self, buffers: Sequence[bytes | memoryview]) -> None:
+        """Send one encoded frame's buffers (``frames.encode_*``), header included."""
+        self._send(list(buffers))
 
     def send_raw(self, data: bytes) -> None:
         """Send bytes as they are (tests use this to send malformed frames)."""

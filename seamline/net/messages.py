@@ -418,6 +418,11 @@ class Stats(Message):
     accepted: int = 0
     follows: int = 0  # stage 0: windows sent on while one of the sequence's was in flight
     stale_windows: int = 0  # the last stage: windows sent on after one not accepted whole, not drawn from
+    # Its speed probe after loading (``runtime.step_probe``): rows -> seconds of one step of that many decode rows
+    step_probe_s: dict[int, float] = Field(default={}, max_length=8)
+    prompt_probe_s: float = 0.0  # and of one prompt chunk of ``step_probe.PROMPT_ROWS`` tokens
+    busy_seconds: float = 0.0  # every forward's seconds so far, prompt chunks' too
+    core_others_seconds: float = 0.0  # other processes' CPU seconds on its cores since boot, per core
 
 
 class Heartbeat(Message):

@@ -3,7 +3,9 @@ record of what was drawn. It runs no model: the engine core (``runtime/core.py``
 batch it plans with an executor, then records the tokens here.
 
 A step carries the decode row of every sequence past its prompt, then chunks of the prompts
-still being prefilled, first come first served, up to ``max_step_tokens`` rows; one forward
+still being prefilled, first come first served, up to ``max_step_tokens`` rows (and at most
+``prefill_chunk`` rows of one prompt, where set: a pipeline's stage 0 sends a long prompt on
+in several chunks, so that the later stages compute one while it computes the next); one forward
 (``Stage.forward_batch``, in the executor) runs them all. Sequences join and leave at step boundaries: a
 waiting sequence is admitted, in arrival order, when fewer than ``max_running`` hold a cache
 and the KV memory it will hold after its next step fits in what the running ones leave of
@@ -174,6 +176,7 @@ class Scheduler:
         forks: bool = True,
         masks: TokenMasks | None = None,
         speculation: Speculation | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         if stage.embed is None:
             raise ValueError("the scheduler needs a stage that owns the embedding")
@@ -181,6 +184,7 @@ class Scheduler:
         self.stage = stage
         self.context_length = context_length
         self.max_step_tokens = max_step_tokens
+        self.prefill_chunk = prefill_chunk  # the most rows of one prompt in a step (None: max_step_tokens)
         self.max_running = max_running
         self.kv_budget_bytes = kv_budget_bytes
         self.max_waiting = max_waiting
@@ -379,7 +383,8 @@ class Scheduler:
                 start, count = self._follow_start(sequence) - len(rows), len(rows)
                 spare -= count - 1
             elif sequence.prefilling:
-                count = min(sequence.prefill_end - start, self.max_step_tokens - len(inputs))
+                room = self.max_step_tokens - len(inputs)
+                count = min(sequence.prefill_end - start, room, self.prefill_chunk or room)
                 rows = sequence.known(start, start + count)
             else:
                 rows = sequence.tokens[-1:] + self._drafts(sequence, min(spare, self.max_step_tokens - len(inputs) - 1))

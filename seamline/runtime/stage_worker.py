@@ -109,9 +109,13 @@ class StageWorker:
         self.lock = threading.Lock()
         self.refused = 0
         self.stale_windows = 0  # the last stage: windows that went on from one not accepted whole, not drawn from
+        self.step_probe: dict[int, float] = {}  # rows -> seconds of one step, as probed after loading
+        self.prompt_probe = 0.0  # seconds of one prompt chunk of ``step_probe.PROMPT_ROWS`` tokens
+        self.busy_seconds = 0.0  # every forward's seconds, prompt chunks' too
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
-        self.micro_batches = 1  # the pipeline's stage count (set by the route)
+        self.stages = 1  # the pipeline's stage count (set by the route)
+        self.micro_batches = 1  # batches stage 0 keeps in flight: at least the stage count (set by the route)
         self.masks: TokenMasks | None = None  # the last stage's grammars, where it holds the tokenizer
         self.digest_seed = 0  # report every row's digests under this seed (0: none): the coordinator checks them
         # A private mesh (``--private``): stage 0 sends on no token id and no sampling parameter (``private``),
@@ -289,9 +293,11 @@ class StageWorker:
         if self.stage.passes_ids:
             rows["ids"] = ids
         out = to_host(self.stage.forward_batch(inputs, spans, **rows))  # a GPU stage's one crossing out
+        spent = time.perf_counter() - started
+        self.busy_seconds += spent
         if all(w.row.count == 1 for w in work):
             self.decode_steps += 1
-            self.decode_seconds += time.perf_counter() - started
+            self.decode_seconds += spent
         if self.digest_seed and self.links.digests is not None:
             self.links.digests([(w.row.request, w.row.position, w.row.count) for w in work], self._digests(work, inputs, out))
         if not self.is_last:

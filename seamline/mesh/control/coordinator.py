@@ -37,6 +37,7 @@ from seamline.mesh.control.mesh_state import (
 from seamline.mesh.control.mesh_status import describe
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.control.peer_links import PeerLinks
+from seamline.mesh.control.balance import Balance
 from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.reference import Reference
 from seamline.mesh.control.relay import Relay
@@ -96,6 +97,7 @@ class CoordinatorOptions:
     insecure_comm: bool = False  # torch.distributed may run between hosts (it encrypts nothing)
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage; fewer than the stages are not taken)
     live_growth: bool = True  # a node joining a serving mesh is planned in when it raises throughput enough
+    rebalance: bool = True  # stages that measure apart from the plan under load are re-planned (``balance``)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
     heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
     state_dir: Path | None = None  # removed members are kept here
@@ -141,6 +143,7 @@ class Coordinator:
         self.peer_links = PeerLinks()
         self.joining = Joining(self)
         self.planning = Planning(self)
+        self.balance = Balance(self)
         self.startup = StartUp(self)
         self.verifier = Verifier(reference, options.verify_fraction, lambda rows: self.on_tokens(rows),
                                  self.startup.expel, masks=_masks(options.package_dir))  # fmt: skip
@@ -178,6 +181,8 @@ class Coordinator:
 
     def start(self, host: str) -> int:
         """Listen for nodes on the control port (``joining``); the port."""
+        if self.options.rebalance and self.options.locked_plan is None:  # a locked plan is pinned
+            self.balance.start()
         return self.joining.start(host)
 
     def remove_node(self, node_id: str) -> bool:
@@ -311,6 +316,7 @@ class Coordinator:
 
     def shut_down(self) -> None:
         """The mesh is being stopped on purpose: nodes that leave now are not planned around."""
+        self.balance.stop()
         self.apply(ShuttingDown())
 
     def _lost(self, handle: NodeHandle, reason: str, observed: bool = True) -> None:

@@ -151,6 +151,19 @@ class Growing(Event):
 
 
 @dataclass(frozen=True)
+class Rebalancing(Event):
+    """A serving mesh switches to a plan priced from its stages' measured step times."""
+
+    slowdowns: str  # each node's measured step time over the plan's, relative to the stages' mean
+    gain: float
+    kind: ClassVar[str] = "rebalancing"
+
+    def describe(self, state: MeshState) -> str:
+        return (f"the stages measured apart ({self.slowdowns}): re-planning, predicted {self.gain:.2f}x the "
+                "throughput; requests in flight replay")
+
+
+@dataclass(frozen=True)
 class PlanChosen(Event):
     plan: Plan
     kind: ClassVar[str] = "plan_chosen"
@@ -251,6 +264,8 @@ def apply(state: MeshState, event: Event) -> MeshState:
         return change(state, ready=False, cause=event.cause, phase=f"{event.cause}; re-planning")
     if isinstance(event, Growing):
         return change(state, ready=False, phase=f"taking {', '.join(event.newcomers)} in")
+    if isinstance(event, Rebalancing):
+        return change(state, ready=False, phase="re-balancing the stages from their measured step times")
     if isinstance(event, PlanChosen):
         return change(state, plan=event.plan, plan_id=state.plan_id + 1, ready=False, cause="")
     if isinstance(event, NoPlan):

@@ -11,6 +11,7 @@ from seamline.mesh.plan.cores import core_shares
 from seamline.net.link import LinkClosed
 from seamline.precision import Precision
 from seamline.runtime.speculation import speculated
+from seamline.runtime.step_probe import PROMPT_ROWS
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
@@ -25,7 +26,8 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
     stages = [] if plan is None else [
         {"node_id": s.node_id, "layers": [s.start, s.end], "embedding": s.owns_embedding,
          "head": s.owns_head, "weight_bytes": s.weight_bytes, "ranks": list(s.members()),
-         "device": s.gpu_device or "cpu", "gpu_layers": s.gpu_layers}
+         "device": s.gpu_device or "cpu", "gpu_layers": s.gpu_layers,
+         "predicted_step_ms": round(s.compute_s * 1e3, 3), "predicted_under_load_ms": round(s.under_load_s * 1e3, 3)}
         for s in plan.stages
     ]  # fmt: skip
     shares = core_shares(h.placement() for h in state.nodes.values())
@@ -40,6 +42,7 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
                                    coordinator.options.int8_activations).as_dict(),
             "predicted_ms_per_token": plan.predicted_s_per_token * 1e3 if plan else None,
             "pace_ms": pace(plan) * 1e3 if plan else None,  # per token under load (what planning compares)
+            "rate_corrections": dict(coordinator.balance.corrections),  # from the stages' measured steps (``balance``)
             "model": coordinator.model.name,
             "events": coordinator.feed.recent()}  # fmt: skip
 
@@ -78,7 +81,12 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
     for stage, stat in zip(stages, stats):
         stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, kept_kv_bytes=stat.kept_kv_bytes,
                      decode_steps=stat.decode_steps, decode_seconds=round(stat.decode_seconds, 3))  # fmt: skip
+        if stat.decode_steps:  # beside the plan's predicted_step_ms (one row) and under load
+            stage["measured_step_ms"] = round(stat.decode_seconds / stat.decode_steps * 1e3, 3)
         if stat.precision:
             stage["precision"] = stat.precision
         if stat.micro_batches:
             stage["micro_batches"] = stat.micro_batches
+        if stat.step_probe_s:  # rows -> ms of one step, as the stage probed itself after loading
+            stage["step_probe_ms"] = {str(rows): round(s * 1e3, 3) for rows, s in sorted(stat.step_probe_s.items())}
+            stage["prompt_probe_ms"] = {str(PROMPT_ROWS): round(stat.prompt_probe_s * 1e3, 3)}

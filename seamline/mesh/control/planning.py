@@ -6,8 +6,9 @@ restarted coordinator's first plan is the stages its rejoined nodes still hold, 
 cover the model and fit, unless a plan that takes in other nodes too would be ``GROWTH_GAIN``
 times faster: the rates are measured again, noisily, and must not cost a reload. After that the mesh plans again
 whenever a planned node is lost (over the rest, standbys included), when a failed start-up's
-pause is over, and when a node joins a serving mesh and a plan with it would be at least
-``GROWTH_GAIN`` times faster (live growth). A switch of route ends every request in flight on
+pause is over, when a node joins a serving mesh and a plan with it would be at least
+``GROWTH_GAIN`` times faster (live growth), and when the stages' measured step times part from
+the plan's (``balance``). A switch of route ends every request in flight on
 the old one as "lost", and the backend replays it on the new one.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from seamline.mesh.control.mesh_state import (
@@ -22,9 +24,11 @@ from seamline.mesh.control.mesh_state import (
     NoMembers,
     NoPlan,
     PlanChosen,
+    Rebalancing,
     StartupFailed,
 )
 from seamline.mesh.plan.cores import core_shares
+from seamline.mesh.plan.cuts import least_bottleneck_cuts
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.measured import steady_rates
 from seamline.mesh.plan.planner import check_plan
@@ -76,11 +80,7 @@ class Planning:
     def candidate(self, joined: list[NodeHandle]) -> Plan:
         """The plan over ``joined`` (PlanError when they cannot hold the model)."""
         joined = self._able(joined)
-        shares = core_shares(h.placement() for h in joined)
-        nodes = sorted((h.info(shares[h.node_id]) for h in joined), key=lambda n: n.node_id)
-        links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined),
-                           self.coordinator.peer_links.measured())  # fmt: skip
-        nodes = steady_rates(nodes)  # like nodes measured apart plan alike
+        nodes, links = self._pool(joined)
         fresh = self._choose_plan(nodes, links)
         held = self._held_plan(joined, nodes, links) if self.coordinator.plan_id == 0 else None
         if held is None or (members(fresh) - members(held) and pace(held) > pace(fresh) * GROWTH_GAIN):
@@ -88,6 +88,46 @@ class Planning:
         log.info("the rejoined nodes keep the stages they hold (a fresh plan would be %.2fx as fast)",
                  pace(held) / pace(fresh))  # fmt: skip
         return held
+
+    def _pool(self, joined: list[NodeHandle]) -> tuple[list[NodeInfo], LinkTable]:
+        """The members as the planner sees them: probed rates times their core shares, like
+        rates evened out, then scaled by what their stages measured under load (``balance``)."""
+        shares = core_shares(h.placement() for h in joined)
+        nodes = sorted((h.info(shares[h.node_id]) for h in joined), key=lambda n: n.node_id)
+        links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined),
+                           self.coordinator.peer_links.measured())  # fmt: skip
+        corrections = self.coordinator.balance.corrections
+        nodes = [replace(n, bytes_per_second=n.bytes_per_second * corrections.get(n.node_id, 1.0))
+                 for n in steady_rates(nodes)]  # like nodes measured apart plan alike  # fmt: skip
+        return nodes, links
+
+    def rebalance(self, current: Plan, found: dict[str, float], needed: float) -> None:
+        """The stages measured apart (``balance``): switch to the plan the corrected rates give
+        when it is predicted ``needed`` times as fast as the current route at those rates."""
+        c = self.coordinator
+        with c.lock:
+            if c.plan is not current or not c.ready.is_set():
+                return
+            joined = self._able([h for h in c.keeper.current.nodes.values() if h.checked])
+            try:
+                nodes, links = self._pool(joined)
+                order = [s.node_id for s in current.stages]
+                moved = least_bottleneck_cuts(c.model, {n.node_id: n for n in nodes}, self._plan_options(), order)
+                if moved is None:
+                    return
+                proposed = price_route(c.model, nodes, links, current_options(current, self._plan_options()), moved)
+                route = [(s.node_id, s.start, s.end) for s in current.stages]
+                repriced = price_route(c.model, nodes, links, current_options(current, self._plan_options()), route)
+            except (PlanError, KeyError):
+                return
+            gain = pace(repriced) / pace(proposed)
+            slowdowns = ", ".join(f"{node} {value:.2f}x" for node, value in sorted(found.items()))
+            if gain < needed or proposed.stages == repriced.stages:
+                log.info("the stages measured apart (%s); a re-balanced plan would be %.2fx as fast: kept", slowdowns, gain)
+                return
+            c.apply(Rebalancing(slowdowns, gain))
+            c.on_failure(None, "the mesh re-balanced its stages", "replanned")
+            self._switch_to(proposed)
 
     def _able(self, joined: list[NodeHandle]) -> list[NodeHandle]:
         """The members that can compute in the mesh's precision; each one that cannot is said once."""
@@ -178,6 +218,11 @@ def pace(plan: Plan) -> float:
     """Seconds per token by what the plan optimised: the slowest stage's step under load
     (throughput), or one token's way through the pipeline (latency)."""
     return plan.slowest_stage_s() if plan.objective == "throughput" else plan.predicted_s_per_token
+
+
+def current_options(plan: Plan, options: PlanOptions) -> PlanOptions:
+    """``options`` with the objective ``plan`` was made for (its pace is compared)."""
+    return replace(options, objective=plan.objective)
 
 
 def members(plan: Plan) -> set[str]:

@@ -14,6 +14,7 @@ from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, tune
 from seamline.net.messages import Close, Forget, Fork, Linked, Open, RelayAccept, Route
+from seamline.net.overlap import ReadAhead, SendBehind
 from seamline.net.tls import TlsRefused, TlsSocket
 from seamline.runtime.speculation import Speculation
 
@@ -28,6 +29,7 @@ class DataPath:
 
     def _route(self: Node, route: Route) -> None:
         assert self.worker is not None and self.control is not None
+        self.worker.stages = max(1, route.stages)
         self.worker.micro_batches = max(1, route.stages, route.micro_batches)
         if self.worker.head is not None:
             self.worker.head.share_prefixes(route.forks)
@@ -40,8 +42,9 @@ class DataPath:
                         route.downstream_relay)  # fmt: skip
             self._keep(link)
             self._data_links[route.downstream_node or "downstream"] = link
-            self.worker.links.downstream = link.send_hidden
-            self.worker.links.downstream_message = link.send_message
+            sender = SendBehind(link, self._send_failed)  # a prompt's chunk leaves while the next is computed
+            self.worker.links.downstream = sender.send_hidden
+            self.worker.links.downstream_message = sender.send_message
         if route.stage0 is not None:
             link = dial(route.stage0, route.stage0_node, self.options.node_id, self.assignment, tls, route.stage0_relay)
             self._keep(link)
@@ -85,10 +88,19 @@ class DataPath:
             link.close()
             self._unkeep(link)
 
+    def _send_failed(self: Node, requests: list[int], exc: Exception) -> None:
+        """The downstream link broke with these requests' frames queued on it."""
+        for request in requests:
+            reason = f"layers [{self._layers()}) could not send downstream: {self._explain(exc)}"
+            self._report(request, reason, cause=exc)
+
     def _read_frames(self: Node, link: Link, peer: str, role: str, assignment: object) -> None:
+        """The link's frames, each run on this thread (the stage's compute thread), in order; the
+        next ones are read meanwhile while it runs a large one (``ReadAhead``)."""
+        frames = ReadAhead(link)
         while True:
             try:
-                frame = link.recv()
+                frame = frames.recv()
             except LinkClosed:
                 return
             except FrameError as exc:

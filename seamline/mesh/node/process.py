@@ -34,6 +34,7 @@ from seamline.mesh.protocol.fragment_server import PeerGate
 from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.protocol.relay_wire import PROBE_MAGIC
 from seamline.mesh.node.checks import digest_reporter, probe_result
+from seamline.mesh.node.core_load import others_cpu_seconds
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_path import DataPath
 from seamline.mesh.node.private_tail import load_tail, pair
@@ -188,6 +189,8 @@ class Node(Membership, DataPath):
                 self.control.send_message(Stats(node_id=self.options.node_id, decode_steps=w.decode_steps,
                                                 decode_seconds=w.decode_seconds, refused_frames=w.refused,
                                                 link_bytes=sent, precision=stage_precision(self.assignment),
+                                                step_probe_s=w.step_probe, prompt_probe_s=w.prompt_probe,
+                                                busy_seconds=w.busy_seconds, core_others_seconds=others_cpu_seconds(),
                                                 **w.holdings(), **w.speculated()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
@@ -270,6 +273,7 @@ class Node(Membership, DataPath):
                 self.invite, assign, self.options, client, self._loading_reporter(assign))  # fmt: skip
             self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
                                       _kv_budget(assign, stage.input_device))  # fmt: skip
+            self.worker.step_probe, self.worker.prompt_probe = _probed(stage)
         else:
             member, fetched = load_rank(self.invite, assign, self.options, self._group_tls(assign),
                                         self.credentials.client if self.credentials else None,
@@ -430,3 +434,18 @@ def run_node(token: str, options: NodeOptions) -> int:
     node.join()
     node.serve()
     return 0
+
+
+def _probed(stage: Stage) -> tuple[dict[int, float], float]:
+    """The loaded stage's step seconds at the probe's row counts, and a prompt chunk's; none
+    where it cannot take them (the cost model then has the node's weight-streaming rate alone)."""
+    from seamline.runtime.step_probe import NotProbed, probe_prompt, probe_steps
+
+    try:
+        return probe_steps(stage), probe_prompt(stage)
+    except NotProbed as exc:
+        log.info("no speed probe: %s", exc)
+        return {}, 0.0
+    except Exception as exc:  # a probe never stops a stage from serving
+        log.warning("the stage's speed probe failed: %s", exc)
+        return {}, 0.0

@@ -1,0 +1,221 @@
+"""`seamline bench scale`: the cost model's predictions beside what the meshes measure, in one run.
+
+Every configuration serves the embedded model with no flag (``--speculative off``), the
+coordinator and the load generator on core 0, each node with one thread:
+
+* ``one_node``: one node on core 0;
+* ``two_stages``: node 0 on core 0, node 1 on core 1, over loopback;
+* ``two_stages_lan``: the same, each node in its own network namespace over the emulated 1 GbE
+  link (0.25 ms one way, 1 Gbit/s; needs root and iptables, else left out and said why);
+* ``lockstep_2``: node 0 on core 0 and node 1 on core 1 as one 2-rank lockstep group
+  (``--tensor-parallel 2``) over loopback.
+
+Each is measured at 1, 16 and 64 streaming clients (prompts of 32-256 tokens, ``tokens``
+generated with ``ignore_eos``: ``bench throughput``'s load); ``repeats`` (3) rounds alternate
+the configurations and a figure is the median over rounds. Each round has new prompts (the same
+for every configuration): a round's prompts again would find their prefixes cached.
+
+The prediction for each configuration and client count is the simulator's (``seamline.sim``)
+over probes taken before the load (``calibration`` in the JSON):
+
+* each stage's step probe (``step_probe_ms``: one step of 1, 16 and 64 decode rows, which the
+  node measures on its loaded stage before it serves); a lockstep rank cannot step alone, so the
+  group's ranks take one node's probed rate over their own bytes, plus two gates per layer over
+  their pair's measured link;
+* each hop's round trip and bandwidth, as the nodes measured them;
+* the front's CPU per streamed token: the coordinator's and the load generator's CPU seconds
+  over a warm-up wave, which share stage 0's core.
+
+``pipeline_gain_64`` (loopback) and ``pipeline_gain_lan_64`` are two stages' tok/s over one
+node's at 64 clients; ``ratio_min``/``ratio_max`` span predicted / measured over every
+configuration and client count; ``seed_check_tok_s`` is the seed's own setup priced by the
+same model (``seamline.sim.reference``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from seamline.bench.scale_calibration import Calibration, calibrate, predict, status_of
+from seamline.bench.servers import NodeSpec, Server, start_mesh
+from seamline.bench.split import LAN_DELAY_MS, NS_PREFIX, lan_down, lan_up
+from seamline.bench.throughput import prompts_file, seamline_env, wave
+
+CLIENTS = (1, 16, 64)
+TOKENS = 64
+SETTLE_CLIENTS, SETTLE_TOKENS, SETTLE_WAVES = 64, 48, 4
+TARGETS = {"ratio_low": 0.85, "ratio_high": 1.15, "pipeline_gain_64": 1.7, "pipeline_gain_lan_64": 1.6}
+
+
+def bench_scale(repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...] = CLIENTS) -> dict[str, Any]:
+    logs = Path(tempfile.mkdtemp(prefix="seamline-scale-"))
+    lan_reason = lan_up(LAN_DELAY_MS)
+    servers: dict[str, Server] = {}
+    try:
+        for name in ("one_node", "two_stages", *(() if lan_reason else ("two_stages_lan",)), "lockstep_2"):
+            servers[name] = _start(name, logs)
+            servers[name].wait_healthy()
+        settled = {name: settle(server, logs) for name, server in servers.items()}
+        calibrations = {"one_node": calibrate(servers["one_node"], logs)}
+        rank_probe = calibrations["one_node"].stages[0]  # the same core kind: a rank's rate reading weights
+        calibrations |= {name: calibrate(server, logs, rank_probe) for name, server in servers.items()
+                         if name != "one_node"}  # fmt: skip
+        measured = _measure(servers, repeats, tokens, clients, logs)
+        plans = {name: {"settled": settled[name], "after": _plan_of(server)} for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.close()
+        if not lan_reason:
+            lan_down()
+    predicted = {name: {n: [predict(calibrations[name], n, tokens, _prompt_lengths(n, r, logs)) for r in range(repeats)]
+                        for n in clients} for name in servers}  # fmt: skip
+    return _result(measured, predicted, calibrations, tokens, repeats, lan_reason, logs) | {"plans": plans}
+
+
+def settle(server: Server, logs: Path) -> dict[str, Any]:
+    """Load the mesh until a wave passes with no change of plan (the coordinator re-balances
+    stages that measure apart under load, ``mesh.control.balance``): the plan it serves then."""
+    for attempt in range(SETTLE_WAVES):
+        before = _plan_of(server)
+        wave(server, prompts_file(SETTLE_CLIENTS, 8000 + attempt, logs), SETTLE_TOKENS)
+        after = _plan_of(server)
+        if after == before:
+            return after | {"waves": attempt + 1}
+        wait_ready(server)
+    return _plan_of(server) | {"waves": SETTLE_WAVES}
+
+
+def _plan_of(server: Server) -> dict[str, Any]:
+    status = status_of(server)
+    return {"plan_id": status["plan_id"], "stages": [s["layers"] for s in status["stages"]],
+            "rate_corrections": status.get("rate_corrections", {})}  # fmt: skip
+
+
+def wait_ready(server: Server, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if status_of(server).get("ready"):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"{server.name} did not serve again within {timeout_s:.0f} s")
+
+
+def _start(name: str, logs: Path) -> Server:
+    from seamline.server.demo import memory_cap_gb
+
+    env = seamline_env()
+    if name == "one_node":
+        core0 = NodeSpec("0", 1)
+        return _on_core0(start_mesh(name, [core0], core0, "127.0.0.1", env, logs, None, precision=None))
+    cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)  # any two nodes, and no one, hold the model
+    if name in ("two_stages", "lockstep_2"):
+        nodes = [NodeSpec("0", 1), NodeSpec("1", 1)]
+        lockstep = name == "lockstep_2"  # every rank could hold the model: the flag makes the group
+        return _on_core0(start_mesh(name, nodes, NodeSpec("0", 1), "127.0.0.1", env, logs, None if lockstep else cap,
+                                    ("--tensor-parallel", "2") if lockstep else (), precision=None))  # fmt: skip
+    nodes = [NodeSpec("0", 1, f"{NS_PREFIX}1"), NodeSpec("1", 1, f"{NS_PREFIX}2")]
+    coordinator = NodeSpec("0", 1, f"{NS_PREFIX}1")
+    return _on_core0(start_mesh(name, nodes, coordinator, "10.77.0.1", env, logs, cap, precision=None))
+
+
+def _on_core0(server: Server) -> Server:
+    server.client_cores = "0"
+    return server
+
+
+def _measure(servers: dict[str, Server], repeats: int, tokens: int, clients: tuple[int, ...],
+             logs: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {name: {n: [] for n in clients} for name in servers}
+    for round_ in range(repeats):
+        for n in clients:
+            # new prompts each round (a round's prompts again would hit the prefix cache); the same
+            # across configurations; each round's prediction takes its prompts' lengths
+            prompts = prompts_file(n, _seed(n, round_), logs)
+            for name, server in servers.items():
+                done = wave(server, prompts, tokens)
+                runs[name][n].append(done)
+                print(f"round {round_} {name} {n} clients: {done['tok_s']:.1f} tok/s", flush=True)
+    return runs
+
+
+def _seed(clients: int, round_: int) -> int:
+    return 500 + clients + 1000 * round_
+
+
+def _prompt_lengths(count: int, round_: int, logs: Path) -> tuple[int, ...]:
+    from seamline.app import default_model_path
+    from seamline.text import TextCodec
+
+    codec = TextCodec.from_model(default_model_path(), ())
+    texts = json.loads((logs / f"prompts-{_seed(count, round_)}-{count}.json").read_text())
+    return tuple(len(codec.encode(text)) for text in texts)
+
+
+def _result(measured: dict[str, dict[int, list[dict[str, Any]]]], predicted: dict[str, dict[int, list[dict[str, Any]]]],
+            calibrations: dict[str, Calibration], tokens: int, repeats: int, lan_reason: str,
+            logs: Path) -> dict[str, Any]:  # fmt: skip
+    from seamline.sim.reference import seed_check
+
+    configs: dict[str, Any] = {}
+    ratios = []
+    for name, by_clients in measured.items():
+        configs[name] = {}
+        for n, waves in by_clients.items():
+            tok_s = statistics.median(w["tok_s"] for w in waves)
+            guesses = predicted[name][n]
+            guess = {key: statistics.median(g[key] for g in guesses) for key in ("tok_s", "ttft_s", "itl_ms")}
+            guess["busy"] = [statistics.median(b) for b in zip(*(g["busy"] for g in guesses))]
+            ratio = guess["tok_s"] / tok_s
+            ratios.append(ratio)
+            configs[name][str(n)] = {
+                "measured_tok_s": round(tok_s, 2), "predicted_tok_s": round(guess["tok_s"], 2),
+                "ratio": round(ratio, 3), "runs_tok_s": [round(w["tok_s"], 2) for w in waves],
+                "predicted_runs_tok_s": [round(g["tok_s"], 2) for g in guesses],
+                "measured_ttft_p50_ms": round(statistics.median(_p50(w["ttft_ms"]) for w in waves), 1),
+                "predicted_ttft_p50_ms": round(guess["ttft_s"] * 1e3, 1),
+                "measured_itl_p50_ms": round(statistics.median(_p50(w["itl_ms"]) for w in waves), 2),
+                "predicted_itl_p50_ms": round(guess["itl_ms"], 2),
+                "predicted_busy": [round(b, 3) for b in guess["busy"]],
+            }  # fmt: skip
+    gain = _gain(configs, "two_stages")
+    gain_lan = _gain(configs, "two_stages_lan")
+    seed = seed_check()
+    result = {
+        "bench": "scale", "model": "SmolLM2-135M-Instruct.Q4_1, no flags (--speculative off)",
+        "tokens": tokens, "repeats": repeats, "clients": sorted({int(n) for c in configs.values() for n in c}),
+        "lan_link": f"{LAN_DELAY_MS} ms one-way, 1gbit" if not lan_reason else f"not measured: {lan_reason}",
+        "calibration": {name: c.as_json() for name, c in calibrations.items()},
+        "configs": configs, "pipeline_gain_64": gain, "pipeline_gain_lan_64": gain_lan,
+        "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
+        "seed_check": seed, "seed_check_tok_s": [round(seed["predicted"][f"split_tok_s_{ms}ms"], 2) for ms in (4, 20)],
+        "logs": str(logs),
+    }  # fmt: skip
+    result["targets_met"] = _targets(result)
+    return result
+
+
+def _p50(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _gain(configs: dict[str, Any], name: str) -> float | None:
+    if name not in configs or "64" not in configs[name] or "64" not in configs.get("one_node", {}):
+        return None
+    return round(configs[name]["64"]["measured_tok_s"] / configs["one_node"]["64"]["measured_tok_s"], 3)
+
+
+def _targets(result: dict[str, Any]) -> dict[str, bool | None]:
+    seed = result["seed_check"]
+    return {
+        "ratios_within_15pct": TARGETS["ratio_low"] <= result["ratio_min"] and result["ratio_max"] <= TARGETS["ratio_high"],
+        "pipeline_gain_64": None if result["pipeline_gain_64"] is None
+        else result["pipeline_gain_64"] >= TARGETS["pipeline_gain_64"],
+        "pipeline_gain_lan_64": None if result["pipeline_gain_lan_64"] is None
+        else result["pipeline_gain_lan_64"] >= TARGETS["pipeline_gain_lan_64"],
+        "seed_check_within_25pct": all(seed["within_tolerance"][f"split_tok_s_{ms}ms"] for ms in (4, 20)),
+    }  # fmt: skip

@@ -1,0 +1,187 @@
+"""`bench scale`'s probes, taken before the load, and the simulator's predictions from them.
+
+A serving mesh reports in ``/api/status`` each stage's step probe (``step_probe_ms``) and each
+link's round trip and bandwidth; the front (the coordinator's API and the load generator, both
+on stage 0's core) is probed here: their CPU seconds over a warm-up wave, per streamed token.
+Nothing here reads a measured wave's tokens per second.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from seamline.bench.servers import Server
+from seamline.bench.throughput import prompts_file, wave
+from seamline.mesh.plan.types import LinkCost
+from seamline.sim.pricing import GATES_PER_LAYER
+from seamline.sim.costs import DeviceSpeed, FrontCost, Load, StageCost
+
+WARM_CLIENTS = 16
+WARM_WAVES = ((4, 9000), (68, 9001))  # (tokens, prompts' seed): alike but for the tokens streamed
+FRAME_DTYPE_BYTES = 4  # hidden-state frames travel as float32
+
+
+@dataclass(frozen=True)
+class StageProbe:
+    node_id: str
+    layers: tuple[int, int]
+    weight_bytes: int
+    step_ms: dict[int, float]  # rows -> ms of one step
+    prompt_ms: dict[int, float]  # rows -> ms of one prompt chunk that long
+    ranks: int = 1  # a lockstep group: its members, each reading ``weight_bytes``
+    gate_link_ms_mb_s: tuple[float, float] | None = None  # the group's pair: (round trip ms, MB/s)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    stages: tuple[StageProbe, ...]
+    links_ms_mb_s: tuple[tuple[float, float], ...]  # each hop, then the return hop: (round trip ms, MB/s)
+    front: FrontCost
+    hidden_size: int
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["front"] = {"ms_per_token": round(self.front.s_per_token * 1e3, 4),
+                         "ms_per_request": round(self.front.s_per_request * 1e3, 3)}  # fmt: skip
+        return data
+
+    def route(self) -> Any:
+        from seamline.sim.simulate import Route
+
+        stages = []
+        for i, probe in enumerate(self.stages):
+            read = float(probe.weight_bytes)
+            prompt = [rows * read / (ms / 1e3) for rows, ms in probe.prompt_ms.items()]
+            speed = DeviceSpeed(read / (probe.step_ms[1] / 1e3),
+                                {rows: rows * read / (ms / 1e3) for rows, ms in probe.step_ms.items() if rows > 1},
+                                prompt[0] if prompt else 0.0)  # fmt: skip
+            last = i == len(self.stages) - 1
+            gate = probe.gate_link_ms_mb_s
+            stages.append(StageCost(probe.node_id, speed, read,
+                                    frame_bytes_per_row=0 if last else self.hidden_size * FRAME_DTYPE_BYTES,
+                                    ranks=probe.ranks, gates=GATES_PER_LAYER * (probe.layers[1] - probe.layers[0])
+                                    if gate else 0, gate_bytes_per_row=self.hidden_size * FRAME_DTYPE_BYTES,
+                                    gate_link=LinkCost(gate[0] / 2e3, max(gate[1], 0.1) * 1e6) if gate else None))
+        links = tuple(LinkCost(rtt / 2e3, max(mb_s, 0.1) * 1e6) for rtt, mb_s in self.links_ms_mb_s)
+        return Route(tuple(stages), links)
+
+
+def calibrate(server: Server, logs: Path, rank_probe: StageProbe | None = None) -> Calibration:
+    """The mesh's probes (its status after a warm-up wave) and the front's CPU per token. A
+    lockstep group's ranks cannot step alone: ``rank_probe`` (a node of the same kind, probed on
+    its stage) gives their rate reading weights, each over its own share of the bytes."""
+    front = _front_cost(server, logs)
+    status = status_of(server)
+    stages = tuple(_stage_probe(s, status, rank_probe) for s in status["stages"])
+    return Calibration(stages, _links(status, [s.node_id for s in stages]), front, _hidden_size())
+
+
+def _stage_probe(stage: dict[str, Any], status: dict[str, Any], rank_probe: StageProbe | None) -> StageProbe:
+    layers, read = (int(stage["layers"][0]), int(stage["layers"][1])), int(stage["weight_bytes"])
+    ranks = list(stage.get("ranks") or [stage["node_id"]])
+    if len(ranks) == 1:
+        return StageProbe(stage["node_id"], layers, read, {int(r): float(ms) for r, ms in stage["step_probe_ms"].items()},
+                          {int(r): float(ms) for r, ms in stage.get("prompt_probe_ms", {}).items() if ms})  # fmt: skip
+    if rank_probe is None:
+        raise ValueError("a lockstep group's calibration needs a probed node of the same kind")
+    scale = _rank_share(layers, len(ranks))  # the same bytes per second over the rank's share of the reads
+    return StageProbe("+".join(ranks), layers, read, {r: ms * scale for r, ms in rank_probe.step_ms.items()},
+                      {r: ms * scale for r, ms in rank_probe.prompt_ms.items()}, len(ranks),
+                      _hop(status, ranks[0], ranks[1]))  # fmt: skip
+
+
+def predict(calibration: Calibration, clients: int, tokens: int, prompt_lengths: tuple[int, ...]) -> dict[str, Any]:
+    from seamline.runtime.pipeline_head import MAX_STEP_TOKENS, pipeline_prefill_chunk
+    from seamline.sim.simulate import simulate
+
+    load = Load(clients, round(sum(prompt_lengths) / len(prompt_lengths)), tokens)
+    chunk = pipeline_prefill_chunk(len(calibration.stages)) or MAX_STEP_TOKENS  # as the mesh's stage 0 chunks
+    done = simulate(calibration.route(), load, front=calibration.front, prompt_lengths=prompt_lengths,
+                    max_step_tokens=MAX_STEP_TOKENS, prefill_chunk=chunk)
+    return {"tok_s": done.tok_s, "ttft_s": done.p50_ttft_s(), "itl_ms": done.p50_ms_between_tokens(),
+            "busy": list(done.busy)}  # fmt: skip
+
+
+def _front_cost(server: Server, logs: Path) -> FrontCost:
+    """CPU seconds of the coordinator and the load generator per request and per streamed token:
+    two warm-up waves of ``WARM_CLIENTS`` requests that differ only in their tokens."""
+    short, long = (_front_cpu_s(server, logs, tokens, seed) for tokens, seed in WARM_WAVES)
+    per_token = max(0.0, (long[0] - short[0]) / max(1, long[1] - short[1]))
+    per_request = max(0.0, (short[0] - per_token * short[1]) / WARM_CLIENTS)
+    return FrontCost(per_token, per_request)
+
+
+def _front_cpu_s(server: Server, logs: Path, tokens: int, seed: int) -> tuple[float, int]:
+    """The front's CPU seconds over one warm-up wave, and the tokens it streamed."""
+    coordinator = server.procs[0].pid
+    before_coordinator, before_clients = _cpu_s(coordinator), _children_cpu_s()
+    done = wave(server, prompts_file(WARM_CLIENTS, seed, logs), tokens)
+    return (_cpu_s(coordinator) - before_coordinator) + (_children_cpu_s() - before_clients), int(done["tokens"])
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def status_of(server: Server) -> dict[str, Any]:
+    """The coordinator's /api/status, read from the namespace its clients use."""
+    import json
+
+    url = server.url.removesuffix("/v1") + "/api/status"
+    code = "import httpx,sys; print(httpx.get(sys.argv[1], timeout=10).text)"
+    out = subprocess.run([*server.client_prefix, sys.executable, "-c", code, url], capture_output=True, text=True,
+                         timeout=60, check=True)  # fmt: skip
+    return dict(json.loads(out.stdout))
+
+
+def _links(status: dict[str, Any], route: list[str]) -> tuple[tuple[float, float], ...]:
+    """Each hop's (round trip ms, MB/s) as the nodes measured the pair; a pair not measured: the
+    slower of the two nodes' links to the coordinator."""
+    if len(route) < 2:
+        return ()
+    return tuple(_hop(status, a.split("+")[0], b.split("+")[0]) for a, b in zip(route, route[1:] + route[:1]))
+
+
+def _hop(status: dict[str, Any], a: str, b: str) -> tuple[float, float]:
+    """(round trip ms, MB/s) between nodes ``a`` and ``b`` as they measured the pair; a pair not
+    measured: the slower of the two nodes' links to the coordinator."""
+    for pair in status.get("links", []):
+        if set(pair["nodes"]) == {a, b}:
+            return float(pair["rtt_ms"]), float(pair["bandwidth_mb_s"])
+    access = {n["node_id"]: (float(n.get("rtt_ms") or 0.0), float(n.get("bandwidth_mb_s") or 0.0))
+              for n in status.get("nodes", [])}  # fmt: skip
+    return max(access[a][0], access[b][0]), min(access[a][1], access[b][1])
+
+
+def _rank_share(layers: tuple[int, int], world: int) -> float:
+    """The weight bytes one rank of a ``world``-rank group reads per token over ``layers``, as a
+    share of what one node owning them reads (the planner's arithmetic: ``group_spec``)."""
+    from seamline.mesh.control.plan_cli import model_spec
+    from seamline.mesh.plan.groups import group_spec
+    from seamline.mesh.plan.pricing import range_bytes
+    from seamline.mesh.plan.types import PlanOptions
+
+    spec, _ = model_spec(None, FRAME_DTYPE_BYTES)
+    options = PlanOptions(context_tokens=1)
+    whole = range_bytes(spec, options, *layers)[2]
+    return range_bytes(group_spec(spec, world, False), options, *layers)[2] / whole
+
+
+def _hidden_size() -> int:
+    from seamline.app import default_model_path
+    from seamline.config import ModelConfig
+    from seamline.weights.loader import open_source
+
+    return ModelConfig.from_hf_dict(open_source(default_model_path()).config_dict()).hidden_size

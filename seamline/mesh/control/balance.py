@@ -1,0 +1,123 @@
+"""Re-planning from what the stages measure (``Coordinator.balance``).
+
+A plan prices each stage from its node's probed rate, but under load a stage can run slower
+than that: its core also runs the coordinator's API and the clients, or a neighbour, and the
+load's mix of prompt rows and decode rows weighs the stages otherwise than one row does. Every
+``WINDOW_S`` while a plan of several single-node stages serves, the coordinator reads each
+stage's busy seconds (its forwards' wall time) and the CPU seconds other processes took on its
+cores (``mesh.node.core_load``: work between its forwards that it waits through all the same).
+Over a window in which the busiest stage was busy at least ``MIN_BUSY`` of the time (the
+pipeline is loaded), a stage's busy seconds over the share of its core left to it, over the
+plan's prediction for it, is its slowdown, relative to the stages' mean (the same rows pass
+through every stage). When the slowdowns part by more than ``TOLERANCE`` (15%) in two windows
+running, each node is planned from then on at its rate over its slowdown, and the mesh switches
+to the plan those rates give if it is predicted ``GAIN`` times as fast as the current route at
+the same rates. A switch ends the requests in flight as a live growth does: they replay on the
+new route.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from seamline.net.messages import Stats
+
+if TYPE_CHECKING:
+    from seamline.mesh.control.coordinator import Coordinator
+    from seamline.mesh.plan.types import Plan
+
+log = logging.getLogger("seamline.coordinator")
+WINDOW_S = 6.0
+MIN_BUSY = 0.5  # of the window, on the busiest stage: below, the pipeline is not loaded enough to tell
+TOLERANCE = 0.15
+GAIN = 1.05  # a re-balanced plan is switched to when predicted this much faster
+MIN_FREE = 0.2  # of a core left to a stage: below, its neighbours' share is taken as this
+CORRECTION_BOUNDS = (0.25, 4.0)  # a node is never planned at less than a quarter, or more than 4x, its probed rate
+
+
+@dataclass(frozen=True)
+class Window:
+    plan_id: int
+    at_s: float  # monotonic seconds when the counters were read
+    busy: tuple[float, ...]  # each stage's busy seconds so far
+    others: tuple[float, ...] = ()  # other processes' CPU seconds on each stage's cores, per core
+
+
+def slowdowns(plan: Plan, before: Window, after: Window) -> dict[str, float] | None:
+    """Each stage's node: its measured busy seconds over the predicted, relative to the stages'
+    mean; None when the pipeline was not loaded or the window spans a change of plan."""
+    wall = after.at_s - before.at_s
+    if before.plan_id != after.plan_id or len(before.busy) != len(plan.stages) or wall <= 0:
+        return None
+    spent = [b1 - b0 for b0, b1 in zip(before.busy, after.busy)]
+    if max(spent) < MIN_BUSY * wall or min(spent) <= 0 or any(s.under_load_s <= 0 for s in plan.stages):
+        return None
+    others = [b1 - b0 for b0, b1 in zip(before.others, after.others)] or [0.0] * len(spent)
+    free = [max(MIN_FREE, 1.0 - taken / wall) for taken in others]
+    ratios = {stage.node_id: seconds / left / stage.under_load_s
+              for stage, seconds, left in zip(plan.stages, spent, free)}  # fmt: skip
+    mean = sum(ratios.values()) / len(ratios)
+    return {node: ratio / mean for node, ratio in ratios.items()}
+
+
+def parted(found: dict[str, float]) -> bool:
+    return max(found.values()) > min(found.values()) * (1 + TOLERANCE)
+
+
+class Balance:
+    """The coordinator's watch over its stages' measured speed; ``corrections`` scales each
+    node's planned rate (``Planning.candidate`` reads it)."""
+
+    def __init__(self, coordinator: Coordinator) -> None:
+        self.coordinator = coordinator
+        self.corrections: dict[str, float] = {}
+        self._last: Window | None = None
+        self._parted_before = False
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        threading.Thread(target=self._watch, daemon=True, name="seamline-balance").start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(WINDOW_S):
+            try:
+                self.tick()
+            except Exception:  # a failed look at the stages never stops the mesh serving
+                log.debug("the balance watch could not read the stages", exc_info=True)
+
+    def tick(self) -> None:
+        """Read the stages; re-plan when two windows running found them parted."""
+        c = self.coordinator
+        plan, plan_id = c.plan, c.plan_id
+        if plan is None or not c.ready.is_set() or len(plan.stages) < 2 or plan.private \
+                or any(s.ranks for s in plan.stages):  # fmt: skip
+            self._last = None
+            return
+        window = _window(plan_id, c.stage_stats())
+        before, self._last = self._last, window
+        found = slowdowns(plan, before, window) if before is not None else None
+        if found is None:
+            return
+        was, self._parted_before = self._parted_before, parted(found)
+        if self._parted_before and was:
+            self._parted_before = False
+            self.rebalance(plan, found)
+
+    def rebalance(self, plan: Plan, found: dict[str, float]) -> None:
+        low, high = CORRECTION_BOUNDS
+        for node, slowdown in found.items():
+            self.corrections[node] = min(high, max(low, self.corrections.get(node, 1.0) / slowdown))
+        c = self.coordinator
+        c.planning.rebalance(plan, found, GAIN)
+
+
+def _window(plan_id: int, stats: list[Stats]) -> Window:
+    return Window(plan_id, time.monotonic(), tuple(s.busy_seconds for s in stats),
+                  tuple(s.core_others_seconds for s in stats))

@@ -1,0 +1,79 @@
+"""A loaded stage's speed probe: the seconds of one step of 1, 16 and 64 decode rows, and of
+one prompt chunk of ``PROMPT_ROWS`` tokens.
+
+Taken once, after the stage loads and before it serves, on sequences ``PROBE_DEPTH`` positions
+deep (copies of one prefilled cache), so that each row also attends over a chat turn's context:
+the cost model (``seamline.sim``) prices a step of any row count from these three, with the
+per-layer overhead, the attention and the batched kernels' gain that a bare weight-streaming
+rate leaves out.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from seamline.model.stage import Stage
+
+PROBE_ROWS = (1, 16, 64)
+PROBE_DEPTH = 160  # positions: a prompt of 32-256 tokens part-way through its answer
+PROMPT_ROWS = 256  # one sequence's chunk from its first position: a prompt's rows share its attention
+REPEATS = 3  # the fastest of these: a neighbour's burst on the core inflates a step, never shortens one
+
+
+class NotProbed(Exception):
+    """A stage whose inputs or cache the probe cannot build."""
+
+
+@torch.inference_mode()
+def probe_steps(stage: Stage, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = REPEATS,
+                depth: int = PROBE_DEPTH) -> dict[int, float]:  # fmt: skip
+    """Per row count, the fastest of ``repeats`` steps of that many one-row spans (one sequence
+    each, ``depth`` positions in), as a decode step runs them; the stage's inputs are token ids
+    or hidden states as it takes them."""
+    from seamline.model.cache import Span
+
+    prefilled = stage.new_cache()
+    if getattr(stage, "passes_ids", False) or not hasattr(prefilled, "fork"):
+        raise NotProbed("the probe takes one hidden row per token and copies of one cache; this stage "
+                        "(DeepSeek-V4's hyper-connected residual and compressed caches) has neither")
+    stage.forward(_inputs(stage, depth), 0, prefilled, last_only=True)
+    found = {}
+    for count in rows:
+        caches = [prefilled.fork(depth) for _ in range(count)]
+        inputs = _inputs(stage, count)
+        fastest = float("inf")
+        for step in range(repeats + 1):  # the first warms the row count's buffers up
+            spans = [Span(i, 1, depth + step, cache) for i, cache in enumerate(caches)]
+            started = time.perf_counter()
+            stage.forward_batch(inputs, spans, last_only=True)
+            if step:
+                fastest = min(fastest, time.perf_counter() - started)
+        found[count] = fastest
+        del caches
+    return found
+
+
+@torch.inference_mode()
+def probe_prompt(stage: Stage, rows: int = PROMPT_ROWS, repeats: int = REPEATS) -> float:
+    """The fastest of ``repeats`` prompt chunks of ``rows`` tokens, each a new sequence's first."""
+    inputs = _inputs(stage, rows)
+    fastest = float("inf")
+    for attempt in range(repeats + 1):
+        cache = stage.new_cache()
+        started = time.perf_counter()
+        stage.forward(inputs, 0, cache, last_only=True)
+        if attempt:
+            fastest = min(fastest, time.perf_counter() - started)
+    return fastest
+
+
+def _inputs(stage: Stage, count: int) -> torch.Tensor:
+    if stage.embed is not None:
+        return torch.full((count,), 1, dtype=torch.long)
+    generator = torch.Generator().manual_seed(count)
+    hidden = torch.randn(count, stage.config.hidden_size, generator=generator)
+    return hidden.to(stage.compute_dtype)

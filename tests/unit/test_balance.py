@@ -1,0 +1,101 @@
+"""Re-planning from the stages' measured busy time (``mesh.control.balance``): the arithmetic
+that decides, on stage counters as the nodes report them, and the plan it leads to."""
+
+from __future__ import annotations
+
+import pytest
+
+from seamline.mesh.control.balance import MIN_BUSY, MIN_FREE, Window, parted, slowdowns
+from seamline.mesh.plan.planner import plan as make_plan
+from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanOptions, StageAssignment
+
+MS = 1e-3
+
+
+def _plan(*under_load_s: float) -> Plan:
+    stages = tuple(StageAssignment(f"n{i}", i, i + 1, i == 0, i == len(under_load_s) - 1, 1, 0, t, load_s=t)
+                   for i, t in enumerate(under_load_s))  # fmt: skip
+    return Plan("m", len(stages), stages, sum(under_load_s), 0.0, 64, 1, "throughput")
+
+
+START = Window(1, 100.0, (0.0, 0.0))
+
+
+def test_stages_busy_as_predicted_are_not_parted() -> None:
+    plan = _plan(10 * MS, 20 * MS)
+    found = slowdowns(plan, START, Window(1, 106.0, (2.9, 6.0)))  # 3% apart
+    assert found is not None and found["n0"] / found["n1"] == pytest.approx(2.9 / 3.0)
+    assert not parted(found)
+
+
+def test_a_stage_slowed_by_its_core_is_found_relative_to_the_others() -> None:
+    plan = _plan(10 * MS, 10 * MS)
+    found = slowdowns(plan, START, Window(1, 106.0, (5.9, 4.5)))  # stage 0 shares its core with the API
+    assert found is not None and found["n0"] / found["n1"] == pytest.approx(5.9 / 4.5)
+    assert parted(found)
+
+
+def test_a_stage_whose_core_runs_other_work_between_its_forwards_is_found_slowed() -> None:
+    """Stage 0 forwards as fast as planned, but the API and the clients take 30% of its core."""
+    plan = _plan(10 * MS, 10 * MS)
+    before = Window(1, 100.0, (0.0, 0.0), (50.0, 7.0))
+    found = slowdowns(plan, before, Window(1, 106.0, (4.0, 4.0), (51.8, 7.0)))
+    assert found is not None and found["n0"] / found["n1"] == pytest.approx(1 / 0.7)
+    assert parted(found)
+    nearly_all = slowdowns(plan, before, Window(1, 106.0, (4.0, 4.0), (56.0, 7.0)))  # a core all taken: floored
+    assert nearly_all is not None and nearly_all["n0"] / nearly_all["n1"] == pytest.approx(1 / MIN_FREE)
+
+
+def test_others_cpu_seconds_counts_another_process_on_this_core() -> None:
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from seamline.mesh.node.core_load import others_cpu_seconds
+
+    core = min(os.sched_getaffinity(0))
+    before = others_cpu_seconds()
+    spin = "import time\nend = time.time() + 1.0\nwhile time.time() < end: pass"
+    subprocess.run(["taskset", "-c", str(core), sys.executable, "-c", spin], check=True, timeout=60)
+    time.sleep(0.05)
+    spent = others_cpu_seconds() - before
+    assert spent >= 0.5 / len(os.sched_getaffinity(0)), spent  # the spinner's second, shared over our cores
+
+
+def test_an_idle_pipeline_or_a_new_plan_decides_nothing() -> None:
+    plan = _plan(10 * MS, 10 * MS)
+    assert slowdowns(plan, START, Window(1, 106.0, (MIN_BUSY * 6 - 0.1, 1.0))) is None
+    assert slowdowns(plan, START, Window(2, 106.0, (5.0, 3.0))) is None
+
+
+def test_corrected_rates_move_layers_off_the_slowed_node() -> None:
+    """What ``Planning.rebalance`` plans: the slowed node's rate over its slowdown gives it fewer layers."""
+    model = ModelSpec("m", 24, 64, (1000,) * 24, 500, 500, 10, 256)
+    options = PlanOptions(context_tokens=64)
+    even = make_plan(model, [NodeInfo("a", 1 << 30, 1e6), NodeInfo("b", 1 << 30, 1e6)], None, options)
+    slowed = make_plan(model, [NodeInfo("a", 1 << 30, 1e6 / 1.3), NodeInfo("b", 1 << 30, 1e6)], None, options)
+    layers = {s.node_id: s.end - s.start for s in slowed.stages}
+    assert {s.node_id: s.end - s.start for s in even.stages} == {"a": 12, "b": 12}
+    assert layers["a"] < layers["b"]
+    assert slowed.slowest_stage_s() < max(s.compute_s * 1.3 if s.node_id == "a" else s.compute_s for s in even.stages)
+
+
+def test_a_rebalance_moves_the_cuts_and_keeps_each_node_in_its_place() -> None:
+    """``least_bottleneck_cuts``: the route's order is kept (a node's correction was measured in
+    its place); the slowed first node gives layers to the second, and the cuts are the best."""
+    from seamline.mesh.plan.cuts import least_bottleneck_cuts
+    from seamline.mesh.plan.pricing import price_route
+
+    model = ModelSpec("m", 24, 64, (1000,) * 24, 500, 500, 10, 256)
+    options = PlanOptions(context_tokens=64)
+    nodes = {"b": NodeInfo("b", 1 << 30, 1e6 / 1.3), "a": NodeInfo("a", 1 << 30, 1e6)}
+    route = least_bottleneck_cuts(model, nodes, options, ["b", "a"])
+    assert route is not None and [n for n, _, _ in route] == ["b", "a"]
+    assert route[0][2] - route[0][1] < route[1][2] - route[1][1]
+    pace = price_route(model, list(nodes.values()), None, options, route).slowest_stage_s()
+    for cut in range(1, 24):  # no other cut of this order is faster
+        other = price_route(model, list(nodes.values()), None, options, [("b", 0, cut), ("a", cut, 24)])
+        assert pace <= other.slowest_stage_s() + 1e-12
+    tight = {"b": NodeInfo("b", 256 << 20, 1e6), "a": NodeInfo("a", 256 << 20, 1e6)}
+    assert least_bottleneck_cuts(model, tight, options, ["b", "a"]) is None  # neither holds anything

@@ -1,0 +1,44 @@
+"""`bench scale`'s calibration: a mesh's status (its probes and links) as the simulator's route."""
+
+from __future__ import annotations
+
+import pytest
+
+from seamline.bench.scale_calibration import Calibration, _rank_share, _stage_probe
+from seamline.sim.costs import FrontCost
+
+pytest.importorskip("simpy")
+
+HIDDEN = 576
+ONE_NODE = {"node_id": "a", "layers": [0, 30], "weight_bytes": 60_000_000, "ranks": ["a"],
+            "step_probe_ms": {"1": 20.0, "16": 100.0, "64": 300.0}, "prompt_probe_ms": {"256": 800.0}}
+
+
+def status(stages: list[dict], links: list[dict] | None = None) -> dict:
+    nodes = [{"node_id": n, "rtt_ms": 0.2, "bandwidth_mb_s": 900.0} for n in ("a", "b")]
+    return {"stages": stages, "links": links or [], "nodes": nodes}
+
+
+def test_a_lockstep_group_takes_a_probed_nodes_rate_over_each_ranks_bytes_and_two_gates_a_layer() -> None:
+    probe = _stage_probe(ONE_NODE, status([ONE_NODE]), None)
+    group = {"node_id": "a", "layers": [0, 30], "weight_bytes": 30_000_000, "ranks": ["a", "b"]}
+    link = {"nodes": ["a", "b"], "rtt_ms": 0.1, "bandwidth_mb_s": 1000.0}
+    found = _stage_probe(group, status([group], [link]), probe)
+    assert found.ranks == 2 and found.gate_link_ms_mb_s == (0.1, 1000.0)
+    share = _rank_share((0, 30), 2)  # each rank reads half of every layer and of the head
+    assert 0.45 < share < 0.55
+    assert found.step_ms == pytest.approx({1: 20 * share, 16: 100 * share, 64: 300 * share})
+    assert found.prompt_ms == pytest.approx({256: 800 * share})
+    stage = Calibration((found,), (), FrontCost(), HIDDEN).route().stages[0]
+    assert stage.gates == 60 and stage.gate_link is not None
+    gate_s = stage.gate_link.seconds(HIDDEN * 4)
+    assert gate_s == pytest.approx(0.05e-3 + HIDDEN * 4 / 1e9)
+    assert stage.step_s(1) == pytest.approx(20e-3 * share + 60 * gate_s, rel=1e-6)
+
+
+def test_a_group_without_a_probed_node_is_refused_and_a_single_stage_has_no_gates() -> None:
+    group = {"node_id": "a", "layers": [0, 30], "weight_bytes": 30_000_000, "ranks": ["a", "b"]}
+    with pytest.raises(ValueError, match="probed node"):
+        _stage_probe(group, status([group]), None)
+    stage = Calibration((_stage_probe(ONE_NODE, status([ONE_NODE]), None),), (), FrontCost(), HIDDEN).route().stages[0]
+    assert stage.gates == 0 and stage.step_s(1) == pytest.approx(20e-3) and stage.step_s(64) == pytest.approx(0.3)
