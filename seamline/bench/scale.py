@@ -48,7 +48,7 @@ from seamline.bench.throughput import prompts_file, seamline_env, wave
 
 CLIENTS = (1, 16, 64)
 TOKENS = 64
-SETTLE_CLIENTS, SETTLE_TOKENS, SETTLE_WAVES = 64, 48, 4
+SETTLE_CLIENTS, SETTLE_TOKENS, SETTLE_WAVES, STABLE_WAVES = 64, 48, 8, 2
 TARGETS = {"ratio_low": 0.85, "ratio_high": 1.15, "pipeline_gain_64": 1.7, "pipeline_gain_lan_64": 1.6}
 
 
@@ -78,13 +78,16 @@ def bench_scale(repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...]
 
 
 def settle(server: Server, logs: Path) -> dict[str, Any]:
-    """Load the mesh until a wave passes with no change of plan (the coordinator re-balances
-    stages that measure apart under load, ``mesh.control.balance``): the plan it serves then."""
+    """Load the mesh until ``STABLE_WAVES`` waves running pass with no change of plan (the
+    coordinator re-balances stages that measure apart under load, ``mesh.control.balance``):
+    the plan it serves then."""
+    stable = 0
     for attempt in range(SETTLE_WAVES):
         before = _plan_of(server)
         wave(server, prompts_file(SETTLE_CLIENTS, 8000 + attempt, logs), SETTLE_TOKENS)
         after = _plan_of(server)
-        if after == before:
+        stable = stable + 1 if after == before else 0
+        if stable == STABLE_WAVES:
             return after | {"waves": attempt + 1}
         wait_ready(server)
     return _plan_of(server) | {"waves": SETTLE_WAVES}

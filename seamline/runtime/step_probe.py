@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 PROBE_ROWS = (1, 16, 64)
 PROBE_DEPTH = 160  # positions: a prompt of 32-256 tokens part-way through its answer
 PROMPT_ROWS = 256  # one sequence's chunk from its first position: a prompt's rows share its attention
-REPEATS = 3  # the fastest of these: a neighbour's burst on the core inflates a step, never shortens one
+REPEATS = 5  # the fastest of these: a neighbour's burst on the core inflates a step, never shortens one
 
 
 class NotProbed(Exception):

@@ -39,9 +39,11 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def _run_batched(stage: Stage, prompts: list[list[int]], params: list[SamplingParams]) -> list[tuple[SequenceState, list[torch.Tensor]]]:
+def _run_batched(stage: Stage, prompts: list[list[int]], params: list[SamplingParams],
+                 prefill_chunk: int | None = None) -> list[tuple[SequenceState, list[torch.Tensor]]]:  # fmt: skip
     core = EngineCore.local(stage, context_length=512, max_step_tokens=24)
     scheduler = core.scheduler
+    scheduler.prefill_chunk = prefill_chunk
     runs: list[tuple[SequenceState, list[torch.Tensor]]] = []
     step = 0
     while step <= max(ARRIVALS) or not scheduler.idle:
@@ -62,6 +64,32 @@ def _alone_logits(stage: Stage, prompt: list[int], tokens: list[int]) -> torch.T
     for i, token in enumerate(tokens[:-1]):
         rows.append(stage(torch.tensor([token]), len(prompt) + i, cache)[-1])
     return torch.stack(rows).float()
+
+
+def test_prompts_in_chunks_of_a_few_rows_draw_as_each_sequence_alone(tmp_path: Path) -> None:
+    """A pipeline's stage 0 takes at most ``prefill_chunk`` rows of one prompt a step, so that the
+    later stages compute a chunk while it computes the next: the tokens do not change."""
+    stage = _stage("dense", tmp_path)
+    prompts = _prompts(min(stage.config.vocab_size, 256))
+    params = [SamplingParams(max_tokens=NEW_TOKENS)] * len(prompts)
+    runs = _run_batched(stage, prompts, params, prefill_chunk=5)
+    engine = Engine(stage, 512)
+    for (sequence, logits), prompt in zip(runs, prompts):
+        assert sequence.tokens == list(engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS)))
+        assert len(logits) == NEW_TOKENS
+
+
+def test_a_prompt_chunk_takes_at_most_prefill_chunk_rows(tmp_path: Path) -> None:
+    stage = _stage("dense", tmp_path)
+    core = EngineCore.local(stage, context_length=512, max_step_tokens=24)
+    core.scheduler.prefill_chunk = 5
+    sequence = core.scheduler.add(list(range(3, 43)), SamplingParams(max_tokens=1))  # 40 prompt tokens
+    steps = 0
+    while not core.scheduler.idle:
+        assert sequence.cached <= 5 * steps  # never more than 5 of its rows in one step
+        core.step()
+        steps += 1
+    assert steps == 8  # 8 chunks of 5, the last drawing the one token
 
 
 @pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3", "embedded"])

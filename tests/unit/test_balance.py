@@ -99,3 +99,66 @@ def test_a_rebalance_moves_the_cuts_and_keeps_each_node_in_its_place() -> None:
         assert pace <= other.slowest_stage_s() + 1e-12
     tight = {"b": NodeInfo("b", 256 << 20, 1e6), "a": NodeInfo("a", 256 << 20, 1e6)}
     assert least_bottleneck_cuts(model, tight, options, ["b", "a"]) is None  # neither holds anything
+
+
+class _Coordinator:
+    """What ``Balance`` reads of a coordinator: the serving plan, its stages' counters, and
+    ``planning.rebalance`` (here it records the corrections it was asked with)."""
+
+    def __init__(self, plan: Plan, switches: bool) -> None:
+        import threading
+        from types import SimpleNamespace
+
+        self.plan, self.plan_id, self.ready = plan, 1, threading.Event()
+        self.ready.set()
+        self.busy = [0.0, 0.0]
+        self.asked: list[dict[str, float]] = []
+        self.switches = switches
+        self.planning = SimpleNamespace(rebalance=self._rebalance)
+        self.balance: object = None
+
+    def stage_stats(self) -> list[object]:
+        from seamline.net.messages import Stats
+
+        return [Stats(node_id=f"n{i}", decode_steps=0, decode_seconds=0.0, refused_frames=0, busy_seconds=b)
+                for i, b in enumerate(self.busy)]
+
+    def _rebalance(self, plan: Plan, found: dict[str, float], needed: float) -> bool:
+        self.asked.append(dict(self.balance.corrections))  # type: ignore[attr-defined]
+        if self.switches:
+            self.plan_id += 1
+        return self.switches
+
+
+def _ticks(coordinator: _Coordinator, balance: object, windows: int) -> None:
+    """``windows`` windows in which stage 0 is busy 1.5x stage 1 (a plan that predicts them equal)."""
+    import seamline.mesh.control.balance as module
+
+    clock = [100.0]
+    real = module.time.monotonic
+    module.time.monotonic = lambda: clock[0]  # type: ignore[assignment]
+    try:
+        for _ in range(windows):
+            balance.tick()  # type: ignore[attr-defined]
+            clock[0] += 6.0
+            coordinator.busy = [coordinator.busy[0] + 4.5, coordinator.busy[1] + 3.0]
+    finally:
+        module.time.monotonic = real  # type: ignore[assignment]
+
+
+def test_a_set_of_members_is_rebalanced_a_few_times_at_most_and_a_kept_plan_does_not_compound() -> None:
+    from seamline.mesh.control.balance import DAMPING, MAX_SWITCHES, Balance
+
+    switching = _Coordinator(_plan(10 * MS, 10 * MS), switches=True)
+    balance = Balance(switching)  # type: ignore[arg-type]
+    switching.balance = balance
+    _ticks(switching, balance, 30)
+    assert len(switching.asked) == MAX_SWITCHES
+    kept = _Coordinator(_plan(10 * MS, 10 * MS), switches=False)
+    balance = Balance(kept)  # type: ignore[arg-type]
+    kept.balance = balance
+    _ticks(kept, balance, 30)
+    assert len(kept.asked) > MAX_SWITCHES  # a plan kept is looked at again, but its corrections are the same
+    mean = (1.5 + 1.0) / 2
+    expected = 1 / (1.5 / mean) ** DAMPING
+    assert all(asked["n0"] == pytest.approx(expected) for asked in kept.asked)

@@ -10,10 +10,12 @@ Over a window in which the busiest stage was busy at least ``MIN_BUSY`` of the t
 pipeline is loaded), a stage's busy seconds over the share of its core left to it, over the
 plan's prediction for it, is its slowdown, relative to the stages' mean (the same rows pass
 through every stage). When the slowdowns part by more than ``TOLERANCE`` (15%) in two windows
-running, each node is planned from then on at its rate over its slowdown, and the mesh switches
-to the plan those rates give if it is predicted ``GAIN`` times as fast as the current route at
-the same rates. A switch ends the requests in flight as a live growth does: they replay on the
-new route.
+running, each node is planned from then on at its rate (as the serving plan priced it) over its
+slowdown to the power ``DAMPING`` (a window's mix of prompts and decode rows sways it), and the
+mesh switches to the plan those rates give if it is predicted ``GAIN`` times as fast as the
+current route at the same rates. A switch ends the requests in flight as a live growth does:
+they replay on the new route; so a set of members is re-balanced ``MAX_SWITCHES`` times at most
+(a load that keeps changing its character is not chased), and again once the members change.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ WINDOW_S = 6.0
 MIN_BUSY = 0.5  # of the window, on the busiest stage: below, the pipeline is not loaded enough to tell
 TOLERANCE = 0.15
 GAIN = 1.05  # a re-balanced plan is switched to when predicted this much faster
+DAMPING = 0.75  # of a measured slowdown, in logarithms, taken into a node's planned rate
+MAX_SWITCHES = 3  # re-balances per set of members
 MIN_FREE = 0.2  # of a core left to a stage: below, its neighbours' share is taken as this
 CORRECTION_BOUNDS = (0.25, 4.0)  # a node is never planned at less than a quarter, or more than 4x, its probed rate
 
@@ -75,6 +79,10 @@ class Balance:
     def __init__(self, coordinator: Coordinator) -> None:
         self.coordinator = coordinator
         self.corrections: dict[str, float] = {}
+        self._basis: dict[str, float] = {}  # the corrections the serving plan was priced with
+        self._plan_id = -1
+        self._members: frozenset[str] = frozenset()
+        self._switches = 0  # re-balances of these members
         self._last: Window | None = None
         self._parted_before = False
         self._stopped = threading.Event()
@@ -100,6 +108,14 @@ class Balance:
                 or any(s.ranks for s in plan.stages):  # fmt: skip
             self._last = None
             return
+        if plan_id != self._plan_id:  # a new plan: priced with the corrections as they are now
+            self._plan_id, self._basis = plan_id, dict(self.corrections)
+            members = frozenset(s.node_id for s in plan.stages)
+            if members != self._members:
+                self._members, self._switches = members, 0
+        if self._switches >= MAX_SWITCHES:
+            self._last = None
+            return
         window = _window(plan_id, c.stage_stats())
         before, self._last = self._last, window
         found = slowdowns(plan, before, window) if before is not None else None
@@ -113,9 +129,9 @@ class Balance:
     def rebalance(self, plan: Plan, found: dict[str, float]) -> None:
         low, high = CORRECTION_BOUNDS
         for node, slowdown in found.items():
-            self.corrections[node] = min(high, max(low, self.corrections.get(node, 1.0) / slowdown))
-        c = self.coordinator
-        c.planning.rebalance(plan, found, GAIN)
+            self.corrections[node] = min(high, max(low, self._basis.get(node, 1.0) / slowdown**DAMPING))
+        if self.coordinator.planning.rebalance(plan, found, GAIN):
+            self._switches += 1
 
 
 def _window(plan_id: int, stats: list[Stats]) -> Window:

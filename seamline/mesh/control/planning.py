@@ -101,33 +101,35 @@ class Planning:
                  for n in steady_rates(nodes)]  # like nodes measured apart plan alike  # fmt: skip
         return nodes, links
 
-    def rebalance(self, current: Plan, found: dict[str, float], needed: float) -> None:
+    def rebalance(self, current: Plan, found: dict[str, float], needed: float) -> bool:
         """The stages measured apart (``balance``): switch to the plan the corrected rates give
-        when it is predicted ``needed`` times as fast as the current route at those rates."""
+        when it is predicted ``needed`` times as fast as the current route at those rates; whether it
+        switched."""
         c = self.coordinator
         with c.lock:
             if c.plan is not current or not c.ready.is_set():
-                return
+                return False
             joined = self._able([h for h in c.keeper.current.nodes.values() if h.checked])
             try:
                 nodes, links = self._pool(joined)
                 order = [s.node_id for s in current.stages]
                 moved = least_bottleneck_cuts(c.model, {n.node_id: n for n in nodes}, self._plan_options(), order)
                 if moved is None:
-                    return
+                    return False
                 proposed = price_route(c.model, nodes, links, current_options(current, self._plan_options()), moved)
                 route = [(s.node_id, s.start, s.end) for s in current.stages]
                 repriced = price_route(c.model, nodes, links, current_options(current, self._plan_options()), route)
             except (PlanError, KeyError):
-                return
+                return False
             gain = pace(repriced) / pace(proposed)
             slowdowns = ", ".join(f"{node} {value:.2f}x" for node, value in sorted(found.items()))
             if gain < needed or proposed.stages == repriced.stages:
                 log.info("the stages measured apart (%s); a re-balanced plan would be %.2fx as fast: kept", slowdowns, gain)
-                return
+                return False
             c.apply(Rebalancing(slowdowns, gain))
             c.on_failure(None, "the mesh re-balanced its stages", "replanned")
             self._switch_to(proposed)
+            return True
 
     def _able(self, joined: list[NodeHandle]) -> list[NodeHandle]:
         """The members that can compute in the mesh's precision; each one that cannot is said once."""
