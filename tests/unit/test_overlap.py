@@ -86,10 +86,16 @@ def test_a_link_that_breaks_under_queued_frames_names_their_requests() -> None:
 def test_a_read_ahead_reports_a_closed_link_when_it_comes_to_it() -> None:
     sender, receiver = _pair()
     reader = ReadAhead(receiver)
-    sender.send_hidden(*_rows(1, 512))  # large: the reader reads on behind it
-    sender.send_hidden(*_rows(2, 1))
-    sender.close()
+
+    def send() -> None:
+        sender.send_hidden(*_rows(1, 512))  # large: the reader reads on behind it
+        sender.send_hidden(*_rows(2, 1))
+        sender.close()
+
+    thread = threading.Thread(target=send)
+    thread.start()
     assert reader.recv().rows[0].request == 1
+    thread.join(timeout=30)
     assert reader.recv().rows[0].request == 2
     try:
         reader.recv()
