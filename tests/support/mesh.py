@@ -22,6 +22,28 @@ def expected_text(model: LocalModel, question: str, tokens: int) -> str:
     return model.codec.decode(list(model.engine.generate(ids, params)))
 
 
+def expected_forked_text(model: LocalModel, question: str, tokens: int) -> str:
+    """The greedy answer of a request that arrives while the same prompt is running: the
+    scheduler copies the running sequence's cache of every prompt position but the last
+    (``SequenceCache.fork``) and computes that one as a one-row step, whose sums in the fast
+    precision (bfloat16 activations, int8 blocks) may part from the whole prompt's at a near tie."""
+    import torch
+
+    ids = model.codec.encode_chat([{"role": "user", "content": question}])
+    stage = model.engine.stage
+    with torch.inference_mode():
+        first = stage.new_cache()
+        stage(torch.tensor(ids), 0, first, last_only=True)
+        cache, out, token, position = first.fork(len(ids) - 1), [], ids[-1], len(ids) - 1
+        for _ in range(tokens):
+            token = int(stage(torch.tensor([token]), position, cache, last_only=True)[-1].float().argmax())
+            if token in model.codec.stop_ids:
+                break
+            out.append(token)
+            position += 1
+    return model.codec.decode(out)
+
+
 def ask(mesh: MeshProcesses, question: str, tokens: int) -> dict:
     body = {"model": "default", "messages": [{"role": "user", "content": question}],
             "temperature": 0, "max_tokens": tokens}  # fmt: skip
