@@ -8,19 +8,19 @@ Nothing here reads a measured wave's tokens per second.
 
 from __future__ import annotations
 
-import os
-import resource
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from seamline.bench.servers import Server
 from seamline.bench.throughput import prompts_file, wave
 from seamline.mesh.plan.types import LinkCost
-from seamline.sim.pricing import GATES_PER_LAYER
 from seamline.sim.costs import DeviceSpeed, FrontCost, Load, StageCost
+from seamline.sim.pricing import GATES_PER_LAYER
 
 WARM_CLIENTS = 16
 WARM_WAVES = ((4, 9000), (68, 9001))  # (tokens, prompts' seed): alike but for the tokens streamed
@@ -126,13 +126,14 @@ def _front_cpu_s(server: Server, logs: Path, tokens: int, seed: int) -> tuple[fl
 
 
 def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 def _children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+    """This process's waited children's CPU seconds (the load generators, once each wave ends)."""
+    times = psutil.Process().cpu_times()
+    return times.children_user + times.children_system
 
 
 def status_of(server: Server) -> dict[str, Any]:
