@@ -19,9 +19,11 @@ The prediction for each configuration and client count is the simulator's (``sea
 over probes taken before the load (``calibration`` in the JSON):
 
 * each stage's step probe (``step_probe_ms``: one step of 1, 16 and 64 decode rows, which the
-  node measures on its loaded stage before it serves); a lockstep rank cannot step alone, so the
-  group's ranks take one node's probed rate over their own bytes, plus two gates per layer over
-  their pair's measured link;
+  node measures on its loaded stage before it serves; a lockstep group's leader runs its probe
+  through the whole group, every rank's shard and the gates between them);
+* each stage's steps outside their forwards (``step_overhead_ms``: taking rows in, scheduling,
+  sampling, coding and sending, at one row and at many), which the node times while it serves
+  the warm-up waves;
 * each hop's round trip and bandwidth, as the nodes measured them;
 * the front's CPU per streamed token: the coordinator's and the load generator's CPU seconds
   over a warm-up wave, which share stage 0's core.

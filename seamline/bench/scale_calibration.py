@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,9 @@ from seamline.mesh.plan.types import LinkCost
 from seamline.sim.costs import DeviceSpeed, FrontCost, Load, StageCost
 from seamline.sim.pricing import GATES_PER_LAYER
 
-WARM_CLIENTS = 16
-WARM_WAVES = ((4, 9000), (68, 9001))  # (tokens, prompts' seed): alike but for the tokens streamed
+# (clients, tokens, prompts' seed): the first two alike but for the tokens streamed, the first
+# and the third but for their clients (the load generator's start, the same in each, cancels)
+WARM_WAVES = ((16, 4, 9000), (16, 68, 9001), (4, 4, 9002))
 FRAME_DTYPE_BYTES = 4  # hidden-state frames travel as float32
 
 
@@ -36,6 +37,8 @@ class StageProbe:
     prompt_ms: dict[int, float]  # rows -> ms of one prompt chunk that long
     ranks: int = 1  # a lockstep group: its members, each reading ``weight_bytes``
     gate_link_ms_mb_s: tuple[float, float] | None = None  # the group's pair: (round trip ms, MB/s)
+    # rows -> a decode step's ms outside its forward, as the stage measured it serving
+    overhead_ms: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,8 @@ class Calibration:
                                     frame_bytes_per_row=0 if last else self.hidden_size * FRAME_DTYPE_BYTES,
                                     ranks=probe.ranks, gates=GATES_PER_LAYER * (probe.layers[1] - probe.layers[0])
                                     if gate else 0, gate_bytes_per_row=self.hidden_size * FRAME_DTYPE_BYTES,
-                                    gate_link=LinkCost(gate[0] / 2e3, max(gate[1], 0.1) * 1e6) if gate else None))
+                                    gate_link=LinkCost(gate[0] / 2e3, max(gate[1], 0.1) * 1e6) if gate else None,
+                                    step_overhead_s={rows: ms / 1e3 for rows, ms in probe.overhead_ms.items()}))
         links = tuple(LinkCost(rtt / 2e3, max(mb_s, 0.1) * 1e6) for rtt, mb_s in self.links_ms_mb_s)
         return Route(tuple(stages), links)
 
@@ -83,17 +87,21 @@ def calibrate(server: Server, logs: Path, rank_probe: StageProbe | None = None) 
 
 
 def _stage_probe(stage: dict[str, Any], status: dict[str, Any], rank_probe: StageProbe | None) -> StageProbe:
+    """A stage's probes as it reports them; a lockstep group's are its leader's steps run through
+    the whole group, its gates included (``ranks`` says so, with no gate to add)."""
     layers, read = (int(stage["layers"][0]), int(stage["layers"][1])), int(stage["weight_bytes"])
     ranks = list(stage.get("ranks") or [stage["node_id"]])
-    if len(ranks) == 1:
-        return StageProbe(stage["node_id"], layers, read, {int(r): float(ms) for r, ms in stage["step_probe_ms"].items()},
-                          {int(r): float(ms) for r, ms in stage.get("prompt_probe_ms", {}).items() if ms})  # fmt: skip
-    if rank_probe is None:
-        raise ValueError("a lockstep group's calibration needs a probed node of the same kind")
+    overhead = {int(rows): float(ms) for rows, ms in stage.get("step_overhead_ms", {}).items()}
+    if stage.get("step_probe_ms"):
+        steps = {int(r): float(ms) for r, ms in stage["step_probe_ms"].items()}
+        prompts = {int(r): float(ms) for r, ms in stage.get("prompt_probe_ms", {}).items() if ms}
+        return StageProbe("+".join(ranks), layers, read, steps, prompts, len(ranks), overhead_ms=overhead)
+    if len(ranks) == 1 or rank_probe is None:
+        raise ValueError(f"stage {stage['node_id']} reported no speed probe, and no probed node of its kind stands in")
     scale = _rank_share(layers, len(ranks))  # the same bytes per second over the rank's share of the reads
     return StageProbe("+".join(ranks), layers, read, {r: ms * scale for r, ms in rank_probe.step_ms.items()},
                       {r: ms * scale for r, ms in rank_probe.prompt_ms.items()}, len(ranks),
-                      _hop(status, ranks[0], ranks[1]))  # fmt: skip
+                      _hop(status, ranks[0], ranks[1]), overhead)  # fmt: skip
 
 
 def predict(calibration: Calibration, clients: int, tokens: int, prompt_lengths: tuple[int, ...]) -> dict[str, Any]:
@@ -109,19 +117,19 @@ def predict(calibration: Calibration, clients: int, tokens: int, prompt_lengths:
 
 
 def _front_cost(server: Server, logs: Path) -> FrontCost:
-    """CPU seconds of the coordinator and the load generator per request and per streamed token:
-    two warm-up waves of ``WARM_CLIENTS`` requests that differ only in their tokens."""
-    short, long = (_front_cpu_s(server, logs, tokens, seed) for tokens, seed in WARM_WAVES)
+    """CPU seconds of the coordinator and the load generator per request and per streamed token,
+    from warm-up waves (``WARM_WAVES``) that differ in their tokens or in their clients alone."""
+    (short, clients), (long, _), (few, few_clients) = ((_front_cpu_s(server, logs, *w), w[0]) for w in WARM_WAVES)
     per_token = max(0.0, (long[0] - short[0]) / max(1, long[1] - short[1]))
-    per_request = max(0.0, (short[0] - per_token * short[1]) / WARM_CLIENTS)
+    per_request = max(0.0, (short[0] - few[0] - per_token * (short[1] - few[1])) / (clients - few_clients))
     return FrontCost(per_token, per_request)
 
 
-def _front_cpu_s(server: Server, logs: Path, tokens: int, seed: int) -> tuple[float, int]:
+def _front_cpu_s(server: Server, logs: Path, clients: int, tokens: int, seed: int) -> tuple[float, int]:
     """The front's CPU seconds over one warm-up wave, and the tokens it streamed."""
     coordinator = server.procs[0].pid
     before_coordinator, before_clients = _cpu_s(coordinator), _children_cpu_s()
-    done = wave(server, prompts_file(WARM_CLIENTS, seed, logs), tokens)
+    done = wave(server, prompts_file(clients, seed, logs), tokens)
     return (_cpu_s(coordinator) - before_coordinator) + (_children_cpu_s() - before_clients), int(done["tokens"])
 
 

@@ -421,6 +421,8 @@ class Stats(Message):
     # Its speed probe after loading (``runtime.step_probe``): rows -> seconds of one step of that many decode rows
     step_probe_s: dict[int, float] = Field(default={}, max_length=8)
     prompt_probe_s: float = 0.0  # and of one prompt chunk of ``step_probe.PROMPT_ROWS`` tokens
+    # rows -> a decode step's median seconds outside its forward (``runtime.step_clock``)
+    step_overhead_s: dict[int, float] = Field(default={}, max_length=8)
     busy_seconds: float = 0.0  # every forward's seconds so far, prompt chunks' too
     core_others_seconds: float = 0.0  # other processes' CPU seconds on its cores since boot, per core
 

@@ -9,7 +9,7 @@ are the leader's shard of them: what tells the scheduler the group owns both end
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -23,6 +23,12 @@ class GroupCache:
     """A sequence's caches, held by every rank of the group under one id."""
 
     seq: int
+    group: LockstepGroup | None = field(default=None, compare=False, repr=False)
+
+    def fork(self, positions: int) -> GroupCache:
+        """A copy of positions [0, positions) on every rank, as ``SequenceCache.fork``."""
+        assert self.group is not None, "a group cache made without its group"
+        return GroupCache(self.group.fork(self.seq, positions), self.group)
 
 
 class LockstepStage:
@@ -43,7 +49,7 @@ class LockstepStage:
         self.cache_bytes = stage.cache_bytes
 
     def new_cache(self, greedy: bool = False) -> GroupCache:
-        return GroupCache(self.group.create(greedy))
+        return GroupCache(self.group.create(greedy), self.group)
 
     def release_cache(self, cache: GroupCache) -> None:
         if not self.group.broken:  # a lost rank took every cache with it
@@ -55,6 +61,8 @@ class LockstepStage:
         states out, or the last position's logits [1, vocab]."""
         out = self.group.run(cache.seq, start, self._inputs(inputs, ids))
         return out.unsqueeze(0) if self.is_last else out
+
+    forward = __call__  # as a Stage's: one sequence's rows
 
     def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
                       ids: torch.Tensor | None = None, logit_rows: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip

@@ -60,9 +60,10 @@ from seamline.parallel.connect import make_comm
 from seamline.weights.loader import DTYPES, fill_stage, open_source, settle_stage
 from seamline.weights.source import TensorSource
 
-CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN, BATCH = range(1, 9)
+CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN, BATCH, FORK = range(1, 10)
 OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rewind",
-            DESTROY: "destroy", PING: "ping", SHUTDOWN: "shutdown", BATCH: "batch"}  # fmt: skip
+            DESTROY: "destroy", PING: "ping", SHUTDOWN: "shutdown", BATCH: "batch", FORK: "fork"}  # fmt: skip
+DONOR = 6  # command slot: a FORK's donor sequence
 MAX_BATCH_ROWS = 4096  # rows of one BATCH command (decode rows and prefill chunks of many sequences)
 CMD_LEN = 8
 GREEDY = 1  # command flag (create): exchange (max, argmax) pairs, not whole logits
@@ -224,6 +225,9 @@ class LockstepRank:
                 raise RequestError(f"sequence {seq} already exists on rank {self.rank}")
             self.seqs[seq] = _Sequence(self.stage.new_cache(), greedy=bool(cmd[4] & GREEDY))
             return None
+        if op == FORK:
+            self._fork(seq, cmd[DONOR], position)
+            return None
         state = self.seqs.get(seq)
         if state is None:
             raise RequestError(f"sequence {seq} does not exist on rank {self.rank} ({OP_NAMES.get(op, op)})")
@@ -251,6 +255,15 @@ class LockstepRank:
         if not self.last:
             return out
         return self._gather_logits(out[-1].float(), state.greedy)
+
+    def _fork(self, seq: int, donor_seq: int, position: int) -> None:
+        """A new sequence ``seq`` holding a copy of ``donor_seq``'s positions [0, position)."""
+        donor = self.seqs.get(donor_seq)
+        if seq in self.seqs or donor is None:
+            raise RequestError(f"fork of sequence {donor_seq} into {seq} on rank {self.rank}: not one open, one free")
+        if not self.stage.forks_caches or not 0 <= position <= donor.position:
+            raise RequestError(f"sequence {donor_seq} (at {donor.position}) cannot be copied through {position}")
+        self.seqs[seq] = _Sequence(donor.cache.fork(position), position, donor.greedy, floor=position)
 
     def _forward(self, inputs: Inputs, spans: list[Span]) -> torch.Tensor:
         """Hidden states of every row, or on the last stage the logits of each span's last row
@@ -357,7 +370,7 @@ class LockstepGroup:
         self._pinger.start()
 
     def call(self, op: int, seq: int, position: int = 0, inputs: Inputs | None = None,
-             flags: int = 0, spans: torch.Tensor | None = None) -> torch.Tensor | None:
+             flags: int = 0, spans: torch.Tensor | None = None, donor: int = 0) -> torch.Tensor | None:
         """Mirror one session call to every rank and apply it here (for BATCH, ``seq`` is the
         number of spans and ``spans`` their table)."""
         count = input_rows(inputs)
@@ -365,8 +378,8 @@ class LockstepGroup:
             if self._broken:
                 raise CommError(f"lockstep group is broken since: {self._broken}", peer=self._broken.peer)
             try:
-                cmd, got, table = self.leader.exchange([op, seq, position, count, flags], inputs if count else None,
-                                                       spans)  # fmt: skip
+                cmd, got, table = self.leader.exchange([op, seq, position, count, flags, 0, donor],
+                                                       inputs if count else None, spans)  # fmt: skip
                 self._last = time.monotonic()
                 return self.leader.apply(cmd, got, table)
             except CommError as exc:
@@ -378,6 +391,12 @@ class LockstepGroup:
         argmax (see ``_gather_logits``) unless ``greedy_exchange`` is off."""
         seq, self._next_seq = self._next_seq, self._next_seq + 1
         self.call(CREATE, seq, flags=GREEDY if greedy and self.greedy_exchange else 0)
+        return seq
+
+    def fork(self, donor: int, positions: int) -> int:
+        """A new sequence on every rank holding a copy of ``donor``'s first ``positions``."""
+        seq, self._next_seq = self._next_seq, self._next_seq + 1
+        self.call(FORK, seq, positions, donor=donor)
         return seq
 
     def run(self, seq: int, position: int, inputs: torch.Tensor | HiddenWithIds) -> torch.Tensor:

@@ -181,8 +181,10 @@ class PipelineHead:
                     return
                 inbox, self._inbox = self._inbox, Inbox()
             try:
+                self.worker.clock.begin(counted=not (inbox.prompts or inbox.closed))  # a request's start or end
                 self._take(inbox)
                 busy = self._run_next()
+                self.worker.clock.end()
             except Exception:  # a link gone mid-send: the coordinator hears of it; stage 0 goes on
                 log.exception("stage 0's driver")
                 busy = False

@@ -38,6 +38,7 @@ from seamline.runtime.mtp_drafts import pipeline_drafts
 from seamline.runtime.pipeline_head import PipelineHead
 from seamline.runtime.sampling import TokenEvent, draw_next, request_seed
 from seamline.runtime.speculation import draws_while_accepted
+from seamline.runtime.step_clock import StepClock
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_flags
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ class StageWorker:
         self.busy_seconds = 0.0  # every forward's seconds, prompt chunks' too
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
+        self.clock = StepClock()  # a decode step's seconds outside its forward, on the stage's thread
         self.stages = 1  # the pipeline's stage count (set by the route)
         self.micro_batches = 1  # batches stage 0 keeps in flight: at least the stage count (set by the route)
         self.masks: TokenMasks | None = None  # the last stage's grammars, where it holds the tokenizer
@@ -239,6 +241,7 @@ class StageWorker:
             self.refused += 1
             log.warning("refused frame: no token ids beside the hidden state, which this stage needs")
             return
+        self.clock.begin()
         with self.lock:
             work: list[Work] = []
             offset = 0
@@ -266,6 +269,7 @@ class StageWorker:
                 assert seq.drawing is not None  # _check_row resolved it
                 work.append(Work(row, seq.cache, x, seq.drawing, ids))
             self.run_batch(work)
+        self.clock.end()
 
     def refuse(self, request: int, what: str, exc: Exception) -> None:
         if request in self.closed:
@@ -285,7 +289,7 @@ class StageWorker:
         for w in work:
             spans.append(Span(offset, w.row.count, w.row.position, w.cache, rowwise=bool(w.row.flags & RowFlag.WINDOW)))
             offset += w.row.count
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         ids = self._ids(work, inputs)  # every frame carries them: the sampler counts generated tokens
         windowed = self.is_last and any(s.rowwise for s in spans)
         # a window draws after every row: its every row's logits
@@ -295,7 +299,9 @@ class StageWorker:
         out = to_host(self.stage.forward_batch(inputs, spans, **rows))  # a GPU stage's one crossing out
         spent = time.perf_counter() - started
         self.busy_seconds += spent
-        if all(w.row.count == 1 for w in work):
+        decode_only = all(w.row.count == 1 for w in work)
+        self.clock.forward(time.thread_time() - cpu_started, len(work) if decode_only else None)
+        if decode_only:
             self.decode_steps += 1
             self.decode_seconds += spent
         if self.digest_seed and self.links.digests is not None:

@@ -11,12 +11,13 @@ rate leaves out.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from seamline.model.stage import Stage
+    from seamline.runtime.group_stage import LockstepStage
 
 PROBE_ROWS = (1, 16, 64)
 PROBE_DEPTH = 160  # positions: a prompt of 32-256 tokens part-way through its answer
@@ -29,21 +30,28 @@ class NotProbed(Exception):
 
 
 @torch.inference_mode()
-def probe_steps(stage: Stage, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = REPEATS,
+def probe_steps(stage: Stage | LockstepStage, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = REPEATS,
                 depth: int = PROBE_DEPTH) -> dict[int, float]:  # fmt: skip
     """Per row count, the fastest of ``repeats`` steps of that many one-row spans (one sequence
     each, ``depth`` positions in), as a decode step runs them; the stage's inputs are token ids
-    or hidden states as it takes them."""
-    from seamline.model.cache import Span
-
-    prefilled = stage.new_cache()
-    if getattr(stage, "passes_ids", False) or not hasattr(prefilled, "fork"):
+    or hidden states as it takes them. A lockstep group's steps run through the whole group:
+    every rank's shard and the gates between them."""
+    if getattr(stage, "passes_ids", False) or not stage.forks_caches:
         raise NotProbed("the probe takes one hidden row per token and copies of one cache; this stage "
                         "(DeepSeek-V4's hyper-connected residual and compressed caches) has neither")
-    stage.forward(_inputs(stage, depth), 0, prefilled, last_only=True)
-    found = {}
-    for count in rows:
-        caches = [prefilled.fork(depth) for _ in range(count)]
+    prefilled = stage.new_cache()
+    try:
+        stage.forward(_inputs(stage, depth), 0, prefilled, last_only=True)
+        return {count: _fastest_step(stage, prefilled, count, repeats, depth) for count in rows}
+    finally:
+        stage.release_cache(prefilled)
+
+
+def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repeats: int, depth: int) -> float:
+    from seamline.model.cache import Span
+
+    caches = [prefilled.fork(depth) for _ in range(count)]
+    try:
         inputs = _inputs(stage, count)
         fastest = float("inf")
         for step in range(repeats + 1):  # the first warms the row count's buffers up
@@ -52,13 +60,14 @@ def probe_steps(stage: Stage, rows: tuple[int, ...] = PROBE_ROWS, repeats: int =
             stage.forward_batch(inputs, spans, last_only=True)
             if step:
                 fastest = min(fastest, time.perf_counter() - started)
-        found[count] = fastest
-        del caches
-    return found
+        return fastest
+    finally:
+        for cache in caches:  # a lockstep group's live on every rank until released
+            stage.release_cache(cache)
 
 
 @torch.inference_mode()
-def probe_prompt(stage: Stage, rows: int = PROMPT_ROWS, repeats: int = REPEATS) -> float:
+def probe_prompt(stage: Stage | LockstepStage, rows: int = PROMPT_ROWS, repeats: int = REPEATS) -> float:
     """The fastest of ``repeats`` prompt chunks of ``rows`` tokens, each a new sequence's first."""
     inputs = _inputs(stage, rows)
     fastest = float("inf")
@@ -68,10 +77,11 @@ def probe_prompt(stage: Stage, rows: int = PROMPT_ROWS, repeats: int = REPEATS) 
         stage.forward(inputs, 0, cache, last_only=True)
         if attempt:
             fastest = min(fastest, time.perf_counter() - started)
+        stage.release_cache(cache)
     return fastest
 
 
-def _inputs(stage: Stage, count: int) -> torch.Tensor:
+def _inputs(stage: Stage | LockstepStage, count: int) -> torch.Tensor:
     if stage.embed is not None:
         return torch.full((count,), 1, dtype=torch.long)
     generator = torch.Generator().manual_seed(count)

@@ -83,6 +83,8 @@ class StageCost:
     gate_bytes_per_row: int = 0
     gate_link: LinkCost | None = None
     fails_at_s: float | None = None  # the simulator fails this stage's node then
+    # rows -> a step's seconds outside its forward, as the node measures it serving (``runtime.step_clock``)
+    step_overhead_s: Mapping[int, float] = field(default_factory=dict)
 
     def step_s(self, rows: int, prompt_rows: int = 0) -> float:
         """Seconds for a step of ``rows`` rows (``prompt_rows`` of them prompt chunks') on this
@@ -96,7 +98,16 @@ class StageCost:
                      + self.expert_bytes * touched)  # fmt: skip
             work = max(work, union / self.speed.bytes_per_second)
         gates = self.gates * self.gate_link.seconds(rows * self.gate_bytes_per_row) if self.gate_link else 0.0
-        return work / self.core_share + gates
+        return (work + self.overhead_s(rows)) / self.core_share + gates
+
+    def overhead_s(self, rows: int) -> float:
+        """A step's seconds outside its forward at ``rows`` rows: on the line through the
+        measured points (a fixed part and one per row), or the one point measured."""
+        points = sorted(self.step_overhead_s.items())
+        if len(points) < 2:
+            return points[0][1] if points else 0.0
+        (r0, v0), (r1, v1) = points[0], points[-1]
+        return max(0.0, v0 + (rows - r0) * (v1 - v0) / (r1 - r0))
 
 
 def frame_bytes(rows: int, bytes_per_row: int) -> int:

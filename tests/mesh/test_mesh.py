@@ -257,6 +257,8 @@ def test_a_client_that_goes_away_is_freed_on_every_stage_within_a_second(mesh2: 
         assert time.monotonic() - gone < 1.0, stages
         time.sleep(0.05)
     assert all(s["kept_kv_bytes"] > 0 for s in stages), stages  # kept for prompts that begin alike, on both
+    # each stage probed its steps before serving, and timed them outside their forwards while it served
+    assert all(set(s["step_probe_ms"]) == {"1", "16", "64"} and s["step_overhead_ms"]["1"] > 0 for s in stages), stages
 
 
 def test_a_request_beyond_the_kv_budget_is_refused_and_the_mesh_keeps_serving(mesh2: MeshProcesses,

@@ -77,6 +77,7 @@ def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder
         _check_concurrent(mesh, moe_folder)
         _check_speculation(mesh, moe_folder)
         _check_downloads(mesh, status)
+        _check_probes(mesh)
         _kill_mid_answer(mesh, stages[1]["ranks"][1])  # the second stage's follower: no hang either
     finally:
         mesh.stop()
@@ -109,6 +110,15 @@ def _check_speculation(mesh: MeshProcesses, folder: Path) -> None:
     assert reply.choices[0].text == alone
     counts = httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()["stages"][0].get("speculation") or {}
     assert counts.get("windows", 0) > 0 and counts["accepted"] > 0, counts
+
+
+def _check_probes(mesh: MeshProcesses) -> None:
+    """Each group's leader probed steps through its whole group before serving, and measured
+    its steps outside their forwards while it served."""
+    for stage in httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()["stages"]:
+        probed = stage["step_probe_ms"]
+        assert set(probed) == {"1", "16", "64"} and all(ms > 0 for ms in probed.values()), stage
+        assert stage["prompt_probe_ms"]["256"] > 0 and stage["step_overhead_ms"]["1"] > 0, stage
 
 
 def _check_downloads(mesh: MeshProcesses, status: dict) -> None:

@@ -42,3 +42,18 @@ def test_a_group_without_a_probed_node_is_refused_and_a_single_stage_has_no_gate
         _stage_probe(group, status([group]), None)
     stage = Calibration((_stage_probe(ONE_NODE, status([ONE_NODE]), None),), (), FrontCost(), HIDDEN).route().stages[0]
     assert stage.gates == 0 and stage.step_s(1) == pytest.approx(20e-3) and stage.step_s(64) == pytest.approx(0.3)
+
+
+def test_a_group_that_probed_itself_steps_as_probed_and_every_step_carries_its_measured_overhead() -> None:
+    """A group's leader probes steps run through the whole group: its gates are in them."""
+    group = {"node_id": "a", "layers": [0, 30], "weight_bytes": 30_000_000, "ranks": ["a", "b"],
+             "step_probe_ms": {"1": 12.0, "16": 60.0, "64": 200.0}, "prompt_probe_ms": {"256": 500.0},
+             "step_overhead_ms": {"1": 0.5, "16": 2.0}}  # fmt: skip
+    link = {"nodes": ["a", "b"], "rtt_ms": 0.1, "bandwidth_mb_s": 1000.0}
+    found = _stage_probe(group, status([group], [link]), None)
+    assert found.node_id == "a+b" and found.ranks == 2 and found.gate_link_ms_mb_s is None
+    stage = Calibration((found,), (), FrontCost(), HIDDEN).route().stages[0]
+    assert stage.gates == 0
+    assert stage.step_s(1) == pytest.approx(12.5e-3) and stage.step_s(16) == pytest.approx(62e-3)
+    assert stage.step_s(64) == pytest.approx(206.8e-3)  # on the line: 0.1 ms more a row
+    assert stage.step_s(0) == 0.0

@@ -190,6 +190,7 @@ class Node(Membership, DataPath):
                                                 decode_seconds=w.decode_seconds, refused_frames=w.refused,
                                                 link_bytes=sent, precision=stage_precision(self.assignment),
                                                 step_probe_s=w.step_probe, prompt_probe_s=w.prompt_probe,
+                                                step_overhead_s=w.clock.overhead_s(),
                                                 busy_seconds=w.busy_seconds, core_others_seconds=others_cpu_seconds(),
                                                 **w.holdings(), **w.speculated()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
@@ -282,6 +283,8 @@ class Node(Membership, DataPath):
                 self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
                 self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head,
                                           assign.context_length, _kv_budget(assign))  # fmt: skip
+                # the group's steps, its every rank and gate, as it will serve them
+                self.worker.step_probe, self.worker.prompt_probe = _probed(self.group_stage)
             else:
                 threading.Thread(target=self._serve_rank, args=(member, assign), daemon=True).start()
         if assign.tail is not None and self.worker is not None:
@@ -436,7 +439,7 @@ def run_node(token: str, options: NodeOptions) -> int:
     return 0
 
 
-def _probed(stage: Stage) -> tuple[dict[int, float], float]:
+def _probed(stage: Stage | LockstepStage) -> tuple[dict[int, float], float]:
     """The loaded stage's step seconds at the probe's row counts, and a prompt chunk's; none
     where it cannot take them (the cost model then has the node's weight-streaming rate alone)."""
     from seamline.runtime.step_probe import NotProbed, probe_prompt, probe_steps
