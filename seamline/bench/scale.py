@@ -10,8 +10,10 @@ coordinator and the load generator on core 0, each node with one thread:
 * ``lockstep_2``: node 0 on core 0 and node 1 on core 1 as one 2-rank lockstep group
   (``--tensor-parallel 2``) over loopback.
 
-Each is measured at 1, 16 and 64 streaming clients (prompts of 32-256 tokens, ``tokens``
-generated with ``ignore_eos``: ``bench throughput``'s load); ``repeats`` (3) rounds alternate
+Each mesh is left idle until its stages have probed again on quiet cores (their loading probes
+ran beside the other meshes' loading), before it settles and again after. Each is measured at
+1, 16 and 64 streaming clients (prompts of 32-256 tokens, ``tokens`` generated with
+``ignore_eos``: ``bench throughput``'s load); ``repeats`` (3) rounds alternate
 the configurations and a figure is the median over rounds. Each round has new prompts (the same
 for every configuration): a round's prompts again would find their prefixes cached.
 
@@ -25,13 +27,14 @@ over probes taken before the load (``calibration`` in the JSON):
   sampling, coding and sending, at one row and at many), which the node times while it serves
   the warm-up waves;
 * each hop's round trip and bandwidth, as the nodes measured them;
-* the front's CPU per streamed token: the coordinator's and the load generator's CPU seconds
-  over a warm-up wave, which share stage 0's core.
+* the front's CPU per streamed token and per request: the coordinator's and the load
+  generator's CPU seconds over warm-up waves, which share stage 0's core.
 
 ``pipeline_gain_64`` (loopback) and ``pipeline_gain_lan_64`` are two stages' tok/s over one
-node's at 64 clients; ``ratio_min``/``ratio_max`` span predicted / measured over every
-configuration and client count; ``seed_check_tok_s`` is the seed's own setup priced by the
-same model (``seamline.sim.reference``).
+node's at 64 clients, and ``pipeline_gain_bound_64`` what the batched kernels allow them: one
+node's step of 64 rows over its step of 32 (two stages step micro-batches of 32 rows);
+``ratio_min``/``ratio_max`` span predicted / measured over every configuration and client count;
+``seed_check_tok_s`` is the seed's own setup priced by the same model (``seamline.sim.reference``).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from seamline.bench.throughput import prompts_file, seamline_env, wave
 CLIENTS = (1, 16, 64)
 TOKENS = 64
 SETTLE_CLIENTS, SETTLE_TOKENS, SETTLE_WAVES, STABLE_WAVES = 64, 48, 8, 2
+PROBE_WAIT_S, PROBE_POLL_S = 300.0, 10.0
 TARGETS = {"ratio_low": 0.85, "ratio_high": 1.15, "pipeline_gain_64": 1.7, "pipeline_gain_lan_64": 1.6}
 
 
@@ -62,7 +66,9 @@ def bench_scale(repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...]
         for name in ("one_node", "two_stages", *(() if lan_reason else ("two_stages_lan",)), "lockstep_2"):
             servers[name] = _start(name, logs)
             servers[name].wait_healthy()
+        wait_quiet_probes(servers)  # the plans are made from probes taken beside the others' loading
         settled = {name: settle(server, logs) for name, server in servers.items()}
+        quiet = wait_quiet_probes(servers)  # a re-balance reloaded stages: their probes again
         calibrations = {"one_node": calibrate(servers["one_node"], logs)}
         rank_probe = calibrations["one_node"].stages[0]  # the same core kind: a rank's rate reading weights
         calibrations |= {name: calibrate(server, logs, rank_probe) for name, server in servers.items()
@@ -76,7 +82,23 @@ def bench_scale(repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...]
             lan_down()
     predicted = {name: {n: [predict(calibrations[name], n, tokens, _prompt_lengths(n, r, logs)) for r in range(repeats)]
                         for n in clients} for name in servers}  # fmt: skip
-    return _result(measured, predicted, calibrations, tokens, repeats, lan_reason, logs) | {"plans": plans}
+    result = _result(measured, predicted, calibrations, tokens, repeats, lan_reason, logs)
+    return result | {"plans": plans, "probes_quiet": quiet}
+
+
+def wait_quiet_probes(servers: dict[str, Server], timeout_s: float = PROBE_WAIT_S) -> dict[str, bool]:
+    """Leave every mesh idle until each of its stages has taken its probe again on quiet cores
+    (``mesh.node.reprobe``); per mesh, whether all did within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pending = set(servers)
+    while pending and time.monotonic() < deadline:
+        time.sleep(PROBE_POLL_S)  # seldom: each look starts a process, on one of the cores being probed
+        pending = {name for name in pending if not _probed_quiet(servers[name])}
+    return {name: name not in pending for name in servers}
+
+
+def _probed_quiet(server: Server) -> bool:
+    return all(stage.get("probe_quiet") for stage in status_of(server)["stages"])
 
 
 def settle(server: Server, logs: Path) -> dict[str, Any]:
@@ -196,6 +218,7 @@ def _result(measured: dict[str, dict[int, list[dict[str, Any]]]], predicted: dic
         "lan_link": f"{LAN_DELAY_MS} ms one-way, 1gbit" if not lan_reason else f"not measured: {lan_reason}",
         "calibration": {name: c.as_json() for name, c in calibrations.items()},
         "configs": configs, "pipeline_gain_64": gain, "pipeline_gain_lan_64": gain_lan,
+        "pipeline_gain_bound_64": _gain_bound(calibrations.get("one_node")),
         "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
         "seed_check": seed, "seed_check_tok_s": [round(seed["predicted"][f"split_tok_s_{ms}ms"], 2) for ms in (4, 20)],
         "logs": str(logs),
@@ -212,6 +235,17 @@ def _gain(configs: dict[str, Any], name: str) -> float | None:
     if name not in configs or "64" not in configs[name] or "64" not in configs.get("one_node", {}):
         return None
     return round(configs[name]["64"]["measured_tok_s"] / configs["one_node"]["64"]["measured_tok_s"], 3)
+
+
+def _gain_bound(one_node: Calibration | None) -> float | None:
+    """Two stages' gain over one node at 64 clients were the layers split evenly and nothing but
+    the rows of a step to change: each stage steps micro-batches of 32 rows over half the work,
+    where one node steps 64 rows over all of it (one node's probes: its step at 64 rows over its
+    step at 32)."""
+    if one_node is None:
+        return None
+    stage = one_node.route().stages[0]
+    return round(stage.step_s(64) / stage.step_s(32), 3)
 
 
 def _targets(result: dict[str, Any]) -> dict[str, bool | None]:

@@ -22,9 +22,10 @@ from seamline.mesh.plan.types import LinkCost
 from seamline.sim.costs import DeviceSpeed, FrontCost, Load, StageCost
 from seamline.sim.pricing import GATES_PER_LAYER
 
-# (clients, tokens, prompts' seed): the first two alike but for the tokens streamed, the first
-# and the third but for their clients (the load generator's start, the same in each, cancels)
-WARM_WAVES = ((16, 4, 9000), (16, 68, 9001), (4, 4, 9002))
+# (clients, tokens, prompts' seed): the first two alike but for the tokens streamed; the first and
+# the third differ in their clients (the load generator's start, the same in each, cancels), and
+# the third's one stream gives the stages steps of one row to time (``step_overhead_ms``)
+WARM_WAVES = ((16, 4, 9000), (16, 68, 9001), (1, 16, 9002))
 FRAME_DTYPE_BYTES = 4  # hidden-state frames travel as float32
 
 

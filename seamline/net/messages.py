@@ -423,6 +423,7 @@ class Stats(Message):
     prompt_probe_s: float = 0.0  # and of one prompt chunk of ``step_probe.PROMPT_ROWS`` tokens
     # rows -> a decode step's median seconds outside its forward (``runtime.step_clock``)
     step_overhead_s: dict[int, float] = Field(default={}, max_length=8)
+    probe_quiet: bool = False  # the probe was taken again once the stage was idle and its cores quiet
     busy_seconds: float = 0.0  # every forward's seconds so far, prompt chunks' too
     core_others_seconds: float = 0.0  # other processes' CPU seconds on its cores since boot, per core
 

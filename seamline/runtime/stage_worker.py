@@ -112,6 +112,8 @@ class StageWorker:
         self.stale_windows = 0  # the last stage: windows that went on from one not accepted whole, not drawn from
         self.step_probe: dict[int, float] = {}  # rows -> seconds of one step, as probed after loading
         self.prompt_probe = 0.0  # seconds of one prompt chunk of ``step_probe.PROMPT_ROWS`` tokens
+        self.probe_quiet = False  # the probe was taken again on an idle stage and quiet cores (``mesh.node.reprobe``)
+        self.forward_lock = threading.Lock()  # a forward at a time: a probe taken while it serves holds it too
         self.busy_seconds = 0.0  # every forward's seconds, prompt chunks' too
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
@@ -296,7 +298,8 @@ class StageWorker:
         rows: dict[str, Any] = {"logit_rows": logit_rows(spans)} if windowed else {"last_only": self.is_last}
         if self.stage.passes_ids:
             rows["ids"] = ids
-        out = to_host(self.stage.forward_batch(inputs, spans, **rows))  # a GPU stage's one crossing out
+        with self.forward_lock:
+            out = to_host(self.stage.forward_batch(inputs, spans, **rows))  # a GPU stage's one crossing out
         spent = time.perf_counter() - started
         self.busy_seconds += spent
         decode_only = all(w.row.count == 1 for w in work)

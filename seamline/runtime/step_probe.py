@@ -1,9 +1,9 @@
-"""A loaded stage's speed probe: the seconds of one step of 1, 16 and 64 decode rows, and of
+"""A loaded stage's speed probe: the seconds of one step of 1, 16, 32 and 64 decode rows, and of
 one prompt chunk of ``PROMPT_ROWS`` tokens.
 
 Taken once, after the stage loads and before it serves, on sequences ``PROBE_DEPTH`` positions
 deep (copies of one prefilled cache), so that each row also attends over a chat turn's context:
-the cost model (``seamline.sim``) prices a step of any row count from these three, with the
+the cost model (``seamline.sim``) prices a step of any row count from these, with the
 per-layer overhead, the attention and the batched kernels' gain that a bare weight-streaming
 rate leaves out.
 """
@@ -11,6 +11,7 @@ rate leaves out.
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from seamline.model.stage import Stage
     from seamline.runtime.group_stage import LockstepStage
 
-PROBE_ROWS = (1, 16, 64)
+PROBE_ROWS = (1, 16, 32, 64)  # 32: two stages' micro-batches at 64 clients
 PROBE_DEPTH = 160  # positions: a prompt of 32-256 tokens part-way through its answer
 PROMPT_ROWS = 256  # one sequence's chunk from its first position: a prompt's rows share its attention
 REPEATS = 5  # the fastest of these: a neighbour's burst on the core inflates a step, never shortens one
@@ -31,23 +32,27 @@ class NotProbed(Exception):
 
 @torch.inference_mode()
 def probe_steps(stage: Stage | LockstepStage, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = REPEATS,
-                depth: int = PROBE_DEPTH) -> dict[int, float]:  # fmt: skip
+                depth: int = PROBE_DEPTH, lock: AbstractContextManager = nullcontext(),
+                ) -> dict[int, float]:  # fmt: skip
     """Per row count, the fastest of ``repeats`` steps of that many one-row spans (one sequence
     each, ``depth`` positions in), as a decode step runs them; the stage's inputs are token ids
     or hidden states as it takes them. A lockstep group's steps run through the whole group:
-    every rank's shard and the gates between them."""
+    every rank's shard and the gates between them. Each forward holds ``lock`` (a serving
+    stage's: its requests' forwards wait for one probe forward at most)."""
     if getattr(stage, "passes_ids", False) or not stage.forks_caches:
         raise NotProbed("the probe takes one hidden row per token and copies of one cache; this stage "
                         "(DeepSeek-V4's hyper-connected residual and compressed caches) has neither")
     prefilled = stage.new_cache()
     try:
-        stage.forward(_inputs(stage, depth), 0, prefilled, last_only=True)
-        return {count: _fastest_step(stage, prefilled, count, repeats, depth) for count in rows}
+        with lock:
+            stage.forward(_inputs(stage, depth), 0, prefilled, last_only=True)
+        return {count: _fastest_step(stage, prefilled, count, repeats, depth, lock) for count in rows}
     finally:
         stage.release_cache(prefilled)
 
 
-def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repeats: int, depth: int) -> float:
+def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repeats: int, depth: int,
+                  lock: AbstractContextManager) -> float:  # fmt: skip
     from seamline.model.cache import Span
 
     caches = [prefilled.fork(depth) for _ in range(count)]
@@ -56,10 +61,12 @@ def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repe
         fastest = float("inf")
         for step in range(repeats + 1):  # the first warms the row count's buffers up
             spans = [Span(i, 1, depth + step, cache) for i, cache in enumerate(caches)]
-            started = time.perf_counter()
-            stage.forward_batch(inputs, spans, last_only=True)
+            with lock:
+                started = time.perf_counter()
+                stage.forward_batch(inputs, spans, last_only=True)
+                spent = time.perf_counter() - started
             if step:
-                fastest = min(fastest, time.perf_counter() - started)
+                fastest = min(fastest, spent)
         return fastest
     finally:
         for cache in caches:  # a lockstep group's live on every rank until released
@@ -67,16 +74,19 @@ def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repe
 
 
 @torch.inference_mode()
-def probe_prompt(stage: Stage | LockstepStage, rows: int = PROMPT_ROWS, repeats: int = REPEATS) -> float:
+def probe_prompt(stage: Stage | LockstepStage, rows: int = PROMPT_ROWS, repeats: int = REPEATS,
+                 lock: AbstractContextManager = nullcontext()) -> float:  # fmt: skip
     """The fastest of ``repeats`` prompt chunks of ``rows`` tokens, each a new sequence's first."""
     inputs = _inputs(stage, rows)
     fastest = float("inf")
     for attempt in range(repeats + 1):
         cache = stage.new_cache()
-        started = time.perf_counter()
-        stage.forward(inputs, 0, cache, last_only=True)
+        with lock:
+            started = time.perf_counter()
+            stage.forward(inputs, 0, cache, last_only=True)
+            spent = time.perf_counter() - started
         if attempt:
-            fastest = min(fastest, time.perf_counter() - started)
+            fastest = min(fastest, spent)
         stage.release_cache(cache)
     return fastest
 

@@ -57,3 +57,12 @@ def test_a_group_that_probed_itself_steps_as_probed_and_every_step_carries_its_m
     assert stage.step_s(1) == pytest.approx(12.5e-3) and stage.step_s(16) == pytest.approx(62e-3)
     assert stage.step_s(64) == pytest.approx(206.8e-3)  # on the line: 0.1 ms more a row
     assert stage.step_s(0) == 0.0
+
+
+def test_the_gain_two_stages_can_reach_is_one_nodes_step_of_64_rows_over_its_step_of_32() -> None:
+    from seamline.bench.scale import _gain_bound
+
+    node = ONE_NODE | {"step_probe_ms": {"1": 20.0, "16": 100.0, "32": 200.0, "64": 300.0}}
+    calibration = Calibration((_stage_probe(node, status([node]), None),), (), FrontCost(), HIDDEN)
+    assert _gain_bound(calibration) == 1.5  # 64 rows in 300 ms on one node; 2 x 32 rows in 2 x 100 ms on two
+    assert _gain_bound(None) is None

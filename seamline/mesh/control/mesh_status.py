@@ -90,6 +90,7 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
         if stat.step_probe_s:  # rows -> ms of one step, as the stage probed itself after loading
             stage["step_probe_ms"] = {str(rows): round(s * 1e3, 3) for rows, s in sorted(stat.step_probe_s.items())}
             stage["prompt_probe_ms"] = {str(PROMPT_ROWS): round(stat.prompt_probe_s * 1e3, 3)}
+            stage["probe_quiet"] = stat.probe_quiet  # taken again on an idle stage and quiet cores
         if stat.step_overhead_s:  # a decode step's CPU seconds outside its forward, as it serves
             overhead = sorted(stat.step_overhead_s.items())
             stage["step_overhead_ms"] = {str(rows): round(s * 1e3, 3) for rows, s in overhead}

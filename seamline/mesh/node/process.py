@@ -38,6 +38,7 @@ from seamline.mesh.node.core_load import others_cpu_seconds
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_path import DataPath
 from seamline.mesh.node.private_tail import load_tail, pair
+from seamline.mesh.node.reprobe import reprobe_when_quiet
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.membership import Membership
 from seamline.mesh.node.node_precision import stage_precision, take_precision
@@ -190,7 +191,7 @@ class Node(Membership, DataPath):
                                                 decode_seconds=w.decode_seconds, refused_frames=w.refused,
                                                 link_bytes=sent, precision=stage_precision(self.assignment),
                                                 step_probe_s=w.step_probe, prompt_probe_s=w.prompt_probe,
-                                                step_overhead_s=w.clock.overhead_s(),
+                                                step_overhead_s=w.clock.overhead_s(), probe_quiet=w.probe_quiet,
                                                 busy_seconds=w.busy_seconds, core_others_seconds=others_cpu_seconds(),
                                                 **w.holdings(), **w.speculated()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
@@ -275,6 +276,7 @@ class Node(Membership, DataPath):
             self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
                                       _kv_budget(assign, stage.input_device))  # fmt: skip
             self.worker.step_probe, self.worker.prompt_probe = _probed(stage)
+            self._reprobe(self.worker, stage)
         else:
             member, fetched = load_rank(self.invite, assign, self.options, self._group_tls(assign),
                                         self.credentials.client if self.credentials else None,
@@ -285,6 +287,7 @@ class Node(Membership, DataPath):
                                           assign.context_length, _kv_budget(assign))  # fmt: skip
                 # the group's steps, its every rank and gate, as it will serve them
                 self.worker.step_probe, self.worker.prompt_probe = _probed(self.group_stage)
+                self._reprobe(self.worker, self.group_stage)
             else:
                 threading.Thread(target=self._serve_rank, args=(member, assign), daemon=True).start()
         if assign.tail is not None and self.worker is not None:
@@ -352,6 +355,12 @@ class Node(Membership, DataPath):
 
     def _layers(self) -> str:
         return "?,?" if self.assignment is None else f"{self.assignment.layers[0]},{self.assignment.layers[1]}"
+
+    def _reprobe(self, worker: StageWorker, stage: Stage | LockstepStage) -> None:
+        """Probe the stage again once it is idle and its cores quiet (its loading probe ran
+        beside its peers' loading), while it serves this assignment."""
+        if worker.step_probe:
+            reprobe_when_quiet(worker, stage, lambda: self.worker is worker)
 
     def _serve_rank(self, member: LockstepRank, assign: Assign) -> None:
         """A group's other rank: follow the leader until it shuts the group down or a link breaks
