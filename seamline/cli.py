@@ -109,6 +109,8 @@ def _add_mesh_commands(sub: Any) -> None:
     join.add_argument("--quiet", action="store_true", help="log warnings only")
     join.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object a line")
     join.add_argument("--no-progress", action="store_true", help="no download progress bar")
+    join.add_argument("--reprobe-when-idle", action="store_true",
+                      help="take the stage's speed probe again once it is idle and its cores quiet (for predictions)")
     _device_arg(join)
     join.set_defaults(handler=cmd_join)
     demo = sub.add_parser("demo", help="a coordinator and N nodes on this machine answer one question")
@@ -389,7 +391,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     _logging(quiet=args.quiet, fmt=args.log_format)
     raise_descriptor_limit()
     resolve_device(args.device)  # a device this machine lacks: one line now, not after the download
-    options = NodeOptions(data_port=args.data_port, progress=not args.no_progress, device=args.device)
+    options = NodeOptions(data_port=args.data_port, progress=not args.no_progress, device=args.device,
+                          reprobe_when_idle=args.reprobe_when_idle)  # fmt: skip
     if args.max_memory is not None:
         options.max_memory_bytes = int(args.max_memory * (1 << 30))
     if args.node_id:

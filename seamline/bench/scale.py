@@ -55,6 +55,7 @@ CLIENTS = (1, 16, 64)
 TOKENS = 64
 SETTLE_CLIENTS, SETTLE_TOKENS, SETTLE_WAVES, STABLE_WAVES = 64, 48, 8, 2
 PROBE_WAIT_S, PROBE_POLL_S = 300.0, 10.0
+REPROBE = ("--reprobe-when-idle",)  # nodes probe again on quiet cores: the meshes load beside each other
 TARGETS = {"ratio_low": 0.85, "ratio_high": 1.15, "pipeline_gain_64": 1.7, "pipeline_gain_lan_64": 1.6}
 
 
@@ -137,15 +138,15 @@ def _start(name: str, logs: Path) -> Server:
 
     env = seamline_env()
     if name == "one_node":
-        core0 = NodeSpec("0", 1)
+        core0 = NodeSpec("0", 1, join_extra=REPROBE)
         return _on_core0(start_mesh(name, [core0], core0, "127.0.0.1", env, logs, None, precision=None))
     cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)  # any two nodes, and no one, hold the model
     if name in ("two_stages", "lockstep_2"):
-        nodes = [NodeSpec("0", 1), NodeSpec("1", 1)]
+        nodes = [NodeSpec("0", 1, join_extra=REPROBE), NodeSpec("1", 1, join_extra=REPROBE)]
         lockstep = name == "lockstep_2"  # every rank could hold the model: the flag makes the group
         return _on_core0(start_mesh(name, nodes, NodeSpec("0", 1), "127.0.0.1", env, logs, None if lockstep else cap,
                                     ("--tensor-parallel", "2") if lockstep else (), precision=None))  # fmt: skip
-    nodes = [NodeSpec("0", 1, f"{NS_PREFIX}1"), NodeSpec("1", 1, f"{NS_PREFIX}2")]
+    nodes = [NodeSpec(str(i), 1, f"{NS_PREFIX}{i + 1}", join_extra=REPROBE) for i in range(2)]
     coordinator = NodeSpec("0", 1, f"{NS_PREFIX}1")
     return _on_core0(start_mesh(name, nodes, coordinator, "10.77.0.1", env, logs, cap, precision=None))
 

@@ -48,6 +48,8 @@ class Calibration:
     links_ms_mb_s: tuple[tuple[float, float], ...]  # each hop, then the return hop: (round trip ms, MB/s)
     front: FrontCost
     hidden_size: int
+    # one hop's one-way ms on the data path, as one stream met it in the warm-up (None: not met)
+    hop_ms: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -84,7 +86,21 @@ def calibrate(server: Server, logs: Path, rank_probe: StageProbe | None = None) 
     front = _front_cost(server, logs)
     status = status_of(server)
     stages = tuple(_stage_probe(s, status, rank_probe) for s in status["stages"])
-    return Calibration(stages, _links(status, [s.node_id for s in stages]), front, _hidden_size())
+    links, hop = _links(status, [s.node_id for s in stages]), data_path_hop_ms(status)
+    if hop is not None:  # the pings' round trip, or the data path's where it is slower
+        links = tuple((max(rtt, 2 * hop), mb_s) for rtt, mb_s in links)
+    return Calibration(stages, links, front, _hidden_size(), hop)
+
+
+def data_path_hop_ms(status: dict[str, Any]) -> float | None:
+    """One hop's one-way ms as one stream's rows met it (stage 0's ``ring_ms``: its row out to
+    its token back, less each later stage's ``cycle_ms``, over the ring's hops: one a stage);
+    the pings that measure a link cross it idle, a row also wakes the next stage's reader and
+    is decoded there. None where no stream ran alone."""
+    stages = status["stages"]
+    if len(stages) < 2 or not stages[0].get("ring_ms") or not all(s.get("cycle_ms") for s in stages[1:]):
+        return None
+    return max(0.0, (stages[0]["ring_ms"] - sum(s["cycle_ms"] for s in stages[1:])) / len(stages))
 
 
 def _stage_probe(stage: dict[str, Any], status: dict[str, Any], rank_probe: StageProbe | None) -> StageProbe:

@@ -33,6 +33,7 @@ class NodeSpec:
     netns: str | None = None  # run inside this network namespace
     device: str | None = None  # `--device` (None: the default, auto)
     max_memory_gb: float | None = None  # its own `--max-memory`, in place of the mesh's cap
+    join_extra: tuple[str, ...] = ()  # more `join` options
 
 
 @dataclass
@@ -149,7 +150,7 @@ def join_node(server: Server, index: int, node: NodeSpec, env: dict[str, str], l
     cap = ["--max-memory", f"{cap_gb:.3f}"] if cap_gb else []
     device = ["--device", node.device] if node.device else []
     join = [*(descriptors_capped(nofile) if nofile else []), *SEAMLINE, "join", server.token, "--node-id", f"{name}{index}",
-            "--quiet", "--no-progress", *cap, *device]  # fmt: skip
+            "--quiet", "--no-progress", *cap, *device, *node.join_extra]  # fmt: skip
     node_env = {**env, "SEAMLINE_CACHE": str(logs / f"cache-{name}{index}")}
     proc = _popen(_pinned(node.cores, node.threads, node.netns, join), node_env, logs / f"{name}-node{index}.log")
     server.procs.append(proc)

@@ -424,6 +424,8 @@ class Stats(Message):
     # rows -> a decode step's median seconds outside its forward (``runtime.step_clock``)
     step_overhead_s: dict[int, float] = Field(default={}, max_length=8)
     probe_quiet: bool = False  # the probe was taken again once the stage was idle and its cores quiet
+    cycle_wall_s: float = 0.0  # a stage after the first: one row's wall seconds from taken to handed on
+    ring_s: float = 0.0  # stage 0: one stream's row from leaving it to its token coming back, wall seconds
     busy_seconds: float = 0.0  # every forward's seconds so far, prompt chunks' too
     core_others_seconds: float = 0.0  # other processes' CPU seconds on its cores since boot, per core
 

@@ -37,6 +37,7 @@ from seamline.net.messages import Close, Forget, Fork, Message, Open
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.core import EngineCore
 from seamline.runtime.scheduler import Batch, Emission, Scheduler, SequenceState, check_prompt
+from seamline.runtime.step_clock import RingClock
 from seamline.runtime.speculation import Speculation
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_event
 
@@ -82,6 +83,7 @@ class PipelineHead:
         self.scheduler.on_free = self._freed
         self.core = EngineCore(self.scheduler, self)  # this head is the pipeline's executor
         self._model_drafts = False  # the last stage drafts with its MTP layer (``speculate``)
+        self.ring = RingClock()  # one stream's row from leaving stage 0 to its token coming back
         self._inbox = Inbox()
         self.hash_key: bytes | None = None  # rows' prefix hashes keyed (a private mesh: members read no token from them)
         self._cond = threading.Condition()
@@ -135,6 +137,8 @@ class PipelineHead:
         return Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length)
 
     def returned(self, rows: list[TokenRow]) -> None:
+        if len(rows) == 1:
+            self.ring.returned()
         self._post(lambda inbox: inbox.returned.extend(rows))
 
     def share_prefixes(self, on: bool) -> None:
@@ -348,6 +352,8 @@ class PipelineHead:
                 self._drop(sequence, reached_downstream=False)
             self._fail([w.row.request for w in work], exc)
             return []
+        one_row = len(work) == 1 and work[0].row.count == 1 and not self.worker.is_last
+        self.ring.sent(one_row and len(self.scheduler.running) == 1)
         self._accept(looped)
         return []
 

@@ -26,12 +26,15 @@ class StepClock:
     def __init__(self, kept: int = KEPT_STEPS) -> None:
         self._few: deque[float] = deque(maxlen=kept)  # seconds outside the forward
         self._many: deque[tuple[int, float]] = deque(maxlen=kept)  # (rows, seconds outside)
+        self._few_wall: deque[float] = deque(maxlen=kept)  # a one-row cycle's wall seconds, forward included
         self._began: float | None = None
+        self._began_wall = 0.0
         self._forwards: list[tuple[float, int | None]] = []  # (seconds, decode rows; None: prompt rows too)
 
     def begin(self, counted: bool = True) -> None:
         """A cycle starts; one that also starts or ends requests is not a step's (``counted``)."""
         self._began, self._forwards = time.thread_time() if counted else None, []
+        self._began_wall = time.perf_counter()
 
     def forward(self, seconds: float, decode_rows: int | None) -> None:
         self._forwards.append((seconds, decode_rows))
@@ -41,9 +44,16 @@ class StepClock:
             outside = max(0.0, time.thread_time() - self._began - self._forwards[0][0])
             if rows <= FEW_ROWS:
                 self._few.append(outside)
+                self._few_wall.append(time.perf_counter() - self._began_wall)
             elif rows >= MANY_ROWS:
                 self._many.append((rows, outside))
         self._began, self._forwards = None, []
+
+    def cycle_wall_s(self) -> float:
+        """The median wall seconds of a one-row cycle, from taking the row to handing it on (0:
+        none yet): what a stage after the first adds to one stream's round of the ring."""
+        seen = list(self._few_wall)
+        return statistics.median(seen) if seen else 0.0
 
     def overhead_s(self) -> dict[int, float]:
         """Rows -> the median seconds outside the forward: at one row, and at the median row
@@ -53,3 +63,25 @@ class StepClock:
         if many:
             found[round(statistics.median(r for r, _ in many))] = statistics.median(s for _, s in many)
         return found
+
+
+class RingClock:
+    """Stage 0 of a pipeline serving one stream: the wall seconds from its row leaving stage 0
+    to its token coming back, the later stages' cycles and every hop between them."""
+
+    def __init__(self, kept: int = KEPT_STEPS) -> None:
+        self._rounds: deque[float] = deque(maxlen=kept)
+        self._sent: float | None = None
+
+    def sent(self, alone: bool) -> None:
+        """A one-row step left stage 0; ``alone``: the only row in flight (else not timed)."""
+        self._sent = time.perf_counter() if alone else None
+
+    def returned(self) -> None:
+        if self._sent is not None:
+            self._rounds.append(time.perf_counter() - self._sent)
+            self._sent = None
+
+    def ring_s(self) -> float:
+        seen = list(self._rounds)
+        return statistics.median(seen) if seen else 0.0

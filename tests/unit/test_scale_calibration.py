@@ -66,3 +66,13 @@ def test_the_gain_two_stages_can_reach_is_one_nodes_step_of_64_rows_over_its_ste
     calibration = Calibration((_stage_probe(node, status([node]), None),), (), FrontCost(), HIDDEN)
     assert _gain_bound(calibration) == 1.5  # 64 rows in 300 ms on one node; 2 x 32 rows in 2 x 100 ms on two
     assert _gain_bound(None) is None
+
+
+def test_one_streams_hops_replace_the_pings_round_trip_where_the_data_path_is_slower() -> None:
+    from seamline.bench.scale_calibration import data_path_hop_ms
+
+    first, last = dict(ONE_NODE, node_id="a", ring_ms=9.0), dict(ONE_NODE, node_id="b", cycle_ms=7.0)
+    assert data_path_hop_ms(status([first, last])) == pytest.approx(1.0)  # (9 - 7) ms over the ring's two hops
+    assert data_path_hop_ms(status([dict(first, ring_ms=5.0), last])) == 0.0
+    assert data_path_hop_ms(status([ONE_NODE, last])) is None  # no stream ran alone
+    assert data_path_hop_ms(status([first])) is None

@@ -40,3 +40,21 @@ def test_the_median_cpu_outside_the_forward_at_one_row_and_at_many() -> None:
         cycle(clock, outside, [(0.01, rows)])
     many = clock.overhead_s()
     assert set(many) == {1, 16} and 0.02 <= many[16] < 0.03
+
+
+def test_a_one_row_cycle_is_timed_whole_and_one_streams_ring_round_by_round() -> None:
+    from seamline.runtime.step_clock import RingClock
+
+    clock = StepClock()
+    assert clock.cycle_wall_s() == 0.0
+    cycle(clock, 0.002, [(0.01, 1)])  # the wall time includes the forward and the sleep
+    assert 0.06 <= clock.cycle_wall_s() < 0.2
+    ring = RingClock()
+    ring.sent(alone=False)  # another row in flight: its token could be either's
+    ring.returned()
+    assert ring.ring_s() == 0.0
+    ring.sent(alone=True)
+    time.sleep(0.02)
+    ring.returned()
+    ring.returned()  # a token with no row timed out before it
+    assert 0.02 <= ring.ring_s() < 0.2

@@ -94,3 +94,7 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
         if stat.step_overhead_s:  # a decode step's CPU seconds outside its forward, as it serves
             overhead = sorted(stat.step_overhead_s.items())
             stage["step_overhead_ms"] = {str(rows): round(s * 1e3, 3) for rows, s in overhead}
+        if stat.ring_s:  # stage 0: one stream's row from leaving it to its token coming back
+            stage["ring_ms"] = round(stat.ring_s * 1e3, 3)
+        if stat.cycle_wall_s:  # one row's wall time on this stage, from taken to handed on
+            stage["cycle_ms"] = round(stat.cycle_wall_s * 1e3, 3)

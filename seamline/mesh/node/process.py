@@ -74,6 +74,7 @@ class NodeOptions:
     data_port: int = 0
     progress: bool = True
     device: str = "auto"  # where this node's stage computes (``seamline.model.devices``)
+    reprobe_when_idle: bool = False  # probe the stage again once idle on quiet cores (``mesh.node.reprobe``)
 
 
 class Node(Membership, DataPath):
@@ -192,6 +193,8 @@ class Node(Membership, DataPath):
                                                 link_bytes=sent, precision=stage_precision(self.assignment),
                                                 step_probe_s=w.step_probe, prompt_probe_s=w.prompt_probe,
                                                 step_overhead_s=w.clock.overhead_s(), probe_quiet=w.probe_quiet,
+                                                cycle_wall_s=w.clock.cycle_wall_s(),
+                                                ring_s=w.head.ring.ring_s() if w.head else 0.0,
                                                 busy_seconds=w.busy_seconds, core_others_seconds=others_cpu_seconds(),
                                                 **w.holdings(), **w.speculated()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
@@ -286,8 +289,8 @@ class Node(Membership, DataPath):
                 self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head,
                                           assign.context_length, _kv_budget(assign))  # fmt: skip
                 # the group's steps, its every rank and gate, as it will serve them
+                # (not again when idle: quiet cores here say nothing of the other ranks')
                 self.worker.step_probe, self.worker.prompt_probe = _probed(self.group_stage)
-                self._reprobe(self.worker, self.group_stage)
             else:
                 threading.Thread(target=self._serve_rank, args=(member, assign), daemon=True).start()
         if assign.tail is not None and self.worker is not None:
@@ -356,10 +359,11 @@ class Node(Membership, DataPath):
     def _layers(self) -> str:
         return "?,?" if self.assignment is None else f"{self.assignment.layers[0]},{self.assignment.layers[1]}"
 
-    def _reprobe(self, worker: StageWorker, stage: Stage | LockstepStage) -> None:
-        """Probe the stage again once it is idle and its cores quiet (its loading probe ran
-        beside its peers' loading), while it serves this assignment."""
-        if worker.step_probe:
+    def _reprobe(self, worker: StageWorker, stage: Stage) -> None:
+        """With ``--reprobe-when-idle``: probe the stage again once it is idle and its cores quiet
+        (its loading probe ran beside its peers' loading), while it serves this assignment. Off
+        by default: each try costs a probe's CPU, and a request that comes waits a forward."""
+        if worker.step_probe and self.options.reprobe_when_idle:
             reprobe_when_quiet(worker, stage, lambda: self.worker is worker)
 
     def _serve_rank(self, member: LockstepRank, assign: Assign) -> None:
