@@ -52,14 +52,13 @@ class StepClock:
     def cycle_wall_s(self) -> float:
         """The median wall seconds of a one-row cycle, from taking the row to handing it on (0:
         none yet): what a stage after the first adds to one stream's round of the ring."""
-        seen = list(self._few_wall)
-        return statistics.median(seen) if seen else 0.0
+        return _median(self._few_wall)
 
     def overhead_s(self) -> dict[int, float]:
         """Rows -> the median seconds outside the forward: at one row, and at the median row
         count of the latest steps of many rows (either missing until such steps ran)."""
-        few, many = list(self._few), list(self._many)
-        found = {1: statistics.median(few)} if few else {}
+        many = list(self._many)
+        found = {1: _median(self._few)} if self._few else {}
         if many:
             found[round(statistics.median(r for r, _ in many))] = statistics.median(s for _, s in many)
         return found
@@ -83,5 +82,10 @@ class RingClock:
             self._sent = None
 
     def ring_s(self) -> float:
-        seen = list(self._rounds)
-        return statistics.median(seen) if seen else 0.0
+        return _median(self._rounds)
+
+
+def _median(seen: deque[float]) -> float:
+    """The median of what a clock kept (0: nothing yet); a copy first, as another thread appends."""
+    values = list(seen)
+    return statistics.median(values) if values else 0.0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,16 +59,11 @@ def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repe
     caches = [prefilled.fork(depth) for _ in range(count)]
     try:
         inputs = _inputs(stage, count)
-        fastest = float("inf")
-        for step in range(repeats + 1):  # the first warms the row count's buffers up
+        seconds = []
+        for step in range(repeats + 1):
             spans = [Span(i, 1, depth + step, cache) for i, cache in enumerate(caches)]
-            with lock:
-                started = time.perf_counter()
-                stage.forward_batch(inputs, spans, last_only=True)
-                spent = time.perf_counter() - started
-            if step:
-                fastest = min(fastest, spent)
-        return fastest
+            seconds.append(_timed(lock, lambda: stage.forward_batch(inputs, spans, last_only=True)))
+        return min(seconds[1:])  # the first warms the row count's buffers up
     finally:
         for cache in caches:  # a lockstep group's live on every rank until released
             stage.release_cache(cache)
@@ -78,17 +74,23 @@ def probe_prompt(stage: Stage | LockstepStage, rows: int = PROMPT_ROWS, repeats:
                  lock: AbstractContextManager = nullcontext()) -> float:  # fmt: skip
     """The fastest of ``repeats`` prompt chunks of ``rows`` tokens, each a new sequence's first."""
     inputs = _inputs(stage, rows)
-    fastest = float("inf")
-    for attempt in range(repeats + 1):
-        cache = stage.new_cache()
-        with lock:
-            started = time.perf_counter()
-            stage.forward(inputs, 0, cache, last_only=True)
-            spent = time.perf_counter() - started
-        if attempt:
-            fastest = min(fastest, spent)
+    return min([_new_prompt_s(stage, inputs, lock) for _ in range(repeats + 1)][1:])
+
+
+def _new_prompt_s(stage: Stage | LockstepStage, inputs: torch.Tensor, lock: AbstractContextManager) -> float:
+    cache = stage.new_cache()
+    try:
+        return _timed(lock, lambda: stage.forward(inputs, 0, cache, last_only=True))
+    finally:
         stage.release_cache(cache)
-    return fastest
+
+
+def _timed(lock: AbstractContextManager, forward: Callable[[], object]) -> float:
+    """The wall seconds of ``forward()``, run holding ``lock`` (the wait for it not counted)."""
+    with lock:
+        started = time.perf_counter()
+        forward()
+        return time.perf_counter() - started
 
 
 def _inputs(stage: Stage | LockstepStage, count: int) -> torch.Tensor:

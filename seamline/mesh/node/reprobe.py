@@ -7,6 +7,7 @@ steps. Once nothing has run on the stage for ``IDLE_S`` and other processes took
 ``QUIET_SHARE`` of its cores meanwhile, the node probes again, one forward at a time under the
 worker's forward lock (a request that comes waits one probe forward at most), and keeps the
 result if the stage stayed idle and its cores quiet throughout; else it waits and tries again.
+A lockstep group is not probed again: its leader sees its own cores, not the other ranks'.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from seamline.mesh.node.core_load import others_cpu_seconds
 
 if TYPE_CHECKING:
     from seamline.model.stage import Stage
-    from seamline.runtime.group_stage import LockstepStage
     from seamline.runtime.stage_worker import StageWorker
 
 log = logging.getLogger("seamline.node")
@@ -31,17 +31,22 @@ QUIET_SHARE = 0.1  # of its cores' time other processes may take, before and whi
 GIVE_UP_S = 900.0  # a node whose cores are never quiet keeps its loading probe
 
 
-def reprobe_when_quiet(worker: StageWorker, stage: Stage | LockstepStage, serving: Callable[[], bool]) -> None:
+def reprobe_when_quiet(worker: StageWorker, stage: Stage, serving: Callable[[], bool]) -> None:
     """Start a thread that probes ``stage`` again when ``worker`` is idle and its cores are quiet,
     while ``serving()`` (the worker still serves this stage); it ends when it has, or gives up."""
     threading.Thread(target=_reprobe, args=(worker, stage, serving), name="seamline-reprobe", daemon=True).start()
 
 
-def _reprobe(worker: StageWorker, stage: Stage | LockstepStage, serving: Callable[[], bool]) -> None:
+def _reprobe(worker: StageWorker, stage: Stage, serving: Callable[[], bool]) -> None:
+    from seamline.runtime.step_probe import NotProbed
+
     deadline = time.monotonic() + GIVE_UP_S
     while serving() and time.monotonic() < deadline:
         if _quiet_for(worker, IDLE_S):
-            probed = _probe_if_quiet(worker, stage)
+            try:
+                probed = _probe_if_quiet(worker, stage)
+            except NotProbed:  # the loading probe could not run either: nothing to take again
+                return
             if probed is not None and serving():
                 worker.step_probe, worker.prompt_probe = probed
                 worker.probe_quiet = True
@@ -57,14 +62,11 @@ def _quiet_for(worker: StageWorker, seconds: float) -> bool:
     return worker.busy_seconds == busy and others_cpu_seconds() - others < QUIET_SHARE * seconds
 
 
-def _probe_if_quiet(worker: StageWorker, stage: Stage | LockstepStage) -> tuple[dict[int, float], float] | None:
+def _probe_if_quiet(worker: StageWorker, stage: Stage) -> tuple[dict[int, float], float] | None:
     """The probe, if nothing else ran on the stage or took its cores while it ran."""
-    from seamline.runtime.step_probe import NotProbed, probe_prompt, probe_steps
+    from seamline.runtime.step_probe import probe_prompt, probe_steps
 
     busy, others, started = worker.busy_seconds, others_cpu_seconds(), time.monotonic()
-    try:
-        probed = probe_steps(stage, lock=worker.forward_lock), probe_prompt(stage, lock=worker.forward_lock)
-    except NotProbed:
-        return None
+    probed = probe_steps(stage, lock=worker.forward_lock), probe_prompt(stage, lock=worker.forward_lock)
     quiet = others_cpu_seconds() - others < QUIET_SHARE * (time.monotonic() - started)
     return probed if quiet and worker.busy_seconds == busy else None
