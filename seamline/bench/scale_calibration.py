@@ -63,10 +63,9 @@ class Calibration:
         stages = []
         for i, probe in enumerate(self.stages):
             read = float(probe.weight_bytes)
-            prompt = [rows * read / (ms / 1e3) for rows, ms in probe.prompt_ms.items()]
             speed = DeviceSpeed(read / (probe.step_ms[1] / 1e3),
                                 {rows: rows * read / (ms / 1e3) for rows, ms in probe.step_ms.items() if rows > 1},
-                                prompt[0] if prompt else 0.0)  # fmt: skip
+                                {rows: rows * read / (ms / 1e3) for rows, ms in probe.prompt_ms.items()})  # fmt: skip
             last = i == len(self.stages) - 1
             gate = probe.gate_link_ms_mb_s
             stages.append(StageCost(probe.node_id, speed, read,

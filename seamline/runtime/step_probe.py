@@ -1,5 +1,5 @@
 """A loaded stage's speed probe: the seconds of one step of 1, 16, 32 and 64 decode rows, and of
-one prompt chunk of ``PROMPT_ROWS`` tokens.
+one prompt chunk of each of ``PROMPT_ROWS`` tokens.
 
 Taken once, after the stage loads and before it serves, on sequences ``PROBE_DEPTH`` positions
 deep (copies of one prefilled cache), so that each row also attends over a chat turn's context:
@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 
 PROBE_ROWS = (1, 16, 32, 64)  # 32: two stages' micro-batches at 64 clients
 PROBE_DEPTH = 160  # positions: a prompt of 32-256 tokens part-way through its answer
-PROMPT_ROWS = 256  # one sequence's chunk from its first position: a prompt's rows share its attention
+# one sequence's chunk from its first position (a prompt's rows share its attention): a short
+# prompt's rows cost more each than a long one's (32 rows took 1.4x the 256's share here)
+PROMPT_ROWS = (32, 128, 256)
 REPEATS = 5  # the fastest of these: a neighbour's burst on the core inflates a step, never shortens one
 
 
@@ -70,10 +72,15 @@ def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repe
 
 
 @torch.inference_mode()
-def probe_prompt(stage: Stage | LockstepStage, rows: int = PROMPT_ROWS, repeats: int = REPEATS,
-                 lock: AbstractContextManager = nullcontext()) -> float:  # fmt: skip
-    """The fastest of ``repeats`` prompt chunks of ``rows`` tokens, each a new sequence's first."""
-    inputs = _inputs(stage, rows)
+def probe_prompt(stage: Stage | LockstepStage, rows: tuple[int, ...] = PROMPT_ROWS, repeats: int = REPEATS,
+                 lock: AbstractContextManager = nullcontext()) -> dict[int, float]:  # fmt: skip
+    """Per chunk length in ``rows``, the fastest of ``repeats`` prompt chunks that long, each a
+    new sequence's first."""
+    return {count: _fastest_prompt_s(stage, _inputs(stage, count), repeats, lock) for count in rows}
+
+
+def _fastest_prompt_s(stage: Stage | LockstepStage, inputs: torch.Tensor, repeats: int,
+                      lock: AbstractContextManager) -> float:  # fmt: skip
     return min([_new_prompt_s(stage, inputs, lock) for _ in range(repeats + 1)][1:])
 
 

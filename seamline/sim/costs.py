@@ -4,10 +4,11 @@ Every figure is a probe's (a node's speed probe, a link's measured round trip an
 a published one; nothing is fitted to a run's tokens per second. A device is two measurements:
 
 * ``bytes_per_second``: its rate reading weights for one row (one sequence's decode step);
-* ``batched``: at a few row counts (the probe takes 1, 16 and 64), the weight bytes times rows
-  it gets through per second: a step of ``r`` rows over ``B`` weight bytes takes
+* ``batched``: at a few row counts (the probe takes 1, 16, 32 and 64), the weight bytes times
+  rows it gets through per second: a step of ``r`` rows over ``B`` weight bytes takes
   ``r * B / rate(r)``. Between probed counts the rate is interpolated linearly in log2(rows);
-  past the largest it stays at that count's (the time grows with the rows).
+  past the largest it stays at that count's (the time grows with the rows);
+* ``prompt``: the same for one prompt's chunk (the probe takes 32, 128 and 256 rows).
 
 Pure Python, no torch: the planner, the simulator and `seamline plan` use it on any machine.
 """
@@ -31,30 +32,45 @@ class DeviceSpeed:
 
     bytes_per_second: float  # weight-streaming rate at one row
     batched: Mapping[int, float] = field(default_factory=dict)  # rows -> weight bytes x rows per second
-    # A prompt chunk's rate (weight bytes x prompt rows per second: one sequence's rows share its
-    # attention and the matmuls' tiles); 0: priced as decode rows are
-    prompt: float = 0.0
+    # Prompt chunks' rates (chunk rows -> weight bytes x prompt rows per second: one sequence's
+    # rows share its attention and the matmuls' tiles); empty: priced as decode rows are. A
+    # chunk of one row is a decode step: between it and the shortest probed chunk, the rate
+    # rises as the batched one does.
+    prompt: Mapping[int, float] = field(default_factory=dict)
 
     def rate(self, rows: int) -> float:
         """Weight bytes x rows per second at ``rows`` rows."""
-        points = sorted({1: self.bytes_per_second, **{int(r): float(v) for r, v in self.batched.items()}}.items())
-        if rows <= points[0][0]:
-            return points[0][1]
-        for (r0, v0), (r1, v1) in zip(points, points[1:]):
-            if rows <= r1:
-                share = (math.log2(rows) - math.log2(r0)) / (math.log2(r1) - math.log2(r0))
-                return v0 + share * (v1 - v0)
-        return points[-1][1]
+        return _interpolated({1: self.bytes_per_second, **self.batched}, rows)
+
+    def prompt_rate(self, rows: int) -> float:
+        """Weight bytes x rows per second of a prompt chunk of ``rows`` rows."""
+        return _interpolated({1: self.bytes_per_second, **self.prompt}, rows)
 
     def step_s(self, weight_bytes: float, rows: int, prompt_rows: int = 0) -> float:
         """Seconds for one step of ``rows`` rows over ``weight_bytes`` bytes of weights, of which
-        ``prompt_rows`` are prompt chunks' (priced at ``prompt`` where it was probed)."""
+        ``prompt_rows`` are prompt chunks' (priced at ``prompt`` where it was probed). The rows
+        of one step share its matmuls: a step with both kinds is all its rows at the prompt
+        rate, and the decode rows' own extra (a sequence each, attending over its context) on top."""
         if rows <= 0 or weight_bytes <= 0:
             return 0.0
         if not self.prompt or not prompt_rows:
             return rows * weight_bytes / self.rate(rows)
         decode = rows - prompt_rows
-        return (decode * weight_bytes / self.rate(decode) if decode else 0.0) + prompt_rows * weight_bytes / self.prompt
+        extra = decode * weight_bytes * (1 / self.rate(decode) - 1 / self.prompt_rate(decode)) if decode else 0.0
+        return rows * weight_bytes / self.prompt_rate(rows) + max(0.0, extra)
+
+
+def _interpolated(rates: Mapping[int, float], rows: int) -> float:
+    """The rate at ``rows`` from rates measured at a few row counts: linear in log2(rows) between
+    them, the nearest's beyond them."""
+    points = sorted((int(r), float(v)) for r, v in rates.items())
+    if rows <= points[0][0]:
+        return points[0][1]
+    for (r0, v0), (r1, v1) in zip(points, points[1:]):
+        if rows <= r1:
+            share = (math.log2(rows) - math.log2(r0)) / (math.log2(r1) - math.log2(r0))
+            return v0 + share * (v1 - v0)
+    return points[-1][1]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from seamline.net.frames import EMPTY_HASH, FrameError, FrameType, Row, RowFlag,
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import Challenge, DataHello, Open, Ping, Pong, ProbeHello
 from seamline.params import SamplingParams
-from seamline.runtime.step_probe import PROBE_ROWS
+from seamline.runtime.step_probe import PROBE_ROWS, PROMPT_ROWS
 from tests.support.mesh import CONTEXT, QUESTION, ask, expected_text, start_mesh
 from tests.support.mesh_harness import MeshProcesses, at_once
 from tests.support.tls_peers import member, tls_link
@@ -40,6 +40,7 @@ KV_BUDGET_GIB = 1 / 64
 KV_PER_LAYER_TOKEN = 1536
 
 PROBED = {str(rows) for rows in PROBE_ROWS}  # a stage's speed probe: rows -> ms
+PROMPTS_PROBED = {str(rows) for rows in PROMPT_ROWS}  # and prompt chunks: rows -> ms
 
 
 @pytest.fixture(scope="module")
@@ -262,6 +263,7 @@ def test_a_client_that_goes_away_is_freed_on_every_stage_within_a_second(mesh2: 
     assert all(s["kept_kv_bytes"] > 0 for s in stages), stages  # kept for prompts that begin alike, on both
     # each stage probed its steps before serving, and timed them outside their forwards while it served
     assert all(set(s["step_probe_ms"]) == PROBED and s["step_overhead_ms"]["1"] > 0 for s in stages), stages
+    assert all(set(s["prompt_probe_ms"]) == PROMPTS_PROBED and s["busy_seconds"] > 0 for s in stages), stages
 
 
 def test_a_request_beyond_the_kv_budget_is_refused_and_the_mesh_keeps_serving(mesh2: MeshProcesses,

@@ -11,7 +11,6 @@ from seamline.mesh.plan.cores import core_shares
 from seamline.net.link import LinkClosed
 from seamline.precision import Precision
 from seamline.runtime.speculation import speculated
-from seamline.runtime.step_probe import PROMPT_ROWS
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
@@ -43,6 +42,7 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
             "predicted_ms_per_token": plan.predicted_s_per_token * 1e3 if plan else None,
             "pace_ms": pace(plan) * 1e3 if plan else None,  # per token under load (what planning compares)
             "rate_corrections": dict(coordinator.balance.corrections),  # from the stages' measured steps (``balance``)
+            "balance_held": coordinator.balance.held,  # an administrator holds the plan: no re-balance
             "model": coordinator.model.name,
             "events": coordinator.feed.recent()}  # fmt: skip
 
@@ -80,7 +80,8 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
                                     "tokens_per_window": speculation.tokens_per_window}  # fmt: skip
     for stage, stat in zip(stages, stats):
         stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, kept_kv_bytes=stat.kept_kv_bytes,
-                     decode_steps=stat.decode_steps, decode_seconds=round(stat.decode_seconds, 3))  # fmt: skip
+                     decode_steps=stat.decode_steps, decode_seconds=round(stat.decode_seconds, 3),
+                     busy_seconds=round(stat.busy_seconds, 3))  # fmt: skip
         if stat.decode_steps:  # beside the plan's predicted_step_ms (one row) and under load
             stage["measured_step_ms"] = round(stat.decode_seconds / stat.decode_steps * 1e3, 3)
         if stat.precision:
@@ -89,7 +90,8 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
             stage["micro_batches"] = stat.micro_batches
         if stat.step_probe_s:  # rows -> ms of one step, as the stage probed itself after loading
             stage["step_probe_ms"] = {str(rows): round(s * 1e3, 3) for rows, s in sorted(stat.step_probe_s.items())}
-            stage["prompt_probe_ms"] = {str(PROMPT_ROWS): round(stat.prompt_probe_s * 1e3, 3)}
+            prompts = sorted(stat.prompt_probe_s.items())  # chunk rows -> ms of one prompt chunk that long
+            stage["prompt_probe_ms"] = {str(rows): round(s * 1e3, 3) for rows, s in prompts}
             stage["probe_quiet"] = stat.probe_quiet  # taken again on an idle stage and quiet cores
         if stat.step_overhead_s:  # a decode step's CPU seconds outside its forward, as it serves
             overhead = sorted(stat.step_overhead_s.items())

@@ -28,7 +28,7 @@ import psutil
 import torch
 
 from seamline.errors import OverloadedError, RequestError
-from seamline.mesh.arenas import tame_malloc
+from seamline.mesh.arenas import tame_malloc, trim_now
 from seamline.mesh.protocol.claims import block_sums, probe_matrix
 from seamline.mesh.protocol.fragment_server import PeerGate
 from seamline.mesh.protocol.invite import Invite
@@ -452,8 +452,8 @@ def run_node(token: str, options: NodeOptions) -> int:
     return 0
 
 
-def _probed(stage: Stage | LockstepStage) -> tuple[dict[int, float], float]:
-    """The loaded stage's step seconds at the probe's row counts, and a prompt chunk's; none
+def _probed(stage: Stage | LockstepStage) -> tuple[dict[int, float], dict[int, float]]:
+    """The loaded stage's step seconds at the probe's row counts, and its prompt chunks'; none
     where it cannot take them (the cost model then has the node's weight-streaming rate alone)."""
     from seamline.runtime.step_probe import NotProbed, probe_prompt, probe_steps
 
@@ -461,7 +461,9 @@ def _probed(stage: Stage | LockstepStage) -> tuple[dict[int, float], float]:
         return probe_steps(stage), probe_prompt(stage)
     except NotProbed as exc:
         log.info("no speed probe: %s", exc)
-        return {}, 0.0
+        return {}, {}
     except Exception as exc:  # a probe never stops a stage from serving
         log.warning("the stage's speed probe failed: %s", exc)
-        return {}, 0.0
+        return {}, {}
+    finally:
+        trim_now()  # its copied caches, freed: the stage's memory is its share again

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from seamline.mesh.arenas import trim_now
 from seamline.mesh.node.core_load import others_cpu_seconds
 
 if TYPE_CHECKING:
@@ -62,11 +63,14 @@ def _quiet_for(worker: StageWorker, seconds: float) -> bool:
     return worker.busy_seconds == busy and others_cpu_seconds() - others < QUIET_SHARE * seconds
 
 
-def _probe_if_quiet(worker: StageWorker, stage: Stage) -> tuple[dict[int, float], float] | None:
+def _probe_if_quiet(worker: StageWorker, stage: Stage) -> tuple[dict[int, float], dict[int, float]] | None:
     """The probe, if nothing else ran on the stage or took its cores while it ran."""
     from seamline.runtime.step_probe import probe_prompt, probe_steps
 
     busy, others, started = worker.busy_seconds, others_cpu_seconds(), time.monotonic()
-    probed = probe_steps(stage, lock=worker.forward_lock), probe_prompt(stage, lock=worker.forward_lock)
+    try:
+        probed = probe_steps(stage, lock=worker.forward_lock), probe_prompt(stage, lock=worker.forward_lock)
+    finally:
+        trim_now()  # its copied caches, freed
     quiet = others_cpu_seconds() - others < QUIET_SHARE * (time.monotonic() - started)
     return probed if quiet and worker.busy_seconds == busy else None
