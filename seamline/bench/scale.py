@@ -11,7 +11,8 @@ coordinator and the load generator on core 0, each node with one thread:
   (``--tensor-parallel 2``) over loopback.
 
 Each mesh is left idle until its stages have probed again on quiet cores (their loading probes
-ran beside the other meshes' loading), before it settles and again after. Each is measured at
+ran beside the other meshes' loading), before it settles and again after; once settled, its plan
+is held (the administration API: no re-balance inside a measured round). Each is measured at
 1, 16 and 64 streaming clients (prompts of 32-256 tokens, ``tokens`` generated with
 ``ignore_eos``: ``bench throughput``'s load); ``repeats`` (3) rounds alternate
 the configurations and a figure is the median over rounds. Each round has new prompts (the same
@@ -40,7 +41,10 @@ node's step of 64 rows over its step of 32 (two stages step micro-batches of 32 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -69,6 +73,8 @@ def bench_scale(repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...]
             servers[name].wait_healthy()
         wait_quiet_probes(servers)  # the plans are made from probes taken beside the others' loading
         settled = {name: settle(server, logs) for name, server in servers.items()}
+        for name, server in servers.items():  # a switch inside a measured round would replay its requests
+            hold_plan(server, logs / f"state-{name}")
         quiet = wait_quiet_probes(servers)  # a re-balance reloaded stages: their probes again
         calibrations = {"one_node": calibrate(servers["one_node"], logs)}
         rank_probe = calibrations["one_node"].stages[0]  # the same core kind: a rank's rate reading weights
@@ -118,6 +124,16 @@ def settle(server: Server, logs: Path) -> dict[str, Any]:
     return _plan_of(server) | {"waves": SETTLE_WAVES}
 
 
+def hold_plan(server: Server, state_dir: Path) -> None:
+    """Hold the mesh's serving plan (its administration API): no re-balance from here on."""
+    url = server.url.removesuffix("/v1") + "/api/admin/balance"
+    key = (state_dir / "admin.key").read_text().strip()
+    code = ("import httpx,os,sys; httpx.put(sys.argv[1], json={'hold': True}, timeout=30, "
+            "headers={'Authorization': 'Bearer ' + os.environ['ADMIN_KEY']}).raise_for_status()")  # fmt: skip
+    subprocess.run([*server.client_prefix, sys.executable, "-c", code, url], timeout=60, check=True,
+                   env={**os.environ, "ADMIN_KEY": key})  # fmt: skip
+
+
 def _plan_of(server: Server) -> dict[str, Any]:
     status = status_of(server)
     return {"plan_id": status["plan_id"], "stages": [s["layers"] for s in status["stages"]],
@@ -137,18 +153,20 @@ def _start(name: str, logs: Path) -> Server:
     from seamline.server.demo import memory_cap_gb
 
     env = seamline_env()
+    own_state = ("--state-dir", str(logs / f"state-{name}"))  # its administrator's key, to hold its plan
     if name == "one_node":
         core0 = NodeSpec("0", 1, join_extra=REPROBE)
-        return _on_core0(start_mesh(name, [core0], core0, "127.0.0.1", env, logs, None, precision=None))
+        return _on_core0(start_mesh(name, [core0], core0, "127.0.0.1", env, logs, None, own_state, precision=None))
     cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)  # any two nodes, and no one, hold the model
     if name in ("two_stages", "lockstep_2"):
         nodes = [NodeSpec("0", 1, join_extra=REPROBE), NodeSpec("1", 1, join_extra=REPROBE)]
         lockstep = name == "lockstep_2"  # every rank could hold the model: the flag makes the group
         return _on_core0(start_mesh(name, nodes, NodeSpec("0", 1), "127.0.0.1", env, logs, None if lockstep else cap,
-                                    ("--tensor-parallel", "2") if lockstep else (), precision=None))  # fmt: skip
+                                    (*own_state, *(("--tensor-parallel", "2") if lockstep else ())),
+                                    precision=None))  # fmt: skip
     nodes = [NodeSpec(str(i), 1, f"{NS_PREFIX}{i + 1}", join_extra=REPROBE) for i in range(2)]
     coordinator = NodeSpec("0", 1, f"{NS_PREFIX}1")
-    return _on_core0(start_mesh(name, nodes, coordinator, "10.77.0.1", env, logs, cap, precision=None))
+    return _on_core0(start_mesh(name, nodes, coordinator, "10.77.0.1", env, logs, cap, own_state, precision=None))
 
 
 def _on_core0(server: Server) -> Server:

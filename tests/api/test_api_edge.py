@@ -162,6 +162,20 @@ def test_administration_checks_its_key_before_reading_a_body_and_caps_it(coordin
 # --- large bodies off the event loop ----------------------------------------------------------
 
 
+def test_an_administrator_holds_the_plan_and_releases_it(coordinator: MeshProcesses) -> None:
+    key = (coordinator.root / "coordinator" / "mesh" / "admin.key").read_text().strip()
+    url, admin = f"{coordinator.base_url}/api/admin/balance", {"Authorization": f"Bearer {key}"}
+    assert coordinator.status()["balance_held"] is False
+    assert httpx.put(url, json={"hold": True}, timeout=30).status_code == 401
+    for bad, named in (({"hold": "maybe"}, "hold"), ({"hold": True, "for": 3}, "for"), ({}, "hold")):
+        refused = httpx.put(url, json=bad, headers=admin, timeout=30)
+        assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
+    held = httpx.put(url, json={"hold": True}, headers=admin, timeout=30)
+    assert held.status_code == 200 and held.json()["hold"] is True and coordinator.status()["balance_held"] is True
+    httpx.put(url, json={"hold": False}, headers=admin, timeout=30).raise_for_status()
+    assert coordinator.status()["balance_held"] is False
+
+
 def test_health_answers_while_a_15_mb_prompt_is_parsed_and_memory_stays_bounded(tmp_path: Path) -> None:
     proc, url = start_server(tmp_path)
     try:

@@ -162,3 +162,17 @@ def test_a_set_of_members_is_rebalanced_a_few_times_at_most_and_a_kept_plan_does
     mean = (1.5 + 1.0) / 2
     expected = 1 / (1.5 / mean) ** DAMPING
     assert all(asked["n0"] == pytest.approx(expected) for asked in kept.asked)
+
+
+def test_a_held_plan_is_not_rebalanced_until_released() -> None:
+    from seamline.mesh.control.balance import Balance
+
+    coordinator = _Coordinator(_plan(10 * MS, 10 * MS), switches=True)
+    balance = Balance(coordinator)  # type: ignore[arg-type]
+    coordinator.balance = balance
+    balance.held = True
+    _ticks(coordinator, balance, 10)
+    assert coordinator.asked == [] and balance.corrections == {}
+    balance.held = False
+    _ticks(coordinator, balance, 4)  # parted in two windows running, as before
+    assert len(coordinator.asked) == 1

@@ -8,6 +8,9 @@ secret, a member's fragment token, nor an API key is an administrator's.
 - ``GET /api/admin/invites`` -> every invite (no secrets)
 - ``DELETE /api/admin/invites/{id}`` -> revoked
 - ``DELETE /api/admin/nodes/{id}`` -> the member removed (certificate revoked, links dropped)
+- ``PUT /api/admin/balance`` ``{"hold": true|false}`` -> whether the serving plan is held: no
+  re-balance from the stages' measured speed while it is (``balance``; a member joining or
+  leaving still re-plans)
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from seamline.mesh.control.invites import InviteBook
 
 ADMIN_KEY_FILE = "admin.key"
 ADMIN_PREFIX = "/api/admin/"
+
+
+class BalanceRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    hold: bool = Field(strict=True)
 
 
 class InviteRequest(BaseModel):
@@ -78,3 +86,9 @@ def admin_routes(app: FastAPI, coordinator: Coordinator, book: InviteBook, key: 
         if not coordinator.remove_node(node_id):
             raise HTTPException(404, f"no member {node_id} (it is barred from rejoining all the same)")
         return {"node_id": node_id, "removed": True}
+
+    @app.put(ADMIN_PREFIX + "balance")
+    def hold_plan(request: BalanceRequest, authorization: Annotated[str | None, Header()] = None) -> dict:
+        authorise(authorization)
+        coordinator.balance.held = request.hold
+        return {"hold": request.hold, "plan_id": coordinator.plan_id}

@@ -16,6 +16,7 @@ mesh switches to the plan those rates give if it is predicted ``GAIN`` times as 
 current route at the same rates. A switch ends the requests in flight as a live growth does:
 they replay on the new route; so a set of members is re-balanced ``MAX_SWITCHES`` times at most
 (a load that keeps changing its character is not chased), and again once the members change.
+An administrator may hold the serving plan (``PUT /api/admin/balance``): no re-balance while held.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class Balance:
         self._last: Window | None = None
         self._parted_before = False
         self._stopped = threading.Event()
+        self.held = False  # an administrator's: the serving plan stays, whatever the stages measure
 
     def start(self) -> None:
         threading.Thread(target=self._watch, daemon=True, name="seamline-balance").start()
@@ -105,7 +107,7 @@ class Balance:
         c = self.coordinator
         plan, plan_id = c.plan, c.plan_id
         if plan is None or not c.ready.is_set() or len(plan.stages) < 2 or plan.private \
-                or any(s.ranks for s in plan.stages):  # fmt: skip
+                or any(s.ranks for s in plan.stages) or self.held:  # fmt: skip
             self._last = None
             return
         if plan_id != self._plan_id:  # a new plan: priced with the corrections as they are now
