@@ -1,5 +1,5 @@
 """A loaded stage's speed probe: the seconds of one step of 1, 16, 32 and 64 decode rows, and of
-one prompt chunk of each of ``PROMPT_ROWS`` tokens.
+one step of each of ``PROMPT_ROWS`` prompt rows (new sequences' chunks).
 
 Taken once, after the stage loads and before it serves, on sequences ``PROBE_DEPTH`` positions
 deep (copies of one prefilled cache), so that each row also attends over a chat turn's context:
@@ -10,6 +10,7 @@ rate leaves out.
 
 from __future__ import annotations
 
+import statistics
 import time
 from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Callable
@@ -23,10 +24,16 @@ if TYPE_CHECKING:
 
 PROBE_ROWS = (1, 16, 32, 64)  # 32: two stages' micro-batches at 64 clients
 PROBE_DEPTH = 160  # positions: a prompt of 32-256 tokens part-way through its answer
-# one sequence's chunk from its first position (a prompt's rows share its attention): a short
-# prompt's rows cost more each than a long one's (32 rows took 1.4x the 256's share here)
-PROMPT_ROWS = (32, 128, 256)
-REPEATS = 5  # the fastest of these: a neighbour's burst on the core inflates a step, never shortens one
+# a step's prompt rows, as new sequences' chunks of at most PROMPT_CHUNK rows: one short prompt,
+# one chunk, and a full step of four (a loaded stage's: 512 rows of a pipeline's 128-row chunks).
+# Per row, 32 rows took 1.6x what four chunks of 128 did here, one chunk of 256 1.1x, of 512 1.3x:
+# a chunk's rows attend over each other, and the matmuls gain with the step's rows
+PROMPT_ROWS = (32, 128, 512)
+PROMPT_CHUNK = 128
+# the median of these: a served step is a typical one (the fastest of five read 3-6% under the
+# median of a stream's served steps here); a probe taken beside a neighbour's burst is taken
+# again once the cores are quiet, where a node asks for it (``mesh.node.reprobe``)
+REPEATS = 5
 
 
 class NotProbed(Exception):
@@ -37,7 +44,7 @@ class NotProbed(Exception):
 def probe_steps(stage: Stage | LockstepStage, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = REPEATS,
                 depth: int = PROBE_DEPTH, lock: AbstractContextManager = nullcontext(),
                 ) -> dict[int, float]:  # fmt: skip
-    """Per row count, the fastest of ``repeats`` steps of that many one-row spans (one sequence
+    """Per row count, the median of ``repeats`` steps of that many one-row spans (one sequence
     each, ``depth`` positions in), as a decode step runs them; the stage's inputs are token ids
     or hidden states as it takes them. A lockstep group's steps run through the whole group:
     every rank's shard and the gates between them. Each forward holds ``lock`` (a serving
@@ -49,12 +56,12 @@ def probe_steps(stage: Stage | LockstepStage, rows: tuple[int, ...] = PROBE_ROWS
     try:
         with lock:
             stage.forward(_inputs(stage, depth), 0, prefilled, last_only=True)
-        return {count: _fastest_step(stage, prefilled, count, repeats, depth, lock) for count in rows}
+        return {count: _typical_step(stage, prefilled, count, repeats, depth, lock) for count in rows}
     finally:
         stage.release_cache(prefilled)
 
 
-def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repeats: int, depth: int,
+def _typical_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repeats: int, depth: int,
                   lock: AbstractContextManager) -> float:  # fmt: skip
     from seamline.model.cache import Span
 
@@ -65,7 +72,7 @@ def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repe
         for step in range(repeats + 1):
             spans = [Span(i, 1, depth + step, cache) for i, cache in enumerate(caches)]
             seconds.append(_timed(lock, lambda: stage.forward_batch(inputs, spans, last_only=True)))
-        return min(seconds[1:])  # the first warms the row count's buffers up
+        return statistics.median(seconds[1:])  # the first warms the row count's buffers up
     finally:
         for cache in caches:  # a lockstep group's live on every rank until released
             stage.release_cache(cache)
@@ -73,23 +80,35 @@ def _fastest_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repe
 
 @torch.inference_mode()
 def probe_prompt(stage: Stage | LockstepStage, rows: tuple[int, ...] = PROMPT_ROWS, repeats: int = REPEATS,
-                 lock: AbstractContextManager = nullcontext()) -> dict[int, float]:  # fmt: skip
-    """Per chunk length in ``rows``, the fastest of ``repeats`` prompt chunks that long, each a
-    new sequence's first."""
-    return {count: _fastest_prompt_s(stage, _inputs(stage, count), repeats, lock) for count in rows}
+                 lock: AbstractContextManager = nullcontext(), chunk: int = PROMPT_CHUNK) -> dict[int, float]:
+    """Per count in ``rows``, the median of ``repeats`` steps of that many prompt rows: new
+    sequences' first chunks of at most ``chunk`` rows each (a step of more rows holds several)."""
+    return {count: _typical_prompt_s(stage, _chunks(count, chunk), repeats, lock) for count in rows}
 
 
-def _fastest_prompt_s(stage: Stage | LockstepStage, inputs: torch.Tensor, repeats: int,
+def _chunks(rows: int, chunk: int) -> list[int]:
+    whole, rest = divmod(rows, chunk)
+    return [chunk] * whole + ([rest] if rest else [])
+
+
+def _typical_prompt_s(stage: Stage | LockstepStage, chunks: list[int], repeats: int,
                       lock: AbstractContextManager) -> float:  # fmt: skip
-    return min([_new_prompt_s(stage, inputs, lock) for _ in range(repeats + 1)][1:])
+    inputs = _inputs(stage, sum(chunks))
+    return statistics.median([_new_prompts_s(stage, inputs, chunks, lock) for _ in range(repeats + 1)][1:])
 
 
-def _new_prompt_s(stage: Stage | LockstepStage, inputs: torch.Tensor, lock: AbstractContextManager) -> float:
-    cache = stage.new_cache()
+def _new_prompts_s(stage: Stage | LockstepStage, inputs: torch.Tensor, chunks: list[int],
+                   lock: AbstractContextManager) -> float:  # fmt: skip
+    from seamline.model.cache import Span
+
+    caches = [stage.new_cache() for _ in chunks]
     try:
-        return _timed(lock, lambda: stage.forward(inputs, 0, cache, last_only=True))
+        starts = [sum(chunks[:i]) for i in range(len(chunks))]
+        spans = [Span(start, count, 0, cache) for start, count, cache in zip(starts, chunks, caches)]
+        return _timed(lock, lambda: stage.forward_batch(inputs, spans, last_only=True))
     finally:
-        stage.release_cache(cache)
+        for cache in caches:
+            stage.release_cache(cache)
 
 
 def _timed(lock: AbstractContextManager, forward: Callable[[], object]) -> float:

@@ -8,7 +8,8 @@ a published one; nothing is fitted to a run's tokens per second. A device is two
   rows it gets through per second: a step of ``r`` rows over ``B`` weight bytes takes
   ``r * B / rate(r)``. Between probed counts the rate is interpolated linearly in log2(rows);
   past the largest it stays at that count's (the time grows with the rows);
-* ``prompt``: the same for one prompt's chunk (the probe takes 32, 128 and 256 rows).
+* ``prompt``: the same for a step's prompt rows (the probe takes 32 and 128 rows of one prompt,
+  and 512 rows of four).
 
 Pure Python, no torch: the planner, the simulator and `seamline plan` use it on any machine.
 """
@@ -32,10 +33,10 @@ class DeviceSpeed:
 
     bytes_per_second: float  # weight-streaming rate at one row
     batched: Mapping[int, float] = field(default_factory=dict)  # rows -> weight bytes x rows per second
-    # Prompt chunks' rates (chunk rows -> weight bytes x prompt rows per second: one sequence's
-    # rows share its attention and the matmuls' tiles); empty: priced as decode rows are. A
-    # chunk of one row is a decode step: between it and the shortest probed chunk, the rate
-    # rises as the batched one does.
+    # Prompt rows' rates (a step's prompt rows -> weight bytes x rows per second: a chunk's rows
+    # share its attention, and the matmuls gain with the step's rows); empty: priced as decode
+    # rows are. One prompt row is a decode step's: from it to the fewest probed, the rate rises
+    # as the batched one does.
     prompt: Mapping[int, float] = field(default_factory=dict)
 
     def rate(self, rows: int) -> float:
@@ -43,7 +44,7 @@ class DeviceSpeed:
         return _interpolated({1: self.bytes_per_second, **self.batched}, rows)
 
     def prompt_rate(self, rows: int) -> float:
-        """Weight bytes x rows per second of a prompt chunk of ``rows`` rows."""
+        """Weight bytes x rows per second of a step of ``rows`` prompt rows."""
         return _interpolated({1: self.bytes_per_second, **self.prompt}, rows)
 
     def step_s(self, weight_bytes: float, rows: int, prompt_rows: int = 0) -> float:

@@ -21,7 +21,7 @@ import pytest
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from seamline.server.demo import memory_cap_gb
-from seamline.runtime.step_probe import PROBE_ROWS
+from seamline.runtime.step_probe import PROBE_ROWS, PROMPT_ROWS
 from tests.support.mesh_harness import MeshProcesses, at_once
 from tests.support.moe_folder import CONTEXT, PROMPT, build_moe_folder
 
@@ -121,7 +121,9 @@ def _check_probes(mesh: MeshProcesses) -> None:
     for stage in httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()["stages"]:
         probed = stage["step_probe_ms"]
         assert set(probed) == PROBED and all(ms > 0 for ms in probed.values()), stage
-        assert stage["prompt_probe_ms"]["256"] > 0 and stage["step_overhead_ms"]["1"] > 0, stage
+        prompts = stage["prompt_probe_ms"]
+        assert {int(rows) for rows in prompts} == set(PROMPT_ROWS) and all(ms > 0 for ms in prompts.values()), stage
+        assert stage["step_overhead_ms"]["1"] > 0, stage
 
 
 def _check_downloads(mesh: MeshProcesses, status: dict) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from seamline.mesh.node import reprobe
 from seamline.runtime.stage_worker import StageWorker
+from seamline.runtime.step_probe import PROMPT_ROWS
 from seamline.weights.loader import load_stage, open_source
 from tests.support.configs import checkpoint_folder
 
@@ -28,7 +29,7 @@ def worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StageWorker:
     monkeypatch.setattr(reprobe, "QUIET_SHARE", 1.0)
     stage = load_stage(open_source(checkpoint_folder("dense", tmp_path)))
     worker = StageWorker(stage, True, True)
-    worker.step_probe, worker.prompt_probe = dict(LOADING_PROBE), {32: 9.0, 128: 9.0, 256: 9.0}
+    worker.step_probe, worker.prompt_probe = dict(LOADING_PROBE), dict.fromkeys(PROMPT_ROWS, 9.0)
     return worker
 
 
@@ -56,7 +57,7 @@ def test_a_stage_that_keeps_stepping_is_probed_once_it_stops(worker: StageWorker
     stop.set()
     assert wait_for(lambda: worker.probe_quiet)
     assert set(worker.step_probe) == set(LOADING_PROBE) and all(0 < s < 9.0 for s in worker.step_probe.values())
-    assert sorted(worker.prompt_probe) == [32, 128, 256] and all(0 < s < 9.0 for s in worker.prompt_probe.values())
+    assert set(worker.prompt_probe) == set(PROMPT_ROWS) and all(0 < s < 9.0 for s in worker.prompt_probe.values())
 
 
 def test_a_worker_no_longer_serving_is_left_alone(worker: StageWorker) -> None:
