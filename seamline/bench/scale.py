@@ -11,12 +11,14 @@ coordinator and the load generator on core 0, each node with one thread:
   (``--tensor-parallel 2``) over loopback.
 
 Each mesh is left idle until its stages have probed again on quiet cores (their loading probes
-ran beside the other meshes' loading), before it settles and again after; once settled, its plan
-is held (the administration API: no re-balance inside a measured round). Each is measured at
-1, 16 and 64 streaming clients (prompts of 32-256 tokens, ``tokens`` generated with
-``ignore_eos``: ``bench throughput``'s load); ``repeats`` (3) rounds alternate
-the configurations and a figure is the median over rounds. Each round has new prompts (the same
-for every configuration): a round's prompts again would find their prefixes cached.
+ran beside the other meshes' loading; three probes a while apart, their median), before it
+settles and again after (the lockstep group, which keeps its loading probe, loads once the
+others are idle); once settled, its plan is held (the administration API: no re-balance inside
+a measured round). Each is measured at 1, 16 and 64 streaming clients (prompts of 32-256
+tokens, ``tokens`` generated with ``ignore_eos``: ``bench throughput``'s load); ``repeats`` (3)
+rounds alternate the configurations and a figure is the median over rounds. Each round has new
+prompts (the same for every configuration): a round's prompts again would find their prefixes
+cached.
 
 The prediction for each configuration and client count is the simulator's (``seamline.sim``)
 over probes taken before the load (``calibration`` in the JSON):
@@ -36,6 +38,8 @@ node's at 64 clients, and ``pipeline_gain_bound_64`` what the batched kernels al
 node's step of 64 rows over its step of 32 (two stages step micro-batches of 32 rows);
 ``ratio_min``/``ratio_max`` span predicted / measured over every configuration and client count;
 ``seed_check_tok_s`` is the seed's own setup priced by the same model (``seamline.sim.reference``).
+Beside each ``predicted_busy``, ``measured_busy``: each stage's forwards over the wave's wall time
+(stage 0's core also runs the front: its forwards' share is less than its core's).
 """
 
 from __future__ import annotations
@@ -68,14 +72,19 @@ def bench_scale(repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...]
     lan_reason = lan_up(LAN_DELAY_MS)
     servers: dict[str, Server] = {}
     try:
-        for name in ("one_node", "two_stages", *(() if lan_reason else ("two_stages_lan",)), "lockstep_2"):
+        for name in ("one_node", "two_stages", *(() if lan_reason else ("two_stages_lan",))):
             servers[name] = _start(name, logs)
             servers[name].wait_healthy()
         wait_quiet_probes(servers)  # the plans are made from probes taken beside the others' loading
+        # a group keeps the probe it takes as it loads (its leader cannot see its ranks' cores
+        # quiet): it loads once the others are idle
+        servers["lockstep_2"] = _start("lockstep_2", logs)
+        servers["lockstep_2"].wait_healthy()
         settled = {name: settle(server, logs) for name, server in servers.items()}
         for name, server in servers.items():  # a switch inside a measured round would replay its requests
             hold_plan(server, logs / f"state-{name}")
         quiet = wait_quiet_probes(servers)  # a re-balance reloaded stages: their probes again
+        del quiet["lockstep_2"]  # a group's: taken as it loaded, the other meshes idle
         calibrations = {"one_node": calibrate(servers["one_node"], logs)}
         rank_probe = calibrations["one_node"].stages[0]  # the same core kind: a rank's rate reading weights
         calibrations |= {name: calibrate(server, logs, rank_probe) for name, server in servers.items()
@@ -95,7 +104,8 @@ def bench_scale(repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...]
 
 def wait_quiet_probes(servers: dict[str, Server], timeout_s: float = PROBE_WAIT_S) -> dict[str, bool]:
     """Leave every mesh idle until each of its stages has taken its probe again on quiet cores
-    (``mesh.node.reprobe``); per mesh, whether all did within ``timeout_s``."""
+    (``mesh.node.reprobe``; a lockstep group's keeps its loading probe); per mesh, whether all
+    did within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     pending = set(servers)
     while pending and time.monotonic() < deadline:
@@ -105,7 +115,7 @@ def wait_quiet_probes(servers: dict[str, Server], timeout_s: float = PROBE_WAIT_
 
 
 def _probed_quiet(server: Server) -> bool:
-    return all(stage.get("probe_quiet") for stage in status_of(server)["stages"])
+    return all(stage.get("probe_quiet") or len(stage.get("ranks") or ()) > 1 for stage in status_of(server)["stages"])
 
 
 def settle(server: Server, logs: Path) -> dict[str, Any]:
@@ -183,10 +193,17 @@ def _measure(servers: dict[str, Server], repeats: int, tokens: int, clients: tup
             # across configurations; each round's prediction takes its prompts' lengths
             prompts = prompts_file(n, _seed(n, round_), logs)
             for name, server in servers.items():
+                before = _busy_s(server)
                 done = wave(server, prompts, tokens)
+                done["busy"] = [(b1 - b0) / done["wall_s"] for b0, b1 in zip(before, _busy_s(server))]
                 runs[name][n].append(done)
                 print(f"round {round_} {name} {n} clients: {done['tok_s']:.1f} tok/s", flush=True)
     return runs
+
+
+def _busy_s(server: Server) -> list[float]:
+    """Each stage's forwards' seconds so far (a lockstep group's: its leader's)."""
+    return [float(stage.get("busy_seconds", 0.0)) for stage in status_of(server)["stages"]]
 
 
 def _seed(clients: int, round_: int) -> int:
@@ -227,6 +244,7 @@ def _result(measured: dict[str, dict[int, list[dict[str, Any]]]], predicted: dic
                 "measured_itl_p50_ms": round(statistics.median(_p50(w["itl_ms"]) for w in waves), 2),
                 "predicted_itl_p50_ms": round(guess["itl_ms"], 2),
                 "predicted_busy": [round(b, 3) for b in guess["busy"]],
+                "measured_busy": [round(statistics.median(b), 3) for b in zip(*(w["busy"] for w in waves))],
             }  # fmt: skip
     gain = _gain(configs, "two_stages")
     gain_lan = _gain(configs, "two_stages_lan")

@@ -27,6 +27,7 @@ LOADING_PROBE = {1: 9.0, 16: 9.0, 32: 9.0, 64: 9.0}  # seconds: a probe taken be
 def worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StageWorker:
     monkeypatch.setattr(reprobe, "IDLE_S", 0.3)
     monkeypatch.setattr(reprobe, "QUIET_SHARE", 1.0)
+    monkeypatch.setattr(reprobe, "SPACING_S", 0.1)
     stage = load_stage(open_source(checkpoint_folder("dense", tmp_path)))
     worker = StageWorker(stage, True, True)
     worker.step_probe, worker.prompt_probe = dict(LOADING_PROBE), dict.fromkeys(PROMPT_ROWS, 9.0)
@@ -65,3 +66,8 @@ def test_a_worker_no_longer_serving_is_left_alone(worker: StageWorker) -> None:
     time.sleep(1.0)
     assert not worker.probe_quiet and worker.step_probe == LOADING_PROBE
     assert not any(t.name == "seamline-reprobe" and t.is_alive() for t in threading.enumerate())
+
+
+def test_the_probes_kept_are_the_median_of_the_quiet_ones_taken() -> None:
+    taken = [({1: 3.0, 16: 9.0}, {32: 1.0}), ({1: 1.0, 16: 8.0}, {32: 5.0}), ({1: 2.0, 16: 30.0}, {32: 2.0})]
+    assert reprobe._median(taken, 0) == {1: 2.0, 16: 9.0} and reprobe._median(taken, 1) == {32: 2.0}

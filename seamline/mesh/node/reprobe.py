@@ -7,6 +7,7 @@ steps. Once nothing has run on the stage for ``IDLE_S`` and other processes took
 ``QUIET_SHARE`` of its cores meanwhile, the node probes again, one forward at a time under the
 worker's forward lock (a request that comes waits one probe forward at most), and keeps the
 result if the stage stayed idle and its cores quiet throughout; else it waits and tries again.
+It takes ``QUIET_PROBES`` such probes a while apart and keeps their median per row count.
 A lockstep group is not probed again: its leader sees its own cores, not the other ranks'.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +32,10 @@ log = logging.getLogger("seamline.node")
 IDLE_S = 2.0  # nothing run on the stage for this long before it probes
 QUIET_SHARE = 0.1  # of its cores' time other processes may take, before and while it probes
 GIVE_UP_S = 900.0  # a node whose cores are never quiet keeps its loading probe
+# quiet probes taken, a while apart, whose median per row count it keeps: a shared host's speed
+# wanders over seconds, and one moment's probe can read 10-20% off the next's
+QUIET_PROBES = 3
+SPACING_S = 5.0
 
 
 def reprobe_when_quiet(worker: StageWorker, stage: Stage, serving: Callable[[], bool]) -> None:
@@ -42,6 +48,7 @@ def _reprobe(worker: StageWorker, stage: Stage, serving: Callable[[], bool]) -> 
     from seamline.runtime.step_probe import NotProbed
 
     deadline = time.monotonic() + GIVE_UP_S
+    taken: list[tuple[dict[int, float], dict[int, float]]] = []
     while serving() and time.monotonic() < deadline:
         if _quiet_for(worker, IDLE_S):
             try:
@@ -49,12 +56,20 @@ def _reprobe(worker: StageWorker, stage: Stage, serving: Callable[[], bool]) -> 
             except NotProbed:  # the loading probe could not run either: nothing to take again
                 return
             if probed is not None and serving():
-                worker.step_probe, worker.prompt_probe = probed
-                worker.probe_quiet = True
-                log.info("speed probe taken again on quiet cores: %s ms",
-                         {rows: round(s * 1e3, 2) for rows, s in probed[0].items()})  # fmt: skip
-                return
+                taken.append(probed)
+                if len(taken) == QUIET_PROBES:
+                    worker.step_probe, worker.prompt_probe = _median(taken, 0), _median(taken, 1)
+                    worker.probe_quiet = True
+                    log.info("speed probe taken again on quiet cores: %s ms",
+                             {rows: round(s * 1e3, 2) for rows, s in worker.step_probe.items()})  # fmt: skip
+                    return
+                time.sleep(SPACING_S)
         time.sleep(random.uniform(0.0, IDLE_S))  # nodes sharing a core do not all try at once
+
+
+def _median(taken: list[tuple[dict[int, float], dict[int, float]]], kind: int) -> dict[int, float]:
+    """Per row count, the median of the probes ``taken`` (``kind`` 0: steps, 1: prompts)."""
+    return {rows: statistics.median(probe[kind][rows] for probe in taken) for rows in taken[0][kind]}
 
 
 def _quiet_for(worker: StageWorker, seconds: float) -> bool:
