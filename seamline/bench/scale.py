@@ -23,7 +23,7 @@ cached.
 The prediction for each configuration and client count is the simulator's (``seamline.sim``)
 over probes taken before the load (``calibration`` in the JSON):
 
-* each stage's step probe (``step_probe_ms``: one step of 1, 16 and 64 decode rows, which the
+* each stage's step probe (``step_probe_ms``: one step of 1, 8, 16, 32 and 64 decode rows, which the
   node measures on its loaded stage before it serves; a lockstep group's leader runs its probe
   through the whole group, every rank's shard and the gates between them);
 * each stage's steps outside their forwards (``step_overhead_ms``: taking rows in, scheduling,

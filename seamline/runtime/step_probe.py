@@ -1,4 +1,4 @@
-"""A loaded stage's speed probe: the seconds of one step of 1, 16, 32 and 64 decode rows, and of
+"""A loaded stage's speed probe: the seconds of one step of 1, 8, 16, 32 and 64 decode rows, and of
 one step of each of ``PROMPT_ROWS`` prompt rows (new sequences' chunks).
 
 Taken once, after the stage loads and before it serves, on sequences ``PROBE_DEPTH`` positions
@@ -22,7 +22,9 @@ if TYPE_CHECKING:
     from seamline.model.stage import Stage
     from seamline.runtime.group_stage import LockstepStage
 
-PROBE_ROWS = (1, 16, 32, 64)  # 32: two stages' micro-batches at 64 clients
+# 8 and 32: two stages' micro-batches at 16 and 64 clients (8 rows took 34 ms here where the rate
+# interpolated between 1 and 16 rows gave 42)
+PROBE_ROWS = (1, 8, 16, 32, 64)
 PROBE_DEPTH = 160  # positions: a prompt of 32-256 tokens part-way through its answer
 # a step's prompt rows, as new sequences' chunks of at most PROMPT_CHUNK rows: one short prompt,
 # one chunk, and a full step of four (a loaded stage's: 512 rows of a pipeline's 128-row chunks).

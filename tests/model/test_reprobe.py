@@ -16,11 +16,11 @@ import pytest
 
 from seamline.mesh.node import reprobe
 from seamline.runtime.stage_worker import StageWorker
-from seamline.runtime.step_probe import PROMPT_ROWS
+from seamline.runtime.step_probe import PROBE_ROWS, PROMPT_ROWS
 from seamline.weights.loader import load_stage, open_source
 from tests.support.configs import checkpoint_folder
 
-LOADING_PROBE = {1: 9.0, 16: 9.0, 32: 9.0, 64: 9.0}  # seconds: a probe taken beside a peer's loading
+LOADING_PROBE = dict.fromkeys(PROBE_ROWS, 9.0)  # seconds: a probe taken beside a peer's loading
 
 
 @pytest.fixture
