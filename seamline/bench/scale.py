@@ -115,7 +115,8 @@ def wait_quiet_probes(servers: dict[str, Server], timeout_s: float = PROBE_WAIT_
 
 
 def _probed_quiet(server: Server) -> bool:
-    return all(stage.get("probe_quiet") or len(stage.get("ranks") or ()) > 1 for stage in status_of(server)["stages"])
+    stages = status_of(server)["stages"]
+    return all(stage.get("probe_quiet") or len(stage.get("ranks") or ()) > 1 for stage in stages)
 
 
 def settle(server: Server, logs: Path) -> dict[str, Any]:

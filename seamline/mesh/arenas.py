@@ -20,14 +20,11 @@ def tame_malloc() -> None:
     MB it no longer uses. And KV buffers of many sizes, made and freed as requests come and go,
     leave free pages inside the heap that glibc keeps; ``malloc_trim`` returns them (a few ms,
     rarely), so a node's resident memory is what it holds."""
-    if not sys.platform.startswith("linux"):
+    libc = _glibc()
+    if libc is None:
         return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(M_ARENA_MAX, 2)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return
+    libc.mallopt(M_ARENA_MAX, 2)
+    trim = libc.malloc_trim
     if not _trimming.is_set():
         _trimming.set()
         threading.Thread(target=_trim_forever, args=(trim,), daemon=True, name="seamline-trim").start()
@@ -36,12 +33,21 @@ def tame_malloc() -> None:
 def trim_now() -> None:
     """Hand free heap pages back at once: after a burst of buffers freed together (a speed
     probe's copied caches: hundreds of MB for a moment), not at the next periodic trim."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """This process's C library where it is glibc (with ``mallopt`` and ``malloc_trim``)."""
     if not sys.platform.startswith("linux"):
-        return
+        return None
     try:
-        ctypes.CDLL(None).malloc_trim(0)
+        libc = ctypes.CDLL(None)
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (present on glibc only)
     except (OSError, AttributeError):  # not glibc
-        return
+        return None
+    return libc
 
 
 def _trim_forever(trim: ctypes._CFuncPtr) -> None:  # type: ignore[name-defined]

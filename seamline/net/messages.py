@@ -420,7 +420,7 @@ class Stats(Message):
     stale_windows: int = 0  # the last stage: windows sent on after one not accepted whole, not drawn from
     # Its speed probe after loading (``runtime.step_probe``): rows -> seconds of one step of that many decode rows
     step_probe_s: dict[int, float] = Field(default={}, max_length=8)
-    prompt_probe_s: dict[int, float] = Field(default={}, max_length=8)  # and of one prompt chunk that long
+    prompt_probe_s: dict[int, float] = Field(default={}, max_length=8)  # and of a step of that many prompt rows
     # rows -> a decode step's median seconds outside its forward (``runtime.step_clock``)
     step_overhead_s: dict[int, float] = Field(default={}, max_length=8)
     probe_quiet: bool = False  # the probe was taken again once the stage was idle and its cores quiet

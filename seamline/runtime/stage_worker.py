@@ -111,7 +111,7 @@ class StageWorker:
         self.refused = 0
         self.stale_windows = 0  # the last stage: windows that went on from one not accepted whole, not drawn from
         self.step_probe: dict[int, float] = {}  # rows -> seconds of one step, as probed after loading
-        self.prompt_probe: dict[int, float] = {}  # chunk rows -> seconds of one prompt chunk that long
+        self.prompt_probe: dict[int, float] = {}  # prompt rows -> seconds of a step of that many
         self.probe_quiet = False  # the probe was taken again on an idle stage and quiet cores (``mesh.node.reprobe``)
         self.forward_lock = threading.Lock()  # a forward at a time: a probe taken while it serves holds it too
         self.busy_seconds = 0.0  # every forward's seconds, prompt chunks' too

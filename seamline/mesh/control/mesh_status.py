@@ -90,7 +90,7 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
             stage["micro_batches"] = stat.micro_batches
         if stat.step_probe_s:  # rows -> ms of one step, as the stage probed itself after loading
             stage["step_probe_ms"] = {str(rows): round(s * 1e3, 3) for rows, s in sorted(stat.step_probe_s.items())}
-            prompts = sorted(stat.prompt_probe_s.items())  # chunk rows -> ms of one prompt chunk that long
+            prompts = sorted(stat.prompt_probe_s.items())  # prompt rows -> ms of a step of that many
             stage["prompt_probe_ms"] = {str(rows): round(s * 1e3, 3) for rows, s in prompts}
             stage["probe_quiet"] = stat.probe_quiet  # taken again on an idle stage and quiet cores
         if stat.step_overhead_s:  # a decode step's CPU seconds outside its forward, as it serves
