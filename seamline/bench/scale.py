@@ -31,7 +31,9 @@ over probes taken before the load (``calibration`` in the JSON):
   the warm-up waves;
 * each hop's round trip and bandwidth, as the nodes measured them;
 * the front's CPU per streamed token and per request: the coordinator's and the load
-  generator's CPU seconds over warm-up waves, which share stage 0's core.
+  generator's CPU seconds over warm-up waves, on core 0, with the stage whose node the plan put
+  there (``front_node``: not always stage 0 over the emulated link, where either node may come
+  first).
 
 ``pipeline_gain_64`` (loopback) and ``pipeline_gain_lan_64`` are two stages' tok/s over one
 node's at 64 clients, and ``pipeline_gain_bound_64`` what the batched kernels allow them: one
@@ -39,7 +41,8 @@ node's step of 64 rows over its step of 32 (two stages step micro-batches of 32 
 ``ratio_min``/``ratio_max`` span predicted / measured over every configuration and client count;
 ``seed_check_tok_s`` is the seed's own setup priced by the same model (``seamline.sim.reference``).
 Beside each ``predicted_busy``, ``measured_busy``: each stage's forwards over the wave's wall time
-(stage 0's core also runs the front: its forwards' share is less than its core's).
+(the front's core also runs its stage, whose forwards' share is then less than its core's; a
+predicted share counts the front's work on that core).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 A serving mesh reports in ``/api/status`` each stage's step probe (``step_probe_ms``) and each
 link's round trip and bandwidth; the front (the coordinator's API and the load generator, both
-on stage 0's core) is probed here: their CPU seconds over a warm-up wave, per streamed token.
+on core 0, beside whichever stage the plan put there: ``front_stage``) is probed here: their
+CPU seconds over a warm-up wave, per streamed token.
 Nothing here reads a measured wave's tokens per second.
 """
 
@@ -50,6 +51,8 @@ class Calibration:
     hidden_size: int
     # one hop's one-way ms on the data path, as one stream met it in the warm-up (None: not met)
     hop_ms: float | None = None
+    # the stage (its ``node_id``) whose core also runs the front (None: stage 0's)
+    front_node: str | None = None
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -88,7 +91,26 @@ def calibrate(server: Server, logs: Path, rank_probe: StageProbe | None = None) 
     links, hop = _links(status, [s.node_id for s in stages]), data_path_hop_ms(status)
     if hop is not None:  # the pings' round trip, or the data path's where it is slower
         links = tuple((max(rtt, 2 * hop), mb_s) for rtt, mb_s in links)
-    return Calibration(stages, links, front, _hidden_size(), hop)
+    return Calibration(stages, links, front, _hidden_size(), hop, front_stage(server, [s.node_id for s in stages]))
+
+
+def front_stage(server: Server, node_ids: list[str]) -> str | None:
+    """The stage whose node is pinned to a core the load generator (and the coordinator beside
+    it) runs on: a plan may put any node first, and the front's work lands on that core. None
+    (stage 0's) where no node shares one or their cores cannot be read."""
+    front = {int(core) for core in server.client_cores.split(",")}
+    cores: dict[str, set[int]] = {}
+    for proc in server.procs[1:]:  # the coordinator first, then its nodes
+        try:
+            node = psutil.Process(proc.pid)
+            args = node.cmdline()
+            cores[args[args.index("--node-id") + 1]] = set(node.cpu_affinity() or [])
+        except (psutil.Error, ValueError, IndexError):
+            continue
+    for node_id in node_ids:
+        if cores.get(node_id.split("+")[0], set()) & front:  # a lockstep group: its leader's
+            return node_id
+    return None
 
 
 def data_path_hop_ms(status: dict[str, Any]) -> float | None:
@@ -127,7 +149,7 @@ def predict(calibration: Calibration, clients: int, tokens: int, prompt_lengths:
     load = Load(clients, round(sum(prompt_lengths) / len(prompt_lengths)), tokens)
     chunk = pipeline_prefill_chunk(len(calibration.stages)) or MAX_STEP_TOKENS  # as the mesh's stage 0 chunks
     done = simulate(calibration.route(), load, front=calibration.front, prompt_lengths=prompt_lengths,
-                    max_step_tokens=MAX_STEP_TOKENS, prefill_chunk=chunk)
+                    max_step_tokens=MAX_STEP_TOKENS, prefill_chunk=chunk, front_device=calibration.front_node)
     return {"tok_s": done.tok_s, "ttft_s": done.p50_ttft_s(), "itl_ms": done.p50_ms_between_tokens(),
             "busy": list(done.busy)}  # fmt: skip
 

@@ -11,8 +11,9 @@ puts the sequence in flight until the last stage's token comes back over the ret
 Each stage's device is a SimPy resource (stages with one name share one device: a node serving
 two stages); each hop is a resource for the transmission (bytes / bandwidth, one direction),
 then its one-way latency runs in parallel for every frame. The front (API, coordinator,
-clients: ``FrontCost``) works on stage 0's device: per request before the request reaches the
-scheduler, per token before the client sees it. A stage with ``fails_at_s`` dies then: frames
+clients: ``FrontCost``) works on stage 0's device, or on the one ``front_device`` names (the
+stage whose core it shares): per request before the request reaches the scheduler, per token
+before the client sees it. A stage with ``fails_at_s`` dies then: frames
 in flight are lost, and after ``replan_s`` the pipeline goes on over ``after_failure``, every
 unfinished sequence recomputing its prompt and the tokens it drew but the last (no draw: that
 token is known), then decoding on. Deterministic: no randomness anywhere.
@@ -130,10 +131,11 @@ class _Wave:
     """The simulation's state and processes."""
 
     def __init__(self, env: simpy.Environment, sequences: list[_Sequence], front: FrontCost,
-                 max_step_tokens: int, prefill_chunk: int) -> None:  # fmt: skip
+                 max_step_tokens: int, prefill_chunk: int, front_device: str | None = None) -> None:  # fmt: skip
         self.env = env
         self.sequences = sequences
         self.front = front
+        self.front_device = front_device  # the stage whose device the front shares (None: stage 0's)
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         self.devices: dict[str, simpy.Resource] = {}
@@ -294,9 +296,11 @@ class _Wave:
         self._notify()
 
     def _front(self, seconds: float, then: Callable[[], None]) -> None:
-        """Front work on stage 0's device, queued now (before a step planned later); ``then`` once done."""
+        """Front work on its device, queued now (before a step planned later); ``then`` once done.
+        Stage 0's where ``front_device`` is not on the route (none named, or it failed)."""
         assert self.pipe is not None
-        name = self.pipe.route.stages[0].name
+        names = [stage.name for stage in self.pipe.route.stages]
+        name = self.front_device if self.front_device in names else names[0]
         device = self.devices[name]
         self.env.process(self._front_job(device, device.request(), name, seconds, then))
 
@@ -323,17 +327,20 @@ class _Wave:
 
 def simulate(route: Route, load: Load, *, front: FrontCost = FrontCost(), max_step_tokens: int = 512,
              prefill_chunk: int = 512, after_failure: Route | None = None, replan_s: float = 1.0,
-             prompt_lengths: tuple[int, ...] | None = None) -> SimResult:  # fmt: skip
+             prompt_lengths: tuple[int, ...] | None = None, front_device: str | None = None) -> SimResult:  # fmt: skip
     """The wave ``load`` on ``route``: every client's tokens, when they reached it, and each device's busy share.
 
-    ``prompt_lengths``: each client's prompt (instead of ``load.prompt_tokens`` for all). A stage
+    ``prompt_lengths``: each client's prompt (instead of ``load.prompt_tokens`` for all).
+    ``front_device``: the stage whose device also runs the front (None: stage 0). A stage
     of ``route`` with ``fails_at_s`` dies then (the earliest, if several) and the wave goes on
     over ``after_failure`` after ``replan_s``."""
     failure = _check(route, load, max_step_tokens, prefill_chunk, after_failure, replan_s, prompt_lengths)
+    if front_device is not None and front_device not in {stage.name for stage in route.stages}:
+        raise ValueError(f"front_device {front_device!r} is not a stage of the route")
     prompts = prompt_lengths if prompt_lengths is not None else (load.prompt_tokens,) * load.clients
     env = simpy.Environment()
     wave = _Wave(env, [_Sequence(prompt, load.output_tokens) for prompt in prompts], front, max_step_tokens,
-                 prefill_chunk)  # fmt: skip
+                 prefill_chunk, front_device)  # fmt: skip
     wave.install(route)
     wave.arrive()
     if failure is not None and after_failure is not None:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from seamline.bench.scale_calibration import Calibration, _rank_share, _stage_probe
+import os
+import subprocess
+import sys
+
+import psutil
+
+from seamline.bench.scale_calibration import Calibration, StageProbe, _rank_share, _stage_probe, front_stage, predict
+from seamline.bench.servers import Server
 from seamline.sim.costs import FrontCost
 
 pytest.importorskip("simpy")
@@ -76,3 +83,38 @@ def test_one_streams_hops_replace_the_pings_round_trip_where_the_data_path_is_sl
     assert data_path_hop_ms(status([dict(first, ring_ms=5.0), last])) == 0.0
     assert data_path_hop_ms(status([ONE_NODE, last])) is None  # no stream ran alone
     assert data_path_hop_ms(status([first])) is None
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores to pin two nodes apart")
+def test_the_front_goes_to_the_stage_whose_node_shares_the_load_generators_core() -> None:
+    """Real processes, each with a node's --node-id and pinned to one core, as a bench mesh runs
+    them: the stage on the clients' core takes the front, whatever its place in the plan."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(sleeper)] + [subprocess.Popen([*sleeper, "--node-id", f"m{i}"]) for i in range(2)]
+    try:
+        for core, proc in enumerate(procs[1:]):
+            psutil.Process(proc.pid).cpu_affinity([core])
+        server = Server("m", "http://127.0.0.1:1/v1", "default", [], procs, client_cores="0")
+        assert front_stage(server, ["m1", "m0"]) == "m0"
+        assert front_stage(server, ["m0+m1"]) == "m0+m1"  # a lockstep group: its leader's core
+        server.client_cores = "1"
+        assert front_stage(server, ["m0", "m1"]) == "m1"
+        assert front_stage(server, ["elsewhere"]) is None
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_calibration_prices_the_front_on_its_stage() -> None:
+    """The same probes and front, the front named on the last stage: one stream's tokens come
+    sooner (its work overlaps stage 0's step) and the last stage's busy share counts it."""
+    probe = _stage_probe(ONE_NODE, status([ONE_NODE]), None)
+    first = StageProbe("a", (0, 15), 30_000_000, probe.step_ms, probe.prompt_ms)
+    last = StageProbe("b", (15, 30), 30_000_000, probe.step_ms, probe.prompt_ms)
+    links = ((0.2, 900.0), (0.2, 900.0))
+    front = FrontCost(s_per_token=0.004)
+    on_first = predict(Calibration((first, last), links, front, HIDDEN), 1, 16, (32,))
+    on_last = predict(Calibration((first, last), links, front, HIDDEN, front_node="b"), 1, 16, (32,))
+    assert on_last["itl_ms"] < on_first["itl_ms"]
+    assert on_last["busy"][1] > on_first["busy"][1] and on_last["busy"][0] < on_first["busy"][0]

@@ -142,3 +142,36 @@ def test_busy_shares_show_the_bottleneck() -> None:
 def test_spread_prompt_lengths_match_the_bench() -> None:
     assert spread_prompt_lengths(4) == (32, 106, 181, 256)
     assert spread_prompt_lengths(1) == (32,)
+
+
+def test_front_work_goes_to_the_stage_whose_core_it_shares() -> None:
+    """One stream on two equal stages (step a) and free links, front work f < a per token: on
+    stage 0's device it delays the next step (2a + f between tokens); on stage 1's it runs while
+    stage 0 steps (2a), and that device's busy share counts it."""
+    outputs, f = 6, 0.002
+    route = Route(stages(2, LINEAR), (FREE_LINK,) * 2)
+    a = route.stages[0].step_s(1)
+    assert f < a
+    front = FrontCost(s_per_token=f)
+    first = simulate(route, Load(1, 1, outputs), front=front)
+    beside_last = simulate(route, Load(1, 1, outputs), front=front, front_device="s1")
+    assert all(close(gap, 2 * a + f) for gap in first.itl_s)
+    assert all(close(gap, 2 * a) for gap in beside_last.itl_s)
+    assert beside_last.busy[1] > beside_last.busy[0] and first.busy[0] > first.busy[1]
+    assert simulate(route, Load(1, 1, outputs), front=front, front_device="s0") == first
+    with pytest.raises(ValueError, match="front_device 'elsewhere'"):
+        simulate(route, Load(1, 1, outputs), front=front, front_device="elsewhere")
+
+
+def test_front_work_moves_to_stage_zero_when_its_stage_fails() -> None:
+    """The front's stage dies before any token: every token's front work then falls on stage 0
+    of the route left, as if the front had been named there from the start."""
+    load, front = Load(4, 8, 30), FrontCost(s_per_token=0.001, s_per_request=0.002)
+    route = Route(stages(2), (FREE_LINK,) * 2)
+    dying = Route((route.stages[0], StageCost("s1", BATCHED, 1e8, fails_at_s=1e-6)), route.links)
+    after = Route((StageCost("s0", BATCHED, 2e8),), ())
+    named = simulate(dying, load, front=front, front_device="s1", after_failure=after)
+    first = simulate(dying, load, front=front, after_failure=after)
+    assert close(named.tok_s * named.wall_s, 4 * 30)
+    assert named.wall_s > simulate(dying, load, after_failure=after).wall_s  # the front's work counted
+    assert named.itl_s == first.itl_s and close(named.wall_s, first.wall_s)
