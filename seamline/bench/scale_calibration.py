@@ -2,7 +2,7 @@
 
 A serving mesh reports in ``/api/status`` each stage's step probe (``step_probe_ms``) and each
 link's round trip and bandwidth; the front (the coordinator's API and the load generator, both
-on core 0, beside whichever stage the plan put there: ``front_stage``) is probed here: their
+on core 0, beside whichever stage the plan put there: ``front_node``) is probed here: their
 CPU seconds over a warm-up wave, per streamed token.
 Nothing here reads a measured wave's tokens per second.
 """
@@ -91,10 +91,11 @@ def calibrate(server: Server, logs: Path, rank_probe: StageProbe | None = None) 
     links, hop = _links(status, [s.node_id for s in stages]), data_path_hop_ms(status)
     if hop is not None:  # the pings' round trip, or the data path's where it is slower
         links = tuple((max(rtt, 2 * hop), mb_s) for rtt, mb_s in links)
-    return Calibration(stages, links, front, _hidden_size(), hop, front_stage(server, [s.node_id for s in stages]))
+    beside_front = node_beside_front(server, [s.node_id for s in stages])
+    return Calibration(stages, links, front, _hidden_size(), hop, beside_front)
 
 
-def front_stage(server: Server, node_ids: list[str]) -> str | None:
+def node_beside_front(server: Server, node_ids: list[str]) -> str | None:
     """The stage whose node is pinned to a core the load generator (and the coordinator beside
     it) runs on: a plan may put any node first, and the front's work lands on that core. None
     (stage 0's) where no node shares one or their cores cannot be read."""

@@ -334,9 +334,8 @@ def simulate(route: Route, load: Load, *, front: FrontCost = FrontCost(), max_st
     ``front_device``: the stage whose device also runs the front (None: stage 0). A stage
     of ``route`` with ``fails_at_s`` dies then (the earliest, if several) and the wave goes on
     over ``after_failure`` after ``replan_s``."""
-    failure = _check(route, load, max_step_tokens, prefill_chunk, after_failure, replan_s, prompt_lengths)
-    if front_device is not None and front_device not in {stage.name for stage in route.stages}:
-        raise ValueError(f"front_device {front_device!r} is not a stage of the route")
+    failure = _check(route, load, max_step_tokens, prefill_chunk, after_failure, replan_s, prompt_lengths,
+                     front_device)  # fmt: skip
     prompts = prompt_lengths if prompt_lengths is not None else (load.prompt_tokens,) * load.clients
     env = simpy.Environment()
     wave = _Wave(env, [_Sequence(prompt, load.output_tokens) for prompt in prompts], front, max_step_tokens,
@@ -358,9 +357,12 @@ def simulate(route: Route, load: Load, *, front: FrontCost = FrontCost(), max_st
 
 
 def _check(route: Route, load: Load, max_step_tokens: int, prefill_chunk: int, after_failure: Route | None,
-           replan_s: float, prompt_lengths: tuple[int, ...] | None) -> float | None:  # fmt: skip
+           replan_s: float, prompt_lengths: tuple[int, ...] | None,
+           front_device: str | None) -> float | None:  # fmt: skip
     """Validate the inputs; the time of the route's first failure, if any."""
     route.check("the route")
+    if front_device is not None and front_device not in {stage.name for stage in route.stages}:
+        raise ValueError(f"front_device {front_device!r} is not a stage of the route")
     if load.clients < 1 or load.output_tokens < 1:
         raise ValueError(f"a wave needs at least one client and one output token, not {load}")
     prompts = prompt_lengths if prompt_lengths is not None else (load.prompt_tokens,)

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
-
 import os
 import subprocess
 import sys
 
 import psutil
+import pytest
 
-from seamline.bench.scale_calibration import Calibration, StageProbe, _rank_share, _stage_probe, front_stage, predict
+from seamline.bench.scale_calibration import (
+    Calibration,
+    StageProbe,
+    _rank_share,
+    _stage_probe,
+    node_beside_front,
+    predict,
+)
 from seamline.bench.servers import Server
 from seamline.sim.costs import FrontCost
 
@@ -95,11 +101,11 @@ def test_the_front_goes_to_the_stage_whose_node_shares_the_load_generators_core(
         for core, proc in enumerate(procs[1:]):
             psutil.Process(proc.pid).cpu_affinity([core])
         server = Server("m", "http://127.0.0.1:1/v1", "default", [], procs, client_cores="0")
-        assert front_stage(server, ["m1", "m0"]) == "m0"
-        assert front_stage(server, ["m0+m1"]) == "m0+m1"  # a lockstep group: its leader's core
+        assert node_beside_front(server, ["m1", "m0"]) == "m0"
+        assert node_beside_front(server, ["m0+m1"]) == "m0+m1"  # a lockstep group: its leader's core
         server.client_cores = "1"
-        assert front_stage(server, ["m0", "m1"]) == "m1"
-        assert front_stage(server, ["elsewhere"]) is None
+        assert node_beside_front(server, ["m0", "m1"]) == "m1"
+        assert node_beside_front(server, ["elsewhere"]) is None
     finally:
         for proc in procs:
             proc.kill()
