@@ -130,20 +130,56 @@ class _Coordinator:
         return self.switches
 
 
-def _ticks(coordinator: _Coordinator, balance: object, windows: int) -> None:
-    """``windows`` windows in which stage 0 is busy 1.5x stage 1 (a plan that predicts them equal)."""
+def _ticks(coordinator: _Coordinator, balance: object, windows: int,
+           busy: list[tuple[float, float]] | None = None) -> None:
+    """``windows`` windows of 6 s, each adding ``busy`` seconds to the stages in turn (by default
+    stage 0 busy 1.5x stage 1, under a plan that predicts them equal), the balance ticking at each."""
     import seamline.mesh.control.balance as module
 
     clock = [100.0]
     real = module.time.monotonic
     module.time.monotonic = lambda: clock[0]  # type: ignore[assignment]
+    turns = busy or [(4.5, 3.0)]
     try:
-        for _ in range(windows):
+        for window in range(windows):
             balance.tick()  # type: ignore[attr-defined]
             clock[0] += 6.0
-            coordinator.busy = [coordinator.busy[0] + 4.5, coordinator.busy[1] + 3.0]
+            add = turns[window % len(turns)]
+            coordinator.busy = [coordinator.busy[0] + add[0], coordinator.busy[1] + add[1]]
     finally:
         module.time.monotonic = real  # type: ignore[assignment]
+
+
+def _watched(switches: bool = True) -> tuple[_Coordinator, object]:
+    from seamline.mesh.control.balance import Balance
+
+    coordinator = _Coordinator(_plan(10 * MS, 10 * MS), switches=switches)
+    balance = Balance(coordinator)  # type: ignore[arg-type]
+    coordinator.balance = balance
+    return coordinator, balance
+
+
+def test_windows_parted_in_opposite_ways_never_rebalance() -> None:
+    """Prompts then decode rows: a window slows stage 0, the next stage 1, by 1.5x each time."""
+    coordinator, balance = _watched()
+    _ticks(coordinator, balance, 30, busy=[(4.5, 3.0), (3.0, 4.5)])
+    assert coordinator.asked == []
+    coordinator, balance = _watched()
+    _ticks(coordinator, balance, 3, busy=[(4.5, 3.0), (4.5, 3.0)])  # the same way twice running: re-planned
+    assert len(coordinator.asked) == 1
+
+
+def test_a_rebalance_weighs_both_parted_windows_together() -> None:
+    """Stage 0 measured 2x stage 1, then 1.25x: planned from 9.75 s against 6 s over the two,
+    not from the last window alone."""
+    from seamline.mesh.control.balance import DAMPING
+
+    coordinator, balance = _watched(switches=False)
+    _ticks(coordinator, balance, 3, busy=[(6.0, 3.0), (3.75, 3.0)])
+    assert len(coordinator.asked) == 1
+    mean = (9.75 + 6.0) / 2
+    assert coordinator.asked[0]["n0"] == pytest.approx(1 / (9.75 / mean) ** DAMPING)
+    assert coordinator.asked[0]["n1"] == pytest.approx(1 / (6.0 / mean) ** DAMPING)
 
 
 def test_a_set_of_members_is_rebalanced_a_few_times_at_most_and_a_kept_plan_does_not_compound() -> None:

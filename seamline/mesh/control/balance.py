@@ -10,8 +10,10 @@ Over a window in which the busiest stage was busy at least ``MIN_BUSY`` of the t
 pipeline is loaded), a stage's busy seconds over the share of its core left to it, over the
 plan's prediction for it, is its slowdown, relative to the stages' mean (the same rows pass
 through every stage). When the slowdowns part by more than ``TOLERANCE`` (15%) in two windows
-running, each node is planned from then on at its rate (as the serving plan priced it) over its
-slowdown to the power ``DAMPING`` (a window's mix of prompts and decode rows sways it), and the
+running, the same stage the slowest in both, and still over the two windows taken together (a
+window of prompts and one of decode rows weigh the stages in opposite ways: a stage holding the
+head is slow only while decoding), each node is planned from then on at its rate (as the serving
+plan priced it) over its slowdown across both windows to the power ``DAMPING``, and the
 mesh switches to the plan those rates give if it is predicted ``GAIN`` times as fast as the
 current route at the same rates. A switch ends the requests in flight as a live growth does:
 they replay on the new route; so a set of members is re-balanced ``MAX_SWITCHES`` times at most
@@ -85,7 +87,7 @@ class Balance:
         self._members: frozenset[str] = frozenset()
         self._switches = 0  # re-balances of these members
         self._last: Window | None = None
-        self._parted_before = False
+        self._parted_since: tuple[Window, str] | None = None  # a parted window's start and its slowest node
         self._stopped = threading.Event()
         self.held = False  # an administrator's: the serving plan stays, whatever the stages measure
 
@@ -121,12 +123,18 @@ class Balance:
         window = _window(plan_id, c.stage_stats())
         before, self._last = self._last, window
         found = slowdowns(plan, before, window) if before is not None else None
-        if found is None:
+        if found is None or not parted(found):
+            self._parted_since = None
             return
-        was, self._parted_before = self._parted_before, parted(found)
-        if self._parted_before and was:
-            self._parted_before = False
-            self.rebalance(plan, found)
+        assert before is not None
+        slowest = max(found, key=found.__getitem__)
+        since, self._parted_since = self._parted_since, (before, slowest)
+        if since is None or since[1] != slowest:
+            return  # the first window parted, or it parted the other way: wait for the next
+        self._parted_since = None
+        together = slowdowns(plan, since[0], window)
+        if together is not None and parted(together):
+            self.rebalance(plan, together)
 
     def rebalance(self, plan: Plan, found: dict[str, float]) -> None:
         low, high = CORRECTION_BOUNDS
