@@ -7,6 +7,9 @@ chunks first come first served, at most ``prefill_chunk`` tokens per sequence an
 ``max_step_tokens`` rows in all. A chunk short of its prompt's end leaves its sequence ready (the
 next chunk may follow at once); the prompt's last chunk and every decode row draw a token, which
 puts the sequence in flight until the last stage's token comes back over the return hop.
+While M frames that draw are in flight and nothing but decode rows is ready, stage 0 waits for
+one to come back (the rows that came back early join it, rather than leave as a small frame of
+their own that would stay one: a frame's rows return together).
 
 Each stage's device is a SimPy resource (stages with one name share one device: a node serving
 two stages); each hop is a resource for the transmission (bytes / bandwidth, one direction),
@@ -88,6 +91,7 @@ class _Sequence:
     cached: int = 0  # positions computed (or on their way through the stages)
     drawn: int = 0  # tokens back at stage 0
     in_flight: bool = False
+    frame: int = 0  # the step whose frame carries its draw, while in flight
     prefill_draws: bool = True  # the prefill's last chunk draws (not after a replay that drew tokens)
     shown: list[float] = field(default_factory=list)  # when each token reached the client
 
@@ -202,7 +206,7 @@ class _Wave:
         stage = pipe.route.stages[0]
         device = self.devices[stage.name]
         while pipe.alive:
-            if not any(s.ready() for s in self.sequences):
+            if not any(s.ready() for s in self.sequences) or self._frames_full(pipe.route):
                 self.wake = self.env.event()
                 yield self.wake
                 continue
@@ -218,6 +222,13 @@ class _Wave:
             if pipe.alive:
                 self._pass_on(pipe, frame, 0)
 
+    def _frames_full(self, route: Route) -> bool:
+        """M frames that draw in flight, and nothing ready but decode rows (``PipelineHead``)."""
+        frames = {s.frame for s in self.sequences if s.in_flight and not s.finished}
+        if len(frames) < route.batches():
+            return False
+        return not any(s.ready() and s.prefilling for s in self.sequences)
+
     def _plan(self, route: Route) -> _Frame:
         """Decode rows first (one per ready sequence, at most 1/M of the running), then prompt
         chunks in arrival order, within ``max_step_tokens`` rows; the rows that draw put their
@@ -229,7 +240,7 @@ class _Wave:
         rows = decode = len(drawing)
         for sequence in drawing:
             sequence.cached += 1
-            sequence.in_flight = True
+            sequence.in_flight, sequence.frame = True, self.steps
         for sequence in ready:
             if not sequence.prefilling:
                 continue
@@ -239,7 +250,7 @@ class _Wave:
             sequence.cached += count
             rows += count
             if not sequence.prefilling and sequence.prefill_draws:
-                sequence.in_flight = True
+                sequence.in_flight, sequence.frame = True, self.steps
                 drawing.append(sequence)
         return _Frame(rows, tuple(drawing), rows - decode)
 

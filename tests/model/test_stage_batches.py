@@ -102,6 +102,37 @@ def test_returned_tokens_run_as_micro_batches_of_one_over_s(tmp_path: Path) -> N
             torch.testing.assert_close(hidden[i], alone[-1], atol=1e-5, rtol=0)
 
 
+def test_rows_back_early_wait_to_join_a_frame_while_s_frames_are_in_flight(tmp_path: Path) -> None:
+    """Two stages, four streams, their tokens coming back in three returns: the rows back first
+    wait for the next return and go with it, as two frames of two; never a frame of one."""
+    stage = _stages(tmp_path)[0]
+    worker = StageWorker(stage, is_first=True, is_last=False)
+    worker.micro_batches = 2
+    frames: Frames = []
+    worker.links.downstream = lambda rows, hidden, ids: frames.append((list(rows), hidden.clone()))
+    prompts = [[5 + r, 9, 11 + 2 * r] for r in range(4)]
+    for request, prompt in enumerate(prompts):
+        _open(worker, request, prompt)
+        _wait_for(frames, request + 1)  # a prompt alone runs at once, whatever is in flight
+
+    def back(*requests: int) -> None:
+        rows = []
+        for request in requests:
+            before = prefix_hash(EMPTY_HASH, prompts[request])
+            rows.append(TokenRow(request, 3, 40 + request, before, prefix_hash(before, [40 + request])))
+        worker.tokens(TokenFrame(tuple(rows)))
+
+    back(0, 1)  # the frames of prompts 2 and 3 are still in flight: 0 and 1 wait
+    time.sleep(0.3)
+    assert len(frames) == 4
+    back(2)  # one frame in flight: 0 and 1 go (at most half the running rows), 2 waits
+    _wait_for(frames, 5)
+    back(3)
+    _wait_for(frames, 6)
+    time.sleep(0.2)
+    assert [sorted(row.request for row in rows) for rows, _ in frames[4:]] == [[0, 1], [2, 3]]
+
+
 def test_prompts_that_arrive_together_share_forwards_in_chunks(tmp_path: Path) -> None:
     """Prompts queued while stage 0 is busy run as one batch (chunked prefill): their rows in
     arrival order, within MAX_STEP_TOKENS rows a batch; a prompt longer than what is left goes

@@ -175,3 +175,23 @@ def test_front_work_moves_to_stage_zero_when_its_stage_fails() -> None:
     assert close(named.tok_s * named.wall_s, 4 * 30)
     assert named.wall_s > simulate(dying, load, after_failure=after).wall_s  # the front's work counted
     assert named.itl_s == first.itl_s and close(named.wall_s, first.wall_s)
+
+
+@pytest.mark.parametrize("clients", [16, 64])
+def test_a_slower_last_stage_keeps_the_decode_rows_in_m_frames(clients: int) -> None:
+    """Stage 1 reading 1.3x and 1.6x stage 0's bytes: stage 0 has time to spare, yet sends no
+    more frames than with equal stages (rows back early wait for the next frame: a frame's rows
+    come back together, so a small frame would stay small); its decode steps are the rows over
+    M frames of ceil(C / M), and the prompts' steps their tokens over 512."""
+    outputs = 32
+    lengths = spread_prompt_lengths(clients)
+    load = Load(clients, round(sum(lengths) / clients), outputs)
+    counted = []
+    for last_bytes in (1e8, 1.3e8, 1.6e8):
+        route = Route((StageCost("s0", BATCHED, 1e8, frame_bytes_per_row=8192), StageCost("s1", BATCHED, last_bytes)),
+                      (FREE_LINK, FREE_LINK))  # fmt: skip
+        counted.append(simulate(route, load, prompt_lengths=lengths, prefill_chunk=128).steps)
+    decode_steps = math.ceil(clients * (outputs - 1) / math.ceil(clients / 2))
+    prompt_steps = math.ceil(sum(lengths) / 512)
+    assert counted[0] <= decode_steps + prompt_steps + 2, counted
+    assert max(counted) - min(counted) <= 1, counted
