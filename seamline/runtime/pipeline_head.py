@@ -84,8 +84,7 @@ class PipelineHead:
         # id(cache) of caches the scheduler freed that later stages keep until every sequence forked
         # from them has told the later stages (a kept prefix evicted between a fork and its first rows)
         self._forget_later: set[int] = set()
-        self._steps = 0  # batches run: a frame's number
-        self._frames: dict[int, int] = {}  # request -> the frame its draw is in, while in flight
+        self._steps = 0  # batches run: a frame's number (``SequenceState.frame``)
         self.scheduler.on_free = self._freed
         self.core = EngineCore(self.scheduler, self)  # this head is the pipeline's executor
         self._model_drafts = False  # the last stage drafts with its MTP layer (``speculate``)
@@ -248,7 +247,6 @@ class PipelineHead:
     def _forget(self, sequence: SequenceState) -> None:
         assert sequence.request is not None
         del self._sequences[sequence.request]
-        self._frames.pop(sequence.request, None)
         sequence.in_flight, sequence.announced = False, None
 
     def _freed(self, cache: object, for_good: bool) -> None:
@@ -339,7 +337,7 @@ class PipelineHead:
         if self.worker.is_last or self.scheduler.waiting:
             return False
         running = self.scheduler.running
-        frames = {self._frames.get(s.request) for s in running if s.in_flight}
+        frames = {s.frame for s in running if s.in_flight}
         if len(frames) < self.worker.micro_batches:
             return False
         return not any((s.prefilling or _window_open(s)) and self._ready(s) for s in running)
@@ -394,9 +392,8 @@ class PipelineHead:
             elif span.rowwise:  # a window: its draws are checked from the hash through its first position
                 sequence.window_start, sequence.window_hash = span.start, prefix_hash(before, ids[:1], self.hash_key)
                 flags |= RowFlag.WINDOW
-            sequence.in_flight = sequence.in_flight or draws
             if draws:
-                self._frames[sequence.request] = self._steps
+                sequence.in_flight, sequence.frame = True, self._steps
             if draws and self._model_drafts and sequence.drafter is not None:  # the last stage's MTP layer drafts
                 flags = asking_drafts(int(flags), sequence.drafter.wanted())
             row = Row(sequence.request, span.start, span.count, before, after, int(flags))

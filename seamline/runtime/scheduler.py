@@ -93,6 +93,7 @@ class SequenceState:
     request: int | None = None
     prefix_hash: int = 0
     in_flight: bool = False
+    frame: int = 0  # the stage-0 step whose frame carries its draw, while in flight
     announced: object | None = None
     window_start: int = 0  # a window's first position (its last known token) and the prefix hash through it
     window_hash: int = 0
