@@ -24,6 +24,21 @@ from seamline.runtime.backend import LocalBackend
 from tests.support.api import NAME, client_for, serve
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_files_go(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A module's checkpoints and meshes' folders (its module-scoped fixtures') go once it passed
+    (``tmp_path_retention_policy`` removes a passed test's own): the suite writes GBs of them."""
+    base = tmp_path_factory.getbasetemp()
+    before, failed = set(base.iterdir()), request.session.testsfailed
+    yield
+    if request.session.testsfailed == failed:
+        for path in set(base.iterdir()) - before:
+            if path.is_symlink():  # pytest's "<name>current" links
+                path.unlink()
+            else:
+                shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def model() -> LocalModel:
     return LocalModel.load()

@@ -11,6 +11,7 @@ variable chooses a path.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -45,6 +46,7 @@ class Server:
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
     client_cores: str = "0,1"  # where the load generator runs (taskset list)
     token: str = ""  # a mesh's invite: more nodes may join with it
+    caches: list[Path] = field(default_factory=list)  # its nodes' fragment caches: gone with it, logs stay
 
     def wait_healthy(self, timeout_s: float = 900) -> None:
         deadline = time.monotonic() + timeout_s
@@ -69,6 +71,9 @@ class Server:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+        for cache in self.caches:  # the model's weights again, per node: a bench's runs would fill the disk
+            shutil.rmtree(cache, ignore_errors=True)
 
 
 def _get(server: Server, path: str) -> int:
@@ -151,7 +156,9 @@ def join_node(server: Server, index: int, node: NodeSpec, env: dict[str, str], l
     device = ["--device", node.device] if node.device else []
     join = [*(descriptors_capped(nofile) if nofile else []), *SEAMLINE, "join", server.token, "--node-id", f"{name}{index}",
             "--quiet", "--no-progress", *cap, *device, *node.join_extra]  # fmt: skip
-    node_env = {**env, "SEAMLINE_CACHE": str(logs / f"cache-{name}{index}")}
+    cache = logs / f"cache-{name}{index}"
+    server.caches.append(cache)
+    node_env = {**env, "SEAMLINE_CACHE": str(cache)}
     proc = _popen(_pinned(node.cores, node.threads, node.netns, join), node_env, logs / f"{name}-node{index}.log")
     server.procs.append(proc)
     return proc

@@ -129,3 +129,21 @@ def test_a_plan_that_could_not_use_a_gpu_says_so_in_its_event() -> None:
     state = _run([PlanChosen(replace(PLAN, notes=(note,)))])
     assert note in PlanChosen(replace(PLAN, notes=(note,))).describe(state)
     assert "cuda" not in PlanChosen(PLAN).describe(state)
+
+
+def test_a_lost_node_still_in_the_serving_plan_reads_not_ready_not_a_key_error() -> None:
+    """A node's link closes: ``NodeLost`` drops it from the members at once, while its plan serves
+    until the re-plan; what asks the stages then (/metrics, a request) is told the mesh is not ready."""
+    import pytest
+
+    from seamline.mesh.control.coordinator import Coordinator
+    from seamline.mesh.control.startup import StartupError
+
+    serving = _run([NodeAdmitted(_handle("a")), PlanChosen(PLAN), RoutePublished(1)])  # type: ignore[arg-type]
+    ready = threading.Event()
+    ready.set()
+    coordinator = SimpleNamespace(lock=threading.Lock(), ready=ready, keeper=SimpleNamespace(current=serving))
+    assert [h.node_id for h in Coordinator.pipeline(coordinator)] == ["a"]  # type: ignore[arg-type]
+    coordinator.keeper.current = apply(serving, NodeLost("a", "its link closed"))
+    with pytest.raises(StartupError, match="node a left"):
+        Coordinator.pipeline(coordinator)  # type: ignore[arg-type]

@@ -378,9 +378,13 @@ class Coordinator:
     # -- requests -----------------------------------------------------------------------
     def pipeline(self) -> list[NodeHandle]:
         with self.lock:
-            if self.plan is None or not self.ready.is_set():
-                raise StartupError(f"the mesh is not ready: {self.state}")
-            return [self.nodes[s.node_id] for s in self.plan.stages]
+            state = self.keeper.current  # one snapshot: a node lost leaves its plan until the re-plan
+            if state.plan is None or not self.ready.is_set():
+                raise StartupError(f"the mesh is not ready: {state.phase}")
+            gone = [s.node_id for s in state.plan.stages if s.node_id not in state.nodes]
+            if gone:
+                raise StartupError(f"the mesh is not ready: node {', '.join(gone)} left")
+            return [state.nodes[s.node_id] for s in state.plan.stages]
 
     def open_request(self, open_msg: Open, tokens: list[int]) -> None:
         """Stage 0 opens the session and passes it down the pipeline ahead of the frames; the
