@@ -148,7 +148,7 @@ def _ticks(coordinator: _Coordinator, balance: object, windows: int,
             clock[0] += 6.0
             add = turns[window % len(turns)]
             coordinator.busy = [coordinator.busy[0] + add[0], coordinator.busy[1] + add[1]]
-            more = (others or [(0.0, 0.0)])[window % len(others or [0])]
+            more = others[window % len(others)] if others else (0.0, 0.0)
             coordinator.others = [coordinator.others[0] + more[0], coordinator.others[1] + more[1]]
     finally:
         module.time.monotonic = real  # type: ignore[assignment]
@@ -199,8 +199,8 @@ def test_a_window_over_a_lull_between_bursts_does_not_rebalance_a_good_cut() -> 
 
 
 def test_a_rebalance_weighs_the_loaded_windows_together() -> None:
-    """Stage 0 measured 2x stage 1, then 1.25x, twice: planned from 9.75 s against 6 s a pair of
-    windows, not from the last window alone."""
+    """Stage 0 measured 2x stage 1, then 1.25x, twice over: planned from the four windows
+    together (9.75 s against 6 s each pair), not from the last window alone."""
     from seamline.mesh.control.balance import DAMPING, LOADED_WINDOWS
 
     coordinator, balance = _watched(switches=False)

@@ -7,6 +7,8 @@ import logging
 import threading
 from types import SimpleNamespace
 
+import pytest
+
 from seamline.mesh.control.events import EventFeed
 from seamline.mesh.control.mesh_state import (
     Event,
@@ -134,8 +136,6 @@ def test_a_plan_that_could_not_use_a_gpu_says_so_in_its_event() -> None:
 def test_a_lost_node_still_in_the_serving_plan_reads_not_ready_not_a_key_error() -> None:
     """A node's link closes: ``NodeLost`` drops it from the members at once, while its plan serves
     until the re-plan; what asks the stages then (/metrics, a request) is told the mesh is not ready."""
-    import pytest
-
     from seamline.mesh.control.coordinator import Coordinator
     from seamline.mesh.control.startup import StartupError
 

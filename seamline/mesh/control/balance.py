@@ -12,11 +12,11 @@ plan's prediction for it, is its slowdown, relative to the stages' mean (the sam
 through every stage). When the slowdowns part by more than ``TOLERANCE`` (15%) over
 ``LOADED_WINDOWS`` loaded windows taken together (windows not loaded between them skipped), each
 node is planned from then on at its rate (as the serving plan priced it) over its slowdown across
-them to the power ``DAMPING``, and the
-mesh switches to the plan those rates give if it is predicted ``GAIN`` times as fast as the
-current route at the same rates. A switch ends the requests in flight as a live growth does:
-they replay on the new route; so a set of members is re-balanced ``MAX_SWITCHES`` times at most
-(a load that keeps changing its character is not chased), and again once the members change.
+them to the power ``DAMPING``, and the mesh switches to the plan those rates give if it is
+predicted ``GAIN`` times as fast as the current route at the same rates. A switch ends the
+requests in flight as a live growth does: they replay on the new route; so a set of members is
+re-balanced ``MAX_SWITCHES`` times at most (a load that keeps changing its character is not
+chased), and again once the members change.
 An administrator may hold the serving plan (``PUT /api/admin/balance``): no re-balance while held.
 
 Why 24 s of load: a window of prompts and one of decode rows weigh the stages in opposite ways (a
