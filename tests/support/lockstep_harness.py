@@ -25,6 +25,7 @@ from seamline.params import SamplingParams
 from seamline.runtime.engine import PREFILL_CHUNK, Engine
 from seamline.runtime.group_stage import LockstepStage
 from seamline.runtime.lockstep_group import DECODE, PREFILL, LockstepGroup, LockstepRank
+from seamline.weights.loader import DTYPES
 
 STEPS = 64
 ATOL = 1e-4  # random checkpoints (small activations), fp32
@@ -53,12 +54,13 @@ def loopback(ports: list[int]) -> list[tuple[str, int]]:
 
 
 def rank_argv(model: Path, rank: int, world: int, ports: list[int], timeout_s: float = 30.0,
-              transport: Transport = "tcp", layers: str | None = None, device: str = "cpu") -> list[str]:
+              transport: Transport = "tcp", layers: str | None = None, device: str = "cpu",
+              dtype: str = "float32") -> list[str]:  # fmt: skip
     """The command line of a non-leader rank (``layers``: "START:END", default all)."""
     addresses = ",".join(f"{h}:{p}" for h, p in loopback(ports))
     argv = [sys.executable, "-m", "seamline.runtime.lockstep_group", "--rank", str(rank), "--world", str(world),
             "--addresses", addresses, "--model", str(model), "--timeout", str(timeout_s),
-            "--transport", transport, "--device", device]  # fmt: skip
+            "--transport", transport, "--device", device, "--dtype", dtype]  # fmt: skip
     return argv + (["--layers", layers] if layers else [])
 
 
@@ -69,17 +71,20 @@ def spawn(argvs: list[list[str]], threads: int) -> list[subprocess.Popen]:
 
 def start_group(model: Path, world: int, timeout_s: float = 30.0, transport: Transport = "tcp",
                 worker_model: Path | None = None, devices: list[str] | None = None,
+                dtype: str = "float32", layers: tuple[int, int] | None = None,
                 ) -> tuple[LockstepGroup, list[subprocess.Popen]]:  # fmt: skip
     """Ranks 1..world-1 as subprocesses (on ``worker_model`` if given), rank 0 here; returns
-    once every rank has passed HELLO. ``devices``: each rank's (default: all on the CPU)."""
+    once every rank has passed HELLO. ``devices``: each rank's (default: all on the CPU);
+    ``layers``: the stage the group owns (default: the whole model)."""
     ports = [free_port() for _ in range(world)]
     devices = devices or ["cpu"] * world
-    argvs = [rank_argv(worker_model or model, r, world, ports, timeout_s, transport, device=devices[r])
+    span = f"{layers[0]}:{layers[1]}" if layers else None
+    argvs = [rank_argv(worker_model or model, r, world, ports, timeout_s, transport, span, devices[r], dtype)
              for r in range(1, world)]  # fmt: skip
     procs = spawn(argvs, threads_for(world))
     try:
-        leader = LockstepRank(model, 0, world, loopback(ports), timeout_s, transport=transport,
-                              device=torch.device(devices[0]))
+        leader = LockstepRank(model, 0, world, loopback(ports), timeout_s, DTYPES[dtype], transport=transport,
+                              layers=layers, device=torch.device(devices[0]))
     except BaseException:
         reap(procs)
         raise
@@ -183,13 +188,13 @@ def check_greedy_exchange(group: LockstepGroup, ref: Reference, atol: float, ste
 
 
 @contextmanager
-def running_group(model: Path, world: int, transport: Transport = "tcp",
-                  devices: list[str] | None = None) -> Iterator[LockstepGroup]:
+def running_group(model: Path, world: int, transport: Transport = "tcp", devices: list[str] | None = None,
+                  dtype: str = "float32", layers: tuple[int, int] | None = None) -> Iterator[LockstepGroup]:
     """A group on ``model`` with this process's threads set to its share of the CPUs; on
     exit, shut down, and every other rank must have exited cleanly."""
     threads = torch.get_num_threads()
     torch.set_num_threads(threads_for(world))
-    group, procs = start_group(model, world, transport=transport, devices=devices)
+    group, procs = start_group(model, world, transport=transport, devices=devices, dtype=dtype, layers=layers)
     try:
         yield group
     finally:

@@ -1,8 +1,9 @@
 """READY means loaded: before a route is published, every stage computes a random probe, and
 its answer is checked against the same layers computed from the coordinator's own copy of the
-weights (``reference``). A stage that answers wrongly (or not at all) is removed from the mesh,
-and the start-up is planned again without it; a member that claimed more memory than it has
-cannot pass either, since it must hold and run every layer it was given."""
+weights (``reference``; a lockstep group's as its ranks compute them). A stage that answers
+wrongly (or not at all) is removed from the mesh, and the start-up is planned again without
+it; a member that claimed more memory than it has cannot pass either, since it must hold and
+run every layer it was given."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def check_stages(reference: Reference, plan: Plan, plan_id: int, leaders: list[N
     for stage, leader in zip(plan.stages, leaders):
         layers = (stage.start, stage.end)
         ids, hidden = reference.probe_inputs(layers, generator)
-        expected, scale = reference.probe(layers, ids, hidden, seed)
+        expected, scale = reference.probe(layers, ids, hidden, seed, world=len(stage.members()))
         raw = base64.b64encode(hidden.contiguous().view(torch.uint8).numpy().tobytes()).decode() if hidden is not None else ""
         result = ask(leader, Probe(plan_id=plan_id, probe=secrets.randbits(31), seed=seed, ids=ids.tolist(), hidden=raw,
                                    layers=layers))  # fmt: skip

@@ -134,11 +134,11 @@ class Verifier:
     def _replan(self, stages: list[CheckedStage]) -> None:
         self.stages = stages
         self._shadows.clear()
-        self._ref.keep_only([s.layers for s in stages])
+        self._ref.keep_only([(s.layers, len(s.nodes)) for s in stages])
 
     def _follow(self, opening: Open, tokens: list[int]) -> None:
         if self.stages:
-            caches = [self._ref.stage(s.layers).new_cache() for s in self.stages]
+            caches = [self._ref.stage(s.layers, len(s.nodes)).new_cache() for s in self.stages]
             self._shadows[opening.request] = Shadow(opening, list(tokens), caches)
             self.followed += 1
 
@@ -205,7 +205,7 @@ class Verifier:
         ids = torch.tensor(shadow.tokens[position : position + count], dtype=torch.long)
         x: torch.Tensor = ids
         for index, checked in enumerate(self.stages):
-            stage = self._ref.stage(checked.layers)
+            stage = self._ref.stage(checked.layers, len(checked.nodes))
             if index > 0 and digest.differs(got[index][0], digest.digest(x, position, self.seed),
                                             digest.scale(x, position, self.seed), stage.compute_dtype) > 1:  # fmt: skip
                 return self._fault([index - 1, index], f"the two disagree on what crossed between them for "
@@ -226,13 +226,13 @@ class Verifier:
         """The mesh started the sequence over (preempted), or from a copy of a prefix the
         reference never ran: compute the positions before ``position`` unchecked."""
         if position < shadow.next_position:
-            shadow.caches = [self._ref.stage(s.layers).new_cache() for s in self.stages]
+            shadow.caches = [self._ref.stage(s.layers, len(s.nodes)).new_cache() for s in self.stages]
             shadow.next_position = 0
         if position > shadow.next_position:
             ids = torch.tensor(shadow.tokens[shadow.next_position : position], dtype=torch.long)
             x: torch.Tensor = ids
             for index, checked in enumerate(self.stages):
-                x = self._ref.run(self._ref.stage(checked.layers), x, shadow.next_position,
+                x = self._ref.run(self._ref.stage(checked.layers, len(checked.nodes)), x, shadow.next_position,
                                        shadow.caches[index], index == len(self.stages) - 1, ids)  # fmt: skip
             shadow.next_position = position
 
