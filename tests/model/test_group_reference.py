@@ -56,6 +56,25 @@ def test_a_group_answers_its_probe_as_the_reference_computes_a_group(tmp_path: P
     assert max(unsplit for _, unsplit in gaps) > SAME, gaps  # the unsplit arithmetic would not pass: the test can fail
 
 
+def test_a_groups_sequence_runs_step_by_step_as_the_reference_runs_it(tmp_path: Path) -> None:
+    """The live checks' path (``--verify-fraction``): a prompt, then one token at a time on the
+    same caches (one per rank on the reference's side), each step's logits the group's (to within
+``SAME``; observed: equal to the bit)."""
+    package = package_cached(default_model_path(), tmp_path, progress=False)
+    reference = Reference(package, "bfloat16")
+    ids = torch.tensor([1, 330, 3458, 282, 4649, 314, 253, 1789])  # any ids: a prompt, then three tokens
+    with running_group(package, 2, dtype="bfloat16") as group:
+        stage = LockstepStage(group)
+        mine, theirs = stage.new_cache(), reference.stage((0, 30), 2).new_cache()
+        for start, end in ((0, 5), (5, 6), (6, 7), (7, 8)):
+            got = stage(ids[start:end], start, mine, last_only=True)
+            expected = reference.run(reference.stage((0, 30), 2), ids[start:end], start, theirs, True)
+            gap = digest.differs(digest.digest(got[-1:], 0, 7), digest.digest(expected[-1:], 0, 7),
+                                 digest.scale(expected[-1:], 0, 7), torch.bfloat16)  # fmt: skip
+            assert gap < SAME, f"positions [{start},{end}): {gap:.3f} of the tolerance"
+        stage.release_cache(mine)
+
+
 def test_thread_ranks_sum_in_rank_order_and_gather_in_rank_order() -> None:
     group = ThreadGroup(2)
     comms = group.comms()
