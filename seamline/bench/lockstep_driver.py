@@ -21,6 +21,7 @@ import ctypes
 import fcntl
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -165,9 +166,13 @@ def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes]
         cwd=root, env={**os.environ}, preexec_fn=lambda: os.sched_setaffinity(0, {peer_core}))  # fmt: skip
     from seamline.weights.loader import DTYPES
 
-    leader = LockstepRank(args.model, 0, 2, [("127.0.0.1", p) for p in ports], args.timeout, DTYPES[args.dtype],
-                          transport=args.transport,  # type: ignore[arg-type]
-                          tls=group_tls_from_folder(tls_dir, 0, 2) if tls_dir else None)
+    try:
+        leader = LockstepRank(args.model, 0, 2, [("127.0.0.1", p) for p in ports], args.timeout, DTYPES[args.dtype],
+                              transport=args.transport,  # type: ignore[arg-type]
+                              tls=group_tls_from_folder(tls_dir, 0, 2) if tls_dir else None)
+    finally:  # both ranks have read their keys once the group is joined (or failed to)
+        if tls_dir is not None:
+            shutil.rmtree(tls_dir, ignore_errors=True)
     timed = None
     inner = getattr(leader.comm, "inner", None)
     if inner is not None:  # the leader's comm is a late-bound wrapper; time what it wraps
