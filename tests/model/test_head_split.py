@@ -1,8 +1,8 @@
 """Head split (tensor parallel): N ranks' partial attention and feed-forward sum to one model.
 
 N ranks run in one process as threads, each with its own Stage loaded under
-``Ownership(shard=(r, N))`` and joined by an in-memory ``ThreadComm`` (a barrier and shared
-slots, summed in rank order). This tests the model math of the split (which rows, columns
+``Ownership(shard=(r, N))`` and joined by the project's in-process ``ThreadComm`` (a barrier
+and shared slots, summed in rank order). This tests the model math of the split (which rows, columns
 and heads each rank owns, and the two gates per layer), not a transport. Every rank runs a
 16-token prefill and 8 decode steps concurrently; the ranks' vocab-shard logits are
 concatenated and compared with the unsplit Stage within 1e-4 (fp32).
@@ -10,8 +10,6 @@ concatenated and compared with the unsplit Stage within 1e-4 (fp32).
 
 from __future__ import annotations
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +21,13 @@ from seamline.config import ModelConfig  # noqa: E402
 from seamline.errors import ConfigError  # noqa: E402
 from seamline.model.cache import SequenceCache  # noqa: E402
 from seamline.model.stage import Stage  # noqa: E402
-from seamline.ownership import Ownership  # noqa: E402
-from seamline.parallel.comm import GATHER_TAG, Comm, GateTag  # noqa: E402
+from seamline.ownership import Ownership, rank_ownership  # noqa: E402
+from seamline.parallel.comm import Comm, GateTag  # noqa: E402
+from seamline.parallel.thread_comm import ThreadComm, ThreadGroup, run_ranks  # noqa: E402
 from seamline.weights.loader import load_stage, open_source  # noqa: E402
 
 ATOL = 1e-4
 PREFILL, DECODE = 16, 8
-TIMEOUT_S = 60.0
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
              tie_word_embeddings=False)  # fmt: skip
@@ -47,45 +45,16 @@ REPLICATED = ("norm.weight", "embed", "ffn.router", "ffn.router_bias", "attn.kv_
               "ffn.shared.gate_up", "ffn.shared.down")  # fmt: skip
 
 
-class ThreadGroup:
-    """Shared state of N thread-ranks: a barrier and one slot per rank."""
-
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.barrier = threading.Barrier(world, timeout=TIMEOUT_S)
-        self.slots: list[tuple[GateTag, torch.Tensor] | None] = [None] * world
-
-
-class ThreadComm:
-    """One rank's view of a ThreadGroup: all_reduce sums every rank's slot in rank order."""
+class RecordingComm(ThreadComm):
+    """The project's thread comm (``parallel.thread_comm``), keeping the tags of its gates."""
 
     def __init__(self, group: ThreadGroup, rank: int) -> None:
-        self.group, self.rank, self.world = group, rank, group.world
+        super().__init__(group, rank)
         self.tags: list[GateTag] = []
 
-    def _exchange(self, tag: GateTag, tensor: torch.Tensor) -> list[torch.Tensor]:
-        self.tags.append(tag)
-        self.group.slots[self.rank] = (tag, tensor.clone())
-        self.group.barrier.wait()
-        slots = [s for s in self.group.slots if s is not None]
-        tags = {t for t, _ in slots}
-        self.group.barrier.wait()  # everyone has read before anyone writes again
-        if len(tags) != 1 or len(slots) != self.world:
-            raise AssertionError(f"ranks reached different gates: {sorted(tags)}")
-        return [t for _, t in slots]
-
     def all_reduce(self, tensor: torch.Tensor, tag: GateTag) -> torch.Tensor:
-        parts = self._exchange(tag, tensor)
-        total = parts[0]
-        for part in parts[1:]:
-            total = total + part
-        return total
-
-    def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GATHER_TAG) -> torch.Tensor:
-        return torch.cat(self._exchange(tag, tensor), dim=dim)
-
-    def close(self) -> None:
-        pass
+        self.tags.append(tag)
+        return super().all_reduce(tensor, tag)
 
 
 def _randomize(model: torch.nn.Module) -> None:
@@ -132,31 +101,15 @@ def _run(stage: Stage, ids: torch.Tensor) -> tuple[torch.Tensor, SequenceCache]:
     return torch.cat(rows), cache
 
 
-def _rank_ownership(config: ModelConfig, rank: int, world: int) -> Ownership:
-    e, v = config.num_experts, config.vocab_size
-    experts = (rank * e // world, (rank + 1) * e // world) if e else None
-    vocab = (rank * v // world, (rank + 1) * v // world)
-    return Ownership(layers=(0, config.num_layers), experts=experts, vocab=vocab, shard=(rank, world))
-
-
 def _run_split(folder: Path, world: int, ids: torch.Tensor) -> tuple[list[Stage], list[Any]]:
     """Load N rank Stages and run them concurrently. -> (stages, [(logits, cache, comm)])."""
     source = open_source(folder)
     config = ModelConfig.from_hf_dict(source.config_dict())
     group = ThreadGroup(world)
-    comms = [ThreadComm(group, r) for r in range(world)]
+    comms = [RecordingComm(group, r) for r in range(world)]
     assert all(isinstance(c, Comm) for c in comms)  # the parallel package's protocol
-    stages = [load_stage(source, _rank_ownership(config, r, world), comm=comms[r]) for r in range(world)]
-
-    def rank_main(rank: int) -> tuple[torch.Tensor, SequenceCache]:
-        try:
-            return _run(stages[rank], ids)
-        except BaseException:
-            group.barrier.abort()  # release the other ranks instead of hanging them
-            raise
-
-    with ThreadPoolExecutor(max_workers=world) as pool:
-        results = list(pool.map(rank_main, range(world)))
+    stages = [load_stage(source, rank_ownership(config, r, world), comm=comms[r]) for r in range(world)]
+    results = run_ranks(group, [lambda stage=stage: _run(stage, ids) for stage in stages])
     return stages, [(logits, cache, comm) for (logits, cache), comm in zip(results, comms)]
 
 
