@@ -427,7 +427,7 @@ class Stats(Message):
     cycle_wall_s: float = 0.0  # a stage after the first: one row's wall seconds from taken to handed on
     ring_s: float = 0.0  # stage 0: one stream's row from leaving it to its token coming back, wall seconds
     busy_seconds: float = 0.0  # every forward's seconds so far, prompt chunks' too
-    core_others_seconds: float = 0.0  # other processes' CPU seconds on its cores since boot, per core
+    idle_seconds: float = 0.0  # waiting with nothing to run so far (``runtime.idle_clock``)
 
 
 class Heartbeat(Message):

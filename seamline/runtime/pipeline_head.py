@@ -174,6 +174,7 @@ class PipelineHead:
             if self._stopped:
                 return
             put(self._inbox)
+            self.worker.idle.work()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drive, name="seamline-stage0", daemon=True)
                 self._thread.start()
@@ -185,6 +186,7 @@ class PipelineHead:
         while True:
             with self._cond:
                 while not busy and not self._inbox and not self._stopped:
+                    self.worker.idle.wait()
                     self._cond.wait()
                 if self._stopped:  # nothing refers to this stage after the thread ends: it is freed
                     return

@@ -34,6 +34,7 @@ from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
 from seamline.params import SamplingParams
 from seamline.runtime import digest
 from seamline.runtime.grammar import TokenMasks, grammar_mask
+from seamline.runtime.idle_clock import IdleClock
 from seamline.runtime.mtp_drafts import pipeline_drafts
 from seamline.runtime.pipeline_head import PipelineHead
 from seamline.runtime.sampling import TokenEvent, draw_next, request_seed
@@ -115,6 +116,7 @@ class StageWorker:
         self.probe_quiet = False  # the probe was taken again on an idle stage and quiet cores (``mesh.node.reprobe``)
         self.forward_lock = threading.Lock()  # a forward at a time: a probe taken while it serves holds it too
         self.busy_seconds = 0.0  # every forward's seconds, prompt chunks' too
+        self.idle = IdleClock()  # waiting with nothing to run (stage 0: its driver; the others: their frames)
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
         self.clock = StepClock()  # a decode step's seconds outside its forward, on the stage's thread

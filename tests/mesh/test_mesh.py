@@ -239,6 +239,30 @@ def test_concurrent_requests_on_two_stages_answer_as_alone(mesh2: MeshProcesses,
         assert answers.get(i) == expected_text(model, question, 10 + 4 * i), question
 
 
+def test_each_stage_counts_the_seconds_it_waits_for_work_apart_from_its_forwards(mesh2: MeshProcesses) -> None:
+    """A stage's idle seconds (waiting with nothing to run: what a re-balance takes off the wall
+    time, ``runtime.idle_clock``) grow with the wall time while the mesh is at rest, and never
+    while its forwards run: over a request, each stage's idle and busy seconds together stay
+    within the wall time, and each waits for the other stage part of it."""
+
+    def counters() -> tuple[float, list[tuple[float, float]]]:
+        stages = mesh2.status()["stages"]
+        return time.monotonic(), [(s["idle_seconds"], s["busy_seconds"]) for s in stages]
+
+    start, before = counters()
+    time.sleep(1.0)
+    end, after = counters()
+    for (idle0, busy0), (idle1, busy1) in zip(before, after):
+        assert busy1 == busy0 and abs((idle1 - idle0) - (end - start)) < 0.15, (before, after, end - start)
+    start, before = counters()
+    ask(mesh2, QUESTION, 48)
+    end, after = counters()
+    wall = end - start
+    for (idle0, busy0), (idle1, busy1) in zip(before, after):
+        idle, busy = idle1 - idle0, busy1 - busy0
+        assert busy > 0 and 0.05 * wall < idle and idle + busy <= wall + 0.02, (before, after, wall)
+
+
 def test_a_client_that_goes_away_is_freed_on_every_stage_within_a_second(mesh2: MeshProcesses) -> None:
     """A streaming client reads a few tokens and disconnects: within 1 s /api/status shows no
     sequence open and no KV held for one on either stage (while it streamed, both held it); its

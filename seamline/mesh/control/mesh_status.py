@@ -81,7 +81,7 @@ def _add_holdings(coordinator: Coordinator, stages: list[dict[str, object]]) -> 
     for stage, stat in zip(stages, stats):
         stage.update(sequences=stat.sequences, kv_bytes=stat.kv_bytes, kept_kv_bytes=stat.kept_kv_bytes,
                      decode_steps=stat.decode_steps, decode_seconds=round(stat.decode_seconds, 3),
-                     busy_seconds=round(stat.busy_seconds, 3))  # fmt: skip
+                     busy_seconds=round(stat.busy_seconds, 3), idle_seconds=round(stat.idle_seconds, 3))  # fmt: skip
         if stat.decode_steps:  # beside the plan's predicted_step_ms (one row) and under load
             stage["measured_step_ms"] = round(stat.decode_seconds / stat.decode_steps * 1e3, 3)
         if stat.precision:

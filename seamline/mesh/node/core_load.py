@@ -1,10 +1,8 @@
-"""How much of a node's cores other work takes: what a re-balance (``mesh.control.balance``)
-needs to see a stage whose core also runs the coordinator, the clients or a neighbour.
+"""How much of a node's cores other work takes: what a probe taken again (``mesh.node.reprobe``)
+needs to know its cores were quiet (no neighbour, coordinator or client on them).
 
-A stage's busy seconds count its forwards' wall time; work that runs on its core between
-forwards (an API on the same core, a load generator) leaves the stage idle yet slows the
-pipeline all the same. Linux's ``/proc/stat`` counts every CPU's busy time by all processes;
-this process's own CPU time taken off it leaves the others' (both read with psutil).
+Linux's ``/proc/stat`` counts every CPU's busy time by all processes; this process's own CPU
+time taken off it leaves the others' (both read with psutil).
 """
 
 from __future__ import annotations

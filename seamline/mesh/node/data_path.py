@@ -9,7 +9,7 @@ import socket
 from typing import TYPE_CHECKING
 
 from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
-from seamline.mesh.node.data_links import PROBE, LinkRefused, admit, dial, expected_from
+from seamline.mesh.node.data_links import PROBE, UPSTREAM, LinkRefused, admit, dial, expected_from
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, tune
@@ -98,9 +98,15 @@ class DataPath:
         """The link's frames, each run on this thread (the stage's compute thread), in order; the
         next ones are read meanwhile while it runs a large one (``ReadAhead``)."""
         frames = ReadAhead(link)
+        fed = self.tail or self.worker  # the stage this link's frames feed: it idles while it waits for them
+        idle = fed.idle if role == UPSTREAM and fed is not None else None
         while True:
             try:
+                if idle is not None:
+                    idle.wait()
                 frame = frames.recv()
+                if idle is not None:
+                    idle.work()
             except LinkClosed:
                 return
             except FrameError as exc:

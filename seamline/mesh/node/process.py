@@ -34,7 +34,6 @@ from seamline.mesh.protocol.fragment_server import PeerGate
 from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.protocol.relay_wire import PROBE_MAGIC
 from seamline.mesh.node.checks import digest_reporter, probe_result
-from seamline.mesh.node.core_load import others_cpu_seconds
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_path import DataPath
 from seamline.mesh.node.private_tail import load_tail, pair
@@ -195,7 +194,7 @@ class Node(Membership, DataPath):
                                                 step_overhead_s=w.clock.overhead_s(), probe_quiet=w.probe_quiet,
                                                 cycle_wall_s=w.clock.cycle_wall_s(),
                                                 ring_s=w.head.ring.ring_s() if w.head else 0.0,
-                                                busy_seconds=w.busy_seconds, core_others_seconds=others_cpu_seconds(),
+                                                busy_seconds=w.busy_seconds, idle_seconds=w.idle.seconds(),
                                                 **w.holdings(), **w.speculated()))  # fmt: skip
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
