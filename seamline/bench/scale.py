@@ -123,16 +123,17 @@ def _probed_quiet(server: Server) -> bool:
 
 
 def settle(server: Server, logs: Path) -> dict[str, Any]:
-    """Load the mesh until ``STABLE_WAVES`` waves running pass with no change of plan (the
-    coordinator re-balances stages that measure apart under load, ``mesh.control.balance``):
-    the plan it serves then."""
+    """Load the mesh until ``STABLE_WAVES`` waves running pass with no change of plan and the
+    coordinator's re-balance (``mesh.control.balance``: it re-plans stages that measure apart
+    under load, deciding every few loaded windows) has kept the serving plan in a decision of
+    its own (``balance_settled``), ``SETTLE_WAVES`` at most: the plan it serves then."""
     stable = 0
     for attempt in range(SETTLE_WAVES):
         before = _plan_of(server)
         wave(server, prompts_file(SETTLE_CLIENTS, 8000 + attempt, logs), SETTLE_TOKENS)
         after = _plan_of(server)
         stable = stable + 1 if after == before else 0
-        if stable == STABLE_WAVES:
+        if stable >= STABLE_WAVES and status_of(server).get("balance_settled", True):
             return after | {"waves": attempt + 1}
         wait_ready(server)
     return _plan_of(server) | {"waves": SETTLE_WAVES}

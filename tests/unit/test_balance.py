@@ -289,3 +289,22 @@ def test_a_held_plan_is_not_rebalanced_until_released() -> None:
     balance.held = False
     _ticks(coordinator, balance, LOADED_WINDOWS + 1)  # parted in the loaded windows, as before
     assert len(coordinator.asked) == 1
+
+
+def test_a_plan_is_settled_once_a_decision_under_load_kept_it_or_none_will_come() -> None:
+    """What ``bench scale`` waits for before it holds a plan: a new plan is not settled until
+    a decision over its own loaded windows kept it; one that switched is not; a held plan, or a
+    plan of one stage, is."""
+    from seamline.mesh.control.balance import LOADED_WINDOWS
+
+    coordinator, balance = _watched()
+    assert not balance.settled()  # type: ignore[attr-defined]
+    _ticks(coordinator, balance, LOADED_WINDOWS + 1)  # parted: switched to plan 2
+    assert coordinator.plan_id == 2 and not balance.settled()  # type: ignore[attr-defined]
+    _ticks(coordinator, balance, LOADED_WINDOWS + 1, busy=[(4.5, 4.5)])  # plan 2 reads even: kept
+    assert coordinator.plan_id == 2 and balance.settled()  # type: ignore[attr-defined]
+    coordinator, balance = _watched()
+    balance.held = True  # type: ignore[attr-defined]
+    assert balance.settled()  # type: ignore[attr-defined]
+    coordinator, balance = _watched(plan=_plan(10 * MS))
+    assert balance.settled()  # type: ignore[attr-defined]

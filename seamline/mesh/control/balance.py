@@ -102,6 +102,7 @@ class Balance:
         self._last: Window | None = None
         self._loaded: list[tuple[Window, Window]] = []  # the serving plan's latest loaded windows
         self._fresh = 0  # of them, loaded since the last decision
+        self._kept = -1  # the last plan a decision kept
         self._stopped = threading.Event()
         self.held = False  # an administrator's: the serving plan stays, whatever the stages measure
 
@@ -122,8 +123,7 @@ class Balance:
         """Read the stages; every ``LOADED_WINDOWS`` loaded windows, re-plan if the plan's latest found them parted."""
         c = self.coordinator
         plan, plan_id = c.plan, c.plan_id
-        if plan is None or not c.ready.is_set() or len(plan.stages) < 2 or plan.private \
-                or any(s.ranks for s in plan.stages) or self.held:  # fmt: skip
+        if plan is None or not c.ready.is_set() or not _balanced(plan) or self.held:
             self._last = None
             return
         if plan_id != self._plan_id:  # a new plan: priced with the corrections as they are now
@@ -143,15 +143,31 @@ class Balance:
             return
         self._fresh = 0
         together = slowdowns(plan, *_joined(self._loaded))
-        if together is not None and parted(together):
-            self.rebalance(plan, together)
+        if together is None or not parted(together) or not self.rebalance(plan, together):
+            self._kept = plan_id
 
-    def rebalance(self, plan: Plan, found: dict[str, float]) -> None:
+    def rebalance(self, plan: Plan, found: dict[str, float]) -> bool:
+        """Plan each node at its corrected rate; whether the mesh switched to a new plan."""
         low, high = CORRECTION_BOUNDS
         for node, slowdown in found.items():
             self.corrections[node] = min(high, max(low, self._basis.get(node, 1.0) / slowdown**DAMPING))
-        if self.coordinator.planning.rebalance(plan, found, GAIN):
-            self._switches += 1
+        if not self.coordinator.planning.rebalance(plan, found, GAIN):
+            return False
+        self._switches += 1
+        return True
+
+    def settled(self) -> bool:
+        """Whether the serving plan stands: a decision over its loaded windows kept it, or none
+        will come (a plan that is not re-balanced, a held one, or its members' switches spent)."""
+        plan = self.coordinator.plan
+        if plan is None or not _balanced(plan) or self.held or self._switches >= MAX_SWITCHES:
+            return True
+        return self._kept == self.coordinator.plan_id
+
+
+def _balanced(plan: Plan) -> bool:
+    """Whether a re-balance watches ``plan``: several single-node stages, not a private mesh's."""
+    return len(plan.stages) >= 2 and not plan.private and not any(s.ranks for s in plan.stages)
 
 
 def _joined(windows: list[tuple[Window, Window]]) -> tuple[Window, Window]:

@@ -43,6 +43,7 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
             "pace_ms": pace(plan) * 1e3 if plan else None,  # per token under load (what planning compares)
             "rate_corrections": dict(coordinator.balance.corrections),  # from the stages' measured steps (``balance``)
             "balance_held": coordinator.balance.held,  # an administrator holds the plan: no re-balance
+            "balance_settled": coordinator.balance.settled(),  # a decision under load kept the plan, or none will come
             "model": coordinator.model.name,
             "events": coordinator.feed.recent()}  # fmt: skip
 
