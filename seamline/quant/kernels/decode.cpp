@@ -85,6 +85,24 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// A row's cache is read once a step, from memory: a step's caches are far larger than the CPU's
+// (32 rows x 30 layers of the embedded model 160 positions deep: 118 MB), and a head's keys are a
+// few KB, too short a stream for the hardware prefetcher to reach speed. So the keys are fetched
+// AHEAD_ROWS positions ahead of the scores, the values into L2 beside them for after the softmax.
+// Measured here on one core (those 118 MB): 26 -> 22 us a row and layer; the embedded model's
+// step of 32 rows 74.5 -> 70.1 ms, of 64 rows 126.6 -> 114.6 ms. 16 or 32 ahead were no faster.
+constexpr int64_t AHEAD_ROWS = 8;
+
+inline void ahead(const char* K, const char* V, int64_t s, int64_t n, int64_t row) {
+  if (s + AHEAD_ROWS >= n) return;
+  const char* k = K + (s + AHEAD_ROWS) * row;
+  const char* v = V + (s + AHEAD_ROWS) * row;
+  for (int64_t b = 0; b < row; b += 64) {
+    _mm_prefetch(k + b, _MM_HINT_T0);
+    _mm_prefetch(v + b, _MM_HINT_T1);
+  }
+}
+
 // out [D] = softmax(scale * q . K[s]) . V[s] over s in [0, n); K, V rows of D elements.
 // The exponentials 16 at a time; for D a multiple of 16 up to 128 the weighted sum of V stays
 // in registers and is divided by the total once.
@@ -93,6 +111,7 @@ void attend(const float* q, const void* K, const void* V, int dt, int64_t n, int
   const int64_t row = D * (dt == F32 ? 4 : 2);
   float top = -INFINITY;
   for (int64_t s = 0; s < n; ++s) {
+    ahead((const char*)K, (const char*)V, s, n, row);
     scores[s] = scale * dot(q, (const char*)K + s * row, dt, D);
     top = std::max(top, scores[s]);
   }
@@ -172,6 +191,7 @@ void attend_group_t(const float* q, const void* K, const void* V, int dt, int64_
   float top[G];
   for (int j = 0; j < G; ++j) top[j] = -INFINITY;
   for (int64_t s = 0; s < n; ++s) {
+    ahead((const char*)K, (const char*)V, s, n, row);
     __m512 kr[CH];
     for (int c = 0; c < CH; ++c) kr[c] = load((const char*)K + s * row + 16 * c * elt, dt, 0xFFFF);
     for (int j = 0; j < G; ++j) {
@@ -197,6 +217,8 @@ void attend_group_t(const float* q, const void* K, const void* V, int dt, int64_
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < CH; ++c) acc[j][c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < n; ++s) {
+    if (s + AHEAD_ROWS < n)
+      for (int64_t b = 0; b < row; b += 64) _mm_prefetch((const char*)V + (s + AHEAD_ROWS) * row + b, _MM_HINT_T0);
     __m512 vr[CH];
     for (int c = 0; c < CH; ++c) vr[c] = load((const char*)V + s * row + 16 * c * elt, dt, 0xFFFF);
     for (int j = 0; j < G; ++j) {
