@@ -138,6 +138,26 @@ static void store_tile(const float* res, int live, int rows, const float* bias, 
             _mm512_add_ps(_mm512_i32gather_ps(column, res + n, 4), b));
 }
 
+// The next 16 weight rows, fetched into L1 a share at a time while this tile's products run: the
+// unpacking reads them in one burst, and the hardware prefetcher, which follows demand reads,
+// has nothing to follow during the products, so unfetched they cost a stall per tile (in a
+// model's step, its weights cold, about 40% of a 32-row matmul's time here)
+class TileFetch {
+ public:
+  TileFetch(const uint8_t* next, int64_t bytes, int64_t steps)
+      : at_((const char*)next), end_((const char*)next + bytes),
+        per_step_(64 * ((bytes + 64 * steps - 1) / (64 * steps))) {}
+  void step() {
+    const char* stop = std::min(at_ + per_step_, end_);
+    for (; at_ < stop; at_ += 64) _mm_prefetch(at_, _MM_HINT_T0);
+  }
+
+ private:
+  const char* at_;
+  const char* end_;
+  int64_t per_step_;
+};
+
 template <class D>
 static void amx_t(const uint8_t* w, int64_t w_stride, int64_t cols, const AmxX& x, int64_t M, int64_t r0, int64_t r1,
                   const float* bias, void* out, int dt, int64_t n_out) {
@@ -155,15 +175,21 @@ static void amx_t(const uint8_t* w, int64_t w_stride, int64_t cols, const AmxX& 
   for (int64_t r = r0; r < r1; r += 16) {
     const int rows = (int)std::min<int64_t>(16, r1 - r);
     unpack16<D>(w + r * w_stride, w_stride, cols, rows, q.data(), d.data(), mn.data());
+    TileFetch ahead(w + (r + 16) * w_stride, r + 16 < r1 ? std::min<int64_t>(16, r1 - r - 16) * w_stride : 0,
+                    groups * ((nb + 3) / 4));
     for (int64_t g = 0; g < groups; ++g) {
       __m512 acc[16];
       for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
       int64_t b = 0;
       for (; b + 4 <= nb; b += 4) {
+        ahead.step();
         amx_pair<D, 0>(q.data(), cols, x, g * nb + b, b, d.data(), mn.data(), c, acc);
         amx_pair<D, 2>(q.data(), cols, x, g * nb + b + 2, b + 2, d.data(), mn.data(), c + 512, acc);
       }
-      if (b < nb) amx_pair<D, 0>(q.data(), cols, x, g * nb + b, b, d.data(), mn.data(), c, acc);
+      if (b < nb) {
+        ahead.step();
+        amx_pair<D, 0>(q.data(), cols, x, g * nb + b, b, d.data(), mn.data(), c, acc);
+      }
       for (int k = 0; k < 16; ++k) _mm512_store_ps(res + 16 * k, acc[k]);
       store_tile(res, (int)std::min<int64_t>(16, M - 16 * g), rows, bias, out, dt, 16 * g, r, n_out);
     }
