@@ -7,8 +7,9 @@ On CPU with the C++ kernels (``native.kernels()``), by the process's precision
   to int8 blocks of 32 (256 for K-quants) and multiplied with the blocks by VNNI integer dot
   products: about 2x the float kernels, at the cost of that rounding. Many rows (batched steps,
   prefill): on a CPU with AMX-INT8, the 32-wide block types go through AMX tiles from
-  ``AMX_FROM_ROWS`` rows (``SEAMLINE_QUANT_AMX=0`` turns it off); otherwise above
-  ``DECODE_ROWS`` rows on dequantised bfloat16 tiles with torch's bf16 GEMM (oneDNN).
+  ``AMX_FROM_ROWS`` rows up to ``AMX_BELOW_ROWS`` (``SEAMLINE_QUANT_AMX=0`` turns it off);
+  otherwise above ``DECODE_ROWS`` rows on dequantised bfloat16 tiles with torch's bf16 GEMM
+  (oneDNN, on the AMX-BF16 tiles such a CPU also has): a long prompt's chunks there.
 * exact (``--precision exact``): up to ``EXACT_BLOCK_ROWS`` rows (a decode or batched step),
   every weight is decoded in registers as gguf-py decodes it and multiplied in float32
   (``linear_exact``): the answers of the dequantised weights, and a row's sums are the same
@@ -43,6 +44,12 @@ EXACT_BLOCK_ROWS = 64  # exact: up to this many rows on the blocks, beyond on fl
 # that model at +38 MB over its weights, 1 MiB ones hold a few MB, no slower (measured)
 TILE_BYTES = 1 << 20
 AMX_FROM_ROWS = 9  # int8 mode, a CPU with AMX-INT8: from this many rows tiles beat the AVX-512 kernel
+# from this many rows dequantised bfloat16 tiles beat the int8 ones: each 32-wide block's int32
+# sums cost 16 vector ops to scale (its own scales), where bf16 tiles accumulate in float across
+# the whole row, and their dequantising is shared by more rows (measured, the embedded model's
+# matmuls, one core with AMX: 128 rows 69 ms int8 against 71 bf16, 192 rows 103 against 75, 512
+# rows 253 against 118)
+AMX_BELOW_ROWS = 160
 AMX_ENV = "SEAMLINE_QUANT_AMX"  # "0": never AMX tiles
 _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
@@ -105,7 +112,8 @@ def quant_linear(
         if INT8_ACTIVATIONS:
             op = _kernel_op()
             if op is not None:  # the op checks shapes, device and type itself (ValueError)
-                return op(x, w.data, w.qtype, w.shape[-1], bias, DECODE_ROWS, _AMX_FROM)
+                amx = _AMX_FROM if x.numel() < AMX_BELOW_ROWS * x.shape[-1] else 0
+                return op(x, w.data, w.qtype, w.shape[-1], bias, DECODE_ROWS, amx)
         elif (x.dtype == torch.float32 or x.numel() <= EXACT_BLOCK_ROWS * x.shape[-1]) and \
                 (exact := _exact_ops()) is not None:  # fmt: skip
             rows = x.reshape(-1, x.shape[-1])

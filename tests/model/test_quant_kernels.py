@@ -15,10 +15,10 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 
-from seamline.quant import native
+from seamline.quant import matmul, native
 from seamline.quant.bench_kernels import KERNEL_TYPES, random_weight
 from seamline.quant.dequant import dequantize, dequantize_rows
-from seamline.quant.matmul import DECODE_ROWS, quant_linear
+from seamline.quant.matmul import AMX_BELOW_ROWS, DECODE_ROWS, quant_linear
 from seamline.quant.tensor import QuantTensor
 
 REL_NORM, REL_MAX = 0.015, 0.03
@@ -157,6 +157,24 @@ def test_amx_tiles_match_the_vnni_kernel(ops, qtype) -> None:
     x = torch.randn(40, odd.shape[1], generator=gen)
     assert torch.equal(ops.linear(x, odd.data, odd.qtype, odd.shape[1], None, 0, 1),
                        ops.linear(x, odd.data, odd.qtype, odd.shape[1], None, 0, 0))  # fmt: skip
+
+
+def test_int8_mode_takes_bfloat16_tiles_for_a_long_chunk(ops, monkeypatch) -> None:
+    """With int8 activations, fewer than AMX_BELOW_ROWS rows go to the int8 kernels (AMX tiles
+    where the CPU has them), more to dequantised bfloat16 tiles: each AMX block's scaling would
+    cost more than the bf16 GEMM there."""
+    monkeypatch.setattr(matmul, "INT8_ACTIVATIONS", True)
+    gen = torch.Generator().manual_seed(9)
+    qtype = AMX_TYPES[0]
+    w = random_weight(qtype, (45, _cols(qtype, 18)), gen)
+    for rows in (AMX_BELOW_ROWS - 1, AMX_BELOW_ROWS):
+        x = torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16)
+        tiles = ops.linear(x, w.data, w.qtype, w.shape[1], None, DECODE_ROWS, 0)
+        amx = ops.linear(x, w.data, w.qtype, w.shape[1], None, DECODE_ROWS, matmul.AMX_FROM_ROWS)
+        assert torch.equal(quant_linear(x, w), amx if rows < AMX_BELOW_ROWS else tiles), rows
+        if ops.amx_supported():  # else both are the tiles
+            assert not torch.equal(amx, tiles)
+        _assert_close(quant_linear(x, w), _reference(x, w), f"{rows} rows")
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
