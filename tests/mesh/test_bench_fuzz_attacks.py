@@ -4,6 +4,8 @@ the attack and the watch after it cut to a few seconds and short answers."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,7 +34,9 @@ def test_the_mesh_is_down_for_the_longest_stretch_without_a_token_to_anyone() ->
     assert (figures["requests"], figures["requests_lost"], len(differ)) == (3, 1, 1)
 
 
-def test_two_attacks_on_a_live_mesh_are_refused_and_cost_its_clients_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_attacks_on_a_live_mesh_are_refused_and_cost_its_clients_nothing(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path: Path) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the bench keeps its work folder (its logs)
     monkeypatch.setattr(attack_session, "TOKENS", 12)
     monkeypatch.setattr(attack_session, "CALM_MIN_S", 2.0)
     result: dict[str, Any] = bench_attacks(duration_s=4.0, after_s=3.0, attacks=("oversize_logit_bias", "admin_body"))
