@@ -45,10 +45,10 @@ EXACT_BLOCK_ROWS = 64  # exact: up to this many rows on the blocks, beyond on fl
 TILE_BYTES = 1 << 20
 AMX_FROM_ROWS = 9  # int8 mode, a CPU with AMX-INT8: from this many rows tiles beat the AVX-512 kernel
 # from this many rows dequantised bfloat16 tiles beat the int8 ones: each 32-wide block's int32
-# sums cost 16 vector ops to scale (its own scales), where bf16 tiles accumulate in float across
-# the whole row, and their dequantising is shared by more rows (measured, the embedded model's
-# matmuls, one core with AMX: 128 rows 69 ms int8 against 71 bf16, 192 rows 103 against 75, 512
-# rows 253 against 118)
+# sums cost 3-4 vector ops a row to scale (by its own scales), where bf16 tiles accumulate in
+# float across the whole row, and their dequantising is shared by more rows (measured, the
+# embedded model's matmuls, one core with AMX: 128 rows 69 ms int8 against 71 bf16, 192 rows 103
+# against 75, 512 rows 253 against 118)
 AMX_BELOW_ROWS = 160
 AMX_ENV = "SEAMLINE_QUANT_AMX"  # "0": never AMX tiles
 _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
