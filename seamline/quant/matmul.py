@@ -8,8 +8,8 @@ On CPU with the C++ kernels (``native.kernels()``), by the process's precision
   products: about 2x the float kernels, at the cost of that rounding. Many rows (batched steps,
   prefill): on a CPU with AMX-INT8, the 32-wide block types go through AMX tiles from
   ``AMX_FROM_ROWS`` rows up to ``AMX_BELOW_ROWS`` (``SEAMLINE_QUANT_AMX=0`` turns it off);
-  otherwise above ``DECODE_ROWS`` rows on dequantised bfloat16 tiles with torch's bf16 GEMM
-  (oneDNN, on the AMX-BF16 tiles such a CPU also has): a long prompt's chunks there.
+  otherwise, and from ``AMX_BELOW_ROWS`` rows on (a long prompt's chunks), above ``DECODE_ROWS``
+  rows on dequantised bfloat16 tiles with torch's bf16 GEMM (oneDNN; AMX-BF16 where it runs).
 * exact (``--precision exact``): up to ``EXACT_BLOCK_ROWS`` rows (a decode or batched step),
   every weight is decoded in registers as gguf-py decodes it and multiplied in float32
   (``linear_exact``): the answers of the dequantised weights, and a row's sums are the same

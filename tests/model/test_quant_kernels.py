@@ -170,9 +170,9 @@ def test_int8_mode_takes_bfloat16_tiles_for_a_long_chunk(ops, monkeypatch) -> No
     for rows in (AMX_BELOW_ROWS - 1, AMX_BELOW_ROWS):
         x = torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16)
         tiles = ops.linear(x, w.data, w.qtype, w.shape[1], None, DECODE_ROWS, 0)
-        amx = ops.linear(x, w.data, w.qtype, w.shape[1], None, DECODE_ROWS, matmul.AMX_FROM_ROWS)
+        amx = ops.linear(x, w.data, w.qtype, w.shape[1], None, DECODE_ROWS, matmul._AMX_FROM)  # 0: SEAMLINE_QUANT_AMX=0
         assert torch.equal(quant_linear(x, w), amx if rows < AMX_BELOW_ROWS else tiles), rows
-        if ops.amx_supported():  # else both are the tiles
+        if ops.amx_supported() and matmul._AMX_FROM:  # else both are the tiles
             assert not torch.equal(amx, tiles)
         _assert_close(quant_linear(x, w), _reference(x, w), f"{rows} rows")
 
