@@ -5,6 +5,8 @@ about half an hour and writes its JSON.)"""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,7 @@ import pytest
 
 from seamline.app import default_model_path
 from seamline.bench import throughput
-from seamline.bench.load import make_prompts
+from seamline.bench.load import _events, make_prompts, run_wave
 from seamline.bench.servers import Server, start_single
 from seamline.bench.throughput import (
     engine_decode_rate,
@@ -86,6 +88,7 @@ def test_a_wave_of_streaming_clients_through_the_api(tmp_path: Path) -> None:
     try:
         server.wait_healthy(timeout_s=300)
         done = wave(server, prompts_file(3, 1, tmp_path), 5)
+        refused = asyncio.run(run_wave(server.url, "no-such-model", ["a", "b"], 5))  # the server's 404, counted
     finally:
         server.close()
     assert done["clients"] == 3 and done["failed"] == 0
@@ -93,9 +96,34 @@ def test_a_wave_of_streaming_clients_through_the_api(tmp_path: Path) -> None:
     assert len(done["ttft_ms"]) == 3 and all(t > 0 for t in done["ttft_ms"])
     assert len(done["itl_ms"]) >= 3 * 3 and done["tok_s"] > 0  # chunks may carry more than one token
     assert len(done["decode_tok_s"]) == 3 and all(r > 0 for r in done["decode_tok_s"])
+    assert refused["failed"] == 2 and refused["tokens"] == 0 and "HTTP 404" in refused["errors"][0], refused
     said = (tmp_path / "one_node.log").read_text()
     blocks = ", int8 blocks in the matmuls" if int8_kernels_here() else ""  # a CPU without VNNI: bfloat16
     assert f"precision fast (bfloat16 activations{blocks})" in said, said[-2000:]
+
+
+class _Chunks:
+    """A response whose body arrives in the given pieces (a network splits events anywhere)."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+    async def aiter_bytes(self) -> Any:
+        for piece in self.pieces:
+            yield piece
+
+
+def test_the_load_generator_reads_events_split_anywhere() -> None:
+    events = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}], "usage": None},
+              {"usage": {"completion_tokens": 2}}]
+    body = b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events) + b": ping\n\ndata: [DONE]\n\n"
+    body += b"data: {not json after the end}\n\n"
+    pieces = [body[i : i + 7] for i in range(0, len(body), 7)]
+
+    async def read() -> list[dict[str, Any]]:
+        return [event async for event in _events(_Chunks(pieces))]
+
+    assert asyncio.run(read()) == events
 
 
 def test_the_exact_party_names_its_precision(tmp_path: Path) -> None:
