@@ -277,6 +277,26 @@ def test_a_set_of_members_is_rebalanced_a_few_times_at_most_and_a_kept_plan_does
     assert all(asked["n0"] == pytest.approx(expected) for asked in kept.asked)
 
 
+def test_a_correction_back_the_way_the_last_switch_went_goes_part_of_the_way() -> None:
+    """Stage 0 busy 1.5x stage 1 at one plan, the other way round at the plan that switch made
+    (the best cut lies between them): the second switch moves each node's correction back by
+    ``REVERSAL`` of its measured move, not the whole (which had switched back and forth between
+    two cuts); a third the same way as the second goes the whole way."""
+    from seamline.mesh.control.balance import DAMPING, LOADED_WINDOWS, REVERSAL
+
+    coordinator, balance = _watched()
+    windows = LOADED_WINDOWS + 1  # a plan's first tick reads nothing: its windows start there
+    _ticks(coordinator, balance, 3 * windows, busy=[(4.5, 3.0)] * windows + [(3.0, 4.5)] * 2 * windows)
+    assert len(coordinator.asked) == 3
+    first, second, third = coordinator.asked
+    slow, fast = 4.5 / 3.75, 3.0 / 3.75  # each stage's busy seconds over their mean
+    assert first == pytest.approx({"n0": slow**-DAMPING, "n1": fast**-DAMPING})
+    assert second == pytest.approx({"n0": first["n0"] * fast ** (-DAMPING * REVERSAL),
+                                    "n1": first["n1"] * slow ** (-DAMPING * REVERSAL)})  # fmt: skip
+    assert first["n0"] < second["n0"] < 1.0 < second["n1"] < first["n1"]  # back toward even, not past it
+    assert third == pytest.approx({"n0": second["n0"] * fast**-DAMPING, "n1": second["n1"] * slow**-DAMPING})
+
+
 def test_a_held_plan_is_not_rebalanced_until_released() -> None:
     from seamline.mesh.control.balance import LOADED_WINDOWS, Balance
 
