@@ -82,16 +82,13 @@ async def _stream(http: Any, url: str, model: str, prompt: str, max_tokens: int)
 
 async def _events(response: Any) -> AsyncIterator[dict[str, Any]]:
     """The JSON of each ``data:`` line of a server-sent event stream, up to ``[DONE]``."""
-    pending = b""
-    async for data in response.aiter_bytes():
-        *lines, pending = (pending + data).split(b"\n")
-        for line in lines:
-            if not line.startswith(b"data:"):
-                continue  # blank separators, comments, event names
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                return
-            yield json.loads(payload)
+    async for line in response.aiter_lines():
+        if not line.startswith("data:"):
+            continue  # blank separators, comments, event names
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            return
+        yield json.loads(payload)
 
 
 async def run_wave(url: str, model: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:

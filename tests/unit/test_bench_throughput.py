@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from seamline.app import default_model_path
@@ -102,13 +104,13 @@ def test_a_wave_of_streaming_clients_through_the_api(tmp_path: Path) -> None:
     assert f"precision fast (bfloat16 activations{blocks})" in said, said[-2000:]
 
 
-class _Chunks:
-    """A response whose body arrives in the given pieces (a network splits events anywhere)."""
+class _Pieces(httpx.AsyncByteStream):
+    """A response body that arrives in the given pieces (a network splits events anywhere)."""
 
     def __init__(self, pieces: list[bytes]) -> None:
         self.pieces = pieces
 
-    async def aiter_bytes(self) -> Any:
+    async def __aiter__(self) -> AsyncIterator[bytes]:
         for piece in self.pieces:
             yield piece
 
@@ -121,7 +123,7 @@ def test_the_load_generator_reads_events_split_anywhere() -> None:
     pieces = [body[i : i + 7] for i in range(0, len(body), 7)]
 
     async def read() -> list[dict[str, Any]]:
-        return [event async for event in _events(_Chunks(pieces))]
+        return [event async for event in _events(httpx.Response(200, stream=_Pieces(pieces)))]
 
     assert asyncio.run(read()) == events
 
