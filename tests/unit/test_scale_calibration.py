@@ -100,6 +100,7 @@ def test_the_front_goes_to_the_stage_whose_node_shares_the_load_generators_core(
     try:
         for core, proc in enumerate(procs[1:]):
             psutil.Process(proc.pid).cpu_affinity([core])
+            _wait_for_args(proc.pid, f"m{core}")  # a process just started can read its parent's args
         server = Server("m", "http://127.0.0.1:1/v1", "default", [], procs, client_cores="0")
         assert node_beside_front(server, ["m1", "m0"]) == "m0"
         assert node_beside_front(server, ["m0+m1"]) == "m0+m1"  # a lockstep group: its leader's core
@@ -124,3 +125,11 @@ def test_a_calibration_prices_the_front_on_its_stage() -> None:
     on_last = predict(Calibration((first, last), links, front, HIDDEN, front_node="b"), 1, 16, (32,))
     assert on_last["itl_ms"] < on_first["itl_ms"]
     assert on_last["busy"][1] > on_first["busy"][1] and on_last["busy"][0] < on_first["busy"][0]
+
+
+def _wait_for_args(pid: int, node_id: str, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while node_id not in psutil.Process(pid).cmdline() and time.monotonic() < deadline:
+        time.sleep(0.01)
