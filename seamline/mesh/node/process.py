@@ -28,6 +28,7 @@ import psutil
 import torch
 
 from seamline.errors import OverloadedError, RequestError
+from seamline.allocator import allocator_in_use
 from seamline.mesh.arenas import tame_malloc, trim_now
 from seamline.mesh.protocol.claims import block_sums, probe_matrix
 from seamline.mesh.protocol.fragment_server import PeerGate
@@ -447,6 +448,7 @@ def run_node(token: str, options: NodeOptions) -> int:
     invite = Invite.decode(token)
     node = Node(invite, options)
     node.join()
+    log.info("memory allocator: %s", allocator_in_use())  # once joined: a failed join's error stays its one line
     node.serve()
     return 0
 
