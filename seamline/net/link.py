@@ -381,6 +381,22 @@ _HANDED_OUT: set[tuple[str, int]] = set()  # ports this process took: a caller m
 _HANDED_OUT_LOCK = threading.Lock()
 
 
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound (not listening) to a port of ``free_port``'s, with SO_REUSEADDR: held for
+    a port this process listens on now and then (a lockstep rank's, while its group forms).
+    While it is held no other process's ``free_port`` hands the port out, and ``listen`` here
+    binds it again beside the reservation (both reuse it, neither listens)."""
+    for _ in range(20):  # another process may take the port between the probe and this bind
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, free_port(host)))
+            return sock
+        except OSError:
+            sock.close()
+    raise OSError(f"could not reserve a port on {host}")
+
+
 def free_port(host: str = "127.0.0.1", low: int = 20000, high: int = 30000) -> int:
     """A port that is free now, outside the ephemeral range (where a dial can self-connect),
     and never one this process handed out before (a group's ports, taken together, are distinct)."""

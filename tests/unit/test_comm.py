@@ -6,6 +6,8 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from seamline.net.link import free_port
+from seamline.net.link import free_port, listen, reserve_port
 from seamline.parallel import CommError, DesyncError, GateTag, SingleComm, make_comm
 from seamline.parallel.tcp_comm import (
     GATE,
@@ -308,3 +310,19 @@ def test_free_ports_taken_together_are_distinct() -> None:
     # port): picked at random without that memory, 32 draws from 64 would almost surely repeat one
     ports = [free_port(low=16000, high=16064) for _ in range(32)]
     assert len(set(ports)) == 32 and all(16000 <= port < 16064 for port in ports)
+
+
+def test_a_reserved_port_is_free_to_no_other_process_and_listened_on_again_and_again() -> None:
+    # a node draws its comm port at join and listens on it only while a group forms: another
+    # process that drew the same port and kept it (a fragment server) would refuse every group
+    with reserve_port() as reserved:
+        port = reserved.getsockname()[1]
+        draw = f"from seamline.net.link import free_port; free_port(low={port}, high={port + 1})"
+        other = subprocess.run([sys.executable, "-c", draw], capture_output=True, text=True, timeout=60)
+        assert other.returncode != 0 and f"no free port in {port}-{port + 1}" in other.stderr, other.stderr
+        for _ in range(2):  # a group formed, and formed again
+            with listen("127.0.0.1", port) as server, socket.create_connection(("127.0.0.1", port)) as dialed:
+                accepted, _ = server.accept()
+                dialed.sendall(b"hello")
+                assert accepted.recv(5) == b"hello"
+                accepted.close()

@@ -29,7 +29,7 @@ from seamline.mesh.protocol.invite import Invite, InviteError, coordinator_proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
 from seamline.mesh.node.credentials import Credentials
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError
-from seamline.net.link import Link, LinkClosed, free_port, listen
+from seamline.net.link import Link, LinkClosed, free_port, listen, reserve_port
 from seamline.net.messages import (
     PROTOCOL_VERSION, Attach, Attached, Challenge, DeviceResources, Holding, Join, Refuse, Rejoin, Renew, Resources,
     Welcome, node_id_refusal,
@@ -215,7 +215,11 @@ class Membership:
             self.credentials = Credentials(self.options.node_id, challenge.ca_certificate)
         data_host = control.sock.getsockname()[0]
         self.data_server = listen(data_host, self.options.data_port)
-        self.comm_port = free_port(data_host)
+        if self.comm_reservation is not None:  # joining again: the port is drawn anew
+            self.comm_reservation.close()
+        # held for the node's life: no other process may take the port its lockstep peers dial
+        self.comm_reservation = reserve_port(data_host)
+        self.comm_port = self.comm_reservation.getsockname()[1]
         fragments_port = free_port(data_host) if self.credentials else 0
         nonce = secrets.token_hex(16)
         join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce), nonce=nonce,

@@ -94,6 +94,7 @@ class Node(Membership, DataPath):
         self._peers_lock = threading.Lock()
         self.bytes_downloaded = 0
         self.comm_port = 0  # lockstep peers reach this node here
+        self.comm_reservation: socket.socket | None = None  # holds comm_port (net.link.reserve_port)
         self.group_stage: LockstepStage | None = None  # this node leads a lockstep group
         self.credentials: Credentials | None = None  # None: a plaintext mesh
         self.joined_as: Join | None = None  # the join this node made (it rejoins with it)
