@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from seamline.allocator import LIBRARIES, OPT_OUT, installed_allocator, preload_env
+from seamline.allocator import JEMALLOC_CONF, LIBRARIES, OPT_OUT, installed_allocator, preload_env
 
 # a program that restarts itself as serve and join do, then says which allocator it runs
 RESTARTS = ("from seamline.allocator import restart_with_allocator, allocator_in_use\n"
@@ -17,8 +17,15 @@ RESTARTS = ("from seamline.allocator import restart_with_allocator, allocator_in
 
 
 def test_preload_env_puts_the_library_first_and_keeps_what_was_preloaded() -> None:
-    assert preload_env({"PATH": "/bin"}, "libjemalloc.so.2") == {"PATH": "/bin", "LD_PRELOAD": "libjemalloc.so.2"}
-    assert preload_env({"LD_PRELOAD": "libfoo.so"}, "libjemalloc.so.2") == {"LD_PRELOAD": "libjemalloc.so.2:libfoo.so"}
+    tcmalloc = "libtcmalloc_minimal.so.4"
+    assert preload_env({"PATH": "/bin"}, tcmalloc) == {"PATH": "/bin", "LD_PRELOAD": tcmalloc}
+    assert preload_env({"LD_PRELOAD": "libfoo.so"}, tcmalloc) == {"LD_PRELOAD": f"{tcmalloc}:libfoo.so"}
+
+
+def test_preload_env_runs_jemalloc_without_its_decay_unless_the_user_configured_it() -> None:
+    assert preload_env({}, "libjemalloc.so.2") == {"LD_PRELOAD": "libjemalloc.so.2", "MALLOC_CONF": JEMALLOC_CONF}
+    mine = {"MALLOC_CONF": "narenas:2"}
+    assert preload_env(mine, "libjemalloc.so.2") == {**mine, "LD_PRELOAD": "libjemalloc.so.2"}
 
 
 def test_preload_env_changes_nothing_without_a_library_by_choice_or_when_one_is_preloaded() -> None:
@@ -81,3 +88,77 @@ def test_trim_now_hands_freed_memory_back_whichever_allocator_runs() -> None:
         seen.add(kind)
         assert int(held) - int(trimmed) >= 200, (library, out.stdout)  # of the 256 MiB freed
     assert {"glibc", "jemalloc"} <= seen, seen
+
+
+# a program that takes and frees a 16 MiB block 20 times and prints the page faults of each
+# time after the first, and the block's pages
+REUSES = """
+import ctypes, resource
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+def once():
+    block = libc.malloc(16 << 20)
+    ctypes.memset(block, 1, 16 << 20)
+    libc.free(block)
+once()
+before = faults()
+for _ in range(20):
+    once()
+print((faults() - before) // 20, (16 << 20) // resource.getpagesize())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc: Linux only")
+def test_a_large_block_freed_is_reused_not_faulted_in_again_under_the_preloaded_allocator() -> None:
+    # with jemalloc's default decay each 16 MiB block came back from the system, every page faulted in
+    env = preload_env(_plain_env(), installed_allocator())
+    assert env is not None
+    out = subprocess.run([sys.executable, "-c", REUSES], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    faults, pages = map(int, out.stdout.split())
+    assert faults < pages // 20, (env["LD_PRELOAD"], faults, pages)
+
+
+# under jemalloc: 256 MiB freed, then the periodic trim called three times (256 large blocks
+# taken and freed before the second); prints the resident MiB before the trims and after each
+IDLE = """
+import ctypes, psutil
+from seamline.mesh.arenas import _purge_when_idle
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+rss = lambda: psutil.Process().memory_info().rss >> 20
+blocks = [libc.malloc(1 << 20) for _ in range(256)]
+for block in blocks:
+    ctypes.memset(block, 1, 1 << 20)
+for block in blocks:
+    libc.free(block)
+trim, seen = _purge_when_idle(libc), [rss()]
+trim()
+seen.append(rss())
+blocks = [libc.malloc(1 << 20) for _ in range(256)]
+for block in blocks:
+    ctypes.memset(block, 1, 1 << 20)
+for block in blocks:
+    libc.free(block)
+trim()
+seen.append(rss())
+trim()
+seen.append(rss())
+print(*seen)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc: Linux only")
+def test_jemalloc_hands_free_pages_back_once_next_to_no_large_block_was_taken_between_trims() -> None:
+    library = ctypes.util.find_library("jemalloc")
+    assert library, "install.sh --test installs Debian's libjemalloc2"
+    env = preload_env(_plain_env(), library)
+    assert env is not None
+    out = subprocess.run([sys.executable, "-c", IDLE], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    freed, first, busy, idle = map(int, out.stdout.split())
+    assert first >= freed - 16 and busy >= freed - 16, out.stdout  # the first trim, and 256 blocks since: kept
+    assert idle <= freed - 200, out.stdout  # next to none since: the 256 MiB handed back
