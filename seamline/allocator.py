@@ -10,9 +10,11 @@ jemalloc and tcmalloc reuse same-sized blocks, and the same waves left the group
 they were. PyTorch's own CPU launcher (``torch.backends.xeon.run_cpu``) preloads them for the
 same reason.
 
-``serve`` and ``join`` start again at once with the library in ``LD_PRELOAD`` (their children,
-lockstep ranks among them, inherit it); ``SEAMLINE_MALLOC=system`` keeps glibc's. Where neither
-library is installed nothing changes (install.sh installs jemalloc where it may use apt).
+With ``SEAMLINE_MALLOC=jemalloc``, ``serve`` and ``join`` start again at once with the library in
+``LD_PRELOAD`` (their children, lockstep ranks among them, inherit it). Not by default: jemalloc
+keeps the pages a request freed until the node idles (below), and a node's memory right after a
+request exceeded what a stage may hold beyond its weights on a test mesh. Where neither library
+is installed nothing changes (install.sh installs jemalloc where it may use apt).
 
 jemalloc runs without its decay (``JEMALLOC_CONF``, unless the user set ``MALLOC_CONF``): with
 any decay time it handed blocks of 16 MB and more back to the system as soon as they were
@@ -29,7 +31,7 @@ import sys
 from collections.abc import Mapping
 
 LIBRARIES = ("jemalloc", "tcmalloc_minimal", "tcmalloc")  # preferred first (ctypes.util.find_library names)
-OPT_OUT = "SEAMLINE_MALLOC"  # "system": keep glibc's malloc
+CHOICE = "SEAMLINE_MALLOC"  # "jemalloc": preload it (else tcmalloc); unset or "system": glibc's malloc
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"  # freed pages stay for reuse (see above)
 
 
@@ -43,10 +45,10 @@ def installed_allocator() -> str | None:
 
 
 def wants_preload(env: Mapping[str, str]) -> bool:
-    """Whether a process with ``env`` should start again with an allocator preloaded: not where
-    the user chose glibc's, nor where one of ``LIBRARIES`` is preloaded already."""
+    """Whether a process with ``env`` should start again with an allocator preloaded: where the
+    user chose it (``SEAMLINE_MALLOC=jemalloc``) and none of ``LIBRARIES`` is preloaded yet."""
     preloaded = env.get("LD_PRELOAD", "")
-    return env.get(OPT_OUT, "").lower() != "system" and not any(f"lib{name}." in preloaded for name in LIBRARIES)
+    return env.get(CHOICE, "").lower() == "jemalloc" and not any(f"lib{name}." in preloaded for name in LIBRARIES)
 
 
 def preload_env(env: Mapping[str, str], library: str | None) -> dict[str, str] | None:

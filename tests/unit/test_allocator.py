@@ -9,7 +9,13 @@ import sys
 
 import pytest
 
-from seamline.allocator import JEMALLOC_CONF, LIBRARIES, OPT_OUT, installed_allocator, preload_env
+from seamline.allocator import (
+    CHOICE,
+    JEMALLOC_CONF,
+    LIBRARIES,
+    installed_allocator,
+    preload_env,
+)
 
 # a program that restarts itself as serve and join do, then says which allocator it runs
 RESTARTS = ("from seamline.allocator import restart_with_allocator, allocator_in_use\n"
@@ -18,22 +24,28 @@ RESTARTS = ("from seamline.allocator import restart_with_allocator, allocator_in
 
 def test_preload_env_puts_the_library_first_and_keeps_what_was_preloaded() -> None:
     tcmalloc = "libtcmalloc_minimal.so.4"
-    assert preload_env({"PATH": "/bin"}, tcmalloc) == {"PATH": "/bin", "LD_PRELOAD": tcmalloc}
-    assert preload_env({"LD_PRELOAD": "libfoo.so"}, tcmalloc) == {"LD_PRELOAD": f"{tcmalloc}:libfoo.so"}
+    chosen = {CHOICE: "jemalloc"}
+    assert preload_env(chosen | {"PATH": "/bin"}, tcmalloc) == chosen | {"PATH": "/bin", "LD_PRELOAD": tcmalloc}
+    first = preload_env(chosen | {"LD_PRELOAD": "libfoo.so"}, tcmalloc)
+    assert first == chosen | {"LD_PRELOAD": f"{tcmalloc}:libfoo.so"}
 
 
 def test_preload_env_runs_jemalloc_without_its_decay_unless_the_user_configured_it() -> None:
-    assert preload_env({}, "libjemalloc.so.2") == {"LD_PRELOAD": "libjemalloc.so.2", "MALLOC_CONF": JEMALLOC_CONF}
-    mine = {"MALLOC_CONF": "narenas:2"}
+    chosen = {CHOICE: "jemalloc"}
+    expected = chosen | {"LD_PRELOAD": "libjemalloc.so.2", "MALLOC_CONF": JEMALLOC_CONF}
+    assert preload_env(chosen, "libjemalloc.so.2") == expected
+    mine = chosen | {"MALLOC_CONF": "narenas:2"}
     assert preload_env(mine, "libjemalloc.so.2") == {**mine, "LD_PRELOAD": "libjemalloc.so.2"}
 
 
 def test_preload_env_changes_nothing_without_a_library_by_choice_or_when_one_is_preloaded() -> None:
-    assert preload_env({}, None) is None
-    assert preload_env({OPT_OUT: "system"}, "libjemalloc.so.2") is None
-    assert preload_env({OPT_OUT: "System"}, "libjemalloc.so.2") is None
-    assert preload_env({"LD_PRELOAD": "/usr/lib/libtcmalloc_minimal.so.4"}, "libjemalloc.so.2") is None
-    assert preload_env({"LD_PRELOAD": "libjemalloc.so.2"}, "libjemalloc.so.2") is None
+    assert preload_env({}, "libjemalloc.so.2") is None  # glibc's unless chosen
+    assert preload_env({CHOICE: "jemalloc"}, None) is None
+    assert preload_env({CHOICE: "system"}, "libjemalloc.so.2") is None
+    assert preload_env({CHOICE: "JEMALLOC"}, "libjemalloc.so.2") is not None
+    tcmalloc = "/usr/lib/libtcmalloc_minimal.so.4"
+    assert preload_env({CHOICE: "jemalloc", "LD_PRELOAD": tcmalloc}, "libjemalloc.so.2") is None
+    assert preload_env({CHOICE: "jemalloc", "LD_PRELOAD": "libjemalloc.so.2"}, "libjemalloc.so.2") is None
 
 
 def _run(env: dict[str, str]) -> str:
@@ -43,7 +55,7 @@ def _run(env: dict[str, str]) -> str:
 
 
 def _plain_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", OPT_OUT)}
+    return {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", CHOICE)}
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc: Linux only")
@@ -51,8 +63,8 @@ def test_a_restarted_process_runs_the_installed_allocator_or_glibc_where_told() 
     library = installed_allocator()
     assert library, "install.sh --test installs Debian's libjemalloc2 (neither jemalloc nor tcmalloc is here)"
     name = library.removeprefix("lib").split(".so")[0]
-    assert _run(_plain_env()) == name  # the process started again, with the library mapped
-    assert _run(_plain_env() | {OPT_OUT: "system"}) == "glibc"
+    assert _run(_plain_env() | {CHOICE: "jemalloc"}) == name  # the process started again, with the library mapped
+    assert _run(_plain_env()) == "glibc"
 
 
 # a program that fills 256 blocks of 1 MiB through malloc, frees them, calls trim_now and
@@ -113,7 +125,7 @@ print((faults() - before) // 20, (16 << 20) // resource.getpagesize())
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc: Linux only")
 def test_a_large_block_freed_is_reused_not_faulted_in_again_under_the_preloaded_allocator() -> None:
     # with jemalloc's default decay each 16 MiB block came back from the system, every page faulted in
-    env = preload_env(_plain_env(), installed_allocator())
+    env = preload_env(_plain_env() | {CHOICE: "jemalloc"}, installed_allocator())
     assert env is not None
     out = subprocess.run([sys.executable, "-c", REUSES], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -155,7 +167,7 @@ print(*seen)
 def test_jemalloc_hands_free_pages_back_once_next_to_no_large_block_was_taken_between_trims() -> None:
     library = ctypes.util.find_library("jemalloc")
     assert library, "install.sh --test installs Debian's libjemalloc2"
-    env = preload_env(_plain_env(), library)
+    env = preload_env(_plain_env() | {CHOICE: "jemalloc"}, library)
     assert env is not None
     out = subprocess.run([sys.executable, "-c", IDLE], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
