@@ -67,21 +67,30 @@ def test_a_restarted_process_runs_the_installed_allocator_or_glibc_where_told() 
     assert _run(_plain_env()) == "glibc"
 
 
-# a program that fills 256 blocks of 1 MiB through malloc, frees them, calls trim_now and
-# prints its resident MiB with the blocks held, freed, and trimmed
-FREES = """
+# what the programs below share: malloc and free through ctypes, 256 blocks of 1 MiB filled
+# (``fill``) and freed (``release``), the resident MiB (``rss``)
+HEAP = """
 import ctypes, psutil
-from seamline.mesh.arenas import _heap, trim_now
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 rss = lambda: psutil.Process().memory_info().rss >> 20
-blocks = [libc.malloc(1 << 20) for _ in range(256)]
-for block in blocks:
-    ctypes.memset(block, 1, 1 << 20)
+def fill():
+    blocks = [libc.malloc(1 << 20) for _ in range(256)]
+    for block in blocks:
+        ctypes.memset(block, 1, 1 << 20)
+    return blocks
+def release(blocks):
+    for block in blocks:
+        libc.free(block)
+"""
+# a program that fills 256 blocks of 1 MiB through malloc, frees them, calls trim_now and
+# prints its resident MiB with the blocks held, freed, and trimmed
+FREES = HEAP + """
+from seamline.mesh.arenas import _heap, trim_now
+blocks = fill()
 held = rss()
-for block in blocks:
-    libc.free(block)
+release(blocks)
 freed = rss()
 trim_now()
 print(_heap()[0], held, freed, rss())
@@ -135,26 +144,13 @@ def test_a_large_block_freed_is_reused_not_faulted_in_again_under_the_preloaded_
 
 # under jemalloc: 256 MiB freed, then the periodic trim called three times (256 large blocks
 # taken and freed before the second); prints the resident MiB before the trims and after each
-IDLE = """
-import ctypes, psutil
+IDLE = HEAP + """
 from seamline.mesh.arenas import _purge_when_idle
-libc = ctypes.CDLL(None)
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-rss = lambda: psutil.Process().memory_info().rss >> 20
-blocks = [libc.malloc(1 << 20) for _ in range(256)]
-for block in blocks:
-    ctypes.memset(block, 1, 1 << 20)
-for block in blocks:
-    libc.free(block)
+release(fill())
 trim, seen = _purge_when_idle(libc), [rss()]
 trim()
 seen.append(rss())
-blocks = [libc.malloc(1 << 20) for _ in range(256)]
-for block in blocks:
-    ctypes.memset(block, 1, 1 << 20)
-for block in blocks:
-    libc.free(block)
+release(fill())
 trim()
 seen.append(rss())
 trim()
