@@ -368,9 +368,13 @@ def _accept_forever(server: socket.socket, name: str, start: Callable[[socket.so
 
 def listen(host: str, port: int) -> socket.socket:
     server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    server.bind((host, port))
-    server.listen(64)
+    try:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((host, port))
+        server.listen(64)
+    except OSError:
+        server.close()
+        raise
     return server
 
 
@@ -386,15 +390,33 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     a port this process listens on now and then (a lockstep rank's, while its group forms).
     While it is held no other process's ``free_port`` hands the port out, and ``listen`` here
     binds it again beside the reservation (both reuse it, neither listens)."""
-    for _ in range(20):  # another process may take the port between the probe and this bind
+
+    def bind(port: int) -> socket.socket:
         sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, free_port(host)))
-            return sock
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
         except OSError:
             sock.close()
-    raise OSError(f"could not reserve a port on {host}")
+            raise
+        return sock
+
+    return _on_free_port(host, bind)
+
+
+def listen_on_free_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket listening on a port of ``free_port``'s: for a port announced before it is served
+    (a fragment server's, in a node's join), which no other process may draw meanwhile."""
+    return _on_free_port(host, lambda port: listen(host, port))
+
+
+def _on_free_port(host: str, bind: Callable[[int], socket.socket]) -> socket.socket:
+    for _ in range(20):  # another process may take the port between the probe and this bind
+        try:
+            return bind(free_port(host))
+        except OSError:
+            continue
+    raise OSError(f"could not bind a free port on {host}")
 
 
 def free_port(host: str = "127.0.0.1", low: int = 20000, high: int = 30000) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from seamline.net.link import free_port, listen, reserve_port
+from seamline.net.link import free_port, listen, listen_on_free_port, reserve_port
 from seamline.parallel import CommError, DesyncError, GateTag, SingleComm, make_comm
 from seamline.parallel.tcp_comm import (
     GATE,
@@ -326,3 +326,19 @@ def test_a_reserved_port_is_free_to_no_other_process_and_listened_on_again_and_a
                 dialed.sendall(b"hello")
                 assert accepted.recv(5) == b"hello"
                 accepted.close()
+
+
+def test_a_port_announced_before_it_is_served_is_listened_on_from_the_start() -> None:
+    # a node names its fragment server's port in its join and serves it after the welcome: drawn
+    # and left unbound meanwhile, another process could take it and members could not fetch
+    with listen_on_free_port() as listener:
+        port = listener.getsockname()[1]
+        assert 20000 <= port < 30000  # free_port's range: outside the ephemeral ports
+        draw = f"from seamline.net.link import free_port; free_port(low={port}, high={port + 1})"
+        other = subprocess.run([sys.executable, "-c", draw], capture_output=True, text=True, timeout=60)
+        assert other.returncode != 0 and f"no free port in {port}-{port + 1}" in other.stderr, other.stderr
+        with socket.create_connection(("127.0.0.1", port)) as dialed:  # queued until the server accepts
+            accepted, _ = listener.accept()
+            dialed.sendall(b"fetch")
+            assert accepted.recv(5) == b"fetch"
+            accepted.close()

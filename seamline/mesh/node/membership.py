@@ -15,6 +15,7 @@ import hmac
 import logging
 import os
 import secrets
+import socket
 import ssl
 import time
 from pathlib import Path
@@ -29,7 +30,7 @@ from seamline.mesh.protocol.invite import Invite, InviteError, coordinator_proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
 from seamline.mesh.node.credentials import Credentials
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError
-from seamline.net.link import Link, LinkClosed, free_port, listen, reserve_port
+from seamline.net.link import Link, LinkClosed, listen, listen_on_free_port, reserve_port
 from seamline.net.messages import (
     PROTOCOL_VERSION, Attach, Attached, Challenge, DeviceResources, Holding, Join, Refuse, Rejoin, Renew, Resources,
     Welcome, node_id_refusal,
@@ -220,7 +221,9 @@ class Membership:
         # held for the node's life: no other process may take the port its lockstep peers dial
         self.comm_reservation = reserve_port(data_host)
         self.comm_port = self.comm_reservation.getsockname()[1]
-        fragments_port = free_port(data_host) if self.credentials else 0
+        # listening before the coordinator hears of it: no other process can draw the port meanwhile
+        fragments = listen_on_free_port(data_host) if self.credentials else None
+        fragments_port = fragments.getsockname()[1] if fragments is not None else 0
         nonce = secrets.token_hex(16)
         join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce), nonce=nonce,
                     invite_id=self.invite.id,
@@ -228,8 +231,21 @@ class Membership:
                     data_host=data_host, data_port=self.data_server.getsockname()[1],
                     max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port,
                     fragments_port=fragments_port, csr=self.credentials.signing_request() if self.credentials else "")  # fmt: skip
-        control.send_message(join)
-        self.joined_as = join
+        try:
+            control.send_message(join)
+            self.joined_as = join
+            self._welcomed(control, nonce)
+        except BaseException:
+            if fragments is not None:
+                fragments.close()
+            raise
+        if self.credentials is not None and fragments is not None:
+            self._serve_fragments(fragments)
+        log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
+
+    def _welcomed(self: Node, control: Link, nonce: str) -> None:
+        """Take the coordinator's answer to this node's join: its welcome, proved and with this
+        node's certificate where the mesh has TLS; else raise ``InviteError``."""
         answer = control.recv()
         if isinstance(answer, Refuse):
             raise InviteError(f"coordinator refused this node: {answer.reason}")
@@ -239,10 +255,8 @@ class Membership:
             raise InviteError("the coordinator did not prove it holds this invite: not the mesh the token names")
         if self.credentials is not None:
             self.credentials.accept(answer.certificate)
-            self._serve_fragments(data_host, fragments_port)
-        log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
 
-    def _serve_fragments(self: Node, host: str, port: int) -> None:
+    def _serve_fragments(self: Node, listener: socket.socket) -> None:
         """Serve the fragments this node holds (its stage folder, and its cache) to members: mutual TLS under
         its certificate is the only key, so a peer that is no member is refused at the handshake,
         and a removed one (``Revoked``) by the gate. (A renewed certificate is not taken up here:
@@ -251,8 +265,9 @@ class Membership:
         folder = self.options.cache_dir / "stages" / self.options.node_id
         # a private mesh's ends serve no member: their folders hold the embedding and the head
         self.fragment_gate = PeerGate(lambda peer: peer in self.revoked or self.tail is not None)
+        host, port = listener.getsockname()[:2]
         serve_fragments(folder, lambda _token: True, host, port, self.credentials.identity.server_context(),
-                        self.fragment_gate, held=self.options.cache_dir / "fragments")  # fmt: skip
+                        self.fragment_gate, held=self.options.cache_dir / "fragments", listener=listener)  # fmt: skip
 
     def _holding(self: Node) -> Holding | None:
         """The stage this node has loaded, which a restarted coordinator may keep (a lockstep

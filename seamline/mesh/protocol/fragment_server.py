@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import socket
 import ssl
 import threading
 from collections.abc import Callable
@@ -167,17 +168,20 @@ def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_tok
 
 def serve_fragments(package_dir: Path, check_token: TokenCheck, host: str, port: int,
                     context: ssl.SSLContext, gate: PeerGate | None = None,
-                    may_fetch: FragmentCheck | None = None, held: Path | None = None) -> uvicorn.Server:  # fmt: skip
+                    may_fetch: FragmentCheck | None = None, held: Path | None = None,
+                    listener: socket.socket | None = None) -> uvicorn.Server:  # fmt: skip
     """The fragment routes on their own HTTPS port, under ``context``: a mesh's, which takes only
     clients presenting a member's certificate from the mesh CA (mutual TLS 1.3), and of those
-    only the members ``gate`` takes."""
+    only the members ``gate`` takes. ``listener``: a socket already listening on ``host:port``,
+    served instead of binding the port anew."""
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     fragment_routes(app, package_dir, check_token, may_fetch, held)
     gate = gate or PeerGate(lambda _node: False)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", **bounded(gate.protocol()),
                             ssl_context_factory=lambda _config, _default: context)  # fmt: skip
     server = uvicorn.Server(config)
-    threading.Thread(target=server.run, name="seamline-fragments", daemon=True).start()
+    sockets = {"sockets": [listener]} if listener is not None else {}
+    threading.Thread(target=server.run, kwargs=sockets, name="seamline-fragments", daemon=True).start()
     return server
 
 
