@@ -10,11 +10,12 @@ jemalloc and tcmalloc reuse same-sized blocks, and the same waves left the group
 they were. PyTorch's own CPU launcher (``torch.backends.xeon.run_cpu``) preloads them for the
 same reason.
 
-With ``SEAMLINE_MALLOC=jemalloc``, ``serve`` and ``join`` start again at once with the library in
-``LD_PRELOAD`` (their children, lockstep ranks among them, inherit it). Not by default: jemalloc
+With ``SEAMLINE_MALLOC=jemalloc`` (or ``tcmalloc``), ``serve`` and ``join`` start again at once with
+that library in ``LD_PRELOAD`` (their children, lockstep ranks among them, inherit it); a library
+that is not installed is said, and glibc's malloc kept. Not by default (``system``): jemalloc
 keeps the pages a request freed until the node idles (below), and a node's memory right after a
-request exceeded what a stage may hold beyond its weights on a test mesh. Where neither library
-is installed nothing changes (install.sh installs jemalloc where it may use apt).
+request exceeded what a stage may hold beyond its weights on a test mesh. install.sh installs
+jemalloc where it may use apt.
 
 jemalloc runs without its decay (``JEMALLOC_CONF``, unless the user set ``MALLOC_CONF``): with
 any decay time it handed blocks of 16 MB and more back to the system as soon as they were
@@ -30,14 +31,26 @@ import os
 import sys
 from collections.abc import Mapping
 
-LIBRARIES = ("jemalloc", "tcmalloc_minimal", "tcmalloc")  # preferred first (ctypes.util.find_library names)
-CHOICE = "SEAMLINE_MALLOC"  # "jemalloc": preload it (else tcmalloc); unset or "system": glibc's malloc
+from seamline.errors import ConfigError
+
+LIBRARIES = ("jemalloc", "tcmalloc_minimal", "tcmalloc")  # ctypes.util.find_library names
+CHOICE = "SEAMLINE_MALLOC"
+CHOICES = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "system": ()}  # value -> libraries
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"  # freed pages stay for reuse (see above)
 
 
-def installed_allocator() -> str | None:
-    """The file name of the first of ``LIBRARIES`` the dynamic linker can find (None: none)."""
-    for name in LIBRARIES:
+def chosen_libraries(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The libraries ``SEAMLINE_MALLOC`` in ``env`` asks for (none: unset or "system", glibc's
+    malloc); a value not in ``CHOICES`` is a ``ConfigError`` that names them."""
+    value = env.get(CHOICE, "").strip().lower() or "system"
+    if value not in CHOICES:
+        raise ConfigError(f"{CHOICE}={env[CHOICE]!r}: choose one of {', '.join(CHOICES)}")
+    return CHOICES[value]
+
+
+def installed_allocator(names: tuple[str, ...] = LIBRARIES) -> str | None:
+    """The file name of the first of ``names`` the dynamic linker can find (None: none)."""
+    for name in names:
         found = ctypes.util.find_library(name)
         if found:
             return found
@@ -46,9 +59,9 @@ def installed_allocator() -> str | None:
 
 def wants_preload(env: Mapping[str, str]) -> bool:
     """Whether a process with ``env`` should start again with an allocator preloaded: where the
-    user chose it (``SEAMLINE_MALLOC=jemalloc``) and none of ``LIBRARIES`` is preloaded yet."""
+    user chose one (``SEAMLINE_MALLOC``) and none of ``LIBRARIES`` is preloaded yet."""
     preloaded = env.get("LD_PRELOAD", "")
-    return env.get(CHOICE, "").lower() == "jemalloc" and not any(f"lib{name}." in preloaded for name in LIBRARIES)
+    return bool(chosen_libraries(env)) and not any(f"lib{name}." in preloaded for name in LIBRARIES)
 
 
 def preload_env(env: Mapping[str, str], library: str | None) -> dict[str, str] | None:
@@ -62,11 +75,17 @@ def preload_env(env: Mapping[str, str], library: str | None) -> dict[str, str] |
 
 
 def restart_with_allocator() -> None:
-    """Run this very command again with a size-class allocator preloaded, where one is installed
-    and not yet in use (on Linux); else return. Call it first thing, before any thread starts."""
+    """Run this very command again with the allocator ``SEAMLINE_MALLOC`` chose preloaded, where
+    it is installed and not yet in use (on Linux); else return. Call it first thing, before any
+    thread starts."""
     if not sys.platform.startswith("linux") or not wants_preload(os.environ):
         return  # before looking for the library: a restarted process does not look again
-    env = preload_env(os.environ, installed_allocator())
+    library = installed_allocator(chosen_libraries(os.environ))
+    if library is None:
+        print(f"seamline: {CHOICE}={os.environ[CHOICE]}: not installed, running on glibc's malloc",
+              file=sys.stderr)  # fmt: skip
+        return
+    env = preload_env(os.environ, library)
     if env is not None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 

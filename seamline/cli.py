@@ -486,12 +486,12 @@ def _logging(quiet: bool, fmt: str = "text") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if argv is None and args.command in ("serve", "join"):  # a program's start, not a call in a test
-        from seamline.allocator import restart_with_allocator
-
-        restart_with_allocator()  # returns where it need not (or cannot) preload one
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
+        if argv is None and args.command in ("serve", "join"):  # a program's start, not a call in a test
+            from seamline.allocator import restart_with_allocator
+
+            restart_with_allocator()  # returns where it need not (or cannot) preload one
         return handler(args)
     except SeamlineError as exc:
         print(f"seamline: error: {exc}", file=sys.stderr)

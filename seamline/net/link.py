@@ -367,15 +367,25 @@ def _accept_forever(server: socket.socket, name: str, start: Callable[[socket.so
 
 
 def listen(host: str, port: int) -> socket.socket:
-    server = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    server = _bound(host, port)
     try:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind((host, port))
         server.listen(64)
     except OSError:
         server.close()
         raise
     return server
+
+
+def _bound(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` with SO_REUSEADDR (closed again if the bind fails)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 __all__ = ["Link", "LinkClosed", "FrameError", "listen", "Incoming", "HANDSHAKE_LIMITS"]
@@ -390,18 +400,7 @@ def reserve_port(host: str = "127.0.0.1") -> socket.socket:
     a port this process listens on now and then (a lockstep rank's, while its group forms).
     While it is held no other process's ``free_port`` hands the port out, and ``listen`` here
     binds it again beside the reservation (both reuse it, neither listens)."""
-
-    def bind(port: int) -> socket.socket:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((host, port))
-        except OSError:
-            sock.close()
-            raise
-        return sock
-
-    return _on_free_port(host, bind)
+    return _on_free_port(host, lambda port: _bound(host, port))
 
 
 def listen_on_free_port(host: str = "127.0.0.1") -> socket.socket:

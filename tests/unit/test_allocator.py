@@ -13,9 +13,11 @@ from seamline.allocator import (
     CHOICE,
     JEMALLOC_CONF,
     LIBRARIES,
+    chosen_libraries,
     installed_allocator,
     preload_env,
 )
+from seamline.errors import ConfigError
 
 # a program that restarts itself as serve and join do, then says which allocator it runs
 RESTARTS = ("from seamline.allocator import restart_with_allocator, allocator_in_use\n"
@@ -46,6 +48,22 @@ def test_preload_env_changes_nothing_without_a_library_by_choice_or_when_one_is_
     tcmalloc = "/usr/lib/libtcmalloc_minimal.so.4"
     assert preload_env({CHOICE: "jemalloc", "LD_PRELOAD": tcmalloc}, "libjemalloc.so.2") is None
     assert preload_env({CHOICE: "jemalloc", "LD_PRELOAD": "libjemalloc.so.2"}, "libjemalloc.so.2") is None
+
+
+def test_seamline_malloc_names_the_library_it_preloads_and_refuses_what_it_does_not_know() -> None:
+    assert chosen_libraries({}) == chosen_libraries({CHOICE: "system"}) == chosen_libraries({CHOICE: " "}) == ()
+    assert chosen_libraries({CHOICE: "JEMALLOC"}) == ("jemalloc",)  # never tcmalloc in its place
+    assert chosen_libraries({CHOICE: "tcmalloc"}) == ("tcmalloc_minimal", "tcmalloc")
+    with pytest.raises(ConfigError, match="SEAMLINE_MALLOC='mimalloc': choose one of jemalloc, tcmalloc, system"):
+        chosen_libraries({CHOICE: "mimalloc"})
+
+
+def test_serve_with_an_unknown_allocator_says_so_and_starts_nothing() -> None:
+    env = _plain_env() | {CHOICE: "mimalloc"}
+    out = subprocess.run([sys.executable, "-m", "seamline.cli", "serve", "--single"], env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 1
+    assert out.stderr.strip() == "seamline: error: SEAMLINE_MALLOC='mimalloc': choose one of jemalloc, tcmalloc, system"
 
 
 def _run(env: dict[str, str]) -> str:
