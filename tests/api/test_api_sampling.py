@@ -16,6 +16,13 @@ from seamline.app import LocalModel
 from tests.support.api import NAME, QUESTION
 
 TOKENS = 10
+# Another process's float32 logits (the embedded model's, ~35 in magnitude after 30 layers)
+# differ from this one's in their last bits with its thread count, the CPU's kernels and their
+# buffers' alignment. Measured, the prompt's row of a 2-stage mesh against this process: 0 on
+# the machine the tests were written on, 2.0e-4 on one CI machine; 1, 2 or 4 threads in one
+# process moved the logprobs by up to 2.2e-6 here. A logprob from the next position misses by
+# more than 1e-3 at 10 of the 11 positions of the mesh test's answer (and by 6e-4 at the other).
+ACROSS_PROCESSES = 1e-3
 
 
 def greedy_reference(model: LocalModel, prompt: list[int], tokens: int, frequency: float = 0.0,
@@ -127,8 +134,10 @@ def test_a_two_stage_mesh_draws_alike(model: LocalModel, tmp_path) -> None:  # t
     assert choice["message"]["content"] == model.codec.decode(penalised)
     log = "".join(mesh.output[-60:])  # what the coordinator did (a replay recomputes the prompt, say)
     for entry, token, logits in zip(choice["logprobs"]["content"], penalised, raw):
-        assert abs(entry["logprob"] - float(torch.log_softmax(logits, dim=-1)[token])) < 1e-4, log
+        assert abs(entry["logprob"] - float(torch.log_softmax(logits, dim=-1)[token])) < ACROSS_PROCESSES, log
         assert len(entry["top_logprobs"]) == 3
+        same = [top["logprob"] for top in entry["top_logprobs"] if top["token"] == entry["token"]]
+        assert not same or entry["logprob"] in same, entry  # the token's and the top's from one softmax
 
 
 def test_a_lockstep_group_gathers_whole_logits_for_logprobs_and_grammars(model: LocalModel) -> None:
@@ -155,5 +164,5 @@ def test_a_lockstep_group_gathers_whole_logits_for_logprobs_and_grammars(model: 
     assert [event.token for event in drawn] == tokens
     for event, logits in zip(drawn, raw):
         assert event.logprob is not None
-        assert abs(event.logprob - float(torch.log_softmax(logits, dim=-1)[event.token])) < 1e-3
+        assert abs(event.logprob - float(torch.log_softmax(logits, dim=-1)[event.token])) < ACROSS_PROCESSES
         assert len(event.top) == 2
