@@ -9,6 +9,7 @@ On CPU with the C++ kernels (``native.kernels()``), by the process's precision
   prefill): on a CPU with AMX-INT8, the 32-wide block types go through AMX tiles from
   ``AMX_FROM_ROWS`` rows up to ``AMX_BELOW_ROWS`` (``SEAMLINE_QUANT_AMX=0`` turns it off);
   otherwise, and from ``AMX_BELOW_ROWS`` rows on (a long prompt's chunks), above ``DECODE_ROWS``
+  (``K_DECODE_ROWS`` for K-quants)
   rows on dequantised bfloat16 tiles with torch's bf16 GEMM (oneDNN; AMX-BF16 where it runs).
 * exact (``--precision exact``): up to ``EXACT_BLOCK_ROWS`` rows (a decode or batched step),
   every weight is decoded in registers as gguf-py decodes it and multiplied in float32
@@ -33,10 +34,15 @@ import torch
 import torch.nn.functional as F
 
 from seamline.quant.dequant import dequantize
-from seamline.quant.native import kernels
-from seamline.quant.tensor import QuantTensor
+from seamline.quant.native import kernel_isa, kernels
+from seamline.quant.tensor import K_TYPES, QuantTensor
 
 DECODE_ROWS = 12  # up to this many rows the fused kernel beats dequantise + GEMM (measured, 2 threads)
+# K-quants' (256-wide super-blocks) bf16 tiles cost more to dequantise: up to this many rows
+# they stay on the fused kernel, by the kernels' build. Measured, one core, the 1B Q4_K_M's
+# matrices: AVX-512, tiles' time / fused kernel's 1.0-1.25 at 16 rows, 0.8-1.0 at 20; the AVX2
+# build with oneDNN, MKL and ATen held to AVX2 (on this AVX-512 CPU), 1.06-1.17 at 32 rows.
+K_DECODE_ROWS = {"avx512": 16, "avx2": 32}
 EXACT_BLOCK_ROWS = 64  # exact: up to this many rows on the blocks, beyond on float32 tiles
 # the torch path's tiles, in float32 bytes (its decoders' dtype): a tile's few float temporaries
 # land in glibc's heap once its mmap threshold has risen (to 29 MB as a load frees the embedded
@@ -56,6 +62,7 @@ _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 _OP: list[Callable[..., torch.Tensor] | None] = []  # the kernel op (or None), resolved on first use
 _EXACT: list[tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None] = []  # the exact (float32) ops: on the blocks, on tiles
+_K_ROWS: list[int] = []  # K_DECODE_ROWS of this CPU's build, resolved on first use
 INT8_ACTIVATIONS = False  # set by ``set_int8_activations`` (seamline.precision.apply)
 _AMX_FROM = 0 if os.environ.get(AMX_ENV) == "0" else AMX_FROM_ROWS  # the op checks the CPU itself
 
@@ -79,6 +86,15 @@ def _kernel_op() -> Callable[..., torch.Tensor] | None:
         ops = kernels()
         _OP.append(None if ops is None else ops.linear.default)
     return _OP[0]
+
+
+def _decode_rows(qtype: int) -> int:
+    """The most rows of a ``qtype`` weight's matmul on the fused int8 kernel."""
+    if qtype not in K_TYPES:
+        return DECODE_ROWS
+    if not _K_ROWS:
+        _K_ROWS.append(K_DECODE_ROWS.get(kernel_isa() or "", DECODE_ROWS))
+    return _K_ROWS[0]
 
 
 def _exact_ops() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
@@ -113,7 +129,7 @@ def quant_linear(
             op = _kernel_op()
             if op is not None:  # the op checks shapes, device and type itself (ValueError)
                 amx = _AMX_FROM if x.numel() < AMX_BELOW_ROWS * x.shape[-1] else 0
-                return op(x, w.data, w.qtype, w.shape[-1], bias, DECODE_ROWS, amx)
+                return op(x, w.data, w.qtype, w.shape[-1], bias, _decode_rows(w.qtype), amx)
         elif (x.dtype == torch.float32 or x.numel() <= EXACT_BLOCK_ROWS * x.shape[-1]) and \
                 (exact := _exact_ops()) is not None:  # fmt: skip
             rows = x.reshape(-1, x.shape[-1])

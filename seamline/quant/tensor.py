@@ -22,6 +22,7 @@ from seamline.quant.sizes import QUANT_TYPE_NAMES, row_bytes
 
 # kept quantized in memory; other GGUF types load as float
 QUANT_TYPES = frozenset(GGMLQuantizationType[name] for name in QUANT_TYPE_NAMES)
+K_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K"))  # 256-wide super-blocks
 # Byte offsets of each type's float16 scale fields within a block (d, and m / dmin).
 SCALE_OFFSETS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     GGMLQuantizationType[name]: offsets

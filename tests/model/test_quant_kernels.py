@@ -18,8 +18,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from seamline.quant import matmul, native
 from seamline.quant.bench_kernels import KERNEL_TYPES, random_weight
 from seamline.quant.dequant import dequantize, dequantize_rows
-from seamline.quant.matmul import AMX_BELOW_ROWS, DECODE_ROWS, quant_linear
-from seamline.quant.tensor import QuantTensor
+from seamline.quant.matmul import AMX_BELOW_ROWS, DECODE_ROWS, K_DECODE_ROWS, quant_linear
+from seamline.quant.tensor import K_TYPES, QuantTensor
 
 REL_NORM, REL_MAX = 0.015, 0.03
 
@@ -174,6 +174,25 @@ def test_int8_mode_takes_bfloat16_tiles_for_a_long_chunk(ops, monkeypatch) -> No
         assert torch.equal(quant_linear(x, w), amx if rows < AMX_BELOW_ROWS else tiles), rows
         if ops.amx_supported() and matmul._AMX_FROM:  # else both are the tiles
             assert not torch.equal(amx, tiles)
+        _assert_close(quant_linear(x, w), _reference(x, w), f"{rows} rows")
+
+
+@pytest.mark.parametrize("qtype", sorted(K_TYPES), ids=lambda t: t.name)
+def test_int8_mode_keeps_k_quants_on_the_fused_kernel_for_more_rows(ops, qtype, monkeypatch) -> None:
+    """With int8 activations a K-quant matmul stays on the fused kernel up to its build's
+    K_DECODE_ROWS rows (past DECODE_ROWS: its tiles cost more to dequantise than the 32-wide
+    types'), and one row more takes the bfloat16 tiles."""
+    monkeypatch.setattr(matmul, "INT8_ACTIVATIONS", True)
+    most = K_DECODE_ROWS[native.kernel_isa()]
+    assert most > DECODE_ROWS
+    gen = torch.Generator().manual_seed(10)
+    w = random_weight(qtype, (40, _cols(qtype, 6)), gen)
+    for rows in (DECODE_ROWS + 1, most, most + 1):
+        x = torch.randn(rows, w.shape[1], generator=gen)
+        fused = ops.linear(x, w.data, w.qtype, w.shape[1], None, rows, 0)
+        tiles = ops.linear(x, w.data, w.qtype, w.shape[1], None, 0, 0)
+        assert not torch.equal(fused, tiles)
+        assert torch.equal(quant_linear(x, w), fused if rows <= most else tiles), rows
         _assert_close(quant_linear(x, w), _reference(x, w), f"{rows} rows")
 
 
