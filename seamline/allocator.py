@@ -33,9 +33,10 @@ from collections.abc import Mapping
 
 from seamline.errors import ConfigError
 
-LIBRARIES = ("jemalloc", "tcmalloc_minimal", "tcmalloc")  # ctypes.util.find_library names
 CHOICE = "SEAMLINE_MALLOC"
-CHOICES = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "system": ()}  # value -> libraries
+# its values -> the libraries each preloads, by ctypes.util.find_library names, preferred first
+CHOICES = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "system": ()}
+LIBRARIES = tuple(name for names in CHOICES.values() for name in names)  # any of them preloaded: none again
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"  # freed pages stay for reuse (see above)
 
 
@@ -48,7 +49,7 @@ def chosen_libraries(env: Mapping[str, str]) -> tuple[str, ...]:
     return CHOICES[value]
 
 
-def installed_allocator(names: tuple[str, ...] = LIBRARIES) -> str | None:
+def installed_allocator(names: tuple[str, ...]) -> str | None:
     """The file name of the first of ``names`` the dynamic linker can find (None: none)."""
     for name in names:
         found = ctypes.util.find_library(name)

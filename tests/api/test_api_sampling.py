@@ -19,8 +19,8 @@ TOKENS = 10
 # Another process's float32 logits (the embedded model's, ~35 in magnitude after 30 layers)
 # differ from this one's in their last bits with its thread count, the CPU's kernels and their
 # buffers' alignment. Measured, the prompt's row of a 2-stage mesh against this process: 0 on
-# the machine the tests were written on, 2.0e-4 on one CI machine; 1, 2 or 4 threads in one
-# process moved the logprobs by up to 2.2e-6 here. A logprob from the next position misses by
+# a 2-core Xeon with AMX, 2.0e-4 on one CI machine; 1, 2 or 4 threads in one process moved the
+# logprobs by up to 2.2e-6 on that Xeon. A logprob from the next position misses by
 # more than 1e-3 at 10 of the 11 positions of the mesh test's answer (and by 6e-4 at the other).
 ACROSS_PROCESSES = 1e-3
 

@@ -11,6 +11,7 @@ import pytest
 
 from seamline.allocator import (
     CHOICE,
+    CHOICES,
     JEMALLOC_CONF,
     LIBRARIES,
     chosen_libraries,
@@ -78,8 +79,8 @@ def _plain_env() -> dict[str, str]:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc: Linux only")
 def test_a_restarted_process_runs_the_installed_allocator_or_glibc_where_told() -> None:
-    library = installed_allocator()
-    assert library, "install.sh --test installs Debian's libjemalloc2 (neither jemalloc nor tcmalloc is here)"
+    library = installed_allocator(CHOICES["jemalloc"])  # jemalloc itself: never tcmalloc in its place
+    assert library, "install.sh --test installs Debian's libjemalloc2 (jemalloc is not here)"
     name = library.removeprefix("lib").split(".so")[0]
     assert _run(_plain_env() | {CHOICE: "jemalloc"}) == name  # the process started again, with the library mapped
     assert _run(_plain_env()) == "glibc"
@@ -152,7 +153,7 @@ print((faults() - before) // 20, (16 << 20) // resource.getpagesize())
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc: Linux only")
 def test_a_large_block_freed_is_reused_not_faulted_in_again_under_the_preloaded_allocator() -> None:
     # with jemalloc's default decay each 16 MiB block came back from the system, every page faulted in
-    env = preload_env(_plain_env() | {CHOICE: "jemalloc"}, installed_allocator())
+    env = preload_env(_plain_env() | {CHOICE: "jemalloc"}, installed_allocator(CHOICES["jemalloc"]))
     assert env is not None
     out = subprocess.run([sys.executable, "-c", REUSES], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

@@ -239,7 +239,7 @@ class Membership:
             if fragments is not None:
                 fragments.close()
             raise
-        if self.credentials is not None and fragments is not None:
+        if fragments is not None:  # a mesh with TLS: members fetch this node's fragments
             self._serve_fragments(fragments)
         log.info("joined as %s; data port %s:%d", self.options.node_id, data_host, join.data_port)
 
