@@ -258,7 +258,7 @@ def _stream(model: Any, backend: Any, messages: list[dict[str, str]], args: argp
     from seamline.timings import Timings
 
     codec = model.codec
-    prompt = codec.encode(messages[-1]["content"]) if raw else codec.encode_chat(messages)
+    prompt = codec.encode_prompt(messages[-1]["content"]) if raw else codec.encode_chat(messages)
     params = SamplingParams(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         seed=args.seed, max_tokens=args.max_tokens, stop_token_ids=codec.stop_ids,

@@ -7,14 +7,30 @@ ids back into text, for Hugging Face folders (tokenizer.json) and GGUF files ali
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from seamline.errors import CheckpointError, ConfigError, RequestError
+from seamline.chat_template import ChatTemplate
+from seamline.errors import CheckpointError, ConfigError
+from seamline.family_templates import CHATML, FORMATS, family_format
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PromptEnds:
+    """The ids a prompt's tokenisation puts around its text: llama.cpp's BOS and EOS for a GGUF
+    file, a folder's ``tokenizer.json`` post-processor (or its ``add_bos_token``)."""
+
+    prefix: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    # a rendered chat gets them too, less the template's own leading BOS and trailing EOS text
+    # (llama.cpp); a folder's rendered chat is tokenised as it is (Hugging Face)
+    around_chat: bool = False
 
 
 @dataclass
@@ -24,14 +40,20 @@ class TextCodec:
     bos_token: str | None = None
     eos_token: str | None = None
     stop_ids: tuple[int, ...] = ()
-    _template: Any = field(default=None, repr=False)
+    ends: PromptEnds = PromptEnds()
+    template_note: str | None = None  # the family's format stood in for a missing template
+    _template: ChatTemplate | None = field(default=None, repr=False)
 
     @classmethod
     def from_model(cls, path: str | Path, eos_ids: tuple[int, ...] = ()) -> "TextCodec":
         path = Path(path)
         if path.is_file() and path.suffix == ".gguf":
-            return _codec_from_gguf(path)
-        return _codec_from_folder(path, eos_ids)
+            codec = _codec_from_gguf(path)
+        else:
+            codec = _codec_from_folder(path, eos_ids)
+        if codec.template_note:
+            log.info("%s: %s", path, codec.template_note)
+        return codec
 
     def check_fits(self, rows: int) -> None:
         """ConfigError where the tokenizer gives ids past the model's ``rows`` embedding rows
@@ -42,7 +64,15 @@ class TextCodec:
                               f"(config.json vocab_size = {rows}): give the model its own tokenizer files")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The text's ids alone: special tokens written in it are parsed, nothing is added."""
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt's ids as llama-server makes them: BOS (and EOS) where the model adds them."""
+        return self.with_ends(self.encode(text))
+
+    def with_ends(self, ids: list[int]) -> list[int]:
+        return [*self.ends.prefix, *ids, *self.ends.suffix]
 
     def decode(self, ids: list[int], special: bool = False) -> str:
         """The text of ``ids``, less a last character whose bytes were cut (never half of one);
@@ -57,48 +87,83 @@ class TextCodec:
         """The special tokens' texts and ids."""
         return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
-        """The prompt text for a chat, through the model's template (or a plain fallback);
-        ``tools`` (OpenAI's function definitions) for templates that show them."""
-        if not self.chat_template:
-            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    def template(self) -> ChatTemplate:
         if self._template is None:
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            env.globals["raise_exception"] = _raise_template_error
-            env.filters["tojson"] = lambda v, **kw: json.dumps(v, ensure_ascii=False, **kw)
-            self._template = env.from_string(self.chat_template)
-        return str(
-            self._template.render(
-                messages=messages,
-                tools=tools or None,
-                add_generation_prompt=True,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-            )
-        )
+            source = self.chat_template or CHATML
+            self._template = ChatTemplate(source, self.bos_token or "", self.eos_token or "")
+        return self._template
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt text for a chat, through the model's template (or its family's format);
+        ``tools`` (OpenAI's function definitions) and ``documents`` for templates that show
+        them, ``extra`` variables a request adds. RequestError where the template refuses the
+        messages, TemplateError where it fails to render."""
+        return self.template().render(messages, tools, documents, extra)
+
+    def encode_chat_text(self, text: str) -> list[int]:
+        """A rendered chat's ids: llama-server's for a GGUF file (its BOS added where the file
+        says, the template's own BOS text dropped so there is never two), Hugging Face's for a
+        folder (as the template wrote it)."""
+        ends = self.ends_for(chat=True)
+        return [*ends.prefix, *self.encode(self.strip_chat_ends(text)), *ends.suffix]
+
+    def ends_for(self, chat: bool) -> PromptEnds:
+        """What tokenisation adds around a raw prompt, or around a rendered chat."""
+        return self.ends if self.ends.around_chat or not chat else PromptEnds()
+
+    def strip_chat_ends(self, text: str) -> str:
+        """``text`` less the BOS text the template wrote first and the EOS text it wrote last,
+        where tokenisation adds them (llama.cpp's ``common_chat_templates_apply``)."""
+        if not self.ends.around_chat:
+            return text
+        if self.ends.prefix and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token) :]
+        if self.ends.suffix and self.eos_token and text.endswith(self.eos_token):
+            text = text[: -len(self.eos_token)]
+        return text
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.encode(self.render_chat(messages))
-
-
-def _raise_template_error(message: str) -> None:
-    raise RequestError(f"chat template refused the messages: {message}")
+        return self.encode_chat_text(self.render_chat(messages))
 
 
 def _codec_from_gguf(path: Path) -> TextCodec:
-    from seamline.weights.gguf import GGUFSource, chat_template_from_gguf, tokenizer_from_gguf
+    from seamline.weights.gguf import GGUFSource, tokenizer_from_gguf
+    from seamline.weights.gguf_file import GGUFFile
+    from seamline.weights.gguf_prompt import prompt_ends_from_gguf
 
+    f = GGUFFile.open(path)
+    ends = prompt_ends_from_gguf(f)  # before the tokenizer: a bad id is refused first
     tokenizer = tokenizer_from_gguf(path)
     config = GGUFSource(path).config_dict()
     eos = _ids(config.get("eos_token_id"))
-    bos_id = config.get("bos_token_id")
+    template = f.get("tokenizer.chat_template")
+    note = None
+    if template is None:
+        architecture = str(f.get("general.architecture") or "")
+        template, note = _family_template(architecture, f.get("tokenizer.ggml.tokens") or ())
     return TextCodec(
         tokenizer=tokenizer,
-        chat_template=chat_template_from_gguf(path),
-        bos_token=tokenizer.id_to_token(bos_id) if bos_id is not None else None,
-        eos_token=tokenizer.id_to_token(eos[0]) if eos else None,
+        chat_template=str(template),
+        bos_token=tokenizer.id_to_token(ends.bos_id) if ends.bos_id is not None else None,
+        eos_token=tokenizer.id_to_token(ends.eos_id) if ends.eos_id is not None else None,
         stop_ids=eos,
+        ends=PromptEnds(ends.prefix, ends.suffix, around_chat=True),
+        template_note=note,
     )
+
+
+def _family_template(architecture: str, tokens: Any) -> tuple[str, str]:
+    """The family's own format for a model without a template, and the note that says so."""
+    name = family_format(architecture, frozenset(tokens))
+    note = (f"the model has no chat template: chats use the {name} format, chosen by its "
+            f"architecture ({architecture or 'unknown'})")  # fmt: skip
+    return FORMATS[name], note
 
 
 def _codec_from_folder(folder: Path, eos_ids: tuple[int, ...]) -> TextCodec:
@@ -114,7 +179,34 @@ def _codec_from_folder(folder: Path, eos_ids: tuple[int, ...]) -> TextCodec:
     eos_id = tokenizer.token_to_id(eos) if eos is not None else None
     if eos_id is not None:
         stops.add(eos_id)
-    return TextCodec(tokenizer, template, bos, eos, tuple(sorted(stops)))
+    ends = _folder_ends(tokenizer, config, bos, eos)
+    note = None
+    if not template:
+        architecture = str(model_config.get("model_type") or "")
+        template, note = _family_template(architecture, tokenizer.get_vocab(with_added_tokens=True))
+        ends = replace(ends, around_chat=True)  # the family's format writes no BOS of its own
+    return TextCodec(tokenizer, template, bos, eos, tuple(sorted(stops)), ends, note)
+
+
+def _folder_ends(tokenizer: Tokenizer, config: dict[str, Any], bos: str | None, eos: str | None) -> PromptEnds:
+    """What Hugging Face's tokenizer puts around a prompt: ``add_bos_token`` /
+    ``add_eos_token`` where ``tokenizer_config.json`` says, else the post-processor's own."""
+    probe_raw = tokenizer.encode("a", add_special_tokens=False).ids
+    probe = tokenizer.encode("a", add_special_tokens=True).ids
+    at = next((i for i in range(len(probe) - len(probe_raw) + 1)
+               if probe[i : i + len(probe_raw)] == probe_raw), 0)  # fmt: skip
+    prefix, suffix = tuple(probe[:at]), tuple(probe[at + len(probe_raw) :])
+    prefix = _said(config.get("add_bos_token"), bos, tokenizer, prefix)
+    suffix = _said(config.get("add_eos_token"), eos, tokenizer, suffix)
+    return PromptEnds(prefix, suffix)
+
+
+def _said(flag: Any, token: str | None, tokenizer: Tokenizer, found: tuple[int, ...]) -> tuple[int, ...]:
+    """``found`` unless ``flag`` (a tokenizer_config.json ``add_*_token``) says otherwise."""
+    if flag is None:
+        return found
+    token_id = tokenizer.token_to_id(token) if token is not None else None
+    return (token_id,) if flag and token_id is not None else ()
 
 
 def _tokenizer_folder(folder: Path, model_type: str) -> Path:

@@ -28,13 +28,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from seamline.chat_template import TemplateError
 from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend
@@ -307,7 +307,7 @@ class _Routes:
             self._check_model(body.model)
             self._check_ready()
             shape = await anyio.to_thread.run_sync(self._shape, body)  # compiling a grammar takes a while
-            text, prompt = await anyio.to_thread.run_sync(self._render_chat, body.messages, shape.tools.tools)  # a large prompt must not stall the loop
+            text, prompt = await anyio.to_thread.run_sync(self._render_chat, body, shape.tools.tools)  # a large prompt must not stall the loop
         params = replace(self._params(body, prompt, "messages"), grammar=shape.grammar)
         return await self._respond(request, Reply.new(True, self.backend.model_name), prompt, params,
                                    bool(body.stream), body.include_usage, "", body.n or 1,
@@ -409,15 +409,13 @@ class _Routes:
                               "ignore_eos", "invalid_value")  # fmt: skip
         return _Shape(tools, grammar or tools.grammar)
 
-    def _render_chat(self, messages: list[ChatMessage], tools: list[dict[str, Any]]) -> tuple[str, list[int]]:
+    def _render_chat(self, body: ChatRequest, tools: list[dict[str, Any]]) -> tuple[str, list[int]]:
+        messages = [m.as_template_dict() for m in body.messages]
         try:
-            text = self.backend.codec.render_chat([m.as_template_dict() for m in messages], tools)
-        except RequestError as exc:
+            text = self.backend.codec.render_chat(messages, tools, body.documents, body.template_variables())
+        except (RequestError, TemplateError) as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
-        except (jinja2.TemplateError, TypeError, ValueError, KeyError) as exc:
-            message = f"the chat template could not render the messages: {exc}"
-            raise bad_request(message, "messages", "invalid_messages") from exc
-        return text, self._encode(text, "messages")
+        return text, self._encode(text, "messages", chat=True)
 
     def _encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -425,15 +423,19 @@ class _Routes:
         self._check_ids(prompt, "prompt", "token id")
         return list(prompt)
 
-    def _encode(self, text: str, field: str) -> list[int]:
-        """The prompt's tokens; a 400 as soon as it surely has more than the server takes."""
+    def _encode(self, text: str, field: str, chat: bool = False) -> list[int]:
+        """The prompt's tokens, with BOS and EOS where the model adds them (``chat``: a rendered
+        chat's); a 400 as soon as it surely has more than the server takes."""
+        codec = self.backend.codec
+        ends = codec.ends_for(chat)
         most = self.backend.context_length - 1
         if self.max_prompt_tokens is not None:
             most = min(most, self.max_prompt_tokens)
-        ids = encode_within(self.backend.codec, text, most)
+        added = len(ends.prefix) + len(ends.suffix)
+        ids = encode_within(codec, codec.strip_chat_ends(text) if chat else text, most - added)
         if ids is None:
             self._check_length(most, field, more=True)  # raises: more than ``most`` never fits
-        return ids or []
+        return [*ends.prefix, *(ids or []), *ends.suffix]
 
     def _check_length(self, count: int, field: str, more: bool = False) -> None:
         """A 400 when a prompt of ``count`` tokens (``more``: more than that) does not fit."""

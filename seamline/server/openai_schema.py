@@ -260,6 +260,16 @@ class ChatRequest(_Sampling):
     functions: list[Any] | None = None  # the legacy spelling of tools
     function_call: Any = None
     response_format: ResponseFormat | None = None
+    documents: list[dict[str, Any]] | None = None  # for templates that show retrieved documents
+    reasoning_effort: Literal["low", "medium", "high"] | None = None  # for templates that read it
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the chat template
+
+    def template_variables(self) -> dict[str, Any]:
+        """The chat template's variables the request sets beyond messages, tools and documents."""
+        out = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            out.setdefault("reasoning_effort", self.reasoning_effort)
+        return out
 
     @field_validator("tools", mode="before")
     @classmethod
