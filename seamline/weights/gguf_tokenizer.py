@@ -12,47 +12,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from seamline.errors import CheckpointError
 from seamline.weights.gguf_config import eos_ids
 from seamline.weights.gguf_file import GGUFFile
-from seamline.weights.gguf_spm import spm_tokenizer
+from seamline.weights.gguf_pretok import NEWLINES, PRE_TOKENIZERS, PreTokenizer, split_steps
+from seamline.weights.gguf_spm import SPACE, spm_tokenizer
 
 # llama.cpp's token types (llama_token_type)
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
-
-
-@dataclass(frozen=True)
-class PreTokenizer:
-    splits: tuple[str, ...]  # regexes applied in order, each isolating its matches
-    gpt2_regex: bool  # then byte-level with GPT-2's own split regex (else bytes only)
-    ignore_merges: bool = False  # a whole-word vocabulary hit wins over merges (Llama 3)
-
-
-_LLAMA3 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2 = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-# tokenizer.ggml.pre -> the split llama.cpp's llama-vocab.cpp applies for it.
-PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    "gpt-2": PreTokenizer((), True),
-    "smollm": PreTokenizer((r"\p{N}",), True),  # single digits, then GPT-2
-    "llama3": PreTokenizer((_LLAMA3,), False, True),
-    "llama-v3": PreTokenizer((_LLAMA3,), False, True),
-    "llama-bpe": PreTokenizer((_LLAMA3,), False, True),
-    "falcon3": PreTokenizer((_LLAMA3,), False, True),
-    "smaug-bpe": PreTokenizer((_LLAMA3,), False),
-    "dbrx": PreTokenizer((_LLAMA3,), False),
-    "qwen2": PreTokenizer((_QWEN2,), False),
-    "deepseek-r1-qwen": PreTokenizer((_QWEN2,), False),
-}
-
+MODELS = ("gpt2", "llama", "gemma4")  # byte-level BPE, SentencePiece, Gemma 4's BPE
 
 @dataclass(frozen=True)
 class GGUFTokenizerInfo:
@@ -65,46 +35,75 @@ class GGUFTokenizerInfo:
 def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
     """A ``tokenizers.Tokenizer`` that encodes like llama.cpp's for this file's vocabulary."""
     f = GGUFFile.open(path)
-    kind = f.get("tokenizer.ggml.model")
-    if kind not in ("gpt2", "llama"):
-        raise CheckpointError(
-            f"GGUF file {f.path}: tokenizer model {kind!r} is unsupported; "
-            "seamline reads 'gpt2' (byte-level BPE) and 'llama' (SentencePiece)"
-        )
-    pre = _pre_tokenizer_of(f) if kind == "gpt2" else None
+    kind = check_tokenizer(f)
     tokens: list[str] = f.get("tokenizer.ggml.tokens") or []
     types: list[int] = f.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
     if not tokens or len(types) != len(tokens):
         raise CheckpointError(
             f"GGUF file {f.path}: tokenizer has {len(tokens)} tokens and {len(types)} token types"
         )
-    tok = _byte_level(f, tokens, pre) if pre is not None else spm_tokenizer(f, tokens, types)
+    if kind == "llama":
+        tok = spm_tokenizer(f, tokens, types)
+    elif kind == "gemma4":
+        tok = _gemma4(f, tokens)
+    else:
+        tok = _byte_level(f, tokens, PRE_TOKENIZERS[f.get("tokenizer.ggml.pre")])
     _add_tokens(tok, tokens, types)
     return tok
 
 
-def _pre_tokenizer_of(f: GGUFFile) -> PreTokenizer:
-    pre_name = f.get("tokenizer.ggml.pre")
-    pre = PRE_TOKENIZERS.get(pre_name)
-    if pre is None:
+def check_tokenizer(f: GGUFFile) -> str:
+    """The file's tokenizer model, or a one-line CheckpointError naming the key and value that
+    seamline cannot encode (cheap: metadata only, so callers can refuse before loading weights)."""
+    kind = f.get("tokenizer.ggml.model")
+    if kind not in MODELS:
         raise CheckpointError(
-            f"GGUF file {f.path}: pre-tokenizer {pre_name!r} is unsupported; seamline knows "
-            f"{', '.join(sorted(PRE_TOKENIZERS))}"
+            f"GGUF file {f.path}: tokenizer model {kind!r} (tokenizer.ggml.model) is unsupported; "
+            "seamline reads 'gpt2' (byte-level BPE), 'llama' (SentencePiece) and 'gemma4'"
         )
-    return pre
+    pre = f.get("tokenizer.ggml.pre")
+    if kind == "gpt2" and pre not in PRE_TOKENIZERS:
+        raise CheckpointError(
+            f"GGUF file {f.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is unsupported; "
+            f"seamline knows {', '.join(sorted(PRE_TOKENIZERS))}"
+        )
+    return str(kind)
+
+
+def _merges(f: GGUFFile) -> list[tuple[str, str]]:
+    """Merge pairs, each split at its first space after the first character (as llama.cpp does:
+    a token may begin with a space)."""
+    pairs = []
+    for m in f.get("tokenizer.ggml.merges") or []:
+        cut = m.find(" ", 1)
+        if cut < 0:
+            raise CheckpointError(
+                f"GGUF file {f.path}: tokenizer merge {m!r} is not two space-separated tokens"
+            )
+        pairs.append((m[:cut], m[cut + 1 :]))
+    return pairs
 
 
 def _byte_level(f: GGUFFile, tokens: list[str], pre: PreTokenizer) -> Tokenizer:
-    merges: list[str] = f.get("tokenizer.ggml.merges") or []
     vocab = {token: i for i, token in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    if any(len(p) != 2 for p in pairs):
-        raise CheckpointError(
-            f"GGUF file {f.path}: a tokenizer merge is not two space-separated tokens"
-        )
-    tok = Tokenizer(models.BPE(vocab, pairs, ignore_merges=pre.ignore_merges))  # type: ignore[arg-type]
-    tok.pre_tokenizer = _pre_tokenizer(pre)
+    tok = Tokenizer(models.BPE(vocab, _merges(f), ignore_merges=pre.ignore_merges))  # type: ignore[arg-type]
+    steps = split_steps(pre.splits)
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _gemma4(f: GGUFFile, tokens: list[str]) -> Tokenizer:
+    """Gemma 4: spaces written as "▁", BPE merges over each line and each run of newlines on the
+    raw UTF-8, bytes no token covers as ``<0xXX>`` tokens."""
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab, _merges(f), byte_fallback=True))  # type: ignore[arg-type]
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Sequence(split_steps((NEWLINES,)))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
     return tok
 
 
@@ -124,14 +123,6 @@ def _add_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
             if k == USER_DEFINED
         ]
     )
-
-
-def _pre_tokenizer(pre: PreTokenizer) -> pre_tokenizers.PreTokenizer:
-    steps: list[pre_tokenizers.PreTokenizer] = [
-        pre_tokenizers.Split(Regex(r), behavior="isolated") for r in pre.splits
-    ]
-    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=pre.gpt2_regex))
-    return pre_tokenizers.Sequence(steps)
 
 
 def chat_template_from_gguf(path: str | os.PathLike[str]) -> str | None:
