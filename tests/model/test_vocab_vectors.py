@@ -5,6 +5,8 @@ encode."""
 
 from __future__ import annotations
 
+import ast
+import random
 import re
 from functools import cache
 from pathlib import Path
@@ -15,6 +17,8 @@ import pytest
 
 from seamline.errors import CheckpointError
 from seamline.weights.gguf_file import GGUFFile
+from seamline.weights import gguf_pretok as pretok
+from seamline.weights.gguf_pretok import PRE_TOKENIZERS, split_steps
 from seamline.weights.gguf_tokenizer import check_tokenizer, tokenizer_from_gguf
 from seamline.weights.gguf_unicode import RANGES, WHITESPACE
 from tests.support.llama_cpp import llama_cpp_source
@@ -92,6 +96,217 @@ def test_unicode_classes_are_llama_cpps() -> None:
             ours.append((int(first, 16), int(last or first, 16)))
         assert ours == expected, f"\\p{{{name}}} differs from llama.cpp's unicode-data.cpp"
     assert [int(c, 16) for c in WHITESPACE.split()] == whitespace
+
+
+# -- llama.cpp's unicode_regex_split, modelled independently: its hand-written loops for the
+# GPT-2 / Llama 3 / Qwen2 / Qwen3.5 regexes, std::regex on the category-collapsed text for a
+# regex with \p{..}, and on the codepoints with non-ASCII whitespace as U+000B for one without.
+# Python's re with re.ASCII stands in for ECMAScript std::regex in the C locale ($ -> \Z).
+
+_FLAG_BITS = {"N": 0x02, "L": 0x04, "M": 0x10, "P": 0x20, "S": 0x40}
+_COLLAPSE = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
+_ASCII_CLASS = {
+    "N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:-;?-@\[-\]_\{\}", "M": "", "S": r"\$\+<->\^`\|~",
+}  # fmt: skip
+_LLAMA3_KEY = (
+    r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@cache
+def _flags() -> tuple[dict[int, str], frozenset[int]]:
+    """Codepoint -> category letter (only N L M P S), and the whitespace set."""
+    ranges, whitespace = _llama_categories()
+    return {c: n for n, rs in ranges.items() for a, b in rs for c in range(a, b + 1)}, frozenset(
+        whitespace
+    )
+
+
+_LOOPS = {  # the regexes llama.cpp's unicode.cpp implements by hand
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)": "gpt2",
+    _LLAMA3_KEY: "llama3",
+    _LLAMA3_KEY.replace(r"\p{N}{1,3}", r"\p{N}"): "qwen2",
+    _LLAMA3_KEY.replace(r"\p{N}{1,3}", r"\p{N}")
+    .replace(r"?\p{L}+", r"?[\p{L}\p{M}]+")
+    .replace(r"[^\s\p{L}\p{N}]", r"[^\s\p{L}\p{M}\p{N}]"): "qwen35",
+}
+
+
+def _custom_split(text: str, kind: str) -> list[int]:
+    """llama.cpp's loop for one of the four regexes it implements by hand: piece lengths."""
+    cat, ws = _flags()
+    n, out, pos = len(text), [], 0
+
+    def k(i: int) -> str:  # "W"hitespace, a category, "?" for any other, "" past the end
+        return "" if i >= n else "W" if ord(text[i]) in ws else cat.get(ord(text[i]), "?")
+
+    def word(i: int) -> bool:  # \p{L} (Qwen3.5: [\p{L}\p{M}])
+        return k(i) == "L" or (kind == "qwen35" and k(i) == "M")
+
+    def other(i: int) -> bool:  # [^\s\p{L}\p{N}] (Qwen3.5: [^\s\p{L}\p{M}\p{N}])
+        return k(i) not in ("", "W", "L", "N") and not word(i)
+
+    def low(i: int) -> str:
+        return "" if i >= n else text[i].lower() if kind != "gpt2" and text[i].isascii() else text[i]
+
+    while pos < n:
+        start, ch = pos, text[pos]
+        if ch == "'" and pos + 1 < n and low(pos + 1) in ("s", "t", "m", "d"):
+            pos += 2
+        elif ch == "'" and pos + 2 < n and low(pos + 1) + low(pos + 2) in ("re", "ve", "ll"):
+            pos += 3
+        elif kind == "gpt2" and k(pos + (ch == " ")) in ("L", "N"):
+            pos += ch == " "
+            run = k(pos)
+            while k(pos) == run:
+                pos += 1
+        elif kind != "gpt2" and ch not in "\r\n" and k(pos) != "N" and (word(pos) or word(pos + 1)):
+            pos += 1
+            while word(pos):
+                pos += 1
+        elif kind != "gpt2" and k(pos) == "N":
+            pos += 1
+            while kind == "llama3" and k(pos) == "N" and pos - start < 3:
+                pos += 1
+        elif other(pos + (ch == " ")) or (kind != "gpt2" and ch == " " and pos + 1 == n):
+            pos += ch == " "
+            while other(pos):
+                pos += 1
+            while kind != "gpt2" and pos < n and text[pos] in "\r\n":
+                pos += 1
+        else:
+            run = 0
+            while k(pos + run) == "W":
+                run += 1
+            last = max((i + 1 for i in range(pos, pos + run) if text[i] in "\r\n"), default=0)
+            if kind != "gpt2" and last:
+                pos = last
+            elif run > 1 and pos + run < n:
+                pos += run - 1
+            else:
+                pos += max(run, 1)
+        out.append(pos - start)
+    return out
+
+
+def _collapsed(regex: str) -> str:
+    def body(m: re.Match[str]) -> str:
+        name = m.group(1)[0]
+        return _COLLAPSE[name] + _ASCII_CLASS[name]
+
+    out, inside = [], False
+    for m in re.finditer(r"\\p\{(\w+)\}|\\.|\[|\]|.", regex, re.DOTALL):
+        tok = m.group(0)
+        if m.group(1):
+            out.append(body(m) if inside else f"[{body(m)}]")
+            continue
+        inside = True if tok == "[" else False if tok == "]" else inside
+        out.append(r"\Z" if tok == "$" and not inside else tok)
+    return "".join(out)
+
+
+def llama_split(text: str, regexes: tuple[str, ...]) -> list[str]:
+    cat, ws = _flags()
+    collapsed = "".join(
+        ch if ord(ch) < 128 else "\x0b" if ord(ch) in ws else _COLLAPSE.get(cat.get(ord(ch), ""), "\xd0")
+        for ch in text
+    )
+    wide = "".join("\x0b" if ord(ch) > 127 and ord(ch) in ws else ch for ch in text)
+    pieces = [(0, len(text))]
+    for regex in regexes:
+        kind, split = _LOOPS.get(regex), []
+        for start, end in pieces:
+            if kind:
+                lengths = _custom_split(text[start:end], kind)
+            else:
+                subject = collapsed if "\\p{" in regex else wide
+                pattern = re.compile(_collapsed(regex), re.ASCII)
+                lengths, at = [], 0
+                for m in pattern.finditer(subject[start:end]):
+                    lengths += ([m.start() - at] if m.start() > at else []) + [m.end() - m.start()]
+                    at = m.end()
+                lengths += [end - start - at] if at < end - start else []
+            for length in lengths:
+                split.append((start, start + length))
+                start += length
+        pieces = split
+    return [text[a:b] for a, b in pieces]
+
+
+@cache
+def _llama_pre_types() -> dict[str, tuple[tuple[str, ...], bool]]:
+    """tokenizer.ggml.pre -> (llama.cpp's regexes, ignore_merges), read from llama-vocab.cpp."""
+    src = (_source() / "src" / "llama-vocab.cpp").read_text(encoding="utf-8")
+    strings = r'"((?:[^"\\\n]|\\.)*)"'
+    section = src[src.index("struct llm_tokenizer_bpe : llm_tokenizer") :]
+    section = section[: section.index("std::vector<std::string> regex_exprs;")]
+    regexes: dict[str, tuple[str, ...]] = {}
+    for chunk in section.split("break;"):
+        code = "\n".join(line for line in chunk.splitlines() if not line.strip().startswith("//"))
+        if "regex_exprs = {" not in code:
+            continue
+        body = code[code.index("regex_exprs = {") : code.index("};")]
+        found = tuple(ast.literal_eval(f'"{m}"') for m in re.findall(strings, body))
+        labels = re.findall(r"case LLAMA_VOCAB_PRE_TYPE_(\w+):", code)
+        for label in labels + (["DEFAULT"] if "default:" in code else []):
+            regexes[label] = found
+    load = src[src.index("if (tokenizer_pre.empty())") : src.index("unknown pre-tokenizer type")]
+    table = {}
+    for chunk in load.split("} else if ("):
+        kind = re.search(r"pre_type = LLAMA_VOCAB_PRE_TYPE_(\w+);", chunk)
+        for name in re.findall(r'tokenizer_pre == "([^"]+)"', chunk):
+            assert kind, name
+            table[name] = (regexes[kind.group(1)], "ignore_merges = true;" in chunk)
+    return table
+
+
+def _ours(regexes: tuple[str, ...]) -> tuple[str, ...]:
+    """Ours, written as llama.cpp's: the GPT-2 regex there has no trailing |\\s+ (its loop has)."""
+    return tuple(r.removesuffix(r"|\s+") if r == pretok.GPT2 else r for r in regexes)
+
+
+def test_pre_tokenizers_are_llama_cpps() -> None:
+    llama = _llama_pre_types()
+    for name, pre in PRE_TOKENIZERS.items():
+        assert name in llama, f"{name}: no such tokenizer.ggml.pre in llama.cpp"
+        assert _ours(pre.splits) == llama[name][0], f"{name}: regexes differ from llama.cpp's"
+        assert pre.ignore_merges == llama[name][1], f"{name}: ignore_merges differs"
+
+
+# characters where the regex engine's or Python's Unicode tables could disagree with llama.cpp's:
+# whitespace kinds, marks, numbers of every kind, CJK, punctuation llama.cpp lists by hand,
+# unassigned (U+0378), private use, format (U+200B), and characters Unicode 16 assigned (llama.cpp's
+# tables have them; the regex engine's own did not: a letter, a digit, a mark, punctuation, a symbol)
+_POOL = (
+    "aZ09'sStTmMdDrReEvVlL ſ\t\n\r\x0b\x0c\x1c\x85\xa0\u1680\u2000\u2028\u3000\u202f"
+    "!?.,;:-_$+<=>^`|~@#%&*()[]{}/\\\"é\u0301\u0903\u20dd²½Ⅻ٣१一龥、。！‘，가ㄱࠀ"
+    "\u0378\ue000\u200b😀€µÀǅʰ\U0001e030\U00011f00\u0e3f\u0e31\u1c89\U00010d40\u0897\u1b4e\u2427"
+)
+
+
+def _random_texts(count: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return ["".join(rng.choices(_POOL, k=rng.randint(1, 14))) for _ in range(count)]
+
+
+@pytest.mark.parametrize("name", sorted({*PRE_TOKENIZERS} & {
+    "gpt-2", "starcoder", "llama-bpe", "dbrx", "qwen2", "qwen35", "deepseek-llm",
+    "deepseek-coder", "falcon", "default"}))  # fmt: skip
+def test_pre_tokenizer_splits_as_llama_cpp(name: str) -> None:
+    """Random text over the characters where the regexes' classes matter, split by ours and by
+    the model of llama.cpp's splitting above, piece for piece."""
+    from tokenizers import pre_tokenizers
+
+    llama_regexes = _llama_pre_types()[name][0]
+    ours = pre_tokenizers.Sequence(split_steps(PRE_TOKENIZERS[name].splits))
+    wrong = []
+    for text in _random_texts(1500, seed=len(name)):
+        want = llama_split(text, llama_regexes)
+        got = [piece for piece, _ in ours.pre_tokenize_str(text)]
+        if got != want:
+            wrong.append(f"  {text!r}: llama.cpp {want}, seamline {got}")
+    assert not wrong, f"{name}: {len(wrong)} texts split differently\n" + "\n".join(wrong[:10])
 
 
 def _write(path: Path, meta: dict[str, Any]) -> Path:
