@@ -12,16 +12,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from seamline.errors import CheckpointError
 from seamline.weights.gguf_config import eos_ids
 from seamline.weights.gguf_file import GGUFFile
 from seamline.weights.gguf_pretok import NEWLINES, PRE_TOKENIZERS, PreTokenizer, split_steps
+from seamline.weights.gguf_special import add_special_tokens
 from seamline.weights.gguf_spm import SPACE, spm_tokenizer
 
-# llama.cpp's token types (llama_token_type)
-NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
+NORMAL = 1  # llama.cpp's token type for a plain token
 MODELS = ("gpt2", "llama", "gemma4")  # byte-level BPE, SentencePiece, Gemma 4's BPE
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
         tok = _gemma4(f, tokens)
     else:
         tok = _byte_level(f, tokens, PRE_TOKENIZERS[f.get("tokenizer.ggml.pre")])
-    _add_tokens(tok, tokens, types)
+    add_special_tokens(f, tok, tokens, types)
     return tok
 
 
@@ -105,24 +105,6 @@ def _gemma4(f: GGUFFile, tokens: list[str]) -> Tokenizer:
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
     return tok
-
-
-def _add_tokens(tok: Tokenizer, tokens: list[str], types: list[int]) -> None:
-    """CONTROL tokens as special added tokens, USER_DEFINED ones as plain added tokens."""
-    tok.add_special_tokens(
-        [
-            AddedToken(t, special=True, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == CONTROL
-        ]
-    )
-    tok.add_tokens(
-        [
-            AddedToken(t, special=False, normalized=False)
-            for t, k in zip(tokens, types, strict=True)
-            if k == USER_DEFINED
-        ]
-    )
 
 
 def chat_template_from_gguf(path: str | os.PathLike[str]) -> str | None:
