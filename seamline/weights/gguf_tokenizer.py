@@ -43,7 +43,7 @@ def tokenizer_from_gguf(path: str | os.PathLike[str]) -> Tokenizer:
             f"GGUF file {f.path}: tokenizer has {len(tokens)} tokens and {len(types)} token types"
         )
     if kind == "llama":
-        tok = spm_tokenizer(f, tokens, types)
+        tok = spm_tokenizer(f, tokens)
     elif kind == "gemma4":
         tok = _gemma4(f, tokens)
     else:
