@@ -5,7 +5,13 @@ The variables are theirs: ``messages``, ``tools`` (only when there are some), ``
 passes true unless asked otherwise), and whatever a request adds (``reasoning_effort``,
 ``chat_template_kwargs``). The globals and filters are those transformers gives a template:
 ``raise_exception``, ``strftime_now``, ``tojson`` (with its keyword arguments), and the
-``loopcontrols`` extension.
+``loopcontrols`` extension; and the filters llama.cpp's template engine adds that real templates
+use: ``from_json`` (DeepSeek-V3.2/V4) and ``items`` (Qwen3-Coder).
+
+A tool call's ``arguments`` come as OpenAI sends them, JSON text, but templates differ in what
+they expect: some write the text as is, others iterate it as a mapping or write it with
+``tojson``. They are given as a mapping that prints as the JSON text it came as, so each
+template gets what it expects (llama.cpp decides by probing the template instead).
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ class ChatTemplate:
         """The prompt text; RequestError where the template refuses the messages
         (``raise_exception``), TemplateError where it fails otherwise."""
         variables: dict[str, Any] = {
-            "messages": messages,
+            "messages": [_with_mapped_arguments(m) for m in messages],
             "add_generation_prompt": add_generation_prompt,
             "bos_token": self.bos_token,
             "eos_token": self.eos_token,
@@ -84,6 +90,8 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.filters["tojson"] = _tojson
+    env.filters["from_json"] = json.loads
+    env.filters["items"] = lambda value: list(value.items())
     return env
 
 
@@ -101,3 +109,36 @@ def _tojson(
 
 def _raise_template_error(message: str) -> None:
     raise RequestError(f"chat template refused the messages: {message}")
+
+
+class Arguments(dict[str, Any]):
+    """A tool call's arguments: a mapping that prints as the JSON text it was sent as."""
+
+    def __init__(self, value: dict[str, Any], text: str) -> None:
+        super().__init__(value)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _with_mapped_arguments(message: Any) -> Any:
+    """``message`` with each tool call's JSON-text arguments as ``Arguments`` (others as sent)."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    if not isinstance(calls, list):
+        return message
+    return {**message, "tool_calls": [_mapped_call(call) for call in calls]}
+
+
+def _mapped_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    text = function.get("arguments") if isinstance(function, dict) else None
+    if not isinstance(text, str):
+        return call
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return call
+    if not isinstance(value, dict):
+        return call
+    return {**call, "function": {**function, "arguments": Arguments(value, text)}}

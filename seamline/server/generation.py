@@ -63,6 +63,8 @@ class Generation:
         keeps special tokens (as vLLM's tool parsers have it)."""
         self.tools, self.named_tool = stream, named
         self._decoder.special = True
+        if isinstance(self.thinker, HarmonySplitter):
+            self.thinker.keep_calls = True  # its messages to tools come on as calls
 
     async def start(self) -> None:
         """Await the first token, so that a refused request fails before any response."""

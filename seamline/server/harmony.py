@@ -5,9 +5,16 @@
 ``commentary``) it is content; headers and markers are neither. The markers are special tokens,
 so the answer is decoded with them (``Generation.parse_special``); a marker split across pieces
 is held back until it is whole. An answer that opens no header is content throughout.
+
+A message to a tool (its header names a recipient, ``to=functions.NAME``) is a tool call: where
+the answer is parsed for calls (``keep_calls``), it is passed on as content in the one shape the
+tool-call parser reads (``<|start|>assistant to=functions.NAME<|message|>ARGS<|call|>``, as
+``server/tool_formats.py`` has it), whatever order its header's parts came in.
 """
 
 from __future__ import annotations
+
+import re
 
 from seamline.server.reasoning import partial_tag
 
@@ -15,6 +22,8 @@ MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|return|>", "<|call|>")
 CHANNEL = "<|channel|>"
 REASONING_CHANNELS = ("analysis",)
+RECIPIENT = re.compile(r"to=([^\s<]+)")
+CALL_END = "<|call|>"
 
 
 def uses_harmony(template: str | None) -> bool:
@@ -30,6 +39,8 @@ class HarmonySplitter:
         self.header = ""
         self.reasoning = False  # the current message is on a reasoning channel
         self.plain = False  # the answer opened no header: all of it is content
+        self.keep_calls = False  # pass messages to tools on as calls (answers parsed for them)
+        self.calling = False  # the current message is a call passed on
 
     def feed(self, text: str) -> tuple[str, str]:
         self.pending += text
@@ -42,7 +53,10 @@ class HarmonySplitter:
                     break
             else:
                 shown, closed = self._read_body()
-                if self.reasoning:
+                if self.calling:
+                    content += shown + (CALL_END if closed else "")
+                    self.calling = not closed
+                elif self.reasoning:
                     reasoning += shown
                 else:
                     content += shown
@@ -54,14 +68,19 @@ class HarmonySplitter:
         """What is left once the answer ends (a header never closed is dropped)."""
         rest, self.pending = self.pending, ""
         if self.in_header and not self.plain:
-            return "", ""
+            plain = not self.header and not rest.lstrip().startswith(("<|", "to="))
+            return "", rest if plain else ""
+        if self.calling:  # the call's end marker is a stop token: not in the text
+            self.calling = False
+            return "", rest + CALL_END
         return (rest, "") if self.reasoning else ("", rest)
 
     def _read_header(self) -> bool:
         """Consume a header up to its <|message|>; False while it is incomplete."""
         at = self.pending.find(MESSAGE)
         if at < 0:
-            if not self.header and not self.pending.lstrip().startswith("<|") and len(self.pending.lstrip()) >= 2:
+            head = self.pending.lstrip()
+            if not self.header and not head.startswith(("<|", "to=")) and len(head) >= 3:
                 self.plain = True  # text, not a header: the answer is plain content
                 return True
             return False
@@ -69,6 +88,10 @@ class HarmonySplitter:
         channel = self.header.split(CHANNEL, 1)[1].split("<|", 1)[0].split() if CHANNEL in self.header else []
         self.reasoning = bool(channel) and channel[0] in REASONING_CHANNELS
         self.in_header = False
+        recipient = RECIPIENT.search(self.header)
+        if self.keep_calls and recipient is not None and recipient.group(1) != "assistant":
+            self.calling, self.reasoning = True, False
+            self.pending = f"<|start|>assistant to={recipient.group(1)}<|message|>" + self.pending
         return True
 
     def _read_body(self) -> tuple[str, bool]:

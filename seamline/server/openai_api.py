@@ -348,7 +348,7 @@ class _Routes:
             if reasoning is not None:
                 gen.split_reasoning(reasoning())
             if tools is not None and tools.fmt is not None:
-                gen.parse_tools(ToolStream(tools.fmt), tools.named)
+                gen.parse_tools(ToolStream(tools.fmt, tools.schemas), tools.named)
         try:
             started, _ = await unless_gone(request, _start_all(gens))
         except Exception as exc:

@@ -19,14 +19,8 @@ from tokenizers import Tokenizer
 
 from seamline.app import LocalModel
 from seamline.runtime.backend import LocalBackend
-from seamline.server.tools import (
-    DeepSeekFormat,
-    HermesFormat,
-    ToolCall,
-    ToolFormat,
-    ToolStream,
-    tool_format,
-)
+from seamline.server.tool_formats import FORMATS, ToolFormat, tool_format
+from seamline.server.tools import ToolCall, ToolStream
 from tests.support.api import NAME, client_for, serve
 from tests.support.tools import TEMPLATES
 
@@ -63,9 +57,9 @@ def _run(fmt: ToolFormat, pieces: list[str]) -> tuple[str, list[ToolCall]]:
 
 
 @pytest.mark.parametrize("fmt, answer", [
-    (HermesFormat(), HERMES_ANSWER),
-    (DeepSeekFormat(fenced=True), DEEPSEEK_V3_ANSWER),
-    (DeepSeekFormat(fenced=False), DEEPSEEK_V31_ANSWER),
+    (FORMATS["hermes"], HERMES_ANSWER),
+    (FORMATS["deepseek_v3"], DEEPSEEK_V3_ANSWER),
+    (FORMATS["deepseek_v31"], DEEPSEEK_V31_ANSWER),
 ])  # fmt: skip
 def test_canned_answers_parse_whole_and_a_character_at_a_time(fmt: ToolFormat, answer: str) -> None:
     for pieces in ([answer], list(answer)):
@@ -77,17 +71,16 @@ def test_canned_answers_parse_whole_and_a_character_at_a_time(fmt: ToolFormat, a
 
 def test_unparsable_calls_come_back_as_content_and_a_cut_call_is_still_read() -> None:
     broken = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": </tool_call>'
-    assert _run(HermesFormat(), list(broken)) == (broken, [])
+    assert _run(FORMATS["hermes"], list(broken)) == (broken, [])
     cut = '<tool_call>\n{"name": "get_time", "arguments": {}}'  # the answer ended before its closing tag
-    content, calls = _run(HermesFormat(), [cut])
+    content, calls = _run(FORMATS["hermes"], [cut])
     assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_time", "{}")]
-    assert _run(HermesFormat(), ["no tools here, <tool", " or a tag"]) == ("no tools here, <tool or a tag", [])
+    assert _run(FORMATS["hermes"], ["no tools here, <tool", " or a tag"]) == ("no tools here, <tool or a tag", [])
 
 
 def test_the_format_is_the_templates() -> None:
-    assert isinstance(tool_format((TEMPLATES / "hermes.jinja").read_text()), HermesFormat)
-    deepseek = tool_format((TEMPLATES / "deepseek_v3.jinja").read_text())
-    assert isinstance(deepseek, DeepSeekFormat) and deepseek.fenced
+    assert tool_format((TEMPLATES / "hermes.jinja").read_text()) is FORMATS["hermes"]
+    assert tool_format((TEMPLATES / "deepseek_v3.jinja").read_text()) is FORMATS["deepseek_v3"]
     assert tool_format("{{ messages }}") is None
 
 
