@@ -70,23 +70,26 @@ def check_tokenizer(f: GGUFFile) -> str:
     return str(kind)
 
 
-def _merges(f: GGUFFile) -> list[tuple[str, str]]:
+def _merges(f: GGUFFile, vocab: dict[str, int]) -> list[tuple[str, str]]:
     """Merge pairs, each split at its first space after the first character (as llama.cpp does:
-    a token may begin with a space)."""
+    a token may begin with a space). A merge of or into text that is no token is refused: BPE
+    here cannot hold one, and llama.cpp would go on merging it, then spell it out in bytes."""
     pairs = []
     for m in f.get("tokenizer.ggml.merges") or []:
         cut = m.find(" ", 1)
-        if cut < 0:
+        left, right = m[:cut], m[cut + 1 :]
+        if cut < 0 or left not in vocab or right not in vocab or left + right not in vocab:
             raise CheckpointError(
-                f"GGUF file {f.path}: tokenizer merge {m!r} is not two space-separated tokens"
+                f"GGUF file {f.path}: tokenizer.ggml.merges holds {m!r}, which is not a merge "
+                "of two tokens into a token"
             )
-        pairs.append((m[:cut], m[cut + 1 :]))
+        pairs.append((left, right))
     return pairs
 
 
 def _byte_level(f: GGUFFile, tokens: list[str], pre: PreTokenizer) -> Tokenizer:
     vocab = {token: i for i, token in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, _merges(f), ignore_merges=pre.ignore_merges))  # type: ignore[arg-type]
+    tok = Tokenizer(models.BPE(vocab, _merges(f, vocab), ignore_merges=pre.ignore_merges))  # type: ignore[arg-type]
     steps = split_steps(pre.splits)
     steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
@@ -98,12 +101,22 @@ def _gemma4(f: GGUFFile, tokens: list[str]) -> Tokenizer:
     """Gemma 4: spaces written as "▁", BPE merges over each line and each run of newlines on the
     raw UTF-8, bytes no token covers as ``<0xXX>`` tokens."""
     vocab = {token: i for i, token in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab, _merges(f), byte_fallback=True))  # type: ignore[arg-type]
+    tok = Tokenizer(models.BPE(vocab, _merges(f, vocab), byte_fallback=True))  # type: ignore[arg-type]
     tok.normalizer = normalizers.Replace(" ", SPACE)
     tok.pre_tokenizer = pre_tokenizers.Sequence(split_steps((NEWLINES,)))
     tok.decoder = decoders.Sequence(
         [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     )
+    # llama.cpp takes a run of newlines that is a token whole, without merges; the merges must
+    # reach the same token (they do in Gemma 4's vocabulary), since BPE here always merges
+    run = "\n"
+    while run in vocab:
+        if [t.id for t in tok.model.tokenize(run)] != [vocab[run]]:
+            raise CheckpointError(
+                f"GGUF file {f.path}: tokenizer.ggml.merges do not make the token of {len(run)} "
+                "newlines, which llama.cpp's Gemma 4 tokenizer takes whole"
+            )
+        run += "\n"
     return tok
 
 
