@@ -308,7 +308,8 @@ class _Routes:
             self._check_ready()
             shape = await anyio.to_thread.run_sync(self._shape, body)  # compiling a grammar takes a while
             text, prompt = await anyio.to_thread.run_sync(self._render_chat, body, shape.tools.tools)  # a large prompt must not stall the loop
-        params = replace(self._params(body, prompt, "messages"), grammar=shape.grammar)
+            grammar = await anyio.to_thread.run_sync(self._grammar_after, shape, text)
+        params = replace(self._params(body, prompt, "messages"), grammar=grammar)
         return await self._respond(request, Reply.new(True, self.backend.model_name), prompt, params,
                                    bool(body.stream), body.include_usage, "", body.n or 1,
                                    self._reasoning(text), shape.tools)  # fmt: skip
@@ -408,6 +409,10 @@ class _Routes:
             raise bad_request("ignore_eos cannot be sent with a grammar: the answer ends with the end of its grammar",
                               "ignore_eos", "invalid_value")  # fmt: skip
         return _Shape(tools, grammar or tools.grammar)
+
+    def _grammar_after(self, shape: _Shape, prompt_text: str) -> str:
+        """The answer's grammar: a required call's follows a think block its prompt opened."""
+        return shape.tools.grammar_after(prompt_text, self.grammars) if shape.tools.grammar else shape.grammar
 
     def _render_chat(self, body: ChatRequest, tools: list[dict[str, Any]]) -> tuple[str, list[int]]:
         messages = [m.as_template_dict() for m in body.messages]

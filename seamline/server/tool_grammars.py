@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from seamline.server.grammars import compact_schema
+from seamline.server.reasoning import CLOSE as THINK_CLOSE
 from seamline.server.tool_formats import DSML, ToolFormat
 
 Literal = Callable[[str], str]  # text -> Lark items that match it exactly
@@ -60,16 +61,25 @@ class Rules:
     def json(self, name: str, schema: dict[str, Any]) -> str:
         return self.add(name, _json_rule(schema))
 
-    def text_until(self, name: str, close: str) -> str:
-        """Text with no ``<`` up to ``close``, and ``close``: one lexeme where ``close`` is plain
-        text (a lexeme cannot end inside a longer possible match), else the text, then it."""
+    def text_until(self, name: str, close: str, schema: dict[str, Any]) -> str:
+        """A string value, then ``close``: one of the schema's ``enum``, or text with no ``<``
+        (at most its ``maxLength``); one lexeme with ``close`` where that is plain text (a
+        lexeme cannot end inside a longer possible match), else the text, then it."""
         closing = self.lit(close)
+        if isinstance(schema.get("enum"), list):
+            texts = [v for v in schema["enum"] if isinstance(v, str)]
+            return self.add(name, " | ".join(self.lit(v + close) for v in texts) or closing)
+        most = schema.get("maxLength")
+        text = f"[^<]{{0,{int(most)}}}" if isinstance(most, int) else "[^<]*"
         if closing == json.dumps(close, ensure_ascii=False):
-            return self.add(name, f"/[^<]*{_regex_text(close)}/")
-        return self.add(name, f"/[^<]*/ {closing}")
+            return self.add(name, f"/{text}{_regex_text(close)}/")
+        return self.add(name, f"/{text}/ {closing}")
 
 
 def _is_string(schema: dict[str, Any]) -> bool:
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum and "type" not in schema:
+        return all(isinstance(v, str) for v in enum)
     return schema.get("type") == "string"
 
 
@@ -83,7 +93,7 @@ def _xml_params(rules: Rules, prefix: str, schema: dict[str, Any],
     for j, (key, sub) in enumerate(props.items()):
         sub = sub if isinstance(sub, dict) else {}
         if _is_string(sub):
-            value = rules.text_until(f"{prefix}_v{j}", close)
+            value = rules.text_until(f"{prefix}_v{j}", close, sub)
         else:
             value = f"{rules.json(f'{prefix}_j{j}', sub)} {rules.lit(close)}"
         item = f"{rules.lit(head(key, _is_string(sub)))} {value}"
@@ -168,8 +178,18 @@ def wrap(fmt: ToolFormat, calls: str, lit: Literal) -> str:
     return calls
 
 
-def tool_grammar(fmt: ToolFormat, tools: list[tuple[str, dict[str, Any]]], lit: Literal) -> str:
-    """The Lark grammar of one call of any of ``tools`` (name, parameters' schema)."""
+def tool_grammar(fmt: ToolFormat, tools: list[tuple[str, dict[str, Any]]], lit: Literal,
+                 thinking: bool = False) -> str:  # fmt: skip
+    """The Lark grammar of one call of any of ``tools`` (name, parameters' schema); with
+    ``thinking`` (the prompt opened a think block), the block's text and its close come first."""
     rules = Rules(lit)
     names = [call_rule(fmt, rules, i, name, schema) for i, (name, schema) in enumerate(tools)]
-    return f"start: {wrap(fmt, ' | '.join(names), lit)}\n" + "\n".join(rules.lines)
+    start = wrap(fmt, " | ".join(names), lit)
+    if thinking:
+        close = lit(THINK_CLOSE)
+        if close == json.dumps(THINK_CLOSE):  # plain text: the block is one lazy lexeme
+            rules.lines.append(f"think[lazy]: /(?s:.*){_regex_text(THINK_CLOSE)}/")
+        else:  # a special token ends the text
+            rules.lines.append(f"think: /(?s:.*)/ {close}")
+        start = f'think ("\\n" | "\\n\\n")? {start}'
+    return f"start: {start}\n" + "\n".join(rules.lines)

@@ -21,7 +21,8 @@ from llguidance import LLMatcher
 
 from seamline.server.grammars import GrammarCheck
 from seamline.server.openai_schema import ChatRequest, NamedTool, ToolDef, bad_request
-from seamline.server.reasoning import partial_tag
+from seamline.server.reasoning import OPEN as THINK_OPEN
+from seamline.server.reasoning import partial_tag, uses_think_blocks
 from seamline.server.tool_formats import Schemas, ToolFormat, openai_id, tool_format
 from seamline.server.tool_grammars import Literal, lark_text, tool_grammar
 
@@ -50,6 +51,15 @@ class ToolPlan:
     grammar: str = ""
     named: bool = False
     schemas: Schemas = field(default_factory=dict)  # each tool's parameters (XML-style values' types)
+    thinking_lark: str = ""  # the required call's grammar after a think block the prompt opened
+
+    def grammar_after(self, prompt_text: str, check: GrammarCheck) -> str:
+        """The grammar of the answer to this prompt: where the prompt opened a think block (as a
+        reasoning template's does), the block's text and its close come before the call."""
+        if not self.grammar or not self.thinking_lark or not prompt_text.rstrip().endswith(THINK_OPEN):
+            return self.grammar
+        lark = LLMatcher.grammar_from_lark(self.thinking_lark)
+        return check.check(lark, "tool_choice", "the required tool call", "tools")
 
 
 def plan_tools(body: ChatRequest, template: str | None, check: GrammarCheck) -> ToolPlan:
@@ -72,9 +82,11 @@ def plan_tools(body: ChatRequest, template: str | None, check: GrammarCheck) -> 
         return ToolPlan(tools, fmt, schemas=by_name)
     chosen = [i for i, name in enumerate(names) if not isinstance(choice, NamedTool) or name == choice.function.name]
     lit: Literal = partial(lark_text, specials=check.special_tokens())
-    lark = tool_grammar(fmt, [(names[i], schemas[i]) for i in chosen], lit)
+    required = [(names[i], schemas[i]) for i in chosen]
+    lark = tool_grammar(fmt, required, lit)
     grammar = check.check(LLMatcher.grammar_from_lark(lark), "tool_choice", "the required tool call", "tools")
-    return ToolPlan(tools, fmt, grammar, isinstance(choice, NamedTool), by_name)
+    thinking = tool_grammar(fmt, required, lit, thinking=True) if uses_think_blocks(template) else ""
+    return ToolPlan(tools, fmt, grammar, isinstance(choice, NamedTool), by_name, thinking)
 
 
 def _parameters(tool: ToolDef, index: int, check: GrammarCheck) -> dict[str, Any]:
