@@ -133,15 +133,13 @@ class TextCodec:
 
 
 def _codec_from_gguf(path: Path) -> TextCodec:
-    from seamline.weights.gguf import GGUFSource, tokenizer_from_gguf
+    from seamline.weights.gguf import tokenizer_from_gguf
     from seamline.weights.gguf_file import GGUFFile
-    from seamline.weights.gguf_prompt import prompt_ends_from_gguf
+    from seamline.weights.gguf_prompt import end_of_generation_ids, prompt_ends_from_gguf
 
     f = GGUFFile.open(path)
     ends = prompt_ends_from_gguf(f)  # before the tokenizer: a bad id is refused first
     tokenizer = tokenizer_from_gguf(path)
-    config = GGUFSource(path).config_dict()
-    eos = _ids(config.get("eos_token_id"))
     template = f.get("tokenizer.chat_template")
     note = None
     if template is None:
@@ -152,7 +150,7 @@ def _codec_from_gguf(path: Path) -> TextCodec:
         chat_template=str(template),
         bos_token=tokenizer.id_to_token(ends.bos_id) if ends.bos_id is not None else None,
         eos_token=tokenizer.id_to_token(ends.eos_id) if ends.eos_id is not None else None,
-        stop_ids=eos,
+        stop_ids=end_of_generation_ids(f),
         ends=PromptEnds(ends.prefix, ends.suffix, around_chat=True),
         template_note=note,
     )

@@ -84,3 +84,31 @@ def _token_id(f: GGUFFile, key: str, count: int, default: int | None) -> int | N
             f"GGUF file {f.path}: {key} = {value} is past the vocabulary's {count} tokens"
         )
     return int(value)
+
+
+# tokens llama.cpp ends a generation at by their text, besides the file's EOS, EOT and EOM
+END_TEXTS = frozenset(
+    (
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
+        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
+        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
+        "<｜end▁of▁sentence｜>", "[e~[",
+    )
+)  # fmt: skip
+END_KEYS = tuple(
+    f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
+)
+
+
+def end_of_generation_ids(f: GGUFFile) -> tuple[int, ...]:
+    """The ids a generation ends at, as llama.cpp's ``special_eog_ids``: EOS first, then the
+    file's other end ids, then the tokens named by ``END_TEXTS``; harmony's ``<|end|>`` is not
+    one where ``<|return|>`` and ``<|call|>`` are (it ends a message, not the answer)."""
+    tokens: list[str] = f.get("tokenizer.ggml.tokens") or []
+    ids = [int(v) for k in END_KEYS if (v := f.get(k)) is not None and 0 <= int(v) < len(tokens)]
+    ids += [i for i, text in enumerate(tokens) if text in END_TEXTS]
+    ends = list(dict.fromkeys(ids))
+    texts = {tokens[i] for i in ends}
+    if "<|end|>" in texts and "<|return|>" in texts and texts & {"<|call|>", "<|calls|>"}:
+        ends = [i for i in ends if tokens[i] != "<|end|>"]
+    return tuple(ends)
