@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from functools import cache
+from typing import Any
 
 import pytest
 from llguidance import LLMatcher, LLTokenizer
@@ -16,8 +17,10 @@ from llguidance import LLMatcher, LLTokenizer
 from seamline.server.tool_formats import FORMATS, ToolFormat, tool_format
 from seamline.server.tool_grammars import lark_text, tool_grammar
 from tests.support.tool_families import (
+    CALL_ID,
     FAMILIES,
     HISTORY,
+    ONE,
     SCHEMAS,
     WEATHER,
     full_answer,
@@ -158,3 +161,35 @@ def test_after_a_think_block_the_prompt_opened_the_grammar_takes_the_reasoning_f
         "<think>"
     )
     assert [c.name for c in calls] == ["get_weather"]
+
+
+WEATHER_CALL = '{"city": "Paris", "days": 2}'
+VARIANTS = [
+    # harmony: the recipient before the channel, a preamble on commentary, the call's end marker
+    # taken as the stop token (not in the text)
+    ("gpt-oss", f" to=functions.get_weather<|channel|>commentary json<|message|>{WEATHER_CALL}<|call|>", "", ONE),
+    ("gpt-oss", "<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
+                f"to=functions.get_weather <|constrain|>json<|message|>{WEATHER_CALL}", "Let me look.", ONE),
+    ("Mistral-Small-3.2", f"[TOOL_CALLS]get_weather[CALL_ID]{CALL_ID}[ARGS]{WEATHER_CALL}", "", ONE),
+    ("Llama-3.1", f'Sure. {{"name": "get_weather", "arguments": {WEATHER_CALL}}}', "Sure.", ONE),
+    ("Qwen3-0.6B", f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER_CALL}}}', "", ONE),  # cut short
+    ("Qwen3-Coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\n21\n</parameter>\n<parameter=days>\n"
+                    "2\n</parameter>\n</function>", "", [("get_weather", {"city": "21", "days": 2})]),
+    ("GLM-4.6", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>21</arg_value>\n</tool_call>", "",
+     [("get_weather", {"city": "21"})]),  # a string by the schema, though it reads as JSON
+    ("Kimi-K2", "No call here: <|tool_calls_section_begin|> broken", "No call here: <|tool_calls_section_begin|> broken", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("family, answer, content, calls", VARIANTS)
+def test_the_other_ways_a_family_writes_its_calls(family: str, answer: str, content: str,
+                                                  calls: list[tuple[str, dict[str, Any]]]) -> None:  # fmt: skip
+    fam = FAMILIES[family]
+    prompt = (
+        render(family, HISTORY[:2]) if fam.fmt != "glm" else ""
+    )  # GLM-4.6's answer may open a block
+    for at in range(len(answer) + 1):
+        _, shown, made = run(fam, template(family), prompt, [answer[:at], answer[at:]])
+        assert (
+            shown.strip() == content and [(c.name, json.loads(c.arguments)) for c in made] == calls
+        ), at
