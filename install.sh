@@ -105,7 +105,7 @@ fi
 if [[ "${1:-}" == "--test" ]]; then
   # the tests hold tokens, templates and files to llama.cpp's own: its source (llama-cpp-python's
   # source distribution) and the real Gemma 3 270M GGUF, fetched once per machine
-  .venv/bin/python -m tests.support.llama_cpp
+  .venv/bin/python -m seamline.bench.references
 fi
 # serve and join preload jemalloc where it is installed (seamline/allocator.py: glibc's malloc
 # slows a node for good after a burst of large batches): Debian's, through apt-get as root, or
