@@ -16,7 +16,7 @@ from seamline.server.api_options import add_api_arguments, api_options
 
 INVITE_ENV = "SEAMLINE_INVITE"  # where `join` may read its invite (argv shows in `ps`)
 
-BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos", "growth", "spec", "gpu", "families", "scale")
+BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos", "growth", "spec", "gpu", "families", "scale", "conformance")
 
 
 def build_parser() -> argparse.ArgumentParser:

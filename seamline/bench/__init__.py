@@ -58,6 +58,10 @@ def run_bench(name: str, json_path: str | None, **options: Any) -> dict[str, Any
         from seamline.bench.families import bench_families
 
         result = bench_families(repeats=options["repeats"])
+    elif name == "conformance":
+        from seamline.bench.conformance import bench_conformance
+
+        result = bench_conformance()  # 32 tokens a prompt, as the comparison is defined
     else:
         raise ValueError(f"unknown benchmark {name!r}")
     text = json.dumps(result, indent=2)
