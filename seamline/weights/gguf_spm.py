@@ -32,8 +32,8 @@ def spm_tokenizer(f: GGUFFile, tokens: list[str]) -> Tokenizer:
     vocab = {token: i for i, token in enumerate(tokens)}
     unknown = f.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unknown)] if unknown is not None else None
-    model = models.BPE(vocab, merges(tokens, scores), byte_fallback=True, fuse_unk=True, unk_token=unk)  # type: ignore[arg-type]
-    tok = Tokenizer(model)
+    pairs = merges(tokens, scores)
+    tok = Tokenizer(models.BPE(vocab, pairs, byte_fallback=True, fuse_unk=True, unk_token=unk))  # type: ignore[arg-type]
     # llama.cpp puts the space before each stretch of text the added tokens leave (its first
     # included); the normalizer runs on each such stretch alone
     prefix = bool(f.get("tokenizer.ggml.add_space_prefix", True))

@@ -24,6 +24,7 @@ from seamline.weights.gguf_spm import SPACE, spm_tokenizer
 NORMAL = 1  # llama.cpp's token type for a plain token
 MODELS = ("gpt2", "llama", "gemma4")  # byte-level BPE, SentencePiece, Gemma 4's BPE
 
+
 @dataclass(frozen=True)
 class GGUFTokenizerInfo:
     bos_token_id: int | None
