@@ -49,13 +49,28 @@ def nine_char_id() -> str:
 
 
 @dataclass(frozen=True)
+class CallShape:
+    """How a required call is written, for its grammar (``server/tool_grammars.py``): the text
+    before and after its arguments (``{name}``: the tool's name, ``{qname}``: as a JSON string,
+    ``{id}``: a call id of 9 letters and digits), the region's markers around it, and for the
+    XML-style families a parameter's opening (``{key}``, ``{string}``: true or false) and the
+    text that closes its value; the others write the arguments as one JSON object."""
+
+    head: str
+    tail: str = ""
+    region: tuple[str, str] = ("", "")
+    param: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
 class ToolFormat:
     name: str
     starts: tuple[str, ...]  # text that opens the calls region
     find: Finder  # the first complete call(s) in the region's pending text
+    shape: CallShape
     find_unclosed: Finder | None = None  # a last call the answer ended inside, at its end
-    closing: str = ""  # written after the calls, where the family closes its region
     new_id: Callable[[], str] = openai_id
+    signs: tuple[str, ...] = ()  # what a template of the family holds (all of them)
 
 
 def _arguments(value: Any) -> dict[str, Any] | None:
@@ -240,45 +255,93 @@ def _cut(pattern: re.Pattern[str], finder: Finder, close: str) -> Finder:
 
 
 _V3 = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
-_TABLE = [
-    ToolFormat("hermes", ("<tool_call>",), _hermes(_HERMES), _cut(_HERMES_CUT, _hermes(_HERMES), "</tool_call>")),
-    ToolFormat("qwen3_coder", ("<tool_call>",), _xml(_CODER, _CODER_PARAM),
-               _cut(_CODER_CUT, _xml(_CODER, _CODER_PARAM), "</tool_call>")),
-    ToolFormat("glm", ("<tool_call>",), _xml(_GLM, _GLM_PARAM)),
-    ToolFormat("deepseek_v3", _V3[:1], _deepseek, closing=_V3[1]),
-    ToolFormat("deepseek_v31", _V3[:1], _deepseek, closing=_V3[1]),
-    ToolFormat("dsml_v32", (f"<{DSML}function_calls>",), _dsml, closing=f"</{DSML}function_calls>"),
-    ToolFormat("dsml_v4", (f"<{DSML}tool_calls>",), _dsml, closing=f"</{DSML}tool_calls>"),
-    ToolFormat("harmony", (HARMONY_CALL,), _harmony),
-    ToolFormat("llama3", ("<|python_tag|>", '{"name"'), _llama3),
-    ToolFormat("mistral", ("[TOOL_CALLS]",), _mistral, new_id=nine_char_id),
-    ToolFormat("mistral_json", ("[TOOL_CALLS]",), _mistral_json, new_id=nine_char_id),
-    ToolFormat("kimi_k2", ("<|tool_calls_section_begin|>",), _kimi, closing="<|tool_calls_section_end|>"),
-]  # fmt: skip
-FORMATS: dict[str, ToolFormat] = {fmt.name: fmt for fmt in _TABLE}
+_V32 = (f"<{DSML}function_calls>", f"</{DSML}function_calls>")
+_V4 = (f"<{DSML}tool_calls>", f"</{DSML}tool_calls>")
+_KIMI_REGION = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
 
-# (the format, what the template's text holds), the first that fits: the more specific first
-_SIGNS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("dsml_v32", (DSML, "function_calls")),
-    ("dsml_v4", (DSML,)),
-    ("deepseek_v3", ("tool▁calls▁begin", "```json")),
-    ("deepseek_v31", ("tool▁calls▁begin",)),
-    ("kimi_k2", ("<|tool_calls_section_begin|>",)),
-    ("glm", ("<arg_key>",)),
-    ("qwen3_coder", ("<function=",)),
-    ("hermes", ("<tool_call>",)),
-    ("mistral", ("[TOOL_CALLS]", "[ARGS]")),
-    ("mistral_json", ("[TOOL_CALLS]",)),
-    ("llama3", ('"parameters": dictionary of argument name',)),
-    ("harmony", ("<|channel|>", "<|message|>")),
+
+def _dsml_shape(region: tuple[str, str]) -> CallShape:
+    param = (f'<{DSML}parameter name="{{key}}" string="{{string}}">', f"</{DSML}parameter>\n")
+    return CallShape(
+        f'<{DSML}invoke name="{{name}}">\n',
+        f"</{DSML}invoke>\n",
+        (region[0] + "\n", region[1]),
+        param,
+    )
+
+
+_HERMES_SHAPE = CallShape('<tool_call>\n{"name": {qname}, "arguments": ', "}\n</tool_call>")
+_CODER_SHAPE = CallShape(
+    "<tool_call>\n<function={name}>\n",
+    "</function>\n</tool_call>",
+    param=("<parameter={key}>\n", "\n</parameter>\n"),
 )
+_GLM_SHAPE = CallShape(
+    "<tool_call>{name}\n",
+    "</tool_call>",
+    param=("<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n"),
+)
+_V3_SHAPE = CallShape(
+    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n", "\n```<｜tool▁call▁end｜>", _V3
+)
+_V31_SHAPE = CallShape("<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>", "<｜tool▁call▁end｜>", _V3)
+_HARMONY_SHAPE = CallShape(
+    "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>", "<|call|>"
+)
+_NEMO_SHAPE = CallShape(
+    '{"name": {qname}, "arguments": ', ', "id": "{id}"}', ("[TOOL_CALLS][", "]")
+)
+_KIMI_SHAPE = CallShape(
+    "<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    _KIMI_REGION,
+)
+_HERMES_CUT_FIND = _cut(_HERMES_CUT, _hermes(_HERMES), "</tool_call>")
+_CODER_CUT_FIND = _cut(_CODER_CUT, _xml(_CODER, _CODER_PARAM), "</tool_call>")
+LLAMA3_SIGN = '"parameters": dictionary of argument name'  # its prompt's instructions
+TAG, CALLS = ("<tool_call>",), ("[TOOL_CALLS]",)
+
+_TABLE = [  # in the order templates are told apart by their signs: the more specific first
+    ToolFormat("dsml_v32", _V32[:1], _dsml, _dsml_shape(_V32), signs=(DSML, "function_calls")),
+    ToolFormat("dsml_v4", _V4[:1], _dsml, _dsml_shape(_V4), signs=(DSML,)),
+    ToolFormat("deepseek_v3", _V3[:1], _deepseek, _V3_SHAPE, signs=("tool▁calls▁begin", "```json")),
+    ToolFormat("deepseek_v31", _V3[:1], _deepseek, _V31_SHAPE, signs=("tool▁calls▁begin",)),
+    ToolFormat("kimi_k2", _KIMI_REGION[:1], _kimi, _KIMI_SHAPE, signs=_KIMI_REGION[:1]),
+    ToolFormat("glm", TAG, _xml(_GLM, _GLM_PARAM), _GLM_SHAPE, signs=("<arg_key>",)),
+    ToolFormat(
+        "qwen3_coder",
+        TAG,
+        _xml(_CODER, _CODER_PARAM),
+        _CODER_SHAPE,
+        _CODER_CUT_FIND,
+        signs=("<function=",),
+    ),  # fmt: skip
+    ToolFormat("hermes", TAG, _hermes(_HERMES), _HERMES_SHAPE, _HERMES_CUT_FIND, signs=TAG),
+    ToolFormat(
+        "mistral",
+        CALLS,
+        _mistral,
+        CallShape("[TOOL_CALLS]{name}[ARGS]"),
+        new_id=nine_char_id,
+        signs=(*CALLS, "[ARGS]"),
+    ),  # fmt: skip
+    ToolFormat("mistral_json", CALLS, _mistral_json, _NEMO_SHAPE, new_id=nine_char_id, signs=CALLS),
+    ToolFormat(
+        "llama3",
+        ("<|python_tag|>", '{"name"'),
+        _llama3,
+        CallShape('{"name": {qname}, "parameters": ', "}"),
+        signs=(LLAMA3_SIGN,),
+    ),  # fmt: skip
+    ToolFormat(
+        "harmony", (HARMONY_CALL,), _harmony, _HARMONY_SHAPE, signs=("<|channel|>", "<|message|>")
+    ),
+]
+FORMATS: dict[str, ToolFormat] = {fmt.name: fmt for fmt in _TABLE}
 
 
 def tool_format(template: str | None) -> ToolFormat | None:
     """The tool-call format a chat template writes; None when it defines none."""
     if not template:
         return None
-    for name, signs in _SIGNS:
-        if all(sign in template for sign in signs):
-            return FORMATS[name]
-    return None
+    return next((fmt for fmt in _TABLE if all(sign in template for sign in fmt.signs)), None)

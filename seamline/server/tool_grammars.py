@@ -16,10 +16,9 @@ from typing import Any
 
 from seamline.server.grammars import compact_schema
 from seamline.server.reasoning import CLOSE as THINK_CLOSE
-from seamline.server.tool_formats import DSML, ToolFormat
+from seamline.server.tool_formats import ToolFormat
 
 Literal = Callable[[str], str]  # text -> Lark items that match it exactly
-NL = "\n"
 _REGEX_META = set("\\.+*?()|[]{}^$")
 
 
@@ -83,10 +82,10 @@ def _is_string(schema: dict[str, Any]) -> bool:
     return schema.get("type") == "string"
 
 
-def _xml_params(rules: Rules, prefix: str, schema: dict[str, Any],
-                head: Callable[[str, bool], str], close: str) -> str:  # fmt: skip
-    """The parameters of an XML-style call: ``head(key, is_string)`` opens each, ``close``
-    ends each value."""
+def _xml_params(rules: Rules, prefix: str, schema: dict[str, Any], param: tuple[str, str]) -> str:
+    """An XML-style call's parameters, in the schema's order (the optional ones optional):
+    ``param`` is a parameter's opening and the text that closes its value."""
+    opening, close = param
     props: dict[str, Any] = schema.get("properties") or {}
     required = set(schema.get("required") or [])
     items = []
@@ -96,86 +95,40 @@ def _xml_params(rules: Rules, prefix: str, schema: dict[str, Any],
             value = rules.text_until(f"{prefix}_v{j}", close, sub)
         else:
             value = f"{rules.json(f'{prefix}_j{j}', sub)} {rules.lit(close)}"
-        item = f"{rules.lit(head(key, _is_string(sub)))} {value}"
+        head = opening.replace("{key}", key).replace(
+            "{string}", "true" if _is_string(sub) else "false"
+        )
+        item = f"{rules.lit(head)} {value}"
         items.append(item if key in required else f"({item})?")
     return " ".join(items) if items else '""'
 
 
-def _json_call(kind: str, name: str) -> tuple[str, str]:
-    """The text before and after a JSON-arguments call's arguments."""
-    quoted = json.dumps(name, ensure_ascii=False)
-    return {
-        "hermes": ('<tool_call>\n{"name": ' + quoted + ', "arguments": ', "}\n</tool_call>"),
-        "deepseek_v3": (
-            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n",
-            "\n```<｜tool▁call▁end｜>",
-        ),
-        "deepseek_v31": (f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>", "<｜tool▁call▁end｜>"),
-        "harmony": (
-            f"<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
-            "<|call|>",
-        ),
-        "llama3": ('{"name": ' + quoted + ', "parameters": ', "}"),
-        "mistral": (f"[TOOL_CALLS]{name}[ARGS]", ""),
-        "mistral_json": ('{"name": ' + quoted + ', "arguments": ', ', "id": "'),
-        "kimi_k2": (
-            f"<|tool_call_begin|>functions.{name}:0<|tool_call_argument_begin|>",
-            "<|tool_call_end|>",
-        ),
-    }[kind]
+def _text(rules: Rules, text: str, name: str) -> str:
+    """``text`` with the tool's name in it, and ``{id}`` as a call id (9 letters and digits)."""
+    text = text.replace("{qname}", json.dumps(name, ensure_ascii=False)).replace("{name}", name)
+    items: list[str] = []
+    for k, part in enumerate(text.split("{id}")):
+        items += (["/[a-zA-Z0-9]{9}/"] if k else []) + ([rules.lit(part)] if part else [])
+    return " ".join(items)
 
 
 def call_rule(fmt: ToolFormat, rules: Rules, i: int, name: str, schema: dict[str, Any]) -> str:
     """Adds the rules of a call of ``name`` to ``rules``; the name of its rule."""
-    if fmt.name in ("qwen3_coder", "glm", "dsml_v32", "dsml_v4"):
-        return rules.add(f"call_{i}", _xml_call(fmt.name, rules, f"p{i}", name, schema))
-    head, tail = _json_call(fmt.name, name)
-    body = f"{rules.lit(head)} {rules.json(f'args_{i}', schema)}"
-    if tail:
-        body += f" {rules.lit(tail)}"
-    if (
-        fmt.name == "mistral_json"
-    ):  # then the call's id, 9 letters and digits, as its template requires
-        body += " /[a-zA-Z0-9]{9}/ " + rules.lit('"}')
-    return rules.add(f"call_{i}", body)
-
-
-def _xml_call(kind: str, rules: Rules, prefix: str, name: str, schema: dict[str, Any]) -> str:
-    if kind == "qwen3_coder":
-        params = _xml_params(
-            rules, prefix, schema, lambda k, s: f"<parameter={k}>\n", "\n</parameter>\n"
-        )
-        head, tail = f"<tool_call>\n<function={name}>\n", "</function>\n</tool_call>"
-    elif kind == "glm":
-        params = _xml_params(
-            rules,
-            prefix,
-            schema,
-            lambda k, s: f"<arg_key>{k}</arg_key>\n<arg_value>",
-            "</arg_value>\n",
-        )
-        head, tail = f"<tool_call>{name}\n", "</tool_call>"
+    shape = fmt.shape
+    if shape.param is not None:
+        arguments = _xml_params(rules, f"p{i}", schema, shape.param)
     else:
-
-        def opening(key: str, is_string: bool) -> str:
-            return f'<{DSML}parameter name="{key}" string="{"true" if is_string else "false"}">'
-
-        params = _xml_params(rules, prefix, schema, opening, f"</{DSML}parameter>\n")
-        head, tail = f'<{DSML}invoke name="{name}">\n', f"</{DSML}invoke>\n"
-    return f"{rules.lit(head)} {params} {rules.lit(tail)}"
+        arguments = rules.json(f"args_{i}", schema)
+    tail = f" {_text(rules, shape.tail, name)}" if shape.tail else ""
+    return rules.add(f"call_{i}", f"{_text(rules, shape.head, name)} {arguments}{tail}")
 
 
 def wrap(fmt: ToolFormat, calls: str, lit: Literal) -> str:
     """The start rule's body around the alternatives ``calls``: the family's region markers."""
-    if fmt.name in ("deepseek_v3", "deepseek_v31"):
-        return f"{lit(fmt.starts[0])} ({calls}) {lit(fmt.closing)}"
-    if fmt.name in ("dsml_v32", "dsml_v4"):
-        return f"{lit(fmt.starts[0] + NL)} ({calls}) {lit(fmt.closing)}"
-    if fmt.name == "mistral_json":
-        return f"{lit('[TOOL_CALLS][')} ({calls}) {lit(']')}"
-    if fmt.name == "kimi_k2":
-        return f"{lit(fmt.starts[0])} ({calls}) {lit(fmt.closing)}"
-    return calls
+    opening, closing = fmt.shape.region
+    if not opening:
+        return calls
+    return f"{lit(opening)} ({calls}) {lit(closing)}"
 
 
 def tool_grammar(fmt: ToolFormat, tools: list[tuple[str, dict[str, Any]]], lit: Literal,
