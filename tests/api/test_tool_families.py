@@ -10,17 +10,29 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 import jsonschema
 import pytest
+from llguidance import LLMatcher, LLTokenizer
+from tokenizers import Tokenizer
 
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
 from seamline.runtime.backend import LocalBackend, Readiness
 from seamline.runtime.sampling import TokenEvent
+from seamline.server.tool_formats import FORMATS
+from seamline.server.tool_grammars import lark_text, tool_grammar
 from tests.support.api import NAME, client_for, serve
-from tests.support.tool_families import FAMILIES, TOOLS, full_answer, render, template
+from tests.support.tool_families import (
+    FAMILIES,
+    TOOLS,
+    WEATHER,
+    full_answer,
+    render,
+    template,
+)
 
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 BOUNDED = {  # a schema a small model's answer under the grammar ends in
@@ -146,3 +158,39 @@ def test_a_required_call_is_written_in_the_familys_format(model: LocalModel, fam
             "get_weather",
             "get_time",
         )
+
+
+def test_a_think_close_that_is_a_special_token_ends_the_reasoning_in_the_grammar(
+    model: LocalModel,
+) -> None:
+    """Where the tokenizer marks ``</think>`` special, the grammar after an opened think block
+    names that token: the reasoning ends there, and its spelling in text does not end it."""
+    spec = json.loads(model.codec.tokenizer.to_str())
+    entry = next(
+        e for e in spec["added_tokens"] if e["id"] == 8 and e["special"]
+    )  # one of its special tokens
+    spec["model"]["vocab"]["</think>"] = spec["model"]["vocab"].pop(entry["content"])
+    entry["content"] = "</think>"
+    tokenizer = Tokenizer.from_str(json.dumps(spec))
+    fam = FAMILIES["DeepSeek-V3.2"]
+    lit = partial(lark_text, specials={"</think>": 8})
+    grammar = LLMatcher.grammar_from_lark(
+        tool_grammar(FORMATS[fam.fmt], [("get_weather", WEATHER)], lit, thinking=True)
+    )
+    ll = LLTokenizer(tokenizer.to_str())
+
+    def accepts(ids: list[int]) -> bool:
+        matcher = LLMatcher(ll, grammar, log_level=0)
+        return (
+            bool(matcher.consume_tokens(ids)) and matcher.is_accepting() and not matcher.is_error()
+        )
+
+    def ids(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False).ids)
+
+    assert ids("</think>") == [8]  # the text parses as the special token
+    assert accepts(ids("Rome, so the weather tool.") + [8] + ids("\n\n" + fam.required))
+    spelled = [
+        i for piece in ("</", "think", ">") for i in ids(piece)
+    ]  # the same text, not the token
+    assert not accepts(ids("Rome.") + spelled + ids(fam.required))
