@@ -5,19 +5,13 @@ given, and the raw answer is llama-server's and transformers' (it was garbage wi
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
 
 from tests.support.api import client_for, start_server, stop_server
 from tests.support.llama_cpp import gemma3_270m
-
-PROMPT = "The capital of France is"
-PROMPT_IDS = [2, 818, 5279, 529, 7001, 563]  # BOS, then the text's ids
-# the first 12 tokens are llama-server's answer on this file; all 16 are transformers' on the
-# dequantised weights (float32), as seamline computes at --precision exact
-ANSWER = " the capital of the country of France. It is the largest city in France and"
+from tests.support.real_gemma import ANSWER, PROMPT, PROMPT_IDS
 
 
 @pytest.fixture(scope="module")

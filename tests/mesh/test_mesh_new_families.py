@@ -49,3 +49,25 @@ def test_a_new_family_over_two_stages_of_two_ranks_matches_one_process(tmp_path:
         assert reply.choices[0].text == expected
     finally:
         mesh.stop()
+
+
+def test_the_real_gemma_file_split_over_two_nodes_answers_as_llama_server(tmp_path: Path) -> None:
+    """The converter-written Gemma 3 270M on a 2-node mesh: its prompt gets BOS as the file says
+    (the answer is llama-server's), and its token-id prompts are taken as given."""
+    from seamline.server.demo import memory_cap_gb
+    from tests.support.real_gemma import ANSWER, PROMPT, PROMPT_IDS
+    from tests.support.llama_cpp import gemma3_270m
+
+    model = gemma3_270m()
+    mesh = MeshProcesses(tmp_path / "mesh", nodes=2, model=str(model), node_memory_gb=memory_cap_gb(str(model), 2, 512),
+                         serve_args=("--context", "512", "--speculative", "off"))  # fmt: skip
+    try:
+        mesh.start()
+        assert len(mesh.wait_ready()["stages"]) == 2
+        client = mesh.client()
+        for prompt in (PROMPT, PROMPT_IDS):
+            reply = client.completions.create(model="default", prompt=prompt, temperature=0, max_tokens=16)
+            assert reply.usage is not None and reply.usage.prompt_tokens == len(PROMPT_IDS)
+            assert reply.choices[0].text == ANSWER
+    finally:
+        mesh.stop()
