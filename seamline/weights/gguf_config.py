@@ -335,6 +335,24 @@ def llama3_factors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.n
     return np.where(wavelen < context / high, 1.0, np.where(wavelen > context / low, factor, mid))
 
 
+def _bounds_around(
+    x: np.ndarray, r: np.ndarray, factor: float, scaled: np.ndarray, interior: np.ndarray
+) -> tuple[float, float]:
+    """low < x_i < high with x_i's divisor, above the fully scaled x and below the unscaled:
+    one equation in two unknowns, and any solution gives the file's divisors. ``high`` is
+    brought toward x_i until ``low`` (which follows it there) clears the scaled frequencies."""
+    xi = float(x[interior][0])
+    s = (1 / float(r[interior][0]) - 1 / factor) / (1 - 1 / factor)  # (xi - low) / (high - low)
+    below = float(x[scaled & ~interior].max()) if (scaled & ~interior).any() else -math.inf
+    above = float(x[~scaled].min()) if (~scaled).any() else 2 * xi
+    for t in (0.5, 0.1, 0.01, 0.001):
+        high = xi + t * (above - xi)
+        low = (xi - s * high) / (1 - s)
+        if low > below:
+            break
+    return low, high
+
+
 def llama3_rope_scaling(
     r: np.ndarray, theta: float, head_dim: int, path: str
 ) -> dict[str, Any] | None:
@@ -359,6 +377,8 @@ def llama3_rope_scaling(
         slope = (s[-1] - s[0]) / (xi[-1] - xi[0])
         low = float(xi[0] - s[0] / slope)
         high = low + 1 / float(slope)
+    elif interior.sum() == 1:  # a small head: one frequency between the bounds
+        low, high = _bounds_around(x, r, factor, scaled, interior)
     elif interior.sum() == 0 and (~scaled).any():
         # a sharp step: both bounds between the last scaled and the first unscaled frequency
         high = math.sqrt(x[scaled].max() * x[~scaled].min())

