@@ -5,7 +5,8 @@ grammar of a required call writes it (``server/tool_grammars.py``). llama.cpp's 
 
 - ``hermes`` (Hermes, Qwen2.5/3): ``<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>``.
 - ``qwen3_coder``: ``<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>``.
-- ``glm`` (GLM-4.6, 4.7): ``<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>``.
+- ``glm`` (GLM-4.6): ``<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>``;
+  ``glm47`` (GLM-4.7): the same without the newlines.
 - ``deepseek_v3`` / ``deepseek_v31``: ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>…<｜tool▁call▁end｜>…``
   with V3's ``function<｜tool▁sep｜>N\\n```json\\n{...}\\n```` or V3.1's ``N<｜tool▁sep｜>{...}``.
 - ``dsml`` (DeepSeek-V3.2: ``function_calls``; V4: ``tool_calls``): ``<｜DSML｜BLOCK>`` of
@@ -281,6 +282,9 @@ _GLM_SHAPE = CallShape(
     "</tool_call>",
     param=("<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n"),
 )
+_GLM47_SHAPE = CallShape(  # GLM-4.7 writes no newlines between the parts
+    "<tool_call>{name}", "</tool_call>", param=("<arg_key>{key}</arg_key><arg_value>", "</arg_value>")
+)
 _V3_SHAPE = CallShape(
     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n", "\n```<｜tool▁call▁end｜>", _V3
 )
@@ -307,6 +311,7 @@ _TABLE = [  # in the order templates are told apart by their signs: the more spe
     ToolFormat("deepseek_v3", _V3[:1], _deepseek, _V3_SHAPE, signs=("tool▁calls▁begin", "```json")),
     ToolFormat("deepseek_v31", _V3[:1], _deepseek, _V31_SHAPE, signs=("tool▁calls▁begin",)),
     ToolFormat("kimi_k2", _KIMI_REGION[:1], _kimi, _KIMI_SHAPE, signs=_KIMI_REGION[:1]),
+    ToolFormat("glm47", TAG, _xml(_GLM, _GLM_PARAM), _GLM47_SHAPE, signs=("{function-name}<arg_key>",)),
     ToolFormat("glm", TAG, _xml(_GLM, _GLM_PARAM), _GLM_SHAPE, signs=("<arg_key>",)),
     ToolFormat(
         "qwen3_coder",

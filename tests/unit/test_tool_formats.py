@@ -114,12 +114,7 @@ def test_the_grammar_of_a_required_call_takes_the_familys_call_and_nothing_else(
                   "Sure. " + fam.required):  # fmt: skip
         assert not _accepts(named, wrong), wrong
     assert _accepts(named, fam.required.replace("Rome", "Rome and Milan"))
-    if fam.fmt in (
-        "glm",
-        "qwen3_coder",
-        "dsml_v32",
-        "dsml_v4",
-    ):  # a string value is text up to the next tag
+    if FORMATS[fam.fmt].shape.param is not None:  # XML-style: a string value is text up to a tag
         assert not _accepts(named, fam.required.replace("Rome", "Rome<"))
     else:  # the arguments are JSON by the tool's schema
         assert not _accepts(named, fam.required.replace('{"city":"Rome"}', '{"town":"Rome"}'))
