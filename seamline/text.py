@@ -177,7 +177,7 @@ def _codec_from_folder(folder: Path, eos_ids: tuple[int, ...]) -> TextCodec:
     eos_id = tokenizer.token_to_id(eos) if eos is not None else None
     if eos_id is not None:
         stops.add(eos_id)
-    ends = _folder_ends(tokenizer, config, bos, eos)
+    ends = _folder_ends(tokenizer)
     note = None
     if not template:
         architecture = str(model_config.get("model_type") or "")
@@ -186,25 +186,15 @@ def _codec_from_folder(folder: Path, eos_ids: tuple[int, ...]) -> TextCodec:
     return TextCodec(tokenizer, template, bos, eos, tuple(sorted(stops)), ends, note)
 
 
-def _folder_ends(tokenizer: Tokenizer, config: dict[str, Any], bos: str | None, eos: str | None) -> PromptEnds:
-    """What Hugging Face's tokenizer puts around a prompt: ``add_bos_token`` /
-    ``add_eos_token`` where ``tokenizer_config.json`` says, else the post-processor's own."""
+def _folder_ends(tokenizer: Tokenizer) -> PromptEnds:
+    """What Hugging Face's tokenizer puts around a prompt: its ``tokenizer.json``
+    post-processor's special tokens (transformers' fast tokenizers follow it, not
+    ``tokenizer_config.json``'s ``add_bos_token``)."""
     probe_raw = tokenizer.encode("a", add_special_tokens=False).ids
     probe = tokenizer.encode("a", add_special_tokens=True).ids
     at = next((i for i in range(len(probe) - len(probe_raw) + 1)
                if probe[i : i + len(probe_raw)] == probe_raw), 0)  # fmt: skip
-    prefix, suffix = tuple(probe[:at]), tuple(probe[at + len(probe_raw) :])
-    prefix = _said(config.get("add_bos_token"), bos, tokenizer, prefix)
-    suffix = _said(config.get("add_eos_token"), eos, tokenizer, suffix)
-    return PromptEnds(prefix, suffix)
-
-
-def _said(flag: Any, token: str | None, tokenizer: Tokenizer, found: tuple[int, ...]) -> tuple[int, ...]:
-    """``found`` unless ``flag`` (a tokenizer_config.json ``add_*_token``) says otherwise."""
-    if flag is None:
-        return found
-    token_id = tokenizer.token_to_id(token) if token is not None else None
-    return (token_id,) if flag and token_id is not None else ()
+    return PromptEnds(tuple(probe[:at]), tuple(probe[at + len(probe_raw) :]))
 
 
 def _tokenizer_folder(folder: Path, model_type: str) -> Path:

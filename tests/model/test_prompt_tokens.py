@@ -5,6 +5,7 @@ writes one, a missing template replaced by the family's format, bad ids refused 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -104,3 +105,42 @@ def test_a_template_that_fails_to_render_names_its_error(tmp_path: Path) -> None
     codec = _codec(tmp_path, "llama-spm", {TEMPLATE: "{{ messages[0].content | nosuchfilter }}"})
     with pytest.raises(RequestError, match="nosuchfilter"):
         codec.render_chat([{"role": "user", "content": "Hi"}])
+
+
+def _folder(tmp_path: Path, bos_first: bool) -> Path:
+    """A folder with the embedded model's vocabulary, whose post-processor puts BOS first or
+    not, and whose template writes BOS itself."""
+    from tokenizers import processors
+
+    from seamline.app import default_model_path
+    from seamline.weights.gguf import tokenizer_from_gguf
+
+    folder = tmp_path / f"folder-{bos_first}"
+    folder.mkdir()
+    tokenizer = tokenizer_from_gguf(default_model_path())
+    if bos_first:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)]
+        )
+    tokenizer.save(str(folder / "tokenizer.json"))
+    template = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": template,
+              "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return folder
+
+
+@pytest.mark.parametrize("bos_first", [True, False])
+def test_a_folders_prompt_is_what_transformers_makes(tmp_path: Path, bos_first: bool) -> None:
+    """Raw prompts by the post-processor, chats as the template wrote them: transformers' ids."""
+    from transformers import AutoTokenizer
+
+    folder = _folder(tmp_path, bos_first)
+    codec, reference = TextCodec.from_model(folder), AutoTokenizer.from_pretrained(str(folder))
+    text = "Hello world, <|im_end|> and more"
+    assert codec.encode_prompt(text) == reference(text).input_ids
+    assert (codec.encode_prompt(text)[0] == 1) is bos_first
+    chat = [{"role": "user", "content": "Hi"}]
+    want = reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert codec.encode_chat(chat) == list(want) and codec.encode_chat(chat).count(1) == 1
