@@ -53,13 +53,15 @@ class LocalModel:
         layer is loaded too (``model/mtp.py``). ``device``: where it computes (``seamline.model.devices``)."""
         where = resolve_device(device)
         path = Path(path) if path else default_model_path()
+        # a GGUF file's tokenizer and its BOS/EOS keys are checked before its weights are read
+        early = TextCodec.from_model(path) if path.suffix == ".gguf" else None
         source = open_source(path)
         config = ModelConfig.from_hf_dict(source.config_dict())
         chosen = resolve(precision, weights_kind(source.stored_type(n) for n in source.names()), dtype,
                          accelerator=is_accelerator(where))
         apply(chosen)
         mtp = speculative == "mtp" or (speculative == "auto" and mtp_missing(source, config) is None)
-        codec = TextCodec.from_model(path, config.eos_token_ids)
+        codec = early or TextCodec.from_model(path, config.eos_token_ids)
         codec.check_fits(config.vocab_size)  # before the weights load
         stage = load_stage(source, dtype=DTYPES[chosen.dtype], config=config, mtp=mtp, device=where)
         engine = Engine(stage, context)

@@ -144,3 +144,23 @@ def test_a_folders_prompt_is_what_transformers_makes(tmp_path: Path, bos_first: 
     chat = [{"role": "user", "content": "Hi"}]
     want = reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
     assert codec.encode_chat(chat) == list(want) and codec.encode_chat(chat).count(1) == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"tokenizer.ggml.bos_token_id": 40000}, "tokenizer.ggml.bos_token_id = 40000"),
+        ({"tokenizer.ggml.model": "ugm"}, "'ugm'"),
+        ({"tokenizer.ggml.model": "rwkv"}, "'rwkv'"),
+    ],
+)
+def test_run_refuses_a_tokenizer_it_cannot_encode_in_one_line(
+    tmp_path: Path, overrides: dict[str, Any], named: str
+) -> None:
+    """Before any weight is read (the file has none): one line naming the file, key and value."""
+    from tests.support.cli import assert_clean_error, seamline
+
+    path = vocab_copy("llama-spm", tmp_path / "bad.gguf", overrides)
+    proc = seamline("run", "--model", str(path), "-p", "Hi")
+    assert_clean_error(proc, str(path))
+    assert named in proc.stderr and "tokenizer.ggml" in proc.stderr

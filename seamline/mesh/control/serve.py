@@ -133,10 +133,12 @@ def build_mesh(options: ServeOptions) -> Mesh:
     tame_malloc()  # the coordinator runs a thread per connection: see arenas.py
     path = Path(options.model) if options.model else default_model_path()
     _refuse_early(options, path)
+    # a GGUF file's tokenizer and its BOS/EOS keys are checked before packaging reads its weights
+    early = TextCodec.from_model(path) if path.suffix == ".gguf" else None
     package_dir = package_cached(path, options.cache_dir / "packages")
     manifest = Manifest.load(package_dir)
     config = ModelConfig.from_hf_dict(manifest.config)
-    codec = TextCodec.from_model(path, config.eos_token_ids)
+    codec = early or TextCodec.from_model(path, config.eos_token_ids)
     codec.check_fits(config.vocab_size)  # before any node loads a layer
     # auto drafts with the model's multi-token-prediction layer (on the last stage) where it came packaged
     speculation = options.speculation.for_model(any(f.layer == manifest.num_layers for f in manifest.fragments))
