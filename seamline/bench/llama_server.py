@@ -1,5 +1,6 @@
 """llama.cpp at its best on this machine: `llama-server` and `llama-bench`, the peers that
-`bench throughput` and `bench quant` compare with.
+`bench throughput` and `bench quant` compare with, and `llama-quantize`, which writes
+`bench conformance`'s Q4_K_M files.
 
 Built once (several minutes on two cores) with cmake from the llama.cpp sources vendored in the
 source package of llama-cpp-python ``LLAMA_CPP_PYTHON`` (fetched with pip), statically linked,
@@ -28,7 +29,7 @@ from seamline.cpu_flags import cpu_flags, isa_of
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the source package whose vendored llama.cpp is built
 BIN_ENV = "SEAMLINE_LLAMA_CPP_BIN"
-TARGETS = ("llama-server", "llama-bench")
+TARGETS = ("llama-server", "llama-bench", "llama-quantize")  # quantize: bench conformance's Q4_K_M files
 BASE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
@@ -59,6 +60,10 @@ class LlamaBuild:
     def bench(self) -> Path:
         return self.folder / "llama-bench"
 
+    @property
+    def quantize(self) -> Path:
+        return self.folder / "llama-quantize"
+
     def describe(self) -> dict[str, Any]:
         """The build for a benchmark's JSON: version line, binaries, source and cmake flags."""
         return {"version": _version(self.server), "llama_server": str(self.server), "llama_bench": str(self.bench),
@@ -85,7 +90,7 @@ def llama_cpp_build(build: bool = True) -> tuple[LlamaBuild | None, str]:
     folder = cache_root() / build_key()
     source = f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz: vendor/llama.cpp"
     made = LlamaBuild(folder, source, CMAKE_FLAGS)
-    if made.server.is_file() and made.bench.is_file():
+    if all((folder / target).is_file() for target in TARGETS):
         return made, ""
     if not build:
         return None, f"llama.cpp is not built yet in {folder} (a benchmark builds it: several minutes)"
