@@ -4,11 +4,12 @@ with nothing missing or unexpected (``load_stage`` checks) and gives transformer
 source checkpoint (``--precision exact``: float32 activations, weights as gguf-py decodes them).
 
 Tolerances: F32 within 1e-4 of transformers' float32 logits (the family tests' own). Q8_0, whose
-weights carry up to 1/254 of their block's largest value in rounding (which alone moves these
-models' logits by 1-3% of their scale, measured): at 9 positions in 10 within ``Q8_TOL`` of the
-logit scale (the largest |logit|), at every position within ``Q8_FLIP`` (in a mixture of experts
-the rounding may route a position to other experts), and the same greedy token wherever
-transformers' top-1 margin exceeds twice ``Q8_TOL``.
+weights carry up to 1/254 of their block's largest value in rounding: at 9 positions in 10
+within ``Q8_TOL`` of the logit scale (the largest |logit|), at every position within ``Q8_FLIP``,
+and the same greedy token wherever transformers' top-1 margin exceeds twice ``Q8_TOL``. Measured:
+transformers itself, its checkpoint's matrices rounded to Q8_0 by gguf-py, moves these models'
+logits by 1-3% of the scale at the 90th percentile position, and in a mixture of experts, where
+the rounding routes a position to other experts, by up to 0.43 at one (Mixtral's).
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ def test_converter_file_matches_transformers(
     err = (got - case.want).abs().max().item()
     scale = case.want.abs().max().item()
     record_property("max_abs_diff", err)
+    record_property("logit_scale", scale)
     if outtype == "f32":
         assert err < F32_TOL, f"max |seamline - transformers| = {err:.2e} (logit scale {scale:.2f})"
         return
