@@ -61,7 +61,9 @@ def bench_conformance(tokens: int = 32, **_: Any) -> dict[str, Any]:
     return out
 
 
-def _file_figures(server: Path, gguf: Path, precision: str, tokens: int, tmp: Path) -> dict[str, Any]:
+def _file_figures(
+    server: Path, gguf: Path, precision: str, tokens: int, tmp: Path
+) -> dict[str, Any]:
     ours = _seamline_answers(gguf, precision, tokens)
     reference = LlamaReference(server, gguf, precision == "exact", threads=2, log=tmp / "llama.log")
     try:
@@ -75,7 +77,11 @@ def _file_figures(server: Path, gguf: Path, precision: str, tokens: int, tmp: Pa
     figures = summarise(rows)
     noise = figures["max_logit_diff"]
     listed = [
-        {"prompt": p, **r.as_dict(), "near_tie": r.reference_gap is not None and r.reference_gap < 2 * noise}
+        {
+            "prompt": p,
+            **r.as_dict(),
+            "near_tie": r.reference_gap is not None and r.reference_gap < 2 * noise,
+        }
         for p, r in zip(PROMPTS, rows)
         if not r.equal
     ]
@@ -89,7 +95,9 @@ def _seamline_answers(gguf: Path, precision: str, tokens: int) -> list[tuple[lis
 
     model = LocalModel.load(gguf, precision=precision, speculative="off")
     codec = model.codec
-    params = SamplingParams(temperature=0, max_tokens=tokens, logprobs=5, stop_token_ids=codec.stop_ids)
+    params = SamplingParams(
+        temperature=0, max_tokens=tokens, logprobs=5, stop_token_ids=codec.stop_ids
+    )
     answers = []
     for prompt in PROMPTS:
         ids = codec.encode_prompt(prompt)
@@ -97,4 +105,3 @@ def _seamline_answers(gguf: Path, precision: str, tokens: int) -> list[tuple[lis
         answer = Answer([e.token for e in events], [dict(e.top) for e in events])
         answers.append((ids, answer))
     return answers
-

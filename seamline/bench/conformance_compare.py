@@ -55,7 +55,11 @@ def compare(ours: Answer, reference: Answer) -> Comparison:
     shared = min(shared, len(ours.tops), len(reference.tops))
     diff = max((_top_diff(ours.tops[i], reference.tops[i]) for i in range(shared)), default=0.0)
     top5 = all(_top_ids(ours.tops[i]) == _top_ids(reference.tops[i]) for i in range(shared))
-    gap = _gap(reference.tops[parted]) if parted is not None and parted < len(reference.tops) else None
+    gap = (
+        _gap(reference.tops[parted])
+        if parted is not None and parted < len(reference.tops)
+        else None
+    )
     return Comparison(parted is None, parted, _near(gap, diff), gap, diff, top5)
 
 

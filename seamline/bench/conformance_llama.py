@@ -35,7 +35,9 @@ class LlamaReference:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {self.proc.returncode}: see {self.log.name}")
+                raise RuntimeError(
+                    f"llama-server exited with {self.proc.returncode}: see {self.log.name}"
+                )
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     return

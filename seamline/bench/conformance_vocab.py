@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from seamline.bench.references import llama_cpp_source
+from seamline.errors import SeamlineError
 
 VOCABS = (
     "llama-spm", "llama-bpe", "qwen2", "qwen35", "deepseek-llm", "deepseek-coder", "gpt-2",
@@ -53,7 +54,7 @@ def vocab_vectors() -> dict[str, Any]:
     for name in VOCABS:
         try:
             count, failed = vocab_failures(name)
-        except Exception as exc:  # a vocabulary seamline refuses counts as failed whole
+        except (SeamlineError, ValueError, OSError) as exc:  # a vocabulary refused fails whole
             per[name] = {"passed": 0, "failed": None, "error": f"{type(exc).__name__}: {exc}"}
             continue
         per[name] = {"passed": count - len(failed), "failed": len(failed)}

@@ -31,7 +31,7 @@ def cache_root() -> Path:
 def _pip_download(spec: str, into: Path, source: bool) -> None:
     command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", str(into)]
     command += ["--no-binary", ":all:"] if source else []
-    out = subprocess.run([*command, spec], capture_output=True, text=True)
+    out = subprocess.run([*command, spec], capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise OSError(f"pip download {spec} failed: {(out.stdout + out.stderr)[-1000:]}")
 

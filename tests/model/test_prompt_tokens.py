@@ -39,7 +39,9 @@ def _codec(tmp_path: Path, vocab: str, overrides: dict[str, Any]) -> TextCodec:
 
 
 @pytest.mark.parametrize(("vocab", "flag", "first", "bos"), BOS_CASES)
-def test_bos_follows_the_files_key(tmp_path: Path, vocab: str, flag: Any, first: bool, bos: int) -> None:
+def test_bos_follows_the_files_key(
+    tmp_path: Path, vocab: str, flag: Any, first: bool, bos: int
+) -> None:
     unchanged = flag is ABSENT and vocab in ("gpt-2", "llama-bpe")  # their files have no such key
     codec = _codec(tmp_path, vocab, {} if unchanged else {ADD_BOS: flag})
     text = codec.encode("Hello world")
@@ -68,7 +70,9 @@ def test_a_template_that_writes_bos_gives_one_bos(tmp_path: Path, flag: bool) ->
 
 def test_a_file_without_a_template_gets_its_familys_format(tmp_path: Path) -> None:
     codec = _codec(tmp_path, "llama-bpe", {})
-    text = codec.render_chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    text = codec.render_chat(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
     assert text == (
         "<|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
         "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
@@ -142,7 +146,9 @@ def test_a_folders_prompt_is_what_transformers_makes(tmp_path: Path, bos_first: 
     assert codec.encode_prompt(text) == reference(text).input_ids
     assert (codec.encode_prompt(text)[0] == 1) is bos_first
     chat = [{"role": "user", "content": "Hi"}]
-    want = reference.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    want = reference.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     assert codec.encode_chat(chat) == list(want) and codec.encode_chat(chat).count(1) == 1
 
 

@@ -47,7 +47,11 @@ def test_a_parting_at_a_near_tie_is_told_from_a_real_one() -> None:
 
 def test_a_file_wide_difference_explains_a_parting_at_the_first_token() -> None:
     """A prompt that parts at once has no difference of its own measured: the file's counts."""
-    at_once = compare(Answer([7], [_top((7, -0.7), (6, -0.71))]), Answer([6], [_top((6, -0.69), (7, -0.7))]))
+    at_once = compare(
+        Answer([7], [_top((7, -0.7), (6, -0.71))]), Answer([6], [_top((6, -0.69), (7, -0.7))])
+    )
     assert not at_once.near_tie and at_once.max_logit_diff == 0.0
-    noisy = compare(Answer([5], [_top((5, -0.1), (7, -2.0))]), Answer([5], [_top((5, -0.2), (7, -2.0))]))
+    noisy = compare(
+        Answer([5], [_top((5, -0.1), (7, -2.0))]), Answer([5], [_top((5, -0.2), (7, -2.0))])
+    )
     assert summarise([at_once, noisy])["near_ties"] == 1
