@@ -5,6 +5,11 @@ only when it parses special tokens: they become ``special`` added tokens here, w
 ``Tokenizer.encode_special_tokens`` turns off the same way). It does not take the token types
 as written: end-of-generation texts become CONTROL, some chat-format markers USER_DEFINED, and
 a few models strip whitespace beside their special tokens (``llama_vocab::impl::load``).
+
+Two differences remain, both in how ``tokenizers`` matches added tokens: where two of them
+overlap in the text, llama.cpp takes the longer first, ``tokenizers`` the leftmost (Falcon's
+">>TITLE<<|endoftext|>"); and an added token's rstrip (Phi-3's) takes any Unicode whitespace,
+llama.cpp's only ASCII (isspace).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
-"""The tokenizer and chat template a GGUF file carries, as a ``tokenizers.Tokenizer``.
+"""The tokenizer and chat template a GGUF file carries, as a ``tokenizers.Tokenizer`` that
+encodes as llama.cpp does.
 
-Supported: ``tokenizer.ggml.model == "gpt2"`` (byte-level BPE: tokens + merges), with the
-pre-tokenizer llama.cpp uses for ``tokenizer.ggml.pre`` (``PRE_TOKENIZERS``). Tokens llama.cpp
-marks CONTROL become special added tokens (``<|im_start|>`` is one id); USER_DEFINED ones
-become plain added tokens, matched whole. SentencePiece (``llama``: Llama 1/2, Gemma)
-vocabularies are read too (``gguf_spm.py``).
+Supported ``tokenizer.ggml.model`` values: ``gpt2`` (byte-level BPE: tokens + merges, split first
+by the regexes llama.cpp uses for ``tokenizer.ggml.pre``: ``gguf_pretok.py``), ``llama``
+(SentencePiece: ``gguf_spm.py``) and ``gemma4`` (BPE on raw UTF-8 with "▁" for spaces). Tokens
+llama.cpp matches whole become added tokens (``gguf_special.py``): special where it matches them
+only when parsing special tokens (``<|im_start|>`` is one id), plain otherwise. Anything else
+(``ugm``, ``rwkv``, ``bert``, ``t5``, an unknown ``pre``) is refused by ``check_tokenizer``.
 """
 
 from __future__ import annotations

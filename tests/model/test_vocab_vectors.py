@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from functools import cache
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
 
 import gguf
 import pytest
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, pre_tokenizers
 
 from seamline.errors import CheckpointError
 from seamline.weights import gguf_pretok as pretok
@@ -49,14 +48,9 @@ def read_vectors(vocab: Path) -> list[tuple[str, list[int]]]:
     """The inputs and expected ids, read as test-tokenizer-0.cpp reads them (bytes, no newline
     translation: some inputs hold "\\r")."""
     raw = vocab.with_name(vocab.name + ".inp").read_bytes().decode("utf-8")
-    inputs, pos = [], 0
-    while pos < len(raw):
-        end = raw.find(SEPARATOR, pos)
-        if end < 0:
-            inputs.append(raw[pos:])
-            break
-        inputs.append(raw[pos:end])
-        pos = end + len(SEPARATOR)
+    inputs = raw.split(SEPARATOR)
+    if not raw or raw.endswith(SEPARATOR):
+        inputs.pop()  # the separator closes the last input
     out = vocab.with_name(vocab.name + ".out").read_bytes().decode("utf-8")
     lines = out.split("\n")[:-1] if out.endswith("\n") else out.split("\n")
     assert len(inputs) == len(lines), f"{vocab.name}: {len(inputs)} inputs, {len(lines)} outputs"
@@ -67,16 +61,15 @@ def read_vectors(vocab: Path) -> list[tuple[str, list[int]]]:
 def test_vocab_vectors(name: str) -> None:
     path = _source() / "models" / f"ggml-vocab-{name}.gguf"
     vectors = read_vectors(path)
-    tok = tokenizer_from_gguf(path)
+    tok = _tokenizer(path)
     tok.encode_special_tokens = True  # llama.cpp's parse_special=false
     wrong = []
     for text, want in vectors:
         got = tok.encode(text, add_special_tokens=False).ids
         if got != want:
             wrong.append(f"  {text!r}: llama.cpp {want}, seamline {got}")
-    assert not wrong, f"{name}: {len(wrong)} of {len(vectors)} vectors differ\n" + "\n".join(
-        wrong[:20]
-    )
+    report = "\n".join(wrong[:20])
+    assert not wrong, f"{name}: {len(wrong)} of {len(vectors)} vectors differ\n{report}"
 
 
 def _llama_categories() -> tuple[dict[str, list[tuple[int, int]]], list[int]]:
@@ -113,7 +106,6 @@ def test_unicode_classes_are_llama_cpps() -> None:
 # regex with \p{..}, and on the codepoints with non-ASCII whitespace as U+000B for one without.
 # Python's re with re.ASCII stands in for ECMAScript std::regex in the C locale ($ -> \Z).
 
-_FLAG_BITS = {"N": 0x02, "L": 0x04, "M": 0x10, "P": 0x20, "S": 0x40}
 _COLLAPSE = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
 _ASCII_CLASS = {
     "N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:-;?-@\[-\]_\{\}", "M": "", "S": r"\$\+<->\^`\|~",
@@ -127,10 +119,8 @@ _LLAMA3_KEY = (
 @cache
 def _flags() -> tuple[dict[int, str], frozenset[int]]:
     """Codepoint -> category letter (only N L M P S), and the whitespace set."""
-    ranges, whitespace = _llama_categories()
-    return {c: n for n, rs in ranges.items() for a, b in rs for c in range(a, b + 1)}, frozenset(
-        whitespace
-    )
+    ranges, ws = _llama_categories()
+    return {c: n for n, rs in ranges.items() for a, b in rs for c in range(a, b + 1)}, frozenset(ws)
 
 
 _LOOPS = {  # the regexes llama.cpp's unicode.cpp implements by hand
@@ -311,8 +301,6 @@ def _random_texts(count: int, seed: int) -> list[str]:
 def test_pre_tokenizer_splits_as_llama_cpp(name: str) -> None:
     """Random text over the characters where the regexes' classes matter, split by ours and by
     the model of llama.cpp's splitting above, piece for piece."""
-    from tokenizers import pre_tokenizers
-
     llama_regexes = _llama_pre_types()[name][0]
     ours = pre_tokenizers.Sequence(split_steps(PRE_TOKENIZERS[name].splits))
     wrong = []
@@ -418,17 +406,13 @@ def llama_spm(text: str, v: _Spm, parse_special: bool) -> list[int]:
 
 def _spm_texts(v: _Spm, count: int) -> list[str]:
     """Vocabulary pieces (spaces for "▁"), whole-matched and special texts, odd characters."""
-    tokens = v.tokens
     rng = random.Random(7)
-    odd = [tokens[i] for i in v.special] + ["<0x0A>", "<s>", *"  \n\t\u3000é😀一'"]
-    texts = []
-    for _ in range(count):
-        parts = [
-            rng.choice(tokens).replace("\u2581", " ") if rng.random() < 0.75 else rng.choice(odd)
-            for _ in range(rng.randint(1, 6))
-        ]
-        texts.append("".join(parts))
-    return texts
+    odd = [v.tokens[i] for i in v.special] + ["<0x0A>", "<s>", *"  \n\t\u3000é😀一'"]
+    pick = [[t.replace("\u2581", " ") for t in v.tokens], odd]
+    return [
+        "".join(rng.choice(pick[rng.random() > 0.75]) for _ in range(rng.randint(1, 6)))
+        for _ in range(count)
+    ]
 
 
 @pytest.mark.parametrize("name", ["llama-spm", "phi-3", "gemma-3-270m"])
@@ -473,13 +457,21 @@ def test_phi3_strips_only_ascii_whitespace_after_special_tokens() -> None:
     assert tok.encode(text, add_special_tokens=False).ids == want
 
 
-def _write(path: Path, meta: dict[str, Any]) -> Path:
+@pytest.mark.xfail(strict=True, reason="added tokens match leftmost, llama.cpp's longest")
+def test_overlapping_special_tokens_match_longest_first() -> None:
+    """A known difference: llama.cpp cuts the text at its longest special tokens first, so in
+    ">>TITLE<<|endoftext|>" Falcon's <|endoftext|> wins over the >>TITLE<< it overlaps."""
+    path = _source() / "models" / "ggml-vocab-falcon.gguf"
+    tok = _tokenizer(path)
+    tok.encode_special_tokens = False
+    ids = tok.encode(">>TITLE<<|endoftext|>", add_special_tokens=False).ids
+    assert ids[-1] == tok.token_to_id("<|endoftext|>") and tok.token_to_id(">>TITLE<<") not in ids
+
+
+def _write(path: Path, meta: dict[str, str]) -> Path:
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in meta.items():
-        if isinstance(value, list):
-            w.add_array(key, value)
-        else:
-            w.add_string(key, value)
+        w.add_string(key, value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -487,17 +479,11 @@ def _write(path: Path, meta: dict[str, Any]) -> Path:
     return path
 
 
-@pytest.mark.parametrize(
-    ("model", "pre", "key", "value"),
-    [
-        ("ugm", None, "tokenizer.ggml.model", "ugm"),
-        ("rwkv", None, "tokenizer.ggml.model", "rwkv"),
-        ("bert", None, "tokenizer.ggml.model", "bert"),
-        ("t5", None, "tokenizer.ggml.model", "t5"),
-        ("gpt2", "mystery", "tokenizer.ggml.pre", "mystery"),
-        ("gpt2", None, "tokenizer.ggml.pre", None),
-    ],
-)
+@pytest.mark.parametrize(("model", "pre", "key", "value"), [
+    *[(m, None, "tokenizer.ggml.model", m) for m in ("ugm", "rwkv", "bert", "t5")],
+    ("gpt2", "mystery", "tokenizer.ggml.pre", "mystery"),
+    ("gpt2", None, "tokenizer.ggml.pre", None),
+])  # fmt: skip
 def test_unsupported_tokenizers_are_refused(
     tmp_path: Path, model: str, pre: str | None, key: str, value: str | None
 ) -> None:
