@@ -73,7 +73,8 @@ def _kinds(f: GGUFFile, tokens: list[str], types: list[int]) -> dict[int, Specia
     control = _control_texts(f)
     eog = {i for i, t in enumerate(tokens) if t in END_TEXTS}
     for key in ("eos", "eot", "eom"):
-        if (value := f.get(f"tokenizer.ggml.{key}_token_id")) is not None:
+        value = f.get(f"tokenizer.ggml.{key}_token_id")
+        if value is not None and 0 <= int(value) < len(tokens):  # llama.cpp drops others
             eog.add(int(value))
     for i, (text, kind) in enumerate(zip(tokens, types, strict=True)):
         if text in USER_TEXTS:
@@ -82,7 +83,7 @@ def _kinds(f: GGUFFile, tokens: list[str], types: list[int]) -> dict[int, Specia
             found[i] = Special(text, special=True)
         elif kind == USER_DEFINED:
             found[i] = Special(text, special=False)
-    texts = {tokens[i] for i in eog if 0 <= i < len(tokens)}
+    texts = {tokens[i] for i in eog}
     ends = [i for i in eog if tokens[i] == "<|end|>"]
     calls = bool(texts & {"<|call|>", "<|calls|>"})
     if ends and calls and texts & {"<|return|>", "<|flush|>"}:
