@@ -41,7 +41,8 @@ def _source() -> Path:
 
 @cache
 def _tokenizer(path: Path) -> Tokenizer:
-    return tokenizer_from_gguf(path)
+    """The file's tokenizer as a package serves it: through its tokenizer.json."""
+    return Tokenizer.from_str(tokenizer_from_gguf(path).to_str())
 
 
 def read_vectors(vocab: Path) -> list[tuple[str, list[int]]]:
