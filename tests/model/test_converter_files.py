@@ -3,8 +3,10 @@ checkpoint (output head scaled so top-1 margins are real), converted to F32 and 
 with nothing missing or unexpected (``load_stage`` checks) and gives transformers' logits on the
 source checkpoint (``--precision exact``: float32 activations, weights as gguf-py decodes them).
 
-Tolerances: F32 within 1e-4 of transformers' float32 logits (the family tests' own). Q8_0, whose
-weights carry up to 1/254 of their block's largest value in rounding: at 9 positions in 10
+Tolerances: F32 within 1e-4 of transformers' float32 logits (the family tests' own). Q8_0: within
+1e-4 of transformers on the checkpoint rounded as the file holds it (``q8_twin``: gguf-py's Q8_0
+over the same matrices, so the same experts are chosen), and against the checkpoint itself,
+whose weights the file holds to 1/254 of their block's largest value: at 9 positions in 10
 within ``Q8_TOL`` of the logit scale (the largest |logit|), at every position within ``Q8_FLIP``,
 and the same greedy token wherever transformers' top-1 margin exceeds twice ``Q8_TOL``. Measured:
 transformers itself, its checkpoint's matrices rounded to Q8_0 by gguf-py, moves these models'
@@ -32,6 +34,7 @@ from tests.support.converter import (
     SMOL_VOCAB,
     Converter,
     build_checkpoint,
+    q8_twin,
 )
 from tests.support.reference import random_ids, reference_logits, seamline_logits
 
@@ -64,6 +67,7 @@ class Converted(NamedTuple):
     model: Any
     ids: torch.Tensor
     want: torch.Tensor
+    twin: torch.Tensor  # logits of the checkpoint rounded as the Q8_0 file holds it (q8_twin)
     files: dict[str, Path]
 
 
@@ -91,7 +95,8 @@ def converted(
         cases = {}
         for family, (folder, model, files) in built.items():
             ids = random_ids(min(model.config.vocab_size, SMOL_VOCAB))
-            cases[family] = Converted(folder, model, ids, reference_logits(model, ids), files)
+            want, twin = reference_logits(model, ids), reference_logits(q8_twin(model, family), ids)
+            cases[family] = Converted(folder, model, ids, want, twin, files)
     finally:
         converter.wait()
     return cases
@@ -122,6 +127,8 @@ def test_converter_file_matches_transformers(
     if outtype == "f32":
         assert err < F32_TOL, f"max |seamline - transformers| = {err:.2e} (logit scale {scale:.2f})"
         return
+    twin = (got - case.twin).abs().max().item()
+    assert twin < F32_TOL, f"max |seamline - transformers on the rounded weights| = {twin:.2e}"
     rows = (got - case.want).abs().max(-1).values / scale  # each position's largest difference
     q90 = rows.quantile(0.9).item()
     assert q90 < Q8_TOL, f"at the 90th percentile position {q90:.3f} of the logit scale off"

@@ -182,3 +182,43 @@ class Converter:
         if self.proc.wait() != 0:
             self.log.seek(0)
             raise RuntimeError(f"llama.cpp's converter failed:\n{self.log.read()[-3000:]}")
+
+
+# gpt-oss stores its experts [E, in, out]: their rows run along dimension -2
+_IN_FEATURES_FIRST = ("experts.gate_up_proj", "experts.down_proj")
+_ROUTERS = ("mlp.gate.weight", "mlp.router.weight")  # kept in float32 by the converter
+
+
+def q8_twin(model: Any, family: str) -> Any:
+    """A copy of ``model`` with each matrix rounded as the converter's Q8_0 file holds it, by
+    gguf-py: Q8_0 blocks along its input features, or float16 where a row is not whole blocks
+    (DeepSeek's key half of ``kv_b_proj``, split into 16-wide rows); vectors, biases and routers
+    as they are; gpt-oss's MXFP4 experts as they are. The reference a Q8_0 file's logits meet closely."""
+    import copy
+
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    def q8(w: torch.Tensor) -> torch.Tensor:
+        a = w.detach().numpy()
+        return torch.from_numpy(dequantize(quantize(a, Q.Q8_0), Q.Q8_0).reshape(a.shape))
+
+    twin = copy.deepcopy(model)
+    config = model.config
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            kept = name.endswith(_ROUTERS) or "bias" in name  # gpt-oss's experts' biases: [E, out]
+            if p.ndim < 2 or kept or family == "gpt_oss_mxfp4" and "experts" in name:
+                continue
+            if family.startswith("gpt_oss") and name.endswith(_IN_FEATURES_FIRST):
+                p.copy_(q8(p.transpose(-1, -2).contiguous()).transpose(-1, -2))
+            elif name.endswith("kv_b_proj.weight"):  # per head: nope key rows, then value rows
+                heads = p.view(config.num_attention_heads, -1, p.shape[-1])
+                nope = config.qk_nope_head_dim
+                heads[:, :nope].copy_(heads[:, :nope].half().float())
+                heads[:, nope:].copy_(q8(heads[:, nope:].contiguous()))
+            elif p.shape[-1] % 32:
+                p.copy_(p.half().float())
+            else:
+                p.copy_(q8(p))
+    return twin
