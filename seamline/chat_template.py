@@ -73,7 +73,9 @@ class ChatTemplate:
             try:
                 self._compiled = _environment().from_string(self.source)
             except jinja2.TemplateError as exc:
-                raise TemplateError(f"the chat template does not compile: {_describe(exc)}") from exc
+                raise TemplateError(
+                    f"the chat template does not compile: {_describe(exc)}"
+                ) from exc
         return self._compiled
 
 

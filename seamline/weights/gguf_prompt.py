@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from seamline.errors import CheckpointError
 from seamline.weights.gguf_file import GGUFFile
+from seamline.weights.gguf_special import END_TEXTS  # llama.cpp's end-of-generation texts
 
 BOS_KEY, EOS_KEY = "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id"
 ADD_BOS_KEY, ADD_EOS_KEY = "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token"
@@ -86,15 +87,6 @@ def _token_id(f: GGUFFile, key: str, count: int, default: int | None) -> int | N
     return int(value)
 
 
-# tokens llama.cpp ends a generation at by their text, besides the file's EOS, EOT and EOM
-END_TEXTS = frozenset(
-    (
-        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>",
-        "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]",
-        "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>",
-        "<｜end▁of▁sentence｜>", "[e~[",
-    )
-)  # fmt: skip
 END_KEYS = tuple(
     f"tokenizer.ggml.{k}_token_id" for k in ("eos", "eot", "eom", "fim_pad", "fim_rep", "fim_sep")
 )
@@ -102,7 +94,7 @@ END_KEYS = tuple(
 
 def end_of_generation_ids(f: GGUFFile) -> tuple[int, ...]:
     """The ids a generation ends at, as llama.cpp's ``special_eog_ids``: EOS first, then the
-    file's other end ids, then the tokens named by ``END_TEXTS``; harmony's ``<|end|>`` is not
+    file's other end ids, then the tokens llama.cpp names by their text (``END_TEXTS``); harmony's ``<|end|>`` is not
     one where ``<|return|>`` and ``<|call|>`` are (it ends a message, not the answer)."""
     tokens: list[str] = f.get("tokenizer.ggml.tokens") or []
     ids = [int(v) for k in END_KEYS if (v := f.get(k)) is not None and 0 <= int(v) < len(tokens)]

@@ -28,7 +28,7 @@ END_TEXTS = frozenset(
         "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
         "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>",
         "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>",
-        "<|tool_response>", "<｜end▁of▁sentence｜>",
+        "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
     }
 )  # fmt: skip
 # ... and fill-in-the-middle, where the file names no id for that kind (llama.cpp marks the first

@@ -49,6 +49,13 @@ log = logging.getLogger(__name__)
 def package(model_path: str | Path, out_dir: str | Path, progress: bool = True) -> Manifest:
     """Split a GGUF file or Hugging Face folder into fragments in ``out_dir``; write the manifest last."""
     model_path, out_dir = Path(model_path), Path(out_dir)
+    if model_path.suffix == ".gguf":  # a tokenizer seamline cannot encode, refused before the weights
+        from seamline.weights.gguf_file import GGUFFile
+        from seamline.weights.gguf_prompt import prompt_ends_from_gguf
+        from seamline.weights.gguf_tokenizer import check_tokenizer
+
+        check_tokenizer(GGUFFile.open(model_path))
+        prompt_ends_from_gguf(GGUFFile.open(model_path))
     source = open_source(model_path)
     config_dict = json.loads(json.dumps(source.config_dict()))  # as the manifest will hold it
     config = ModelConfig.from_hf_dict(config_dict)
@@ -158,6 +165,8 @@ def _write_tokenizer(model_path: Path, out_dir: Path) -> list[FragmentEntry]:
 
 def _write_gguf_tokenizer(gguf: Path, out_dir: Path) -> list[Path]:
     from seamline.weights.gguf import tokenizer_from_gguf, tokenizer_info_from_gguf
+    from seamline.weights.gguf_file import GGUFFile
+    from seamline.weights.gguf_prompt import end_of_generation_ids
 
     tokenizer = tokenizer_from_gguf(gguf)
     info = tokenizer_info_from_gguf(gguf)
@@ -167,7 +176,7 @@ def _write_gguf_tokenizer(gguf: Path, out_dir: Path) -> list[Path]:
         "tokenizer_config.json": {"chat_template": info.chat_template, "bos_token": bos,
                                   "eos_token": eos, "add_bos_token": info.add_bos_token},
         "generation_config.json": {"bos_token_id": info.bos_token_id,
-                                   "eos_token_id": list(info.eos_token_ids)},
+                                   "eos_token_id": list(end_of_generation_ids(GGUFFile.open(gguf)))},
     }  # fmt: skip
     paths = [out_dir / "tokenizer.json"]
     atomic_write(paths[0], lambda tmp: tokenizer.save(str(tmp)))
