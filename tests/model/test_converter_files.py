@@ -47,6 +47,7 @@ WRITTEN = {
     "deepseek_v3": ("joyai-llm", False), "gemma3": ("smollm", None), "gpt_oss": ("smollm", None),
     "glm4_moe": ("smollm", None), "llama3_tied": ("smollm", False),
     "deepseek_v3_yarn": ("joyai-llm", False), "gpt_oss_mxfp4": ("smollm", None),
+    "glm4_moe_mtp": ("smollm", None),
 }  # fmt: skip
 UNREAD = {"deepseek_v3", "deepseek_v3_yarn"}  # pre-tokenizers seamline refuses
 TEXTS = [

@@ -84,13 +84,15 @@ def _config(family: str, vocab: int) -> Any:
         # llama.cpp keeps one yarn mscale (mscale_all_dim): equal ones, as DeepSeek-V3's
         yarn = {"rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}}
         extra = yarn if family == "deepseek_v3_yarn" else {}
-        return cls(**{**BASE, **CASES[case][1], "vocab_size": vocab, "num_hidden_layers": 2, **extra})
+        shape = {**BASE, **CASES[case][1], "vocab_size": vocab, "num_hidden_layers": 2}
+        return cls(**shape, **extra)
     if family == "gemma3":
         return t.Gemma3TextConfig(vocab_size=vocab, **GEMMA)
     if family.startswith("gpt_oss"):
         return t.GptOssConfig(**{**OSS, "vocab_size": vocab, "num_hidden_layers": 2})
-    if family == "glm4_moe":
-        shape = {**GLM, "vocab_size": vocab, "num_hidden_layers": 2}
+    if family.startswith("glm4_moe"):
+        layers = 3 if family.endswith("mtp") else 2  # the third made the nextn layer
+        shape = {**GLM, "vocab_size": vocab, "num_hidden_layers": layers}
         return t.Glm4MoeConfig(**shape, use_qk_norm=True)
     raise ValueError(f"no converter checkpoint for {family}")
 
@@ -98,8 +100,9 @@ def _config(family: str, vocab: int) -> Any:
 FAMILIES = (
     "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gemma3",
     "gpt_oss", "glm4_moe",
-    # as published: Llama 3's rope and a tied head, DeepSeek-V3's yarn, gpt-oss's MXFP4 experts
-    "llama3_tied", "deepseek_v3_yarn", "gpt_oss_mxfp4",
+    # as published: Llama 3's rope and a tied head, DeepSeek-V3's yarn, gpt-oss's MXFP4 experts,
+    # GLM-4.5's multi-token-prediction layer
+    "llama3_tied", "deepseek_v3_yarn", "gpt_oss_mxfp4", "glm4_moe_mtp",
 )  # fmt: skip
 
 
@@ -117,7 +120,7 @@ def write_tokenizer(family: str, folder: Path) -> int:
 
         return Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size()
     tokenizer = tokenizer_from_gguf(default_model_path())
-    if family == "glm4_moe":
+    if family.startswith("glm4_moe"):
         tokenizer.add_special_tokens([s for s in GLM_SPECIALS if tokenizer.token_to_id(s) is None])
     tokenizer.save(str(folder / "tokenizer.json"))
     settings = {"chat_template": chat_template_from_gguf(default_model_path()), **PLAIN}
@@ -145,7 +148,29 @@ def build_checkpoint(family: str, folder: Path, seed: int = 0) -> Any:
     model.save_pretrained(folder)
     if family == "gpt_oss_mxfp4":  # the experts as published: MXFP4 blocks the file keeps as such
         write_mxfp4_experts(model, folder)
+    if family == "glm4_moe_mtp":
+        return _last_layer_as_nextn(folder, seed)
     return model
+
+
+def _last_layer_as_nextn(folder: Path, seed: int) -> Any:
+    """The checkpoint's last layer made its multi-token-prediction layer, as GLM-4.5 publishes
+    one (a block with ``eh_proj``, ``enorm``, ``hnorm`` and ``shared_head.norm``; the converter
+    writes it as one more block with ``nextn.*`` tensors); the model of the layers before it."""
+    from safetensors.torch import load_file, save_file
+
+    settings = json.loads((folder / "config.json").read_text())
+    layers, hidden = settings["num_hidden_layers"] - 1, settings["hidden_size"]
+    tensors = load_file(folder / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed + 1)
+    extra = {"eh_proj.weight": 0.08 * torch.randn(hidden, 2 * hidden, generator=gen),
+             **{f"{n}.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen)
+                for n in ("enorm", "hnorm", "shared_head.norm")}}  # fmt: skip
+    tensors.update({f"model.layers.{layers}.{name}": t for name, t in extra.items()})
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    settings.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
+    (folder / "config.json").write_text(json.dumps(settings))
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 class Converter:
@@ -193,7 +218,7 @@ def q8_twin(model: Any, family: str) -> Any:
     """A copy of ``model`` with each matrix rounded as the converter's Q8_0 file holds it, by
     gguf-py: Q8_0 blocks along its input features, or float16 where a row is not whole blocks
     (DeepSeek's key half of ``kv_b_proj``, split into 16-wide rows); vectors, biases and routers
-    as they are; gpt-oss's MXFP4 experts as they are. The reference a Q8_0 file's logits meet closely."""
+    as they are; gpt-oss's MXFP4 experts as they are. A Q8_0 file's logits meet its closely."""
     import copy
 
     from gguf import GGMLQuantizationType as Q
