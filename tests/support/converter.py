@@ -204,9 +204,12 @@ class Converter:
     def wait(self) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
-        if self.proc.wait() != 0:
-            self.log.seek(0)
-            raise RuntimeError(f"llama.cpp's converter failed:\n{self.log.read()[-3000:]}")
+        failed = self.proc.wait() != 0
+        self.log.seek(0)
+        log = self.log.read()
+        self.log.close()
+        if failed:
+            raise RuntimeError(f"llama.cpp's converter failed:\n{log[-3000:]}")
 
 
 # gpt-oss stores its experts [E, in, out]: their rows run along dimension -2
