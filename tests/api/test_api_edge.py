@@ -239,3 +239,32 @@ def test_a_request_abandoned_before_its_first_token_is_dropped_unprefilled(model
     assert first_tokens.endswith(" 1.0"), first_tokens  # the holder's only: the abandoned never drew one
     assert 'seamline_requests_total{status="abort"} 3.0' in metrics
     assert "seamline_requests_waiting 0.0" in metrics
+
+
+def test_a_template_that_fails_to_render_is_a_400_naming_its_error(model: LocalModel) -> None:
+    codec = replace(model.codec, chat_template="{{ messages[0].content | nosuchfilter }}", _template=None)
+    with serve(LocalBackend(model.engine, codec, NAME)) as url:
+        with pytest.raises(openai.BadRequestError) as caught:
+            chat(client_for(url), max_tokens=4)
+    error = _refusal(caught)
+    assert error["param"] == "messages" and "nosuchfilter" in error["message"], error
+
+
+def test_a_requests_template_variables_reach_the_template(model: LocalModel) -> None:
+    """``documents``, ``reasoning_effort`` and ``chat_template_kwargs`` as Hugging Face passes
+    them; ``enable_thinking`` true unless asked otherwise, as llama-server passes it."""
+    shown = (
+        "{% for m in messages %}{{ m.content }}{% endfor %}|{{ reasoning_effort }}"
+        "|{{ enable_thinking }}|{{ documents | length if documents else 0 }}|{{ flavour }}"
+    )
+    codec = replace(model.codec, chat_template=shown, _template=None)
+    with serve(LocalBackend(model.engine, codec, NAME)) as url:
+        client = client_for(url)
+        plain = chat(client, max_tokens=1, logprobs=False)
+        asked = chat(client, max_tokens=1, reasoning_effort="high",
+                     extra_body={"documents": [{"title": "a", "text": "b"}],
+                                 "chat_template_kwargs": {"enable_thinking": False, "flavour": "x"}})  # fmt: skip
+    text = "What is the capital of France?"
+    assert plain.usage is not None and asked.usage is not None
+    assert plain.usage.prompt_tokens == len(codec.encode_chat_text(f"{text}||True|0|"))
+    assert asked.usage.prompt_tokens == len(codec.encode_chat_text(f"{text}|high|False|1|x"))
