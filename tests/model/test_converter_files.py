@@ -49,7 +49,8 @@ WRITTEN = {
     "deepseek_v3_yarn": ("joyai-llm", False), "gpt_oss_mxfp4": ("smollm", None),
     "glm4_moe_mtp": ("smollm", None),
 }  # fmt: skip
-UNREAD = {"deepseek_v3", "deepseek_v3_yarn"}  # pre-tokenizers seamline refuses
+# pre-tokenizers seamline's reader refuses: a family leaves when the reader learns its split
+UNREAD = {"deepseek_v3", "deepseek_v3_yarn"}
 TEXTS = [
     "Hello world 12345", " 2024  spaces\n\n\tTab   end  ", "héllo 世界 🙂 naïve café",
     "I'm sure they'll say we've done it, don't you?", "x=1+2*3; y = [1,2]  # c\n    return f(x)",
@@ -62,10 +63,9 @@ OUTTYPES = ("f32", "q8_0")
 
 
 class Converted(NamedTuple):
-    """A family's transformers model, its logits on ``ids``, and its converted files."""
+    """A family's checkpoint folder, transformers' logits on ``ids``, and its converted files."""
 
     folder: Path
-    model: Any
     ids: torch.Tensor
     want: torch.Tensor
     twin: torch.Tensor  # logits of the checkpoint rounded as the Q8_0 file holds it (q8_twin)
@@ -97,7 +97,7 @@ def converted(
         for family, (folder, model, files) in built.items():
             ids = random_ids(min(model.config.vocab_size, SMOL_VOCAB))
             want, twin = reference_logits(model, ids), reference_logits(q8_twin(model, family), ids)
-            cases[family] = Converted(folder, model, ids, want, twin, files)
+            cases[family] = Converted(folder, ids, want, twin, files)
     finally:
         converter.wait()
     return cases
