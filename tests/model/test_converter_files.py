@@ -19,12 +19,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
 import pytest
 import torch
 
 from seamline.errors import CheckpointError
 from seamline.precision import apply, resolve
 from seamline.quant import matmul
+from seamline.weights.gguf_config import llama3_factors, llama3_rope_scaling
 from seamline.weights.gguf_file import GGUFFile
 from seamline.weights.gguf_tokenizer import tokenizer_from_gguf
 from seamline.weights.loader import load_stage, open_source
@@ -159,3 +161,16 @@ def test_converter_tokenizer_encodes_as_the_checkpoints(
     theirs = AutoTokenizer.from_pretrained(converted[family].folder)
     for text in TEXTS:
         assert ours.encode(text).ids == theirs.encode(text, add_special_tokens=False), text
+
+
+@pytest.mark.parametrize("context", [64, 8192])
+def test_llama3_rope_freqs_of_a_small_head_invert(context: int) -> None:
+    """head_dim 16, theta 5e5: a single frequency between the bounds (at either context); the
+    scaling read back gives the converter's divisors, which are all llama.cpp uses."""
+    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=context)  # fmt: skip
+    divisors = llama3_factors(500000.0, 16, scaling)
+    assert ((divisors > 1) & (divisors < 8)).sum() == 1
+    back = llama3_rope_scaling(divisors.astype(np.float32), 500000.0, 16, "test")
+    assert back is not None and back["factor"] == 8.0
+    assert np.allclose(llama3_factors(500000.0, 16, back), divisors, rtol=1e-5)
