@@ -36,6 +36,12 @@ DEEPSEEK_LLM = (
     "\\p{N}+",
 )
 DEEPSEEK_CODER = ("[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", "[一-龥ࠀ-一가-퟿]+", r"\p{N}")
+DEEPSEEK3 = (  # DeepSeek-V3's; its kin share it
+    r"\p{N}{1,3}",
+    "[一-龥぀-ゟ゠-ヿ]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?"
+    "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+)
 FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", GPT2, "[0-9][0-9][0-9]")
 DEFAULT = (r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]")
 NEWLINES = "[^\n]+|[\n]+"  # Gemma 4: lines and runs of newlines
@@ -75,6 +81,7 @@ def _table() -> dict[str, PreTokenizer]:
         (("qwen35",), PreTokenizer((QWEN35,))),
         (("deepseek-llm",), PreTokenizer(DEEPSEEK_LLM)),
         (("deepseek-coder",), PreTokenizer(DEEPSEEK_CODER)),
+        (("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), PreTokenizer(DEEPSEEK3)),
         (("falcon",), PreTokenizer(FALCON)),
     ]  # fmt: skip
     return {name: pre for names, pre in groups for name in names}

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import torch
 
-from seamline.errors import CheckpointError
 from seamline.precision import apply, resolve
 from seamline.quant import matmul
 from seamline.weights.gguf_config import llama3_factors, llama3_rope_scaling
@@ -51,8 +50,6 @@ WRITTEN = {
     "deepseek_v3_yarn": ("joyai-llm", False), "gpt_oss_mxfp4": ("smollm", None),
     "glm4_moe_mtp": ("smollm", None),
 }  # fmt: skip
-# pre-tokenizers seamline's reader refuses: a family leaves when the reader learns its split
-UNREAD = {"deepseek_v3", "deepseek_v3_yarn"}
 TEXTS = [
     "Hello world 12345", " 2024  spaces\n\n\tTab   end  ", "héllo 世界 🙂 naïve café",
     "I'm sure they'll say we've done it, don't you?", "x=1+2*3; y = [1,2]  # c\n    return f(x)",
@@ -153,10 +150,6 @@ def test_converter_tokenizer_encodes_as_the_checkpoints(
     path = converted[family].files["f32"]
     f = GGUFFile.open(path)
     assert (f.get("tokenizer.ggml.pre"), f.get("tokenizer.ggml.add_bos_token")) == WRITTEN[family]
-    if family in UNREAD:
-        with pytest.raises(CheckpointError, match="pre-tokenizer"):
-            tokenizer_from_gguf(path)
-        return
     ours = tokenizer_from_gguf(path)
     theirs = AutoTokenizer.from_pretrained(converted[family].folder)
     for text in TEXTS:

@@ -298,7 +298,7 @@ def _random_texts(count: int, seed: int) -> list[str]:
 
 @pytest.mark.parametrize("name", sorted({*PRE_TOKENIZERS} & {
     "gpt-2", "starcoder", "llama-bpe", "dbrx", "qwen2", "qwen35", "deepseek-llm",
-    "deepseek-coder", "falcon", "default"}))  # fmt: skip
+    "deepseek-coder", "deepseek-v3", "falcon", "default"}))  # fmt: skip
 def test_pre_tokenizer_splits_as_llama_cpp(name: str) -> None:
     """Random text over the characters where the regexes' classes matter, split by ours and by
     the model of llama.cpp's splitting above, piece for piece."""
