@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from seamline.bench.conformance_compare import Answer, Comparison, compare, summarise
+from seamline.bench.conformance_files import add_converter_files, files_only
 from seamline.bench.conformance_llama import LlamaReference
 from seamline.bench.conformance_vocab import vocab_vectors
 from seamline.bench.llama_server import llama_cpp_build
@@ -52,12 +53,16 @@ def bench_conformance(tokens: int = 32, **_: Any) -> dict[str, Any]:
         raise RuntimeError(why)
     files = {"gemma3-270m-q4_k_m (real, llama.cpp's converter)": gemma3_270m()}
     out: dict[str, Any] = {"llama_cpp": build.describe(), "tokens": tokens, "files": {}}
+    if files_only():  # SEAMLINE_CONFORMANCE_ONLY=files: the converter files alone
+        add_converter_files(out, build, PROMPTS, tokens)
+        return out
     with tempfile.TemporaryDirectory(prefix="seamline-conformance-") as tmp:
         for name, path in files.items():
             out["files"][name] = {
                 p: _file_figures(build.server, path, p, tokens, Path(tmp)) for p in PRECISIONS
             }
     out["vocab"] = vocab_vectors()
+    add_converter_files(out, build, PROMPTS, tokens)
     return out
 
 

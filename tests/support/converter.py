@@ -62,37 +62,67 @@ GLM_SPECIALS = ("[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>")
 PLAIN = {"tokenizer_class": "PreTrainedTokenizerFast"}
 
 
-def _config(family: str, vocab: int) -> Any:
+# wide=True: every row (hidden, intermediate, expert widths, heads x head dims, latent ranks) a
+# multiple of 256, so llama-quantize's Q4_K/Q6_K take each matrix whole, no fallback type
+WIDE_DENSE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
+WIDE = {
+    "qwen3": dict(head_dim=128),
+    "qwen3_moe": dict(moe_intermediate_size=256),
+    "deepseek": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
+                     kv_lora_rank=256, qk_nope_head_dim=256, qk_rope_head_dim=64,
+                     v_head_dim=64),
+    "deepseek_v3": dict(q_lora_rank=256),
+    "gemma3": dict(query_pre_attn_scalar=64),
+    "gpt_oss": dict(hidden_size=256, intermediate_size=256, head_dim=64),
+    "glm4_moe": dict(intermediate_size=512, moe_intermediate_size=256),
+}  # fmt: skip
+
+
+def _wide(family: str, wide: bool) -> dict[str, Any]:
+    """The config fields ``wide`` changes for ``family`` (none when not wide)."""
+    if not wide:
+        return {}
+    if family.startswith("deepseek"):
+        v3 = WIDE["deepseek_v3"] if family.startswith("deepseek_v3") else {}
+        return {**WIDE["deepseek"], **v3}
+    if family.startswith("gpt_oss"):
+        return WIDE["gpt_oss"]
+    base = "glm4_moe" if family.startswith("glm4_moe") else family
+    return {**WIDE_DENSE, **WIDE.get(base, {})}
+
+
+def _config(family: str, vocab: int, wide: bool = False) -> Any:
     t = transformers
+    w = _wide(family, wide)
     if family == "llama3_tied":  # Llama 3's rope (a rope_freqs tensor in the file), tied head
         rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                     original_max_position_embeddings=64, rope_theta=500000.0)  # fmt: skip
-        return t.LlamaConfig(vocab_size=vocab, **{**DENSE, "tie_word_embeddings": True},
+        return t.LlamaConfig(vocab_size=vocab, **{**DENSE, "tie_word_embeddings": True, **w},
                              rope_parameters=rope)  # fmt: skip
     if family in ("llama", "qwen2", "mixtral"):
         cls = {"llama": t.LlamaConfig, "qwen2": t.Qwen2Config, "mixtral": t.MixtralConfig}[family]
         extra = dict(num_local_experts=8, num_experts_per_tok=2) if family == "mixtral" else {}
-        return cls(vocab_size=vocab, **DENSE, **extra)
+        return cls(vocab_size=vocab, **{**DENSE, **w}, **extra)
     if family == "qwen3":
-        return t.Qwen3Config(vocab_size=vocab, **{**DENSE, "head_dim": 32})  # not hidden / heads
+        return t.Qwen3Config(vocab_size=vocab, **{**DENSE, "head_dim": 32, **w})  # not hidden/heads
     if family == "qwen3_moe":
-        moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3)
-        return t.Qwen3MoeConfig(vocab_size=vocab, **DENSE, **moe, head_dim=16, norm_topk_prob=True)
+        moe = dict(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=3, head_dim=16)
+        return t.Qwen3MoeConfig(vocab_size=vocab, **{**DENSE, **moe, **w}, norm_topk_prob=True)
     if family.startswith("deepseek"):
         case = "v2_lite_greedy" if family == "deepseek_v2" else "v3"
         cls = t.DeepseekV2Config if family == "deepseek_v2" else t.DeepseekV3Config
         # llama.cpp keeps one yarn mscale (mscale_all_dim): equal ones, as DeepSeek-V3's
         yarn = {"rope_parameters": {**YARN, "mscale": 1.0, "mscale_all_dim": 1.0}}
         extra = yarn if family == "deepseek_v3_yarn" else {}
-        shape = {**BASE, **CASES[case][1], "vocab_size": vocab, "num_hidden_layers": 2}
+        shape = {**BASE, **CASES[case][1], "vocab_size": vocab, "num_hidden_layers": 2, **w}
         return cls(**shape, **extra)
     if family == "gemma3":
-        return t.Gemma3TextConfig(vocab_size=vocab, **GEMMA)
+        return t.Gemma3TextConfig(vocab_size=vocab, **{**GEMMA, **w})
     if family.startswith("gpt_oss"):
-        return t.GptOssConfig(**{**OSS, "vocab_size": vocab, "num_hidden_layers": 2})
+        return t.GptOssConfig(**{**OSS, "vocab_size": vocab, "num_hidden_layers": 2, **w})
     if family.startswith("glm4_moe"):
         layers = 3 if family.endswith("mtp") else 2  # the third made the nextn layer
-        shape = {**GLM, "vocab_size": vocab, "num_hidden_layers": layers}
+        shape = {**GLM, "vocab_size": vocab, "num_hidden_layers": layers, **w}
         return t.Glm4MoeConfig(**shape, use_qk_norm=True)
     raise ValueError(f"no converter checkpoint for {family}")
 
@@ -128,11 +158,12 @@ def write_tokenizer(family: str, folder: Path) -> int:
     return tokenizer.get_vocab_size()
 
 
-def build_checkpoint(family: str, folder: Path, seed: int = 0) -> Any:
-    """A random ``family`` checkpoint with its tokenizer in ``folder``; the transformers model."""
+def build_checkpoint(family: str, folder: Path, seed: int = 0, wide: bool = False) -> Any:
+    """A random ``family`` checkpoint with its tokenizer in ``folder``; the transformers model.
+    ``wide``: its rows multiples of 256 (``WIDE``), for k-quant files."""
     vocab = write_tokenizer(family, folder)
     torch.manual_seed(seed)
-    config = _config(family, vocab)
+    config = _config(family, vocab, wide)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize(model.eval(), seed)  # weights that count: biases, sinks, norms away from 1
     if family == "gemma3":  # Gemma's norms scale by 1 + w: offsets about 0, as trained ones
@@ -142,7 +173,8 @@ def build_checkpoint(family: str, folder: Path, seed: int = 0) -> Any:
                     p.sub_(1.0)
     with torch.no_grad():
         head = model.get_output_embeddings().weight
-        head.mul_(HEAD_SCALE)
+        # logits grow as the root of the width: a wide model's head scaled to the narrow's logits
+        head.mul_(HEAD_SCALE * (0.5 if wide else 1.0))
         gen = torch.Generator().manual_seed(seed)
         head[torch.randperm(min(vocab, SMOL_VOCAB), generator=gen)[:PEAKED]] *= PEAK
     model.save_pretrained(folder)
