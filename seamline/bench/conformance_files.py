@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from seamline.bench.conformance_compare import Answer, Comparison, compare, summarise
 from seamline.bench.conformance_llama import LlamaReference
 from seamline.bench.llama_server import LlamaBuild
@@ -61,7 +63,10 @@ def add_converter_files(
             for fmt, path in paths.items():
                 name = f"{family}-{fmt} (random, llama.cpp's converter)"
                 precision = PRECISION[fmt]
-                figures = file_figures(build.server, path, precision, chosen, tokens, root)
+                try:
+                    figures = file_figures(build.server, path, precision, chosen, tokens, root)
+                except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:  # the file, not all
+                    figures = {"error": f"{type(exc).__name__}: {exc}"}
                 files[name] = {precision: figures}
     out["families"] = families
     out["converter_files"] = {
@@ -103,18 +108,26 @@ def _convert(
             made[family] = converter.add(root / family, root / "gguf", ("f32", "q8_0"), pre)
     finally:
         converter.wait()
+    failed = {}
     for family, paths in made.items():
-        paths["q4_k_m"] = root / "gguf" / f"{family}-q4_k_m.gguf"
-        command = [str(quantize), str(paths["f32"]), str(paths["q4_k_m"]), "Q4_K_M", str(THREADS)]
-        with (root / "quantize.log").open("a") as log:
-            subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=True)
-    families = {f: _written(support, f, paths) for f, paths in made.items()}
+        q4 = root / "gguf" / f"{family}-q4_k_m.gguf"
+        command = [str(quantize), str(paths["f32"]), str(q4), "Q4_K_M", str(THREADS)]
+        done = subprocess.run(
+            command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        if done.returncode == 0:
+            paths["q4_k_m"] = q4
+        else:  # the family is compared without it; the table says why
+            failed[family] = f"llama-quantize exited {done.returncode}: {done.stdout[-300:]}"
+    families = {f: _written(support, f, paths, failed.get(f)) for f, paths in made.items()}
     return made, families
 
 
-def _written(support: Any, family: str, paths: dict[str, Path]) -> dict[str, Any]:
+def _written(
+    support: Any, family: str, paths: dict[str, Path], failed: str | None
+) -> dict[str, Any]:
     """One family's row: its tokenizer's source, the ``pre`` and ``add_bos`` written, and the
-    tensor types of its Q4_K_M file (each type's count)."""
+    tensor types of its Q4_K_M file (each type's count), or why it was not made."""
     from seamline.weights.gguf_file import GGUFFile
 
     f32 = GGUFFile.open(paths["f32"])
@@ -123,9 +136,12 @@ def _written(support: Any, family: str, paths: dict[str, Path]) -> dict[str, Any
         if support.TOKENIZERS.get(family) == "deepseek-v3"
         else "SmolLM2 (the embedded model's GGUF)"
     )
-    types: dict[str, int] = {}
-    for info in GGUFFile.open(paths["q4_k_m"]).tensors.values():
-        types[info.type_name] = types.get(info.type_name, 0) + 1
+    types: dict[str, Any] = {}
+    if failed is not None:
+        types["failed"] = failed
+    else:
+        for info in GGUFFile.open(paths["q4_k_m"]).tensors.values():
+            types[info.type_name] = types.get(info.type_name, 0) + 1
     return {
         "tokenizer": source,
         "pre": f32.get("tokenizer.ggml.pre"),

@@ -71,7 +71,10 @@ WIDE = {
     "deepseek": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
                      kv_lora_rank=256, qk_nope_head_dim=256, qk_rope_head_dim=64,
                      v_head_dim=64),
-    "deepseek_v3": dict(q_lora_rank=256),
+    # llama.cpp reads a DeepSeek-V2 file without q_lora_rank only at V2-Lite's 27 layers; and
+    # routes a file without expert_gating_func by softmax: V3's sigmoid said, as its config says
+    "deepseek_v2": dict(q_lora_rank=256),
+    "deepseek_v3": dict(q_lora_rank=256, scoring_func="sigmoid"),
     "gemma3": dict(query_pre_attn_scalar=64),
     "gpt_oss": dict(hidden_size=256, intermediate_size=256, head_dim=64),
     "glm4_moe": dict(intermediate_size=512, moe_intermediate_size=256),
@@ -83,8 +86,8 @@ def _wide(family: str, wide: bool) -> dict[str, Any]:
     if not wide:
         return {}
     if family.startswith("deepseek"):
-        v3 = WIDE["deepseek_v3"] if family.startswith("deepseek_v3") else {}
-        return {**WIDE["deepseek"], **v3}
+        version = "deepseek_v3" if family.startswith("deepseek_v3") else "deepseek_v2"
+        return {**WIDE["deepseek"], **WIDE[version]}
     if family.startswith("gpt_oss"):
         return WIDE["gpt_oss"]
     base = "glm4_moe" if family.startswith("glm4_moe") else family
