@@ -113,7 +113,12 @@ def _convert(
         q4 = root / "gguf" / f"{family}-q4_k_m.gguf"
         command = [str(quantize), str(paths["f32"]), str(q4), "Q4_K_M", str(THREADS)]
         done = subprocess.run(
-            command, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command,
+            check=False,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
         )
         if done.returncode == 0:
             paths["q4_k_m"] = q4
