@@ -54,7 +54,11 @@ def compare(ours: Answer, reference: Answer) -> Comparison:
     shared = len(ours.tokens) if parted is None else parted
     shared = min(shared, len(ours.tops), len(reference.tops))
     diff = max((_top_diff(ours.tops[i], reference.tops[i]) for i in range(shared)), default=0.0)
-    top5 = all(_top_ids(ours.tops[i]) == _top_ids(reference.tops[i]) for i in range(shared))
+    top5 = all(  # positions where either side gives no log-probabilities are not judged
+        _top_ids(ours.tops[i]) == _top_ids(reference.tops[i])
+        for i in range(shared)
+        if ours.tops[i] and reference.tops[i]
+    )
     gap = (
         _gap(reference.tops[parted])
         if parted is not None and parted < len(reference.tops)

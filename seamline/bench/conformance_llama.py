@@ -57,11 +57,8 @@ class LlamaReference:
             "cache_prompt": False, "return_tokens": True, "seed": 0,
         }  # fmt: skip
         reply = self._post("/completion", body)
-        tops: list[Top] = []
-        for position in reply.get("completion_probabilities", []):
-            entries = position.get("top_logprobs", [])
-            tops.append({int(e["id"]): float(e["logprob"]) for e in entries})
-        return Answer([int(t) for t in reply["tokens"]], tops)
+        chosen = [int(t) for t in reply["tokens"]]
+        return Answer(chosen, _aligned(chosen, reply.get("completion_probabilities", [])))
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         reply = httpx.post(f"{self.url}{path}", json=body, timeout=600)
@@ -75,3 +72,18 @@ class LlamaReference:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+def _aligned(chosen: list[int], positions: list[dict[str, Any]]) -> list[Top]:
+    """Each chosen token's top log-probabilities, ``{}`` where llama-server gives none: it leaves
+    out the entry of a token that ends inside a UTF-8 character, so its list is matched to the
+    tokens by each entry's own id, not by index."""
+    tops: list[Top] = []
+    k = 0
+    for token in chosen:
+        if k < len(positions) and int(positions[k]["id"]) == token:
+            tops.append({int(e["id"]): float(e["logprob"]) for e in positions[k]["top_logprobs"]})
+            k += 1
+        else:
+            tops.append({})
+    return tops
