@@ -75,13 +75,13 @@ def test_a_build_with_other_flags_is_not_reused(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("SEAMLINE_CACHE", str(tmp_path))
     old = tmp_path / "llama-cpp" / build_key(flags=native)
     old.mkdir(parents=True)
-    for name in ("llama-server", "llama-bench"):
+    for name in llama_server.TARGETS:  # llama-server, llama-bench, llama-quantize
         (old / name).write_text("")
     build, why = llama_cpp_build(build=False)
     assert build is None and "not built" in why
     fresh = tmp_path / "llama-cpp" / build_key()
     fresh.mkdir()
-    for name in ("llama-server", "llama-bench"):
+    for name in llama_server.TARGETS:
         (fresh / name).write_text("")
     build, _ = llama_cpp_build(build=False)
     assert build is not None and build.folder == fresh and build.cmake_flags == CMAKE_FLAGS
