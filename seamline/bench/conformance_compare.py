@@ -77,8 +77,13 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+ZERO = -1e30  # a log-probability below this is a probability of zero (llama-server writes the
+# lowest float): no measurement of a logit
+
+
 def _top_diff(a: Top, b: Top) -> float:
-    return max((abs(a[t] - b[t]) for t in a.keys() & b.keys()), default=0.0)
+    shared = (t for t in a.keys() & b.keys() if a[t] > ZERO and b[t] > ZERO)
+    return max((abs(a[t] - b[t]) for t in shared), default=0.0)
 
 
 def _top_ids(top: Top, k: int = 5) -> set[int]:

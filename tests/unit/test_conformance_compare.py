@@ -55,3 +55,10 @@ def test_a_file_wide_difference_explains_a_parting_at_the_first_token() -> None:
         Answer([5], [_top((5, -0.1), (7, -2.0))]), Answer([5], [_top((5, -0.2), (7, -2.0))])
     )
     assert summarise([at_once, noisy])["near_ties"] == 1
+
+
+def test_a_probability_of_zero_is_no_measurement() -> None:
+    """llama-server lists a token of probability zero at the lowest float: not a difference."""
+    ours = Answer([5], [_top((5, -0.1), (7, -40.0))])
+    ref = Answer([5], [_top((5, -0.1), (7, -3.4028234663852886e38))])
+    assert compare(ours, ref).max_logit_diff == 0.0
