@@ -25,14 +25,8 @@ from seamline.weights.gguf_pretok import PRE_TOKENIZERS, split_steps
 from seamline.weights.gguf_special import END_TEXTS
 from seamline.weights.gguf_tokenizer import check_tokenizer, tokenizer_from_gguf
 from seamline.weights.gguf_unicode import RANGES, WHITESPACE
+from seamline.bench.conformance_vocab import VOCABS, read_vectors
 from tests.support.llama_cpp import gemma3_270m, llama_cpp_source
-
-VOCABS = (
-    "llama-spm", "llama-bpe", "qwen2", "qwen35", "deepseek-llm", "deepseek-coder", "gpt-2",
-    "phi-3", "gemma-4", "falcon", "starcoder", "refact", "command-r", "mpt",
-)  # fmt: skip
-SEPARATOR = "\n__ggml_vocab_test__\n"
-
 
 @cache
 def _source() -> Path:
@@ -43,19 +37,6 @@ def _source() -> Path:
 def _tokenizer(path: Path) -> Tokenizer:
     """The file's tokenizer as a package serves it: through its tokenizer.json."""
     return Tokenizer.from_str(tokenizer_from_gguf(path).to_str())
-
-
-def read_vectors(vocab: Path) -> list[tuple[str, list[int]]]:
-    """The inputs and expected ids, read as test-tokenizer-0.cpp reads them (bytes, no newline
-    translation: some inputs hold "\\r")."""
-    raw = vocab.with_name(vocab.name + ".inp").read_bytes().decode("utf-8")
-    inputs = raw.split(SEPARATOR)
-    if not raw or raw.endswith(SEPARATOR):
-        inputs.pop()  # the separator closes the last input
-    out = vocab.with_name(vocab.name + ".out").read_bytes().decode("utf-8")
-    lines = out.split("\n")[:-1] if out.endswith("\n") else out.split("\n")
-    assert len(inputs) == len(lines), f"{vocab.name}: {len(inputs)} inputs, {len(lines)} outputs"
-    return [(text, [int(t) for t in line.split()]) for text, line in zip(inputs, lines)]
 
 
 @pytest.mark.parametrize("name", VOCABS)
