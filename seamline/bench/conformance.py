@@ -15,9 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from seamline.bench.conformance_compare import Answer, Comparison, compare, summarise
+from seamline.bench.conformance_figures import file_figures
 from seamline.bench.conformance_files import add_converter_files, files_only
-from seamline.bench.conformance_llama import LlamaReference
 from seamline.bench.conformance_vocab import vocab_vectors
 from seamline.bench.llama_server import llama_cpp_build
 from seamline.bench.references import gemma3_270m
@@ -59,54 +58,9 @@ def bench_conformance(tokens: int = 32, **_: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="seamline-conformance-") as tmp:
         for name, path in files.items():
             out["files"][name] = {
-                p: _file_figures(build.server, path, p, tokens, Path(tmp)) for p in PRECISIONS
+                p: file_figures(build.server, path, p, PROMPTS, tokens, Path(tmp))
+                for p in PRECISIONS
             }
     out["vocab"] = vocab_vectors()
     add_converter_files(out, build, PROMPTS, tokens)
     return out
-
-
-def _file_figures(
-    server: Path, gguf: Path, precision: str, tokens: int, tmp: Path
-) -> dict[str, Any]:
-    ours = _seamline_answers(gguf, precision, tokens)
-    reference = LlamaReference(server, gguf, precision == "exact", threads=2, log=tmp / "llama.log")
-    try:
-        rows: list[Comparison] = []
-        ids_equal = 0
-        for prompt, (our_ids, answer) in zip(PROMPTS, ours):
-            ids_equal += our_ids == reference.prompt_ids(prompt)
-            rows.append(compare(answer, reference.greedy(prompt, tokens)))
-    finally:
-        reference.close()
-    figures = summarise(rows)
-    noise = figures["max_logit_diff"]
-    listed = [
-        {
-            "prompt": p,
-            **r.as_dict(),
-            "near_tie": r.reference_gap is not None and r.reference_gap < 2 * noise,
-        }
-        for p, r in zip(PROMPTS, rows)
-        if not r.equal
-    ]
-    return {"prompt_ids_equal": ids_equal, **figures, "partings": listed}
-
-
-def _seamline_answers(gguf: Path, precision: str, tokens: int) -> list[tuple[list[int], Answer]]:
-    """Each prompt's ids and greedy answer, in this process at ``precision``."""
-    from seamline.app import LocalModel
-    from seamline.params import SamplingParams
-
-    model = LocalModel.load(gguf, precision=precision, speculative="off")
-    codec = model.codec
-    params = SamplingParams(
-        temperature=0, max_tokens=tokens, logprobs=5, stop_token_ids=codec.stop_ids
-    )
-    answers = []
-    for prompt in PROMPTS:
-        ids = codec.encode_prompt(prompt)
-        events = list(model.engine.events(ids, params))
-        answer = Answer([e.token for e in events], [dict(e.top) for e in events])
-        answers.append((ids, answer))
-    return answers

@@ -25,8 +25,7 @@ from typing import Any
 
 import httpx
 
-from seamline.bench.conformance_compare import Answer, Comparison, compare, summarise
-from seamline.bench.conformance_llama import LlamaReference
+from seamline.bench.conformance_figures import file_figures
 from seamline.bench.llama_server import LlamaBuild
 
 FAMILIES = (
@@ -154,54 +153,3 @@ def _written(
         "add_bos": f32.get("tokenizer.ggml.add_bos_token"),
         "q4_k_m_types": dict(sorted(types.items())),
     }
-
-
-def file_figures(
-    server: Path, gguf: Path, precision: str, prompts: tuple[str, ...], tokens: int, tmp: Path
-) -> dict[str, Any]:
-    """One file at ``precision`` against llama-server (an f32 KV cache where exact): the Gemma
-    entry's figures."""
-    ours = _seamline_answers(gguf, precision, prompts, tokens)
-    log = tmp / f"{gguf.stem}.llama.log"
-    reference = LlamaReference(server, gguf, precision == "exact", threads=THREADS, log=log)
-    try:
-        rows: list[Comparison] = []
-        ids_equal = 0
-        for prompt, (our_ids, answer) in zip(prompts, ours):
-            ids_equal += our_ids == reference.prompt_ids(prompt)
-            rows.append(compare(answer, reference.greedy(prompt, tokens)))
-    finally:
-        reference.close()
-    figures = summarise(rows)
-    noise = figures["max_logit_diff"]
-    listed = [
-        {
-            "prompt": p,
-            **r.as_dict(),
-            "near_tie": r.reference_gap is not None and r.reference_gap < 2 * noise,
-        }
-        for p, r in zip(prompts, rows)
-        if not r.equal
-    ]
-    return {"prompt_ids_equal": ids_equal, **figures, "partings": listed}
-
-
-def _seamline_answers(
-    gguf: Path, precision: str, prompts: tuple[str, ...], tokens: int
-) -> list[tuple[list[int], Answer]]:
-    """Each prompt's ids and greedy answer, in this process at ``precision``."""
-    from seamline.app import LocalModel
-    from seamline.params import SamplingParams
-
-    model = LocalModel.load(gguf, precision=precision, speculative="off")
-    codec = model.codec
-    params = SamplingParams(
-        temperature=0, max_tokens=tokens, logprobs=5, stop_token_ids=codec.stop_ids
-    )
-    answers = []
-    for prompt in prompts:
-        ids = codec.encode_prompt(prompt)
-        events = list(model.engine.events(ids, params))
-        answer = Answer([e.token for e in events], [dict(e.top) for e in events])
-        answers.append((ids, answer))
-    return answers
