@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Tokenizer
+
 from seamline.bench.references import llama_cpp_source
 from seamline.errors import SeamlineError
 
@@ -31,13 +33,18 @@ def read_vectors(vocab: Path) -> list[tuple[str, list[int]]]:
     return [(text, [int(t) for t in line.split()]) for text, line in zip(inputs, lines)]
 
 
-def vocab_failures(name: str) -> tuple[int, list[str]]:
-    """How many vectors vocabulary ``name`` has, and a line for each one seamline misses."""
+def vocab_path(name: str) -> Path:
+    return llama_cpp_source() / "models" / f"ggml-vocab-{name}.gguf"
+
+
+def vocab_failures(name: str, tok: Tokenizer | None = None) -> tuple[int, list[str]]:
+    """How many vectors vocabulary ``name`` has, and a line for each one seamline misses;
+    ``tok``: the tokenizer to hold to them (default: the one seamline builds from the file)."""
     from seamline.weights.gguf_tokenizer import tokenizer_from_gguf
 
-    path = llama_cpp_source() / "models" / f"ggml-vocab-{name}.gguf"
+    path = vocab_path(name)
     vectors = read_vectors(path)
-    tok = tokenizer_from_gguf(path)
+    tok = tok if tok is not None else tokenizer_from_gguf(path)
     tok.encode_special_tokens = True  # llama.cpp's parse_special=false
     failed = []
     for text, want in vectors:

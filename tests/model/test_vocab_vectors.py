@@ -25,7 +25,7 @@ from seamline.weights.gguf_pretok import PRE_TOKENIZERS, split_steps
 from seamline.weights.gguf_special import END_TEXTS
 from seamline.weights.gguf_tokenizer import check_tokenizer, tokenizer_from_gguf
 from seamline.weights.gguf_unicode import RANGES, WHITESPACE
-from seamline.bench.conformance_vocab import VOCABS, read_vectors
+from seamline.bench.conformance_vocab import VOCABS, vocab_failures, vocab_path
 from tests.support.llama_cpp import gemma3_270m, llama_cpp_source
 
 @cache
@@ -41,17 +41,9 @@ def _tokenizer(path: Path) -> Tokenizer:
 
 @pytest.mark.parametrize("name", VOCABS)
 def test_vocab_vectors(name: str) -> None:
-    path = _source() / "models" / f"ggml-vocab-{name}.gguf"
-    vectors = read_vectors(path)
-    tok = _tokenizer(path)
-    tok.encode_special_tokens = True  # llama.cpp's parse_special=false
-    wrong = []
-    for text, want in vectors:
-        got = tok.encode(text, add_special_tokens=False).ids
-        if got != want:
-            wrong.append(f"  {text!r}: llama.cpp {want}, seamline {got}")
+    count, wrong = vocab_failures(name, _tokenizer(vocab_path(name)))
     report = "\n".join(wrong[:20])
-    assert not wrong, f"{name}: {len(wrong)} of {len(vectors)} vectors differ\n{report}"
+    assert not wrong, f"{name}: {len(wrong)} of {count} vectors differ\n{report}"
 
 
 def _llama_categories() -> tuple[dict[str, list[tuple[int, int]]], list[int]]:
