@@ -246,12 +246,14 @@ def _glm(f: GGUFFile, meta: Callable[..., Any], d: dict[str, Any]) -> dict[str, 
 
 
 def _oss(meta: Callable[..., Any], d: dict[str, Any]) -> dict[str, Any]:
-    """gpt-oss: its experts and, as transformers' config has it, YaRN without truncation."""
+    """gpt-oss: its experts. The file cannot say whether YaRN's ramp is truncated: llama.cpp
+    always truncates it (whole correction dims), so a GGUF answers as llama.cpp answers it,
+    where the Hugging Face config (``"truncate": false``) does not."""
     out: dict[str, Any] = {"num_local_experts": int(meta("expert_count")),
                            "num_experts_per_tok": int(meta("expert_used_count")),
                            "intermediate_size": int(meta("expert_feed_forward_length"))}  # fmt: skip
     if (scaling := d.get("rope_scaling")) is not None and scaling["rope_type"] == "yarn":
-        scaling["truncate"] = False
+        scaling["truncate"] = True
     return out
 
 

@@ -8,7 +8,10 @@ Tolerances: F32 within 1e-4 of transformers' float32 logits (the family tests' o
 over the same matrices, so the same experts are chosen), and against the checkpoint itself,
 whose weights the file holds to 1/254 of their block's largest value: at 9 positions in 10
 within ``Q8_TOL`` of the logit scale (the largest |logit|), at every position within ``Q8_FLIP``,
-and the same greedy token wherever transformers' top-1 margin exceeds twice ``Q8_TOL``. Measured:
+the greedy token of the rounded checkpoint at every position, and the checkpoint's own greedy token
+wherever its top-1 margin exceeds twice ``Q8_TOL`` and twice that position's difference (the
+near-tie rule the conformance bench holds llama.cpp to: at one gpt-oss position the rounding
+moves the logits by 0.18 of the scale and parts a margin of 0.09). Measured:
 transformers itself, its checkpoint's matrices rounded to Q8_0 by gguf-py, moves these models'
 logits by 1-3% of the scale at the 90th percentile position, and in a mixture of experts, where
 the rounding routes a position to other experts, by up to 0.43 at one (Mixtral's).
@@ -134,7 +137,8 @@ def test_converter_file_matches_transformers(
     assert q90 < Q8_TOL, f"at the 90th percentile position {q90:.3f} of the logit scale off"
     assert rows.max() < Q8_FLIP, f"a position {rows.max():.3f} of the logit scale off"
     top = case.want.topk(2, dim=-1).values
-    clear = (top[:, 0] - top[:, 1]) / scale > 2 * Q8_TOL
+    assert torch.equal(got.argmax(-1), case.twin.argmax(-1))
+    clear = (top[:, 0] - top[:, 1]) / scale > 2 * rows.clamp(min=Q8_TOL)
     assert clear.sum() >= case.ids.shape[0] // 3, "too few positions with a clear top-1 to check"
     assert torch.equal(got.argmax(-1)[clear], case.want.argmax(-1)[clear])
 

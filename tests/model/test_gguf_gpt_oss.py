@@ -44,15 +44,15 @@ def _load_file_experts(model: torch.nn.Module, path: Path) -> None:
 
 
 def test_a_float_gpt_oss_gguf_reads_back_as_the_folder(tmp_path: Path) -> None:
-    model = save_oss(tmp_path / "hf")
+    model = save_oss(tmp_path / "hf", truncate=True)  # as a GGUF runs it: llama.cpp's ramp
     path = write_gguf_from_folder(tmp_path / "hf", tmp_path / "oss.gguf", "F32")
     config = GGUFSource(path).config_dict()
-    assert config["model_type"] == "gpt_oss" and config["rope_scaling"]["truncate"] is False
+    assert config["model_type"] == "gpt_oss" and config["rope_scaling"]["truncate"] is True
     assert_gguf_matches(model, path)
 
 
 def test_mxfp4_gguf_experts_stay_at_their_size(tmp_path: Path) -> None:
-    model = save_oss(tmp_path / "hf")
+    model = save_oss(tmp_path / "hf", truncate=True)  # as a GGUF runs it: llama.cpp's ramp
     path = write_gguf_from_folder(tmp_path / "hf", tmp_path / "oss-mxfp4.gguf", _experts_mxfp4)
     stage = load_stage(open_source(path))
     experts = stage.layers["0"].ffn.experts_gate_up

@@ -20,8 +20,14 @@ OSS = dict(
 )  # fmt: skip
 
 
-def save_oss(folder: Path) -> Any:
-    model = save_random_model(transformers.GptOssConfig(**OSS), folder)
+def oss_config(truncate: bool = False, **overrides: Any) -> Any:
+    """gpt-oss's config; ``truncate=True`` is YaRN as a GGUF of it runs (llama.cpp's ramp)."""
+    rope = {**OSS["rope_parameters"], "truncate": truncate}
+    return transformers.GptOssConfig(**{**OSS, "rope_parameters": rope, **overrides})
+
+
+def save_oss(folder: Path, truncate: bool = False) -> Any:
+    model = save_random_model(oss_config(truncate), folder)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # transformers starts biases and sinks at zero: make them count
         for name, p in model.named_parameters():
