@@ -11,6 +11,11 @@ positions before any parting (both computed from the same tokens and chose alike
 difference measured over the whole file (a near tie): each such parting is listed. The
 parting position's own difference is left out of that measure: two sides that chose apart
 always differ there by at least half the gap, so counting it would excuse every parting.
+
+llama-server gives no log-probabilities for a token that ends inside a UTF-8 character. A
+parting there is judged by seamline's gap between the two chosen tokens instead (``gap_from``):
+the two sides' gaps, each counted towards its own choice, sum to at most twice the largest
+difference, so a near tie on one side is one on both within that bound.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ class Comparison:
     equal: bool  # the same tokens, to the shorter's end where one stopped at an end token
     parted_at: int | None  # the first position whose tokens differ
     near_tie: bool  # parted where the reference's top-2 gap is under twice max_logit_diff
-    reference_gap: float | None  # the reference's top-2 gap where they parted
+    reference_gap: float | None  # the reference's top-2 gap where they parted (see gap_from)
     max_logit_diff: float
     top5_equal: bool  # the same five likeliest tokens at every shared position
+    gap_from: str | None = None  # "llama.cpp", or "seamline" where the reference gave none
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -44,6 +50,7 @@ class Comparison:
             "reference_gap": self.reference_gap,
             "max_logit_diff": round(self.max_logit_diff, 6),
             "top5_equal": self.top5_equal,
+            "gap_from": self.gap_from,
         }
 
 
@@ -59,12 +66,24 @@ def compare(ours: Answer, reference: Answer) -> Comparison:
         for i in range(shared)
         if ours.tops[i] and reference.tops[i]
     )
-    gap = (
-        _gap(reference.tops[parted])
-        if parted is not None and parted < len(reference.tops)
-        else None
-    )
-    return Comparison(parted is None, parted, _near(gap, diff), gap, diff, top5)
+    gap, gap_from = _parting_gap(ours, reference, parted)
+    return Comparison(parted is None, parted, _near(gap, diff), gap, diff, top5, gap_from)
+
+
+def _parting_gap(
+    ours: Answer, reference: Answer, parted: int | None
+) -> tuple[float | None, str | None]:
+    """The reference's top-2 gap where the answers parted, or where it gave no log-probabilities
+    there, ours between our token and the reference's (None where neither side measured it)."""
+    if parted is None:
+        return None, None
+    if parted < len(reference.tops) and reference.tops[parted]:
+        return _gap(reference.tops[parted]), "llama.cpp"
+    top = ours.tops[parted] if parted < len(ours.tops) else {}
+    mine, theirs = ours.tokens[parted], reference.tokens[parted]
+    if mine in top and theirs in top and top[theirs] > ZERO:
+        return top[mine] - top[theirs], "seamline"
+    return None, None
 
 
 def _near(gap: float | None, noise: float) -> bool:

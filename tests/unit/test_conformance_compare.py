@@ -62,3 +62,25 @@ def test_a_probability_of_zero_is_no_measurement() -> None:
     ours = Answer([5], [_top((5, -0.1), (7, -40.0))])
     ref = Answer([5], [_top((5, -0.1), (7, -3.4028234663852886e38))])
     assert compare(ours, ref).max_logit_diff == 0.0
+
+
+def test_a_parting_where_the_reference_gave_no_log_probabilities_is_judged_by_ours() -> None:
+    """llama-server lists nothing for a token that ends inside a UTF-8 character: there the gap
+    between our token and the reference's, in our log-probabilities, decides."""
+    first = (_top((5, -0.1), (7, -3.0)), _top((5, -0.12), (7, -3.0)))  # 0.02 apart before
+    close = compare(
+        Answer([5, 7], [first[0], _top((7, -0.70), (6, -0.71), (9, -5.0))]),
+        Answer([5, 6], [first[1], {}]),
+    )
+    assert close.near_tie and close.gap_from == "seamline"
+    assert close.reference_gap is not None and abs(close.reference_gap - 0.01) < 1e-9
+    far = compare(
+        Answer([5, 7], [first[0], _top((7, -0.1), (9, -3.0), (6, -4.0))]),
+        Answer([5, 6], [first[1], {}]),
+    )
+    assert not far.near_tie and far.gap_from == "seamline"
+    assert far.reference_gap is not None and abs(far.reference_gap - 3.9) < 1e-9
+    unseen = compare(
+        Answer([5, 7], [first[0], _top((7, -0.1), (9, -3.0))]), Answer([5, 6], [first[1], {}])
+    )
+    assert unseen.reference_gap is None and unseen.gap_from is None and not unseen.near_tie
