@@ -18,8 +18,8 @@ import openai
 import psutil
 
 from seamline.bench.attack_mesh import LiveMesh
-from seamline.bench.attack_metrics import Window, reference, window_metrics
-from seamline.bench.chaos import Answer, Clients
+from seamline.bench.attack_metrics import AttackWindow, reference, window_metrics
+from seamline.bench.chaos import ClientAnswer, Clients
 
 CLIENTS, TOKENS = 8, 48
 CLIENT_TIMEOUT_S = 90.0  # a request that hangs longer is lost
@@ -60,7 +60,7 @@ class Watcher:
 class Attacked:
     """One attack's record: its window, what the attacker and the bench saw, processes that exited."""
 
-    window: Window
+    window: AttackWindow
     facts: dict[str, Any]
     exited: list[str]
     detected_s: float | None = None
@@ -107,10 +107,10 @@ class Session:
         exited = sorted(n for n, p in honest.items() if p.poll() is not None and n not in gone_before)
         facts["coordinator_rss_growth_mb"] = round(_rss(honest["coordinator"].pid) - rss, 1)
         detected = watcher.detected_at if watcher is not None else None
-        self.attacked[name] = Attacked(Window(start, end + self.after_s), facts, exited,
+        self.attacked[name] = Attacked(AttackWindow(start, end + self.after_s), facts, exited,
                                        None if detected is None else round(detected - start, 2), lying)  # fmt: skip
 
-    def finish(self) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Answer, str]]]:
+    def finish(self) -> tuple[dict[str, dict[str, Any]], list[tuple[str, ClientAnswer, str]]]:
         """Stop the load; each attack's figures, and the answers that differ from their calm one
         (attack, answer, calm text) for the near-tie judge."""
         self.load.stop()

@@ -39,7 +39,7 @@ from seamline.bench.attack_session import (
     Session,
     Watcher,
 )
-from seamline.bench.chaos import Answer, _request
+from seamline.bench.chaos import ClientAnswer, _request
 from seamline.bench.driver import Driver
 from seamline.bench.near_tie import TieJudge
 from seamline.errors import SeamlineError
@@ -66,7 +66,7 @@ def bench_attacks(duration_s: float = DURATION_S, after_s: float = AFTER_S,
         raise ValueError(f"unknown attacks {sorted(unknown)}: the attacks are {', '.join(ATTACKS)}")
     work = Path(tempfile.mkdtemp(prefix="seamline-attacks-"))
     results: dict[str, dict[str, Any]] = {}
-    differ: list[tuple[str, Answer, str]] = []
+    differ: list[tuple[str, ClientAnswer, str]] = []
     shared = [a for a in SHARED if a in attacks]
     if shared:
         figures, changed = _on_shared_mesh(shared, duration_s, after_s, work)
@@ -101,7 +101,7 @@ def setup(duration_s: float = DURATION_S, after_s: float = AFTER_S) -> dict[str,
 
 
 def _on_shared_mesh(names: list[str], duration_s: float, after_s: float,
-                    work: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Answer, str]]]:  # fmt: skip
+                    work: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[str, ClientAnswer, str]]]:  # fmt: skip
     comm_tls = _comm_certificates(work / "comm-tls")
     mesh = start("shared", work, comm_tls=comm_tls)
     try:
@@ -223,7 +223,7 @@ def _fake_ready(mesh: LiveMesh, work: Path, duration_s: float) -> tuple[float, f
 
 
 def _on_own_mesh(name: str, duration_s: float, after_s: float,
-                 work: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[str, Answer, str]]]:  # fmt: skip
+                 work: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[str, ClientAnswer, str]]]:  # fmt: skip
     """A fresh mesh of two honest nodes and the liar, in the place its attack needs."""
     mesh, driver, liar, stages = _mesh_with_liar(name, work)
     try:
@@ -290,7 +290,7 @@ def _armed(driver: Any, mesh: LiveMesh, liar: str, name: str, duration_s: float)
     return started, time.monotonic(), {}
 
 
-def _tell_near_ties(results: dict[str, dict[str, Any]], differ: list[tuple[str, Answer, str]]) -> None:
+def _tell_near_ties(results: dict[str, dict[str, Any]], differ: list[tuple[str, ClientAnswer, str]]) -> None:
     """Answers that first differ from their calm one at a near tie are counted apart."""
     if not differ:
         for figures in results.values():

@@ -50,7 +50,7 @@ PROMPTS = [
 
 
 @dataclass
-class Answer:
+class ClientAnswer:
     client: int
     began: float
     ended: float = 0.0
@@ -71,7 +71,7 @@ class Clients:
     def __init__(self, url: str, count: int, tokens: int) -> None:
         self.api = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
         self.count, self.tokens = count, tokens
-        self.answers: list[Answer] = []
+        self.answers: list[ClientAnswer] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(count)]
@@ -87,7 +87,7 @@ class Clients:
 
     def _loop(self, client: int) -> None:
         while not self._stop.is_set():
-            answer = Answer(client, time.monotonic())
+            answer = ClientAnswer(client, time.monotonic())
             try:
                 stream = self.api.chat.completions.create(model="default", max_tokens=self.tokens, stream=True,
                                                           **_request(client))  # fmt: skip
@@ -101,7 +101,7 @@ class Clients:
             with self._lock:
                 self.answers.append(answer)
 
-    def taken(self, since: float) -> list[Answer]:
+    def taken(self, since: float) -> list[ClientAnswer]:
         with self._lock:
             return [a for a in self.answers if a.began >= since]
 
@@ -168,7 +168,7 @@ def mesh_status(server: Server) -> dict[str, Any]:
         return {}
 
 
-def _recoveries(answers: list[Answer], failures: list[dict[str, Any]]) -> list[float]:
+def _recoveries(answers: list[ClientAnswer], failures: list[dict[str, Any]]) -> list[float]:
     """Per stream in flight at a failure: seconds from the failure to its next token."""
     out = []
     for failure in failures:
@@ -179,13 +179,13 @@ def _recoveries(answers: list[Answer], failures: list[dict[str, Any]]) -> list[f
     return out
 
 
-def stream_rate(answers: list[Answer], since: float, until: float) -> float:
+def stream_rate(answers: list[ClientAnswer], since: float, until: float) -> float:
     """Tokens streamed per second between ``since`` and ``until`` (of answers that ended)."""
     tokens = sum(1 for a in answers for t in a.token_times if since <= t < until)
     return tokens / (until - since)
 
 
-def _near_ties(differ: list[Answer], reference: dict[int, str]) -> list[Answer]:
+def _near_ties(differ: list[ClientAnswer], reference: dict[int, str]) -> list[ClientAnswer]:
     """The answers that first differ from their calm one at a near-tie."""
     judge = TieJudge(CONTEXT)
     return [a for a in differ if judge.near_tie(_request(a.client)["messages"], reference[a.client], a.text)]

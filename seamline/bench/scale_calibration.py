@@ -21,7 +21,7 @@ from seamline.bench.servers import Server
 from seamline.bench.throughput import prompts_file, wave
 from seamline.mesh.plan.types import LinkCost
 from seamline.sim.costs import DeviceSpeed, FrontCost, Load, StageCost
-from seamline.sim.pricing import GATES_PER_LAYER
+from seamline.sim.prediction import GATES_PER_LAYER
 
 # (clients, tokens, prompts' seed): the first two alike but for the tokens streamed; the first and
 # the third differ in their clients (the load generator's start, the same in each, cancels), and
@@ -61,7 +61,7 @@ class Calibration:
         return data
 
     def route(self) -> Any:
-        from seamline.sim.simulate import Route
+        from seamline.sim.simulate import Pipeline
 
         stages = []
         for i, probe in enumerate(self.stages):
@@ -78,7 +78,7 @@ class Calibration:
                                     gate_link=LinkCost(gate[0] / 2e3, max(gate[1], 0.1) * 1e6) if gate else None,
                                     step_overhead_s={rows: ms / 1e3 for rows, ms in probe.overhead_ms.items()}))
         links = tuple(LinkCost(rtt / 2e3, max(mb_s, 0.1) * 1e6) for rtt, mb_s in self.links_ms_mb_s)
-        return Route(tuple(stages), links)
+        return Pipeline(tuple(stages), links)
 
 
 def calibrate(server: Server, logs: Path, rank_probe: StageProbe | None = None) -> Calibration:

@@ -25,7 +25,7 @@ from seamline.model.stage import Stage
 from seamline.runtime.cuda_graphs import GraphedDecode
 from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.sampling import TokenEvent, draw_next
-from seamline.runtime.scheduler import Batch, Emission, Ready, Scheduler, SequenceState
+from seamline.runtime.scheduler import Batch, Emission, ReadyCheck, Scheduler, SequenceState
 from seamline.runtime.speculation import draws_while_accepted
 
 if TYPE_CHECKING:
@@ -120,7 +120,7 @@ class EngineCore:
             after_step = partial(offer_drafts, stage)
         return cls(scheduler, LocalExecutor(stage, context_length, masks), after_step)
 
-    def step(self, ready: Ready | None = None, max_decode_rows: int | None = None) -> list[Emission] | None:
+    def step(self, ready: ReadyCheck | None = None, max_decode_rows: int | None = None) -> list[Emission] | None:
         """Plan a batch, run it, record what it drew; None when there was nothing to run."""
         batch = self.scheduler.next_batch(ready, max_decode_rows)
         if not batch.spans:

@@ -129,7 +129,7 @@ class _LateComm:
 
 
 @dataclass
-class _Sequence:
+class _GroupSequence:
     cache: SequenceCache
     position: int = 0  # the next position
     greedy: bool = False  # the leader samples greedily: (max, argmax) pairs suffice
@@ -167,7 +167,7 @@ class LockstepRank:
             torch.cuda.set_device(device)
         self.comm.inner = make_comm(transport, rank, world, addresses, timeout_s, self.fingerprint,
                                     connect_timeout_s, tls, device=device or torch.device("cpu"))
-        self.seqs: dict[int, _Sequence] = {}
+        self.seqs: dict[int, _GroupSequence] = {}
         self._control = 0  # control messages so far: the sequence of their tags
 
     def exchange(self, cmd: list[int] | None, inputs: Inputs | None = None,
@@ -223,7 +223,7 @@ class LockstepRank:
         if op == CREATE:
             if seq in self.seqs:
                 raise RequestError(f"sequence {seq} already exists on rank {self.rank}")
-            self.seqs[seq] = _Sequence(self.stage.new_cache(), greedy=bool(cmd[4] & GREEDY))
+            self.seqs[seq] = _GroupSequence(self.stage.new_cache(), greedy=bool(cmd[4] & GREEDY))
             return None
         if op == FORK:
             self._fork(seq, cmd[DONOR], position)
@@ -263,7 +263,7 @@ class LockstepRank:
             raise RequestError(f"fork of sequence {donor_seq} into {seq} on rank {self.rank}: not one open, one free")
         if not self.stage.forks_caches or not 0 <= position <= donor.position:
             raise RequestError(f"sequence {donor_seq} (at {donor.position}) cannot be copied through {position}")
-        self.seqs[seq] = _Sequence(donor.cache.fork(position), position, donor.greedy, floor=position)
+        self.seqs[seq] = _GroupSequence(donor.cache.fork(position), position, donor.greedy, floor=position)
 
     def _forward(self, inputs: Inputs, spans: list[Span]) -> torch.Tensor:
         """Hidden states of every row, or on the last stage the logits of each span's last row

@@ -150,7 +150,7 @@ class Batch:
     follows: list[bool] = field(default_factory=list)  # per row: drafts going on from its sequence's window in flight
 
 
-Ready = Callable[[SequenceState], bool]
+ReadyCheck = Callable[[SequenceState], bool]
 
 
 def _always(sequence: SequenceState) -> bool:
@@ -264,7 +264,7 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def next_batch(self, ready: Ready | None = None, max_decode_rows: int | None = None) -> Batch:
+    def next_batch(self, ready: ReadyCheck | None = None, max_decode_rows: int | None = None) -> Batch:
         """Admit what fits, preempt what must go, and plan the next rows: a decode row for each
         sequence past its prompt (at most ``max_decode_rows``), then prompt chunks. Only
         sequences that are ``ready`` take part (in a pipeline: those with no draw in flight)."""
@@ -333,7 +333,7 @@ class Scheduler:
                 return False
         return True
 
-    def _make_room(self, ready: Ready) -> bool:
+    def _make_room(self, ready: ReadyCheck) -> bool:
         """Preempt the newest ready running sequences until the next step fits the budget;
         False when it cannot fit before a sequence that is not ready comes back."""
         while len(self.running) > 1 and not self._fits(0):
@@ -368,7 +368,7 @@ class Scheduler:
             if isinstance(sequence.cache, SequenceCache):
                 sequence.cache.bound(bound)
 
-    def _plan(self, ready: Ready, max_decode_rows: int | None) -> Batch:
+    def _plan(self, ready: ReadyCheck, max_decode_rows: int | None) -> Batch:
         """Decode rows first (one each), then prompt chunks in arrival order, within the budget."""
         batch = Batch()
         spans, inputs, owners = batch.spans, batch.inputs, batch.owners

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 from seamline.config import ModelConfig
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
-from seamline.sim import reference as ref
+from seamline.sim import published as ref
 from seamline.sim.costs import Load
-from seamline.sim.pricing import route_of
+from seamline.sim.prediction import route_of
 
 if TYPE_CHECKING:  # the simulator needs simpy: imported where it runs
-    from seamline.sim.simulate import Route
+    from seamline.sim.simulate import Pipeline
 
 NODE_COUNTS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 100, 128, 200)
 CLIENTS = (1, 64)
@@ -82,7 +82,7 @@ class Point:
 
 
 @dataclass(frozen=True)
-class _Model:
+class _ModelCase:
     name: str
     checkpoint: ref.Checkpoint
     spec: ModelSpec
@@ -98,7 +98,7 @@ def spark_pool(count: int, bytes_per_param: float, hw: ref.Hardware = HARDWARE) 
             for i in range(count)]  # fmt: skip
 
 
-def with_routed_experts(route: Route, plan: Plan, spec: ModelSpec, config: ModelConfig) -> Route:
+def with_routed_experts(route: Pipeline, plan: Plan, spec: ModelSpec, config: ModelConfig) -> Pipeline:
     """``route`` with each stage's routed experts named, so that a step of r rows reads the
     experts its rows pick (their union) rather than the one-row share (module doc)."""
     if not config.num_experts:
@@ -115,12 +115,12 @@ def with_routed_experts(route: Route, plan: Plan, spec: ModelSpec, config: Model
     return replace(route, stages=tuple(stages))
 
 
-def load_model(name: str) -> _Model:
+def load_model(name: str) -> _ModelCase:
     """A published model of MODELS, its spec and its pool of Sparks."""
     checkpoint = MODELS[name]()
     spec = checkpoint.spec()
     per_param = ref.active_bytes_per_param(checkpoint, spec)
-    return _Model(name, checkpoint, spec, lambda count: spark_pool(count, per_param))
+    return _ModelCase(name, checkpoint, spec, lambda count: spark_pool(count, per_param))
 
 
 def plan_options(clients: Sequence[int], load: Load) -> PlanOptions:
@@ -128,7 +128,7 @@ def plan_options(clients: Sequence[int], load: Load) -> PlanOptions:
     return PlanOptions(context_tokens=load.prompt_tokens + load.output_tokens, batch=max(clients))
 
 
-def _simulated(model: _Model, plan: Plan, pool: list[NodeInfo], link: LinkCost, clients: int,
+def _simulated(model: _ModelCase, plan: Plan, pool: list[NodeInfo], link: LinkCost, clients: int,
                load: Load) -> dict[str, Any]:  # fmt: skip
     """``simulate`` over the plan's route (routed experts counted): the point's measured fields."""
     from seamline.sim.simulate import pipeline_bound_tok_s, simulate
@@ -143,7 +143,7 @@ def _simulated(model: _Model, plan: Plan, pool: list[NodeInfo], link: LinkCost, 
             "bound_tok_s": pipeline_bound_tok_s(route, rows), "sim_s": time.perf_counter() - started}  # fmt: skip
 
 
-def model_points(model: _Model, counts: Sequence[int], links: dict[str, LinkCost], clients: Sequence[int],
+def model_points(model: _ModelCase, counts: Sequence[int], links: dict[str, LinkCost], clients: Sequence[int],
                  load: Load) -> list[Point]:  # fmt: skip
     """Every (nodes, link, clients) point of one model; alike plans are simulated once."""
     options = plan_options(clients, load)

@@ -17,7 +17,7 @@ from typing import Any
 from seamline.config import ModelConfig
 from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.types import LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
-from seamline.sim.pricing import predict_many
+from seamline.sim.prediction import predict_many
 
 INSTALL_HINT = "pip install 'seamline[sim]' gives the simulator's predictions under load (it needs simpy)"
 PLOT_HINT = "pip install 'seamline[sim]' gives the plot (it needs matplotlib)"

@@ -40,7 +40,7 @@ _Process = Generator[simpy.Event, Any, None]
 
 
 @dataclass(frozen=True)
-class Route:
+class Pipeline:
     """A pipeline: its stages in order and the hops between them."""
 
     stages: tuple[StageCost, ...]
@@ -81,7 +81,7 @@ class SimResult:
 
 
 @dataclass(eq=False)
-class _Sequence:
+class _ClientRequest:
     """One client's request as stage 0's scheduler sees it."""
 
     prompt: int
@@ -117,7 +117,7 @@ class _Sequence:
 @dataclass(frozen=True)
 class _Frame:
     rows: int
-    drawing: tuple[_Sequence, ...]  # the sequences whose rows draw a token at the last stage
+    drawing: tuple[_ClientRequest, ...]  # the sequences whose rows draw a token at the last stage
     prompt_rows: int = 0  # of ``rows``, prompt chunks'
 
 
@@ -125,7 +125,7 @@ class _Frame:
 class _Pipe:
     """One route's live parts; a failure kills it and everything still on it."""
 
-    route: Route
+    route: Pipeline
     hops: list[simpy.Resource]
     queues: list[simpy.Store]
     alive: bool = True
@@ -134,7 +134,7 @@ class _Pipe:
 class _Wave:
     """The simulation's state and processes."""
 
-    def __init__(self, env: simpy.Environment, sequences: list[_Sequence], front: FrontCost,
+    def __init__(self, env: simpy.Environment, sequences: list[_ClientRequest], front: FrontCost,
                  max_step_tokens: int, prefill_chunk: int, front_device: str | None = None) -> None:  # fmt: skip
         self.env = env
         self.sequences = sequences
@@ -152,7 +152,7 @@ class _Wave:
         self.steps = 0
         self.replayed = 0
 
-    def install(self, route: Route) -> None:
+    def install(self, route: Pipeline) -> None:
         """Start ``route``'s stages and hops and its scheduler."""
         for stage in route.stages:
             self.devices.setdefault(stage.name, simpy.Resource(self.env, capacity=1))
@@ -172,7 +172,7 @@ class _Wave:
             else:
                 self._admit(sequence)
 
-    def fail(self, at_s: float, after: Route, replan_s: float) -> _Process:
+    def fail(self, at_s: float, after: Pipeline, replan_s: float) -> _Process:
         """At ``at_s`` a stage dies; after ``replan_s`` every unfinished sequence replays on ``after``."""
         yield self.env.timeout(at_s)
         if self.done.triggered:
@@ -187,7 +187,7 @@ class _Wave:
         yield self.env.timeout(replan_s)
         self.install(after)
 
-    def _admit(self, sequence: _Sequence) -> None:
+    def _admit(self, sequence: _ClientRequest) -> None:
         sequence.admitted = True
         sequence.prefill_end = sequence.prompt + max(0, sequence.drawn - 1)
         self._notify()
@@ -222,14 +222,14 @@ class _Wave:
             if pipe.alive:
                 self._pass_on(pipe, frame, 0)
 
-    def _frames_full(self, route: Route) -> bool:
+    def _frames_full(self, route: Pipeline) -> bool:
         """M frames that draw in flight, and nothing ready but decode rows (``PipelineHead``)."""
         frames = {s.frame for s in self.sequences if s.in_flight and not s.finished}
         if len(frames) < route.batches():
             return False
         return not any(s.ready() and s.prefilling for s in self.sequences)
 
-    def _plan(self, route: Route) -> _Frame:
+    def _plan(self, route: Pipeline) -> _Frame:
         """Decode rows first (one per ready sequence, at most 1/M of the running), then prompt
         chunks in arrival order, within ``max_step_tokens`` rows; the rows that draw put their
         sequence in flight."""
@@ -322,13 +322,13 @@ class _Wave:
         device.release(request)
         then()
 
-    def _show(self, sequence: _Sequence) -> None:
+    def _show(self, sequence: _ClientRequest) -> None:
         sequence.shown.append(self.env.now)
         self.tokens_shown += 1
         if self.tokens_shown == self.tokens_wanted:
             self.done.succeed()
 
-    def busy(self, route: Route, wall_s: float) -> tuple[float, ...]:
+    def busy(self, route: Pipeline, wall_s: float) -> tuple[float, ...]:
         """Each stage's device: the share of [0, wall_s] it worked."""
         if wall_s <= 0:
             return tuple(0.0 for _ in route.stages)
@@ -336,8 +336,8 @@ class _Wave:
                      for s in route.stages)  # fmt: skip
 
 
-def simulate(route: Route, load: Load, *, front: FrontCost = FrontCost(), max_step_tokens: int = 512,
-             prefill_chunk: int = 512, after_failure: Route | None = None, replan_s: float = 1.0,
+def simulate(route: Pipeline, load: Load, *, front: FrontCost = FrontCost(), max_step_tokens: int = 512,
+             prefill_chunk: int = 512, after_failure: Pipeline | None = None, replan_s: float = 1.0,
              prompt_lengths: tuple[int, ...] | None = None, front_device: str | None = None) -> SimResult:  # fmt: skip
     """The wave ``load`` on ``route``: every client's tokens, when they reached it, and each device's busy share.
 
@@ -349,7 +349,7 @@ def simulate(route: Route, load: Load, *, front: FrontCost = FrontCost(), max_st
                      front_device)  # fmt: skip
     prompts = prompt_lengths if prompt_lengths is not None else (load.prompt_tokens,) * load.clients
     env = simpy.Environment()
-    wave = _Wave(env, [_Sequence(prompt, load.output_tokens) for prompt in prompts], front, max_step_tokens,
+    wave = _Wave(env, [_ClientRequest(prompt, load.output_tokens) for prompt in prompts], front, max_step_tokens,
                  prefill_chunk, front_device)  # fmt: skip
     wave.install(route)
     wave.arrive()
@@ -367,7 +367,7 @@ def simulate(route: Route, load: Load, *, front: FrontCost = FrontCost(), max_st
                      busy=wave.busy(route, wall), steps=wave.steps, replayed=wave.replayed)  # fmt: skip
 
 
-def _check(route: Route, load: Load, max_step_tokens: int, prefill_chunk: int, after_failure: Route | None,
+def _check(route: Pipeline, load: Load, max_step_tokens: int, prefill_chunk: int, after_failure: Pipeline | None,
            replan_s: float, prompt_lengths: tuple[int, ...] | None,
            front_device: str | None) -> float | None:  # fmt: skip
     """Validate the inputs; the time of the route's first failure, if any."""
@@ -400,7 +400,7 @@ def _check(route: Route, load: Load, max_step_tokens: int, prefill_chunk: int, a
     return first.fails_at_s
 
 
-def pipeline_bound_tok_s(route: Route, rows_per_micro_batch: int) -> float:
+def pipeline_bound_tok_s(route: Pipeline, rows_per_micro_batch: int) -> float:
     """Steady-state decode tokens/s with M micro-batches of ``rows_per_micro_batch`` rows each:
     M x rows per cycle, a cycle as long as the larger of one micro-batch's round trip and M
     times the busiest device's or link's share of it (no front cost)."""

@@ -11,26 +11,26 @@ from typing import Any
 import pytest
 
 from seamline.bench import attack_session
-from seamline.bench.attack_metrics import Window, mesh_down_s, window_metrics
+from seamline.bench.attack_metrics import AttackWindow, mesh_down_s, window_metrics
 from seamline.bench.attacks import bench_attacks
-from seamline.bench.chaos import Answer
+from seamline.bench.chaos import ClientAnswer
 
 FIGURES = {"mesh_down_s", "requests", "requests_lost", "wrong_answers", "near_tie_flips", "processes_exited", "attack"}
 
 
-def _answer(client: int, began: float, times: list[float], text: str = "a", error: str = "") -> Answer:
-    return Answer(client, began, ended=(times[-1] if times else began) + 0.01, text=text, error=error,
+def _answer(client: int, began: float, times: list[float], text: str = "a", error: str = "") -> ClientAnswer:
+    return ClientAnswer(client, began, ended=(times[-1] if times else began) + 0.01, text=text, error=error,
                   token_times=times)  # fmt: skip
 
 
 def test_the_mesh_is_down_for_the_longest_stretch_without_a_token_to_anyone() -> None:
     answers = [_answer(0, 0.0, [1.0, 2.0, 9.0]), _answer(1, 0.0, [3.0, 3.5])]
-    assert mesh_down_s(answers, Window(1.5, 10.0)) == 5.5  # 3.5 -> 9.0
-    assert mesh_down_s(answers, Window(9.5, 12.0)) == 2.5  # no token at all after 9.0: to the window's end
+    assert mesh_down_s(answers, AttackWindow(1.5, 10.0)) == 5.5  # 3.5 -> 9.0
+    assert mesh_down_s(answers, AttackWindow(9.5, 12.0)) == 2.5  # no token at all after 9.0: to the window's end
     calm = {0: "calm0", 1: "calm1"}
     taken = [_answer(0, 5.0, [5.5], "calm0"), _answer(1, 5.0, [5.5], "other"), _answer(0, 6.0, [], "", "boom"),
              _answer(1, 20.0, [20.5], "other")]  # the last one after the window: not counted  # fmt: skip
-    figures, differ = window_metrics(taken, Window(4.0, 10.0), calm)
+    figures, differ = window_metrics(taken, AttackWindow(4.0, 10.0), calm)
     assert (figures["requests"], figures["requests_lost"], len(differ)) == (3, 1, 1)
 
 

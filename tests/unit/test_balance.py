@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from seamline.mesh.control.balance import MIN_BUSY, Window, parted, slowdowns
+from seamline.mesh.control.balance import MIN_BUSY, BusyWindow, parted, slowdowns
 from seamline.mesh.plan.planner import plan as make_plan
 from seamline.mesh.plan.types import ModelSpec, NodeInfo, Plan, PlanOptions, StageAssignment
 
@@ -18,13 +18,13 @@ def _plan(*under_load_s: float) -> Plan:
     return Plan("m", len(stages), stages, sum(under_load_s), 0.0, 64, 1, "throughput")
 
 
-START = Window(1, 100.0, (0.0, 0.0), (0.0, 0.0))
+START = BusyWindow(1, 100.0, (0.0, 0.0), (0.0, 0.0))
 
 
-def _busy(plan_id: int, at_s: float, *busy: float) -> Window:
+def _busy(plan_id: int, at_s: float, *busy: float) -> BusyWindow:
     """Counters after a window from START in which each stage ran its forwards back to back and
     waited for work the rest of the time (occupied seconds = busy seconds)."""
-    return Window(plan_id, at_s, busy, tuple(at_s - START.at_s - b for b in busy))
+    return BusyWindow(plan_id, at_s, busy, tuple(at_s - START.at_s - b for b in busy))
 
 
 def test_stages_busy_as_predicted_are_not_parted() -> None:
@@ -45,7 +45,7 @@ def test_a_stage_kept_off_its_core_between_its_forwards_is_found_slowed() -> Non
     """Both stages forward as fast as planned, but stage 0 had work 1.8 s more than its forwards
     (the API and the clients ran on its core): 5.8 s occupied against 4.0 s."""
     plan = _plan(10 * MS, 10 * MS)
-    found = slowdowns(plan, START, Window(1, 106.0, (4.0, 4.0), (0.2, 2.0)))
+    found = slowdowns(plan, START, BusyWindow(1, 106.0, (4.0, 4.0), (0.2, 2.0)))
     assert found is not None and found["n0"] / found["n1"] == pytest.approx(5.8 / 4.0)
     assert parted(found)
 
@@ -55,9 +55,9 @@ def test_other_work_while_a_stage_waits_for_work_is_not_its_slowness() -> None:
     0's core meanwhile; a stage is occupied at least while its forwards run (a clock read a
     little apart from the other never makes it less)."""
     plan = _plan(10 * MS, 10 * MS)
-    found = slowdowns(plan, START, Window(1, 106.0, (3.0, 3.0), (3.0, 3.0)))
+    found = slowdowns(plan, START, BusyWindow(1, 106.0, (3.0, 3.0), (3.0, 3.0)))
     assert found is not None and not parted(found)
-    skewed = slowdowns(plan, START, Window(1, 106.0, (3.0, 3.0), (3.5, 3.0)))
+    skewed = slowdowns(plan, START, BusyWindow(1, 106.0, (3.0, 3.0), (3.5, 3.0)))
     assert skewed is not None and skewed["n0"] == pytest.approx(skewed["n1"])
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seamline.bench.chaos import Answer, Clients, _recoveries, _result
+from seamline.bench.chaos import ClientAnswer, Clients, _recoveries, _result
 
 
-def _answer(client: int, began: float, times: list[float], text: str = "a", error: str = "") -> Answer:
-    return Answer(client, began, ended=(times[-1] if times else began) + 0.01, text=text, error=error,
+def _answer(client: int, began: float, times: list[float], text: str = "a", error: str = "") -> ClientAnswer:
+    return ClientAnswer(client, began, ended=(times[-1] if times else began) + 0.01, text=text, error=error,
                   token_times=times)  # fmt: skip
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seamline.bench.chaos import Answer, Clients
+from seamline.bench.chaos import ClientAnswer, Clients
 from seamline.bench.growth import _result
 
 
@@ -14,11 +14,11 @@ def test_rates_gain_and_losses_are_counted_per_phase(tmp_path: Path) -> None:
     load = Clients.__new__(Clients)
     load.count, load.tokens = 2, 4
     load.answers = [
-        Answer(0, 0.5, 4.0, "a", token_times=[1.0, 2.0, 3.0]),  # before: 0..10, 4 tokens
-        Answer(1, 0.5, 9.0, "b", token_times=[8.0]),
-        Answer(0, 11.0, 13.0, "", error="lost"),  # during the switch
-        Answer(0, 20.0, 22.0, "a", token_times=[20.5, 21.0, 21.5, 22.0]),  # after: 20..25, 6 tokens
-        Answer(1, 20.0, 24.0, "c", token_times=[23.0, 24.0]),  # changed
+        ClientAnswer(0, 0.5, 4.0, "a", token_times=[1.0, 2.0, 3.0]),  # before: 0..10, 4 tokens
+        ClientAnswer(1, 0.5, 9.0, "b", token_times=[8.0]),
+        ClientAnswer(0, 11.0, 13.0, "", error="lost"),  # during the switch
+        ClientAnswer(0, 20.0, 22.0, "a", token_times=[20.5, 21.0, 21.5, 22.0]),  # after: 20..25, 6 tokens
+        ClientAnswer(1, 20.0, 24.0, "c", token_times=[23.0, 24.0]),  # changed
     ]
     result = _result(load, (0.0, 10.0), (20.0, 25.0), 3.5, ["g0", "g1"], ["g0", "g1", "g2"], tmp_path)
     assert (result["tok_s_before"], result["tok_s_after"], result["gain"]) == (0.4, 1.2, 3.0)

@@ -10,7 +10,7 @@ pytest.importorskip("simpy")
 
 from seamline.mesh.plan.types import LinkCost  # noqa: E402
 from seamline.sim.costs import DeviceSpeed, FrontCost, Load, StageCost, frame_bytes  # noqa: E402
-from seamline.sim.simulate import Route, pipeline_bound_tok_s, simulate, spread_prompt_lengths  # noqa: E402
+from seamline.sim.simulate import Pipeline, pipeline_bound_tok_s, simulate, spread_prompt_lengths  # noqa: E402
 
 BATCHED = DeviceSpeed(bytes_per_second=1e9, batched={16: 4e9, 64: 8e9})
 LINEAR = DeviceSpeed(bytes_per_second=1e9)  # a step's time grows with its rows
@@ -29,14 +29,14 @@ def stages(count: int, speed: DeviceSpeed = BATCHED, read_bytes: float = 1e8) ->
 def test_one_stage_steps_every_client_each_step() -> None:
     clients, outputs = 8, 10
     stage = stages(1)[0]
-    result = simulate(Route(stages=(stage,), links=()), Load(clients, 1, outputs))
+    result = simulate(Pipeline(stages=(stage,), links=()), Load(clients, 1, outputs))
     a = stage.step_s(clients)
     assert close(result.wall_s, outputs * a)  # the 1-token prompts' step draws the first token
     assert close(result.tok_s, clients / a)
     assert result.steps == outputs
     assert all(close(gap, a) for gap in result.itl_s) and len(result.itl_s) == clients * (outputs - 1)
     assert all(close(t, a) for t in result.ttft_s)
-    assert close(pipeline_bound_tok_s(Route((stage,), ()), clients), clients / a)
+    assert close(pipeline_bound_tok_s(Pipeline((stage,), ()), clients), clients / a)
 
 
 def test_equal_stages_with_free_links_fill_then_cycle_micro_batches() -> None:
@@ -46,7 +46,7 @@ def test_equal_stages_with_free_links_fill_then_cycle_micro_batches() -> None:
     after the first."""
     count, k, outputs = 3, 4, 6
     clients = count * k
-    route = Route(stages(count), (FREE_LINK,) * count)
+    route = Pipeline(stages(count), (FREE_LINK,) * count)
     result = simulate(route, Load(clients, 1, outputs))
     a, b = route.stages[0].step_s(clients), route.stages[0].step_s(k)
     wall = count * a + (outputs - 1) * count * b + (count - 1) * b
@@ -65,7 +65,7 @@ def test_slow_link_sets_the_pace() -> None:
     clients = 2 * k
     free = (StageCost("s0", BATCHED, 0.0, frame_bytes_per_row=4096), StageCost("s1", BATCHED, 0.0))
     bandwidth = 1e6
-    route = Route(free, (LinkCost(0.0, bandwidth), FREE_LINK))
+    route = Pipeline(free, (LinkCost(0.0, bandwidth), FREE_LINK))
     result = simulate(route, Load(clients, 1, outputs))
     first, each = frame_bytes(clients, 4096) / bandwidth, frame_bytes(k, 4096) / bandwidth
     wall = first + 2 * (outputs - 1) * each
@@ -78,29 +78,29 @@ def test_slow_link_sets_the_pace() -> None:
 def test_a_failed_stage_replays_every_unfinished_request() -> None:
     clients, outputs = 6, 40
     load = Load(clients, 16, outputs)
-    route = Route(stages(3), (FREE_LINK,) * 3)
+    route = Pipeline(stages(3), (FREE_LINK,) * 3)
     whole = simulate(route, load)
     at = whole.wall_s / 2
     dying = (route.stages[0], StageCost("s1", BATCHED, 1e8, frame_bytes_per_row=8192, fails_at_s=at), route.stages[2])
-    after = Route((StageCost("s0", BATCHED, 1.5e8, frame_bytes_per_row=8192), StageCost("s2", BATCHED, 1.5e8)),
+    after = Pipeline((StageCost("s0", BATCHED, 1.5e8, frame_bytes_per_row=8192), StageCost("s2", BATCHED, 1.5e8)),
                   (FREE_LINK, FREE_LINK))  # fmt: skip
-    result = simulate(Route(dying, route.links), load, after_failure=after, replan_s=0.5)
+    result = simulate(Pipeline(dying, route.links), load, after_failure=after, replan_s=0.5)
     assert result.replayed == clients
     assert len(result.ttft_s) == clients and len(result.itl_s) == clients * (outputs - 1)
     assert close(result.tok_s * result.wall_s, clients * outputs)
     assert result.wall_s > whole.wall_s and result.wall_s > at + 0.5
     assert max(result.itl_s) >= 0.5  # the gap across the replan
     with pytest.raises(ValueError, match="after_failure"):
-        simulate(Route(dying, route.links), load)
+        simulate(Pipeline(dying, route.links), load)
 
 
 def test_a_failure_after_the_wave_changes_nothing() -> None:
     load = Load(4, 8, 5)
-    route = Route(stages(2), (FREE_LINK,) * 2)
+    route = Pipeline(stages(2), (FREE_LINK,) * 2)
     whole = simulate(route, load)
     late = (route.stages[0], StageCost("s1", BATCHED, 1e8, fails_at_s=whole.wall_s * 2))
-    after = Route((StageCost("s0", BATCHED, 2e8),), ())
-    result = simulate(Route(late, route.links), load, after_failure=after)
+    after = Pipeline((StageCost("s0", BATCHED, 2e8),), ())
+    result = simulate(Pipeline(late, route.links), load, after_failure=after)
     assert result == whole
 
 
@@ -109,7 +109,7 @@ def test_prompt_chunks_pipeline_through_the_stages() -> None:
     rows); in chunks of P/4 stage 1 runs chunk i while stage 0 runs chunk i + 1, and the first
     token comes after the last chunk's step on stage 1: 5 steps of P/4 rows."""
     prompt = 256
-    route = Route(stages(2, LINEAR), (FREE_LINK,) * 2)
+    route = Pipeline(stages(2, LINEAR), (FREE_LINK,) * 2)
     chunk_s = route.stages[0].step_s(prompt // 4)
     whole = simulate(route, Load(1, prompt, 2), prefill_chunk=prompt)
     chunked = simulate(route, Load(1, prompt, 2), prefill_chunk=prompt // 4)
@@ -124,7 +124,7 @@ def test_front_work_shares_stage_zero() -> None:
     clients, outputs = 3, 4
     stage = stages(1)[0]
     front = FrontCost(s_per_token=0.002, s_per_request=0.01)
-    result = simulate(Route((stage,), ()), Load(clients, 1, outputs), front=front)
+    result = simulate(Pipeline((stage,), ()), Load(clients, 1, outputs), front=front)
     a = stage.step_s(clients)
     assert close(result.wall_s, clients * 0.01 + outputs * (a + clients * 0.002))
     assert close(result.ttft_s[0], clients * 0.01 + a + 0.002)
@@ -133,7 +133,7 @@ def test_front_work_shares_stage_zero() -> None:
 
 def test_busy_shares_show_the_bottleneck() -> None:
     slow = StageCost("s1", BATCHED, 2e8, frame_bytes_per_row=8192)
-    route = Route((stages(3)[0], slow, stages(3)[2]), (LinkCost(0.0005, 125e6),) * 3)
+    route = Pipeline((stages(3)[0], slow, stages(3)[2]), (LinkCost(0.0005, 125e6),) * 3)
     result = simulate(route, Load(6, 32, 20), prompt_lengths=spread_prompt_lengths(6, 8, 64))
     assert all(0.0 <= share <= 1.0 for share in result.busy)
     assert max(range(3), key=lambda i: result.busy[i]) == 1
@@ -149,7 +149,7 @@ def test_front_work_goes_to_the_stage_whose_core_it_shares() -> None:
     stage 0's device it delays the next step (2a + f between tokens); on stage 1's it runs while
     stage 0 steps (2a), and that device's busy share counts it."""
     outputs, f = 6, 0.002
-    route = Route(stages(2, LINEAR), (FREE_LINK,) * 2)
+    route = Pipeline(stages(2, LINEAR), (FREE_LINK,) * 2)
     a = route.stages[0].step_s(1)
     assert f < a
     front = FrontCost(s_per_token=f)
@@ -167,9 +167,9 @@ def test_front_work_moves_to_stage_zero_when_its_stage_fails() -> None:
     """The front's stage dies before any token: every token's front work then falls on stage 0
     of the route left, as if the front had been named there from the start."""
     load, front = Load(4, 8, 30), FrontCost(s_per_token=0.001, s_per_request=0.002)
-    route = Route(stages(2), (FREE_LINK,) * 2)
-    dying = Route((route.stages[0], StageCost("s1", BATCHED, 1e8, fails_at_s=1e-6)), route.links)
-    after = Route((StageCost("s0", BATCHED, 2e8),), ())
+    route = Pipeline(stages(2), (FREE_LINK,) * 2)
+    dying = Pipeline((route.stages[0], StageCost("s1", BATCHED, 1e8, fails_at_s=1e-6)), route.links)
+    after = Pipeline((StageCost("s0", BATCHED, 2e8),), ())
     named = simulate(dying, load, front=front, front_device="s1", after_failure=after)
     first = simulate(dying, load, front=front, after_failure=after)
     assert close(named.tok_s * named.wall_s, 4 * 30)
@@ -188,7 +188,7 @@ def test_a_slower_last_stage_keeps_the_decode_rows_in_m_frames(clients: int) -> 
     load = Load(clients, round(sum(lengths) / clients), outputs)
     counted = []
     for last_bytes in (1e8, 1.3e8, 1.6e8):
-        route = Route((StageCost("s0", BATCHED, 1e8, frame_bytes_per_row=8192), StageCost("s1", BATCHED, last_bytes)),
+        route = Pipeline((StageCost("s0", BATCHED, 1e8, frame_bytes_per_row=8192), StageCost("s1", BATCHED, last_bytes)),
                       (FREE_LINK, FREE_LINK))  # fmt: skip
         counted.append(simulate(route, load, prompt_lengths=lengths, prefill_chunk=128).steps)
     decode_steps = math.ceil(clients * (outputs - 1) / math.ceil(clients / 2))

@@ -13,9 +13,9 @@ pytest.importorskip("simpy")
 from seamline.mesh.plan.groups import plan_auto  # noqa: E402
 from seamline.mesh.plan.types import LinkTable  # noqa: E402
 from seamline.sim import curve  # noqa: E402
-from seamline.sim import reference as ref  # noqa: E402
+from seamline.sim import published as ref  # noqa: E402
 from seamline.sim.costs import Load  # noqa: E402
-from seamline.sim.pricing import route_of  # noqa: E402
+from seamline.sim.prediction import route_of  # noqa: E402
 
 V4 = "DeepSeek-V4-Flash"
 LOAD = Load(64, curve.PROMPT_TOKENS, 32)  # fewer output tokens than the curve's: a quick wave

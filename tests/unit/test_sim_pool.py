@@ -24,7 +24,7 @@ from seamline.mesh.plan.types import (
     PlanOptions,
 )
 from seamline.sim.costs import DeviceSpeed
-from seamline.sim.pricing import combined_speed, stage_costs
+from seamline.sim.prediction import combined_speed, stage_costs
 from tests.support.planner import MIB
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def _slow_pool() -> tuple[ModelSpec, list[NodeInfo]]:
 
 def test_a_slow_member_is_routed_around_and_a_plan_leaning_on_it_is_predicted_slower() -> None:
     pytest.importorskip("simpy")
-    from seamline.sim.pricing import predict
+    from seamline.sim.prediction import predict
 
     model, nodes = _slow_pool()
     chosen = plan(model, nodes, None, THROUGHPUT)

@@ -1,4 +1,4 @@
-"""Published models and hardware for the simulator (``sim/reference.py``): the literal configs
+"""Published models and hardware for the simulator (``sim/published.py``): the literal configs
 are transformers' (the released ones), the shapes are the model's, the totals are the published
 files', and the seed's setup is priced."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from seamline.mesh.plan.types import PlanOptions
 from seamline.ownership import Ownership
-from seamline.sim import reference as ref
+from seamline.sim import published as ref
 from seamline.weights.names import stage_plans
 
 GB = 1e9
@@ -57,7 +57,7 @@ def test_v3_config_is_transformers_defaults() -> None:
 
 
 def test_reference_imports_neither_torch_nor_transformers() -> None:
-    code = "import sys, seamline.sim.reference; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, seamline.sim.published; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     import subprocess
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -67,14 +67,14 @@ CORRECTION_BOUNDS = (0.25, 4.0)  # a node is never planned at less than a quarte
 
 
 @dataclass(frozen=True)
-class Window:
+class BusyWindow:
     plan_id: int
     at_s: float  # monotonic seconds when the counters were read
     busy: tuple[float, ...]  # each stage's forwards' seconds so far
     idle: tuple[float, ...]  # each stage's seconds waiting with nothing to run so far
 
 
-def slowdowns(plan: Plan, before: Window, after: Window) -> dict[str, float] | None:
+def slowdowns(plan: Plan, before: BusyWindow, after: BusyWindow) -> dict[str, float] | None:
     """Each stage's node: its measured occupied seconds over the predicted, relative to the
     stages' mean; None when the pipeline was not loaded or the window spans a change of plan."""
     wall = after.at_s - before.at_s
@@ -106,8 +106,8 @@ class Balance:
         self._members: frozenset[str] = frozenset()
         self._switches = 0  # re-balances of these members
         self._moved: dict[str, float] = {}  # the last switch's change to each node's correction (logarithm)
-        self._last: Window | None = None
-        self._loaded: list[tuple[Window, Window]] = []  # the serving plan's latest loaded windows
+        self._last: BusyWindow | None = None
+        self._loaded: list[tuple[BusyWindow, BusyWindow]] = []  # the serving plan's latest loaded windows
         self._fresh = 0  # of them, loaded since the last decision
         self._kept = -1  # the last plan a decision kept
         self._stopped = threading.Event()
@@ -183,15 +183,15 @@ def _balanced(plan: Plan) -> bool:
     return len(plan.stages) >= 2 and not plan.private and not any(s.ranks for s in plan.stages)
 
 
-def _joined(windows: list[tuple[Window, Window]]) -> tuple[Window, Window]:
+def _joined(windows: list[tuple[BusyWindow, BusyWindow]]) -> tuple[BusyWindow, BusyWindow]:
     """Windows apart in time as one: their counters' growths added up, from zero."""
     plan_id, stages = windows[0][0].plan_id, len(windows[0][0].busy)
     busy = tuple(sum(w1.busy[i] - w0.busy[i] for w0, w1 in windows) for i in range(stages))
     idle = tuple(sum(w1.idle[i] - w0.idle[i] for w0, w1 in windows) for i in range(stages))
-    start = Window(plan_id, 0.0, (0.0,) * stages, (0.0,) * stages)
-    return start, Window(plan_id, sum(w1.at_s - w0.at_s for w0, w1 in windows), busy, idle)
+    start = BusyWindow(plan_id, 0.0, (0.0,) * stages, (0.0,) * stages)
+    return start, BusyWindow(plan_id, sum(w1.at_s - w0.at_s for w0, w1 in windows), busy, idle)
 
 
-def _window(plan_id: int, stats: list[Stats]) -> Window:
-    return Window(plan_id, time.monotonic(), tuple(s.busy_seconds for s in stats),
+def _window(plan_id: int, stats: list[Stats]) -> BusyWindow:
+    return BusyWindow(plan_id, time.monotonic(), tuple(s.busy_seconds for s in stats),
                   tuple(s.idle_seconds for s in stats))

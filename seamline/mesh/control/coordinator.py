@@ -206,18 +206,18 @@ class Coordinator:
                     log.info("ignored node %s's %s for plan %d: plan %d is current", handle.node_id,
                              message.kind, plan_id, self.plan_id)  # fmt: skip
                     continue
-                with handle.events:
+                with handle.changed:
                     if isinstance(message, Ready):
                         handle.ready, handle.loading = message, None
                     else:
                         handle.linked = True
-                    handle.events.notify_all()
+                    handle.changed.notify_all()
             elif isinstance(message, Loading):
                 handle.loading = message if message.plan_id == self.plan_id else None
             elif isinstance(message, Stats):
-                with handle.events:
+                with handle.changed:
                     handle.stats = message
-                    handle.events.notify_all()
+                    handle.changed.notify_all()
             elif isinstance(message, Failure):
                 self._reported(handle, message)
             elif isinstance(message, Renew):
@@ -232,9 +232,9 @@ class Coordinator:
             elif isinstance(message, Digests):
                 self.verifier.digests(handle.node_id, message)
             elif isinstance(message, ProbeResult):
-                with handle.events:
+                with handle.changed:
                     handle.probe_result = message
-                    handle.events.notify_all()
+                    handle.changed.notify_all()
 
     def _take_tokens(self, handle: NodeHandle, frame: TokenFrame) -> None:
         """Tokens go to their clients only from the node that draws them on the current plan,
@@ -264,11 +264,11 @@ class Coordinator:
             self._group_broke(handle, message)
             return
         if message.request is None:
-            with handle.events:
+            with handle.changed:
                 if message.room_bytes is not None:  # it claimed more room than it has: planned with what it has
                     handle.memory_cap = min(message.room_bytes, handle.memory_cap or message.room_bytes)
                 handle.failure = message.reason
-                handle.events.notify_all()
+                handle.changed.notify_all()
             return
         plan = self.plan
         if not serves(plan, handle.node_id):
@@ -326,8 +326,8 @@ class Coordinator:
             self.peer_links.forget(handle.node_id)
             plan = self.plan
             state = self.apply(NodeLost(handle.node_id, reason))
-        with handle.events:
-            handle.events.notify_all()
+        with handle.changed:
+            handle.changed.notify_all()
         if state.closing:
             return
         if plan is not None and any(handle.node_id in s.members() for s in plan.stages):
@@ -365,13 +365,13 @@ class Coordinator:
         """``value()`` once it is not None: what ``handle``'s reader set; StartupError when the
         node reports a failure, leaves, or sends nothing within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
-        with handle.events:
+        with handle.changed:
             while (got := value()) is None:
                 if handle.failure is not None:
                     raise StartupError(f"node {handle.node_id}: {handle.failure}")
                 if handle.node_id not in self.nodes:
                     raise StartupError(f"node {handle.node_id} left before {what}")
-                if not handle.events.wait(timeout=max(0.0, deadline - time.monotonic())):
+                if not handle.changed.wait(timeout=max(0.0, deadline - time.monotonic())):
                     raise StartupError(f"node {handle.node_id} sent no {what} within {timeout_s:.0f} s")
         return got
 
@@ -415,7 +415,7 @@ class Coordinator:
         """Fresh counters from every stage of the pipeline, in pipeline order."""
         handles = self.pipeline()
         for handle in handles:
-            with handle.events:
+            with handle.changed:
                 handle.stats = None
             handle.link.send_message(StatsRequest())
         return [self.wait_for(h, lambda h=h: h.stats, "STATS", timeout_s) for h in handles]  # type: ignore[misc]

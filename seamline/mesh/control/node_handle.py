@@ -55,7 +55,7 @@ class NodeHandle:
     linked: bool = False
     stats: Stats | None = None
     failure: str | None = None  # a failure the node reported outside any request
-    events: threading.Condition = field(default_factory=threading.Condition)
+    changed: threading.Condition = field(default_factory=threading.Condition)  # notified on each update
     inbound: bool = True  # takes connections (else its data links come through the relay)
     measured: LinkCost | None = None  # its link to the coordinator
     pongs: Pongs = field(default_factory=Pongs)

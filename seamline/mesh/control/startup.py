@@ -90,7 +90,7 @@ class StartUp:
             reference.keep_only([])
 
     def _ask_probe(self, handle: NodeHandle, probe: Probe) -> ProbeResult:
-        with handle.events:
+        with handle.changed:
             handle.probe_result = None
         handle.link.send_message(probe)
         answered = lambda: handle.probe_result if handle.probe_result and handle.probe_result.probe == probe.probe else None  # noqa: E731
@@ -128,7 +128,7 @@ class StartUp:
         members = [c.nodes[m] for m in s.members()]
         group = [(h.join.data_host, h.join.comm_port) for h in members] if len(members) > 1 else []
         for rank, handle in enumerate(members):
-            with handle.events:
+            with handle.changed:
                 handle.ready, handle.linked, handle.failure = None, False, None
             handle.link.send_message(Assign(plan_id=plan_id, model_hash=c.model_hash,
                                             fragments_url=self.options.fragments_url,

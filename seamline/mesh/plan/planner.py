@@ -71,7 +71,7 @@ INF = float("inf")
 
 
 @dataclass(frozen=True)
-class _Model:
+class _RangeCosts:
     """Per-range costs in band form: [d, e] is the range [e-1-d, e); inf where it starts < 0."""
 
     L: int
@@ -101,7 +101,7 @@ class _Pool:
     load: tuple[np.ndarray, ...]  # as ``stage``: seconds of work per step under load
     single_load: np.ndarray
     flat_hop: float | None  # every hop costs this (uniform links): the DP keeps a running min
-    model: _Model
+    model: _RangeCosts
 
 
 @dataclass(frozen=True)
@@ -329,7 +329,7 @@ def _walk(
         j, e = int((F[:j, s] + hop[:j, j]).argmin()), s
 
 
-def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
+def _model_tables(model: ModelSpec, options: PlanOptions) -> _RangeCosts:
     L = model.num_layers
     kv = np.asarray(model.layer_kv(), dtype=np.float64) * options.context_tokens * options.batch
     held = np.concatenate(([0.0], np.cumsum(np.asarray(model.layer_bytes, dtype=np.float64) + kv)))
@@ -348,13 +348,13 @@ def _model_tables(model: ModelSpec, options: PlanOptions) -> _Model:
     load = read - head + np.where(e == L, float(model.head_load()), 0.0)
     span_need = np.maximum.accumulate(mem.min(axis=1))
     layer_need = float(np.mean(model.layer_bytes)) + float(kv.mean())
-    return _Model(L, mem, read, load, span_need, held, active, layer_need, float(model.embed_bytes),
+    return _RangeCosts(L, mem, read, load, span_need, held, active, layer_need, float(model.embed_bytes),
                   float(model.head_bytes + model.mtp_held(1)))  # fmt: skip
 
 
 def _pool(
     model: ModelSpec, nodes: Sequence[NodeInfo], table: LinkTable, options: PlanOptions,
-    costs: _Model,
+    costs: _RangeCosts,
 ) -> _Pool:  # fmt: skip
     """The nodes worth planning over (indexed by node_id) and every cost the DP reads. A node
     with a GPU counts both memories (``cap``) and is ranked by ``split.planning_rate``."""
@@ -390,7 +390,7 @@ def _pool(
 
 
 def _stage_costs(
-    costs: _Model, cap: np.ndarray, rate: np.ndarray, devices: tuple[np.ndarray, ...]
+    costs: _RangeCosts, cap: np.ndarray, rate: np.ndarray, devices: tuple[np.ndarray, ...]
 ) -> tuple[tuple[np.ndarray, ...], np.ndarray, tuple[np.ndarray, ...], np.ndarray]:
     """Per node: t + κt² for every range it can hold (t = seconds per token), inf elsewhere,
     cut to the longest span it can hold; and its cost alone (inf if the model does not fit).

@@ -38,7 +38,7 @@ from seamline.mesh.plan.types import (
 from seamline.sim.costs import DeviceSpeed, FrontCost, Load, StageCost
 
 if TYPE_CHECKING:  # the simulator needs simpy: imported where it runs
-    from seamline.sim.simulate import Route, SimResult
+    from seamline.sim.simulate import Pipeline, SimResult
 
 GATES_PER_LAYER = 2  # a lockstep group sums partial results after attention and after the feed-forward
 
@@ -105,16 +105,16 @@ def stage_costs(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: 
     return tuple(costs)
 
 
-def route_of(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | None) -> Route:
-    """The simulator's ``Route`` for ``plan`` over the pool ``nodes`` and ``links``."""
-    from seamline.sim.simulate import Route
+def route_of(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | None) -> Pipeline:
+    """The simulator's ``Pipeline`` for ``plan`` over the pool ``nodes`` and ``links``."""
+    from seamline.sim.simulate import Pipeline
 
     table = LinkTable.of(links)
     ids = plan.node_ids()
     hops: list[LinkCost] = [table.between(a, b) for a, b in zip(ids, ids[1:])]
     if len(ids) > 1:
         hops.append(table.between(ids[-1], ids[0]))  # the drawn tokens back to stage 0
-    return Route(stage_costs(plan, model, nodes, table), tuple(hops))
+    return Pipeline(stage_costs(plan, model, nodes, table), tuple(hops))
 
 
 def predict_many(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | None,
