@@ -10,13 +10,16 @@ import json
 import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
 from seamline.chat_template import ChatTemplate
 from seamline.errors import CheckpointError, ConfigError
 from seamline.family_templates import CHATML, FORMATS, family_format
+
+if TYPE_CHECKING:
+    from seamline.weights.gguf_partition import GGUFText
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ class TextCodec:
     stop_ids: tuple[int, ...] = ()
     ends: PromptEnds = PromptEnds()
     template_note: str | None = None  # the family's format stood in for a missing template
+    gguf_text: GGUFText | None = None  # a GGUF file's: text cut at special tokens as llama.cpp does
     _template: ChatTemplate | None = field(default=None, repr=False)
 
     @classmethod
@@ -64,8 +68,13 @@ class TextCodec:
                               f"(config.json vocab_size = {rows}): give the model its own tokenizer files")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """The text's ids alone: special tokens written in it are parsed, nothing is added."""
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+        """The text's ids alone: special tokens written in it are parsed, nothing is added (a
+        GGUF file's tokenizer has nothing to add: its BOS and EOS are the codec's ``ends``).
+        Either way a batch of one, which lets go of the GIL while it runs."""
+        if self.gguf_text is not None:
+            return self.gguf_text.encode(text)
+        encoded = self.tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoded[0].ids)
 
     def encode_prompt(self, text: str) -> list[int]:
         """A raw prompt's ids as llama-server makes them: BOS (and EOS) where the model adds them."""
@@ -135,6 +144,7 @@ class TextCodec:
 def _codec_from_gguf(path: Path) -> TextCodec:
     from seamline.weights.gguf import tokenizer_from_gguf
     from seamline.weights.gguf_file import GGUFFile
+    from seamline.weights.gguf_partition import GGUFText
     from seamline.weights.gguf_prompt import end_of_generation_ids, prompt_ends_from_gguf
 
     f = GGUFFile.open(path)
@@ -153,6 +163,7 @@ def _codec_from_gguf(path: Path) -> TextCodec:
         stop_ids=end_of_generation_ids(f),
         ends=PromptEnds(ends.prefix, ends.suffix, around_chat=True),
         template_note=note,
+        gguf_text=GGUFText(tokenizer),
     )
 
 

@@ -40,15 +40,15 @@ def vocab_path(name: str) -> Path:
 def vocab_failures(name: str, tok: Tokenizer | None = None) -> tuple[int, list[str]]:
     """How many vectors vocabulary ``name`` has, and a line for each one seamline misses;
     ``tok``: the tokenizer to hold to them (default: the one seamline builds from the file)."""
+    from seamline.weights.gguf_partition import GGUFText
     from seamline.weights.gguf_tokenizer import tokenizer_from_gguf
 
     path = vocab_path(name)
     vectors = read_vectors(path)
-    tok = tok if tok is not None else tokenizer_from_gguf(path)
-    tok.encode_special_tokens = True  # llama.cpp's parse_special=false
+    encoder = GGUFText(tok if tok is not None else tokenizer_from_gguf(path))
     failed = []
     for text, want in vectors:
-        got = tok.encode(text, add_special_tokens=False).ids
+        got = encoder.encode(text, parse_special=False)
         if got != want:
             failed.append(f"{name}: {text!r}: llama.cpp {want}, seamline {got}")
     return len(vectors), failed

@@ -22,7 +22,6 @@ from typing import TypeVar
 
 import anyio
 from pydantic import BaseModel, ValidationError
-from tokenizers import Encoding
 
 from seamline.server.openai_schema import bad_request, validation_error
 from seamline.text import TextCodec
@@ -91,11 +90,11 @@ def encode_within(codec: TextCodec, text: str, most: int) -> list[int] | None:
     counted, start, cuts = 0, 0, 0
     while start < len(text):
         end = _word_start(text, start + PIECE_CHARS)
-        counted += len(_encoding(codec, text[start:end]))  # its length only: no list of ids made
+        counted += len(codec.encode(text[start:end]))
         start, cuts = end, cuts + 1
         if counted > most + CUT_SLACK * cuts:
             return None
-    return list(_encoding(codec, text).ids)
+    return codec.encode(text)
 
 
 def _word_start(text: str, at: int) -> int:
@@ -106,9 +105,3 @@ def _word_start(text: str, at: int) -> int:
         return len(text)
     space = max(text.rfind(" ", at - CUT_WINDOW, at), text.rfind("\n", at - CUT_WINDOW, at))
     return space if space > 0 else at
-
-
-def _encoding(codec: TextCodec, text: str) -> Encoding:
-    """``text`` tokenised as ``codec.encode`` does it, letting go of the GIL meanwhile
-    (``tokenizers`` does for a batch, not for one text)."""
-    return codec.tokenizer.encode_batch([text], add_special_tokens=False)[0]

@@ -1,15 +1,14 @@
 """Which tokens llama.cpp matches whole in the text before tokenizing it, and how.
 
 llama.cpp matches every CONTROL, UNKNOWN and USER_DEFINED token in the raw text (the first two
-only when it parses special tokens: they become ``special`` added tokens here, which
-``Tokenizer.encode_special_tokens`` turns off the same way). It does not take the token types
-as written: end-of-generation texts become CONTROL, some chat-format markers USER_DEFINED, and
-a few models strip whitespace beside their special tokens (``llama_vocab::impl::load``).
+only when it parses special tokens: they become ``special`` added tokens here). It does not take
+the token types as written: end-of-generation texts become CONTROL, some chat-format markers
+USER_DEFINED, and a few models strip whitespace beside their special tokens
+(``llama_vocab::impl::load``).
 
-Two differences remain, both in how ``tokenizers`` matches added tokens: where two of them
-overlap in the text, llama.cpp takes the longer first, ``tokenizers`` the leftmost (Falcon's
-">>TITLE<<|endoftext|>"); and an added token's rstrip (Phi-3's) takes any Unicode whitespace,
-llama.cpp's only ASCII (isspace).
+The added tokens record how each is matched; the matching itself is llama.cpp's, in
+``gguf_partition.py`` (longest first where two overlap, ASCII whitespace stripped), not
+``tokenizers``' (leftmost first, any Unicode whitespace): GGUF text is encoded through it.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Supported ``tokenizer.ggml.model`` values: ``gpt2`` (byte-level BPE: tokens + me
 by the regexes llama.cpp uses for ``tokenizer.ggml.pre``: ``gguf_pretok.py``), ``llama``
 (SentencePiece: ``gguf_spm.py``) and ``gemma4`` (BPE on raw UTF-8 with "▁" for spaces). Tokens
 llama.cpp matches whole become added tokens (``gguf_special.py``): special where it matches them
-only when parsing special tokens (``<|im_start|>`` is one id), plain otherwise. Anything else
+only when parsing special tokens (``<|im_start|>`` is one id), plain otherwise; a text is cut at
+them as llama.cpp cuts it by ``gguf_partition.GGUFText``, not by the tokenizer. Anything else
 (``ugm``, ``rwkv``, ``bert``, ``t5``, an unknown ``pre``) is refused by ``check_tokenizer``.
 """
 

@@ -21,6 +21,7 @@ from tokenizers import Tokenizer, pre_tokenizers
 from seamline.errors import CheckpointError
 from seamline.weights import gguf_pretok as pretok
 from seamline.weights.gguf_file import GGUFFile
+from seamline.weights.gguf_partition import GGUFText
 from seamline.weights.gguf_pretok import PRE_TOKENIZERS, split_steps
 from seamline.weights.gguf_special import END_TEXTS
 from seamline.weights.gguf_tokenizer import check_tokenizer, tokenizer_from_gguf
@@ -397,13 +398,12 @@ def test_sentencepiece_encodes_as_llama_cpp(name: str) -> None:
     path = gemma3_270m() if gemma else _source() / "models" / f"ggml-vocab-{name}.gguf"
     f = GGUFFile.open(path)
     assert f.get("tokenizer.ggml.add_space_prefix", True) is not gemma
-    vocab, tok = _Spm.read(f), _tokenizer(path)
+    vocab, encoder = _Spm.read(f), GGUFText(_tokenizer(path))
     wrong = []
     for parse_special in (False, True):
-        tok.encode_special_tokens = not parse_special
         for text in _spm_texts(vocab, 400):
             want = llama_spm(text, vocab, parse_special)
-            got = tok.encode(text, add_special_tokens=False).ids
+            got = encoder.encode(text, parse_special)
             if got != want:
                 wrong.append(f"  {text!r} (special: {parse_special}): {want} != {got}")
     assert not wrong, f"{name}: {len(wrong)} texts differ\n" + "\n".join(wrong[:10])
@@ -419,26 +419,21 @@ def test_add_space_prefix_is_the_files() -> None:
     assert gemma.encode("a\nb", add_special_tokens=False).tokens == ["a", "\n", "b"]
 
 
-@pytest.mark.xfail(strict=True, reason="tokenizers strips any Unicode whitespace, llama.cpp ASCII")
 def test_phi3_strips_only_ascii_whitespace_after_special_tokens() -> None:
-    """A known difference: Phi-3's files make llama.cpp strip the whitespace right of a special
-    token, isspace() only; an added token's rstrip in tokenizers takes U+3000 and U+00A0 too."""
+    """Phi-3's files make llama.cpp strip the whitespace right of a special token, isspace()
+    only: U+3000 stays (an added token's rstrip in tokenizers would take it, and U+00A0)."""
     path = _source() / "models" / "ggml-vocab-phi-3.gguf"
-    tok = _tokenizer(path)
-    tok.encode_special_tokens = False
     text = "<|assistant|>\u3000x"
     want = llama_spm(text, _Spm.read(GGUFFile.open(path)), parse_special=True)
-    assert tok.encode(text, add_special_tokens=False).ids == want
+    assert GGUFText(_tokenizer(path)).encode(text) == want
 
 
-@pytest.mark.xfail(strict=True, reason="added tokens match leftmost, llama.cpp's longest")
 def test_overlapping_special_tokens_match_longest_first() -> None:
-    """A known difference: llama.cpp cuts the text at its longest special tokens first, so in
-    ">>TITLE<<|endoftext|>" Falcon's <|endoftext|> wins over the >>TITLE<< it overlaps."""
-    path = _source() / "models" / "ggml-vocab-falcon.gguf"
-    tok = _tokenizer(path)
-    tok.encode_special_tokens = False
-    ids = tok.encode(">>TITLE<<|endoftext|>", add_special_tokens=False).ids
+    """llama.cpp cuts the text at its longest special tokens first, so in
+    ">>TITLE<<|endoftext|>" Falcon's <|endoftext|> wins over the >>TITLE<< it overlaps (added
+    tokens in tokenizers would match the leftmost)."""
+    tok = _tokenizer(_source() / "models" / "ggml-vocab-falcon.gguf")
+    ids = GGUFText(tok).encode(">>TITLE<<|endoftext|>")
     assert ids[-1] == tok.token_to_id("<|endoftext|>") and tok.token_to_id(">>TITLE<<") not in ids
 
 
