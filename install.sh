@@ -4,8 +4,8 @@
 # torch is the CUDA build for the newest CUDA that driver supports (it brings triton);
 # elsewhere the CPU build. SEAMLINE_TORCH=cpu|cu126|cu128|cu130 overrides the choice.
 # `--torch-choice` (or SEAMLINE_INSTALL_DRY_RUN=1) only prints the choice and its pip command.
-# `--bench` adds the benchmarks' dependencies (the openai client, transformers); `--test`
-# adds those and the tests'.
+# `--bench` adds the benchmarks (bench/, a package of their own) and their dependencies (the openai
+# client, transformers); `--test` adds those and the tests'.
 set -euo pipefail
 cd "$(dirname "$0")"
 TORCH="torch==2.13.0"
@@ -84,7 +84,7 @@ else
   "${PIP[@]}" "${TORCH_ARGS[@]}"
 fi
 if [[ "${1:-}" == "--test" ]]; then
-  "${PIP[@]}" -e ".[test]"
+  "${PIP[@]}" -e ".[test]" -e ./bench  # the tests run the benchmarks' pieces too
   # the relay test puts a node in a network namespace behind a firewall: ip and iptables (root only)
   if [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null && ! command -v iptables >/dev/null; then
     { apt-get update -qq && apt-get install -y -qq iptables iproute2; } >/dev/null 2>&1 \
@@ -97,7 +97,7 @@ if [[ "${1:-}" == "--test" ]]; then
       || echo "install.sh: could not install chromium and chromium-driver; the console test will fail"
   fi
 elif [[ "${1:-}" == "--bench" ]]; then
-  "${PIP[@]}" -e ".[bench]"
+  "${PIP[@]}" -e ".[bench]" -e ./bench
 else
   "${PIP[@]}" -e .
 fi
@@ -105,7 +105,7 @@ fi
 if [[ "${1:-}" == "--test" ]]; then
   # the tests hold tokens, templates and files to llama.cpp's own: its source (llama-cpp-python's
   # source distribution) and the real Gemma 3 270M GGUF, fetched once per machine
-  .venv/bin/python -m seamline.bench.references
+  .venv/bin/python -m seamline_bench.references
 fi
 # serve and join preload jemalloc where it is installed (seamline/allocator.py: glibc's malloc
 # slows a node for good after a burst of large batches): Debian's, through apt-get as root, or

@@ -16,7 +16,8 @@ from seamline.server.api_options import add_api_arguments, api_options
 
 INVITE_ENV = "SEAMLINE_INVITE"  # where `join` may read its invite (argv shows in `ps`)
 
-BENCHES = ("single", "split", "lockstep", "quant", "throughput", "fuzz", "chaos", "growth", "spec", "gpu", "families", "scale", "conformance")
+BENCH_GROUP = "seamline.bench"  # the entry points of the benchmarks' own package (bench/)
+BENCH_INSTALL = "./install.sh --bench (or pip install -e ./bench)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="after each answer: prompt and decode rates, time to first token, precision")
     run.set_defaults(handler=cmd_run)
     bench = sub.add_parser("bench", help="run a benchmark and write its JSON")
-    bench.add_argument("name", choices=BENCHES)
+    names = _bench_entry("names")
+    bench.add_argument("name", choices=sorted(names) if names else None,
+                       help=None if names else f"the benchmarks are not installed: {BENCH_INSTALL}")
     bench.add_argument("--json", dest="json_path", help="write the result JSON here")
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--tokens", type=int, default=128)
@@ -315,19 +318,28 @@ def _chat(model: Any, backend: Any, args: argparse.Namespace) -> int:
 BENCH_EXTRAS = ("openai", "transformers")  # the benchmarks' client and reference, not the server's
 
 
+def _bench_entry(name: str) -> Any:
+    """The benchmarks' entry point ``name`` ("run", "names") loaded, or None where the package
+    is not installed (seamline serves without it)."""
+    from importlib.metadata import entry_points
+
+    found = entry_points(group=BENCH_GROUP, name=name)
+    return next(iter(found)).load() if found else None
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
 
-    from seamline.bench import run_bench
-
+    run_bench = _bench_entry("run")
+    if run_bench is None:
+        raise SeamlineError(f"the benchmarks are a package of their own, not installed: {BENCH_INSTALL}")
     for module in BENCH_EXTRAS:
         try:
             importlib.import_module(module)
         except ImportError:
-            raise SeamlineError(f"the benchmarks need {module}, which the server does not: ./install.sh --bench "
-                                f"(or pip install -e '.[bench]')") from None  # fmt: skip
-    options = {"fuzz": {"inputs": args.inputs, "only": args.only}, "chaos": {"rounds": args.rounds}}.get(
-        args.name, {"repeats": args.repeats, "tokens": args.tokens})
+            raise SeamlineError(f"the benchmarks need {module}, which the server does not: {BENCH_INSTALL}") from None
+    options = {"repeats": args.repeats, "tokens": args.tokens, "inputs_per_surface": args.inputs,
+               "only": args.only, "rounds": args.rounds}  # fmt: skip  (each benchmark takes its own)
     run_bench(args.name, args.json_path, **options)
     return 0
 

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from seamline.bench import attack_session
-from seamline.bench.attack_metrics import AttackWindow, mesh_down_s, window_metrics
-from seamline.bench.attacks import bench_attacks
-from seamline.bench.chaos import ClientAnswer
+from seamline_bench import attack_session
+from seamline_bench.attack_metrics import AttackWindow, mesh_down_s, window_metrics
+from seamline_bench.attacks import bench_attacks
+from seamline_bench.chaos import ClientAnswer
 
 FIGURES = {"mesh_down_s", "requests", "requests_lost", "wrong_answers", "near_tie_flips", "processes_exited", "attack"}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from seamline.bench.lockstep import bench_lockstep
+from seamline_bench.lockstep import bench_lockstep
 
 FIELDS = ("single_tok_s", "lockstep2_tok_s", "speedup", "tokens_match", "bytes_per_token_measured",
           "bytes_per_token_theory", "bytes_ratio", "bytes_method")  # fmt: skip

@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from seamline.bench.machine_load import Meter, machine_busy_s, wait_quiet
+from seamline_bench.machine_load import Meter, machine_busy_s, wait_quiet
 
 SPIN = "import time\nend = time.monotonic() + 3\nwhile time.monotonic() < end: pass"
 

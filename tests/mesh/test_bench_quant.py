@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 
 from seamline.app import default_model_path
-from seamline.bench import llama_server
-from seamline.bench.llama_server import (
+from seamline_bench import llama_server
+from seamline_bench.llama_server import (
     CMAKE_FLAGS,
     LlamaBuild,
     build_key,
     llama_cpp_build,
     server_command,
 )
-from seamline.bench.quant import PARTIES, TARGETS, _bench_model, targets_met
+from seamline_bench.quant import PARTIES, TARGETS, _bench_model, targets_met
 from seamline.cpu_flags import cpu_flags, isa_of
 from seamline.text import TextCodec
 

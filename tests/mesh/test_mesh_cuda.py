@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from seamline.app import LocalModel
-from seamline.bench.gpu import half_node_cap_gb
+from seamline_bench.gpu import half_node_cap_gb
 from seamline.server.demo import memory_cap_gb
 from tests.support.cuda import embedded_or_standin
 from tests.support.mesh import QUESTION, ask, expected_text

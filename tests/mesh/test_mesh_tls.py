@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from seamline.app import LocalModel
-from seamline.bench.tls_hop import link_pair
+from seamline_bench.tls_hop import link_pair
 from seamline.mesh.identity import COORDINATOR_ID, Identity, MeshAuthority
 from seamline.mesh.protocol.invite import new_invite
 from seamline.net.frames import EMPTY_HASH, MAGIC, HiddenFrame, Row

@@ -1,6 +1,6 @@
 """A node holding a Q4 range keeps it at about its GGUF size.
 
-Measured in fresh processes (``seamline.bench.resident``): RSS growth after loading a range
+Measured in fresh processes (``seamline_bench.resident``): RSS growth after loading a range
 and running one token, less its KV cache, less at most 64 MB of fixed overhead, is within
 1.25x of the bytes the range's tensors take in the GGUF file, embedding and head included.
 Float32 storage of the same range would be about 6x.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from seamline.app import default_model_path
-from seamline.bench.resident import measure_in_subprocess
+from seamline_bench.resident import measure_in_subprocess
 from seamline.weights.packaging import package
 
 OVERHEAD = 64 << 20

@@ -26,7 +26,7 @@ from seamline.weights.gguf_pretok import PRE_TOKENIZERS, split_steps
 from seamline.weights.gguf_special import END_TEXTS
 from seamline.weights.gguf_tokenizer import check_tokenizer, tokenizer_from_gguf
 from seamline.weights.gguf_unicode import RANGES, WHITESPACE
-from seamline.bench.conformance_vocab import VOCABS, vocab_failures, vocab_path
+from seamline_bench.conformance_vocab import VOCABS, vocab_failures, vocab_path
 from tests.support.llama_cpp import gemma3_270m, llama_cpp_source
 
 @cache

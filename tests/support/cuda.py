@@ -12,6 +12,6 @@ def embedded_or_standin() -> Path:
 
         return default_model_path()
     except Exception:  # not installed here
-        from seamline.bench.gpu_models import embedded_shaped_path
+        from seamline_bench.gpu_models import embedded_shaped_path
 
         return embedded_shaped_path()

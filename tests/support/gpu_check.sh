@@ -8,7 +8,7 @@ out=${1:-gpu-check}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-(python3 -c "from seamline.bench.gpu_models import gpu_models; print(gpu_models())" > "$out/models.log" 2>&1) &
+(python3 -c "from seamline_bench.gpu_models import gpu_models; print(gpu_models())" > "$out/models.log" 2>&1) &
 models=$!
 tests="tests/model/test_triton_gguf.py tests/model/test_triton_ops.py tests/model/test_triton_attention.py
        tests/model/test_cuda.py tests/model/test_cuda_lockstep.py tests/mesh/test_mesh_cuda.py"

@@ -1,5 +1,5 @@
-"""llama.cpp's own files the tests hold seamline to (``seamline.bench.references``)."""
+"""llama.cpp's own files the tests hold seamline to (``seamline_bench.references``)."""
 
-from seamline.bench.references import GEMMA_BYTES, gemma3_270m, gguf_py_path, llama_cpp_source
+from seamline_bench.references import GEMMA_BYTES, gemma3_270m, gguf_py_path, llama_cpp_source
 
 __all__ = ["GEMMA_BYTES", "gemma3_270m", "gguf_py_path", "llama_cpp_source"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seamline.bench.chaos import ClientAnswer, Clients, _recoveries, _result
+from seamline_bench.chaos import ClientAnswer, Clients, _recoveries, _result
 
 
 def _answer(client: int, began: float, times: list[float], text: str = "a", error: str = "") -> ClientAnswer:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from seamline.bench import families
-from seamline.bench.family_models import SHAPES, RandomFamily, file_types, tiny, write_family
+from seamline_bench import families
+from seamline_bench.family_models import SHAPES, RandomFamily, file_types, tiny, write_family
 from seamline.config import ModelConfig
 from seamline.weights.loader import load_stage, open_source
 

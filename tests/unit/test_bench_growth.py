@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seamline.bench.chaos import ClientAnswer, Clients
-from seamline.bench.growth import _result
+from seamline_bench.chaos import ClientAnswer, Clients
+from seamline_bench.growth import _result
 
 
 def test_rates_gain_and_losses_are_counted_per_phase(tmp_path: Path) -> None:

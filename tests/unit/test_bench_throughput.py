@@ -15,17 +15,17 @@ import httpx
 import pytest
 
 from seamline.app import default_model_path
-from seamline.bench import throughput
-from seamline.bench.load import _events, make_prompts, run_wave
-from seamline.bench.servers import Server, start_single
-from seamline.bench.throughput import (
+from seamline_bench import throughput
+from seamline_bench.load import _events, make_prompts, run_wave
+from seamline_bench.servers import Server, start_single
+from seamline_bench.throughput import (
     engine_decode_rate,
     plan_parties,
     prompts_file,
     seamline_env,
     wave,
 )
-from seamline.bench.throughput_result import TARGETS, result
+from seamline_bench.throughput_result import TARGETS, result
 from seamline.precision import int8_kernels_here
 from seamline.text import TextCodec
 

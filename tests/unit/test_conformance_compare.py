@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from seamline.bench.conformance_compare import Answer, compare, summarise
+from seamline_bench.conformance_compare import Answer, compare, summarise
 
 
 def _top(*pairs: tuple[int, float]) -> dict[int, float]:

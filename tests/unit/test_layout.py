@@ -17,7 +17,7 @@ import pytest
 import seamline
 
 ROOT = Path(seamline.__file__).parent
-ENTRY_POINTS = {"cli", "bench"}  # what a user runs; they may import anything
+ENTRY_POINTS = {"cli"}  # what a user runs; it may import anything
 
 
 def _package(module: str) -> str:
@@ -54,6 +54,18 @@ def test_packages_import_each_other_without_a_cycle() -> None:
                     reached.add(nxt)
                     frontier.append(nxt)
         assert start not in reached, f"{start} imports itself through {sorted(reached)}"
+
+
+def test_the_package_never_imports_the_benchmarks() -> None:
+    """The benchmarks are a package of their own (bench/), reached through an entry point."""
+    assert not (ROOT / "bench").exists()
+    importers = []
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            importers += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "seamline_bench"]
+    assert not importers
 
 
 def test_only_entry_points_import_the_server_and_parallel_holds_collectives() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from seamline.bench.near_tie import NEAR_TIE, TieJudge, first_difference
+from seamline_bench.near_tie import NEAR_TIE, TieJudge, first_difference
 from seamline.params import SamplingParams
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]

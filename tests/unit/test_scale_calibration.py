@@ -9,7 +9,7 @@ import sys
 import psutil
 import pytest
 
-from seamline.bench.scale_calibration import (
+from seamline_bench.scale_calibration import (
     Calibration,
     StageProbe,
     _rank_share,
@@ -17,7 +17,7 @@ from seamline.bench.scale_calibration import (
     node_beside_front,
     predict,
 )
-from seamline.bench.servers import Server
+from seamline_bench.servers import Server
 from seamline.sim.costs import FrontCost
 
 pytest.importorskip("simpy")
@@ -73,7 +73,7 @@ def test_a_group_that_probed_itself_steps_as_probed_and_every_step_carries_its_m
 
 
 def test_the_gain_two_stages_can_reach_is_one_nodes_step_of_64_rows_over_its_step_of_32() -> None:
-    from seamline.bench.scale import _gain_bound
+    from seamline_bench.scale import _gain_bound
 
     node = ONE_NODE | {"step_probe_ms": {"1": 20.0, "16": 100.0, "32": 200.0, "64": 300.0}}
     calibration = Calibration((_stage_probe(node, status([node]), None),), (), FrontCost(), HIDDEN)
@@ -82,7 +82,7 @@ def test_the_gain_two_stages_can_reach_is_one_nodes_step_of_64_rows_over_its_ste
 
 
 def test_one_streams_hops_replace_the_pings_round_trip_where_the_data_path_is_slower() -> None:
-    from seamline.bench.scale_calibration import data_path_hop_ms
+    from seamline_bench.scale_calibration import data_path_hop_ms
 
     first, last = dict(ONE_NODE, node_id="a", ring_ms=9.0), dict(ONE_NODE, node_id="b", cycle_ms=7.0)
     assert data_path_hop_ms(status([first, last])) == pytest.approx(1.0)  # (9 - 7) ms over the ring's two hops
