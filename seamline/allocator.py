@@ -36,7 +36,9 @@ from seamline.errors import ConfigError
 CHOICE = "SEAMLINE_MALLOC"
 # its values -> the libraries each preloads, by ctypes.util.find_library names, preferred first
 CHOICES = {"jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc_minimal", "tcmalloc"), "system": ()}
-LIBRARIES = tuple(name for names in CHOICES.values() for name in names)  # any of them preloaded: none again
+LIBRARIES = tuple(
+    name for names in CHOICES.values() for name in names
+)  # any of them preloaded: none again
 JEMALLOC_CONF = "dirty_decay_ms:-1,muzzy_decay_ms:-1"  # freed pages stay for reuse (see above)
 
 
@@ -71,7 +73,9 @@ def preload_env(env: Mapping[str, str], library: str | None) -> dict[str, str] |
     if library is None or not wants_preload(env):
         return None
     preloaded = env.get("LD_PRELOAD", "")
-    conf = {"MALLOC_CONF": JEMALLOC_CONF} if "jemalloc" in library and "MALLOC_CONF" not in env else {}
+    conf = (
+        {"MALLOC_CONF": JEMALLOC_CONF} if "jemalloc" in library and "MALLOC_CONF" not in env else {}
+    )
     return {**env, "LD_PRELOAD": f"{library}:{preloaded}" if preloaded else library, **conf}
 
 
@@ -83,8 +87,10 @@ def restart_with_allocator() -> None:
         return  # before looking for the library: a restarted process does not look again
     library = installed_allocator(chosen_libraries(os.environ))
     if library is None:
-        print(f"seamline: {CHOICE}={os.environ[CHOICE]}: not installed, running on glibc's malloc",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"seamline: {CHOICE}={os.environ[CHOICE]}: not installed, running on glibc's malloc",
+            file=sys.stderr,
+        )
         return
     env = preload_env(os.environ, library)
     if env is not None:

@@ -6,10 +6,9 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from seamline.config import ModelConfig
-from seamline.model.devices import is_accelerator, resolve_device
 from seamline.errors import CheckpointError
+from seamline.model.devices import is_accelerator, resolve_device
 from seamline.precision import Precision, apply, resolve, weights_kind
 from seamline.runtime.engine import Engine
 from seamline.runtime.grammar import TokenMasks
@@ -43,9 +42,14 @@ class LocalModel:
 
     @classmethod
     def load(
-        cls, path: str | Path | None = None, dtype: str | None = None, context: int | None = None,
-        precision: str = "exact", speculative: str = "off", device: str | None = "cpu",
-    ) -> "LocalModel":
+        cls,
+        path: str | Path | None = None,
+        dtype: str | None = None,
+        context: int | None = None,
+        precision: str = "exact",
+        speculative: str = "off",
+        device: str | None = "cpu",
+    ) -> LocalModel:
         """The model at ``path`` in ``precision`` (``seamline.precision``; the commands default to
         "fast", this to the reference arithmetic); ``dtype`` overrides its activation dtype. The
         precision holds for this whole process's quantized matmuls: the last load's. With
@@ -57,10 +61,16 @@ class LocalModel:
         early = TextCodec.from_model(path) if path.suffix == ".gguf" else None
         source = open_source(path)
         config = ModelConfig.from_hf_dict(source.config_dict())
-        chosen = resolve(precision, weights_kind(source.stored_type(n) for n in source.names()), dtype,
-                         accelerator=is_accelerator(where))
+        chosen = resolve(
+            precision,
+            weights_kind(source.stored_type(n) for n in source.names()),
+            dtype,
+            accelerator=is_accelerator(where),
+        )
         apply(chosen)
-        mtp = speculative == "mtp" or (speculative == "auto" and mtp_missing(source, config) is None)
+        mtp = speculative == "mtp" or (
+            speculative == "auto" and mtp_missing(source, config) is None
+        )
         codec = early or TextCodec.from_model(path, config.eos_token_ids)
         codec.check_fits(config.vocab_size)  # before the weights load
         stage = load_stage(source, dtype=DTYPES[chosen.dtype], config=config, mtp=mtp, device=where)

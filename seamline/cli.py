@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from pathlib import Path
-from dataclasses import replace
 from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from seamline.errors import ConfigError, SeamlineError
@@ -28,20 +28,34 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(run)
     _add_sampling_args(run)
     run.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
-    run.add_argument("--verbose", action="store_true",
-                     help="after each answer: prompt and decode rates, time to first token, precision")
+    run.add_argument(
+        "--verbose",
+        action="store_true",
+        help="after each answer: prompt and decode rates, time to first token, precision",
+    )
     run.set_defaults(handler=cmd_run)
     bench = sub.add_parser("bench", help="run a benchmark and write its JSON")
     names = _bench_entry("names")
-    bench.add_argument("name", choices=sorted(names) if names else None,
-                       help=None if names else f"the benchmarks are not installed: {BENCH_INSTALL}")
+    bench.add_argument(
+        "name",
+        choices=sorted(names) if names else None,
+        help=None if names else f"the benchmarks are not installed: {BENCH_INSTALL}",
+    )
     bench.add_argument("--json", dest="json_path", help="write the result JSON here")
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--tokens", type=int, default=128)
-    bench.add_argument("--inputs", type=int, default=0, help="fuzz: inputs per surface (default 100000)")
-    bench.add_argument("--rounds", type=int, default=0, help="chaos: failures to cause (default 20)")
-    bench.add_argument("--only", choices=("surfaces", "attacks"), default=None,
-                       help="fuzz: only the generated inputs per surface, or only the known attacks on a live mesh")
+    bench.add_argument(
+        "--inputs", type=int, default=0, help="fuzz: inputs per surface (default 100000)"
+    )
+    bench.add_argument(
+        "--rounds", type=int, default=0, help="chaos: failures to cause (default 20)"
+    )
+    bench.add_argument(
+        "--only",
+        choices=("surfaces", "attacks"),
+        default=None,
+        help="fuzz: only the generated inputs per surface, or only the known attacks on a live mesh",
+    )
     bench.set_defaults(handler=cmd_bench)
     _add_mesh_commands(sub)
     return parser
@@ -49,74 +63,157 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _tensor_parallel_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
     """``--tensor-parallel N``, spelt as vLLM spells it too (``--tensor-parallel-size``, ``-tp``)."""
-    parser.add_argument("--tensor-parallel", "--tensor-parallel-size", "-tp", dest="tensor_parallel", type=int,
-                        default=0, metavar="N", help=help_text)
+    parser.add_argument(
+        "--tensor-parallel",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tensor_parallel",
+        type=int,
+        default=0,
+        metavar="N",
+        help=help_text,
+    )
 
 
 def _add_serve_command(sub: Any) -> None:
     serve = sub.add_parser("serve", help="start a coordinator + OpenAI API (and a local node)")
-    serve.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
-    serve.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object a line")
+    serve.add_argument(
+        "--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)"
+    )
+    serve.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="json: one JSON object a line",
+    )
     _device_arg(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--control-port", type=int, default=0, help="node control port (default: port+1)")
-    serve.add_argument("--fragments-port", type=int, default=0,
-                       help="fragment downloads, to members over mutual TLS (default: port+2)")
-    serve.add_argument("--advertise", action="append", default=[], help="address nodes use to reach this host")
-    serve.add_argument("--nodes-expected", type=int, default=1, help="wait for this many nodes before planning")
-    serve.add_argument("--no-local-node", action="store_true", help="contribute no layers from this host")
-    serve.add_argument("--single", action="store_true",
-                       help="no mesh: this process holds the whole model and batches concurrent requests")
+    serve.add_argument(
+        "--control-port", type=int, default=0, help="node control port (default: port+1)"
+    )
+    serve.add_argument(
+        "--fragments-port",
+        type=int,
+        default=0,
+        help="fragment downloads, to members over mutual TLS (default: port+2)",
+    )
+    serve.add_argument(
+        "--advertise", action="append", default=[], help="address nodes use to reach this host"
+    )
+    serve.add_argument(
+        "--nodes-expected", type=int, default=1, help="wait for this many nodes before planning"
+    )
+    serve.add_argument(
+        "--no-local-node", action="store_true", help="contribute no layers from this host"
+    )
+    serve.add_argument(
+        "--single",
+        action="store_true",
+        help="no mesh: this process holds the whole model and batches concurrent requests",
+    )
     _precision_args(serve)
     _speculation_args(serve)
     serve.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
     serve.add_argument("--invite-hours", type=float, default=24.0)
-    serve.add_argument("--state-dir", default=None,
-                       help="the mesh CA, invites and admin key (default: <cache>/mesh; `seamline invite` reads it)")
-    serve.add_argument("--lock", help="pin the plan in this JSON file (from `seamline plan --lock`)")
-    _tensor_parallel_arg(serve, "N nodes compute each stage in lockstep (0: only where one node cannot hold a stage)")
-    serve.add_argument("--transport", choices=("auto", "tcp", "torch"), default="auto",
-                       help="lockstep collectives: our TCP mesh, or torch.distributed (auto: NCCL with CUDA, else tcp)")
-    serve.add_argument("--insecure-comm", action="store_true",
-                       help="allow --transport torch between hosts: gloo and NCCL encrypt nothing")
-    serve.add_argument("--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate")
-    serve.add_argument("--replay-deadline", type=float, default=120.0,
-                       help="seconds a request whose node was lost waits for the mesh to serve again, then fails")
-    serve.add_argument("--heartbeat-timeout", type=float, default=3.0,
-                       help="seconds a node may stay silent before it is taken for lost (its requests replay)")
-    serve.add_argument("--private", action="store_true",
-                       help="keep the embedding, the head and sampling on this machine's own node (the route's two "
-                            "ends): members hold only layers between and see no token id, prompt or answer")
-    serve.add_argument("--verify-fraction", type=_fraction, default=0.0,
-                       help="follow this fraction of requests through the coordinator's own copy of the model, "
-                            "holding their tokens until they check out (0: only the start-up check)")
-    serve.add_argument("--kv-cache-memory", type=float, default=0.0,
-                       help="GiB of KV cache the first stage (or --single) admits requests into "
-                            "(0: 80%% of the memory free at start); a request that cannot fit is refused")
+    serve.add_argument(
+        "--state-dir",
+        default=None,
+        help="the mesh CA, invites and admin key (default: <cache>/mesh; `seamline invite` reads it)",
+    )
+    serve.add_argument(
+        "--lock", help="pin the plan in this JSON file (from `seamline plan --lock`)"
+    )
+    _tensor_parallel_arg(
+        serve, "N nodes compute each stage in lockstep (0: only where one node cannot hold a stage)"
+    )
+    serve.add_argument(
+        "--transport",
+        choices=("auto", "tcp", "torch"),
+        default="auto",
+        help="lockstep collectives: our TCP mesh, or torch.distributed (auto: NCCL with CUDA, else tcp)",
+    )
+    serve.add_argument(
+        "--insecure-comm",
+        action="store_true",
+        help="allow --transport torch between hosts: gloo and NCCL encrypt nothing",
+    )
+    serve.add_argument(
+        "--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate"
+    )
+    serve.add_argument(
+        "--replay-deadline",
+        type=float,
+        default=120.0,
+        help="seconds a request whose node was lost waits for the mesh to serve again, then fails",
+    )
+    serve.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=3.0,
+        help="seconds a node may stay silent before it is taken for lost (its requests replay)",
+    )
+    serve.add_argument(
+        "--private",
+        action="store_true",
+        help="keep the embedding, the head and sampling on this machine's own node (the route's two "
+        "ends): members hold only layers between and see no token id, prompt or answer",
+    )
+    serve.add_argument(
+        "--verify-fraction",
+        type=_fraction,
+        default=0.0,
+        help="follow this fraction of requests through the coordinator's own copy of the model, "
+        "holding their tokens until they check out (0: only the start-up check)",
+    )
+    serve.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=0.0,
+        help="GiB of KV cache the first stage (or --single) admits requests into "
+        "(0: 80%% of the memory free at start); a request that cannot fit is refused",
+    )
     add_api_arguments(serve)
-    serve.add_argument("--micro-batches", type=_at_least_zero, default=0,
-                       help="micro-batches in flight in the pipeline (default and least: one per stage)")
+    serve.add_argument(
+        "--micro-batches",
+        type=_at_least_zero,
+        default=0,
+        help="micro-batches in flight in the pipeline (default and least: one per stage)",
+    )
     serve.set_defaults(handler=cmd_serve)
 
 
 def _add_mesh_commands(sub: Any) -> None:
     _add_serve_command(sub)
     join = sub.add_parser("join", help="join a mesh as a node")
-    join.add_argument("token", nargs="?", default=None,
-                      help=f"the invite (better: --token-file, or ${INVITE_ENV}: argv shows in `ps`)")
+    join.add_argument(
+        "token",
+        nargs="?",
+        default=None,
+        help=f"the invite (better: --token-file, or ${INVITE_ENV}: argv shows in `ps`)",
+    )
     join.add_argument("--token-file", default=None, help="read the invite from this file")
     join.add_argument("--max-memory", type=float, default=None, help="GB this node may use")
     join.add_argument("--node-id", default=None)
     join.add_argument("--data-port", type=int, default=0)
     join.add_argument("--quiet", action="store_true", help="log warnings only")
-    join.add_argument("--log-format", choices=["text", "json"], default="text", help="json: one JSON object a line")
+    join.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="json: one JSON object a line",
+    )
     join.add_argument("--no-progress", action="store_true", help="no download progress bar")
-    join.add_argument("--reprobe-when-idle", action="store_true",
-                      help="take the stage's speed probe again once it is idle and its cores quiet (for predictions)")
+    join.add_argument(
+        "--reprobe-when-idle",
+        action="store_true",
+        help="take the stage's speed probe again once it is idle and its cores quiet (for predictions)",
+    )
     _device_arg(join)
     join.set_defaults(handler=cmd_join)
-    demo = sub.add_parser("demo", help="a coordinator and N nodes on this machine answer one question")
+    demo = sub.add_parser(
+        "demo", help="a coordinator and N nodes on this machine answer one question"
+    )
     demo.add_argument("--nodes", type=int, default=2)
     demo.add_argument("--model", default=None)
     # a question the embedded model answers on a wide margin at every precision (its first token
@@ -130,9 +227,13 @@ def _add_mesh_commands(sub: Any) -> None:
     package.add_argument("model")
     package.add_argument("--out", required=True)
     package.set_defaults(handler=cmd_package)
-    plan = sub.add_parser("plan", help="print the layer plan for a pool of nodes, and its predictions under load")
+    plan = sub.add_parser(
+        "plan", help="print the layer plan for a pool of nodes, and its predictions under load"
+    )
     add_plan_arguments(plan)
-    _tensor_parallel_arg(plan, "N nodes per stage in lockstep (0: groups only where no node holds a stage)")
+    _tensor_parallel_arg(
+        plan, "N nodes per stage in lockstep (0: groups only where no node holds a stage)"
+    )
     plan.set_defaults(handler=cmd_plan)
     _add_admin_commands(sub)
 
@@ -140,23 +241,33 @@ def _add_mesh_commands(sub: Any) -> None:
 def _add_admin_commands(sub: Any) -> None:
     status = sub.add_parser("status", help="a running server's nodes, requests and events")
     status.add_argument("url", help="the server's address, e.g. http://127.0.0.1:8000")
-    status.add_argument("--api-key", default=None, help="the key the server asks (default: $SEAMLINE_API_KEY)")
+    status.add_argument(
+        "--api-key", default=None, help="the key the server asks (default: $SEAMLINE_API_KEY)"
+    )
     status.set_defaults(handler=cmd_status)
     invite = sub.add_parser("invite", help="create, list or revoke invites to a running mesh")
     actions = invite.add_subparsers(dest="action", required=True)
     create = actions.add_parser("create", help="a new invite token")
-    create.add_argument("--uses", type=int, default=None, help="nodes it may admit (default: any number)")
+    create.add_argument(
+        "--uses", type=int, default=None, help="nodes it may admit (default: any number)"
+    )
     create.add_argument("--expires", default="24h", help="lifetime: 90s, 30m, 1h, 7d (default 24h)")
     actions.add_parser("list", help="every invite, its uses and state")
     revoke = actions.add_parser("revoke", help="no node joins with it from now on")
     revoke.add_argument("id")
     node = sub.add_parser("node", help="manage a running mesh's members")
     node_actions = node.add_subparsers(dest="action", required=True)
-    remove = node_actions.add_parser("remove", help="eject a member: its certificate revoked, its links dropped")
+    remove = node_actions.add_parser(
+        "remove", help="eject a member: its certificate revoked, its links dropped"
+    )
     remove.add_argument("id")
     for parser in (create, actions.choices["list"], revoke, remove):
-        parser.add_argument("--state-dir", default=None, help="the coordinator's state (default: <cache>/mesh)")
-        parser.add_argument("--url", default=None, help="the coordinator's API (default: from the state directory)")
+        parser.add_argument(
+            "--state-dir", default=None, help="the coordinator's state (default: <cache>/mesh)"
+        )
+        parser.add_argument(
+            "--url", default=None, help="the coordinator's API (default: from the state directory)"
+        )
     invite.set_defaults(handler=cmd_admin, handler_name="invite")
     node.set_defaults(handler=cmd_admin, handler_name="node")
 
@@ -171,27 +282,49 @@ def _at_least_zero(text: str) -> int:
 def _precision_args(p: argparse.ArgumentParser) -> None:
     from seamline.precision import FLOAT_NAMES, PRECISIONS
 
-    p.add_argument("--precision", choices=PRECISIONS, default="fast",
-                   help="fast: quantized weights with bfloat16 activations and int8 blocks in the matmuls, as "
-                        "llama.cpp; exact: float32, the dequantised model's answers (default: fast)")
-    p.add_argument("--dtype", choices=FLOAT_NAMES, default=None,
-                   help="activation dtype, overriding the precision's (fast: bfloat16 for quantized weights, "
-                        "else the weights' own; exact: float32)")
+    p.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="fast",
+        help="fast: quantized weights with bfloat16 activations and int8 blocks in the matmuls, as "
+        "llama.cpp; exact: float32, the dequantised model's answers (default: fast)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=FLOAT_NAMES,
+        default=None,
+        help="activation dtype, overriding the precision's (fast: bfloat16 for quantized weights, "
+        "else the weights' own; exact: float32)",
+    )
 
 
 def _speculation_args(p: argparse.ArgumentParser) -> None:
     from seamline.runtime.speculation import DRAFT_MAX, MODES
 
-    p.add_argument("--speculative", choices=MODES, default="auto",
-                   help="draft tokens and verify them in the decode step: the output is the same, sooner when "
-                        "drafts are right (auto: what the model offers: DeepSeek-V3's multi-token-prediction layer where "
-                        "the checkpoint has it and one process serves, else n-grams of the prompt and answer)")
-    p.add_argument("--draft-max", type=int, default=DRAFT_MAX, help="the most tokens one window drafts")
-    p.add_argument("--draft-model", metavar="PATH", default=None,
-                   help="a smaller model with the same vocabulary drafts (one process: run, serve --single)")
-    p.add_argument("--speculative-config", metavar="JSON", default=None,
-                   help='as vLLM takes it: {"method": "ngram"|"mtp"|"deepseek_mtp", "num_speculative_tokens": N} '
-                        'or {"model": PATH, ...}, in place of --speculative, --draft-max and --draft-model')
+    p.add_argument(
+        "--speculative",
+        choices=MODES,
+        default="auto",
+        help="draft tokens and verify them in the decode step: the output is the same, sooner when "
+        "drafts are right (auto: what the model offers: DeepSeek-V3's multi-token-prediction layer where "
+        "the checkpoint has it and one process serves, else n-grams of the prompt and answer)",
+    )
+    p.add_argument(
+        "--draft-max", type=int, default=DRAFT_MAX, help="the most tokens one window drafts"
+    )
+    p.add_argument(
+        "--draft-model",
+        metavar="PATH",
+        default=None,
+        help="a smaller model with the same vocabulary drafts (one process: run, serve --single)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        default=None,
+        help='as vLLM takes it: {"method": "ngram"|"mtp"|"deepseek_mtp", "num_speculative_tokens": N} '
+        'or {"model": PATH, ...}, in place of --speculative, --draft-max and --draft-model',
+    )
 
 
 def _speculation(args: argparse.Namespace) -> Any:
@@ -206,8 +339,11 @@ def _speculation(args: argparse.Namespace) -> Any:
 
 
 def _device_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="auto",
-                   help="where the model computes: auto (CUDA when torch sees it, else the CPU), cpu, cuda, cuda:N, mps")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="where the model computes: auto (CUDA when torch sees it, else the CPU), cpu, cuda, cuda:N, mps",
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -241,8 +377,15 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     set_threads(args.threads)
     # the one-process backend `serve --single` serves with: one loop, one way to draw and end
-    backend, model = local_backend(args.model, args.dtype, args.context or None, 0, args.precision,
-                                   _speculation(args), device=args.device)  # fmt: skip
+    backend, model = local_backend(
+        args.model,
+        args.dtype,
+        args.context or None,
+        0,
+        args.precision,
+        _speculation(args),
+        device=args.device,
+    )
     try:
         if args.prompt is not None:
             _stream(model, backend, [{"role": "user", "content": args.prompt}], args, raw=args.raw)
@@ -252,7 +395,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         backend.close()
 
 
-def _stream(model: Any, backend: Any, messages: list[dict[str, str]], args: argparse.Namespace, raw: bool) -> str:
+def _stream(
+    model: Any, backend: Any, messages: list[dict[str, str]], args: argparse.Namespace, raw: bool
+) -> str:
     """Print the answer as it comes and return it: the API's ``Generation`` (stop strings, the
     backend's finish reason) over ``backend``; the parameters are checked here, at the edge."""
     from seamline.params import SamplingParams
@@ -263,10 +408,15 @@ def _stream(model: Any, backend: Any, messages: list[dict[str, str]], args: argp
     codec = model.codec
     prompt = codec.encode_prompt(messages[-1]["content"]) if raw else codec.encode_chat(messages)
     params = SamplingParams(
-        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        seed=args.seed, max_tokens=args.max_tokens, stop_token_ids=codec.stop_ids,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop_token_ids=codec.stop_ids,
         stop_strings=tuple(args.stop),
-    )  # fmt: skip
+    )
     params.validate()
     model.engine.check_prompt(prompt)
     timings = Timings(len(prompt))
@@ -332,14 +482,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     run_bench = _bench_entry("run")
     if run_bench is None:
-        raise SeamlineError(f"the benchmarks are a package of their own, not installed: {BENCH_INSTALL}")
+        raise SeamlineError(
+            f"the benchmarks are a package of their own, not installed: {BENCH_INSTALL}"
+        )
     for module in BENCH_EXTRAS:
         try:
             importlib.import_module(module)
         except ImportError:
-            raise SeamlineError(f"the benchmarks need {module}, which the server does not: {BENCH_INSTALL}") from None
-    options = {"repeats": args.repeats, "tokens": args.tokens, "inputs_per_surface": args.inputs,
-               "only": args.only, "rounds": args.rounds}  # fmt: skip  (each benchmark takes its own)
+            raise SeamlineError(
+                f"the benchmarks need {module}, which the server does not: {BENCH_INSTALL}"
+            ) from None
+    options = {
+        "repeats": args.repeats,
+        "tokens": args.tokens,
+        "inputs_per_surface": args.inputs,
+        "only": args.only,
+        "rounds": args.rounds,
+    }  # each benchmark takes its own
     run_bench(args.name, args.json_path, **options)
     return 0
 
@@ -354,31 +513,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.single:
         from seamline.server.serve_local import serve_local
 
-        serve_local(args.model, args.host, args.port, args.dtype, args.context or None, _gib(args.kv_cache_memory),
-                    api_options(args), precision=args.precision, speculation=_speculation(args),
-                    device=args.device)  # fmt: skip
+        serve_local(
+            args.model,
+            args.host,
+            args.port,
+            args.dtype,
+            args.context or None,
+            _gib(args.kv_cache_memory),
+            api_options(args),
+            precision=args.precision,
+            speculation=_speculation(args),
+            device=args.device,
+        )
         return 0
     speculation = _speculation(args)
     if speculation.draft_model is not None:
-        raise ConfigError("--draft-model drafts on one process (run, serve --single); a mesh drafts n-grams "
-                          "or with the model's multi-token-prediction layer")  # fmt: skip
+        raise ConfigError(
+            "--draft-model drafts on one process (run, serve --single); a mesh drafts n-grams "
+            "or with the model's multi-token-prediction layer"
+        )
     if speculation.mode in ("ngram", "mtp") and (args.private or args.verify_fraction > 0):
-        raise ConfigError(f"--speculative {speculation.mode}: a mesh speculates only where every row is not checked and members "
-                          "see the tokens (not with --private or --verify-fraction)")
-    options = ServeOptions(model=args.model, host=args.host, port=args.port, control_port=args.control_port,
-                           fragments_port=args.fragments_port,
-                           advertise=tuple(args.advertise), nodes_expected=args.nodes_expected,
-                           local_node=not args.no_local_node, dtype=args.dtype, precision=args.precision,
-                           context=args.context,
-                           invite_ttl_s=args.invite_hours * 3600, lock_path=args.lock,
-                           tensor_parallel=args.tensor_parallel, transport=args.transport,
-                           gate_timeout_s=args.gate_timeout, micro_batches=args.micro_batches,
-                           replay_deadline_s=args.replay_deadline, heartbeat_timeout_s=args.heartbeat_timeout,
-                           insecure_comm=args.insecure_comm, verify_fraction=args.verify_fraction,
-                           private=args.private,
-                           state_dir=Path(args.state_dir) if args.state_dir else None,
-                           kv_cache_bytes=_gib(args.kv_cache_memory), speculation=speculation,
-                           device=args.device)  # fmt: skip
+        raise ConfigError(
+            f"--speculative {speculation.mode}: a mesh speculates only where every row is not checked and members "
+            "see the tokens (not with --private or --verify-fraction)"
+        )
+    options = ServeOptions(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        control_port=args.control_port,
+        fragments_port=args.fragments_port,
+        advertise=tuple(args.advertise),
+        nodes_expected=args.nodes_expected,
+        local_node=not args.no_local_node,
+        dtype=args.dtype,
+        precision=args.precision,
+        context=args.context,
+        invite_ttl_s=args.invite_hours * 3600,
+        lock_path=args.lock,
+        tensor_parallel=args.tensor_parallel,
+        transport=args.transport,
+        gate_timeout_s=args.gate_timeout,
+        micro_batches=args.micro_batches,
+        replay_deadline_s=args.replay_deadline,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+        insecure_comm=args.insecure_comm,
+        verify_fraction=args.verify_fraction,
+        private=args.private,
+        state_dir=Path(args.state_dir) if args.state_dir else None,
+        kv_cache_bytes=_gib(args.kv_cache_memory),
+        speculation=speculation,
+        device=args.device,
+    )
     api = api_options(args)
     return run_serve(replace(options, tls_certificate=api.certificate_pem()), api)
 
@@ -405,8 +591,12 @@ def cmd_join(args: argparse.Namespace) -> int:
     _logging(quiet=args.quiet, fmt=args.log_format)
     raise_descriptor_limit()
     resolve_device(args.device)  # a device this machine lacks: one line now, not after the download
-    options = NodeOptions(data_port=args.data_port, progress=not args.no_progress, device=args.device,
-                          reprobe_when_idle=args.reprobe_when_idle)  # fmt: skip
+    options = NodeOptions(
+        data_port=args.data_port,
+        progress=not args.no_progress,
+        device=args.device,
+        reprobe_when_idle=args.reprobe_when_idle,
+    )
     if args.max_memory is not None:
         options.max_memory_bytes = int(args.max_memory * (1 << 30))
     if args.node_id:
@@ -417,11 +607,21 @@ def cmd_join(args: argparse.Namespace) -> int:
 def _invite_token(args: argparse.Namespace) -> str:
     """The invite from argv, a file, or the environment (exactly one of them)."""
     import os
-    given = [(what, value) for what, value in (("the command line", args.token),
-             ("--token-file", args.token_file), (f"${INVITE_ENV}", os.environ.get(INVITE_ENV))) if value]  # fmt: skip
+
+    given = [
+        (what, value)
+        for what, value in (
+            ("the command line", args.token),
+            ("--token-file", args.token_file),
+            (f"${INVITE_ENV}", os.environ.get(INVITE_ENV)),
+        )
+        if value
+    ]
     if len(given) != 1:
         where = " and ".join(what for what, _ in given) or "nowhere"
-        raise SeamlineError(f"give the invite token once (argv, --token-file or ${INVITE_ENV}); got it from {where}")
+        raise SeamlineError(
+            f"give the invite token once (argv, --token-file or ${INVITE_ENV}); got it from {where}"
+        )
     what, value = given[0]
     if what == "--token-file":
         try:
@@ -433,20 +633,33 @@ def _invite_token(args: argparse.Namespace) -> str:
 
 def cmd_admin(args: argparse.Namespace) -> int:
     """`seamline invite create|list|revoke` and `seamline node remove`."""
-    from seamline.mesh.control.admin_client import AdminClient, default_state_dir, format_invites, parse_duration
+    from seamline.mesh.control.admin_client import (
+        AdminClient,
+        default_state_dir,
+        format_invites,
+        parse_duration,
+    )
 
     client = AdminClient(Path(args.state_dir) if args.state_dir else default_state_dir(), args.url)
     if args.handler_name == "node":
         client.call("DELETE", f"nodes/{args.id}")
         print(f"removed node {args.id}")
-        for invite in client.call("GET", "invites")["invites"]:  # removal revokes the invite it joined with
+        for invite in client.call("GET", "invites")[
+            "invites"
+        ]:  # removal revokes the invite it joined with
             if args.id in invite.get("nodes", ()) and invite["state"] == "revoked":
-                print(f"revoked invite {invite['id']}, which it joined with: new nodes need a new invite "
-                      "(seamline invite create)")  # fmt: skip
+                print(
+                    f"revoked invite {invite['id']}, which it joined with: new nodes need a new invite "
+                    "(seamline invite create)"
+                )
     elif args.action == "create":
-        made = client.call("POST", "invites", {"uses": args.uses, "expires_s": parse_duration(args.expires)})
-        print(f"invite {made['id']} ({'any number of' if args.uses is None else args.uses} uses, "
-              f"expires in {args.expires}):\n{made['token']}")  # fmt: skip
+        made = client.call(
+            "POST", "invites", {"uses": args.uses, "expires_s": parse_duration(args.expires)}
+        )
+        print(
+            f"invite {made['id']} ({'any number of' if args.uses is None else args.uses} uses, "
+            f"expires in {args.expires}):\n{made['token']}"
+        )
     elif args.action == "list":
         print(format_invites(client.call("GET", "invites")["invites"]))
     else:
@@ -459,8 +672,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from seamline.server.demo import run_demo
 
     _logging(quiet=True)
-    return run_demo(args.nodes, args.prompt, args.model, args.max_tokens, tensor_parallel=args.tensor_parallel,
-                    precision=args.precision, dtype=args.dtype)
+    return run_demo(
+        args.nodes,
+        args.prompt,
+        args.model,
+        args.max_tokens,
+        tensor_parallel=args.tensor_parallel,
+        precision=args.precision,
+        dtype=args.dtype,
+    )
 
 
 def cmd_package(args: argparse.Namespace) -> int:
@@ -468,7 +688,9 @@ def cmd_package(args: argparse.Namespace) -> int:
 
     manifest = package(args.model, args.out)
     total = sum(f.bytes for f in manifest.fragments)
-    print(f"{len(manifest.fragments)} fragments, {total / 1e6:.1f} MB, model hash {manifest.model_hash[:16]} in {args.out}")
+    print(
+        f"{len(manifest.fragments)} fragments, {total / 1e6:.1f} MB, model hash {manifest.model_hash[:16]} in {args.out}"
+    )
     return 0
 
 
@@ -485,9 +707,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from seamline.mesh.control.plan_args import plan_sim_options
     from seamline.mesh.control.plan_cli import run_plan_command
 
-    return run_plan_command(args.nodes_json, args.model, args.lock, args.context, args.batch, live_url=args.live,
-                            tensor_parallel=args.tensor_parallel, objective=args.objective,
-                            sim=plan_sim_options(args))
+    return run_plan_command(
+        args.nodes_json,
+        args.model,
+        args.lock,
+        args.context,
+        args.batch,
+        live_url=args.live,
+        tensor_parallel=args.tensor_parallel,
+        objective=args.objective,
+        sim=plan_sim_options(args),
+    )
 
 
 def _logging(quiet: bool, fmt: str = "text") -> None:
@@ -500,7 +730,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
-        if argv is None and args.command in ("serve", "join"):  # a program's start, not a call in a test
+        if argv is None and args.command in (
+            "serve",
+            "join",
+        ):  # a program's start, not a call in a test
             from seamline.allocator import restart_with_allocator
 
             restart_with_allocator()  # returns where it need not (or cannot) preload one

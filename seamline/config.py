@@ -35,7 +35,10 @@ SLIDING_RULES: dict[str, str] = {
     "gemma3_text": "types",  # layer_types, or every sliding_window_pattern-th layer full
     "gpt_oss": "types",
 }
-TYPE_PATTERNS = {"gemma3_text": 6, "gpt_oss": 2}  # transformers' defaults without layer_types: every n-th layer full
+TYPE_PATTERNS = {
+    "gemma3_text": 6,
+    "gpt_oss": 2,
+}  # transformers' defaults without layer_types: every n-th layer full
 SLIDING_KIND = "sliding_attention"  # layer_types' name for a windowed layer
 DEFAULT_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config / Qwen3Config default
 
@@ -133,7 +136,7 @@ class ModelConfig:
         return layer in self.moe_layers
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         family = _family_of(d)
         check_fields(family, d)
         heads = _req(d, "num_attention_heads")
@@ -161,8 +164,12 @@ class ModelConfig:
         if family == "gemma3_text":
             kwargs.update(_gemma_fields(d, hidden))
         if family == "gpt_oss":  # attention sinks, the output's bias, the experts' clamped SwiGLU
-            kwargs.update(attention_sinks=True, attention_out_bias=True, swiglu_limit=float(d.get("swiglu_limit") or 7.0),
-                          swiglu_alpha=float(d.get("swiglu_alpha") or 1.702))  # fmt: skip
+            kwargs.update(
+                attention_sinks=True,
+                attention_out_bias=True,
+                swiglu_limit=float(d.get("swiglu_limit") or 7.0),
+                swiglu_alpha=float(d.get("swiglu_alpha") or 1.702),
+            )
         kwargs["sliding_window"], kwargs["sliding_layers"] = sliding_layers(family, d)
         kwargs.update(_moe_fields(family, d, layers))
         if family in MLA_FAMILIES:
@@ -266,13 +273,22 @@ def _moe_fields(family: str, d: dict[str, Any], layers: int) -> dict[str, Any]:
             moe_layers=moe if experts > 0 else (),
         )
     if family == "gpt_oss":  # softmax over the top-k logits of a router with a bias
-        return dict(num_experts=int(d["num_local_experts"]), num_experts_per_tok=int(d["num_experts_per_tok"]),
-                    moe_intermediate_size=int(d["intermediate_size"]), moe_layers=tuple(range(layers)),
-                    scoring_func="topk_softmax")  # fmt: skip
+        return dict(
+            num_experts=int(d["num_local_experts"]),
+            num_experts_per_tok=int(d["num_experts_per_tok"]),
+            moe_intermediate_size=int(d["intermediate_size"]),
+            moe_layers=tuple(range(layers)),
+            scoring_func="topk_softmax",
+        )
     if family == "glm4_moe":  # DeepSeek-V3's routing: sigmoid scores, a bias, groups by their top-2
-        return {**_deepseek_moe(d, layers), "topk_method": "noaux_tc", "scoring_func": "sigmoid",
-                "n_group": int(d.get("n_group") or 1), "topk_group": int(d.get("topk_group") or 1),
-                "routed_scaling_factor": float(d.get("routed_scaling_factor") or 1.0)}  # fmt: skip
+        return {
+            **_deepseek_moe(d, layers),
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "n_group": int(d.get("n_group") or 1),
+            "topk_group": int(d.get("topk_group") or 1),
+            "routed_scaling_factor": float(d.get("routed_scaling_factor") or 1.0),
+        }
     if family in MLA_FAMILIES:
         return _deepseek_moe(d, layers)
     return {}
@@ -302,16 +318,30 @@ def _gemma_fields(d: dict[str, Any], hidden: int) -> dict[str, Any]:
         if d.get(key) is not None:
             raise ConfigError(f"config.json sets {key}; seamline's Gemma 3 has no soft-capping")
     if d.get("use_bidirectional_attention"):
-        raise ConfigError("config.json sets use_bidirectional_attention: seamline serves causal models only")
-    if (act := d.get("hidden_activation") or "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ConfigError(
+            "config.json sets use_bidirectional_attention: seamline serves causal models only"
+        )
+    if (act := d.get("hidden_activation") or "gelu_pytorch_tanh") not in (
+        "gelu_pytorch_tanh",
+        "gelu_tanh",
+    ):
         raise ConfigError(f"hidden_activation {act!r} is not Gemma 3's gelu_pytorch_tanh")
-    fields: dict[str, Any] = dict(embed_scale=hidden**0.5, sandwich_norms=True, hidden_act="gelu_tanh", qk_norm=True,
-                                  attention_scale=float(d.get("query_pre_attn_scalar") or 256) ** -0.5)  # fmt: skip
+    fields: dict[str, Any] = dict(
+        embed_scale=hidden**0.5,
+        sandwich_norms=True,
+        hidden_act="gelu_tanh",
+        qk_norm=True,
+        attention_scale=float(d.get("query_pre_attn_scalar") or 256) ** -0.5,
+    )
     by_kind = d.get("rope_parameters") or {}
     if "full_attention" in by_kind:
-        fields["rope_theta"], fields["rope_scaling"] = rope_of({"rope_parameters": by_kind["full_attention"]})
+        fields["rope_theta"], fields["rope_scaling"] = rope_of(
+            {"rope_parameters": by_kind["full_attention"]}
+        )
         local = by_kind.get("sliding_attention") or {}
-        fields["local_rope_theta"] = float(local.get("rope_theta") or d.get("rope_local_base_freq") or 10000.0)
+        fields["local_rope_theta"] = float(
+            local.get("rope_theta") or d.get("rope_local_base_freq") or 10000.0
+        )
     else:
         fields["local_rope_theta"] = float(d.get("rope_local_base_freq") or 10000.0)
     return fields
@@ -320,7 +350,9 @@ def _gemma_fields(d: dict[str, Any], hidden: int) -> dict[str, Any]:
 def _rotary_dim(d: dict[str, Any]) -> int:
     """The dims of each head RoPE turns: head_dim x partial_rotary_factor (top level or in
     rope_parameters, as transformers 5 writes it); 0 where it turns all of them."""
-    factor = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor"))
+    factor = (d.get("rope_parameters") or {}).get(
+        "partial_rotary_factor", d.get("partial_rotary_factor")
+    )
     if factor is None or float(factor) >= 1.0:
         return 0
     head_dim = int(d.get("head_dim") or _req(d, "hidden_size") // _req(d, "num_attention_heads"))
@@ -351,15 +383,26 @@ def _mla_fields(d: dict[str, Any]) -> dict[str, Any]:
 def _v4_fields(d: dict[str, Any], layers: int) -> dict[str, Any]:
     """DeepSeek-V4: every layer's feed-forward is a mixture of experts, routed by
     sqrt(softplus) scores (or by a token-id table), one shared key/value head."""
-    for key in ("hc_mult", "layer_types", "mlp_layer_types", "sliding_window", "o_groups", "o_lora_rank"):
+    for key in (
+        "hc_mult",
+        "layer_types",
+        "mlp_layer_types",
+        "sliding_window",
+        "o_groups",
+        "o_lora_rank",
+    ):
         if d.get(key) is None:
             raise ConfigError(f"config.json has no '{key}' (DeepSeek-V4)")
     for kind in ("layer_types", "mlp_layer_types"):
         if len(d[kind]) < layers:
-            raise ConfigError(f"config.json's {kind} names {len(d[kind])} layers; the model has {layers}")
+            raise ConfigError(
+                f"config.json's {kind} names {len(d[kind])} layers; the model has {layers}"
+            )
     unknown = set(d["layer_types"][:layers]) - set(V4_ATTENTION_KINDS)
     if unknown:
-        raise ConfigError(f"unknown DeepSeek-V4 layer type {sorted(unknown)[0]!r}; known: {', '.join(V4_ATTENTION_KINDS)}")
+        raise ConfigError(
+            f"unknown DeepSeek-V4 layer type {sorted(unknown)[0]!r}; known: {', '.join(V4_ATTENTION_KINDS)}"
+        )
     return dict(
         num_kv_heads=1,
         num_experts=int(d["n_routed_experts"]),
@@ -377,13 +420,21 @@ def _v4_fields(d: dict[str, Any], layers: int) -> dict[str, Any]:
     )
 
 
-V4_ATTENTION_KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+V4_ATTENTION_KINDS = (
+    "sliding_attention",
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+)
 
 
-V4_REWIND_REACH = 33  # positions a V4 cache can take back: a window of the most drafts (32) and its draw
+V4_REWIND_REACH = (
+    33  # positions a V4 cache can take back: a window of the most drafts (32) and its draw
+)
 
 
-def v4_cache_bytes(config: ModelConfig, layers: Sequence[int], tokens: int, dtype_bytes: int) -> int:
+def v4_cache_bytes(
+    config: ModelConfig, layers: Sequence[int], tokens: int, dtype_bytes: int
+) -> int:
     """The most a V4 sequence of ``tokens`` holds over ``layers``, per layer type: the window's
     last keys (every type), one entry per ``rate`` tokens (compressed types; the sparse type's
     indexer keeps its own), and a compressor's latest rows (candidates and gates: the open
@@ -393,7 +444,9 @@ def v4_cache_bytes(config: ModelConfig, layers: Sequence[int], tokens: int, dtyp
     head, window = config.head_dim, int(hf["sliding_window"])
     total = 0
     for i in layers:
-        kind = hf["layer_types"][i] if i < config.num_layers else "sliding_attention"  # the MTP layer's
+        kind = (
+            hf["layer_types"][i] if i < config.num_layers else "sliding_attention"
+        )  # the MTP layer's
         total += min(tokens, max(window - 1, 0) + V4_REWIND_REACH) * head
         if kind == "sliding_attention":
             continue
@@ -406,7 +459,9 @@ def v4_cache_bytes(config: ModelConfig, layers: Sequence[int], tokens: int, dtyp
 
 
 V4_PLANNING_TOKENS = 4096  # the context a V4 layer's bytes per token are averaged over
-RING_SLACK = 32  # a sliding layer keeps its window and this many positions: 16 for rewinds, 16 a block
+RING_SLACK = (
+    32  # a sliding layer keeps its window and this many positions: 16 for rewinds, 16 a block
+)
 
 
 def ring_size(window: int) -> int:
@@ -422,7 +477,10 @@ def sliding_layer_kv(config: ModelConfig, dtype_bytes: int, context: int | None)
         return ()
     tokens, full = context or V4_PLANNING_TOKENS, kv_bytes_per_token(config, dtype_bytes)
     held = min(tokens, ring_size(config.sliding_window))
-    return tuple(-(-full * held // tokens) if i in config.sliding_layers else full for i in range(config.num_layers))
+    return tuple(
+        -(-full * held // tokens) if i in config.sliding_layers else full
+        for i in range(config.num_layers)
+    )
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype_bytes: int) -> int:

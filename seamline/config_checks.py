@@ -12,12 +12,26 @@ from seamline.errors import ConfigError
 # a field -> the families that read it; set (not null, not zero) in any other family's config,
 # nothing would read it and the model would run as another one
 OWNED_FIELDS: dict[str, tuple[str, ...]] = {
-    "num_local_experts": ("mixtral", "gpt_oss", "qwen3_moe"),  # transformers 5 writes Qwen3-MoE's so
+    "num_local_experts": (
+        "mixtral",
+        "gpt_oss",
+        "qwen3_moe",
+    ),  # transformers 5 writes Qwen3-MoE's so
     "num_experts": ("qwen3_moe",),
     "n_routed_experts": ("deepseek_v2", "deepseek_v3", "deepseek_v4", "glm4_moe"),
     "kv_lora_rank": ("deepseek_v2", "deepseek_v3"),
 }
-CHECKED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "mixtral", "qwen3_moe", "glm4_moe", "gpt_oss")
+CHECKED_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma3_text",
+    "mixtral",
+    "qwen3_moe",
+    "glm4_moe",
+    "gpt_oss",
+)
 LAYER_KINDS = ("sliding_attention", "full_attention")
 READS_LAYER_TYPES = ("qwen2", "qwen3", "gemma3_text", "gpt_oss")
 
@@ -27,8 +41,10 @@ def check_fields(family: str, d: dict[str, Any]) -> None:
     if family in CHECKED_FAMILIES:
         for field, owners in OWNED_FIELDS.items():
             if d.get(field) and family not in owners:
-                raise ConfigError(f"config.json's model_type is {family!r} but it sets {field} = {d[field]!r}, "
-                                  f"a field of {' / '.join(owners)} that {family} does not read")  # fmt: skip
+                raise ConfigError(
+                    f"config.json's model_type is {family!r} but it sets {field} = {d[field]!r}, "
+                    f"a field of {' / '.join(owners)} that {family} does not read"
+                )
     if family in READS_LAYER_TYPES and d.get("layer_types") is not None:
         check_layer_types(d["layer_types"], int(d.get("num_hidden_layers") or 0))
 
@@ -40,5 +56,7 @@ def check_layer_types(types: Any, layers: int) -> None:
         raise ConfigError(f"config.json's layer_types names {count} layers; the model has {layers}")
     for index, kind in enumerate(types[:layers]):
         if kind not in LAYER_KINDS:
-            raise ConfigError(f"config.json's layer_types[{index}] is {kind!r}; seamline knows "
-                              f"{' and '.join(LAYER_KINDS)}")  # fmt: skip
+            raise ConfigError(
+                f"config.json's layer_types[{index}] is {kind!r}; seamline knows "
+                f"{' and '.join(LAYER_KINDS)}"
+            )

@@ -16,7 +16,8 @@ class JsonLines(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "message": record.getMessage(),
@@ -29,4 +30,6 @@ class JsonLines(logging.Formatter):
 def setup_logging(quiet: bool = False, fmt: str = "text") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonLines() if fmt == "json" else logging.Formatter(TEXT_FORMAT))
-    logging.basicConfig(level=logging.WARNING if quiet else logging.INFO, handlers=[handler], force=True)
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO, handlers=[handler], force=True
+    )

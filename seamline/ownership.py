@@ -27,7 +27,7 @@ class Ownership:
     shard: tuple[int, int] = (0, 1)  # (rank, world) for feed-forward rows
 
     @classmethod
-    def full(cls, config: ModelConfig) -> "Ownership":
+    def full(cls, config: ModelConfig) -> Ownership:
         return cls(layers=(0, config.num_layers))
 
     def owns_embedding(self) -> bool:
@@ -82,15 +82,18 @@ class Ownership:
             raise ConfigError(f"vocab range [{v0},{v1}) is not inside [0,{config.vocab_size})")
 
 
-def rank_ownership(config: ModelConfig, rank: int, world: int,
-                   layers: tuple[int, int] | None = None) -> Ownership:
+def rank_ownership(
+    config: ModelConfig, rank: int, world: int, layers: tuple[int, int] | None = None
+) -> Ownership:
     """Rank ``rank``'s share of ``layers`` (default: all); experts must divide evenly."""
     e, v = config.num_experts, config.vocab_size
     if e % world:
         raise ConfigError(f"{e} routed experts do not divide among {world} lockstep ranks")
     experts = (rank * e // world, (rank + 1) * e // world) if e else None
     vocab = (rank * v // world, (rank + 1) * v // world)
-    return Ownership(layers=layers or (0, config.num_layers), experts=experts, vocab=vocab, shard=(rank, world))
+    return Ownership(
+        layers=layers or (0, config.num_layers), experts=experts, vocab=vocab, shard=(rank, world)
+    )
 
 
 def v4_head_groups(config: ModelConfig, own: Ownership) -> tuple[int, int]:
@@ -98,6 +101,8 @@ def v4_head_groups(config: ModelConfig, own: Ownership) -> tuple[int, int]:
     each group's projection reads its heads' outputs only, so a split along groups is exact."""
     groups, (rank, world) = int(config.hf["o_groups"]), own.shard
     if groups % world or config.num_heads % groups:
-        raise ConfigError(f"DeepSeek-V4's {groups} output groups of {config.num_heads} heads do not "
-                          f"divide among {world} lockstep ranks")  # fmt: skip
+        raise ConfigError(
+            f"DeepSeek-V4's {groups} output groups of {config.num_heads} heads do not "
+            f"divide among {world} lockstep ranks"
+        )
     return rank * groups // world, (rank + 1) * groups // world

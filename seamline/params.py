@@ -14,7 +14,9 @@ MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API allows
 MAX_STOP = 4  # stop strings, as OpenAI's API allows
 MAX_STOP_CHARS = 1024  # characters of one stop string
 MAX_STOP_TOKEN_IDS = 64  # the model's end-of-sequence ids (set by the server, never by a caller)
-MAX_GRAMMAR_BYTES = 96 << 10  # UTF-8: a 64 KiB JSON schema's grammar (the API's bound) with room to spare
+MAX_GRAMMAR_BYTES = (
+    96 << 10
+)  # UTF-8: a 64 KiB JSON schema's grammar (the API's bound) with room to spare
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # minus this from every token already generated
     frequency_penalty: float = 0.0  # minus this times how often the token was generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    logprobs: int | None = None  # None: none; k: the drawn token's log-probability and the k likeliest
+    logprobs: int | None = (
+        None  # None: none; k: the drawn token's log-probability and the k likeliest
+    )
     grammar: str = ""  # llguidance's grammar the output must match (runtime/grammar.py); "": free
 
     def validate(self) -> None:
@@ -60,19 +64,31 @@ class SamplingParams:
         if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
             raise RequestError("logit_bias values must be in [-100, 100]")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+            raise RequestError(
+                f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}"
+            )
         self._validate_sizes()
 
     def _validate_sizes(self) -> None:
         """The bounds that keep the parameters' size known (see the class's doc)."""
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise RequestError(f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
-        if len(self.stop_strings) > MAX_STOP or any(len(s) > MAX_STOP_CHARS for s in self.stop_strings):
-            raise RequestError(f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters each")
+            raise RequestError(
+                f"logit_bias may have at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}"
+            )
+        if len(self.stop_strings) > MAX_STOP or any(
+            len(s) > MAX_STOP_CHARS for s in self.stop_strings
+        ):
+            raise RequestError(
+                f"at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters each"
+            )
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise RequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
+            raise RequestError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}"
+            )
         if len(self.grammar) > MAX_GRAMMAR_BYTES or len(self.grammar.encode()) > MAX_GRAMMAR_BYTES:
-            raise RequestError(f"a grammar may be at most {MAX_GRAMMAR_BYTES} bytes, got {len(self.grammar.encode())}")
+            raise RequestError(
+                f"a grammar may be at most {MAX_GRAMMAR_BYTES} bytes, got {len(self.grammar.encode())}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -87,5 +103,10 @@ class SamplingParams:
     def argmax_only(self) -> bool:
         """Whether the raw logits' argmax is all a draw needs (greedy, nothing shifts or masks
         the logits, no log-probabilities asked): a lockstep group then exchanges (max, argmax)."""
-        return (self.greedy and not self.penalised and not self.logit_bias and self.logprobs is None
-                and not self.grammar)  # fmt: skip
+        return (
+            self.greedy
+            and not self.penalised
+            and not self.logit_bias
+            and self.logprobs is None
+            and not self.grammar
+        )

@@ -36,8 +36,12 @@ class Precision:
         return f"{self.name} ({self.dtype} activations{', int8 blocks in the matmuls' if self.int8_activations else ''})"
 
     def as_dict(self) -> dict[str, object]:
-        return {"name": self.name, "dtype": self.dtype, "int8_activations": self.int8_activations,
-                "label": label(self.dtype, self.int8_activations)}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "int8_activations": self.int8_activations,
+            "label": label(self.dtype, self.int8_activations),
+        }
 
 
 def label(dtype: str, int8_activations: bool) -> str:
@@ -46,7 +50,7 @@ def label(dtype: str, int8_activations: bool) -> str:
 
 
 def weights_kind(stored_types: Iterable[str]) -> str:
-    """"quantized" when any weight is kept in blocks (GGUF, fp8, fp4), else the float dtype most
+    """ "quantized" when any weight is kept in blocks (GGUF, fp8, fp4), else the float dtype most
     tensors are stored in."""
     counts = Counter(stored_types)
     floats = {name: n for name, n in counts.items() if name in FLOAT_NAMES}
@@ -77,8 +81,11 @@ def int8_kernels_here() -> bool:
 
     if kernels() is not None:
         return True
-    once("no-int8", "this CPU cannot run the int8-block kernels (they need x86-64 with AVX-512 VNNI and a "
-                    "C++ compiler): the fast precision multiplies in bfloat16 instead")  # fmt: skip
+    once(
+        "no-int8",
+        "this CPU cannot run the int8-block kernels (they need x86-64 with AVX-512 VNNI and a "
+        "C++ compiler): the fast precision multiplies in bfloat16 instead",
+    )
     return False
 
 

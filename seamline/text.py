@@ -49,7 +49,7 @@ class TextCodec:
     _template: ChatTemplate | None = field(default=None, repr=False)
 
     @classmethod
-    def from_model(cls, path: str | Path, eos_ids: tuple[int, ...] = ()) -> "TextCodec":
+    def from_model(cls, path: str | Path, eos_ids: tuple[int, ...] = ()) -> TextCodec:
         path = Path(path)
         if path.is_file() and path.suffix == ".gguf":
             codec = _codec_from_gguf(path)
@@ -64,8 +64,10 @@ class TextCodec:
         (a folder without tokenizer files given DeepSeek's whole vocabulary, say)."""
         top = max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
         if top >= rows:
-            raise ConfigError(f"the tokenizer's ids reach {top}, but the model's embedding has {rows} rows "
-                              f"(config.json vocab_size = {rows}): give the model its own tokenizer files")
+            raise ConfigError(
+                f"the tokenizer's ids reach {top}, but the model's embedding has {rows} rows "
+                f"(config.json vocab_size = {rows}): give the model its own tokenizer files"
+            )
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """The text's ids alone: special tokens written in it are parsed, nothing is added (a
@@ -94,7 +96,9 @@ class TextCodec:
 
     def special_tokens(self) -> dict[str, int]:
         """The special tokens' texts and ids."""
-        return {t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special}
+        return {
+            t.content: i for i, t in self.tokenizer.get_added_tokens_decoder().items() if t.special
+        }
 
     def template(self) -> ChatTemplate:
         if self._template is None:
@@ -170,8 +174,10 @@ def _codec_from_gguf(path: Path) -> TextCodec:
 def _family_template(architecture: str, tokens: Any) -> tuple[str, str]:
     """The family's own format for a model without a template, and the note that says so."""
     name = family_format(architecture, frozenset(tokens))
-    note = (f"the model has no chat template: chats use the {name} format, chosen by its "
-            f"architecture ({architecture or 'unknown'})")  # fmt: skip
+    note = (
+        f"the model has no chat template: chats use the {name} format, chosen by its "
+        f"architecture ({architecture or 'unknown'})"
+    )
     return FORMATS[name], note
 
 
@@ -184,7 +190,9 @@ def _codec_from_folder(folder: Path, eos_ids: tuple[int, ...]) -> TextCodec:
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
     bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
-    stops = set(eos_ids) | set(_ids(_read_json(folder / "generation_config.json").get("eos_token_id")))
+    stops = set(eos_ids) | set(
+        _ids(_read_json(folder / "generation_config.json").get("eos_token_id"))
+    )
     eos_id = tokenizer.token_to_id(eos) if eos is not None else None
     if eos_id is not None:
         stops.add(eos_id)
@@ -203,8 +211,14 @@ def _folder_ends(tokenizer: Tokenizer) -> PromptEnds:
     ``tokenizer_config.json``'s ``add_bos_token``)."""
     probe_raw = tokenizer.encode("a", add_special_tokens=False).ids
     probe = tokenizer.encode("a", add_special_tokens=True).ids
-    at = next((i for i in range(len(probe) - len(probe_raw) + 1)
-               if probe[i : i + len(probe_raw)] == probe_raw), 0)  # fmt: skip
+    at = next(
+        (
+            i
+            for i in range(len(probe) - len(probe_raw) + 1)
+            if probe[i : i + len(probe_raw)] == probe_raw
+        ),
+        0,
+    )
     return PromptEnds(tuple(probe[:at]), tuple(probe[at + len(probe_raw) :]))
 
 
@@ -252,7 +266,9 @@ class StreamDecoder:
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.ids: list[int] = []
         self.text = ""  # the decoded text of ids[:read_offset]
-        self.prefix_offset = 0  # the window: ids[prefix_offset:read_offset] were decoded last, whole
+        self.prefix_offset = (
+            0  # the window: ids[prefix_offset:read_offset] were decoded last, whole
+        )
         self.read_offset = 0
         self.emitted = 0  # characters of the decoded text already returned
         self.stopped = False
@@ -281,20 +297,22 @@ class StreamDecoder:
         if self.stopped:
             return ""
         before, after = self._window()
-        return self._emit(self.text + after.rstrip("\ufffd")[len(before):], None)
+        return self._emit(self.text + after.rstrip("\ufffd")[len(before) :], None)
 
     def _grown(self) -> str | None:
         """The text the ids after ``read_offset`` add, or None while a character is incomplete."""
         before, after = self._window()
         if after.endswith("\ufffd") or len(after) < len(before):
             return None
-        return after[len(before):]
+        return after[len(before) :]
 
     def _window(self) -> tuple[str, str]:
         """The window's text without, then with, the ids after it."""
         window = self.ids[self.prefix_offset :]
         cut = self.read_offset - self.prefix_offset
-        return self.codec.decode_partial(window[:cut], self.special), self.codec.decode_partial(window, self.special)
+        return self.codec.decode_partial(window[:cut], self.special), self.codec.decode_partial(
+            window, self.special
+        )
 
     def _emit(self, text: str, end: int | None) -> str:
         end = len(text) if end is None else end

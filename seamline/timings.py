@@ -21,12 +21,16 @@ class Timings:
         if not self.arrivals:
             return f"no token generated; precision {precision}"
         first = self.arrivals[0] - self.start
-        lines = [f"prompt eval: {self.prompt_tokens} tokens in {first * 1e3:.1f} ms "
-                 f"({self.prompt_tokens / first:.1f} tokens/s)",
-                 f"time to first token: {first * 1e3:.1f} ms"]  # fmt: skip
+        lines = [
+            f"prompt eval: {self.prompt_tokens} tokens in {first * 1e3:.1f} ms "
+            f"({self.prompt_tokens / first:.1f} tokens/s)",
+            f"time to first token: {first * 1e3:.1f} ms",
+        ]
         decoded, span = len(self.arrivals) - 1, self.arrivals[-1] - self.arrivals[0]
         if decoded and span > 0:
-            lines.append(f"decode: {decoded} tokens in {span * 1e3:.1f} ms ({decoded / span:.1f} tokens/s, "
-                         f"{span / decoded * 1e3:.2f} ms/token)")  # fmt: skip
+            lines.append(
+                f"decode: {decoded} tokens in {span * 1e3:.1f} ms ({decoded / span:.1f} tokens/s, "
+                f"{span / decoded * 1e3:.2f} ms/token)"
+            )
         lines.append(f"precision: {precision}")
         return "\n".join(lines)

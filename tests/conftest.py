@@ -9,7 +9,9 @@ import os
 import torch
 
 if not torch.cuda.is_available():  # the Triton kernels run in Triton's interpreter on CPU tensors;
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is defined: before any import of one
+    os.environ.setdefault(
+        "TRITON_INTERPRET", "1"
+    )  # read when a kernel is defined: before any import of one
 
 import platform
 import shutil
@@ -25,7 +27,9 @@ from tests.support.api import NAME, client_for, serve
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _module_files_go(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def _module_files_go(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[None]:
     """A module's checkpoints and meshes' folders (its module-scoped fixtures') go once it passed
     (``tmp_path_retention_policy`` removes a passed test's own): the suite writes GBs of them."""
     base = tmp_path_factory.getbasetemp()
@@ -63,8 +67,10 @@ def ops():
     as written; AVX2 only: the emulated build); elsewhere their tests are skipped, naming the CPU.
     The torch path that such CPUs take is tested everywhere (``use_kernels=False``)."""
     if not _kernels_expected():
-        pytest.skip("the C++ quant kernels need x86-64, a C++ compiler and AVX2; this CPU "
-                    f"reports {torch.backends.cpu.get_cpu_capability()}")
+        pytest.skip(
+            "the C++ quant kernels need x86-64, a C++ compiler and AVX2; this CPU "
+            f"reports {torch.backends.cpu.get_cpu_capability()}"
+        )
     ops = native.kernels()
     assert ops is not None, "the quant kernels failed to load on a CPU that supports them"
     return ops

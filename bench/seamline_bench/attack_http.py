@@ -19,12 +19,20 @@ from typing import Any
 import httpx
 
 MB = 1 << 20
-CHAT: dict[str, Any] = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+CHAT: dict[str, Any] = {
+    "model": "default",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 4,
+}
 BIG_SCHEMA = {"type": "object", "description": "x" * 1_200_000}
 
 
-def _repeat(send: Callable[[httpx.Client], httpx.Response], api: str, duration_s: float,
-            refused: Callable[[httpx.Response], bool]) -> dict[str, Any]:  # fmt: skip
+def _repeat(
+    send: Callable[[httpx.Client], httpx.Response],
+    api: str,
+    duration_s: float,
+    refused: Callable[[httpx.Response], bool],
+) -> dict[str, Any]:
     """Send until ``duration_s`` has passed: the answers' statuses, how many were refusals as
     ``refused`` says, the slowest answer."""
     statuses: Counter[str] = Counter()
@@ -42,8 +50,12 @@ def _repeat(send: Callable[[httpx.Client], httpx.Response], api: str, duration_s
                 statuses[type(exc).__name__] += 1
             sent += 1
             slowest = max(slowest, time.monotonic() - started)
-    return {"requests": sent, "statuses": dict(statuses), "refused": sent > 0 and good == sent,
-            "slowest_answer_s": round(slowest, 3)}  # fmt: skip
+    return {
+        "requests": sent,
+        "statuses": dict(statuses),
+        "refused": sent > 0 and good == sent,
+        "slowest_answer_s": round(slowest, 3),
+    }
 
 
 def _param(reply: httpx.Response) -> str:
@@ -59,12 +71,28 @@ def oversize_logit_bias(target: dict[str, Any], duration_s: float) -> dict[str, 
     def send(client: httpx.Client) -> httpx.Response:
         return client.post("/v1/chat/completions", json={**CHAT, "logit_bias": huge})
 
-    return _repeat(send, target["api"], duration_s, lambda r: r.status_code == 400 and _param(r) == "logit_bias")
+    return _repeat(
+        send,
+        target["api"],
+        duration_s,
+        lambda r: r.status_code == 400 and _param(r) == "logit_bias",
+    )
 
 
 def oversize_schema(target: dict[str, Any], duration_s: float) -> dict[str, Any]:
-    bodies = [{**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": BIG_SCHEMA}}},
-              {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": BIG_SCHEMA}}]}]  # fmt: skip
+    bodies = [
+        {
+            **CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "r", "schema": BIG_SCHEMA},
+            },
+        },
+        {
+            **CHAT,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": BIG_SCHEMA}}],
+        },
+    ]
     turn = [0]
 
     def send(client: httpx.Client) -> httpx.Response:
@@ -72,7 +100,9 @@ def oversize_schema(target: dict[str, Any], duration_s: float) -> dict[str, Any]
         return client.post("/v1/chat/completions", json=bodies[turn[0] % 2])
 
     fields = ("response_format", "tools[0].function.parameters")
-    return _repeat(send, target["api"], duration_s, lambda r: r.status_code == 400 and _param(r) in fields)
+    return _repeat(
+        send, target["api"], duration_s, lambda r: r.status_code == 400 and _param(r) in fields
+    )
 
 
 def admin_body(target: dict[str, Any], duration_s: float) -> dict[str, Any]:

@@ -28,23 +28,29 @@ from typing import Any
 
 import torch
 
-from seamline_bench.attack_member import AttackRefused, _address, emit, member
-from seamline.mesh.protocol.invite import Invite
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.process import Node, NodeOptions
+from seamline.mesh.protocol.invite import Invite
 from seamline.net.frames import EMPTY_HASH, RowFlag, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import Failure, Heartbeat, Open
+from seamline_bench.attack_member import AttackRefused, _address, emit, member
 
 
 class Liar:
     def __init__(self, target: dict[str, Any], mode: str) -> None:
         self.target, self.mode = target, mode
         self.armed = threading.Event()
-        self.seen: collections.deque[int] = collections.deque(maxlen=256)  # request ids, as they opened here
+        self.seen: collections.deque[int] = collections.deque(
+            maxlen=256
+        )  # request ids, as they opened here
         self.counts: collections.Counter[str] = collections.Counter()
-        options = NodeOptions(max_memory_bytes=int(target["max_memory_bytes"]), node_id=target["node_id"],
-                              cache_dir=Path(target["cache_dir"]), progress=False)  # fmt: skip
+        options = NodeOptions(
+            max_memory_bytes=int(target["max_memory_bytes"]),
+            node_id=target["node_id"],
+            cache_dir=Path(target["cache_dir"]),
+            progress=False,
+        )
         self.node = Node(Invite.decode(target["invite"]), options)
 
     def run(self) -> None:
@@ -116,14 +122,24 @@ class Liar:
 
     def _outsider(self) -> Any:
         try:
-            return member(_address(self.target["control"]), self.target["outsider_invite"], "forger").start()
+            return member(
+                _address(self.target["control"]), self.target["outsider_invite"], "forger"
+            ).start()
         except (AttackRefused, OSError, LinkClosed) as exc:
             self.counts[f"outsider not admitted: {exc}"[:80]] += 1
             return None
 
     def _tokens(self, request: int, outsider: Any) -> None:
-        forged = [TokenRow(request=request, position=40, token=42, hash_before=EMPTY_HASH, hash_after=1,
-                           flags=int(RowFlag.DONE))]  # fmt: skip
+        forged = [
+            TokenRow(
+                request=request,
+                position=40,
+                token=42,
+                hash_before=EMPTY_HASH,
+                hash_after=1,
+                flags=int(RowFlag.DONE),
+            )
+        ]
         assignment, control = self.node.assignment, self.node.control
         if assignment is not None and assignment.owns_head:
             self.counts["not forged in the route: it draws"] += 1
@@ -139,7 +155,9 @@ class Liar:
         if control is None:
             return
         control.send_message(Failure(request=request, reason="this stage failed", blame="node"))
-        control.send_message(Failure(request=request, reason="the request is invalid", blame="request"))
+        control.send_message(
+            Failure(request=request, reason="the request is invalid", blame="request")
+        )
         self.counts["reports_forged"] += 2
 
     def _stall(self) -> None:
@@ -171,7 +189,9 @@ def _claims_a_machine_of_its_own() -> None:
     from seamline.mesh.node import membership
 
     honest = membership.local_resources
-    membership.local_resources = lambda options: honest(options).model_copy(update={"host": "attacker-host"})
+    membership.local_resources = lambda options: honest(options).model_copy(
+        update={"host": "attacker-host"}
+    )
 
 
 def _loads_nothing() -> None:

@@ -25,9 +25,6 @@ from typing import Any
 import httpx
 import torch
 
-from seamline.mesh.protocol.claims import block_sums, probe_matrix
-from seamline.mesh.protocol.invite import Invite, proof
-from seamline.mesh.protocol.relay_wire import RELAY_MAGIC
 from seamline.mesh.identity import (
     Identity,
     enrolling_context,
@@ -37,6 +34,9 @@ from seamline.mesh.identity import (
 )
 from seamline.mesh.node.data_links import PROBE, LinkRefused, admit
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
+from seamline.mesh.protocol.claims import block_sums, probe_matrix
+from seamline.mesh.protocol.invite import Invite, proof
+from seamline.mesh.protocol.relay_wire import RELAY_MAGIC
 from seamline.net.frames import FrameError, FrameType, header
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import (
@@ -58,7 +58,7 @@ from seamline.net.messages import (
     SpeedReady,
     SpeedSums,
     Welcome,
-)  # fmt: skip
+)
 from seamline.net.tls import TlsRefused, TlsSocket
 
 Address = tuple[str, int]
@@ -89,9 +89,16 @@ def enroll(control: Address, token: str, node_id: str) -> Identity:
 
 
 def _join(invite: Invite, nonce: str, node_id: str, csr: str) -> Join:
-    return Join(node_id=node_id, proof=proof(invite.secret, nonce), invite_id=invite.id,
-                protocol_version=PROTOCOL_VERSION, resources=Resources(free_memory_bytes=1 << 20, bytes_per_second=1e6),
-                data_host="127.0.0.1", data_port=9, csr=csr)  # fmt: skip
+    return Join(
+        node_id=node_id,
+        proof=proof(invite.secret, nonce),
+        invite_id=invite.id,
+        protocol_version=PROTOCOL_VERSION,
+        resources=Resources(free_memory_bytes=1 << 20, bytes_per_second=1e6),
+        data_host="127.0.0.1",
+        data_port=9,
+        csr=csr,
+    )
 
 
 def attach(control: Address, identity: Identity, rejoin: bool = False) -> Link:
@@ -118,7 +125,9 @@ class Answering:
     link: Link
     identity: Identity
     control: Address
-    report: Callable[[MeasurePeer], PeerLink] = lambda m: PeerLink(peer_node=m.peer_node, error="not measured")
+    report: Callable[[MeasurePeer], PeerLink] = lambda m: PeerLink(
+        peer_node=m.peer_node, error="not measured"
+    )
     asked: list[str] = field(default_factory=list)  # the peers it was asked to measure
     pings: int = 0
 
@@ -140,9 +149,13 @@ class Answering:
                     matrix = probe_matrix(message.seed, message.rows, message.cols)
                     self.link.send_message(SpeedReady())
                 elif isinstance(message, SpeedProbe) and matrix is not None:
-                    self.link.send_message(SpeedSums(sums=block_sums(matrix, torch.tensor(message.vector))))
+                    self.link.send_message(
+                        SpeedSums(sums=block_sums(matrix, torch.tensor(message.vector)))
+                    )
                 elif isinstance(message, RelayAccept) and message.probe:
-                    threading.Thread(target=self._probed, args=(message.ticket,), daemon=True).start()
+                    threading.Thread(
+                        target=self._probed, args=(message.ticket,), daemon=True
+                    ).start()
                 elif isinstance(message, MeasurePeer):
                     self.asked.append(message.peer_node)
                     self.link.send_message(self.report(message))
@@ -178,7 +191,9 @@ def forged_pongs(target: dict[str, Any], duration_s: float) -> dict[str, Any]:
     identity = enroll(control, target["invite"], node_id)
     link = attach(control, identity)
     pongs = reports = 0
-    for guess in range(1, 6):  # before the coordinator's first ping: what a counter from 1 would use
+    for guess in range(
+        1, 6
+    ):  # before the coordinator's first ping: what a counter from 1 would use
         link.send_message(Pong(nonce=guess))
         pongs += 1
     answering = Answering(link, identity, control, report=forged).start()
@@ -193,12 +208,19 @@ def forged_pongs(target: dict[str, Any], duration_s: float) -> dict[str, Any]:
     except LinkClosed:
         pass
     link.close()
-    return {"node_id": node_id, "pongs_sent": pongs, "link_reports_sent": reports + len(answering.asked),
-            "asked_to_measure": answering.asked, "pings_answered": answering.pings}  # fmt: skip
+    return {
+        "node_id": node_id,
+        "pongs_sent": pongs,
+        "link_reports_sent": reports + len(answering.asked),
+        "asked_to_measure": answering.asked,
+        "pings_answered": answering.pings,
+    }
 
 
 def _forged_link(peer: str) -> PeerLink:
-    return PeerLink(peer_node=peer, latency_s=FORGED_LATENCY_S, bandwidth_bytes_per_s=FORGED_BANDWIDTH)
+    return PeerLink(
+        peer_node=peer, latency_s=FORGED_LATENCY_S, bandwidth_bytes_per_s=FORGED_BANDWIDTH
+    )
 
 
 # -- oversize_member_frames -----------------------------------------------------------------------
@@ -207,8 +229,10 @@ def oversize_member_frames(target: dict[str, Any], duration_s: float) -> dict[st
     200 MiB hidden frame: each link must be closed at the header, within 2 s."""
     control, began = _address(target["control"]), time.monotonic()
     body = json.dumps({"kind": "failure", "reason": "x" * (512 << 10)}).encode()
-    frames = {"control_512k": header(FrameType.CONTROL, len(body)) + body,
-              "hidden_200m": header(FrameType.HIDDEN, 200 << 20) + bytes(64 << 10)}  # fmt: skip
+    frames = {
+        "control_512k": header(FrameType.CONTROL, len(body)) + body,
+        "hidden_200m": header(FrameType.HIDDEN, 200 << 20) + bytes(64 << 10),
+    }
     sent, closed, ids = 0, 0, []
     while time.monotonic() - began < duration_s:
         for kind, frame in frames.items():
@@ -222,7 +246,12 @@ def oversize_member_frames(target: dict[str, Any], duration_s: float) -> dict[st
             closed += _closed_within(played.link, 2.0)
             played.link.close()
         time.sleep(1.0)
-    return {"frames_sent": sent, "links_closed": closed, "refused": sent > 0 and closed == sent, "members": ids}
+    return {
+        "frames_sent": sent,
+        "links_closed": closed,
+        "refused": sent > 0 and closed == sent,
+        "members": ids,
+    }
 
 
 def _closed_within(link: Link, seconds: float) -> bool:
@@ -254,11 +283,18 @@ def removed_member(target: dict[str, Any], duration_s: float) -> dict[str, Any]:
     after: dict[str, int] = {}
     began = time.monotonic()
     while time.monotonic() - began < duration_s:
-        for what, opened in {**_opens(target, played.identity), **_comes_back(control, target, played)}.items():
+        for what, opened in {
+            **_opens(target, played.identity),
+            **_comes_back(control, target, played),
+        }.items():
             after[what] = after.get(what, 0) + int(opened)
         time.sleep(1.0)
-    return {"node_id": played.identity.node_id, "before_removal": before, "opened_after_removal": after,
-            "refused": bool(after) and not any(after.values())}  # fmt: skip
+    return {
+        "node_id": played.identity.node_id,
+        "before_removal": before,
+        "opened_after_removal": after,
+        "refused": bool(after) and not any(after.values()),
+    }
 
 
 def _opens(target: dict[str, Any], identity: Identity) -> dict[str, bool]:
@@ -276,9 +312,11 @@ def _opens(target: dict[str, Any], identity: Identity) -> dict[str, bool]:
 def _comes_back(control: Address, target: dict[str, Any], played: Answering) -> dict[str, bool]:
     """Whether the removed member gets back in: under its certificate, or with its invite."""
     out = {}
-    for what, attempt in (("rejoin", lambda: attach(control, played.identity, rejoin=True)),
-                          ("attach", lambda: attach(control, played.identity)),
-                          ("join_again", lambda: enroll(control, target["invite"], f"again-{secrets.token_hex(3)}"))):  # fmt: skip
+    for what, attempt in (
+        ("rejoin", lambda: attach(control, played.identity, rejoin=True)),
+        ("attach", lambda: attach(control, played.identity)),
+        ("join_again", lambda: enroll(control, target["invite"], f"again-{secrets.token_hex(3)}")),
+    ):
         try:
             got = attempt()
             out[what] = True
@@ -303,7 +341,9 @@ def _probes(address: Address, identity: Identity) -> bool:
 
 def _fetches(url: str, identity: Identity) -> bool:
     try:
-        reply = httpx.get(f"{url}/fragments/manifest.json", verify=identity.client_context(), timeout=SHORT_S)
+        reply = httpx.get(
+            f"{url}/fragments/manifest.json", verify=identity.client_context(), timeout=SHORT_S
+        )
     except httpx.HTTPError:
         return False
     return reply.status_code == 200
@@ -312,8 +352,11 @@ def _fetches(url: str, identity: Identity) -> bool:
 def _handshakes(address: Address, identity: Identity) -> bool:
     """Whether a TLS server takes ``identity``'s certificate (and answers an HTTP request at all)."""
     try:
-        reply = httpx.get(f"https://{address[0]}:{address[1]}/fragments/manifest.json",
-                          verify=identity.client_context(), timeout=SHORT_S)  # fmt: skip
+        reply = httpx.get(
+            f"https://{address[0]}:{address[1]}/fragments/manifest.json",
+            verify=identity.client_context(),
+            timeout=SHORT_S,
+        )
     except httpx.HTTPError:
         return False
     return reply.status_code != 403
@@ -321,5 +364,3 @@ def _handshakes(address: Address, identity: Identity) -> bool:
 
 def _address(value: list[Any] | tuple[Any, ...]) -> Address:
     return str(value[0]), int(value[1])
-
-

@@ -22,12 +22,12 @@ from typing import Any
 import httpx
 import psutil
 
-from seamline_bench.driver import Driver
-from seamline_bench.servers import NodeSpec, Server, descriptors_capped, start_mesh
 from seamline.mesh.control.admin_client import AdminClient
 from seamline.mesh.protocol.invite import Invite
 from seamline.net.link import free_port
 from seamline.server.demo import memory_cap_gb
+from seamline_bench.driver import Driver
+from seamline_bench.servers import NodeSpec, Server, descriptors_capped, start_mesh
 
 CONTEXT = 2048
 HONEST_NOFILE = 1024
@@ -40,7 +40,9 @@ class LiveMesh:
     logs: Path
     state_dir: Path
     fragments_port: int
-    extra: dict[str, subprocess.Popen[Any]] = field(default_factory=dict)  # honest processes besides the mesh's
+    extra: dict[str, subprocess.Popen[Any]] = field(
+        default_factory=dict
+    )  # honest processes besides the mesh's
     comm_tls: Path | None = None
     comm_port: int = 0  # a lockstep rank's comm port (``fuzz_comm_target``), when there is one
     http: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=15))
@@ -63,7 +65,11 @@ class LiveMesh:
 
     def invite(self) -> str:
         """A new invite, for one attacker (removing a member revokes the invite it joined with)."""
-        return str(AdminClient(self.state_dir, self.api).call("POST", "invites", {"expires_s": 3600})["token"])
+        return str(
+            AdminClient(self.state_dir, self.api).call("POST", "invites", {"expires_s": 3600})[
+                "token"
+            ]
+        )
 
     def remove(self, node_id: str) -> None:
         AdminClient(self.state_dir, self.api).call("DELETE", f"nodes/{node_id}")
@@ -75,12 +81,22 @@ class LiveMesh:
         for node in status.get("nodes", []):
             proc = self.honest().get(node["node_id"])
             host, port = node["address"].rsplit(":", 1)
-            nodes.append({"node_id": node["node_id"], "data": [host, int(port)],
-                          "other_ports": _listening(proc.pid, {int(port)}) if proc else []})  # fmt: skip
+            nodes.append(
+                {
+                    "node_id": node["node_id"],
+                    "data": [host, int(port)],
+                    "other_ports": _listening(proc.pid, {int(port)}) if proc else [],
+                }
+            )
         control = Invite.decode(self.server.token).control_port
-        return {"api": self.api, "control": ["127.0.0.1", control], "fragments": ["127.0.0.1", self.fragments_port],
-                "nodes": nodes, "duration_s": duration_s,
-                "comm": ["127.0.0.1", self.comm_port] if self.comm_port else None}  # fmt: skip
+        return {
+            "api": self.api,
+            "control": ["127.0.0.1", control],
+            "fragments": ["127.0.0.1", self.fragments_port],
+            "nodes": nodes,
+            "duration_s": duration_s,
+            "comm": ["127.0.0.1", self.comm_port] if self.comm_port else None,
+        }
 
     def close(self) -> None:
         self.server.close()
@@ -91,24 +107,53 @@ class LiveMesh:
 
 def _listening(pid: int, besides: set[int]) -> list[int]:
     try:
-        return sorted({c.laddr.port for c in psutil.Process(pid).net_connections("tcp")
-                       if c.status == psutil.CONN_LISTEN} - besides)  # fmt: skip
+        return sorted(
+            {
+                c.laddr.port
+                for c in psutil.Process(pid).net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN
+            }
+            - besides
+        )
     except psutil.Error:
         return []
 
 
-def start(name: str, logs: Path, honest_nodes: int = 3, nodes_expected: int = 0, verify_fraction: float = 0.0,
-          comm_tls: Path | None = None) -> LiveMesh:  # fmt: skip
+def start(
+    name: str,
+    logs: Path,
+    honest_nodes: int = 3,
+    nodes_expected: int = 0,
+    verify_fraction: float = 0.0,
+    comm_tls: Path | None = None,
+) -> LiveMesh:
     """A mesh of ``honest_nodes`` (named NAME0, NAME1, ...), planned once ``nodes_expected``
     have joined (a liar may be one of them); with ``comm_tls``, a lockstep rank's comm port too."""
     env = dict(os.environ)
     logs.mkdir(parents=True, exist_ok=True)
     state_dir, fragments = logs / f"state-{name}", free_port()
-    extra = ("--state-dir", str(state_dir), "--fragments-port", str(fragments), "--verify-fraction", str(verify_fraction))
+    extra = (
+        "--state-dir",
+        str(state_dir),
+        "--fragments-port",
+        str(fragments),
+        "--verify-fraction",
+        str(verify_fraction),
+    )
     cap = memory_cap_gb(None, 2, CONTEXT)
-    server = start_mesh(name, [NodeSpec("0,1", 1) for _ in range(honest_nodes)], NodeSpec("0,1", 1), "127.0.0.1",
-                        env, logs, cap, extra, nodes_expected, precision="exact",  # answers compared
-                        nofile=HONEST_NOFILE)  # fmt: skip
+    server = start_mesh(
+        name,
+        [NodeSpec("0,1", 1) for _ in range(honest_nodes)],
+        NodeSpec("0,1", 1),
+        "127.0.0.1",
+        env,
+        logs,
+        cap,
+        extra,
+        nodes_expected,
+        precision="exact",  # answers compared
+        nofile=HONEST_NOFILE,
+    )
     mesh = LiveMesh(server, name, logs, state_dir, fragments, comm_tls=comm_tls)
     if comm_tls is not None:
         mesh.comm_port = quiet_port()
@@ -134,8 +179,19 @@ def quiet_port(low: int = 20000, high: int = 32000) -> int:
 
 
 def _comm_target(tls: Path, port: int, logs: Path) -> subprocess.Popen[Any]:
-    command = [*descriptors_capped(HONEST_NOFILE), sys.executable, "-m", "seamline_bench.fuzz_comm_target", "--port", str(port), "--tls-dir", str(tls)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=(logs / "comm.log").open("w"), text=True)
+    command = [
+        *descriptors_capped(HONEST_NOFILE),
+        sys.executable,
+        "-m",
+        "seamline_bench.fuzz_comm_target",
+        "--port",
+        str(port),
+        "--tls-dir",
+        str(tls),
+    ]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=(logs / "comm.log").open("w"), text=True
+    )
     assert proc.stdout is not None
     proc.stdout.readline()  # ready
     return proc
@@ -147,7 +203,11 @@ def node_cap_bytes() -> int:
 
 def attacker(name: str, target: dict[str, Any], logs: Path) -> Driver:
     """The attacker's own process (``attackers``); its log goes to ``logs``."""
-    return Driver("seamline_bench.attackers", [name, json.dumps(target)], stderr=(logs / f"attack-{name}.log").open("a"))
+    return Driver(
+        "seamline_bench.attackers",
+        [name, json.dumps(target)],
+        stderr=(logs / f"attack-{name}.log").open("a"),
+    )
 
 
 def wait_until(check: Any, timeout_s: float, every_s: float = 0.5) -> Any:

@@ -32,7 +32,9 @@ def mesh_down_s(answers: list[ClientAnswer], window: AttackWindow) -> float:
     return max(b - a for a, b in pairwise(edges))
 
 
-def reference(answers: list[ClientAnswer], since: float, until: float) -> tuple[dict[int, str], list[int]]:
+def reference(
+    answers: list[ClientAnswer], since: float, until: float
+) -> tuple[dict[int, str], list[int]]:
     """Each client's calm answer (its last between ``since`` and ``until``), and the clients
     whose calm answers differ among themselves."""
     calm = [a for a in answers if since <= a.began and a.ended <= until and not a.error]
@@ -42,7 +44,9 @@ def reference(answers: list[ClientAnswer], since: float, until: float) -> tuple[
     return {a.client: a.text for a in calm}, sorted(c for c, t in texts.items() if len(t) > 1)
 
 
-def window_metrics(answers: list[ClientAnswer], window: AttackWindow, calm: dict[int, str]) -> tuple[dict[str, Any], list[ClientAnswer]]:
+def window_metrics(
+    answers: list[ClientAnswer], window: AttackWindow, calm: dict[int, str]
+) -> tuple[dict[str, Any], list[ClientAnswer]]:
     """The window's figures, and the answers that differ from the calm ones (near ties not yet told apart)."""
     taken = [a for a in answers if window.takes(a)]
     lost = [a for a in taken if a.error]

@@ -30,14 +30,19 @@ from seamline.net.tls import TlsRefused, TlsSocket
 Address = tuple[str, int]
 PER_PORT = 1500  # more than an honest process's 1024 descriptors
 STRANGER = "127.0.0.66"  # fd_exhaustion's source address: not the clients' or the nodes' 127.0.0.1
-HTTP_HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" * 4
+HTTP_HEAD = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" * 4
+)
 
 
 def ports(target: dict[str, Any]) -> dict[str, Address]:
     """Every listening port of the mesh's honest processes, by name."""
     api = target["api"].removeprefix("http://").rsplit(":", 1)
-    out = {"api": (api[0], int(api[1])), "control": tuple(target["control"]),
-           "coordinator_fragments": tuple(target["fragments"])}  # fmt: skip
+    out = {
+        "api": (api[0], int(api[1])),
+        "control": tuple(target["control"]),
+        "coordinator_fragments": tuple(target["fragments"]),
+    }
     for node in target["nodes"]:
         out[f"{node['node_id']}:data"] = tuple(node["data"])
         for port in node["other_ports"]:
@@ -65,15 +70,22 @@ def fd_exhaustion(target: dict[str, Any], duration_s: float) -> dict[str, Any]:
     closed_by_server = _closed_count(held)
     for sock in held:
         sock.close()
-    return {"connections_opened": opened, "held": len(held), "closed_by_the_mesh_while_held": closed_by_server,
-            "seconds_to_open": round(filled_s, 1), "nofile_limit": hard}  # fmt: skip
+    return {
+        "connections_opened": opened,
+        "held": len(held),
+        "closed_by_the_mesh_while_held": closed_by_server,
+        "seconds_to_open": round(filled_s, 1),
+        "nofile_limit": hard,
+    }
 
 
 def _flood(address: Address, held: list[socket.socket], most: int, until: float) -> int:
     count = failures = 0
     while count < most and failures < 5 and time.monotonic() < until:
         try:
-            held.append(socket.create_connection(address, timeout=0.2, source_address=(STRANGER, 0)))
+            held.append(
+                socket.create_connection(address, timeout=0.2, source_address=(STRANGER, 0))
+            )
             count += 1
         except OSError:
             failures += 1
@@ -104,29 +116,45 @@ def _readable_and_closed(sock: socket.socket) -> bool:
 
 
 # -- dripped_handshake ----------------------------------------------------------------------------
-def dripped_handshake(target: dict[str, Any], duration_s: float, per_port: int = 4) -> dict[str, Any]:
+def dripped_handshake(
+    target: dict[str, Any], duration_s: float, per_port: int = 4
+) -> dict[str, Any]:
     """``per_port`` drips at every port (a ClientHello; to the API an HTTP head; to the control
     port also a first message after TLS): when each was cut, in seconds after it opened."""
     cuts: dict[str, list[float]] = {}
     threads = []
     for name, address in ports(target).items():
-        kinds = ["http"] if name == "api" else ["hello", "message"] if name == "control" else ["hello"]
+        kinds = (
+            ["http"] if name == "api" else ["hello", "message"] if name == "control" else ["hello"]
+        )
         for kind in kinds:
             key = f"{name}:{kind}"
             cuts[key] = []
             for _ in range(per_port):
-                thread = threading.Thread(target=_drip_one, args=(address, kind, duration_s, cuts[key]), daemon=True)
+                thread = threading.Thread(
+                    target=_drip_one, args=(address, kind, duration_s, cuts[key]), daemon=True
+                )
                 thread.start()
                 threads.append(thread)
     for thread in threads:
         thread.join(duration_s + 15)
     limit = HANDSHAKE_DEADLINE_S + 3
-    summary = {key: {"cut": len(after), "latest_cut_s": round(max(after), 1) if after else None} for key, after in cuts.items()}
-    ours = [key for key in cuts if key.split(":")[0] in ("control", "comm") or ":data:" in key]  # the mesh's own accept loops
+    summary = {
+        key: {"cut": len(after), "latest_cut_s": round(max(after), 1) if after else None}
+        for key, after in cuts.items()
+    }
+    ours = [
+        key for key in cuts if key.split(":")[0] in ("control", "comm") or ":data:" in key
+    ]  # the mesh's own accept loops
     in_time = all(len(cuts[k]) == per_port and max(cuts[k]) < limit for k in ours)
-    return {"connections_per_port": per_port, "cut": summary, "deadline_s": HANDSHAKE_DEADLINE_S,
-            "refused": in_time, "checked": ours,
-            "not_cut_within_the_attack": [k for k, after in cuts.items() if len(after) < per_port]}  # fmt: skip
+    return {
+        "connections_per_port": per_port,
+        "cut": summary,
+        "deadline_s": HANDSHAKE_DEADLINE_S,
+        "refused": in_time,
+        "checked": ours,
+        "not_cut_within_the_attack": [k for k, after in cuts.items() if len(after) < per_port],
+    }
 
 
 def _drip_one(address: Address, kind: str, duration_s: float, cut: list[float]) -> None:
@@ -138,7 +166,9 @@ def _drip_one(address: Address, kind: str, duration_s: float, cut: list[float]) 
     try:
         send: Any = sock.sendall
         data = HTTP_HEAD if kind == "http" else _client_hello()
-        if kind == "message":  # TLS done (no certificate, as a joining node), then its first message dripped
+        if (
+            kind == "message"
+        ):  # TLS done (no certificate, as a joining node), then its first message dripped
             channel = TlsSocket.handshake(sock, enrolling_context(), False, 5)
             send, data = channel.sendall, encode_message(Ping(nonce=1, pad="x" * 200))
         _drip(sock, data, send, opened, duration_s, cut)
@@ -148,7 +178,9 @@ def _drip_one(address: Address, kind: str, duration_s: float, cut: list[float]) 
         sock.close()
 
 
-def _drip(sock: socket.socket, data: bytes, send: Any, opened: float, duration_s: float, cut: list[float]) -> None:
+def _drip(
+    sock: socket.socket, data: bytes, send: Any, opened: float, duration_s: float, cut: list[float]
+) -> None:
     """Send ``data`` a byte a second until the listener closes ``sock`` (recording when) or
     ``duration_s`` has passed."""
     for byte in data:

@@ -30,8 +30,12 @@ class Watcher:
     """Polls /api/status every half second from the attack's start: when ``found`` first held
     (``detected_at``) and whether ``seen`` ever did (the liar planned, say)."""
 
-    def __init__(self, mesh: LiveMesh, found: Callable[[dict[str, Any]], bool],
-                 seen: Callable[[dict[str, Any]], bool] = lambda s: False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        mesh: LiveMesh,
+        found: Callable[[dict[str, Any]], bool],
+        seen: Callable[[dict[str, Any]], bool] = lambda s: False,
+    ) -> None:
         self.mesh, self.found, self.seen = mesh, found, seen
         self.detected_at: float | None = None
         self.was_seen = False
@@ -77,8 +81,9 @@ class Session:
 
     def __post_init__(self) -> None:
         self.load = Clients(self.mesh.server.url, CLIENTS, TOKENS)
-        self.load.api = openai.OpenAI(base_url=self.mesh.server.url, api_key="none", max_retries=0,
-                                      timeout=CLIENT_TIMEOUT_S)  # fmt: skip
+        self.load.api = openai.OpenAI(
+            base_url=self.mesh.server.url, api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S
+        )
 
     def start(self) -> None:
         """Start the load; the calm phase lasts until every client has a whole answer."""
@@ -92,8 +97,13 @@ class Session:
             time.sleep(0.5)
         self.calm = (since, time.monotonic())
 
-    def attack(self, name: str, run: Callable[[], tuple[float, float, dict[str, Any]]],
-               watcher: Watcher | None = None, lying: bool = False) -> None:  # fmt: skip
+    def attack(
+        self,
+        name: str,
+        run: Callable[[], tuple[float, float, dict[str, Any]]],
+        watcher: Watcher | None = None,
+        lying: bool = False,
+    ) -> None:
         """Run one attack (``run`` gives its start, its end and what it saw), then watch ``after_s``."""
         honest = self.mesh.honest()
         gone_before = {n for n, p in honest.items() if p.poll() is not None}
@@ -104,11 +114,18 @@ class Session:
         time.sleep(max(0.0, end + self.after_s - time.monotonic()))
         if watcher is not None:
             watcher.stop()
-        exited = sorted(n for n, p in honest.items() if p.poll() is not None and n not in gone_before)
+        exited = sorted(
+            n for n, p in honest.items() if p.poll() is not None and n not in gone_before
+        )
         facts["coordinator_rss_growth_mb"] = round(_rss(honest["coordinator"].pid) - rss, 1)
         detected = watcher.detected_at if watcher is not None else None
-        self.attacked[name] = Attacked(AttackWindow(start, end + self.after_s), facts, exited,
-                                       None if detected is None else round(detected - start, 2), lying)  # fmt: skip
+        self.attacked[name] = Attacked(
+            AttackWindow(start, end + self.after_s),
+            facts,
+            exited,
+            None if detected is None else round(detected - start, 2),
+            lying,
+        )
 
     def finish(self) -> tuple[dict[str, dict[str, Any]], list[tuple[str, ClientAnswer, str]]]:
         """Stop the load; each attack's figures, and the answers that differ from their calm one
@@ -118,10 +135,16 @@ class Session:
         out, differ = {}, []
         for name, record in self.attacked.items():
             figures, changed = window_metrics(self.load.answers, record.window, calm)
-            out[name] = {**figures, "wrong_answers": len(changed), "processes_exited": len(record.exited),
-                         "exited": record.exited, **({"detected_s": record.detected_s} if record.lying else {}),
-                         "attack": record.facts, "calm_answers_unstable": unstable,
-                         "attack_s": round(record.window.end - record.window.start - self.after_s, 1)}  # fmt: skip
+            out[name] = {
+                **figures,
+                "wrong_answers": len(changed),
+                "processes_exited": len(record.exited),
+                "exited": record.exited,
+                **({"detected_s": record.detected_s} if record.lying else {}),
+                "attack": record.facts,
+                "calm_answers_unstable": unstable,
+                "attack_s": round(record.window.end - record.window.start - self.after_s, 1),
+            }
             differ += [(name, a, calm[a.client]) for a in changed]
         return out, differ
 

@@ -33,7 +33,9 @@ ATTACKS: dict[str, Callable[[dict[str, Any], float], dict[str, Any]]] = {
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.WARNING, format="%(asctime)s %(name)s %(message)s"
+    )
     name, target = argv[0], json.loads(argv[1])
     if name == "liar":
         from seamline_bench.attack_liar import Liar

@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 import torch
 
+from seamline.errors import SeamlineError
 from seamline_bench.attack_mesh import (
     HONEST_NOFILE,
     LiveMesh,
@@ -42,13 +43,23 @@ from seamline_bench.attack_session import (
 from seamline_bench.chaos import ClientAnswer, _request
 from seamline_bench.driver import Driver
 from seamline_bench.near_tie import TieJudge
-from seamline.errors import SeamlineError
 
-SHARED = ("oversize_logit_bias", "oversize_schema", "admin_body", "fd_exhaustion", "dripped_handshake",
-          "forged_pongs", "oversize_member_frames", "removed_member", "fake_ready")  # fmt: skip
+SHARED = (
+    "oversize_logit_bias",
+    "oversize_schema",
+    "admin_body",
+    "fd_exhaustion",
+    "dripped_handshake",
+    "forged_pongs",
+    "oversize_member_frames",
+    "removed_member",
+    "fake_ready",
+)
 OWN_MESH = ("stalled_reader", "forged_tokens", "forged_reports", "perturbed_hidden")
 PLACES = {  # where a liar's attack needs it: (its stage, of how many)
-    "stalled_reader": lambda at, n: at == 0,  # its control link carries every request's Open and prompt
+    "stalled_reader": lambda at, n: (
+        at == 0
+    ),  # its control link carries every request's Open and prompt
     "forged_tokens": lambda at, n: at < n - 1,  # not the stage that draws the tokens
     "forged_reports": lambda at, n: 0 < at < n - 1,  # not one that may end a request
     "perturbed_hidden": lambda at, n: True,
@@ -59,8 +70,9 @@ LIAR_WITHIN_S = 30.0  # a liar has this long to be found before its attack ends 
 CONTEXT = 2048
 
 
-def bench_attacks(duration_s: float = DURATION_S, after_s: float = AFTER_S,
-                  attacks: tuple[str, ...] = ATTACKS) -> dict[str, Any]:  # fmt: skip
+def bench_attacks(
+    duration_s: float = DURATION_S, after_s: float = AFTER_S, attacks: tuple[str, ...] = ATTACKS
+) -> dict[str, Any]:
     unknown = set(attacks) - set(ATTACKS)
     if unknown:
         raise ValueError(f"unknown attacks {sorted(unknown)}: the attacks are {', '.join(ATTACKS)}")
@@ -85,23 +97,39 @@ def bench_attacks(duration_s: float = DURATION_S, after_s: float = AFTER_S,
 def _targets_met(figures: dict[str, Any]) -> bool:
     """No honest process exited, no request lost or answered wrongly, the mesh down 10 s at most,
     and a lying member found within ``LIAR_WITHIN_S``."""
-    found = "detected_s" not in figures or (figures["detected_s"] is not None and figures["detected_s"] <= LIAR_WITHIN_S)
-    return (figures["processes_exited"] == 0 and figures["requests_lost"] == 0 and figures["wrong_answers"] == 0
-            and figures["mesh_down_s"] <= 10 and found)  # fmt: skip
+    found = "detected_s" not in figures or (
+        figures["detected_s"] is not None and figures["detected_s"] <= LIAR_WITHIN_S
+    )
+    return (
+        figures["processes_exited"] == 0
+        and figures["requests_lost"] == 0
+        and figures["wrong_answers"] == 0
+        and figures["mesh_down_s"] <= 10
+        and found
+    )
 
 
 def setup(duration_s: float = DURATION_S, after_s: float = AFTER_S) -> dict[str, Any]:
     """How the attacks were run (``bench fuzz``'s ``attacks_setup``)."""
-    return {"attack_s": duration_s, "watched_after_s": after_s, "liar_found_within_s": LIAR_WITHIN_S,
-            "legitimate_clients": CLIENTS, "tokens_per_request": TOKENS, "client_timeout_s": CLIENT_TIMEOUT_S,
-            "honest_descriptor_limit": HONEST_NOFILE,
-            "meshes": {"shared (3 honest nodes, any two hold the model)": list(SHARED),
-                       "own (2 honest nodes and the liar)": list(OWN_MESH)},
-            "model": "SmolLM2-135M-Instruct.Q4_1 (float32)"}  # fmt: skip
+    return {
+        "attack_s": duration_s,
+        "watched_after_s": after_s,
+        "liar_found_within_s": LIAR_WITHIN_S,
+        "legitimate_clients": CLIENTS,
+        "tokens_per_request": TOKENS,
+        "client_timeout_s": CLIENT_TIMEOUT_S,
+        "honest_descriptor_limit": HONEST_NOFILE,
+        "meshes": {
+            "shared (3 honest nodes, any two hold the model)": list(SHARED),
+            "own (2 honest nodes and the liar)": list(OWN_MESH),
+        },
+        "model": "SmolLM2-135M-Instruct.Q4_1 (float32)",
+    }
 
 
-def _on_shared_mesh(names: list[str], duration_s: float, after_s: float,
-                    work: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[str, ClientAnswer, str]]]:  # fmt: skip
+def _on_shared_mesh(
+    names: list[str], duration_s: float, after_s: float, work: Path
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, ClientAnswer, str]]]:
     comm_tls = _comm_certificates(work / "comm-tls")
     mesh = start("shared", work, comm_tls=comm_tls)
     try:
@@ -110,7 +138,12 @@ def _on_shared_mesh(names: list[str], duration_s: float, after_s: float,
         session.start()
         for name in names:
             if name == "fake_ready":
-                session.attack(name, lambda: _fake_ready(mesh, work, duration_s), _expelled(mesh, "shared-liar"), True)
+                session.attack(
+                    name,
+                    lambda: _fake_ready(mesh, work, duration_s),
+                    _expelled(mesh, "shared-liar"),
+                    True,
+                )
             elif name == "removed_member":
                 session.attack(name, lambda: _removed_member(mesh, duration_s))
             else:
@@ -160,8 +193,15 @@ def _look_on(mesh: LiveMesh, name: str, seen: dict[str, Any]) -> None:
     began = time.monotonic()
     addresses = [("127.0.0.1", 9), ("127.0.0.1", mesh.comm_port)]
     try:
-        comm = TcpComm.connect(0, 2, addresses, 10.0, "fuzz", connect_timeout_s=30.0,
-                               tls=group_tls_from_folder(mesh.comm_tls, 0, 2))  # fmt: skip
+        comm = TcpComm.connect(
+            0,
+            2,
+            addresses,
+            10.0,
+            "fuzz",
+            connect_timeout_s=30.0,
+            tls=group_tls_from_folder(mesh.comm_tls, 0, 2),
+        )
         total = comm.all_reduce(torch.ones(8), GateTag(0, 0, 0))
         comm.close()
         seen["comm_group_formed_s"] = round(time.monotonic() - began, 2)
@@ -174,12 +214,22 @@ def _pongs_refused(mesh: LiveMesh, node_id: str) -> dict[str, Any]:
     """Whether the coordinator refused the forged pongs and link reports, by its log and its plan's links."""
     log = (mesh.logs / f"{mesh.name}.log").read_text(errors="replace")
     pongs = log.count(f"refused node {node_id}'s pong")
-    reports = log.count(f"ignored node {node_id}'s link report") + log.count(f"link to node {node_id}: a ")
+    reports = log.count(f"ignored node {node_id}'s link report") + log.count(
+        f"link to node {node_id}: a "
+    )
     status = mesh.status()
-    taken = [link for link in status.get("links", []) if node_id in link.get("nodes", ())
-             and ((link.get("rtt_ms") or 0) < 0 or (link.get("bandwidth_mb_s") or 0) > 1e5)]  # fmt: skip
-    return {"pongs_refused": pongs, "link_reports_refused": reports, "forged_links_taken": len(taken),
-            "refused": pongs > 0 and reports > 0 and not taken}  # fmt: skip
+    taken = [
+        link
+        for link in status.get("links", [])
+        if node_id in link.get("nodes", ())
+        and ((link.get("rtt_ms") or 0) < 0 or (link.get("bandwidth_mb_s") or 0) > 1e5)
+    ]
+    return {
+        "pongs_refused": pongs,
+        "link_reports_refused": reports,
+        "forged_links_taken": len(taken),
+        "refused": pongs > 0 and reports > 0 and not taken,
+    }
 
 
 def _removed_member(mesh: LiveMesh, duration_s: float) -> tuple[float, float, dict[str, Any]]:
@@ -198,59 +248,95 @@ def _removed_member(mesh: LiveMesh, duration_s: float) -> tuple[float, float, di
 
 def _liar_target(mesh: LiveMesh, work: Path, mode: str, node_id: str) -> dict[str, Any]:
     """A liar's: an invite of its own (another for a forger outside the route), its node's options."""
-    return {**mesh.target(0.0), "invite": wait_until(lambda: _invite(mesh), 30), "mode": mode, "node_id": node_id,
-            "max_memory_bytes": node_cap_bytes(), "cache_dir": str(work / f"cache-{node_id}"),
-            "outsider_invite": wait_until(lambda: _invite(mesh), 30)}  # fmt: skip
+    return {
+        **mesh.target(0.0),
+        "invite": wait_until(lambda: _invite(mesh), 30),
+        "mode": mode,
+        "node_id": node_id,
+        "max_memory_bytes": node_cap_bytes(),
+        "cache_dir": str(work / f"cache-{node_id}"),
+        "outsider_invite": wait_until(lambda: _invite(mesh), 30),
+    }
 
 
 def _expelled(mesh: LiveMesh, liar: str) -> Watcher:
-    return Watcher(mesh, lambda s: liar in s.get("verification", {}).get("expelled", []),
-                   lambda s: any(liar in stage.get("ranks", ()) for stage in s.get("stages", [])))  # fmt: skip
+    return Watcher(
+        mesh,
+        lambda s: liar in s.get("verification", {}).get("expelled", []),
+        lambda s: any(liar in stage.get("ranks", ()) for stage in s.get("stages", [])),
+    )
 
 
-def _fake_ready(mesh: LiveMesh, work: Path, duration_s: float) -> tuple[float, float, dict[str, Any]]:
+def _fake_ready(
+    mesh: LiveMesh, work: Path, duration_s: float
+) -> tuple[float, float, dict[str, Any]]:
     """A liar that loads nothing joins the serving mesh; it lies until it is removed, or for
     ``LIAR_WITHIN_S`` at most."""
     launched = time.monotonic()
     driver = attacker("liar", _liar_target(mesh, work, "fake_ready", "shared-liar"), mesh.logs)
     started = float(driver.wait_ready()["joined"])  # the attack begins as it is a member
-    wait_until(lambda: "shared-liar" in mesh.status().get("verification", {}).get("expelled", []),
-               max(duration_s, LIAR_WITHIN_S))  # fmt: skip
+    wait_until(
+        lambda: "shared-liar" in mesh.status().get("verification", {}).get("expelled", []),
+        max(duration_s, LIAR_WITHIN_S),
+    )
     ended = time.monotonic()
     line = driver.ask("quit")
     driver.proc.wait(30)
-    return started, ended, {**line.get("result", {}), "launched_to_joined_s": round(started - launched, 2)}
+    return (
+        started,
+        ended,
+        {**line.get("result", {}), "launched_to_joined_s": round(started - launched, 2)},
+    )
 
 
-def _on_own_mesh(name: str, duration_s: float, after_s: float,
-                 work: Path) -> tuple[dict[str, dict[str, Any]], list[tuple[str, ClientAnswer, str]]]:  # fmt: skip
+def _on_own_mesh(
+    name: str, duration_s: float, after_s: float, work: Path
+) -> tuple[dict[str, dict[str, Any]], list[tuple[str, ClientAnswer, str]]]:
     """A fresh mesh of two honest nodes and the liar, in the place its attack needs."""
     mesh, driver, liar, stages = _mesh_with_liar(name, work)
     try:
         session = Session(mesh, after_s)
         session.start()
-        watcher = {"perturbed_hidden": _expelled, "stalled_reader": _lost,
-                   "forged_reports": _refused_or_lost}.get(name, _refused)(mesh, liar)  # fmt: skip
-        session.attack(name, lambda: _armed(driver, mesh, liar, name, duration_s), watcher, lying=True)
+        watcher = {
+            "perturbed_hidden": _expelled,
+            "stalled_reader": _lost,
+            "forged_reports": _refused_or_lost,
+        }.get(name, _refused)(mesh, liar)
+        session.attack(
+            name, lambda: _armed(driver, mesh, liar, name, duration_s), watcher, lying=True
+        )
         quit_line = driver.ask("quit")
         figures, changed = session.finish()
-        figures[name]["attack"].update(liar=liar, liar_stage=stages.index(liar) if liar in stages else None,
-                                       stages=stages, liar_saw=quit_line.get("result", {}))  # fmt: skip
+        figures[name]["attack"].update(
+            liar=liar,
+            liar_stage=stages.index(liar) if liar in stages else None,
+            stages=stages,
+            liar_saw=quit_line.get("result", {}),
+        )
         return figures, changed
     finally:
         driver.close()
         mesh.close()
 
 
-def _mesh_with_liar(name: str, work: Path, tries: int = 6) -> tuple[LiveMesh, Driver, str, list[str]]:
+def _mesh_with_liar(
+    name: str, work: Path, tries: int = 6
+) -> tuple[LiveMesh, Driver, str, list[str]]:
     """The mesh, the liar's process, its id and the stages' nodes in order. The planner places
     nodes of like speed as the links it measured happen to favour: a mesh whose liar is not
     where its attack needs it (``PLACES``) is started again, ``tries`` times at most."""
     mesh_name = name.split("_")[1][:7]
-    liar = f"{mesh_name}-liar" if name == "stalled_reader" else f"{mesh_name}0-liar"  # like speeds: planned in id order
+    liar = (
+        f"{mesh_name}-liar" if name == "stalled_reader" else f"{mesh_name}0-liar"
+    )  # like speeds: planned in id order
     for attempt in range(tries):
-        mesh = start(mesh_name, work / f"{name}-{attempt}", honest_nodes=2, nodes_expected=3,
-                     verify_fraction=1.0 if name == "perturbed_hidden" else 0.0)  # fmt: skip
+        mesh = start(
+            mesh_name,
+            work / f"{name}-{attempt}",
+            honest_nodes=2,
+            nodes_expected=3,
+            verify_fraction=1.0 if name == "perturbed_hidden" else 0.0,
+        )
         driver = attacker("liar", _liar_target(mesh, work, name, liar), mesh.logs)
         driver.wait_ready()
         mesh.server.wait_healthy(600)
@@ -269,28 +355,44 @@ def _refused(mesh: LiveMesh, liar: str) -> Watcher:
 def _refused_or_lost(mesh: LiveMesh, liar: str) -> Watcher:
     """A member's report of its own failure is believed of itself alone: it is taken for lost
     (it may rejoin before the next poll: then it is seen out of the route the mesh serves on)."""
-    return Watcher(mesh, lambda s: s.get("refused_from_members", {}).get(liar, 0) > 0
-                   or (bool(s.get("nodes")) and liar not in {n["node_id"] for n in s["nodes"]})
-                   or (bool(s.get("ready")) and liar not in {r for st in s.get("stages", []) for r in st["ranks"]}))  # fmt: skip
+    return Watcher(
+        mesh,
+        lambda s: (
+            s.get("refused_from_members", {}).get(liar, 0) > 0
+            or (bool(s.get("nodes")) and liar not in {n["node_id"] for n in s["nodes"]})
+            or (
+                bool(s.get("ready"))
+                and liar not in {r for st in s.get("stages", []) for r in st["ranks"]}
+            )
+        ),
+    )
 
 
 def _lost(mesh: LiveMesh, liar: str) -> Watcher:
-    return Watcher(mesh, lambda s: bool(s.get("nodes")) and liar not in {n["node_id"] for n in s["nodes"]})
+    return Watcher(
+        mesh, lambda s: bool(s.get("nodes")) and liar not in {n["node_id"] for n in s["nodes"]}
+    )
 
 
-def _armed(driver: Any, mesh: LiveMesh, liar: str, name: str, duration_s: float) -> tuple[float, float, dict[str, Any]]:
+def _armed(
+    driver: Any, mesh: LiveMesh, liar: str, name: str, duration_s: float
+) -> tuple[float, float, dict[str, Any]]:
     """Arm the liar; the attack lasts ``duration_s`` (a liar that must be removed lies until it
     is, or ``LIAR_WITHIN_S`` at most)."""
     started = float(driver.ask("arm")["armed"])
     if name == "perturbed_hidden":
-        wait_until(lambda: liar in mesh.status().get("verification", {}).get("expelled", []),
-                   max(duration_s, LIAR_WITHIN_S))  # fmt: skip
+        wait_until(
+            lambda: liar in mesh.status().get("verification", {}).get("expelled", []),
+            max(duration_s, LIAR_WITHIN_S),
+        )
     else:
         time.sleep(duration_s)
     return started, time.monotonic(), {}
 
 
-def _tell_near_ties(results: dict[str, dict[str, Any]], differ: list[tuple[str, ClientAnswer, str]]) -> None:
+def _tell_near_ties(
+    results: dict[str, dict[str, Any]], differ: list[tuple[str, ClientAnswer, str]]
+) -> None:
     """Answers that first differ from their calm one at a near tie are counted apart."""
     if not differ:
         for figures in results.values():

@@ -33,20 +33,24 @@ from typing import Any
 import httpx
 import openai
 
+from seamline.server.demo import memory_cap_gb
 from seamline_bench.near_tie import TieJudge
 from seamline_bench.servers import NodeSpec, Server, start_mesh
-from seamline.server.demo import memory_cap_gb
 
 CONTEXT = 2048
 NODES = 3
 RESTART_AFTER_S = 5.0
 CALM_S = 30.0
 PROMPTS = [
-    "Name three rivers in Europe and one fact about each.", "Write a haiku about the sea.",
-    "Explain photosynthesis to a child.", "List five uses of a paperclip.",
-    "What is the capital of France and why is it famous?", "Tell me a short story about a fox.",
-    "Describe a sunrise over the mountains.", "Give three tips for learning to cook.",
-]  # fmt: skip
+    "Name three rivers in Europe and one fact about each.",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis to a child.",
+    "List five uses of a paperclip.",
+    "What is the capital of France and why is it famous?",
+    "Tell me a short story about a fox.",
+    "Describe a sunrise over the mountains.",
+    "Give three tips for learning to cook.",
+]
 
 
 @dataclass
@@ -61,7 +65,9 @@ class ClientAnswer:
 
 def _request(client: int) -> dict[str, Any]:
     """Client i's request: greedy for even i, seeded at temperature 0.8 for odd."""
-    sampling: dict[str, Any] = {"temperature": 0} if client % 2 == 0 else {"temperature": 0.8, "seed": 100 + client}
+    sampling: dict[str, Any] = (
+        {"temperature": 0} if client % 2 == 0 else {"temperature": 0.8, "seed": 100 + client}
+    )
     return {"messages": [{"role": "user", "content": PROMPTS[client]}], **sampling}
 
 
@@ -74,7 +80,9 @@ class Clients:
         self.answers: list[ClientAnswer] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(count)]
+        self._threads = [
+            threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(count)
+        ]
 
     def start(self) -> None:
         for thread in self._threads:
@@ -89,8 +97,9 @@ class Clients:
         while not self._stop.is_set():
             answer = ClientAnswer(client, time.monotonic())
             try:
-                stream = self.api.chat.completions.create(model="default", max_tokens=self.tokens, stream=True,
-                                                          **_request(client))  # fmt: skip
+                stream = self.api.chat.completions.create(
+                    model="default", max_tokens=self.tokens, stream=True, **_request(client)
+                )
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
                         answer.text += chunk.choices[0].delta.content
@@ -108,7 +117,11 @@ class Clients:
 
 def _described(exc: openai.APIError, tokens: int) -> str:
     """The error, with what lay under a connection error and how far the stream had come."""
-    cause = f" ({exc.__cause__!r})" if isinstance(exc, openai.APIConnectionError) and exc.__cause__ else ""
+    cause = (
+        f" ({exc.__cause__!r})"
+        if isinstance(exc, openai.APIConnectionError) and exc.__cause__
+        else ""
+    )
     return f"{exc}{cause}" + (f" after {tokens} tokens" if tokens else "")
 
 
@@ -116,8 +129,16 @@ def bench_chaos(rounds: int = 20, clients: int = 8, tokens: int = 48) -> dict[st
     logs = Path(tempfile.mkdtemp(prefix="seamline-chaos-"))
     env = dict(os.environ)
     cap = memory_cap_gb(None, 2, CONTEXT)
-    server = start_mesh("chaos", [NodeSpec("0,1", 1) for _ in range(NODES)], NodeSpec("0,1", 1), "127.0.0.1", env,
-                        logs, cap, precision="exact")  # fmt: skip  (answers are compared)
+    server = start_mesh(
+        "chaos",
+        [NodeSpec("0,1", 1) for _ in range(NODES)],
+        NodeSpec("0,1", 1),
+        "127.0.0.1",
+        env,
+        logs,
+        cap,
+        precision="exact",
+    )  # answers are compared
     try:
         server.wait_healthy()
         load = Clients(server.url, clients, tokens)
@@ -149,9 +170,13 @@ def _round(server: Server, env: dict[str, str], logs: Path, index: int) -> dict[
     proc.kill()  # a stopped node is killed now: the mesh has taken it for lost
     proc.wait()
     node_env = {**env, "SEAMLINE_CACHE": str(logs / f"cache-chaos{number}")}
-    server.procs[1 + number] = subprocess.Popen(list(proc.args), env=node_env,  # type: ignore[arg-type]
-                                                stdout=(logs / f"chaos-node{number}.log").open("a"),
-                                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    server.procs[1 + number] = subprocess.Popen(
+        list(proc.args),
+        env=node_env,  # type: ignore[arg-type]
+        stdout=(logs / f"chaos-node{number}.log").open("a"),
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         status = mesh_status(server)
@@ -174,7 +199,9 @@ def _recoveries(answers: list[ClientAnswer], failures: list[dict[str, Any]]) -> 
     for failure in failures:
         at = failure["at"]
         for answer in answers:
-            if answer.began < at and (answer.ended > at and answer.token_times and answer.token_times[-1] > at):
+            if answer.began < at and (
+                answer.ended > at and answer.token_times and answer.token_times[-1] > at
+            ):
                 out.append(next(t for t in answer.token_times if t > at) - at)
     return out
 
@@ -188,7 +215,11 @@ def stream_rate(answers: list[ClientAnswer], since: float, until: float) -> floa
 def _near_ties(differ: list[ClientAnswer], reference: dict[int, str]) -> list[ClientAnswer]:
     """The answers that first differ from their calm one at a near-tie."""
     judge = TieJudge(CONTEXT)
-    return [a for a in differ if judge.near_tie(_request(a.client)["messages"], reference[a.client], a.text)]
+    return [
+        a
+        for a in differ
+        if judge.near_tie(_request(a.client)["messages"], reference[a.client], a.text)
+    ]
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -198,13 +229,24 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(ordered[min(len(ordered) - 1, int(q * len(ordered)))], 3)
 
 
-def _result(load: Clients, calm_from: float, calm_to: float, chaos_to: float, failures: list[dict[str, Any]],
-            rounds: int, logs: Path) -> dict[str, Any]:  # fmt: skip
+def _result(
+    load: Clients,
+    calm_from: float,
+    calm_to: float,
+    chaos_to: float,
+    failures: list[dict[str, Any]],
+    rounds: int,
+    logs: Path,
+) -> dict[str, Any]:
     calm = [a for a in load.answers if calm_from <= a.began and a.ended <= calm_to and not a.error]
     reference = {a.client: a.text for a in calm}
-    chaos = [a for a in load.answers if a.began >= calm_to or (a.ended > calm_to and a.began < calm_to)]
+    chaos = [
+        a for a in load.answers if a.began >= calm_to or (a.ended > calm_to and a.began < calm_to)
+    ]
     lost = [a for a in chaos if a.error]
-    differ = [a for a in chaos if not a.error and a.client in reference and a.text != reference[a.client]]
+    differ = [
+        a for a in chaos if not a.error and a.client in reference and a.text != reference[a.client]
+    ]
     ties = _near_ties(differ, reference) if differ else []
     changed = [a for a in differ if a not in ties]
     unstable = [c for c in range(load.count) if len({a.text for a in calm if a.client == c}) > 1]
@@ -229,8 +271,12 @@ def _result(load: Clients, calm_from: float, calm_to: float, chaos_to: float, fa
         "calm_answers_unstable": unstable,  # a request whose calm answers differ among themselves
         "failures": [{"node": f["node"], "how": f["how"]} for f in failures],
         "lost_errors": sorted({a.error[:200] for a in lost})[:5],
-        "changed_examples": [{"client": a.client, "got": a.text[:120], "calm": reference[a.client][:120]}
-                             for a in changed[:3]],  # fmt: skip
+        "changed_examples": [
+            {"client": a.client, "got": a.text[:120], "calm": reference[a.client][:120]}
+            for a in changed[:3]
+        ],
         "logs": str(logs),
-        "median_request_s": round(statistics.median(a.ended - a.began for a in chaos), 2) if chaos else None,
+        "median_request_s": round(statistics.median(a.ended - a.began for a in chaos), 2)
+        if chaos
+        else None,
     }

@@ -29,9 +29,17 @@ from seamline_bench.conformance_figures import file_figures
 from seamline_bench.llama_server import LlamaBuild
 
 FAMILIES = (
-    "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gemma3",
-    "gpt_oss", "glm4_moe",
-)  # fmt: skip
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gemma3",
+    "gpt_oss",
+    "glm4_moe",
+)
 PRECISION = {"f32": "exact", "q8_0": "fast", "q4_k_m": "fast"}  # file format -> seamline's
 SKIPPED = "needs a seamline checkout (tests/support/converter.py)"
 THREADS = 2

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 
-from seamline_bench.conformance_compare import Answer, Top
 from seamline.net.link import free_port
+from seamline_bench.conformance_compare import Answer, Top
 
 EXACT_KV = ("-ctk", "f32", "-ctv", "f32")  # the f32 KV cache that --precision exact is held to
 
@@ -22,10 +22,24 @@ class LlamaReference:
     def __init__(self, binary: Path, gguf: Path, exact: bool, threads: int, log: Path) -> None:
         self.port = free_port()
         command = [
-            str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-            "-t", str(threads), "-tb", str(threads), "--parallel", "1", "-c", "2048",
-            "--no-webui", *(EXACT_KV if exact else ()),
-        ]  # fmt: skip
+            str(binary),
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "-t",
+            str(threads),
+            "-tb",
+            str(threads),
+            "--parallel",
+            "1",
+            "-c",
+            "2048",
+            "--no-webui",
+            *(EXACT_KV if exact else ()),
+        ]
         self.log = log.open("a")
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, text=True)
         self.url = f"http://127.0.0.1:{self.port}"
@@ -53,9 +67,14 @@ class LlamaReference:
 
     def greedy(self, text: str, tokens: int, top: int = 5) -> Answer:
         body: dict[str, Any] = {
-            "prompt": text, "n_predict": tokens, "temperature": 0, "n_probs": top,
-            "cache_prompt": False, "return_tokens": True, "seed": 0,
-        }  # fmt: skip
+            "prompt": text,
+            "n_predict": tokens,
+            "temperature": 0,
+            "n_probs": top,
+            "cache_prompt": False,
+            "return_tokens": True,
+            "seed": 0,
+        }
         reply = self._post("/completion", body)
         chosen = [int(t) for t in reply["tokens"]]
         return Answer(chosen, _aligned(chosen, reply.get("completion_probabilities", [])))

@@ -9,13 +9,25 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from seamline_bench.references import llama_cpp_source
 from seamline.errors import SeamlineError
+from seamline_bench.references import llama_cpp_source
 
 VOCABS = (
-    "llama-spm", "llama-bpe", "qwen2", "qwen35", "deepseek-llm", "deepseek-coder", "gpt-2",
-    "phi-3", "gemma-4", "falcon", "starcoder", "refact", "command-r", "mpt",
-)  # fmt: skip
+    "llama-spm",
+    "llama-bpe",
+    "qwen2",
+    "qwen35",
+    "deepseek-llm",
+    "deepseek-coder",
+    "gpt-2",
+    "phi-3",
+    "gemma-4",
+    "falcon",
+    "starcoder",
+    "refact",
+    "command-r",
+    "mpt",
+)
 SEPARATOR = "\n__ggml_vocab_test__\n"
 
 

@@ -14,13 +14,20 @@ from typing import IO, Any
 
 
 class Driver:
-    def __init__(self, module: str, args: list[str], prefix: list[str] | None = None,
-                 stderr: IO[str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        prefix: list[str] | None = None,
+        stderr: IO[str] | None = None,
+    ) -> None:
         """Start ``python -m module *args`` (behind ``prefix``, e.g. ``ip netns exec NS``);
         it gets ready in the background until ``wait_ready``. ``stderr``: where its log goes."""
         self.module = module
         cmd = [*(prefix or []), sys.executable, "-m", module, *args]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        self.proc = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True
+        )
         self.ready: dict[str, Any] | None = None
 
     def _line(self) -> dict[str, Any]:

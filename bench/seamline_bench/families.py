@@ -32,12 +32,20 @@ from typing import Any
 import torch
 
 from seamline.app import LocalModel
-from seamline_bench.driver import median
-from seamline_bench.family_models import SHAPES, VOCAB, family_path, file_types, shape_summary
-from seamline_bench.split import LAN_DELAY_MS, LAN_RATE, lan_down, lan_driver, lan_up, one_core, pinned_driver
-from seamline_bench.split_driver import fixed_prompt
 from seamline.config import ModelConfig
 from seamline.params import SamplingParams
+from seamline_bench.driver import median
+from seamline_bench.family_models import SHAPES, VOCAB, family_path, file_types, shape_summary
+from seamline_bench.split import (
+    LAN_DELAY_MS,
+    LAN_RATE,
+    lan_down,
+    lan_driver,
+    lan_up,
+    one_core,
+    pinned_driver,
+)
+from seamline_bench.split_driver import fixed_prompt
 
 FAMILIES = tuple(SHAPES)
 PROMPT_TOKENS = 16
@@ -51,17 +59,19 @@ MEMORY_BUDGET = 24 << 30  # this machine's, for the three copies of one model at
 TARGETS: dict[str, Any] = {"split_ratio_lan": 0.9, "kv_ratio_8k": "<= kv_target_8k"}
 ASSUMED = {
     "vocab_size": f"{VOCAB} (the embedded model's tokenizer), not the released 201088 / 262144 / 151552: "
-                  "the embedding and head rows are not the layer's shape",
+    "the embedding and head rows are not the layer's shape",
     "weights": "random, N(0, 0.02); norms at one",
     "gemma3_layers": "6, not 4: GGUF fixes Gemma 3's pattern at every 6th layer full, so 5 sliding and 1 full",
     "glm4_moe": "GLM-4.5-Air has no sliding window: its kv_ratio_8k is 1.0 by construction",
     "types": "llama.cpp's Q4_K_M mix (gpt-oss as released keeps its experts in MXFP4); a row that is not "
-             "whole 256-value blocks (widths 2880, 1152, 1408, 10944) falls back to Q5_0 or Q8_0: types.not_q4_k",
+    "whole 256-value blocks (widths 2880, 1152, 1408, 10944) falls back to Q5_0 or Q8_0: types.not_q4_k",
     "precision": f"exact, {DTYPE} activations, on both sides (the mesh driver's)",
-}  # fmt: skip
+}
 
 
-def bench_families(repeats: int = 3, families: tuple[str, ...] = FAMILIES, root: Path | None = None) -> dict[str, Any]:
+def bench_families(
+    repeats: int = 3, families: tuple[str, ...] = FAMILIES, root: Path | None = None
+) -> dict[str, Any]:
     """The JSON of `seamline bench families`; ``root``: where the checkpoints are cached."""
     lan_reason = _lan_up()
     try:
@@ -69,11 +79,20 @@ def bench_families(repeats: int = 3, families: tuple[str, ...] = FAMILIES, root:
     finally:
         lan_down()
     return {
-        "bench": "families", "prompt_tokens": PROMPT_TOKENS, "tokens": TOKENS, "repeats": repeats,
-        "dtype": DTYPE, "families": out, "targets": TARGETS, "targets_met": targets_met(out), "assumed": ASSUMED,
-        "lan_link": f"{LAN_DELAY_MS} ms one-way, {LAN_RATE}" if not lan_reason else f"not measured: {lan_reason}",
+        "bench": "families",
+        "prompt_tokens": PROMPT_TOKENS,
+        "tokens": TOKENS,
+        "repeats": repeats,
+        "dtype": DTYPE,
+        "families": out,
+        "targets": TARGETS,
+        "targets_met": targets_met(out),
+        "assumed": ASSUMED,
+        "lan_link": f"{LAN_DELAY_MS} ms one-way, {LAN_RATE}"
+        if not lan_reason
+        else f"not measured: {lan_reason}",
         "lan_reason": lan_reason,
-    }  # fmt: skip
+    }
 
 
 def _lan_up() -> str:
@@ -84,7 +103,9 @@ def _lan_up() -> str:
         return f"the namespaces could not be made: {exc}"
 
 
-def family_or_error(name: str, repeats: int, lan_reason: str, root: Path | None = None) -> dict[str, Any]:
+def family_or_error(
+    name: str, repeats: int, lan_reason: str, root: Path | None = None
+) -> dict[str, Any]:
     """One family's figures; where it could not be built or run, an ``error`` string beside
     what was measured before."""
     figures: dict[str, Any] = {"shape": shape_summary(SHAPES[name])}
@@ -141,10 +162,13 @@ def kv_figures(config: ModelConfig, tokens: int = KV_TOKENS) -> dict[str, Any]:
         "kv_ratio_8k": round(ratio, 4),
         "kv_target_8k": round(target, 4),
         "kv_ratio_met": ratio <= target,
-        "kv_bytes_per_token_8k": {"windowed": round(windowed / tokens, 1), "without_windows": round(plain / tokens, 1)},
+        "kv_bytes_per_token_8k": {
+            "windowed": round(windowed / tokens, 1),
+            "without_windows": round(plain / tokens, 1),
+        },
         "sliding_window": config.sliding_window,
         "sliding_layers": sorted(config.sliding_layers),
-    }  # fmt: skip
+    }
 
 
 def stage_cache_bytes(config: ModelConfig, tokens: int) -> int:
@@ -166,11 +190,15 @@ def kv_target(config: ModelConfig, tokens: int = KV_TOKENS) -> float:
     return (sliding * kept + (config.num_layers - sliding) * tokens) / (config.num_layers * tokens)
 
 
-def measure(path: Path, repeats: int, lan_reason: str) -> tuple[dict[str, list[dict[str, Any]]], list[Any]]:
+def measure(
+    path: Path, repeats: int, lan_reason: str
+) -> tuple[dict[str, list[dict[str, Any]]], list[Any]]:
     """The runs of each party (single, loopback, lan), alternating when all fit at once, and
     the mesh's stages (their layer ranges)."""
     if fits_together(path.stat().st_size):
-        return rounds(path, repeats, lan_reason, LocalModel.load(path, dtype=DTYPE, context=CONTEXT))
+        return rounds(
+            path, repeats, lan_reason, LocalModel.load(path, dtype=DTYPE, context=CONTEXT)
+        )
     singles = rounds_alone(LocalModel.load(path, dtype=DTYPE, context=CONTEXT), repeats)
     gc.collect()  # the single model's memory back before the meshes load theirs
     runs, stages = rounds(path, repeats, lan_reason, None)
@@ -184,8 +212,9 @@ def rounds_alone(model: LocalModel, repeats: int) -> list[dict[str, Any]]:
     return [request(model, prompt, TOKENS) for _ in range(repeats)]
 
 
-def rounds(path: Path, repeats: int, lan_reason: str,
-           model: LocalModel | None) -> tuple[dict[str, list[dict[str, Any]]], list[Any]]:  # fmt: skip
+def rounds(
+    path: Path, repeats: int, lan_reason: str, model: LocalModel | None
+) -> tuple[dict[str, list[dict[str, Any]]], list[Any]]:
     """The meshes' runs, one mesh alive at a time (an idle mesh's nodes, pinned to the same two
     cores, would take time from the measured one), each round after the single engine's when
     ``model`` is given."""
@@ -232,6 +261,8 @@ def targets_met(families: dict[str, dict[str, Any]]) -> dict[str, bool | None]:
     met: dict[str, bool | None] = {}
     for name, figures in families.items():
         ratio = figures.get("split_ratio_lan")
-        met[f"{name}.split_ratio_lan"] = None if ratio is None else bool(ratio >= TARGETS["split_ratio_lan"])
+        met[f"{name}.split_ratio_lan"] = (
+            None if ratio is None else bool(ratio >= TARGETS["split_ratio_lan"])
+        )
         met[f"{name}.kv_ratio_8k"] = figures.get("kv_ratio_met")
     return met

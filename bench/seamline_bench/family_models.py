@@ -23,44 +23,134 @@ PRESET = "Q4_K_M"
 CACHE_KEY = "v1"
 
 GPT_OSS: dict[str, Any] = {
-    "model_type": "gpt_oss", "vocab_size": VOCAB, "hidden_size": 2880, "intermediate_size": 2880,
-    "num_hidden_layers": 2, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64,
-    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128,
-    "layer_types": ["sliding_attention", "full_attention"], "attention_bias": True, "rms_norm_eps": 1e-5,
-    "max_position_embeddings": 131072, "tie_word_embeddings": False, "swiglu_limit": 7.0,
-    "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
-                        "beta_slow": 1.0, "original_max_position_embeddings": 4096, "truncate": False},
-    "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip  (gpt-oss-20b's layer: attention sinks, biases, 32 experts top-4)
+    "model_type": "gpt_oss",
+    "vocab_size": VOCAB,
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "attention_bias": True,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "swiglu_limit": 7.0,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096,
+        "truncate": False,
+    },
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}  # gpt-oss-20b's layer: attention sinks, biases, 32 experts top-4
 GEMMA3: dict[str, Any] = {
-    "model_type": "gemma3_text", "vocab_size": VOCAB, "hidden_size": 1152, "intermediate_size": 6912,
-    "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
-    "sliding_window": 512, "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-6,
-    "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "max_position_embeddings": 32768,
-    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip  (Gemma-3-1B's layer; 6 layers: GGUF fixes every 6th full, so 5 sliding and 1 full)
+    "model_type": "gemma3_text",
+    "vocab_size": VOCAB,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "query_pre_attn_scalar": 256,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "rope_local_base_freq": 10000.0,
+    "max_position_embeddings": 32768,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}  # Gemma-3-1B's layer; 6 layers: GGUF fixes every 6th full, so 5 sliding and 1 full
 GLM4_MOE: dict[str, Any] = {
-    "model_type": "glm4_moe", "vocab_size": VOCAB, "hidden_size": 4096, "intermediate_size": 10944,
-    "num_hidden_layers": 2, "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128,
-    "partial_rotary_factor": 0.5, "n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
-    "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
-    "norm_topk_prob": True, "use_qk_norm": False, "attention_bias": True, "rms_norm_eps": 1e-5,
-    "rope_theta": 1000000.0, "max_position_embeddings": 131072, "tie_word_embeddings": False,
-    "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip  (GLM-4.5-Air's layers: one dense, one of 128 routed experts top-8 and a shared one)
+    "model_type": "glm4_moe",
+    "vocab_size": VOCAB,
+    "hidden_size": 4096,
+    "intermediate_size": 10944,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 96,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "partial_rotary_factor": 0.5,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 1408,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 1.0,
+    "norm_topk_prob": True,
+    "use_qk_norm": False,
+    "attention_bias": True,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 1000000.0,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}  # GLM-4.5-Air's layers: one dense, one of 128 routed experts top-8 and a shared one
 SHAPES: dict[str, dict[str, Any]] = {"gpt_oss": GPT_OSS, "gemma3": GEMMA3, "glm4_moe": GLM4_MOE}
-SHAPE_KEYS = ("hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts", "n_routed_experts",
-              "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace", "sliding_window", "layer_types",
-              "sliding_window_pattern", "partial_rotary_factor", "query_pre_attn_scalar", "attention_bias")  # fmt: skip
+SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "sliding_window",
+    "layer_types",
+    "sliding_window_pattern",
+    "partial_rotary_factor",
+    "query_pre_attn_scalar",
+    "attention_bias",
+)
 TINY: dict[str, dict[str, Any]] = {
-    "gpt_oss": {"hidden_size": 256, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8},
-    "gemma3": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 2, "head_dim": 128,
-               "query_pre_attn_scalar": 128, "sliding_window": 8},
-    "glm4_moe": {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2,
-                 "head_dim": 64, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64},
-}  # fmt: skip  (rows of 256: the K types' blocks, as the real shapes have where they can)
+    "gpt_oss": {
+        "hidden_size": 256,
+        "intermediate_size": 256,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "sliding_window": 8,
+    },
+    "gemma3": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 2,
+        "head_dim": 128,
+        "query_pre_attn_scalar": 128,
+        "sliding_window": 8,
+    },
+    "glm4_moe": {
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+    },
+}  # rows of 256: the K types' blocks, as the real shapes have where they can
 
 
 def tiny(family: str, vocab: int = VOCAB) -> dict[str, Any]:
@@ -124,7 +214,9 @@ def _norms(c: dict[str, Any]) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield f"{name}.weight", (h,)
 
 
-def _mlp(prefix: str, h: int, rows: int, bias: bool = False) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _mlp(
+    prefix: str, h: int, rows: int, bias: bool = False
+) -> Iterator[tuple[str, tuple[int, ...]]]:
     for proj, shape in (("gate_proj", (rows, h)), ("up_proj", (rows, h)), ("down_proj", (h, rows))):
         yield f"{prefix}.{proj}.weight", shape
         if bias:
@@ -157,8 +249,14 @@ def write_family(path: Path, config: dict[str, Any], tokenizer: Path | None = No
 
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".partial")
-    write_gguf(partial, config, RandomFamily(config), PRESET, tokenizer_from=tokenizer,
-               name=f"random-{config['model_type']}")  # fmt: skip
+    write_gguf(
+        partial,
+        config,
+        RandomFamily(config),
+        PRESET,
+        tokenizer_from=tokenizer,
+        name=f"random-{config['model_type']}",
+    )
     partial.rename(path)
     return path
 
@@ -188,4 +286,7 @@ def file_types(path: Path) -> dict[str, Any]:
         key = info.name.split(".", 2)[2] if info.name.startswith("blk.") else info.name
         if len(info.shape) >= 2 and kind not in ("Q4_K", "F32") and "gate_inp" not in key:
             other.setdefault(key, set()).add(kind)
-    return {"counts": dict(sorted(counts.items())), "not_q4_k": {k: sorted(v) for k, v in sorted(other.items())}}
+    return {
+        "counts": dict(sorted(counts.items())),
+        "not_q4_k": {k: sorted(v) for k, v in sorted(other.items())},
+    }

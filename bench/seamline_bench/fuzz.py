@@ -35,15 +35,26 @@ from typing import Any
 import httpx
 import psutil
 
-from seamline_bench.driver import Driver
-from seamline_bench.fuzz_inputs import Inputs
-from seamline_bench.fuzz_surfaces import Target, comm_surface, control_surface, data_surface, http_surface
 from seamline.mesh.identity import MeshAuthority
 from seamline.net.link import free_port
 from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
+from seamline_bench.driver import Driver
+from seamline_bench.fuzz_inputs import Inputs
+from seamline_bench.fuzz_surfaces import (
+    Target,
+    comm_surface,
+    control_surface,
+    data_surface,
+    http_surface,
+)
 
 HANG_S = 10.0
-QUESTION = {"model": "default", "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+QUESTION = {
+    "model": "default",
+    "prompt": "The capital of France is",
+    "max_tokens": 8,
+    "temperature": 0,
+}
 SURFACES = ("http_api", "fragments", "control", "data_upstream", "data_last", "lockstep_comm")
 CHECKS_PER_SURFACE = 4
 TLS_HELLO_START = b"\x16\x03\x01\x02\x00\x01"  # the first bytes of a ClientHello, and no more
@@ -80,11 +91,23 @@ def _fill_prefix_cache(api: str, least: int = 1000, most: int = 3000) -> tuple[i
     kept: list[int] = []
     with httpx.Client(base_url=api, timeout=30) as client:
         for i in range(most):
-            client.post("/v1/completions", json={"model": "default", "prompt": f"Warm-up {i}: tell me about {i * 7919}",
-                                                 "max_tokens": 1, "temperature": 0})  # fmt: skip
+            client.post(
+                "/v1/completions",
+                json={
+                    "model": "default",
+                    "prompt": f"Warm-up {i}: tell me about {i * 7919}",
+                    "max_tokens": 1,
+                    "temperature": 0,
+                },
+            )
             if i % 50 == 49 and i >= least:
-                before, kept = kept, [s.get("kept_kv_bytes", 0) for s in client.get("/api/status").json()["stages"]]
-                settled = len(before) == len(kept) and all(k <= 1.02 * b for k, b in zip(kept[1:], before[1:]))
+                before, kept = (
+                    kept,
+                    [s.get("kept_kv_bytes", 0) for s in client.get("/api/status").json()["stages"]],
+                )
+                settled = len(before) == len(kept) and all(
+                    k <= 1.02 * b for k, b in zip(kept[1:], before[1:])
+                )
                 if kept and kept[0] >= 0.9 * PREFIX_CACHE_BYTES and settled:
                     return i + 1, kept
     return most, kept
@@ -114,9 +137,13 @@ def _rss_mb(processes: dict[str, psutil.Process]) -> dict[str, float]:
 def _hold_slow(target: Target, count: int) -> list[socket.socket]:
     """``count`` connections spread over the surfaces, each sent a fragment of its first message."""
     host, port = httpx.URL(target.api).host, httpx.URL(target.api).port or 80
-    ports = [((host, port), b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"), (target.control, TLS_HELLO_START),
-             (target.stages[0][1], TLS_HELLO_START), (target.stages[1][1], TLS_HELLO_START),
-             (target.comm, TLS_HELLO_START)]  # fmt: skip
+    ports = [
+        ((host, port), b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"),
+        (target.control, TLS_HELLO_START),
+        (target.stages[0][1], TLS_HELLO_START),
+        (target.stages[1][1], TLS_HELLO_START),
+        (target.comm, TLS_HELLO_START),
+    ]
     held = []
     for i in range(count):
         address, opening = ports[i % len(ports)]
@@ -131,14 +158,28 @@ def _hold_slow(target: Target, count: int) -> list[socket.socket]:
 
 def _target(driver: Driver, comm_port: int, comm_tls: Path) -> Target:
     s = driver.ask("secrets")
-    return Target(api=s["api"], control=tuple(s["control"]), plan_id=s["plan_id"], link_key=s["link_key"],
-                  stages=[(n, tuple(a)) for n, a in s["stages"]], authority=MeshAuthority.load_or_create(Path(s["state_dir"])),
-                  fragment_token=s["fragment_token"], invite=s["invite"], hidden_size=s["hidden_size"],
-                  comm=("127.0.0.1", comm_port), comm_tls=comm_tls)  # type: ignore[arg-type]  # fmt: skip
+    return Target(
+        api=s["api"],
+        control=tuple(s["control"]),
+        plan_id=s["plan_id"],
+        link_key=s["link_key"],
+        stages=[(n, tuple(a)) for n, a in s["stages"]],
+        authority=MeshAuthority.load_or_create(Path(s["state_dir"])),
+        fragment_token=s["fragment_token"],
+        invite=s["invite"],
+        hidden_size=s["hidden_size"],
+        comm=("127.0.0.1", comm_port),
+        comm_tls=comm_tls,
+    )  # type: ignore[arg-type]
 
 
-def bench_fuzz(inputs_per_surface: int = 100_000, slow: int = 1000, seed: int = 0,
-               surfaces: tuple[str, ...] = SURFACES, only: str | None = None) -> dict[str, Any]:  # fmt: skip
+def bench_fuzz(
+    inputs_per_surface: int = 100_000,
+    slow: int = 1000,
+    seed: int = 0,
+    surfaces: tuple[str, ...] = SURFACES,
+    only: str | None = None,
+) -> dict[str, Any]:
     """The surfaces' figures and ``attacks`` (``bench.attacks``); ``only``: "surfaces" or "attacks"."""
     result: dict[str, Any] = {"bench": "fuzz"}
     if only != "attacks":
@@ -151,7 +192,9 @@ def bench_fuzz(inputs_per_surface: int = 100_000, slow: int = 1000, seed: int = 
     return result
 
 
-def _surfaces(inputs_per_surface: int, slow: int, seed: int, surfaces: tuple[str, ...]) -> dict[str, Any]:
+def _surfaces(
+    inputs_per_surface: int, slow: int, seed: int, surfaces: tuple[str, ...]
+) -> dict[str, Any]:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
     work = Path(tempfile.mkdtemp(prefix="seamline-fuzz-"))
@@ -159,12 +202,24 @@ def _surfaces(inputs_per_surface: int, slow: int, seed: int, surfaces: tuple[str
     comm_tls = _comm_certificates(work / "comm-tls")
     comm_port = free_port()
     driver = Driver("seamline_bench.split_driver", [], stderr=logs["mesh"])
-    comm = Driver("seamline_bench.fuzz_comm_target", ["--port", str(comm_port), "--tls-dir", str(comm_tls)],
-                  stderr=logs["comm"])  # fmt: skip
+    comm = Driver(
+        "seamline_bench.fuzz_comm_target",
+        ["--port", str(comm_port), "--tls-dir", str(comm_tls)],
+        stderr=logs["comm"],
+    )
     try:
         driver.wait_ready()
         comm.wait_ready()
-        return _run(driver, comm, _target(driver, comm_port, comm_tls), inputs_per_surface, slow, seed, surfaces, work)
+        return _run(
+            driver,
+            comm,
+            _target(driver, comm_port, comm_tls),
+            inputs_per_surface,
+            slow,
+            seed,
+            surfaces,
+            work,
+        )
     finally:
         driver.close()
         comm.proc.kill()
@@ -181,10 +236,21 @@ def _comm_certificates(folder: Path) -> Path:
     return folder
 
 
-def _run(driver: Driver, comm: Driver, target: Target, count: int, slow: int, seed: int,
-         surfaces: tuple[str, ...], work: Path) -> dict[str, Any]:  # fmt: skip
+def _run(
+    driver: Driver,
+    comm: Driver,
+    target: Target,
+    count: int,
+    slow: int,
+    seed: int,
+    surfaces: tuple[str, ...],
+    work: Path,
+) -> dict[str, Any]:
     """Warm up, take RSS, fuzz each surface with answer checks, hold the slow connections."""
-    processes = {"coordinator": psutil.Process(driver.proc.pid), "comm_target": psutil.Process(comm.proc.pid)}
+    processes = {
+        "coordinator": psutil.Process(driver.proc.pid),
+        "comm_target": psutil.Process(comm.proc.pid),
+    }
     for child in processes["coordinator"].children():
         processes[f"node{len(processes) - 2}"] = child
     expected, _ = _answer(target.api)
@@ -212,15 +278,25 @@ def _run(driver: Driver, comm: Driver, target: Target, count: int, slow: int, se
         fd_growth[surface] = {k: v - fds_before[k] for k, v in _fds(processes).items()}
     held = _hold_slow(target, slow)
     text, took = _answer(target.api)
-    hangs, wrong, slowest = hangs + (text is None), wrong + (text is not None and text != expected), max(slowest, took)
+    hangs, wrong, slowest = (
+        hangs + (text is None),
+        wrong + (text is not None and text != expected),
+        max(slowest, took),
+    )
     for sock in held:
         sock.close()
     time.sleep(1.0)
     text, _ = _answer(target.api)
     after = _rss_mb(processes)
     stages = httpx.get(f"{target.api}/api/status", timeout=HANG_S).json()["stages"]
-    dead = [name for name, p in processes.items() if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE]
-    uncaught = sum(path.read_text(errors="replace").count("Exception in thread") for path in work.glob("*.log"))
+    dead = [
+        name
+        for name, p in processes.items()
+        if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    ]
+    uncaught = sum(
+        path.read_text(errors="replace").count("Exception in thread") for path in work.glob("*.log")
+    )
     return {
         "bench": "fuzz",
         "inputs_per_surface": sent,
@@ -234,10 +310,13 @@ def _run(driver: Driver, comm: Driver, target: Target, count: int, slow: int, se
         "rss_mb_after": {name: round(v, 1) for name, v in after.items()},
         "rss_growth_mb_after_each_surface": growth,
         "fd_growth_after_each_surface": fd_growth,
-        "stages_after": [{k: s.get(k) for k in ("node_id", "sequences", "kv_bytes", "kept_kv_bytes")} for s in stages],
+        "stages_after": [
+            {k: s.get(k) for k in ("node_id", "sequences", "kv_bytes", "kept_kv_bytes")}
+            for s in stages
+        ],
         "answers_correct_after": text == expected and expected is not None,
         "warm_up": f"{warm_requests} distinct requests (stage 0's kept prefix KV near its "
-                   f"{PREFIX_CACHE_BYTES >> 20} MiB bound, every later stage's settled), then 1% of each surface's inputs",
+        f"{PREFIX_CACHE_BYTES >> 20} MiB bound, every later stage's settled), then 1% of each surface's inputs",
         "kept_kv_mb_after_warm_up": [round(k / 2**20, 1) for k in kept],
         "slow_connections_held": len(held),
         "seconds": round(time.monotonic() - started, 1),
@@ -245,4 +324,3 @@ def _run(driver: Driver, comm: Driver, target: Target, count: int, slow: int, se
         "seed": seed,
         "logs": str(work),
     }
-

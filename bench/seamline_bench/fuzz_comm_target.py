@@ -30,7 +30,9 @@ def main() -> int:
             comm = TcpComm.connect(1, 2, addresses, 2.0, "fuzz", connect_timeout_s=3600, tls=tls)
         except CommError:
             continue
-        except OSError:  # the port is taken a moment (an outgoing connection's, between groups): listen again
+        except (
+            OSError
+        ):  # the port is taken a moment (an outgoing connection's, between groups): listen again
             time.sleep(0.2)
             continue
         try:

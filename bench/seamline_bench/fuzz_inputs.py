@@ -10,11 +10,42 @@ from typing import Any
 
 import torch
 
-from seamline.net.frames import HEADER, MAGIC, VERSION, FrameType, Row, TokenRow, encode_hidden, encode_tokens, header
+from seamline.net.frames import (
+    HEADER,
+    MAGIC,
+    VERSION,
+    FrameType,
+    Row,
+    TokenRow,
+    encode_hidden,
+    encode_tokens,
+    header,
+)
 from seamline.net.messages import Message, encode_message
 
-WEIRD: tuple[Any, ...] = (None, True, -1, 0, 1, 2**31, 2**63, -(2**63), 1e308, -1e-308, "", "x" * 5000, "\u0000",
-                          "\ud7ff" * 3, [], [1] * 300, {}, {"a": {"b": {"c": []}}}, 3.5, "nan", "1e9999")  # fmt: skip
+WEIRD: tuple[Any, ...] = (
+    None,
+    True,
+    -1,
+    0,
+    1,
+    2**31,
+    2**63,
+    -(2**63),
+    1e308,
+    -1e-308,
+    "",
+    "x" * 5000,
+    "\u0000",
+    "\ud7ff" * 3,
+    [],
+    [1] * 300,
+    {},
+    {"a": {"b": {"c": []}}},
+    3.5,
+    "nan",
+    "1e9999",
+)
 
 
 class Inputs:
@@ -49,7 +80,9 @@ class Inputs:
             if pick == 0:
                 del out[key]
             elif pick == 1:
-                out[self.rng.choice([key + "x", "kind", "__proto__", "\u00ff"])] = self.rng.choice(WEIRD)
+                out[self.rng.choice([key + "x", "kind", "__proto__", "\u00ff"])] = self.rng.choice(
+                    WEIRD
+                )
             elif pick == 2 and isinstance(out[key], (dict, list)) and out[key]:
                 out[key] = self.mutated(out[key])
             else:
@@ -58,7 +91,11 @@ class Inputs:
         if isinstance(value, list) and value:
             out_list = list(value)
             i = self.rng.randrange(len(out_list))
-            out_list[i] = self.mutated(out_list[i]) if isinstance(out_list[i], (dict, list)) else self.rng.choice(WEIRD)
+            out_list[i] = (
+                self.mutated(out_list[i])
+                if isinstance(out_list[i], (dict, list))
+                else self.rng.choice(WEIRD)
+            )
             return out_list
         return self.rng.choice(WEIRD)
 
@@ -75,15 +112,25 @@ class Inputs:
 
     def hidden(self, hidden_size: int) -> bytes:
         """A HIDDEN frame for requests no one opened, with one header or row field mutated."""
-        rows = [Row(self.request_id(), self.rng.choice([0, 1, 7, 2**32 - 1]), 1, self.rng.getrandbits(64),
-                    self.rng.getrandbits(64), self.rng.choice([0, 1, 2, 3, 4, 255]))
-                for _ in range(self.rng.randrange(1, 4))]  # fmt: skip
+        rows = [
+            Row(
+                self.request_id(),
+                self.rng.choice([0, 1, 7, 2**32 - 1]),
+                1,
+                self.rng.getrandbits(64),
+                self.rng.getrandbits(64),
+                self.rng.choice([0, 1, 2, 3, 4, 255]),
+            )
+            for _ in range(self.rng.randrange(1, 4))
+        ]
         buffers = encode_hidden(rows, torch.zeros(len(rows), hidden_size))
         frame = bytearray(b"".join(bytes(b) for b in buffers))
         field = self.rng.randrange(6)
         offset = HEADER.size
         if field == 0:
-            struct.pack_into("<H", frame, offset, self.rng.choice([0, 4096, 4097, 65535]))  # row count
+            struct.pack_into(
+                "<H", frame, offset, self.rng.choice([0, 4096, 4097, 65535])
+            )  # row count
         elif field == 1:
             frame[offset + 2] = self.rng.randrange(256)  # dtype code
         elif field == 2:
@@ -95,9 +142,17 @@ class Inputs:
         return bytes(frame)
 
     def tokens(self) -> bytes:
-        rows = [TokenRow(self.request_id(), self.rng.getrandbits(32), self.rng.getrandbits(32),
-                         self.rng.getrandbits(64), self.rng.getrandbits(64), self.rng.randrange(16))
-                for _ in range(self.rng.randrange(1, 4))]  # fmt: skip
+        rows = [
+            TokenRow(
+                self.request_id(),
+                self.rng.getrandbits(32),
+                self.rng.getrandbits(32),
+                self.rng.getrandbits(64),
+                self.rng.getrandbits(64),
+                self.rng.randrange(16),
+            )
+            for _ in range(self.rng.randrange(1, 4))
+        ]
         frame = encode_tokens(rows)
         return frame if self.rng.random() < 0.7 else self.broken(frame)
 
@@ -111,8 +166,20 @@ class Inputs:
     def http_headers(self) -> dict[str, str]:
         headers: dict[str, str] = {}
         for _ in range(self.rng.randrange(3)):
-            name = self.rng.choice(["Content-Type", "Authorization", "X-" + self.garbage(8).hex(), "Range", "Accept"])
-            headers[name] = self.rng.choice(["application/json", "text/plain", "Bearer " + self.garbage(12).hex(),
-                                             "bytes=0-", "bytes=999999999-", "bytes=5-1", "bytes=-1,-2,-3", "*/*",
-                                             "x" * 4000])  # fmt: skip
+            name = self.rng.choice(
+                ["Content-Type", "Authorization", "X-" + self.garbage(8).hex(), "Range", "Accept"]
+            )
+            headers[name] = self.rng.choice(
+                [
+                    "application/json",
+                    "text/plain",
+                    "Bearer " + self.garbage(12).hex(),
+                    "bytes=0-",
+                    "bytes=999999999-",
+                    "bytes=5-1",
+                    "bytes=-1,-2,-3",
+                    "*/*",
+                    "x" * 4000,
+                ]
+            )
         return headers

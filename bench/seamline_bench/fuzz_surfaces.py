@@ -21,23 +21,56 @@ from pathlib import Path
 import httpx
 import torch
 
-from seamline_bench.fuzz_inputs import Inputs
-from seamline.mesh.protocol.claims import block_sums, probe_matrix
-from seamline.mesh.identity import Identity, MeshAuthority, enrolling_context, key_pem, new_key, signing_request
-from seamline.net.frames import FrameError
-from seamline.mesh.protocol.relay_wire import RELAY_MAGIC
+from seamline.mesh.identity import (
+    Identity,
+    MeshAuthority,
+    enrolling_context,
+    key_pem,
+    new_key,
+    signing_request,
+)
 from seamline.mesh.node.data_links import PROBE, LinkRefused, admit, data_proof
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
+from seamline.mesh.protocol.claims import block_sums, probe_matrix
 from seamline.mesh.protocol.invite import Invite, proof
+from seamline.mesh.protocol.relay_wire import RELAY_MAGIC
+from seamline.net.frames import FrameError
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Attach, Attached, Certificate, Challenge, Close, DataHello, Descriptor, Failure, Forget, Fork,
-    Heartbeat, Join, Linked, MeasurePeer, Open, PeerLink, Ping, Pong, ProbeHello, Ready, RelayAccept, Renew, Resources, SpeedProbe,
-    SpeedReady, SpeedSums, Stats, Welcome,
-)  # fmt: skip
+    PROTOCOL_VERSION,
+    Attach,
+    Attached,
+    Certificate,
+    Challenge,
+    Close,
+    DataHello,
+    Descriptor,
+    Failure,
+    Forget,
+    Fork,
+    Heartbeat,
+    Join,
+    Linked,
+    MeasurePeer,
+    Open,
+    PeerLink,
+    Ping,
+    Pong,
+    ProbeHello,
+    Ready,
+    RelayAccept,
+    Renew,
+    Resources,
+    SpeedProbe,
+    SpeedReady,
+    SpeedSums,
+    Stats,
+    Welcome,
+)
 from seamline.net.tls import TlsRefused, TlsSocket, group_tls_from_folder
-from seamline.params import SamplingParams
 from seamline.parallel.tcp_comm import GATE, GATE_MAGIC, VERSION, _hello_bytes
+from seamline.params import SamplingParams
+from seamline_bench.fuzz_inputs import Inputs
 
 SHORT_S = 2.0  # a connection's timeout: the fuzzer never waits on one for long
 
@@ -70,7 +103,9 @@ def _fire(address: tuple[str, int], data: bytes, context: ssl.SSLContext | None 
     if sock is None:
         return
     try:
-        channel = TlsSocket.handshake(sock, context, False, SHORT_S) if context is not None else sock
+        channel = (
+            TlsSocket.handshake(sock, context, False, SHORT_S) if context is not None else sock
+        )
         channel.sendall(data)
     except (OSError, TlsRefused):
         pass
@@ -79,8 +114,20 @@ def _fire(address: tuple[str, int], data: bytes, context: ssl.SSLContext | None 
 
 
 # -- HTTP: the OpenAI API and the fragment server -------------------------------------------------
-CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "temperature": 0}
-PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/x", "/api/status", "/api/admin/invites"]
+CHAT = {
+    "model": "default",
+    "messages": [{"role": "user", "content": "hi"}],
+    "max_tokens": 1,
+    "temperature": 0,
+}
+PATHS = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/v1/x",
+    "/api/status",
+    "/api/admin/invites",
+]
 
 
 def http_surface(target: Target, inputs: Inputs, count: int, fragments: bool = False) -> int:
@@ -103,7 +150,9 @@ def http_surface(target: Target, inputs: Inputs, count: int, fragments: bool = F
 
 
 def _fragment_request(client: httpx.Client, target: Target, inputs: Inputs) -> None:
-    name = inputs.rng.choice(["manifest.json", secrets.token_hex(32), "../../etc/passwd", "%00", "a" * 3000, ""])
+    name = inputs.rng.choice(
+        ["manifest.json", secrets.token_hex(32), "../../etc/passwd", "%00", "a" * 3000, ""]
+    )
     headers = inputs.http_headers()
     if inputs.rng.random() < 0.8:
         headers["Authorization"] = f"Bearer {target.fragment_token}"
@@ -115,7 +164,11 @@ def control_surface(target: Target, inputs: Inputs, count: int) -> int:
     sent = 0
     while sent < count:
         if sent % 2 == 0:  # before the handshake: plaintext, or TLS without a join
-            frame = inputs.broken(inputs.valid_control(Challenge(nonce="n"))) if sent % 4 else inputs.garbage()
+            frame = (
+                inputs.broken(inputs.valid_control(Challenge(nonce="n")))
+                if sent % 4
+                else inputs.garbage()
+            )
             _fire(target.control, frame, enrolling_context() if sent % 8 < 4 else None)
             sent += 1
             continue
@@ -138,20 +191,32 @@ def _join(target: Target, inputs: Inputs) -> Link | None:
         with Link.connect(*target.control, timeout=SHORT_S, tls=enrolling_context()) as link:
             challenge = link.recv(deadline_s=SHORT_S)
             assert isinstance(challenge, Challenge)
-            link.send_message(Join(node_id=node_id, proof=proof(invite.secret, challenge.nonce), invite_id=invite.id,
-                                   protocol_version=PROTOCOL_VERSION, resources=Resources(free_memory_bytes=1 << 20,
-                                   bytes_per_second=1e6), data_host="127.0.0.1", data_port=9,
-                                   csr=signing_request(key, node_id)))  # fmt: skip
+            link.send_message(
+                Join(
+                    node_id=node_id,
+                    proof=proof(invite.secret, challenge.nonce),
+                    invite_id=invite.id,
+                    protocol_version=PROTOCOL_VERSION,
+                    resources=Resources(free_memory_bytes=1 << 20, bytes_per_second=1e6),
+                    data_host="127.0.0.1",
+                    data_port=9,
+                    csr=signing_request(key, node_id),
+                )
+            )
             welcome = link.recv(deadline_s=SHORT_S)
             assert isinstance(welcome, Welcome)
-        identity = Identity(node_id, key_pem(key).decode(), welcome.certificate, challenge.ca_certificate)
+        identity = Identity(
+            node_id, key_pem(key).decode(), welcome.certificate, challenge.ca_certificate
+        )
         member = Link.connect(*target.control, timeout=SHORT_S, tls=identity.client_context())
         assert isinstance(member.recv(deadline_s=SHORT_S), Challenge)
         member.send_message(Attach(node_id=node_id))
         assert isinstance(member.recv(deadline_s=SHORT_S), Attached)
     except (OSError, LinkClosed, AssertionError, TlsRefused):
         return None
-    threading.Thread(target=_answer_coordinator, args=(member, identity, target.control), daemon=True).start()
+    threading.Thread(
+        target=_answer_coordinator, args=(member, identity, target.control), daemon=True
+    ).start()
     return member
 
 
@@ -172,9 +237,13 @@ def _answer_coordinator(link: Link, identity: Identity, control: tuple[str, int]
             elif isinstance(message, SpeedProbe) and matrix is not None:
                 link.send_message(SpeedSums(sums=block_sums(matrix, torch.tensor(message.vector))))
             elif isinstance(message, RelayAccept) and message.probe:
-                threading.Thread(target=_probed, args=(message.ticket, identity, control), daemon=True).start()
+                threading.Thread(
+                    target=_probed, args=(message.ticket, identity, control), daemon=True
+                ).start()
             elif isinstance(message, MeasurePeer):
-                link.send_message(PeerLink(peer_node=message.peer_node, error="a fuzzed member measures nothing"))
+                link.send_message(
+                    PeerLink(peer_node=message.peer_node, error="a fuzzed member measures nothing")
+                )
     except (LinkClosed, FrameError):
         pass
 
@@ -193,19 +262,33 @@ def _probed(ticket: str, identity: Identity, control: tuple[str, int]) -> None:
 
 def _control_messages(inputs: Inputs) -> Callable[[], bytes]:
     samples = [
-        Ready(descriptor=Descriptor(node_id="x", plan_id=1, model_hash="m", layers=(0, 1), dtype="float32",
-                                    protocol_version=PROTOCOL_VERSION)),
-        Linked(plan_id=1), Failure(request=inputs.request_id(), reason="r"), Failure(reason="r"),
-        Stats(node_id="x", decode_steps=1, decode_seconds=1.0, refused_frames=0), Heartbeat(),
-        Renew(csr="-----BEGIN CERTIFICATE REQUEST-----"), Certificate(certificate="c"),
+        Ready(
+            descriptor=Descriptor(
+                node_id="x",
+                plan_id=1,
+                model_hash="m",
+                layers=(0, 1),
+                dtype="float32",
+                protocol_version=PROTOCOL_VERSION,
+            )
+        ),
+        Linked(plan_id=1),
+        Failure(request=inputs.request_id(), reason="r"),
+        Failure(reason="r"),
+        Stats(node_id="x", decode_steps=1, decode_seconds=1.0, refused_frames=0),
+        Heartbeat(),
+        Renew(csr="-----BEGIN CERTIFICATE REQUEST-----"),
+        Certificate(certificate="c"),
         PeerLink(peer_node="node0", latency_s=1e-4, bandwidth_bytes_per_s=1e9),
-    ]  # fmt: skip
+    ]
 
     def one() -> bytes:
         message = inputs.rng.choice(samples)
         if inputs.rng.random() < 0.1:
             return inputs.broken(inputs.valid_control(message))
-        return inputs.control(message) if inputs.rng.random() < 0.7 else inputs.valid_control(message)
+        return (
+            inputs.control(message) if inputs.rng.random() < 0.7 else inputs.valid_control(message)
+        )
 
     return one
 
@@ -232,7 +315,9 @@ def data_surface(target: Target, inputs: Inputs, count: int, stage: int) -> int:
     sent = 0
     while sent < count:
         if sent % 3 == 0:
-            hello = inputs.valid_control(DataHello(node_id=sender, plan_id=target.plan_id, proof="0" * 64))
+            hello = inputs.valid_control(
+                DataHello(node_id=sender, plan_id=target.plan_id, proof="0" * 64)
+            )
             frame = inputs.rng.choice([inputs.garbage(), inputs.broken(hello), make()])
             _fire(address, frame, inputs.rng.choice([stranger, member, None]))
             sent += 1
@@ -242,20 +327,30 @@ def data_surface(target: Target, inputs: Inputs, count: int, stage: int) -> int:
         if link is None:
             sent += 1
             continue
-        sent += _member_inputs(link, inputs, min(8 if probe else 500, count - sent), _pings(inputs) if probe else make)
+        sent += _member_inputs(
+            link, inputs, min(8 if probe else 500, count - sent), _pings(inputs) if probe else make
+        )
         link.close()
     return sent
 
 
-def _admitted(target: Target, address: tuple[str, int], sender: str, context: ssl.SSLContext,
-              probe: bool = False) -> Link | None:  # fmt: skip
+def _admitted(
+    target: Target,
+    address: tuple[str, int],
+    sender: str,
+    context: ssl.SSLContext,
+    probe: bool = False,
+) -> Link | None:
     try:
         link = Link.connect(*address, timeout=SHORT_S, tls=context)
         challenge = link.recv(deadline_s=SHORT_S)
         assert isinstance(challenge, Challenge)
         answer = data_proof(target.link_key, challenge.nonce, sender, target.plan_id)
-        link.send_message(ProbeHello(node_id=sender) if probe else
-                          DataHello(node_id=sender, plan_id=target.plan_id, proof=answer))  # fmt: skip
+        link.send_message(
+            ProbeHello(node_id=sender)
+            if probe
+            else DataHello(node_id=sender, plan_id=target.plan_id, proof=answer)
+        )
         return link
     except (OSError, LinkClosed, AssertionError, TlsRefused):
         return None
@@ -263,7 +358,9 @@ def _admitted(target: Target, address: tuple[str, int], sender: str, context: ss
 
 def _pings(inputs: Inputs) -> Callable[[], bytes]:
     def one() -> bytes:
-        ping = Ping(nonce=inputs.rng.randrange(1 << 20), pad="x" * inputs.rng.choice([0, 1000, 1 << 18]))
+        ping = Ping(
+            nonce=inputs.rng.randrange(1 << 20), pad="x" * inputs.rng.choice([0, 1000, 1 << 18])
+        )
         return inputs.control(ping) if inputs.rng.random() < 0.5 else inputs.valid_control(ping)
 
     return one
@@ -275,11 +372,14 @@ def _stage_frames(inputs: Inputs, hidden_size: int) -> Callable[[], bytes]:
         if pick < 0.6:
             return inputs.hidden(hidden_size)
         request = inputs.request_id()
-        message = inputs.rng.choice([
-            Open(request=request, sampling=SamplingParams(), prompt_len=3, context_length=64),
-            Fork(request=request, donor=inputs.request_id(), positions=4, hash=1),
-            Forget(request=request), Close(request=request),
-        ])  # fmt: skip
+        message = inputs.rng.choice(
+            [
+                Open(request=request, sampling=SamplingParams(), prompt_len=3, context_length=64),
+                Fork(request=request, donor=inputs.request_id(), positions=4, hash=1),
+                Forget(request=request),
+                Close(request=request),
+            ]
+        )
         return inputs.control(message) if pick < 0.9 else inputs.valid_control(message)
 
     return one
@@ -296,7 +396,9 @@ def comm_surface(target: Target, inputs: Inputs, count: int) -> int:
             continue
         try:
             if sent % 3 == 0:  # before TLS: bytes, or a HELLO in the clear
-                sock.sendall(inputs.rng.choice([inputs.garbage(), inputs.broken(_hello_bytes(0, 2, "fuzz"))]))
+                sock.sendall(
+                    inputs.rng.choice([inputs.garbage(), inputs.broken(_hello_bytes(0, 2, "fuzz"))])
+                )
                 sent += 1
                 continue
             channel = TlsSocket.handshake(sock, tls.client, False, SHORT_S)
@@ -320,7 +422,9 @@ def _comm_inputs(channel: TlsSocket, inputs: Inputs) -> int:
     sent = 1
     for sequence in range(inputs.rng.randrange(1, 20)):
         part = torch.randn(8)
-        channel.sendmsg([GATE.pack(GATE_MAGIC, VERSION, 1, 0, 0, sequence, 1, 8), part.numpy().tobytes()])
+        channel.sendmsg(
+            [GATE.pack(GATE_MAGIC, VERSION, 1, 0, 0, sequence, 1, 8), part.numpy().tobytes()]
+        )
         sent += 1
     head = bytearray(GATE.pack(GATE_MAGIC, VERSION, 1, 0, 0, sequence + 1, 1, 8))
     offset = inputs.rng.choice([0, 4, 5, 6, 8, 12, 20, 24])
@@ -336,4 +440,3 @@ def _drain(channel: TlsSocket) -> None:
             pass
     except OSError:
         pass
-

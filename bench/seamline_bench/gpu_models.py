@@ -14,11 +14,21 @@ from seamline_bench.quant import LLAMA_1B, RandomLlama, llama_1b_path
 
 TOKENIZER_ENV = "SEAMLINE_TOKENIZER_GGUF"
 SMOL_135M: dict[str, Any] = {
-    "model_type": "llama", "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,
-    "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-    "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position_embeddings": 8192,
-    "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-}  # fmt: skip  (SmolLM2-135M-Instruct's shape)
+    "model_type": "llama",
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 100000.0,
+    "max_position_embeddings": 8192,
+    "tie_word_embeddings": True,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}  # SmolLM2-135M-Instruct's shape
 
 
 class TiedRandomLlama(RandomLlama):
@@ -52,15 +62,24 @@ def embedded_shaped_path(root: Path | None = None) -> Path:
     if not path.is_file():
         root.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
-        write_gguf(partial, SMOL_135M, TiedRandomLlama(SMOL_135M), "Q4_1", tokenizer_from=tokenizer_gguf(),
-                   name="random-smol-135m")  # fmt: skip
+        write_gguf(
+            partial,
+            SMOL_135M,
+            TiedRandomLlama(SMOL_135M),
+            "Q4_1",
+            tokenizer_from=tokenizer_gguf(),
+            name="random-smol-135m",
+        )
         partial.rename(path)
     return path
 
 
 def gpu_models(root: Path | None = None) -> dict[str, Path]:
     """The bench's two files by name (the 1.1B from `bench quant`'s cache when it is there)."""
-    return {"embedded": embedded_shaped_path(root), "llama_1b": llama_1b_path(root, tokenizer_gguf())}
+    return {
+        "embedded": embedded_shaped_path(root),
+        "llama_1b": llama_1b_path(root, tokenizer_gguf()),
+    }
 
 
 __all__ = ["LLAMA_1B", "SMOL_135M", "gpu_models", "embedded_shaped_path", "tokenizer_gguf"]

@@ -49,7 +49,9 @@ def probe(path: str) -> dict[str, Any]:
     free, total = torch.cuda.mem_get_info(device)
     context = total - free  # this process's context (and any other process on the GPU)
     source = open_source(path)
-    chosen = resolve("fast", weights_kind(source.stored_type(n) for n in source.names()), accelerator=True)
+    chosen = resolve(
+        "fast", weights_kind(source.stored_type(n) for n in source.names()), accelerator=True
+    )
     apply(chosen)
     stage = load_stage(source, dtype=DTYPES[chosen.dtype])
     before = torch.cuda.memory_allocated(device)
@@ -63,12 +65,18 @@ def probe(path: str) -> dict[str, Any]:
     kv = torch.cuda.memory_allocated(device) - before
     stored = tensor_bytes(path)
     return {
-        "precision": chosen.describe(), "device": torch.cuda.get_device_name(device),
-        "memory": {"cuda_context_bytes": context, "weights_allocated_bytes": weights, "gguf_tensor_bytes": stored,
-                   "weights_ratio": weights / stored, "kv_cache_bytes_512_tokens": kv},
+        "precision": chosen.describe(),
+        "device": torch.cuda.get_device_name(device),
+        "memory": {
+            "cuda_context_bytes": context,
+            "weights_allocated_bytes": weights,
+            "gguf_tensor_bytes": stored,
+            "weights_ratio": weights / stored,
+            "kv_cache_bytes_512_tokens": kv,
+        },
         "prefill_tok_s": PROMPT_ROWS / seconds,
         "launch": _launch_share(stage, cache),
-    }  # fmt: skip
+    }
 
 
 def _launch_share(stage: Any, cache: Any) -> dict[str, Any]:
@@ -109,8 +117,12 @@ def _steps_profiled(step: Any) -> dict[str, float]:
     events = prof.key_averages()
     busy_us = sum(e.self_device_time_total for e in events)
     kernels = sum(e.count for e in events if e.self_device_time_total > 0)
-    return {"decode_step_ms": wall / DECODE_STEPS * 1e3, "gpu_busy_ms": busy_us / 1e3 / DECODE_STEPS,
-            "launch_share": max(0.0, 1 - busy_us / 1e6 / wall), "kernels_per_step": kernels / DECODE_STEPS}  # fmt: skip
+    return {
+        "decode_step_ms": wall / DECODE_STEPS * 1e3,
+        "gpu_busy_ms": busy_us / 1e3 / DECODE_STEPS,
+        "launch_share": max(0.0, 1 - busy_us / 1e6 / wall),
+        "kernels_per_step": kernels / DECODE_STEPS,
+    }
 
 
 if __name__ == "__main__":

@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from seamline.server.demo import memory_cap_gb
 from seamline_bench.chaos import CONTEXT, Clients, mesh_status, stream_rate
 from seamline_bench.servers import NodeSpec, Server, join_node, start_mesh
-from seamline.server.demo import memory_cap_gb
 
 PHASE_S = 45.0
 WARM_S = 5.0
@@ -36,8 +36,16 @@ def bench_growth(clients: int = 8, tokens: int = 48, phase_s: float = PHASE_S) -
     logs = Path(tempfile.mkdtemp(prefix="seamline-growth-"))
     env = dict(os.environ)
     cap = memory_cap_gb(None, 2, CONTEXT)
-    server = start_mesh("growth", [NodeSpec("0", 1), NodeSpec("0", 1)], NodeSpec("1", 1), "127.0.0.1", env, logs, cap,
-                        precision="exact")  # fmt: skip  (answers are compared)
+    server = start_mesh(
+        "growth",
+        [NodeSpec("0", 1), NodeSpec("0", 1)],
+        NodeSpec("1", 1),
+        "127.0.0.1",
+        env,
+        logs,
+        cap,
+        precision="exact",
+    )  # answers are compared
     try:
         server.wait_healthy()
         route_before = _route(server)
@@ -49,8 +57,15 @@ def bench_growth(clients: int = 8, tokens: int = 48, phase_s: float = PHASE_S) -
         switched_at = _wait_planned_in(server, "growth2", joined_at)
         after_from, after_to = _phase(phase_s)
         load.stop()
-        return _result(load, (before_from, before_to), (after_from, after_to), switched_at - joined_at,
-                       route_before, _route(server), logs)  # fmt: skip
+        return _result(
+            load,
+            (before_from, before_to),
+            (after_from, after_to),
+            switched_at - joined_at,
+            route_before,
+            _route(server),
+            logs,
+        )
     finally:
         server.close()
 
@@ -74,7 +89,9 @@ def _wait_planned_in(server: Server, node_id: str, since: float) -> float:
         if status.get("ready") and node_id in [s["node_id"] for s in status.get("stages", [])]:
             return time.monotonic()
         time.sleep(0.25)
-    raise TimeoutError(f"{node_id} was not planned in within {SWITCH_TIMEOUT_S:.0f} s: {mesh_status(server)}")
+    raise TimeoutError(
+        f"{node_id} was not planned in within {SWITCH_TIMEOUT_S:.0f} s: {mesh_status(server)}"
+    )
 
 
 def _predicted_gain(logs: Path) -> float | None:
@@ -83,8 +100,15 @@ def _predicted_gain(logs: Path) -> float | None:
     return float(found[0]) if found else None
 
 
-def _result(load: Clients, before: tuple[float, float], after: tuple[float, float], switch_s: float,
-            route_before: list[str], route_after: list[str], logs: Path) -> dict[str, Any]:  # fmt: skip
+def _result(
+    load: Clients,
+    before: tuple[float, float],
+    after: tuple[float, float],
+    switch_s: float,
+    route_before: list[str],
+    route_after: list[str],
+    logs: Path,
+) -> dict[str, Any]:
     first = {}
     for answer in sorted(load.answers, key=lambda a: a.began):
         if not answer.error:

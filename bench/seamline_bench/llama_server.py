@@ -29,16 +29,38 @@ from seamline.cpu_flags import cpu_flags, isa_of
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the source package whose vendored llama.cpp is built
 BIN_ENV = "SEAMLINE_LLAMA_CPP_BIN"
-TARGETS = ("llama-server", "llama-bench", "llama-quantize")  # quantize: bench conformance's Q4_K_M files
+TARGETS = (
+    "llama-server",
+    "llama-bench",
+    "llama-quantize",
+)  # quantize: bench conformance's Q4_K_M files
 BASE_FLAGS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
-)  # fmt: skip
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+)
 AVX2_FLAGS = (
-    "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
-    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
-)  # fmt: skip
-AVX512_FLAGS = ("-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON")
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
+)
+AVX512_FLAGS = (
+    "-DGGML_AVX512=ON",
+    "-DGGML_AVX512_VBMI=ON",
+    "-DGGML_AVX512_VNNI=ON",
+    "-DGGML_AVX512_BF16=ON",
+)
 # AVX-512 where the CPU has it (an AVX2-only CPU dies of an illegal instruction in such a build)
 CPU_FLAGS = AVX2_FLAGS + (AVX512_FLAGS if isa_of(cpu_flags()) == "avx512" else ())
 CMAKE_FLAGS = BASE_FLAGS + CPU_FLAGS
@@ -66,8 +88,13 @@ class LlamaBuild:
 
     def describe(self) -> dict[str, Any]:
         """The build for a benchmark's JSON: version line, binaries, source and cmake flags."""
-        return {"version": _version(self.server), "llama_server": str(self.server), "llama_bench": str(self.bench),
-                "source": self.source, "cmake_flags": list(self.cmake_flags) if self.cmake_flags else None}  # fmt: skip
+        return {
+            "version": _version(self.server),
+            "llama_server": str(self.server),
+            "llama_bench": str(self.bench),
+            "source": self.source,
+            "cmake_flags": list(self.cmake_flags) if self.cmake_flags else None,
+        }
 
 
 def cache_root() -> Path:
@@ -93,7 +120,10 @@ def llama_cpp_build(build: bool = True) -> tuple[LlamaBuild | None, str]:
     if all((folder / target).is_file() for target in TARGETS):
         return made, ""
     if not build:
-        return None, f"llama.cpp is not built yet in {folder} (a benchmark builds it: several minutes)"
+        return (
+            None,
+            f"llama.cpp is not built yet in {folder} (a benchmark builds it: several minutes)",
+        )
     try:
         _build(folder)
     except (OSError, StopIteration, tarfile.TarError) as exc:
@@ -113,15 +143,27 @@ def _build(folder: Path) -> None:
         raise OSError("cmake is not installed")
     with tempfile.TemporaryDirectory(prefix="seamline-llama-") as tmp:
         work = Path(tmp)
-        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:"]
+        pip = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+        ]
         _run([*pip, f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", str(work)], "pip download")
         archive = next(work.glob("llama_cpp_python-*.tar.gz"))
         with tarfile.open(archive) as tar:
             tar.extractall(work, filter="data")
         source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
         build = work / "build"
-        print(f"building llama.cpp ({', '.join(TARGETS)}) from {archive.name}: several minutes", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"building llama.cpp ({', '.join(TARGETS)}) from {archive.name}: several minutes",
+            file=sys.stderr,
+            flush=True,
+        )
         _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS], "cmake")
         jobs = str(os.cpu_count() or 2)
         _run(["cmake", "--build", str(build), "--target", *TARGETS, "-j", jobs], "cmake --build")
@@ -141,14 +183,34 @@ def _version(binary: Path) -> str:
         out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"unknown ({exc})"
-    return "; ".join(line.strip() for line in (out.stdout + out.stderr).splitlines() if line.strip())
+    return "; ".join(
+        line.strip() for line in (out.stdout + out.stderr).splitlines() if line.strip()
+    )
 
 
-def server_command(binary: Path, gguf: Path, port: int, threads: int, slots: int, context_per_slot: int) -> list[str]:
+def server_command(
+    binary: Path, gguf: Path, port: int, threads: int, slots: int, context_per_slot: int
+) -> list[str]:
     """``llama-server --parallel slots`` with continuous batching, each slot ``context_per_slot``
     long; llama.cpp's defaults otherwise (weight repacking on)."""
     return [
-        str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
-        "-tb", str(threads), "--parallel", str(slots), "-c", str(slots * context_per_slot), "--cont-batching",
-        "--no-webui", "-a", "llama-server",
-    ]  # fmt: skip
+        str(binary),
+        "-m",
+        str(gguf),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "--parallel",
+        str(slots),
+        "-c",
+        str(slots * context_per_slot),
+        "--cont-batching",
+        "--no-webui",
+        "-a",
+        "llama-server",
+    ]

@@ -55,8 +55,15 @@ async def _stream(http: Any, url: str, model: str, prompt: str, max_tokens: int)
     began = time.perf_counter()
     arrivals: list[float] = []
     tokens = 0
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+    }
     async with http.stream("POST", f"{url}/completions", json=body) as response:
         if response.status_code != 200:
             raise StreamError(f"HTTP {response.status_code}: {(await response.aread())[:500]!r}")
@@ -94,24 +101,32 @@ async def _events(response: Any) -> AsyncIterator[dict[str, Any]]:
 async def run_wave(url: str, model: str, prompts: list[str], max_tokens: int) -> dict[str, Any]:
     import httpx
 
-    limits = httpx.Limits(max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4)
+    limits = httpx.Limits(
+        max_connections=len(prompts) + 4, max_keepalive_connections=len(prompts) + 4
+    )
     async with httpx.AsyncClient(limits=limits, timeout=3600) as http:
         # this process's first request pays for its connection pool's set-up, which would count
         # as the server's first-token latency: one listing of the models first, off the clock
         (await http.get(f"{url}/models")).raise_for_status()
         began = time.perf_counter()
-        results = await asyncio.gather(*(_stream(http, url, model, p, max_tokens) for p in prompts),
-                                       return_exceptions=True)  # fmt: skip
+        results = await asyncio.gather(
+            *(_stream(http, url, model, p, max_tokens) for p in prompts), return_exceptions=True
+        )
         wall = time.perf_counter() - began
     done = [r for r in results if isinstance(r, dict)]
     errors = [repr(r) for r in results if not isinstance(r, dict)]
     tokens = sum(int(r["tokens"]) for r in done)
     return {
-        "clients": len(prompts), "tokens": tokens, "wall_s": wall, "tok_s": tokens / wall,
+        "clients": len(prompts),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tok_s": tokens / wall,
         "ttft_ms": [r["ttft_ms"] for r in done if r["ttft_ms"] is not None],
-        "itl_ms": [gap for r in done for gap in r["itl_ms"]], "errors": errors[:3], "failed": len(errors),
+        "itl_ms": [gap for r in done for gap in r["itl_ms"]],
+        "errors": errors[:3],
+        "failed": len(errors),
         "decode_tok_s": [r["decode_tok_s"] for r in done if r["decode_tok_s"] is not None],
-    }  # fmt: skip
+    }
 
 
 def _run(wave: Coroutine[Any, Any, dict[str, Any]]) -> dict[str, Any]:

@@ -45,11 +45,15 @@ from seamline_bench.v4_parting import v4_parting
 PROMPT_TOKENS = 16
 DRIVER = "seamline_bench.lockstep_driver"
 TRANSPORTS = ("tcp", "tcp_tls", "torch")  # tcp_tls: tcp over mutual TLS, as a mesh's groups run
-BYTES_METHOD = ("kernel per-socket TCP counters tcpi_bytes_sent - tcpi_bytes_retrans (payload bytes put on "
-                "the wire once, no TCP/IP headers; read with `ss -tinp`), summed over all TCP sockets of "
-                "each rank process across the timed decode steps, / tokens, mean of the 2 ranks")  # fmt: skip
-LO_METHOD = ("tx_bytes of lo in a fresh network namespace holding only this group (both ranks' traffic "
-             "incl. Ethernet/IP/TCP headers and pure ACKs), / 2 ranks / tokens")  # fmt: skip
+BYTES_METHOD = (
+    "kernel per-socket TCP counters tcpi_bytes_sent - tcpi_bytes_retrans (payload bytes put on "
+    "the wire once, no TCP/IP headers; read with `ss -tinp`), summed over all TCP sockets of "
+    "each rank process across the timed decode steps, / tokens, mean of the 2 ranks"
+)
+LO_METHOD = (
+    "tx_bytes of lo in a fresh network namespace holding only this group (both ranks' traffic "
+    "incl. Ethernet/IP/TCP headers and pure ACKs), / 2 ranks / tokens"
+)
 
 
 NOTES = [
@@ -58,9 +62,11 @@ NOTES = [
     "leader_comm_ms_per_token: the leader's time inside collectives = transfer + waking up + waiting for "
     "rank 1 to reach the gate (its share of the chosen experts may be larger that token)",
     "loadavg_1min: this machine may be shared; a busy core stalls the whole group at every gate",
-    ("both_cores_single_tok_s: the single engine on each core while both run at once (each repeat); "
-     "ideal_speedup_given_cores = 2 x the slower of them / single_tok_s: a group with a perfect split and "
-     "free gates on these cores now; speedup_of_ideal = speedup / that"),
+    (
+        "both_cores_single_tok_s: the single engine on each core while both run at once (each repeat); "
+        "ideal_speedup_given_cores = 2 x the slower of them / single_tok_s: a group with a perfect split and "
+        "free gates on these cores now; speedup_of_ideal = speedup / that"
+    ),
 ]
 
 
@@ -75,8 +81,14 @@ def theory_bytes(facts: dict[str, Any]) -> int:
     return gates + argmax + control
 
 
-def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
-                   transports: tuple[str, ...] = TRANSPORTS, netns: bool | None = None, v4: bool = True) -> dict[str, Any]:
+def bench_lockstep(
+    repeats: int = 3,
+    tokens: int = 128,
+    size: str = "bench",
+    transports: tuple[str, ...] = TRANSPORTS,
+    netns: bool | None = None,
+    v4: bool = True,
+) -> dict[str, Any]:
     """The JSON of `seamline bench lockstep`. ``size``: "bench" (>= 1 GB) or "tiny" (tests);
     ``netns``: run each group in a fresh network namespace (None: when root); ``v4``: with
     the DeepSeek-V4 rows (``v4_lockstep``)."""
@@ -90,7 +102,9 @@ def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
     facts = model_facts(folder)
     netns = netns_available() if netns is None else netns
     gen = torch.Generator().manual_seed(1)
-    prompt = ",".join(str(t) for t in torch.randint(0, facts["vocab"], (PROMPT_TOKENS,), generator=gen).tolist())
+    prompt = ",".join(
+        str(t) for t in torch.randint(0, facts["vocab"], (PROMPT_TOKENS,), generator=gen).tolist()
+    )
     common = ["--model", str(folder), "--prompt", prompt]
     load_before = os.getloadavg()
     drivers: dict[str, Driver] = {}
@@ -98,12 +112,26 @@ def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
     both: list[tuple[dict[str, Any], dict[str, Any]]] = []  # the two cores' singles at once
     try:
         drivers["single"] = Driver(DRIVER, ["single", *common, "--core", str(core0)])
-        peer_single = drivers["single_core1"] = Driver(DRIVER, ["single", *common, "--core", str(core1)])
+        peer_single = drivers["single_core1"] = Driver(
+            DRIVER, ["single", *common, "--core", str(core1)]
+        )
         for transport in transports:
             extra = ["--netns"] if netns else []
             extra += ["--tls"] if transport == "tcp_tls" else []
-            drivers[transport] = Driver(DRIVER, ["group", *common, "--transport", transport.removesuffix("_tls"),
-                                                 "--core", str(core0), "--peer-core", str(core1), *extra])  # fmt: skip
+            drivers[transport] = Driver(
+                DRIVER,
+                [
+                    "group",
+                    *common,
+                    "--transport",
+                    transport.removesuffix("_tls"),
+                    "--core",
+                    str(core0),
+                    "--peer-core",
+                    str(core1),
+                    *extra,
+                ],
+            )
         ready = {name: d.wait_ready() for name, d in drivers.items()}
         for driver in drivers.values():  # warm-up
             driver.measure(min(8, tokens))
@@ -118,7 +146,10 @@ def bench_lockstep(repeats: int = 3, tokens: int = 128, size: str = "bench",
     result.update(_cores_ceiling(both, result))
     result["cores"] = {"single": core0, "lockstep2_rank0_leader": core0, "lockstep2_rank1": core1}
     # the machine may be shared: a busy core stalls the group at every gate (see the notes)
-    result["loadavg_1min"] = {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)}
+    result["loadavg_1min"] = {
+        "before": round(load_before[0], 2),
+        "after": round(os.getloadavg()[0], 2),
+    }
     if v4:
         result.update(v4_lockstep(repeats, min(tokens, V4_TOKENS), size, core0, core1))
     return result
@@ -133,10 +164,16 @@ def v4_lockstep(repeats: int, tokens: int, size: str, core0: int, core1: int) ->
     from seamline_bench.v4_model import build_v4_model
 
     folder = build_v4_model(size)
-    ids = torch.randint(0, 1000, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids = torch.randint(
+        0, 1000, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(1)
+    ).tolist()
     common = ["--model", str(folder), "--prompt", ",".join(map(str, ids)), "--dtype", "bfloat16"]
-    drivers = {"single": Driver(DRIVER, ["single", *common, "--core", str(core0)]),
-               "lockstep2": Driver(DRIVER, ["group", *common, "--core", str(core0), "--peer-core", str(core1)])}
+    drivers = {
+        "single": Driver(DRIVER, ["single", *common, "--core", str(core0)]),
+        "lockstep2": Driver(
+            DRIVER, ["group", *common, "--core", str(core0), "--peer-core", str(core1)]
+        ),
+    }
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in drivers}
     try:
         for driver in drivers.values():
@@ -156,24 +193,30 @@ def v4_lockstep(repeats: int, tokens: int, size: str, core0: int, core1: int) ->
         "v4_single_tok_s": round(single, 2),
         "v4_lockstep2_tok_s": round(group, 2),
         "v4_lockstep_speedup": round(group / single, 3),
-        "v4_tokens_match": all(r["tokens"] == runs["single"][0]["tokens"] for rs in runs.values() for r in rs),
+        "v4_tokens_match": all(
+            r["tokens"] == runs["single"][0]["tokens"] for rs in runs.values() for r in rs
+        ),
         "v4_split": "each rank: whole output groups of query heads (q_b rows, sinks, o_a rows, o_b columns), "
-                    "half the routed experts, half the shared expert's rows, half the head's rows; every rank: "
-                    "q_a, the shared key/value head, the compressors and the indexer (the caches), "
-                    "hyper-connections, norms, the router",
+        "half the routed experts, half the shared expert's rows, half the head's rows; every rank: "
+        "q_a, the shared key/value head, the compressors and the indexer (the caches), "
+        "hyper-connections, norms, the router",
         "v4_runs_tok_s": {k: [round(float(r["tok_s"]), 2) for r in v] for k, v in runs.items()},
         "v4_dtype": "bfloat16",
         "v4_tokens": tokens,
     }
 
 
-def _side_by_side(first: Driver, second: Driver, tokens: int) -> tuple[dict[str, Any], dict[str, Any]]:
+def _side_by_side(
+    first: Driver, second: Driver, tokens: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
     first.start(tokens)
     second.start(tokens)
     return first.result(), second.result()
 
 
-def _cores_ceiling(both: list[tuple[dict[str, Any], dict[str, Any]]], result: dict[str, Any]) -> dict[str, Any]:
+def _cores_ceiling(
+    both: list[tuple[dict[str, Any], dict[str, Any]]], result: dict[str, Any]
+) -> dict[str, Any]:
     """What the two cores give when both work at once: a group that halved the work perfectly,
     with free gates, would make 2 x the slower core's rate."""
     rates = [statistics.median(float(pair[i]["tok_s"]) for pair in both) for i in (0, 1)]
@@ -185,13 +228,22 @@ def _cores_ceiling(both: list[tuple[dict[str, Any], dict[str, Any]]], result: di
     }
 
 
-def _transport_result(runs: list[dict[str, Any]], single: list[dict[str, Any]], facts: dict[str, Any],
-                      tokens: int, ready: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _transport_result(
+    runs: list[dict[str, Any]],
+    single: list[dict[str, Any]],
+    facts: dict[str, Any],
+    tokens: int,
+    ready: dict[str, Any],
+) -> dict[str, Any]:
     single_tok_s, group_tok_s = median(single, "tok_s"), median(runs, "tok_s")
     theory = theory_bytes(facts)
     # what each rank's sockets carried once: sent less retransmitted (retransmissions apart)
-    per_rank = [statistics.median((r["tcp_bytes_sent"][i] - r["tcp_bytes_retrans"][i]) / tokens for r in runs)
-                for i in range(2)]  # fmt: skip
+    per_rank = [
+        statistics.median(
+            (r["tcp_bytes_sent"][i] - r["tcp_bytes_retrans"][i]) / tokens for r in runs
+        )
+        for i in range(2)
+    ]
     measured = sum(per_rank) / 2
     retrans = statistics.median(sum(r["tcp_bytes_retrans"]) / 2 / tokens for r in runs)
     out: dict[str, Any] = {
@@ -224,13 +276,29 @@ def _transport_result(runs: list[dict[str, Any]], single: list[dict[str, Any]], 
     return out
 
 
-def _result(runs: dict[str, list[dict[str, Any]]], facts: dict[str, Any], tokens: int, repeats: int,
-            transports: tuple[str, ...], ready: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _result(
+    runs: dict[str, list[dict[str, Any]]],
+    facts: dict[str, Any],
+    tokens: int,
+    repeats: int,
+    transports: tuple[str, ...],
+    ready: dict[str, Any],
+) -> dict[str, Any]:
     single = runs["single"]
-    per_transport = {t: _transport_result(runs[t], single, facts, tokens, ready[t]) for t in transports}
+    per_transport = {
+        t: _transport_result(runs[t], single, facts, tokens, ready[t]) for t in transports
+    }
     default = per_transport["tcp"] if "tcp" in per_transport else per_transport[transports[0]]
-    keys = ("single_tok_s", "lockstep2_tok_s", "speedup", "tokens_match", "bytes_per_token_measured",
-            "bytes_per_token_theory", "bytes_ratio", "bytes_method")  # fmt: skip
+    keys = (
+        "single_tok_s",
+        "lockstep2_tok_s",
+        "speedup",
+        "tokens_match",
+        "bytes_per_token_measured",
+        "bytes_per_token_theory",
+        "bytes_ratio",
+        "bytes_method",
+    )
     return {
         "bench": "lockstep",
         "default_transport": "tcp" if "tcp" in per_transport else transports[0],

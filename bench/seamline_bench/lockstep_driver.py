@@ -75,7 +75,9 @@ def tcp_bytes(pids: list[int]) -> dict[int, tuple[int, int]]:
     try:
         out = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, check=True).stdout
     except FileNotFoundError:
-        raise RuntimeError("bench lockstep reads TCP byte counters with `ss` (iproute2): install it") from None
+        raise RuntimeError(
+            "bench lockstep reads TCP byte counters with `ss` (iproute2): install it"
+        ) from None
     totals = {pid: [0, 0] for pid in pids}
     owner: int | None = None
     for line in out.splitlines():
@@ -127,7 +129,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--peer-core", type=int, default=1)
     ap.add_argument("--transport", choices=["tcp", "torch"], default="tcp")
-    ap.add_argument("--tls", action="store_true", help="tcp over mutual TLS, certificates from a fresh mesh CA")
+    ap.add_argument(
+        "--tls", action="store_true", help="tcp over mutual TLS, certificates from a fresh mesh CA"
+    )
     ap.add_argument("--netns", action="store_true")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -160,16 +164,43 @@ def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes]
     peer_core = args.peer_core
     tls_dir = _group_certificates() if args.tls else None
     peer = subprocess.Popen(
-        [sys.executable, "-m", "seamline.runtime.lockstep_group", "--rank", "1", "--world", "2",
-         "--addresses", addresses, "--model", args.model, "--timeout", str(args.timeout),
-         "--transport", args.transport, "--dtype", args.dtype, *(["--tls-dir", str(tls_dir)] if tls_dir else [])],
-        cwd=root, env={**os.environ}, preexec_fn=lambda: os.sched_setaffinity(0, {peer_core}))  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "seamline.runtime.lockstep_group",
+            "--rank",
+            "1",
+            "--world",
+            "2",
+            "--addresses",
+            addresses,
+            "--model",
+            args.model,
+            "--timeout",
+            str(args.timeout),
+            "--transport",
+            args.transport,
+            "--dtype",
+            args.dtype,
+            *(["--tls-dir", str(tls_dir)] if tls_dir else []),
+        ],
+        cwd=root,
+        env={**os.environ},
+        preexec_fn=lambda: os.sched_setaffinity(0, {peer_core}),
+    )
     from seamline.weights.loader import DTYPES
 
     try:
-        leader = LockstepRank(args.model, 0, 2, [("127.0.0.1", p) for p in ports], args.timeout, DTYPES[args.dtype],
-                              transport=args.transport,  # type: ignore[arg-type]
-                              tls=group_tls_from_folder(tls_dir, 0, 2) if tls_dir else None)
+        leader = LockstepRank(
+            args.model,
+            0,
+            2,
+            [("127.0.0.1", p) for p in ports],
+            args.timeout,
+            DTYPES[args.dtype],
+            transport=args.transport,  # type: ignore[arg-type]
+            tls=group_tls_from_folder(tls_dir, 0, 2) if tls_dir else None,
+        )
     finally:  # both ranks have read their keys once the group is joined (or failed to)
         if tls_dir is not None:
             shutil.rmtree(tls_dir, ignore_errors=True)
@@ -181,8 +212,9 @@ def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes]
     return LockstepGroup(leader), peer, timed
 
 
-def _measure(runner: Any, prompt: list[int], tokens: int, pids: list[int], timed: TimedComm | None,
-             lo: bool) -> dict[str, Any]:
+def _measure(
+    runner: Any, prompt: list[int], tokens: int, pids: list[int], timed: TimedComm | None, lo: bool
+) -> dict[str, Any]:
     """Greedy decode of ``tokens`` steps after the prompt: rate, and (a group) bytes sent."""
     from seamline.params import SamplingParams
 
@@ -237,8 +269,17 @@ def main() -> int:
         group, peer, timed = _start_group(args)
         runner = Engine(LockstepStage(group), group.context_length)
     pin(args.core)  # threads torch or gloo started meanwhile
-    print(json.dumps({"ready": True, "mode": args.mode, "netns": netns or "fresh namespace, lo only",
-                      "threads": torch.get_num_threads()}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "ready": True,
+                "mode": args.mode,
+                "netns": netns or "fresh namespace, lo only",
+                "threads": torch.get_num_threads(),
+            }
+        ),
+        flush=True,
+    )
     pids = [os.getpid()] + ([peer.pid] if peer is not None else [])
     for line in sys.stdin:
         words = line.split()

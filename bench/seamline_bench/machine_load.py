@@ -25,7 +25,9 @@ def machine_busy_s() -> float:
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal (guest is in user)
+    busy = (
+        sum(fields[:8]) - idle
+    )  # user nice system idle iowait irq softirq steal (guest is in user)
     return busy / os.sysconf("SC_CLK_TCK")
 
 
@@ -66,10 +68,14 @@ class Meter:
         """The share of all cores (0 to 1) that processes outside the benchmark used."""
         wall, busy, own = time.monotonic(), machine_busy_s(), own_cpu_s(self.pids())
         foreign = (busy - self.began[1]) - (own - self.began[2])
-        return round(max(0.0, foreign) / max(1e-9, (wall - self.began[0]) * (os.cpu_count() or 1)), 3)
+        return round(
+            max(0.0, foreign) / max(1e-9, (wall - self.began[0]) * (os.cpu_count() or 1)), 3
+        )
 
 
-def wait_quiet(pids: Callable[[], list[int]], most_s: float, window_s: float = 2.0) -> tuple[float, float]:
+def wait_quiet(
+    pids: Callable[[], list[int]], most_s: float, window_s: float = 2.0
+) -> tuple[float, float]:
     """Wait until a ``window_s`` with a foreign share under ``QUIET_SHARE``, at most ``most_s``:
     (seconds waited, the last window's share)."""
     meter, began = Meter(pids), time.monotonic()

@@ -18,8 +18,8 @@ import hashlib
 import json
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,22 +30,52 @@ MIN_BENCH_BYTES = 10**9  # the bench model's float32 safetensors must be at leas
 
 SIZES: dict[str, dict[str, Any]] = {
     "bench": dict(
-        vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=768,
-        num_hidden_layers=3, first_k_dense_replace=0, n_routed_experts=64, num_experts_per_tok=8,
-        n_group=8, topk_group=4, n_shared_experts=1, routed_scaling_factor=2.5,
-        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384, kv_lora_rank=256,
-        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-        max_position_embeddings=1024, tie_word_embeddings=False,
+        vocab_size=32000,
+        hidden_size=1024,
+        intermediate_size=2816,
+        moe_intermediate_size=768,
+        num_hidden_layers=3,
+        first_k_dense_replace=0,
+        n_routed_experts=64,
+        num_experts_per_tok=8,
+        n_group=8,
+        topk_group=4,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
     ),
     "tiny": dict(
-        vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
-        num_hidden_layers=2, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=64,
-        qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
-        max_position_embeddings=256, tie_word_embeddings=False,
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=64,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
     ),
-}  # fmt: skip
+}
 
 
 def cache_root() -> Path:
@@ -54,8 +84,12 @@ def cache_root() -> Path:
 
 def model_dir(size: str) -> Path:
     """Where the checkpoint of ``size`` lives: the name carries a hash of what builds it."""
-    recipe = json.dumps({"config": SIZES[size], "seed": SEED, "builder": BUILDER_VERSION}, sort_keys=True)
-    return cache_root() / f"deepseek-v3-moe-{size}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    recipe = json.dumps(
+        {"config": SIZES[size], "seed": SEED, "builder": BUILDER_VERSION}, sort_keys=True
+    )
+    return (
+        cache_root() / f"deepseek-v3-moe-{size}-{hashlib.sha256(recipe.encode()).hexdigest()[:12]}"
+    )
 
 
 def safetensors_bytes(folder: Path) -> int:
@@ -76,7 +110,9 @@ def cached_build(folder: Path, write: Callable[[Path], None]) -> Path:
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    (partial / ".complete").write_text(json.dumps({"safetensors_bytes": safetensors_bytes(partial)}) + "\n")
+    (partial / ".complete").write_text(
+        json.dumps({"safetensors_bytes": safetensors_bytes(partial)}) + "\n"
+    )
     shutil.rmtree(folder, ignore_errors=True)
     partial.rename(folder)
     return folder
@@ -95,7 +131,9 @@ def build_model(size: str = "bench") -> Path:
         model.save_pretrained(partial, safe_serialization=True)
         total = safetensors_bytes(partial)
         if size == "bench" and total < MIN_BENCH_BYTES:
-            raise RuntimeError(f"the bench checkpoint has {total} bytes of safetensors, under {MIN_BENCH_BYTES}")
+            raise RuntimeError(
+                f"the bench checkpoint has {total} bytes of safetensors, under {MIN_BENCH_BYTES}"
+            )
 
     return cached_build(model_dir(size), write)
 
@@ -103,7 +141,11 @@ def build_model(size: str = "bench") -> Path:
 def model_facts(folder: Path) -> dict[str, Any]:
     """What the JSON reports about the checkpoint."""
     config = json.loads((folder / "config.json").read_text())
-    experts, inter, hidden = config["n_routed_experts"], config["moe_intermediate_size"], config["hidden_size"]
+    experts, inter, hidden = (
+        config["n_routed_experts"],
+        config["moe_intermediate_size"],
+        config["hidden_size"],
+    )
     moe_layers = config["num_hidden_layers"] - config["first_k_dense_replace"]
     return {
         "name": folder.name,

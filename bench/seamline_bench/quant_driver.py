@@ -31,7 +31,11 @@ import torch
 
 PREFILL_TOKENS = 512
 CONTEXT = 2048
-PRECISION = {"default": "fast", "exact": "exact", "dequant": "fast"}  # each seamline party's --precision
+PRECISION = {
+    "default": "fast",
+    "exact": "exact",
+    "dequant": "fast",
+}  # each seamline party's --precision
 
 # measure(long prompt, prompt, decode steps) -> {"decode_tok_s", "prefill_tok_s"}
 Measure = Callable[[list[int], list[int], int], dict[str, float]]
@@ -43,7 +47,9 @@ def seamline_party(name: str, model: str) -> Measure:
     from seamline.model.linear import dequantize_weights
     from seamline.weights.loader import DTYPES
 
-    loaded = LocalModel.load(model, None, CONTEXT, PRECISION[name])  # as the commands load it, with no --dtype
+    loaded = LocalModel.load(
+        model, None, CONTEXT, PRECISION[name]
+    )  # as the commands load it, with no --dtype
     engine = loaded.engine
     if name == "dequant":
         dequantize_weights(engine.stage, DTYPES[loaded.precision.dtype])

@@ -24,9 +24,19 @@ from seamline.ownership import Ownership
 from seamline.weights.loader import DTYPES, load_stage, open_source
 
 
-def measure_in_subprocess(model: str | Path, start: int, end: int, dtype: str = "float32") -> dict[str, Any]:
+def measure_in_subprocess(
+    model: str | Path, start: int, end: int, dtype: str = "float32"
+) -> dict[str, Any]:
     """Run this module in a fresh interpreter (a clean RSS) and return its JSON."""
-    command = [sys.executable, "-m", "seamline_bench.resident", str(model), str(start), str(end), dtype]
+    command = [
+        sys.executable,
+        "-m",
+        "seamline_bench.resident",
+        str(model),
+        str(start),
+        str(end),
+        dtype,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"resident measurement failed: {done.stderr.strip()[-2000:]}")
@@ -58,15 +68,29 @@ def measure(model: Path, start: int, end: int, dtype: str) -> dict[str, Any]:
     before = process.memory_info().rss
     stage = load_stage(open_source(model), Ownership(layers=(start, end)), DTYPES[dtype])
     cache = stage.new_cache()
-    inputs = torch.tensor([1]) if stage.embed is not None else torch.zeros(1, stage.config.hidden_size, dtype=stage.compute_dtype)
+    inputs = (
+        torch.tensor([1])
+        if stage.embed is not None
+        else torch.zeros(1, stage.config.hidden_size, dtype=stage.compute_dtype)
+    )
     stage(inputs, 0, cache)
     grown = process.memory_info().rss - before
-    kv = sum(t.numel() * t.element_size() for kv in cache.layers.values() for t in (kv.k, kv.v) if t is not None)
+    kv = sum(
+        t.numel() * t.element_size()
+        for kv in cache.layers.values()
+        for t in (kv.k, kv.v)
+        if t is not None
+    )
     from seamline.weights.names import stage_plans
 
     names = {n for p in stage_plans(stage.config, stage.ownership) for n in p.sources()}
-    return {"rss_growth_bytes": grown, "kv_cache_bytes": kv, "resident_weight_bytes": grown - kv,
-            "gguf_tensor_bytes": _stored_bytes(model, names), "layers": [start, end]}  # fmt: skip
+    return {
+        "rss_growth_bytes": grown,
+        "kv_cache_bytes": kv,
+        "resident_weight_bytes": grown - kv,
+        "gguf_tensor_bytes": _stored_bytes(model, names),
+        "layers": [start, end],
+    }
 
 
 if __name__ == "__main__":

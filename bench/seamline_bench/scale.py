@@ -66,11 +66,20 @@ CLIENTS = (1, 16, 64)
 TOKENS = 64
 SETTLE_CLIENTS, SETTLE_TOKENS, SETTLE_WAVES, STABLE_WAVES = 64, 48, 8, 2
 PROBE_WAIT_S, PROBE_POLL_S = 300.0, 10.0
-REPROBE = ("--reprobe-when-idle",)  # nodes probe again on quiet cores: the meshes load beside each other
-TARGETS = {"ratio_low": 0.85, "ratio_high": 1.15, "pipeline_gain_64": 1.7, "pipeline_gain_lan_64": 1.6}
+REPROBE = (
+    "--reprobe-when-idle",
+)  # nodes probe again on quiet cores: the meshes load beside each other
+TARGETS = {
+    "ratio_low": 0.85,
+    "ratio_high": 1.15,
+    "pipeline_gain_64": 1.7,
+    "pipeline_gain_lan_64": 1.6,
+}
 
 
-def bench_scale(repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...] = CLIENTS) -> dict[str, Any]:
+def bench_scale(
+    repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...] = CLIENTS
+) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="seamline-scale-"))
     lan_reason = lan_up(LAN_DELAY_MS)
     servers: dict[str, Server] = {}
@@ -78,41 +87,66 @@ def bench_scale(repeats: int = 3, tokens: int = TOKENS, clients: tuple[int, ...]
         for name in ("one_node", "two_stages", *(() if lan_reason else ("two_stages_lan",))):
             servers[name] = _start(name, logs)
             servers[name].wait_healthy()
-        wait_quiet_probes(servers)  # the plans are made from probes taken beside the others' loading
+        wait_quiet_probes(
+            servers
+        )  # the plans are made from probes taken beside the others' loading
         # a group keeps the probe it takes as it loads (its leader cannot see its ranks' cores
         # quiet): it loads once the others are idle
         servers["lockstep_2"] = _start("lockstep_2", logs)
         servers["lockstep_2"].wait_healthy()
         settled = {name: settle(server, logs) for name, server in servers.items()}
-        for name, server in servers.items():  # a switch inside a measured round would replay its requests
+        for (
+            name,
+            server,
+        ) in servers.items():  # a switch inside a measured round would replay its requests
             hold_plan(server, logs / f"state-{name}")
         quiet = wait_quiet_probes(servers)  # a re-balance reloaded stages: their probes again
         del quiet["lockstep_2"]  # a group's: taken as it loaded, the other meshes idle
         calibrations = {"one_node": calibrate(servers["one_node"], logs)}
-        rank_probe = calibrations["one_node"].stages[0]  # the same core kind: a rank's rate reading weights
-        calibrations |= {name: calibrate(server, logs, rank_probe) for name, server in servers.items()
-                         if name != "one_node"}  # fmt: skip
+        rank_probe = calibrations["one_node"].stages[
+            0
+        ]  # the same core kind: a rank's rate reading weights
+        calibrations |= {
+            name: calibrate(server, logs, rank_probe)
+            for name, server in servers.items()
+            if name != "one_node"
+        }
         measured = _measure(servers, repeats, tokens, clients, logs)
-        plans = {name: {"settled": settled[name], "after": _plan_of(server)} for name, server in servers.items()}
+        plans = {
+            name: {"settled": settled[name], "after": _plan_of(server)}
+            for name, server in servers.items()
+        }
     finally:
         for server in servers.values():
             server.close()
         if not lan_reason:
             lan_down()
-    predicted = {name: {n: [predict(calibrations[name], n, tokens, _prompt_lengths(n, r, logs)) for r in range(repeats)]
-                        for n in clients} for name in servers}  # fmt: skip
+    predicted = {
+        name: {
+            n: [
+                predict(calibrations[name], n, tokens, _prompt_lengths(n, r, logs))
+                for r in range(repeats)
+            ]
+            for n in clients
+        }
+        for name in servers
+    }
     result = _result(measured, predicted, calibrations, tokens, repeats, lan_reason, logs)
     return result | {"plans": plans, "probes_quiet": quiet}
 
 
-def wait_quiet_probes(servers: dict[str, Server], timeout_s: float = PROBE_WAIT_S) -> dict[str, bool]:
+def wait_quiet_probes(
+    servers: dict[str, Server], timeout_s: float = PROBE_WAIT_S
+) -> dict[str, bool]:
     """Leave every mesh idle until each of its stages has taken its probe again on quiet cores
     (``mesh.node.reprobe``; a lockstep group's keeps its loading probe); per mesh, whether all
     did within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     pending = set(servers)
     while pending and time.monotonic() < deadline:
-        time.sleep(PROBE_POLL_S)  # seldom: each look starts a process, on one of the cores being probed
+        time.sleep(
+            PROBE_POLL_S
+        )  # seldom: each look starts a process, on one of the cores being probed
         pending = {name for name in pending if not _probed_quiet(servers[name])}
     return {name: name not in pending for name in servers}
 
@@ -143,16 +177,25 @@ def hold_plan(server: Server, state_dir: Path) -> None:
     """Hold the mesh's serving plan (its administration API): no re-balance from here on."""
     url = server.url.removesuffix("/v1") + "/api/admin/balance"
     key = (state_dir / "admin.key").read_text().strip()
-    code = ("import httpx,os,sys; httpx.put(sys.argv[1], json={'hold': True}, timeout=30, "
-            "headers={'Authorization': 'Bearer ' + os.environ['ADMIN_KEY']}).raise_for_status()")  # fmt: skip
-    subprocess.run([*server.client_prefix, sys.executable, "-c", code, url], timeout=60, check=True,
-                   env={**os.environ, "ADMIN_KEY": key})  # fmt: skip
+    code = (
+        "import httpx,os,sys; httpx.put(sys.argv[1], json={'hold': True}, timeout=30, "
+        "headers={'Authorization': 'Bearer ' + os.environ['ADMIN_KEY']}).raise_for_status()"
+    )
+    subprocess.run(
+        [*server.client_prefix, sys.executable, "-c", code, url],
+        timeout=60,
+        check=True,
+        env={**os.environ, "ADMIN_KEY": key},
+    )
 
 
 def _plan_of(server: Server) -> dict[str, Any]:
     status = status_of(server)
-    return {"plan_id": status["plan_id"], "stages": [s["layers"] for s in status["stages"]],
-            "rate_corrections": status.get("rate_corrections", {})}  # fmt: skip
+    return {
+        "plan_id": status["plan_id"],
+        "stages": [s["layers"] for s in status["stages"]],
+        "rate_corrections": status.get("rate_corrections", {}),
+    }
 
 
 def wait_ready(server: Server, timeout_s: float = 300.0) -> None:
@@ -168,20 +211,39 @@ def _start(name: str, logs: Path) -> Server:
     from seamline.server.demo import memory_cap_gb
 
     env = seamline_env()
-    own_state = ("--state-dir", str(logs / f"state-{name}"))  # its administrator's key, to hold its plan
+    own_state = (
+        "--state-dir",
+        str(logs / f"state-{name}"),
+    )  # its administrator's key, to hold its plan
     if name == "one_node":
         core0 = NodeSpec("0", 1, join_extra=REPROBE)
-        return _on_core0(start_mesh(name, [core0], core0, "127.0.0.1", env, logs, None, own_state, precision=None))
+        return _on_core0(
+            start_mesh(
+                name, [core0], core0, "127.0.0.1", env, logs, None, own_state, precision=None
+            )
+        )
     cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)  # any two nodes, and no one, hold the model
     if name in ("two_stages", "lockstep_2"):
         nodes = [NodeSpec("0", 1, join_extra=REPROBE), NodeSpec("1", 1, join_extra=REPROBE)]
         lockstep = name == "lockstep_2"  # every rank could hold the model: the flag makes the group
-        return _on_core0(start_mesh(name, nodes, NodeSpec("0", 1), "127.0.0.1", env, logs, None if lockstep else cap,
-                                    (*own_state, *(("--tensor-parallel", "2") if lockstep else ())),
-                                    precision=None))  # fmt: skip
+        return _on_core0(
+            start_mesh(
+                name,
+                nodes,
+                NodeSpec("0", 1),
+                "127.0.0.1",
+                env,
+                logs,
+                None if lockstep else cap,
+                (*own_state, *(("--tensor-parallel", "2") if lockstep else ())),
+                precision=None,
+            )
+        )
     nodes = [NodeSpec(str(i), 1, f"{NS_PREFIX}{i + 1}", join_extra=REPROBE) for i in range(2)]
     coordinator = NodeSpec("0", 1, f"{NS_PREFIX}1")
-    return _on_core0(start_mesh(name, nodes, coordinator, "10.77.0.1", env, logs, cap, own_state, precision=None))
+    return _on_core0(
+        start_mesh(name, nodes, coordinator, "10.77.0.1", env, logs, cap, own_state, precision=None)
+    )
 
 
 def _on_core0(server: Server) -> Server:
@@ -189,9 +251,12 @@ def _on_core0(server: Server) -> Server:
     return server
 
 
-def _measure(servers: dict[str, Server], repeats: int, tokens: int, clients: tuple[int, ...],
-             logs: Path) -> dict[str, dict[int, list[dict[str, Any]]]]:  # fmt: skip
-    runs: dict[str, dict[int, list[dict[str, Any]]]] = {name: {n: [] for n in clients} for name in servers}
+def _measure(
+    servers: dict[str, Server], repeats: int, tokens: int, clients: tuple[int, ...], logs: Path
+) -> dict[str, dict[int, list[dict[str, Any]]]]:
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {
+        name: {n: [] for n in clients} for name in servers
+    }
     for round_ in range(repeats):
         for n in clients:
             # new prompts each round (a round's prompts again would hit the prefix cache); the same
@@ -200,7 +265,9 @@ def _measure(servers: dict[str, Server], repeats: int, tokens: int, clients: tup
             for name, server in servers.items():
                 before = _busy_s(server)
                 done = wave(server, prompts, tokens)
-                done["busy"] = [(b1 - b0) / done["wall_s"] for b0, b1 in zip(before, _busy_s(server))]
+                done["busy"] = [
+                    (b1 - b0) / done["wall_s"] for b0, b1 in zip(before, _busy_s(server))
+                ]
                 runs[name][n].append(done)
                 print(f"round {round_} {name} {n} clients: {done['tok_s']:.1f} tok/s", flush=True)
     return runs
@@ -224,9 +291,15 @@ def _prompt_lengths(count: int, round_: int, logs: Path) -> tuple[int, ...]:
     return tuple(len(codec.encode(text)) for text in texts)
 
 
-def _result(measured: dict[str, dict[int, list[dict[str, Any]]]], predicted: dict[str, dict[int, list[dict[str, Any]]]],
-            calibrations: dict[str, Calibration], tokens: int, repeats: int, lan_reason: str,
-            logs: Path) -> dict[str, Any]:  # fmt: skip
+def _result(
+    measured: dict[str, dict[int, list[dict[str, Any]]]],
+    predicted: dict[str, dict[int, list[dict[str, Any]]]],
+    calibrations: dict[str, Calibration],
+    tokens: int,
+    repeats: int,
+    lan_reason: str,
+    logs: Path,
+) -> dict[str, Any]:
     from seamline.sim.published import seed_check
 
     configs: dict[str, Any] = {}
@@ -236,35 +309,55 @@ def _result(measured: dict[str, dict[int, list[dict[str, Any]]]], predicted: dic
         for n, waves in by_clients.items():
             tok_s = statistics.median(w["tok_s"] for w in waves)
             guesses = predicted[name][n]
-            guess = {key: statistics.median(g[key] for g in guesses) for key in ("tok_s", "ttft_s", "itl_ms")}
+            guess = {
+                key: statistics.median(g[key] for g in guesses)
+                for key in ("tok_s", "ttft_s", "itl_ms")
+            }
             guess["busy"] = [statistics.median(b) for b in zip(*(g["busy"] for g in guesses))]
             ratio = guess["tok_s"] / tok_s
             ratios.append(ratio)
             configs[name][str(n)] = {
-                "measured_tok_s": round(tok_s, 2), "predicted_tok_s": round(guess["tok_s"], 2),
-                "ratio": round(ratio, 3), "runs_tok_s": [round(w["tok_s"], 2) for w in waves],
+                "measured_tok_s": round(tok_s, 2),
+                "predicted_tok_s": round(guess["tok_s"], 2),
+                "ratio": round(ratio, 3),
+                "runs_tok_s": [round(w["tok_s"], 2) for w in waves],
                 "predicted_runs_tok_s": [round(g["tok_s"], 2) for g in guesses],
-                "measured_ttft_p50_ms": round(statistics.median(_p50(w["ttft_ms"]) for w in waves), 1),
+                "measured_ttft_p50_ms": round(
+                    statistics.median(_p50(w["ttft_ms"]) for w in waves), 1
+                ),
                 "predicted_ttft_p50_ms": round(guess["ttft_s"] * 1e3, 1),
-                "measured_itl_p50_ms": round(statistics.median(_p50(w["itl_ms"]) for w in waves), 2),
+                "measured_itl_p50_ms": round(
+                    statistics.median(_p50(w["itl_ms"]) for w in waves), 2
+                ),
                 "predicted_itl_p50_ms": round(guess["itl_ms"], 2),
                 "predicted_busy": [round(b, 3) for b in guess["busy"]],
-                "measured_busy": [round(statistics.median(b), 3) for b in zip(*(w["busy"] for w in waves))],
-            }  # fmt: skip
+                "measured_busy": [
+                    round(statistics.median(b), 3) for b in zip(*(w["busy"] for w in waves))
+                ],
+            }
     gain = _gain(configs, "two_stages")
     gain_lan = _gain(configs, "two_stages_lan")
     seed = seed_check()
     result = {
-        "bench": "scale", "model": "SmolLM2-135M-Instruct.Q4_1, no flags (--speculative off)",
-        "tokens": tokens, "repeats": repeats, "clients": sorted({int(n) for c in configs.values() for n in c}),
-        "lan_link": f"{LAN_DELAY_MS} ms one-way, 1gbit" if not lan_reason else f"not measured: {lan_reason}",
+        "bench": "scale",
+        "model": "SmolLM2-135M-Instruct.Q4_1, no flags (--speculative off)",
+        "tokens": tokens,
+        "repeats": repeats,
+        "clients": sorted({int(n) for c in configs.values() for n in c}),
+        "lan_link": f"{LAN_DELAY_MS} ms one-way, 1gbit"
+        if not lan_reason
+        else f"not measured: {lan_reason}",
         "calibration": {name: c.as_json() for name, c in calibrations.items()},
-        "configs": configs, "pipeline_gain_64": gain, "pipeline_gain_lan_64": gain_lan,
+        "configs": configs,
+        "pipeline_gain_64": gain,
+        "pipeline_gain_lan_64": gain_lan,
         "pipeline_gain_bound_64": _gain_bound(calibrations.get("one_node")),
-        "ratio_min": round(min(ratios), 3), "ratio_max": round(max(ratios), 3),
-        "seed_check": seed, "seed_check_tok_s": [round(seed["predicted"][f"split_tok_s_{ms}ms"], 2) for ms in (4, 20)],
+        "ratio_min": round(min(ratios), 3),
+        "ratio_max": round(max(ratios), 3),
+        "seed_check": seed,
+        "seed_check_tok_s": [round(seed["predicted"][f"split_tok_s_{ms}ms"], 2) for ms in (4, 20)],
         "logs": str(logs),
-    }  # fmt: skip
+    }
     result["targets_met"] = _targets(result)
     return result
 
@@ -276,7 +369,9 @@ def _p50(values: list[float]) -> float:
 def _gain(configs: dict[str, Any], name: str) -> float | None:
     if name not in configs or "64" not in configs[name] or "64" not in configs.get("one_node", {}):
         return None
-    return round(configs[name]["64"]["measured_tok_s"] / configs["one_node"]["64"]["measured_tok_s"], 3)
+    return round(
+        configs[name]["64"]["measured_tok_s"] / configs["one_node"]["64"]["measured_tok_s"], 3
+    )
 
 
 def _gain_bound(one_node: Calibration | None) -> float | None:
@@ -293,10 +388,15 @@ def _gain_bound(one_node: Calibration | None) -> float | None:
 def _targets(result: dict[str, Any]) -> dict[str, bool | None]:
     seed = result["seed_check"]
     return {
-        "ratios_within_15pct": TARGETS["ratio_low"] <= result["ratio_min"] and result["ratio_max"] <= TARGETS["ratio_high"],
-        "pipeline_gain_64": None if result["pipeline_gain_64"] is None
+        "ratios_within_15pct": TARGETS["ratio_low"] <= result["ratio_min"]
+        and result["ratio_max"] <= TARGETS["ratio_high"],
+        "pipeline_gain_64": None
+        if result["pipeline_gain_64"] is None
         else result["pipeline_gain_64"] >= TARGETS["pipeline_gain_64"],
-        "pipeline_gain_lan_64": None if result["pipeline_gain_lan_64"] is None
+        "pipeline_gain_lan_64": None
+        if result["pipeline_gain_lan_64"] is None
         else result["pipeline_gain_lan_64"] >= TARGETS["pipeline_gain_lan_64"],
-        "seed_check_within_25pct": all(seed["within_tolerance"][f"split_tok_s_{ms}ms"] for ms in (4, 20)),
-    }  # fmt: skip
+        "seed_check_within_25pct": all(
+            seed["within_tolerance"][f"split_tok_s_{ms}ms"] for ms in (4, 20)
+        ),
+    }

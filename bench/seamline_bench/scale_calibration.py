@@ -17,11 +17,11 @@ from typing import Any
 
 import psutil
 
-from seamline_bench.servers import Server
-from seamline_bench.throughput import prompts_file, wave
 from seamline.mesh.plan.types import LinkCost
 from seamline.sim.costs import DeviceSpeed, FrontCost, Load, StageCost
 from seamline.sim.prediction import GATES_PER_LAYER
+from seamline_bench.servers import Server
+from seamline_bench.throughput import prompts_file, wave
 
 # (clients, tokens, prompts' seed): the first two alike but for the tokens streamed; the first and
 # the third differ in their clients (the load generator's start, the same in each, cancels), and
@@ -46,7 +46,9 @@ class StageProbe:
 @dataclass(frozen=True)
 class Calibration:
     stages: tuple[StageProbe, ...]
-    links_ms_mb_s: tuple[tuple[float, float], ...]  # each hop, then the return hop: (round trip ms, MB/s)
+    links_ms_mb_s: tuple[
+        tuple[float, float], ...
+    ]  # each hop, then the return hop: (round trip ms, MB/s)
     front: FrontCost
     hidden_size: int
     # one hop's one-way ms on the data path, as one stream met it in the warm-up (None: not met)
@@ -56,8 +58,10 @@ class Calibration:
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
-        data["front"] = {"ms_per_token": round(self.front.s_per_token * 1e3, 4),
-                         "ms_per_request": round(self.front.s_per_request * 1e3, 3)}  # fmt: skip
+        data["front"] = {
+            "ms_per_token": round(self.front.s_per_token * 1e3, 4),
+            "ms_per_request": round(self.front.s_per_request * 1e3, 3),
+        }
         return data
 
     def route(self) -> Any:
@@ -66,17 +70,26 @@ class Calibration:
         stages = []
         for i, probe in enumerate(self.stages):
             read = float(probe.weight_bytes)
-            speed = DeviceSpeed(read / (probe.step_ms[1] / 1e3),
-                                {rows: rows * read / (ms / 1e3) for rows, ms in probe.step_ms.items() if rows > 1},
-                                {rows: rows * read / (ms / 1e3) for rows, ms in probe.prompt_ms.items()})  # fmt: skip
+            speed = DeviceSpeed(
+                read / (probe.step_ms[1] / 1e3),
+                {rows: rows * read / (ms / 1e3) for rows, ms in probe.step_ms.items() if rows > 1},
+                {rows: rows * read / (ms / 1e3) for rows, ms in probe.prompt_ms.items()},
+            )
             last = i == len(self.stages) - 1
             gate = probe.gate_link_ms_mb_s
-            stages.append(StageCost(probe.node_id, speed, read,
-                                    frame_bytes_per_row=0 if last else self.hidden_size * FRAME_DTYPE_BYTES,
-                                    ranks=probe.ranks, gates=GATES_PER_LAYER * (probe.layers[1] - probe.layers[0])
-                                    if gate else 0, gate_bytes_per_row=self.hidden_size * FRAME_DTYPE_BYTES,
-                                    gate_link=LinkCost(gate[0] / 2e3, max(gate[1], 0.1) * 1e6) if gate else None,
-                                    step_overhead_s={rows: ms / 1e3 for rows, ms in probe.overhead_ms.items()}))
+            stages.append(
+                StageCost(
+                    probe.node_id,
+                    speed,
+                    read,
+                    frame_bytes_per_row=0 if last else self.hidden_size * FRAME_DTYPE_BYTES,
+                    ranks=probe.ranks,
+                    gates=GATES_PER_LAYER * (probe.layers[1] - probe.layers[0]) if gate else 0,
+                    gate_bytes_per_row=self.hidden_size * FRAME_DTYPE_BYTES,
+                    gate_link=LinkCost(gate[0] / 2e3, max(gate[1], 0.1) * 1e6) if gate else None,
+                    step_overhead_s={rows: ms / 1e3 for rows, ms in probe.overhead_ms.items()},
+                )
+            )
         links = tuple(LinkCost(rtt / 2e3, max(mb_s, 0.1) * 1e6) for rtt, mb_s in self.links_ms_mb_s)
         return Pipeline(tuple(stages), links)
 
@@ -120,12 +133,18 @@ def data_path_hop_ms(status: dict[str, Any]) -> float | None:
     the pings that measure a link cross it idle, a row also wakes the next stage's reader and
     is decoded there. None where no stream ran alone."""
     stages = status["stages"]
-    if len(stages) < 2 or not stages[0].get("ring_ms") or not all(s.get("cycle_ms") for s in stages[1:]):
+    if (
+        len(stages) < 2
+        or not stages[0].get("ring_ms")
+        or not all(s.get("cycle_ms") for s in stages[1:])
+    ):
         return None
     return max(0.0, (stages[0]["ring_ms"] - sum(s["cycle_ms"] for s in stages[1:])) / len(stages))
 
 
-def _stage_probe(stage: dict[str, Any], status: dict[str, Any], rank_probe: StageProbe | None) -> StageProbe:
+def _stage_probe(
+    stage: dict[str, Any], status: dict[str, Any], rank_probe: StageProbe | None
+) -> StageProbe:
     """A stage's probes as it reports them; a lockstep group's are its leader's steps run through
     the whole group, its gates included (``ranks`` says so, with no gate to add)."""
     layers, read = (int(stage["layers"][0]), int(stage["layers"][1])), int(stage["weight_bytes"])
@@ -134,42 +153,78 @@ def _stage_probe(stage: dict[str, Any], status: dict[str, Any], rank_probe: Stag
     if stage.get("step_probe_ms"):
         steps = {int(r): float(ms) for r, ms in stage["step_probe_ms"].items()}
         prompts = {int(r): float(ms) for r, ms in stage.get("prompt_probe_ms", {}).items() if ms}
-        return StageProbe("+".join(ranks), layers, read, steps, prompts, len(ranks), overhead_ms=overhead)
+        return StageProbe(
+            "+".join(ranks), layers, read, steps, prompts, len(ranks), overhead_ms=overhead
+        )
     if len(ranks) == 1 or rank_probe is None:
-        raise ValueError(f"stage {stage['node_id']} reported no speed probe, and no probed node of its kind stands in")
-    scale = _rank_share(layers, len(ranks))  # the same bytes per second over the rank's share of the reads
-    return StageProbe("+".join(ranks), layers, read, {r: ms * scale for r, ms in rank_probe.step_ms.items()},
-                      {r: ms * scale for r, ms in rank_probe.prompt_ms.items()}, len(ranks),
-                      _hop(status, ranks[0], ranks[1]), overhead)  # fmt: skip
+        raise ValueError(
+            f"stage {stage['node_id']} reported no speed probe, and no probed node of its kind stands in"
+        )
+    scale = _rank_share(
+        layers, len(ranks)
+    )  # the same bytes per second over the rank's share of the reads
+    return StageProbe(
+        "+".join(ranks),
+        layers,
+        read,
+        {r: ms * scale for r, ms in rank_probe.step_ms.items()},
+        {r: ms * scale for r, ms in rank_probe.prompt_ms.items()},
+        len(ranks),
+        _hop(status, ranks[0], ranks[1]),
+        overhead,
+    )
 
 
-def predict(calibration: Calibration, clients: int, tokens: int, prompt_lengths: tuple[int, ...]) -> dict[str, Any]:
+def predict(
+    calibration: Calibration, clients: int, tokens: int, prompt_lengths: tuple[int, ...]
+) -> dict[str, Any]:
     from seamline.runtime.pipeline_head import MAX_STEP_TOKENS, pipeline_prefill_chunk
     from seamline.sim.simulate import simulate
 
     load = Load(clients, round(sum(prompt_lengths) / len(prompt_lengths)), tokens)
-    chunk = pipeline_prefill_chunk(len(calibration.stages)) or MAX_STEP_TOKENS  # as the mesh's stage 0 chunks
-    done = simulate(calibration.route(), load, front=calibration.front, prompt_lengths=prompt_lengths,
-                    max_step_tokens=MAX_STEP_TOKENS, prefill_chunk=chunk, front_device=calibration.front_node)
-    return {"tok_s": done.tok_s, "ttft_s": done.p50_ttft_s(), "itl_ms": done.p50_ms_between_tokens(),
-            "busy": list(done.busy)}  # fmt: skip
+    chunk = (
+        pipeline_prefill_chunk(len(calibration.stages)) or MAX_STEP_TOKENS
+    )  # as the mesh's stage 0 chunks
+    done = simulate(
+        calibration.route(),
+        load,
+        front=calibration.front,
+        prompt_lengths=prompt_lengths,
+        max_step_tokens=MAX_STEP_TOKENS,
+        prefill_chunk=chunk,
+        front_device=calibration.front_node,
+    )
+    return {
+        "tok_s": done.tok_s,
+        "ttft_s": done.p50_ttft_s(),
+        "itl_ms": done.p50_ms_between_tokens(),
+        "busy": list(done.busy),
+    }
 
 
 def _front_cost(server: Server, logs: Path) -> FrontCost:
     """CPU seconds of the coordinator and the load generator per request and per streamed token,
     from warm-up waves (``WARM_WAVES``) that differ in their tokens or in their clients alone."""
-    (short, clients), (long, _), (few, few_clients) = ((_front_cpu_s(server, logs, *w), w[0]) for w in WARM_WAVES)
+    (short, clients), (long, _), (few, few_clients) = (
+        (_front_cpu_s(server, logs, *w), w[0]) for w in WARM_WAVES
+    )
     per_token = max(0.0, (long[0] - short[0]) / max(1, long[1] - short[1]))
-    per_request = max(0.0, (short[0] - few[0] - per_token * (short[1] - few[1])) / (clients - few_clients))
+    per_request = max(
+        0.0, (short[0] - few[0] - per_token * (short[1] - few[1])) / (clients - few_clients)
+    )
     return FrontCost(per_token, per_request)
 
 
-def _front_cpu_s(server: Server, logs: Path, clients: int, tokens: int, seed: int) -> tuple[float, int]:
+def _front_cpu_s(
+    server: Server, logs: Path, clients: int, tokens: int, seed: int
+) -> tuple[float, int]:
     """The front's CPU seconds over one warm-up wave, and the tokens it streamed."""
     coordinator = server.procs[0].pid
     before_coordinator, before_clients = _cpu_s(coordinator), _children_cpu_s()
     done = wave(server, prompts_file(clients, seed, logs), tokens)
-    return (_cpu_s(coordinator) - before_coordinator) + (_children_cpu_s() - before_clients), int(done["tokens"])
+    return (_cpu_s(coordinator) - before_coordinator) + (_children_cpu_s() - before_clients), int(
+        done["tokens"]
+    )
 
 
 def _cpu_s(pid: int) -> float:
@@ -189,8 +244,13 @@ def status_of(server: Server) -> dict[str, Any]:
 
     url = server.url.removesuffix("/v1") + "/api/status"
     code = "import httpx,sys; print(httpx.get(sys.argv[1], timeout=10).text)"
-    out = subprocess.run([*server.client_prefix, sys.executable, "-c", code, url], capture_output=True, text=True,
-                         timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [*server.client_prefix, sys.executable, "-c", code, url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return dict(json.loads(out.stdout))
 
 
@@ -199,7 +259,9 @@ def _links(status: dict[str, Any], route: list[str]) -> tuple[tuple[float, float
     slower of the two nodes' links to the coordinator."""
     if len(route) < 2:
         return ()
-    return tuple(_hop(status, a.split("+")[0], b.split("+")[0]) for a, b in zip(route, route[1:] + route[:1]))
+    return tuple(
+        _hop(status, a.split("+")[0], b.split("+")[0]) for a, b in zip(route, route[1:] + route[:1])
+    )
 
 
 def _hop(status: dict[str, Any], a: str, b: str) -> tuple[float, float]:
@@ -208,8 +270,10 @@ def _hop(status: dict[str, Any], a: str, b: str) -> tuple[float, float]:
     for pair in status.get("links", []):
         if set(pair["nodes"]) == {a, b}:
             return float(pair["rtt_ms"]), float(pair["bandwidth_mb_s"])
-    access = {n["node_id"]: (float(n.get("rtt_ms") or 0.0), float(n.get("bandwidth_mb_s") or 0.0))
-              for n in status.get("nodes", [])}  # fmt: skip
+    access = {
+        n["node_id"]: (float(n.get("rtt_ms") or 0.0), float(n.get("bandwidth_mb_s") or 0.0))
+        for n in status.get("nodes", [])
+    }
     return max(access[a][0], access[b][0]), min(access[a][1], access[b][1])
 
 

@@ -46,7 +46,9 @@ class Server:
     procs: list[subprocess.Popen[str]] = field(default_factory=list)
     client_cores: str = "0,1"  # where the load generator runs (taskset list)
     token: str = ""  # a mesh's invite: more nodes may join with it
-    caches: list[Path] = field(default_factory=list)  # its nodes' fragment caches: gone with it, logs stay
+    caches: list[Path] = field(
+        default_factory=list
+    )  # its nodes' fragment caches: gone with it, logs stay
 
     def wait_healthy(self, timeout_s: float = 900) -> None:
         deadline = time.monotonic() + timeout_s
@@ -72,7 +74,9 @@ class Server:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        for cache in self.caches:  # the model's weights again, per node: a bench's runs would fill the disk
+        for (
+            cache
+        ) in self.caches:  # the model's weights again, per node: a bench's runs would fill the disk
             shutil.rmtree(cache, ignore_errors=True)
 
 
@@ -82,8 +86,12 @@ def _get(server: Server, path: str) -> int:
     if not server.client_prefix:
         return httpx.get(root + path, timeout=5).status_code
     code = "import httpx,sys; print(httpx.get(sys.argv[1], timeout=5).status_code)"
-    out = subprocess.run([*server.client_prefix, sys.executable, "-c", code, root + path], capture_output=True,
-                         text=True, timeout=30)  # fmt: skip
+    out = subprocess.run(
+        [*server.client_prefix, sys.executable, "-c", code, root + path],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     return int(out.stdout.strip() or 0)
 
 
@@ -102,15 +110,38 @@ def precision_args(precision: str | None) -> list[str]:
     return [] if precision is None else ["--precision", precision]
 
 
-def start_single(name: str, threads: int, env: dict[str, str], logs: Path, *, precision: str | None,
-                 model: Path | None = None, extra: tuple[str, ...] = (), speculative: str = "off") -> Server:  # fmt: skip
+def start_single(
+    name: str,
+    threads: int,
+    env: dict[str, str],
+    logs: Path,
+    *,
+    precision: str | None,
+    model: Path | None = None,
+    extra: tuple[str, ...] = (),
+    speculative: str = "off",
+) -> Server:
     """`seamline serve --single` on cores 0..threads-1 (``model``: default the embedded one;
     ``extra``: more options; ``speculative``: its mode, off but in `bench spec`)."""
     port = free_port()
     chosen = ["--model", str(model)] if model else []
-    command = _pinned(",".join(map(str, range(threads))), threads, None, [
-        *SEAMLINE, "serve", "--single", "--port", str(port), *chosen, *precision_args(precision),
-        "--speculative", speculative, *extra])  # fmt: skip
+    command = _pinned(
+        ",".join(map(str, range(threads))),
+        threads,
+        None,
+        [
+            *SEAMLINE,
+            "serve",
+            "--single",
+            "--port",
+            str(port),
+            *chosen,
+            *precision_args(precision),
+            "--speculative",
+            speculative,
+            *extra,
+        ],
+    )
     server = Server(name, f"http://127.0.0.1:{port}/v1", MODEL_ALIAS, [])
     server.procs.append(_popen(command, env, logs / f"{name}.log"))
     return server
@@ -122,10 +153,21 @@ def descriptors_capped(limit: int) -> list[str]:
     return ["prlimit", f"--nofile={limit}:{limit}", "--"]
 
 
-def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: str, env: dict[str, str],
-               logs: Path, cap_gb: float | None, serve_extra: tuple[str, ...] = (),
-               nodes_expected: int = 0, *, precision: str | None, nofile: int = 0,
-               speculative: str = "off") -> Server:  # fmt: skip
+def start_mesh(
+    name: str,
+    nodes: list[NodeSpec],
+    coordinator: NodeSpec,
+    host: str,
+    env: dict[str, str],
+    logs: Path,
+    cap_gb: float | None,
+    serve_extra: tuple[str, ...] = (),
+    nodes_expected: int = 0,
+    *,
+    precision: str | None,
+    nofile: int = 0,
+    speculative: str = "off",
+) -> Server:
     """A coordinator (pinned as ``coordinator``; ``serve_extra``: more `serve` options) and one
     pinned node per ``nodes`` entry; it plans once ``nodes_expected`` (default: all) have joined.
     ``precision`` is the coordinator's (None: no flag); the nodes take its choice. ``nofile``:
@@ -133,33 +175,81 @@ def start_mesh(name: str, nodes: list[NodeSpec], coordinator: NodeSpec, host: st
     mesh's mode, off but in `bench spec` (so other benches compare plain decoding)."""
     port, control = free_port(), free_port()
     capped = descriptors_capped(nofile) if nofile else []
-    serve = [*capped, *SEAMLINE, "serve", "--no-local-node", "--nodes-expected", str(nodes_expected or len(nodes)),
-             "--host", host, "--port", str(port), "--control-port", str(control),
-             "--context", "2048", *precision_args(precision), "--speculative", speculative, *serve_extra]  # fmt: skip
+    serve = [
+        *capped,
+        *SEAMLINE,
+        "serve",
+        "--no-local-node",
+        "--nodes-expected",
+        str(nodes_expected or len(nodes)),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--control-port",
+        str(control),
+        "--context",
+        "2048",
+        *precision_args(precision),
+        "--speculative",
+        speculative,
+        *serve_extra,
+    ]
     command = _pinned(coordinator.cores, coordinator.threads, coordinator.netns, serve)
-    coordinator_proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    coordinator_proc = subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     token = _read_token(coordinator_proc, logs / f"{name}.log")
     prefix = ["ip", "netns", "exec", coordinator.netns] if coordinator.netns else []
-    server = Server(name, f"http://{host}:{port}/v1", MODEL_ALIAS, prefix, [coordinator_proc],
-                    coordinator.cores, token)  # fmt: skip
+    server = Server(
+        name,
+        f"http://{host}:{port}/v1",
+        MODEL_ALIAS,
+        prefix,
+        [coordinator_proc],
+        coordinator.cores,
+        token,
+    )
     for index, node in enumerate(nodes):
         join_node(server, index, node, env, logs, cap_gb, nofile)
     return server
 
 
-def join_node(server: Server, index: int, node: NodeSpec, env: dict[str, str], logs: Path,
-              cap_gb: float | None, nofile: int = 0) -> subprocess.Popen[str]:  # fmt: skip
+def join_node(
+    server: Server,
+    index: int,
+    node: NodeSpec,
+    env: dict[str, str],
+    logs: Path,
+    cap_gb: float | None,
+    nofile: int = 0,
+) -> subprocess.Popen[str]:
     """Start node ``index`` (`seamline join`, pinned as ``node``) into the mesh ``server``."""
     name = server.name
     cap_gb = node.max_memory_gb or cap_gb
     cap = ["--max-memory", f"{cap_gb:.3f}"] if cap_gb else []
     device = ["--device", node.device] if node.device else []
-    join = [*(descriptors_capped(nofile) if nofile else []), *SEAMLINE, "join", server.token, "--node-id", f"{name}{index}",
-            "--quiet", "--no-progress", *cap, *device, *node.join_extra]  # fmt: skip
+    join = [
+        *(descriptors_capped(nofile) if nofile else []),
+        *SEAMLINE,
+        "join",
+        server.token,
+        "--node-id",
+        f"{name}{index}",
+        "--quiet",
+        "--no-progress",
+        *cap,
+        *device,
+        *node.join_extra,
+    ]
     cache = logs / f"cache-{name}{index}"
     server.caches.append(cache)
     node_env = {**env, "SEAMLINE_CACHE": str(cache)}
-    proc = _popen(_pinned(node.cores, node.threads, node.netns, join), node_env, logs / f"{name}-node{index}.log")
+    proc = _popen(
+        _pinned(node.cores, node.threads, node.netns, join),
+        node_env,
+        logs / f"{name}-node{index}.log",
+    )
     server.procs.append(proc)
     return proc
 
@@ -174,7 +264,9 @@ def _read_token(proc: subprocess.Popen[str], log: Path) -> str:
             out.flush()
             threading.Thread(target=_drain, args=(proc.stdout, out), daemon=True).start()
             return line.split()[-1]
-    raise RuntimeError(f"`seamline serve` exited ({proc.wait()}) before printing an invite; see {log}")
+    raise RuntimeError(
+        f"`seamline serve` exited ({proc.wait()}) before printing an invite; see {log}"
+    )
 
 
 def _drain(stream: object, out: object) -> None:
@@ -183,14 +275,19 @@ def _drain(stream: object, out: object) -> None:
         out.flush()  # type: ignore[attr-defined]
 
 
-def start_llama(name: str, binary: Path, gguf: Path, threads: int, slots: int, context_per_slot: int,
-                logs: Path) -> Server:  # fmt: skip
+def start_llama(
+    name: str, binary: Path, gguf: Path, threads: int, slots: int, context_per_slot: int, logs: Path
+) -> Server:
     """llama.cpp's `llama-server --parallel slots` on cores 0..threads-1."""
     from seamline_bench.llama_server import server_command
 
     port = free_port()
-    command = ["taskset", "-c", ",".join(map(str, range(threads))),
-               *server_command(binary, gguf, port, threads, slots, context_per_slot)]  # fmt: skip
+    command = [
+        "taskset",
+        "-c",
+        ",".join(map(str, range(threads))),
+        *server_command(binary, gguf, port, threads, slots, context_per_slot),
+    ]
     server = Server(name, f"http://127.0.0.1:{port}/v1", "llama-server", [])
     server.procs.append(_popen(command, dict(os.environ), logs / f"{name}.log"))
     return server

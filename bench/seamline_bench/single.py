@@ -65,7 +65,9 @@ def _load_transformers(model: LocalModel) -> Any:
     except ImportError:
         raise SystemExit("bench single needs transformers: ./install.sh --test") from None
     path = model.path
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
     ref.generation_config.eos_token_id = None  # always generate the full count, as seamline does
     return ref.eval()
 
@@ -115,8 +117,18 @@ def _peak_rss_of_run() -> float:
     Read as the kernel's VmHWM of the child (its own address space's high-water mark);
     ``ru_maxrss`` would not do: it is carried across exec from this large parent.
     """
-    args = [sys.executable, "-m", "seamline.cli", "run", "-p", "What is the capital of France?",
-            "--max-tokens", "16", "--speculative", "off"]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "seamline.cli",
+        "run",
+        "-p",
+        "What is the capital of France?",
+        "--max-tokens",
+        "16",
+        "--speculative",
+        "off",
+    ]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     peak_kb = 0
     status = f"/proc/{proc.pid}/status"

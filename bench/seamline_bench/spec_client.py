@@ -22,24 +22,41 @@ import httpx
 async def run_wave(url: str, model: str, asks: list[list[Any]], tokens: int) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
-    client = AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600,
-                         http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=3600))  # fmt: skip
+    client = AsyncOpenAI(
+        base_url=url,
+        api_key="none",
+        max_retries=0,
+        timeout=3600,
+        http_client=httpx.AsyncClient(limits=httpx.Limits(max_connections=64), timeout=3600),
+    )
     try:
         began = time.perf_counter()
-        streams = await asyncio.gather(*(_stream(client, model, name, text, sampling, tokens)
-                                         for name, text, sampling in asks))  # fmt: skip
+        streams = await asyncio.gather(
+            *(_stream(client, model, name, text, sampling, tokens) for name, text, sampling in asks)
+        )
         wall = time.perf_counter() - began
     finally:
         await client.close()
     metrics = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
-    return {"streams": streams, "tok_s": sum(s["tokens"] for s in streams) / wall, "metrics": metrics}
+    return {
+        "streams": streams,
+        "tok_s": sum(s["tokens"] for s in streams) / wall,
+        "metrics": metrics,
+    }
 
 
-async def _stream(client: Any, model: str, name: str, text: str, sampling: dict[str, Any], tokens: int) -> dict[str, Any]:
+async def _stream(
+    client: Any, model: str, name: str, text: str, sampling: dict[str, Any], tokens: int
+) -> dict[str, Any]:
     arrivals, pieces, count = [], [], 0
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": text}], max_tokens=tokens, stream=True,
-        stream_options={"include_usage": True}, **sampling)  # fmt: skip
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=tokens,
+        stream=True,
+        stream_options={"include_usage": True},
+        **sampling,
+    )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             arrivals.append(time.perf_counter())
@@ -47,16 +64,33 @@ async def _stream(client: Any, model: str, name: str, text: str, sampling: dict[
         if chunk.usage is not None:
             count = chunk.usage.completion_tokens
     span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-    return {"name": name, "text": "".join(pieces), "tokens": count,
-            "decode_tok_s": (count - 1) / span if span > 0 else 0.0}  # fmt: skip
+    return {
+        "name": name,
+        "text": "".join(pieces),
+        "tokens": count,
+        "decode_tok_s": (count - 1) / span if span > 0 else 0.0,
+    }
 
 
-def near_tie_where_they_part(url: str, model: str, text: str, sampling: dict[str, Any], other: str, tokens: int,
-                             near_tie: float) -> bool:  # fmt: skip
+def near_tie_where_they_part(
+    url: str,
+    model: str,
+    text: str,
+    sampling: dict[str, Any],
+    other: str,
+    tokens: int,
+    near_tie: float,
+) -> bool:
     """Whether, in the server's own answer with log-probabilities, the top two where it parts
     from ``other`` are within ``near_tie``."""
-    body = {"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": tokens,
-            "logprobs": True, "top_logprobs": 2, **sampling}  # fmt: skip
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": text}],
+        "max_tokens": tokens,
+        "logprobs": True,
+        "top_logprobs": 2,
+        **sampling,
+    }
     reply = httpx.post(url + "/chat/completions", json=body, timeout=600).json()
     done = ""
     for entry in reply["choices"][0]["logprobs"]["content"]:
@@ -71,11 +105,26 @@ def main(argv: list[str]) -> int:
     if argv[0] == "near-tie":
         url, model, tokens, ask_path, other_path, near_tie = argv[1:]
         _, text, sampling = json.loads(Path(ask_path).read_text())
-        print(json.dumps(near_tie_where_they_part(url, model, text, sampling, Path(other_path).read_text(),
-                                                  int(tokens), float(near_tie))))  # fmt: skip
+        print(
+            json.dumps(
+                near_tie_where_they_part(
+                    url,
+                    model,
+                    text,
+                    sampling,
+                    Path(other_path).read_text(),
+                    int(tokens),
+                    float(near_tie),
+                )
+            )
+        )
         return 0
     url, model, tokens, asks_path = argv
-    print(json.dumps(asyncio.run(run_wave(url, model, json.loads(Path(asks_path).read_text()), int(tokens)))))
+    print(
+        json.dumps(
+            asyncio.run(run_wave(url, model, json.loads(Path(asks_path).read_text()), int(tokens)))
+        )
+    )
     return 0
 
 

@@ -7,7 +7,7 @@ prompt: the case speculation is for); ``quote`` asks for a passage back with its
 
 from __future__ import annotations
 
-EDIT_FUNCTION = '''def parse_config(path):
+EDIT_FUNCTION = """def parse_config(path):
     settings = {}
     with open(path) as handle:
         for line in handle:
@@ -27,7 +27,7 @@ EDIT_FUNCTION = '''def parse_config(path):
     if "port" in settings and not 0 < settings["port"] < 65536:
         raise ValueError("the port is out of range")
     return settings
-'''
+"""
 
 QUOTE_PASSAGE = (
     "The old lighthouse stood at the edge of the cliff, its white paint peeling in long strips. "
@@ -40,7 +40,10 @@ QUOTE_PASSAGE = (
 )
 
 WORKLOADS: dict[str, str] = {
-    "edit": "```python\n" + EDIT_FUNCTION + "```\n\nRename the variable `settings` to `options` and return the whole function.",
-    "quote": "Repeat this passage exactly, fixing only its two spelling mistakes:\n\n" + QUOTE_PASSAGE,
+    "edit": "```python\n"
+    + EDIT_FUNCTION
+    + "```\n\nRename the variable `settings` to `options` and return the whole function.",
+    "quote": "Repeat this passage exactly, fixing only its two spelling mistakes:\n\n"
+    + QUOTE_PASSAGE,
     "open": "Write a short story about a fox and a crow who argue about who owns a piece of cheese.",
 }

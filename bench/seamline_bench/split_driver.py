@@ -21,12 +21,12 @@ from typing import Any
 
 import uvicorn
 
-from seamline.server.demo import memory_cap_gb
 from seamline.mesh.control.serve import Mesh, ServeOptions, build_mesh, spawn_node, wait_ready
-from seamline.runtime.speculation import OFF
-from seamline.server.mesh_app import mesh_app
 from seamline.net.link import free_port
 from seamline.params import SamplingParams
+from seamline.runtime.speculation import OFF
+from seamline.server.demo import memory_cap_gb
+from seamline.server.mesh_app import mesh_app
 from seamline.weights.loader import dtype_bytes
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -37,27 +37,47 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--node-cmd", action="append", default=[], help="shell command per node, {token}")
-    parser.add_argument("--plaintext", action="store_true", help="links without TLS (to measure what TLS costs)")
+    parser.add_argument(
+        "--node-cmd", action="append", default=[], help="shell command per node, {token}"
+    )
+    parser.add_argument(
+        "--plaintext", action="store_true", help="links without TLS (to measure what TLS costs)"
+    )
     parser.add_argument("--model", default=None, help="checkpoint (default: the embedded model)")
     parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
     port = free_port(args.host)
-    options = ServeOptions(host=args.host, port=port, control_port=free_port(args.host),
-                           fragments_port=free_port(args.host),
-                           nodes_expected=args.stages, local_node=False, context=CONTEXT,
-                           plaintext_links=args.plaintext, model=args.model, dtype=args.dtype,
-                           precision="exact", speculation=OFF)  # fmt: skip  (the single process it is compared with is exact and plain)
+    options = ServeOptions(
+        host=args.host,
+        port=port,
+        control_port=free_port(args.host),
+        fragments_port=free_port(args.host),
+        nodes_expected=args.stages,
+        local_node=False,
+        context=CONTEXT,
+        plaintext_links=args.plaintext,
+        model=args.model,
+        dtype=args.dtype,
+        precision="exact",
+        speculation=OFF,
+    )  # the single process it is compared with is exact and plain
     mesh = build_mesh(options)
     mesh.start(args.host)
-    server = uvicorn.Server(uvicorn.Config(mesh_app(mesh), host=args.host, port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(mesh_app(mesh), host=args.host, port=port, log_level="warning")
+    )
     threading.Thread(target=server.run, daemon=True).start()
     cap = f"{memory_cap_gb(args.model, args.stages, CONTEXT, dtype_bytes(args.dtype)):.3f}"
     if args.node_cmd:
-        procs = [subprocess.Popen(shlex.split(c.format(token=mesh.token, cap=cap))) for c in args.node_cmd]
+        procs = [
+            subprocess.Popen(shlex.split(c.format(token=mesh.token, cap=cap)))
+            for c in args.node_cmd
+        ]
     else:
-        procs = [spawn_node(mesh.token, f"node{i}", None, ["--no-progress", "--max-memory", cap])
-                 for i in range(args.stages)]  # fmt: skip
+        procs = [
+            spawn_node(mesh.token, f"node{i}", None, ["--no-progress", "--max-memory", cap])
+            for i in range(args.stages)
+        ]
     status = wait_ready(mesh.coordinator, timeout_s=600)
     print(json.dumps({"ready": True, "stages": status["stages"]}), flush=True)
     for line in sys.stdin:
@@ -84,10 +104,17 @@ def _secrets(mesh: Mesh, host: str, port: int) -> dict[str, Any]:
     stages = [(h.node_id, (h.join.data_host, h.join.data_port)) for h in coordinator.pipeline()]
     config = coordinator.options.model_config
     _, invite = coordinator.invites.create(ttl_s=24 * 3600)
-    return {"api": f"http://{host}:{port}", "control": [host, coordinator.invite.control_port],
-            "plan_id": coordinator.plan_id, "link_key": coordinator.link_key, "stages": stages,
-            "fragment_token": coordinator.joining.fragment_token(stages[0][0]), "invite": invite,
-            "state_dir": str(mesh.state_dir), "hidden_size": config.hidden_size if config else 0}  # fmt: skip
+    return {
+        "api": f"http://{host}:{port}",
+        "control": [host, coordinator.invite.control_port],
+        "plan_id": coordinator.plan_id,
+        "link_key": coordinator.link_key,
+        "stages": stages,
+        "fragment_token": coordinator.joining.fragment_token(stages[0][0]),
+        "invite": invite,
+        "state_dir": str(mesh.state_dir),
+        "hidden_size": config.hidden_size if config else 0,
+    }
 
 
 def fixed_prompt(length: int, vocab: int) -> list[int]:
@@ -104,7 +131,11 @@ async def measure_request(mesh: Mesh, tokens: int, prompt_tokens: int) -> dict[s
     assert config is not None
     prompt = fixed_prompt(prompt_tokens, config.vocab_size)
     start = time.perf_counter()
-    out = [e.token async for e in mesh.backend.generate(prompt, SamplingParams(max_tokens=tokens)) if e.shown]
+    out = [
+        e.token
+        async for e in mesh.backend.generate(prompt, SamplingParams(max_tokens=tokens))
+        if e.shown
+    ]
     return {"seconds": time.perf_counter() - start, "tokens": out}
 
 
@@ -120,10 +151,18 @@ async def _measure(mesh: Mesh, tokens: int) -> dict[str, Any]:
     steps = len(times) - 1
     decode = times[-1] - times[0]
     # every stage ran one decode step per token (plus one for the last token, not timed here)
-    compute = [(a.decode_seconds - b.decode_seconds) / (a.decode_steps - b.decode_steps) for a, b in zip(after, before)]
+    compute = [
+        (a.decode_seconds - b.decode_seconds) / (a.decode_steps - b.decode_steps)
+        for a, b in zip(after, before)
+    ]
     ms_per_token = decode / steps * 1e3
-    return {"tok_s": steps / decode, "ms_per_token": ms_per_token, "tokens": steps,
-            "compute_ms_per_token": sum(compute) * 1e3, "stage_compute_ms": [c * 1e3 for c in compute]}  # fmt: skip
+    return {
+        "tok_s": steps / decode,
+        "ms_per_token": ms_per_token,
+        "tokens": steps,
+        "compute_ms_per_token": sum(compute) * 1e3,
+        "stage_compute_ms": [c * 1e3 for c in compute],
+    }
 
 
 if __name__ == "__main__":

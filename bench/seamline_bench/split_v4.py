@@ -17,12 +17,12 @@ from typing import Any
 import torch
 
 from seamline.app import LocalModel
+from seamline.params import SamplingParams
 from seamline_bench.driver import Driver, median
 from seamline_bench.split import lan_driver, one_core, pinned_driver
 from seamline_bench.split_driver import fixed_prompt
 from seamline_bench.v4_model import build_v4_model
 from seamline_bench.v4_parting import parting
-from seamline.params import SamplingParams
 
 PROMPT_TOKENS = 512
 TOKENS = 32
@@ -50,10 +50,15 @@ def bench_split_v4(repeats: int, lan_reason: str) -> dict[str, Any]:
             driver.close()
     result = _result(runs, model, folder.name, drivers["split_1core_each"].wait_ready(), lan_reason)
     reference = runs["single_1core"][0]["tokens"]
-    parted = next((r["tokens"] for rs in runs.values() for r in rs if r["tokens"] != reference), reference)
+    parted = next(
+        (r["tokens"] for rs in runs.values() for r in rs if r["tokens"] != reference), reference
+    )
     found = parting(folder, prompt, reference, parted, "bfloat16")
-    return result | {"v4_parting": found, "v4_near_tie_flips": int(bool(found and found["near_tie"])),
-                     "v4_parting_is_a_fault": bool(found and not found["near_tie"])}  # fmt: skip
+    return result | {
+        "v4_parting": found,
+        "v4_near_tie_flips": int(bool(found and found["near_tie"])),
+        "v4_parting_is_a_fault": bool(found and not found["near_tie"]),
+    }
 
 
 def _request(model: LocalModel, prompt: list[int], tokens: int) -> dict[str, Any]:
@@ -68,25 +73,42 @@ def boundary_frame_bytes(hc_mult: int, hidden: int) -> int:
     """One decode step's V4 frame on the wire: header, row record, residual (bfloat16), id."""
     from seamline.net.frames import Row, encode_hidden
 
-    buffers = encode_hidden([Row(1, 0, 1, 0, 0, 0)], torch.zeros(1, hc_mult, hidden, dtype=torch.bfloat16),
-                            torch.zeros(1, dtype=torch.long))  # fmt: skip
+    buffers = encode_hidden(
+        [Row(1, 0, 1, 0, 0, 0)],
+        torch.zeros(1, hc_mult, hidden, dtype=torch.bfloat16),
+        torch.zeros(1, dtype=torch.long),
+    )
     return sum(len(b) if isinstance(b, bytes) else b.nbytes for b in buffers)
 
 
-def _result(runs: dict[str, list[dict[str, Any]]], model: LocalModel, name: str, ready: dict[str, Any],
-            lan_reason: str) -> dict[str, Any]:  # fmt: skip
+def _result(
+    runs: dict[str, list[dict[str, Any]]],
+    model: LocalModel,
+    name: str,
+    ready: dict[str, Any],
+    lan_reason: str,
+) -> dict[str, Any]:
     config = model.config
     single = median(runs["single_1core"], "seconds")
     lan = median(runs["lan_1core_each"], "seconds") if runs.get("lan_1core_each") else None
     split = median(runs["split_1core_each"], "seconds")
     reference = runs["single_1core"][0]["tokens"]
     return {
-        "v4_model": {"name": name, "hidden": config.hidden_size, "hc_mult": int(config.hf["hc_mult"]),
-                     "layers": config.num_layers, "layer_types": list(config.hf["layer_types"]),
-                     "mlp_layer_types": list(config.hf["mlp_layer_types"]), "routed_experts": config.num_experts,
-                     "expert_rows": config.moe_intermediate_size, "dtype": "bfloat16"},  # fmt: skip
+        "v4_model": {
+            "name": name,
+            "hidden": config.hidden_size,
+            "hc_mult": int(config.hf["hc_mult"]),
+            "layers": config.num_layers,
+            "layer_types": list(config.hf["layer_types"]),
+            "mlp_layer_types": list(config.hf["mlp_layer_types"]),
+            "routed_experts": config.num_experts,
+            "expert_rows": config.moe_intermediate_size,
+            "dtype": "bfloat16",
+        },
         "v4_stages": [s["layers"] for s in ready["stages"]],
-        "v4_bytes_per_token_per_boundary": boundary_frame_bytes(int(config.hf["hc_mult"]), config.hidden_size),
+        "v4_bytes_per_token_per_boundary": boundary_frame_bytes(
+            int(config.hf["hc_mult"]), config.hidden_size
+        ),
         "v4_prompt_tokens": PROMPT_TOKENS,
         "v4_tokens": TOKENS,
         "v4_single_1core_s": round(single, 3),

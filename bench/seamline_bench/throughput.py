@@ -56,9 +56,14 @@ CLIENTS_1B = (1, 16)
 PROMPT_TOKENS = (32, 256)
 MAX_TOKENS = 128
 THREADS = 2
-SLOTS = (16, 64)  # llama-server's --parallel: the smaller serves up to its count, the larger the rest
+SLOTS = (
+    16,
+    64,
+)  # llama-server's --parallel: the smaller serves up to its count, the larger the rest
 QUIET_WAIT_S = 120.0  # at most this long before a round for the machine to be quiet
-KEPT_VARIABLES = ("SEAMLINE_CACHE",)  # where built kernels are kept; every other SEAMLINE_* is dropped
+KEPT_VARIABLES = (
+    "SEAMLINE_CACHE",
+)  # where built kernels are kept; every other SEAMLINE_* is dropped
 
 
 @dataclass(frozen=True)
@@ -71,8 +76,12 @@ class Party:
     start: Callable[[], Server]
 
 
-def bench_throughput(repeats: int = 3, tokens: int = MAX_TOKENS, clients: tuple[int, ...] = CLIENTS,
-                     clients_1b: tuple[int, ...] = CLIENTS_1B) -> dict[str, Any]:  # fmt: skip
+def bench_throughput(
+    repeats: int = 3,
+    tokens: int = MAX_TOKENS,
+    clients: tuple[int, ...] = CLIENTS,
+    clients_1b: tuple[int, ...] = CLIENTS_1B,
+) -> dict[str, Any]:
     from seamline.app import default_model_path
     from seamline_bench.llama_server import llama_cpp_build
     from seamline_bench.quant import llama_1b_path
@@ -80,22 +89,30 @@ def bench_throughput(repeats: int = 3, tokens: int = MAX_TOKENS, clients: tuple[
     logs = Path(tempfile.mkdtemp(prefix="seamline-throughput-"))
     build, why = llama_cpp_build()
     ggufs = {"embedded": default_model_path(), "llama_1b": llama_1b_path()}
-    parties, missing = plan_parties(ggufs, build.server if build else None, why, logs, clients, clients_1b, tokens)
+    parties, missing = plan_parties(
+        ggufs, build.server if build else None, why, logs, clients, clients_1b, tokens
+    )
     runs: Runs = {p.model: {} for p in parties}
     engine: list[float] = []
     machine: list[dict[str, float]] = []
     servers: dict[Party, Server] = {}
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit)  # a bench told to stop still stops its servers (finally)
+        signal.signal(
+            signal.SIGTERM, _exit
+        )  # a bench told to stop still stops its servers (finally)
     try:
         servers = start_all(parties, logs)
         for round_ in range(repeats):
-            machine.append(_measured_round(round_, servers, runs, engine, ggufs["embedded"], tokens, logs))
+            machine.append(
+                _measured_round(round_, servers, runs, engine, ggufs["embedded"], tokens, logs)
+            )
     finally:
         for server in servers.values():
             server.close()
     build_info = build.describe() if build else {"unavailable": why}
-    out = result(runs, engine, missing, tokens, repeats, list(PROMPT_TOKENS), build_info, str(logs), machine)
+    out = result(
+        runs, engine, missing, tokens, repeats, list(PROMPT_TOKENS), build_info, str(logs), machine
+    )
     for model, path in ggufs.items():
         out["models"].setdefault(model, {})["gguf"] = path.name
     return out
@@ -107,23 +124,55 @@ def _exit(signum: int, _frame: object) -> None:
 
 def seamline_env() -> dict[str, str]:
     """This environment less every ``SEAMLINE_*`` variable but ``KEPT_VARIABLES``: the defaults."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("SEAMLINE_") or k in KEPT_VARIABLES}
+    return {
+        k: v for k, v in os.environ.items() if not k.startswith("SEAMLINE_") or k in KEPT_VARIABLES
+    }
 
 
-def plan_parties(ggufs: dict[str, Path], llama_server: Path | None, why: str, logs: Path, clients: tuple[int, ...],
-                 clients_1b: tuple[int, ...], tokens: int) -> tuple[list[Party], dict[str, str]]:  # fmt: skip
+def plan_parties(
+    ggufs: dict[str, Path],
+    llama_server: Path | None,
+    why: str,
+    logs: Path,
+    clients: tuple[int, ...],
+    clients_1b: tuple[int, ...],
+    tokens: int,
+) -> tuple[list[Party], dict[str, str]]:
     """Every party that will run, and why any other will not."""
     env, missing = seamline_env(), {}
     embedded, big = ggufs["embedded"], ggufs["llama_1b"]
     parties = [
-        Party("embedded", "seamline", clients, lambda: start_single("embedded-seamline", THREADS, env, logs,
-                                                                    precision=None, model=embedded)),
-        Party("embedded", "mesh_2_stages", tuple(n for n in clients if n == 1), lambda: _mesh(env, logs)),
-        Party("llama_1b", "seamline", clients_1b, lambda: start_single("llama_1b-seamline", THREADS, env, logs,
-                                                                       precision=None, model=big)),
-        Party("llama_1b", "seamline_exact", clients_1b, lambda: start_single("llama_1b-seamline_exact", THREADS, env,
-                                                                             logs, precision="exact", model=big)),
-    ]  # fmt: skip
+        Party(
+            "embedded",
+            "seamline",
+            clients,
+            lambda: start_single(
+                "embedded-seamline", THREADS, env, logs, precision=None, model=embedded
+            ),
+        ),
+        Party(
+            "embedded",
+            "mesh_2_stages",
+            tuple(n for n in clients if n == 1),
+            lambda: _mesh(env, logs),
+        ),
+        Party(
+            "llama_1b",
+            "seamline",
+            clients_1b,
+            lambda: start_single(
+                "llama_1b-seamline", THREADS, env, logs, precision=None, model=big
+            ),
+        ),
+        Party(
+            "llama_1b",
+            "seamline_exact",
+            clients_1b,
+            lambda: start_single(
+                "llama_1b-seamline_exact", THREADS, env, logs, precision="exact", model=big
+            ),
+        ),
+    ]
     for model, counts in (("embedded", clients), ("llama_1b", clients_1b)):
         for slots, served in _llama_slots(counts).items():
             if llama_server is None:
@@ -141,9 +190,13 @@ def _llama_slots(counts: tuple[int, ...]) -> dict[int, tuple[int, ...]]:
     return {s: c for s, c in ((SLOTS[0], small), (max(SLOTS[1], *large, 0), large)) if c}
 
 
-def _llama_start(model: str, slots: int, binary: Path, gguf: Path, tokens: int, logs: Path) -> Callable[[], Server]:
+def _llama_start(
+    model: str, slots: int, binary: Path, gguf: Path, tokens: int, logs: Path
+) -> Callable[[], Server]:
     context_per_slot = PROMPT_TOKENS[1] + tokens + 64
-    return lambda: start_llama(f"{model}-llamacpp_{slots}", binary, gguf, THREADS, slots, context_per_slot, logs)
+    return lambda: start_llama(
+        f"{model}-llamacpp_{slots}", binary, gguf, THREADS, slots, context_per_slot, logs
+    )
 
 
 def _mesh(env: dict[str, str], logs: Path) -> Server:
@@ -152,7 +205,9 @@ def _mesh(env: dict[str, str], logs: Path) -> Server:
 
     cap = memory_cap_gb(None, 2, 2048, dtype_bytes=2)
     both = NodeSpec("0,1", THREADS)
-    return start_mesh("embedded-mesh_2_stages", [both, both], both, "127.0.0.1", env, logs, cap, precision=None)
+    return start_mesh(
+        "embedded-mesh_2_stages", [both, both], both, "127.0.0.1", env, logs, cap, precision=None
+    )
 
 
 def start_all(parties: list[Party], logs: Path) -> dict[Party, Server]:
@@ -171,8 +226,15 @@ def start_all(parties: list[Party], logs: Path) -> dict[Party, Server]:
     return servers
 
 
-def _measured_round(round_: int, servers: dict[Party, Server], runs: Runs, engine: list[float], embedded: Path,
-                    tokens: int, logs: Path) -> dict[str, float]:  # fmt: skip
+def _measured_round(
+    round_: int,
+    servers: dict[Party, Server],
+    runs: Runs,
+    engine: list[float],
+    embedded: Path,
+    tokens: int,
+    logs: Path,
+) -> dict[str, float]:
     """One round, begun on a quiet machine if one comes within ``QUIET_WAIT_S``: how long it
     waited and the CPU share other processes took during the round (``machine_load``)."""
     from seamline_bench.machine_load import Meter, wait_quiet
@@ -187,8 +249,15 @@ def _measured_round(round_: int, servers: dict[Party, Server], runs: Runs, engin
     return {"waited_for_quiet_s": waited, "foreign_cpu_share": meter.stop()}
 
 
-def _round(round_: int, servers: dict[Party, Server], runs: Runs, engine: list[float], embedded: Path, tokens: int,
-           logs: Path) -> None:  # fmt: skip
+def _round(
+    round_: int,
+    servers: dict[Party, Server],
+    runs: Runs,
+    engine: list[float],
+    embedded: Path,
+    tokens: int,
+    logs: Path,
+) -> None:
     """One round: the engine alone on the 1-client prompt, then every party at every count."""
     counts = sorted({n for p in servers for n in p.clients})
     first = prompts_file(1, round_ * 1000 + 1, logs)
@@ -199,15 +268,18 @@ def _round(round_: int, servers: dict[Party, Server], runs: Runs, engine: list[f
             if n in party.clients:
                 done = wave(server, prompts, tokens)
                 runs[party.model].setdefault(party.name, {}).setdefault(n, []).append(done)
-                print(f"round {round_} {party.model} {party.name} {n} clients: {done['tok_s']:.1f} tok/s",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"round {round_} {party.model} {party.name} {n} clients: {done['tok_s']:.1f} tok/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
 
 def prompts_file(count: int, seed: int, logs: Path) -> Path:
     """``count`` distinct prompts of 32-256 tokens (the embedded tokenizer, which both models use)."""
     from seamline.app import default_model_path
-    from seamline_bench.load import make_prompts
     from seamline.text import TextCodec
+    from seamline_bench.load import make_prompts
 
     codec = TextCodec.from_model(default_model_path(), ())
     texts = make_prompts(count, *PROMPT_TOKENS, seed, codec.encode)
@@ -219,14 +291,28 @@ def prompts_file(count: int, seed: int, logs: Path) -> Path:
 def wave(server: Server, prompts: Path, tokens: int) -> dict[str, Any]:
     """One wave of streaming clients, one per prompt in ``prompts``, from a load-generator process."""
     count = len(json.loads(prompts.read_text()))
-    command = [*server.client_prefix, "taskset", "-c", server.client_cores, sys.executable, "-m", "seamline_bench.load",
-               server.url, server.model, str(count), str(prompts), str(tokens)]  # fmt: skip
+    command = [
+        *server.client_prefix,
+        "taskset",
+        "-c",
+        server.client_cores,
+        sys.executable,
+        "-m",
+        "seamline_bench.load",
+        server.url,
+        server.model,
+        str(count),
+        str(prompts),
+        str(tokens),
+    ]
     out = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"load generator against {server.name} failed: {out.stderr[-2000:]}")
     done = dict(json.loads(out.stdout.strip().splitlines()[-1]))
     if done["failed"]:
-        raise RuntimeError(f"{server.name}: {done['failed']} of {count} streams failed: {done['errors']}")
+        raise RuntimeError(
+            f"{server.name}: {done['failed']} of {count} streams failed: {done['errors']}"
+        )
     return done
 
 
@@ -234,12 +320,15 @@ def engine_decode_rate(gguf: Path, prompt: str, tokens: int) -> float:
     """The engine's own greedy decode rate (no server, the default path, cores 0-1, 2 threads)
     over ``tokens - 1`` steps after ``prompt`` (as the API encodes a completion's text), in its
     own process: what one stream's tokens after the first cost without the API."""
-    from seamline_bench.driver import Driver
     from seamline.text import TextCodec
+    from seamline_bench.driver import Driver
 
     ids = TextCodec.from_model(gguf, ()).encode(prompt)
-    driver = Driver("seamline_bench.quant_driver", ["default", str(gguf), str(THREADS), json.dumps(ids)],
-                    prefix=["taskset", "-c", "0,1"])  # fmt: skip
+    driver = Driver(
+        "seamline_bench.quant_driver",
+        ["default", str(gguf), str(THREADS), json.dumps(ids)],
+        prefix=["taskset", "-c", "0,1"],
+    )
     try:
         driver.wait_ready()
         return float(driver.measure(max(1, tokens - 1))["decode_tok_s"])

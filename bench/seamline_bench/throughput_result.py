@@ -23,11 +23,17 @@ from seamline_bench.quant import targets_met
 # model -> party -> client count -> that round's waves (``load.run_wave``'s dicts)
 Runs = dict[str, dict[str, dict[int, list[dict[str, Any]]]]]
 TARGETS = {
-    "embedded.vs_llamacpp_1": 0.8, "llama_1b.vs_llamacpp_1": 0.95,
-    "embedded.vs_llamacpp_16": 2.0, "llama_1b.vs_llamacpp_16": 1.3,
-    "single_stream_ratio": 0.9, "exact_batch_gain_16": 3.0, "mesh_single_ratio": 0.85,
-}  # fmt: skip
-SEAMLINE = "seamline `serve --single --model X`: no flag, no SEAMLINE_* variable (the default precision)"
+    "embedded.vs_llamacpp_1": 0.8,
+    "llama_1b.vs_llamacpp_1": 0.95,
+    "embedded.vs_llamacpp_16": 2.0,
+    "llama_1b.vs_llamacpp_16": 1.3,
+    "single_stream_ratio": 0.9,
+    "exact_batch_gain_16": 3.0,
+    "mesh_single_ratio": 0.85,
+}
+SEAMLINE = (
+    "seamline `serve --single --model X`: no flag, no SEAMLINE_* variable (the default precision)"
+)
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -45,10 +51,12 @@ def cell(waves: list[dict[str, Any]]) -> dict[str, Any] | None:
     itl = [t for w in waves for t in w["itl_ms"]]
     return {
         "tok_s": round(statistics.median(w["tok_s"] for w in waves), 2),
-        "ttft_p50_ms": _pct(ttft, 0.5), "ttft_p95_ms": _pct(ttft, 0.95),
-        "itl_p50_ms": _pct(itl, 0.5), "itl_p95_ms": _pct(itl, 0.95),
+        "ttft_p50_ms": _pct(ttft, 0.5),
+        "ttft_p95_ms": _pct(ttft, 0.95),
+        "itl_p50_ms": _pct(itl, 0.5),
+        "itl_p95_ms": _pct(itl, 0.95),
         "runs_tok_s": [round(w["tok_s"], 2) for w in waves],
-    }  # fmt: skip
+    }
 
 
 def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
@@ -57,7 +65,10 @@ def _ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
 
 def _model(parties: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[str, Any]:
     """One model's table and ratios."""
-    table = {name: {str(n): cell(waves) for n, waves in sorted(by_n.items())} for name, by_n in parties.items()}
+    table = {
+        name: {str(n): cell(waves) for n, waves in sorted(by_n.items())}
+        for name, by_n in parties.items()
+    }
     ours = table.get("seamline", {})
     out: dict[str, Any] = {"configs": table, "batch_gain_16": _ratio(ours.get("16"), ours.get("1"))}
     for n in sorted(int(k) for k in ours):
@@ -72,32 +83,57 @@ def single_stream(runs: Runs, engine: list[float]) -> dict[str, Any]:
     api = [w["decode_tok_s"][0] if w.get("decode_tok_s") else None for w in waves]
     pairs = [(a, e) for a, e in zip(api, engine) if a and e]
     return {
-        "single_stream_ratio": round(statistics.median(a / e for a, e in pairs), 3) if pairs else None,
+        "single_stream_ratio": round(statistics.median(a / e for a, e in pairs), 3)
+        if pairs
+        else None,
         "api_decode_tok_s": round(statistics.median(a for a, _ in pairs), 2) if pairs else None,
         "engine_decode_tok_s": round(statistics.median(engine), 2) if engine else None,
         "single_stream_runs": [{"api": round(a, 2), "engine": round(e, 2)} for a, e in pairs],
-    }  # fmt: skip
+    }
 
 
-def result(runs: Runs, engine: list[float], missing: dict[str, str], tokens: int, repeats: int,
-           prompt_tokens: list[int], llama_cpp: dict[str, Any], logs: str,
-           machine: list[dict[str, float]] | None = None) -> dict[str, Any]:  # fmt: skip
+def result(
+    runs: Runs,
+    engine: list[float],
+    missing: dict[str, str],
+    tokens: int,
+    repeats: int,
+    prompt_tokens: list[int],
+    llama_cpp: dict[str, Any],
+    logs: str,
+    machine: list[dict[str, float]] | None = None,
+) -> dict[str, Any]:
     models = {name: _model(parties) for name, parties in runs.items()}
     big = models.get("llama_1b", {}).get("configs", {}).get("seamline_exact", {})
     small = models.get("embedded", {}).get("configs", {})
     figures: dict[str, Any] = {
         "exact_batch_gain_16": _ratio(big.get("16"), big.get("1")),
-        "mesh_single_ratio": _ratio(small.get("mesh_2_stages", {}).get("1"), small.get("seamline", {}).get("1")),
+        "mesh_single_ratio": _ratio(
+            small.get("mesh_2_stages", {}).get("1"), small.get("seamline", {}).get("1")
+        ),
         **single_stream(runs, engine),
-    }  # fmt: skip
-    flat = {**figures, **{f"{m}.{k}": v for m, o in models.items() for k, v in o.items() if k != "configs"}}
+    }
+    flat = {
+        **figures,
+        **{f"{m}.{k}": v for m, o in models.items() for k, v in o.items() if k != "configs"},
+    }
     return {
         "bench": "throughput",
-        "models": models, **figures,
-        "targets": TARGETS, "targets_met": targets_met(flat, TARGETS),
-        "seamline": SEAMLINE, "llama_cpp": llama_cpp, "threads": 2,
-        "generated_tokens_per_client": tokens, "prompt_tokens": prompt_tokens, "repeats": repeats,
-        "machine": {"rounds": machine or [], "quiet_share": QUIET_SHARE,
-                    "quiet": all(r["foreign_cpu_share"] < QUIET_SHARE for r in machine or [])},
-        "not_measured": missing, "logs": logs,
-    }  # fmt: skip
+        "models": models,
+        **figures,
+        "targets": TARGETS,
+        "targets_met": targets_met(flat, TARGETS),
+        "seamline": SEAMLINE,
+        "llama_cpp": llama_cpp,
+        "threads": 2,
+        "generated_tokens_per_client": tokens,
+        "prompt_tokens": prompt_tokens,
+        "repeats": repeats,
+        "machine": {
+            "rounds": machine or [],
+            "quiet_share": QUIET_SHARE,
+            "quiet": all(r["foreign_cpu_share"] < QUIET_SHARE for r in machine or []),
+        },
+        "not_measured": missing,
+        "logs": logs,
+    }

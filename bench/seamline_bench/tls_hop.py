@@ -29,8 +29,11 @@ def link_pair(authority: MeshAuthority | None) -> tuple[Link, Link]:
     if authority is None:
         return Link(one, "a"), Link(two, "b")
     accepted: dict[str, TlsSocket] = {}
-    server = threading.Thread(target=lambda: accepted.update(
-        b=TlsSocket.handshake(two, authority.identity("b", 600).server_context(), True, 10.0)))  # fmt: skip
+    server = threading.Thread(
+        target=lambda: accepted.update(
+            b=TlsSocket.handshake(two, authority.identity("b", 600).server_context(), True, 10.0)
+        )
+    )
     server.start()
     client = TlsSocket.handshake(one, authority.identity("a", 600).client_context(), False, 10.0)
     server.join()
@@ -38,7 +41,14 @@ def link_pair(authority: MeshAuthority | None) -> tuple[Link, Link]:
 
 
 def _ms_per_frame(sender: Link, receiver: Link, hidden: int, frames: int) -> float:
-    row = Row(request=1, position=7, count=1, hash_before=EMPTY_HASH, hash_after=1, flags=int(RowFlag.SAMPLE))
+    row = Row(
+        request=1,
+        position=7,
+        count=1,
+        hash_before=EMPTY_HASH,
+        hash_after=1,
+        flags=int(RowFlag.SAMPLE),
+    )
     tensor = torch.zeros(1, hidden)
     batch = max(1, BATCH_BYTES // (hidden * 4 + 64))
     began = time.perf_counter()
@@ -64,5 +74,8 @@ def tls_per_hop(hidden: int, runs: int = 7, frames: int = 5000) -> dict[str, flo
             for link in pair:
                 link.close()
     plain, tls = statistics.median(took["plain"]), statistics.median(took["tls"])
-    return {"plain_ms_per_frame": round(plain, 4), "tls_ms_per_frame": round(tls, 4),
-            "tls_ms_per_hop": round(tls - plain, 4)}  # fmt: skip
+    return {
+        "plain_ms_per_frame": round(plain, 4),
+        "tls_ms_per_frame": round(tls, 4),
+        "tls_ms_per_hop": round(tls - plain, 4),
+    }

@@ -39,7 +39,9 @@ def tame_malloc() -> None:
     periodic = {"glibc": lambda: lib.malloc_trim(0), "jemalloc": _purge_when_idle(lib)}.get(kind)
     if periodic is not None and not _trimming.is_set():
         _trimming.set()
-        threading.Thread(target=_trim_forever, args=(periodic,), daemon=True, name="seamline-trim").start()
+        threading.Thread(
+            target=_trim_forever, args=(periodic,), daemon=True, name="seamline-trim"
+        ).start()
 
 
 def trim_now() -> None:
@@ -97,7 +99,9 @@ def _purge_when_idle(lib: ctypes.CDLL) -> Callable[[], None]:
 def _large_allocations(lib: ctypes.CDLL) -> int | None:
     """How many large blocks (16 KiB and more) jemalloc has handed out in this process."""
     epoch, count, size = ctypes.c_uint64(1), ctypes.c_uint64(), ctypes.c_size_t(8)
-    if lib.mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.c_size_t(8)) != 0:  # refreshes the statistics
+    if (
+        lib.mallctl(b"epoch", None, None, ctypes.byref(epoch), ctypes.c_size_t(8)) != 0
+    ):  # refreshes the statistics
         return None
     name = f"stats.arenas.{ALL_ARENAS}.large.nmalloc".encode()
     if lib.mallctl(name, ctypes.byref(count), ctypes.byref(size), None, ctypes.c_size_t(0)) != 0:

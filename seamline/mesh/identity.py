@@ -29,7 +29,9 @@ from cryptography.x509.oid import NameOID
 from seamline.errors import SeamlineError
 from seamline.net.tls import mutual_context
 
-COORDINATOR_ID = "seamline-coordinator"  # the coordinator's name in its certificate; no node may take it
+COORDINATOR_ID = (
+    "seamline-coordinator"  # the coordinator's name in its certificate; no node may take it
+)
 CERT_TTL_S = 3600.0  # a member's certificate; renewed at half its life
 CA_TTL_DAYS = 3650
 
@@ -43,8 +45,9 @@ def new_key() -> ec.EllipticCurvePrivateKey:
 
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())  # fmt: skip
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def fingerprint(certificate_pem: bytes | str) -> str:
@@ -77,7 +80,7 @@ class MeshAuthority:
         self.fingerprint = fingerprint(self.ca_pem)
 
     @classmethod
-    def load_or_create(cls, state_dir: Path) -> "MeshAuthority":
+    def load_or_create(cls, state_dir: Path) -> MeshAuthority:
         key_file, cert_file = state_dir / "ca.key", state_dir / "ca.pem"
         if key_file.is_file() and cert_file.is_file():
             key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
@@ -90,20 +93,34 @@ class MeshAuthority:
         return authority
 
     @classmethod
-    def create(cls) -> "MeshAuthority":
+    def create(cls) -> MeshAuthority:
         key = new_key()
         name = _name(f"seamline mesh CA {secrets.token_hex(4)}")
         certificate = (
-            x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(_now() - datetime.timedelta(minutes=5))
             .not_valid_after(_now() + datetime.timedelta(days=CA_TTL_DAYS))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False, data_encipherment=False,
-                                         key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
             .sign(key, hashes.SHA256())
-        )  # fmt: skip
+        )
         return cls(key, certificate)
 
     def issue(self, csr_pem: str, node_id: str, ttl_s: float = CERT_TTL_S) -> str:
@@ -117,20 +134,32 @@ class MeshAuthority:
             raise IdentityError("the certificate signing request's signature does not check out")
         start = _now() - datetime.timedelta(minutes=5)
         certificate = (
-            x509.CertificateBuilder().subject_name(_name(node_id)).issuer_name(self.certificate.subject)
-            .public_key(csr.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(min(start, _now() + datetime.timedelta(seconds=ttl_s) - datetime.timedelta(minutes=1)))
+            x509.CertificateBuilder()
+            .subject_name(_name(node_id))
+            .issuer_name(self.certificate.subject)
+            .public_key(csr.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(
+                min(
+                    start,
+                    _now() + datetime.timedelta(seconds=ttl_s) - datetime.timedelta(minutes=1),
+                )
+            )
             .not_valid_after(_now() + datetime.timedelta(seconds=ttl_s))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .sign(self.key, hashes.SHA256())
-        )  # fmt: skip
+        )
         return certificate.public_bytes(serialization.Encoding.PEM).decode()
 
-    def identity(self, node_id: str, ttl_s: float = CERT_TTL_S) -> "Identity":
+    def identity(self, node_id: str, ttl_s: float = CERT_TTL_S) -> Identity:
         """A fresh key and certificate for ``node_id`` (the coordinator's own, or a test's)."""
         key = new_key()
-        return Identity(node_id, key_pem(key).decode(), self.issue(signing_request(key, node_id), node_id, ttl_s),
-                        self.ca_pem)  # fmt: skip
+        return Identity(
+            node_id,
+            key_pem(key).decode(),
+            self.issue(signing_request(key, node_id), node_id, ttl_s),
+            self.ca_pem,
+        )
 
 
 @dataclass(frozen=True)
@@ -157,7 +186,9 @@ class Identity:
         return self._context(False, True)
 
     def _context(self, server_side: bool, require_peer: bool) -> ssl.SSLContext:
-        with tempfile.TemporaryDirectory(prefix="seamline-tls-") as folder:  # ssl loads keys from files only
+        with tempfile.TemporaryDirectory(
+            prefix="seamline-tls-"
+        ) as folder:  # ssl loads keys from files only
             cert_file, key_file = self.write(Path(folder), "member")
             return mutual_context(server_side, cert_file, key_file, self.ca_pem, require_peer)
 
@@ -183,7 +214,9 @@ def check_coordinator(leaf_der: bytes | None, ca_pem: str, pinned: str) -> None:
     """The CA the coordinator sent is the one the invite pins, and it issued the certificate
     the coordinator presented, which names the coordinator; IdentityError otherwise."""
     if not ca_pem or fingerprint(ca_pem) != pinned:
-        raise IdentityError("the coordinator's CA is not the one this invite names: not the mesh the token is for")
+        raise IdentityError(
+            "the coordinator's CA is not the one this invite names: not the mesh the token is for"
+        )
     if leaf_der is None:
         raise IdentityError("the coordinator presented no certificate")
     ca = x509.load_pem_x509_certificate(ca_pem.encode())
@@ -191,10 +224,14 @@ def check_coordinator(leaf_der: bytes | None, ca_pem: str, pinned: str) -> None:
     try:
         leaf.verify_directly_issued_by(ca)
     except (InvalidSignature, ValueError, TypeError) as exc:
-        raise IdentityError(f"the coordinator's certificate was not issued by the mesh CA ({exc})") from None
+        raise IdentityError(
+            f"the coordinator's certificate was not issued by the mesh CA ({exc})"
+        ) from None
     names = leaf.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     if not names or names[0].value != COORDINATOR_ID:
-        raise IdentityError("the certificate the coordinator presented does not name the coordinator")
+        raise IdentityError(
+            "the certificate the coordinator presented does not name the coordinator"
+        )
     now = _now()
     if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
         raise IdentityError("the coordinator's certificate has expired")

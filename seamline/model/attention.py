@@ -24,12 +24,13 @@ from seamline.model.fused import op_for
 from seamline.model.gpu_static import attend_with_table, static_table
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
-from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary
+from seamline.ownership import Ownership
 
 
-def causal_mask(start: int, count: int, window: int = 0, device: torch.device | None = None,
-                first: int = 0) -> torch.Tensor | None:  # fmt: skip
+def causal_mask(
+    start: int, count: int, window: int = 0, device: torch.device | None = None, first: int = 0
+) -> torch.Tensor | None:
     """Boolean mask [count, start+count-first] for a chunk after ``start`` cached positions over
     keys from position ``first``; with a ``window``, a query at i sees only keys (i - window, i],
     as transformers' sliding window."""
@@ -41,12 +42,21 @@ def causal_mask(start: int, count: int, window: int = 0, device: torch.device | 
     return visible & (keys > queries - window) if window else visible
 
 
-def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                      sinks: torch.Tensor, scale: float | None) -> torch.Tensor:  # fmt: skip
+def attend_with_sinks(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
     """Attention whose softmax has one more logit per head, its sink, that takes weight and adds
     no value (gpt-oss): q [T, H, D], keys/values [Hkv, S, D], mask [T, S] -> [T, H, D]."""
     heads, group = q.shape[1], q.shape[1] // keys.shape[0]
-    keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)  # [H, S, D]
+    keys, values = (
+        keys.repeat_interleave(group, dim=0),
+        values.repeat_interleave(group, dim=0),
+    )  # [H, S, D]
     scores = torch.einsum("thd,hsd->hts", q, keys) * (scale or q.shape[-1] ** -0.5)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -67,7 +77,9 @@ def _uneven_kv_map(q0: int, q1: int, k0: int, group: int) -> torch.Tensor | None
 
 
 class GQAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryTable, own: Ownership, window: int = 0) -> None:
+    def __init__(
+        self, config: ModelConfig, rope: RotaryTable, own: Ownership, window: int = 0
+    ) -> None:
         """``window``: a sliding window's keys (0: every position); its cache is a ring that keeps
         the window (``LayerKV.window_update``), and the mask hides what lies behind it."""
         super().__init__()
@@ -84,7 +96,11 @@ class GQAttention(nn.Module):
         self.qkv_bias = empty_param(rows) if config.attention_bias else None
         self.o = empty_param(config.hidden_size, self.heads * self.head_dim)
         # gpt-oss: the output's bias (added once: by rank 0 of a group) and a sink logit per head
-        self.o_bias = empty_param(config.hidden_size) if config.attention_out_bias and own.shard[0] == 0 else None
+        self.o_bias = (
+            empty_param(config.hidden_size)
+            if config.attention_out_bias and own.shard[0] == 0
+            else None
+        )
         self.sinks = empty_param(self.heads) if config.attention_sinks else None
         self.kv_map = _uneven_kv_map(q0, q1, k0, config.num_heads // config.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -94,24 +110,36 @@ class GQAttention(nn.Module):
         # (a sliding layer's ring is read by position runs here, not by the fused ops)
         whole = self.rotary_dim == self.head_dim and self.scale is None and self.sinks is None
         self.fused_decode = self.q_norm is None and self.kv_map is None and whole and not window
-        self.gpu_decode = self.fused_decode and self.head_dim >= 16 and not self.head_dim & (self.head_dim - 1)
+        self.gpu_decode = (
+            self.fused_decode and self.head_dim >= 16 and not self.head_dim & (self.head_dim - 1)
+        )
 
     def _decode_op(self, qkv: torch.Tensor, name: str) -> Callable[..., torch.Tensor] | None:
         """The fused decode op ``name`` for these rows' device (the GPU's takes power-of-two heads)."""
-        return op_for(qkv, name) if (self.gpu_decode if qkv.is_cuda else self.fused_decode) else None
+        return (
+            op_for(qkv, name) if (self.gpu_decode if qkv.is_cuda else self.fused_decode) else None
+        )
 
-    def _decode(self, op: Callable[..., torch.Tensor], qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
+    def _decode(
+        self, op: Callable[..., torch.Tensor], qkv: torch.Tensor, start: int, kv: LayerKV
+    ) -> torch.Tensor:
         cos, sin = self.rope.tables(start + 1, qkv.dtype)
         keys, values = kv.reserve(self.kv_heads, self.head_dim, start + 1, qkv.dtype, qkv.device)
-        return op(qkv, cos, sin, keys, values, start, self.heads, self.kv_heads, self.window)  # [1, H * D]
+        return op(
+            qkv, cos, sin, keys, values, start, self.heads, self.kv_heads, self.window
+        )  # [1, H * D]
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], layer: int) -> torch.Tensor:
         """x [N, hidden]: the rows of every span; one projection for all rows, attention per
         span over its own sequence's cache of ``layer``."""
         qkv = linear(x, self.qkv, self.qkv_bias)  # [N, (H + 2*Hkv) * D]
-        if (table := static_table(layer)) is not None:  # a decode step being captured (``runtime/cuda_graphs.py``)
+        if (
+            table := static_table(layer)
+        ) is not None:  # a decode step being captured (``runtime/cuda_graphs.py``)
             cos, sin = self.rope.tables(1, qkv.dtype)  # grown to the context before the capture
-            out = attend_with_table(qkv, cos, sin, table, self.heads, self.kv_heads, self.head_dim, self.window)
+            out = attend_with_table(
+                qkv, cos, sin, table, self.heads, self.kv_heads, self.head_dim, self.window
+            )
         elif len(spans) == 1 and not spans[0].rowwise:
             out = self._attend(qkv, spans[0].start, spans[0].cache.layer(layer))
         else:
@@ -125,16 +153,31 @@ class GQAttention(nn.Module):
         ones = 0
         while ones < len(spans) and (spans[ones].count == 1 or spans[ones].rowwise):
             ones += 1
-        head = [(s, s.start + j) for s in spans[:ones] for j in range(s.count)]  # (span, position) per row
+        head = [
+            (s, s.start + j) for s in spans[:ones] for j in range(s.count)
+        ]  # (span, position) per row
         op = self._decode_op(qkv, "decode_attention_batch") if len(head) > 1 else None
         if op is None:
             return torch.cat([self._attend_span(qkv, s, layer) for s in spans])
         cos, sin = self.rope.tables(max(position for _, position in head) + 1, qkv.dtype)
-        kv = [s.cache.layer(layer).reserve(self.kv_heads, self.head_dim, s.start + s.count, qkv.dtype, qkv.device)
-              for s, _ in head]  # fmt: skip
+        kv = [
+            s.cache.layer(layer).reserve(
+                self.kv_heads, self.head_dim, s.start + s.count, qkv.dtype, qkv.device
+            )
+            for s, _ in head
+        ]
         rows = head[-1][0].end
-        out = op(qkv[:rows], cos, sin, [k for k, _ in kv], [v for _, v in kv], [position for _, position in head],
-                 self.heads, self.kv_heads, self.window)  # fmt: skip
+        out = op(
+            qkv[:rows],
+            cos,
+            sin,
+            [k for k, _ in kv],
+            [v for _, v in kv],
+            [position for _, position in head],
+            self.heads,
+            self.kv_heads,
+            self.window,
+        )
         rest = [self._attend_span(qkv, s, layer) for s in spans[ones:]]
         return torch.cat([out, *rest]) if rest else out
 
@@ -142,8 +185,12 @@ class GQAttention(nn.Module):
         kv = span.cache.layer(layer)
         if not span.rowwise:
             return self._attend(qkv[span.offset : span.end], span.start, kv)
-        return torch.cat([self._attend(qkv[row : row + 1], span.start + row - span.offset, kv)
-                          for row in range(span.offset, span.end)])  # fmt: skip
+        return torch.cat(
+            [
+                self._attend(qkv[row : row + 1], span.start + row - span.offset, kv)
+                for row in range(span.offset, span.end)
+            ]
+        )
 
     def _attend(self, qkv: torch.Tensor, start: int, kv: LayerKV) -> torch.Tensor:
         """One sequence's rows [T, (H + 2*Hkv) * D] at positions from ``start`` -> [T, H * D]."""
@@ -163,9 +210,14 @@ class GQAttention(nn.Module):
             qk = apply_rotary(qk, cos, sin)  # [T, H + Hkv, D]
         q, k = qk.split((self.heads, self.kv_heads), dim=1)
         if self.window:  # its cache is a ring of its window's positions (``model/cache.py``)
-            keys, values, first = kv.window_update(k.transpose(0, 1), v.transpose(0, 1), start, self.window)
+            keys, values, first = kv.window_update(
+                k.transpose(0, 1), v.transpose(0, 1), start, self.window
+            )
         else:
-            (keys, values), first = kv.update(k.transpose(0, 1), v.transpose(0, 1), start), 0  # [Hkv, S, D]
+            (keys, values), first = (
+                kv.update(k.transpose(0, 1), v.transpose(0, 1), start),
+                0,
+            )  # [Hkv, S, D]
         if self.kv_map is not None:  # an uneven share: one KV row per query head
             keys, values = keys.index_select(0, self.kv_map), values.index_select(0, self.kv_map)
         if self.sinks is not None:

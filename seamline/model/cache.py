@@ -22,6 +22,7 @@ from seamline.config import ring_size
 
 MIN_CAPACITY = 256
 
+
 class CacheOverrun(RuntimeError):
     """A step went back further than a sliding layer's ring still holds."""
 
@@ -48,15 +49,18 @@ class LayerKV:
         self.ring = ring
         self.held_from = 0  # a ring's oldest position still held
 
-    def window_update(self, k: torch.Tensor, v: torch.Tensor, start: int,
-                      window: int) -> tuple[torch.Tensor, torch.Tensor, int]:  # fmt: skip
+    def window_update(
+        self, k: torch.Tensor, v: torch.Tensor, start: int, window: int
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """A ring's ``update``: write k, v ([heads, T, dim]) at positions [start, start+T); return
         the keys and values of positions [first, start+T) and ``first``, the oldest a row of
         theirs sees (start - window + 1)."""
         end, first = start + k.shape[1], max(0, start - window + 1)
         if first < self.held_from:
-            raise CacheOverrun(f"a step at position {start} needs keys from {first}; this sliding layer's "
-                               f"ring of {self.ring} holds them from {self.held_from}")
+            raise CacheOverrun(
+                f"a step at position {start} needs keys from {first}; this sliding layer's "
+                f"ring of {self.ring} holds them from {self.held_from}"
+            )
         held = min(end, self.ring)
         bound = min(self.limit, self.ring) if self.limit is not None else self.ring
         self.k, self.v = _fit(self.k, k, held, bound), _fit(self.v, v, held, bound)
@@ -94,13 +98,17 @@ class LayerKV:
         self.v[:, start:end] = v
         return self.k[:, :end], self.v[:, :end]
 
-    def reserve(self, heads: int, dim: int, end: int, dtype: torch.dtype,
-                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def reserve(
+        self, heads: int, dim: int, end: int, dtype: torch.dtype, device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole buffers [heads, capacity >= end, dim] (on ``device``: the rows'), for a
         kernel that writes them itself."""
         if self.k is None or self.v is None or self.k.shape[1] < end:
             like = torch.empty(heads, 0, dim, dtype=dtype, device=device)
-            self.k, self.v = _fit(self.k, like, end, self.limit), _fit(self.v, like, end, self.limit)
+            self.k, self.v = (
+                _fit(self.k, like, end, self.limit),
+                _fit(self.v, like, end, self.limit),
+            )
         return self.k, self.v
 
     def fork(self, length: int, limit: int | None = None) -> LayerKV:
@@ -130,8 +138,13 @@ def _fit(buf: torch.Tensor | None, like: torch.Tensor, end: int, limit: int | No
 class SequenceCache:
     """The KV state of one sequence for the layers one process owns."""
 
-    def __init__(self, layers: Iterable[int], limit: int | None = None, rings: Mapping[int, int] | None = None,
-                 window: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        layers: Iterable[int],
+        limit: int | None = None,
+        rings: Mapping[int, int] | None = None,
+        window: int = 0,
+    ) -> None:
         """``rings``: the sliding layers' ring sizes; ``window``: the model's sliding window (any
         stage's caches tell alike what a fork can start from, whichever layers they hold)."""
         self.limit = limit
@@ -188,7 +201,9 @@ class Span:
     count: int
     start: int
     cache: SequenceCache
-    rowwise: bool = False  # each row computed as a one-row step at its position would be (a speculative window)
+    rowwise: bool = (
+        False  # each row computed as a one-row step at its position would be (a speculative window)
+    )
 
     @property
     def end(self) -> int:

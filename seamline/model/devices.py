@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+
 import torch
 from torch import nn
 
@@ -36,7 +37,9 @@ def resolve_device(name: str | None) -> torch.device:
         return _cuda(device, name)
     if device.type == "mps":
         if not torch.backends.mps.is_available():
-            raise ConfigError("--device mps: this torch sees no Apple GPU (mps needs macOS on Apple silicon)")
+            raise ConfigError(
+                "--device mps: this torch sees no Apple GPU (mps needs macOS on Apple silicon)"
+            )
         return device
     raise ConfigError(f"--device {name}: seamline runs on {DEVICE_CHOICES}")
 
@@ -44,11 +47,15 @@ def resolve_device(name: str | None) -> torch.device:
 def _cuda(device: torch.device, name: str) -> torch.device:
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "the CPU build"
-        raise ConfigError(f"--device {name}: torch sees no CUDA device (torch {torch.__version__}, {build}; "
-                          "install.sh installs the CUDA build where nvidia-smi finds a driver)")  # fmt: skip
+        raise ConfigError(
+            f"--device {name}: torch sees no CUDA device (torch {torch.__version__}, {build}; "
+            "install.sh installs the CUDA build where nvidia-smi finds a driver)"
+        )
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index >= torch.cuda.device_count():
-        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        raise ConfigError(
+            f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        )
     return torch.device("cuda", index)
 
 
@@ -97,7 +104,9 @@ def move_module(module: nn.Module, device: torch.device) -> None:
     try:
         module.to(device)
         done: dict[int, object] = {}  # one copy of a weight two attributes share (a tied head)
-        originals: list[object] = []  # kept alive through the walk, so that no id in ``done`` is reused
+        originals: list[
+            object
+        ] = []  # kept alive through the walk, so that no id in ``done`` is reused
         for sub in module.modules():
             for name, value in list(vars(sub).items()):
                 if name.startswith("_") or value is None:
@@ -111,7 +120,9 @@ def move_module(module: nn.Module, device: torch.device) -> None:
                     setattr(sub, name, moved)
                     done[id(value)] = done[id(moved)] = moved
                     originals.append(value)
-                elif hasattr(value, "move_to"):  # a rotary table: one copy per device for the blocks sharing it
+                elif hasattr(
+                    value, "move_to"
+                ):  # a rotary table: one copy per device for the blocks sharing it
                     table = copy.copy(value)
                     table.move_to(device)
                     setattr(sub, name, table)
@@ -166,9 +177,13 @@ def place_stage(stage: nn.Module, device: torch.device, gpu_layers: int | None =
         if index < gpu_layers:
             move_module(block, device)
     embed = getattr(stage, "embed", None)
-    if embed is not None and gpu_layers > 0 and not tied:  # a tied table stays with the head, on the CPU
+    if (
+        embed is not None and gpu_layers > 0 and not tied
+    ):  # a tied table stays with the head, on the CPU
         stage.embed = _to_device_weight(embed, device)
-    log.info("%d of %d layers on %s, the rest on the cpu", gpu_layers, len(layers), describe(device))
+    log.info(
+        "%d of %d layers on %s, the rest on the cpu", gpu_layers, len(layers), describe(device)
+    )
 
 
 def _to_device_weight(weight: object, device: torch.device) -> object:
@@ -190,7 +205,9 @@ _PINNED = threading.local()  # per thread: a node's two stage workers never shar
 def _pinned(tensor: torch.Tensor) -> torch.Tensor:
     """A page-locked host buffer of ``tensor``'s shape and dtype, reused by this thread: a copy
     from or to it runs at the link's full rate, where pageable memory is staged by the driver."""
-    buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = _PINNED.__dict__.setdefault("buffers", {})
+    buffers: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = _PINNED.__dict__.setdefault(
+        "buffers", {}
+    )
     key = (tuple(tensor.shape), tensor.dtype)
     buffer = buffers.get(key)
     if buffer is None:

@@ -14,9 +14,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from seamline.quant.native import kernels
-
 from seamline.model.gpu_ops import FLOAT_DTYPES as _DTYPES  # one list for both devices
+from seamline.quant.native import kernels
 
 
 def op_for(x: torch.Tensor, name: str) -> Callable[..., Any] | None:
@@ -44,7 +43,12 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + delta, rms_norm(x + delta)): a residual add and the norm after it."""
     op = op_for(x, "add_rms_norm")
-    if op is not None and delta.is_contiguous() and delta.dtype == x.dtype and weight.is_contiguous():
+    if (
+        op is not None
+        and delta.is_contiguous()
+        and delta.dtype == x.dtype
+        and weight.is_contiguous()
+    ):
         return op(x, delta, weight, eps)
     total = x + delta
     return total, F.rms_norm(total, (x.shape[-1],), weight, eps)

@@ -22,8 +22,17 @@ BLOCK_KEYS = 64
 
 
 @triton.jit
-def _rope_write(qkv_ptr, cos_ptr, sin_ptr, table_ptr, q_out_ptr, rows, H: tl.constexpr, HKV: tl.constexpr,
-                D: tl.constexpr):  # fmt: skip
+def _rope_write(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    table_ptr,
+    q_out_ptr,
+    rows,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+):
     r = tl.program_id(0)
     h = tl.program_id(1)  # query heads, then KV heads (each writes its key and its value)
     pos = tl.load(table_ptr + r)
@@ -32,8 +41,9 @@ def _rope_write(qkv_ptr, cos_ptr, sin_ptr, table_ptr, q_out_ptr, rows, H: tl.con
     row = qkv_ptr + r * (H + 2 * HKV) * D
     x = tl.load(row + h * D + d).to(tl.float32)
     partner = tl.load(row + h * D + (d + D // 2) % D).to(tl.float32)
-    turned = x * tl.load(cos_ptr + pos * D + d).to(tl.float32) + \
-        tl.where(d < D // 2, -partner, partner) * tl.load(sin_ptr + pos * D + d).to(tl.float32)  # fmt: skip
+    turned = x * tl.load(cos_ptr + pos * D + d).to(tl.float32) + tl.where(
+        d < D // 2, -partner, partner
+    ) * tl.load(sin_ptr + pos * D + d).to(tl.float32)
     if h < H:
         tl.store(q_out_ptr + (r * H + h) * D + d, turned)
     else:
@@ -46,8 +56,18 @@ def _rope_write(qkv_ptr, cos_ptr, sin_ptr, table_ptr, q_out_ptr, rows, H: tl.con
 
 
 @triton.jit
-def _attend(q_ptr, table_ptr, out_ptr, rows, window, scale, H: tl.constexpr, HKV: tl.constexpr,
-            D: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _attend(
+    q_ptr,
+    table_ptr,
+    out_ptr,
+    rows,
+    window,
+    scale,
+    H: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0)
     h = tl.program_id(1)
     g = h // (H // HKV)  # SDPA's grouping: consecutive query heads share a KV head
@@ -61,7 +81,9 @@ def _attend(q_ptr, table_ptr, out_ptr, rows, window, scale, H: tl.constexpr, HKV
     best = float("-inf")
     total = 0.0
     acc = tl.zeros((D,), tl.float32)
-    for start in range(first, pos + 1, BLOCK):  # bounds read from the table: a replayed graph stays right
+    for start in range(
+        first, pos + 1, BLOCK
+    ):  # bounds read from the table: a replayed graph stays right
         n = start + tl.arange(0, BLOCK)
         seen = n <= pos
         at = (g * capacity + n)[:, None] * D + d[None, :]
@@ -82,32 +104,79 @@ def supported(head_dim: int) -> bool:
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0
 
 
-def decode_attention_batch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
-                           v_caches: list[torch.Tensor], positions: list[int], heads: int, kv_heads: int,
-                           window: int = 0) -> torch.Tensor:  # fmt: skip
+def decode_attention_batch(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    positions: list[int],
+    heads: int,
+    kv_heads: int,
+    window: int = 0,
+) -> torch.Tensor:
     """Rows ``qkv`` [R, (H + 2 Hkv) D], row i at ``positions[i]`` of the sequence whose caches
     [Hkv, capacity, D] are ``k_caches[i]``, ``v_caches[i]`` -> attention outputs [R, H D]."""
     dim = k_caches[0].shape[-1]
-    table = torch.tensor([positions, [k.data_ptr() for k in k_caches], [v.data_ptr() for v in v_caches],
-                          [k.shape[1] for k in k_caches]], dtype=torch.int64).to(qkv.device, non_blocking=True)  # fmt: skip
-    return attend_with_table(qkv.contiguous(), cos.contiguous(), sin.contiguous(), table, heads, kv_heads, dim, window)
+    table = torch.tensor(
+        [
+            positions,
+            [k.data_ptr() for k in k_caches],
+            [v.data_ptr() for v in v_caches],
+            [k.shape[1] for k in k_caches],
+        ],
+        dtype=torch.int64,
+    ).to(qkv.device, non_blocking=True)
+    return attend_with_table(
+        qkv.contiguous(), cos.contiguous(), sin.contiguous(), table, heads, kv_heads, dim, window
+    )
 
 
-def attend_with_table(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, heads: int,
-                      kv_heads: int, dim: int, window: int = 0) -> torch.Tensor:  # fmt: skip
+def attend_with_table(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    table: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    window: int = 0,
+) -> torch.Tensor:
     """The two kernels over rows whose positions and caches a device ``table`` [4, R] int64 holds
     (position, keys' address, values' address, capacity): what a captured graph replays."""
     rows = qkv.shape[0]
     turned = torch.empty(rows, heads, dim, dtype=torch.float32, device=qkv.device)
-    _rope_write[(rows, heads + kv_heads)](qkv, cos, sin, table, turned, rows, H=heads, HKV=kv_heads, D=dim)
+    _rope_write[(rows, heads + kv_heads)](
+        qkv, cos, sin, table, turned, rows, H=heads, HKV=kv_heads, D=dim
+    )
     out = torch.empty(rows, heads * dim, dtype=qkv.dtype, device=qkv.device)
-    _attend[(rows, heads)](turned, table, out, rows, window or 1 << 30, dim**-0.5, H=heads, HKV=kv_heads, D=dim,
-                           BLOCK=BLOCK_KEYS)  # fmt: skip  (no window: every position from 0)
+    _attend[(rows, heads)](
+        turned,
+        table,
+        out,
+        rows,
+        window or 1 << 30,
+        dim**-0.5,
+        H=heads,
+        HKV=kv_heads,
+        D=dim,
+        BLOCK=BLOCK_KEYS,
+    )  # no window: every position from 0
     return out
 
 
-def decode_attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, window: int = 0) -> torch.Tensor:  # fmt: skip
+def decode_attention(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: int,
+    heads: int,
+    kv_heads: int,
+    window: int = 0,
+) -> torch.Tensor:
     """One sequence's one row: ``decode_attention_batch`` of one."""
-    return decode_attention_batch(qkv, cos, sin, [k_cache], [v_cache], [pos], heads, kv_heads, window)
-
+    return decode_attention_batch(
+        qkv, cos, sin, [k_cache], [v_cache], [pos], heads, kv_heads, window
+    )

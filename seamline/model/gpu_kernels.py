@@ -57,12 +57,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     total, out = torch.empty_like(x), torch.empty_like(x)
     cols = x.shape[-1]
     if _rows(x):
-        _add_rms_norm_kernel[(_rows(x),)](x, delta.contiguous(), weight, total, out, cols, eps,
-                                          BLOCK=triton.next_power_of_2(cols))  # fmt: skip
+        _add_rms_norm_kernel[(_rows(x),)](
+            x, delta.contiguous(), weight, total, out, cols, eps, BLOCK=triton.next_power_of_2(cols)
+        )
     return total, out
 
 
@@ -71,5 +74,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty((*gate_up.shape[:-1], inter))
     block = min(1024, triton.next_power_of_2(inter))
     if _rows(gate_up):
-        _silu_mul_kernel[(_rows(gate_up), triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block)
+        _silu_mul_kernel[(_rows(gate_up), triton.cdiv(inter, block))](
+            gate_up, out, inter, BLOCK=block
+        )
     return out

@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
-FLOAT_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))  # what the kernels take, as the C++ ops
+FLOAT_DTYPES = frozenset(
+    (torch.float32, torch.bfloat16, torch.float16)
+)  # what the kernels take, as the C++ ops
 
 
 @lru_cache(maxsize=1)
@@ -24,9 +26,13 @@ def ops() -> dict[str, Callable[..., Any]]:
         from seamline.model import gpu_attention, gpu_kernels
     except ImportError:
         return {}
-    return {"rms_norm": gpu_kernels.rms_norm, "add_rms_norm": gpu_kernels.add_rms_norm,
-            "silu_mul": gpu_kernels.silu_mul, "decode_attention": gpu_attention.decode_attention,
-            "decode_attention_batch": gpu_attention.decode_attention_batch}  # fmt: skip
+    return {
+        "rms_norm": gpu_kernels.rms_norm,
+        "add_rms_norm": gpu_kernels.add_rms_norm,
+        "silu_mul": gpu_kernels.silu_mul,
+        "decode_attention": gpu_attention.decode_attention,
+        "decode_attention_batch": gpu_attention.decode_attention_batch,
+    }
 
 
 def op_for(x: torch.Tensor, name: str) -> Callable[..., Any] | None:

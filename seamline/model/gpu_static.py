@@ -9,7 +9,9 @@ from contextlib import contextmanager
 
 import torch
 
-_STATIC: list[dict[int, torch.Tensor]] = []  # while a decode step is captured: layer -> its rows' table
+_STATIC: list[
+    dict[int, torch.Tensor]
+] = []  # while a decode step is captured: layer -> its rows' table
 
 
 @contextmanager
@@ -27,8 +29,16 @@ def static_table(layer: int) -> torch.Tensor | None:
     return _STATIC[-1].get(layer) if _STATIC else None
 
 
-def attend_with_table(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, table: torch.Tensor, heads: int,
-                      kv_heads: int, dim: int, window: int = 0) -> torch.Tensor:  # fmt: skip
+def attend_with_table(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    table: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    window: int = 0,
+) -> torch.Tensor:
     from seamline.model import gpu_attention
 
     return gpu_attention.attend_with_table(qkv, cos, sin, table, heads, kv_heads, dim, window)

@@ -27,9 +27,16 @@ def _unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class HyperConnection(nn.Module):
-    def __init__(self, hidden: int, streams: int, sinkhorn_iters: int, eps: float, norm_eps: float) -> None:
+    def __init__(
+        self, hidden: int, streams: int, sinkhorn_iters: int, eps: float, norm_eps: float
+    ) -> None:
         super().__init__()
-        self.streams, self.sinkhorn_iters, self.eps, self.norm_eps = streams, sinkhorn_iters, eps, norm_eps
+        self.streams, self.sinkhorn_iters, self.eps, self.norm_eps = (
+            streams,
+            sinkhorn_iters,
+            eps,
+            norm_eps,
+        )
         mixes = (2 + streams) * streams  # pre, post, then comb's streams x streams
         self.fn = empty_param(mixes, streams * hidden)
         self.base = empty_param(mixes)
@@ -59,11 +66,15 @@ class HyperConnection(nn.Module):
         return comb
 
     @staticmethod
-    def spread(residual: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def spread(
+        residual: torch.Tensor, output: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+    ) -> torch.Tensor:
         """The new residual: the block's ``output`` [T, hidden] spread by ``post``, plus the old
         streams mixed by ``comb`` (summed over its first axis: comb is not symmetric)."""
         dtype = residual.dtype
-        return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+        return post.to(dtype).unsqueeze(-1) * output.unsqueeze(-2) + torch.matmul(
+            comb.to(dtype).transpose(-1, -2), residual
+        )
 
 
 class HyperHead(nn.Module):
@@ -78,7 +89,10 @@ class HyperHead(nn.Module):
 
     def forward(self, residual: torch.Tensor) -> torch.Tensor:
         flat = _unweighted_rms(residual.flatten(1).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float()) + self.eps
+        pre = (
+            torch.sigmoid(F.linear(flat, self.fn.float()) * self.scale.float() + self.base.float())
+            + self.eps
+        )
         return (pre.unsqueeze(-1) * residual).sum(dim=1).to(residual.dtype)
 
 

@@ -26,7 +26,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, self(x + delta)) in one step."""
         return add_rms_norm(x, delta, self.weight, self.eps)
 

@@ -27,7 +27,7 @@ class RowConcat:
 
     __slots__ = ("parts", "shape")
 
-    def __init__(self, parts: Sequence["Weight"]) -> None:
+    def __init__(self, parts: Sequence[Weight]) -> None:
         self.parts = tuple(parts)
         first = tuple(self.parts[0].shape)
         self.shape = (*first[:-2], sum(p.shape[-2] for p in self.parts), first[-1])
@@ -56,7 +56,7 @@ class ColumnWindow:
         self.shape = (*cover.shape[:-1], width)
 
     @classmethod
-    def around(cls, w: QuantTensor, start: int, end: int) -> "ColumnWindow":
+    def around(cls, w: QuantTensor, start: int, end: int) -> ColumnWindow:
         """The window of columns [start, end) of ``w``."""
         block = w.block_size
         first, last = start // block * block, -(-end // block) * block

@@ -31,8 +31,8 @@ from seamline.model.attention import causal_mask
 from seamline.model.cache import LayerKV, Span
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
-from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable, apply_rotary, yarn_mscale
+from seamline.ownership import Ownership
 
 # DeepSeek's latent norms use the default epsilon, not config.rms_norm_eps (reference code
 # and transformers both build them as RMSNorm(rank)).
@@ -101,10 +101,23 @@ class MLAttention(nn.Module):
         if len(spans) == 1 and not spans[0].rowwise:
             out = self._attend(q, latent, k_pe, spans[0].start, spans[0].cache.layer(layer))
         else:  # a speculative window's rows one at a time, as one-row steps compute them
-            pieces = [(s, a, b) for s in spans
-                      for a, b in ([(r, r + 1) for r in range(s.offset, s.end)] if s.rowwise else [(s.offset, s.end)])]
-            out = torch.cat([self._attend(q[a:b], latent[a:b], k_pe[a:b], s.start + a - s.offset, s.cache.layer(layer))
-                             for s, a, b in pieces])  # fmt: skip
+            pieces = [
+                (s, a, b)
+                for s in spans
+                for a, b in (
+                    [(r, r + 1) for r in range(s.offset, s.end)]
+                    if s.rowwise
+                    else [(s.offset, s.end)]
+                )
+            ]
+            out = torch.cat(
+                [
+                    self._attend(
+                        q[a:b], latent[a:b], k_pe[a:b], s.start + a - s.offset, s.cache.layer(layer)
+                    )
+                    for s, a, b in pieces
+                ]
+            )
         return linear(out.reshape(x.shape[0], self.heads * self.v_dim), self.o)  # out: [N, H, V]
 
     def _attend(
@@ -116,7 +129,9 @@ class MLAttention(nn.Module):
         cos, sin = self.rope.lookup(start, count, q.dtype)
         q_pe = apply_rotary(self._layout(q_pe), cos, sin)  # [T, H, R]
         k_pe = apply_rotary(self._layout(k_pe.unsqueeze(1)), cos, sin)  # [T, 1, R]
-        latents, k_pes = kv.update(latent.unsqueeze(0), k_pe.transpose(0, 1), start)  # [1, S, C], [1, S, R]
+        latents, k_pes = kv.update(
+            latent.unsqueeze(0), k_pe.transpose(0, 1), start
+        )  # [1, S, C], [1, S, R]
         mask = causal_mask(start, count, device=q.device)  # [T, S] or None
         if self._prefer_absorbed(count):
             return self._attend_absorbed(q_nope, q_pe, latents[0], k_pes[0], mask)
@@ -133,7 +148,9 @@ class MLAttention(nn.Module):
 
     def _prefer_absorbed(self, count: int) -> bool:
         """Absorbed costs ~S*H*T*(2C) flops, expanded ~S*H*(C*(N+V) + T*(N+V)): pick the lower."""
-        return count * (2 * self.rank - self.nope - self.v_dim) < self.rank * (self.nope + self.v_dim)
+        return count * (2 * self.rank - self.nope - self.v_dim) < self.rank * (
+            self.nope + self.v_dim
+        )
 
     def _attend_expanded(
         self,

@@ -109,7 +109,10 @@ def _scores(scoring_func: str, logits: torch.Tensor) -> torch.Tensor:
 
 
 def route(
-    config: ModelConfig, logits: torch.Tensor, bias: torch.Tensor | None, fixed_ids: torch.Tensor | None = None
+    config: ModelConfig,
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    fixed_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] float32 -> (weights [T, k] float32, expert ids [T, k] int64). With
     ``fixed_ids`` [T, k] (hash routing: a table's rows for the tokens' ids) the experts are
@@ -156,7 +159,9 @@ class MoE(nn.Module):
         self.router = empty_param(config.num_experts, hidden)  # replicated
         biased = config.topk_method == "noaux_tc"
         self.router_bias = empty_param(config.num_experts) if biased else None
-        self.router_logit_bias: nn.Parameter | None = None  # a router's own bias (gpt-oss: ``moe_oss.py``)
+        self.router_logit_bias: nn.Parameter | None = (
+            None  # a router's own bias (gpt-oss: ``moe_oss.py``)
+        )
         self.experts_gate_up = empty_param(self.owned, 2 * inter, hidden)  # gate rows, then up rows
         self.experts_down = empty_param(self.owned, hidden, inter)
         self.inter = inter
@@ -174,7 +179,9 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # [T, hidden]
         # Route in float32; a float32 router (if the loader keeps one) sees float32 input.
-        logits = F.linear(x.to(self.router.dtype), self.router, self.router_logit_bias).float()  # [T, E]
+        logits = F.linear(
+            x.to(self.router.dtype), self.router, self.router_logit_bias
+        ).float()  # [T, E]
         bias = self.router_bias.float() if self.router_bias is not None else None
         weights, ids = route(self.config, logits, bias)
         weights = weights.to(x.dtype)

@@ -28,4 +28,6 @@ class OssMoE(MoE):
         gate, up = gate_up.chunk(2, dim=-1)
         gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
         glu = gate * torch.sigmoid(gate * self.alpha)
-        return linear((up + 1) * glu, select(self.experts_down, local), self.experts_down_bias[local])
+        return linear(
+            (up + 1) * glu, select(self.experts_down, local), self.experts_down_bias[local]
+        )

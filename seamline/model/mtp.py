@@ -41,11 +41,15 @@ class NextTokenLayer(nn.Module):
         self.enorm = RMSNorm(hidden, eps)
         self.hnorm = RMSNorm(hidden, eps)
         self.eh_proj = empty_param(hidden, 2 * hidden)
-        self.embed = None if own.owns_embedding() else empty_param(config.vocab_size, hidden)  # the layer's own
+        self.embed = (
+            None if own.owns_embedding() else empty_param(config.vocab_size, hidden)
+        )  # the layer's own
         self.block = Block(config, self.layer, own, rope, SingleComm(), moe=config.mtp_moe)
         self.norm = RMSNorm(hidden, eps)
 
-    def forward(self, states: torch.Tensor, embedded: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+    def forward(
+        self, states: torch.Tensor, embedded: torch.Tensor, spans: Sequence[Span]
+    ) -> torch.Tensor:
         """states: [N, hidden], the model's final states (or a chained draft's output) at the
         spans' positions; embedded: [N, hidden], the next tokens' embeddings. Returns the
         block's output [N, hidden] (before ``norm``)."""

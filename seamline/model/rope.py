@@ -78,7 +78,9 @@ class RotaryTable:
     """cos/sin per position, grown on demand; rows are [positions, dim] (halves repeated)."""
 
     def __init__(self, dim: int, theta: float, scaling: RopeScaling, max_positions: int) -> None:
-        self.inv_freq, self.attention_factor = inverse_frequencies(dim, theta, scaling, max_positions)
+        self.inv_freq, self.attention_factor = inverse_frequencies(
+            dim, theta, scaling, max_positions
+        )
         self.cos = torch.empty(0, dim)
         self.sin = torch.empty(0, dim)
 

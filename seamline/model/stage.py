@@ -25,13 +25,13 @@ import torch
 from torch import nn
 
 from seamline.config import ModelConfig, RopeScaling, kv_bytes_per_token, ring_size
-from seamline.model.devices import from_host
 from seamline.model.attention import GQAttention
 from seamline.model.cache import SequenceCache, Span
+from seamline.model.devices import from_host
 from seamline.model.layers import GatedMLP, RMSNorm, empty_param
 from seamline.model.linear import Weight, embedding, linear
-from seamline.ownership import Ownership
 from seamline.model.rope import RotaryTable
+from seamline.ownership import Ownership
 from seamline.parallel.comm import Comm, GateTag, SingleComm
 
 if TYPE_CHECKING:
@@ -42,17 +42,23 @@ def make_rope(config: ModelConfig, local: bool = False) -> RotaryTable:
     """``local``: the sliding layers' own table (Gemma 3: its base, no scaling)."""
     dim = config.qk_rope_head_dim if config.is_mla else config.rotary_dim or config.head_dim
     if local:
-        return RotaryTable(dim, config.local_rope_theta, RopeScaling(), config.max_position_embeddings)
+        return RotaryTable(
+            dim, config.local_rope_theta, RopeScaling(), config.max_position_embeddings
+        )
     return RotaryTable(dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
 
 
-def make_attention(config: ModelConfig, rope: RotaryTable, own: Ownership, layer: int = -1) -> nn.Module:
+def make_attention(
+    config: ModelConfig, rope: RotaryTable, own: Ownership, layer: int = -1
+) -> nn.Module:
     """``layer``: its index, for a sliding window (-1: none, as the drafting layer's)."""
     if config.is_mla:
         from seamline.model.mla import MLAttention
 
         return MLAttention(config, rope, own)
-    return GQAttention(config, rope, own, config.sliding_window if layer in config.sliding_layers else 0)
+    return GQAttention(
+        config, rope, own, config.sliding_window if layer in config.sliding_layers else 0
+    )
 
 
 def make_ffn(config: ModelConfig, layer: int, own: Ownership, moe: bool | None = None) -> nn.Module:
@@ -72,7 +78,12 @@ def _normed(x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
 
 class Block(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer: int, own: Ownership, rope: RotaryTable, comm: Comm,
+        self,
+        config: ModelConfig,
+        layer: int,
+        own: Ownership,
+        rope: RotaryTable,
+        comm: Comm,
         moe: bool | None = None,
     ) -> None:
         super().__init__()
@@ -89,7 +100,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, spans: Sequence[Span], step: int = 0) -> torch.Tensor:
         partial = self.attn(self.input_norm(x), spans, self.layer)  # [N, hidden], this rank's heads
-        x, normed = self.post_norm.add_forward(x, _normed(self._gate(partial, 0, step), self.attn_out_norm))
+        x, normed = self.post_norm.add_forward(
+            x, _normed(self._gate(partial, 0, step), self.attn_out_norm)
+        )
         partial = self.ffn(normed)  # [N, hidden], this rank's rows / experts
         return x + _normed(self._gate(partial, 1, step), self.ffn_out_norm)
 
@@ -102,9 +115,13 @@ class Block(nn.Module):
 class Stage(nn.Module):
     forks_caches = True  # a cache may start from a copy of another's first positions (prefixes)
     passes_ids = False  # the layers after the first need the tokens' ids beside the hidden state
-    verifies_drafts = True  # a window's rejected positions need no undoing: caches are written by position
+    verifies_drafts = (
+        True  # a window's rejected positions need no undoing: caches are written by position
+    )
 
-    def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None, mtp: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, own: Ownership, comm: Comm | None = None, mtp: bool = False
+    ) -> None:
         """``mtp``: with the model's multi-token-prediction layer, which drafts (``model/mtp.py``;
         a stage that owns the whole head, alone in its group)."""
         super().__init__()
@@ -116,10 +133,16 @@ class Stage(nn.Module):
         self.boundary_shape: tuple[int, ...] = (config.hidden_size,)  # a token's row between stages
         rope = make_rope(config)
         local = make_rope(config, local=True) if config.local_rope_theta else rope
-        self.embed: Weight | None = empty_param(config.vocab_size, config.hidden_size) if own.owns_embedding() else None
+        self.embed: Weight | None = (
+            empty_param(config.vocab_size, config.hidden_size) if own.owns_embedding() else None
+        )
         self.layers = nn.ModuleDict(
-            {str(i): Block(config, i, own, local if i in config.sliding_layers else rope, self.comm)
-             for i in own.layer_indices()}  # fmt: skip
+            {
+                str(i): Block(
+                    config, i, own, local if i in config.sliding_layers else rope, self.comm
+                )
+                for i in own.layer_indices()
+            }
         )
         self.norm: RMSNorm | None = None
         self.head: Weight | None = None
@@ -129,16 +152,23 @@ class Stage(nn.Module):
             tied = self._tied_head(v0, v1)
             self.head = tied if tied is not None else empty_param(v1 - v0, config.hidden_size)
         self.mtp: NextTokenLayer | None = None
-        self.hidden: torch.Tensor | None = None  # with ``mtp``: the last forward's rows after the norm
+        self.hidden: torch.Tensor | None = (
+            None  # with ``mtp``: the last forward's rows after the norm
+        )
         if mtp:
             from seamline.model.mtp import NextTokenLayer
 
             self.mtp = NextTokenLayer(config, rope, own)
         # the layers a sequence's cache holds: the owned ones and the drafting layer's
-        self.cache_layers = [*own.layer_indices(), *([self.mtp.layer] if self.mtp is not None else [])]
+        self.cache_layers = [
+            *own.layer_indices(),
+            *([self.mtp.layer] if self.mtp is not None else []),
+        ]
 
     @torch.inference_mode()
-    def draft_states(self, states: torch.Tensor, next_ids: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+    def draft_states(
+        self, states: torch.Tensor, next_ids: torch.Tensor, spans: Sequence[Span]
+    ) -> torch.Tensor:
         """The drafting layer over rows of final ``states`` [N, hidden] and the tokens after
         them ``next_ids`` [N], at the spans' positions: its output [N, hidden]."""
         assert self.mtp is not None
@@ -154,7 +184,9 @@ class Stage(nn.Module):
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = embedding(ids, self.embed, self.compute_dtype)  # type: ignore[arg-type]
-        if self.config.embed_scale != 1.0:  # Gemma: the scale rounded to the dtype, as transformers does
+        if (
+            self.config.embed_scale != 1.0
+        ):  # Gemma: the scale rounded to the dtype, as transformers does
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         return x
 
@@ -205,13 +237,20 @@ class Stage(nn.Module):
         return self.forward_batch(inputs, [Span(0, inputs.shape[0], start, cache)], last_only)
 
     @torch.inference_mode()
-    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
-                      logit_rows: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
+    def forward_batch(
+        self,
+        inputs: torch.Tensor,
+        spans: Sequence[Span],
+        last_only: bool = False,
+        logit_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """inputs: ids [N] or hidden [N, hidden], the rows of ``spans``. Returns the residual
         stream [N, hidden], or logits: [N, vocab_owned], or with ``last_only`` one row per
         span (its last), [len(spans), vocab_owned], or those of ``logit_rows`` (a speculative
         window's every row beside other spans' last)."""
-        x = from_host(inputs, self.input_device)  # the step's one crossing in (``seamline.model.devices``)
+        x = from_host(
+            inputs, self.input_device
+        )  # the step's one crossing in (``seamline.model.devices``)
         x = self._embed(x) if self.embed is not None else x
         step, self.step = self.step, self.step + 1
         for block in self.layers.values():
@@ -226,7 +265,13 @@ class Stage(nn.Module):
             x = x.to(self.norm.weight.device)
         if self.mtp is not None:  # the drafting layer reads every row's final state
             self.hidden = self.norm(x)
-            rows = logit_rows if logit_rows is not None else [s.end - 1 for s in spans] if last_only else None
+            rows = (
+                logit_rows
+                if logit_rows is not None
+                else [s.end - 1 for s in spans]
+                if last_only
+                else None
+            )
             return linear(self.hidden if rows is None else self.hidden[list(rows)], self.head)
         if logit_rows is not None:
             x = x[list(logit_rows)]

@@ -60,7 +60,11 @@ class V4Attention(nn.Module):
         s = self.shape = shape
         c = compression
         self.compressor = Compressor(shape, c.rate, s.head_dim, c.sparse) if c is not None else None
-        self.indexer = Indexer(shape, c.rate, c.index_heads, c.index_dim, c.index_top_k) if c and c.sparse else None
+        self.indexer = (
+            Indexer(shape, c.rate, c.index_heads, c.index_dim, c.index_top_k)
+            if c and c.sparse
+            else None
+        )
         self.q_a = empty_param(s.q_lora_rank, s.hidden)
         self.q_a_norm = empty_param(s.q_lora_rank)
         self.q_b = empty_param(s.heads * s.head_dim, s.q_lora_rank)
@@ -76,11 +80,18 @@ class V4Attention(nn.Module):
         if start < cache.length:
             self._rewind(cache, start)  # the drafts from ``start`` on were rejected
         if start != cache.length:
-            raise ValueError(f"the cache holds {cache.length} positions; this step starts at {start}")
+            raise ValueError(
+                f"the cache holds {cache.length} positions; this step starts at {start}"
+            )
         positions = torch.arange(start, start + tokens, device=x.device)
         q_residual = weighted_rms(linear(x, self.q_a), self.q_a_norm, s.eps)
         q = linear(q_residual, self.q_b)
-        q = turn(unweighted_rms(q.view(tokens, s.heads, s.head_dim), s.eps), positions, s.rope_dim, s.rope_theta)
+        q = turn(
+            unweighted_rms(q.view(tokens, s.heads, s.head_dim), s.eps),
+            positions,
+            s.rope_dim,
+            s.rope_theta,
+        )
         kv = weighted_rms(linear(x, self.kv), self.kv_norm, s.eps).view(tokens, 1, s.head_dim)
         kv = turn(kv, positions, s.rope_dim, s.rope_theta)[:, 0]  # [T, head_dim]
         keys = kv if cache.kv is None else torch.cat([cache.kv, kv])
@@ -98,9 +109,15 @@ class V4Attention(nn.Module):
         kept = window[-(max(s.window - 1, 0) + V4_REWIND_REACH) :]
         cache.kv, cache.length = kept.clone(), cache.length + tokens  # not a view holding every key
         out = turn(out, positions, s.rope_dim, s.rope_theta, back=True)
-        grouped = out.reshape(tokens, s.o_groups, -1).transpose(0, 1)  # [G, T, heads * head_dim / G]
-        dense = self.o_a if isinstance(self.o_a, torch.Tensor) else to_float(self.o_a, x.dtype)  # fp8 in V4's files
-        o_a = dense.view(s.o_groups, s.o_lora_rank, -1).transpose(1, 2)  # a narrower checkpoint keeps its dtype
+        grouped = out.reshape(tokens, s.o_groups, -1).transpose(
+            0, 1
+        )  # [G, T, heads * head_dim / G]
+        dense = (
+            self.o_a if isinstance(self.o_a, torch.Tensor) else to_float(self.o_a, x.dtype)
+        )  # fp8 in V4's files
+        o_a = dense.view(s.o_groups, s.o_lora_rank, -1).transpose(
+            1, 2
+        )  # a narrower checkpoint keeps its dtype
         mixed = torch.bmm(grouped.to(o_a.dtype), o_a).to(x.dtype)
         return linear(mixed.transpose(0, 1).reshape(tokens, -1), self.o_b)
 
@@ -108,7 +125,9 @@ class V4Attention(nn.Module):
         """Take back the positions from ``position`` on, within the keys and rows kept."""
         back, kept = cache.length - position, cache.kv.shape[0] if cache.kv is not None else 0
         if cache.length - kept > max(0, position - (self.shape.window - 1)):
-            raise ValueError(f"the cache holds {cache.length} positions; it cannot go back {back} to {position}")
+            raise ValueError(
+                f"the cache holds {cache.length} positions; it cannot go back {back} to {position}"
+            )
         if cache.kv is not None:
             cache.kv = cache.kv[: kept - back].clone()
         cache.length = position
@@ -119,7 +138,10 @@ class V4Attention(nn.Module):
 
     def _window_mask(self, positions: torch.Tensor, first_key: int, keys: int) -> torch.Tensor:
         """[T, keys] bool: which of the window's keys each query sees."""
-        distance = positions[:, None] - torch.arange(first_key, first_key + keys, device=positions.device)[None, :]
+        distance = (
+            positions[:, None]
+            - torch.arange(first_key, first_key + keys, device=positions.device)[None, :]
+        )
         return (distance >= 0) & (distance < self.shape.window)
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:

@@ -75,13 +75,20 @@ class Compressor(nn.Module):
         if windows > 0:
             begin = done * rate - first
             wkv = kv[begin : begin + windows * rate].view(windows, rate, width)
-            wgate = gate[begin : begin + windows * rate].view(windows, rate, width) + self.position_bias
+            wgate = (
+                gate[begin : begin + windows * rate].view(windows, rate, width) + self.position_bias
+            )
             if self.overlap:
                 before = (kv[begin - rate : begin], gate[begin - rate : begin]) if done else None
                 wkv, wgate = self._overlapped(wkv, wgate, before)
             weights = wgate.softmax(dim=1, dtype=torch.float32)
             fresh = weighted_rms((wkv * weights.to(wkv.dtype)).sum(dim=1), self.kv_norm, s.eps)
-            fresh = turn(fresh.unsqueeze(1), torch.arange(done, done + windows, device=fresh.device) * rate, s.rope_dim, s.rope_theta)[:, 0]
+            fresh = turn(
+                fresh.unsqueeze(1),
+                torch.arange(done, done + windows, device=fresh.device) * rate,
+                s.rope_dim,
+                s.rope_theta,
+            )[:, 0]
             state.entries = fresh if state.entries is None else torch.cat([state.entries, fresh])
         elif state.entries is None:
             state.entries = kv.new_zeros(0, self.dim)
@@ -93,17 +100,27 @@ class Compressor(nn.Module):
         """Take back the positions from ``position`` on: the entries of windows not ended
         before it, and their rows."""
         closed = position // self.rate
-        needed = max(0, closed - (1 if self.overlap else 0)) * self.rate  # rows the next window reads
+        needed = (
+            max(0, closed - (1 if self.overlap else 0)) * self.rate
+        )  # rows the next window reads
         if not needed >= state.tail_start() or position > state.count:
-            raise ValueError(f"a compressor at {state.count} keeps positions from {state.tail_start()}: "
-                             f"it cannot go back to {position}")  # fmt: skip
-        assert state.tail_kv is not None and state.tail_gate is not None and state.entries is not None
+            raise ValueError(
+                f"a compressor at {state.count} keeps positions from {state.tail_start()}: "
+                f"it cannot go back to {position}"
+            )
+        assert (
+            state.tail_kv is not None and state.tail_gate is not None and state.entries is not None
+        )
         rows = state.tail_kv.shape[0] - (state.count - position)
-        state.tail_kv, state.tail_gate = state.tail_kv[:rows].clone(), state.tail_gate[:rows].clone()
+        state.tail_kv, state.tail_gate = (
+            state.tail_kv[:rows].clone(),
+            state.tail_gate[:rows].clone(),
+        )
         state.entries, state.count = state.entries[:closed].clone(), position
 
-    def _overlapped(self, kv: torch.Tensor, gate: torch.Tensor,
-                    before: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _overlapped(
+        self, kv: torch.Tensor, gate: torch.Tensor, before: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[windows, 2 * rate, dim]: the previous window's first halves (``before``: the rows
         of the window before the first, with no position bias yet), then this window's second
         halves. Before the first window nothing is there (zero, with weight 0)."""
@@ -113,26 +130,39 @@ class Compressor(nn.Module):
         wide_kv[:, rate:], wide_gate[:, rate:] = kv[..., d:], gate[..., d:]
         wide_kv[1:, :rate], wide_gate[1:, :rate] = kv[:-1, :, :d], gate[:-1, :, :d]
         if before is not None:
-            wide_kv[0, :rate], wide_gate[0, :rate] = before[0][:, :d], (before[1] + self.position_bias)[:, :d]
+            wide_kv[0, :rate], wide_gate[0, :rate] = (
+                before[0][:, :d],
+                (before[1] + self.position_bias)[:, :d],
+            )
         return wide_kv, wide_gate
 
     def ended(self, positions: torch.Tensor, entries: int) -> torch.Tensor:
         """[T, entries] bool: entry w is seen from position p once p >= (w + 1) * rate - 1."""
-        return torch.arange(entries, device=positions.device)[None, :] < ((positions + 1) // self.rate)[:, None]
+        return (
+            torch.arange(entries, device=positions.device)[None, :]
+            < ((positions + 1) // self.rate)[:, None]
+        )
 
 
 class Indexer(nn.Module):
     """The lightning indexer: sum over its heads h of w_h(x) * relu(q_h . k_entry), top-k."""
 
-    def __init__(self, shape: V4AttentionShape, rate: int, heads: int, dim: int, top_k: int) -> None:
+    def __init__(
+        self, shape: V4AttentionShape, rate: int, heads: int, dim: int, top_k: int
+    ) -> None:
         super().__init__()
         self.heads, self.dim, self.top_k = heads, dim, top_k
         self.compressor = Compressor(shape, rate, dim, overlap=True)
         self.q_b = empty_param(heads * dim, shape.q_lora_rank)
         self.weights = empty_param(heads, shape.hidden)
 
-    def forward(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
-                state: CompressorState) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_residual: torch.Tensor,
+        positions: torch.Tensor,
+        state: CompressorState,
+    ) -> torch.Tensor:
         """[T, entries] bool: the entries each query may see (ended, and among its top k)."""
         s = self.compressor.shape
         keys = self.compressor(x, state)

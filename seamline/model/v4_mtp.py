@@ -28,7 +28,10 @@ from seamline.model.v4_parts import weighted_rms
 from seamline.ownership import Ownership
 from seamline.parallel.comm import SingleComm
 
-MTP_ATTENTION, MTP_FEED_FORWARD = "sliding_attention", "moe"  # the reference's layer: compress ratio 0, a learned router
+MTP_ATTENTION, MTP_FEED_FORWARD = (
+    "sliding_attention",
+    "moe",
+)  # the reference's layer: compress ratio 0, a learned router
 
 
 class V4NextTokenLayer(nn.Module):
@@ -38,15 +41,24 @@ class V4NextTokenLayer(nn.Module):
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.layer, self.eps = config.num_layers, eps  # its index in a sequence's cache
-        self.enorm, self.hnorm, self.norm = RMSNorm(hidden, eps), RMSNorm(hidden, eps), RMSNorm(hidden, eps)
+        self.enorm, self.hnorm, self.norm = (
+            RMSNorm(hidden, eps),
+            RMSNorm(hidden, eps),
+            RMSNorm(hidden, eps),
+        )
         self.e_proj = empty_param(hidden, hidden)
         self.h_proj = empty_param(hidden, hidden)
         self.hc_head = HyperHead(hidden, int(config.hf["hc_mult"]), config.hf["hc_eps"], eps)
-        self.block = V4Block(config, self.layer, own, SingleComm(), kinds=(MTP_ATTENTION, MTP_FEED_FORWARD))
-        self.embed = None if own.owns_embedding() else empty_param(config.vocab_size, hidden)  # the model's, copied
+        self.block = V4Block(
+            config, self.layer, own, SingleComm(), kinds=(MTP_ATTENTION, MTP_FEED_FORWARD)
+        )
+        self.embed = (
+            None if own.owns_embedding() else empty_param(config.vocab_size, hidden)
+        )  # the model's, copied
 
-    def forward(self, states: torch.Tensor, embedded: torch.Tensor, ids: torch.Tensor,
-                spans: Sequence[Span]) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, states: torch.Tensor, embedded: torch.Tensor, ids: torch.Tensor, spans: Sequence[Span]
+    ) -> torch.Tensor:
         """states: [N, hc_mult, hidden], the model's last residual (or a chained draft's output)
         at the spans' positions; embedded: [N, hidden], the next tokens' (``ids``) embeddings.
         Returns the block's output [N, hc_mult, hidden]."""

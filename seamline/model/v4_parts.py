@@ -30,10 +30,14 @@ def unweighted_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def turn(x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float, back: bool = False) -> torch.Tensor:
+def turn(
+    x: torch.Tensor, positions: torch.Tensor, rope_dim: int, theta: float, back: bool = False
+) -> torch.Tensor:
     """Interleaved RoPE on the trailing ``rope_dim`` channels of ``x`` [T, heads, dim] (``back``:
     the inverse rotation), in float32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=x.device) / rope_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=x.device) / rope_dim)
+    )
     angles = positions.float()[:, None] * inv_freq  # [T, rope_dim / 2]
     cos = angles.cos().repeat_interleave(2, dim=-1).unsqueeze(1)
     sin = angles.sin().repeat_interleave(2, dim=-1).unsqueeze(1) * (-1.0 if back else 1.0)

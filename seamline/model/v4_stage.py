@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from seamline.config import ModelConfig, v4_cache_bytes
-from seamline.model.devices import module_device, from_host
 from seamline.model.cache import Span
+from seamline.model.devices import from_host, module_device
 from seamline.model.hyper import HyperConnection, HyperHead, widen
 from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import Weight, embedding, linear, select
@@ -58,7 +58,9 @@ class V4MoE(nn.Module):
         self.first, last = own.expert_range(config)
         s0, s1 = own.shard_rows(inter * config.n_shared_experts)
         self.router = empty_param(config.num_experts, hidden)
-        self.table = empty_param(config.vocab_size, config.num_experts_per_tok) if hashed else None  # tid2eid
+        self.table = (
+            empty_param(config.vocab_size, config.num_experts_per_tok) if hashed else None
+        )  # tid2eid
         self.router_bias = None if hashed else empty_param(config.num_experts)
         self.experts_gate_up = empty_param(last - self.first, 2 * inter, hidden)
         self.experts_down = empty_param(last - self.first, hidden, inter)
@@ -77,18 +79,32 @@ class V4MoE(nn.Module):
             rows, slot = (chosen == expert).nonzero(as_tuple=True)
             local = expert - self.first
             h = clamped_swiglu(linear(x[rows], select(self.experts_gate_up, local)), self.limit)
-            out.index_add_(0, rows, linear(h, select(self.experts_down, local)) * weights[rows, slot, None].to(x.dtype))
-        return out + linear(clamped_swiglu(linear(x, self.shared_gate_up), self.limit), self.shared_down)
+            out.index_add_(
+                0,
+                rows,
+                linear(h, select(self.experts_down, local)) * weights[rows, slot, None].to(x.dtype),
+            )
+        return out + linear(
+            clamped_swiglu(linear(x, self.shared_gate_up), self.limit), self.shared_down
+        )
 
 
 class V4Block(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, own: Ownership, comm: Comm,
-                 kinds: tuple[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: int,
+        own: Ownership,
+        comm: Comm,
+        kinds: tuple[str, str] | None = None,
+    ) -> None:
         """``kinds``: its attention and feed-forward kinds where the config's lists do not name
         them (the multi-token-prediction layer's)."""
         super().__init__()
         hf = config.hf
-        kind, mlp_kind = kinds if kinds is not None else (hf["layer_types"][layer], hf["mlp_layer_types"][layer])
+        kind, mlp_kind = (
+            kinds if kinds is not None else (hf["layer_types"][layer], hf["mlp_layer_types"][layer])
+        )
         hidden, streams, eps = config.hidden_size, int(hf["hc_mult"]), config.rms_norm_eps
         self.layer, self.comm, self.eps = layer, comm, eps
         self.attn_hc = HyperConnection(hidden, streams, hf["hc_sinkhorn_iters"], hf["hc_eps"], eps)
@@ -97,10 +113,14 @@ class V4Block(nn.Module):
         self.attn = V4Attention(_shape(config, kind, own), _compression(hf, kind))
         self.ffn = V4MoE(config, mlp_kind == "hash_moe", own)
 
-    def forward(self, residual: torch.Tensor, ids: torch.Tensor, spans: Sequence[Span], step: int) -> torch.Tensor:
+    def forward(
+        self, residual: torch.Tensor, ids: torch.Tensor, spans: Sequence[Span], step: int
+    ) -> torch.Tensor:
         collapsed, post, comb = self.attn_hc.mixes(residual)
         x = weighted_rms(collapsed, self.input_norm.weight, self.eps)
-        out = torch.cat([self.attn(x[s.offset : s.end], s.start, s.cache.layer(self.layer)) for s in spans])
+        out = torch.cat(
+            [self.attn(x[s.offset : s.end], s.start, s.cache.layer(self.layer)) for s in spans]
+        )
         residual = HyperConnection.spread(residual, self._gate(out, 0, step), post, comb)
         collapsed, post, comb = self.ffn_hc.mixes(residual)
         out = self.ffn(weighted_rms(collapsed, self.post_norm.weight, self.eps), ids)
@@ -118,18 +138,31 @@ def _shape(config: ModelConfig, kind: str, own: Ownership) -> V4AttentionShape:
     hf = config.hf
     rope = hf["rope_parameters"]["main" if kind == "sliding_attention" else "compress"]
     g0, g1 = v4_head_groups(config, own)
-    return V4AttentionShape(config.hidden_size, config.num_heads * (g1 - g0) // int(hf["o_groups"]),
-                            config.head_dim, int(hf["q_lora_rank"]), g1 - g0, int(hf["o_lora_rank"]),
-                            int(config.head_dim * rope["partial_rotary_factor"]), float(rope["rope_theta"]),
-                            int(hf["sliding_window"]), config.rms_norm_eps)  # fmt: skip
+    return V4AttentionShape(
+        config.hidden_size,
+        config.num_heads * (g1 - g0) // int(hf["o_groups"]),
+        config.head_dim,
+        int(hf["q_lora_rank"]),
+        g1 - g0,
+        int(hf["o_lora_rank"]),
+        int(config.head_dim * rope["partial_rotary_factor"]),
+        float(rope["rope_theta"]),
+        int(hf["sliding_window"]),
+        config.rms_norm_eps,
+    )
 
 
 def _compression(hf: HF, kind: str) -> Compression | None:
     if kind == "sliding_attention":
         return None
     sparse = kind == "compressed_sparse_attention"
-    return Compression(int(hf["compress_rates"][kind]), sparse, int(hf.get("index_n_heads") or 0),
-                       int(hf.get("index_head_dim") or 0), int(hf.get("index_topk") or 0))  # fmt: skip
+    return Compression(
+        int(hf["compress_rates"][kind]),
+        sparse,
+        int(hf.get("index_n_heads") or 0),
+        int(hf.get("index_head_dim") or 0),
+        int(hf.get("index_topk") or 0),
+    )
 
 
 class V4Cache:
@@ -150,9 +183,13 @@ class V4Cache:
 class V4Stage(nn.Module):
     forks_caches = False  # see the module docstring
     passes_ids = True
-    verifies_drafts = True  # a step may start within V4_REWIND_REACH positions before the cache's end
+    verifies_drafts = (
+        True  # a step may start within V4_REWIND_REACH positions before the cache's end
+    )
 
-    def __init__(self, config: ModelConfig, own: Ownership, comm: Comm | None = None, mtp: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, own: Ownership, comm: Comm | None = None, mtp: bool = False
+    ) -> None:
         """``mtp``: with the model's multi-token-prediction layer, which drafts (``model/v4_mtp.py``;
         a stage that owns the whole head, alone in its group)."""
         super().__init__()
@@ -162,20 +199,35 @@ class V4Stage(nn.Module):
         self.step = 0
         hidden, self.streams = config.hidden_size, int(config.hf["hc_mult"])
         self.boundary_shape = (self.streams, hidden)
-        self.embed: Weight | None = empty_param(config.vocab_size, hidden) if own.owns_embedding() else None
-        self.layers = nn.ModuleDict({str(i): V4Block(config, i, own, self.comm) for i in own.layer_indices()})
+        self.embed: Weight | None = (
+            empty_param(config.vocab_size, hidden) if own.owns_embedding() else None
+        )
+        self.layers = nn.ModuleDict(
+            {str(i): V4Block(config, i, own, self.comm) for i in own.layer_indices()}
+        )
         owns_head = own.owns_head(config)
-        self.hc_head = HyperHead(hidden, self.streams, config.hf["hc_eps"], config.rms_norm_eps) if owns_head else None
+        self.hc_head = (
+            HyperHead(hidden, self.streams, config.hf["hc_eps"], config.rms_norm_eps)
+            if owns_head
+            else None
+        )
         self.norm = RMSNorm(hidden, config.rms_norm_eps) if owns_head else None
         v0, v1 = own.vocab_range(config)
         self.head: Weight | None = empty_param(v1 - v0, hidden) if owns_head else None
         self.mtp: V4NextTokenLayer | None = V4NextTokenLayer(config, own) if mtp else None
-        self.hidden: torch.Tensor | None = None  # with ``mtp``: the last forward's residual rows before the head
+        self.hidden: torch.Tensor | None = (
+            None  # with ``mtp``: the last forward's residual rows before the head
+        )
         # the layers a sequence's cache holds: the owned ones and the drafting layer's
-        self.cache_layers = [*own.layer_indices(), *([self.mtp.layer] if self.mtp is not None else [])]
+        self.cache_layers = [
+            *own.layer_indices(),
+            *([self.mtp.layer] if self.mtp is not None else []),
+        ]
 
     @torch.inference_mode()
-    def draft_states(self, states: torch.Tensor, next_ids: torch.Tensor, spans: Sequence[Span]) -> torch.Tensor:
+    def draft_states(
+        self, states: torch.Tensor, next_ids: torch.Tensor, spans: Sequence[Span]
+    ) -> torch.Tensor:
         """The drafting layer over residual rows ``states`` [N, hc_mult, hidden] and the tokens
         after them ``next_ids`` [N], at the spans' positions: its output [N, hc_mult, hidden]."""
         assert self.mtp is not None
@@ -211,13 +263,25 @@ class V4Stage(nn.Module):
         size = torch.finfo(self.compute_dtype).bits // 8
         return v4_cache_bytes(self.config, self.cache_layers, tokens, size)
 
-    def forward(self, inputs: torch.Tensor, start: int, cache: V4Cache, last_only: bool = False,
-                ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        inputs: torch.Tensor,
+        start: int,
+        cache: V4Cache,
+        last_only: bool = False,
+        ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         return self.forward_batch(inputs, [Span(0, inputs.shape[0], start, cache)], last_only, ids)  # type: ignore[arg-type]
 
     @torch.inference_mode()
-    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
-                      ids: torch.Tensor | None = None, logit_rows: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
+    def forward_batch(
+        self,
+        inputs: torch.Tensor,
+        spans: Sequence[Span],
+        last_only: bool = False,
+        ids: torch.Tensor | None = None,
+        logit_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """inputs: ids [N] (the first stage) or the residual [N, hc_mult, hidden] with the
         rows' ``ids``. Returns the residual for the next stage, or logits [N, vocab] (with
         ``last_only``: each span's last row; with ``logit_rows``: those rows')."""
@@ -228,7 +292,9 @@ class V4Stage(nn.Module):
             ids = inputs
             residual = widen(embedding(inputs, self.embed, self.compute_dtype), self.streams)
         elif ids is None:
-            raise ValueError(f"layers from {self.ownership.layers[0]} on need the tokens' ids with the residual")
+            raise ValueError(
+                f"layers from {self.ownership.layers[0]} on need the tokens' ids with the residual"
+            )
         else:
             residual = inputs
         step, self.step = self.step, self.step + 1
@@ -239,8 +305,13 @@ class V4Stage(nn.Module):
         if self.mtp is not None:  # the drafting layer reads every row's last residual
             self.hidden = residual
         if logit_rows is not None or last_only:
-            residual = residual[list(logit_rows) if logit_rows is not None else [s.end - 1 for s in spans]]
-        return linear(weighted_rms(self.hc_head(residual), self.norm.weight, self.config.rms_norm_eps), self.head)
+            residual = residual[
+                list(logit_rows) if logit_rows is not None else [s.end - 1 for s in spans]
+            ]
+        return linear(
+            weighted_rms(self.hc_head(residual), self.norm.weight, self.config.rms_norm_eps),
+            self.head,
+        )
 
 
 def boundary_bytes(config: ModelConfig, dtype: torch.dtype) -> int:

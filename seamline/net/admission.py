@@ -47,12 +47,19 @@ class Pending:
 class Admission:
     """The pending connections of one listening port: their bounds and their deadlines."""
 
-    def __init__(self, name: str, deadline_s: float, per_host: int = MAX_PENDING_PER_HOST,
-                 total: int = MAX_PENDING) -> None:  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        deadline_s: float,
+        per_host: int = MAX_PENDING_PER_HOST,
+        total: int = MAX_PENDING,
+    ) -> None:
         self.name, self.deadline_s, self.per_host, self.total = name, deadline_s, per_host, total
         self._all: dict[Pending, None] = {}  # oldest first
         self._by_host: dict[str, dict[Pending, None]] = {}  # oldest first
-        self._deadlines: list[tuple[float, int, Pending]] = []  # a heap; entries no longer counted are skipped
+        self._deadlines: list[
+            tuple[float, int, Pending]
+        ] = []  # a heap; entries no longer counted are skipped
         self._order = itertools.count()
         self._lock = threading.Condition()
         self._watchdog: threading.Thread | None = None
@@ -63,9 +70,15 @@ class Admission:
         with self._lock:
             victim, reason = None, ""
             if len(self._by_host.get(host, ())) >= self.per_host:
-                victim, reason = next(iter(self._by_host[host])), f"it held {self.per_host} unproved connections here"
+                victim, reason = (
+                    next(iter(self._by_host[host])),
+                    f"it held {self.per_host} unproved connections here",
+                )
             elif len(self._all) >= self.total:
-                victim, reason = next(iter(self._all)), f"{self.total} unproved connections were open here"
+                victim, reason = (
+                    next(iter(self._all)),
+                    f"{self.total} unproved connections were open here",
+                )
             if victim is not None:
                 self._cut(victim)
             pending = Pending(self, host, sock, time.monotonic() + self.deadline_s)
@@ -73,8 +86,9 @@ class Admission:
             heapq.heappush(self._deadlines, (pending.deadline, next(self._order), pending))
             self._lock.notify()
             if self._watchdog is None:
-                self._watchdog = threading.Thread(target=self._watch, daemon=True,
-                                                  name=f"seamline-deadlines-{self.name}")  # fmt: skip
+                self._watchdog = threading.Thread(
+                    target=self._watch, daemon=True, name=f"seamline-deadlines-{self.name}"
+                )
                 self._watchdog.start()
         if victim is not None:
             self.refused(victim.host, f"{reason}: its oldest was cut for a new one")
@@ -125,7 +139,9 @@ class Admission:
         while True:
             with self._lock:
                 while not self._deadlines or self._deadlines[0][0] > time.monotonic():
-                    self._lock.wait(self._deadlines[0][0] - time.monotonic() if self._deadlines else None)
+                    self._lock.wait(
+                        self._deadlines[0][0] - time.monotonic() if self._deadlines else None
+                    )
                 _, _, pending = heapq.heappop(self._deadlines)
                 late = self._cut(pending)
             if late:

@@ -41,8 +41,12 @@ def wait(sock: socket.socket, writing: bool, deadline: float) -> None:
             raise TimeoutError("the deadline passed")
 
 
-def send_by(sock: socket.socket, buffers: Sequence[Buffer], deadline: float,
-            took: Callable[[], None] | None = None) -> None:  # fmt: skip
+def send_by(
+    sock: socket.socket,
+    buffers: Sequence[Buffer],
+    deadline: float,
+    took: Callable[[], None] | None = None,
+) -> None:
     """Send every byte of ``buffers`` by ``deadline``, or TimeoutError: the stream may then end
     mid-frame, so the caller closes it. A send with room in the kernel's buffer (the common
     case) is one ``sendmsg``, as without a deadline. ``took`` is called whenever the kernel

@@ -40,7 +40,10 @@ LOGPROB = struct.Struct("<fB")  # a token's log-probability, how many alternativ
 ALTERNATIVE = struct.Struct("<if")  # token id, log-probability
 DRAFT_COUNT = struct.Struct("<B")
 DRAFT = struct.Struct("<i")
-WANTED_SHIFT, WANTED_MASK = 16, 0xFF  # a HIDDEN row's flags: drafts wanted from the last stage's MTP layer
+WANTED_SHIFT, WANTED_MASK = (
+    16,
+    0xFF,
+)  # a HIDDEN row's flags: drafts wanted from the last stage's MTP layer
 MAX_ROWS = 4096
 MAX_NDIM = 4
 
@@ -109,7 +112,9 @@ class TokenRow:
     hash_before: int
     hash_after: int
     flags: int = 0
-    logprob: float | None = None  # with LOGPROBS: the token's, and the likeliest tokens' (id, logprob)
+    logprob: float | None = (
+        None  # with LOGPROBS: the token's, and the likeliest tokens' (id, logprob)
+    )
     top: tuple[tuple[int, float], ...] = ()
     drafts: tuple[int, ...] = ()  # with DRAFTS: the tokens the model drafts after this one
 
@@ -121,7 +126,9 @@ def drafts_wanted(flags: int) -> int:
 
 def asking_drafts(flags: int, wanted: int) -> int:
     """``flags`` with ``wanted`` drafts asked (0 to 255)."""
-    return (flags & ~(WANTED_MASK << WANTED_SHIFT)) | (min(max(wanted, 0), WANTED_MASK) << WANTED_SHIFT)
+    return (flags & ~(WANTED_MASK << WANTED_SHIFT)) | (
+        min(max(wanted, 0), WANTED_MASK) << WANTED_SHIFT
+    )
 
 
 @dataclass(frozen=True)
@@ -143,7 +150,9 @@ def prefix_hash(previous: int, tokens: list[int], key: bytes | None = None) -> i
     value = previous
     if key is not None:
         for token in tokens:
-            step = hashlib.blake2b(struct.pack("<Qq", value, token), key=key, digest_size=8).digest()
+            step = hashlib.blake2b(
+                struct.pack("<Qq", value, token), key=key, digest_size=8
+            ).digest()
             value = int.from_bytes(step, "little")
         return value
     for token in tokens:
@@ -166,7 +175,10 @@ def parse_header(data: bytes, limits: dict[FrameType, int] = LIMITS) -> tuple[Fr
     except ValueError:
         raise Desync(f"unknown frame type {kind}") from None
     if length > limits[frame_type]:
-        raise Oversized(f"{frame_type.name} frame of {length} bytes exceeds the {limits[frame_type]} cap", length)
+        raise Oversized(
+            f"{frame_type.name} frame of {length} bytes exceeds the {limits[frame_type]} cap",
+            length,
+        )
     return frame_type, length
 
 
@@ -180,13 +192,21 @@ def encode_hidden(
     """Buffers of one HIDDEN frame (header included), ready for ``socket.sendmsg``."""
     tensor = tensor.contiguous()
     if sum(r.count for r in rows) != tensor.shape[0]:
-        raise FrameError(f"rows cover {sum(r.count for r in rows)} tokens, tensor has {tensor.shape[0]}")
+        raise FrameError(
+            f"rows cover {sum(r.count for r in rows)} tokens, tensor has {tensor.shape[0]}"
+        )
     if ids is not None and tuple(ids.shape) != (tensor.shape[0],):
         raise FrameError(f"{tuple(ids.shape)} ids for a tensor of {tensor.shape[0]} tokens")
     code = DTYPE_CODES[tensor.dtype] | (IDS_FLAG if ids is not None else 0)
     meta = struct.pack(f"<HBB{tensor.dim()}I", len(rows), code, tensor.dim(), *tensor.shape)
-    meta += b"".join(ROW.pack(r.request, r.position, r.count, r.hash_before, r.hash_after, r.flags) for r in rows)
-    raw = tensor.view(torch.uint8).reshape(-1) if tensor.dtype != torch.float32 else tensor.reshape(-1)
+    meta += b"".join(
+        ROW.pack(r.request, r.position, r.count, r.hash_before, r.hash_after, r.flags) for r in rows
+    )
+    raw = (
+        tensor.view(torch.uint8).reshape(-1)
+        if tensor.dtype != torch.float32
+        else tensor.reshape(-1)
+    )
     body = raw.numpy().data.cast("B")
     tail = [] if ids is None else [ids.to(torch.int32).numpy().tobytes()]
     size = len(meta) + body.nbytes + sum(len(t) for t in tail)
@@ -215,14 +235,22 @@ def decode_hidden(payload: bytes | bytearray | memoryview) -> HiddenFrame:
     expected = _numel(shape) * torch.empty(0, dtype=dtype).element_size()
     id_bytes = 4 * shape[0] if with_ids else 0
     if len(view) - rows_end != expected + id_bytes:
-        raise FrameError(f"HIDDEN frame carries {len(view) - rows_end} bytes after its rows, shape {shape} "
-                         f"{'and its ids ' if with_ids else ''}need {expected + id_bytes}")  # fmt: skip
+        raise FrameError(
+            f"HIDDEN frame carries {len(view) - rows_end} bytes after its rows, shape {shape} "
+            f"{'and its ids ' if with_ids else ''}need {expected + id_bytes}"
+        )
     if sum(r.count for r in rows) != shape[0]:
-        raise FrameError(f"HIDDEN rows cover {sum(r.count for r in rows)} tokens, shape says {shape[0]}")
+        raise FrameError(
+            f"HIDDEN rows cover {sum(r.count for r in rows)} tokens, shape says {shape[0]}"
+        )
     ids = None
     if with_ids:
         raw_ids = bytearray(view[rows_end + expected :])
-        ids = torch.frombuffer(raw_ids, dtype=torch.int32).long() if raw_ids else torch.empty(0, dtype=torch.long)
+        ids = (
+            torch.frombuffer(raw_ids, dtype=torch.int32).long()
+            if raw_ids
+            else torch.empty(0, dtype=torch.long)
+        )
     if not expected:
         return HiddenFrame(rows, torch.empty(shape, dtype=dtype), ids)
     body = view[rows_end : rows_end + expected]
@@ -232,11 +260,14 @@ def decode_hidden(payload: bytes | bytearray | memoryview) -> HiddenFrame:
 
 def encode_tokens(rows: list[TokenRow] | tuple[TokenRow, ...]) -> bytes:
     body = struct.pack("<H", len(rows)) + b"".join(
-        TOKEN_ROW.pack(r.request, r.position, r.token, r.hash_before, r.hash_after, r.flags) for r in rows
+        TOKEN_ROW.pack(r.request, r.position, r.token, r.hash_before, r.hash_after, r.flags)
+        for r in rows
     )
     for r in rows:
         if r.flags & RowFlag.LOGPROBS:
-            body += LOGPROB.pack(r.logprob or 0.0, len(r.top)) + b"".join(ALTERNATIVE.pack(i, lp) for i, lp in r.top)
+            body += LOGPROB.pack(r.logprob or 0.0, len(r.top)) + b"".join(
+                ALTERNATIVE.pack(i, lp) for i, lp in r.top
+            )
     for r in rows:
         if r.flags & RowFlag.DRAFTS:
             body += DRAFT_COUNT.pack(len(r.drafts)) + b"".join(DRAFT.pack(t) for t in r.drafts)
@@ -261,7 +292,9 @@ def decode_tokens(payload: bytes | bytearray | memoryview) -> TokenFrame:
         if row.flags & RowFlag.DRAFTS:
             rows[i], end = _with_drafts(view, end, row)
     if end != len(view):
-        raise FrameError(f"TOKEN frame of {len(view)} bytes: its rows and log-probabilities take {end}")
+        raise FrameError(
+            f"TOKEN frame of {len(view)} bytes: its rows and log-probabilities take {end}"
+        )
     return TokenFrame(tuple(rows))
 
 

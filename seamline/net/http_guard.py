@@ -21,7 +21,8 @@ import logging
 import resource
 import time
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 log = logging.getLogger("seamline.http")
 HEAD_DEADLINE_S = 10.0
@@ -44,7 +45,10 @@ class _Waiting:
         self.connections[protocol] = address
         mine = [p for p, a in self.connections.items() if a == address]
         if len(mine) > MAX_WAITING_PER_ADDRESS:
-            self._cut(mine[0], f"{address} holds {MAX_WAITING_PER_ADDRESS} connections that sent no request")
+            self._cut(
+                mine[0],
+                f"{address} holds {MAX_WAITING_PER_ADDRESS} connections that sent no request",
+            )
         if len(self.connections) > self.bound:
             self._cut(next(iter(self.connections)), f"{self.bound} connections sent no request")
 
@@ -64,7 +68,9 @@ def guarded(base: type[asyncio.Protocol] | None = None) -> type[asyncio.Protocol
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         base = AutoHTTPProtocol
-    waiting = _Waiting(max(16, min(MAX_WAITING, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)))
+    waiting = _Waiting(
+        max(16, min(MAX_WAITING, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
+    )
 
     class Guarded(base):  # type: ignore[valid-type,misc]
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -101,7 +107,9 @@ def bounded(base: type[asyncio.Protocol] | None = None) -> dict[str, Any]:
     return {"http": guarded(base), "backlog": max(64, min(MAX_BACKLOG, soft // 8))}
 
 
-def serve_once_listening(app: Any, announce: Callable[[], None], host: str, port: int, **config: Any) -> None:
+def serve_once_listening(
+    app: Any, announce: Callable[[], None], host: str, port: int, **config: Any
+) -> None:
     """Serve ``app`` with uvicorn (bounded) on a socket that listens before ``announce`` prints
     where: a client that connects as soon as it reads the address waits in the backlog until
     the event loop accepts it, rather than being refused."""

@@ -22,10 +22,11 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Union
 
 import torch
 
+from seamline.net.admission import MAX_PENDING, MAX_PENDING_PER_HOST, Admission, Pending
+from seamline.net.deadlines import left, wait
 from seamline.net.frames import (
     HANDSHAKE_DEADLINE_S,
     HANDSHAKE_LIMITS,
@@ -43,15 +44,15 @@ from seamline.net.frames import (
     encode_tokens,
     parse_header,
 )
-from seamline.net.admission import MAX_PENDING, MAX_PENDING_PER_HOST, Admission, Pending
-from seamline.net.deadlines import left, wait
 from seamline.net.messages import Message, decode_message, encode_message
 from seamline.net.tls import TlsRefused, TlsSocket, recv_within, send_within
 
 log = logging.getLogger("seamline.link")
 
-Incoming = Union[Message, HiddenFrame, TokenFrame]
-SEND_DEADLINE_S = 30.0  # a frame the peer has not taken by then (plus the time its size takes) cuts the link
+Incoming = Message | HiddenFrame | TokenFrame
+SEND_DEADLINE_S = (
+    30.0  # a frame the peer has not taken by then (plus the time its size takes) cuts the link
+)
 SLOWEST_BYTES_PER_S = 1 << 20  # the slowest link a large frame must still cross within its deadline
 
 
@@ -69,14 +70,18 @@ def tune(sock: socket.socket) -> socket.socket:
 
 
 class Link:
-    def __init__(self, sock: socket.socket | TlsSocket, name: str = "", pending: Pending | None = None) -> None:
+    def __init__(
+        self, sock: socket.socket | TlsSocket, name: str = "", pending: Pending | None = None
+    ) -> None:
         """``pending``: an accepted peer not yet proved (``accept_links``): it is held to the
         port's bounds and its handshake deadline until ``authenticated``."""
         sock.settimeout(None)  # blocking: deadlines are kept by polling (``net.deadlines``)
         self.sock = sock
         self.name = name
         self._send_lock = threading.Lock()
-        self._taken_at: float | None = None  # when the send under way began, or the kernel last took bytes of it
+        self._taken_at: float | None = (
+            None  # when the send under way began, or the kernel last took bytes of it
+        )
         self._pending = pending
         self.closed = False
         self.bytes_sent = 0  # frame bytes sent so far (headers included)
@@ -90,7 +95,9 @@ class Link:
     @limits.setter
     def limits(self, value: dict[FrameType, int]) -> None:
         self._limits = value
-        if value != HANDSHAKE_LIMITS:  # more than a handshake's frames go to a proved peer only: granting them says so
+        if (
+            value != HANDSHAKE_LIMITS
+        ):  # more than a handshake's frames go to a proved peer only: granting them says so
             self.authenticated()
 
     def authenticated(self) -> None:
@@ -101,8 +108,15 @@ class Link:
             pending.proved()
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: float = 10.0, name: str = "",
-                tls: ssl.SSLContext | None = None, preamble: bytes = b"") -> "Link":  # fmt: skip
+    def connect(
+        cls,
+        host: str,
+        port: int,
+        timeout: float = 10.0,
+        name: str = "",
+        tls: ssl.SSLContext | None = None,
+        preamble: bytes = b"",
+    ) -> Link:
         """Dial ``host:port``, send ``preamble`` (a relay's ticket), and with ``tls`` run the TLS
         handshake (TlsRefused if it fails)."""
         sock = tune(socket.create_connection((host, port), timeout=timeout))
@@ -130,7 +144,9 @@ class Link:
     def send_message(self, message: Message) -> None:
         self._send([encode_message(message)])
 
-    def send_hidden(self, rows: list[Row], tensor: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+    def send_hidden(
+        self, rows: list[Row], tensor: torch.Tensor, ids: torch.Tensor | None = None
+    ) -> None:
         self._send(encode_hidden(rows, tensor, ids))
 
     def send_tokens(self, rows: list[TokenRow]) -> None:
@@ -188,7 +204,9 @@ class Link:
         try:
             send_within(self.sock, buffers, deadline, self._took)
         except TimeoutError:
-            self._broke(f"a frame of {total} bytes did not leave in {time.monotonic() - began:.1f} s")
+            self._broke(
+                f"a frame of {total} bytes did not leave in {time.monotonic() - began:.1f} s"
+            )
         except OSError as exc:
             self._broke(exc)
         finally:
@@ -243,7 +261,7 @@ class Link:
             self._read(step)
             size -= step
 
-    def __enter__(self) -> "Link":
+    def __enter__(self) -> Link:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -258,13 +276,26 @@ class Link:
         self.sock.close()
 
 
-TlsSource = Callable[[], ssl.SSLContext | None]  # the context to accept with now (certificates renew)
-PlainHandler = Callable[[socket.socket, tuple], None]  # a connection that opened with a magic (read already)
-ACCEPT_PAUSE_S = (0.05, 1.0)  # a failing accept (no descriptor, memory, buffer) is retried after a pause: first, most
-GONE = (errno.EBADF, errno.EINVAL, errno.ENOTSOCK)  # what accept says once its socket is closed (or shut)
+TlsSource = Callable[
+    [], ssl.SSLContext | None
+]  # the context to accept with now (certificates renew)
+PlainHandler = Callable[
+    [socket.socket, tuple], None
+]  # a connection that opened with a magic (read already)
+ACCEPT_PAUSE_S = (
+    0.05,
+    1.0,
+)  # a failing accept (no descriptor, memory, buffer) is retried after a pause: first, most
+GONE = (
+    errno.EBADF,
+    errno.EINVAL,
+    errno.ENOTSOCK,
+)  # what accept says once its socket is closed (or shut)
 
 
-def _took_plain(sock: socket.socket, address: tuple, plain: dict[bytes, PlainHandler], deadline: float) -> bool:
+def _took_plain(
+    sock: socket.socket, address: tuple, plain: dict[bytes, PlainHandler], deadline: float
+) -> bool:
     """Whether the connection opened with a magic in ``plain``, whose handler then took it. A
     TLS client speaks first, so this waits (until ``deadline``) only while the bytes so far
     could still begin a magic."""
@@ -273,7 +304,11 @@ def _took_plain(sock: socket.socket, address: tuple, plain: dict[bytes, PlainHan
         while len(opening) < 4:
             wait(sock, False, deadline)
             opening = sock.recv(4, socket.MSG_PEEK)
-            if not opening or not any(magic.startswith(opening) for magic in plain) or time.monotonic() > deadline:
+            if (
+                not opening
+                or not any(magic.startswith(opening) for magic in plain)
+                or time.monotonic() > deadline
+            ):
                 return False
             if len(opening) < 4:
                 time.sleep(nap)  # the rest of a split magic is on its way
@@ -288,10 +323,15 @@ def _took_plain(sock: socket.socket, address: tuple, plain: dict[bytes, PlainHan
     return True
 
 
-def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None],
-                 tls: TlsSource = lambda: None, per_host: int = MAX_PENDING_PER_HOST,
-                 plain: dict[bytes, PlainHandler] | None = None,
-                 pending_max: int = MAX_PENDING) -> threading.Thread:  # fmt: skip
+def accept_links(
+    server: socket.socket,
+    name: str,
+    handle: Callable[[Link], None],
+    tls: TlsSource = lambda: None,
+    per_host: int = MAX_PENDING_PER_HOST,
+    plain: dict[bytes, PlainHandler] | None = None,
+    pending_max: int = MAX_PENDING,
+) -> threading.Thread:
     """Accept connections until ``server`` closes; each becomes a Link handled on its own
     thread, after a TLS handshake when ``tls`` gives a context. Over TLS, a connection that
     opens with one of ``plain``'s 4-byte magics goes to its handler instead (a relay, a probe).
@@ -308,7 +348,11 @@ def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None
         try:
             context = tls()
             # a TLS client speaks first, so a peek cannot stall it; in plaintext the server does
-            if plain and context is not None and _took_plain(sock, address, plain, pending.deadline):
+            if (
+                plain
+                and context is not None
+                and _took_plain(sock, address, plain, pending.deadline)
+            ):
                 return
             if context is not None:
                 try:
@@ -324,19 +368,27 @@ def accept_links(server: socket.socket, name: str, handle: Callable[[Link], None
     def start(sock: socket.socket, address: tuple) -> None:
         pending = admission.admit(sock, address[0])
         try:
-            threading.Thread(target=open_link, args=(tune(sock), address, pending), daemon=True).start()
+            threading.Thread(
+                target=open_link, args=(tune(sock), address, pending), daemon=True
+            ).start()
         except BaseException:
             admission.release(pending)
             sock.close()
             raise
 
-    thread = threading.Thread(target=_accept_forever, args=(server, name, start), name=f"seamline-accept-{name}",
-                              daemon=True)  # fmt: skip
+    thread = threading.Thread(
+        target=_accept_forever,
+        args=(server, name, start),
+        name=f"seamline-accept-{name}",
+        daemon=True,
+    )
     thread.start()
     return thread
 
 
-def _accept_forever(server: socket.socket, name: str, start: Callable[[socket.socket, tuple], None]) -> None:
+def _accept_forever(
+    server: socket.socket, name: str, start: Callable[[socket.socket, tuple], None]
+) -> None:
     """Accept until ``server`` is closed. Anything else that fails (no descriptor, memory or
     thread to be had; a connection aborted before it was taken) is waited out, the pause
     doubling, and logged once per episode: a flood that ends leaves the port serving."""
@@ -352,7 +404,9 @@ def _accept_forever(server: socket.socket, name: str, start: Callable[[socket.so
             try:
                 start(sock, address)
                 failure = None
-            except Exception as exc:  # no thread could start (RuntimeError), no memory: waited out too
+            except (
+                Exception
+            ) as exc:  # no thread could start (RuntimeError), no memory: waited out too
                 failure = exc
         if failure is not None:
             if not failures:
@@ -391,7 +445,9 @@ def _bound(host: str, port: int) -> socket.socket:
 __all__ = ["Link", "LinkClosed", "FrameError", "listen", "Incoming", "HANDSHAKE_LIMITS"]
 
 
-_HANDED_OUT: set[tuple[str, int]] = set()  # ports this process took: a caller may not have bound them yet
+_HANDED_OUT: set[tuple[str, int]] = (
+    set()
+)  # ports this process took: a caller may not have bound them yet
 _HANDED_OUT_LOCK = threading.Lock()
 
 

@@ -8,7 +8,7 @@ mistyped fields, extra fields are all refused), so a malformed control message i
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -16,9 +16,13 @@ from seamline.net.frames import FrameError, FrameType, header
 from seamline.params import SamplingParams
 
 PROTOCOL_VERSION = 6  # 6: a node's GPUs (``Resources.devices``), a stage's GPU share (``Assign.gpu_layers``); 5: the last stage's MTP drafts (``RowFlag.DRAFTS``, ``Assign.mtp``); 4: windows in flight (``RowFlag.FOLLOW``); 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
-NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")  # what a node id may be: no log line or console event can be forged by one
+NODE_ID = re.compile(
+    r"[A-Za-z0-9._-]{1,64}"
+)  # what a node id may be: no log line or console event can be forged by one
 MAX_REASON = 2048  # a failure's or error's text, in characters: a longer one is cut, never refused
-_LINE_BREAKING = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")  # control characters, line separators
+_LINE_BREAKING = re.compile(
+    r"[\x00-\x1f\x7f-\x9f\u2028\u2029]"
+)  # control characters, line separators
 
 
 def node_id_refusal(node_id: str) -> str:
@@ -35,7 +39,9 @@ def _clip(text: object) -> object:
 
 # Fields of what members send the coordinator are bounded, so the largest member message fits
 # its control link's small cap (``joining.MEMBER_LIMITS``).
-NodeName = Annotated[str, Field(pattern=rf"^{NODE_ID.pattern}$")]  # a member's id, checked when it joined
+NodeName = Annotated[
+    str, Field(pattern=rf"^{NODE_ID.pattern}$")
+]  # a member's id, checked when it joined
 Reason = Annotated[str, BeforeValidator(_clip), Field(max_length=MAX_REASON)]
 
 
@@ -47,7 +53,9 @@ class Challenge(Message):
     kind: Literal["challenge"] = "challenge"
     nonce: str
     protocol_version: int = PROTOCOL_VERSION
-    ca_certificate: str = ""  # the coordinator's: the mesh CA (PEM), which the invite pins by fingerprint
+    ca_certificate: str = (
+        ""  # the coordinator's: the mesh CA (PEM), which the invite pins by fingerprint
+    )
 
 
 class DeviceResources(Message):
@@ -66,8 +74,12 @@ class Resources(Message):
     devices: list[DeviceResources] = Field(default=[], max_length=16)
     cores: int = 1
     host: str = ""  # this machine's boot id: nodes that report the same one share its CPUs
-    cpus: list[int] = Field(default=[], max_length=4096)  # the CPUs this node may run on (its affinity)
-    int8_kernels: bool = False  # runs the int8-block matmuls (``--precision fast`` on quantized weights)
+    cpus: list[int] = Field(
+        default=[], max_length=4096
+    )  # the CPUs this node may run on (its affinity)
+    int8_kernels: bool = (
+        False  # runs the int8-block matmuls (``--precision fast`` on quantized weights)
+    )
 
 
 class Holding(Message):
@@ -80,14 +92,23 @@ class Holding(Message):
     dtype: str
     context_length: int
     int8_activations: bool = False
-    gpu_layers: int | None = None  # how it is split over the node's GPU and CPU (``Assign.gpu_layers``)
+    gpu_layers: int | None = (
+        None  # how it is split over the node's GPU and CPU (``Assign.gpu_layers``)
+    )
 
     @classmethod
     def of(cls, assign: Assign) -> Holding:
         """What a stage loaded for ``assign`` holds."""
-        return cls(model_hash=assign.model_hash, layers=assign.layers, owns_embedding=assign.owns_embedding,
-                   owns_head=assign.owns_head, dtype=assign.dtype, context_length=assign.context_length,
-                   int8_activations=assign.int8_activations, gpu_layers=assign.gpu_layers)  # fmt: skip
+        return cls(
+            model_hash=assign.model_hash,
+            layers=assign.layers,
+            owns_embedding=assign.owns_embedding,
+            owns_head=assign.owns_head,
+            dtype=assign.dtype,
+            context_length=assign.context_length,
+            int8_activations=assign.int8_activations,
+            gpu_layers=assign.gpu_layers,
+        )
 
 
 class Join(Message):
@@ -101,7 +122,9 @@ class Join(Message):
     data_port: int
     max_memory_bytes: int | None = None
     comm_port: int = 0  # where this node listens for lockstep peers (0: none)
-    fragments_port: int = 0  # where it serves the fragments it holds to members, over mutual TLS (0: none)
+    fragments_port: int = (
+        0  # where it serves the fragments it holds to members, over mutual TLS (0: none)
+    )
     csr: str = ""  # the node's certificate signing request (PEM), over TLS
     invite_id: str = ""  # which of the coordinator's invites ``proof`` proves
     holding: Holding | None = None  # a rejoin: the stage it has loaded
@@ -177,15 +200,23 @@ class Assign(Message):
     plan_id: int
     model_hash: str
     fragments_url: str
-    fragments_certificate: str = ""  # PEM of the coordinator's HTTPS certificate, when it serves over TLS
-    fragments_token: str = ""  # this member's bearer token for fragment downloads (void once it leaves)
-    fragment_peers: list[str] = []  # members' fragment URLs, tried first (a fragment is checked by its hash)
+    fragments_certificate: str = (
+        ""  # PEM of the coordinator's HTTPS certificate, when it serves over TLS
+    )
+    fragments_token: str = (
+        ""  # this member's bearer token for fragment downloads (void once it leaves)
+    )
+    fragment_peers: list[
+        str
+    ] = []  # members' fragment URLs, tried first (a fragment is checked by its hash)
     layers: tuple[int, int]
     owns_embedding: bool
     owns_head: bool
     dtype: str
     context_length: int
-    int8_activations: bool = False  # the coordinator's precision: int8 blocks in the quantized matmuls
+    int8_activations: bool = (
+        False  # the coordinator's precision: int8 blocks in the quantized matmuls
+    )
     mtp: bool = False  # the last stage: with the model's multi-token-prediction layer, which drafts
     memory_bytes: int = 0  # weights + KV cache the plan expects this node to hold in system memory
     # Where the stage's layers run (``StageAssignment.gpu_layers``): None, all on the node's own device;
@@ -198,11 +229,15 @@ class Assign(Message):
     group_nodes: list[str] = []
     transport: str = "tcp"
     gate_timeout_s: float = 30.0
-    kv_cache_bytes: int = 0  # stage 0: the KV budget it admits requests into (0: most of its free memory)
+    kv_cache_bytes: int = (
+        0  # stage 0: the KV budget it admits requests into (0: most of its free memory)
+    )
     link_key: str = ""  # this plan's key for data links between its stages
     upstream_node: str = ""  # the node that may send this stage hidden frames ("" for stage 0)
     last_node: str = ""  # stage 0 of several: the last stage, which sends it tokens
-    digest_seed: int = 0  # report a digest of every row received and computed (``Digests``); 0: none
+    digest_seed: int = (
+        0  # report a digest of every row received and computed (``Digests``); 0: none
+    )
     # A private mesh (``--private``): this node, the coordinator's own, is also the last stage, holding
     # the layers ``tail`` and the head, and draws; the members between see no token id.
     tail: tuple[int, int] | None = None
@@ -246,12 +281,18 @@ class Route(Message):
     stage0: tuple[str, int] | None  # where the last stage sends tokens (None: not last)
     downstream_node: str = ""  # the node ids a certificate must name at those addresses
     stage0_node: str = ""
-    downstream_relay: str = ""  # a relay ticket: ``downstream`` is the coordinator's relay, not the node
+    downstream_relay: str = (
+        ""  # a relay ticket: ``downstream`` is the coordinator's relay, not the node
+    )
     stage0_relay: str = ""
-    stages: int = 1  # stages in the pipeline: stage 0 keeps at least this many micro-batches in flight
+    stages: int = (
+        1  # stages in the pipeline: stage 0 keeps at least this many micro-batches in flight
+    )
     micro_batches: int = 0  # more micro-batches in flight than stages (0: as many as stages)
     forks: bool = False  # every stage can copy a cache (no lockstep group): stage 0 shares prefixes
-    speculation: Literal["off", "auto", "ngram", "mtp"] = "off"  # stage 0 drafts windows (``runtime/speculation.py``)
+    speculation: Literal["off", "auto", "ngram", "mtp"] = (
+        "off"  # stage 0 drafts windows (``runtime/speculation.py``)
+    )
     draft_max: int = Field(default=8, ge=1, le=32)
 
 
@@ -335,7 +376,9 @@ class Open(Message):
     context_length: int
 
 
-PROMPT_CHUNK_TOKENS = 32768  # a chunk's JSON stays far below the control cap (at most ~11 bytes a token)
+PROMPT_CHUNK_TOKENS = (
+    32768  # a chunk's JSON stays far below the control cap (at most ~11 bytes a token)
+)
 
 
 class Prompt(Message):
@@ -352,7 +395,10 @@ class Prompt(Message):
         """``tokens`` as the chunks that carry them, in order."""
         step = PROMPT_CHUNK_TOKENS
         parts = [tuple(tokens[i : i + step]) for i in range(0, max(len(tokens), 1), step)]
-        return [cls(request=request, tokens=part, more=i < len(parts) - 1) for i, part in enumerate(parts)]
+        return [
+            cls(request=request, tokens=part, more=i < len(parts) - 1)
+            for i, part in enumerate(parts)
+        ]
 
 
 class Close(Message):
@@ -387,10 +433,14 @@ class Failure(Message):
     kind: Literal["failure"] = "failure"
     request: int | None = None
     reason: Reason
-    blame: Literal["node", "request", "load"] = "node"  # a stage failed / the request is invalid / too busy
+    blame: Literal["node", "request", "load"] = (
+        "node"  # a stage failed / the request is invalid / too busy
+    )
     plan_id: int | None = None
     suspect: NodeName | None = None
-    room_bytes: int | None = None  # a stage it could not load: the memory it has (planned with no more)
+    room_bytes: int | None = (
+        None  # a stage it could not load: the memory it has (planned with no more)
+    )
 
 
 class StatsRequest(Message):
@@ -411,21 +461,35 @@ class Stats(Message):
     kv_bytes: int = 0
     kept_kv_bytes: int = 0
     micro_batches: int = 0  # stage 0: micro-batches it keeps in flight
-    precision: str = Field(default="", max_length=64)  # what this stage computes in (``Precision.describe``)
-    link_bytes: dict[NodeName, int] = Field(default={}, max_length=64)  # bytes sent so far over its data link to each node
+    precision: str = Field(
+        default="", max_length=64
+    )  # what this stage computes in (``Precision.describe``)
+    link_bytes: dict[NodeName, int] = Field(
+        default={}, max_length=64
+    )  # bytes sent so far over its data link to each node
     windows: int = 0  # stage 0: speculative windows verified, tokens drafted and accepted, so far
     drafted: int = 0
     accepted: int = 0
     follows: int = 0  # stage 0: windows sent on while one of the sequence's was in flight
-    stale_windows: int = 0  # the last stage: windows sent on after one not accepted whole, not drawn from
+    stale_windows: int = (
+        0  # the last stage: windows sent on after one not accepted whole, not drawn from
+    )
     # Its speed probe after loading (``runtime.step_probe``): rows -> seconds of one step of that many decode rows
     step_probe_s: dict[int, float] = Field(default={}, max_length=8)
-    prompt_probe_s: dict[int, float] = Field(default={}, max_length=8)  # and of a step of that many prompt rows
+    prompt_probe_s: dict[int, float] = Field(
+        default={}, max_length=8
+    )  # and of a step of that many prompt rows
     # rows -> a decode step's median seconds outside its forward (``runtime.step_clock``)
     step_overhead_s: dict[int, float] = Field(default={}, max_length=8)
-    probe_quiet: bool = False  # the probe was taken again once the stage was idle and its cores quiet
-    cycle_wall_s: float = 0.0  # a stage after the first: one row's wall seconds from taken to handed on
-    ring_s: float = 0.0  # stage 0: one stream's row from leaving it to its token coming back, wall seconds
+    probe_quiet: bool = (
+        False  # the probe was taken again once the stage was idle and its cores quiet
+    )
+    cycle_wall_s: float = (
+        0.0  # a stage after the first: one row's wall seconds from taken to handed on
+    )
+    ring_s: float = (
+        0.0  # stage 0: one stream's row from leaving it to its token coming back, wall seconds
+    )
     busy_seconds: float = 0.0  # every forward's seconds so far, prompt chunks' too
     idle_seconds: float = 0.0  # waiting with nothing to run so far (``runtime.idle_clock``)
 
@@ -480,10 +544,43 @@ class Digests(Message):
 
 
 AnyMessage = Annotated[
-    Union[Challenge, Join, Attach, Rejoin, Attached, Renew, Certificate, RelayAccept, MeasurePeer, PeerLink, Ping, Pong, SpeedProbe,
-          SpeedReady, SpeedSums, DataHello, ProbeHello,
-          Welcome, Refuse, Assign, Ready, Loading, Route, Linked, Open, Prompt, Close, Fork, Forget, Failure, StatsRequest,
-          Stats, Heartbeat, Revoked, Probe, ProbeResult, Digests],
+    Challenge
+    | Join
+    | Attach
+    | Rejoin
+    | Attached
+    | Renew
+    | Certificate
+    | RelayAccept
+    | MeasurePeer
+    | PeerLink
+    | Ping
+    | Pong
+    | SpeedProbe
+    | SpeedReady
+    | SpeedSums
+    | DataHello
+    | ProbeHello
+    | Welcome
+    | Refuse
+    | Assign
+    | Ready
+    | Loading
+    | Route
+    | Linked
+    | Open
+    | Prompt
+    | Close
+    | Fork
+    | Forget
+    | Failure
+    | StatsRequest
+    | Stats
+    | Heartbeat
+    | Revoked
+    | Probe
+    | ProbeResult
+    | Digests,
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)

@@ -25,8 +25,12 @@ from seamline.net.frames import HiddenFrame, Row, encode_hidden
 from seamline.net.link import Incoming, Link, LinkClosed
 from seamline.net.messages import Message, encode_message
 
-OVERLAP_BYTES = 64 << 10  # frames from this size on cross on a helper thread (a V4 decode row's is 32 KiB)
-QUEUED_BYTES = 64 << 20  # what a sender queues, or a reader reads ahead, before it waits for its consumer
+OVERLAP_BYTES = (
+    64 << 10
+)  # frames from this size on cross on a helper thread (a V4 decode row's is 32 KiB)
+QUEUED_BYTES = (
+    64 << 20
+)  # what a sender queues, or a reader reads ahead, before it waits for its consumer
 
 Buffers = Sequence[bytes | memoryview]
 Failed = Callable[[list[int], Exception], None]
@@ -45,7 +49,9 @@ class SendBehind:
         self._queued = 0  # bytes
         self._error: Exception | None = None
 
-    def send_hidden(self, rows: list[Row], tensor: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+    def send_hidden(
+        self, rows: list[Row], tensor: torch.Tensor, ids: torch.Tensor | None = None
+    ) -> None:
         self._put(encode_hidden(rows, tensor, ids), [row.request for row in rows])
 
     def send_message(self, message: Message) -> None:
@@ -62,7 +68,9 @@ class SendBehind:
             if self._error is not None:
                 raise LinkClosed(f"link to {self.link.name} broke: {self._error}")
             if not self._queue and size < OVERLAP_BYTES:
-                self.link.send_buffers(buffers)  # under the lock: a send made meanwhile waits its turn
+                self.link.send_buffers(
+                    buffers
+                )  # under the lock: a send made meanwhile waits its turn
                 return
             while self._queue and self._queued + size > QUEUED_BYTES and self._error is None:
                 self._cond.wait()  # a slow link holds its sender back, as a blocking send did

@@ -26,7 +26,9 @@ from pathlib import Path
 from seamline.net.deadlines import Buffer, send_by, wait
 
 RECV_CHUNK = 256 << 10
-ONE_RECORD = 16 << 10  # TLS's largest record: buffers up to this are sealed together, not one record each
+ONE_RECORD = (
+    16 << 10
+)  # TLS's largest record: buffers up to this are sealed together, not one record each
 FLUSH_S = 30.0  # a reader's answer to the peer's TLS message (a key update) leaves within this
 
 
@@ -40,8 +42,13 @@ class GroupTls:
     names: tuple[str, ...]
 
 
-def mutual_context(server_side: bool, cert_file: str | Path, key_file: str | Path, ca_pem: str,
-                   require_peer: bool = True) -> ssl.SSLContext:  # fmt: skip
+def mutual_context(
+    server_side: bool,
+    cert_file: str | Path,
+    key_file: str | Path,
+    ca_pem: str,
+    require_peer: bool = True,
+) -> ssl.SSLContext:
     """A TLS 1.3 context that presents this certificate and verifies the peer's against the CA
     (``require_peer`` False: a server that lets a peer without one in). Members are reached by
     address, not host name: the caller checks the peer's node id (``TlsSocket.peer_id``)."""
@@ -60,9 +67,15 @@ def mutual_context(server_side: bool, cert_file: str | Path, key_file: str | Pat
 def group_tls_from_folder(folder: Path, rank: int, world: int) -> GroupTls:
     """A lockstep rank's GroupTls from files: ``ca.pem``, ``rank{R}.pem`` and ``rank{R}.key``;
     rank R's certificate names ``rank{R}`` (a group started by hand or by a benchmark)."""
-    cert, key, ca = folder / f"rank{rank}.pem", folder / f"rank{rank}.key", (folder / "ca.pem").read_text()
+    cert, key, ca = (
+        folder / f"rank{rank}.pem",
+        folder / f"rank{rank}.key",
+        (folder / "ca.pem").read_text(),
+    )
     names = tuple(f"rank{r}" for r in range(world))
-    return GroupTls(mutual_context(True, cert, key, ca), mutual_context(False, cert, key, ca), names)
+    return GroupTls(
+        mutual_context(True, cert, key, ca), mutual_context(False, cert, key, ca), names
+    )
 
 
 class TlsRefused(ConnectionError):
@@ -72,8 +85,13 @@ class TlsRefused(ConnectionError):
 class TlsSocket:
     """A connected socket after a TLS handshake; see the module doc for why not ``SSLSocket``."""
 
-    def __init__(self, sock: socket.socket, tls: ssl.SSLObject, incoming: ssl.MemoryBIO,
-                 outgoing: ssl.MemoryBIO) -> None:  # fmt: skip
+    def __init__(
+        self,
+        sock: socket.socket,
+        tls: ssl.SSLObject,
+        incoming: ssl.MemoryBIO,
+        outgoing: ssl.MemoryBIO,
+    ) -> None:
         self._sock = sock
         self._tls = tls
         self._incoming = incoming
@@ -82,8 +100,9 @@ class TlsSocket:
         self._send_lock = threading.Lock()  # keeps one sender's records together on the wire
 
     @classmethod
-    def handshake(cls, sock: socket.socket, context: ssl.SSLContext, server_side: bool,
-                  deadline_s: float) -> "TlsSocket":  # fmt: skip
+    def handshake(
+        cls, sock: socket.socket, context: ssl.SSLContext, server_side: bool, deadline_s: float
+    ) -> TlsSocket:
         """Run the whole handshake within ``deadline_s`` (not per read: a peer dripping its
         hello is cut off at the deadline); TlsRefused says why it failed."""
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
@@ -107,7 +126,9 @@ class TlsSocket:
                 incoming.write(data)
         except ssl.SSLError as exc:
             _send_alert(sock, outgoing)
-            raise TlsRefused(f"TLS handshake failed: {getattr(exc, 'verify_message', None) or exc.reason or exc}") from None
+            raise TlsRefused(
+                f"TLS handshake failed: {getattr(exc, 'verify_message', None) or exc.reason or exc}"
+            ) from None
         except TimeoutError:
             raise TlsRefused(f"no TLS handshake within {deadline_s} s") from None
         except OSError as exc:
@@ -115,8 +136,12 @@ class TlsSocket:
         return cls(sock, tls, incoming, outgoing)
 
     # -- the socket calls Link and TcpComm make --------------------------------------------
-    def sendmsg(self, buffers: Iterable[Buffer], deadline: float | None = None,
-                took: Callable[[], None] | None = None) -> int:  # fmt: skip
+    def sendmsg(
+        self,
+        buffers: Iterable[Buffer],
+        deadline: float | None = None,
+        took: Callable[[], None] | None = None,
+    ) -> int:
         """Seal and send every buffer; by ``deadline`` (TimeoutError after: the stream is cut)
         or, with None, as the socket's timeout says. ``took``: see ``deadlines.send_by``."""
         views = [memoryview(b).cast("B") for b in buffers]
@@ -145,7 +170,9 @@ class TlsSocket:
         while True:
             got: int | None = None
             with self._tls_lock:
-                if self._incoming.pending or self._tls.pending():  # else a read could only want more
+                if (
+                    self._incoming.pending or self._tls.pending()
+                ):  # else a read could only want more
                     try:
                         got = self._tls.read(size, view)
                     except ssl.SSLWantReadError:
@@ -171,7 +198,9 @@ class TlsSocket:
         with self._send_lock:
             with self._tls_lock:
                 sealed = self._outgoing.read()
-            send_by(self._sock, [sealed], time.monotonic() + FLUSH_S)  # a reader never blocks for good
+            send_by(
+                self._sock, [sealed], time.monotonic() + FLUSH_S
+            )  # a reader never blocks for good
 
     def settimeout(self, timeout: float | None) -> None:
         self._sock.settimeout(timeout)
@@ -197,7 +226,7 @@ class TlsSocket:
     def close(self) -> None:
         self._sock.close()
 
-    def __enter__(self) -> "TlsSocket":
+    def __enter__(self) -> TlsSocket:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -216,13 +245,19 @@ def _send_alert(sock: socket.socket, outgoing: ssl.MemoryBIO) -> None:
     """Tell the peer why (OpenSSL left an alert to send), so it fails at once, not at a timeout."""
     try:
         if outgoing.pending:
-            send_by(sock, [outgoing.read()], time.monotonic() + 1.0)  # a peer that reads nothing gets none
+            send_by(
+                sock, [outgoing.read()], time.monotonic() + 1.0
+            )  # a peer that reads nothing gets none
     except OSError:
         pass
 
 
-def send_within(sock: socket.socket | TlsSocket, buffers: Sequence[Buffer], deadline: float,
-                took: Callable[[], None] | None = None) -> None:  # fmt: skip
+def send_within(
+    sock: socket.socket | TlsSocket,
+    buffers: Sequence[Buffer],
+    deadline: float,
+    took: Callable[[], None] | None = None,
+) -> None:
     """Send ``buffers`` on a plain or a TLS socket by ``deadline``; TimeoutError after (the
     stream is then cut mid-frame: close it). ``took``: see ``deadlines.send_by``."""
     if isinstance(sock, TlsSocket):

@@ -32,7 +32,7 @@ import socket
 import struct
 import threading
 import time
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -40,8 +40,13 @@ from seamline.net.deadlines import left
 from seamline.net.link import listen, tune
 from seamline.net.tls import GroupTls, TlsRefused, TlsSocket, recv_within
 from seamline.parallel.comm import (
-    GATHER_TAG, CommError, DesyncError, GateTag, fingerprint_difference, sum_in_rank_order,
-)  # fmt: skip
+    GATHER_TAG,
+    CommError,
+    DesyncError,
+    GateTag,
+    fingerprint_difference,
+    sum_in_rank_order,
+)
 
 GATE_MAGIC = b"SLGT"
 HELLO_MAGIC = b"SLHI"
@@ -51,8 +56,12 @@ HELLO = struct.Struct("<4sHHHH")  # magic, version, rank, world, fingerprint len
 KIND_NAMES = {1: "reduce", 2: "gather"}
 REDUCE, GATHER = 1, 2
 DTYPE_CODES = {
-    torch.float32: 1, torch.bfloat16: 2, torch.float16: 3,
-    torch.float64: 4, torch.int64: 5, torch.int32: 6,
+    torch.float32: 1,
+    torch.bfloat16: 2,
+    torch.float16: 3,
+    torch.float64: 4,
+    torch.int64: 5,
+    torch.int32: 6,
 }
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 MAX_PAYLOAD = 1 << 30  # bytes in one gate message
@@ -62,18 +71,28 @@ log = logging.getLogger("seamline.comm")
 # peer, so ranks that all send before receiving cannot deadlock. Larger ones go from a thread.
 INLINE_SEND_MAX = 32 << 10
 GREET_S = 10.0  # an accepted connection's TLS handshake and HELLO end within this in all (or the comm's timeout)
-MAX_GREETING = 16  # accepted connections in their handshake at once (a thread each); more wait in the backlog
+MAX_GREETING = (
+    16  # accepted connections in their handshake at once (a thread each); more wait in the backlog
+)
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, peer: int, timeout_s: float, what: str,
-                deadline: float | None = None) -> None:  # fmt: skip
+def _recv_exact(
+    sock: socket.socket,
+    view: memoryview,
+    peer: int,
+    timeout_s: float,
+    what: str,
+    deadline: float | None = None,
+) -> None:
     """Fill ``view``; each read within the socket's timeout and, with ``deadline``, all by then."""
     got = 0
     while got < len(view):
         try:
             n = recv_within(sock, view[got:], deadline)
-        except socket.timeout:
-            raise CommError(f"rank {peer} sent nothing for {what} within {timeout_s} s", peer=peer) from None
+        except TimeoutError:
+            raise CommError(
+                f"rank {peer} sent nothing for {what} within {timeout_s} s", peer=peer
+            ) from None
         except OSError as exc:
             raise CommError(f"rank {peer} closed the link ({exc})", peer=peer) from None
         if n == 0:
@@ -101,7 +120,9 @@ def _raw(tensor: torch.Tensor) -> memoryview:
 class TcpComm:
     """A connected mesh; build it with ``TcpComm.connect``. Not thread-safe: one caller."""
 
-    def __init__(self, rank: int, world: int, socks: dict[int, socket.socket], timeout_s: float) -> None:
+    def __init__(
+        self, rank: int, world: int, socks: dict[int, socket.socket], timeout_s: float
+    ) -> None:
         self.rank = rank
         self.world = world
         self.timeout_s = timeout_s
@@ -119,11 +140,13 @@ class TcpComm:
         connect_timeout_s: float = 60.0,
         bind_host: str | None = None,
         tls: GroupTls | None = None,
-    ) -> "TcpComm":
+    ) -> TcpComm:
         """Listen at ``addresses[rank]``, dial every higher rank, accept every lower one."""
         if not 0 <= rank < world or len(addresses) != world:
-            raise CommError(f"need 0 <= rank < world and one address per rank: rank {rank}, "
-                            f"world {world}, {len(addresses)} addresses")
+            raise CommError(
+                f"need 0 <= rank < world and one address per rank: rank {rank}, "
+                f"world {world}, {len(addresses)} addresses"
+            )
         hello = _hello_bytes(rank, world, fingerprint)
         deadline = time.monotonic() + connect_timeout_s
         server = listen(bind_host or addresses[rank][0], addresses[rank][1])
@@ -134,7 +157,12 @@ class TcpComm:
             lobby = _Lobby(server, rank, world, fingerprint, tls, timeout_s)
             socks.update(lobby.gather(deadline, connect_timeout_s))
             for peer in range(rank + 1, world):
-                sock = _secure(_dial(rank, peer, addresses[peer], deadline, connect_timeout_s), tls, peer, timeout_s)
+                sock = _secure(
+                    _dial(rank, peer, addresses[peer], deadline, connect_timeout_s),
+                    tls,
+                    peer,
+                    timeout_s,
+                )
                 socks[peer] = sock
                 _check_name(sock, tls, peer)
                 _handshake(sock, hello, rank, world, fingerprint, peer, timeout_s)
@@ -169,18 +197,31 @@ class TcpComm:
             shaped.append(part.view(shape))
         return torch.cat(shaped, dim).to(tensor.device)
 
-    def _exchange(self, kind: int, mine: torch.Tensor, tag: GateTag,
-                  numel_ok: Callable[[int], bool]) -> list[torch.Tensor]:
+    def _exchange(
+        self, kind: int, mine: torch.Tensor, tag: GateTag, numel_ok: Callable[[int], bool]
+    ) -> list[torch.Tensor]:
         """Send ``mine`` to every peer, receive every peer's; parts in rank order."""
         if self._broken:
             raise CommError(f"rank {self.rank}'s comm is broken since: {self._broken}")
         if mine.dtype not in DTYPE_CODES:
-            raise CommError(f"dtype {mine.dtype} cannot cross a gate (supported: {list(DTYPE_CODES)})")
+            raise CommError(
+                f"dtype {mine.dtype} cannot cross a gate (supported: {list(DTYPE_CODES)})"
+            )
         try:
-            head = GATE.pack(GATE_MAGIC, VERSION, kind, tag.gate, tag.layer, tag.sequence,
-                             DTYPE_CODES[mine.dtype], mine.numel())
+            head = GATE.pack(
+                GATE_MAGIC,
+                VERSION,
+                kind,
+                tag.gate,
+                tag.layer,
+                tag.sequence,
+                DTYPE_CODES[mine.dtype],
+                mine.numel(),
+            )
         except struct.error:
-            raise CommError(f"gate tag {tag} is out of range (layer i32, gate u16, sequence u64)") from None
+            raise CommError(
+                f"gate tag {tag} is out of range (layer i32, gate u16, sequence u64)"
+            ) from None
         buffers: list[bytes | memoryview] = [head, _raw(mine)]
         errors: list[BaseException] = []
         sender = None
@@ -188,10 +229,16 @@ class TcpComm:
             if mine.numel() * mine.element_size() <= INLINE_SEND_MAX:
                 self._send_all(buffers, errors)
             else:
-                sender = threading.Thread(target=self._send_all, args=(buffers, errors), daemon=True)
+                sender = threading.Thread(
+                    target=self._send_all, args=(buffers, errors), daemon=True
+                )
                 sender.start()
-            parts = [mine if peer == self.rank else self._recv_gate(peer, kind, tag, mine.dtype, numel_ok)
-                     for peer in range(self.world)]
+            parts = [
+                mine
+                if peer == self.rank
+                else self._recv_gate(peer, kind, tag, mine.dtype, numel_ok)
+                for peer in range(self.world)
+            ]
             if sender is not None:
                 sender.join()
             if errors:
@@ -207,33 +254,49 @@ class TcpComm:
         for peer in sorted(self._socks):  # rank order, like the receives: no wait cycle
             try:
                 _send_buffers(self._socks[peer], buffers)
-            except socket.timeout:
-                errors.append(CommError(f"rank {peer} took nothing for {self.timeout_s} s", peer=peer))
+            except TimeoutError:
+                errors.append(
+                    CommError(f"rank {peer} took nothing for {self.timeout_s} s", peer=peer)
+                )
                 return
             except OSError as exc:
                 errors.append(CommError(f"rank {peer} closed the link ({exc})", peer=peer))
                 return
 
-    def _recv_gate(self, peer: int, kind: int, tag: GateTag, dtype: torch.dtype,
-                   numel_ok: Callable[[int], bool]) -> torch.Tensor:
+    def _recv_gate(
+        self,
+        peer: int,
+        kind: int,
+        tag: GateTag,
+        dtype: torch.dtype,
+        numel_ok: Callable[[int], bool],
+    ) -> torch.Tensor:
         sock, what = self._socks[peer], f"gate {tag}"
         head = bytearray(GATE.size)
         _recv_exact(sock, memoryview(head), peer, self.timeout_s, what)
         magic, version, got_kind, gate, layer, sequence, code, numel = GATE.unpack(head)
         if magic != GATE_MAGIC or version != VERSION:
-            raise CommError(f"rank {peer} sent a non-gate message (magic {magic!r}, version {version}), "
-                            f"rank {self.rank} expected gate {tag}")
+            raise CommError(
+                f"rank {peer} sent a non-gate message (magic {magic!r}, version {version}), "
+                f"rank {self.rank} expected gate {tag}"
+            )
         got = GateTag(layer, gate, sequence)
         if got_kind != kind or got != tag:
-            raise DesyncError(f"rank {self.rank} expected {KIND_NAMES[kind]} gate {tag}, "
-                              f"got {KIND_NAMES.get(got_kind, got_kind)} gate {got} from rank {peer}")
+            raise DesyncError(
+                f"rank {self.rank} expected {KIND_NAMES[kind]} gate {tag}, "
+                f"got {KIND_NAMES.get(got_kind, got_kind)} gate {got} from rank {peer}"
+            )
         if CODE_DTYPES.get(code) != dtype:
-            raise DesyncError(f"rank {peer} sent dtype {CODE_DTYPES.get(code, code)} for gate {tag}, "
-                              f"rank {self.rank} has {dtype}")
+            raise DesyncError(
+                f"rank {peer} sent dtype {CODE_DTYPES.get(code, code)} for gate {tag}, "
+                f"rank {self.rank} has {dtype}"
+            )
         size = numel * dtype.itemsize
         if not numel_ok(numel) or size > MAX_PAYLOAD:
-            raise DesyncError(f"rank {peer} sent {numel} elements for gate {tag}, which does not fit "
-                              f"rank {self.rank}'s tensor (or exceeds {MAX_PAYLOAD} bytes)")
+            raise DesyncError(
+                f"rank {peer} sent {numel} elements for gate {tag}, which does not fit "
+                f"rank {self.rank}'s tensor (or exceeds {MAX_PAYLOAD} bytes)"
+            )
         part = torch.empty(numel, dtype=dtype)
         if numel:
             _recv_exact(sock, _raw(part), peer, self.timeout_s, f"the rest of {what}")
@@ -274,7 +337,9 @@ def _hello_bytes(rank: int, world: int, fingerprint: str) -> bytes:
     return HELLO.pack(HELLO_MAGIC, VERSION, rank, world, len(fp)) + fp
 
 
-def _dial(rank: int, peer: int, address: tuple[str, int], deadline: float, budget: float) -> socket.socket:
+def _dial(
+    rank: int, peer: int, address: tuple[str, int], deadline: float, budget: float
+) -> socket.socket:
     """Connect to ``peer``, retrying while it is not listening yet (started later)."""
     while True:
         try:
@@ -282,8 +347,10 @@ def _dial(rank: int, peer: int, address: tuple[str, int], deadline: float, budge
             return tune(sock)
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise CommError(f"rank {rank} could not reach rank {peer} at {address[0]}:{address[1]} "
-                                f"within {budget} s: {exc}") from None
+                raise CommError(
+                    f"rank {rank} could not reach rank {peer} at {address[0]}:{address[1]} "
+                    f"within {budget} s: {exc}"
+                ) from None
             time.sleep(0.05)
 
 
@@ -292,12 +359,16 @@ class NotAPeer(CommError):
     something other than a HELLO, or closed or fell silent before one."""
 
 
-def _secure(sock: socket.socket, tls: GroupTls | None, peer: int | None, timeout_s: float) -> socket.socket:
+def _secure(
+    sock: socket.socket, tls: GroupTls | None, peer: int | None, timeout_s: float
+) -> socket.socket:
     """The socket after a TLS handshake (``peer``: the rank dialled; None: accepted)."""
     if tls is None:
         return sock
     try:
-        secured = TlsSocket.handshake(sock, tls.server if peer is None else tls.client, peer is None, timeout_s)
+        secured = TlsSocket.handshake(
+            sock, tls.server if peer is None else tls.client, peer is None, timeout_s
+        )
     except TlsRefused as exc:
         sock.close()
         if peer is None:
@@ -308,12 +379,23 @@ def _secure(sock: socket.socket, tls: GroupTls | None, peer: int | None, timeout
 
 def _check_name(sock: socket.socket, tls: GroupTls | None, peer: int) -> None:
     if tls is not None and sock.peer_id() != tls.names[peer]:  # type: ignore[attr-defined]
-        raise CommError(f"the peer at rank {peer} presented a certificate for {sock.peer_id()!r}, "  # type: ignore[attr-defined]
-                        f"not the planned node {tls.names[peer]!r}", peer=peer)
+        raise CommError(
+            f"the peer at rank {peer} presented a certificate for {sock.peer_id()!r}, "  # type: ignore[attr-defined]
+            f"not the planned node {tls.names[peer]!r}",
+            peer=peer,
+        )
 
 
-def _handshake(sock: socket.socket, hello: bytes, rank: int, world: int, fingerprint: str,
-               expect: int | None, timeout_s: float, deadline: float | None = None) -> int:
+def _handshake(
+    sock: socket.socket,
+    hello: bytes,
+    rank: int,
+    world: int,
+    fingerprint: str,
+    expect: int | None,
+    timeout_s: float,
+    deadline: float | None = None,
+) -> int:
     """Swap HELLOs (all read by ``deadline``, if given); return the peer's rank. Refuse any
     mismatch, naming both values."""
     sock.settimeout(timeout_s)
@@ -322,7 +404,14 @@ def _handshake(sock: socket.socket, hello: bytes, rank: int, world: int, fingerp
     try:
         sock.sendall(hello)
         head = bytearray(HELLO.size)
-        _recv_exact(sock, memoryview(head), expect if expect is not None else -1, timeout_s, "HELLO", deadline)
+        _recv_exact(
+            sock,
+            memoryview(head),
+            expect if expect is not None else -1,
+            timeout_s,
+            "HELLO",
+            deadline,
+        )
     except OSError as exc:
         raise failed(f"{who} closed the link during HELLO ({exc})") from None
     except CommError as exc:
@@ -331,19 +420,29 @@ def _handshake(sock: socket.socket, hello: bytes, rank: int, world: int, fingerp
     if magic != HELLO_MAGIC:
         raise failed(f"{who} sent {magic!r}, not a seamline comm HELLO")
     if version != VERSION:
-        raise CommError(f"protocol version mismatch: rank {rank} speaks {VERSION}, {who} speaks {version}")
+        raise CommError(
+            f"protocol version mismatch: rank {rank} speaks {VERSION}, {who} speaks {version}"
+        )
     if peer_world != world:
-        raise CommError(f"world mismatch: rank {rank} has world {world}, rank {peer} has {peer_world}")
+        raise CommError(
+            f"world mismatch: rank {rank} has world {world}, rank {peer} has {peer_world}"
+        )
     if (expect is not None and peer != expect) or (expect is None and peer >= rank):
         wanted = f"rank {expect}" if expect is not None else f"a rank below {rank}"
-        raise CommError(f"rank mismatch: rank {rank} expected {wanted}, the peer says it is rank {peer}")
+        raise CommError(
+            f"rank mismatch: rank {rank} expected {wanted}, the peer says it is rank {peer}"
+        )
     if length > MAX_FINGERPRINT:
-        raise CommError(f"rank {peer}'s fingerprint of {length} bytes exceeds the {MAX_FINGERPRINT} cap")
+        raise CommError(
+            f"rank {peer}'s fingerprint of {length} bytes exceeds the {MAX_FINGERPRINT} cap"
+        )
     raw = bytearray(length)
     _recv_exact(sock, memoryview(raw), peer, timeout_s, "HELLO fingerprint", deadline)
     theirs = raw.decode(errors="replace")
     if theirs != fingerprint:
-        raise CommError(f"group mismatch: {fingerprint_difference(rank, fingerprint, peer, theirs)}")
+        raise CommError(
+            f"group mismatch: {fingerprint_difference(rank, fingerprint, peer, theirs)}"
+        )
     return peer
 
 
@@ -352,8 +451,15 @@ class _Lobby:
     on a thread of their own (at most ``MAX_GREETING`` at once) within ``GREET_S`` in all, so
     the peers get in while a stranger drips bytes, and the stranger is cut off at its deadline."""
 
-    def __init__(self, server: socket.socket, rank: int, world: int, fingerprint: str, tls: GroupTls | None,
-                 timeout_s: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        server: socket.socket,
+        rank: int,
+        world: int,
+        fingerprint: str,
+        tls: GroupTls | None,
+        timeout_s: float,
+    ) -> None:
         self.server, self.rank, self.world, self.fingerprint = server, rank, world, fingerprint
         self.tls, self.timeout_s = tls, timeout_s
         self._met: queue.Queue[tuple[socket.socket, int | BaseException]] = queue.Queue()
@@ -367,7 +473,9 @@ class _Lobby:
         socks: dict[int, socket.socket] = {}
         if self.rank == 0:
             return socks
-        acceptor = threading.Thread(target=self._accept, daemon=True, name=f"seamline-comm-lobby-{self.rank}")
+        acceptor = threading.Thread(
+            target=self._accept, daemon=True, name=f"seamline-comm-lobby-{self.rank}"
+        )
         acceptor.start()
         try:
             while len(socks) < self.rank:
@@ -375,7 +483,9 @@ class _Lobby:
                     sock, met = self._met.get(timeout=left(deadline))
                 except queue.Empty:
                     missing = [r for r in range(self.rank) if r not in socks]
-                    raise CommError(f"rank {self.rank} waited {budget} s for ranks {missing} to connect") from None
+                    raise CommError(
+                        f"rank {self.rank} waited {budget} s for ranks {missing} to connect"
+                    ) from None
                 if isinstance(met, NotAPeer):  # a stranger at the port: the group forms without it
                     log.warning("rank %d dropped a connection to its comm port: %s", self.rank, met)
                     continue
@@ -414,7 +524,9 @@ class _Lobby:
         try:
             sock = _secure(raw, self.tls, None, left(deadline))
             hello = _hello_bytes(self.rank, self.world, self.fingerprint)
-            met = _handshake(sock, hello, self.rank, self.world, self.fingerprint, None, self.timeout_s, deadline)
+            met = _handshake(
+                sock, hello, self.rank, self.world, self.fingerprint, None, self.timeout_s, deadline
+            )
             _check_name(sock, self.tls, met)
         except BaseException as exc:  # the gatherer reads it
             met = exc

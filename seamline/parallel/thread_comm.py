@@ -30,7 +30,7 @@ class ThreadGroup:
         self.barrier = threading.Barrier(world, timeout=GATE_TIMEOUT_S)
         self.slots: list[tuple[GateTag, torch.Tensor] | None] = [None] * world
 
-    def comms(self) -> list["ThreadComm"]:
+    def comms(self) -> list[ThreadComm]:
         return [ThreadComm(self, rank) for rank in range(self.world)]
 
 
@@ -48,7 +48,9 @@ class ThreadComm:
             slots = list(self.group.slots)
             self.group.barrier.wait()  # all have read before any writes again
         except threading.BrokenBarrierError:
-            raise CommError(f"rank {self.rank}: another thread-rank failed before gate {tag}") from None
+            raise CommError(
+                f"rank {self.rank}: another thread-rank failed before gate {tag}"
+            ) from None
         tags = {slot[0] for slot in slots if slot is not None}
         if tags != {tag}:
             raise DesyncError(f"thread-ranks reached different gates: {sorted(map(str, tags))}")

@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from seamline.quant.native import kernels
 from seamline.quant.tensor import QuantTensor
@@ -98,9 +99,13 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     dev = b.device
     # shifts made on the device (arange): no copy from the host, so a CUDA graph can hold this
-    ql = b[:, 0:128].reshape(n, 2, 1, 64) >> torch.arange(0, 8, 4, device=dev, dtype=torch.uint8).reshape(1, 1, 2, 1)
+    ql = b[:, 0:128].reshape(n, 2, 1, 64) >> torch.arange(
+        0, 8, 4, device=dev, dtype=torch.uint8
+    ).reshape(1, 1, 2, 1)
     ql = (ql & 0x0F).reshape(n, 8, 32)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> torch.arange(0, 8, 2, device=dev, dtype=torch.uint8).reshape(1, 1, 4, 1)
+    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> torch.arange(
+        0, 8, 2, device=dev, dtype=torch.uint8
+    ).reshape(1, 1, 4, 1)
     qh = (qh & 0x03).reshape(n, 8, 32)
     q = ql.bitwise_or_(qh << 4).view(torch.int8).sub_(32).reshape(n, 16, 16).float()
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
@@ -109,8 +114,14 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 _DECODERS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
-    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
-    T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+    T.Q4_0: _q4_0,
+    T.Q4_1: _q4_1,
+    T.Q5_0: _q5_0,
+    T.Q5_1: _q5_1,
+    T.Q8_0: _q8_0,
+    T.Q4_K: _q4_k,
+    T.Q5_K: _q5_k,
+    T.Q6_K: _q6_k,
 }
 
 
@@ -128,7 +139,9 @@ def _decode(
     return _DECODERS[qtype](blocks).reshape(shape).to(dtype)
 
 
-def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, *, use_kernels: bool = True) -> torch.Tensor:
+def dequantize(
+    w: QuantTensor, dtype: torch.dtype = torch.float32, *, use_kernels: bool = True
+) -> torch.Tensor:
     """The float weight [*lead, rows, cols] that ``w``'s blocks encode, on ``w``'s device;
     ``use_kernels=False`` forces the torch decoders."""
     if w.qtype not in _DECODERS:
@@ -137,7 +150,11 @@ def dequantize(w: QuantTensor, dtype: torch.dtype = torch.float32, *, use_kernel
 
 
 def dequantize_rows(
-    w: QuantTensor, ids: torch.Tensor, dtype: torch.dtype = torch.float32, *, use_kernels: bool = True
+    w: QuantTensor,
+    ids: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+    *,
+    use_kernels: bool = True,
 ) -> torch.Tensor:
     """Rows ``ids`` of the 2-D weight ``w`` (an embedding lookup): [*ids.shape, cols], only those rows decoded."""
     if w.dim() != 2:

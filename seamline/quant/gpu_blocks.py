@@ -9,7 +9,13 @@ import triton
 import triton.language as tl
 
 # GGMLQuantizationType values, as constexpr branches (a kernel reads only constexpr globals)
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = tl.constexpr(2), tl.constexpr(3), tl.constexpr(6), tl.constexpr(7), tl.constexpr(8)
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = (
+    tl.constexpr(2),
+    tl.constexpr(3),
+    tl.constexpr(6),
+    tl.constexpr(7),
+    tl.constexpr(8),
+)
 Q4_K, Q5_K, Q6_K = tl.constexpr(12), tl.constexpr(13), tl.constexpr(14)
 
 
@@ -94,10 +100,15 @@ def _q6_k(row, g, j):
     s = g % 8
     base = row + (g // 8) * 210
     half, quarter = s // 4, s % 4
-    low = (tl.load(base + half * 64 + (quarter % 2) * 32 + j[None, :]).to(tl.int32) >> ((quarter // 2) * 4)) & 15
+    low = (
+        tl.load(base + half * 64 + (quarter % 2) * 32 + j[None, :]).to(tl.int32)
+        >> ((quarter // 2) * 4)
+    ) & 15
     high = (tl.load(base + 128 + half * 32 + j[None, :]).to(tl.int32) >> (2 * quarter)) & 3
     q = (low | (high << 4)) - 32
-    scale = tl.load(base + 192 + s * 2 + (j // 16)[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
+    scale = (
+        tl.load(base + 192 + s * 2 + (j // 16)[None, :]).to(tl.int8, bitcast=True).to(tl.float32)
+    )
     return (_half(base + 208) * scale) * q.to(tl.float32)
 
 

@@ -32,8 +32,20 @@ def available(x: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _blocks_matmul(x_ptr, w_ptr, out_ptr, bias_ptr, M, N, K, row_bytes, QTYPE: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+def _blocks_matmul(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    bias_ptr,
+    M,
+    N,
+    K,
+    row_bytes,
+    QTYPE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+):
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     keep = rows < N
     m = tl.arange(0, BM)
@@ -42,11 +54,16 @@ def _blocks_matmul(x_ptr, w_ptr, out_ptr, bias_ptr, M, N, K, row_bytes, QTYPE: t
     for g in range(K // 32):
         w = decode_group(w_ptr, tl.where(keep, rows, 0), row_bytes, g, QTYPE)  # [BN, 32]
         x = tl.load(x_ptr + m[:, None] * K + g * 32 + j[None, :], mask=(m < M)[:, None], other=0.0)
-        acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")  # reads, not flops, set the pace
+        acc += tl.dot(
+            x.to(tl.float32), tl.trans(w), input_precision="ieee"
+        )  # reads, not flops, set the pace
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=keep, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(m < M)[:, None] & keep[None, :])  # fmt: skip
+    tl.store(
+        out_ptr + m[:, None] * N + rows[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(m < M)[:, None] & keep[None, :],
+    )
 
 
 @triton.jit
@@ -59,7 +76,9 @@ def _dequantize(w_ptr, out_ptr, N, K, row_bytes, QTYPE: tl.constexpr, BN: tl.con
     tl.store(out_ptr + at, w.to(out_ptr.dtype.element_ty), mask=keep[:, None])
 
 
-def gguf_dequantize(data: torch.Tensor, qtype: T, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def gguf_dequantize(
+    data: torch.Tensor, qtype: T, cols: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The float weight [rows, cols] of GGUF blocks ``data`` [rows, row_bytes]."""
     rows = data.shape[0]
     out = torch.empty(rows, cols, dtype=dtype, device=data.device)
@@ -69,7 +88,9 @@ def gguf_dequantize(data: torch.Tensor, qtype: T, cols: int, dtype: torch.dtype 
     return out
 
 
-def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: T, cols: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+def gguf_linear(
+    x: torch.Tensor, data: torch.Tensor, qtype: T, cols: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x [..., cols] @ W.T (+ bias) -> [..., rows] in x's dtype, W the blocks ``data`` [rows, row_bytes]."""
     rows = data.shape[0]
     flat = x.reshape(-1, cols)
@@ -79,15 +100,30 @@ def gguf_linear(x: torch.Tensor, data: torch.Tensor, qtype: T, cols: int, bias: 
     out = torch.empty(flat.shape[0], rows, dtype=x.dtype, device=x.device)
     if flat.shape[0]:
         _blocks_matmul[(triton.cdiv(rows, BLOCK_ROWS),)](
-            flat, data, out, bias if bias is not None else out, flat.shape[0], rows, cols, data.shape[1],
-            QTYPE=int(qtype), HAS_BIAS=bias is not None, BM=DECODE_ROWS, BN=BLOCK_ROWS)  # fmt: skip
+            flat,
+            data,
+            out,
+            bias if bias is not None else out,
+            flat.shape[0],
+            rows,
+            cols,
+            data.shape[1],
+            QTYPE=int(qtype),
+            HAS_BIAS=bias is not None,
+            BM=DECODE_ROWS,
+            BN=BLOCK_ROWS,
+        )
     return out.view(*x.shape[:-1], rows)
 
 
-def _tiled(x: torch.Tensor, data: torch.Tensor, qtype: T, cols: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _tiled(
+    x: torch.Tensor, data: torch.Tensor, qtype: T, cols: int, bias: torch.Tensor | None
+) -> torch.Tensor:
     rows = data.shape[0]
     tile = max(BLOCK_ROWS, TILE_BYTES // (cols * x.element_size()))
-    parts = [F.linear(x, gguf_dequantize(data[start : start + tile], qtype, cols, x.dtype))
-             for start in range(0, rows, tile)]  # fmt: skip
+    parts = [
+        F.linear(x, gguf_dequantize(data[start : start + tile], qtype, cols, x.dtype))
+        for start in range(0, rows, tile)
+    ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return out if bias is None else out + bias.to(x.dtype)

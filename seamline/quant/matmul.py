@@ -37,7 +37,9 @@ from seamline.quant.dequant import dequantize
 from seamline.quant.native import kernel_isa, kernels
 from seamline.quant.tensor import K_TYPES, QuantTensor
 
-DECODE_ROWS = 12  # up to this many rows the fused kernel beats dequantise + GEMM (measured, 2 threads)
+DECODE_ROWS = (
+    12  # up to this many rows the fused kernel beats dequantise + GEMM (measured, 2 threads)
+)
 # K-quants' (256-wide super-blocks) bf16 tiles cost more to dequantise: up to this many rows
 # they stay on the fused kernel, by the kernels' build. Measured, one core, the 1B Q4_K_M's
 # matrices: AVX-512, tiles' time / fused kernel's 1.0-1.25 at 16 rows, 0.8-1.0 at 20; the AVX2
@@ -49,7 +51,9 @@ EXACT_BLOCK_ROWS = 64  # exact: up to this many rows on the blocks, beyond on fl
 # model's misaligned embedding copy) and stay in the process's RSS after; 8 MB temporaries held
 # that model at +38 MB over its weights, 1 MiB ones hold a few MB, no slower (measured)
 TILE_BYTES = 1 << 20
-AMX_FROM_ROWS = 9  # int8 mode, a CPU with AMX-INT8: from this many rows tiles beat the AVX-512 kernel
+AMX_FROM_ROWS = (
+    9  # int8 mode, a CPU with AMX-INT8: from this many rows tiles beat the AVX-512 kernel
+)
 # from this many rows dequantised bfloat16 tiles beat the int8 ones: each 32-wide block's int32
 # sums cost 3-4 vector ops a row to scale (by its own scales), where bf16 tiles accumulate in
 # float across the whole row, and their dequantising is shared by more rows (measured, the
@@ -61,7 +65,9 @@ _KERNEL_DTYPES = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
 _OP: list[Callable[..., torch.Tensor] | None] = []  # the kernel op (or None), resolved on first use
-_EXACT: list[tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None] = []  # the exact (float32) ops: on the blocks, on tiles
+_EXACT: list[
+    tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None
+] = []  # the exact (float32) ops: on the blocks, on tiles
 _K_ROWS: list[int] = []  # K_DECODE_ROWS of this CPU's build, resolved on first use
 INT8_ACTIVATIONS = False  # set by ``set_int8_activations`` (seamline.precision.apply)
 _AMX_FROM = 0 if os.environ.get(AMX_ENV) == "0" else AMX_FROM_ROWS  # the op checks the CPU itself
@@ -130,26 +136,50 @@ def quant_linear(
             if op is not None:  # the op checks shapes, device and type itself (ValueError)
                 amx = _AMX_FROM if x.numel() < AMX_BELOW_ROWS * x.shape[-1] else 0
                 return op(x, w.data, w.qtype, w.shape[-1], bias, _decode_rows(w.qtype), amx)
-        elif (x.dtype == torch.float32 or x.numel() <= EXACT_BLOCK_ROWS * x.shape[-1]) and \
-                (exact := _exact_ops()) is not None:  # fmt: skip
+        elif (x.dtype == torch.float32 or x.numel() <= EXACT_BLOCK_ROWS * x.shape[-1]) and (
+            exact := _exact_ops()
+        ) is not None:
             rows = x.reshape(-1, x.shape[-1])
             op = exact[0] if rows.shape[0] <= EXACT_BLOCK_ROWS else exact[1]
-            return op(rows, w.data, w.qtype, w.shape[-1], bias).to(x.dtype).view(*x.shape[:-1], w.shape[0])
+            return (
+                op(rows, w.data, w.qtype, w.shape[-1], bias)
+                .to(x.dtype)
+                .view(*x.shape[:-1], w.shape[0])
+            )
         elif (op := _kernel_op()) is not None:
             return op(x, w.data, w.qtype, w.shape[-1], bias, 0)  # dequantised bf16 tiles, bf16 GEMM
-    if use_kernels and x.is_cuda and (gpu := _gpu_kernels(x)) is not None and w.qtype in gpu.SUPPORTED:
+    if (
+        use_kernels
+        and x.is_cuda
+        and (gpu := _gpu_kernels(x)) is not None
+        and w.qtype in gpu.SUPPORTED
+    ):
         return gpu.gguf_linear(x, w.data, w.qtype, w.shape[-1], bias)
     if len(w.shape) != 2 or x.shape[-1] != w.shape[1]:
-        raise ValueError(f"quant_linear needs x [..., {w.shape[-1]}] and a 2-D weight, got {tuple(x.shape)} x {w.shape}")
+        raise ValueError(
+            f"quant_linear needs x [..., {w.shape[-1]}] and a 2-D weight, got {tuple(x.shape)} x {w.shape}"
+        )
     return _tiled(x, w, bias, use_kernels)
 
 
-def _tiled(x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
+def _tiled(
+    x: torch.Tensor, w: QuantTensor, bias: torch.Tensor | None, use_kernels: bool
+) -> torch.Tensor:
     """F.linear over row tiles of ``w`` dequantised one at a time (about ``TILE_BYTES`` each)."""
     rows, cols = w.shape
-    tile = max(16, TILE_BYTES // (cols * 4))  # float32: what the decoders compute in, whatever x's dtype
-    parts = [F.linear(x, dequantize(QuantTensor(w.qtype, w.data[start:start + tile], (min(tile, rows - start), cols)),
-                                    x.dtype, use_kernels=use_kernels))
-             for start in range(0, rows, tile)]  # fmt: skip
+    tile = max(
+        16, TILE_BYTES // (cols * 4)
+    )  # float32: what the decoders compute in, whatever x's dtype
+    parts = [
+        F.linear(
+            x,
+            dequantize(
+                QuantTensor(w.qtype, w.data[start : start + tile], (min(tile, rows - start), cols)),
+                x.dtype,
+                use_kernels=use_kernels,
+            ),
+        )
+        for start in range(0, rows, tile)
+    ]
     out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return out if bias is None else out + bias.to(x.dtype)

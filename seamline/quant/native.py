@@ -32,7 +32,13 @@ log = logging.getLogger(__name__)
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 SOURCES = ("ops.cpp", "kernels.cpp", "dequant_bf16.cpp", "float_gemv.cpp", "decode.cpp", "amx.cpp")
-HEADERS = ("kernels.h", "blocks.h", "store16.h", "intrinsics.h", "avx2_512.h")  # sources and headers: the cache key
+HEADERS = (
+    "kernels.h",
+    "blocks.h",
+    "store16.h",
+    "intrinsics.h",
+    "avx2_512.h",
+)  # sources and headers: the cache key
 AVX2_FLAG = "-DSEAMLINE_AVX2=1"  # the build for CPUs without AVX-512
 CFLAGS = ("-O3", "-std=c++17", "-fno-math-errno", "-fopenmp")  # OpenMP: at::parallel_for is inline
 LDFLAGS = ("-fopenmp",)  # libgomp.so.1: the one torch already loaded, so set_num_threads holds
@@ -43,7 +49,9 @@ def _cflags(isa: str) -> list[str]:
 
 
 def _digest(isa: str) -> str:
-    h = hashlib.sha256(f"{torch.__version__} {sys.version_info[:2]} {_cflags(isa)} {LDFLAGS}".encode())
+    h = hashlib.sha256(
+        f"{torch.__version__} {sys.version_info[:2]} {_cflags(isa)} {LDFLAGS}".encode()
+    )
     for name in (*SOURCES, *HEADERS):
         h.update((KERNEL_DIR / name).read_bytes())
     return h.hexdigest()[:16]
@@ -55,7 +63,9 @@ def cache_dir() -> Path:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    return (
+        shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    )
 
 
 def _ninja() -> str | None:
@@ -92,7 +102,9 @@ def _load(isa: str) -> Any:
     name = f"seamline_quant_{isa}_{_digest(isa)}"
     build_dir = cache_dir() / name
     library, failed = build_dir / f"{name}.so", build_dir / "FAILED"
-    if library.exists() and not (build_dir / "lock").exists():  # "lock": another process still building
+    if (
+        library.exists() and not (build_dir / "lock").exists()
+    ):  # "lock": another process still building
         torch.ops.load_library(str(library))
     elif failed.exists():
         raise RuntimeError(f"an earlier build failed; remove {build_dir} to retry")
@@ -126,14 +138,19 @@ def _kernels_once() -> Any | None:
         missing = "a C++ compiler" if _compiler() is None else "ninja (pip install ninja)"
         log.warning("no %s found; quantized matmuls use the slower torch path", missing)
         return None
-    isa = kernel_isa()  # checked before loading: code for an instruction set the CPU lacks kills the process
+    isa = (
+        kernel_isa()
+    )  # checked before loading: code for an instruction set the CPU lacks kills the process
     if isa is None:
         log.info("CPU lacks AVX2; quantized matmuls use the slower torch path")  # nothing to act on
         return None
     try:
         ops = _load(isa)
     except Exception as exc:  # a failed build must not stop seamline
-        log.warning("quant kernels failed to build (%s); using the slower torch path", str(exc).splitlines()[0])
+        log.warning(
+            "quant kernels failed to build (%s); using the slower torch path",
+            str(exc).splitlines()[0],
+        )
         return None
     if not ops.cpu_supported():
         log.warning("CPU lacks %s; quantized matmuls use the slower torch path", isa.upper())
@@ -155,8 +172,15 @@ def _register_shapes() -> None:
     """Shape-only versions of the ops, so that tracers (torch.compile, meta tensors) see through them."""
 
     @torch.library.register_fake("seamline_quant::linear")
-    def _linear(x: torch.Tensor, w: torch.Tensor, qtype: int, cols: int, bias: torch.Tensor | None,
-                decode_rows: int, amx_from: int = 0) -> torch.Tensor:  # fmt: skip
+    def _linear(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        qtype: int,
+        cols: int,
+        bias: torch.Tensor | None,
+        decode_rows: int,
+        amx_from: int = 0,
+    ) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake("seamline_quant::dequant_bf16")
@@ -164,14 +188,31 @@ def _register_shapes() -> None:
         return w.new_empty((w.shape[0], cols), dtype=torch.bfloat16)
 
     @torch.library.register_fake("seamline_quant::decode_attention")
-    def _attention(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, pos: int, heads: int, kv_heads: int, window: int = 0) -> torch.Tensor:  # fmt: skip
+    def _attention(
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        pos: int,
+        heads: int,
+        kv_heads: int,
+        window: int = 0,
+    ) -> torch.Tensor:
         return qkv.new_empty((1, heads * k_cache.shape[-1]))
 
     @torch.library.register_fake("seamline_quant::decode_attention_batch")
-    def _attention_batch(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_caches: list[torch.Tensor],
-                         v_caches: list[torch.Tensor], positions: list[int], heads: int, kv_heads: int,
-                         window: int = 0) -> torch.Tensor:  # fmt: skip
+    def _attention_batch(
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        positions: list[int],
+        heads: int,
+        kv_heads: int,
+        window: int = 0,
+    ) -> torch.Tensor:
         return qkv.new_empty((qkv.shape[0], heads * k_caches[0].shape[-1]))
 
     @torch.library.register_fake("seamline_quant::rms_norm")
@@ -179,8 +220,9 @@ def _register_shapes() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("seamline_quant::add_rms_norm")
-    def _add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def _add_rms_norm(
+        x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.empty_like(x), torch.empty_like(x)
 
     @torch.library.register_fake("seamline_quant::silu_mul")

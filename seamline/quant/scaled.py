@@ -22,14 +22,25 @@ import torch
 from seamline.errors import CheckpointError
 
 # e2m1: sign, 2 exponent bits, 1 mantissa bit (nibble values 0..15)
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
-KIND_NAMES = {"fp8": "float8_e4m3", "fp4": "float4_e2m1"}  # stored type names (fragments, the planner)
+E2M1 = torch.tensor(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+)
+KIND_NAMES = {
+    "fp8": "float8_e4m3",
+    "fp4": "float4_e2m1",
+}  # stored type names (fragments, the planner)
 
 
 class ScaledTensor:
     __slots__ = ("kind", "values", "scales", "shape")
 
-    def __init__(self, kind: str, values: torch.Tensor, scales: torch.Tensor, shape: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        values: torch.Tensor,
+        scales: torch.Tensor,
+        shape: Sequence[int] | None = None,
+    ) -> None:
         self.kind, self.values, self.scales = kind, values, scales.float()
         if kind == "fp8":
             if values.dtype != torch.float8_e4m3fn:
@@ -37,21 +48,32 @@ class ScaledTensor:
             self.shape = tuple(values.shape)
         elif kind == "fp4":
             if values.dtype not in (torch.int8, torch.uint8):
-                raise CheckpointError(f"fp4 weights must be packed in int8 bytes, not {values.dtype}")
+                raise CheckpointError(
+                    f"fp4 weights must be packed in int8 bytes, not {values.dtype}"
+                )
             self.shape = (*values.shape[:-1], 2 * values.shape[-1])
         else:
             raise CheckpointError(f"unknown scaled weight kind {kind!r}")
         if shape is not None and tuple(shape) != self.shape:
-            raise CheckpointError(f"{kind} values {tuple(values.shape)} do not hold a {tuple(shape)} weight")
+            raise CheckpointError(
+                f"{kind} values {tuple(values.shape)} do not hold a {tuple(shape)} weight"
+            )
         self._check_grid()
 
     def _check_grid(self) -> None:
         grid = tuple(self.scales.shape)
-        if len(grid) != len(self.shape) or grid[:-2] != self.shape[:-2] or \
-                any(s == 0 or n % s for n, s in zip(self.shape[-2:], grid[-2:])):  # fmt: skip
-            raise CheckpointError(f"{self.kind} scale grid {grid} does not divide a {self.shape} weight")
+        if (
+            len(grid) != len(self.shape)
+            or grid[:-2] != self.shape[:-2]
+            or any(s == 0 or n % s for n, s in zip(self.shape[-2:], grid[-2:]))
+        ):
+            raise CheckpointError(
+                f"{self.kind} scale grid {grid} does not divide a {self.shape} weight"
+            )
         if self.kind == "fp4" and grid[-2] != self.shape[-2]:
-            raise CheckpointError(f"fp4 scales {grid} are not one row of scales per weight row {self.shape}")
+            raise CheckpointError(
+                f"fp4 scales {grid} are not one row of scales per weight row {self.shape}"
+            )
 
     @property
     def block(self) -> tuple[int, int]:
@@ -91,7 +113,9 @@ class ScaledTensor:
         bm = self.block[0]
         if start % bm or end % bm:
             raise ValueError(f"rows [{start},{end}) cut {self.kind} blocks of {bm} rows")
-        return ScaledTensor(self.kind, self.values[..., start:end, :], self.scales[..., start // bm : end // bm, :])
+        return ScaledTensor(
+            self.kind, self.values[..., start:end, :], self.scales[..., start // bm : end // bm, :]
+        )
 
     def column_aligned(self, start: int, end: int) -> bool:
         bn = self.block[1]
@@ -99,11 +123,15 @@ class ScaledTensor:
 
     def column_slice(self, start: int, end: int) -> ScaledTensor:
         if not self.column_aligned(start, end):
-            raise ValueError(f"columns [{start},{end}) cut {self.kind} blocks of {self.block[1]} columns")
+            raise ValueError(
+                f"columns [{start},{end}) cut {self.kind} blocks of {self.block[1]} columns"
+            )
         per_byte = 2 if self.kind == "fp4" else 1
         bn = self.block[1]
         values = self.values[..., start // per_byte : end // per_byte].contiguous()
-        return ScaledTensor(self.kind, values, self.scales[..., start // bn : end // bn].contiguous())
+        return ScaledTensor(
+            self.kind, values, self.scales[..., start // bn : end // bn].contiguous()
+        )
 
     def first_bad_block(self) -> int | None:
         """The first block whose scale is infinite, NaN or negative, or None."""
@@ -123,10 +151,16 @@ class ScaledTensor:
 def concat_scaled_rows(parts: Sequence[ScaledTensor]) -> ScaledTensor:
     """Parts of one kind, width and block, one after the other along the rows."""
     first = parts[0]
-    if any(p.kind != first.kind or p.block != first.block or p.shape[-1] != first.shape[-1] for p in parts):
+    if any(
+        p.kind != first.kind or p.block != first.block or p.shape[-1] != first.shape[-1]
+        for p in parts
+    ):
         raise ValueError("concat_scaled_rows needs parts of one kind, block and width")
-    return ScaledTensor(first.kind, torch.cat([p.values for p in parts], dim=-2),
-                        torch.cat([p.scales for p in parts], dim=-2))  # fmt: skip
+    return ScaledTensor(
+        first.kind,
+        torch.cat([p.values for p in parts], dim=-2),
+        torch.cat([p.scales for p in parts], dim=-2),
+    )
 
 
 def stack_scaled(parts: Sequence[ScaledTensor]) -> ScaledTensor:
@@ -134,7 +168,9 @@ def stack_scaled(parts: Sequence[ScaledTensor]) -> ScaledTensor:
     first = parts[0]
     if any(p.kind != first.kind or p.shape != first.shape or p.block != first.block for p in parts):
         raise ValueError("stack_scaled needs parts of one kind, shape and block")
-    return ScaledTensor(first.kind, torch.stack([p.values for p in parts]), torch.stack([p.scales for p in parts]))
+    return ScaledTensor(
+        first.kind, torch.stack([p.values for p in parts]), torch.stack([p.scales for p in parts])
+    )
 
 
 def scale_values(scales: torch.Tensor) -> torch.Tensor:
@@ -143,6 +179,8 @@ def scale_values(scales: torch.Tensor) -> torch.Tensor:
     if scales.dtype == torch.uint8:
         if bool((scales == 0xFF).any()):
             bad = int((scales.reshape(-1) == 0xFF).nonzero()[0])
-            raise CheckpointError(f"block scale {bad} is the UE8M0 byte 0xFF (NaN): not a power of two")
+            raise CheckpointError(
+                f"block scale {bad} is the UE8M0 byte 0xFF (NaN): not a power of two"
+            )
         return (scales.float() - 127.0).exp2()
     return scales.float()

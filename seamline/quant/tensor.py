@@ -22,13 +22,23 @@ from seamline.quant.sizes import QUANT_TYPE_NAMES, row_bytes
 
 # kept quantized in memory; other GGUF types load as float
 QUANT_TYPES = frozenset(GGMLQuantizationType[name] for name in QUANT_TYPE_NAMES)
-K_TYPES = frozenset(GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K"))  # 256-wide super-blocks
+K_TYPES = frozenset(
+    GGMLQuantizationType[name] for name in ("Q4_K", "Q5_K", "Q6_K")
+)  # 256-wide super-blocks
 # Byte offsets of each type's float16 scale fields within a block (d, and m / dmin).
 SCALE_OFFSETS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     GGMLQuantizationType[name]: offsets
-    for name, offsets in (("Q4_0", (0,)), ("Q4_1", (0, 2)), ("Q5_0", (0,)), ("Q5_1", (0, 2)), ("Q8_0", (0,)),
-                          ("Q4_K", (0, 2)), ("Q5_K", (0, 2)), ("Q6_K", (208,)))
-}  # fmt: skip
+    for name, offsets in (
+        ("Q4_0", (0,)),
+        ("Q4_1", (0, 2)),
+        ("Q5_0", (0,)),
+        ("Q5_1", (0, 2)),
+        ("Q8_0", (0,)),
+        ("Q4_K", (0, 2)),
+        ("Q5_K", (0, 2)),
+        ("Q6_K", (208,)),
+    )
+}
 
 
 class QuantTensor:
@@ -36,7 +46,9 @@ class QuantTensor:
 
     __slots__ = ("qtype", "data", "shape")
 
-    def __init__(self, qtype: GGMLQuantizationType, data: torch.Tensor, shape: Sequence[int]) -> None:
+    def __init__(
+        self, qtype: GGMLQuantizationType, data: torch.Tensor, shape: Sequence[int]
+    ) -> None:
         self.qtype = GGMLQuantizationType(qtype)
         self.data = data
         self.shape = tuple(int(s) for s in shape)
@@ -63,24 +75,32 @@ class QuantTensor:
     def dim(self) -> int:
         return len(self.shape)
 
-    def select(self, index: int) -> "QuantTensor":
+    def select(self, index: int) -> QuantTensor:
         """One entry of the leading (expert) dimension."""
         return QuantTensor(self.qtype, self.data[index], self.shape[1:])
 
-    def row_slice(self, start: int, end: int) -> "QuantTensor":
+    def row_slice(self, start: int, end: int) -> QuantTensor:
         """Rows [start, end) of the output dimension (dim -2)."""
-        return QuantTensor(self.qtype, self.data[..., start:end, :], (*self.shape[:-2], end - start, self.shape[-1]))
+        return QuantTensor(
+            self.qtype,
+            self.data[..., start:end, :],
+            (*self.shape[:-2], end - start, self.shape[-1]),
+        )
 
     def column_aligned(self, start: int, end: int) -> bool:
         return start % self.block_size == 0 and end % self.block_size == 0
 
-    def column_slice(self, start: int, end: int) -> "QuantTensor":
+    def column_slice(self, start: int, end: int) -> QuantTensor:
         """Columns [start, end) (input features), on block boundaries: a contiguous copy."""
         if not self.column_aligned(start, end):
-            raise ValueError(f"columns [{start},{end}) cut {self.qtype.name} blocks of {self.block_size}")
+            raise ValueError(
+                f"columns [{start},{end}) cut {self.qtype.name} blocks of {self.block_size}"
+            )
         size = GGML_QUANT_SIZES[self.qtype][1]
         first, last = start // self.block_size * size, end // self.block_size * size
-        return QuantTensor(self.qtype, self.data[..., first:last].contiguous(), (*self.shape[:-1], end - start))
+        return QuantTensor(
+            self.qtype, self.data[..., first:last].contiguous(), (*self.shape[:-1], end - start)
+        )
 
     def first_bad_block(self) -> int | None:
         """The index of the first block whose float16 scales are inf or NaN, or None."""
@@ -93,10 +113,10 @@ class QuantTensor:
                 return int(bad.nonzero()[0])
         return None
 
-    def contiguous(self) -> "QuantTensor":
+    def contiguous(self) -> QuantTensor:
         return QuantTensor(self.qtype, self.data.contiguous(), self.shape)
 
-    def to(self, device: torch.device | str) -> "QuantTensor":
+    def to(self, device: torch.device | str) -> QuantTensor:
         return QuantTensor(self.qtype, self.data.to(device), self.shape)
 
     def __repr__(self) -> str:
@@ -106,7 +126,10 @@ class QuantTensor:
 def concat_rows(parts: Sequence[QuantTensor]) -> QuantTensor:
     """Parts of one quant type and width, concatenated along the rows (dim -2)."""
     first = parts[0]
-    if any(p.qtype != first.qtype or p.shape[:-2] != first.shape[:-2] or p.shape[-1] != first.shape[-1] for p in parts):
+    if any(
+        p.qtype != first.qtype or p.shape[:-2] != first.shape[:-2] or p.shape[-1] != first.shape[-1]
+        for p in parts
+    ):
         raise ValueError("concat_rows needs parts of one quant type, lead shape and width")
     data = torch.cat([p.data for p in parts], dim=-2)
     rows = sum(p.shape[-2] for p in parts)
@@ -118,4 +141,6 @@ def stack(parts: Sequence[QuantTensor]) -> QuantTensor:
     first = parts[0]
     if any(p.qtype != first.qtype or p.shape != first.shape for p in parts):
         raise ValueError("stack needs parts of one quant type and shape")
-    return QuantTensor(first.qtype, torch.stack([p.data for p in parts]), (len(parts), *first.shape))
+    return QuantTensor(
+        first.qtype, torch.stack([p.data for p in parts]), (len(parts), *first.shape)
+    )

@@ -14,12 +14,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from seamline.runtime.grammar import TokenMasks
-from seamline.runtime.batch_loop import BatchLoop
-from seamline.runtime.engine import Engine
-from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.params import SamplingParams
+from seamline.runtime.batch_loop import BatchLoop
 from seamline.runtime.core import EngineCore, LocalExecutor
+from seamline.runtime.engine import Engine
+from seamline.runtime.grammar import TokenMasks
+from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.reports import MeshReport, NodeReport
 from seamline.runtime.sampling import TokenEvent
 from seamline.runtime.speculation import Speculation
@@ -32,7 +32,9 @@ LOCAL_NODE = "local"  # the one node of a single-process server, in /metrics
 class Readiness:
     ready: bool
     reason: str = ""  # why not ready, shown in /health and in 503 errors
-    waits: bool = False  # not ready, but a new request is taken and waits (a mesh healing after a loss)
+    waits: bool = (
+        False  # not ready, but a new request is taken and waits (a mesh healing after a loss)
+    )
 
 
 class Backend(Protocol):
@@ -45,15 +47,19 @@ class Backend(Protocol):
     def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]: ...
 
 
-
-
 class LocalBackend:
     """One process owns the whole model; concurrent requests share batched steps (``BatchLoop``),
     and a prompt that begins as an earlier one reuses its KV (the scheduler's prefix cache)."""
 
     def __init__(
-        self, engine: Engine, codec: TextCodec, model_name: str, max_running: int = 64, max_waiting: int = 256,
-        prefix_cache_bytes: int = PREFIX_CACHE_BYTES, kv_budget_bytes: int | None = None,
+        self,
+        engine: Engine,
+        codec: TextCodec,
+        model_name: str,
+        max_running: int = 64,
+        max_waiting: int = 256,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        kv_budget_bytes: int | None = None,
         speculation: Speculation | None = None,
     ) -> None:
         self.engine = engine
@@ -62,9 +68,16 @@ class LocalBackend:
         self.context_length = engine.context_length
         # the served tokenizer's (the API compiled against it): the engine's own where it has them
         masks = engine.masks or TokenMasks(codec.tokenizer.to_str)
-        self.core = EngineCore.local(engine.stage, engine.context_length, masks, max_running=max_running,
-                                     max_waiting=max_waiting, kv_budget_bytes=kv_budget_bytes,
-                                     prefix_cache_bytes=prefix_cache_bytes, speculation=speculation)  # fmt: skip
+        self.core = EngineCore.local(
+            engine.stage,
+            engine.context_length,
+            masks,
+            max_running=max_running,
+            max_waiting=max_waiting,
+            kv_budget_bytes=kv_budget_bytes,
+            prefix_cache_bytes=prefix_cache_bytes,
+            speculation=speculation,
+        )
         self.loop = BatchLoop(self.core)
 
     def readiness(self) -> Readiness:
@@ -81,13 +94,20 @@ class LocalBackend:
         steps = executor.decode_steps
         step = executor.decode_seconds / steps if steps else None
         speculated = self.core.scheduler.speculated
-        return MeshReport([NodeReport(LOCAL_NODE, True, step, self.core.scheduler.kv_used())], speculation=speculated)
+        return MeshReport(
+            [NodeReport(LOCAL_NODE, True, step, self.core.scheduler.kv_used())],
+            speculation=speculated,
+        )
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
         """The request's tokens; its prompt and parameters are the API's, validated there."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[object] = asyncio.Queue()
-        request = self.loop.submit(prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item))
+        request = self.loop.submit(
+            prompt, params, lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)
+        )
         try:
             while True:
                 item = await queue.get()

@@ -20,7 +20,9 @@ from seamline.runtime.scheduler import SequenceState
 
 log = logging.getLogger(__name__)
 
-Deliver = Callable[[object], None]  # gets each TokenEvent (the last with its finish reason), or an exception
+Deliver = Callable[
+    [object], None
+]  # gets each TokenEvent (the last with its finish reason), or an exception
 
 
 @dataclass(eq=False)
@@ -47,7 +49,9 @@ class BatchLoop:
         with self._cond:
             self._new.append(request)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="seamline-batch", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="seamline-batch", daemon=True
+                )
                 self._thread.start()
             self._cond.notify()
         return request
@@ -70,7 +74,9 @@ class BatchLoop:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._new or self._cancelled or not self.scheduler.idle or self._closing):
+                while not (
+                    self._new or self._cancelled or not self.scheduler.idle or self._closing
+                ):
                     self._cond.wait()
                 if self._closing:
                     return
@@ -113,7 +119,9 @@ class BatchLoop:
                 _send(request, emission.error)
                 continue
             delivered = _send(request, emission.event)
-            if emission.event.finish_reason is not None:  # its last (a window may give several in a step)
+            if (
+                emission.event.finish_reason is not None
+            ):  # its last (a window may give several in a step)
                 del self._live[emission.sequence]
             elif not delivered:  # its receiver is gone
                 del self._live[emission.sequence]

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from seamline.model.devices import to_host
 from seamline.errors import RequestError
 from seamline.model.cache import logit_rows, logits_by_span
+from seamline.model.devices import to_host
 from seamline.model.stage import Stage
 from seamline.runtime.cuda_graphs import GraphedDecode
 from seamline.runtime.grammar import TokenMasks, grammar_mask
@@ -39,7 +39,9 @@ class Executor(Protocol):
 class LocalExecutor:
     """Runs a batch on a stage in this process that owns the embedding and the head."""
 
-    def __init__(self, stage: Stage | LockstepStage, context_length: int, masks: TokenMasks | None = None) -> None:
+    def __init__(
+        self, stage: Stage | LockstepStage, context_length: int, masks: TokenMasks | None = None
+    ) -> None:
         if stage.head is None:
             raise ValueError("a local executor draws: its stage must own the head")
         self.stage = stage
@@ -47,7 +49,9 @@ class LocalExecutor:
         self.masks = masks  # a grammar's tokens, where this process has the tokenizer
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
-        self.graphs = GraphedDecode.for_stage(stage, context_length)  # decode steps as CUDA graphs, on a GPU
+        self.graphs = GraphedDecode.for_stage(
+            stage, context_length
+        )  # decode steps as CUDA graphs, on a GPU
 
     def run(self, batch: Batch) -> list[Emission]:
         """One forward over the batch; a token drawn after each row that ends in a draw, and
@@ -58,7 +62,9 @@ class LocalExecutor:
             self.decode_steps += 1
             self.decode_seconds += time.perf_counter() - started
         emissions: list[Emission] = []
-        for sequence, draws, rows in zip(batch.owners, batch.draws, logits_by_span(batch.spans, logits)):
+        for sequence, draws, rows in zip(
+            batch.owners, batch.draws, logits_by_span(batch.spans, logits)
+        ):
             if draws:
                 emissions += self._draw_window(sequence, rows)
         return emissions
@@ -66,13 +72,17 @@ class LocalExecutor:
     def _logits(self, batch: Batch) -> torch.Tensor:
         """The step's logits, on the host (a GPU stage's one crossing out): from a replayed CUDA
         graph where one covers the step (decode rows only), else from an eager forward."""
-        if self.graphs is not None and all(span.count == 1 and not span.rowwise for span in batch.spans):
+        if self.graphs is not None and all(
+            span.count == 1 and not span.rowwise for span in batch.spans
+        ):
             replayed = self.graphs.run(batch.inputs, batch.spans)
             if replayed is not None:
                 return to_host(replayed)
         inputs = torch.tensor(batch.inputs, dtype=torch.long)
         if any(span.rowwise for span in batch.spans):
-            return to_host(self.stage.forward_batch(inputs, batch.spans, logit_rows=logit_rows(batch.spans)))  # type: ignore[call-arg]
+            return to_host(
+                self.stage.forward_batch(inputs, batch.spans, logit_rows=logit_rows(batch.spans))
+            )  # type: ignore[call-arg]
         return to_host(self.stage.forward_batch(inputs, batch.spans, last_only=True))
 
     def _draw_window(self, sequence: SequenceState, rows: torch.Tensor) -> list[Emission]:
@@ -87,40 +97,68 @@ class LocalExecutor:
         draws_while_accepted(rows, drafts, sequence.tokens, draw)
         return emissions
 
-    def _draw(self, sequence: SequenceState, logits: torch.Tensor, generated: list[int]) -> Emission:
+    def _draw(
+        self, sequence: SequenceState, logits: torch.Tensor, generated: list[int]
+    ) -> Emission:
         position = len(sequence.prompt) + len(generated)
         try:
-            allowed = grammar_mask(self.masks, sequence.id, sequence.params, generated, logits.shape[-1])
+            allowed = grammar_mask(
+                self.masks, sequence.id, sequence.params, generated, logits.shape[-1]
+            )
         except RequestError as exc:  # this sequence alone ends
             return Emission(sequence, None, None, exc)
-        event = draw_next(logits, sequence.params, sequence.seed, position, generated, allowed,
-                          len(sequence.prompt), self.context_length)  # fmt: skip
+        event = draw_next(
+            logits,
+            sequence.params,
+            sequence.seed,
+            position,
+            generated,
+            allowed,
+            len(sequence.prompt),
+            self.context_length,
+        )
         return Emission(sequence, event, logits)
 
 
 class EngineCore:
     """A scheduler and the executor that runs its batches."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor,
-                 after_step: Callable[[Batch], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        after_step: Callable[[Batch], None] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.executor = executor
-        self.after_step = after_step  # once a step's tokens are recorded (a model's drafts for the next)
+        self.after_step = (
+            after_step  # once a step's tokens are recorded (a model's drafts for the next)
+        )
 
     @classmethod
-    def local(cls, stage: Stage | LockstepStage, context_length: int, masks: TokenMasks | None = None,
-              **scheduler_options: Any) -> EngineCore:  # fmt: skip
+    def local(
+        cls,
+        stage: Stage | LockstepStage,
+        context_length: int,
+        masks: TokenMasks | None = None,
+        **scheduler_options: Any,
+    ) -> EngineCore:
         """The core of one process that owns the whole model."""
         scheduler = Scheduler(stage, context_length, masks=masks, **scheduler_options)
         after_step = None
-        if getattr(stage, "mtp", None) is not None and scheduler.speculation is not None \
-                and scheduler.speculation.mode == "mtp":  # fmt: skip
+        if (
+            getattr(stage, "mtp", None) is not None
+            and scheduler.speculation is not None
+            and scheduler.speculation.mode == "mtp"
+        ):
             from seamline.runtime.mtp_drafts import offer_drafts
 
             after_step = partial(offer_drafts, stage)
         return cls(scheduler, LocalExecutor(stage, context_length, masks), after_step)
 
-    def step(self, ready: ReadyCheck | None = None, max_decode_rows: int | None = None) -> list[Emission] | None:
+    def step(
+        self, ready: ReadyCheck | None = None, max_decode_rows: int | None = None
+    ) -> list[Emission] | None:
         """Plan a batch, run it, record what it drew; None when there was nothing to run."""
         batch = self.scheduler.next_batch(ready, max_decode_rows)
         if not batch.spans:
@@ -136,5 +174,3 @@ class EngineCore:
             return self.scheduler.fail(emission.sequence, emission.error)
         assert emission.event is not None  # an executor's emission holds a token or an error
         return self.scheduler.record(emission.sequence, emission.event, emission.logits)
-
-

@@ -39,23 +39,39 @@ class _Captured:
     host_ids: torch.Tensor  # pinned twins, filled before each replay
     host_tables: torch.Tensor
     logits: torch.Tensor  # [bucket, vocab]: the replay's output
-    tables_read: list[tuple[torch.Tensor, torch.Tensor]]  # the rotary tables the graph reads, kept alive
+    tables_read: list[
+        tuple[torch.Tensor, torch.Tensor]
+    ]  # the rotary tables the graph reads, kept alive
 
 
-def fill_tables(tables: np.ndarray, attention: Sequence[tuple[int, GQAttention]], spans: Sequence[Span],
-                scratch: SequenceCache, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+def fill_tables(
+    tables: np.ndarray,
+    attention: Sequence[tuple[int, GQAttention]],
+    spans: Sequence[Span],
+    scratch: SequenceCache,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """``tables`` [layers, 4, bucket]: per layer, each row's position and its cache's addresses and
     capacity (the caches grown to hold the row first); rows past the spans' are padding that
     write position 0 of ``scratch``."""
     bucket = tables.shape[2]
     for slot, (layer, attn) in enumerate(attention):
-        entries = [(s.start, *_buffers(s.cache, layer, attn, s.start + 1, dtype, device)) for s in spans]
+        entries = [
+            (s.start, *_buffers(s.cache, layer, attn, s.start + 1, dtype, device)) for s in spans
+        ]
         pad = (0, *_buffers(scratch, layer, attn, 1, dtype, device))
         tables[slot] = np.array(entries + [pad] * (bucket - len(spans)), dtype=np.int64).T
 
 
-def _buffers(cache: SequenceCache, layer: int, attn: GQAttention, end: int, dtype: torch.dtype,
-             device: torch.device) -> tuple[int, int, int]:  # fmt: skip
+def _buffers(
+    cache: SequenceCache,
+    layer: int,
+    attn: GQAttention,
+    end: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[int, int, int]:
     keys, values = cache.layer(layer).reserve(attn.kv_heads, attn.head_dim, end, dtype, device)
     return keys.data_ptr(), values.data_ptr(), keys.shape[1]
 
@@ -91,8 +107,13 @@ class GraphedDecode:
         if stage.embed is None or stage.head is None or stage.input_device.type != "cuda":
             return False
         blocks = list(stage.layers.values())
-        return all(isinstance(b.attn, GQAttention) and b.attn.gpu_decode and isinstance(b.ffn, GatedMLP)
-                   and b.input_norm.weight.device == stage.input_device for b in blocks)  # fmt: skip
+        return all(
+            isinstance(b.attn, GQAttention)
+            and b.attn.gpu_decode
+            and isinstance(b.ffn, GatedMLP)
+            and b.input_norm.weight.device == stage.input_device
+            for b in blocks
+        )
 
     def run(self, ids: Sequence[int], spans: Sequence[Span]) -> torch.Tensor | None:
         """Logits [rows, vocab] (on the device) of one-token rows ``ids`` at ``spans``, or None
@@ -115,18 +136,31 @@ class GraphedDecode:
         rows = len(ids)
         host_ids = captured.host_ids.numpy()
         host_ids[:rows], host_ids[rows:] = ids, 0
-        fill_tables(captured.host_tables.numpy(), self.attention, spans, self.scratch, self.dtype, self.device)
+        fill_tables(
+            captured.host_tables.numpy(),
+            self.attention,
+            spans,
+            self.scratch,
+            self.dtype,
+            self.device,
+        )
 
     def _capture(self, bucket: int) -> _Captured | None:
         try:
             return self._record(bucket)
         except Exception as exc:  # eager steps still answer; say why once
             self.failed.add(bucket)
-            log.warning("decode steps of %d rows run without a CUDA graph: %s", bucket, str(exc).splitlines()[0])
+            log.warning(
+                "decode steps of %d rows run without a CUDA graph: %s",
+                bucket,
+                str(exc).splitlines()[0],
+            )
             return None
 
     def _record(self, bucket: int) -> _Captured:
-        read = [attn.rope.tables(self.context + 1, self.dtype) for _, attn in self.attention]  # grown now
+        read = [
+            attn.rope.tables(self.context + 1, self.dtype) for _, attn in self.attention
+        ]  # grown now
         layers = len(self.attention)
         ids = torch.zeros(bucket, dtype=torch.long, device=self.device)
         tables = torch.zeros(layers, 4, bucket, dtype=torch.int64, device=self.device)
@@ -135,7 +169,9 @@ class GraphedDecode:
         captured = _Captured(torch.cuda.CUDAGraph(), ids, tables, host_ids, host_tables, ids, read)
         self._fill(captured, [0] * bucket, [Span(i, 1, 0, self.scratch) for i in range(bucket)])
         tables.copy_(host_tables)
-        spans = [Span(i, 1, 0, self.scratch) for i in range(bucket)]  # the attention reads the tables instead
+        spans = [
+            Span(i, 1, 0, self.scratch) for i in range(bucket)
+        ]  # the attention reads the tables instead
         views = {layer: tables[slot] for slot, (layer, _) in enumerate(self.attention)}
         with static_tables(views):
             side = torch.cuda.Stream()

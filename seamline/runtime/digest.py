@@ -54,11 +54,15 @@ def scale(x: torch.Tensor, start: int, seed: int) -> float:
     return float(row_terms(x, start, seed).square().sum().sqrt())
 
 
-def differs(got: torch.Tensor, expected: torch.Tensor, expected_scale: float, dtype: torch.dtype) -> float:
+def differs(
+    got: torch.Tensor, expected: torch.Tensor, expected_scale: float, dtype: torch.dtype
+) -> float:
     """How far ``got`` is from ``expected`` in units of the tolerance (above 1: a different
     tensor, not rounding)."""
     distance = float((got.float() - expected.float()).norm())
-    if not math.isfinite(distance):  # a NaN or infinity where the reference has numbers (or both have)
+    if not math.isfinite(
+        distance
+    ):  # a NaN or infinity where the reference has numbers (or both have)
         return math.inf
     return distance / (TOLERANCE.get(dtype, 2e-3) * max(expected_scale, 1e-12))
 
@@ -76,7 +80,9 @@ def unpack(text: str, rows: int, per_row: int) -> torch.Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.float32).view(rows, per_row, DIGEST_WIDTH)
 
 
-def probe_output(stage: object, ids: torch.Tensor, hidden: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+def probe_output(
+    stage: object, ids: torch.Tensor, hidden: torch.Tensor | None
+) -> tuple[torch.Tensor, int]:
     """A probe's output and the position of its first row: every row of the probe at positions
     0.. on a fresh cache, or where the stage has the head, the last row's logits (all that a
     lockstep group's head gathers)."""

@@ -46,16 +46,23 @@ class DraftModel:
         source = open_source(Path(path))
         config = ModelConfig.from_hf_dict(source.config_dict())
         if config.vocab_size != target.vocab_size:
-            raise ConfigError(f"--draft-model {path}: its vocabulary has {config.vocab_size} tokens, the model's "
-                              f"{target.vocab_size}: a draft model must share the model's vocabulary")  # fmt: skip
+            raise ConfigError(
+                f"--draft-model {path}: its vocabulary has {config.vocab_size} tokens, the model's "
+                f"{target.vocab_size}: a draft model must share the model's vocabulary"
+            )
         if config.is_v4:
-            raise ConfigError(f"--draft-model {path}: a DeepSeek-V4 checkpoint cannot draft (its caches only go back a little)")
+            raise ConfigError(
+                f"--draft-model {path}: a DeepSeek-V4 checkpoint cannot draft (its caches only go back a little)"
+            )
         return cls(load_stage(source, dtype=dtype, config=config))
-
 
     @torch.inference_mode()
     def draft(self, history: list[int], limit: int) -> list[int]:
-        if limit <= 0 or not history or len(history) + limit > self.stage.config.max_position_embeddings:
+        if (
+            limit <= 0
+            or not history
+            or len(history) + limit > self.stage.config.max_position_embeddings
+        ):
             return []  # (past its own context the drafting model proposes nothing)
         key, held, cache = self._closest(history)
         start = min(len(held), len(history) - 1)  # the last token is run again for its logits
@@ -65,7 +72,9 @@ class DraftModel:
             drafts.append(int(logits[-1].float().argmax()))
             if len(drafts) == limit:
                 break
-            logits = self.stage.forward(torch.tensor(drafts[-1:]), len(history) + len(drafts) - 1, cache, last_only=True)
+            logits = self.stage.forward(
+                torch.tensor(drafts[-1:]), len(history) + len(drafts) - 1, cache, last_only=True
+            )
         self._caches[key] = (list(history), cache)
         self._caches.move_to_end(key)
         self._evict()
@@ -83,8 +92,11 @@ class DraftModel:
     def _closest(self, history: list[int]) -> tuple[int, list[int], SequenceCache]:
         """The kept cache whose tokens are the longest beginning of ``history`` (that sequence's,
         grown since), else a fresh one (the least recently used goes when all slots are taken)."""
-        beginnings = [(len(held), key) for key, (held, _) in self._caches.items()
-                      if len(held) <= len(history) and history[: len(held)] == held]  # fmt: skip
+        beginnings = [
+            (len(held), key)
+            for key, (held, _) in self._caches.items()
+            if len(held) <= len(history) and history[: len(held)] == held
+        ]
         if beginnings:
             key = max(beginnings)[1]
             return key, *self._caches[key]

@@ -13,11 +13,11 @@ import torch
 
 from seamline.model.stage import Stage
 from seamline.params import SamplingParams
+from seamline.runtime.core import EngineCore
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.sampling import TokenEvent
-from seamline.runtime.speculation import OFF, Speculation
-from seamline.runtime.core import EngineCore
 from seamline.runtime.scheduler import check_prompt
+from seamline.runtime.speculation import OFF, Speculation
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import LockstepStage
@@ -32,8 +32,12 @@ class Engine:
         self.stage = stage
         self.config = stage.config
         self.context_length = context_length or self.config.max_position_embeddings
-        self.masks: TokenMasks | None = None  # set where the tokenizer is known: requests may carry a grammar
-        self.speculation: Speculation = OFF  # drafts verified in the decode steps (``runtime/speculation.py``)
+        self.masks: TokenMasks | None = (
+            None  # set where the tokenizer is known: requests may carry a grammar
+        )
+        self.speculation: Speculation = (
+            OFF  # drafts verified in the decode steps (``runtime/speculation.py``)
+        )
 
     def check_prompt(self, prompt: list[int]) -> None:
         check_prompt(prompt, self.context_length)
@@ -57,8 +61,13 @@ class Engine:
         batches many requests with), for one sequence."""
         params.validate()
         self.check_prompt(prompt)
-        core = EngineCore.local(self.stage, self.context_length, self.masks, max_step_tokens=PREFILL_CHUNK,
-                                speculation=self.speculation)  # fmt: skip
+        core = EngineCore.local(
+            self.stage,
+            self.context_length,
+            self.masks,
+            max_step_tokens=PREFILL_CHUNK,
+            speculation=self.speculation,
+        )
         sequence = core.scheduler.add(prompt, params)
         try:
             while not sequence.finished:
@@ -70,4 +79,3 @@ class Engine:
         finally:
             if not sequence.finished:  # the caller stopped early: free the cache
                 core.scheduler.cancel(sequence)
-

@@ -24,15 +24,20 @@ MAX_MATCHERS = 4096  # sequences that never said goodbye are forgotten beyond th
 
 
 def compile_check(grammar: str, tokenizer: LLTokenizer | None = None) -> str:
-    """"" when llguidance compiles ``grammar``, else its error."""
+    """ "" when llguidance compiles ``grammar``, else its error."""
     try:
         return LLMatcher.validate_grammar(grammar, tokenizer)
     except (ValueError, RuntimeError) as exc:
         return str(exc)
 
 
-def grammar_mask(masks: TokenMasks | None, key: Hashable, params: SamplingParams, output: Sequence[int],
-                 vocab: int) -> torch.Tensor | None:  # fmt: skip
+def grammar_mask(
+    masks: TokenMasks | None,
+    key: Hashable,
+    params: SamplingParams,
+    output: Sequence[int],
+    vocab: int,
+) -> torch.Tensor | None:
     """What a sampling site asks before a draw: the tokens its grammar allows (None: no
     grammar); a RequestError where this site holds no tokenizer to match one."""
     if not params.grammar:
@@ -59,13 +64,17 @@ class TokenMasks:
         self._matchers: dict[Hashable, _Matcher] = {}
         self._lock = threading.Lock()
 
-    def allowed(self, key: Hashable, params: SamplingParams, output: Sequence[int], vocab: int) -> torch.Tensor | None:
+    def allowed(
+        self, key: Hashable, params: SamplingParams, output: Sequence[int], vocab: int
+    ) -> torch.Tensor | None:
         """The tokens sequence ``key`` may draw next, as a bool mask [vocab]; None without a grammar."""
         if not params.grammar:
             return None
         state = self._state(key, params.grammar, output, vocab)
         matcher = state.matcher
-        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        bits = np.unpackbits(
+            np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
+        )
         mask = torch.from_numpy(bits[:vocab].astype(bool))
         if mask.shape[0] < vocab:
             mask = torch.cat((mask, torch.zeros(vocab - mask.shape[0], dtype=torch.bool)))
@@ -75,7 +84,9 @@ class TokenMasks:
         if matcher.is_accepting() or matcher.is_stopped():
             mask[[t for t in params.stop_token_ids if 0 <= t < vocab]] = True
         if not bool(mask.any()):
-            raise RequestError("the grammar allows no token here, and the request has no stop token")
+            raise RequestError(
+                "the grammar allows no token here, and the request has no stop token"
+            )
         return mask
 
     def forget(self, key: Hashable) -> None:
@@ -85,12 +96,18 @@ class TokenMasks:
     def _state(self, key: Hashable, grammar: str, output: Sequence[int], vocab: int) -> _Matcher:
         with self._lock:
             state = self._matchers.get(key)
-            if state is None or state.grammar != grammar or state.fed != list(output[: len(state.fed)]):
-                state = _Matcher(self._tokenizer(vocab), grammar)  # new, or its history changed: start over
+            if (
+                state is None
+                or state.grammar != grammar
+                or state.fed != list(output[: len(state.fed)])
+            ):
+                state = _Matcher(
+                    self._tokenizer(vocab), grammar
+                )  # new, or its history changed: start over
                 self._matchers[key] = state
                 while len(self._matchers) > MAX_MATCHERS:
                     del self._matchers[next(iter(self._matchers))]
-        fresh = list(output[len(state.fed):])
+        fresh = list(output[len(state.fed) :])
         if fresh and not state.matcher.consume_tokens(fresh):
             raise RequestError(f"the output left its grammar: {state.matcher.get_error()}")
         state.fed += fresh
@@ -103,6 +120,8 @@ class TokenMasks:
             try:
                 text = self._tokenizer_json()
             except OSError as exc:
-                raise RequestError(f"a grammar needs the tokenizer, which cannot be read here: {exc}") from None
+                raise RequestError(
+                    f"a grammar needs the tokenizer, which cannot be read here: {exc}"
+                ) from None
             self._tokenizers[vocab] = LLTokenizer(text, n_vocab=vocab)
         return self._tokenizers[vocab]

@@ -38,7 +38,9 @@ class LockstepStage:
         self.compute_dtype: torch.dtype = group.leader.stage.compute_dtype
         self.is_last = group.leader.last
         stage = group.leader.stage
-        self.input_device: torch.device = stage.input_device  # the leader's: each rank computes on its own
+        self.input_device: torch.device = (
+            stage.input_device
+        )  # the leader's: each rank computes on its own
         self.embed, self.head = stage.embed, stage.head
         self.layers = stage.layers
         # what the family's stage says of its frames and caches (DeepSeek-V4's differ)
@@ -55,8 +57,14 @@ class LockstepStage:
         if not self.group.broken:  # a lost rank took every cache with it
             self.group.destroy(cache.seq)
 
-    def __call__(self, inputs: torch.Tensor, start: int, cache: GroupCache, last_only: bool = False,
-                 ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self,
+        inputs: torch.Tensor,
+        start: int,
+        cache: GroupCache,
+        last_only: bool = False,
+        ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Ids or hidden states (with the rows' ``ids`` where the stage passes them) in; hidden
         states out, or the last position's logits [1, vocab]."""
         out = self.group.run(cache.seq, start, self._inputs(inputs, ids))
@@ -64,18 +72,31 @@ class LockstepStage:
 
     forward = __call__  # as a Stage's: one sequence's rows
 
-    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
-                      ids: torch.Tensor | None = None, logit_rows: Sequence[int] | None = None) -> torch.Tensor:  # fmt: skip
+    def forward_batch(
+        self,
+        inputs: torch.Tensor,
+        spans: Sequence[Span],
+        last_only: bool = False,
+        ids: torch.Tensor | None = None,
+        logit_rows: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """Every span's rows in one mirrored BATCH command (one forward on every rank): hidden
         states of every row, or each span's last logits [len(spans), vocab], and every row's
         of a speculative window (the ranks pick ``logit_rows`` from the spans' flags)."""
         if len(spans) == 1 and not spans[0].rowwise:
             return self(inputs, spans[0].start, cast(GroupCache, spans[0].cache), last_only, ids)
-        table = torch.tensor([[cast(GroupCache, s.cache).seq, s.start, s.count, WINDOW if s.rowwise else 0]
-                              for s in spans], dtype=torch.int64)  # fmt: skip
+        table = torch.tensor(
+            [
+                [cast(GroupCache, s.cache).seq, s.start, s.count, WINDOW if s.rowwise else 0]
+                for s in spans
+            ],
+            dtype=torch.int64,
+        )
         return self.group.batch(table, self._inputs(inputs, ids))
 
-    def _inputs(self, inputs: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor | HiddenWithIds:
+    def _inputs(
+        self, inputs: torch.Tensor, ids: torch.Tensor | None
+    ) -> torch.Tensor | HiddenWithIds:
         """A stage with the embedding takes the ids as its inputs; a later one, beside them."""
         return inputs if ids is None or self.embed is not None else HiddenWithIds(inputs, ids)
 

@@ -40,4 +40,6 @@ class IdleClock:
     def seconds(self) -> float:
         """Idle seconds so far, the wait in progress included."""
         with self._lock:
-            return self._total + (time.monotonic() - self._since if self._since is not None else 0.0)
+            return self._total + (
+                time.monotonic() - self._since if self._since is not None else 0.0
+            )

@@ -51,20 +51,31 @@ from seamline.config import ModelConfig
 from seamline.errors import ConfigError, RequestError, SeamlineError
 from seamline.model.cache import SequenceCache, Span, logit_rows
 from seamline.model.devices import resolve_device, to_host
-from seamline.ownership import rank_ownership
 from seamline.model.linear import leading_bytes
 from seamline.model.stage import Stage
-from seamline.parallel.comm import Comm, CommError, GateTag, Transport
 from seamline.net.tls import GroupTls, group_tls_from_folder
+from seamline.ownership import rank_ownership
+from seamline.parallel.comm import Comm, CommError, GateTag, Transport
 from seamline.parallel.connect import make_comm
 from seamline.weights.loader import DTYPES, fill_stage, open_source, settle_stage
 from seamline.weights.source import TensorSource
 
 CREATE, PREFILL, DECODE, REWIND, DESTROY, PING, SHUTDOWN, BATCH, FORK = range(1, 10)
-OP_NAMES = {CREATE: "create", PREFILL: "prefill", DECODE: "decode", REWIND: "rewind",
-            DESTROY: "destroy", PING: "ping", SHUTDOWN: "shutdown", BATCH: "batch", FORK: "fork"}  # fmt: skip
+OP_NAMES = {
+    CREATE: "create",
+    PREFILL: "prefill",
+    DECODE: "decode",
+    REWIND: "rewind",
+    DESTROY: "destroy",
+    PING: "ping",
+    SHUTDOWN: "shutdown",
+    BATCH: "batch",
+    FORK: "fork",
+}
 DONOR = 6  # command slot: a FORK's donor sequence
-MAX_BATCH_ROWS = 4096  # rows of one BATCH command (decode rows and prefill chunks of many sequences)
+MAX_BATCH_ROWS = (
+    4096  # rows of one BATCH command (decode rows and prefill chunks of many sequences)
+)
 CMD_LEN = 8
 GREEDY = 1  # command flag (create): exchange (max, argmax) pairs, not whole logits
 SPAN_COLUMNS = 4  # a BATCH's span table: (seq, position, rows, flags)
@@ -81,7 +92,9 @@ class HiddenWithIds(NamedTuple):
     ids: torch.Tensor
 
 
-Inputs = list[int] | torch.Tensor | HiddenWithIds  # token ids (a stage with the embedding) or hidden states
+Inputs = (
+    list[int] | torch.Tensor | HiddenWithIds
+)  # token ids (a stage with the embedding) or hidden states
 
 
 def input_rows(inputs: Inputs | None) -> int:
@@ -90,19 +103,26 @@ def input_rows(inputs: Inputs | None) -> int:
     return len(inputs.hidden) if isinstance(inputs, HiddenWithIds) else len(inputs)
 
 
-def group_fingerprint(identity: str, source_config: dict, stage: Stage, dtype: torch.dtype, world: int) -> str:
+def group_fingerprint(
+    identity: str, source_config: dict, stage: Stage, dtype: torch.dtype, world: int
+) -> str:
     """Model identity + dtype + world + layers + gate schedule: what every rank must share."""
     config_hash = hashlib.sha256(json.dumps(source_config, sort_keys=True, default=str).encode())
     weights = hashlib.sha256()  # replicated tensors only: equal on every rank of one checkpoint
     first_block: Any = next(iter(stage.layers.values()))
-    replicated = (stage.norm.weight if stage.norm is not None else None, stage.embed,
-                  first_block.input_norm.weight)
+    replicated = (
+        stage.norm.weight if stage.norm is not None else None,
+        stage.embed,
+        first_block.input_norm.weight,
+    )
     for tensor in replicated:
         if tensor is not None:
             weights.update(leading_bytes(tensor, 4096))
     start, end = stage.ownership.layers
-    return (f"{identity}|config:{config_hash.hexdigest()[:16]}|weights:{weights.hexdigest()[:16]}"
-            f"|{str(dtype).removeprefix('torch.')}|world:{world}|layers:{start}-{end}|gates:2x{end - start}")
+    return (
+        f"{identity}|config:{config_hash.hexdigest()[:16]}|weights:{weights.hexdigest()[:16]}"
+        f"|{str(dtype).removeprefix('torch.')}|world:{world}|layers:{start}-{end}|gates:2x{end - start}"
+    )
 
 
 class _LateComm:
@@ -120,7 +140,9 @@ class _LateComm:
     def all_reduce(self, tensor: torch.Tensor, tag: GateTag) -> torch.Tensor:
         return self._comm().all_reduce(tensor, tag)
 
-    def all_gather(self, tensor: torch.Tensor, dim: int, tag: GateTag = GateTag(-1, 0, 0)) -> torch.Tensor:
+    def all_gather(
+        self, tensor: torch.Tensor, dim: int, tag: GateTag = GateTag(-1, 0, 0)
+    ) -> torch.Tensor:
         return self._comm().all_gather(tensor, dim, tag)
 
     def close(self) -> None:
@@ -133,25 +155,40 @@ class _GroupSequence:
     cache: SequenceCache
     position: int = 0  # the next position
     greedy: bool = False  # the leader samples greedily: (max, argmax) pairs suffice
-    floor: int = 0  # the earliest position its next rows may start at: after windows, the first one's start
+    floor: int = (
+        0  # the earliest position its next rows may start at: after windows, the first one's start
+    )
     windowed: bool = False  # its last rows were a speculative window
 
 
 class LockstepRank:
     """One rank: its shard of the model, its caches, and the control exchange."""
 
-    def __init__(self, model: str | Path | TensorSource, rank: int, world: int,
-                 addresses: list[tuple[str, int]], timeout_s: float = 30.0, dtype: torch.dtype = torch.float32,
-                 connect_timeout_s: float = 60.0, *, transport: Transport = "tcp",
-                 layers: tuple[int, int] | None = None, identity: str | None = None,
-                 tls: GroupTls | None = None, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path | TensorSource,
+        rank: int,
+        world: int,
+        addresses: list[tuple[str, int]],
+        timeout_s: float = 30.0,
+        dtype: torch.dtype = torch.float32,
+        connect_timeout_s: float = 60.0,
+        *,
+        transport: Transport = "tcp",
+        layers: tuple[int, int] | None = None,
+        identity: str | None = None,
+        tls: GroupTls | None = None,
+        device: torch.device | None = None,
+    ) -> None:
         """Load this rank's shard of ``layers`` from ``model`` (a path, or an open source with
         an ``identity`` naming its model) onto ``device`` (default: the CPU), then join the group
         over ``transport`` (NCCL's collectives run on this rank's GPU: its current device)."""
         if isinstance(model, (str, Path)):
             source, identity = open_source(Path(model)), identity or Path(model).name
         elif identity is None:
-            raise ConfigError("a lockstep rank given an open weight source needs the model's identity")
+            raise ConfigError(
+                "a lockstep rank given an open weight source needs the model's identity"
+            )
         else:
             source = model
         raw_config = source.config_dict()
@@ -161,17 +198,29 @@ class LockstepRank:
         own = rank_ownership(self.config, rank, world, layers)
         self.first, self.last = own.owns_embedding(), own.owns_head(self.config)
         self.stage = fill_stage(source, own, dtype, self.config, comm=self.comm)
-        self.fingerprint = group_fingerprint(identity, raw_config, self.stage, dtype, world)  # read on the host
+        self.fingerprint = group_fingerprint(
+            identity, raw_config, self.stage, dtype, world
+        )  # read on the host
         settle_stage(self.stage, device)
         if device is not None and device.type == "cuda":
             torch.cuda.set_device(device)
-        self.comm.inner = make_comm(transport, rank, world, addresses, timeout_s, self.fingerprint,
-                                    connect_timeout_s, tls, device=device or torch.device("cpu"))
+        self.comm.inner = make_comm(
+            transport,
+            rank,
+            world,
+            addresses,
+            timeout_s,
+            self.fingerprint,
+            connect_timeout_s,
+            tls,
+            device=device or torch.device("cpu"),
+        )
         self.seqs: dict[int, _GroupSequence] = {}
         self._control = 0  # control messages so far: the sequence of their tags
 
-    def exchange(self, cmd: list[int] | None, inputs: Inputs | None = None,
-                 spans: torch.Tensor | None = None) -> tuple[list[int], Inputs | None, torch.Tensor | None]:  # fmt: skip
+    def exchange(
+        self, cmd: list[int] | None, inputs: Inputs | None = None, spans: torch.Tensor | None = None
+    ) -> tuple[list[int], Inputs | None, torch.Tensor | None]:
         """Leader: send (cmd, inputs[, a BATCH's span table]); others: pass None and receive them."""
         tag = self._control
         self._control += 1
@@ -195,14 +244,26 @@ class LockstepRank:
         else:  # hidden states from the previous stage
             shape, dtype = (count, *self.stage.boundary_shape), self.stage.compute_dtype
         given = inputs.hidden if isinstance(inputs, HiddenWithIds) else inputs
-        payload = torch.zeros(shape, dtype=dtype) if given is None else torch.as_tensor(given).to(dtype)
+        payload = (
+            torch.zeros(shape, dtype=dtype) if given is None else torch.as_tensor(given).to(dtype)
+        )
         if tuple(payload.shape) != shape:
-            raise RequestError(f"lockstep input of shape {tuple(payload.shape)}; this group takes {shape}")
+            raise RequestError(
+                f"lockstep input of shape {tuple(payload.shape)}; this group takes {shape}"
+            )
         hidden = self.comm.all_reduce(payload, GateTag(CONTROL_LAYER, 1, tag))
         if self.first or not self.stage.passes_ids:
             return got, hidden, table
-        ids = inputs.ids if isinstance(inputs, HiddenWithIds) else torch.zeros(count, dtype=torch.int64)
-        return got, HiddenWithIds(hidden, self.comm.all_reduce(ids.long(), GateTag(CONTROL_LAYER, 3, tag))), table
+        ids = (
+            inputs.ids
+            if isinstance(inputs, HiddenWithIds)
+            else torch.zeros(count, dtype=torch.int64)
+        )
+        return (
+            got,
+            HiddenWithIds(hidden, self.comm.all_reduce(ids.long(), GateTag(CONTROL_LAYER, 3, tag))),
+            table,
+        )
 
     def _span_table(self, n_spans: int, spans: torch.Tensor | None, tag: int) -> torch.Tensor:
         if not 0 < n_spans <= MAX_BATCH_ROWS:
@@ -210,7 +271,9 @@ class LockstepRank:
         mine = torch.zeros(n_spans, SPAN_COLUMNS, dtype=torch.int64) if spans is None else spans
         return self.comm.all_reduce(mine, GateTag(CONTROL_LAYER, 2, tag))
 
-    def apply(self, cmd: list[int], inputs: Inputs | None, table: torch.Tensor | None = None) -> torch.Tensor | None:
+    def apply(
+        self, cmd: list[int], inputs: Inputs | None, table: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Run one session call on this rank; prefill/decode return the full last-position
         logits (last stage) or the hidden states of every position (earlier stages); a batch,
         each span's last logits [spans, vocab] or every row's hidden states."""
@@ -230,15 +293,23 @@ class LockstepRank:
             return None
         state = self.seqs.get(seq)
         if state is None:
-            raise RequestError(f"sequence {seq} does not exist on rank {self.rank} ({OP_NAMES.get(op, op)})")
+            raise RequestError(
+                f"sequence {seq} does not exist on rank {self.rank} ({OP_NAMES.get(op, op)})"
+            )
         if op == DESTROY:
             del self.seqs[seq]
             return None
         if op == REWIND:
             if not 0 <= position <= state.position:
-                raise RequestError(f"rewind of sequence {seq} to {position}: must be in [0, {state.position}]")
-            if position != state.position and not self.stage.forks_caches:  # (a V4 cache goes back at its next step)
-                raise RequestError(f"sequence {seq} cannot be rewound: this model's caches forget what they pass")
+                raise RequestError(
+                    f"rewind of sequence {seq} to {position}: must be in [0, {state.position}]"
+                )
+            if (
+                position != state.position and not self.stage.forks_caches
+            ):  # (a V4 cache goes back at its next step)
+                raise RequestError(
+                    f"sequence {seq} cannot be rewound: this model's caches forget what they pass"
+                )
             state.position = state.floor = position
             state.windowed = False
             return None
@@ -246,8 +317,10 @@ class LockstepRank:
             raise CommError(f"rank {self.rank} got unknown lockstep op {op}")
         count = input_rows(inputs)
         if not state.floor <= position <= state.position or not count:
-            raise RequestError(f"sequence {seq} is at position {state.position}; {OP_NAMES[op]} came for "
-                               f"{position} with {count} tokens")
+            raise RequestError(
+                f"sequence {seq} is at position {state.position}; {OP_NAMES[op]} came for "
+                f"{position} with {count} tokens"
+            )
         assert inputs is not None
         out = self._forward(inputs, [Span(0, count, position, state.cache)])
         state.position = state.floor = position + count
@@ -260,16 +333,24 @@ class LockstepRank:
         """A new sequence ``seq`` holding a copy of ``donor_seq``'s positions [0, position)."""
         donor = self.seqs.get(donor_seq)
         if seq in self.seqs or donor is None:
-            raise RequestError(f"fork of sequence {donor_seq} into {seq} on rank {self.rank}: not one open, one free")
+            raise RequestError(
+                f"fork of sequence {donor_seq} into {seq} on rank {self.rank}: not one open, one free"
+            )
         if not self.stage.forks_caches or not 0 <= position <= donor.position:
-            raise RequestError(f"sequence {donor_seq} (at {donor.position}) cannot be copied through {position}")
-        self.seqs[seq] = _GroupSequence(donor.cache.fork(position), position, donor.greedy, floor=position)
+            raise RequestError(
+                f"sequence {donor_seq} (at {donor.position}) cannot be copied through {position}"
+            )
+        self.seqs[seq] = _GroupSequence(
+            donor.cache.fork(position), position, donor.greedy, floor=position
+        )
 
     def _forward(self, inputs: Inputs, spans: list[Span]) -> torch.Tensor:
         """Hidden states of every row, or on the last stage the logits of each span's last row
         and of every row of a speculative window (``logit_rows``)."""
         windowed = self.last and any(s.rowwise for s in spans)
-        rows: dict[str, Any] = {"logit_rows": logit_rows(spans)} if windowed else {"last_only": self.last}
+        rows: dict[str, Any] = (
+            {"logit_rows": logit_rows(spans)} if windowed else {"last_only": self.last}
+        )
         if isinstance(inputs, HiddenWithIds):
             return self.stage.forward_batch(inputs.hidden, spans, ids=inputs.ids, **rows)
         return self.stage.forward_batch(torch.as_tensor(inputs), spans, **rows)
@@ -282,16 +363,22 @@ class LockstepRank:
             state = self.seqs.get(seq)
             if state is None or not state.floor <= position <= state.position or count <= 0:
                 where = "does not exist" if state is None else f"is at position {state.position}"
-                raise RequestError(f"sequence {seq} {where}; a batch came for {position} with {count} rows")
+                raise RequestError(
+                    f"sequence {seq} {where}; a batch came for {position} with {count} rows"
+                )
             spans.append(Span(offset, count, position, state.cache, rowwise=bool(flags & WINDOW)))
             states.append(state)
             offset += count
         if inputs is None or input_rows(inputs) != offset:
             raise RequestError(f"a batch of {offset} rows came with {input_rows(inputs)}")
         out = self._forward(inputs, spans)
-        for state, span in zip(states, spans):  # a window's drafts past the accepted are written over later
+        for state, span in zip(
+            states, spans
+        ):  # a window's drafts past the accepted are written over later
             state.position = span.start + span.count
-            if span.rowwise:  # windows in flight: the next rows may go back into any since the last plain row
+            if (
+                span.rowwise
+            ):  # windows in flight: the next rows may go back into any since the last plain row
                 state.floor = min(state.floor, span.start) if state.windowed else span.start
             else:
                 state.floor = state.position
@@ -309,7 +396,9 @@ class LockstepRank:
         values, index = local.max(dim=-1)  # the first maximum of each row
         start = self.stage.ownership.vocab_range(self.config)[0]
         pairs = torch.stack((values.double(), (index + start).double()), dim=-1)  # [spans, 2]
-        every = to_host(self.comm.all_gather(pairs, 0, tag)).view(self.world, -1, 2)  # rank order: ascending vocab
+        every = to_host(self.comm.all_gather(pairs, 0, tag)).view(
+            self.world, -1, 2
+        )  # rank order: ascending vocab
         best = every[:, :, 0].argmax(dim=0)  # the first of equal maxima
         rows = torch.arange(every.shape[1])
         logits = torch.full((every.shape[1], self.config.vocab_size), float("-inf"))
@@ -323,7 +412,9 @@ class LockstepRank:
         tag = GateTag(-1, 0, self.stage.step)
         if not greedy:
             return self.comm.all_gather(local, -1, tag)
-        index = int(local.argmax())  # the first maximum, as the sampler's argmax (on the rank's device)
+        index = int(
+            local.argmax()
+        )  # the first maximum, as the sampler's argmax (on the rank's device)
         start = self.stage.ownership.vocab_range(self.config)[0]
         pair = torch.tensor([float(local[index]), float(start + index)], dtype=torch.float64)
         pairs = self.comm.all_gather(pair, 0, tag).view(-1, 2)  # rank order: ascending vocab
@@ -369,22 +460,35 @@ class LockstepGroup:
         self._pinger = threading.Thread(target=self._ping_loop, daemon=True)
         self._pinger.start()
 
-    def call(self, op: int, seq: int, position: int = 0, inputs: Inputs | None = None,
-             flags: int = 0, spans: torch.Tensor | None = None, donor: int = 0) -> torch.Tensor | None:
+    def call(
+        self,
+        op: int,
+        seq: int,
+        position: int = 0,
+        inputs: Inputs | None = None,
+        flags: int = 0,
+        spans: torch.Tensor | None = None,
+        donor: int = 0,
+    ) -> torch.Tensor | None:
         """Mirror one session call to every rank and apply it here (for BATCH, ``seq`` is the
         number of spans and ``spans`` their table)."""
         count = input_rows(inputs)
         with self._lock:
             if self._broken:
-                raise CommError(f"lockstep group is broken since: {self._broken}", peer=self._broken.peer)
+                raise CommError(
+                    f"lockstep group is broken since: {self._broken}", peer=self._broken.peer
+                )
             try:
-                cmd, got, table = self.leader.exchange([op, seq, position, count, flags, 0, donor],
-                                                       inputs if count else None, spans)  # fmt: skip
+                cmd, got, table = self.leader.exchange(
+                    [op, seq, position, count, flags, 0, donor], inputs if count else None, spans
+                )
                 self._last = time.monotonic()
                 return self.leader.apply(cmd, got, table)
             except CommError as exc:
                 self._broken = exc
-                raise CommError(f"lockstep {OP_NAMES.get(op, op)} failed: {exc}", peer=exc.peer) from None
+                raise CommError(
+                    f"lockstep {OP_NAMES.get(op, op)} failed: {exc}", peer=exc.peer
+                ) from None
 
     def create(self, greedy: bool = False) -> int:
         """A new sequence on every rank; a ``greedy`` one gets logits that are -inf but at the
@@ -411,7 +515,13 @@ class LockstepGroup:
         whose every row gets logits). Each span's last logits [n, vocab] (and a window's every
         row's), or every row's hidden states (a stage before the head)."""
         if spans.shape[1] < SPAN_COLUMNS:
-            spans = torch.cat([spans, torch.zeros(spans.shape[0], SPAN_COLUMNS - spans.shape[1], dtype=spans.dtype)], 1)
+            spans = torch.cat(
+                [
+                    spans,
+                    torch.zeros(spans.shape[0], SPAN_COLUMNS - spans.shape[1], dtype=spans.dtype),
+                ],
+                1,
+            )
         out = self.call(BATCH, spans.shape[0], 0, inputs, spans=spans)
         assert out is not None
         return out
@@ -430,7 +540,9 @@ class LockstepGroup:
     def _ping_loop(self) -> None:
         """Keep idle non-leaders from timing out; notice a dead rank while idle."""
         while not self._closed.wait(self._interval / 2):
-            if time.monotonic() - self._last < self._interval or not self._lock.acquire(blocking=False):
+            if time.monotonic() - self._last < self._interval or not self._lock.acquire(
+                blocking=False
+            ):
                 continue
             try:
                 if not self._broken and not self._closed.is_set():
@@ -476,17 +588,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--transport", choices=["auto", "tcp", "torch"], default="tcp")
     ap.add_argument("--layers", help="START:END, the pipeline stage this group owns (default: all)")
-    ap.add_argument("--device", default="cpu", help="where this rank computes: cpu, cuda, cuda:N (default cpu)")
-    ap.add_argument("--tls-dir", help="mutual TLS (tcp): ca.pem, rank{R}.pem and rank{R}.key in this folder")
+    ap.add_argument(
+        "--device", default="cpu", help="where this rank computes: cpu, cuda, cuda:N (default cpu)"
+    )
+    ap.add_argument(
+        "--tls-dir", help="mutual TLS (tcp): ca.pem, rank{R}.pem and rank{R}.key in this folder"
+    )
     args = ap.parse_args(argv)
     try:
         if args.rank == 0:
             raise ConfigError("rank 0 is the leader and runs in the serving process, not here")
         layers = tuple(int(v) for v in args.layers.split(":")) if args.layers else None
-        rank = LockstepRank(args.model, args.rank, args.world, parse_addresses(args.addresses),
-                            args.timeout, DTYPES[args.dtype], args.connect_timeout,
-                            transport=args.transport, layers=layers, device=resolve_device(args.device),  # type: ignore[arg-type]
-                            tls=group_tls_from_folder(Path(args.tls_dir), args.rank, args.world) if args.tls_dir else None)
+        rank = LockstepRank(
+            args.model,
+            args.rank,
+            args.world,
+            parse_addresses(args.addresses),
+            args.timeout,
+            DTYPES[args.dtype],
+            args.connect_timeout,
+            transport=args.transport,
+            layers=layers,
+            device=resolve_device(args.device),  # type: ignore[arg-type]
+            tls=group_tls_from_folder(Path(args.tls_dir), args.rank, args.world)
+            if args.tls_dir
+            else None,
+        )
         try:
             rank.serve()
         finally:

@@ -61,7 +61,9 @@ def offer_drafts(stage: Stage, batch: Batch) -> None:
             owners[i].drafter.offered = draft
 
 
-def pipeline_drafts(stage: Stage, work: list[Work], draws: list[list[TokenRow]]) -> list[list[TokenRow]]:
+def pipeline_drafts(
+    stage: Stage, work: list[Work], draws: list[list[TokenRow]]
+) -> list[list[TokenRow]]:
     """The last stage of a pipeline, after a step of ``work`` and its ``draws`` (each row's
     token rows): the drafting layer over the rows whose next token is known; each row that asked
     for drafts, and drew a token that does not end its request, carries them on its last."""
@@ -93,11 +95,16 @@ def pipeline_drafts(stage: Stage, work: list[Work], draws: list[list[TokenRow]])
     draws = list(draws)
     for (index, _, _), draft in zip(asking, drafts):
         last = draws[index][-1]
-        draws[index] = [*draws[index][:-1], replace(last, flags=last.flags | RowFlag.DRAFTS, drafts=tuple(draft))]
+        draws[index] = [
+            *draws[index][:-1],
+            replace(last, flags=last.flags | RowFlag.DRAFTS, drafts=tuple(draft)),
+        ]
     return draws
 
 
-def _known_rows(hidden: torch.Tensor, w: Work, drawn: list[TokenRow], offset: int) -> tuple[torch.Tensor, list[int], int]:
+def _known_rows(
+    hidden: torch.Tensor, w: Work, drawn: list[TokenRow], offset: int
+) -> tuple[torch.Tensor, list[int], int]:
     """The final states of ``w``'s rows whose next token is now known, those tokens, and the
     first one's position. A prompt chunk's last row waits in its cache (``draft_pending``) for
     the next chunk's first token, so that the layer's cache has every position."""
@@ -113,7 +120,9 @@ def _known_rows(hidden: torch.Tensor, w: Work, drawn: list[TokenRow], offset: in
     if isinstance(cache, (SequenceCache, V4Cache)):
         last = offset + w.row.count - 1
         waits = not window and not known
-        cache.draft_pending = (w.row.position + w.row.count - 1, hidden[last : last + 1].clone()) if waits else None
+        cache.draft_pending = (
+            (w.row.position + w.row.count - 1, hidden[last : last + 1].clone()) if waits else None
+        )
     return rows, nexts, first
 
 
@@ -132,7 +141,9 @@ def _wanted(sequence: SequenceState) -> int:
     return max(0, min(sequence.drafter.wanted(), sequence.cache.capacity() - sequence.cached - 1))
 
 
-def _chain(stage: Stage, states: torch.Tensor, spans: list[Span], wants: list[int]) -> list[list[int]]:
+def _chain(
+    stage: Stage, states: torch.Tensor, spans: list[Span], wants: list[int]
+) -> list[list[int]]:
     """Each span's drafts (its row of ``states`` the layer's output at the span's last
     position): one position further per round, every span that wants more in one pass."""
     drafts: list[list[int]] = [[] for _ in spans]
@@ -145,7 +156,9 @@ def _chain(stage: Stage, states: torch.Tensor, spans: list[Span], wants: list[in
         if not going:
             return drafts
         active = [active[row] for row in going]
-        chained = [Span(row, 1, spans[i].start + spans[i].count + len(drafts[i]) - 1, spans[i].cache)
-                   for row, i in enumerate(active)]  # fmt: skip
+        chained = [
+            Span(row, 1, spans[i].start + spans[i].count + len(drafts[i]) - 1, spans[i].cache)
+            for row, i in enumerate(active)
+        ]
         next_ids = torch.tensor([drafts[i][-1] for i in active], dtype=torch.long)
         states = stage.draft_states(states[going], next_ids, chained)

@@ -34,7 +34,9 @@ from seamline.cpu_flags import CPUINFO, takes_torch_path
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 SPIN_VARIABLE = "GOMP_SPINCOUNT"  # libgomp reads it once, as torch loads it
-NODE_SPIN_COUNT = 5000  # pauses, a few hundred microseconds: longer than a step's gaps, far shorter than a step
+NODE_SPIN_COUNT = (
+    5000  # pauses, a few hundred microseconds: longer than a step's gaps, far shorter than a step
+)
 # The torch path's gaps outlast 5000 pauses (~125 us at ~25 ns each): Python dequantises tiles
 # between regions. Voluntary switches a token of the embedded model's 2-node mesh on 2 cores
 # (measured): ~550 at 5000; at 50000 ~7, or 30-80 in a third of the runs (a stage's threads
@@ -54,7 +56,9 @@ def node_spin() -> None:
         return
     count = node_spin_count()
     if "torch" in sys.modules:
-        log.warning("torch is loaded already: %s=%d comes too late to take effect", SPIN_VARIABLE, count)
+        log.warning(
+            "torch is loaded already: %s=%d comes too late to take effect", SPIN_VARIABLE, count
+        )
         return
     os.environ[SPIN_VARIABLE] = str(count)
 

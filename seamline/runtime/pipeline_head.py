@@ -38,12 +38,12 @@ from seamline.config import RING_SLACK
 from seamline.errors import RequestError
 from seamline.net.frames import EMPTY_HASH, Row, RowFlag, TokenRow, asking_drafts, prefix_hash
 from seamline.net.messages import Close, Forget, Fork, Message, Open
-from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.core import EngineCore
+from seamline.runtime.prefix_cache import PREFIX_CACHE_BYTES
 from seamline.runtime.scheduler import Batch, Emission, Scheduler, SequenceState, check_prompt
-from seamline.runtime.step_clock import RingClock
 from seamline.runtime.speculation import Speculation
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_event
+from seamline.runtime.step_clock import RingClock
 
 if TYPE_CHECKING:
     from seamline.runtime.stage_worker import StageWorker
@@ -72,15 +72,29 @@ class Inbox:
 
 
 class PipelineHead:
-    def __init__(self, worker: StageWorker, context_length: int, kv_budget_bytes: int | None = None) -> None:
+    def __init__(
+        self, worker: StageWorker, context_length: int, kv_budget_bytes: int | None = None
+    ) -> None:
         self.worker = worker
-        self.scheduler = Scheduler(worker.stage, context_length, max_step_tokens=MAX_STEP_TOKENS,
-                                   max_running=MAX_RUNNING, kv_budget_bytes=kv_budget_bytes,
-                                   max_waiting=MAX_WAITING, forks=False)  # fmt: skip
+        self.scheduler = Scheduler(
+            worker.stage,
+            context_length,
+            max_step_tokens=MAX_STEP_TOKENS,
+            max_running=MAX_RUNNING,
+            kv_budget_bytes=kv_budget_bytes,
+            max_waiting=MAX_WAITING,
+            forks=False,
+        )
         self._opened: dict[int, Open] = {}  # opened, prompt not yet here
-        self._partial: dict[int, list[int] | None] = {}  # prompts whose last chunk has not come (None: refused)
-        self._sequences: dict[int, SequenceState] = {}  # by request id: each holds its wire state too
-        self._held: dict[int, tuple[object, int]] = {}  # id(cache) -> (cache, request it has downstream)
+        self._partial: dict[
+            int, list[int] | None
+        ] = {}  # prompts whose last chunk has not come (None: refused)
+        self._sequences: dict[
+            int, SequenceState
+        ] = {}  # by request id: each holds its wire state too
+        self._held: dict[
+            int, tuple[object, int]
+        ] = {}  # id(cache) -> (cache, request it has downstream)
         # id(cache) of caches the scheduler freed that later stages keep until every sequence forked
         # from them has told the later stages (a kept prefix evicted between a fork and its first rows)
         self._forget_later: set[int] = set()
@@ -90,7 +104,9 @@ class PipelineHead:
         self._model_drafts = False  # the last stage drafts with its MTP layer (``speculate``)
         self.ring = RingClock()  # one stream's row from leaving stage 0 to its token coming back
         self._inbox = Inbox()
-        self.hash_key: bytes | None = None  # rows' prefix hashes keyed (a private mesh: members read no token from them)
+        self.hash_key: bytes | None = (
+            None  # rows' prefix hashes keyed (a private mesh: members read no token from them)
+        )
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopped = False
@@ -116,8 +132,13 @@ class PipelineHead:
                 if fits:
                     return
         if more:
-            self._fail([request], RequestError(f"request {request}'s prompt exceeds the context of "
-                                               f"{self.scheduler.context_length} tokens"))  # fmt: skip
+            self._fail(
+                [request],
+                RequestError(
+                    f"request {request}'s prompt exceeds the context of "
+                    f"{self.scheduler.context_length} tokens"
+                ),
+            )
             return
         self._post(lambda inbox: inbox.prompts.append((request, whole)))
 
@@ -139,7 +160,9 @@ class PipelineHead:
         return None if sequence is None else self._drawing(sequence)
 
     def _drawing(self, sequence: SequenceState) -> Drawing:
-        return Drawing(sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length)
+        return Drawing(
+            sequence.params, sequence.seed, len(sequence.prompt), self.scheduler.context_length
+        )
 
     def returned(self, rows: list[TokenRow]) -> None:
         if len(rows) == 1:
@@ -156,7 +179,9 @@ class PipelineHead:
         """Set before any request: whether stage 0 drafts windows for the later stages to verify
         (``mtp``: the last stage's multi-token-prediction layer drafts; rows ask it how many)."""
         self.scheduler.speculate(speculation)
-        self._model_drafts = self.scheduler.speculation is not None and self.scheduler.speculation.mode == "mtp"
+        self._model_drafts = (
+            self.scheduler.speculation is not None and self.scheduler.speculation.mode == "mtp"
+        )
 
     def caches(self) -> tuple[list[Any], list[Any]]:
         """The running sequences' caches, and the finished ones kept for prompts that begin alike."""
@@ -176,7 +201,9 @@ class PipelineHead:
             put(self._inbox)
             self.worker.idle.work()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._drive, name="seamline-stage0", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._drive, name="seamline-stage0", daemon=True
+                )
                 self._thread.start()
             self._cond.notify()
 
@@ -192,7 +219,9 @@ class PipelineHead:
                     return
                 inbox, self._inbox = self._inbox, Inbox()
             try:
-                self.worker.clock.begin(counted=not (inbox.prompts or inbox.closed))  # a request's start or end
+                self.worker.clock.begin(
+                    counted=not (inbox.prompts or inbox.closed)
+                )  # a request's start or end
                 self._take(inbox)
                 busy = self._run_next()
                 self.worker.clock.end()
@@ -217,8 +246,10 @@ class PipelineHead:
             opened.sampling.validate()  # as the wire brought them: the request enters the engine here
             check_prompt(tokens, self.scheduler.context_length)
             if not 0 < opened.prompt_len <= len(tokens):
-                raise RequestError(f"request {request} opened with a prompt of {opened.prompt_len} tokens "
-                                   f"and sent {len(tokens)}")  # fmt: skip
+                raise RequestError(
+                    f"request {request} opened with a prompt of {opened.prompt_len} tokens "
+                    f"and sent {len(tokens)}"
+                )
             # tokens past the prompt were drawn on an earlier route: resumed as a preempted sequence is
             prompt, drawn = tokens[: opened.prompt_len], tokens[opened.prompt_len :]
             sequence = self.scheduler.add(prompt, opened.sampling, drawn)
@@ -264,7 +295,9 @@ class PipelineHead:
 
     def _awaited(self, cache: object) -> bool:
         """Whether a sequence forked from ``cache`` has not yet told the later stages."""
-        return any(s.donor is cache and s.announced is not s.cache for s in self._sequences.values())
+        return any(
+            s.donor is cache and s.announced is not s.cache for s in self._sequences.values()
+        )
 
     def _forget_released(self) -> None:
         for key in [k for k in self._forget_later if not self._awaited(self._held[k][0])]:
@@ -280,13 +313,19 @@ class PipelineHead:
         self._held[id(sequence.cache)] = (sequence.cache, sequence.request)
         if sequence.donor is None:
             return  # it starts at position 0: its first row resets the later stages
-        if id(sequence.donor) not in self._held:  # a sequence admitted with it that has run no row yet
+        if (
+            id(sequence.donor) not in self._held
+        ):  # a sequence admitted with it that has run no row yet
             first = next(s for s in self._sequences.values() if s.cache is sequence.donor)
             self._announce(first, first.cached)
         donor = self._held[id(sequence.donor)]
         assert donor[0] is sequence.donor
         sequence.prefix_hash = prefix_hash(EMPTY_HASH, sequence.known(0, start), self.hash_key)
-        self._send(Fork(request=sequence.request, donor=donor[1], positions=start, hash=sequence.prefix_hash))
+        self._send(
+            Fork(
+                request=sequence.request, donor=donor[1], positions=start, hash=sequence.prefix_hash
+            )
+        )
 
     def _send(self, message: Message) -> None:
         if self.worker.links.downstream_message is not None:
@@ -301,8 +340,12 @@ class PipelineHead:
                 if sequence is None or not sequence.in_flight:
                     raise OutOfStep(f"request {row.request} is not waiting for a token here")
                 expected = len(sequence.prompt) + len(sequence.tokens)
-                if row.position != expected or row.hash_before != self._hash_before(sequence, expected):
-                    raise OutOfStep(f"request {row.request}: token for position {row.position}, stage 0 is at {expected}")
+                if row.position != expected or row.hash_before != self._hash_before(
+                    sequence, expected
+                ):
+                    raise OutOfStep(
+                        f"request {row.request}: token for position {row.position}, stage 0 is at {expected}"
+                    )
             except OutOfStep as exc:
                 self.worker.refuse(row.request, "token", exc)
                 continue
@@ -311,7 +354,9 @@ class PipelineHead:
                 self._forget(sequence)
             elif not _window_open(sequence):
                 sequence.in_flight = False
-                if row.drafts and sequence.drafter is not None:  # the last stage's, for the next window
+                if (
+                    row.drafts and sequence.drafter is not None
+                ):  # the last stage's, for the next window
                     sequence.drafter.offered = list(row.drafts)
                 if windowed:  # the positions computed are the last token and the drafts accepted
                     sequence.prefix_hash = self._hash_before(sequence, sequence.cached)
@@ -320,7 +365,9 @@ class PipelineHead:
         """The prefix hash through ``position - 1``: inside an open window, from its start's."""
         if not _window_open(sequence) and position == len(sequence.prompt) + len(sequence.tokens):
             return sequence.prefix_hash
-        return prefix_hash(sequence.window_hash, sequence.known(sequence.window_start + 1, position), self.hash_key)
+        return prefix_hash(
+            sequence.window_hash, sequence.known(sequence.window_start + 1, position), self.hash_key
+        )
 
     def _run_next(self) -> bool:
         """The engine core's step over the sequences with no token in flight; False when there
@@ -355,7 +402,10 @@ class PipelineHead:
         drafter = sequence.drafter
         if drafter is None or not drafter.window or drafter.in_flight >= self.worker.micro_batches:
             return False
-        if self.worker.stage.config.sliding_window and drafter.pending + drafter.wanted() > RING_SLACK:
+        if (
+            self.worker.stage.config.sliding_window
+            and drafter.pending + drafter.wanted() > RING_SLACK
+        ):
             return False  # a rejection would go back past what the model's sliding layers keep
         return drafter.full or len(self.scheduler.running) < self.worker.micro_batches
 
@@ -381,25 +431,38 @@ class PipelineHead:
     def _rows(self, batch: Batch) -> list[Work]:
         """The batch's rows with their prefix hashes; the rows that draw put their sequence in flight."""
         work = []
-        for sequence, span, draws, follow in zip(batch.owners, batch.spans, batch.draws, batch.follows):
+        for sequence, span, draws, follow in zip(
+            batch.owners, batch.spans, batch.draws, batch.follows
+        ):
             assert sequence.request is not None
             if sequence.announced is not sequence.cache:
                 self._announce(sequence, span.start)
             ids = batch.inputs[span.offset : span.offset + span.count]
             before = EMPTY_HASH if span.start == 0 else sequence.prefix_hash
             sequence.prefix_hash = after = prefix_hash(before, ids, self.hash_key)
-            flags = (RowFlag.FIRST if span.start == 0 else RowFlag.NONE) | (RowFlag.SAMPLE if draws else RowFlag.NONE)
+            flags = (RowFlag.FIRST if span.start == 0 else RowFlag.NONE) | (
+                RowFlag.SAMPLE if draws else RowFlag.NONE
+            )
             if follow:  # drafts going on from the window in flight: its draws are checked from that window's start
                 flags |= RowFlag.WINDOW | RowFlag.FOLLOW
-            elif span.rowwise:  # a window: its draws are checked from the hash through its first position
-                sequence.window_start, sequence.window_hash = span.start, prefix_hash(before, ids[:1], self.hash_key)
+            elif (
+                span.rowwise
+            ):  # a window: its draws are checked from the hash through its first position
+                sequence.window_start, sequence.window_hash = (
+                    span.start,
+                    prefix_hash(before, ids[:1], self.hash_key),
+                )
                 flags |= RowFlag.WINDOW
             if draws:
                 sequence.in_flight, sequence.frame = True, self._steps
-            if draws and self._model_drafts and sequence.drafter is not None:  # the last stage's MTP layer drafts
+            if (
+                draws and self._model_drafts and sequence.drafter is not None
+            ):  # the last stage's MTP layer drafts
                 flags = asking_drafts(int(flags), sequence.drafter.wanted())
             row = Row(sequence.request, span.start, span.count, before, after, int(flags))
-            work.append(Work(row, span.cache, torch.tensor(ids, dtype=torch.long), self._drawing(sequence)))
+            work.append(
+                Work(row, span.cache, torch.tensor(ids, dtype=torch.long), self._drawing(sequence))
+            )
         return work
 
     def _fail(self, requests: list[int], exc: Exception) -> None:

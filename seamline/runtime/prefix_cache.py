@@ -11,7 +11,9 @@ from collections.abc import Callable
 
 from seamline.model.cache import SequenceCache
 
-PREFIX_CACHE_BYTES = 256 << 20  # a server's default: finished requests' KV kept for prompts that begin alike
+PREFIX_CACHE_BYTES = (
+    256 << 20
+)  # a server's default: finished requests' KV kept for prompts that begin alike
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -20,7 +22,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class PrefixCache:
-    def __init__(self, capacity_bytes: int, bytes_per_token: int, release: Callable[[SequenceCache], None]) -> None:
+    def __init__(
+        self, capacity_bytes: int, bytes_per_token: int, release: Callable[[SequenceCache], None]
+    ) -> None:
         self.capacity_bytes = capacity_bytes
         self.bytes_per_token = bytes_per_token
         self._release = release

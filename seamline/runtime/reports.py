@@ -28,4 +28,6 @@ class MeshReport:
     nodes: list[NodeReport] = field(default_factory=list)
     links: list[LinkReport] = field(default_factory=list)
     events: dict[str, int] = field(default_factory=dict)  # the mesh's events so far, by kind
-    speculation: SpeculationStats | None = None  # windows verified, drafts made and accepted (None: none)
+    speculation: SpeculationStats | None = (
+        None  # windows verified, drafts made and accepted (None: none)
+    )

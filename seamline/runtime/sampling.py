@@ -24,7 +24,6 @@ import torch
 
 from seamline.params import SamplingParams
 
-
 _U64 = (1 << 64) - 1
 
 
@@ -52,7 +51,9 @@ class TokenEvent:
     token: int
     logprob: float | None = None
     top: tuple[tuple[int, float], ...] = ()
-    finish_reason: str | None = None  # "stop": a stop token; "length": max_tokens, or the context full
+    finish_reason: str | None = (
+        None  # "stop": a stop token; "length": max_tokens, or the context full
+    )
 
     @property
     def shown(self) -> bool:
@@ -60,7 +61,9 @@ class TokenEvent:
         return self.finish_reason != "stop"
 
 
-def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[int] = ()) -> torch.Tensor:
+def adjusted(
+    logits: torch.Tensor, params: SamplingParams, generated: Sequence[int] = ()
+) -> torch.Tensor:
     """The logits a draw picks from: ``logit_bias`` added, and for each token generated so far
     ``count * frequency_penalty + presence_penalty`` taken off."""
     if not params.logit_bias and not (params.penalised and generated):
@@ -78,8 +81,14 @@ def adjusted(logits: torch.Tensor, params: SamplingParams, generated: Sequence[i
     return out
 
 
-def draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
-         generated: Sequence[int] = (), allowed: torch.Tensor | None = None) -> TokenEvent:  # fmt: skip
+def draw(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    generated: Sequence[int] = (),
+    allowed: torch.Tensor | None = None,
+) -> TokenEvent:
     """``sample`` among the ``allowed`` tokens (a grammar's mask; None: all), and the
     log-probabilities the request asked for."""
     choices = adjusted(logits, params, generated)
@@ -89,17 +98,32 @@ def draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
     if params.logprobs is None:
         return TokenEvent(token)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = torch.topk(logprobs, params.logprobs) if params.logprobs else (torch.empty(0), torch.empty(0))
+    values, ids = (
+        torch.topk(logprobs, params.logprobs)
+        if params.logprobs
+        else (torch.empty(0), torch.empty(0))
+    )
     return TokenEvent(token, float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist())))
 
 
-def draw_next(logits: torch.Tensor, params: SamplingParams, seed: int, position: int, generated: Sequence[int],
-              allowed: torch.Tensor | None, prompt_len: int, context_length: int) -> TokenEvent:  # fmt: skip
+def draw_next(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    seed: int,
+    position: int,
+    generated: Sequence[int],
+    allowed: torch.Tensor | None,
+    prompt_len: int,
+    context_length: int,
+) -> TokenEvent:
     """The token for ``position`` and whether the request ends with it: the one sampler and the
     one finish rule, applied where a token is drawn (one process's scheduler, a pipeline's last
     stage); every later seam carries the reason on."""
     drawn = draw(logits, params, seed, position, generated, allowed)
-    return replace(drawn, finish_reason=finish_reason(drawn.token, position, params, prompt_len, context_length))
+    return replace(
+        drawn,
+        finish_reason=finish_reason(drawn.token, position, params, prompt_len, context_length),
+    )
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -138,10 +162,14 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
     uniform = float(torch.rand(1, generator=generator, dtype=torch.float64))
     cumulative = np.cumsum(probs, dtype=np.float64)
     # the first token whose cumulative mass passes the draw: never one of no mass (it adds none)
-    return min(int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right")), len(probs) - 1)
+    return min(
+        int(np.searchsorted(cumulative, uniform * cumulative[-1], side="right")), len(probs) - 1
+    )
 
 
-def finish_reason(token: int, position: int, params: SamplingParams, prompt_len: int, context_length: int) -> str | None:
+def finish_reason(
+    token: int, position: int, params: SamplingParams, prompt_len: int, context_length: int
+) -> str | None:
     """Why a sequence ends with ``token`` drawn for ``position``: "stop" (a stop token, not part
     of the output), "length" (max_tokens drawn, or the context full), or None. A function of
     the position alone, so a stage that only samples and a replayed sequence agree on it."""

@@ -55,16 +55,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from seamline.errors import OverloadedError, RequestError
 from seamline.config import kv_bytes_per_token
+from seamline.errors import OverloadedError, RequestError
 from seamline.model.cache import SequenceCache, Span, grown
 from seamline.model.linear import rows_computed_alike
 from seamline.model.stage import Stage
+from seamline.params import SamplingParams
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.prefix_cache import PrefixCache, common_prefix
-from seamline.params import SamplingParams
 from seamline.runtime.sampling import TokenEvent, request_seed
-from seamline.runtime.speculation import SPARE_STEP_ROWS, Drafter, Speculation, SpeculationStats, StepCost
+from seamline.runtime.speculation import (
+    SPARE_STEP_ROWS,
+    Drafter,
+    Speculation,
+    SpeculationStats,
+    StepCost,
+)
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import GroupCache, LockstepStage
@@ -85,7 +91,9 @@ class SequenceState:
     finish_reason: str | None = None  # "stop" or "length" once finished
     cache: SequenceCache | GroupCache | None = None
     drafter: Drafter | None = None  # its speculation, where it speculates
-    donor: SequenceCache | None = None  # the cache its own began as a copy of (None: computed from 0)
+    donor: SequenceCache | None = (
+        None  # the cache its own began as a copy of (None: computed from 0)
+    )
     seed: int = field(init=False)
     # where a pipeline's stage 0 (PipelineHead) runs it: its request id on the wire, the prefix
     # hash of the positions stage 0 has run, whether a token for it is being drawn downstream,
@@ -95,9 +103,13 @@ class SequenceState:
     in_flight: bool = False
     frame: int = 0  # the stage-0 step whose frame carries its draw, while in flight
     announced: object | None = None
-    window_start: int = 0  # a window's first position (its last known token) and the prefix hash through it
+    window_start: int = (
+        0  # a window's first position (its last known token) and the prefix hash through it
+    )
     window_hash: int = 0
-    step_started: float = 0.0  # when its last decode rows were planned (0: their tokens are in), how many, and
+    step_started: float = (
+        0.0  # when its last decode rows were planned (0: their tokens are in), how many, and
+    )
     step_rows: int = 0  # whether it was the only sequence running then (``Scheduler.step_cost``)
     step_alone: bool = False
 
@@ -116,7 +128,11 @@ class SequenceState:
 
     def known(self, start: int, end: int) -> list[int]:
         """Tokens at positions [start, end) of prompt + generated."""
-        return (self.prompt + self.tokens)[start:end] if end > len(self.prompt) else self.prompt[start:end]
+        return (
+            (self.prompt + self.tokens)[start:end]
+            if end > len(self.prompt)
+            else self.prompt[start:end]
+        )
 
     @property
     def finished(self) -> bool:
@@ -146,8 +162,12 @@ class Batch:
     spans: list[Span] = field(default_factory=list)
     inputs: list[int] = field(default_factory=list)
     owners: list[SequenceState] = field(default_factory=list)
-    draws: list[bool] = field(default_factory=list)  # per row, set by ``advance``: a token is drawn after it
-    follows: list[bool] = field(default_factory=list)  # per row: drafts going on from its sequence's window in flight
+    draws: list[bool] = field(
+        default_factory=list
+    )  # per row, set by ``advance``: a token is drawn after it
+    follows: list[bool] = field(
+        default_factory=list
+    )  # per row: drafts going on from its sequence's window in flight
 
 
 ReadyCheck = Callable[[SequenceState], bool]
@@ -161,7 +181,9 @@ def check_prompt(prompt: list[int], context_length: int) -> None:
     if not prompt:
         raise RequestError("the prompt is empty")
     if len(prompt) >= context_length:
-        raise RequestError(f"the prompt has {len(prompt)} tokens; the model's context is {context_length}")
+        raise RequestError(
+            f"the prompt has {len(prompt)} tokens; the model's context is {context_length}"
+        )
 
 
 class Scheduler:
@@ -181,20 +203,32 @@ class Scheduler:
     ) -> None:
         if stage.embed is None:
             raise ValueError("the scheduler needs a stage that owns the embedding")
-        self.forks = forks and stage.forks_caches  # whether a new sequence may start from a copy of another's cache
+        self.forks = (
+            forks and stage.forks_caches
+        )  # whether a new sequence may start from a copy of another's cache
         self.stage = stage
         self.context_length = context_length
         self.max_step_tokens = max_step_tokens
-        self.prefill_chunk = prefill_chunk  # the most rows of one prompt in a step (None: max_step_tokens)
+        self.prefill_chunk = (
+            prefill_chunk  # the most rows of one prompt in a step (None: max_step_tokens)
+        )
         self.max_running = max_running
         self.kv_budget_bytes = kv_budget_bytes
         self.max_waiting = max_waiting
         dtype_bytes = torch.finfo(stage.compute_dtype).bits // 8
         self.kv_bytes_per_token = kv_bytes_per_token(stage.config, dtype_bytes) * len(stage.layers)
-        self.cache_bytes: Callable[[int], int] = stage.cache_bytes  # what a sequence of so many tokens holds
-        self.counts_capacity = isinstance(stage, Stage)  # its caches are buffers here, bounded per sequence
-        self.prefix = PrefixCache(prefix_cache_bytes if stage.forks_caches else 0, self.kv_bytes_per_token, self._free)
-        self.on_free: Callable[[object, bool], None] = lambda cache, for_good: None  # False: preempted
+        self.cache_bytes: Callable[[int], int] = (
+            stage.cache_bytes
+        )  # what a sequence of so many tokens holds
+        self.counts_capacity = isinstance(
+            stage, Stage
+        )  # its caches are buffers here, bounded per sequence
+        self.prefix = PrefixCache(
+            prefix_cache_bytes if stage.forks_caches else 0, self.kv_bytes_per_token, self._free
+        )
+        self.on_free: Callable[[object, bool], None] = lambda cache, for_good: (
+            None
+        )  # False: preempted
         self.waiting: deque[SequenceState] = deque()
         self.running: list[SequenceState] = []
         self.preemptions = 0  # sequences sent back to the queue to free memory, so far
@@ -207,7 +241,11 @@ class Scheduler:
     def speculate(self, speculation: Speculation | None) -> None:
         """Draft for the sequences added from now on (None or off: not), where the stage can
         verify drafts."""
-        verifies = getattr(self.stage, "verifies_drafts", False) and speculation is not None and speculation.enabled
+        verifies = (
+            getattr(self.stage, "verifies_drafts", False)
+            and speculation is not None
+            and speculation.enabled
+        )
         self.speculation = speculation if verifies else None
 
     def kv_positions(self, sequence: SequenceState) -> int:
@@ -235,15 +273,21 @@ class Scheduler:
     def kv_used(self) -> int:
         return sum(self.kv_held(s) for s in list(self.running)) + self.prefix.held_bytes()
 
-    def add(self, prompt: list[int], params: SamplingParams, drawn: Sequence[int] = ()) -> SequenceState:
+    def add(
+        self, prompt: list[int], params: SamplingParams, drawn: Sequence[int] = ()
+    ) -> SequenceState:
         """Queue a request, validated where it came in (the API, ``Engine.generate``, stage 0's
         reading of the wire); it joins at the next step with room, or is refused when it could
         never fit or too many wait. ``drawn``: the tokens it drew before (a request resumed on a
         new route), recomputed when it is admitted, as a preempted sequence's are."""
         if len(self.waiting) >= self.max_waiting:
-            raise OverloadedError(f"{len(self.waiting)} requests are already waiting; try again later")
+            raise OverloadedError(
+                f"{len(self.waiting)} requests are already waiting; try again later"
+            )
         sequence = SequenceState(list(prompt), params, tokens=list(drawn))
-        if self.speculation is not None and not params.grammar:  # a grammar's matcher follows one token at a time
+        if (
+            self.speculation is not None and not params.grammar
+        ):  # a grammar's matcher follows one token at a time
             sequence.drafter = Drafter(self.speculation.draft_max, self.speculation.source)
         need = self.kv_reserve(sequence)
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
@@ -264,7 +308,9 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def next_batch(self, ready: ReadyCheck | None = None, max_decode_rows: int | None = None) -> Batch:
+    def next_batch(
+        self, ready: ReadyCheck | None = None, max_decode_rows: int | None = None
+    ) -> Batch:
         """Admit what fits, preempt what must go, and plan the next rows: a decode row for each
         sequence past its prompt (at most ``max_decode_rows``), then prompt chunks. Only
         sequences that are ``ready`` take part (in a pipeline: those with no draw in flight)."""
@@ -280,15 +326,23 @@ class Scheduler:
                 batch.draws.append(True)
                 continue
             computing = sequence.prefilling
-            drafts = len(sequence.drafter.window) if sequence.drafter is not None and not computing else 0
-            sequence.cached += span.count - drafts  # a draft's position counts once its draw accepts it
+            drafts = (
+                len(sequence.drafter.window)
+                if sequence.drafter is not None and not computing
+                else 0
+            )
+            sequence.cached += (
+                span.count - drafts
+            )  # a draft's position counts once its draw accepts it
             if sequence.drafter is not None and not computing:
                 sequence.step_started, sequence.step_rows = time.perf_counter(), span.count
                 sequence.step_alone = len(self.running) == 1
             # a chunk short of the prompt's end, or recomputed history, draws nothing
             batch.draws.append(not (computing and (sequence.prefilling or bool(sequence.tokens))))
 
-    def record(self, sequence: SequenceState, event: TokenEvent, logits: torch.Tensor | None = None) -> Emission:
+    def record(
+        self, sequence: SequenceState, event: TokenEvent, logits: torch.Tensor | None = None
+    ) -> Emission:
         """Take a token drawn for ``sequence`` (here, or by a pipeline's last stage) with the
         finish reason its draw gave (``draw_next``): a stop token is not kept; either reason
         ends the sequence."""
@@ -297,12 +351,16 @@ class Scheduler:
             sequence.tokens.append(event.token)
         if sequence.drafter is not None and sequence.drafter.window:
             if event.shown and sequence.drafter.check(event.token):
-                sequence.cached += 1  # the draft's row is in the cache, and its logits drew the next token
+                sequence.cached += (
+                    1  # the draft's row is in the cache, and its logits drew the next token
+                )
             else:
                 self.speculated.add(*sequence.drafter.close(self.step_cost.row_cost))
         if sequence.step_started and not (sequence.drafter is not None and sequence.drafter.window):
             if sequence.step_alone:  # its step's tokens are all in: what the step cost
-                self.step_cost.observe(sequence.step_rows, time.perf_counter() - sequence.step_started)
+                self.step_cost.observe(
+                    sequence.step_rows, time.perf_counter() - sequence.step_started
+                )
             sequence.step_started = 0.0
         if event.finish_reason is not None:
             self._release(sequence, event.finish_reason)
@@ -337,7 +395,9 @@ class Scheduler:
         """Preempt the newest ready running sequences until the next step fits the budget;
         False when it cannot fit before a sequence that is not ready comes back."""
         while len(self.running) > 1 and not self._fits(0):
-            victims = [s for s in self.running[1:] if ready(s) and not (s.drafter and s.drafter.window)]
+            victims = [
+                s for s in self.running[1:] if ready(s) and not (s.drafter and s.drafter.window)
+            ]
             if not victims:
                 return False
             victim = victims[-1]
@@ -355,15 +415,29 @@ class Scheduler:
         wanted = sequence.known(0, limit)
         donor, shared = self.prefix.best(wanted)
         for other in self.running:
-            if other.cache is not None and (n := common_prefix(other.known(0, other.cached), wanted)) > shared:
+            if (
+                other.cache is not None
+                and (n := common_prefix(other.known(0, other.cached), wanted)) > shared
+            ):
                 donor, shared = other.cache, n
         bound = self.kv_positions(sequence)
-        if isinstance(donor, SequenceCache) and not donor.holds(shared):  # its sliding layers moved past it
+        if isinstance(donor, SequenceCache) and not donor.holds(
+            shared
+        ):  # its sliding layers moved past it
             donor, shared = None, 0
-        if self.forks and isinstance(donor, SequenceCache) and shared > 0:  # a lockstep group's are not copied
-            sequence.cache, sequence.cached, sequence.donor = donor.fork(shared, bound), shared, donor
+        if (
+            self.forks and isinstance(donor, SequenceCache) and shared > 0
+        ):  # a lockstep group's are not copied
+            sequence.cache, sequence.cached, sequence.donor = (
+                donor.fork(shared, bound),
+                shared,
+                donor,
+            )
         else:
-            sequence.cache, sequence.cached = self.stage.new_cache(greedy=sequence.params.argmax_only), 0
+            sequence.cache, sequence.cached = (
+                self.stage.new_cache(greedy=sequence.params.argmax_only),
+                0,
+            )
             sequence.donor = None
             if isinstance(sequence.cache, SequenceCache):
                 sequence.cache.bound(bound)
@@ -376,9 +450,13 @@ class Scheduler:
         spare = min(SPARE_STEP_ROWS, rows_computed_alike()) - len(decoding)
         for sequence in decoding + [s for s in self.running if s.prefilling and ready(s)]:
             start = sequence.cached
-            follow = sequence.drafter is not None and bool(sequence.drafter.window)  # a window in flight
+            follow = sequence.drafter is not None and bool(
+                sequence.drafter.window
+            )  # a window in flight
             if follow:
-                rows = self._follow_drafts(sequence, min(spare + 1, self.max_step_tokens - len(inputs)))
+                rows = self._follow_drafts(
+                    sequence, min(spare + 1, self.max_step_tokens - len(inputs))
+                )
                 if not rows:
                     continue
                 start, count = self._follow_start(sequence) - len(rows), len(rows)
@@ -388,7 +466,9 @@ class Scheduler:
                 count = min(sequence.prefill_end - start, room, self.prefill_chunk or room)
                 rows = sequence.known(start, start + count)
             else:
-                rows = sequence.tokens[-1:] + self._drafts(sequence, min(spare, self.max_step_tokens - len(inputs) - 1))
+                rows = sequence.tokens[-1:] + self._drafts(
+                    sequence, min(spare, self.max_step_tokens - len(inputs) - 1)
+                )
                 count = len(rows)
                 spare -= count - 1
             if count <= 0 or (spans and len(inputs) + count > self.max_step_tokens):
@@ -408,10 +488,20 @@ class Scheduler:
             return []
         next_position = sequence.cached + 1
         # a lockstep group's caches, on its ranks, grow by position as a sequence's next tokens would
-        held = sequence.cache.capacity() if isinstance(sequence.cache, SequenceCache) else self.kv_positions(sequence)
-        room = min(spare, held - next_position,
-                   sequence.params.max_tokens - sequence.samples - 1, self.context_length - next_position - 1)  # fmt: skip
-        return sequence.drafter.propose(sequence.prompt + sequence.tokens, room, self.step_cost.row_cost)
+        held = (
+            sequence.cache.capacity()
+            if isinstance(sequence.cache, SequenceCache)
+            else self.kv_positions(sequence)
+        )
+        room = min(
+            spare,
+            held - next_position,
+            sequence.params.max_tokens - sequence.samples - 1,
+            self.context_length - next_position - 1,
+        )
+        return sequence.drafter.propose(
+            sequence.prompt + sequence.tokens, room, self.step_cost.row_cost
+        )
 
     @staticmethod
     def _follow_start(sequence: SequenceState) -> int:
@@ -426,9 +516,15 @@ class Scheduler:
         if drafter is None or spare <= 0 or not isinstance(sequence.cache, SequenceCache):
             return []
         first = self._follow_start(sequence)
-        room = min(spare, sequence.cache.capacity() - first, self.context_length - first - 1,
-                   sequence.params.max_tokens - sequence.samples - drafter.pending - 1)  # fmt: skip
-        drafts = drafter.follow(sequence.prompt + sequence.tokens + drafter.window[drafter.accepted :], room)
+        room = min(
+            spare,
+            sequence.cache.capacity() - first,
+            self.context_length - first - 1,
+            sequence.params.max_tokens - sequence.samples - drafter.pending - 1,
+        )
+        drafts = drafter.follow(
+            sequence.prompt + sequence.tokens + drafter.window[drafter.accepted :], room
+        )
         self.speculated.follows += bool(drafts)
         return drafts
 

@@ -45,14 +45,20 @@ MAX_PAUSE_STEPS = 32  # the longest pause of drafting after windows that did not
 ROW_COST = 0.3  # a draft's row, in one-row steps, until measured (the embedded model on 2 threads: 5.2 ms, +1.5 ms a row)
 CHEAP_ROW_COST = 0.15  # rows this cheap (a step waits on links): one-token n-grams are drafted too
 DECAY = 0.7  # the weight of a sequence's earlier windows in its acceptance
-MARGIN = 2.0  # drafting goes on while a draft is accepted this many times more often than its row costs
+MARGIN = (
+    2.0  # drafting goes on while a draft is accepted this many times more often than its row costs
+)
 COST_DECAY = 0.9  # the weight of earlier steps in the measured step times
 
 
-DraftSource = Callable[[list[int], int], list[int]]  # (prompt + tokens so far, the most to draft) -> drafts
+DraftSource = Callable[
+    [list[int], int], list[int]
+]  # (prompt + tokens so far, the most to draft) -> drafts
 
 
-def ngram_draft(history: list[int], limit: int, longest: int = NGRAM_MAX, shortest: int = NGRAM_MIN) -> list[int]:
+def ngram_draft(
+    history: list[int], limit: int, longest: int = NGRAM_MAX, shortest: int = NGRAM_MIN
+) -> list[int]:
     """Up to ``limit`` tokens that followed the latest earlier occurrence of the longest suffix
     of ``history`` (``longest`` down to ``shortest`` tokens); [] when none occurred before."""
     if limit <= 0 or len(history) <= shortest:
@@ -79,15 +85,21 @@ class Speculation:
     mode: str = "auto"
     draft_max: int = DRAFT_MAX
     source: DraftSource = ngram_draft
-    draft_model: str | None = None  # a smaller model that drafts (``runtime/draft_model.py``; one process)
+    draft_model: str | None = (
+        None  # a smaller model that drafts (``runtime/draft_model.py``; one process)
+    )
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"--speculative {self.mode!r}: choose one of {', '.join(MODES)}")
         if not 1 <= self.draft_max <= DRAFT_LIMIT:
-            raise ConfigError(f"--draft-max {self.draft_max}: a window drafts 1 to {DRAFT_LIMIT} tokens")
+            raise ConfigError(
+                f"--draft-max {self.draft_max}: a window drafts 1 to {DRAFT_LIMIT} tokens"
+            )
         if self.draft_model is not None and self.mode not in ("auto", "ngram"):
-            raise ConfigError(f"--draft-model drafts in place of n-grams: not with --speculative {self.mode}")
+            raise ConfigError(
+                f"--draft-model drafts in place of n-grams: not with --speculative {self.mode}"
+            )
 
     @property
     def enabled(self) -> bool:
@@ -97,9 +109,13 @@ class Speculation:
         """As it speculates over a model that has (``drafts_itself``) a multi-token-prediction
         layer or not: ``auto`` takes the layer where there is one; ``mtp`` needs it."""
         if self.draft_model is not None:
-            return self  # the draft model drafts (``serve_local.local_backend`` gives it the source)
+            return (
+                self  # the draft model drafts (``serve_local.local_backend`` gives it the source)
+            )
         if self.mode == "mtp" and not drafts_itself:
-            raise ConfigError("--speculative mtp: the model has no multi-token-prediction layer here")
+            raise ConfigError(
+                "--speculative mtp: the model has no multi-token-prediction layer here"
+            )
         if self.mode in ("auto", "mtp") and drafts_itself:
             return replace(self, mode="mtp", source=offered_only)
         return self
@@ -124,31 +140,46 @@ def from_config(text: str) -> Speculation:
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--speculative-config is not JSON: {exc}") from None
     if not isinstance(config, dict):
-        raise ConfigError("--speculative-config takes a JSON object, such as {\"method\": \"ngram\"}")
+        raise ConfigError('--speculative-config takes a JSON object, such as {"method": "ngram"}')
     unknown = sorted(set(config) - {"method", "model", *CONFIG_NUMBERS})
     if unknown:
-        raise ConfigError(f"--speculative-config: {unknown[0]!r} is not taken here (method, model, {', '.join(CONFIG_NUMBERS)})")
+        raise ConfigError(
+            f"--speculative-config: {unknown[0]!r} is not taken here (method, model, {', '.join(CONFIG_NUMBERS)})"
+        )
     for key in CONFIG_NUMBERS:
-        if key in config and (not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 0):
+        if key in config and (
+            not isinstance(config[key], int) or isinstance(config[key], bool) or config[key] < 0
+        ):
             raise ConfigError(f"--speculative-config: {key} {config[key]!r} is not a whole number")
     draft_max = config.get("num_speculative_tokens", DRAFT_MAX)
     model = config.get("model")
     method = config.get("method", DRAFT_MODEL_METHOD if model is not None else None)
     if (method == DRAFT_MODEL_METHOD) != isinstance(model, str):
-        raise ConfigError(f"--speculative-config: a draft model takes method {DRAFT_MODEL_METHOD!r} (or none) and "
-                          f"\"model\": its path; got method {method!r} and model {model!r}")  # fmt: skip
+        raise ConfigError(
+            f"--speculative-config: a draft model takes method {DRAFT_MODEL_METHOD!r} (or none) and "
+            f'"model": its path; got method {method!r} and model {model!r}'
+        )
     if model is not None:
         return Speculation("auto", draft_max, draft_model=model)
     if method not in CONFIG_METHODS:
-        raise ConfigError(f"--speculative-config: method {method!r}: choose one of "
-                          f"{', '.join([*CONFIG_METHODS, DRAFT_MODEL_METHOD])}")  # fmt: skip
-    longest, shortest = config.get("prompt_lookup_max", NGRAM_MAX), config.get("prompt_lookup_min", NGRAM_MIN)
+        raise ConfigError(
+            f"--speculative-config: method {method!r}: choose one of "
+            f"{', '.join([*CONFIG_METHODS, DRAFT_MODEL_METHOD])}"
+        )
+    longest, shortest = (
+        config.get("prompt_lookup_max", NGRAM_MAX),
+        config.get("prompt_lookup_min", NGRAM_MIN),
+    )
     if not 1 <= shortest <= longest:
-        raise ConfigError(f"--speculative-config: prompt_lookup_min {shortest} and prompt_lookup_max {longest}: "
-                          "1 <= min <= max")  # fmt: skip
+        raise ConfigError(
+            f"--speculative-config: prompt_lookup_min {shortest} and prompt_lookup_max {longest}: "
+            "1 <= min <= max"
+        )
     if (longest, shortest) == (NGRAM_MAX, NGRAM_MIN):
         return Speculation(CONFIG_METHODS[method], draft_max)
-    return Speculation(CONFIG_METHODS[method], draft_max, partial(ngram_draft, longest=longest, shortest=shortest))
+    return Speculation(
+        CONFIG_METHODS[method], draft_max, partial(ngram_draft, longest=longest, shortest=shortest)
+    )
 
 
 @dataclass
@@ -164,9 +195,13 @@ class Drafter:
     tries: float = 0.0  # drafts checked (the accepted and the first rejected), likewise
     window: list[int] = field(default_factory=list)  # drafts being verified
     accepted: int = 0  # of ``window``, accepted so far
-    offered: list[int] | None = None  # drafts a model made for the next window (``runtime/mtp_drafts.py``)
+    offered: list[int] | None = (
+        None  # drafts a model made for the next window (``runtime/mtp_drafts.py``)
+    )
     full: bool = False  # the last window's drafts were all accepted
-    ends: list[int] = field(default_factory=list)  # where each window in flight ends in ``window`` (a pipeline's)
+    ends: list[int] = field(
+        default_factory=list
+    )  # where each window in flight ends in ``window`` (a pipeline's)
 
     def wanted(self) -> int:
         """How many tokens the next window may draft (0 while drafting pauses)."""
@@ -205,7 +240,9 @@ class Drafter:
         against them; the first rejection drops them all."""
         if not self.window or room <= 0:
             return []
-        source = ngram_draft if self.source is offered_only else self.source  # a model drafts after its tokens only
+        source = (
+            ngram_draft if self.source is offered_only else self.source
+        )  # a model drafts after its tokens only
         drafts = source(history, min(room, self.length or self.draft_max))
         self.window += drafts
         if drafts:
@@ -230,7 +267,9 @@ class Drafter:
             return 0, 0
         self.hits = DECAY * self.hits + accepted
         self.tries = DECAY * self.tries + accepted + (accepted < drafted)
-        if accepted == 0 or self.hits < MARGIN * row_cost * self.tries:  # at break-even a draft saves nothing
+        if (
+            accepted == 0 or self.hits < MARGIN * row_cost * self.tries
+        ):  # at break-even a draft saves nothing
             self.misses += 1
             self.length = max(1, (self.length or self.draft_max) // 2)
             self.pause = min(MAX_PAUSE_STEPS, 2 ** (self.misses - 1)) if self.misses > 1 else 0
@@ -253,10 +292,18 @@ class StepCost:
 
     def observe(self, rows: int, seconds: float) -> None:
         if rows == 1:
-            self.one_row_s = seconds if not self.one_row_s else COST_DECAY * self.one_row_s + (1 - COST_DECAY) * seconds
+            self.one_row_s = (
+                seconds
+                if not self.one_row_s
+                else COST_DECAY * self.one_row_s + (1 - COST_DECAY) * seconds
+            )
         elif self.one_row_s:
             extra = max(0.0, seconds - self.one_row_s) / (rows - 1)
-            self.per_row_s = extra if not self.per_row_s else COST_DECAY * self.per_row_s + (1 - COST_DECAY) * extra
+            self.per_row_s = (
+                extra
+                if not self.per_row_s
+                else COST_DECAY * self.per_row_s + (1 - COST_DECAY) * extra
+            )
 
     @property
     def row_cost(self) -> float:
@@ -273,7 +320,9 @@ class SpeculationStats:
     drafted: int = 0
     accepted: int = 0
     follows: int = 0  # windows sent on while one of the sequence's was in flight (a pipeline's)
-    stale: int = 0  # of those, found stale by the last stage (the window before was not accepted whole)
+    stale: int = (
+        0  # of those, found stale by the last stage (the window before was not accepted whole)
+    )
 
     def add(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -296,14 +345,21 @@ def speculated(counts: Iterable[Any]) -> SpeculationStats | None:
     (``Stats``); None when none drafted."""
     total = SpeculationStats()
     for c in counts:
-        total.windows, total.drafted, total.accepted = total.windows + c.windows, total.drafted + c.drafted, \
-            total.accepted + c.accepted  # fmt: skip
+        total.windows, total.drafted, total.accepted = (
+            total.windows + c.windows,
+            total.drafted + c.drafted,
+            total.accepted + c.accepted,
+        )
         total.follows, total.stale = total.follows + c.follows, total.stale + c.stale_windows
     return total if total.windows else None
 
 
-def draws_while_accepted(rows: torch.Tensor, drafts: Sequence[int], generated: Sequence[int],
-                         draw: Callable[[torch.Tensor, list[int]], TokenEvent | None]) -> None:  # fmt: skip
+def draws_while_accepted(
+    rows: torch.Tensor,
+    drafts: Sequence[int],
+    generated: Sequence[int],
+    draw: Callable[[torch.Tensor, list[int]], TokenEvent | None],
+) -> None:
     """A window's draws, wherever it is verified (one process's executor, a pipeline's last
     stage): ``draw(logits, generated so far)`` after each row in turn, while its token is the
     draft in the next row (``rows``: [rows, vocab], or one row's [vocab]); it ends after a failed draw (None), a finishing one, or the first
@@ -312,6 +368,11 @@ def draws_while_accepted(rows: torch.Tensor, drafts: Sequence[int], generated: S
     generated = list(generated)
     for index, logits in enumerate(rows if rows.dim() == 2 else rows.unsqueeze(0)):
         event = draw(logits, generated)
-        if event is None or event.finish_reason is not None or index >= len(drafts) or event.token != drafts[index]:
+        if (
+            event is None
+            or event.finish_reason is not None
+            or index >= len(drafts)
+            or event.token != drafts[index]
+        ):
             return
         generated.append(event.token)

@@ -56,5 +56,7 @@ def token_flags(event: TokenEvent) -> RowFlag:
 
 def token_event(row: TokenRow) -> TokenEvent:
     """The drawn token a token row carries, with the finish reason the last stage's draw gave."""
-    reason = "stop" if row.flags & RowFlag.STOPPED else "length" if row.flags & RowFlag.DONE else None
+    reason = (
+        "stop" if row.flags & RowFlag.STOPPED else "length" if row.flags & RowFlag.DONE else None
+    )
     return TokenEvent(row.token, row.logprob, tuple(row.top), reason)

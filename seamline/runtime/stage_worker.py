@@ -25,11 +25,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from seamline.model.devices import to_host
 from seamline.errors import RequestError
 from seamline.model.cache import Span, logit_rows, logits_by_span
+from seamline.model.devices import to_host
 from seamline.model.stage import Stage
-from seamline.net.frames import EMPTY_HASH, HiddenFrame, Row, RowFlag, TokenFrame, TokenRow, prefix_hash
+from seamline.net.frames import (
+    EMPTY_HASH,
+    HiddenFrame,
+    Row,
+    RowFlag,
+    TokenFrame,
+    TokenRow,
+    prefix_hash,
+)
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
 from seamline.params import SamplingParams
 from seamline.runtime import digest
@@ -39,14 +47,16 @@ from seamline.runtime.mtp_drafts import pipeline_drafts
 from seamline.runtime.pipeline_head import PipelineHead
 from seamline.runtime.sampling import TokenEvent, draw_next, request_seed
 from seamline.runtime.speculation import draws_while_accepted
-from seamline.runtime.step_clock import StepClock
 from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_flags
+from seamline.runtime.step_clock import StepClock
 
 if TYPE_CHECKING:
     from seamline.runtime.group_stage import LockstepStage
 
 log = logging.getLogger("seamline.stage")
-SendHidden = Callable[[list[Row], torch.Tensor, torch.Tensor | None], None]  # rows, hidden states, their token ids
+SendHidden = Callable[
+    [list[Row], torch.Tensor, torch.Tensor | None], None
+]  # rows, hidden states, their token ids
 SendTokens = Callable[[list[TokenRow]], None]
 SendMessage = Callable[[Message], None]
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
@@ -59,12 +69,16 @@ class StageSequence:
     """A later stage's record of a sequence: its cache and how far it has run."""
 
     cache: Any
-    drawing: Drawing | None  # None: a private mesh's last stage learns it from stage 0 with the first frame
+    drawing: (
+        Drawing | None
+    )  # None: a private mesh's last stage learns it from stage 0 with the first frame
     next_position: int = 0
     hash: int = EMPTY_HASH
     done: bool = False
     closed: bool = False  # the request is over; its cache stays until stage 0 forgets it
-    output: list[int] = field(default_factory=list)  # tokens generated so far, read from the frames' ids
+    output: list[int] = field(
+        default_factory=list
+    )  # tokens generated so far, read from the frames' ids
     # the windows since its last plain row, newest last: (position, prefix hash before, ids)
     windows: list[tuple[int, int, list[int]]] = field(default_factory=list)
     drew: tuple[int, int] | None = None  # (position, token) of the last stage's latest draw for it
@@ -89,18 +103,28 @@ class StageLinks:
     """Where this stage's output goes; None where the stage has no such neighbour."""
 
     downstream: SendHidden | None = None  # next stage (hidden frames)
-    downstream_message: SendMessage | None = None  # next stage: Open, Fork, Forget, in order with the frames
+    downstream_message: SendMessage | None = (
+        None  # next stage: Open, Fork, Forget, in order with the frames
+    )
     stage0: SendTokens | None = None  # last stage -> stage 0 (tokens)
     results: SendTokens | None = None  # last stage -> coordinator (tokens)
-    failed: Callable[[list[int], Exception], None] | None = None  # stage 0 could not run these requests
-    digests: Callable[[list[tuple[int, int, int]], torch.Tensor], None] | None = None  # rows, their digests
+    failed: Callable[[list[int], Exception], None] | None = (
+        None  # stage 0 could not run these requests
+    )
+    digests: Callable[[list[tuple[int, int, int]], torch.Tensor], None] | None = (
+        None  # rows, their digests
+    )
 
 
 class StageWorker:
     def __init__(
-        self, stage: Stage | LockstepStage, is_first: bool, is_last: bool, context_length: int = 0,
+        self,
+        stage: Stage | LockstepStage,
+        is_first: bool,
+        is_last: bool,
+        context_length: int = 0,
         kv_budget_bytes: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.stage = stage
         self.dtype = stage.compute_dtype
         self.is_first = is_first
@@ -110,20 +134,36 @@ class StageWorker:
         self.closed: dict[int, None] = {}  # insertion-ordered set of recently closed requests
         self.lock = threading.Lock()
         self.refused = 0
-        self.stale_windows = 0  # the last stage: windows that went on from one not accepted whole, not drawn from
-        self.step_probe: dict[int, float] = {}  # rows -> seconds of one step, as probed after loading
+        self.stale_windows = (
+            0  # the last stage: windows that went on from one not accepted whole, not drawn from
+        )
+        self.step_probe: dict[
+            int, float
+        ] = {}  # rows -> seconds of one step, as probed after loading
         self.prompt_probe: dict[int, float] = {}  # prompt rows -> seconds of a step of that many
         self.probe_quiet = False  # the probe was taken again on an idle stage and quiet cores (``mesh.node.reprobe``)
-        self.forward_lock = threading.Lock()  # a forward at a time: a probe taken while it serves holds it too
+        self.forward_lock = (
+            threading.Lock()
+        )  # a forward at a time: a probe taken while it serves holds it too
         self.busy_seconds = 0.0  # every forward's seconds, prompt chunks' too
-        self.idle = IdleClock()  # waiting with nothing to run (stage 0: its driver; the others: their frames)
+        self.idle = (
+            IdleClock()
+        )  # waiting with nothing to run (stage 0: its driver; the others: their frames)
         self.decode_steps = 0  # forwards of decode rows only, and the seconds they took
         self.decode_seconds = 0.0
-        self.clock = StepClock()  # a decode step's seconds outside its forward, on the stage's thread
+        self.clock = (
+            StepClock()
+        )  # a decode step's seconds outside its forward, on the stage's thread
         self.stages = 1  # the pipeline's stage count (set by the route)
-        self.micro_batches = 1  # batches stage 0 keeps in flight: at least the stage count (set by the route)
-        self.masks: TokenMasks | None = None  # the last stage's grammars, where it holds the tokenizer
-        self.digest_seed = 0  # report every row's digests under this seed (0: none): the coordinator checks them
+        self.micro_batches = (
+            1  # batches stage 0 keeps in flight: at least the stage count (set by the route)
+        )
+        self.masks: TokenMasks | None = (
+            None  # the last stage's grammars, where it holds the tokenizer
+        )
+        self.digest_seed = (
+            0  # report every row's digests under this seed (0: none): the coordinator checks them
+        )
         # A private mesh (``--private``): stage 0 sends on no token id and no sampling parameter (``private``),
         # and the last stage, in the same process, draws with stage 0's records (``source``); both key the
         # rows' prefix hashes (``hash_key``), so a member between them reads no token from a frame.
@@ -149,9 +189,15 @@ class StageWorker:
             with self.lock:
                 if len(self.sequences) >= MAX_SEQUENCES and msg.request not in self.sequences:
                     self.refused += 1
-                    log.warning("refused to open request %d: %d sequences held here already", msg.request, MAX_SEQUENCES)
+                    log.warning(
+                        "refused to open request %d: %d sequences held here already",
+                        msg.request,
+                        MAX_SEQUENCES,
+                    )
                     return
-                self.sequences[msg.request] = StageSequence(self.stage.new_cache(msg.sampling.argmax_only), drawing)
+                self.sequences[msg.request] = StageSequence(
+                    self.stage.new_cache(msg.sampling.argmax_only), drawing
+                )
         self._pass_on(msg)
 
     def close(self, msg: Close) -> None:
@@ -178,7 +224,9 @@ class StageWorker:
                     self.stage.release_cache(seq.cache)
             elif seq is None or (donor := self.sequences.get(msg.donor)) is None:
                 self.refused += 1
-                log.warning("refused fork of request %d from %d: not both open here", msg.request, msg.donor)
+                log.warning(
+                    "refused fork of request %d from %d: not both open here", msg.request, msg.donor
+                )
             else:
                 self.stage.release_cache(seq.cache)
                 seq.cache, seq.done, seq.output = donor.cache.fork(msg.positions), False, []
@@ -196,7 +244,9 @@ class StageWorker:
         None, and the first frame (which leaves stage 0 only after the prompt) resolves it."""
         if self.source is not None:
             return self.source.drawing(msg.request)
-        return Drawing(msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length)
+        return Drawing(
+            msg.sampling, request_seed(msg.sampling.seed), msg.prompt_len, msg.context_length
+        )
 
     def holdings(self) -> dict[str, int]:
         """The sequences open here and the KV cache bytes they hold, and the bytes of finished
@@ -207,8 +257,12 @@ class StageWorker:
             with self.lock:
                 open_caches = [seq.cache for seq in self.sequences.values() if not seq.closed]
                 kept = [seq.cache for seq in self.sequences.values() if seq.closed]
-        return {"sequences": len(open_caches), "kv_bytes": _nbytes(open_caches), "kept_kv_bytes": _nbytes(kept),
-                "micro_batches": self.micro_batches if self.is_first else 0}  # fmt: skip
+        return {
+            "sequences": len(open_caches),
+            "kv_bytes": _nbytes(open_caches),
+            "kept_kv_bytes": _nbytes(kept),
+            "micro_batches": self.micro_batches if self.is_first else 0,
+        }
 
     def speculated(self) -> dict[str, int]:
         """Stage 0: its windows, drafts, accepted drafts and windows sent on behind others so far;
@@ -217,8 +271,13 @@ class StageWorker:
         if self.head is None:
             return counts
         stats = self.head.scheduler.speculated
-        return {**counts, "windows": stats.windows, "drafted": stats.drafted, "accepted": stats.accepted,
-                "follows": stats.follows}  # fmt: skip
+        return {
+            **counts,
+            "windows": stats.windows,
+            "drafted": stats.drafted,
+            "accepted": stats.accepted,
+            "follows": stats.follows,
+        }
 
     # -- data path ----------------------------------------------------------------------
     def prompt(self, msg: Prompt) -> None:
@@ -238,12 +297,19 @@ class StageWorker:
         boundary = self.stage.boundary_shape
         if tuple(frame.tensor.shape[1:]) != boundary or frame.tensor.dtype != self.dtype:
             self.refused += 1
-            log.warning("refused frame: tensor %s %s, this stage takes [tokens, %s] %s", frame.tensor.dtype,
-                        tuple(frame.tensor.shape), ", ".join(map(str, boundary)), self.dtype)  # fmt: skip
+            log.warning(
+                "refused frame: tensor %s %s, this stage takes [tokens, %s] %s",
+                frame.tensor.dtype,
+                tuple(frame.tensor.shape),
+                ", ".join(map(str, boundary)),
+                self.dtype,
+            )
             return
         if frame.ids is None and (self.stage.passes_ids or (self.is_last and self.source is None)):
             self.refused += 1
-            log.warning("refused frame: no token ids beside the hidden state, which this stage needs")
+            log.warning(
+                "refused frame: no token ids beside the hidden state, which this stage needs"
+            )
             return
         self.clock.begin()
         with self.lock:
@@ -267,7 +333,10 @@ class StageWorker:
                 seq.next_position += row.count
                 seq.hash = row.hash_after
                 if row.flags & RowFlag.WINDOW and ids is not None:
-                    seq.windows = [*seq.windows[-WINDOWS_KEPT + 1 :], (row.position, row.hash_before, ids.tolist())]
+                    seq.windows = [
+                        *seq.windows[-WINDOWS_KEPT + 1 :],
+                        (row.position, row.hash_before, ids.tolist()),
+                    ]
                 else:
                     seq.windows = []
                 assert seq.drawing is not None  # _check_row resolved it
@@ -291,17 +360,31 @@ class StageWorker:
         inputs = work[0].inputs if len(work) == 1 else torch.cat([w.inputs for w in work])
         spans, offset = [], 0
         for w in work:
-            spans.append(Span(offset, w.row.count, w.row.position, w.cache, rowwise=bool(w.row.flags & RowFlag.WINDOW)))
+            spans.append(
+                Span(
+                    offset,
+                    w.row.count,
+                    w.row.position,
+                    w.cache,
+                    rowwise=bool(w.row.flags & RowFlag.WINDOW),
+                )
+            )
             offset += w.row.count
         started, cpu_started = time.perf_counter(), time.thread_time()
-        ids = self._ids(work, inputs)  # every frame carries them: the sampler counts generated tokens
+        ids = self._ids(
+            work, inputs
+        )  # every frame carries them: the sampler counts generated tokens
         windowed = self.is_last and any(s.rowwise for s in spans)
         # a window draws after every row: its every row's logits
-        rows: dict[str, Any] = {"logit_rows": logit_rows(spans)} if windowed else {"last_only": self.is_last}
+        rows: dict[str, Any] = (
+            {"logit_rows": logit_rows(spans)} if windowed else {"last_only": self.is_last}
+        )
         if self.stage.passes_ids:
             rows["ids"] = ids
         with self.forward_lock:
-            out = to_host(self.stage.forward_batch(inputs, spans, **rows))  # a GPU stage's one crossing out
+            out = to_host(
+                self.stage.forward_batch(inputs, spans, **rows)
+            )  # a GPU stage's one crossing out
         spent = time.perf_counter() - started
         self.busy_seconds += spent
         decode_only = all(w.row.count == 1 for w in work)
@@ -310,14 +393,21 @@ class StageWorker:
             self.decode_steps += 1
             self.decode_seconds += spent
         if self.digest_seed and self.links.digests is not None:
-            self.links.digests([(w.row.request, w.row.position, w.row.count) for w in work], self._digests(work, inputs, out))
+            self.links.digests(
+                [(w.row.request, w.row.position, w.row.count) for w in work],
+                self._digests(work, inputs, out),
+            )
         if not self.is_last:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
             self.links.downstream([w.row for w in work], out, ids)
             return []
-        draws = [self._sample(w, logits) if w.row.flags & RowFlag.SAMPLE else []
-                 for w, logits in zip(work, logits_by_span(spans, out) if windowed else out)]  # fmt: skip
-        if getattr(self.stage, "mtp", None) is not None:  # the model's drafts travel back with the tokens
+        draws = [
+            self._sample(w, logits) if w.row.flags & RowFlag.SAMPLE else []
+            for w, logits in zip(work, logits_by_span(spans, out) if windowed else out)
+        ]
+        if (
+            getattr(self.stage, "mtp", None) is not None
+        ):  # the model's drafts travel back with the tokens
             draws = pipeline_drafts(self.stage, work, draws)  # type: ignore[arg-type]
         sampled = [token for drawn in draws for token in drawn]
         if sampled and not self.is_first and self.links.stage0 is not None:
@@ -337,7 +427,9 @@ class StageWorker:
             if not self.is_first:
                 result[i, 0] = digest.digest(inputs[rows], w.row.position, self.digest_seed)
             if self.is_last:
-                result[i, 1] = digest.digest(out[i : i + 1], w.row.position + w.row.count - 1, self.digest_seed)
+                result[i, 1] = digest.digest(
+                    out[i : i + 1], w.row.position + w.row.count - 1, self.digest_seed
+                )
             else:
                 result[i, 1] = digest.digest(out[rows], w.row.position, self.digest_seed)
             offset += w.row.count
@@ -348,7 +440,9 @@ class StageWorker:
         if self.is_first:
             return inputs if not self.private or self.stage.passes_ids else None
         parts = [w.ids for w in work]
-        if any(p is None for p in parts):  # a private mesh's: no ids travel where no layer needs them
+        if any(
+            p is None for p in parts
+        ):  # a private mesh's: no ids travel where no layer needs them
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts)  # type: ignore[arg-type,return-value]
 
@@ -367,7 +461,12 @@ class StageWorker:
             seq.drawing = self.source.drawing(row.request)
         if seq.drawing is None:
             raise OutOfStep(f"request {row.request} is not open on stage 0 here")
-        if row.position == 0 and row.flags & RowFlag.FIRST and row.hash_before == EMPTY_HASH and seq.next_position:
+        if (
+            row.position == 0
+            and row.flags & RowFlag.FIRST
+            and row.hash_before == EMPTY_HASH
+            and seq.next_position
+        ):
             self._start_over(seq)  # stage 0 preempted it and computes it again
         if row.position < seq.next_position and self._resumes_window(seq, row):
             seq.rewind(row.position, row.hash_before)  # the drafts after it were rejected
@@ -383,9 +482,12 @@ class StageWorker:
     def _resumes_window(self, seq: StageSequence, row: Row) -> bool:
         """Whether ``row`` goes on inside one of the windows since the last plain row: after the
         tokens accepted there, with the prefix hash of those positions."""
-        return any(start <= row.position < start + len(ids) and
-                   row.hash_before == prefix_hash(hash_before, ids[: row.position - start], self.hash_key)
-                   for start, hash_before, ids in seq.windows)  # fmt: skip
+        return any(
+            start <= row.position < start + len(ids)
+            and row.hash_before
+            == prefix_hash(hash_before, ids[: row.position - start], self.hash_key)
+            for start, hash_before, ids in seq.windows
+        )
 
     def _ended_before(self, row: Row) -> bool:
         """A window sent on after one that ended its sequence (a stale window): expected, so
@@ -409,24 +511,50 @@ class StageWorker:
         needs_output = drawing.params.penalised or bool(drawing.params.grammar)
         output = self._output(row.request, seq, drawing) if needs_output else []
         if needs_output and seq is not None and self.head is None and self.source is None:
-            output = output[: len(output) - len(drafts)]  # a later stage read the drafts as output too
+            output = output[
+                : len(output) - len(drafts)
+            ]  # a later stage read the drafts as output too
         first = row.position + (1 if windowed else row.count)  # the first draw's position
-        hashes = [prefix_hash(row.hash_before, w.token_ids()[:1], self.hash_key) if windowed else row.hash_after]
+        hashes = [
+            prefix_hash(row.hash_before, w.token_ids()[:1], self.hash_key)
+            if windowed
+            else row.hash_after
+        ]
         rows: list[TokenRow] = []
 
         def draw(these: torch.Tensor, generated: list[int]) -> TokenEvent | None:
             position = first + len(rows)
             try:
-                allowed = grammar_mask(self.masks, row.request, drawing.params, generated, these.shape[-1])
+                allowed = grammar_mask(
+                    self.masks, row.request, drawing.params, generated, these.shape[-1]
+                )
             except RequestError as exc:
                 self._failed(seq, row.request, exc)
                 rows.clear()
                 return None
-            event = draw_next(these, drawing.params, drawing.seed, position, generated, allowed, drawing.prompt_len,
-                              drawing.context_length)  # fmt: skip
+            event = draw_next(
+                these,
+                drawing.params,
+                drawing.seed,
+                position,
+                generated,
+                allowed,
+                drawing.prompt_len,
+                drawing.context_length,
+            )
             hashes.append(prefix_hash(hashes[-1], [event.token], self.hash_key))
-            rows.append(TokenRow(row.request, position, event.token, hashes[-2], hashes[-1], int(token_flags(event)),
-                                 event.logprob, event.top))  # fmt: skip
+            rows.append(
+                TokenRow(
+                    row.request,
+                    position,
+                    event.token,
+                    hashes[-2],
+                    hashes[-1],
+                    int(token_flags(event)),
+                    event.logprob,
+                    event.top,
+                )
+            )
             if seq is not None:
                 seq.drew = (position, event.token)
                 seq.done = seq.done or event.finish_reason is not None
@@ -467,6 +595,10 @@ def _stripped(msg: Message) -> Message:
     """What a private mesh's stage 0 tells the members of a request: that it is open, and its
     lengths (its rows show them anyway), not how it samples (token ids: bias, stops, grammar)."""
     if isinstance(msg, Open):
-        return Open(request=msg.request, sampling=SamplingParams(), prompt_len=msg.prompt_len,
-                    context_length=msg.context_length)  # fmt: skip
+        return Open(
+            request=msg.request,
+            sampling=SamplingParams(),
+            prompt_len=msg.prompt_len,
+            context_length=msg.context_length,
+        )
     return msg

@@ -26,10 +26,14 @@ class StepClock:
     def __init__(self, kept: int = KEPT_STEPS) -> None:
         self._few: deque[float] = deque(maxlen=kept)  # seconds outside the forward
         self._many: deque[tuple[int, float]] = deque(maxlen=kept)  # (rows, seconds outside)
-        self._few_wall: deque[float] = deque(maxlen=kept)  # a one-row cycle's wall seconds, forward included
+        self._few_wall: deque[float] = deque(
+            maxlen=kept
+        )  # a one-row cycle's wall seconds, forward included
         self._began: float | None = None
         self._began_wall = 0.0
-        self._forwards: list[tuple[float, int | None]] = []  # (seconds, decode rows; None: prompt rows too)
+        self._forwards: list[
+            tuple[float, int | None]
+        ] = []  # (seconds, decode rows; None: prompt rows too)
 
     def begin(self, counted: bool = True) -> None:
         """A cycle starts; one that also starts or ends requests is not a step's (``counted``)."""
@@ -40,7 +44,11 @@ class StepClock:
         self._forwards.append((seconds, decode_rows))
 
     def end(self) -> None:
-        if self._began is not None and len(self._forwards) == 1 and (rows := self._forwards[0][1]) is not None:
+        if (
+            self._began is not None
+            and len(self._forwards) == 1
+            and (rows := self._forwards[0][1]) is not None
+        ):
             outside = max(0.0, time.thread_time() - self._began - self._forwards[0][0])
             if rows <= FEW_ROWS:
                 self._few.append(outside)
@@ -60,7 +68,9 @@ class StepClock:
         many = list(self._many)
         found = {1: _median(self._few)} if self._few else {}
         if many:
-            found[round(statistics.median(r for r, _ in many))] = statistics.median(s for _, s in many)
+            found[round(statistics.median(r for r, _ in many))] = statistics.median(
+                s for _, s in many
+            )
         return found
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import AbstractContextManager, nullcontext
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,28 +43,42 @@ class NotProbed(Exception):
 
 
 @torch.inference_mode()
-def probe_steps(stage: Stage | LockstepStage, rows: tuple[int, ...] = PROBE_ROWS, repeats: int = REPEATS,
-                depth: int = PROBE_DEPTH, lock: AbstractContextManager = nullcontext(),
-                ) -> dict[int, float]:  # fmt: skip
+def probe_steps(
+    stage: Stage | LockstepStage,
+    rows: tuple[int, ...] = PROBE_ROWS,
+    repeats: int = REPEATS,
+    depth: int = PROBE_DEPTH,
+    lock: AbstractContextManager = nullcontext(),
+) -> dict[int, float]:
     """Per row count, the median of ``repeats`` steps of that many one-row spans (one sequence
     each, ``depth`` positions in), as a decode step runs them; the stage's inputs are token ids
     or hidden states as it takes them. A lockstep group's steps run through the whole group:
     every rank's shard and the gates between them. Each forward holds ``lock`` (a serving
     stage's: its requests' forwards wait for one probe forward at most)."""
     if getattr(stage, "passes_ids", False) or not stage.forks_caches:
-        raise NotProbed("the probe takes one hidden row per token and copies of one cache; this stage "
-                        "(DeepSeek-V4's hyper-connected residual and compressed caches) has neither")
+        raise NotProbed(
+            "the probe takes one hidden row per token and copies of one cache; this stage "
+            "(DeepSeek-V4's hyper-connected residual and compressed caches) has neither"
+        )
     prefilled = stage.new_cache()
     try:
         with lock:
             stage.forward(_inputs(stage, depth), 0, prefilled, last_only=True)
-        return {count: _typical_step(stage, prefilled, count, repeats, depth, lock) for count in rows}
+        return {
+            count: _typical_step(stage, prefilled, count, repeats, depth, lock) for count in rows
+        }
     finally:
         stage.release_cache(prefilled)
 
 
-def _typical_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repeats: int, depth: int,
-                  lock: AbstractContextManager) -> float:  # fmt: skip
+def _typical_step(
+    stage: Stage | LockstepStage,
+    prefilled: Any,
+    count: int,
+    repeats: int,
+    depth: int,
+    lock: AbstractContextManager,
+) -> float:
     from seamline.model.cache import Span
 
     caches = [prefilled.fork(depth) for _ in range(count)]
@@ -73,7 +87,7 @@ def _typical_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repe
         seconds = []
         for step in range(repeats + 1):
             spans = [Span(i, 1, depth + step, cache) for i, cache in enumerate(caches)]
-            seconds.append(_timed(lock, lambda: stage.forward_batch(inputs, spans, last_only=True)))
+            seconds.append(_timed(lock, lambda: stage.forward_batch(inputs, spans, last_only=True)))  # noqa: B023 (called at once)
         return statistics.median(seconds[1:])  # the first warms the row count's buffers up
     finally:
         for cache in caches:  # a lockstep group's live on every rank until released
@@ -81,8 +95,13 @@ def _typical_step(stage: Stage | LockstepStage, prefilled: Any, count: int, repe
 
 
 @torch.inference_mode()
-def probe_prompt(stage: Stage | LockstepStage, rows: tuple[int, ...] = PROMPT_ROWS, repeats: int = REPEATS,
-                 lock: AbstractContextManager = nullcontext(), chunk: int = PROMPT_CHUNK) -> dict[int, float]:
+def probe_prompt(
+    stage: Stage | LockstepStage,
+    rows: tuple[int, ...] = PROMPT_ROWS,
+    repeats: int = REPEATS,
+    lock: AbstractContextManager = nullcontext(),
+    chunk: int = PROMPT_CHUNK,
+) -> dict[int, float]:
     """Per count in ``rows``, the median of ``repeats`` steps of that many prompt rows: new
     sequences' first chunks of at most ``chunk`` rows each (a step of more rows holds several)."""
     return {count: _typical_prompt_s(stage, _chunks(count, chunk), repeats, lock) for count in rows}
@@ -93,20 +112,29 @@ def _chunks(rows: int, chunk: int) -> list[int]:
     return [chunk] * whole + ([rest] if rest else [])
 
 
-def _typical_prompt_s(stage: Stage | LockstepStage, chunks: list[int], repeats: int,
-                      lock: AbstractContextManager) -> float:  # fmt: skip
+def _typical_prompt_s(
+    stage: Stage | LockstepStage, chunks: list[int], repeats: int, lock: AbstractContextManager
+) -> float:
     inputs = _inputs(stage, sum(chunks))
-    return statistics.median([_new_prompts_s(stage, inputs, chunks, lock) for _ in range(repeats + 1)][1:])
+    return statistics.median(
+        [_new_prompts_s(stage, inputs, chunks, lock) for _ in range(repeats + 1)][1:]
+    )
 
 
-def _new_prompts_s(stage: Stage | LockstepStage, inputs: torch.Tensor, chunks: list[int],
-                   lock: AbstractContextManager) -> float:  # fmt: skip
+def _new_prompts_s(
+    stage: Stage | LockstepStage,
+    inputs: torch.Tensor,
+    chunks: list[int],
+    lock: AbstractContextManager,
+) -> float:
     from seamline.model.cache import Span
 
     caches = [stage.new_cache() for _ in chunks]
     try:
         starts = [sum(chunks[:i]) for i in range(len(chunks))]
-        spans = [Span(start, count, 0, cache) for start, count, cache in zip(starts, chunks, caches)]
+        spans = [
+            Span(start, count, 0, cache) for start, count, cache in zip(starts, chunks, caches)
+        ]
         return _timed(lock, lambda: stage.forward_batch(inputs, spans, last_only=True))
     finally:
         for cache in caches:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Iterable
 from typing import Any
 
 from seamline.errors import SeamlineError
@@ -23,7 +23,9 @@ class ApiLimits:
     max_body_bytes: int = int(DEFAULT_MAX_BODY_MB * 2**20)
     max_prompt_tokens: int | None = None
     max_concurrent_per_key: int | None = None
-    admin_key: str | None = None  # a mesh's administrator's: /api/admin/ takes it only (checked before the body)
+    admin_key: str | None = (
+        None  # a mesh's administrator's: /api/admin/ takes it only (checked before the body)
+    )
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,11 @@ class ApiOptions:
             raise SeamlineError(f"cannot read --ssl-certfile: {exc}") from None
 
     def uvicorn_kwargs(self) -> dict[str, Any]:
-        return {"ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile} if self.ssl_certfile else {}
+        return (
+            {"ssl_certfile": self.ssl_certfile, "ssl_keyfile": self.ssl_keyfile}
+            if self.ssl_certfile
+            else {}
+        )
 
 
 def read_keys(given: Iterable[str], files: Iterable[str], env_value: str | None) -> tuple[str, ...]:
@@ -55,23 +61,44 @@ def read_keys(given: Iterable[str], files: Iterable[str], env_value: str | None)
     keys = [k.strip() for k in given]
     for name in files:
         lines = Path(name).read_text().splitlines()
-        keys += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        keys += [
+            line.strip() for line in lines if line.strip() and not line.strip().startswith("#")
+        ]
     if env_value:
         keys += [k.strip() for k in env_value.split(",")]
     return tuple(dict.fromkeys(k for k in keys if k))
 
 
 def add_api_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                        help=f"a key callers must send as `Authorization: Bearer KEY` (repeatable; also a file "
-                             f"with --api-key-file, or ${KEY_ENV}, comma-separated: these keep keys out of `ps`)")
-    parser.add_argument("--api-key-file", action="append", default=[], metavar="PATH", help="API keys, one per line")
-    parser.add_argument("--max-body-mb", type=float, default=DEFAULT_MAX_BODY_MB,
-                        help="largest request body taken (413 beyond)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=None, help="longest prompt taken (400 beyond)")
-    parser.add_argument("--max-concurrent-per-key", type=int, default=None,
-                        help="requests in flight per API key, or in all without keys (429 beyond)")
-    parser.add_argument("--ssl-certfile", default=None, help="serve the API over HTTPS with this certificate")
+    parser.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help=f"a key callers must send as `Authorization: Bearer KEY` (repeatable; also a file "
+        f"with --api-key-file, or ${KEY_ENV}, comma-separated: these keep keys out of `ps`)",
+    )
+    parser.add_argument(
+        "--api-key-file", action="append", default=[], metavar="PATH", help="API keys, one per line"
+    )
+    parser.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=DEFAULT_MAX_BODY_MB,
+        help="largest request body taken (413 beyond)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="longest prompt taken (400 beyond)"
+    )
+    parser.add_argument(
+        "--max-concurrent-per-key",
+        type=int,
+        default=None,
+        help="requests in flight per API key, or in all without keys (429 beyond)",
+    )
+    parser.add_argument(
+        "--ssl-certfile", default=None, help="serve the API over HTTPS with this certificate"
+    )
     parser.add_argument("--ssl-keyfile", default=None, help="the certificate's private key")
 
 
@@ -82,6 +109,10 @@ def api_options(args: argparse.Namespace) -> ApiOptions:
         keys = read_keys(args.api_key, args.api_key_file, os.environ.get(KEY_ENV))
     except OSError as exc:
         raise SeamlineError(f"cannot read an API key file: {exc}") from None
-    limits = ApiLimits(keys=keys, max_body_bytes=int(args.max_body_mb * 2**20), max_prompt_tokens=args.max_prompt_tokens,
-                       max_concurrent_per_key=args.max_concurrent_per_key)  # fmt: skip
+    limits = ApiLimits(
+        keys=keys,
+        max_body_bytes=int(args.max_body_mb * 2**20),
+        max_prompt_tokens=args.max_prompt_tokens,
+        max_concurrent_per_key=args.max_concurrent_per_key,
+    )
     return ApiOptions(limits, args.ssl_certfile, args.ssl_keyfile)

@@ -27,8 +27,12 @@ from seamline.server.openai_schema import bad_request, validation_error
 from seamline.text import TextCodec
 
 LARGE_BODY_BYTES = 1 << 20  # a body parsed in place below this takes ~1 ms of the event loop
-LARGE_SLOTS = 1  # large bodies expanded at once: parsing and tokenising cost tens of times a body's size
-PIECE_CHARS = 1 << 16  # a long prompt is tokenised this many characters at a time while it is counted
+LARGE_SLOTS = (
+    1  # large bodies expanded at once: parsing and tokenising cost tens of times a body's size
+)
+PIECE_CHARS = (
+    1 << 16
+)  # a long prompt is tokenised this many characters at a time while it is counted
 CUT_WINDOW = 1 << 10  # a piece ends where a word begins, looked for this far back
 CUT_SLACK = 16  # tokens a cut may add to a count (the pieces' tokens against the whole's)
 
@@ -40,8 +44,11 @@ def parse_body(raw: bytes, content_type: str | None, model: type[M]) -> M:
     if not raw:
         raise bad_request("the request body must be a JSON object", None, "invalid_body")
     if not _is_json(content_type):  # no CORS preflight for other types: see openai_api.create_app
-        raise bad_request("the request body must be JSON, sent with Content-Type: application/json", None,
-                          "invalid_body")  # fmt: skip
+        raise bad_request(
+            "the request body must be JSON, sent with Content-Type: application/json",
+            None,
+            "invalid_body",
+        )
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -54,7 +61,9 @@ def _is_json(content_type: str | None) -> bool:
     message = email.message.Message()
     message["content-type"] = content_type
     subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
 
 
 class LargeBodies:

@@ -12,13 +12,12 @@ import anyio
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend
 from seamline.runtime.sampling import TokenEvent
+from seamline.server.harmony import HarmonySplitter
 from seamline.server.logprobs import chat_logprobs, completion_logprobs
 from seamline.server.metrics import RequestMeter
-from seamline.server.harmony import HarmonySplitter
 from seamline.server.reasoning import Splitter
 from seamline.server.tools import ToolCall, ToolStream
 from seamline.text import StreamDecoder
-
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,9 @@ class Piece:
 class Generation:
     """One request's tokens as text: counts them, applies stop strings, knows why it ended."""
 
-    def __init__(self, backend: Backend, prompt: list[int], params: SamplingParams, meter: RequestMeter) -> None:
+    def __init__(
+        self, backend: Backend, prompt: list[int], params: SamplingParams, meter: RequestMeter
+    ) -> None:
         self.meter = meter
         self.codec = backend.codec
         self.text_offset = 0  # a completion's characters before the next token (its echo, if any)
@@ -47,8 +48,12 @@ class Generation:
         self._first: TokenEvent | None = None
         self._closed = False
         self.logprobs = params.logprobs is not None
-        self.thinker: Splitter | None = None  # a chat whose template has reasoning (``split_reasoning``)
-        self.tools: ToolStream | None = None  # a chat whose answer is parsed for tool calls (``parse_tools``)
+        self.thinker: Splitter | None = (
+            None  # a chat whose template has reasoning (``split_reasoning``)
+        )
+        self.tools: ToolStream | None = (
+            None  # a chat whose answer is parsed for tool calls (``parse_tools``)
+        )
         self.named_tool = False  # tool_choice named a function: it ends with "stop", as OpenAI's
 
     def split_reasoning(self, splitter: Splitter) -> None:

@@ -41,18 +41,25 @@ class GrammarCheck:
         ``size_param`` (default ``param``) when it is too large (checked first: no compile)."""
         size = len(grammar.encode())
         if size > MAX_GRAMMAR_BYTES:
-            raise bad_request(f"{what} makes a grammar of {size} bytes; at most {MAX_GRAMMAR_BYTES} are taken",
-                              size_param or param, "grammar_too_large")  # fmt: skip
+            raise bad_request(
+                f"{what} makes a grammar of {size} bytes; at most {MAX_GRAMMAR_BYTES} are taken",
+                size_param or param,
+                "grammar_too_large",
+            )
         error = compile_check(grammar, self.tokenizer())
         if error:
-            raise bad_request(f"{what} cannot be compiled into a grammar: {error}", param, "invalid_grammar")
+            raise bad_request(
+                f"{what} cannot be compiled into a grammar: {error}", param, "invalid_grammar"
+            )
         return grammar
 
     def json_schema(self, schema: dict[str, Any], param: str, what: str = "the JSON schema") -> str:
         try:
             grammar = LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=COMPACT)
         except (ValueError, TypeError) as exc:
-            raise bad_request(f"{what} is not a JSON schema: {exc}", param, "invalid_grammar") from None
+            raise bad_request(
+                f"{what} is not a JSON schema: {exc}", param, "invalid_grammar"
+            ) from None
         return self.check(grammar, param, what)
 
     def response_format(self, fmt: ResponseFormat | None) -> str:

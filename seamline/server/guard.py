@@ -24,7 +24,11 @@ from seamline.server.api_options import ApiLimits
 from seamline.server.openai_schema import error_body
 
 log = logging.getLogger("seamline.api")
-OPEN_PATHS = ("/health", "/", "/console.js")  # the console's page and script hold no data: it asks for a key
+OPEN_PATHS = (
+    "/health",
+    "/",
+    "/console.js",
+)  # the console's page and script hold no data: it asks for a key
 OPEN_PREFIXES = ("/fragments/",)  # its route checks a member's token
 ADMIN_PREFIX = "/api/admin/"  # mesh/control/admin.py's routes (which check the key again)
 SMALL_BODY_BYTES = 64 << 10  # an open or administration route's body (an invite's options at most)
@@ -79,25 +83,49 @@ class Guard:
         for key in self.limits.keys:
             if given is not None and hmac.compare_digest(given.encode(), key.encode()):
                 return key
-        log.warning("refused %s %s from %s: %s", scope["method"], scope["path"], _client(scope),
-                    "no API key" if given is None else "a wrong API key")  # fmt: skip
-        raise _Refusal(401, "Incorrect or missing API key: send `Authorization: Bearer KEY` with a key this "
-                       "server was started with (--api-key).", "invalid_request_error", "invalid_api_key",
-                       {"WWW-Authenticate": "Bearer"})  # fmt: skip
+        log.warning(
+            "refused %s %s from %s: %s",
+            scope["method"],
+            scope["path"],
+            _client(scope),
+            "no API key" if given is None else "a wrong API key",
+        )
+        raise _Refusal(
+            401,
+            "Incorrect or missing API key: send `Authorization: Bearer KEY` with a key this "
+            "server was started with (--api-key).",
+            "invalid_request_error",
+            "invalid_api_key",
+            {"WWW-Authenticate": "Bearer"},
+        )
 
     def _check_admin(self, scope: Scope) -> None:
         given, key = _bearer(scope), self.limits.admin_key or ""
         if given is None or not hmac.compare_digest(given.encode(), key.encode()):
-            log.warning("refused %s %s from %s: not the administrator's key", scope["method"], scope["path"],
-                        _client(scope))  # fmt: skip
-            raise _Refusal(401, "the administrator's key is required (admin.key in the mesh's state directory)",
-                           "invalid_request_error", "invalid_admin_key", {"WWW-Authenticate": "Bearer"})  # fmt: skip
+            log.warning(
+                "refused %s %s from %s: not the administrator's key",
+                scope["method"],
+                scope["path"],
+                _client(scope),
+            )
+            raise _Refusal(
+                401,
+                "the administrator's key is required (admin.key in the mesh's state directory)",
+                "invalid_request_error",
+                "invalid_admin_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
 
     def _admit(self, key: str) -> None:
         limit = self.limits.max_concurrent_per_key
         if limit is not None and self.in_flight[key] >= limit:
-            raise _Refusal(429, f"this API key has {limit} requests in flight, the most this server takes at once "
-                           "per key; try again when one has finished", "rate_limit_error", "concurrency_limit")  # fmt: skip
+            raise _Refusal(
+                429,
+                f"this API key has {limit} requests in flight, the most this server takes at once "
+                "per key; try again when one has finished",
+                "rate_limit_error",
+                "concurrency_limit",
+            )
         self.in_flight[key] += 1
 
     async def _read_body(self, scope: Scope, receive: Receive, limit: int) -> Receive:
@@ -116,7 +144,9 @@ class Guard:
             if size > limit:
                 raise _too_large(limit)
             more = message.get("more_body", False)
-        return _replay([{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive)
+        return _replay(
+            [{"type": "http.request", "body": b"".join(chunks), "more_body": False}], receive
+        )
 
 
 def _replay(first: list[Message], receive: Receive) -> Receive:
@@ -127,8 +157,12 @@ def _replay(first: list[Message], receive: Receive) -> Receive:
 
 
 def _too_large(limit: int) -> _Refusal:
-    return _Refusal(413, f"the request body is larger than {limit} bytes, the most this server takes",
-                    "invalid_request_error", "body_too_large")  # fmt: skip
+    return _Refusal(
+        413,
+        f"the request body is larger than {limit} bytes, the most this server takes",
+        "invalid_request_error",
+        "body_too_large",
+    )
 
 
 def _is_open(path: str) -> bool:

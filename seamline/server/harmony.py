@@ -85,7 +85,11 @@ class HarmonySplitter:
                 return True
             return False
         self.header, self.pending = self.pending[:at], self.pending[at + len(MESSAGE) :]
-        channel = self.header.split(CHANNEL, 1)[1].split("<|", 1)[0].split() if CHANNEL in self.header else []
+        channel = (
+            self.header.split(CHANNEL, 1)[1].split("<|", 1)[0].split()
+            if CHANNEL in self.header
+            else []
+        )
         self.reasoning = bool(channel) and channel[0] in REASONING_CHANNELS
         self.in_header = False
         recipient = RECIPIENT.search(self.header)
@@ -103,5 +107,8 @@ class HarmonySplitter:
             self.in_header, self.header = True, ""
             return shown, True
         hold = max(partial_tag(self.pending, marker) for marker in ENDS)
-        shown, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold :]
+        shown, self.pending = (
+            self.pending[: len(self.pending) - hold],
+            self.pending[len(self.pending) - hold :],
+        )
         return shown, False

@@ -21,16 +21,26 @@ def chat_logprobs(codec: TextCodec, tokens: Sequence[TokenEvent]) -> dict[str, A
         text = token_text(codec, token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
-                        for t in tokens]}  # fmt: skip
+    return {
+        "content": [
+            {**entry(t.token, t.logprob), "top_logprobs": [entry(i, lp) for i, lp in t.top]}
+            for t in tokens
+        ]
+    }
 
 
-def completion_logprobs(codec: TextCodec, tokens: Sequence[TokenEvent], offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    codec: TextCodec, tokens: Sequence[TokenEvent], offset: int
+) -> dict[str, Any]:
     """``offset``: where the first token's text starts in the choice's text."""
     texts = [token_text(codec, t.token) for t in tokens]
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": texts, "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{token_text(codec, i): lp for i, lp in t.top} for t in tokens], "text_offset": offsets}
+    return {
+        "tokens": texts,
+        "token_logprobs": [t.logprob for t in tokens],
+        "top_logprobs": [{token_text(codec, i): lp for i, lp in t.top} for t in tokens],
+        "text_offset": offsets,
+    }

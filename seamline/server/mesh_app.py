@@ -28,11 +28,20 @@ def run_serve(options: ServeOptions, api: ApiOptions | None = None) -> int:
     def announce() -> None:  # once the API's port listens: what it prints can be used at once
         where = f"{api.scheme}://{url_host(options.host)}:{options.port}/v1"
         print(f"seamline: serving {mesh.coordinator.model.name} on {where}", flush=True)
-        print(f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}", flush=True)
+        print(
+            f"seamline: invite token (valid {options.invite_ttl_s / 3600:.0f} h): {mesh.token}",
+            flush=True,
+        )
         print(f"seamline: join with: seamline join {mesh.token}", flush=True)
         if options.local_node:
             spawn_node(mesh.own_token, "local", extra=["--device", options.device])
 
-    serve_once_listening(mesh_app(mesh, api), announce, options.host, options.port, log_level="warning",
-                         **api.uvicorn_kwargs())  # fmt: skip
+    serve_once_listening(
+        mesh_app(mesh, api),
+        announce,
+        options.host,
+        options.port,
+        log_level="warning",
+        **api.uvicorn_kwargs(),
+    )
     return 0

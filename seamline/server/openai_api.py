@@ -41,18 +41,14 @@ from seamline.runtime.backend import Backend
 from seamline.runtime.sampling import TokenEvent
 from seamline.server.api_options import ApiLimits
 from seamline.server.bodies import LargeBodies, encode_within
-from seamline.server.leaving import unless_gone
 from seamline.server.console import console_routes
-from seamline.server.guard import Guard
 from seamline.server.generation import Generation, Piece
 from seamline.server.grammars import GrammarCheck
-from seamline.server.replies import Choice, Reply
-from seamline.server.tools import ToolCall, ToolPlan, ToolStream, plan_tools
-from seamline.server.metrics import Metrics, RequestMeter
+from seamline.server.guard import Guard
 from seamline.server.harmony import HarmonySplitter, uses_harmony
-from seamline.server.reasoning import Splitter, ThinkSplitter, uses_think_blocks
+from seamline.server.leaving import unless_gone
+from seamline.server.metrics import Metrics, RequestMeter
 from seamline.server.openai_schema import (
-    ChatMessage,
     ChatRequest,
     CompletionRequest,
     OpenAIError,
@@ -60,6 +56,9 @@ from seamline.server.openai_schema import (
     error_body,
     validation_error,
 )
+from seamline.server.reasoning import Splitter, ThinkSplitter, uses_think_blocks
+from seamline.server.replies import Choice, Reply
+from seamline.server.tools import ToolCall, ToolPlan, ToolStream, plan_tools
 
 log = logging.getLogger("seamline.server")
 
@@ -68,8 +67,12 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def create_app(backend: Backend, extra_routes: Callable[[FastAPI], None] | None = None,
-               limits: ApiLimits = ApiLimits(), metrics: Metrics | None = None) -> FastAPI:  # fmt: skip
+def create_app(
+    backend: Backend,
+    extra_routes: Callable[[FastAPI], None] | None = None,
+    limits: ApiLimits = ApiLimits(),
+    metrics: Metrics | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``backend``; ``extra_routes(app)`` may add more (e.g. a console).
     ``limits``: API keys, body size, prompt tokens and requests in flight per key; ``metrics``:
     what ``/metrics`` exposes (by default the API's own, and the backend's ``report``)."""
@@ -86,8 +89,12 @@ def create_app(backend: Backend, extra_routes: Callable[[FastAPI], None] | None 
     console_routes(app)
     app.add_api_route("/v1/models", routes.list_models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.get_model, methods=["GET"])
-    app.add_api_route("/v1/chat/completions", routes.chat, methods=["POST"], response_model=None)  # body: ChatRequest
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], response_model=None)  # CompletionRequest
+    app.add_api_route(
+        "/v1/chat/completions", routes.chat, methods=["POST"], response_model=None
+    )  # body: ChatRequest
+    app.add_api_route(
+        "/v1/completions", routes.completions, methods=["POST"], response_model=None
+    )  # CompletionRequest
     if extra_routes is not None:
         extra_routes(app)
     return app
@@ -135,7 +142,9 @@ def backend_error(exc: BaseException) -> OpenAIError:
         return OpenAIError(429, str(exc), "rate_limit_error", None, "queue_full")
     if isinstance(exc, SeamlineError):
         log.warning("generation failed: %s", exc)
-        return OpenAIError(503, f"generation failed: {exc}", "service_unavailable", None, "backend_error")
+        return OpenAIError(
+            503, f"generation failed: {exc}", "service_unavailable", None, "backend_error"
+        )
     log.error("request crashed", exc_info=exc)
     message = f"internal error: {type(exc).__name__}: {exc}"
     return OpenAIError(500, message, "server_error", None, "internal_error")
@@ -158,7 +167,9 @@ class EventStream(StreamingResponse):
                     await aclose()
 
 
-async def _events(reply: Reply, gens: list[Generation], include_usage: bool, echo: str) -> AsyncIterator[str]:
+async def _events(
+    reply: Reply, gens: list[Generation], include_usage: bool, echo: str
+) -> AsyncIterator[str]:
     """The SSE body: per choice a first chunk, a chunk per text piece and a finish chunk (the
     choices interleaved as they come), then usage and [DONE]."""
     try:
@@ -170,14 +181,30 @@ async def _events(reply: Reply, gens: list[Generation], include_usage: bool, ech
         async for index, item in _pieces(gens):
             if item is None:
                 finish = gens[index].finish_reason
-                yield sse(reply.chunk(None if reply.chat else "", finish, usage=include_usage, index=index))
+                yield sse(
+                    reply.chunk(
+                        None if reply.chat else "", finish, usage=include_usage, index=index
+                    )
+                )
                 continue
             token = item.token
-            lps = gens[index].logprobs_of([token], reply.chat) if gens[index].logprobs and token is not None else None
+            lps = (
+                gens[index].logprobs_of([token], reply.chat)
+                if gens[index].logprobs and token is not None
+                else None
+            )
             if item.text or item.reasoning or lps or item.calls:
                 text = item.text if item.text or not (item.reasoning or item.calls) else None
-                yield sse(reply.chunk(text, usage=include_usage, index=index, logprobs=lps,
-                                      reasoning=item.reasoning or None, calls=item.calls))  # fmt: skip
+                yield sse(
+                    reply.chunk(
+                        text,
+                        usage=include_usage,
+                        index=index,
+                        logprobs=lps,
+                        reasoning=item.reasoning or None,
+                        calls=item.calls,
+                    )
+                )
         if include_usage:
             yield sse(reply.usage_chunk(_usage(gens)))
     except Exception as exc:  # noqa: BLE001 - every failure becomes an error event
@@ -233,15 +260,26 @@ async def _collect(gens: list[Generation], chat: bool, echo: str) -> list[Choice
             calls[index] += item.calls
             if item.token is not None:
                 drawn[index].append(item.token)
-    return [Choice("".join(t), g.finish_reason, g.logprobs_of(d, chat) if g.logprobs else None,
-                   "".join(r) if g.thinker is not None else None, c)
-            for g, t, r, d, c in zip(gens, texts, reasoning, drawn, calls)]  # fmt: skip
+    return [
+        Choice(
+            "".join(t),
+            g.finish_reason,
+            g.logprobs_of(d, chat) if g.logprobs else None,
+            "".join(r) if g.thinker is not None else None,
+            c,
+        )
+        for g, t, r, d, c in zip(gens, texts, reasoning, drawn, calls)
+    ]
 
 
 def _usage(gens: list[Generation]) -> dict[str, int]:
     """The prompt counted once, every choice's tokens."""
     prompt, completion = gens[0].prompt_tokens, sum(g.completion_tokens for g in gens)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
 
 
 async def _close_all(gens: list[Generation]) -> None:
@@ -264,7 +302,9 @@ def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """Per choice: a seed of its own (seed + i when seeded: choice 0 is the n=1 answer)."""
     if n == 1:
         return [params]
-    return [replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)]
+    return [
+        replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)
+    ]
 
 
 @dataclass(frozen=True)
@@ -274,7 +314,9 @@ class _Shape:
 
 
 class _Routes:
-    def __init__(self, backend: Backend, metrics: Metrics, max_prompt_tokens: int | None = None) -> None:
+    def __init__(
+        self, backend: Backend, metrics: Metrics, max_prompt_tokens: int | None = None
+    ) -> None:
         self.backend = backend
         self.grammars = GrammarCheck(backend.codec)  # builds its tokenizer on the first grammar
         self.telemetry = metrics
@@ -289,7 +331,9 @@ class _Routes:
         return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
 
     async def metrics(self) -> Response:
-        body, content_type = await anyio.to_thread.run_sync(self.telemetry.render)  # the backend may ask its nodes
+        body, content_type = await anyio.to_thread.run_sync(
+            self.telemetry.render
+        )  # the backend may ask its nodes
         return Response(body, media_type=content_type)
 
     async def list_models(self) -> dict[str, Any]:
@@ -306,13 +350,26 @@ class _Routes:
             body = await self.large.parse(raw, request.headers.get("content-type"), ChatRequest)
             self._check_model(body.model)
             self._check_ready()
-            shape = await anyio.to_thread.run_sync(self._shape, body)  # compiling a grammar takes a while
-            text, prompt = await anyio.to_thread.run_sync(self._render_chat, body, shape.tools.tools)  # a large prompt must not stall the loop
+            shape = await anyio.to_thread.run_sync(
+                self._shape, body
+            )  # compiling a grammar takes a while
+            text, prompt = await anyio.to_thread.run_sync(
+                self._render_chat, body, shape.tools.tools
+            )  # a large prompt must not stall the loop
             grammar = await anyio.to_thread.run_sync(self._grammar_after, shape, text)
         params = replace(self._params(body, prompt, "messages"), grammar=grammar)
-        return await self._respond(request, Reply.new(True, self.backend.model_name), prompt, params,
-                                   bool(body.stream), body.include_usage, "", body.n or 1,
-                                   self._reasoning(text), shape.tools)  # fmt: skip
+        return await self._respond(
+            request,
+            Reply.new(True, self.backend.model_name),
+            prompt,
+            params,
+            bool(body.stream),
+            body.include_usage,
+            "",
+            body.n or 1,
+            self._reasoning(text),
+            shape.tools,
+        )
 
     def _reasoning(self, prompt_text: str) -> Callable[[], Splitter] | None:
         """How an answer's reasoning is told from its content, where the template says: think
@@ -326,24 +383,49 @@ class _Routes:
         """POST /v1/completions."""
         raw = await request.body()
         async with self.large.expanding(raw):
-            body = await self.large.parse(raw, request.headers.get("content-type"), CompletionRequest)
+            body = await self.large.parse(
+                raw, request.headers.get("content-type"), CompletionRequest
+            )
             self._check_model(body.model)
             self._check_ready()
             prompt = await anyio.to_thread.run_sync(self._encode_prompt, body.prompt)
         params = self._params(body, prompt, "prompt")
         echo = ""
         if body.echo:
-            echo = body.prompt if isinstance(body.prompt, str) else self.backend.codec.decode(prompt)
-        return await self._respond(request, Reply.new(False, self.backend.model_name), prompt, params,
-                                   bool(body.stream), body.include_usage, echo, body.n or 1)  # fmt: skip
+            echo = (
+                body.prompt if isinstance(body.prompt, str) else self.backend.codec.decode(prompt)
+            )
+        return await self._respond(
+            request,
+            Reply.new(False, self.backend.model_name),
+            prompt,
+            params,
+            bool(body.stream),
+            body.include_usage,
+            echo,
+            body.n or 1,
+        )
 
-    async def _respond(self, request: Request, reply: Reply, prompt: list[int], params: SamplingParams,
-                       stream: bool, include_usage: bool, echo: str, n: int = 1,
-                       reasoning: Callable[[], Splitter] | None = None, tools: ToolPlan | None = None) -> Response:  # fmt: skip
+    async def _respond(
+        self,
+        request: Request,
+        reply: Reply,
+        prompt: list[int],
+        params: SamplingParams,
+        stream: bool,
+        include_usage: bool,
+        echo: str,
+        n: int = 1,
+        reasoning: Callable[[], Splitter] | None = None,
+        tools: ToolPlan | None = None,
+    ) -> Response:
         """``reasoning``: makes each choice's splitter of reasoning from content, where the chat
         template has reasoning; ``tools``: the request's, when its answer is parsed for tool calls."""
         self.telemetry.prompt_tokens.inc(len(prompt))
-        gens = [Generation(self.backend, prompt, p, RequestMeter(self.telemetry)) for p in _choice_params(params, n)]
+        gens = [
+            Generation(self.backend, prompt, p, RequestMeter(self.telemetry))
+            for p in _choice_params(params, n)
+        ]
         for gen in gens:
             gen.text_offset = len(echo)
             if reasoning is not None:
@@ -357,7 +439,9 @@ class _Routes:
                 gen.meter.end("error")
             await _close_all(gens)
             raise backend_error(exc) from exc
-        if started and stream:  # from here the stream notices the client leaving (Starlette listens)
+        if (
+            started and stream
+        ):  # from here the stream notices the client leaving (Starlette listens)
             events = _events(reply, gens, include_usage, echo)
             return EventStream(events, media_type="text/event-stream", headers=SSE_HEADERS)
         choices: list[Choice] | None = None
@@ -379,8 +463,10 @@ class _Routes:
 
     def _check_model(self, name: str) -> None:
         if name not in (self.backend.model_name, MODEL_ALIAS):
-            message = (f"the model '{name}' does not exist; this server serves "
-                       f"'{self.backend.model_name}' (or use '{MODEL_ALIAS}')")  # fmt: skip
+            message = (
+                f"the model '{name}' does not exist; this server serves "
+                f"'{self.backend.model_name}' (or use '{MODEL_ALIAS}')"
+            )
             raise OpenAIError(404, message, "invalid_request_error", "model", "model_not_found")
 
     def _readiness(self, admitting: bool = False) -> tuple[bool, str]:
@@ -390,7 +476,9 @@ class _Routes:
             state = self.backend.readiness()
         except Exception as exc:  # noqa: BLE001 - a failing probe means "not ready", with its reason
             return False, f"readiness check failed: {exc}"
-        return state.ready or (admitting and state.waits), state.reason or ("" if state.ready else "the backend is not ready")
+        return state.ready or (admitting and state.waits), state.reason or (
+            "" if state.ready else "the backend is not ready"
+        )
 
     def _check_ready(self) -> None:
         ready, reason = self._readiness(admitting=True)
@@ -403,21 +491,33 @@ class _Routes:
         tools = plan_tools(body, self.backend.codec.chat_template, self.grammars)
         grammar = self.grammars.response_format(body.response_format)
         if grammar and tools.grammar:
-            raise bad_request("a required tool call and a JSON response_format cannot both shape the answer",
-                              "response_format", "invalid_value")  # fmt: skip
+            raise bad_request(
+                "a required tool call and a JSON response_format cannot both shape the answer",
+                "response_format",
+                "invalid_value",
+            )
         if (grammar or tools.grammar) and body.ignore_eos:
-            raise bad_request("ignore_eos cannot be sent with a grammar: the answer ends with the end of its grammar",
-                              "ignore_eos", "invalid_value")  # fmt: skip
+            raise bad_request(
+                "ignore_eos cannot be sent with a grammar: the answer ends with the end of its grammar",
+                "ignore_eos",
+                "invalid_value",
+            )
         return _Shape(tools, grammar or tools.grammar)
 
     def _grammar_after(self, shape: _Shape, prompt_text: str) -> str:
         """The answer's grammar: a required call's follows a think block its prompt opened."""
-        return shape.tools.grammar_after(prompt_text, self.grammars) if shape.tools.grammar else shape.grammar
+        return (
+            shape.tools.grammar_after(prompt_text, self.grammars)
+            if shape.tools.grammar
+            else shape.grammar
+        )
 
     def _render_chat(self, body: ChatRequest, tools: list[dict[str, Any]]) -> tuple[str, list[int]]:
         messages = [m.as_template_dict() for m in body.messages]
         try:
-            text = self.backend.codec.render_chat(messages, tools, body.documents, body.template_variables())
+            text = self.backend.codec.render_chat(
+                messages, tools, body.documents, body.template_variables()
+            )
         except (RequestError, TemplateError) as exc:
             raise bad_request(str(exc), "messages", "invalid_messages") from exc
         return text, self._encode(text, "messages", chat=True)
@@ -447,8 +547,10 @@ class _Routes:
         context, cap = self.backend.context_length, self.max_prompt_tokens
         has = f"more than {count}" if more else str(count)
         if count >= context - (1 if more else 0):
-            message = (f"the prompt has {has} tokens; the model's context is {context} "
-                       f"tokens, so a prompt may have at most {context - 1}")  # fmt: skip
+            message = (
+                f"the prompt has {has} tokens; the model's context is {context} "
+                f"tokens, so a prompt may have at most {context - 1}"
+            )
             raise bad_request(message, field, "context_length_exceeded")
         if cap is not None and count >= cap + (0 if more else 1):
             message = f"the prompt has {has} tokens; this server takes at most {cap} (--max-prompt-tokens)"
@@ -463,9 +565,13 @@ class _Routes:
         vocab = self.backend.codec.tokenizer.get_vocab_size(with_added_tokens=True)
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise bad_request(f"{what} {bad} is outside the vocabulary [0, {vocab})", field, "invalid_value")
+            raise bad_request(
+                f"{what} {bad} is outside the vocabulary [0, {vocab})", field, "invalid_value"
+            )
 
-    def _params(self, body: ChatRequest | CompletionRequest, prompt: list[int], field: str) -> SamplingParams:
+    def _params(
+        self, body: ChatRequest | CompletionRequest, prompt: list[int], field: str
+    ) -> SamplingParams:
         """Sampling parameters after the prompt-length checks against the context."""
         context = self.backend.context_length
         if not prompt:
@@ -474,9 +580,15 @@ class _Routes:
         room = context - len(prompt)
         limit = body.limit
         if limit is not None and limit > room:
-            name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-            message = (f"{name} is {limit}, but the prompt ({len(prompt)} tokens) leaves "
-                       f"{room} of the model's {context}-token context")  # fmt: skip
+            name = (
+                "max_completion_tokens"
+                if getattr(body, "max_completion_tokens", None)
+                else "max_tokens"
+            )
+            message = (
+                f"{name} is {limit}, but the prompt ({len(prompt)} tokens) leaves "
+                f"{room} of the model's {context}-token context"
+            )
             raise bad_request(message, name, "context_length_exceeded")
         params = SamplingParams(
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,

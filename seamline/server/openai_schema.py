@@ -27,7 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from seamline.params import MAX_LOGIT_BIAS, MAX_STOP, MAX_STOP_CHARS, MAX_TOP_LOGPROBS
 
-MAX_SCHEMA_BYTES = 64 << 10  # a response_format, a tool's parameters: as JSON (its grammar then fits the nodes')
+MAX_SCHEMA_BYTES = (
+    64 << 10
+)  # a response_format, a tool's parameters: as JSON (its grammar then fits the nodes')
 MAX_TOOLS = 128  # as OpenAI's API allows
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 MAX_CHOICES = 16  # n: each choice is a sequence of its own in the batch
@@ -37,8 +39,14 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 class OpenAIError(Exception):
     """An error answered as ``{"error": {message, type, param, code}}`` with an HTTP status."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -50,7 +58,9 @@ class OpenAIError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
 
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+def error_body(
+    message: str, type_: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -94,7 +104,9 @@ class ChatMessage(_Strict):
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
-            raise ValueError(f"a {self.role} message needs 'content' (only assistant content may be null)")
+            raise ValueError(
+                f"a {self.role} message needs 'content' (only assistant content may be null)"
+            )
         return self
 
     def as_template_dict(self) -> dict[str, Any]:
@@ -103,9 +115,20 @@ class ChatMessage(_Strict):
         out: dict[str, Any] = {"role": role, "content": self.content or ""}
         if self.name is not None:
             out["name"] = self.name
-        if self.tool_calls:  # templates read the arguments as a mapping, as transformers passes them
-            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {"name": c.function.name,
-                                  "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]  # fmt: skip
+        if (
+            self.tool_calls
+        ):  # templates read the arguments as a mapping, as transformers passes them
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _arguments(c.function.arguments),
+                    },
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
@@ -178,12 +201,20 @@ class _Sampling(_Strict):
         if not isinstance(value, dict):
             raise ValueError("logit_bias maps token ids to numbers in [-100, 100]")  # noqa: TRY004
         if len(value) > MAX_LOGIT_BIAS:  # it travels to the nodes with every request
-            raise ValueError(f"logit_bias allows at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+            raise ValueError(
+                f"logit_bias allows at most {MAX_LOGIT_BIAS} entries, got {len(value)}"
+            )
         for key, bias in value.items():
             if not str(key).isdigit():
                 raise ValueError(f"logit_bias key {key!r} is not a token id")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias of token {key} must be a number in [-100, 100], got {bias!r}")
+            if (
+                isinstance(bias, bool)
+                or not isinstance(bias, (int, float))
+                or not -100 <= bias <= 100
+            ):
+                raise ValueError(
+                    f"logit_bias of token {key} must be a number in [-100, 100], got {bias!r}"
+                )
         return {str(k): float(v) for k, v in value.items()}
 
     def bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -282,7 +313,9 @@ class ChatRequest(_Sampling):
     @classmethod
     def _no_functions(cls, value: Any) -> Any:
         if value not in (None, [], "none", "auto"):
-            raise ValueError("the legacy 'functions' and 'function_call' are not supported; send 'tools' and 'tool_choice'")
+            raise ValueError(
+                "the legacy 'functions' and 'function_call' are not supported; send 'tools' and 'tool_choice'"
+            )
         return value
 
     @model_validator(mode="after")
@@ -294,8 +327,13 @@ class ChatRequest(_Sampling):
             raise ValueError("top_logprobs needs logprobs: true")
         if self.tool_choice not in (None, "none", "auto") and not self.tools:
             raise ValueError("tool_choice needs 'tools'")
-        if isinstance(self.tool_choice, NamedTool) and self.tool_choice.function.name not in self.tool_names():
-            raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not among 'tools'")
+        if (
+            isinstance(self.tool_choice, NamedTool)
+            and self.tool_choice.function.name not in self.tool_names()
+        ):
+            raise ValueError(
+                f"tool_choice names {self.tool_choice.function.name!r}, which is not among 'tools'"
+            )
         return self
 
     def tool_names(self) -> list[str]:
@@ -308,7 +346,11 @@ class ChatRequest(_Sampling):
 
     @property
     def limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -326,9 +368,13 @@ class CompletionRequest(_Sampling):
             value = value[0]
         if isinstance(value, str):
             return value
-        if isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if isinstance(value, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in value
+        ):
             return value
-        raise ValueError("prompt must be one string or one list of token ids (one prompt per request)")
+        raise ValueError(
+            "prompt must be one string or one list of token ids (one prompt per request)"
+        )
 
     @field_validator("suffix")
     @classmethod
@@ -371,7 +417,9 @@ def validation_error(errors: list[dict[str, Any]]) -> OpenAIError:
     if kind == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
         where = f" at character {loc[1]}" if len(loc) > 1 else ""
-        return bad_request(f"the request body is not valid JSON: {detail}{where}", None, "invalid_json")
+        return bad_request(
+            f"the request body is not valid JSON: {detail}{where}", None, "invalid_json"
+        )
     param = param_name(loc)
     message = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if param is None and isinstance(err.get("input"), bytes):

@@ -50,7 +50,10 @@ class ThinkSplitter:
                 self.just_closed = not self.thinking  # the newlines after the block are not content
                 continue
             hold = partial_tag(self.pending, tag) if (self.thinking or self.may_open) else 0
-            shown, self.pending = self.pending[: len(self.pending) - hold], self.pending[len(self.pending) - hold :]
+            shown, self.pending = (
+                self.pending[: len(self.pending) - hold],
+                self.pending[len(self.pending) - hold :],
+            )
             if self.thinking:
                 reasoning += shown
             elif not self.may_open:
@@ -70,7 +73,9 @@ class ThinkSplitter:
     def flush(self) -> tuple[str, str]:
         """What is left once the answer ends (an unclosed block is reasoning)."""
         rest, self.pending = self.pending, ""
-        return (rest, "") if self.thinking else ("", rest.lstrip("\n") if self.just_closed else rest)
+        return (
+            (rest, "") if self.thinking else ("", rest.lstrip("\n") if self.just_closed else rest)
+        )
 
 
 def partial_tag(text: str, tag: str) -> int:

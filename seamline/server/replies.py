@@ -49,9 +49,17 @@ class Reply:
         obj = "chat.completion" if self.chat else "text_completion"
         return {**self._head(obj), "choices": out, "usage": usage}
 
-    def chunk(self, text: str | None, finish: str | None = None, role: bool = False, usage: bool = False,
-              index: int = 0, logprobs: dict[str, Any] | None = None, reasoning: str | None = None,
-              calls: tuple[ToolCall, ...] = ()) -> dict[str, Any]:  # fmt: skip
+    def chunk(
+        self,
+        text: str | None,
+        finish: str | None = None,
+        role: bool = False,
+        usage: bool = False,
+        index: int = 0,
+        logprobs: dict[str, Any] | None = None,
+        reasoning: str | None = None,
+        calls: tuple[ToolCall, ...] = (),
+    ) -> dict[str, Any]:
         """One stream chunk of choice ``index``; ``usage`` adds ``"usage": null`` (OpenAI does
         when it will send usage); ``calls``: tool calls completed."""
         choice: dict[str, Any] = {"index": index}

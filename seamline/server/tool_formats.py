@@ -113,8 +113,10 @@ def value_of(text: str, schema: dict[str, Any] | None) -> Any:
 
 def _params(body: str, pattern: re.Pattern[str], schema: dict[str, Any] | None) -> dict[str, Any]:
     props = (schema or {}).get("properties") or {}
-    return {m.group("key").strip(): value_of(m.group("value"), props.get(m.group("key").strip()))
-            for m in pattern.finditer(body)}  # fmt: skip
+    return {
+        m.group("key").strip(): value_of(m.group("value"), props.get(m.group("key").strip()))
+        for m in pattern.finditer(body)
+    }
 
 
 # --- finders --------------------------------------------------------------------------------
@@ -136,8 +138,11 @@ def _hermes(pattern: re.Pattern[str]) -> Finder:
     return find
 
 
-_DEEPSEEK = re.compile(r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<name>[^\n]*)\n```(?:json)?\n(?P<args>.*?)\n```"
-                       r"|(?P<name2>[^<]*?)<｜tool▁sep｜>(?P<args2>.*?))<｜tool▁call▁end｜>", re.S)  # fmt: skip
+_DEEPSEEK = re.compile(
+    r"<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<name>[^\n]*)\n```(?:json)?\n(?P<args>.*?)\n```"
+    r"|(?P<name2>[^<]*?)<｜tool▁sep｜>(?P<args2>.*?))<｜tool▁call▁end｜>",
+    re.S,
+)
 
 
 def _deepseek(text: str, schemas: Schemas) -> Found | None:
@@ -178,16 +183,23 @@ _GLM_PARAM = re.compile(
 )
 DSML = "｜DSML｜"
 _DSML = re.compile(rf'<{DSML}invoke name="(?P<name>[^"]+)">(?P<body>.*?)</{DSML}invoke>', re.S)
-_DSML_PARAM = re.compile(rf'<{DSML}parameter name="(?P<key>[^"]+)" string="(?P<str>true|false)">(?P<value>.*?)'
-                         rf"</{DSML}parameter>", re.S)  # fmt: skip
+_DSML_PARAM = re.compile(
+    rf'<{DSML}parameter name="(?P<key>[^"]+)" string="(?P<str>true|false)">(?P<value>.*?)'
+    rf"</{DSML}parameter>",
+    re.S,
+)
 
 
 def _dsml(text: str, schemas: Schemas) -> Found | None:
     match = _DSML.search(text)
     if match is None:
         return None
-    args = {m.group("key"): m.group("value") if m.group("str") == "true" else value_of(m.group("value"), None)
-            for m in _DSML_PARAM.finditer(match.group("body"))}  # fmt: skip
+    args = {
+        m.group("key"): m.group("value")
+        if m.group("str") == "true"
+        else value_of(m.group("value"), None)
+        for m in _DSML_PARAM.finditer(match.group("body"))
+    }
     return [(match.group("name").strip(), args)], match.end()
 
 
@@ -236,8 +248,11 @@ def _mistral_json(text: str, schemas: Schemas) -> Found | None:
     return [c[0][0] for c in calls if c], read[1]
 
 
-_KIMI = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^<:]+?)(?::\d+)?\s*"
-                   r"<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>", re.S)  # fmt: skip
+_KIMI = re.compile(
+    r"<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^<:]+?)(?::\d+)?\s*"
+    r"<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>",
+    re.S,
+)
 
 
 def _kimi(text: str, schemas: Schemas) -> Found | None:
@@ -283,7 +298,9 @@ _GLM_SHAPE = CallShape(
     param=("<arg_key>{key}</arg_key>\n<arg_value>", "</arg_value>\n"),
 )
 _GLM47_SHAPE = CallShape(  # GLM-4.7 writes no newlines between the parts
-    "<tool_call>{name}", "</tool_call>", param=("<arg_key>{key}</arg_key><arg_value>", "</arg_value>")
+    "<tool_call>{name}",
+    "</tool_call>",
+    param=("<arg_key>{key}</arg_key><arg_value>", "</arg_value>"),
 )
 _V3_SHAPE = CallShape(
     "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n", "\n```<｜tool▁call▁end｜>", _V3
@@ -311,7 +328,9 @@ _TABLE = [  # in the order templates are told apart by their signs: the more spe
     ToolFormat("deepseek_v3", _V3[:1], _deepseek, _V3_SHAPE, signs=("tool▁calls▁begin", "```json")),
     ToolFormat("deepseek_v31", _V3[:1], _deepseek, _V31_SHAPE, signs=("tool▁calls▁begin",)),
     ToolFormat("kimi_k2", _KIMI_REGION[:1], _kimi, _KIMI_SHAPE, signs=_KIMI_REGION[:1]),
-    ToolFormat("glm47", TAG, _xml(_GLM, _GLM_PARAM), _GLM47_SHAPE, signs=("{function-name}<arg_key>",)),
+    ToolFormat(
+        "glm47", TAG, _xml(_GLM, _GLM_PARAM), _GLM47_SHAPE, signs=("{function-name}<arg_key>",)
+    ),
     ToolFormat("glm", TAG, _xml(_GLM, _GLM_PARAM), _GLM_SHAPE, signs=("<arg_key>",)),
     ToolFormat(
         "qwen3_coder",
@@ -320,7 +339,7 @@ _TABLE = [  # in the order templates are told apart by their signs: the more spe
         _CODER_SHAPE,
         _CODER_CUT_FIND,
         signs=("<function=",),
-    ),  # fmt: skip
+    ),
     ToolFormat("hermes", TAG, _hermes(_HERMES), _HERMES_SHAPE, _HERMES_CUT_FIND, signs=TAG),
     ToolFormat(
         "mistral",
@@ -329,7 +348,7 @@ _TABLE = [  # in the order templates are told apart by their signs: the more spe
         CallShape("[TOOL_CALLS]{name}[ARGS]"),
         new_id=nine_char_id,
         signs=(*CALLS, "[ARGS]"),
-    ),  # fmt: skip
+    ),
     ToolFormat("mistral_json", CALLS, _mistral_json, _NEMO_SHAPE, new_id=nine_char_id, signs=CALLS),
     ToolFormat(
         "llama3",
@@ -337,7 +356,7 @@ _TABLE = [  # in the order templates are told apart by their signs: the more spe
         _llama3,
         CallShape('{"name": {qname}, "parameters": ', "}"),
         signs=(LLAMA3_SIGN,),
-    ),  # fmt: skip
+    ),
     ToolFormat(
         "harmony", (HARMONY_CALL,), _harmony, _HARMONY_SHAPE, signs=("<|channel|>", "<|message|>")
     ),

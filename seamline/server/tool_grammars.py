@@ -31,8 +31,11 @@ def lark_text(text: str, specials: Mapping[str, int]) -> str:
     split = re.compile(
         "(" + "|".join(re.escape(s) for s in sorted(specials, key=len, reverse=True)) + ")"
     )
-    items = [f"<[{specials[part]}]>" if part in specials else json.dumps(part, ensure_ascii=False)
-             for part in split.split(text) if part]  # fmt: skip
+    items = [
+        f"<[{specials[part]}]>" if part in specials else json.dumps(part, ensure_ascii=False)
+        for part in split.split(text)
+        if part
+    ]
     return " ".join(items)
 
 
@@ -131,8 +134,9 @@ def wrap(fmt: ToolFormat, calls: str, lit: Literal) -> str:
     return f"{lit(opening)} ({calls}) {lit(closing)}"
 
 
-def tool_grammar(fmt: ToolFormat, tools: list[tuple[str, dict[str, Any]]], lit: Literal,
-                 thinking: bool = False) -> str:  # fmt: skip
+def tool_grammar(
+    fmt: ToolFormat, tools: list[tuple[str, dict[str, Any]]], lit: Literal, thinking: bool = False
+) -> str:
     """The Lark grammar of one call of any of ``tools`` (name, parameters' schema); with
     ``thinking`` (the prompt opened a think block), the block's text and its close come first."""
     rules = Rules(lit)

@@ -38,7 +38,12 @@ class ToolCall:
 
     def as_dict(self, streamed: bool = False) -> dict[str, Any]:
         out: dict[str, Any] = {"index": self.index} if streamed else {}
-        return {**out, "id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            **out,
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 @dataclass(frozen=True)
@@ -50,13 +55,19 @@ class ToolPlan:
     fmt: ToolFormat | None
     grammar: str = ""
     named: bool = False
-    schemas: Schemas = field(default_factory=dict)  # each tool's parameters (XML-style values' types)
+    schemas: Schemas = field(
+        default_factory=dict
+    )  # each tool's parameters (XML-style values' types)
     thinking_lark: str = ""  # the required call's grammar after a think block the prompt opened
 
     def grammar_after(self, prompt_text: str, check: GrammarCheck) -> str:
         """The grammar of the answer to this prompt: where the prompt opened a think block (as a
         reasoning template's does), the block's text and its close come before the call."""
-        if not self.grammar or not self.thinking_lark or not prompt_text.rstrip().endswith(THINK_OPEN):
+        if (
+            not self.grammar
+            or not self.thinking_lark
+            or not prompt_text.rstrip().endswith(THINK_OPEN)
+        ):
             return self.grammar
         lark = LLMatcher.grammar_from_lark(self.thinking_lark)
         return check.check(lark, "tool_choice", "the required tool call", "tools")
@@ -69,8 +80,11 @@ def plan_tools(body: ChatRequest, template: str | None, check: GrammarCheck) -> 
         return ToolPlan([], None)
     fmt = tool_format(template)
     if fmt is None:
-        raise bad_request("this model's chat template defines no tool calls; omit 'tools'", "tools",
-                          "tools_unsupported")  # fmt: skip
+        raise bad_request(
+            "this model's chat template defines no tool calls; omit 'tools'",
+            "tools",
+            "tools_unsupported",
+        )
     schemas = [_parameters(tool, i, check) for i, tool in enumerate(body.tools)]
     tools = [tool.model_dump(exclude_none=True, by_alias=True) for tool in body.tools]
     choice = body.tool_choice
@@ -80,18 +94,28 @@ def plan_tools(body: ChatRequest, template: str | None, check: GrammarCheck) -> 
         return ToolPlan(tools, None)
     if choice in (None, "auto"):
         return ToolPlan(tools, fmt, schemas=by_name)
-    chosen = [i for i, name in enumerate(names) if not isinstance(choice, NamedTool) or name == choice.function.name]
+    chosen = [
+        i
+        for i, name in enumerate(names)
+        if not isinstance(choice, NamedTool) or name == choice.function.name
+    ]
     lit: Literal = partial(lark_text, specials=check.special_tokens())
     required = [(names[i], schemas[i]) for i in chosen]
     lark = tool_grammar(fmt, required, lit)
-    grammar = check.check(LLMatcher.grammar_from_lark(lark), "tool_choice", "the required tool call", "tools")
-    thinking = tool_grammar(fmt, required, lit, thinking=True) if uses_think_blocks(template) else ""
+    grammar = check.check(
+        LLMatcher.grammar_from_lark(lark), "tool_choice", "the required tool call", "tools"
+    )
+    thinking = (
+        tool_grammar(fmt, required, lit, thinking=True) if uses_think_blocks(template) else ""
+    )
     return ToolPlan(tools, fmt, grammar, isinstance(choice, NamedTool), by_name, thinking)
 
 
 def _parameters(tool: ToolDef, index: int, check: GrammarCheck) -> dict[str, Any]:
     schema = tool.function.parameters if tool.function.parameters is not None else NO_ARGUMENTS
-    check.json_schema(schema, f"tools[{index}].function.parameters", f"tool {tool.function.name}'s parameters")
+    check.json_schema(
+        schema, f"tools[{index}].function.parameters", f"tool {tool.function.name}'s parameters"
+    )
     return schema
 
 
@@ -142,6 +166,8 @@ class ToolStream:
         return ("" if self.calls else self.region), found
 
     def _numbered(self, name: str, arguments: dict[str, Any]) -> ToolCall:
-        call = ToolCall(name, json.dumps(arguments, ensure_ascii=False), self.fmt.new_id(), len(self.calls))
+        call = ToolCall(
+            name, json.dumps(arguments, ensure_ascii=False), self.fmt.new_id(), len(self.calls)
+        )
         self.calls.append(call)
         return call

@@ -32,7 +32,9 @@ class DeviceSpeed:
     """One device's measured (or published) speed."""
 
     bytes_per_second: float  # weight-streaming rate at one row
-    batched: Mapping[int, float] = field(default_factory=dict)  # rows -> weight bytes x rows per second
+    batched: Mapping[int, float] = field(
+        default_factory=dict
+    )  # rows -> weight bytes x rows per second
     # Prompt rows' rates (a step's prompt rows -> weight bytes x rows per second: a chunk's rows
     # share its attention, and the matmuls gain with the step's rows); empty: priced as decode
     # rows are. One prompt row is a decode step's: from it to the fewest probed, the rate rises
@@ -57,7 +59,11 @@ class DeviceSpeed:
         if not self.prompt or not prompt_rows:
             return rows * weight_bytes / self.rate(rows)
         decode = rows - prompt_rows
-        extra = decode * weight_bytes * (1 / self.rate(decode) - 1 / self.prompt_rate(decode)) if decode else 0.0
+        extra = (
+            decode * weight_bytes * (1 / self.rate(decode) - 1 / self.prompt_rate(decode))
+            if decode
+            else 0.0
+        )
         return rows * weight_bytes / self.prompt_rate(rows) + max(0.0, extra)
 
 
@@ -111,10 +117,17 @@ class StageCost:
         work = self.speed.step_s(self.read_bytes, rows, prompt_rows)
         if self.experts and self.expert_bytes:
             touched = 1.0 - (1.0 - self.experts_per_token / self.experts) ** rows
-            union = (self.read_bytes - self.expert_bytes * self.experts_per_token / self.experts
-                     + self.expert_bytes * touched)  # fmt: skip
+            union = (
+                self.read_bytes
+                - self.expert_bytes * self.experts_per_token / self.experts
+                + self.expert_bytes * touched
+            )
             work = max(work, union / self.speed.bytes_per_second)
-        gates = self.gates * self.gate_link.seconds(rows * self.gate_bytes_per_row) if self.gate_link else 0.0
+        gates = (
+            self.gates * self.gate_link.seconds(rows * self.gate_bytes_per_row)
+            if self.gate_link
+            else 0.0
+        )
         return (work + self.overhead_s(rows)) / self.core_share + gates
 
     def overhead_s(self, rows: int) -> float:

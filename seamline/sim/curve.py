@@ -35,7 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 from seamline.config import ModelConfig
 from seamline.mesh.plan.groups import plan_auto
-from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.mesh.plan.types import (
+    LinkCost,
+    LinkTable,
+    ModelSpec,
+    NodeInfo,
+    Plan,
+    PlanError,
+    PlanOptions,
+)
 from seamline.sim import published as ref
 from seamline.sim.costs import Load
 from seamline.sim.prediction import route_of
@@ -94,11 +102,20 @@ def spark_pool(count: int, bytes_per_param: float, hw: ref.Hardware = HARDWARE) 
     ``bytes_per_param`` (the CPU entry of NodeInfo: unified memory has no separate GPU pool)."""
     speed = ref.device_speed(hw, bytes_per_param)
     batched = tuple(sorted((int(r), float(v)) for r, v in speed.batched.items()))
-    return [NodeInfo(f"spark-{i:03d}", hw.memory_bytes, speed.bytes_per_second, batched_bytes_per_second=batched)
-            for i in range(count)]  # fmt: skip
+    return [
+        NodeInfo(
+            f"spark-{i:03d}",
+            hw.memory_bytes,
+            speed.bytes_per_second,
+            batched_bytes_per_second=batched,
+        )
+        for i in range(count)
+    ]
 
 
-def with_routed_experts(route: Pipeline, plan: Plan, spec: ModelSpec, config: ModelConfig) -> Pipeline:
+def with_routed_experts(
+    route: Pipeline, plan: Plan, spec: ModelSpec, config: ModelConfig
+) -> Pipeline:
     """``route`` with each stage's routed experts named, so that a step of r rows reads the
     experts its rows pick (their union) rather than the one-row share (module doc)."""
     if not config.num_experts:
@@ -108,10 +125,18 @@ def with_routed_experts(route: Pipeline, plan: Plan, spec: ModelSpec, config: Mo
     stages = []
     for cost, stage in zip(route.stages, plan.stages):
         # held - active over a range is its routed experts' bytes times (1 - k/E); a rank holds 1/N of them
-        experts = sum(h - a for h, a in zip(held[stage.start : stage.end], active[stage.start : stage.end]))
+        experts = sum(
+            h - a for h, a in zip(held[stage.start : stage.end], active[stage.start : stage.end])
+        )
         per_rank = experts / (1.0 - share) / len(stage.members())
-        stages.append(replace(cost, expert_bytes=per_rank, experts=config.num_experts,
-                              experts_per_token=config.num_experts_per_tok))  # fmt: skip
+        stages.append(
+            replace(
+                cost,
+                expert_bytes=per_rank,
+                experts=config.num_experts,
+                experts_per_token=config.num_experts_per_tok,
+            )
+        )
     return replace(route, stages=tuple(stages))
 
 
@@ -128,38 +153,64 @@ def plan_options(clients: Sequence[int], load: Load) -> PlanOptions:
     return PlanOptions(context_tokens=load.prompt_tokens + load.output_tokens, batch=max(clients))
 
 
-def _simulated(model: _ModelCase, plan: Plan, pool: list[NodeInfo], link: LinkCost, clients: int,
-               load: Load) -> dict[str, Any]:  # fmt: skip
+def _simulated(
+    model: _ModelCase, plan: Plan, pool: list[NodeInfo], link: LinkCost, clients: int, load: Load
+) -> dict[str, Any]:
     """``simulate`` over the plan's route (routed experts counted): the point's measured fields."""
     from seamline.sim.simulate import pipeline_bound_tok_s, simulate
 
-    route = with_routed_experts(route_of(plan, model.spec, pool, LinkTable(default=link)), plan, model.spec,
-                                model.checkpoint.config)  # fmt: skip
+    route = with_routed_experts(
+        route_of(plan, model.spec, pool, LinkTable(default=link)),
+        plan,
+        model.spec,
+        model.checkpoint.config,
+    )
     started = time.perf_counter()
     result = simulate(route, Load(clients, load.prompt_tokens, load.output_tokens))
     rows = -(-clients // route.batches())
-    return {"tok_s": result.tok_s, "ms_between_tokens": result.p50_ms_between_tokens(),
-            "ttft_s": result.p50_ttft_s(), "wall_s": result.wall_s, "busiest": max(result.busy),
-            "bound_tok_s": pipeline_bound_tok_s(route, rows), "sim_s": time.perf_counter() - started}  # fmt: skip
+    return {
+        "tok_s": result.tok_s,
+        "ms_between_tokens": result.p50_ms_between_tokens(),
+        "ttft_s": result.p50_ttft_s(),
+        "wall_s": result.wall_s,
+        "busiest": max(result.busy),
+        "bound_tok_s": pipeline_bound_tok_s(route, rows),
+        "sim_s": time.perf_counter() - started,
+    }
 
 
-def model_points(model: _ModelCase, counts: Sequence[int], links: dict[str, LinkCost], clients: Sequence[int],
-                 load: Load) -> list[Point]:  # fmt: skip
+def model_points(
+    model: _ModelCase,
+    counts: Sequence[int],
+    links: dict[str, LinkCost],
+    clients: Sequence[int],
+    load: Load,
+) -> list[Point]:
     """Every (nodes, link, clients) point of one model; alike plans are simulated once."""
     options = plan_options(clients, load)
-    done: dict[tuple[Any, ...], tuple[int, dict[str, Any]]] = {}  # alike plan -> (first count, fields)
+    done: dict[
+        tuple[Any, ...], tuple[int, dict[str, Any]]
+    ] = {}  # alike plan -> (first count, fields)
     points = []
     for count in counts:
         pool = model.pool_of(count)
         for label, link in links.items():
             try:
-                plan = plan_auto(model.spec, pool, LinkTable(default=link), options, model.checkpoint.config)
+                plan = plan_auto(
+                    model.spec, pool, LinkTable(default=link), options, model.checkpoint.config
+                )
             except PlanError:
-                points.extend(Point(model.name, count, label, c, note="does not fit") for c in clients)
+                points.extend(
+                    Point(model.name, count, label, c, note="does not fit") for c in clients
+                )
                 continue
             group = max(len(s.members()) for s in plan.stages)
-            shape = {"stages": len(plan.stages), "nodes_used": sum(len(s.members()) for s in plan.stages),
-                     "group": group, "layers": tuple(s.end - s.start for s in plan.stages)}  # fmt: skip
+            shape = {
+                "stages": len(plan.stages),
+                "nodes_used": sum(len(s.members()) for s in plan.stages),
+                "group": group,
+                "layers": tuple(s.end - s.start for s in plan.stages),
+            }
             for c in clients:
                 key = (label, c, plan.ranges(), tuple(len(s.members()) for s in plan.stages))
                 note = ""
@@ -173,9 +224,13 @@ def model_points(model: _ModelCase, counts: Sequence[int], links: dict[str, Link
     return points
 
 
-def curve(models: Sequence[str] = tuple(MODELS), counts: Sequence[int] = NODE_COUNTS,
-          links: dict[str, LinkCost] | None = None, clients: Sequence[int] = CLIENTS,
-          load: Load = Load(max(CLIENTS), PROMPT_TOKENS, OUTPUT_TOKENS)) -> list[Point]:  # fmt: skip
+def curve(
+    models: Sequence[str] = tuple(MODELS),
+    counts: Sequence[int] = NODE_COUNTS,
+    links: dict[str, LinkCost] | None = None,
+    clients: Sequence[int] = CLIENTS,
+    load: Load = Load(max(CLIENTS), PROMPT_TOKENS, OUTPUT_TOKENS),
+) -> list[Point]:
     """Every point of the curve (``load.clients`` is not read: ``clients`` gives the waves)."""
     points = []
     for name in models:
@@ -222,11 +277,16 @@ def markdown(points: Sequence[Point], links: Sequence[str], clients: Sequence[in
     by_key = {(p.model, p.nodes, p.link, p.clients): p for p in points}
     for model, nodes in dict.fromkeys((p.model, p.nodes) for p in points):
         row = [by_key.get((model, nodes, label, c)) for label, c in columns]
-        shapes = dict.fromkeys(f"{p.stages} ({p.nodes - p.nodes_used})" + (f", groups of {p.group}" if p.group > 1
-                                                                           else "")
-                               for p in row if p is not None and p.fits)  # fmt: skip
+        shapes = dict.fromkeys(
+            f"{p.stages} ({p.nodes - p.nodes_used})"
+            + (f", groups of {p.group}" if p.group > 1 else "")
+            for p in row
+            if p is not None and p.fits
+        )
         stages = " / ".join(shapes) if shapes else "-"
-        lines.append("| " + " | ".join([model, str(nodes), stages] + [_cell(p) for p in row]) + " |")
+        lines.append(
+            "| " + " | ".join([model, str(nodes), stages] + [_cell(p) for p in row]) + " |"
+        )
     return "\n".join(lines)
 
 
@@ -242,11 +302,16 @@ def plot(points: Sequence[Point], path: str) -> None:
     series = list(dict.fromkeys((p.link, p.clients) for p in points))
     for ax, model in zip(axes, models):
         for link, clients in series:
-            xs = [(p.nodes, p.tok_s) for p in points if (p.model, p.link, p.clients) == (model, link, clients)
-                  and p.fits]  # fmt: skip
+            xs = [
+                (p.nodes, p.tok_s)
+                for p in points
+                if (p.model, p.link, p.clients) == (model, link, clients) and p.fits
+            ]
             if xs:
                 style = "-" if link == next(iter(LINKS)) else "--"
-                ax.plot(*zip(*xs), style, marker="o", markersize=3, label=f"{link}, {clients} client(s)")
+                ax.plot(
+                    *zip(*xs), style, marker="o", markersize=3, label=f"{link}, {clients} client(s)"
+                )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(f"{model} on {HARDWARE.name} nodes")
@@ -270,16 +335,24 @@ def _jsonable(value: Any) -> Any:
 
 
 def to_json(points: Sequence[Point], load: Load, clients: Sequence[int], elapsed_s: float) -> str:
-    data = {"assumptions": assumptions(load, clients), "node_counts": sorted({p.nodes for p in points}),
-            "elapsed_s": round(elapsed_s, 1), "points": [asdict(p) for p in points]}  # fmt: skip
+    data = {
+        "assumptions": assumptions(load, clients),
+        "node_counts": sorted({p.nodes for p in points}),
+        "elapsed_s": round(elapsed_s, 1),
+        "points": [asdict(p) for p in points],
+    }
     return json.dumps(_jsonable(data), indent=1) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m seamline.sim.curve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m seamline.sim.curve", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--plot", help="write the plot (PNG) here")
     parser.add_argument("--json", help="write every point (JSON) here")
-    parser.add_argument("--counts", type=int, nargs="+", default=list(NODE_COUNTS), help="node counts")
+    parser.add_argument(
+        "--counts", type=int, nargs="+", default=list(NODE_COUNTS), help="node counts"
+    )
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--output-tokens", type=int, default=OUTPUT_TOKENS)
     args = parser.parse_args(argv)

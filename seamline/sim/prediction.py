@@ -40,7 +40,9 @@ from seamline.sim.costs import DeviceSpeed, FrontCost, Load, StageCost
 if TYPE_CHECKING:  # the simulator needs simpy: imported where it runs
     from seamline.sim.simulate import Pipeline, SimResult
 
-GATES_PER_LAYER = 2  # a lockstep group sums partial results after attention and after the feed-forward
+GATES_PER_LAYER = (
+    2  # a lockstep group sums partial results after attention and after the feed-forward
+)
 
 
 def node_speed(node: NodeInfo, device: str = "") -> DeviceSpeed:
@@ -65,30 +67,52 @@ def combined_speed(parts: Sequence[tuple[float, DeviceSpeed]]) -> DeviceSpeed:
     return DeviceSpeed(rate(1), {r: rate(r) for r in counts})
 
 
-def _stage_speed(stage: StageAssignment, node: NodeInfo, model: ModelSpec, read: float) -> DeviceSpeed:
+def _stage_speed(
+    stage: StageAssignment, node: NodeInfo, model: ModelSpec, read: float
+) -> DeviceSpeed:
     if not stage.gpu_device:
         return node_speed(node)
     if stage.gpu_layers is None:  # all of it on the accelerator
         return node_speed(node, stage.gpu_device)
     on_gpu = float(sum(model.active_bytes()[stage.start : stage.start + stage.gpu_layers]))
-    return combined_speed([(on_gpu, node_speed(node, stage.gpu_device)), (read - on_gpu, node_speed(node))])
+    return combined_speed(
+        [(on_gpu, node_speed(node, stage.gpu_device)), (read - on_gpu, node_speed(node))]
+    )
 
 
-def _group_stage(stage: StageAssignment, model: ModelSpec, by_id: dict[str, NodeInfo], table: LinkTable,
-                 options: PlanOptions, frame: int) -> StageCost:  # fmt: skip
+def _group_stage(
+    stage: StageAssignment,
+    model: ModelSpec,
+    by_id: dict[str, NodeInfo],
+    table: LinkTable,
+    options: PlanOptions,
+    frame: int,
+) -> StageCost:
     members = [by_id[m] for m in stage.ranks]
     slowest = min(members, key=lambda n: n.bytes_per_second)
     read = range_bytes(group_spec(model, len(members), False), options, stage.start, stage.end)[2]
     gate_row = model.hidden_size * FRAME_DTYPE_BYTES
     pairs = [table.between(a.node_id, b.node_id) for a, b in itertools.combinations(members, 2)]
-    link = max(pairs, key=lambda c: c.seconds(16 * gate_row))  # the slowest pair holds every gate up
+    link = max(
+        pairs, key=lambda c: c.seconds(16 * gate_row)
+    )  # the slowest pair holds every gate up
     fails = [n.fails_at_s for n in members if n.fails_at_s is not None]
-    return StageCost("+".join(stage.ranks), node_speed(slowest), read, frame_bytes_per_row=frame,
-                     ranks=len(members), gates=GATES_PER_LAYER * (stage.end - stage.start),
-                     gate_bytes_per_row=gate_row, gate_link=link, fails_at_s=min(fails, default=None))  # fmt: skip
+    return StageCost(
+        "+".join(stage.ranks),
+        node_speed(slowest),
+        read,
+        frame_bytes_per_row=frame,
+        ranks=len(members),
+        gates=GATES_PER_LAYER * (stage.end - stage.start),
+        gate_bytes_per_row=gate_row,
+        gate_link=link,
+        fails_at_s=min(fails, default=None),
+    )
 
 
-def stage_costs(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable) -> tuple[StageCost, ...]:
+def stage_costs(
+    plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable
+) -> tuple[StageCost, ...]:
     """Each stage of ``plan`` as the cost model sees it (module doc)."""
     by_id = {n.node_id: n for n in nodes}
     options = PlanOptions(context_tokens=plan.context_tokens, batch=plan.batch)
@@ -100,12 +124,21 @@ def stage_costs(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: 
             continue
         node = by_id[stage.node_id]
         read = float(range_bytes(model, options, stage.start, stage.end)[2])
-        costs.append(StageCost(stage.node_id, _stage_speed(stage, node, model, read), read,
-                               frame_bytes_per_row=frame, fails_at_s=node.fails_at_s))  # fmt: skip
+        costs.append(
+            StageCost(
+                stage.node_id,
+                _stage_speed(stage, node, model, read),
+                read,
+                frame_bytes_per_row=frame,
+                fails_at_s=node.fails_at_s,
+            )
+        )
     return tuple(costs)
 
 
-def route_of(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | None) -> Pipeline:
+def route_of(
+    plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | None
+) -> Pipeline:
     """The simulator's ``Pipeline`` for ``plan`` over the pool ``nodes`` and ``links``."""
     from seamline.sim.simulate import Pipeline
 
@@ -117,14 +150,24 @@ def route_of(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: Lin
     return Pipeline(stage_costs(plan, model, nodes, table), tuple(hops))
 
 
-def predict_many(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | None,
-                 clients: Sequence[int], prompt_tokens: int, output_tokens: int, front: FrontCost | None = None,
-                 after_failure: Plan | None = None) -> list[dict[str, Any]]:  # fmt: skip
+def predict_many(
+    plan: Plan,
+    model: ModelSpec,
+    nodes: Sequence[NodeInfo],
+    links: LinkTable | None,
+    clients: Sequence[int],
+    prompt_tokens: int,
+    output_tokens: int,
+    front: FrontCost | None = None,
+    after_failure: Plan | None = None,
+) -> list[dict[str, Any]]:
     """``predict`` at each client count of ``clients``, the single-stream run simulated once."""
     from seamline.sim.simulate import simulate
 
     route = route_of(plan, model, nodes, links)
-    survivors = [replace(n, fails_at_s=None) for n in nodes]  # the simulator replans once: no second failure
+    survivors = [
+        replace(n, fails_at_s=None) for n in nodes
+    ]  # the simulator replans once: no second failure
     after = route_of(after_failure, model, survivors, links) if after_failure is not None else None
     runs: dict[int, SimResult] = {}
 
@@ -139,23 +182,40 @@ def predict_many(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links:
     for count in clients:
         result = run(count)
         busy = tuple(float(b) for b in result.busy)
-        out.append({
-            "clients": count, "single_ms_per_token": float(run(1).p50_ms_between_tokens()),
-            "tok_s": float(result.tok_s), "ttft_s": float(result.p50_ttft_s()),
-            "ms_between_tokens": float(result.p50_ms_between_tokens()), "busy": busy, "stages": names,
-            "bottleneck": names[max(range(len(busy)), key=busy.__getitem__)] if busy else "",
-            "replayed": int(result.replayed), "wall_s": float(result.wall_s),
-        })  # fmt: skip
+        out.append(
+            {
+                "clients": count,
+                "single_ms_per_token": float(run(1).p50_ms_between_tokens()),
+                "tok_s": float(result.tok_s),
+                "ttft_s": float(result.p50_ttft_s()),
+                "ms_between_tokens": float(result.p50_ms_between_tokens()),
+                "busy": busy,
+                "stages": names,
+                "bottleneck": names[max(range(len(busy)), key=busy.__getitem__)] if busy else "",
+                "replayed": int(result.replayed),
+                "wall_s": float(result.wall_s),
+            }
+        )
     return out
 
 
-def predict(plan: Plan, model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | None, clients: int,
-            prompt_tokens: int, output_tokens: int, front: FrontCost | None = None,
-            after_failure: Plan | None = None) -> dict[str, Any]:  # fmt: skip
+def predict(
+    plan: Plan,
+    model: ModelSpec,
+    nodes: Sequence[NodeInfo],
+    links: LinkTable | None,
+    clients: int,
+    prompt_tokens: int,
+    output_tokens: int,
+    front: FrontCost | None = None,
+    after_failure: Plan | None = None,
+) -> dict[str, Any]:
     """What the simulator predicts for ``plan`` under ``clients`` clients starting together, each
     streaming one request of ``prompt_tokens`` and ``output_tokens``: ``single_ms_per_token``
     (one client alone), ``tok_s`` (all of them), ``ttft_s`` (p50 time to first token),
     ``ms_between_tokens`` (p50), ``busy`` (each stage's busy fraction, named in ``stages``),
     ``bottleneck`` (the busiest stage), ``replayed`` (requests replayed after a failure:
     ``after_failure`` is the plan the mesh switches to when a member with ``fails_at_s`` fails)."""
-    return predict_many(plan, model, nodes, links, [clients], prompt_tokens, output_tokens, front, after_failure)[0]
+    return predict_many(
+        plan, model, nodes, links, [clients], prompt_tokens, output_tokens, front, after_failure
+    )[0]

@@ -44,42 +44,107 @@ from seamline.weights.names import stage_plans
 from seamline.weights.v4_names import MTP_SOURCE
 
 GiB = 1 << 30
-CSA, HCA, SLIDING = "compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"
+CSA, HCA, SLIDING = (
+    "compressed_sparse_attention",
+    "heavily_compressed_attention",
+    "sliding_attention",
+)
 # The released Flash's config.json "compress_ratios" (0: sliding, 4: CSA, 128: HCA): two sliding
 # layers, then 4 and 128 alternating. transformers' default layer_types is another schedule.
-V4_FLASH_COMPRESS_RATIOS: tuple[int, ...] = (0, 0) + tuple(4 if i % 2 == 0 else 128 for i in range(2, 43))
+V4_FLASH_COMPRESS_RATIOS: tuple[int, ...] = (0, 0) + tuple(
+    4 if i % 2 == 0 else 128 for i in range(2, 43)
+)
 _KIND_OF_RATIO = {0: SLIDING, 4: CSA, 128: HCA}
 
 # DeepSeek-V4-Flash's config: transformers' DeepseekV4Config defaults (which are Flash's,
 # https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash), but layer_types from the release.
 V4_FLASH_CONFIG: dict[str, Any] = dict(
-    model_type="deepseek_v4", vocab_size=129280, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
-    num_key_value_heads=1, head_dim=512, q_lora_rank=1024, o_groups=8, o_lora_rank=1024,
-    moe_intermediate_size=2048, n_routed_experts=256, num_experts_per_tok=6, n_shared_experts=1,
-    scoring_func="sqrtsoftplus", norm_topk_prob=True, routed_scaling_factor=1.5, swiglu_limit=10.0,
-    hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, sliding_window=128, index_n_heads=64, index_head_dim=128,
-    index_topk=512, compress_rates={CSA: 4, HCA: 128}, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
-    max_position_embeddings=1048576, tie_word_embeddings=False, rope_theta=10000.0, partial_rotary_factor=0.125,
-    rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125},
-                     "compress": {"rope_type": "default", "rope_theta": 160000.0, "partial_rotary_factor": 0.125}},
+    model_type="deepseek_v4",
+    vocab_size=129280,
+    hidden_size=4096,
+    num_hidden_layers=43,
+    num_attention_heads=64,
+    num_key_value_heads=1,
+    head_dim=512,
+    q_lora_rank=1024,
+    o_groups=8,
+    o_lora_rank=1024,
+    moe_intermediate_size=2048,
+    n_routed_experts=256,
+    num_experts_per_tok=6,
+    n_shared_experts=1,
+    scoring_func="sqrtsoftplus",
+    norm_topk_prob=True,
+    routed_scaling_factor=1.5,
+    swiglu_limit=10.0,
+    hc_mult=4,
+    hc_sinkhorn_iters=20,
+    hc_eps=1e-6,
+    sliding_window=128,
+    index_n_heads=64,
+    index_head_dim=128,
+    index_topk=512,
+    compress_rates={CSA: 4, HCA: 128},
+    num_nextn_predict_layers=1,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=1048576,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+    partial_rotary_factor=0.125,
+    rope_parameters={
+        "main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125},
+        "compress": {
+            "rope_type": "default",
+            "rope_theta": 160000.0,
+            "partial_rotary_factor": 0.125,
+        },
+    },
     layer_types=[_KIND_OF_RATIO[r] for r in V4_FLASH_COMPRESS_RATIOS],
-    mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 40, bos_token_id=0, eos_token_id=1,
-)  # fmt: skip
+    mlp_layer_types=["hash_moe"] * 3 + ["moe"] * 40,
+    bos_token_id=0,
+    eos_token_id=1,
+)
 
 # DeepSeek-V3 (671B): transformers' DeepseekV3Config defaults, its published shapes
 V3_CONFIG: dict[str, Any] = dict(
-    model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
-    moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128,
-    n_shared_experts=1, n_routed_experts=256, num_experts_per_tok=8, first_k_dense_replace=3,
-    kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
-    n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True, rms_norm_eps=1e-6,
-    max_position_embeddings=4096, tie_word_embeddings=False, num_nextn_predict_layers=1, bos_token_id=0,
+    model_type="deepseek_v3",
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_hidden_layers=61,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    n_shared_experts=1,
+    n_routed_experts=256,
+    num_experts_per_tok=8,
+    first_k_dense_replace=3,
+    kv_lora_rank=512,
+    q_lora_rank=1536,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    qk_nope_head_dim=128,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+    num_nextn_predict_layers=1,
+    bos_token_id=0,
     eos_token_id=1,
-)  # fmt: skip
+)
 
 # Bytes per weight in the published V4 file: the value and its UE8M0 scale byte's share
-FILE_BYTES_PER_WEIGHT = {"float4_e2m1": 0.5 + 1 / 32, "float8_e4m3": 1 + 1 / (128 * 128),
-                         "bfloat16": 2, "float16": 2, "float32": 4, "int64": 8}  # fmt: skip
+FILE_BYTES_PER_WEIGHT = {
+    "float4_e2m1": 0.5 + 1 / 32,
+    "float8_e4m3": 1 + 1 / (128 * 128),
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "int64": 8,
+}
 _GGUF_FLOATS = {Q.F32: "float32", Q.F16: "float16", Q.BF16: "bfloat16"}
 
 
@@ -94,7 +159,9 @@ class Checkpoint:
 
     def spec(self, dtype_bytes: int = 2, context: int | None = None) -> ModelSpec:
         """Its ModelSpec, float weights and KV cache in ``dtype_bytes`` (2: bfloat16 on a GPU)."""
-        return ModelSpec.from_checkpoint_shapes(self.config, self.name, self.shapes, dtype_bytes, self.types, context)
+        return ModelSpec.from_checkpoint_shapes(
+            self.config, self.name, self.shapes, dtype_bytes, self.types, context
+        )
 
     def file_bytes(self, names: set[str] | None = None) -> int:
         """Bytes of the published file's tensors (``names``; None: all of them)."""
@@ -114,10 +181,21 @@ def _file_bytes(shape: tuple[int, ...], stored: str) -> int:
 
 # ---- DeepSeek-V4-Flash ---------------------------------------------------------------------------
 
-_V4_FP8 = frozenset({"attn.wq_a.weight", "attn.wq_b.weight", "attn.wkv.weight", "attn.wo_a.weight",
-                     "attn.wo_b.weight", "ffn.shared_experts.w1.weight", "ffn.shared_experts.w2.weight",
-                     "ffn.shared_experts.w3.weight", "attn.indexer.wq_b.weight", "e_proj.weight",
-                     "h_proj.weight"})  # fmt: skip
+_V4_FP8 = frozenset(
+    {
+        "attn.wq_a.weight",
+        "attn.wq_b.weight",
+        "attn.wkv.weight",
+        "attn.wo_a.weight",
+        "attn.wo_b.weight",
+        "ffn.shared_experts.w1.weight",
+        "ffn.shared_experts.w2.weight",
+        "ffn.shared_experts.w3.weight",
+        "attn.indexer.wq_b.weight",
+        "e_proj.weight",
+        "h_proj.weight",
+    }
+)
 _V4_FP32 = ("hc_", "attn.attn_sink", "ffn.gate.bias", "compressor.ape")
 
 
@@ -126,10 +204,22 @@ def v4_flash_checkpoint() -> Checkpoint:
     layer's too (``mtp.0.*``: a sliding-attention block with a learned router)."""
     config = ModelConfig.from_hf_dict(V4_FLASH_CONFIG)
     names = [src for p in stage_plans(config, Ownership.full(config)) for src in p.sources()]
-    first = [n for n in names if n.startswith("model.layers.0.")]  # a sliding layer's block: the MTP's kind
-    mtp_block = [MTP_SOURCE + n.removeprefix("model.layers.0.").replace("tid2eid", "bias") for n in first]
-    mtp_own = ["e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight",
-               "hc_head_fn", "hc_head_base", "hc_head_scale"]  # fmt: skip
+    first = [
+        n for n in names if n.startswith("model.layers.0.")
+    ]  # a sliding layer's block: the MTP's kind
+    mtp_block = [
+        MTP_SOURCE + n.removeprefix("model.layers.0.").replace("tid2eid", "bias") for n in first
+    ]
+    mtp_own = [
+        "e_proj.weight",
+        "h_proj.weight",
+        "enorm.weight",
+        "hnorm.weight",
+        "norm.weight",
+        "hc_head_fn",
+        "hc_head_base",
+        "hc_head_scale",
+    ]
     names += mtp_block + [MTP_SOURCE + n for n in mtp_own]
     shapes = {n: _v4_shape(V4_FLASH_CONFIG, n) for n in names}
     return Checkpoint("DeepSeek-V4-Flash", config, shapes, {n: _v4_type(n) for n in names})
@@ -149,36 +239,79 @@ def _v4_kind(hf: dict[str, Any], name: str) -> str:
 
 def _v4_shape(hf: dict[str, Any], name: str) -> tuple[int, ...]:
     """A V4 tensor's shape, as the model's modules take it (``model/v4_*.py``)."""
-    h, hc, vocab, heads = hf["hidden_size"], hf["hc_mult"], hf["vocab_size"], hf["num_attention_heads"]
+    h, hc, vocab, heads = (
+        hf["hidden_size"],
+        hf["hc_mult"],
+        hf["vocab_size"],
+        hf["num_attention_heads"],
+    )
     d, top_k = hf["head_dim"], hf["num_experts_per_tok"]
-    q, groups, o_rank, experts = hf["q_lora_rank"], hf["o_groups"], hf["o_lora_rank"], hf["n_routed_experts"]
-    inter, shared = hf["moe_intermediate_size"], hf["moe_intermediate_size"] * hf["n_shared_experts"]
+    q, groups, o_rank, experts = (
+        hf["q_lora_rank"],
+        hf["o_groups"],
+        hf["o_lora_rank"],
+        hf["n_routed_experts"],
+    )
+    inter, shared = (
+        hf["moe_intermediate_size"],
+        hf["moe_intermediate_size"] * hf["n_shared_experts"],
+    )
     kind = _v4_kind(hf, name)
-    rate, wide = hf["compress_rates"].get(kind, 0), (2 * d if kind == CSA else d)  # CSA's windows overlap
+    rate, wide = (
+        hf["compress_rates"].get(kind, 0),
+        (2 * d if kind == CSA else d),
+    )  # CSA's windows overlap
     idx_heads, idx_dim, mixes = hf["index_n_heads"], hf["index_head_dim"], (2 + hc) * hc
     table: dict[str, tuple[int, ...]] = {
-        "embed_tokens.weight": (vocab, h), "head.weight": (vocab, h), "norm.weight": (h,),
-        "hc_head.hc_fn": (hc, hc * h), "hc_head.hc_base": (hc,), "hc_head.hc_scale": (1,),
-        "hc_head_fn": (hc, hc * h), "hc_head_base": (hc,), "hc_head_scale": (1,),
-        "e_proj.weight": (h, h), "h_proj.weight": (h, h), "enorm.weight": (h,), "hnorm.weight": (h,),
-        "hc_attn_fn": (mixes, hc * h), "hc_attn_base": (mixes,), "hc_attn_scale": (3,),
-        "hc_ffn_fn": (mixes, hc * h), "hc_ffn_base": (mixes,), "hc_ffn_scale": (3,),
-        "attn_norm.weight": (h,), "ffn_norm.weight": (h,),
-        "attn.wq_a.weight": (q, h), "attn.q_norm.weight": (q,), "attn.wq_b.weight": (heads * d, q),
-        "attn.wkv.weight": (d, h), "attn.norm.weight": (d,), "attn.attn_sink": (heads,),
-        "attn.wo_a.weight": (groups * o_rank, heads * d // groups), "attn.wo_b.weight": (h, groups * o_rank),
-        "ffn.gate.weight": (experts, h), "ffn.gate.bias": (experts,), "ffn.gate.tid2eid": (vocab, top_k),
-        "ffn.shared_experts.w1.weight": (shared, h), "ffn.shared_experts.w3.weight": (shared, h),
+        "embed_tokens.weight": (vocab, h),
+        "head.weight": (vocab, h),
+        "norm.weight": (h,),
+        "hc_head.hc_fn": (hc, hc * h),
+        "hc_head.hc_base": (hc,),
+        "hc_head.hc_scale": (1,),
+        "hc_head_fn": (hc, hc * h),
+        "hc_head_base": (hc,),
+        "hc_head_scale": (1,),
+        "e_proj.weight": (h, h),
+        "h_proj.weight": (h, h),
+        "enorm.weight": (h,),
+        "hnorm.weight": (h,),
+        "hc_attn_fn": (mixes, hc * h),
+        "hc_attn_base": (mixes,),
+        "hc_attn_scale": (3,),
+        "hc_ffn_fn": (mixes, hc * h),
+        "hc_ffn_base": (mixes,),
+        "hc_ffn_scale": (3,),
+        "attn_norm.weight": (h,),
+        "ffn_norm.weight": (h,),
+        "attn.wq_a.weight": (q, h),
+        "attn.q_norm.weight": (q,),
+        "attn.wq_b.weight": (heads * d, q),
+        "attn.wkv.weight": (d, h),
+        "attn.norm.weight": (d,),
+        "attn.attn_sink": (heads,),
+        "attn.wo_a.weight": (groups * o_rank, heads * d // groups),
+        "attn.wo_b.weight": (h, groups * o_rank),
+        "ffn.gate.weight": (experts, h),
+        "ffn.gate.bias": (experts,),
+        "ffn.gate.tid2eid": (vocab, top_k),
+        "ffn.shared_experts.w1.weight": (shared, h),
+        "ffn.shared_experts.w3.weight": (shared, h),
         "ffn.shared_experts.w2.weight": (h, shared),
-        "ffn.experts.{e}.w1.weight": (inter, h), "ffn.experts.{e}.w3.weight": (inter, h),
+        "ffn.experts.{e}.w1.weight": (inter, h),
+        "ffn.experts.{e}.w3.weight": (inter, h),
         "ffn.experts.{e}.w2.weight": (h, inter),
-        "attn.compressor.wkv.weight": (wide, h), "attn.compressor.wgate.weight": (wide, h),
-        "attn.compressor.ape": (rate, wide), "attn.compressor.norm.weight": (d,),
+        "attn.compressor.wkv.weight": (wide, h),
+        "attn.compressor.wgate.weight": (wide, h),
+        "attn.compressor.ape": (rate, wide),
+        "attn.compressor.norm.weight": (d,),
         "attn.indexer.compressor.wkv.weight": (2 * idx_dim, h),
         "attn.indexer.compressor.wgate.weight": (2 * idx_dim, h),
-        "attn.indexer.compressor.ape": (rate, 2 * idx_dim), "attn.indexer.compressor.norm.weight": (idx_dim,),
-        "attn.indexer.wq_b.weight": (idx_heads * idx_dim, q), "attn.indexer.weights_proj.weight": (idx_heads, h),
-    }  # fmt: skip
+        "attn.indexer.compressor.ape": (rate, 2 * idx_dim),
+        "attn.indexer.compressor.norm.weight": (idx_dim,),
+        "attn.indexer.wq_b.weight": (idx_heads * idx_dim, q),
+        "attn.indexer.weights_proj.weight": (idx_heads, h),
+    }
     return table[_v4_key(name)]
 
 
@@ -202,7 +335,9 @@ def v3_q4_k_m_checkpoint() -> Checkpoint:
     config = ModelConfig.from_hf_dict(V3_CONFIG)
     names = [src for p in stage_plans(config, Ownership.full(config)) for src in p.sources()]
     shapes = {n: _v3_shape(V3_CONFIG, n) for n in names}
-    policy = preset_policy("Q4_K_M", ModelShape(config.num_layers, config.num_experts, False, config.num_layers))
+    policy = preset_policy(
+        "Q4_K_M", ModelShape(config.num_layers, config.num_experts, False, config.num_layers)
+    )
     types = {}
     for n in names:
         qtype = policy(_v3_gguf_name(n), shapes[n])
@@ -228,24 +363,49 @@ def _v3_gguf_name(name: str) -> str:
 
 
 def _v3_shape(hf: dict[str, Any], name: str) -> tuple[int, ...]:
-    h, vocab, heads, q = hf["hidden_size"], hf["vocab_size"], hf["num_attention_heads"], hf["q_lora_rank"]
-    nope, rope, v, kv = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"], hf["v_head_dim"], hf["kv_lora_rank"]
-    inter, moe, experts = hf["intermediate_size"], hf["moe_intermediate_size"], hf["n_routed_experts"]
+    h, vocab, heads, q = (
+        hf["hidden_size"],
+        hf["vocab_size"],
+        hf["num_attention_heads"],
+        hf["q_lora_rank"],
+    )
+    nope, rope, v, kv = (
+        hf["qk_nope_head_dim"],
+        hf["qk_rope_head_dim"],
+        hf["v_head_dim"],
+        hf["kv_lora_rank"],
+    )
+    inter, moe, experts = (
+        hf["intermediate_size"],
+        hf["moe_intermediate_size"],
+        hf["n_routed_experts"],
+    )
     shared = moe * hf["n_shared_experts"]
     table: dict[str, tuple[int, ...]] = {
-        "model.embed_tokens.weight": (vocab, h), "lm_head.weight": (vocab, h), "model.norm.weight": (h,),
-        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-        "self_attn.q_a_proj.weight": (q, h), "self_attn.q_a_layernorm.weight": (q,),
-        "self_attn.q_b_proj.weight": (heads * (nope + rope), q), "self_attn.kv_a_proj_with_mqa.weight": (kv + rope, h),
-        "self_attn.kv_a_layernorm.weight": (kv,), "self_attn.kv_b_proj.weight": (heads * (nope + v), kv),
+        "model.embed_tokens.weight": (vocab, h),
+        "lm_head.weight": (vocab, h),
+        "model.norm.weight": (h,),
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_a_proj.weight": (q, h),
+        "self_attn.q_a_layernorm.weight": (q,),
+        "self_attn.q_b_proj.weight": (heads * (nope + rope), q),
+        "self_attn.kv_a_proj_with_mqa.weight": (kv + rope, h),
+        "self_attn.kv_a_layernorm.weight": (kv,),
+        "self_attn.kv_b_proj.weight": (heads * (nope + v), kv),
         "self_attn.o_proj.weight": (h, heads * v),
-        "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h), "mlp.down_proj.weight": (h, inter),
-        "mlp.gate.weight": (experts, h), "mlp.gate.e_score_correction_bias": (experts,),
-        "mlp.experts.{e}.gate_proj.weight": (moe, h), "mlp.experts.{e}.up_proj.weight": (moe, h),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+        "mlp.gate.weight": (experts, h),
+        "mlp.gate.e_score_correction_bias": (experts,),
+        "mlp.experts.{e}.gate_proj.weight": (moe, h),
+        "mlp.experts.{e}.up_proj.weight": (moe, h),
         "mlp.experts.{e}.down_proj.weight": (h, moe),
-        "mlp.shared_experts.gate_proj.weight": (shared, h), "mlp.shared_experts.up_proj.weight": (shared, h),
+        "mlp.shared_experts.gate_proj.weight": (shared, h),
+        "mlp.shared_experts.up_proj.weight": (shared, h),
         "mlp.shared_experts.down_proj.weight": (h, shared),
-    }  # fmt: skip
+    }
     key = re.sub(r"experts\.\d+\.", "experts.{e}.", re.sub(r"^model\.layers\.\d+\.", "", name))
     return table[key]
 
@@ -275,18 +435,33 @@ class Hardware:
 # https://www.nvidia.com/en-us/products/workstations/dgx-spark/ : GB10, 128 GB LPDDR5x unified
 # memory at 273 GB/s, "up to 1 PFLOP FP4 AI performance" (with sparsity). Assumed: BF16 with
 # FP32 accumulate at 1/16 of sparse FP4, the ratio NVIDIA publishes for the RTX 5090 below.
-DGX_SPARK = Hardware("DGX Spark (GB10)", 128 * GiB, 273e9, 1e15 / 16,
-                     "https://www.nvidia.com/en-us/products/workstations/dgx-spark/")
+DGX_SPARK = Hardware(
+    "DGX Spark (GB10)",
+    128 * GiB,
+    273e9,
+    1e15 / 16,
+    "https://www.nvidia.com/en-us/products/workstations/dgx-spark/",
+)
 # https://www.nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5090/ : 32 GB GDDR7 (512-bit,
 # 28 Gb/s) at 1,792 GB/s; 3,352 AI TOPS (FP4, sparse); the RTX Blackwell architecture whitepaper
 # gives 209.5 dense BF16 TFLOPS with FP32 accumulate.
-RTX_5090 = Hardware("GeForce RTX 5090", 32 * GiB, 1792e9, 209.5e12,
-                    "https://www.nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5090/")
+RTX_5090 = Hardware(
+    "GeForce RTX 5090",
+    32 * GiB,
+    1792e9,
+    209.5e12,
+    "https://www.nvidia.com/en-us/geforce/graphics-cards/50-series/rtx-5090/",
+)
 # A desktop CPU node, e.g. a Ryzen 9 9950X (its ``source``): 16 cores at 4.3 GHz base, dual-channel
 # DDR5-5600 (2 x 8 bytes x 5600 MT/s = 89.6 GB/s theoretical); assumed 64 FP32 FLOPs a cycle a core
 # (two 512-bit FMA pipes: 4.4 TFLOPS; its matmuls run in float32) and 64 GiB of DDR5 fitted.
-DESKTOP_CPU = Hardware("desktop CPU node (16 cores, DDR5-5600 x2)", 64 * GiB, 89.6e9, 16 * 4.3e9 * 64,
-                       "https://www.amd.com/en/products/processors/desktops/ryzen/9000-series/amd-ryzen-9-9950x.html")
+DESKTOP_CPU = Hardware(
+    "desktop CPU node (16 cores, DDR5-5600 x2)",
+    64 * GiB,
+    89.6e9,
+    16 * 4.3e9 * 64,
+    "https://www.amd.com/en/products/processors/desktops/ryzen/9000-series/amd-ryzen-9-9950x.html",
+)
 
 # 1 GbE: 125 MB/s on the wire, of which TCP carries 1448 of every 1538 bytes (1500-byte MTU with
 # timestamps, Ethernet framing and gap): 117.7 MB/s; one way 0.5 ms, as the planner's DEFAULT_LINK.
@@ -315,7 +490,9 @@ def active_bytes_per_param(checkpoint: Checkpoint, spec: ModelSpec) -> float:
     for p in stage_plans(config, Ownership(layers=(0, config.num_layers))):
         if p.target.startswith("layers."):
             routed = p.target.endswith(("experts_gate_up", "experts_down"))
-            params += sum(math.prod(checkpoint.shapes[s]) for s in p.sources()) * (share if routed else 1.0)
+            params += sum(math.prod(checkpoint.shapes[s]) for s in p.sources()) * (
+                share if routed else 1.0
+            )
     return sum(spec.active_bytes()) / params
 
 
@@ -360,17 +537,38 @@ def _expert_bytes(spec: ModelSpec, start: int, end: int, share: float) -> float:
     return sum(h - a for h, a in zip(held, active)) / (1.0 - share) if share < 1.0 else 0.0
 
 
-def stage_cost(spec: ModelSpec, config: ModelConfig, name: str, speed: DeviceSpeed, start: int, end: int,
-               options: PlanOptions) -> tuple[StageCost, dict[str, Any]]:  # fmt: skip
+def stage_cost(
+    spec: ModelSpec,
+    config: ModelConfig,
+    name: str,
+    speed: DeviceSpeed,
+    start: int,
+    end: int,
+    options: PlanOptions,
+) -> tuple[StageCost, dict[str, Any]]:
     """The StageCost of layers [start, end) on a device, and what it holds and reads."""
     held, kv, read = range_bytes(spec, options, start, end)
     share = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
     last = end == spec.num_layers
-    cost = StageCost(name, speed, read, expert_bytes=_expert_bytes(spec, start, end, share),
-                     experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
-                     frame_bytes_per_row=0 if last else spec.bytes_per_boundary_per_token)  # fmt: skip
-    return cost, {"name": name, "layers": [start, end - 1], "embedding": start == 0, "head": last, "weight_bytes": held,
-                  "expert_bytes": round(cost.expert_bytes), "kv_bytes": kv, "read_bytes_per_token": read}  # fmt: skip
+    cost = StageCost(
+        name,
+        speed,
+        read,
+        expert_bytes=_expert_bytes(spec, start, end, share),
+        experts=config.num_experts,
+        experts_per_token=config.num_experts_per_tok,
+        frame_bytes_per_row=0 if last else spec.bytes_per_boundary_per_token,
+    )
+    return cost, {
+        "name": name,
+        "layers": [start, end - 1],
+        "embedding": start == 0,
+        "head": last,
+        "weight_bytes": held,
+        "expert_bytes": round(cost.expert_bytes),
+        "kv_bytes": kv,
+        "read_bytes_per_token": read,
+    }
 
 
 def single_stream_s(stages: list[StageCost], link: LinkCost) -> float:
@@ -385,16 +583,32 @@ def _fits(facts: dict[str, Any], hw: Hardware, options: PlanOptions) -> dict[str
     """``facts`` with the device's capacity and whether the stage fits it, as released and with
     its routed experts at the ~2-bit file's bytes."""
     capacity, kv = options.capacity(hw.memory_bytes), facts["kv_bytes"]
-    small = facts["weight_bytes"] - round(facts["expert_bytes"] * (1.0 - Q2_EXPERT_BYTES / FP4_HELD_BYTES))
-    return {**facts, "device": hw.name, "capacity_bytes": capacity, "fits": facts["weight_bytes"] + kv <= capacity,
-            "weight_bytes_2bit_experts": small, "fits_2bit_experts": small + kv <= capacity}  # fmt: skip
+    small = facts["weight_bytes"] - round(
+        facts["expert_bytes"] * (1.0 - Q2_EXPERT_BYTES / FP4_HELD_BYTES)
+    )
+    return {
+        **facts,
+        "device": hw.name,
+        "capacity_bytes": capacity,
+        "fits": facts["weight_bytes"] + kv <= capacity,
+        "weight_bytes_2bit_experts": small,
+        "fits_2bit_experts": small + kv <= capacity,
+    }
 
 
-def _first_fitting(spec: ModelSpec, config: ModelConfig, speed: DeviceSpeed, hw: Hardware, options: PlanOptions,
-                   key: str) -> int:  # fmt: skip
+def _first_fitting(
+    spec: ModelSpec,
+    config: ModelConfig,
+    speed: DeviceSpeed,
+    hw: Hardware,
+    options: PlanOptions,
+    key: str,
+) -> int:
     """The first layer from which a last stage (to the head) fits ``hw`` (``key``: which fit)."""
     for start in range(spec.num_layers):
-        if _fits(stage_cost(spec, config, "", speed, start, spec.num_layers, options)[1], hw, options)[key]:
+        if _fits(
+            stage_cost(spec, config, "", speed, start, spec.num_layers, options)[1], hw, options
+        )[key]:
             return start
     return spec.num_layers
 
@@ -403,13 +617,20 @@ def _q2(stage: StageCost) -> StageCost:
     """The stage with its routed experts at the ~2-bit file's bytes a weight (the rest as released)."""
     ratio, share = Q2_EXPERT_BYTES / FP4_HELD_BYTES, stage.experts_per_token / stage.experts
     saved = stage.expert_bytes * share * (1.0 - ratio)
-    return StageCost(stage.name, stage.speed, stage.read_bytes - saved, expert_bytes=stage.expert_bytes * ratio,
-                     experts=stage.experts, experts_per_token=stage.experts_per_token,
-                     frame_bytes_per_row=stage.frame_bytes_per_row)  # fmt: skip
+    return StageCost(
+        stage.name,
+        stage.speed,
+        stage.read_bytes - saved,
+        expert_bytes=stage.expert_bytes * ratio,
+        experts=stage.experts,
+        experts_per_token=stage.experts_per_token,
+        frame_bytes_per_row=stage.frame_bytes_per_row,
+    )
 
 
-def _prices(split: list[StageCost], alone: StageCost,
-            latencies: tuple[float, ...] = SEED_LATENCIES_S) -> dict[str, Any]:  # fmt: skip
+def _prices(
+    split: list[StageCost], alone: StageCost, latencies: tuple[float, ...] = SEED_LATENCIES_S
+) -> dict[str, Any]:
     """tok/s and ms/token of the split at each one-way latency, and of the Spark alone."""
     out: dict[str, Any] = {}
     for latency in latencies:
@@ -448,23 +669,37 @@ def seed_check(split: int = SEED_SPLIT) -> dict[str, Any]:
     published, q2 = _prices([first, second], alone), _prices(split_q2, _q2(alone))
     mtp = checkpoint.mtp_names()
     return {
-        "model": {"name": checkpoint.name, "layers": layers, "hidden": spec.hidden_size,
-                  "hc_mult": int(config.hf["hc_mult"]), "frame_row_bytes": spec.bytes_per_boundary_per_token,
-                  "held_weight_bytes": spec.weight_bytes(), "file_bytes": checkpoint.file_bytes(),
-                  "file_bytes_without_mtp": checkpoint.file_bytes(set(checkpoint.shapes) - mtp),
-                  "seed_file_bytes": SEED_FILE_BYTES, "active_bytes_per_param": per_param},
+        "model": {
+            "name": checkpoint.name,
+            "layers": layers,
+            "hidden": spec.hidden_size,
+            "hc_mult": int(config.hf["hc_mult"]),
+            "frame_row_bytes": spec.bytes_per_boundary_per_token,
+            "held_weight_bytes": spec.weight_bytes(),
+            "file_bytes": checkpoint.file_bytes(),
+            "file_bytes_without_mtp": checkpoint.file_bytes(set(checkpoint.shapes) - mtp),
+            "seed_file_bytes": SEED_FILE_BYTES,
+            "active_bytes_per_param": per_param,
+        },
         "stages": [_fits(first_facts, DGX_SPARK, options), _fits(second_facts, RTX_5090, options)],
         "single": _fits(alone_facts, DGX_SPARK, options),
         "rtx_5090_fits_from_layer": _first_fitting(spec, config, rtx, RTX_5090, options, "fits"),
-        "rtx_5090_fits_from_layer_2bit_experts": _first_fitting(spec, config, rtx, RTX_5090, options,
-                                                                "fits_2bit_experts"),
+        "rtx_5090_fits_from_layer_2bit_experts": _first_fitting(
+            spec, config, rtx, RTX_5090, options, "fits_2bit_experts"
+        ),
         "assumptions": list(SEED_ASSUMPTIONS),
         "predicted": published,
         "predicted_2bit_experts": q2,
         # the seed's "4-20 ms" read as round trips instead (one way: half)
-        "predicted_2bit_experts_if_round_trip": _prices(split_q2, _q2(alone), tuple(x / 2 for x in SEED_LATENCIES_S)),
-        "seed": {"split_tok_s": list(SEED_SPLIT_TOK_S), "single_tok_s": SEED_SINGLE_TOK_S,
-                 "latencies_ms": [x * 1000 for x in SEED_LATENCIES_S], "tolerance": SEED_TOLERANCE},
+        "predicted_2bit_experts_if_round_trip": _prices(
+            split_q2, _q2(alone), tuple(x / 2 for x in SEED_LATENCIES_S)
+        ),
+        "seed": {
+            "split_tok_s": list(SEED_SPLIT_TOK_S),
+            "single_tok_s": SEED_SINGLE_TOK_S,
+            "latencies_ms": [x * 1000 for x in SEED_LATENCIES_S],
+            "tolerance": SEED_TOLERANCE,
+        },
         "within_tolerance": _within(published),
         "within_tolerance_2bit_experts": _within(q2),
-    }  # fmt: skip
+    }

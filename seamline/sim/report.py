@@ -19,7 +19,9 @@ from seamline.mesh.plan.groups import plan_auto
 from seamline.mesh.plan.types import LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
 from seamline.sim.prediction import predict_many
 
-INSTALL_HINT = "pip install 'seamline[sim]' gives the simulator's predictions under load (it needs simpy)"
+INSTALL_HINT = (
+    "pip install 'seamline[sim]' gives the simulator's predictions under load (it needs simpy)"
+)
 PLOT_HINT = "pip install 'seamline[sim]' gives the plot (it needs matplotlib)"
 
 
@@ -30,7 +32,9 @@ class SimOptions:
     clients: tuple[int, ...] = (1, 16, 64)
     prompt_tokens: int = 128
     output_tokens: int = 128
-    simulate: bool = False  # the sweep over the pool's first n nodes instead of one plan's predictions
+    simulate: bool = (
+        False  # the sweep over the pool's first n nodes instead of one plan's predictions
+    )
     plot: str = "seamline-simulate.png"
 
 
@@ -46,7 +50,9 @@ class Scenario:
     tensor_parallel: int = 0
 
     def plan(self, nodes: Sequence[NodeInfo]) -> Plan:
-        return plan_auto(self.model, nodes, self.links, self.options, self.config, self.tensor_parallel)
+        return plan_auto(
+            self.model, nodes, self.links, self.options, self.config, self.tensor_parallel
+        )
 
 
 @dataclass(frozen=True)
@@ -62,7 +68,9 @@ def simulator_missing() -> str | None:
     return None if importlib.util.find_spec("simpy") else INSTALL_HINT
 
 
-def failover(sc: Scenario, plan: Plan, nodes: Sequence[NodeInfo]) -> tuple[NodeInfo | None, Plan | None]:
+def failover(
+    sc: Scenario, plan: Plan, nodes: Sequence[NodeInfo]
+) -> tuple[NodeInfo | None, Plan | None]:
     """The first member of ``plan`` to fail (None: none has ``fails_at_s``), and the plan over
     ``nodes`` without it (None: none fits)."""
     members = {m for s in plan.stages for m in s.members()}
@@ -79,19 +87,37 @@ def failover(sc: Scenario, plan: Plan, nodes: Sequence[NodeInfo]) -> tuple[NodeI
 def one_failure(nodes: Sequence[NodeInfo], failed: NodeInfo | None) -> list[NodeInfo]:
     """``nodes`` with only ``failed`` keeping its ``fails_at_s``."""
     keep = failed.node_id if failed is not None else None
-    return [n if n.node_id == keep or n.fails_at_s is None else replace(n, fails_at_s=None) for n in nodes]
+    return [
+        n if n.node_id == keep or n.fails_at_s is None else replace(n, fails_at_s=None)
+        for n in nodes
+    ]
 
 
-def _predict(sc: Scenario, plan: Plan, nodes: Sequence[NodeInfo], sim: SimOptions) -> tuple[list[dict[str, Any]], str]:
+def _predict(
+    sc: Scenario, plan: Plan, nodes: Sequence[NodeInfo], sim: SimOptions
+) -> tuple[list[dict[str, Any]], str]:
     """``predict`` at each client count, and a note on the simulated failure ("" without one)."""
     failed, after = failover(sc, plan, nodes)
-    pool = one_failure(nodes, failed if after is not None else None)  # no plan after it: no failure to simulate
-    results = predict_many(plan, sc.model, pool, sc.links, sim.clients, sim.prompt_tokens, sim.output_tokens,
-                           after_failure=after)  # fmt: skip
+    pool = one_failure(
+        nodes, failed if after is not None else None
+    )  # no plan after it: no failure to simulate
+    results = predict_many(
+        plan,
+        sc.model,
+        pool,
+        sc.links,
+        sim.clients,
+        sim.prompt_tokens,
+        sim.output_tokens,
+        after_failure=after,
+    )
     if failed is None:
         return results, ""
-    then = (f"replanned onto {' -> '.join(after.node_ids())}" if after is not None
-            else "no plan fits the rest (simulated without the failure)")  # fmt: skip
+    then = (
+        f"replanned onto {' -> '.join(after.node_ids())}"
+        if after is not None
+        else "no plan fits the rest (simulated without the failure)"
+    )
     return results, f"{failed.node_id} fails at {failed.fails_at_s:g} s: {then}"
 
 
@@ -102,23 +128,32 @@ def prediction_lines(sc: Scenario, plan: Plan, sim: SimOptions) -> list[str]:
     if missing or not sim.clients:
         return [missing] if missing else []
     results, failure = _predict(sc, plan, sc.nodes, sim)
-    lines = [f"predicted under load (simulated; clients start together, {sim.prompt_tokens}-token prompts, "
-             f"{sim.output_tokens} tokens each; one client alone {results[0]['single_ms_per_token']:.2f} ms/token):",
-             f"{'clients':>9} {'tok/s':>9} {'ms between tokens':>17} {'TTFT s':>9}  busy per stage"]  # fmt: skip
+    lines = [
+        f"predicted under load (simulated; clients start together, {sim.prompt_tokens}-token prompts, "
+        f"{sim.output_tokens} tokens each; one client alone {results[0]['single_ms_per_token']:.2f} ms/token):",
+        f"{'clients':>9} {'tok/s':>9} {'ms between tokens':>17} {'TTFT s':>9}  busy per stage",
+    ]
     for r in results:
         busy = ", ".join(f"{name} {b:.0%}" for name, b in zip(r["stages"], r["busy"]))
         replayed = f" ({r['replayed']} replayed)" if failure else ""
-        lines.append(f"{r['clients']:>9} {r['tok_s']:>9.1f} {r['ms_between_tokens']:>17.2f} "
-                     f"{_seconds(r['ttft_s']):>9}  {busy}{replayed}")  # fmt: skip
+        lines.append(
+            f"{r['clients']:>9} {r['tok_s']:>9.1f} {r['ms_between_tokens']:>17.2f} "
+            f"{_seconds(r['ttft_s']):>9}  {busy}{replayed}"
+        )
     lines.extend(_notes(sc.nodes, failure))
     return lines
 
 
 def _notes(nodes: Sequence[NodeInfo], failure: str) -> list[str]:
     notes = [f"simulated failure: {failure}"] if failure else []
-    if not any(n.batched_bytes_per_second or any(d.batched_bytes_per_second for d in n.devices) for n in nodes):
-        notes.append("no batched_bytes_per_second in the pool: a step of many rows is priced at the one-row "
-                     "rate (pessimistic under load)")  # fmt: skip
+    if not any(
+        n.batched_bytes_per_second or any(d.batched_bytes_per_second for d in n.devices)
+        for n in nodes
+    ):
+        notes.append(
+            "no batched_bytes_per_second in the pool: a step of many rows is priced at the one-row "
+            "rate (pessimistic under load)"
+        )
     return notes
 
 
@@ -139,15 +174,21 @@ def sweep(sc: Scenario, sim: SimOptions) -> list[SweepRow]:
 
 def format_sweep(rows: Sequence[SweepRow]) -> str:
     """The sweep as a table: one row per node count and client count."""
-    lines = [f"{'nodes':>5} {'clients':>7} {'tok/s':>9} {'ms between tokens':>17} {'TTFT s':>9}  {'bottleneck':<16} "
-             f"{'replayed':>8}  note"]  # fmt: skip
+    lines = [
+        f"{'nodes':>5} {'clients':>7} {'tok/s':>9} {'ms between tokens':>17} {'TTFT s':>9}  {'bottleneck':<16} "
+        f"{'replayed':>8}  note"
+    ]
     for row in rows:
         r = row.prediction
         if r is None:
-            lines.append(f"{row.nodes:>5} {'-':>7} {'-':>9} {'-':>17} {'-':>9}  {'-':<16} {'-':>8}  {row.note}")
+            lines.append(
+                f"{row.nodes:>5} {'-':>7} {'-':>9} {'-':>17} {'-':>9}  {'-':<16} {'-':>8}  {row.note}"
+            )
             continue
-        lines.append(f"{row.nodes:>5} {row.clients:>7} {r['tok_s']:>9.1f} {r['ms_between_tokens']:>17.2f} "
-                     f"{_seconds(r['ttft_s']):>9}  {r['bottleneck']:<16} {r['replayed']:>8}  {row.note}".rstrip())
+        lines.append(
+            f"{row.nodes:>5} {row.clients:>7} {r['tok_s']:>9.1f} {r['ms_between_tokens']:>17.2f} "
+            f"{_seconds(r['ttft_s']):>9}  {r['bottleneck']:<16} {r['replayed']:>8}  {row.note}".rstrip()
+        )
     return "\n".join(lines)
 
 
@@ -162,11 +203,18 @@ def plot_sweep(rows: Sequence[SweepRow], path: str) -> None:
     FigureCanvasAgg(fig)
     rate_ax, gap_ax = fig.subplots(1, 2)
     for clients in sorted({r.clients for r in rows if r.prediction is not None}):
-        points = [(r.nodes, r.prediction) for r in rows if r.clients == clients and r.prediction is not None]
+        points = [
+            (r.nodes, r.prediction)
+            for r in rows
+            if r.clients == clients and r.prediction is not None
+        ]
         xs, label = [n for n, _ in points], f"{clients} client{'s' if clients > 1 else ''}"
         rate_ax.plot(xs, [p["tok_s"] for _, p in points], marker="o", label=label)
         gap_ax.plot(xs, [p["ms_between_tokens"] for _, p in points], marker="o", label=label)
-    for ax, title in ((rate_ax, "tokens per second (all clients)"), (gap_ax, "ms between tokens (p50)")):
+    for ax, title in (
+        (rate_ax, "tokens per second (all clients)"),
+        (gap_ax, "ms between tokens (p50)"),
+    ):
         ax.set_xlabel("nodes (the pool's first n)")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title)
@@ -182,8 +230,11 @@ def run_sweep(sc: Scenario, sim: SimOptions) -> str:
     if missing:
         return missing
     rows = sweep(sc, sim)
-    text = [f"simulated: the pool's first n nodes, clients start together, {sim.prompt_tokens}-token prompts, "
-            f"{sim.output_tokens} tokens each", format_sweep(rows)]  # fmt: skip
+    text = [
+        f"simulated: the pool's first n nodes, clients start together, {sim.prompt_tokens}-token prompts, "
+        f"{sim.output_tokens} tokens each",
+        format_sweep(rows),
+    ]
     text.extend(_notes(sc.nodes, ""))
     if importlib.util.find_spec("matplotlib") is None:
         text.append(PLOT_HINT)

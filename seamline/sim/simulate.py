@@ -44,7 +44,9 @@ class Pipeline:
     """A pipeline: its stages in order and the hops between them."""
 
     stages: tuple[StageCost, ...]
-    links: tuple[LinkCost, ...]  # the forward hops, then the return hop: len(stages) of them (none for one stage)
+    links: tuple[
+        LinkCost, ...
+    ]  # the forward hops, then the return hop: len(stages) of them (none for one stage)
     micro_batches: int = 0  # 0: one per stage
 
     def batches(self) -> int:
@@ -56,19 +58,27 @@ class Pipeline:
             raise ValueError(f"{what} must have at least one stage")
         hops = len(self.stages) if len(self.stages) > 1 else 0
         if len(self.links) != hops:
-            raise ValueError(f"{what} has {len(self.stages)} stages and so needs {hops} links "
-                             f"(the forward hops, then the return hop), not {len(self.links)}")  # fmt: skip
+            raise ValueError(
+                f"{what} has {len(self.stages)} stages and so needs {hops} links "
+                f"(the forward hops, then the return hop), not {len(self.links)}"
+            )
         if self.micro_batches < 0:
-            raise ValueError(f"{what}'s micro_batches must be >= 0 (0: one per stage), not {self.micro_batches}")
+            raise ValueError(
+                f"{what}'s micro_batches must be >= 0 (0: one per stage), not {self.micro_batches}"
+            )
 
 
 @dataclass(frozen=True)
 class SimResult:
-    tok_s: float  # generated tokens / wall time of the wave (first token of the first prompt included)
+    tok_s: (
+        float  # generated tokens / wall time of the wave (first token of the first prompt included)
+    )
     wall_s: float
     ttft_s: tuple[float, ...]  # per client
     itl_s: tuple[float, ...]  # every inter-token gap of every client
-    busy: tuple[float, ...]  # per stage of the route: fraction of the wall its device was busy (front work included)
+    busy: tuple[
+        float, ...
+    ]  # per stage of the route: fraction of the wall its device was busy (front work included)
     steps: int  # steps stage 0 ran
     replayed: int  # sequences replayed after a failure
 
@@ -92,7 +102,9 @@ class _ClientRequest:
     drawn: int = 0  # tokens back at stage 0
     in_flight: bool = False
     frame: int = 0  # the step whose frame carries its draw, while in flight
-    prefill_draws: bool = True  # the prefill's last chunk draws (not after a replay that drew tokens)
+    prefill_draws: bool = (
+        True  # the prefill's last chunk draws (not after a replay that drew tokens)
+    )
     shown: list[float] = field(default_factory=list)  # when each token reached the client
 
     @property
@@ -134,12 +146,21 @@ class _Pipe:
 class _Wave:
     """The simulation's state and processes."""
 
-    def __init__(self, env: simpy.Environment, sequences: list[_ClientRequest], front: FrontCost,
-                 max_step_tokens: int, prefill_chunk: int, front_device: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        env: simpy.Environment,
+        sequences: list[_ClientRequest],
+        front: FrontCost,
+        max_step_tokens: int,
+        prefill_chunk: int,
+        front_device: str | None = None,
+    ) -> None:
         self.env = env
         self.sequences = sequences
         self.front = front
-        self.front_device = front_device  # the stage whose device the front shares (None: stage 0's)
+        self.front_device = (
+            front_device  # the stage whose device the front shares (None: stage 0's)
+        )
         self.max_step_tokens = max_step_tokens
         self.prefill_chunk = prefill_chunk
         self.devices: dict[str, simpy.Resource] = {}
@@ -157,8 +178,11 @@ class _Wave:
         for stage in route.stages:
             self.devices.setdefault(stage.name, simpy.Resource(self.env, capacity=1))
             self.worked.setdefault(stage.name, [])
-        pipe = _Pipe(route, [simpy.Resource(self.env, capacity=1) for _ in route.links],
-                     [simpy.Store(self.env) for _ in route.stages])  # fmt: skip
+        pipe = _Pipe(
+            route,
+            [simpy.Resource(self.env, capacity=1) for _ in route.links],
+            [simpy.Store(self.env) for _ in route.stages],
+        )
         self.pipe = pipe
         for index in range(1, len(route.stages)):
             self.env.process(self._stage(pipe, index))
@@ -244,7 +268,11 @@ class _Wave:
         for sequence in ready:
             if not sequence.prefilling:
                 continue
-            count = min(sequence.prefill_end - sequence.cached, self.prefill_chunk, self.max_step_tokens - rows)
+            count = min(
+                sequence.prefill_end - sequence.cached,
+                self.prefill_chunk,
+                self.max_step_tokens - rows,
+            )
             if count <= 0:
                 break
             sequence.cached += count
@@ -276,7 +304,9 @@ class _Wave:
         elif index < len(stages) - 1:
             nbytes = frame_bytes(frame.rows, stages[index].frame_bytes_per_row)
             self.env.process(self._send(pipe, frame, index, nbytes))
-        elif frame.drawing:  # a frame of prompt chunks short of their ends draws nothing: nothing goes back
+        elif (
+            frame.drawing
+        ):  # a frame of prompt chunks short of their ends draws nothing: nothing goes back
             self.env.process(self._send(pipe, frame, index, return_bytes(len(frame.drawing))))
 
     def _send(self, pipe: _Pipe, frame: _Frame, hop: int, nbytes: int) -> _Process:
@@ -315,8 +345,14 @@ class _Wave:
         device = self.devices[name]
         self.env.process(self._front_job(device, device.request(), name, seconds, then))
 
-    def _front_job(self, device: simpy.Resource, request: simpy.Event, name: str, seconds: float,
-                   then: Callable[[], None]) -> _Process:  # fmt: skip
+    def _front_job(
+        self,
+        device: simpy.Resource,
+        request: simpy.Event,
+        name: str,
+        seconds: float,
+        then: Callable[[], None],
+    ) -> _Process:
         yield request
         yield self._spend(name, seconds)
         device.release(request)
@@ -332,25 +368,54 @@ class _Wave:
         """Each stage's device: the share of [0, wall_s] it worked."""
         if wall_s <= 0:
             return tuple(0.0 for _ in route.stages)
-        return tuple(min(1.0, sum(max(0.0, min(end, wall_s) - start) for start, end in self.worked[s.name]) / wall_s)
-                     for s in route.stages)  # fmt: skip
+        return tuple(
+            min(
+                1.0,
+                sum(max(0.0, min(end, wall_s) - start) for start, end in self.worked[s.name])
+                / wall_s,
+            )
+            for s in route.stages
+        )
 
 
-def simulate(route: Pipeline, load: Load, *, front: FrontCost = FrontCost(), max_step_tokens: int = 512,
-             prefill_chunk: int = 512, after_failure: Pipeline | None = None, replan_s: float = 1.0,
-             prompt_lengths: tuple[int, ...] | None = None, front_device: str | None = None) -> SimResult:  # fmt: skip
+def simulate(
+    route: Pipeline,
+    load: Load,
+    *,
+    front: FrontCost = FrontCost(),
+    max_step_tokens: int = 512,
+    prefill_chunk: int = 512,
+    after_failure: Pipeline | None = None,
+    replan_s: float = 1.0,
+    prompt_lengths: tuple[int, ...] | None = None,
+    front_device: str | None = None,
+) -> SimResult:
     """The wave ``load`` on ``route``: every client's tokens, when they reached it, and each device's busy share.
 
     ``prompt_lengths``: each client's prompt (instead of ``load.prompt_tokens`` for all).
     ``front_device``: the stage whose device also runs the front (None: stage 0). A stage
     of ``route`` with ``fails_at_s`` dies then (the earliest, if several) and the wave goes on
     over ``after_failure`` after ``replan_s``."""
-    failure = _check(route, load, max_step_tokens, prefill_chunk, after_failure, replan_s, prompt_lengths,
-                     front_device)  # fmt: skip
+    failure = _check(
+        route,
+        load,
+        max_step_tokens,
+        prefill_chunk,
+        after_failure,
+        replan_s,
+        prompt_lengths,
+        front_device,
+    )
     prompts = prompt_lengths if prompt_lengths is not None else (load.prompt_tokens,) * load.clients
     env = simpy.Environment()
-    wave = _Wave(env, [_ClientRequest(prompt, load.output_tokens) for prompt in prompts], front, max_step_tokens,
-                 prefill_chunk, front_device)  # fmt: skip
+    wave = _Wave(
+        env,
+        [_ClientRequest(prompt, load.output_tokens) for prompt in prompts],
+        front,
+        max_step_tokens,
+        prefill_chunk,
+        front_device,
+    )
     wave.install(route)
     wave.arrive()
     if failure is not None and after_failure is not None:
@@ -358,18 +423,36 @@ def simulate(route: Pipeline, load: Load, *, front: FrontCost = FrontCost(), max
     try:
         env.run(until=wave.done)
     except RuntimeError as exc:
-        raise RuntimeError(f"the simulation stalled before every client had its tokens ({exc})") from None
+        raise RuntimeError(
+            f"the simulation stalled before every client had its tokens ({exc})"
+        ) from None
     wall = env.now
     ttft = tuple(s.shown[0] for s in wave.sequences)
-    gaps = tuple(later - earlier for s in wave.sequences for earlier, later in zip(s.shown, s.shown[1:]))
+    gaps = tuple(
+        later - earlier for s in wave.sequences for earlier, later in zip(s.shown, s.shown[1:])
+    )
     total = load.clients * load.output_tokens
-    return SimResult(tok_s=total / wall if wall > 0 else math.inf, wall_s=wall, ttft_s=ttft, itl_s=gaps,
-                     busy=wave.busy(route, wall), steps=wave.steps, replayed=wave.replayed)  # fmt: skip
+    return SimResult(
+        tok_s=total / wall if wall > 0 else math.inf,
+        wall_s=wall,
+        ttft_s=ttft,
+        itl_s=gaps,
+        busy=wave.busy(route, wall),
+        steps=wave.steps,
+        replayed=wave.replayed,
+    )
 
 
-def _check(route: Pipeline, load: Load, max_step_tokens: int, prefill_chunk: int, after_failure: Pipeline | None,
-           replan_s: float, prompt_lengths: tuple[int, ...] | None,
-           front_device: str | None) -> float | None:  # fmt: skip
+def _check(
+    route: Pipeline,
+    load: Load,
+    max_step_tokens: int,
+    prefill_chunk: int,
+    after_failure: Pipeline | None,
+    replan_s: float,
+    prompt_lengths: tuple[int, ...] | None,
+    front_device: str | None,
+) -> float | None:
     """Validate the inputs; the time of the route's first failure, if any."""
     route.check("the route")
     if front_device is not None and front_device not in {stage.name for stage in route.stages}:
@@ -378,23 +461,31 @@ def _check(route: Pipeline, load: Load, max_step_tokens: int, prefill_chunk: int
         raise ValueError(f"a wave needs at least one client and one output token, not {load}")
     prompts = prompt_lengths if prompt_lengths is not None else (load.prompt_tokens,)
     if prompt_lengths is not None and len(prompt_lengths) != load.clients:
-        raise ValueError(f"prompt_lengths has {len(prompt_lengths)} entries for {load.clients} clients")
+        raise ValueError(
+            f"prompt_lengths has {len(prompt_lengths)} entries for {load.clients} clients"
+        )
     if min(prompts) < 1:
         raise ValueError(f"every prompt must have at least one token, not {min(prompts)}")
     if max_step_tokens < 1 or prefill_chunk < 1:
-        raise ValueError(f"max_step_tokens ({max_step_tokens}) and prefill_chunk ({prefill_chunk}) must be >= 1")
+        raise ValueError(
+            f"max_step_tokens ({max_step_tokens}) and prefill_chunk ({prefill_chunk}) must be >= 1"
+        )
     failing = [s for s in route.stages if s.fails_at_s is not None]
     if not failing:
         return None
     first = min(failing, key=lambda s: s.fails_at_s or 0.0)
     if after_failure is None:
-        raise ValueError(f"stage {first.name} fails at {first.fails_at_s} s but no after_failure route "
-                         "says where the pipeline goes on")  # fmt: skip
+        raise ValueError(
+            f"stage {first.name} fails at {first.fails_at_s} s but no after_failure route "
+            "says where the pipeline goes on"
+        )
     after_failure.check("the after_failure route")
     if any(s.fails_at_s is not None for s in after_failure.stages):
         raise ValueError("the after_failure route cannot fail again: the simulator replans once")
     if first.name in {s.name for s in after_failure.stages}:
-        raise ValueError(f"the after_failure route goes through {first.name}, the stage that failed")
+        raise ValueError(
+            f"the after_failure route goes through {first.name}, the stage that failed"
+        )
     if replan_s < 0:
         raise ValueError(f"replan_s must be >= 0, not {replan_s}")
     return first.fails_at_s
@@ -409,9 +500,13 @@ def pipeline_bound_tok_s(route: Pipeline, rows_per_micro_batch: int) -> float:
     device_s: dict[str, float] = {}
     for stage in stages:
         device_s[stage.name] = device_s.get(stage.name, 0.0) + stage.step_s(rows)
-    sizes = [frame_bytes(rows, s.frame_bytes_per_row) for s in stages[:-1]] + ([return_bytes(rows)] if links else [])
+    sizes = [frame_bytes(rows, s.frame_bytes_per_row) for s in stages[:-1]] + (
+        [return_bytes(rows)] if links else []
+    )
     wire_s = [nbytes / link.bandwidth_bytes_per_s for nbytes, link in zip(sizes, links)]
-    round_trip = sum(s.step_s(rows) for s in stages) + sum(link.seconds(n) for n, link in zip(sizes, links))
+    round_trip = sum(s.step_s(rows) for s in stages) + sum(
+        link.seconds(n) for n, link in zip(sizes, links)
+    )
     period = max(round_trip, route.batches() * max([*device_s.values(), *wire_s]))
     return route.batches() * rows / period if period > 0 else math.inf
 

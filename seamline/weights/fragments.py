@@ -51,9 +51,20 @@ STAMP_SUFFIX = ".verified"  # beside a fragment in a node's cache: its sha256 wa
 KINDS = ("embed", "layer", "experts", "head", "tokenizer")
 EXPERT_CHUNKS = 8  # routed experts per MoE layer go in gcd(E, 8) fragments: whole for 2, 4, 8 ranks
 # Files of a Hugging Face folder that the text edge (seamline.text) reads, copied as-is.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
-HEAD_TENSORS = ("model.norm.weight", "lm_head.weight",  # DeepSeek-V4's: its head, and its hyper-head
-                "head.weight", "model.hc_head.hc_fn", "model.hc_head.hc_base", "model.hc_head.hc_scale")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
+HEAD_TENSORS = (
+    "model.norm.weight",
+    "lm_head.weight",  # DeepSeek-V4's: its head, and its hyper-head
+    "head.weight",
+    "model.hc_head.hc_fn",
+    "model.hc_head.hc_base",
+    "model.hc_head.hc_scale",
+)
 QUANT_NAMES = {q.name: q for q in QUANT_TYPES}
 SCALED_KINDS = {name: kind for kind, name in KIND_NAMES.items()}  # DeepSeek's fp8 / fp4 weights
 SCALES_SUFFIX = ".scales"  # a scaled weight's scales, beside its values in the fragment
@@ -83,17 +94,34 @@ class FragmentEntry:
     def to_json(self) -> dict[str, Any]:
         tensors = [{"name": t.name, "shape": list(t.shape), "dtype": t.dtype} for t in self.tensors]
         experts = None if self.experts is None else list(self.experts)
-        return {"name": self.name, "kind": self.kind, "layer": self.layer, "file": self.file,
-                "bytes": self.bytes, "sha256": self.sha256, "tensors": tensors, "experts": experts}  # fmt: skip
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "layer": self.layer,
+            "file": self.file,
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "tensors": tensors,
+            "experts": experts,
+        }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "FragmentEntry":
-        tensors = tuple(TensorEntry(str(t["name"]), tuple(int(s) for s in t["shape"]), str(t["dtype"]))
-                        for t in d.get("tensors", []))  # fmt: skip
+    def from_json(cls, d: dict[str, Any]) -> FragmentEntry:
+        tensors = tuple(
+            TensorEntry(str(t["name"]), tuple(int(s) for s in t["shape"]), str(t["dtype"]))
+            for t in d.get("tensors", [])
+        )
         layer, experts = d.get("layer"), d.get("experts")
-        return cls(str(d["name"]), str(d["kind"]), None if layer is None else int(layer),
-                   str(d["file"]), int(d["bytes"]), str(d["sha256"]), tensors,
-                   None if experts is None else (int(experts[0]), int(experts[1])))  # fmt: skip
+        return cls(
+            str(d["name"]),
+            str(d["kind"]),
+            None if layer is None else int(layer),
+            str(d["file"]),
+            int(d["bytes"]),
+            str(d["sha256"]),
+            tensors,
+            None if experts is None else (int(experts[0]), int(experts[1])),
+        )
 
 
 @dataclass(frozen=True)
@@ -118,13 +146,19 @@ class Manifest:
         raise CheckpointError(f"manifest of {self.model} has no fragment {name}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "version": VERSION, "model": self.model,
-                "model_hash": self.model_hash, "tie_word_embeddings": self.tie_word_embeddings,
-                "num_layers": self.num_layers, "config": self.config,
-                "fragments": [f.to_json() for f in self.fragments]}  # fmt: skip
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "model": self.model,
+            "model_hash": self.model_hash,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "num_layers": self.num_layers,
+            "config": self.config,
+            "fragments": [f.to_json() for f in self.fragments],
+        }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Manifest":
+    def from_json(cls, d: dict[str, Any]) -> Manifest:
         if d.get("format") != FORMAT or d.get("version") != VERSION:
             raise CheckpointError(
                 f"manifest is format {d.get('format')!r} version {d.get('version')!r}; "
@@ -139,7 +173,7 @@ class Manifest:
         return manifest
 
     @classmethod
-    def load(cls, path: str | Path) -> "Manifest":
+    def load(cls, path: str | Path) -> Manifest:
         """From a package folder or its manifest.json."""
         path = Path(path)
         path = path / MANIFEST_NAME if path.is_dir() else path
@@ -169,8 +203,10 @@ class Manifest:
                     f"file {f.file!r} must be one of {KINDS}, 64 lowercase hex digits, a bare name"
                 )
             if (f.kind == "experts") != (f.experts is not None and f.layer is not None):
-                raise CheckpointError(f"manifest fragment {f.name}: only an experts fragment has a layer's "
-                                      f"expert range, and it must have one (kind {f.kind!r}, experts {f.experts})")
+                raise CheckpointError(
+                    f"manifest fragment {f.name}: only an experts fragment has a layer's "
+                    f"expert range, and it must have one (kind {f.kind!r}, experts {f.experts})"
+                )
         expected = model_hash(self.config, self.fragments)
         if expected != self.model_hash:
             raise CheckpointError(
@@ -228,7 +264,11 @@ def _has_file(folder: Path, entry: FragmentEntry) -> bool:
 
 
 def fragments_for(
-    manifest: Manifest, layer_range: Range, owns_embedding: bool, owns_head: bool, experts: Range | None = None,
+    manifest: Manifest,
+    layer_range: Range,
+    owns_embedding: bool,
+    owns_head: bool,
+    experts: Range | None = None,
     mtp: bool = False,
 ) -> list[FragmentEntry]:
     """The fragments a stage owning ``[start, end)`` (and the embedding / head) needs; of
@@ -242,11 +282,16 @@ def fragments_for(
     start, end = layer_range
     if not 0 <= start < end <= manifest.num_layers:
         raise ConfigError(f"layer range [{start},{end}) is not inside [0,{manifest.num_layers})")
-    in_range = lambda f: f.layer is not None and (start <= f.layer < end or (mtp and f.layer == manifest.num_layers))  # noqa: E731
+    in_range = lambda f: (
+        f.layer is not None and (start <= f.layer < end or (mtp and f.layer == manifest.num_layers))
+    )  # noqa: E731
     wants: dict[str, Callable[[FragmentEntry], bool]] = {
         "layer": in_range,
         "experts": lambda f: in_range(f) and (experts is None or _overlaps(f.experts, experts)),
-        "embed": lambda f: owns_embedding or (owns_head and (manifest.tie_word_embeddings or mtp and _mtp_reads_embed(manifest))),
+        "embed": lambda f: (
+            owns_embedding
+            or (owns_head and (manifest.tie_word_embeddings or mtp and _mtp_reads_embed(manifest)))
+        ),
         "head": lambda f: owns_head,
         "tokenizer": lambda f: owns_embedding or owns_head,
     }
@@ -298,7 +343,9 @@ class FragmentSource:
         except CheckpointError:
             raise
         except Exception as exc:  # safetensors raises its own error types
-            raise CheckpointError(f"cannot read tensor {name} from fragment {fragment.name}: {exc}") from None
+            raise CheckpointError(
+                f"cannot read tensor {name} from fragment {fragment.name}: {exc}"
+            ) from None
         if entry.dtype in SCALED_KINDS:
             scales = self._open(fragment, name).get_tensor(name + SCALES_SUFFIX).clone()
             try:

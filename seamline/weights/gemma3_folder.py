@@ -11,9 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                 "language_model.lm_head.": "lm_head."}  # fmt: skip
-TOP_FIELDS = ("tie_word_embeddings", "bos_token_id", "eos_token_id")  # beside text_config in some files
+TEXT_PREFIXES = {
+    "language_model.model.": "model.",
+    "model.language_model.": "model.",
+    "language_model.lm_head.": "lm_head.",
+}
+TOP_FIELDS = (
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+)  # beside text_config in some files
 
 
 def gemma3_text_config(raw: dict[str, Any]) -> dict[str, Any]:

@@ -24,10 +24,10 @@ from gguf.quants import dequantize
 from seamline.errors import CheckpointError
 from seamline.quant.scaled import KIND_NAMES
 from seamline.quant.tensor import QUANT_TYPES, QuantTensor
-from seamline.weights.gguf_mxfp4 import mxfp4_blocks
 from seamline.weights.gguf_config import PERMUTED_ARCHS, config_dict, family_of
 from seamline.weights.gguf_file import GGUFFile, TensorInfo
 from seamline.weights.gguf_mla import JoinedEntry, joined_entries
+from seamline.weights.gguf_mxfp4 import mxfp4_blocks
 from seamline.weights.gguf_names import CONSUMED_NAMES, JOINED_KEYS, hf_names
 from seamline.weights.gguf_tokenizer import (
     GGUFTokenizerInfo,
@@ -49,13 +49,31 @@ __all__ = [
 # Types whose dequantisation the tests check against an independent implementation.
 SUPPORTED_TYPES: frozenset[Q] = frozenset(
     {
-        Q.F32, Q.F16, Q.BF16,
-        Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0,
-        Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K,
-        Q.IQ1_S, Q.IQ1_M, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ4_NL, Q.IQ4_XS,
+        Q.F32,
+        Q.F16,
+        Q.BF16,
+        Q.Q4_0,
+        Q.Q4_1,
+        Q.Q5_0,
+        Q.Q5_1,
+        Q.Q8_0,
+        Q.Q2_K,
+        Q.Q3_K,
+        Q.Q4_K,
+        Q.Q5_K,
+        Q.Q6_K,
+        Q.IQ1_S,
+        Q.IQ1_M,
+        Q.IQ2_XXS,
+        Q.IQ2_XS,
+        Q.IQ2_S,
+        Q.IQ3_XXS,
+        Q.IQ3_S,
+        Q.IQ4_NL,
+        Q.IQ4_XS,
         Q.MXFP4,
     }
-)  # fmt: skip
+)
 
 
 # GGUF float types -> the torch dtype they load in (gguf-py dequantises them to float32)
@@ -107,7 +125,9 @@ class GGUFSource:
         if qtype == Q.MXFP4:  # gpt-oss's experts, kept at their size as fp4 weights
             raw = self.file.raw(entry.info)
             try:
-                return mxfp4_blocks(np.array(raw[entry.expert] if entry.expert is not None else raw))
+                return mxfp4_blocks(
+                    np.array(raw[entry.expert] if entry.expert is not None else raw)
+                )
             except CheckpointError as exc:
                 raise CheckpointError(f"tensor {entry.info.name} (MXFP4): {exc}") from None
         values = _dequantize(self.file, entry.info, entry.expert).reshape(entry.shape)

@@ -31,7 +31,9 @@ FAMILY_OF_ARCH: dict[str, str] = {
     "glm4moe": "glm4_moe",
     "gpt-oss": "gpt_oss",
 }
-GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by hidden / heads, others' by head_dim
+GEMMA3_27B_LAYERS = (
+    62  # llama.cpp scales Gemma 3 27B's queries by hidden / heads, others' by head_dim
+)
 
 # {arch}.expert_gating_func values (gguf's ExpertGatingFuncType)
 GATING_FUNCS: dict[int, str] = {1: "softmax", 2: "sigmoid"}
@@ -249,9 +251,11 @@ def _oss(meta: Callable[..., Any], d: dict[str, Any]) -> dict[str, Any]:
     """gpt-oss: its experts. The file cannot say whether YaRN's ramp is truncated: llama.cpp
     always truncates it (whole correction dims), so a GGUF answers as llama.cpp answers it,
     where the Hugging Face config (``"truncate": false``) does not."""
-    out: dict[str, Any] = {"num_local_experts": int(meta("expert_count")),
-                           "num_experts_per_tok": int(meta("expert_used_count")),
-                           "intermediate_size": int(meta("expert_feed_forward_length"))}  # fmt: skip
+    out: dict[str, Any] = {
+        "num_local_experts": int(meta("expert_count")),
+        "num_experts_per_tok": int(meta("expert_used_count")),
+        "intermediate_size": int(meta("expert_feed_forward_length")),
+    }
     if (scaling := d.get("rope_scaling")) is not None and scaling["rope_type"] == "yarn":
         scaling["truncate"] = True
     return out

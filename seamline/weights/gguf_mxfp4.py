@@ -18,7 +18,9 @@ def mxfp4_blocks(raw: np.ndarray) -> ScaledTensor:
     """raw [rows, row bytes] of MXFP4 blocks -> the fp4 weight [rows, 32 x blocks]."""
     blocks = raw.reshape(raw.shape[0], -1, BLOCK_BYTES)
     scales, codes = blocks[..., 0], blocks[..., 1:]
-    ordered = np.concatenate([codes & 0x0F, codes >> 4], axis=-1)  # [rows, blocks, 32] codes in order
+    ordered = np.concatenate(
+        [codes & 0x0F, codes >> 4], axis=-1
+    )  # [rows, blocks, 32] codes in order
     packed = (ordered[..., 0::2] | (ordered[..., 1::2] << 4)).astype(np.uint8)
     values = torch.from_numpy(np.ascontiguousarray(packed.reshape(raw.shape[0], -1)))
     return ScaledTensor("fp4", values, scale_values(torch.from_numpy(np.ascontiguousarray(scales))))

@@ -74,7 +74,11 @@ BARE_NAMES: dict[tuple[str, str], str] = {
     ("attn_sinks", "weight"): "self_attn.sinks",  # gpt-oss
 }
 BARE_FAMILIES: dict[tuple[str, str], tuple[str, ...]] = {  # the families that have each
-    ("exp_probs_b", "bias"): ("deepseek_v2", "deepseek_v3", "glm4_moe"),  # sigmoid routing's correction bias
+    ("exp_probs_b", "bias"): (
+        "deepseek_v2",
+        "deepseek_v3",
+        "glm4_moe",
+    ),  # sigmoid routing's correction bias
     ("attn_sinks", "weight"): ("gpt_oss",),
 }
 
@@ -91,7 +95,9 @@ class GgufMoeNames(NamedTuple):
 
 
 GGUF_MOE_NAMES: dict[str, GgufMoeNames] = {
-    "mixtral": GgufMoeNames("block_sparse_moe.gate", "block_sparse_moe.experts.{e}", "w1", "w3", "w2"),
+    "mixtral": GgufMoeNames(
+        "block_sparse_moe.gate", "block_sparse_moe.experts.{e}", "w1", "w3", "w2"
+    ),
     "qwen3_moe": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
     "deepseek_v2": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),
     "deepseek_v3": GgufMoeNames("mlp.gate", "mlp.experts.{e}", "gate_proj", "up_proj", "down_proj"),

@@ -30,10 +30,16 @@ TypePolicy = Callable[[str, tuple[int, ...]], Q]
 
 # preset name -> the file type's default tensor type
 PRESETS: dict[str, Q] = {
-    "F32": Q.F32, "F16": Q.F16, "BF16": Q.BF16,
-    "Q8_0": Q.Q8_0, "Q4_0": Q.Q4_0, "Q4_1": Q.Q4_1, "Q5_0": Q.Q5_0, "Q5_1": Q.Q5_1,
+    "F32": Q.F32,
+    "F16": Q.F16,
+    "BF16": Q.BF16,
+    "Q8_0": Q.Q8_0,
+    "Q4_0": Q.Q4_0,
+    "Q4_1": Q.Q4_1,
+    "Q5_0": Q.Q5_0,
+    "Q5_1": Q.Q5_1,
     "Q4_K_M": Q.Q4_K,
-}  # fmt: skip
+}
 FLOAT_PRESETS = frozenset({"F32", "F16", "BF16"})
 
 # llama.cpp's fallback for a row length its block size does not divide

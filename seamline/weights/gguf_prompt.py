@@ -21,10 +21,19 @@ ADD_BOS_KEY, ADD_EOS_KEY = "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_e
 # pre-tokenizers after which llama.cpp adds BOS by default (a byte-level BPE vocabulary)
 BOS_BY_DEFAULT = frozenset(
     (
-        "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
-        "jina-v5-nano", "tekken", "chameleon",
+        "llama3",
+        "llama-v3",
+        "llama-bpe",
+        "falcon3",
+        "falcon-h1",
+        "pixtral",
+        "midm-2.0",
+        "lfm2",
+        "jina-v5-nano",
+        "tekken",
+        "chameleon",
     )
-)  # fmt: skip
+)
 NO_BOS = frozenset(("chatglm-bpe", "glm4", "glm5"))  # llama.cpp sets their BOS to none
 # (BOS, EOS) where the file names none: llama.cpp's defaults per tokenizer model
 DEFAULT_IDS: dict[str, tuple[int, int]] = {"llama": (1, 2), "gpt2": (11, 11)}

@@ -24,25 +24,67 @@ UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # llama.cpp's token types (llama_token
 # texts llama.cpp makes CONTROL, whatever their type: end of generation (end of turn, message)
 END_TEXTS = frozenset(
     {
-        "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>",
-        "<|calls|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>",
-        "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>", "<eos>", "<turn|>",
-        "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+        "<|eot_id|>",
+        "<|im_end|>",
+        "<|end|>",
+        "<|return|>",
+        "<|call|>",
+        "<|flush|>",
+        "<|calls|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+        "<|eom_id|>",
+        "<EOT>",
+        "_<EOT>",
+        "[EOT]",
+        "[EOS]",
+        "<|end_of_text|>",
+        "<end_of_utterance>",
+        "<eos>",
+        "<turn|>",
+        "<|tool_response>",
+        "<｜end▁of▁sentence｜>",
+        "[e~[",
     }
-)  # fmt: skip
+)
 # ... and fill-in-the-middle, where the file names no id for that kind (llama.cpp marks the first
 # it meets of each kind; a vocabulary has one)
 FIM_TEXTS = {
-    "fim_pre": ("<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
-                "▁<PRE>", "<|code_prefix|>", "<|prefix|>"),
-    "fim_suf": ("<|fim_suffix|>", "<fim-suffix>", "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>",
-                "▁<SUF>", "<|code_suffix|>", "<|suffix|>"),
-    "fim_mid": ("<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>",
-                "▁<MID>", "<|code_middle|>", "<|middle|>"),
+    "fim_pre": (
+        "<|fim_prefix|>",
+        "<fim-prefix>",
+        "<fim_prefix>",
+        "<｜fim▁begin｜>",
+        "<PRE>",
+        "▁<PRE>",
+        "<|code_prefix|>",
+        "<|prefix|>",
+    ),
+    "fim_suf": (
+        "<|fim_suffix|>",
+        "<fim-suffix>",
+        "<fim_suffix>",
+        "<｜fim▁hole｜>",
+        "<SUF>",
+        "▁<SUF>",
+        "<|code_suffix|>",
+        "<|suffix|>",
+    ),
+    "fim_mid": (
+        "<|fim_middle|>",
+        "<fim-middle>",
+        "<fim_middle>",
+        "<｜fim▁end｜>",
+        "<MID>",
+        "▁<MID>",
+        "<|code_middle|>",
+        "<|middle|>",
+    ),
     "fim_pad": ("<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"),
     "fim_rep": ("<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"),
     "fim_sep": ("<|file_sep|>",),
-}  # fmt: skip
+}
 _OLD_FIM_KEYS = {"fim_pre": "prefix", "fim_suf": "suffix", "fim_mid": "middle"}
 USER_TEXTS = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
 

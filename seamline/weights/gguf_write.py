@@ -36,10 +36,10 @@ from seamline.quant.quantize import quantize, row_bytes
 from seamline.weights.gguf_config import llama3_factors
 from seamline.weights.gguf_mla import split_kv_b
 from seamline.weights.gguf_names import (
+    BARE_FAMILIES,
     BARE_NAMES,
     GGUF_MOE_NAMES,
     GLOBAL_NAMES,
-    BARE_FAMILIES,
     STACKED_EXPERT_KEYS,
     block_names,
 )
@@ -129,7 +129,12 @@ def write_gguf(
     arch = ARCH_OF_FAMILY[family]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
-    writers = {"deepseek2": _deepseek_meta, "gemma3": _gemma_meta, "glm4moe": _glm_meta, "gpt-oss": _oss_meta}
+    writers = {
+        "deepseek2": _deepseek_meta,
+        "gemma3": _gemma_meta,
+        "glm4moe": _glm_meta,
+        "gpt-oss": _oss_meta,
+    }
     writers.get(arch, _llama_meta)(w, cfg)
     preset = types if isinstance(types, str) else ""
     w.add_file_type(FILE_TYPES.get(preset, gguf.LlamaFileType.GUESSED))
@@ -195,7 +200,9 @@ def plan_tensors(cfg: Mapping[str, Any], src: Readable, kv_b: str = "split") -> 
     layers = int(cfg["num_hidden_layers"])
     tied = bool(cfg.get("tie_word_embeddings", False))
     single: list[Planned] = []
-    experts: dict[tuple[int, str, str], dict[int, str]] = {}  # (layer, proj, weight|bias) -> expert -> HF name
+    experts: dict[
+        tuple[int, str, str], dict[int, str]
+    ] = {}  # (layer, proj, weight|bias) -> expert -> HF name
     for hf in sorted(src.names()):
         if hf.endswith("rotary_emb.inv_freq") or (hf == "lm_head.weight" and tied):
             continue
@@ -208,7 +215,9 @@ def plan_tensors(cfg: Mapping[str, Any], src: Readable, kv_b: str = "split") -> 
             experts.setdefault((layer, proj, suffix), {})[e] = hf
             continue
         single += _single(cfg, family, src, hf, kv_b)
-    single += [_stacked(src, layer, proj, by_e, suffix) for (layer, proj, suffix), by_e in experts.items()]
+    single += [
+        _stacked(src, layer, proj, by_e, suffix) for (layer, proj, suffix), by_e in experts.items()
+    ]
     single += _rope_freqs(cfg, family)
     return sorted(single, key=_order)
 
@@ -276,7 +285,9 @@ def _split_kv_b(
     heads, nope = int(cfg["num_attention_heads"]), int(cfg["qk_nope_head_dim"])
     v, lora = int(cfg["v_head_dim"]), shape[1]
     if shape[0] != heads * (nope + v):
-        raise ValueError(f"{hf} has {shape[0]} rows, want heads x (nope + v) = {heads * (nope + v)}")
+        raise ValueError(
+            f"{hf} has {shape[0]} rows, want heads x (nope + v) = {heads * (nope + v)}"
+        )
 
     def half(which: int) -> Callable[[], np.ndarray]:
         return lambda: split_kv_b(_float(src.get(hf)), heads, nope)[which]
@@ -288,10 +299,14 @@ def _split_kv_b(
     ]
 
 
-def _stacked(src: Readable, layer: int, proj: str, by_expert: dict[int, str], suffix: str = "weight") -> Planned:
+def _stacked(
+    src: Readable, layer: int, proj: str, by_expert: dict[int, str], suffix: str = "weight"
+) -> Planned:
     count = len(by_expert)
     if sorted(by_expert) != list(range(count)):
-        raise ValueError(f"layer {layer} {proj}: experts {sorted(by_expert)} are not 0..{count-1}")
+        raise ValueError(
+            f"layer {layer} {proj}: experts {sorted(by_expert)} are not 0..{count - 1}"
+        )
     first = tuple(src.shape(by_expert[0]))
 
     def read() -> np.ndarray:
@@ -370,10 +385,17 @@ def _gemma_meta(w: gguf.GGUFWriter, cfg: Mapping[str, Any]) -> None:
     """Gemma 3: its full layers' RoPE as the model's (llama.cpp fixes the sliding layers' base at
     10000 and the pattern at 6, and reads query_pre_attn_scalar from the size)."""
     config = ModelConfig.from_hf_dict(dict(cfg))
-    if config.local_rope_theta != 10000.0 or config.sliding_layers != frozenset(i for i in range(config.num_layers) if (i + 1) % 6):
-        raise ValueError("write_gguf writes Gemma 3 with llama.cpp's fixed sliding layers (base 10000, every 6th full)")
+    if config.local_rope_theta != 10000.0 or config.sliding_layers != frozenset(
+        i for i in range(config.num_layers) if (i + 1) % 6
+    ):
+        raise ValueError(
+            "write_gguf writes Gemma 3 with llama.cpp's fixed sliding layers (base 10000, every 6th full)"
+        )
     scaling = {"rope_type": config.rope_scaling.rope_type, "factor": config.rope_scaling.factor}
-    _llama_meta(w, {**cfg, "rope_parameters": None, "rope_theta": config.rope_theta, "rope_scaling": scaling})
+    _llama_meta(
+        w,
+        {**cfg, "rope_parameters": None, "rope_theta": config.rope_theta, "rope_scaling": scaling},
+    )
     w.add_sliding_window(config.sliding_window)
 
 

@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 from seamline.config import ModelConfig
-from seamline.model.devices import place_stage
 from seamline.errors import CheckpointError
+from seamline.model.devices import place_stage
 from seamline.model.linear import ColumnWindow, RowConcat, Weight, columns, rows, to_float
-from seamline.ownership import Ownership, Range
 from seamline.model.stage import Stage
+from seamline.ownership import Ownership, Range
 from seamline.parallel.comm import Comm
 from seamline.quant.native import kernels
 from seamline.quant.scaled import ScaledTensor, concat_scaled_rows, stack_scaled
@@ -35,12 +35,20 @@ from seamline.weights.names import TensorPlan, ignorable, mtp_plans, stage_plans
 from seamline.weights.source import TensorSource
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FP32_SUFFIXES = (".router", ".router_bias", ".router_logit_bias")  # routing decisions stay in full precision
+FP32_SUFFIXES = (
+    ".router",
+    ".router_bias",
+    ".router_logit_bias",
+)  # routing decisions stay in full precision
 FLOAT_SUFFIXES = FP32_SUFFIXES + (".attn.kv_b",)  # dequantised at load (see the docstring)
 INTEGER_SUFFIXES = (".ffn.table",)
 CACHE_LINE = 64  # bytes: where a matrix the kernels read should start  # DeepSeek-V4's token id -> experts tables
 log = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype names
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}  # --dtype names
 
 
 def dtype_bytes(name: str) -> int:
@@ -101,8 +109,14 @@ def load_stage(
     return stage
 
 
-def fill_stage(source: TensorSource, own: Ownership | None = None, dtype: torch.dtype = torch.float32,
-               config: ModelConfig | None = None, comm: Comm | None = None, mtp: bool = False) -> Stage:
+def fill_stage(
+    source: TensorSource,
+    own: Ownership | None = None,
+    dtype: torch.dtype = torch.float32,
+    config: ModelConfig | None = None,
+    comm: Comm | None = None,
+    mtp: bool = False,
+) -> Stage:
     """``load_stage``'s stage, filled in host memory and not yet placed (``settle_stage``)."""
     config = config or ModelConfig.from_hf_dict(source.config_dict())
     own = own or Ownership.full(config)
@@ -132,13 +146,19 @@ def fill_stage(source: TensorSource, own: Ownership | None = None, dtype: torch.
     return stage
 
 
-def settle_stage(stage: Stage, device: torch.device | None = None, gpu_layers: int | None = None) -> None:
+def settle_stage(
+    stage: Stage, device: torch.device | None = None, gpu_layers: int | None = None
+) -> None:
     """Put a filled stage on ``device``, and make ready the CPU's quant kernels where a CPU
     part of it needs them (built once per machine: now, not in the first request)."""
     if device is not None:
         place_stage(stage, device, gpu_layers)
     on_cpu = device is None or device.type == "cpu" or gpu_layers is not None
-    if on_cpu and any(isinstance(w, (QuantTensor, RowConcat, ColumnWindow)) for m in stage.modules() for w in vars(m).values()):
+    if on_cpu and any(
+        isinstance(w, (QuantTensor, RowConcat, ColumnWindow))
+        for m in stage.modules()
+        for w in vars(m).values()
+    ):
         kernels()
 
 
@@ -148,11 +168,22 @@ def mtp_missing(source: TensorSource, config: ModelConfig, embed: bool = False) 
     if not config.mtp_layers:
         return f"the {config.family} checkpoint has no multi-token-prediction layer (num_nextn_predict_layers)"
     names = source.names()
-    missing = [n for p in mtp_plans(config, Ownership.full(config), embed) for n in p.sources() if n not in names]
-    return f"the checkpoint lacks tensor {missing[0]} of its multi-token-prediction layer" if missing else None
+    missing = [
+        n
+        for p in mtp_plans(config, Ownership.full(config), embed)
+        for n in p.sources()
+        if n not in names
+    ]
+    return (
+        f"the checkpoint lacks tensor {missing[0]} of its multi-token-prediction layer"
+        if missing
+        else None
+    )
 
 
-def build_stage(config: ModelConfig, own: Ownership, comm: Comm | None = None, mtp: bool = False) -> Stage:
+def build_stage(
+    config: ModelConfig, own: Ownership, comm: Comm | None = None, mtp: bool = False
+) -> Stage:
     """The empty Stage of this family (every parameter a placeholder until loaded)."""
     if config.is_v4:
         from seamline.model.v4_stage import V4Stage
@@ -168,7 +199,9 @@ def _resident(target: str, value: Weight, dtype: torch.dtype) -> Weight:
     if target.endswith(FP32_SUFFIXES):
         return aligned(to_float(value, torch.float32).contiguous())
     if not isinstance(value, torch.Tensor):
-        return aligned(to_float(value, dtype).contiguous() if target.endswith(FLOAT_SUFFIXES) else value)
+        return aligned(
+            to_float(value, dtype).contiguous() if target.endswith(FLOAT_SUFFIXES) else value
+        )
     narrower = value.dim() >= 2 and value.element_size() < dtype.itemsize
     return aligned(value.contiguous() if narrower else value.to(dtype).contiguous())
 
@@ -180,7 +213,11 @@ def aligned(weight: Weight) -> Weight:
     Misaligned tensors are copied into this process's memory; the rest are kept as they are."""
     if isinstance(weight, torch.Tensor):
         return weight.clone() if weight.data_ptr() % CACHE_LINE else weight
-    for slot in ("data", "values", "scales"):  # QuantTensor's blocks, ScaledTensor's values and scales
+    for slot in (
+        "data",
+        "values",
+        "scales",
+    ):  # QuantTensor's blocks, ScaledTensor's values and scales
         part = getattr(weight, slot, None)
         if isinstance(part, torch.Tensor) and part.data_ptr() % CACHE_LINE:
             setattr(weight, slot, part.clone())
@@ -222,7 +259,10 @@ def _concat(pieces: list[Weight]) -> Weight:
             return torch.cat(pieces, dim=0)  # type: ignore[arg-type]
     if all(isinstance(p, QuantTensor) for p in pieces) and len({p.qtype for p in pieces}) == 1:  # type: ignore[union-attr]
         return concat_rows(pieces)  # type: ignore[arg-type]
-    if all(isinstance(p, ScaledTensor) for p in pieces) and len({(p.kind, p.block) for p in pieces}) == 1:  # type: ignore[union-attr]
+    if (
+        all(isinstance(p, ScaledTensor) for p in pieces)
+        and len({(p.kind, p.block) for p in pieces}) == 1
+    ):  # type: ignore[union-attr]
         return concat_scaled_rows(pieces)  # type: ignore[arg-type]
     return RowConcat(pieces)
 
@@ -245,9 +285,14 @@ def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None)
         return _integer(name, tensor)
     if isinstance(tensor, torch.Tensor) and tensor.dtype not in FLOAT_DTYPES:
         raise CheckpointError(f"tensor {name} has dtype {tensor.dtype}, expected a float type")
-    if isinstance(tensor, (QuantTensor, ScaledTensor)) and (bad := tensor.first_bad_block()) is not None:
+    if (
+        isinstance(tensor, (QuantTensor, ScaledTensor))
+        and (bad := tensor.first_bad_block()) is not None
+    ):
         kind = tensor.qtype.name if isinstance(tensor, QuantTensor) else tensor.kind
-        raise CheckpointError(f"tensor {name} ({kind}) is corrupt: block {bad} has an infinite or NaN scale")
+        raise CheckpointError(
+            f"tensor {name} ({kind}) is corrupt: block {bad} has an infinite or NaN scale"
+        )
     if span is None:
         return tensor
     start, end = span
@@ -259,8 +304,10 @@ def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None)
     if plan.slice_dim == 0:
         return rows(tensor, start, end) if tensor.dim() >= 2 else tensor[start:end]
     if isinstance(tensor, ScaledTensor) and not tensor.column_aligned(start, end):
-        raise CheckpointError(f"this rank's columns [{start},{end}) of {name} cut its {tensor.block[1]}-wide "
-                              f"{tensor.kind} blocks")
+        raise CheckpointError(
+            f"this rank's columns [{start},{end}) of {name} cut its {tensor.block[1]}-wide "
+            f"{tensor.kind} blocks"
+        )
     if isinstance(tensor, QuantTensor) and not tensor.column_aligned(start, end):
         _warn_window(name, tensor)
         return ColumnWindow.around(tensor, start, end)
@@ -268,8 +315,14 @@ def _read(source: TensorSource, name: str, plan: TensorPlan, span: Range | None)
 
 
 def _integer(name: str, tensor: Weight) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor) or tensor.is_floating_point() or tensor.dtype == torch.bool:
-        raise CheckpointError(f"tensor {name} has dtype {getattr(tensor, 'dtype', 'quantized')}, expected integers")
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.is_floating_point()
+        or tensor.dtype == torch.bool
+    ):
+        raise CheckpointError(
+            f"tensor {name} has dtype {getattr(tensor, 'dtype', 'quantized')}, expected integers"
+        )
     return tensor.long()
 
 
@@ -280,6 +333,10 @@ def _warn_window(name: str, tensor: QuantTensor) -> None:
     """Once per quant type: this rank's column share cuts the type's blocks."""
     if tensor.qtype.name not in _warned:
         _warned.add(tensor.qtype.name)
-        log.warning("this rank's columns of %s (%s) cut its %d-wide blocks: such shares keep the "
-                    "whole blocks around them (at most two more a row) and zero the inputs outside",
-                    name, tensor.qtype.name, tensor.block_size)
+        log.warning(
+            "this rank's columns of %s (%s) cut its %d-wide blocks: such shares keep the "
+            "whole blocks around them (at most two more a row) and zero the inputs outside",
+            name,
+            tensor.qtype.name,
+            tensor.block_size,
+        )

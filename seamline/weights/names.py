@@ -37,11 +37,19 @@ class TensorPlan:
 
 # Attention: target suffix -> source templates (concatenated in order).
 GQA_TABLE: dict[str, tuple[str, ...]] = {
-    "attn.qkv": (L + "self_attn.q_proj.weight", L + "self_attn.k_proj.weight", L + "self_attn.v_proj.weight"),
+    "attn.qkv": (
+        L + "self_attn.q_proj.weight",
+        L + "self_attn.k_proj.weight",
+        L + "self_attn.v_proj.weight",
+    ),
     "attn.o": (L + "self_attn.o_proj.weight",),
 }
 GQA_BIAS_TABLE = {
-    "attn.qkv_bias": (L + "self_attn.q_proj.bias", L + "self_attn.k_proj.bias", L + "self_attn.v_proj.bias"),
+    "attn.qkv_bias": (
+        L + "self_attn.q_proj.bias",
+        L + "self_attn.k_proj.bias",
+        L + "self_attn.v_proj.bias",
+    ),
 }
 QK_NORM_TABLE = {
     "attn.q_norm.weight": (L + "self_attn.q_norm.weight",),
@@ -89,14 +97,25 @@ def _triple(template: str, parts: tuple[str, str, str]) -> tuple[str, str, str]:
 
 
 MOE_NAMES: dict[str, MoeNames] = {
-    "mixtral": MoeNames(L + "block_sparse_moe.gate.weight", None,
-                        _triple(L + "block_sparse_moe.experts.{e}.{w}.weight", ("w1", "w3", "w2")), None),
-    "qwen3_moe": MoeNames(L + "mlp.gate.weight", None,
-                          _triple(L + "mlp.experts.{e}.{w}_proj.weight", ("gate", "up", "down")), None),
-    "deepseek": MoeNames(L + "mlp.gate.weight", L + "mlp.gate.e_score_correction_bias",
-                         _triple(L + "mlp.experts.{e}.{w}_proj.weight", ("gate", "up", "down")),
-                         _triple(L + "mlp.shared_experts.{w}_proj.weight", ("gate", "up", "down"))),
-}  # fmt: skip
+    "mixtral": MoeNames(
+        L + "block_sparse_moe.gate.weight",
+        None,
+        _triple(L + "block_sparse_moe.experts.{e}.{w}.weight", ("w1", "w3", "w2")),
+        None,
+    ),
+    "qwen3_moe": MoeNames(
+        L + "mlp.gate.weight",
+        None,
+        _triple(L + "mlp.experts.{e}.{w}_proj.weight", ("gate", "up", "down")),
+        None,
+    ),
+    "deepseek": MoeNames(
+        L + "mlp.gate.weight",
+        L + "mlp.gate.e_score_correction_bias",
+        _triple(L + "mlp.experts.{e}.{w}_proj.weight", ("gate", "up", "down")),
+        _triple(L + "mlp.shared_experts.{w}_proj.weight", ("gate", "up", "down")),
+    ),
+}
 MOE_NAMES["glm4_moe"] = MOE_NAMES["deepseek"]  # GLM-4.5 names its MoE as DeepSeek does
 
 
@@ -137,7 +156,9 @@ def mtp_plans(config: ModelConfig, own: Ownership, embed: bool | None = None) ->
 
         return v4_mtp_plans(config, own, embed)
     i = config.num_layers
-    plans = [TensorPlan(target, ((L.format(i=i) + source,),)) for target, source in MTP_TABLE.items()]
+    plans = [
+        TensorPlan(target, ((L.format(i=i) + source,),)) for target, source in MTP_TABLE.items()
+    ]
     if embed or (embed is None and not own.owns_embedding()):
         plans.append(TensorPlan("mtp.embed", ((L.format(i=i) + "embed_tokens.weight",),)))
     inner = f"layers.{i}."
@@ -148,10 +169,14 @@ def mtp_plans(config: ModelConfig, own: Ownership, embed: bool | None = None) ->
 
 def _fill(table: Mapping[str, tuple[str, ...]], i: int) -> list[TensorPlan]:
     prefix = f"layers.{i}."
-    return [TensorPlan(prefix + t, (tuple(s.format(i=i) for s in srcs),)) for t, srcs in table.items()]
+    return [
+        TensorPlan(prefix + t, (tuple(s.format(i=i) for s in srcs),)) for t, srcs in table.items()
+    ]
 
 
-def _layer_plans(config: ModelConfig, i: int, own: Ownership, moe: bool | None = None) -> list[TensorPlan]:
+def _layer_plans(
+    config: ModelConfig, i: int, own: Ownership, moe: bool | None = None
+) -> list[TensorPlan]:
     plans = _fill(SANDWICH_NORM_TABLE if config.sandwich_norms else NORM_TABLE, i)
     plans += _attention_plans(config, i, own)
     if config.is_moe_layer(i) if moe is None else moe:
@@ -174,7 +199,12 @@ def _gqa_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
     q = _rows(own.head_range(config.num_heads), d)
     kv = _rows(own.kv_head_range(config.num_heads, config.num_kv_heads), d)
     sinks = own.head_range(config.num_heads)  # gpt-oss: one per query head
-    return {"attn.qkv": (0, (q, kv, kv)), "attn.qkv_bias": (0, (q, kv, kv)), "attn.o": (1, (q,)), "attn.sinks": (0, (sinks,))}
+    return {
+        "attn.qkv": (0, (q, kv, kv)),
+        "attn.qkv_bias": (0, (q, kv, kv)),
+        "attn.o": (1, (q,)),
+        "attn.sinks": (0, (sinks,)),
+    }
 
 
 def _mla_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
@@ -183,7 +213,12 @@ def _mla_slices(config: ModelConfig, own: Ownership) -> HeadSlices:
     q = _rows(heads, config.qk_nope_head_dim + config.qk_rope_head_dim)
     kv = _rows(heads, config.qk_nope_head_dim + config.v_head_dim)
     o = _rows(heads, config.v_head_dim)
-    return {"attn.q_b": (0, (q,)), "attn.q": (0, (q,)), "attn.kv_b": (0, (kv,)), "attn.o": (1, (o,))}
+    return {
+        "attn.q_b": (0, (q,)),
+        "attn.q": (0, (q,)),
+        "attn.kv_b": (0, (kv,)),
+        "attn.o": (1, (o,)),
+    }
 
 
 def _attention_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
@@ -225,14 +260,24 @@ def _gated_plans(prefix: str, names: tuple[str, ...], rows: Range) -> list[Tenso
 def _oss_moe_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
     """gpt-oss: the router's weight and bias, and the owned experts' matrices and biases (one
     tensor per expert and matrix, as ``HFFolderSource`` lists its stacked ones and GGUF has them)."""
-    ours, theirs, experts = f"layers.{i}.ffn.", L.format(i=i) + "mlp.", range(*own.expert_range(config))
-    plans = [TensorPlan(ours + "router", ((theirs + "router.weight",),)),
-             TensorPlan(ours + "router_logit_bias", ((theirs + "router.bias",),))]  # fmt: skip
+    ours, theirs, experts = (
+        f"layers.{i}.ffn.",
+        L.format(i=i) + "mlp.",
+        range(*own.expert_range(config)),
+    )
+    plans = [
+        TensorPlan(ours + "router", ((theirs + "router.weight",),)),
+        TensorPlan(ours + "router_logit_bias", ((theirs + "router.bias",),)),
+    ]
     for target, suffix in (("", "weight"), ("_bias", "bias")):
-        gate_up = tuple(tuple(f"{theirs}experts.{e}.{m}_proj.{suffix}" for m in ("gate", "up")) for e in experts)
+        gate_up = tuple(
+            tuple(f"{theirs}experts.{e}.{m}_proj.{suffix}" for m in ("gate", "up")) for e in experts
+        )
         down = tuple((f"{theirs}experts.{e}.down_proj.{suffix}",) for e in experts)
-        plans += [TensorPlan(f"{ours}experts_gate_up{target}", gate_up, stack=True),
-                  TensorPlan(f"{ours}experts_down{target}", down, stack=True)]  # fmt: skip
+        plans += [
+            TensorPlan(f"{ours}experts_gate_up{target}", gate_up, stack=True),
+            TensorPlan(f"{ours}experts_down{target}", down, stack=True),
+        ]
     return plans
 
 
@@ -252,10 +297,17 @@ def _moe_plans(config: ModelConfig, i: int, own: Ownership) -> list[TensorPlan]:
 
     gate_up = tuple((fill(gate, e), fill(up, e)) for e in experts)
     plans.append(TensorPlan(prefix + "ffn.experts_gate_up", gate_up, stack=True))
-    plans.append(TensorPlan(prefix + "ffn.experts_down", tuple((fill(down, e),) for e in experts), stack=True))
+    plans.append(
+        TensorPlan(
+            prefix + "ffn.experts_down", tuple((fill(down, e),) for e in experts), stack=True
+        )
+    )
     if names.shared is not None and config.n_shared_experts:
         g, u, d = (n.format(i=i) for n in names.shared)
-        rows = (0, config.n_shared_experts * config.moe_intermediate_size)  # whole: see model/moe.py
+        rows = (
+            0,
+            config.n_shared_experts * config.moe_intermediate_size,
+        )  # whole: see model/moe.py
         plans += _gated_plans(prefix + "ffn.shared.", (g, u, d), rows)
     return plans
 

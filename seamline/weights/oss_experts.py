@@ -21,7 +21,9 @@ import torch
 
 from seamline.quant.scaled import ScaledTensor, scale_values
 
-STACKED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.((?:gate_up|down)_proj)(_bias|_blocks|_scales)?$")
+STACKED = re.compile(
+    r"^(model\.layers\.\d+\.mlp\.experts)\.((?:gate_up|down)_proj)(_bias|_blocks|_scales)?$"
+)
 FP4_BLOCK = 32  # MXFP4: weights per scale
 HALVES = {"gate_up_proj": (("gate_proj", 0), ("up_proj", 1)), "down_proj": (("down_proj", None),)}
 
@@ -37,7 +39,9 @@ class ExpertPart:
     scales: str | None = None
 
 
-def split(files: dict[str, Path], experts: int) -> tuple[dict[str, Path], dict[str, ExpertPart], dict[str, Path]]:
+def split(
+    files: dict[str, Path], experts: int
+) -> tuple[dict[str, Path], dict[str, ExpertPart], dict[str, Path]]:
     """(``files`` with each stacked tensor replaced by its experts' names, those names' parts,
     the MXFP4 scales' files, which are read beside their blocks and not listed)."""
     listed: dict[str, Path] = {}
@@ -57,7 +61,9 @@ def split(files: dict[str, Path], experts: int) -> tuple[dict[str, Path], dict[s
             for half, first in HALVES[matrix]:
                 one = f"{prefix}.{e}.{half}{suffix}"
                 listed[one] = path
-                parts[one] = ExpertPart(name, e, first, f"{prefix}.{matrix}_scales" if kind == "_blocks" else None)
+                parts[one] = ExpertPart(
+                    name, e, first, f"{prefix}.{matrix}_scales" if kind == "_blocks" else None
+                )
     return listed, parts, scales
 
 
@@ -70,12 +76,17 @@ def expert_shape(part: ExpertPart, stacked: tuple[int, ...]) -> tuple[int, ...]:
     return shape if part.first is None else (shape[0] // 2, *shape[1:])
 
 
-def expert_tensor(part: ExpertPart, one: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor | ScaledTensor:
+def expert_tensor(
+    part: ExpertPart, one: torch.Tensor, scales: torch.Tensor | None
+) -> torch.Tensor | ScaledTensor:
     """One expert's entry of its stacked tensor (and of its MXFP4 scales) as listed."""
     rows = slice(None) if part.first is None else slice(part.first, None, 2)
     if part.scales is not None:
         assert scales is not None
-        return ScaledTensor("fp4", one[rows].reshape(-1, one.shape[1] * one.shape[2]).contiguous(),
-                            scale_values(scales[rows].contiguous()))  # fmt: skip
+        return ScaledTensor(
+            "fp4",
+            one[rows].reshape(-1, one.shape[1] * one.shape[2]).contiguous(),
+            scale_values(scales[rows].contiguous()),
+        )
     matrix = one.T if one.dim() == 2 else one
     return matrix[rows].contiguous()

@@ -23,6 +23,7 @@ from seamline.ownership import Ownership, Range
 from seamline.quant.scaled import ScaledTensor
 from seamline.quant.tensor import QuantTensor
 from seamline.weights.fragments import (
+    _LAYER,
     EXPERT_CHUNKS,
     FORMAT,
     HEAD_TENSORS,
@@ -32,7 +33,6 @@ from seamline.weights.fragments import (
     FragmentEntry,
     Manifest,
     TensorEntry,
-    _LAYER,
     atomic_write,
     file_sha256,
     is_complete,
@@ -49,7 +49,9 @@ log = logging.getLogger(__name__)
 def package(model_path: str | Path, out_dir: str | Path, progress: bool = True) -> Manifest:
     """Split a GGUF file or Hugging Face folder into fragments in ``out_dir``; write the manifest last."""
     model_path, out_dir = Path(model_path), Path(out_dir)
-    if model_path.suffix == ".gguf":  # a tokenizer seamline cannot encode, refused before the weights
+    if (
+        model_path.suffix == ".gguf"
+    ):  # a tokenizer seamline cannot encode, refused before the weights
         from seamline.weights.gguf_file import GGUFFile
         from seamline.weights.gguf_prompt import prompt_ends_from_gguf
         from seamline.weights.gguf_tokenizer import check_tokenizer
@@ -66,7 +68,9 @@ def package(model_path: str | Path, out_dir: str | Path, progress: bool = True) 
     # stage (DeepSeek-V3's with its own copy of the embedding; V4's reads the model's)
     mtp = mtp_missing(source, config, embed=True) is None
     groups = _tensor_groups(config, mtp=mtp)
-    for group in tqdm(groups, desc=f"packaging {model_path.name}", unit="fragment", disable=not progress):
+    for group in tqdm(
+        groups, desc=f"packaging {model_path.name}", unit="fragment", disable=not progress
+    ):
         entries.append(_write_tensors(source, group, out_dir))
     entries += _write_tokenizer(model_path, out_dir)
     name = model_path.stem if model_path.is_file() else model_path.resolve().name
@@ -95,7 +99,10 @@ def _tensor_groups(config: ModelConfig, mtp: bool = False) -> list[_Group]:
     expert_of = {n: e for p in plans if p.stack for e, part in enumerate(p.parts) for n in part}
     experts = config.num_experts
     per_chunk = experts // math.gcd(experts, EXPERT_CHUNKS) if experts else 0
-    groups = {"embed": _Group("embed", "embed", None, None, []), "head": _Group("head", "head", None, None, [])}
+    groups = {
+        "embed": _Group("embed", "embed", None, None, []),
+        "head": _Group("head", "head", None, None, []),
+    }
     for name in sorted(names):
         layer = _layer_of(name, config)
         if layer is not None:
@@ -104,8 +111,13 @@ def _tensor_groups(config: ModelConfig, mtp: bool = False) -> list[_Group]:
                 key, chunk = f"layer.{layer}", None
             else:
                 first = expert // per_chunk * per_chunk
-                key, chunk = f"layer.{layer}.experts.{first}-{first + per_chunk}", (first, first + per_chunk)
-            group = groups.setdefault(key, _Group(key, "experts" if chunk else "layer", layer, chunk, []))
+                key, chunk = (
+                    f"layer.{layer}.experts.{first}-{first + per_chunk}",
+                    (first, first + per_chunk),
+                )
+            group = groups.setdefault(
+                key, _Group(key, "experts" if chunk else "layer", layer, chunk, [])
+            )
             group.tensors.append(name)
         elif name == "model.embed_tokens.weight":
             groups["embed"].tensors.append(name)
@@ -137,8 +149,16 @@ def _write_tensors(source: TensorSource, group: _Group, out_dir: Path) -> Fragme
     path = out_dir / f"{group.name}.safetensors"
     atomic_write(path, lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
     table = tuple(TensorEntry(n, tuple(w.shape), _type_name(w)) for n, w in weights.items())
-    return FragmentEntry(group.name, group.kind, group.layer, path.name, path.stat().st_size, file_sha256(path),
-                         table, group.experts)  # fmt: skip
+    return FragmentEntry(
+        group.name,
+        group.kind,
+        group.layer,
+        path.name,
+        path.stat().st_size,
+        file_sha256(path),
+        table,
+        group.experts,
+    )
 
 
 def _type_name(w: torch.Tensor | QuantTensor | ScaledTensor) -> str:
@@ -159,8 +179,10 @@ def _write_tokenizer(model_path: Path, out_dir: Path) -> list[FragmentEntry]:
                 atomic_write(written[-1], partial(shutil.copyfile, model_path / file))
         if not written:
             log.warning("%s has no tokenizer files: the package serves token ids only", model_path)
-    return [FragmentEntry(p.name, "tokenizer", None, p.name, p.stat().st_size, file_sha256(p))
-            for p in written]  # fmt: skip
+    return [
+        FragmentEntry(p.name, "tokenizer", None, p.name, p.stat().st_size, file_sha256(p))
+        for p in written
+    ]
 
 
 def _write_gguf_tokenizer(gguf: Path, out_dir: Path) -> list[Path]:
@@ -173,11 +195,17 @@ def _write_gguf_tokenizer(gguf: Path, out_dir: Path) -> list[Path]:
     bos = tokenizer.id_to_token(info.bos_token_id) if info.bos_token_id is not None else None
     eos = tokenizer.id_to_token(info.eos_token_ids[0]) if info.eos_token_ids else None
     files: dict[str, dict[str, Any]] = {
-        "tokenizer_config.json": {"chat_template": info.chat_template, "bos_token": bos,
-                                  "eos_token": eos, "add_bos_token": info.add_bos_token},
-        "generation_config.json": {"bos_token_id": info.bos_token_id,
-                                   "eos_token_id": list(end_of_generation_ids(GGUFFile.open(gguf)))},
-    }  # fmt: skip
+        "tokenizer_config.json": {
+            "chat_template": info.chat_template,
+            "bos_token": bos,
+            "eos_token": eos,
+            "add_bos_token": info.add_bos_token,
+        },
+        "generation_config.json": {
+            "bos_token_id": info.bos_token_id,
+            "eos_token_id": list(end_of_generation_ids(GGUFFile.open(gguf))),
+        },
+    }
     paths = [out_dir / "tokenizer.json"]
     atomic_write(paths[0], lambda tmp: tokenizer.save(str(tmp)))
     for file, content in files.items():
@@ -200,7 +228,9 @@ def source_key(model_path: str | Path) -> str:
     if not path.exists():
         raise CheckpointError(f"model path {path} does not exist")
     files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
-    ident = [FORMAT, VERSION, str(path)] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+    ident = [FORMAT, VERSION, str(path)] + [
+        [p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files
+    ]
     digest = hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:24]
     return f"{path.stem if path.is_file() else path.name}-{digest}"
 

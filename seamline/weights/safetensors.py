@@ -20,15 +20,24 @@ import torch
 from safetensors import safe_open
 
 from seamline.errors import CheckpointError
+from seamline.quant.scaled import KIND_NAMES, ScaledTensor, scale_values
 from seamline.weights import oss_experts
 from seamline.weights.gemma3_folder import gemma3_text_config, gemma3_text_names
-from seamline.quant.scaled import KIND_NAMES, ScaledTensor, scale_values
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-SAFETENSORS_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32"}
+SAFETENSORS_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+}
 OFFSET_NORM_FAMILIES = ("gemma3_text", "gemma3")  # norm weights w stored for a 1 + w multiply
-SCALE_SUFFIXES = (".scale", ".weight_scale_inv")  # a low-bit weight's block scales, beside ``X.weight``
+SCALE_SUFFIXES = (
+    ".scale",
+    ".weight_scale_inv",
+)  # a low-bit weight's block scales, beside ``X.weight``
 
 
 class HFFolderSource:
@@ -41,7 +50,9 @@ class HFFolderSource:
         self._spelling: dict[str, str] = {}  # our name -> the file's, where they differ
         self._handles: dict[Path, Any] = {}
         self._model_type: str | None = None  # config.json's, read once
-        self._experts: dict[str, oss_experts.ExpertPart] = {}  # gpt-oss: one expert's name -> where it lies
+        self._experts: dict[
+            str, oss_experts.ExpertPart
+        ] = {}  # gpt-oss: one expert's name -> where it lies
         self._side: dict[str, Path] = {}  # gpt-oss: its MXFP4 scales' files
 
     def config_dict(self) -> dict[str, Any]:
@@ -87,7 +98,11 @@ class HFFolderSource:
         tensor = self._read(name)
         scale = self._scales().get(name)
         if scale is None:
-            return tensor.float() + 1.0 if self._offset_norms() and name.endswith("norm.weight") else tensor
+            return (
+                tensor.float() + 1.0
+                if self._offset_norms() and name.endswith("norm.weight")
+                else tensor
+            )
         kind = "fp8" if tensor.dtype == torch.float8_e4m3fn else "fp4"
         try:
             return ScaledTensor(kind, tensor, scale_values(self._read(scale)))
@@ -144,7 +159,9 @@ class HFFolderSource:
 
     def _split_experts(self, files: dict[str, Path]) -> dict[str, Path]:
         """gpt-oss's stacked experts, one name per expert (``weights/oss_experts.py``)."""
-        listed, self._experts, self._side = oss_experts.split(files, int(self.config_dict()["num_local_experts"]))
+        listed, self._experts, self._side = oss_experts.split(
+            files, int(self.config_dict()["num_local_experts"])
+        )
         self._spelling.update({name: part.stored for name, part in self._experts.items()})
         return listed
 
@@ -154,7 +171,11 @@ class HFFolderSource:
             raise CheckpointError(f"checkpoint has no tensor {part.scales} beside {part.stored}")
         try:
             one = self._handle(name).get_slice(part.stored)[part.index]
-            scales = None if part.scales is None else self._open(self._side[part.scales]).get_slice(part.scales)[part.index]
+            scales = (
+                None
+                if part.scales is None
+                else self._open(self._side[part.scales]).get_slice(part.scales)[part.index]
+            )
         except Exception as exc:  # safetensors raises its own error types
             raise CheckpointError(f"cannot read tensor {name}: {exc}") from None
         try:

@@ -70,7 +70,9 @@ def _rss_growth(pid: int) -> Iterator[list[float]]:
 # --- what travels to the nodes is bounded ------------------------------------------------------
 
 
-def test_logit_bias_schemas_and_stops_over_their_bounds_are_400s_naming_the_field(client: openai.OpenAI) -> None:
+def test_logit_bias_schemas_and_stops_over_their_bounds_are_400s_naming_the_field(
+    client: openai.OpenAI,
+) -> None:
     fine = {str(t): 0.0 for t in range(1000, 1000 + MAX_LOGIT_BIAS)}
     answer = chat(client, temperature=0, max_tokens=4, logit_bias=fine)
     assert answer.choices[0].message.content  # 300 entries, OpenAI's bound, are taken
@@ -95,12 +97,19 @@ def test_logit_bias_schemas_and_stops_over_their_bounds_are_400s_naming_the_fiel
         assert _refusal(caught)["param"] == "stop"
 
 
-def test_a_required_tool_call_whose_grammar_is_too_large_is_a_400_naming_tools(model: LocalModel) -> None:
+def test_a_required_tool_call_whose_grammar_is_too_large_is_a_400_naming_tools(
+    model: LocalModel,
+) -> None:
     """Two tools each within the schema bound, whose required call would compile to a grammar
     over the bound (it travels to the nodes with the request)."""
-    codec = replace(model.codec, chat_template=(TEMPLATES / "hermes.jinja").read_text(), _template=None)
+    codec = replace(
+        model.codec, chat_template=(TEMPLATES / "hermes.jinja").read_text(), _template=None
+    )
     schema = {"type": "object", "description": "x" * 60_000}
-    tools = [{"type": "function", "function": {"name": name, "parameters": schema}} for name in ("a", "b")]
+    tools = [
+        {"type": "function", "function": {"name": name, "parameters": schema}}
+        for name in ("a", "b")
+    ]
     with serve(LocalBackend(model.engine, codec, NAME)) as url:
         with pytest.raises(openai.BadRequestError) as caught:
             chat(client_for(url), max_tokens=4, tools=tools, tool_choice="required")
@@ -108,9 +117,13 @@ def test_a_required_tool_call_whose_grammar_is_too_large_is_a_400_naming_tools(m
     assert error["param"] == "tools" and error["code"] == "grammar_too_large", error
 
 
-def test_a_long_prompt_is_counted_in_pieces_and_tokenised_exactly_when_it_fits(model: LocalModel) -> None:
+def test_a_long_prompt_is_counted_in_pieces_and_tokenised_exactly_when_it_fits(
+    model: LocalModel,
+) -> None:
     codec = model.codec
-    text = "The quick brown fox jumps over the lazy dog.\nIt was the best of times. " * 4000  # ~290k characters
+    text = (
+        "The quick brown fox jumps over the lazy dog.\nIt was the best of times. " * 4000
+    )  # ~290k characters
     ids = codec.encode(text)
     assert encode_within(codec, text, len(ids)) == ids  # the count's cuts never refuse what fits
     assert encode_within(codec, text, len(ids) // 4) is None
@@ -130,7 +143,9 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProces
         mesh.stop()
 
 
-def test_administration_checks_its_key_before_reading_a_body_and_caps_it(coordinator: MeshProcesses) -> None:
+def test_administration_checks_its_key_before_reading_a_body_and_caps_it(
+    coordinator: MeshProcesses,
+) -> None:
     assert coordinator.serve is not None
     key = (coordinator.root / "coordinator" / "mesh" / "admin.key").read_text().strip()
     url = f"{coordinator.base_url}/api/admin/invites"
@@ -144,8 +159,12 @@ def test_administration_checks_its_key_before_reading_a_body_and_caps_it(coordin
 
     httpx.get(url, headers={"Authorization": f"Bearer {key}"}, timeout=30).raise_for_status()
     with _rss_growth(coordinator.serve.pid) as grown:
-        wrong = httpx.post(url, content=chunks(50 * MB), headers={**json_type, "Authorization": "Bearer guess"},
-                           timeout=60)  # fmt: skip
+        wrong = httpx.post(
+            url,
+            content=chunks(50 * MB),
+            headers={**json_type, "Authorization": "Bearer guess"},
+            timeout=60,
+        )
     assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
     assert wrong.json()["error"]["code"] == "invalid_admin_key"
     assert grown[0] < 8, f"a refused 50 MB body grew the server by {grown[0]:.1f} MiB"
@@ -153,9 +172,16 @@ def test_administration_checks_its_key_before_reading_a_body_and_caps_it(coordin
     for body in (chunks(MB), b'{"uses": 1, "pad": "' + b"x" * 100_000 + b'"}'):
         over = httpx.post(url, content=body, headers=admin, timeout=60)
         assert over.status_code == 413 and over.json()["error"]["code"] == "body_too_large"
-    made = httpx.post(url, json={"uses": 1, "expires_s": 60}, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    made = httpx.post(
+        url,
+        json={"uses": 1, "expires_s": 60},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
     assert made.status_code == 200 and made.json()["token"].startswith("seamline-")
-    fragments = httpx.request("GET", f"{coordinator.base_url}/fragments/manifest.json", content=b"x" * 100_000)
+    fragments = httpx.request(
+        "GET", f"{coordinator.base_url}/fragments/manifest.json", content=b"x" * 100_000
+    )
     assert fragments.status_code == 413  # an open route's body is capped too
 
 
@@ -167,16 +193,28 @@ def test_an_administrator_holds_the_plan_and_releases_it(coordinator: MeshProces
     url, admin = f"{coordinator.base_url}/api/admin/balance", {"Authorization": f"Bearer {key}"}
     assert coordinator.status()["balance_held"] is False
     assert httpx.put(url, json={"hold": True}, timeout=30).status_code == 401
-    for bad, named in (({"hold": "maybe"}, "hold"), ({"hold": True, "for": 3}, "for"), ({}, "hold")):
+    for bad, named in (
+        ({"hold": "maybe"}, "hold"),
+        ({"hold": True, "for": 3}, "for"),
+        ({}, "hold"),
+    ):
         refused = httpx.put(url, json=bad, headers=admin, timeout=30)
-        assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
+        assert refused.status_code == 400 and named in refused.json()["error"]["message"], (
+            refused.text
+        )
     held = httpx.put(url, json={"hold": True}, headers=admin, timeout=30)
-    assert held.status_code == 200 and held.json()["hold"] is True and coordinator.status()["balance_held"] is True
+    assert (
+        held.status_code == 200
+        and held.json()["hold"] is True
+        and coordinator.status()["balance_held"] is True
+    )
     httpx.put(url, json={"hold": False}, headers=admin, timeout=30).raise_for_status()
     assert coordinator.status()["balance_held"] is False
 
 
-def test_health_answers_while_a_15_mb_prompt_is_parsed_and_memory_stays_bounded(tmp_path: Path) -> None:
+def test_health_answers_while_a_15_mb_prompt_is_parsed_and_memory_stays_bounded(
+    tmp_path: Path,
+) -> None:
     proc, url = start_server(tmp_path)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
@@ -187,7 +225,9 @@ def test_health_answers_while_a_15_mb_prompt_is_parsed_and_memory_stays_bounded(
         def ask(chat_too: bool) -> None:
             with pytest.raises(openai.BadRequestError) as caught:
                 if chat_too:
-                    client.chat.completions.create(model="default", messages=[{"role": "user", "content": prompt}])
+                    client.chat.completions.create(
+                        model="default", messages=[{"role": "user", "content": prompt}]
+                    )
                 else:
                     client.completions.create(model="default", prompt=prompt, max_tokens=1)
             outcomes.append(_refusal(caught)["code"])
@@ -202,7 +242,9 @@ def test_health_answers_while_a_15_mb_prompt_is_parsed_and_memory_stays_bounded(
                 assert httpx.get(f"{url}/health", timeout=30).status_code == 200
                 slowest, polls = max(slowest, time.monotonic() - started), polls + 1
                 time.sleep(0.02)
-        print(f"four 15 MB prompts: /health at most {slowest:.3f} s ({polls} polls); RSS +{grown[0]:.0f} MiB at most")
+        print(
+            f"four 15 MB prompts: /health at most {slowest:.3f} s ({polls} polls); RSS +{grown[0]:.0f} MiB at most"
+        )
         assert outcomes == ["context_length_exceeded"] * 4
         assert slowest < 1.0, f"/health took {slowest:.2f} s while large prompts were parsed"
         assert grown[0] < 250, f"four 15 MB prompts grew the server's memory by {grown[0]:.0f} MiB"
@@ -213,18 +255,31 @@ def test_health_answers_while_a_15_mb_prompt_is_parsed_and_memory_stays_bounded(
 # --- a client that left before its first token ------------------------------------------------
 
 
-def test_a_request_abandoned_before_its_first_token_is_dropped_unprefilled(model: LocalModel) -> None:
+def test_a_request_abandoned_before_its_first_token_is_dropped_unprefilled(
+    model: LocalModel,
+) -> None:
     """One running slot, held by a long stream: two more requests (one streaming) wait in the
     queue; their clients give up. They leave the queue at once, and never draw a token."""
     backend = LocalBackend(model.engine, model.codec, NAME, max_running=1)
     scheduler = backend.loop.scheduler
     with serve(backend) as base:
-        holder = chat(client_for(base), temperature=0, max_tokens=8000, stream=True, extra_body={"ignore_eos": True})
+        holder = chat(
+            client_for(base),
+            temperature=0,
+            max_tokens=8000,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         next(iter(holder))  # it holds the one slot
         impatient = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=1.5)
         for stream in (False, True):
             with pytest.raises(openai.APITimeoutError):
-                chat(impatient, [{"role": "user", "content": f"Question {stream}"}], max_tokens=5, stream=stream)
+                chat(
+                    impatient,
+                    [{"role": "user", "content": f"Question {stream}"}],
+                    max_tokens=5,
+                    stream=stream,
+                )
         deadline = time.monotonic() + 2
         while scheduler.waiting and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -235,14 +290,22 @@ def test_a_request_abandoned_before_its_first_token_is_dropped_unprefilled(model
         while not scheduler.idle and time.monotonic() < deadline:
             time.sleep(0.02)
         metrics = httpx.get(f"{base}/metrics").text
-    first_tokens = next(line for line in metrics.splitlines() if line.startswith("seamline_time_to_first_token_seconds_count"))
-    assert first_tokens.endswith(" 1.0"), first_tokens  # the holder's only: the abandoned never drew one
+    first_tokens = next(
+        line
+        for line in metrics.splitlines()
+        if line.startswith("seamline_time_to_first_token_seconds_count")
+    )
+    assert first_tokens.endswith(" 1.0"), (
+        first_tokens
+    )  # the holder's only: the abandoned never drew one
     assert 'seamline_requests_total{status="abort"} 3.0' in metrics
     assert "seamline_requests_waiting 0.0" in metrics
 
 
 def test_a_template_that_fails_to_render_is_a_400_naming_its_error(model: LocalModel) -> None:
-    codec = replace(model.codec, chat_template="{{ messages[0].content | nosuchfilter }}", _template=None)
+    codec = replace(
+        model.codec, chat_template="{{ messages[0].content | nosuchfilter }}", _template=None
+    )
     with serve(LocalBackend(model.engine, codec, NAME)) as url:
         with pytest.raises(openai.BadRequestError) as caught:
             chat(client_for(url), max_tokens=4)
@@ -261,9 +324,15 @@ def test_a_requests_template_variables_reach_the_template(model: LocalModel) -> 
     with serve(LocalBackend(model.engine, codec, NAME)) as url:
         client = client_for(url)
         plain = chat(client, max_tokens=1, logprobs=False)
-        asked = chat(client, max_tokens=1, reasoning_effort="high",
-                     extra_body={"documents": [{"title": "a", "text": "b"}],
-                                 "chat_template_kwargs": {"enable_thinking": False, "flavour": "x"}})  # fmt: skip
+        asked = chat(
+            client,
+            max_tokens=1,
+            reasoning_effort="high",
+            extra_body={
+                "documents": [{"title": "a", "text": "b"}],
+                "chat_template_kwargs": {"enable_thinking": False, "flavour": "x"},
+            },
+        )
     text = "What is the capital of France?"
     assert plain.usage is not None and asked.usage is not None
     assert plain.usage.prompt_tokens == len(codec.encode_chat_text(f"{text}||True|0|"))

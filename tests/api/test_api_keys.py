@@ -31,9 +31,20 @@ ARGV_KEY, FILE_KEY, ENV_KEY = "key-from-argv", "key-from-file", "key-from-env"
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("keys")
     (tmp / "keys.txt").write_text(f"# one key per line\n{FILE_KEY}\n\n")
-    proc, url = start_server(tmp, "--api-key", ARGV_KEY, "--api-key-file", str(tmp / "keys.txt"),
-                       "--max-prompt-tokens", "60", "--max-concurrent-per-key", "1", "--max-body-mb", "0.01",
-                       env_key=ENV_KEY)  # fmt: skip
+    proc, url = start_server(
+        tmp,
+        "--api-key",
+        ARGV_KEY,
+        "--api-key-file",
+        str(tmp / "keys.txt"),
+        "--max-prompt-tokens",
+        "60",
+        "--max-concurrent-per-key",
+        "1",
+        "--max-body-mb",
+        "0.01",
+        env_key=ENV_KEY,
+    )
     try:
         yield url
     finally:
@@ -45,22 +56,33 @@ def _client(url: str, key: str, **kwargs: object) -> openai.OpenAI:
 
 
 def _ask(client: openai.OpenAI, **fields: object) -> str:
-    reply = client.chat.completions.create(model="default", messages=QUESTION, temperature=0, max_tokens=12,
-                                           **fields)  # type: ignore[call-overload]  # fmt: skip
+    reply = client.chat.completions.create(
+        model="default", messages=QUESTION, temperature=0, max_tokens=12, **fields
+    )  # type: ignore[call-overload]
     return str(reply.choices[0].message.content)
 
 
 def test_a_missing_or_wrong_key_is_refused_with_401_in_openai_format(server: str) -> None:
     body = {"model": "default", "messages": QUESTION}
-    for headers in ({}, {"Authorization": ARGV_KEY}, {"Authorization": "Basic abc"}):  # none, no scheme, another scheme
+    for headers in (
+        {},
+        {"Authorization": ARGV_KEY},
+        {"Authorization": "Basic abc"},
+    ):  # none, no scheme, another scheme
         reply = httpx.post(f"{server}/v1/chat/completions", json=body, headers=headers, timeout=30)
-        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key", headers
+        assert reply.status_code == 401 and reply.json()["error"]["code"] == "invalid_api_key", (
+            headers
+        )
     for key in ("not-a-key", ARGV_KEY + "x"):
         with pytest.raises(openai.AuthenticationError) as refused:
             _ask(_client(server, key))
         assert refused.value.status_code == 401
         error = refused.value.body
-        assert isinstance(error, dict) and error["code"] == "invalid_api_key" and "--api-key" in error["message"]
+        assert (
+            isinstance(error, dict)
+            and error["code"] == "invalid_api_key"
+            and "--api-key" in error["message"]
+        )
     for path in ("/v1/models", "/docs", "/openapi.json"):
         reply = httpx.get(f"{server}{path}", timeout=10)
         assert reply.status_code == 401 and reply.headers["www-authenticate"] == "Bearer", path
@@ -86,13 +108,20 @@ def test_limits_on_body_prompt_and_requests_in_flight_are_clear_errors(server: s
             yield b"y" * 1000
         yield b'"}]}'
 
-    reply = httpx.post(f"{server}/v1/chat/completions", content=chunks(), timeout=30,
-                       headers={**headers, "Content-Type": "application/json"})  # fmt: skip
+    reply = httpx.post(
+        f"{server}/v1/chat/completions",
+        content=chunks(),
+        timeout=30,
+        headers={**headers, "Content-Type": "application/json"},
+    )
     assert reply.status_code == 413
     with pytest.raises(openai.BadRequestError) as long_prompt:
         _client(server, ARGV_KEY).chat.completions.create(
-            model="default", messages=[{"role": "user", "content": "word " * 100}], max_tokens=4)
-    assert long_prompt.value.code == "prompt_too_long" and "--max-prompt-tokens" in str(long_prompt.value)
+            model="default", messages=[{"role": "user", "content": "word " * 100}], max_tokens=4
+        )
+    assert long_prompt.value.code == "prompt_too_long" and "--max-prompt-tokens" in str(
+        long_prompt.value
+    )
     _one_in_flight_per_key(server)
 
 
@@ -100,7 +129,12 @@ def _one_in_flight_per_key(server: str) -> None:
     """While a stream holds the key's one slot, a second request with that key gets 429 and
     one with another key is answered; once the stream ends, the key is admitted again."""
     streaming = _client(server, ARGV_KEY).chat.completions.create(
-        model="default", messages=QUESTION, max_tokens=200, stream=True, extra_body={"ignore_eos": True})
+        model="default",
+        messages=QUESTION,
+        max_tokens=200,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     first = next(iter(streaming))
     assert first.choices
     with pytest.raises(openai.RateLimitError) as busy:
@@ -120,24 +154,45 @@ def _self_signed(folder: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
-            .sign(key, hashes.SHA256()))  # fmt: skip
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .sign(key, hashes.SHA256())
+    )
     cert_path, key_path = folder / "cert.pem", folder / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))  # fmt: skip
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     return cert_path, key_path
 
 
 def test_key_options_that_cannot_work_are_refused_at_start(tmp_path: Path) -> None:
-    for args, fragment in ((("--ssl-certfile", "x.pem"), "go together"),
-                           (("--api-key-file", str(tmp_path / "missing")), "cannot read an API key file")):  # fmt: skip
-        out = subprocess.run(seamline_cmd("serve", "--single", "--port", str(free_port()), *args),
-                             capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert out.returncode != 0 and fragment in out.stderr and "Traceback" not in out.stderr, out.stderr
+    for args, fragment in (
+        (("--ssl-certfile", "x.pem"), "go together"),
+        (("--api-key-file", str(tmp_path / "missing")), "cannot read an API key file"),
+    ):
+        out = subprocess.run(
+            seamline_cmd("serve", "--single", "--port", str(free_port()), *args),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode != 0 and fragment in out.stderr and "Traceback" not in out.stderr, (
+            out.stderr
+        )
 
 
 def test_a_mesh_over_https_with_a_key(tmp_path: Path) -> None:
@@ -148,13 +203,29 @@ def test_a_mesh_over_https_with_a_key(tmp_path: Path) -> None:
     from tests.support.mesh_harness import MeshProcesses
 
     cert, key = _self_signed(tmp_path)
-    mesh = MeshProcesses(tmp_path, nodes=2, node_memory_gb=memory_cap_gb(None, 2, 1024), api_key=ARGV_KEY,
-                         tls_certificate=cert, serve_args=("--context", "1024", "--api-key", ARGV_KEY,
-                                                           "--ssl-certfile", str(cert), "--ssl-keyfile", str(key)))  # fmt: skip
+    mesh = MeshProcesses(
+        tmp_path,
+        nodes=2,
+        node_memory_gb=memory_cap_gb(None, 2, 1024),
+        api_key=ARGV_KEY,
+        tls_certificate=cert,
+        serve_args=(
+            "--context",
+            "1024",
+            "--api-key",
+            ARGV_KEY,
+            "--ssl-certfile",
+            str(cert),
+            "--ssl-keyfile",
+            str(key),
+        ),
+    )
     mesh.start()
     try:
         status = mesh.wait_ready()
-        assert len(status["stages"]) == 2 and all(n["bytes_downloaded"] > 0 for n in status["nodes"])
+        assert len(status["stages"]) == 2 and all(
+            n["bytes_downloaded"] > 0 for n in status["nodes"]
+        )
         anonymous = httpx.get(f"{mesh.base_url}/api/status", verify=_trust(cert), timeout=10)
         assert anonymous.status_code == 401
         assert _ask(mesh.client()) == _ask_single()

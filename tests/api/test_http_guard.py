@@ -40,7 +40,9 @@ def _idle(port: int, count: int) -> list[socket.socket]:
 
 def test_idle_connections_beyond_the_descriptors_do_not_shut_clients_out() -> None:
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-c", SERVER, str(port)], stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(port)], stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -54,7 +56,12 @@ def test_idle_connections_beyond_the_descriptors_do_not_shut_clients_out() -> No
         assert len(held) == 400
         with httpx.Client(timeout=5) as client:  # a new client's connection, while they are held
             for _ in range(5):
-                assert client.get(f"http://127.0.0.1:{port}/health", headers={"Connection": "close"}).status_code == 200
+                assert (
+                    client.get(
+                        f"http://127.0.0.1:{port}/health", headers={"Connection": "close"}
+                    ).status_code
+                    == 200
+                )
         drip = socket.create_connection(("127.0.0.1", port), timeout=5)
         began = time.monotonic()
         drip.sendall(b"GET /health HTTP/1.1\r\n")
@@ -69,7 +76,9 @@ def test_idle_connections_beyond_the_descriptors_do_not_shut_clients_out() -> No
                 continue
             except OSError:
                 closed = time.monotonic() - began
-        assert closed is not None and closed < 4.0, closed  # the head's deadline (2 s here), not per byte
+        assert closed is not None and closed < 4.0, (
+            closed
+        )  # the head's deadline (2 s here), not per byte
         for sock in held:
             sock.close()
     finally:

@@ -26,8 +26,11 @@ Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 def scrape(url: str, headers: dict[str, str] | None = None) -> Samples:
     reply = httpx.get(f"{url}/metrics", headers=headers, timeout=30)
     assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(reply.text) for s in family.samples}  # fmt: skip
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(reply.text)
+        for s in family.samples
+    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float:
@@ -42,14 +45,25 @@ def test_one_process_counts_what_it_served() -> None:
     model = LocalModel.load()
     with serve(LocalBackend(model.engine, model.codec, NAME)) as url:
         client = client_for(url)
-        client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=2)  # every metric exists now
+        client.chat.completions.create(
+            model=NAME, messages=QUESTION, max_tokens=2
+        )  # every metric exists now
         before = scrape(url)
         full = {"ignore_eos": True}  # every request runs to max_tokens
-        reply = client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=12, temperature=0,
-                                               extra_body=full)  # fmt: skip
-        stream = client.completions.create(model=NAME, prompt="The sea is", max_tokens=5, temperature=0, stream=True,
-                                           extra_body=full)  # fmt: skip
-        streamed = sum(1 for chunk in stream if chunk.choices and chunk.choices[0].finish_reason is None)
+        reply = client.chat.completions.create(
+            model=NAME, messages=QUESTION, max_tokens=12, temperature=0, extra_body=full
+        )
+        stream = client.completions.create(
+            model=NAME,
+            prompt="The sea is",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body=full,
+        )
+        streamed = sum(
+            1 for chunk in stream if chunk.choices and chunk.choices[0].finish_reason is None
+        )
         after = scrape(url)
     usage = reply.usage
     assert usage is not None and usage.completion_tokens == 12 and streamed >= 1
@@ -59,7 +73,10 @@ def test_one_process_counts_what_it_served() -> None:
     assert moved(before, after, "seamline_requests_total", status="length") == 2
     assert moved(before, after, "seamline_time_to_first_token_seconds_count") == 2
     assert moved(before, after, "seamline_inter_token_latency_seconds_count") == 11 + 4
-    assert value(after, "seamline_requests_running") == 0 and value(after, "seamline_requests_waiting") == 0
+    assert (
+        value(after, "seamline_requests_running") == 0
+        and value(after, "seamline_requests_waiting") == 0
+    )
     assert value(after, "seamline_node_up", node="local") == 1
     assert value(after, "seamline_node_step_seconds", node="local") > 0
 
@@ -69,9 +86,16 @@ def test_a_mesh_lists_its_nodes_and_links_and_a_killed_node_reads_down(tmp_path:
     try:
         first, second = (s["node_id"] for s in mesh.wait_ready()["stages"])
         before = scrape(mesh.base_url)
-        body: dict[str, Any] = {"model": "default", "prompt": "The rivers of Europe", "temperature": 0, "max_tokens": 8,
-                                "ignore_eos": True}
-        assert httpx.post(f"{mesh.base_url}/v1/completions", json=body, timeout=120).status_code == 200
+        body: dict[str, Any] = {
+            "model": "default",
+            "prompt": "The rivers of Europe",
+            "temperature": 0,
+            "max_tokens": 8,
+            "ignore_eos": True,
+        }
+        assert (
+            httpx.post(f"{mesh.base_url}/v1/completions", json=body, timeout=120).status_code == 200
+        )
         after = scrape(mesh.base_url)
         assert moved(before, after, "seamline_generation_tokens_total") == 8
         assert moved(before, after, "seamline_requests_total", status="length") == 1
@@ -81,12 +105,24 @@ def test_a_mesh_lists_its_nodes_and_links_and_a_killed_node_reads_down(tmp_path:
             assert value(after, "seamline_link_rtt_seconds", src=node, dst="coordinator") > 0
         hidden = moved(before, after, "seamline_link_bytes_total", src=first, dst=second)
         assert hidden > 8 * 576 * 4  # at least a float32 hidden state a token
-        assert moved(before, after, "seamline_link_bytes_total", src=second, dst=first) > 0  # the tokens back
-        printed = subprocess.run(seamline_cmd("status", mesh.base_url), capture_output=True, text=True, timeout=60)
+        assert (
+            moved(before, after, "seamline_link_bytes_total", src=second, dst=first) > 0
+        )  # the tokens back
+        printed = subprocess.run(
+            seamline_cmd("status", mesh.base_url), capture_output=True, text=True, timeout=60
+        )
         assert printed.returncode == 0, printed.stderr
-        assert f"node {first}  up  layers [0, " in printed.stdout and f"node {second}  up  layers [" in printed.stdout
-        records = [json.loads(line) for line in mesh.output if line.startswith("{")]  # --log-format json
-        assert any(r["logger"].startswith("seamline") and r["level"] == "info" and r["message"] for r in records)
+        assert (
+            f"node {first}  up  layers [0, " in printed.stdout
+            and f"node {second}  up  layers [" in printed.stdout
+        )
+        records = [
+            json.loads(line) for line in mesh.output if line.startswith("{")
+        ]  # --log-format json
+        assert any(
+            r["logger"].startswith("seamline") and r["level"] == "info" and r["message"]
+            for r in records
+        )
         mesh.node_procs[int(second.removeprefix("node"))].kill()
         deadline = time.monotonic() + 20
         while value(scrape(mesh.base_url), "seamline_node_up", node=second) != 0:
@@ -101,8 +137,16 @@ def test_the_status_summary_shows_a_download_under_way() -> None:
     progress reports) reads as such in `seamline status`."""
     from seamline.server.status_cli import summary
 
-    status = {"ready": False, "state": "starting plan 1", "plan_id": 1, "model": "m", "events": [],
-              "stages": [{"ranks": ["a"], "layers": [0, 30]}],
-              "nodes": [{"node_id": "a", "downloading": {"bytes_done": 3 << 20, "bytes_total": 12 << 20}}]}  # fmt: skip
+    status = {
+        "ready": False,
+        "state": "starting plan 1",
+        "plan_id": 1,
+        "model": "m",
+        "events": [],
+        "stages": [{"ranks": ["a"], "layers": [0, 30]}],
+        "nodes": [
+            {"node_id": "a", "downloading": {"bytes_done": 3 << 20, "bytes_total": 12 << 20}}
+        ],
+    }
     up = {"seamline_node_up": [({"node": "a"}, 1.0)]}
     assert "node a  up  layers [0, 30)  downloading 3.0 of 12.0 MiB (25%)" in summary(status, up)

@@ -52,10 +52,19 @@ threading.Event().wait()
 """
 
 
-def _ping(address: tuple[str, int], nonce: int, timeout_s: float = 10.0, context: ssl.SSLContext | None = None,
-          source: str = "") -> Link:  # fmt: skip
+def _ping(
+    address: tuple[str, int],
+    nonce: int,
+    timeout_s: float = 10.0,
+    context: ssl.SSLContext | None = None,
+    source: str = "",
+) -> Link:
     """A link that has sent a Ping and had its Pong."""
-    sock = tune(socket.create_connection(address, timeout=timeout_s, source_address=(source, 0) if source else None))
+    sock = tune(
+        socket.create_connection(
+            address, timeout=timeout_s, source_address=(source, 0) if source else None
+        )
+    )
     link = Link(TlsSocket.handshake(sock, context, False, timeout_s) if context else sock, "client")
     link.send_message(Ping(nonce=nonce))
     answer = link.recv(deadline_s=timeout_s)
@@ -66,14 +75,21 @@ def _ping(address: tuple[str, int], nonce: int, timeout_s: float = 10.0, context
 def test_an_accept_loop_outlives_running_out_of_descriptors() -> None:
     """A flood takes every descriptor the listener may open (accept fails with EMFILE); once it
     is released, the same listener answers a legitimate link again, within about a second."""
-    proc = subprocess.Popen([sys.executable, "-c", LISTENER], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LISTENER],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     errors: list[str] = []
     try:
         address = ("127.0.0.1", int(proc.stdout.readline()))  # type: ignore[union-attr]
         stderr = proc.stderr
         assert stderr is not None
-        threading.Thread(target=lambda: errors.extend(iter(stderr.readline, "")), daemon=True).start()
+        threading.Thread(
+            target=lambda: errors.extend(iter(stderr.readline, "")), daemon=True
+        ).start()
         flood: list[socket.socket] = []
         while len(flood) < 1000:  # until the listener's descriptors and then its backlog are full
             try:
@@ -92,7 +108,9 @@ def test_an_accept_loop_outlives_running_out_of_descriptors() -> None:
         proc.kill()
         proc.wait(5)
     ran_out = [line for line in errors if "Too many open files" in line]
-    assert len(ran_out) == 1 and any("takes connections again" in line for line in errors), errors  # once per episode
+    assert len(ran_out) == 1 and any("takes connections again" in line for line in errors), (
+        errors
+    )  # once per episode
 
 
 def _closed(sock: socket.socket) -> bool:
@@ -143,7 +161,9 @@ def test_a_peer_dripping_its_handshake_is_cut_at_the_deadline_in_all() -> None:
     server = listen("127.0.0.1", 0)
     address = ("127.0.0.1", server.getsockname()[1])
 
-    def challenge(link: Link) -> None:  # as the mesh's handlers do: every message within the deadline
+    def challenge(
+        link: Link,
+    ) -> None:  # as the mesh's handlers do: every message within the deadline
         try:
             link.send_message(Challenge(nonce="n"))
             while True:
@@ -155,24 +175,35 @@ def test_a_peer_dripping_its_handshake_is_cut_at_the_deadline_in_all() -> None:
     cut: dict[str, list[float]] = {"hello": [], "message": []}
     opened = time.monotonic()
     hello = socket.create_connection(address)
-    threads = [threading.Thread(target=_drip, args=(hello, _client_hello(), hello.sendall, opened, cut["hello"]))]
+    threads = [
+        threading.Thread(
+            target=_drip, args=(hello, _client_hello(), hello.sendall, opened, cut["hello"])
+        )
+    ]
     raw = socket.create_connection(address)
     member = TlsSocket.handshake(raw, ca.identity("member").client_context(), False, 5)
     assert isinstance(Link(member).recv(deadline_s=5), Challenge)
     message = encode_message(Ping(nonce=1, pad="x" * 200))
-    threads.append(threading.Thread(target=_drip, args=(raw, message, member.sendall, opened, cut["message"])))
+    threads.append(
+        threading.Thread(target=_drip, args=(raw, message, member.sendall, opened, cut["message"]))
+    )
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(30)
     for what, after in cut.items():
-        assert after and HANDSHAKE_DEADLINE_S - 1 < after[0] < HANDSHAKE_DEADLINE_S + 3, (what, after)
+        assert after and HANDSHAKE_DEADLINE_S - 1 < after[0] < HANDSHAKE_DEADLINE_S + 3, (
+            what,
+            after,
+        )
     hello.close()
     raw.close()
     server.close()
 
 
-def test_strangers_idle_connections_neither_keep_a_member_out_nor_cost_a_thread_each(tmp_path: Path) -> None:
+def test_strangers_idle_connections_neither_keep_a_member_out_nor_cost_a_thread_each(
+    tmp_path: Path,
+) -> None:
     """64 idle connections from each of three addresses (127.0.0.1 among them) hold at most the
     port's 128 handshake threads; then a member opens 70 links from 127.0.0.1, each proved in
     turn: every one is taken and stays served (a proved link no longer counts)."""
@@ -190,14 +221,21 @@ def test_strangers_idle_connections_neither_keep_a_member_out_nor_cost_a_thread_
         except (LinkClosed, FrameError):
             link.close()
 
-    accepting = accept_links(server, "crowd", serve, tls=lambda: ca.identity("listener").server_context())
+    accepting = accept_links(
+        server, "crowd", serve, tls=lambda: ca.identity("listener").server_context()
+    )
     before = threading.active_count()
-    strangers = [socket.create_connection(address, source_address=(f"127.0.0.{1 + i // 64}", 0)) for i in range(192)]
+    strangers = [
+        socket.create_connection(address, source_address=(f"127.0.0.{1 + i // 64}", 0))
+        for i in range(192)
+    ]
     time.sleep(1.0)
     handshaking = threading.active_count() - before
     assert handshaking <= 128 + 2, handshaking  # the watchdog thread, and one being cut
     context = ca.identity("member").client_context()
-    members = [_ping(address, i, timeout_s=5, context=context, source="127.0.0.1") for i in range(70)]
+    members = [
+        _ping(address, i, timeout_s=5, context=context, source="127.0.0.1") for i in range(70)
+    ]
     for i, link in enumerate(members):  # every proved link is still served
         link.send_message(Ping(nonce=1000 + i))
         answer = link.recv(deadline_s=5)
@@ -225,7 +263,9 @@ def test_a_stranger_dripping_a_client_hello_does_not_hold_up_a_group() -> None:
     def rank(r: int) -> None:
         tls = GroupTls(identities[r].server_context(), identities[r].client_context(), names)
         try:
-            formed[r] = TcpComm.connect(r, 2, addresses, 10.0, "fp", connect_timeout_s=30.0, tls=tls)
+            formed[r] = TcpComm.connect(
+                r, 2, addresses, 10.0, "fp", connect_timeout_s=30.0, tls=tls
+            )
         except Exception as exc:  # the test reads it
             formed[r] = exc
 
@@ -234,7 +274,9 @@ def test_a_stranger_dripping_a_client_hello_does_not_hold_up_a_group() -> None:
     one.start()
     stranger = _dial_when_listening(addresses[1])
     cut: list[float] = []
-    dripper = threading.Thread(target=_drip, args=(stranger, _client_hello(), stranger.sendall, began, cut))
+    dripper = threading.Thread(
+        target=_drip, args=(stranger, _client_hello(), stranger.sendall, began, cut)
+    )
     dripper.start()
     time.sleep(0.5)
     zero = threading.Thread(target=rank, args=(0,))
@@ -247,7 +289,9 @@ def test_a_stranger_dripping_a_client_hello_does_not_hold_up_a_group() -> None:
     sums: dict[int, torch.Tensor] = {}
     comms = [formed[0], formed[1]]
     assert isinstance(comms[0], TcpComm) and isinstance(comms[1], TcpComm)
-    summer = threading.Thread(target=lambda: sums.update({1: comms[1].all_reduce(torch.ones(4), GateTag(0, 0, 1))}))
+    summer = threading.Thread(
+        target=lambda: sums.update({1: comms[1].all_reduce(torch.ones(4), GateTag(0, 0, 1))})
+    )
     summer.start()
     sums[0] = comms[0].all_reduce(torch.full((4,), 2.0), GateTag(0, 0, 1))
     summer.join(10)
@@ -268,4 +312,3 @@ def _dial_when_listening(address: tuple[str, int], within_s: float = 10.0) -> so
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-

@@ -66,7 +66,11 @@ def test_chat_answers_paris_with_exact_usage(paris: Any, model: LocalModel) -> N
     assert paris.usage.prompt_tokens == len(prompt)
     assert paris.usage.completion_tokens == len(expected)
     assert paris.usage.total_tokens == len(prompt) + len(expected)
-    assert paris.object == "chat.completion" and paris.model == NAME and paris.id.startswith("chatcmpl-")
+    assert (
+        paris.object == "chat.completion"
+        and paris.model == NAME
+        and paris.id.startswith("chatcmpl-")
+    )
 
 
 def test_chat_stream_equals_non_streaming(client: openai.OpenAI, paris: Any) -> None:
@@ -75,7 +79,9 @@ def test_chat_stream_equals_non_streaming(client: openai.OpenAI, paris: Any) -> 
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == paris.choices[0].message.content
-    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
     assert finishes == ["stop"]
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.model_dump() == paris.usage.model_dump()
@@ -143,7 +149,9 @@ def test_top_k_extension_is_honoured(client: openai.OpenAI, paris: Any) -> None:
     assert out.choices[0].message.content == paris.choices[0].message.content
 
 
-def test_text_parts_and_developer_role_render_like_strings(client: openai.OpenAI, paris: Any) -> None:
+def test_text_parts_and_developer_role_render_like_strings(
+    client: openai.OpenAI, paris: Any
+) -> None:
     parts = [{"role": "user", "content": [{"type": "text", "text": QUESTION[0]["content"]}]}]
     out = chat(client, parts, temperature=0, max_tokens=1)
     assert out.usage is not None and out.usage.prompt_tokens == paris.usage.prompt_tokens
@@ -151,7 +159,11 @@ def test_text_parts_and_developer_role_render_like_strings(client: openai.OpenAI
     sys = [{"role": "system", "content": "Be brief."}, *QUESTION]
     a = chat(client, dev, model="default", temperature=0, max_tokens=1)
     b = chat(client, sys, temperature=0, max_tokens=1)
-    assert a.usage is not None and b.usage is not None and a.usage.prompt_tokens == b.usage.prompt_tokens
+    assert (
+        a.usage is not None
+        and b.usage is not None
+        and a.usage.prompt_tokens == b.usage.prompt_tokens
+    )
     assert a.model == NAME  # the alias answers with the real name
 
 
@@ -162,14 +174,22 @@ def test_completions_streaming_and_not(client: openai.OpenAI, model: LocalModel)
     assert full.choices[0].finish_reason == "length" and "Paris" in full.choices[0].text
     assert full.usage is not None and full.usage.prompt_tokens == len(model.codec.encode(prompt))
     assert full.usage.completion_tokens == 6
-    streamed = client.completions.create(model=NAME, prompt=prompt, temperature=0, max_tokens=6, stream=True,
-                                         stream_options={"include_usage": True})  # fmt: skip
+    streamed = client.completions.create(
+        model=NAME,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(streamed)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
     ids = model.codec.encode(prompt)
-    echoed = client.completions.create(model=NAME, prompt=ids, temperature=0, max_tokens=6, echo=True)
+    echoed = client.completions.create(
+        model=NAME, prompt=ids, temperature=0, max_tokens=6, echo=True
+    )
     assert echoed.choices[0].text == prompt + full.choices[0].text
 
 
@@ -186,24 +206,35 @@ class Scripted:
     """A backend that yields fixed events, as an engine whose context filled early would."""
 
     def __init__(self, real: LocalBackend, events: list[TokenEvent]) -> None:
-        self.model_name, self.codec, self.context_length = real.model_name, real.codec, real.context_length
+        self.model_name, self.codec, self.context_length = (
+            real.model_name,
+            real.codec,
+            real.context_length,
+        )
         self.events = events
 
     def readiness(self) -> Readiness:
         return Readiness(True)
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
         for event in self.events:
             yield event
 
 
-def test_the_finish_reason_is_the_backends_and_a_stop_token_is_not_output(backend: LocalBackend) -> None:
+def test_the_finish_reason_is_the_backends_and_a_stop_token_is_not_output(
+    backend: LocalBackend,
+) -> None:
     """The API reports why a request ended as the backend's last event says (here "length"
     after 3 of 40 tokens, as at a full context), never worked out again from its own count; a
     stop token ends the text without being in it or counted."""
     words = backend.codec.encode(" Paris is big")
     ended = [*(TokenEvent(t) for t in words[:-1]), TokenEvent(words[-1], finish_reason="length")]
-    stopped = [*(TokenEvent(t) for t in words), TokenEvent(backend.codec.stop_ids[0], finish_reason="stop")]
+    stopped = [
+        *(TokenEvent(t) for t in words),
+        TokenEvent(backend.codec.stop_ids[0], finish_reason="stop"),
+    ]
     for events, reason in ((ended, "length"), (stopped, "stop")):
         with serve(Scripted(backend, events)) as base:  # type: ignore[arg-type]
             client = client_for(base)
@@ -247,12 +278,16 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
         ({"extra_body": {"top_k": "5"}}, "top_k"),
     ],
 )
-def test_bad_fields_are_400_naming_the_field(client: openai.OpenAI, fields: Any, param: str) -> None:
+def test_bad_fields_are_400_naming_the_field(
+    client: openai.OpenAI, fields: Any, param: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, **fields)
     assert info.value.status_code == 400
     err = _error(info.value)
-    assert err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
+    assert (
+        err["param"] == param and err["type"] == "invalid_request_error" and param in err["message"]
+    )
 
 
 def test_missing_messages_is_400(client: openai.OpenAI) -> None:
@@ -269,8 +304,13 @@ def test_malformed_json_is_400_in_openai_format(url: str) -> None:
     err = reply.json()["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_json"
     assert "JSON" in err["message"]
-    form = httpx.post(f"{url}/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"})
-    assert form.status_code == 400 and "Content-Type: application/json" in form.json()["error"]["message"]
+    form = httpx.post(
+        f"{url}/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"}
+    )
+    assert (
+        form.status_code == 400
+        and "Content-Type: application/json" in form.json()["error"]["message"]
+    )
     missing = httpx.get(f"{url}/v1/nothing-here")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
 
@@ -280,9 +320,13 @@ def test_prompt_longer_than_context_is_400(client: openai.OpenAI, backend: Local
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, long, temperature=0, max_tokens=1)
     err = _error(info.value)
-    assert err["code"] == "context_length_exceeded" and str(backend.context_length) in err["message"]
+    assert (
+        err["code"] == "context_length_exceeded" and str(backend.context_length) in err["message"]
+    )
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=NAME, prompt="hi", max_tokens=backend.context_length, stream=True)
+        client.completions.create(
+            model=NAME, prompt="hi", max_tokens=backend.context_length, stream=True
+        )
     assert _error(info.value)["param"] == "max_tokens"
 
 
@@ -293,7 +337,11 @@ class NotReady:
     """Has the real codec but is still loading: must never be asked to generate."""
 
     def __init__(self, real: LocalBackend) -> None:
-        self.model_name, self.codec, self.context_length = real.model_name, real.codec, real.context_length
+        self.model_name, self.codec, self.context_length = (
+            real.model_name,
+            real.codec,
+            real.context_length,
+        )
 
     def readiness(self) -> Readiness:
         return Readiness(False, "loading layers 12/30")
@@ -305,11 +353,16 @@ class NotReady:
 class Wrapped:
     """The real backend, raising ``error`` after ``fail_after`` tokens; notes when its iterator closes."""
 
-    def __init__(self, real: LocalBackend, fail_after: int | None = None,
-                 error: Exception | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, real: LocalBackend, fail_after: int | None = None, error: Exception | None = None
+    ) -> None:
         self.real, self.fail_after = real, fail_after
         self.error = error or SeamlineError("stage 2 stopped answering")
-        self.model_name, self.codec, self.context_length = real.model_name, real.codec, real.context_length
+        self.model_name, self.codec, self.context_length = (
+            real.model_name,
+            real.codec,
+            real.context_length,
+        )
         self.closed = threading.Event()
         self.tokens = 0
         self.ran_out = False  # the inner iterator ended by itself (not closed early)
@@ -317,7 +370,9 @@ class Wrapped:
     def readiness(self) -> Readiness:
         return self.real.readiness()
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
         self.closed.clear()
         inner = self.real.generate(prompt, params)
         try:
@@ -357,9 +412,14 @@ def test_backend_failure_is_an_error_not_a_hang(backend: LocalBackend) -> None:
             chat(client, temperature=0)
         assert whole.value.status_code == 503 and "stage 2 stopped answering" in whole.value.message
         failing.tokens, failing.error = 0, ZeroDivisionError("a bug")
-        reply = httpx.post(f"{base}/v1/chat/completions", json={"model": NAME, "messages": QUESTION})
+        reply = httpx.post(
+            f"{base}/v1/chat/completions", json={"model": NAME, "messages": QUESTION}
+        )
         assert reply.status_code == 500 and "Traceback" not in reply.text
-        assert reply.json()["error"]["type"] == "server_error" and "a bug" in reply.json()["error"]["message"]
+        assert (
+            reply.json()["error"]["type"] == "server_error"
+            and "a bug" in reply.json()["error"]["message"]
+        )
 
 
 COUNTING = "1, 2, 3, 4, 5, 6,"  # greedy SmolLM2 keeps counting: a generation that would run long
@@ -368,8 +428,17 @@ COUNTING = "1, 2, 3, 4, 5, 6,"  # greedy SmolLM2 keeps counting: a generation th
 @pytest.mark.parametrize("stream", [True, False])
 def test_client_disconnect_cancels_generation(backend: LocalBackend, stream: bool) -> None:
     tracked = Wrapped(backend)
-    body = {"model": NAME, "prompt": COUNTING, "temperature": 0, "max_tokens": 4000, "stream": stream}
-    with serve(tracked) as base, httpx.Client(base_url=base, timeout=httpx.Timeout(10, read=2)) as http:
+    body = {
+        "model": NAME,
+        "prompt": COUNTING,
+        "temperature": 0,
+        "max_tokens": 4000,
+        "stream": stream,
+    }
+    with (
+        serve(tracked) as base,
+        httpx.Client(base_url=base, timeout=httpx.Timeout(10, read=2)) as http,
+    ):
         if stream:
             with http.stream("POST", "/v1/completions", json=body) as reply:
                 for _ in reply.iter_lines():
@@ -378,30 +447,46 @@ def test_client_disconnect_cancels_generation(backend: LocalBackend, stream: boo
         else:
             with pytest.raises(httpx.ReadTimeout):
                 http.post("/v1/completions", json=body)  # the client gives up waiting
-        assert tracked.closed.wait(timeout=15), "the backend iterator was not closed after the client left"
+        assert tracked.closed.wait(timeout=15), (
+            "the backend iterator was not closed after the client left"
+        )
         assert not tracked.ran_out and tracked.tokens < 4000
         deadline = time.monotonic() + 1.0  # its sequence and KV cache are freed within a second
         while not backend.loop.scheduler.idle and time.monotonic() < deadline:
             time.sleep(0.01)
         assert backend.loop.scheduler.idle, "the abandoned sequence still holds a cache"
-        after = client_for(base).completions.create(model=NAME, prompt=COUNTING, temperature=0, max_tokens=3)
+        after = client_for(base).completions.create(
+            model=NAME, prompt=COUNTING, temperature=0, max_tokens=3
+        )
         assert after.usage is not None and after.usage.completion_tokens == 3
 
 
 # --- concurrency ------------------------------------------------------------------------------
 
 
-def test_concurrent_requests_share_steps_and_answer_as_alone(client: openai.OpenAI, backend: LocalBackend,
-                                                             model: LocalModel) -> None:  # fmt: skip
+def test_concurrent_requests_share_steps_and_answer_as_alone(
+    client: openai.OpenAI, backend: LocalBackend, model: LocalModel
+) -> None:
     """Six clients at once, different prompts and lengths: each gets the text its request gets
     alone (greedy), and the batch loop ran some of them in the same steps."""
-    questions = ["What is the capital of France?", "Name a red fruit.", "Count to five.",
-                 "What colour is the sky?", "Say hello in Spanish.", "What is two plus two?"]  # fmt: skip
+    questions = [
+        "What is the capital of France?",
+        "Name a red fruit.",
+        "Count to five.",
+        "What colour is the sky?",
+        "Say hello in Spanish.",
+        "What is two plus two?",
+    ]
     steps_before = backend.loop.scheduler.stage.step
     answers: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        reply = chat(client, [{"role": "user", "content": questions[i]}], temperature=0, max_tokens=12 + 2 * i)
+        reply = chat(
+            client,
+            [{"role": "user", "content": questions[i]}],
+            temperature=0,
+            max_tokens=12 + 2 * i,
+        )
         answers[i] = reply.choices[0].message.content
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
@@ -412,9 +497,13 @@ def test_concurrent_requests_share_steps_and_answer_as_alone(client: openai.Open
     steps = backend.loop.scheduler.stage.step - steps_before
     for i, question in enumerate(questions):
         prompt = model.codec.encode_chat([{"role": "user", "content": question}])
-        alone = model.engine.generate(prompt, SamplingParams(max_tokens=12 + 2 * i, stop_token_ids=model.codec.stop_ids))
+        alone = model.engine.generate(
+            prompt, SamplingParams(max_tokens=12 + 2 * i, stop_token_ids=model.codec.stop_ids)
+        )
         assert answers[i] == model.codec.decode(list(alone)), question
-    assert steps < sum(12 + 2 * i for i in range(len(questions))), "the requests took turns instead of sharing steps"
+    assert steps < sum(12 + 2 * i for i in range(len(questions))), (
+        "the requests took turns instead of sharing steps"
+    )
 
 
 def test_a_full_queue_is_429_and_the_server_keeps_serving(model: LocalModel) -> None:
@@ -424,10 +513,14 @@ def test_a_full_queue_is_429_and_the_server_keeps_serving(model: LocalModel) -> 
     scheduler = small.loop.scheduler
     with serve(small) as base:
         client = client_for(base)
-        running = chat(client, temperature=0, max_tokens=300, stream=True, extra_body={"ignore_eos": True})
+        running = chat(
+            client, temperature=0, max_tokens=300, stream=True, extra_body={"ignore_eos": True}
+        )
         next(iter(running))  # it holds the one running slot
         waited: list[Any] = []
-        waiter = threading.Thread(target=lambda: waited.append(chat(client, temperature=0, max_tokens=4)))
+        waiter = threading.Thread(
+            target=lambda: waited.append(chat(client, temperature=0, max_tokens=4))
+        )
         waiter.start()
         deadline = time.monotonic() + 30
         while len(scheduler.waiting) < 1:
@@ -436,7 +529,11 @@ def test_a_full_queue_is_429_and_the_server_keeps_serving(model: LocalModel) -> 
         with pytest.raises(openai.RateLimitError) as info:
             chat(client, temperature=0, max_tokens=4)
         err = _error(info.value)
-        assert info.value.status_code == 429 and err["code"] == "queue_full" and "waiting" in err["message"]
+        assert (
+            info.value.status_code == 429
+            and err["code"] == "queue_full"
+            and "waiting" in err["message"]
+        )
         running.close()  # the first client leaves: the waiting request takes its place
         waiter.join(timeout=60)
         assert waited and waited[0].usage.completion_tokens == 4

@@ -19,7 +19,12 @@ from seamline.server.reasoning import ThinkSplitter, uses_think_blocks
 from tests.support.api import NAME, client_for, serve
 
 CASES = [
-    ("<｜Assistant｜><think>\n", "Paris is the capital.</think>\n\nParis.", "Paris is the capital.", "Paris."),
+    (
+        "<｜Assistant｜><think>\n",
+        "Paris is the capital.</think>\n\nParis.",
+        "Paris is the capital.",
+        "Paris.",
+    ),
     ("<|im_start|>assistant\n", "<think>\nrecall\n</think>\n\nParis.", "\nrecall\n", "Paris."),
     ("<｜Assistant｜></think>", "Paris.", "", "Paris."),
     ("<|im_start|>assistant\n", "Paris, not <think>.", "", "Paris, not <think>."),
@@ -29,8 +34,9 @@ CASES = [
 
 @pytest.mark.parametrize("prompt, output, reasoning, content", CASES)
 @pytest.mark.parametrize("size", [1, 2, 3, 7])
-def test_think_blocks_split_from_the_answer_wherever_the_tokens_cut(prompt: str, output: str, reasoning: str,
-                                                                     content: str, size: int) -> None:  # fmt: skip
+def test_think_blocks_split_from_the_answer_wherever_the_tokens_cut(
+    prompt: str, output: str, reasoning: str, content: str, size: int
+) -> None:
     splitter, got = ThinkSplitter(prompt), ["", ""]
     for at in range(0, len(output), size):
         r, c = splitter.feed(output[at : at + size])
@@ -51,31 +57,53 @@ class Canned:
     def readiness(self) -> Readiness:
         return Readiness(True)
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
         tokens = self.codec.encode(self.answer)
         for i, token in enumerate(tokens[: params.max_tokens]):
             yield TokenEvent(token, finish_reason="length" if i + 1 == params.max_tokens else None)
         if len(tokens) < params.max_tokens:
-            yield TokenEvent(self.codec.stop_ids[0], finish_reason="stop")  # the model's end of turn
+            yield TokenEvent(
+                self.codec.stop_ids[0], finish_reason="stop"
+            )  # the model's end of turn
 
 
 def test_the_api_returns_reasoning_content_apart() -> None:
     template = "{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}<|assistant|><think>\n"
     assert uses_think_blocks(template + "</think>") and not uses_think_blocks("{{ messages }}")
-    backend = Canned(LocalModel.load(), "The capital of France is Paris.</think>\n\nParis.", template + "{# </think> #}")
+    backend = Canned(
+        LocalModel.load(),
+        "The capital of France is Paris.</think>\n\nParis.",
+        template + "{# </think> #}",
+    )
     with serve(backend) as url:  # type: ignore[arg-type]
         client = client_for(url)
-        ask = dict(model=NAME, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=64)
+        ask = dict(
+            model=NAME, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=64
+        )
         reply = client.chat.completions.create(**ask)  # type: ignore[call-overload]
         message = reply.choices[0].message
-        assert message.content == "Paris." and message.model_extra["reasoning_content"] == "The capital of France is Paris."
-        chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **ask) if c.choices]  # type: ignore[call-overload]
+        assert (
+            message.content == "Paris."
+            and message.model_extra["reasoning_content"] == "The capital of France is Paris."
+        )
+        chunks = [
+            c.choices[0].delta
+            for c in client.chat.completions.create(stream=True, **ask)
+            if c.choices
+        ]  # type: ignore[call-overload]
         assert "".join(d.content or "" for d in chunks) == "Paris."
-        assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks) == "The capital of France is Paris."
+        assert (
+            "".join((d.model_extra or {}).get("reasoning_content") or "" for d in chunks)
+            == "The capital of France is Paris."
+        )
 
 
-HARMONY_ANSWER = ("<|channel|>analysis<|message|>The user asks for France's capital: Paris.<|end|>"
-                  "<|start|>assistant<|channel|>final<|message|>Paris.<|return|>")  # fmt: skip
+HARMONY_ANSWER = (
+    "<|channel|>analysis<|message|>The user asks for France's capital: Paris.<|end|>"
+    "<|start|>assistant<|channel|>final<|message|>Paris.<|return|>"
+)
 HARMONY_CASES = [
     (HARMONY_ANSWER, "The user asks for France's capital: Paris.", "Paris."),
     ("<|channel|>final<|message|>Paris.", "", "Paris."),
@@ -86,12 +114,15 @@ HARMONY_CASES = [
 
 @pytest.mark.parametrize("output, reasoning, content", HARMONY_CASES)
 @pytest.mark.parametrize("size", [1, 2, 5, 13])
-def test_harmony_channels_split_from_the_answer_wherever_the_tokens_cut(output: str, reasoning: str, content: str,
-                                                                        size: int) -> None:  # fmt: skip
+def test_harmony_channels_split_from_the_answer_wherever_the_tokens_cut(
+    output: str, reasoning: str, content: str, size: int
+) -> None:
     splitter, got = HarmonySplitter(), ["", ""]
     for at in range(0, len(output), size):
         r, c = splitter.feed(output[at : at + size])
-        assert "<|" not in r + c and "|>" not in r + c  # no piece of a marker or header is ever shown
+        assert (
+            "<|" not in r + c and "|>" not in r + c
+        )  # no piece of a marker or header is ever shown
         got[0], got[1] = got[0] + r, got[1] + c
     r, c = splitter.flush()
     assert (got[0] + r, got[1] + c) == (reasoning, content)
@@ -99,14 +130,26 @@ def test_harmony_channels_split_from_the_answer_wherever_the_tokens_cut(output: 
 
 def test_the_api_returns_harmonys_analysis_channel_as_reasoning_content() -> None:
     """gpt-oss's format: the analysis channel is reasoning, the final channel the content."""
-    template = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
-                "<|start|>assistant{# <|channel|> #}")  # fmt: skip
+    template = (
+        "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+        "<|start|>assistant{# <|channel|> #}"
+    )
     assert uses_harmony(template) and not uses_harmony("{{ messages }}")
     backend = Canned(LocalModel.load(), HARMONY_ANSWER, template)
     with serve(backend) as url:  # type: ignore[arg-type]
         client = client_for(url)
-        ask = dict(model=NAME, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=96)
+        ask = dict(
+            model=NAME, messages=[{"role": "user", "content": "Capital of France?"}], max_tokens=96
+        )
         message = client.chat.completions.create(**ask).choices[0].message  # type: ignore[call-overload]
-        assert message.content == "Paris." and message.model_extra["reasoning_content"] == "The user asks for France's capital: Paris."
-        chunks = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **ask) if c.choices]  # type: ignore[call-overload]
+        assert (
+            message.content == "Paris."
+            and message.model_extra["reasoning_content"]
+            == "The user asks for France's capital: Paris."
+        )
+        chunks = [
+            c.choices[0].delta
+            for c in client.chat.completions.create(stream=True, **ask)
+            if c.choices
+        ]  # type: ignore[call-overload]
         assert "".join(d.content or "" for d in chunks) == "Paris."

@@ -14,7 +14,12 @@ import httpx
 from tests.support.api import client_for, start_server, stop_server
 from tests.support.cli import assert_clean_error, seamline
 
-LIST = [{"role": "user", "content": "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates."}]
+LIST = [
+    {
+        "role": "user",
+        "content": "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates.",
+    }
+]
 ASKS = [dict(temperature=0), dict(temperature=0.8, top_p=0.9, seed=5)]
 
 
@@ -24,7 +29,9 @@ def _answers(url: str) -> list[str]:
     for ask in ASKS:
         reply = client.chat.completions.create(model="default", messages=LIST, max_tokens=64, **ask)  # type: ignore[arg-type]
         answers.append(reply.choices[0].message.content or "")
-        stream = client.chat.completions.create(model="default", messages=LIST, max_tokens=64, stream=True, **ask)  # type: ignore[arg-type]
+        stream = client.chat.completions.create(
+            model="default", messages=LIST, max_tokens=64, stream=True, **ask
+        )  # type: ignore[arg-type]
         answers.append("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
     return answers
 
@@ -58,7 +65,14 @@ def test_the_default_server_speculates_and_answers_as_one_that_does_not(tmp_path
 
 def test_bad_speculation_options_are_one_line() -> None:
     assert_clean_error(seamline("run", "-p", "hi", "--draft-max", "0"), "--draft-max 0")
-    assert_clean_error(seamline("serve", "--speculative", "ngram", "--private", "--port", "1"), "not with --private")
-    bad = subprocess.run([sys.executable, "-m", "seamline.cli", "run", "-p", "hi", "--speculative", "sometimes"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert_clean_error(
+        seamline("serve", "--speculative", "ngram", "--private", "--port", "1"),
+        "not with --private",
+    )
+    bad = subprocess.run(
+        [sys.executable, "-m", "seamline.cli", "run", "-p", "hi", "--speculative", "sometimes"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "--speculative" in bad.stderr and "Traceback" not in bad.stderr

@@ -123,8 +123,14 @@ def test_a_familys_answer_comes_back_as_tool_calls_reasoning_and_content(
             )
         assert [(n, json.loads(a)) for _, (n, a) in sorted(streamed.items())] == fam.calls
         # the calls and their results go back through the template: the next turn renders
-        history = [*ASK, choice.message.model_dump(exclude_none=True),
-                   *({"role": "tool", "tool_call_id": c.id, "content": "sunny"} for c in choice.message.tool_calls or [])]  # fmt: skip
+        history = [
+            *ASK,
+            choice.message.model_dump(exclude_none=True),
+            *(
+                {"role": "tool", "tool_call_id": c.id, "content": "sunny"}
+                for c in choice.message.tool_calls or []
+            ),
+        ]
         again = client.chat.completions.create(
             model=NAME, messages=history, tools=TOOLS, max_tokens=400
         )
@@ -139,8 +145,14 @@ def test_a_required_call_is_written_in_the_familys_format(model: LocalModel, fam
     with serve(LocalBackend(model.engine, codec, NAME)) as url:
         client = client_for(url)
         named = client.chat.completions.create(
-            model=NAME, messages=ASK, tools=BOUNDED_TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},  # type: ignore[arg-type]
-            temperature=0, max_tokens=300, extra_body=NO_THINKING)  # fmt: skip
+            model=NAME,
+            messages=ASK,
+            tools=BOUNDED_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=300,
+            extra_body=NO_THINKING,
+        )
         choice = named.choices[0]
         assert choice.finish_reason == "stop" and choice.message.tool_calls, choice
         call = choice.message.tool_calls[0]
@@ -148,8 +160,15 @@ def test_a_required_call_is_written_in_the_familys_format(model: LocalModel, fam
         jsonschema.validate(json.loads(call.function.arguments), BOUNDED)
         if FAMILIES[family].fmt.startswith("mistral"):
             assert len(call.id) == 9 and call.id.isalnum()
-        required = client.chat.completions.create(model=NAME, messages=ASK, tools=BOUNDED_TOOLS, tool_choice="required",  # type: ignore[arg-type]
-                                                  temperature=0, max_tokens=300, extra_body=NO_THINKING)  # fmt: skip
+        required = client.chat.completions.create(
+            model=NAME,
+            messages=ASK,
+            tools=BOUNDED_TOOLS,
+            tool_choice="required",  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=300,
+            extra_body=NO_THINKING,
+        )
         assert (
             required.choices[0].finish_reason == "tool_calls"
             and required.choices[0].message.tool_calls

@@ -13,8 +13,16 @@ import pytest
 
 from seamline_bench.lockstep import bench_lockstep
 
-FIELDS = ("single_tok_s", "lockstep2_tok_s", "speedup", "tokens_match", "bytes_per_token_measured",
-          "bytes_per_token_theory", "bytes_ratio", "bytes_method")  # fmt: skip
+FIELDS = (
+    "single_tok_s",
+    "lockstep2_tok_s",
+    "speedup",
+    "tokens_match",
+    "bytes_per_token_measured",
+    "bytes_per_token_theory",
+    "bytes_ratio",
+    "bytes_method",
+)
 
 
 def test_bench_lockstep_tiny_tcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -31,13 +39,21 @@ def test_bench_lockstep_tiny_tcp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert 0.9 <= tcp["bytes_ratio"] <= 1.1, tcp
     tls = result["transports"]["tcp_tls"]
     assert tls["tokens_match"] is True and result["speedup_tls"] == tls["speedup"] > 0
-    assert tcp["bytes_per_token_measured"] < tls["bytes_per_token_measured"] < 1.5 * tcp["bytes_per_token_measured"]
+    assert (
+        tcp["bytes_per_token_measured"]
+        < tls["bytes_per_token_measured"]
+        < 1.5 * tcp["bytes_per_token_measured"]
+    )
     assert tcp["single_tok_s"] > 0 and tcp["lockstep2_tok_s"] > 0
     assert len(result["single_runs_tok_s"]) == 1 and len(tcp["runs_tok_s"]) == 1
     model = result["model"]
-    assert model["routed_experts"] % 2 == 0 and model["layers"] == 2 and model["checkpoint_bytes"] > 0
+    assert (
+        model["routed_experts"] % 2 == 0 and model["layers"] == 2 and model["checkpoint_bytes"] > 0
+    )
     # the two cores side by side: what a perfect split could reach on them, and the share of it reached
-    assert len(result["both_cores_single_tok_s"]) == 2 and min(result["both_cores_single_tok_s"]) > 0
+    assert (
+        len(result["both_cores_single_tok_s"]) == 2 and min(result["both_cores_single_tok_s"]) > 0
+    )
     ideal = 2 * min(result["both_cores_single_tok_s"]) / result["single_tok_s"]
     assert result["ideal_speedup_given_cores"] == pytest.approx(ideal, abs=2e-3)
     of_ideal = result["speedup"] / result["ideal_speedup_given_cores"]

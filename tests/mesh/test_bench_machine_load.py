@@ -27,12 +27,17 @@ def test_a_watched_process_is_own_and_an_unwatched_one_foreign() -> None:
         time.sleep(2.0)
         without_other, with_other = both.stop(), only_watched.stop()
         other_share = (sum(psutil.Process(other.pid).cpu_times()[:2]) - before) / (
-            (time.monotonic() - began) * (psutil.cpu_count() or 1))  # fmt: skip
+            (time.monotonic() - began) * (psutil.cpu_count() or 1)
+        )
     finally:
         watched.wait()
         other.wait()
     assert other_share > 0.1  # it ran
-    assert abs((with_other - without_other) - other_share) < 0.06, (with_other, without_other, other_share)
+    assert abs((with_other - without_other) - other_share) < 0.06, (
+        with_other,
+        without_other,
+        other_share,
+    )
 
 
 def test_busy_time_grows_and_waiting_is_bounded() -> None:

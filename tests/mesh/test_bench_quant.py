@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from seamline.app import default_model_path
+from seamline.cpu_flags import cpu_flags, isa_of
+from seamline.text import TextCodec
 from seamline_bench import llama_server
 from seamline_bench.llama_server import (
     CMAKE_FLAGS,
@@ -23,26 +25,55 @@ from seamline_bench.llama_server import (
     server_command,
 )
 from seamline_bench.quant import PARTIES, TARGETS, _bench_model, targets_met
-from seamline.cpu_flags import cpu_flags, isa_of
-from seamline.text import TextCodec
 
-FIELDS = ("seamline_tok_s", "dequant_tok_s", "llamacpp_tok_s", "ratio", "prefill_tok_s", "activation_dtype",
-          "resident_weight_bytes", "gguf_tensor_bytes", "memory_ratio", "seamline_exact_tok_s")  # fmt: skip
-AT_ITS_BEST = ("-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
-               "-DGGML_AMX_BF16=OFF")  # fmt: skip
-AVX512 = ("-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX512_VBMI=ON")
+FIELDS = (
+    "seamline_tok_s",
+    "dequant_tok_s",
+    "llamacpp_tok_s",
+    "ratio",
+    "prefill_tok_s",
+    "activation_dtype",
+    "resident_weight_bytes",
+    "gguf_tensor_bytes",
+    "memory_ratio",
+    "seamline_exact_tok_s",
+)
+AT_ITS_BEST = (
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_AMX_TILE=OFF",
+    "-DGGML_AMX_INT8=OFF",
+    "-DGGML_AMX_BF16=OFF",
+)
+AVX512 = (
+    "-DGGML_AVX512=ON",
+    "-DGGML_AVX512_VNNI=ON",
+    "-DGGML_AVX512_BF16=ON",
+    "-DGGML_AVX512_VBMI=ON",
+)
 
 
 def test_bench_quant_measures_every_party_on_the_embedded_model() -> None:
-    prompt = TextCodec.from_model(default_model_path(), ()).encode_chat([{"role": "user", "content": "Hi"}])
+    prompt = TextCodec.from_model(default_model_path(), ()).encode_chat(
+        [{"role": "user", "content": "Hi"}]
+    )
     build, why = llama_cpp_build(build=False)
-    result = _bench_model(default_model_path(), prompt, repeats=1, tokens=2, threads=1, build=build, why=why)
+    result = _bench_model(
+        default_model_path(), prompt, repeats=1, tokens=2, threads=1, build=build, why=why
+    )
     for key in FIELDS:
         assert key in result, key
-    assert result["seamline_tok_s"] > 0 and result["dequant_tok_s"] > 0 and result["seamline_exact_tok_s"] > 0
+    assert (
+        result["seamline_tok_s"] > 0
+        and result["dequant_tok_s"] > 0
+        and result["seamline_exact_tok_s"] > 0
+    )
     assert result["prefill_tok_s"]["seamline"] > 0 and result["prefill_tok_s"]["dequant"] > 0
     assert result["gguf_tensor_bytes"] == 96576768  # the embedded file's tensors (Q4_1, Q8_0, F32)
-    assert result["memory_ratio"] == round(result["resident_weight_bytes"] / result["gguf_tensor_bytes"], 3)
+    assert result["memory_ratio"] == round(
+        result["resident_weight_bytes"] / result["gguf_tensor_bytes"], 3
+    )
     assert result["memory_ratio"] <= 1.25
     assert (result["llamacpp_tok_s"] is not None) == (build is not None)
     assert build is not None or why in result["llamacpp_note"]
@@ -60,17 +91,25 @@ def test_quant_targets() -> None:
 
 def test_llama_cpp_is_built_at_its_best_and_run_with_its_defaults() -> None:
     assert all(flag in CMAKE_FLAGS for flag in AT_ITS_BEST)
-    on_avx512 = isa_of(cpu_flags()) == "avx512"  # AVX-512 only where the CPU runs it: else an illegal instruction
+    on_avx512 = (
+        isa_of(cpu_flags()) == "avx512"
+    )  # AVX-512 only where the CPU runs it: else an illegal instruction
     assert all((flag in CMAKE_FLAGS) == on_avx512 for flag in AVX512), (on_avx512, CMAKE_FLAGS)
     assert "-DGGML_NATIVE=ON" not in CMAKE_FLAGS
     command = server_command(Path("llama-server"), Path("m.gguf"), 8080, 2, 16, 448)
     assert "--no-repack" not in command
-    assert command[command.index("--parallel") + 1] == "16" and command[command.index("-c") + 1] == str(16 * 448)
+    assert command[command.index("--parallel") + 1] == "16" and command[
+        command.index("-c") + 1
+    ] == str(16 * 448)
 
 
-def test_a_build_with_other_flags_is_not_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_build_with_other_flags_is_not_reused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     native = tuple(f.replace("GGML_NATIVE=OFF", "GGML_NATIVE=ON") for f in CMAKE_FLAGS)
-    assert build_key(flags=native) != build_key() and build_key().startswith(llama_server.LLAMA_CPP_PYTHON)
+    assert build_key(flags=native) != build_key() and build_key().startswith(
+        llama_server.LLAMA_CPP_PYTHON
+    )
     monkeypatch.delenv(llama_server.BIN_ENV, raising=False)
     monkeypatch.setenv("SEAMLINE_CACHE", str(tmp_path))
     old = tmp_path / "llama-cpp" / build_key(flags=native)
@@ -89,9 +128,15 @@ def test_a_build_with_other_flags_is_not_reused(tmp_path: Path, monkeypatch: pyt
 
 
 def test_the_json_names_the_build(tmp_path: Path) -> None:
-    (tmp_path / "llama-server").write_text("#!/bin/sh\necho 'version: 1 (abc)'; echo 'built with cc'\n")
+    (tmp_path / "llama-server").write_text(
+        "#!/bin/sh\necho 'version: 1 (abc)'; echo 'built with cc'\n"
+    )
     (tmp_path / "llama-server").chmod(0o755)
     described = LlamaBuild(tmp_path, "src", CMAKE_FLAGS).describe()
-    assert described == {"version": "version: 1 (abc); built with cc", "llama_server": str(tmp_path / "llama-server"),
-                         "llama_bench": str(tmp_path / "llama-bench"), "source": "src",
-                         "cmake_flags": list(CMAKE_FLAGS)}  # fmt: skip
+    assert described == {
+        "version": "version: 1 (abc); built with cc",
+        "llama_server": str(tmp_path / "llama-server"),
+        "llama_bench": str(tmp_path / "llama-bench"),
+        "source": "src",
+        "cmake_flags": list(CMAKE_FLAGS),
+    }

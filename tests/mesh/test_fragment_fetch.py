@@ -51,7 +51,9 @@ def tiny_package(tiny: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
 
 
 @pytest.fixture()
-def served(tiny_package: tuple[Path, Manifest], tmp_path: Path) -> Iterator[tuple[str, Path, Manifest]]:
+def served(
+    tiny_package: tuple[Path, Manifest], tmp_path: Path
+) -> Iterator[tuple[str, Path, Manifest]]:
     """A copy of the tiny package (so a test may tamper with it), served by real uvicorn."""
     from fastapi import FastAPI
 
@@ -94,7 +96,9 @@ def test_broken_download_resumes_and_whole_answer_restarts(
             fetch_fragments(broken, [entry], cache, progress=False)
     assert part.stat().st_size == entry.bytes // 2
     with serve_app(_plain_server(data)) as whole:  # answers a Range request with 200: restart
-        assert fetch_fragments(whole, [entry], cache, progress=False).bytes_downloaded == entry.bytes
+        assert (
+            fetch_fragments(whole, [entry], cache, progress=False).bytes_downloaded == entry.bytes
+        )
     (cache / entry.sha256).rename(part)  # complete but unverified: verified without a request
     report = fetch_fragments(url, [entry], cache, TOKEN, progress=False)
     assert report.bytes_downloaded == 0 and file_sha256(cache / entry.sha256) == entry.sha256
@@ -106,12 +110,16 @@ def test_fetch_range_then_cache(served: tuple[str, Path, Manifest], tmp_path: Pa
     entries = fragment_range(manifest, 2, LAYERS)
     cache = tmp_path / "cache"
     followed: list[tuple[int, int]] = []  # what a node reports to the coordinator as it downloads
-    report = fetch_fragments(url, entries, cache, TOKEN, progress=False, on_progress=lambda *p: followed.append(p))
+    report = fetch_fragments(
+        url, entries, cache, TOKEN, progress=False, on_progress=lambda *p: followed.append(p)
+    )
     total = sum(e.bytes for e in entries)
     assert report.bytes_downloaded == total
     assert (report.fragments_downloaded, report.fragments_from_cache) == (len(entries), 0)
     assert followed[-1] == (total, total) and {t for _, t in followed} == {total}
-    assert [d for d, _ in followed] == sorted(d for d, _ in followed) and len(followed) >= len(entries)
+    assert [d for d, _ in followed] == sorted(d for d, _ in followed) and len(followed) >= len(
+        entries
+    )
     again = fetch_fragments(url, entries, cache, TOKEN, progress=False)
     assert (again.bytes_downloaded, again.fragments_downloaded) == (0, 0)
     assert again.fragments_from_cache == len(entries)
@@ -142,7 +150,12 @@ def test_corrupt_fragment_is_refused(
     data[-1] ^= 0xFF
     (folder / entry.file).write_bytes(bytes(data))
     cache = tmp_path / "cache"
-    with caplog.at_level(logging.ERROR), pytest.raises(CheckpointError, match=f"fragment layer.3 hash mismatch: expected {entry.sha256}, got"):
+    with (
+        caplog.at_level(logging.ERROR),
+        pytest.raises(
+            CheckpointError, match=f"fragment layer.3 hash mismatch: expected {entry.sha256}, got"
+        ),
+    ):
         fetch_fragments(url, [entry], cache, TOKEN, progress=False)
     assert list(cache.iterdir()) == []
     assert "layer.3 hash mismatch" in caplog.text
@@ -164,14 +177,22 @@ def test_a_cached_fragment_changed_on_disk_is_hashed_and_fetched_again(
     for entry in damaged:
         _flip_a_byte(cache / entry.sha256)
     again = fetch_fragments(url, entries, cache, TOKEN, progress=False)
-    assert (again.fragments_downloaded, again.bytes_downloaded) == (2, sum(e.bytes for e in damaged))
+    assert (again.fragments_downloaded, again.bytes_downloaded) == (
+        2,
+        sum(e.bytes for e in damaged),
+    )
     assert all(file_sha256(cache / e.sha256) == e.sha256 for e in entries)
     hidden = cache / damaged[0].sha256
     times = hidden.stat().st_atime_ns, hidden.stat().st_mtime_ns
     _flip_a_byte(hidden)
     os.utime(hidden, ns=times)
     assert fetch_fragments(url, entries, cache, TOKEN, progress=False).fragments_downloaded == 0
-    assert fetch_fragments(url, entries, cache, TOKEN, progress=False, rehash=True).fragments_downloaded == 1
+    assert (
+        fetch_fragments(
+            url, entries, cache, TOKEN, progress=False, rehash=True
+        ).fragments_downloaded
+        == 1
+    )
     assert file_sha256(hidden) == damaged[0].sha256
 
 
@@ -186,8 +207,17 @@ def test_a_node_loading_its_stage_hashes_every_cached_fragment_and_fetches_a_dam
     from seamline.net.messages import Assign
 
     url, _, manifest = served
-    assign = Assign(plan_id=1, model_hash=manifest.model_hash, fragments_url=url, fragments_token=TOKEN,
-                    layers=(0, LAYERS), owns_embedding=True, owns_head=True, dtype="float32", context_length=64)  # fmt: skip
+    assign = Assign(
+        plan_id=1,
+        model_hash=manifest.model_hash,
+        fragments_url=url,
+        fragments_token=TOKEN,
+        layers=(0, LAYERS),
+        owns_embedding=True,
+        owns_head=True,
+        dtype="float32",
+        context_length=64,
+    )
     options = NodeOptions(node_id="n1", cache_dir=tmp_path / "node", progress=False)
     assert fetch_assignment(None, assign, options)[1].fragments_from_cache == 0  # type: ignore[arg-type]
     hidden = options.cache_dir / "fragments" / manifest.fragment("layer.2").sha256
@@ -195,7 +225,10 @@ def test_a_node_loading_its_stage_hashes_every_cached_fragment_and_fetches_a_dam
     _flip_a_byte(hidden)
     os.utime(hidden, ns=times)
     _, report = fetch_assignment(None, assign, options)  # type: ignore[arg-type]
-    assert (report.fragments_downloaded, report.bytes_downloaded) == (1, manifest.fragment("layer.2").bytes)
+    assert (report.fragments_downloaded, report.bytes_downloaded) == (
+        1,
+        manifest.fragment("layer.2").bytes,
+    )
     assert file_sha256(hidden) == manifest.fragment("layer.2").sha256
 
 
@@ -214,18 +247,24 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield folder
 
 
-def test_a_disk_without_room_is_refused_before_downloading(served: tuple[str, Path, Manifest], small_disk: Path) -> None:
+def test_a_disk_without_room_is_refused_before_downloading(
+    served: tuple[str, Path, Manifest], small_disk: Path
+) -> None:
     url, _, manifest = served
     stale = small_disk / f"{'f' * 64}.part"
     stale.write_bytes(b"x" * 1000)
-    with pytest.raises(FetchError, match="GiB free, but this node's layers need .* GiB more: free some space"):
+    with pytest.raises(
+        FetchError, match="GiB free, but this node's layers need .* GiB more: free some space"
+    ):
         fetch_fragments(url, fragment_range(manifest, 0, LAYERS), small_disk, TOKEN, progress=False)
     assert not stale.exists()  # a partial download of another fragment was dropped to make room
     assert [p for p in small_disk.iterdir()] == []
 
 
 def test_fragments_come_from_a_peer_that_serves_them_intact_else_from_the_coordinator(
-    served: tuple[str, Path, Manifest], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    served: tuple[str, Path, Manifest],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     """Peers are asked in order: one cannot be reached (not asked again), one answers garbage for
     everything (dropped: it fails the hash), one holds layers [0,2) only (those come from it,
@@ -248,7 +287,9 @@ def test_fragments_come_from_a_peer_that_serves_them_intact_else_from_the_coordi
     with serve_app(_plain_server(b"not this fragment")) as liar, serve_app(peer) as holding:
         gone = f"http://127.0.0.1:{free_port()}"
         caplog.set_level(logging.INFO, logger="seamline.mesh.node.fetch")
-        report = fetch_fragments(url, entries, tmp_path / "cache", TOKEN, progress=False, peers=[gone, liar, holding])
+        report = fetch_fragments(
+            url, entries, tmp_path / "cache", TOKEN, progress=False, peers=[gone, liar, holding]
+        )
     from_peer = sum(e.bytes for e in {e.sha256: e for e in entries}.values() if e.sha256 in held)
     assert 0 < report.bytes_from_peers == from_peer < report.bytes_downloaded
     assert tokens and set(tokens) == {None}  # the node's bearer token is for the coordinator alone
@@ -258,8 +299,9 @@ def test_fragments_come_from_a_peer_that_serves_them_intact_else_from_the_coordi
     assert sum(f"peer {gone} cannot be reached" in r.getMessage() for r in caplog.records) == 1
 
 
-def test_a_peer_serves_the_verified_fragments_it_holds_after_its_folder_changed(served: tuple[str, Path, Manifest],
-                                                                                tmp_path: Path) -> None:  # fmt: skip
+def test_a_peer_serves_the_verified_fragments_it_holds_after_its_folder_changed(
+    served: tuple[str, Path, Manifest], tmp_path: Path
+) -> None:
     """A node re-planned to other layers rewrites its stage folder while its peers load: it still
     serves what its cache holds verified (a file named by its hash, with its stamp), and nothing
     else there (no stamp, or a name that is no hash: 404)."""
@@ -280,7 +322,9 @@ def test_a_peer_serves_the_verified_fragments_it_holds_after_its_folder_changed(
     (held / f"{unstamped}.verified").unlink()
     (held / "notes").write_text("not a fragment")
     with serve_app(peer) as holding:
-        report = fetch_fragments(url, entries[:-1], tmp_path / "cache", TOKEN, progress=False, peers=[holding])
+        report = fetch_fragments(
+            url, entries[:-1], tmp_path / "cache", TOKEN, progress=False, peers=[holding]
+        )
         assert report.bytes_from_peers == sum(e.bytes for e in entries[:-1]) > 0
         assert httpx.get(f"{holding}/fragments/{unstamped}").status_code == 404
         assert httpx.get(f"{holding}/fragments/notes").status_code == 404
@@ -293,13 +337,21 @@ def test_bad_token_is_refused(served: tuple[str, Path, Manifest], tmp_path: Path
     url, _, manifest = served
     entry = manifest.fragment("embed")
     assert httpx.get(f"{url}/fragments/{entry.sha256}").status_code == 401
-    assert httpx.get(f"{url}/fragments/{'a' * 64}", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
-    ranged = httpx.get(f"{url}/fragments/{entry.sha256}",
-                       headers={"Authorization": f"Bearer {TOKEN}", "Range": "bytes=10-19"})  # fmt: skip
+    assert (
+        httpx.get(
+            f"{url}/fragments/{'a' * 64}", headers={"Authorization": f"Bearer {TOKEN}"}
+        ).status_code
+        == 404
+    )
+    ranged = httpx.get(
+        f"{url}/fragments/{entry.sha256}",
+        headers={"Authorization": f"Bearer {TOKEN}", "Range": "bytes=10-19"},
+    )
     assert ranged.status_code == 206 and len(ranged.content) == 10
-    with pytest.raises(FetchError, match="refused fragment embed \\(401\\): the node's token is missing, wrong or expired"):
+    with pytest.raises(
+        FetchError,
+        match="refused fragment embed \\(401\\): the node's token is missing, wrong or expired",
+    ):
         fetch_fragments(url, [entry], tmp_path / "cache", "wrong", progress=False)
     with pytest.raises(FetchError, match="401"):
         fetch_manifest(url, None)
-
-

@@ -66,15 +66,24 @@ def test_a_batch_of_sequences_is_one_mirrored_command(tmp_path: Path, greedy: bo
         stage = LockstepStage(group)
         caches = [stage.new_cache(greedy) for _ in prompts]
         alone = [single.new_cache() for _ in prompts]
-        for prompt, cache, mine in zip(prompts[:3], caches, alone):  # three are decoding, one arrives
+        for prompt, cache, mine in zip(
+            prompts[:3], caches, alone
+        ):  # three are decoding, one arrives
             stage(torch.tensor(prompt), 0, cache, last_only=True)
             single(torch.tensor(prompt), 0, mine, last_only=True)
         rows = torch.tensor([11, 12, 13, *prompts[3]])
-        spans = [Span(0, 1, 5, caches[0]), Span(1, 1, 8, caches[1]), Span(2, 1, 3, caches[2]),
-                 Span(3, len(prompts[3]), 0, caches[3])]  # fmt: skip
+        spans = [
+            Span(0, 1, 5, caches[0]),
+            Span(1, 1, 8, caches[1]),
+            Span(2, 1, 3, caches[2]),
+            Span(3, len(prompts[3]), 0, caches[3]),
+        ]
         got = stage.forward_batch(rows, spans, last_only=True)
-        want = single.forward_batch(rows, [Span(s.offset, s.count, s.start, c) for s, c in zip(spans, alone)],
-                                    last_only=True)  # fmt: skip
+        want = single.forward_batch(
+            rows,
+            [Span(s.offset, s.count, s.start, c) for s, c in zip(spans, alone)],
+            last_only=True,
+        )
         assert got.shape == want.shape == (4, single.config.vocab_size)
         assert torch.equal(got.argmax(-1), want.argmax(-1))
         if not greedy:
@@ -82,8 +91,11 @@ def test_a_batch_of_sequences_is_one_mirrored_command(tmp_path: Path, greedy: bo
         stale = [Span(0, 1, 5, caches[0]), Span(1, 1, 9, caches[1])]  # caches[0] is at 6 now
         with pytest.raises(RequestError, match="is at position 6"):
             stage.forward_batch(torch.tensor([1, 2]), stale, last_only=True)
-        again = stage.forward_batch(torch.tensor([21, 22]), [Span(0, 1, 6, caches[0]), Span(1, 1, 9, caches[1])],
-                                    last_only=True)  # fmt: skip
+        again = stage.forward_batch(
+            torch.tensor([21, 22]),
+            [Span(0, 1, 6, caches[0]), Span(1, 1, 9, caches[1])],
+            last_only=True,
+        )
         assert again.shape == (2, single.config.vocab_size)
         for cache in caches:
             stage.release_cache(cache)
@@ -93,8 +105,11 @@ def test_a_batch_of_sequences_is_one_mirrored_command(tmp_path: Path, greedy: bo
 def test_other_checkpoint_refused_at_hello(tmp_path: Path) -> None:
     ours = save_mixtral(tmp_path / "m")
     theirs = save_mixtral(tmp_path / "other" / "m", seed=1)  # same name and config, other weights
-    with pytest.raises(CommError, match=r"group mismatch: rank 0 has weights:[0-9a-f]+ here, "
-                                        r"weights:[0-9a-f]+ on rank 1$"):
+    with pytest.raises(
+        CommError,
+        match=r"group mismatch: rank 0 has weights:[0-9a-f]+ here, "
+        r"weights:[0-9a-f]+ on rank 1$",
+    ):
         start_group(ours, 2, worker_model=theirs)
 
 
@@ -106,12 +121,14 @@ def test_other_layer_range_refused_at_hello(tmp_path: Path) -> None:
         with pytest.raises(CommError) as info:
             LockstepRank(model, 0, 2, loopback(ports))
     finally:
-        (rc, err), = reap(procs)
+        ((rc, err),) = reap(procs)
     message = str(info.value)
     assert message.startswith("group mismatch: rank 0 has "), message
     assert "layers:0-2 here, layers:0-1 on rank 1" in message, message
     assert "gates:2x2 here, gates:2x1 on rank 1" in message, message
-    assert rc == 1 and "layers:0-1 here, layers:0-2 on rank 0" in err, err  # refused on its side too
+    assert rc == 1 and "layers:0-1 here, layers:0-2 on rank 0" in err, (
+        err
+    )  # refused on its side too
 
 
 @pytest.mark.parametrize(("leader_world", "worker_world"), [(4, 2), (2, 4)])
@@ -119,15 +136,23 @@ def test_other_world_refused_at_hello(tmp_path: Path, leader_world: int, worker_
     """Named at once either way: rank 1 takes rank 0's HELLO before dialing higher ranks."""
     model = save_mixtral(tmp_path / "m")  # 4 experts: worlds 2 and 4 both load
     ports = [free_port() for _ in range(4)]
-    procs = spawn([rank_argv(model, 1, worker_world, ports[:worker_world], timeout_s=20.0)], threads=1)
+    procs = spawn(
+        [rank_argv(model, 1, worker_world, ports[:worker_world], timeout_s=20.0)], threads=1
+    )
     started = time.monotonic()
     try:
         with pytest.raises(CommError) as info:
             LockstepRank(model, 0, leader_world, loopback(ports[:leader_world]), 20.0)
     finally:
-        (rc, err), = reap(procs)
-    assert str(info.value) == f"world mismatch: rank 0 has world {leader_world}, rank 1 has {worker_world}"
-    assert rc == 1 and f"world mismatch: rank 1 has world {worker_world}, rank 0 has {leader_world}" in err, err
+        ((rc, err),) = reap(procs)
+    assert (
+        str(info.value)
+        == f"world mismatch: rank 0 has world {leader_world}, rank 1 has {worker_world}"
+    )
+    assert (
+        rc == 1
+        and f"world mismatch: rank 1 has world {worker_world}, rank 0 has {leader_world}" in err
+    ), err
     assert time.monotonic() - started < 20.0  # no gate or connect timeout was waited out
 
 

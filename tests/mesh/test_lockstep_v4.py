@@ -32,7 +32,22 @@ from tests.support.v4_reference import save_random_v4
 
 ATOL = 1e-4
 STEPS = 24
-IDS = [1, 5, 9, 13, 2, 7, 3, 11, 40, 41, 17, 60, 88, 4]  # crosses the window and both compression rates
+IDS = [
+    1,
+    5,
+    9,
+    13,
+    2,
+    7,
+    3,
+    11,
+    40,
+    41,
+    17,
+    60,
+    88,
+    4,
+]  # crosses the window and both compression rates
 
 
 def test_v4_group_of_two_ranks_equals_the_engine(tmp_path: Path) -> None:
@@ -41,7 +56,10 @@ def test_v4_group_of_two_ranks_equals_the_engine(tmp_path: Path) -> None:
     ref = engine_reference(Engine(load_stage(open_source(folder))), IDS, steps=STEPS)
     with running_group(folder, 2) as group:
         stage = group.leader.stage
-        assert stage.layers["1"].attn.shape.heads == 2 and stage.layers["1"].ffn.experts_down.shape[0] == 2  # type: ignore[union-attr]
+        assert (
+            stage.layers["1"].attn.shape.heads == 2
+            and stage.layers["1"].ffn.experts_down.shape[0] == 2
+        )  # type: ignore[union-attr]
         group.greedy_exchange = False
         tokens, logits = generate_recording(group, IDS, SamplingParams(max_tokens=STEPS))
         assert tokens == ref.tokens
@@ -53,7 +71,9 @@ def test_v4_group_of_two_ranks_equals_the_engine(tmp_path: Path) -> None:
         group.run(seq, 0, torch.tensor(IDS))
         with pytest.raises(RequestError, match="cannot be rewound"):
             group.rewind(seq, 3)
-        after = group.run(seq, len(IDS), torch.tensor([ref.tokens[0]]))  # the group stays in step after the refusal
+        after = group.run(
+            seq, len(IDS), torch.tensor([ref.tokens[0]])
+        )  # the group stays in step after the refusal
         torch.testing.assert_close(after, ref.logits[1], rtol=0, atol=ATOL)
 
 
@@ -62,16 +82,25 @@ def v4_text(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     folder = build_v4_folder(tmp_path_factory.mktemp("lockstep-v4") / "v4")
     local = LocalModel.load(folder, context=CONTEXT)
     ids = local.codec.encode(PROMPT)
-    return folder, local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=STEPS))))
+    return folder, local.codec.decode(
+        list(local.engine.generate(ids, SamplingParams(max_tokens=STEPS)))
+    )
 
 
-def test_v4_mesh_of_two_lockstep_stages_matches_single_process(tmp_path: Path, v4_text: tuple[Path, str]) -> None:
+def test_v4_mesh_of_two_lockstep_stages_matches_single_process(
+    tmp_path: Path, v4_text: tuple[Path, str]
+) -> None:
     """2 stages x 2 ranks: the second stage's group takes the residual and the ids from the
     first (a group alone is tested above, without the mesh)."""
     folder, expected, stages = *v4_text, 2
     cap = memory_cap_gb(str(folder), stages, CONTEXT, ranks=2)
-    mesh = MeshProcesses(tmp_path, nodes=2 * stages, model=str(folder), node_memory_gb=cap,
-                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2"))  # fmt: skip
+    mesh = MeshProcesses(
+        tmp_path,
+        nodes=2 * stages,
+        model=str(folder),
+        node_memory_gb=cap,
+        serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2"),
+    )
     try:
         mesh.start()
         status = mesh.wait_ready()

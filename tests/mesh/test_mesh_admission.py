@@ -35,9 +35,12 @@ CONTEXT = 1024
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
-    mesh = MeshProcesses(tmp_path_factory.mktemp("admission"), nodes=2,
-                         node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
-                         serve_args=("--context", str(CONTEXT), "--replay-deadline", str(REPLAY_DEADLINE_S)))  # fmt: skip
+    mesh = MeshProcesses(
+        tmp_path_factory.mktemp("admission"),
+        nodes=2,
+        node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
+        serve_args=("--context", str(CONTEXT), "--replay-deadline", str(REPLAY_DEADLINE_S)),
+    )
     mesh.start(join=False)
     try:
         yield mesh
@@ -60,7 +63,9 @@ def test_not_ready_until_the_expected_nodes_join(mesh: MeshProcesses) -> None:
     health = _wait_http(mesh)
     assert health.status_code == 503 and "waiting for nodes" in health.json()["reason"]
     with pytest.raises(openai.APIStatusError) as error:
-        mesh.client().chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}])
+        mesh.client().chat.completions.create(
+            model="default", messages=[{"role": "user", "content": "hi"}]
+        )
     assert error.value.status_code == 503 and "waiting for nodes" in str(error.value)
 
 
@@ -129,7 +134,9 @@ def test_the_control_port_takes_tls_only(mesh: MeshProcesses) -> None:
     assert_join_refused(mesh, tampered, "not the one this invite names")
 
 
-def test_before_its_invite_is_proved_a_peer_gets_small_frames_and_little_time(mesh: MeshProcesses) -> None:
+def test_before_its_invite_is_proved_a_peer_gets_small_frames_and_little_time(
+    mesh: MeshProcesses,
+) -> None:
     """On the control port, before the join is proved: a control frame larger than the handshake
     cap, or any data frame, closes the connection before anything is read or allocated (eight
     such connections leave the coordinator's memory as it was), and a peer that stops mid-frame
@@ -147,14 +154,19 @@ def test_before_its_invite_is_proved_a_peer_gets_small_frames_and_little_time(me
         assert HANDSHAKE_DEADLINE_S - 1 < waited < HANDSHAKE_DEADLINE_S + 5
 
 
-def test_a_node_lost_with_no_spare_ends_the_request_with_a_clear_error_after_the_deadline(mesh: MeshProcesses) -> None:
+def test_a_node_lost_with_no_spare_ends_the_request_with_a_clear_error_after_the_deadline(
+    mesh: MeshProcesses,
+) -> None:
     """The survivor cannot hold the model alone: the request waits for a node to join until the
     replay deadline, then ends naming the node lost and why the mesh could not serve again."""
     first, second = mesh.join("node0"), mesh.join("node1")
     mesh.wait_ready()
     began = time.monotonic()
     message = mesh.kill_mid_stream(second)
-    assert "node1 left the mesh" in message and f"could not serve again within {REPLAY_DEADLINE_S} s" in message
+    assert (
+        "node1 left the mesh" in message
+        and f"could not serve again within {REPLAY_DEADLINE_S} s" in message
+    )
     assert "cannot plan" in message, message
     assert REPLAY_DEADLINE_S <= time.monotonic() - began < REPLAY_DEADLINE_S + 30
     health = httpx.get(f"{mesh.base_url}/health", timeout=10)
@@ -177,13 +189,23 @@ def test_requests_beyond_the_bound_are_refused_with_429_semantics() -> None:
     sent: list[object] = []
     serving = threading.Event()
     serving.set()
-    coordinator = SimpleNamespace(on_tokens=None, on_failure=None, open_request=lambda request, tokens: sent.append((request, tuple(tokens))),
-                                  close_request=lambda request: sent.append(("close", request)),
-                                  ready=serving, state="ready", plan_id=1, keeper=StateKeeper())  # fmt: skip
+    coordinator = SimpleNamespace(
+        on_tokens=None,
+        on_failure=None,
+        open_request=lambda request, tokens: sent.append((request, tuple(tokens))),
+        close_request=lambda request: sent.append(("close", request)),
+        ready=serving,
+        state="ready",
+        plan_id=1,
+        keeper=StateKeeper(),
+    )
     backend = MeshBackend(coordinator, None, "m", 64, max_requests=2)  # type: ignore[arg-type]
 
     async def scenario() -> None:
-        first, second = backend.generate([1, 2], SamplingParams()), backend.generate([3], SamplingParams())
+        first, second = (
+            backend.generate([1, 2], SamplingParams()),
+            backend.generate([3], SamplingParams()),
+        )
         waiting = [asyncio.ensure_future(anext(g)) for g in (first, second)]
         await asyncio.sleep(0.05)
         with pytest.raises(OverloadedError, match="2 requests are already in flight"):
@@ -216,7 +238,9 @@ def test_torch_collectives_between_hosts_need_insecure_comm() -> None:
     with pytest.raises(StartupError, match="--insecure-comm"):
         choose_transport("torch", True, two, insecure_comm=False)
     assert choose_transport("torch", True, two, insecure_comm=True) == "torch"
-    assert choose_transport("auto", True, one, insecure_comm=False) == "torch"  # NCCL on one host's GPUs
+    assert (
+        choose_transport("auto", True, one, insecure_comm=False) == "torch"
+    )  # NCCL on one host's GPUs
     assert choose_transport("auto", True, two, insecure_comm=False) == "tcp"
     assert choose_transport("auto", True, two, insecure_comm=True) == "torch"
     assert choose_transport("auto", False, one, insecure_comm=False) == "tcp"
@@ -254,7 +278,9 @@ def test_a_node_leaves_a_coordinator_that_cannot_prove_the_invite(tmp_path: Path
         link.send_message(Challenge(nonce="0123"))
         join = link.recv()
         assert isinstance(join, Join)
-        link.send_message(Welcome(node_id=join.node_id, proof=join.proof))  # the node's own answer, played back
+        link.send_message(
+            Welcome(node_id=join.node_id, proof=join.proof)
+        )  # the node's own answer, played back
         time.sleep(30)
 
     threading.Thread(target=impostor, daemon=True).start()

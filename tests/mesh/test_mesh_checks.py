@@ -44,8 +44,12 @@ def _expected(model: LocalModel, question: str) -> str:
 
 
 def _ask(mesh: MeshProcesses, question: str) -> str:
-    body = {"model": "default", "messages": [{"role": "user", "content": question}], "temperature": 0,
-            "max_tokens": TOKENS}  # fmt: skip
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": TOKENS,
+    }
     reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=300)
     assert reply.status_code == 200, reply.text
     return str(reply.json()["choices"][0]["message"]["content"])
@@ -56,9 +60,15 @@ def _mesh_with_liar(root: Path, tamper: Callable[[Node], None]) -> tuple[MeshPro
     join before the first plan: a member removed by a check takes its invite with it, and the
     honest ones joined with the same invite.)"""
     cap = memory_cap_gb(None, 2, CONTEXT)
-    mesh = MeshProcesses(root, nodes=3, node_memory_gb=cap,
-                         serve_args=("--context", str(CONTEXT), "--verify-fraction", "1")).start(join=False)  # fmt: skip
-    options = NodeOptions(max_memory_bytes=int(cap * (1 << 30)), node_id=LIAR, cache_dir=root / LIAR, progress=False)
+    mesh = MeshProcesses(
+        root,
+        nodes=3,
+        node_memory_gb=cap,
+        serve_args=("--context", str(CONTEXT), "--verify-fraction", "1"),
+    ).start(join=False)
+    options = NodeOptions(
+        max_memory_bytes=int(cap * (1 << 30)), node_id=LIAR, cache_dir=root / LIAR, progress=False
+    )
     liar = Node(Invite.decode(mesh.token), options)
     tamper(liar)
     liar.join()
@@ -146,16 +156,23 @@ def test_a_member_that_perturbs_live_frames_is_found_and_no_client_sees_its_toke
     mesh, liar = _mesh_with_liar(tmp_path, _perturbs_live_frames)
     try:
         first = mesh.wait_ready()
-        assert LIAR in {n for s in first["stages"] for n in s["ranks"]}  # it passed the start-up probe
+        assert LIAR in {
+            n for s in first["stages"] for n in s["ranks"]
+        }  # it passed the start-up probe
         answers = {}
-        threads = [threading.Thread(target=lambda q=q: answers.__setitem__(q, _ask(mesh, q))) for q in QUESTIONS]
+        threads = [
+            threading.Thread(target=lambda q=q: answers.__setitem__(q, _ask(mesh, q)))
+            for q in QUESTIONS
+        ]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(timeout=300)
         assert answers == {q: _expected(model, q) for q in QUESTIONS}
         status = _removed(mesh)
-        assert status["verification"]["violations"] >= 1 and LIAR not in {n["node_id"] for n in status["nodes"]}
+        assert status["verification"]["violations"] >= 1 and LIAR not in {
+            n["node_id"] for n in status["nodes"]
+        }
         assert _ask(mesh, QUESTIONS[0]) == _expected(model, QUESTIONS[0])
     finally:
         mesh.stop()

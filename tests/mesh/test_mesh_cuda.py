@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from seamline.app import LocalModel
-from seamline_bench.gpu import half_node_cap_gb
 from seamline.server.demo import memory_cap_gb
+from seamline_bench.gpu import half_node_cap_gb
 from tests.support.cuda import embedded_or_standin
 from tests.support.mesh import QUESTION, ask, expected_text
 from tests.support.mesh_harness import MeshProcesses
@@ -23,7 +23,9 @@ def test_a_cpu_stage_and_a_gpu_stage_give_the_single_process_text(tmp_path: Path
     model = embedded_or_standin()
     want = expected_text(LocalModel.load(model, precision="exact"), QUESTION, TOKENS)
     cap = memory_cap_gb(str(model), 2, 1024, within=0.5)
-    mesh = MeshProcesses(tmp_path, nodes=2, node_memory_gb=cap, model=str(model), serve_args=("--context", "1024"))
+    mesh = MeshProcesses(
+        tmp_path, nodes=2, node_memory_gb=cap, model=str(model), serve_args=("--context", "1024")
+    )
     try:
         mesh.start(join=False)
         mesh.join("node0", extra=("--device", "cpu"))
@@ -31,8 +33,9 @@ def test_a_cpu_stage_and_a_gpu_stage_give_the_single_process_text(tmp_path: Path
         # nodes (a whole GPU would take every layer)
         mesh.join("node1", extra=("--device", "cuda", "--max-memory", str(half_node_cap_gb(cap))))
         status = mesh.wait_ready()
-        assert [s["node_id"] for s in status["stages"]] == ["node0", "node1"] or \
-            [s["node_id"] for s in status["stages"]] == ["node1", "node0"], status  # fmt: skip
+        assert [s["node_id"] for s in status["stages"]] == ["node0", "node1"] or [
+            s["node_id"] for s in status["stages"]
+        ] == ["node1", "node0"], status
         assert {s["device"] for s in status["stages"]} & {"cuda", "cuda:0"}, status
         assert ask(mesh, QUESTION, TOKENS)["choices"][0]["message"]["content"] == want
     finally:

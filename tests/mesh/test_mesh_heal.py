@@ -32,8 +32,12 @@ CONTEXT = 1024
 
 @pytest.fixture(scope="module")
 def mesh3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
-    mesh = MeshProcesses(tmp_path_factory.mktemp("heal"), nodes=3, node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
-                         serve_args=("--context", str(CONTEXT)))  # fmt: skip
+    mesh = MeshProcesses(
+        tmp_path_factory.mktemp("heal"),
+        nodes=3,
+        node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
+        serve_args=("--context", str(CONTEXT)),
+    )
     try:
         mesh.start()
         mesh.wait_ready()
@@ -61,10 +65,19 @@ def test_a_stopped_node_is_lost_within_the_heartbeat_timeout_and_a_standby_takes
     heartbeats take it for lost within 3 s and the route is planned again over the two others,
     a standby included; no stream loses a token."""
     client = mesh3.client(timeout=300)
-    down = next(f"node{i}" for i in range(3) if f"node{i}" not in [n["node_id"] for n in mesh3.status()["nodes"]])
+    down = next(
+        f"node{i}"
+        for i in range(3)
+        if f"node{i}" not in [n["node_id"] for n in mesh3.status()["nodes"]]
+    )
     mesh3.join(down)
-    wait_until(lambda: any(n["node_id"] == down and n["checked"] for n in mesh3.status()["nodes"])
-           and mesh3.status()["ready"], "the node to join again and the mesh to serve")  # fmt: skip
+    wait_until(
+        lambda: (
+            any(n["node_id"] == down and n["checked"] for n in mesh3.status()["nodes"])
+            and mesh3.status()["ready"]
+        ),
+        "the node to join again and the mesh to serve",
+    )
     before = [stream_request(client, r) for r in REQUESTS]
     status = mesh3.status()
     route = [s["node_id"] for s in status["stages"]]
@@ -77,9 +90,13 @@ def test_a_stopped_node_is_lost_within_the_heartbeat_timeout_and_a_standby_takes
         assert time.monotonic() - began < 60
         after = mesh3.status()
         assert after["ready"] and victim not in [n["node_id"] for n in after["nodes"]], after
-        assert all(standby in [s["node_id"] for s in after["stages"]] for standby in standbys), after
+        assert all(standby in [s["node_id"] for s in after["stages"]] for standby in standbys), (
+            after
+        )
         lost_lines = [line for line in mesh3.output if f"node {victim} sent nothing for" in line]
-        assert lost_lines and float(lost_lines[0].split("sent nothing for ")[1].split(" s")[0]) <= 4.0, lost_lines
+        assert (
+            lost_lines and float(lost_lines[0].split("sent nothing for ")[1].split(" s")[0]) <= 4.0
+        ), lost_lines
         _events_tell_it(mesh3, victim)
     finally:
         stopped.send_signal(signal.SIGCONT)
@@ -89,14 +106,30 @@ def _events_tell_it(mesh: MeshProcesses, victim: str) -> None:
     """The console's feed and /metrics read the coordinator's events: the loss, the re-plan, the
     replays and the new route, in the order they were applied."""
     feed = mesh.status()["events"]
-    lost = next(i for i, e in enumerate(feed) if e["kind"] == "node_lost" and e["message"].startswith(f"node {victim} left"))
+    lost = next(
+        i
+        for i, e in enumerate(feed)
+        if e["kind"] == "node_lost" and e["message"].startswith(f"node {victim} left")
+    )
     after = [e["kind"] for e in feed[lost:]]
-    assert after[1] == "replanning" and after[-1] == "route_published" and "request_replayed" in after, feed
-    assert feed[lost]["level"] == "warning" and [e["seq"] for e in feed] == sorted(e["seq"] for e in feed)
+    assert (
+        after[1] == "replanning" and after[-1] == "route_published" and "request_replayed" in after
+    ), feed
+    assert feed[lost]["level"] == "warning" and [e["seq"] for e in feed] == sorted(
+        e["seq"] for e in feed
+    )
     metrics = mesh.http().get(f"{mesh.base_url}/metrics", timeout=10).text
-    counted = {kind: float(line.split()[-1]) for line in metrics.splitlines()
-               if line.startswith("seamline_mesh_events_total{") for kind in [line.split('"')[1]]}  # fmt: skip
-    assert counted["node_lost"] >= 1 and counted["route_published"] >= 2 and counted["request_replayed"] >= 1, counted
+    counted = {
+        kind: float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("seamline_mesh_events_total{")
+        for kind in [line.split('"')[1]]
+    }
+    assert (
+        counted["node_lost"] >= 1
+        and counted["route_published"] >= 2
+        and counted["request_replayed"] >= 1
+    ), counted
 
 
 def test_requests_wait_when_the_survivors_cannot_hold_the_model_and_a_joining_node_saves_them(
@@ -106,8 +139,13 @@ def test_requests_wait_when_the_survivors_cannot_hold_the_model_and_a_joining_no
     requests wait (the deadline is 120 s); a node that joins 3 s later lets the mesh plan again,
     and every stream ends as it would have."""
     client = mesh3.client(timeout=300)
-    wait_until(lambda: [n["checked"] for n in mesh3.status()["nodes"]] == [True] * 3 and mesh3.status()["ready"],
-           "all three nodes to be members and the mesh to serve")  # fmt: skip
+    wait_until(
+        lambda: (
+            [n["checked"] for n in mesh3.status()["nodes"]] == [True] * 3
+            and mesh3.status()["ready"]
+        ),
+        "all three nodes to be members and the mesh to serve",
+    )
     before = [stream_request(client, r) for r in REQUESTS]
     keeper = mesh3.status()["stages"][0]["node_id"]
     others = [f"node{i}" for i in range(3) if f"node{i}" != keeper]

@@ -32,7 +32,9 @@ from tests.support.tls_peers import member, mesh_authority, tls_link
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
-    mesh = MeshProcesses(tmp_path_factory.mktemp("invites"), nodes=1, serve_args=("--context", "512"))
+    mesh = MeshProcesses(
+        tmp_path_factory.mktemp("invites"), nodes=1, serve_args=("--context", "512")
+    )
     mesh.start(join=False)
     try:
         yield mesh
@@ -64,7 +66,9 @@ def test_a_single_use_invite_admits_one_node_then_is_used_up(mesh: MeshProcesses
     mesh.wait_ready()
     assert_join_refused(mesh, token, "used up")
     listing = admin(mesh, "invite", "list")
-    line = next(row for row in listing.stdout.splitlines() if row.startswith(Invite.decode(token).id))
+    line = next(
+        row for row in listing.stdout.splitlines() if row.startswith(Invite.decode(token).id)
+    )
     assert "used up" in line and " 1 1 " in " ".join(line.split()) + " ", listing.stdout
 
 
@@ -73,9 +77,15 @@ def test_a_node_named_as_a_member_is_refused_and_the_member_serves_on(mesh: Mesh
     id; the member keeps its place and the mesh keeps serving."""
     proc = mesh.join("node0", token=mesh.token)
     _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and "a node named node0 has already joined" in stderr and "Traceback" not in stderr, stderr
+    assert (
+        proc.returncode != 0
+        and "a node named node0 has already joined" in stderr
+        and "Traceback" not in stderr
+    ), stderr
     assert [n["node_id"] for n in mesh.status()["nodes"]] == ["node0"] and mesh.status()["ready"]
-    reply = mesh.client().completions.create(model="default", prompt="Hello", max_tokens=4, temperature=0)
+    reply = mesh.client().completions.create(
+        model="default", prompt="Hello", max_tokens=4, temperature=0
+    )
     assert reply.choices[0].text
 
 
@@ -98,9 +108,16 @@ def _replay_join(mesh: MeshProcesses, invite: Invite) -> None:
     with tls_link(address) as first:
         challenge = first.recv()
         assert isinstance(challenge, Challenge)
-        recorded = Join(node_id="replayer", proof=proof(invite.secret, challenge.nonce), invite_id=invite.id,
-                        protocol_version=PROTOCOL_VERSION, resources=Resources(free_memory_bytes=1, bytes_per_second=1),
-                        data_host="127.0.0.1", data_port=1, csr=signing_request(new_key(), "replayer"))  # fmt: skip
+        recorded = Join(
+            node_id="replayer",
+            proof=proof(invite.secret, challenge.nonce),
+            invite_id=invite.id,
+            protocol_version=PROTOCOL_VERSION,
+            resources=Resources(free_memory_bytes=1, bytes_per_second=1),
+            data_host="127.0.0.1",
+            data_port=1,
+            csr=signing_request(new_key(), "replayer"),
+        )
     with tls_link(address) as second:
         assert isinstance(second.recv(), Challenge)
         second.send_message(recorded)
@@ -113,7 +130,11 @@ def test_an_invite_is_no_administrator_and_fetches_no_fragments(mesh: MeshProces
     port, over mutual TLS: a client without a member's certificate is refused in the handshake,
     and a member's certificate with the invite's secret instead of its own token gets a 401."""
     secret = Invite.decode(mesh.token).secret
-    for headers in ({"Authorization": f"Bearer {secret}"}, {}, {"Authorization": "Bearer seamline-admin-guess"}):
+    for headers in (
+        {"Authorization": f"Bearer {secret}"},
+        {},
+        {"Authorization": "Bearer seamline-admin-guess"},
+    ):
         reply = httpx.get(f"{mesh.base_url}/api/admin/invites", headers=headers, timeout=10)
         assert reply.status_code == 401, reply.status_code
     assert httpx.get(f"{mesh.base_url}/fragments/manifest.json", timeout=10).status_code == 404
@@ -121,13 +142,19 @@ def test_an_invite_is_no_administrator_and_fetches_no_fragments(mesh: MeshProces
     anonymous = ssl.create_default_context(cadata=mesh_authority(mesh.root).ca_pem)
     anonymous.check_hostname = False
     with pytest.raises(httpx.HTTPError):
-        httpx.get(manifest, verify=anonymous, headers={"Authorization": f"Bearer {secret}"}, timeout=10)
+        httpx.get(
+            manifest, verify=anonymous, headers={"Authorization": f"Bearer {secret}"}, timeout=10
+        )
     as_member = member(mesh.root, "someone").client_context()
-    reply = httpx.get(manifest, verify=as_member, headers={"Authorization": f"Bearer {secret}"}, timeout=10)
+    reply = httpx.get(
+        manifest, verify=as_member, headers={"Authorization": f"Bearer {secret}"}, timeout=10
+    )
     assert reply.status_code == 401
     key = (mesh.root / "coordinator" / "mesh" / "admin.key").read_text().strip()
     assert (mesh.root / "coordinator" / "mesh" / "admin.key").stat().st_mode & 0o077 == 0
-    reply = httpx.get(f"{mesh.base_url}/api/admin/invites", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    reply = httpx.get(
+        f"{mesh.base_url}/api/admin/invites", headers={"Authorization": f"Bearer {key}"}, timeout=10
+    )
     assert reply.status_code == 200 and all("secret" not in row for row in reply.json()["invites"])
 
 
@@ -145,7 +172,9 @@ def test_a_removed_node_is_ejected_and_cannot_rejoin(mesh: MeshProcesses) -> Non
     assert again.returncode != 0 and "node0 was removed" in stderr, stderr
 
 
-def test_a_control_link_needs_the_certificate_of_the_node_that_just_enrolled(mesh: MeshProcesses) -> None:
+def test_a_control_link_needs_the_certificate_of_the_node_that_just_enrolled(
+    mesh: MeshProcesses,
+) -> None:
     """A member's certificate opens a control link only as the node it names, and only right
     after that node enrolled: another node's id, or an id that never enrolled, is refused."""
     address = ("127.0.0.1", mesh.control_port)

@@ -20,8 +20,8 @@ import pytest
 
 from seamline.app import LocalModel
 from seamline.params import SamplingParams
-from seamline.server.demo import memory_cap_gb
 from seamline.runtime.step_probe import PROBE_ROWS, PROMPT_ROWS
+from seamline.server.demo import memory_cap_gb
 from tests.support.mesh_harness import MeshProcesses, at_once
 from tests.support.moe_folder import CONTEXT, PROMPT, build_moe_folder
 
@@ -43,19 +43,37 @@ def expected(moe_folder: Path) -> str:
 
 
 def _complete(mesh: MeshProcesses) -> str:
-    reply = mesh.client().completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=TOKENS)
+    reply = mesh.client().completions.create(
+        model="default", prompt=PROMPT, temperature=0, max_tokens=TOKENS
+    )
     return reply.choices[0].text
 
 
-def _mesh(root: Path, folder: Path, nodes: int, cap_gb: float | None = None, transport: str = "tcp") -> MeshProcesses:
-    return MeshProcesses(root, nodes=nodes, model=str(folder), node_memory_gb=cap_gb,
-                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--transport", transport,
-                                     "--replay-deadline", "3"))  # fmt: skip
+def _mesh(
+    root: Path, folder: Path, nodes: int, cap_gb: float | None = None, transport: str = "tcp"
+) -> MeshProcesses:
+    return MeshProcesses(
+        root,
+        nodes=nodes,
+        model=str(folder),
+        node_memory_gb=cap_gb,
+        serve_args=(
+            "--context",
+            str(CONTEXT),
+            "--tensor-parallel",
+            "2",
+            "--transport",
+            transport,
+            "--replay-deadline",
+            "3",
+        ),
+    )
 
 
 @pytest.mark.parametrize("transport", ["tcp", "torch"])
-def test_one_stage_of_two_ranks_matches_single_process(tmp_path: Path, moe_folder: Path, expected: str,
-                                                       transport: str) -> None:
+def test_one_stage_of_two_ranks_matches_single_process(
+    tmp_path: Path, moe_folder: Path, expected: str, transport: str
+) -> None:
     mesh = _mesh(tmp_path, moe_folder, nodes=2, transport=transport)
     try:
         mesh.start()
@@ -67,7 +85,9 @@ def test_one_stage_of_two_ranks_matches_single_process(tmp_path: Path, moe_folde
         mesh.stop()
 
 
-def test_two_stages_of_two_ranks_match_single_process(tmp_path: Path, moe_folder: Path, expected: str) -> None:
+def test_two_stages_of_two_ranks_match_single_process(
+    tmp_path: Path, moe_folder: Path, expected: str
+) -> None:
     cap = memory_cap_gb(str(moe_folder), 2, CONTEXT, ranks=2)
     mesh = _mesh(tmp_path, moe_folder, nodes=4, cap_gb=cap)
     try:
@@ -93,13 +113,17 @@ def _check_concurrent(mesh: MeshProcesses, folder: Path) -> None:
     prompts = [PROMPT, PROMPT + " and then some more words", "Short"]
 
     def ask(i: int) -> str:
-        reply = mesh.client().completions.create(model="default", prompt=prompts[i], temperature=0, max_tokens=12 + i)
+        reply = mesh.client().completions.create(
+            model="default", prompt=prompts[i], temperature=0, max_tokens=12 + i
+        )
         return str(reply.choices[0].text)
 
     answers = at_once(ask, len(prompts))
     for i, prompt in enumerate(prompts):
         ids = local.codec.encode(prompt)
-        alone = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=12 + i))))
+        alone = local.codec.decode(
+            list(local.engine.generate(ids, SamplingParams(max_tokens=12 + i)))
+        )
         assert answers.get(i) == alone, prompt
 
 
@@ -108,10 +132,17 @@ def _check_speculation(mesh: MeshProcesses, folder: Path) -> None:
     both groups verify the windows (flagged in their BATCH commands), and the text is the one
     process's without drafts."""
     local = LocalModel.load(folder, context=CONTEXT)
-    alone = local.codec.decode(list(local.engine.generate(local.codec.encode(PROMPT), SamplingParams(max_tokens=64))))
-    reply = mesh.client().completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=64)
+    alone = local.codec.decode(
+        list(local.engine.generate(local.codec.encode(PROMPT), SamplingParams(max_tokens=64)))
+    )
+    reply = mesh.client().completions.create(
+        model="default", prompt=PROMPT, temperature=0, max_tokens=64
+    )
     assert reply.choices[0].text == alone
-    counts = httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()["stages"][0].get("speculation") or {}
+    counts = (
+        httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()["stages"][0].get("speculation")
+        or {}
+    )
     assert counts.get("windows", 0) > 0 and counts["accepted"] > 0, counts
 
 
@@ -122,7 +153,9 @@ def _check_probes(mesh: MeshProcesses) -> None:
         probed = stage["step_probe_ms"]
         assert set(probed) == PROBED and all(ms > 0 for ms in probed.values()), stage
         prompts = stage["prompt_probe_ms"]
-        assert {int(rows) for rows in prompts} == set(PROMPT_ROWS) and all(ms > 0 for ms in prompts.values()), stage
+        assert {int(rows) for rows in prompts} == set(PROMPT_ROWS) and all(
+            ms > 0 for ms in prompts.values()
+        ), stage
         assert stage["step_overhead_ms"]["1"] > 0, stage
 
 
@@ -132,16 +165,24 @@ def _check_downloads(mesh: MeshProcesses, status: dict) -> None:
     from seamline.ownership import rank_ownership
     from seamline.weights.fragments import Manifest, fragments_for
 
-    manifest = Manifest.load(next((mesh.root / "coordinator" / "packages").glob("*/manifest.json")).parent)
+    manifest = Manifest.load(
+        next((mesh.root / "coordinator" / "packages").glob("*/manifest.json")).parent
+    )
     config = ModelConfig.from_hf_dict(manifest.config)
     downloaded = {n["node_id"]: n["bytes_downloaded"] for n in status["nodes"]}
     for stage in status["stages"]:
         layers, world = tuple(stage["layers"]), len(stage["ranks"])
-        whole = sum(e.bytes for e in fragments_for(manifest, layers, stage["embedding"], stage["head"]))
+        whole = sum(
+            e.bytes for e in fragments_for(manifest, layers, stage["embedding"], stage["head"])
+        )
         for rank, node in enumerate(stage["ranks"]):
             experts = rank_ownership(config, rank, world).experts
             entries = fragments_for(manifest, layers, stage["embedding"], stage["head"], experts)
-            assert downloaded[node] == sum(e.bytes for e in entries) < whole, (node, downloaded[node], whole)
+            assert downloaded[node] == sum(e.bytes for e in entries) < whole, (
+                node,
+                downloaded[node],
+                whole,
+            )
 
 
 def _kill_mid_answer(mesh: MeshProcesses, node_id: str) -> None:
@@ -156,9 +197,23 @@ def test_a_silent_rank_is_lost_by_its_missed_heartbeats(tmp_path: Path, moe_fold
     the coordinator's heartbeats (missed for 3 s) take its node for lost; its requests wait to
     replay, and with no spare node fail at the replay deadline. (Caught by a gate timeout
     instead, with a standby: test_mesh_lockstep_heal.py.)"""
-    mesh = MeshProcesses(tmp_path, nodes=2, model=str(moe_folder),
-                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--gate-timeout", "60",
-                                     "--heartbeat-timeout", "3", "--replay-deadline", "2"))  # fmt: skip
+    mesh = MeshProcesses(
+        tmp_path,
+        nodes=2,
+        model=str(moe_folder),
+        serve_args=(
+            "--context",
+            str(CONTEXT),
+            "--tensor-parallel",
+            "2",
+            "--gate-timeout",
+            "60",
+            "--heartbeat-timeout",
+            "3",
+            "--replay-deadline",
+            "2",
+        ),
+    )
     try:
         mesh.start()
         status = mesh.wait_ready()
@@ -167,9 +222,13 @@ def test_a_silent_rank_is_lost_by_its_missed_heartbeats(tmp_path: Path, moe_fold
         proc.send_signal(signal.SIGSTOP)
         started = time.monotonic()
         with pytest.raises(openai.APIError) as error:
-            mesh.client(timeout=60).completions.create(model="default", prompt=PROMPT, temperature=0, max_tokens=8)
+            mesh.client(timeout=60).completions.create(
+                model="default", prompt=PROMPT, temperature=0, max_tokens=8
+            )
         message = str(error.value)
-        assert f"{follower} left the mesh" in message and "could not serve again within 2 s" in message, message
+        assert (
+            f"{follower} left the mesh" in message and "could not serve again within 2 s" in message
+        ), message
         assert follower not in [n["node_id"] for n in mesh.status()["nodes"]]
         assert time.monotonic() - started < 30
     finally:

@@ -32,10 +32,24 @@ NODES = 5
 def groups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshProcesses]:
     root = tmp_path_factory.mktemp("lockstep-heal")
     folder = build_moe_folder(root / "moe")
-    mesh = MeshProcesses(root, nodes=NODES, model=str(folder), node_memory_gb=memory_cap_gb(str(folder), 2, CONTEXT, ranks=2),
-                         serve_args=("--context", str(CONTEXT), "--tensor-parallel", "2", "--gate-timeout", "3",
-                                     "--heartbeat-timeout", "60",
-                                     "--replay-deadline", "280"))  # fmt: skip  # 5 nodes on 2 shared cores reload slowly
+    mesh = MeshProcesses(
+        root,
+        nodes=NODES,
+        model=str(folder),
+        node_memory_gb=memory_cap_gb(str(folder), 2, CONTEXT, ranks=2),
+        serve_args=(
+            "--context",
+            str(CONTEXT),
+            "--tensor-parallel",
+            "2",
+            "--gate-timeout",
+            "3",
+            "--heartbeat-timeout",
+            "60",
+            "--replay-deadline",
+            "280",
+        ),
+    )  # 5 nodes on 2 shared cores reload slowly
     try:
         mesh.start()
         mesh.wait_ready()
@@ -62,7 +76,9 @@ def _check_healed(mesh: MeshProcesses, victim: str, standbys: list[str]) -> None
     assert victim not in sum(ranks, []) and set(standbys) <= set(sum(ranks, [])), after
 
 
-def test_a_rank_killed_mid_stream_is_replaced_by_the_standby_and_no_request_is_lost(groups: MeshProcesses) -> None:
+def test_a_rank_killed_mid_stream_is_replaced_by_the_standby_and_no_request_is_lost(
+    groups: MeshProcesses,
+) -> None:
     client = groups.client(timeout=300)
     status = groups.status()
     assert [len(r) for r in _ranks(status)] == [2, 2] and len(_standbys(status)) == 1, status
@@ -73,14 +89,25 @@ def test_a_rank_killed_mid_stream_is_replaced_by_the_standby_and_no_request_is_l
     assert stream_request(client, REQUESTS[0]) == before[0]
 
 
-def test_a_stopped_rank_is_lost_at_its_groups_gate_timeout_and_no_request_is_lost(groups: MeshProcesses) -> None:
+def test_a_stopped_rank_is_lost_at_its_groups_gate_timeout_and_no_request_is_lost(
+    groups: MeshProcesses,
+) -> None:
     """The node killed above joins again as the standby. Stage 1's leader stops: its follower
     waits at a gate for 3 s, reports it, and the coordinator takes the leader for lost."""
     client = groups.client(timeout=300)
-    down = next(f"node{i}" for i in range(NODES) if f"node{i}" not in [n["node_id"] for n in groups.status()["nodes"]])
+    down = next(
+        f"node{i}"
+        for i in range(NODES)
+        if f"node{i}" not in [n["node_id"] for n in groups.status()["nodes"]]
+    )
     groups.join(down)
-    wait_until(lambda: any(n["node_id"] == down and n["checked"] for n in groups.status()["nodes"])
-           and groups.status()["ready"], "the node to join again and the mesh to serve")  # fmt: skip
+    wait_until(
+        lambda: (
+            any(n["node_id"] == down and n["checked"] for n in groups.status()["nodes"])
+            and groups.status()["ready"]
+        ),
+        "the node to join again and the mesh to serve",
+    )
     status = groups.status()
     before = [stream_request(client, r) for r in REQUESTS]
     victim = _ranks(status)[1][0]
@@ -88,8 +115,14 @@ def test_a_stopped_rank_is_lost_at_its_groups_gate_timeout_and_no_request_is_los
     try:
         fail_mid_streams(groups, lambda: stopped.send_signal(signal.SIGSTOP), before)
         _check_healed(groups, victim, _standbys(status))
-        lost = [line for line in groups.output if f"node {victim} left: its lockstep group lost it" in line]
+        lost = [
+            line
+            for line in groups.output
+            if f"node {victim} left: its lockstep group lost it" in line
+        ]
         assert lost and "sent nothing" in lost[0] and "within 3.0 s" in lost[0], lost
-        assert not any(f"node {victim} sent nothing for" in line for line in groups.output)  # not by heartbeats
+        assert not any(
+            f"node {victim} sent nothing for" in line for line in groups.output
+        )  # not by heartbeats
     finally:
         stopped.send_signal(signal.SIGCONT)

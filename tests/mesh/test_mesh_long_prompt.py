@@ -20,23 +20,43 @@ from tests.support.mesh_harness import split_completion
 from tests.support.reference import save_random_model
 
 CONTEXT = 40960
-WORDS = ("river", "stone", "cloud", "amber", "quiet", "north", "lantern", "meadow", "copper", "harbor")
+WORDS = (
+    "river",
+    "stone",
+    "cloud",
+    "amber",
+    "quiet",
+    "north",
+    "lantern",
+    "meadow",
+    "copper",
+    "harbor",
+)
 
 
 def _long_context_folder(folder: Path) -> Path:
     from transformers import LlamaConfig
 
     tokenizer = tokenizer_from_gguf(default_model_path())
-    config = LlamaConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=CONTEXT, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
+    )
     save_random_model(config, folder)
     tokenizer.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({}))
     return folder
 
 
-def test_a_prompt_longer_than_one_control_frame_is_served_as_the_single_process_serves_it(tmp_path: Path) -> None:
+def test_a_prompt_longer_than_one_control_frame_is_served_as_the_single_process_serves_it(
+    tmp_path: Path,
+) -> None:
     folder = _long_context_folder(tmp_path / "long")
     local = LocalModel.load(folder, context=CONTEXT)
     prompt = " ".join(WORDS[(i * 7) % len(WORDS)] + str(i % 97) for i in range(12000))

@@ -56,7 +56,7 @@ from seamline.net.messages import (
     Stats,
     Welcome,
     encode_message,
-)  # fmt: skip
+)
 from seamline.net.tls import TlsRefused
 from seamline.server.demo import memory_cap_gb
 from tests.support.mesh_harness import MeshProcesses, join_once, seamline_cmd
@@ -79,11 +79,17 @@ class Members:
 def members(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Members]:
     root = tmp_path_factory.mktemp("members")
     cap = memory_cap_gb(None, 2, CONTEXT)
-    mesh = MeshProcesses(root, nodes=2, node_memory_gb=cap, serve_args=("--context", str(CONTEXT))).start(join=False)
+    mesh = MeshProcesses(
+        root, nodes=2, node_memory_gb=cap, serve_args=("--context", str(CONTEXT))
+    ).start(join=False)
     try:
         mesh.join("node1")
-        options = NodeOptions(max_memory_bytes=int(cap * (1 << 30)), node_id=MEMBER, cache_dir=root / MEMBER,
-                              progress=False)  # fmt: skip
+        options = NodeOptions(
+            max_memory_bytes=int(cap * (1 << 30)),
+            node_id=MEMBER,
+            cache_dir=root / MEMBER,
+            progress=False,
+        )
         node = Node(Invite.decode(mesh.token), options)
         watched = _watch(mesh, node)
         node.join()
@@ -128,7 +134,9 @@ def attached(mesh: MeshProcesses, node_id: str) -> Link:
         link.send_message(_join(invite, challenge.nonce, node_id, signing_request(key, node_id)))
         welcome = link.recv(deadline_s=10)
         assert isinstance(welcome, Welcome), welcome
-    identity = Identity(node_id, key_pem(key).decode(), welcome.certificate, challenge.ca_certificate)
+    identity = Identity(
+        node_id, key_pem(key).decode(), welcome.certificate, challenge.ca_certificate
+    )
     control = tls_link(address, identity)
     assert isinstance(control.recv(deadline_s=10), Challenge)
     control.send_message(Attach(node_id=node_id))
@@ -137,9 +145,16 @@ def attached(mesh: MeshProcesses, node_id: str) -> Link:
 
 
 def _join(invite: Invite, nonce: str, node_id: str, csr: str = "") -> Join:
-    return Join(node_id=node_id, proof=proof(invite.secret, nonce), invite_id=invite.id, protocol_version=PROTOCOL_VERSION,
-                resources=Resources(free_memory_bytes=1 << 20, bytes_per_second=1e6), data_host="127.0.0.1",
-                data_port=9, csr=csr or signing_request(new_key(), "placeholder"))  # fmt: skip
+    return Join(
+        node_id=node_id,
+        proof=proof(invite.secret, nonce),
+        invite_id=invite.id,
+        protocol_version=PROTOCOL_VERSION,
+        resources=Resources(free_memory_bytes=1 << 20, bytes_per_second=1e6),
+        data_host="127.0.0.1",
+        data_port=9,
+        csr=csr or signing_request(new_key(), "placeholder"),
+    )
 
 
 def _answer(link: Link) -> None:
@@ -155,8 +170,12 @@ def _answer(link: Link) -> None:
 
 
 def _answer_text(mesh: MeshProcesses, tokens: int = 48) -> str:
-    body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}], "temperature": 0,
-            "max_tokens": tokens}  # fmt: skip
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "temperature": 0,
+        "max_tokens": tokens,
+    }
     reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=300)
     assert reply.status_code == 200, reply.text
     return str(reply.json()["choices"][0]["message"]["content"])
@@ -164,8 +183,16 @@ def _answer_text(mesh: MeshProcesses, tokens: int = 48) -> str:
 
 def _forged(request: int) -> list[TokenRow]:
     """A token that would end the answer there, as the drawing stage would send it."""
-    return [TokenRow(request=request, position=40, token=42, hash_before=EMPTY_HASH, hash_after=1,
-                     flags=int(RowFlag.DONE))]  # fmt: skip
+    return [
+        TokenRow(
+            request=request,
+            position=40,
+            token=42,
+            hash_before=EMPTY_HASH,
+            hash_after=1,
+            flags=int(RowFlag.DONE),
+        )
+    ]
 
 
 def test_every_message_a_member_sends_fits_its_control_link_cap() -> None:
@@ -176,19 +203,49 @@ def test_every_message_a_member_sends_fits_its_control_link_cap() -> None:
     name, text, emoji, big, wide = "n" * 64, "\x00", "\U0001f600", 1 << 63, -1.2345678901234567e-300
     largest = [
         Failure(request=big, reason=emoji * MAX_REASON, blame="request", plan_id=big, suspect=name),
-        PeerLink(peer_node=name, latency_s=wide, bandwidth_bytes_per_s=wide, error=emoji * MAX_REASON),
-        Stats(node_id=name, decode_steps=big, decode_seconds=wide, refused_frames=big, sequences=big, kv_bytes=big,
-              kept_kv_bytes=big, micro_batches=big, link_bytes={f"{i:064d}": big for i in range(64)}),
-        SpeedSums(sums=[wide] * 1024), Renew(csr=text * 4096), SpeedReady(), Heartbeat(), Pong(nonce=big),
-        Ready(descriptor=Descriptor(node_id=name, plan_id=big, model_hash=text * 128, layers=(big, big),
-                                    dtype=text * 32, protocol_version=big, shard=(big, big)),
-              bytes_downloaded=big, bytes_from_peers=big, resident_bytes=big),
-        Loading(plan_id=big, bytes_done=big, bytes_total=big), Linked(plan_id=big),
-    ]  # fmt: skip
+        PeerLink(
+            peer_node=name, latency_s=wide, bandwidth_bytes_per_s=wide, error=emoji * MAX_REASON
+        ),
+        Stats(
+            node_id=name,
+            decode_steps=big,
+            decode_seconds=wide,
+            refused_frames=big,
+            sequences=big,
+            kv_bytes=big,
+            kept_kv_bytes=big,
+            micro_batches=big,
+            link_bytes={f"{i:064d}": big for i in range(64)},
+        ),
+        SpeedSums(sums=[wide] * 1024),
+        Renew(csr=text * 4096),
+        SpeedReady(),
+        Heartbeat(),
+        Pong(nonce=big),
+        Ready(
+            descriptor=Descriptor(
+                node_id=name,
+                plan_id=big,
+                model_hash=text * 128,
+                layers=(big, big),
+                dtype=text * 32,
+                protocol_version=big,
+                shard=(big, big),
+            ),
+            bytes_downloaded=big,
+            bytes_from_peers=big,
+            resident_bytes=big,
+        ),
+        Loading(plan_id=big, bytes_done=big, bytes_total=big),
+        Linked(plan_id=big),
+    ]
     sizes = {m.kind: len(encode_message(m)) - HEADER.size for m in largest}  # type: ignore[attr-defined]
     assert max(sizes.values()) <= MEMBER_LIMITS[FrameType.CONTROL], sizes
     assert len(Failure(reason="x" * (10 * MAX_REASON)).reason) == MAX_REASON
-    assert Failure(reason="stage failed\n2030-01-01 forged line\r").reason == "stage failed 2030-01-01 forged line "
+    assert (
+        Failure(reason="stage failed\n2030-01-01 forged line\r").reason
+        == "stage failed 2030-01-01 forged line "
+    )
 
 
 def test_only_the_drawing_stage_writes_a_clients_answer(members: Members) -> None:
@@ -199,7 +256,9 @@ def test_only_the_drawing_stage_writes_a_clients_answer(members: Members) -> Non
     reference = _answer_text(mesh)
     drawer = mesh.status()["stages"][-1]["node_id"]
     forger = attached(mesh, "forger")
-    threading.Thread(target=_answer, args=(forger,), daemon=True).start()  # it stays a member meanwhile
+    threading.Thread(
+        target=_answer, args=(forger,), daemon=True
+    ).start()  # it stays a member meanwhile
     while not members.opened.empty():
         members.opened.get()
     answered: dict[str, str] = {}
@@ -216,7 +275,9 @@ def test_only_the_drawing_stage_writes_a_clients_answer(members: Members) -> Non
         forger.close()
     assert answered.get("text") == reference
     refused = mesh.status()["refused_from_members"]
-    assert refused.get("forger", 0) >= 1 and (drawer == MEMBER or refused.get(MEMBER, 0) >= 1), refused
+    assert refused.get("forger", 0) >= 1 and (drawer == MEMBER or refused.get(MEMBER, 0) >= 1), (
+        refused
+    )
     assert any("refused from node forger: TOKEN frame" in line for line in mesh.output)
 
 
@@ -242,7 +303,9 @@ def _closed_within(link: Link, seconds: float) -> bool:
     return False
 
 
-def test_a_members_control_link_takes_no_hidden_frame_and_no_large_message(members: Members) -> None:
+def test_a_members_control_link_takes_no_hidden_frame_and_no_large_message(
+    members: Members,
+) -> None:
     """A valid message of 512 KiB (a failure report with a long reason), or a hidden frame of
     any size, closes the member's control link at its header: the coordinator allocates
     nothing for it (a 200 MiB frame does not grow its memory) and says why."""
@@ -259,8 +322,11 @@ def test_a_members_control_link_takes_no_hidden_frame_and_no_large_message(membe
     assert coordinator.memory_info().rss - before < 64 << 20
     for link in (large, hidden):
         link.close()
-    lines = ("node talker left: CONTROL frame of", "exceeds the 65536 cap",
-             "node pusher left: HIDDEN frame of 209715200 bytes exceeds the 0 cap")  # fmt: skip
+    lines = (
+        "node talker left: CONTROL frame of",
+        "exceeds the 65536 cap",
+        "node pusher left: HIDDEN frame of 209715200 bytes exceeds the 0 cap",
+    )
     deadline = time.monotonic() + 10  # the coordinator's log reaches this process a little later
     while not all(line in "".join(mesh.output) for line in lines) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -274,19 +340,25 @@ def test_a_node_id_that_could_forge_a_log_line_is_refused(members: Members) -> N
     coordinator's log shows the id escaped: no line of it is the id's forged one."""
     mesh = members.mesh
     invite = Invite.decode(mesh.token)
-    forged = "2030-01-01 00:00:00,000 seamline.coordinator WARNING: node admin was made administrator"
+    forged = (
+        "2030-01-01 00:00:00,000 seamline.coordinator WARNING: node admin was made administrator"
+    )
     for node_id in (f"evil\n{forged}", "x" * 100):
         with tls_link(("127.0.0.1", mesh.control_port)) as link:
             challenge = link.recv(deadline_s=10)
             assert isinstance(challenge, Challenge)
             link.send_message(_join(invite, challenge.nonce, node_id))
             answer = link.recv(deadline_s=10)
-        assert isinstance(answer, Refuse) and "is not 1 to 64 of the characters" in answer.reason, answer
+        assert isinstance(answer, Refuse) and "is not 1 to 64 of the characters" in answer.reason, (
+            answer
+        )
     with tls_link(("127.0.0.1", mesh.control_port), member(mesh.root, "someone")) as link:
         assert isinstance(link.recv(deadline_s=10), Challenge)
         link.send_message(Attach(node_id=f"someone\n{forged}"))
         answer = link.recv(deadline_s=10)
-    assert isinstance(answer, Refuse) and "is not 1 to 64 of the characters" in answer.reason, answer
+    assert isinstance(answer, Refuse) and "is not 1 to 64 of the characters" in answer.reason, (
+        answer
+    )
     time.sleep(0.5)  # the coordinator's log lines reach the output
     assert not any(line.startswith(forged) for line in mesh.output)
     assert any("refused node from" in line and "\\n2030-01-01" in line for line in mesh.output)
@@ -301,7 +373,12 @@ def _fetches(url: str, identity: Identity, token: str = "") -> bool:
     """Whether the fragment server at ``url`` gives ``identity`` its manifest."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        reply = httpx.get(f"{url}/fragments/manifest.json", verify=identity.client_context(), headers=headers, timeout=10)
+        reply = httpx.get(
+            f"{url}/fragments/manifest.json",
+            verify=identity.client_context(),
+            headers=headers,
+            timeout=10,
+        )
     except httpx.HTTPError:
         return False
     return reply.status_code == 200
@@ -329,7 +406,11 @@ def test_a_removed_member_is_refused_by_every_peer_at_once(members: Members) -> 
     assert node.credentials is not None and node.credentials.identity is not None
     identity, assign = node.credentials.identity, members.assigns[-1]
     peer_url = assign.fragment_peers[0]
-    data = next(tuple(n["address"].rsplit(":", 1)) for n in mesh.status()["nodes"] if n["node_id"] == "node1")
+    data = next(
+        tuple(n["address"].rsplit(":", 1))
+        for n in mesh.status()["nodes"]
+        if n["node_id"] == "node1"
+    )
     address = (data[0], int(data[1]))
     assert _fetches(peer_url, identity) and _probes(address, identity)
     assert _fetches(assign.fragments_url, identity, assign.fragments_token)

@@ -25,7 +25,18 @@ def test_moe_mesh_matches_single_process(tmp_path: Path) -> None:
 
 def test_a_node_refuses_an_assignment_it_cannot_hold() -> None:
     node = Node(Invite(("127.0.0.1",), 1, 2, "s", 0.0), NodeOptions(max_memory_bytes=1 << 30))
-    assign = Assign(plan_id=1, model_hash="h", fragments_url="http://x", layers=(0, 4), owns_embedding=True,
-                    owns_head=False, dtype="float32", context_length=512, memory_bytes=3 << 30)  # fmt: skip
-    with pytest.raises(MemoryError, match=r"cannot hold layers \[0,4\): they need 3.00 GiB, this node has 1.00 GiB"):
+    assign = Assign(
+        plan_id=1,
+        model_hash="h",
+        fragments_url="http://x",
+        layers=(0, 4),
+        owns_embedding=True,
+        owns_head=False,
+        dtype="float32",
+        context_length=512,
+        memory_bytes=3 << 30,
+    )
+    with pytest.raises(
+        MemoryError, match=r"cannot hold layers \[0,4\): they need 3.00 GiB, this node has 1.00 GiB"
+    ):
         node._check_room(assign)

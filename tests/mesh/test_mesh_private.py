@@ -66,7 +66,10 @@ def private(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Private]:
 
 
 def _member(mesh: MeshProcesses, node_id: str, root: object) -> Member:
-    node = Node(Invite.decode(mesh.token), NodeOptions(node_id=node_id, cache_dir=root / node_id, progress=False))  # type: ignore[operator]
+    node = Node(
+        Invite.decode(mesh.token),
+        NodeOptions(node_id=node_id, cache_dir=root / node_id, progress=False),
+    )  # type: ignore[operator]
     member = Member(node)
     on_control, on_frame = node._on_control, node._on_frame
 
@@ -87,7 +90,12 @@ def _member(mesh: MeshProcesses, node_id: str, root: object) -> Member:
 
 
 def _ask(mesh: MeshProcesses, **sampling: object) -> str:
-    body = {"model": "default", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": TOKENS, **sampling}
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": QUESTION}],
+        "max_tokens": TOKENS,
+        **sampling,
+    }
     reply = httpx.post(f"{mesh.base_url}/v1/chat/completions", json=body, timeout=300)
     assert reply.status_code == 200, reply.text
     return str(reply.json()["choices"][0]["message"]["content"])
@@ -106,14 +114,22 @@ def test_the_ends_are_the_coordinators_own_node_and_answers_are_the_single_proce
     assert stages[0]["embedding"] and stages[-1]["head"] and len(stages) >= 3
     assert {s["node_id"] for s in stages[1:-1]} <= set(MEMBERS)
     stop = model.codec.stop_ids
-    assert _ask(private.mesh, temperature=0) == _expected(model, SamplingParams(max_tokens=TOKENS, stop_token_ids=stop))
+    assert _ask(private.mesh, temperature=0) == _expected(
+        model, SamplingParams(max_tokens=TOKENS, stop_token_ids=stop)
+    )
     bias = model.codec.encode_chat([{"role": "user", "content": "Seine"}])[-3]
     asked = _ask(private.mesh, temperature=0, presence_penalty=1.5, logit_bias={str(bias): 5})
-    params = SamplingParams(max_tokens=TOKENS, stop_token_ids=stop, presence_penalty=1.5, logit_bias=((bias, 5.0),))
-    assert asked == _expected(model, params)  # the last stage drew with the request's own parameters
+    params = SamplingParams(
+        max_tokens=TOKENS, stop_token_ids=stop, presence_penalty=1.5, logit_bias=((bias, 5.0),)
+    )
+    assert asked == _expected(
+        model, params
+    )  # the last stage drew with the request's own parameters
 
 
-def test_no_member_receives_a_token_id_of_the_prompt_or_the_answer(private: Private, model: LocalModel) -> None:
+def test_no_member_receives_a_token_id_of_the_prompt_or_the_answer(
+    private: Private, model: LocalModel
+) -> None:
     _ask(private.mesh, temperature=0, logit_bias={"1234": 3}, stop=["zebra"])
     prompt = model.codec.encode_chat([{"role": "user", "content": QUESTION}])
     fnv = {prefix_hash(EMPTY_HASH, prompt[:n]) for n in range(1, len(prompt) + 1)}
@@ -129,7 +145,9 @@ def test_no_member_receives_a_token_id_of_the_prompt_or_the_answer(private: Priv
                 assert not {h for r in item.rows for h in (r.hash_before, r.hash_after)} & fnv
             if isinstance(item, Message):
                 text = json.dumps(item.model_dump(mode="json"))
-                assert ", ".join(map(str, prompt[5:11])) not in text.replace("[", "").replace("]", "")
+                assert ", ".join(map(str, prompt[5:11])) not in text.replace("[", "").replace(
+                    "]", ""
+                )
     assert seen_rows > 0  # the members did carry the requests
 
 
@@ -137,15 +155,28 @@ def test_no_member_is_served_the_embedding_or_the_head(private: Private) -> None
     member = private.members[0]
     assign = member.assigns[-1]
     identity = member.node.credentials.identity  # type: ignore[union-attr]
-    manifest = Manifest.from_json(_get(assign.fragments_url, "manifest.json", identity, assign.fragments_token).json())
+    manifest = Manifest.from_json(
+        _get(assign.fragments_url, "manifest.json", identity, assign.fragments_token).json()
+    )
     kept = [f for f in manifest.fragments if f.kind in ("embed", "head")]
     layer = next(f for f in manifest.fragments if f.layer == assign.layers[0])
-    assert kept and all(_get(assign.fragments_url, f.sha256, identity, assign.fragments_token).status_code == 403
-                        for f in kept)  # fmt: skip
-    assert _get(assign.fragments_url, layer.sha256, identity, assign.fragments_token).status_code == 200
-    assert all(len(a.fragment_peers) <= len(MEMBERS) - 1 for a in member.assigns)  # the other member, not the ends
+    assert kept and all(
+        _get(assign.fragments_url, f.sha256, identity, assign.fragments_token).status_code == 403
+        for f in kept
+    )
+    assert (
+        _get(assign.fragments_url, layer.sha256, identity, assign.fragments_token).status_code
+        == 200
+    )
+    assert all(
+        len(a.fragment_peers) <= len(MEMBERS) - 1 for a in member.assigns
+    )  # the other member, not the ends
 
 
 def _get(base: str, name: str, identity: object, token: str) -> httpx.Response:
-    return httpx.get(f"{base}/fragments/{name}", verify=identity.client_context(),  # type: ignore[attr-defined]
-                     headers={"Authorization": f"Bearer {token}"}, timeout=30)
+    return httpx.get(
+        f"{base}/fragments/{name}",
+        verify=identity.client_context(),  # type: ignore[attr-defined]
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )

@@ -45,81 +45,172 @@ def _down() -> None:
 @pytest.fixture(scope="module")
 def namespaces() -> Iterator[None]:
     if os.geteuid() != 0 or shutil.which("ip") is None or IPTABLES is None:
-        pytest.skip("needs root, iproute2 and iptables (install.sh --test installs them where it can)")
+        pytest.skip(
+            "needs root, iproute2 and iptables (install.sh --test installs them where it can)"
+        )
     _down()
     try:
         for ns in (NS_OPEN, NS_WALLED):
             _run("ip", "netns", "add", ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-        _run("ip", "link", "add", "slrelay-a", "netns", NS_OPEN, "type", "veth", "peer", "name", "slrelay-b",
-             "netns", NS_WALLED)  # fmt: skip
-        for ns, dev, address in ((NS_OPEN, "slrelay-a", ADDRESS_OPEN), (NS_WALLED, "slrelay-b", ADDRESS_WALLED)):
+        _run(
+            "ip",
+            "link",
+            "add",
+            "slrelay-a",
+            "netns",
+            NS_OPEN,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "slrelay-b",
+            "netns",
+            NS_WALLED,
+        )
+        for ns, dev, address in (
+            (NS_OPEN, "slrelay-a", ADDRESS_OPEN),
+            (NS_WALLED, "slrelay-b", ADDRESS_WALLED),
+        ):
             _run("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", dev)
             _run("ip", "-n", ns, "link", "set", dev, "up")
         # behind NAT: no connection attempt reaches it, its own connections (and replies) do
-        _run("ip", "netns", "exec", NS_WALLED, IPTABLES, "-A", "INPUT", "-i", "slrelay-b", "-p", "tcp", "--syn",
-             "-j", "DROP")  # fmt: skip
+        _run(
+            "ip",
+            "netns",
+            "exec",
+            NS_WALLED,
+            IPTABLES,
+            "-A",
+            "INPUT",
+            "-i",
+            "slrelay-b",
+            "-p",
+            "tcp",
+            "--syn",
+            "-j",
+            "DROP",
+        )
     except subprocess.CalledProcessError as exc:
         _down()
-        pytest.skip(f"cannot make network namespaces here: {exc.stderr.decode(errors='replace').strip()}")
+        pytest.skip(
+            f"cannot make network namespaces here: {exc.stderr.decode(errors='replace').strip()}"
+        )
     yield
     _down()
 
 
-def _in(ns: str, args: list[str], env: dict[str, str], log: Path | None = None) -> subprocess.Popen[str]:
+def _in(
+    ns: str, args: list[str], env: dict[str, str], log: Path | None = None
+) -> subprocess.Popen[str]:
     """A process in namespace ``ns``; its output to ``log``, or to a pipe the caller reads."""
     out = log.open("w") if log is not None else subprocess.PIPE
-    return subprocess.Popen(["ip", "netns", "exec", ns, *args], env=env, stdout=out, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    return subprocess.Popen(
+        ["ip", "netns", "exec", ns, *args], env=env, stdout=out, stderr=subprocess.STDOUT, text=True
+    )
 
 
 def _ask(question: str, port: int) -> dict:
     """The API's answer, asked from inside the first namespace (where the API listens)."""
-    body = {"model": "default", "messages": [{"role": "user", "content": question}], "temperature": 0,
-            "max_tokens": 24}  # fmt: skip
-    code = (f"import httpx, json; r = httpx.post('http://{ADDRESS_OPEN}:{port}/v1/chat/completions', "
-            f"json={body!r}, timeout=300); print(json.dumps(r.json()))")  # fmt: skip
-    out = subprocess.run(["ip", "netns", "exec", NS_OPEN, sys.executable, "-c", code], capture_output=True,
-                         text=True, timeout=360)  # fmt: skip
+    body = {
+        "model": "default",
+        "messages": [{"role": "user", "content": question}],
+        "temperature": 0,
+        "max_tokens": 24,
+    }
+    code = (
+        f"import httpx, json; r = httpx.post('http://{ADDRESS_OPEN}:{port}/v1/chat/completions', "
+        f"json={body!r}, timeout=300); print(json.dumps(r.json()))"
+    )
+    out = subprocess.run(
+        ["ip", "netns", "exec", NS_OPEN, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=360,
+    )
     assert out.returncode == 0, out.stderr
     return dict(json.loads(out.stdout))
 
 
 def _status(port: int) -> dict:
     code = f"import httpx; print(httpx.get('http://{ADDRESS_OPEN}:{port}/api/status', timeout=30).text)"
-    out = subprocess.run(["ip", "netns", "exec", NS_OPEN, sys.executable, "-c", code], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        ["ip", "netns", "exec", NS_OPEN, sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     return dict(json.loads(out.stdout)) if out.returncode == 0 and out.stdout.strip() else {}
 
 
-def test_a_node_behind_a_firewall_serves_through_the_relay(namespaces: None, tmp_path: Path) -> None:
+def test_a_node_behind_a_firewall_serves_through_the_relay(
+    namespaces: None, tmp_path: Path
+) -> None:
     port, control = 28301, 28302
     env = {**os.environ, "SEAMLINE_CACHE": str(tmp_path / "coordinator")}
-    serve = _in(NS_OPEN, seamline_cmd("serve", "--host", ADDRESS_OPEN, "--port", str(port), "--control-port",
-                                      str(control), "--no-local-node", "--nodes-expected", "2", "--context",
-                                      str(CONTEXT), "--precision", "exact"), env)  # fmt: skip
+    serve = _in(
+        NS_OPEN,
+        seamline_cmd(
+            "serve",
+            "--host",
+            ADDRESS_OPEN,
+            "--port",
+            str(port),
+            "--control-port",
+            str(control),
+            "--no-local-node",
+            "--nodes-expected",
+            "2",
+            "--context",
+            str(CONTEXT),
+            "--precision",
+            "exact",
+        ),
+        env,
+    )
     procs = [serve]
     try:
         token = _token(serve)
         cap = f"{memory_cap_gb(None, 2, CONTEXT):.3f}"
         for ns, node in ((NS_OPEN, "open"), (NS_WALLED, "walled")):
-            node_env = {**os.environ, "SEAMLINE_CACHE": str(tmp_path / node), "SEAMLINE_INVITE": token}
-            procs.append(_in(ns, seamline_cmd("join", "--node-id", node, "--quiet", "--no-progress",
-                                              "--max-memory", cap), node_env, tmp_path / f"{node}.log"))  # fmt: skip
+            node_env = {
+                **os.environ,
+                "SEAMLINE_CACHE": str(tmp_path / node),
+                "SEAMLINE_INVITE": token,
+            }
+            procs.append(
+                _in(
+                    ns,
+                    seamline_cmd(
+                        "join", "--node-id", node, "--quiet", "--no-progress", "--max-memory", cap
+                    ),
+                    node_env,
+                    tmp_path / f"{node}.log",
+                )
+            )
         status = _wait_ready(port)
         assert len(status["stages"]) == 2, status
         nodes = {n["node_id"]: n for n in status["nodes"]}
         assert nodes["walled"]["relayed"] and not nodes["open"]["relayed"], nodes
         assert status["relayed_links"] == 1, status  # the one data link that reaches "walled"
         assert nodes["walled"]["rtt_ms"] is not None and nodes["walled"]["bandwidth_mb_s"] > 0
-        (pair,) = status["links"]  # measured by the nodes through the relay, as their data link goes
-        assert sorted(pair["nodes"]) == ["open", "walled"] and pair["relayed"] and pair["rtt_ms"] > 0, pair
+        (pair,) = status[
+            "links"
+        ]  # measured by the nodes through the relay, as their data link goes
+        assert (
+            sorted(pair["nodes"]) == ["open", "walled"] and pair["relayed"] and pair["rtt_ms"] > 0
+        ), pair
         model = LocalModel.load(context=CONTEXT)
         ids = model.codec.encode_chat([{"role": "user", "content": QUESTION}])
         from seamline.params import SamplingParams
 
-        expected = model.codec.decode(list(model.engine.generate(ids, SamplingParams(max_tokens=24,
-                                                                                     stop_token_ids=model.codec.stop_ids))))
+        expected = model.codec.decode(
+            list(
+                model.engine.generate(
+                    ids, SamplingParams(max_tokens=24, stop_token_ids=model.codec.stop_ids)
+                )
+            )
+        )
         assert _ask(QUESTION, port)["choices"][0]["message"]["content"] == expected
     finally:
         for proc in procs:

@@ -26,9 +26,15 @@ from tests.support.tls_peers import member, tls_link
 CONTEXT = 1024
 
 
-def test_a_restarted_coordinator_takes_its_nodes_back_without_invites_or_downloads(tmp_path: Path) -> None:
-    mesh = MeshProcesses(tmp_path, nodes=2, node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
-                         serve_args=("--context", str(CONTEXT)))  # fmt: skip
+def test_a_restarted_coordinator_takes_its_nodes_back_without_invites_or_downloads(
+    tmp_path: Path,
+) -> None:
+    mesh = MeshProcesses(
+        tmp_path,
+        nodes=2,
+        node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
+        serve_args=("--context", str(CONTEXT)),
+    )
     try:
         mesh.start()
         mesh.wait_ready()
@@ -69,23 +75,39 @@ def _restarted_with_other_weights(mesh: MeshProcesses, folder: Path) -> None:
     assert planned and all(downloaded[node] > 0 for node in planned), status
     local = LocalModel.load(folder, context=MOE_CONTEXT)
     ids = local.codec.encode_chat([{"role": "user", "content": QUESTION}])
-    expected = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=16, temperature=0))))
+    expected = local.codec.decode(
+        list(local.engine.generate(ids, SamplingParams(max_tokens=16, temperature=0)))
+    )
     assert ask(mesh, QUESTION, 16)["choices"][0]["message"]["content"] == expected
 
 
 def _an_impostor_cannot_rejoin(mesh: MeshProcesses) -> None:
     """Rejoining takes a certificate naming the node from this mesh's CA: another CA's (the TLS
     handshake fails), or a member's certificate rejoining as another node, is refused."""
-    join = Join(node_id="node9", proof="", protocol_version=1, resources=Resources(free_memory_bytes=1 << 30,
-                bytes_per_second=1e9), data_host="127.0.0.1", data_port=9)  # fmt: skip
-    with Link.connect("127.0.0.1", mesh.control_port, tls=member(mesh.root, "node8").client_context()) as link:
+    join = Join(
+        node_id="node9",
+        proof="",
+        protocol_version=1,
+        resources=Resources(free_memory_bytes=1 << 30, bytes_per_second=1e9),
+        data_host="127.0.0.1",
+        data_port=9,
+    )
+    with Link.connect(
+        "127.0.0.1", mesh.control_port, tls=member(mesh.root, "node8").client_context()
+    ) as link:
         assert isinstance(link.recv(deadline_s=10), Challenge)
         link.send_message(Rejoin(join=join))
         answer = link.recv(deadline_s=10)
         assert isinstance(answer, Refuse) and "rejoined as node node9" in answer.reason, answer
     with pytest.raises(LinkClosed):
-        with tls_link(("127.0.0.1", mesh.control_port), MeshAuthority.create().identity("node9"), trusting=True) as link:
-            assert isinstance(link.recv(deadline_s=10), Challenge)  # TLS 1.3: refused on the first read
+        with tls_link(
+            ("127.0.0.1", mesh.control_port),
+            MeshAuthority.create().identity("node9"),
+            trusting=True,
+        ) as link:
+            assert isinstance(
+                link.recv(deadline_s=10), Challenge
+            )  # TLS 1.3: refused on the first read
             link.send_message(Rejoin(join=join))
             link.recv(deadline_s=10)
     assert "node9" not in [n["node_id"] for n in mesh.status()["nodes"]]

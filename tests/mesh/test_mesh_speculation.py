@@ -15,7 +15,9 @@ from tests.support.v4_folder import CONTEXT, build_v4_folder
 from tests.support.v4_reference import with_tokenizer
 
 
-def _answers(root: Path, *serve_args: str, stages: int = 2, model: Path | None = None) -> tuple[list[str], dict[str, float]]:
+def _answers(
+    root: Path, *serve_args: str, stages: int = 2, model: Path | None = None
+) -> tuple[list[str], dict[str, float]]:
     return speculation_answers(root, *serve_args, stages=stages, model=model, context=CONTEXT)
 
 

@@ -25,18 +25,24 @@ def small_cache(tmp_path: Path) -> Iterator[Path]:
         yield folder
 
 
-def test_a_start_up_failed_for_want_of_disk_is_retried_and_heals_once_there_is_room(small_cache: Path) -> None:
+def test_a_start_up_failed_for_want_of_disk_is_retried_and_heals_once_there_is_room(
+    small_cache: Path,
+) -> None:
     mesh = MeshProcesses(small_cache.parent, nodes=1, serve_args=("--context", str(CONTEXT)))
     try:
         mesh.start()
-        failed = lambda: [line for line in mesh.output if "start-up failed" in line and "planning again" in line]  # noqa: E731
+        failed = lambda: [
+            line for line in mesh.output if "start-up failed" in line and "planning again" in line
+        ]  # noqa: E731
         wait_until(lambda: len(failed()) >= 2, "the start-up to fail and be tried again")
         assert "free some space" in failed()[0], failed()
         grow(small_cache, "2g")
         mesh.wait_ready()
         local = LocalModel.load(context=CONTEXT)
         ids = local.codec.encode_chat([{"role": "user", "content": QUESTION}])
-        expected = local.codec.decode(list(local.engine.generate(ids, SamplingParams(max_tokens=12, temperature=0))))
+        expected = local.codec.decode(
+            list(local.engine.generate(ids, SamplingParams(max_tokens=12, temperature=0)))
+        )
         assert ask(mesh, QUESTION, 12)["choices"][0]["message"]["content"] == expected
     finally:
         mesh.stop()

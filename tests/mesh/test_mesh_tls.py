@@ -12,7 +12,6 @@ from pathlib import Path
 import torch
 
 from seamline.app import LocalModel
-from seamline_bench.tls_hop import link_pair
 from seamline.mesh.identity import COORDINATOR_ID, Identity, MeshAuthority
 from seamline.mesh.protocol.invite import new_invite
 from seamline.net.frames import EMPTY_HASH, MAGIC, HiddenFrame, Row
@@ -22,6 +21,7 @@ from seamline.net.tls import GroupTls
 from seamline.parallel import CommError, GateTag
 from seamline.parallel.tcp_comm import TcpComm
 from seamline.server.demo import memory_cap_gb
+from seamline_bench.tls_hop import link_pair
 from tests.support.mesh import ask, expected_text
 from tests.support.mesh_harness import MeshProcesses, join_once
 
@@ -78,11 +78,17 @@ def test_a_mesh_over_tls_answers_as_one_process_with_nothing_in_the_clear(tmp_pa
     from seamline.mesh.protocol.invite import Invite
 
     model = LocalModel.load(context=CONTEXT)
-    mesh = MeshProcesses(tmp_path, nodes=2, node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
-                         serve_args=("--context", str(CONTEXT))).start(join=False)  # fmt: skip
+    mesh = MeshProcesses(
+        tmp_path,
+        nodes=2,
+        node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
+        serve_args=("--context", str(CONTEXT)),
+    ).start(join=False)
     proxy = RecordingProxy(("127.0.0.1", mesh.control_port))
     try:
-        through_proxy = dataclasses.replace(Invite.decode(mesh.token), control_port=proxy.port).encode()
+        through_proxy = dataclasses.replace(
+            Invite.decode(mesh.token), control_port=proxy.port
+        ).encode()
         for node in ("node0", "node1"):
             mesh.join(node, token=through_proxy)
         status = mesh.wait_ready()
@@ -95,13 +101,23 @@ def test_a_mesh_over_tls_answers_as_one_process_with_nothing_in_the_clear(tmp_pa
     ids = model.codec.encode_chat([{"role": "user", "content": QUESTION}])
     seen = bytes(proxy.seen)
     assert len(seen) > 10_000  # the recording did capture the links' traffic
-    for clear in (MAGIC, b'"kind"', b'"tokens"', b"prompt", ", ".join(map(str, ids[:6])).encode(),
-                  ",".join(map(str, ids[:6])).encode()):  # fmt: skip
+    for clear in (
+        MAGIC,
+        b'"kind"',
+        b'"tokens"',
+        b"prompt",
+        ", ".join(map(str, ids[:6])).encode(),
+        ",".join(map(str, ids[:6])).encode(),
+    ):
         assert clear not in seen, clear
 
 
-def _group(identities: list[Identity], names: tuple[str, ...], run: Callable[[TcpComm, int], object],
-           timeout_s: float = 10.0) -> list[object]:
+def _group(
+    identities: list[Identity],
+    names: tuple[str, ...],
+    run: Callable[[TcpComm, int], object],
+    timeout_s: float = 10.0,
+) -> list[object]:
     """Run a 2-rank TcpComm over TLS on threads; each rank's result, or the exception it raised."""
     ports = [listen("127.0.0.1", 0) for _ in identities]
     addresses = [("127.0.0.1", int(p.getsockname()[1])) for p in ports]
@@ -112,7 +128,9 @@ def _group(identities: list[Identity], names: tuple[str, ...], run: Callable[[Tc
     def rank(r: int) -> None:
         tls = GroupTls(identities[r].server_context(), identities[r].client_context(), names)
         try:
-            comm = TcpComm.connect(r, len(identities), addresses, timeout_s, "fp", connect_timeout_s=timeout_s, tls=tls)
+            comm = TcpComm.connect(
+                r, len(identities), addresses, timeout_s, "fp", connect_timeout_s=timeout_s, tls=tls
+            )
             results[r] = run(comm, r)
             comm.close()
         except Exception as exc:  # the test reads it
@@ -145,7 +163,9 @@ def test_lockstep_comm_over_mutual_tls_sums_and_refuses_the_wrong_certificate() 
         assert torch.equal(result[1], torch.arange(1 << 18, dtype=torch.float32) * 3)
     wrong_name = _group([ca.identity("node0"), ca.identity("mallory")], names, sums, timeout_s=5)
     assert isinstance(wrong_name[0], CommError) and "'mallory'" in str(wrong_name[0]), wrong_name
-    foreign = _group([ca.identity("node0"), MeshAuthority.create().identity("node1")], names, sums, timeout_s=5)
+    foreign = _group(
+        [ca.identity("node0"), MeshAuthority.create().identity("node1")], names, sums, timeout_s=5
+    )
     assert all(isinstance(r, CommError) for r in foreign), foreign
     assert any("refused" in str(r) for r in foreign), foreign
 
@@ -157,14 +177,18 @@ def test_a_node_refuses_a_coordinator_whose_certificate_another_ca_issued(tmp_pa
     real = MeshAuthority.create()
     impostor = MeshAuthority.create().identity(COORDINATOR_ID)
     server = listen("127.0.0.1", 0)
-    invite = new_invite(("127.0.0.1",), server.getsockname()[1], 1, ttl_s=60, ca_fingerprint=real.fingerprint)
+    invite = new_invite(
+        ("127.0.0.1",), server.getsockname()[1], 1, ttl_s=60, ca_fingerprint=real.fingerprint
+    )
     joined: list[object] = []
 
     def answer() -> None:
         sock, _ = server.accept()
         from seamline.net.tls import TlsSocket
 
-        link = Link(TlsSocket.handshake(sock, impostor.server_context(require_peer=False), True, 10))
+        link = Link(
+            TlsSocket.handshake(sock, impostor.server_context(require_peer=False), True, 10)
+        )
         link.send_message(Challenge(nonce="0123", ca_certificate=real.ca_pem))
         try:
             joined.append(link.recv(deadline_s=20))
@@ -178,14 +202,20 @@ def test_a_node_refuses_a_coordinator_whose_certificate_another_ca_issued(tmp_pa
     deadline = time.monotonic() + 10
     while not joined and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert joined and isinstance(joined[0], Exception), joined  # no Join (with its proof) reached the impostor
+    assert joined and isinstance(joined[0], Exception), (
+        joined
+    )  # no Join (with its proof) reached the impostor
     server.close()
 
 
 def test_an_expired_member_certificate_cannot_join_a_group() -> None:
     ca = MeshAuthority.create()
-    results = _group([ca.identity("node0"), ca.identity("node1", ttl_s=-60)], ("node0", "node1"),
-                     lambda comm, r: comm.all_reduce(torch.ones(2), GateTag(0, 0, 1)), timeout_s=5)  # fmt: skip
+    results = _group(
+        [ca.identity("node0"), ca.identity("node1", ttl_s=-60)],
+        ("node0", "node1"),
+        lambda comm, r: comm.all_reduce(torch.ones(2), GateTag(0, 0, 1)),
+        timeout_s=5,
+    )
     assert all(isinstance(r, CommError) for r in results), results
     assert any("expired" in str(r) for r in results), results
 

@@ -17,6 +17,8 @@ def test_v4_mesh_of_two_stages_matches_single_process(tmp_path: Path) -> None:
     local = LocalModel.load(folder, context=CONTEXT)
     ids = local.codec.encode(PROMPT)
     tokens = list(local.engine.generate(ids, SamplingParams(max_tokens=24)))
-    assert len(tokens) == 24 and len(set(tokens)) > 1  # a run long enough to cross windows, not one token
+    assert (
+        len(tokens) == 24 and len(set(tokens)) > 1
+    )  # a run long enough to cross windows, not one token
     expected = local.codec.decode(tokens)
     assert split_completion(tmp_path / "mesh", folder, PROMPT, 24, CONTEXT) == expected

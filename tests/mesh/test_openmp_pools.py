@@ -57,18 +57,28 @@ os._exit(0)  # not Python's finalisation, which ends the daemon batch thread whe
 
 
 def _switches_per_token(direct: bool) -> float:
-    proc = subprocess.run([sys.executable, "-c", SERVED.format(direct=direct)], capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", SERVED.format(direct=direct)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return float(json.loads(proc.stdout.strip().splitlines()[-1])["per_token"])
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts context switches in /proc (Linux)")
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir(), reason="counts context switches in /proc (Linux)"
+)
 def test_served_model_generates_with_spinning_workers() -> None:
     loaded_here = _switches_per_token(direct=True)
     served = _switches_per_token(direct=False)
-    assert loaded_here > 100, f"the premise: a model loaded on another thread sleeps its workers ({loaded_here:.0f})"
-    assert served < 50, f"{served:.0f} voluntary context switches per token: OpenMP workers sleep between regions"
+    assert loaded_here > 100, (
+        f"the premise: a model loaded on another thread sleeps its workers ({loaded_here:.0f})"
+    )
+    assert served < 50, (
+        f"{served:.0f} voluntary context switches per token: OpenMP workers sleep between regions"
+    )
 
 
 def _process_switches(pid: int) -> int:
@@ -80,21 +90,32 @@ def _process_switches(pid: int) -> int:
     return total
 
 
-@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts context switches in /proc (Linux)")
+@pytest.mark.skipif(
+    not Path("/proc/self/task").is_dir(), reason="counts context switches in /proc (Linux)"
+)
 def test_mesh_nodes_generate_with_spinning_workers(tmp_path: Path) -> None:
     """A node measures its speed as it joins, loads its stage and answers probes on threads of
     its own, and computes on another: only the computing thread's pool may last. A few
     switches per token are the links' (a read that waits); a sleeping pool makes hundreds."""
-    mesh = MeshProcesses(tmp_path, nodes=2, node_memory_gb=memory_cap_gb(None, 2, 1024, dtype_bytes=2),
-                         serve_args=("--context", "1024", "--precision", "fast"))  # fmt: skip
+    mesh = MeshProcesses(
+        tmp_path,
+        nodes=2,
+        node_memory_gb=memory_cap_gb(None, 2, 1024, dtype_bytes=2),
+        serve_args=("--context", "1024", "--precision", "fast"),
+    )
     mesh.start()
     try:
         mesh.wait_ready()
         client = mesh.client()
 
         def generate(count: int) -> int:
-            reply = client.completions.create(model="default", prompt="Once upon a time", max_tokens=count,
-                                              temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            reply = client.completions.create(
+                model="default",
+                prompt="Once upon a time",
+                max_tokens=count,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             assert reply.usage is not None
             return reply.usage.completion_tokens
 
@@ -104,7 +125,9 @@ def test_mesh_nodes_generate_with_spinning_workers(tmp_path: Path) -> None:
         after = [_process_switches(proc.pid) for proc in mesh.node_procs]
         per_token = [(a - b) / count for a, b in zip(after, before, strict=True)]
         assert count == 64
-        assert max(per_token) < 50, f"{per_token} voluntary context switches per token: OpenMP workers sleep"
+        assert max(per_token) < 50, (
+            f"{per_token} voluntary context switches per token: OpenMP workers sleep"
+        )
     finally:
         mesh.stop()
 

@@ -22,8 +22,14 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from transformers import LlamaConfig
 
     folder = tmp_path_factory.mktemp("good")
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     save_random_model(config, folder)
     return folder
 
@@ -50,7 +56,9 @@ def test_wrong_shape(good: Path, tmp_path: Path) -> None:
 
 
 def test_wrong_dtype(good: Path, tmp_path: Path) -> None:
-    folder = _edited(good, tmp_path, lambda t: t.update({Q_PROJ: torch.zeros(32, 32, dtype=torch.int32)}))
+    folder = _edited(
+        good, tmp_path, lambda t: t.update({Q_PROJ: torch.zeros(32, 32, dtype=torch.int32)})
+    )
     with pytest.raises(CheckpointError, match=f"{Q_PROJ} has dtype torch.int32"):
         load_stage(open_source(folder))
 

@@ -24,8 +24,16 @@ from tests.support.deepseek import build_deepseek
 from tests.support.oss import save_oss
 from tests.support.reference import save_random_model
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, max_position_embeddings=128)  # fmt: skip
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+)
 
 
 def _edit_config(folder: Path, **fields: Any) -> Path:
@@ -43,23 +51,35 @@ def qwen3(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize(("types", "said"), [
-    (["sliding_attention", "chunked_attention", "full_attention", "full_attention"],
-     "layer_types[1] is 'chunked_attention'"),
-    (["sliding_attention", "full_attention"], "layer_types names 2 layers; the model has 4"),
-])  # fmt: skip
-def test_layer_types_seamline_does_not_know_are_one_line(qwen3: Path, tmp_path: Path, types: list[str],
-                                                         said: str) -> None:  # fmt: skip
-    folder = _edit_config(_copy(qwen3, tmp_path), layer_types=types, use_sliding_window=True, sliding_window=8)
+@pytest.mark.parametrize(
+    ("types", "said"),
+    [
+        (
+            ["sliding_attention", "chunked_attention", "full_attention", "full_attention"],
+            "layer_types[1] is 'chunked_attention'",
+        ),
+        (["sliding_attention", "full_attention"], "layer_types names 2 layers; the model has 4"),
+    ],
+)
+def test_layer_types_seamline_does_not_know_are_one_line(
+    qwen3: Path, tmp_path: Path, types: list[str], said: str
+) -> None:
+    folder = _edit_config(
+        _copy(qwen3, tmp_path), layer_types=types, use_sliding_window=True, sliding_window=8
+    )
     assert_clean_error(seamline("run", "--model", str(folder), "-p", "hi"), said)
 
 
 @pytest.mark.parametrize(("field", "value"), [("num_local_experts", 4), ("kv_lora_rank", 32)])
-def test_a_config_mixing_two_families_is_one_line(qwen3: Path, tmp_path: Path, field: str, value: int) -> None:
+def test_a_config_mixing_two_families_is_one_line(
+    qwen3: Path, tmp_path: Path, field: str, value: int
+) -> None:
     """A dense Qwen3 with Mixtral's experts or DeepSeek's latent attention would run as a dense
     Qwen3 without a word: refused, naming the field and its value."""
     folder = _edit_config(_copy(qwen3, tmp_path), **{field: value})
-    assert_clean_error(seamline("run", "--model", str(folder), "-p", "hi"), f"sets {field} = {value}")
+    assert_clean_error(
+        seamline("run", "--model", str(folder), "-p", "hi"), f"sets {field} = {value}"
+    )
     with pytest.raises(ConfigError, match=f"'qwen3' but it sets {field}"):
         ModelConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
 
@@ -67,7 +87,9 @@ def test_a_config_mixing_two_families_is_one_line(qwen3: Path, tmp_path: Path, f
 def test_the_families_own_fields_pass() -> None:
     """Each field in a family that reads it (transformers 5 writes Qwen3-MoE's experts as num_local_experts)."""
     mixtral = transformers.MixtralConfig(**SMALL, num_local_experts=4).to_dict()
-    qwen3_moe = transformers.Qwen3MoeConfig(**SMALL, num_experts=4, moe_intermediate_size=32).to_dict()
+    qwen3_moe = transformers.Qwen3MoeConfig(
+        **SMALL, num_experts=4, moe_intermediate_size=32
+    ).to_dict()
     renamed = {k: v for k, v in qwen3_moe.items() if k != "num_experts"} | {"num_local_experts": 4}
     for d in (mixtral, qwen3_moe, renamed):
         assert ModelConfig.from_hf_dict(d).num_experts == 4
@@ -76,13 +98,20 @@ def test_the_families_own_fields_pass() -> None:
 def test_an_mxfp4_scale_that_is_no_power_of_two_is_named(tmp_path: Path) -> None:
     """A gpt-oss GGUF with MXFP4 experts, one block's scale byte set to 0xFF (NaN in UE8M0)."""
     save_oss(tmp_path / "hf")
-    path = write_gguf_from_folder(tmp_path / "hf", tmp_path / "oss.gguf",
-                                  lambda name, shape: Q.MXFP4 if name.endswith("_exps.weight") else Q.F32)
-    info = next(t for t in GGUFFile.open(path).tensors.values() if t.name.endswith("ffn_gate_exps.weight"))
+    path = write_gguf_from_folder(
+        tmp_path / "hf",
+        tmp_path / "oss.gguf",
+        lambda name, shape: Q.MXFP4 if name.endswith("_exps.weight") else Q.F32,
+    )
+    info = next(
+        t for t in GGUFFile.open(path).tensors.values() if t.name.endswith("ffn_gate_exps.weight")
+    )
     data = bytearray(path.read_bytes())
     data[info.offset + 17] = 0xFF  # the second block's scale
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"{info.name} \(MXFP4\): block scale 1 is the UE8M0 byte 0xFF"):
+    with pytest.raises(
+        CheckpointError, match=rf"{info.name} \(MXFP4\): block scale 1 is the UE8M0 byte 0xFF"
+    ):
         load_stage(open_source(path))
 
 
@@ -91,7 +120,9 @@ def test_a_tokenizer_past_the_embedding_is_one_line(tmp_path: Path) -> None:
     vocabulary: refused at load, not an IndexError at the first prompt."""
     _, folder = build_deepseek(tmp_path, "v2_lite_greedy")
     assert not (folder / "tokenizer.json").exists()
-    assert_clean_error(seamline("run", "--model", str(folder), "-p", "hi"), "embedding has 256 rows")
+    assert_clean_error(
+        seamline("run", "--model", str(folder), "-p", "hi"), "embedding has 256 rows"
+    )
 
 
 def _copy(folder: Path, tmp_path: Path) -> Path:

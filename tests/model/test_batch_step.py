@@ -39,8 +39,12 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def _run_batched(stage: Stage, prompts: list[list[int]], params: list[SamplingParams],
-                 prefill_chunk: int | None = None) -> list[tuple[SequenceState, list[torch.Tensor]]]:  # fmt: skip
+def _run_batched(
+    stage: Stage,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    prefill_chunk: int | None = None,
+) -> list[tuple[SequenceState, list[torch.Tensor]]]:
     core = EngineCore.local(stage, context_length=512, max_step_tokens=24)
     scheduler = core.scheduler
     scheduler.prefill_chunk = prefill_chunk
@@ -75,7 +79,9 @@ def test_prompts_in_chunks_of_a_few_rows_draw_as_each_sequence_alone(tmp_path: P
     runs = _run_batched(stage, prompts, params, prefill_chunk=5)
     engine = Engine(stage, 512)
     for (sequence, logits), prompt in zip(runs, prompts):
-        assert sequence.tokens == list(engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS)))
+        assert sequence.tokens == list(
+            engine.generate(prompt, SamplingParams(max_tokens=NEW_TOKENS))
+        )
         assert len(logits) == NEW_TOKENS
 
 
@@ -83,7 +89,9 @@ def test_a_prompt_chunk_takes_at_most_prefill_chunk_rows(tmp_path: Path) -> None
     stage = _stage("dense", tmp_path)
     core = EngineCore.local(stage, context_length=512, max_step_tokens=24)
     core.scheduler.prefill_chunk = 5
-    sequence = core.scheduler.add(list(range(3, 43)), SamplingParams(max_tokens=1))  # 40 prompt tokens
+    sequence = core.scheduler.add(
+        list(range(3, 43)), SamplingParams(max_tokens=1)
+    )  # 40 prompt tokens
     steps = 0
     while not core.scheduler.idle:
         assert sequence.cached <= 5 * steps  # never more than 5 of its rows in one step
@@ -111,7 +119,10 @@ def test_batched_greedy_equals_each_sequence_alone(kind: str, tmp_path: Path) ->
 def test_seeded_sampling_is_the_same_alone_and_batched(tmp_path: Path) -> None:
     stage = _stage("dense", tmp_path)
     prompts = _prompts(256)
-    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=NEW_TOKENS) for i in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i, max_tokens=NEW_TOKENS)
+        for i in range(len(prompts))
+    ]
     runs = _run_batched(stage, prompts, params)
     engine = Engine(stage, 512)
     for (sequence, _), prompt, p in zip(runs, prompts, params):
@@ -136,12 +147,16 @@ def test_stop_token_and_context_end_finish_a_sequence(tmp_path: Path) -> None:
 
 def _held(scheduler: Scheduler) -> int:
     """The bytes the running sequences' caches and the kept prefixes take, as allocated."""
-    return sum(s.cache.nbytes() for s in scheduler.running if s.cache is not None) + scheduler.prefix.held_bytes()
+    return (
+        sum(s.cache.nbytes() for s in scheduler.running if s.cache is not None)
+        + scheduler.prefix.held_bytes()
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
-def test_a_full_kv_budget_preempts_and_recomputes_without_changing_any_token(temperature: float,
-                                                                             tmp_path: Path) -> None:  # fmt: skip
+def test_a_full_kv_budget_preempts_and_recomputes_without_changing_any_token(
+    temperature: float, tmp_path: Path
+) -> None:
     """A budget that holds every prompt's first buffer (256 positions) but not every cache grown
     past it: sequences are admitted as they fit now, the newest is preempted when the next step
     would not fit, and readmitted it recomputes its history; every sequence's tokens equal its
@@ -151,9 +166,13 @@ def test_a_full_kv_budget_preempts_and_recomputes_without_changing_any_token(tem
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (250, 241, 246, 238)]
     new_tokens = 24  # each cache grows past 256 positions, to its prompt + max_tokens
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=new_tokens) for i in range(4)]
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=new_tokens) for i in range(4)
+    ]
     probe = Scheduler(stage, context_length=2048)
-    budget = (4 * 256 + new_tokens) * probe.kv_bytes_per_token  # every first buffer, one cache grown
+    budget = (
+        4 * 256 + new_tokens
+    ) * probe.kv_bytes_per_token  # every first buffer, one cache grown
     core = EngineCore.local(stage, context_length=2048, kv_budget_bytes=budget)
     scheduler = core.scheduler
     sequences = [scheduler.add(p, q) for p, q in zip(prompts, params)]
@@ -178,7 +197,10 @@ def test_many_short_sequences_hold_no_more_memory_than_the_budget(tmp_path: Path
     held stays within the budget at every step, and every request still ends."""
     stage = _stage("dense", tmp_path)
     gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 256, (int(n),), generator=gen).tolist() for n in torch.randint(6, 13, (40,), generator=gen)]
+    prompts = [
+        torch.randint(3, 256, (int(n),), generator=gen).tolist()
+        for n in torch.randint(6, 13, (40,), generator=gen)
+    ]
     probe = Scheduler(stage, context_length=2048)
     budget = 8 * (12 + 8) * probe.kv_bytes_per_token
     core = EngineCore.local(stage, context_length=2048, kv_budget_bytes=budget)
@@ -208,7 +230,9 @@ def test_a_shared_prompt_prefix_is_copied_not_recomputed(tmp_path: Path) -> None
     twins = [scheduler.add(system + [7], params) for _ in range(2)]
     rows = []
     forward = stage.forward_batch
-    stage.forward_batch = lambda inputs, spans, last_only=False: rows.append(len(inputs)) or forward(inputs, spans, last_only)  # type: ignore[method-assign]
+    stage.forward_batch = lambda inputs, spans, last_only=False: (
+        rows.append(len(inputs)) or forward(inputs, spans, last_only)
+    )  # type: ignore[method-assign]
     logits: dict[int, list[torch.Tensor]] = {}
     try:
         while not scheduler.idle:
@@ -236,7 +260,11 @@ def test_a_seeded_sequence_replayed_from_its_history_goes_on_as_before(tmp_path:
     params = SamplingParams(temperature=1.0, seed=5, max_tokens=NEW_TOKENS)
     engine = Engine(stage, 512)
     whole = list(engine.generate(prompt, params))
-    resumed = list(engine.generate(prompt + whole[:5], SamplingParams(temperature=1.0, seed=5, max_tokens=NEW_TOKENS - 5)))
+    resumed = list(
+        engine.generate(
+            prompt + whole[:5], SamplingParams(temperature=1.0, seed=5, max_tokens=NEW_TOKENS - 5)
+        )
+    )
     assert resumed == whole[5:]
 
 

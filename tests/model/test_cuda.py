@@ -22,7 +22,9 @@ from tests.support.configs import checkpoint_folder, dense_configs
 from tests.support.cuda import embedded_or_standin
 from tests.support.reference import save_random_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)"
+)
 LOGIT_TOLERANCE = 2e-4  # of the largest logit's magnitude
 TOKENS = 32
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -31,11 +33,15 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 def _assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
     scale = want.abs().max().item()
     diff = (got.float().cpu() - want.float()).abs().max().item()
-    assert diff <= LOGIT_TOLERANCE * max(scale, 1.0), f"max |diff| {diff:.3g} against logits up to {scale:.3g}"
+    assert diff <= LOGIT_TOLERANCE * max(scale, 1.0), (
+        f"max |diff| {diff:.3g} against logits up to {scale:.3g}"
+    )
 
 
 def _greedy(model: LocalModel, prompt: list[int]) -> list[int]:
-    return list(model.engine.generate(prompt, SamplingParams(max_tokens=TOKENS)))  # no stop tokens: all 32
+    return list(
+        model.engine.generate(prompt, SamplingParams(max_tokens=TOKENS))
+    )  # no stop tokens: all 32
 
 
 def test_the_embedded_model_on_cuda_gives_the_cpu_exact_path() -> None:
@@ -73,22 +79,32 @@ def test_a_stage_spanning_the_gpu_and_the_cpu_gives_the_cpu_path(tmp_path: Path)
     ids = torch.arange(1, 30)
     want = cpu.forward(ids, 0, cpu.new_cache())
     cache = spanned.new_cache()
-    got = spanned.forward(ids[:20], 0, cache)  # a prompt, then decode rows: the caches live per device
+    got = spanned.forward(
+        ids[:20], 0, cache
+    )  # a prompt, then decode rows: the caches live per device
     _assert_close(got, want[:20])
     for position in range(20, 29):
-        _assert_close(spanned.forward(ids[position : position + 1], position, cache), want[position : position + 1])
+        _assert_close(
+            spanned.forward(ids[position : position + 1], position, cache),
+            want[position : position + 1],
+        )
 
 
-def test_decode_steps_replayed_as_cuda_graphs_give_the_eager_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_decode_steps_replayed_as_cuda_graphs_give_the_eager_steps(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Graphs of 1 row and of 4 (three sequences and a padding row) against eager steps."""
     from seamline.runtime import cuda_graphs
-    from seamline.runtime.scheduler import Scheduler
     from seamline.runtime.core import EngineCore, LocalExecutor
+    from seamline.runtime.scheduler import Scheduler
 
     model = LocalModel.load(embedded_or_standin(), precision="exact", device="cuda")
     stage = model.engine.stage
     assert cuda_graphs.GraphedDecode.fits(stage)
-    prompts = [model.codec.encode_chat([{"role": "user", "content": text}]) for text in (PROMPT, "Hi!", "Count to ten.")]
+    prompts = [
+        model.codec.encode_chat([{"role": "user", "content": text}])
+        for text in (PROMPT, "Hi!", "Count to ten.")
+    ]
 
     def answers(graphs: bool) -> tuple[list[list[int]], cuda_graphs.GraphedDecode | None]:
         executor = LocalExecutor(stage, 4096)

@@ -15,7 +15,9 @@ from seamline.weights.loader import load_stage, open_source
 from tests.support.configs import checkpoint_folder
 from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)")
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (torch sees none here)"
+)
 ATOL_GPU = 1e-3  # random checkpoints' logits are within a few units: 1e-3 is ~1e-4 of their scale
 
 
@@ -29,7 +31,9 @@ def test_two_ranks_on_one_gpu_over_tcp_give_the_engine(tmp_path: Path) -> None:
     run_group(model, 2, ref, ATOL_GPU, transport="tcp", devices=["cuda:0", "cuda:0"])
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL takes one rank per GPU: needs two GPUs")
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL takes one rank per GPU: needs two GPUs"
+)
 def test_two_ranks_on_two_gpus_over_nccl_give_the_engine(tmp_path: Path) -> None:
     model, ref = _reference(tmp_path)
     run_group(model, 2, ref, ATOL_GPU, transport="torch", devices=["cuda:0", "cuda:1"])

@@ -44,7 +44,9 @@ def test_both_attention_paths_with_chunked_prefill(
     ids = deepseek_tokens()
     monkeypatch.setattr(mla.MLAttention, "_prefer_absorbed", lambda self, count: absorbed)
     stage = load_stage(HFFolderSource(folder), None, torch.float32)
-    assert_close_logits(run_stages([stage], ids, chunks=(10, 1, 21)), transformers_logits(model, ids))
+    assert_close_logits(
+        run_stages([stage], ids, chunks=(10, 1, 21)), transformers_logits(model, ids)
+    )
 
 
 @pytest.mark.parametrize("case,cut", [("v3", 1), ("v3", 2), ("v2_group_limited_yarn", 2)])

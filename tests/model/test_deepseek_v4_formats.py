@@ -38,11 +38,16 @@ def _merged(state: dict, dequantized: dict) -> dict:  # type: ignore[type-arg]
     """transformers' state dict with the dequantised weights in its layout (experts fused,
     shared experts and attention renamed), as its own loader would put them."""
     merged = dict(state)
-    renames = {".attn.wq_a.": ".self_attn.q_a_proj.", ".attn.wq_b.": ".self_attn.q_b_proj.",
-               ".attn.wkv.": ".self_attn.kv_proj.", ".attn.wo_a.": ".self_attn.o_a_proj.",
-               ".attn.wo_b.": ".self_attn.o_b_proj.", ".ffn.shared_experts.w1.": ".mlp.shared_experts.gate_proj.",
-               ".ffn.shared_experts.w2.": ".mlp.shared_experts.down_proj.",
-               ".ffn.shared_experts.w3.": ".mlp.shared_experts.up_proj."}  # fmt: skip
+    renames = {
+        ".attn.wq_a.": ".self_attn.q_a_proj.",
+        ".attn.wq_b.": ".self_attn.q_b_proj.",
+        ".attn.wkv.": ".self_attn.kv_proj.",
+        ".attn.wo_a.": ".self_attn.o_a_proj.",
+        ".attn.wo_b.": ".self_attn.o_b_proj.",
+        ".ffn.shared_experts.w1.": ".mlp.shared_experts.gate_proj.",
+        ".ffn.shared_experts.w2.": ".mlp.shared_experts.down_proj.",
+        ".ffn.shared_experts.w3.": ".mlp.shared_experts.up_proj.",
+    }
     experts: dict[tuple[str, int, str], torch.Tensor] = {}
     for name, value in dequantized.items():
         if ".ffn.experts." in name:
@@ -56,9 +61,16 @@ def _merged(state: dict, dequantized: dict) -> dict:  # type: ignore[type-arg]
         merged[name] = value
     for prefix in {p for p, _, _ in experts}:
         count = max(i for p, i, _ in experts if p == prefix) + 1
-        gate_up = torch.stack([torch.cat([experts[(prefix, e, "w1")], experts[(prefix, e, "w3")]]) for e in range(count)])
+        gate_up = torch.stack(
+            [
+                torch.cat([experts[(prefix, e, "w1")], experts[(prefix, e, "w3")]])
+                for e in range(count)
+            ]
+        )
         merged[f"{prefix}.mlp.experts.gate_up_proj"] = gate_up
-        merged[f"{prefix}.mlp.experts.down_proj"] = torch.stack([experts[(prefix, e, "w2")] for e in range(count)])
+        merged[f"{prefix}.mlp.experts.down_proj"] = torch.stack(
+            [experts[(prefix, e, "w2")] for e in range(count)]
+        )
     return merged
 
 
@@ -77,10 +89,20 @@ def test_v4_in_its_formats_equals_the_reference_and_stays_at_its_size(formats) -
     folder, reference, _, _ = formats
     stage = load_stage(open_source(folder))
     experts = stage.layers["1"].ffn.experts_gate_up  # type: ignore[union-attr]
-    assert isinstance(experts, ScaledTensor) and experts.kind == "fp4" and experts.values.dtype == torch.int8
-    assert experts.nbytes == 4 * 2 * 32 * 64 // 2 + 4 * 2 * 32 * 64 // 32 * 4  # half a byte a weight + scales
+    assert (
+        isinstance(experts, ScaledTensor)
+        and experts.kind == "fp4"
+        and experts.values.dtype == torch.int8
+    )
+    assert (
+        experts.nbytes == 4 * 2 * 32 * 64 // 2 + 4 * 2 * 32 * 64 // 32 * 4
+    )  # half a byte a weight + scales
     attention = stage.layers["1"].attn.q_b  # type: ignore[union-attr]
-    assert isinstance(attention, ScaledTensor) and attention.kind == "fp8" and attention.block == (8, 8)
+    assert (
+        isinstance(attention, ScaledTensor)
+        and attention.kind == "fp8"
+        and attention.block == (8, 8)
+    )
     expected = reference_logits(reference, IDS)
     torch.testing.assert_close(stage(IDS, 0, stage.new_cache()), expected, rtol=0, atol=1e-4)
     mine = list(Engine(stage).generate(IDS.tolist(), SamplingParams(max_tokens=16)))
@@ -101,11 +123,16 @@ def test_fragments_and_lockstep_groups_keep_the_formats(formats, tmp_path: Path)
     assert source.stored_type("model.layers.1.ffn.experts.0.w1.weight") == "float4_e2m1"
     assert source.stored_type("model.layers.1.attn.wq_b.weight") == "float8_e4m3"
     whole = load_stage(source)
-    torch.testing.assert_close(whole(IDS, 0, whole.new_cache()), reference_logits(reference, IDS), rtol=0, atol=1e-4)
+    torch.testing.assert_close(
+        whole(IDS, 0, whole.new_cache()), reference_logits(reference, IDS), rtol=0, atol=1e-4
+    )
     ref = engine_reference(Engine(whole), IDS.tolist(), steps=12)
     with running_group(tmp_path / "pkg", 2) as group:
         attn = group.leader.stage.layers["1"].attn  # type: ignore[union-attr]
-        assert isinstance(attn.o_b, ScaledTensor) and attn.q_b.shape == (32, 16)  # 2 of 4 heads of 16
+        assert isinstance(attn.o_b, ScaledTensor) and attn.q_b.shape == (
+            32,
+            16,
+        )  # 2 of 4 heads of 16
         group.greedy_exchange = False
         tokens, logits = generate_recording(group, IDS.tolist(), SamplingParams(max_tokens=12))
     assert tokens == ref.tokens
@@ -122,12 +149,16 @@ def test_a_bad_scale_is_named(formats, tmp_path: Path) -> None:  # type: ignore[
     from seamline.errors import CheckpointError
 
     folder = formats[0]
-    for case, change in (("corrupt: block 0 has an infinite or NaN scale", lambda s: s.float().fill_(float("inf"))),
-                         ("scale grid \\(5, 2\\) does not divide", lambda s: s.float()[:5])):  # fmt: skip
+    for case, change in (
+        ("corrupt: block 0 has an infinite or NaN scale", lambda s: s.float().fill_(float("inf"))),
+        ("scale grid \\(5, 2\\) does not divide", lambda s: s.float()[:5]),
+    ):
         bad = tmp_path / case[:7]
         shutil.copytree(folder, bad)
         state = load_file(str(bad / "model.safetensors"))
         state["layers.1.attn.wq_b.scale"] = change(state["layers.1.attn.wq_b.scale"]).contiguous()
         save_file(state, str(bad / "model.safetensors"))
-        with pytest.raises(CheckpointError, match=f"model.layers.1.attn.wq_b.weight.*{case}|{case}"):
+        with pytest.raises(
+            CheckpointError, match=f"model.layers.1.attn.wq_b.weight.*{case}|{case}"
+        ):
             load_stage(open_source(bad))

@@ -57,7 +57,11 @@ def test_sequences_batched_in_one_step_equal_each_alone(checkpoint) -> None:  # 
     stage(prompts[1][:6], 0, caches[1])
     stage(prompts[2][:10], 0, caches[2])
     rows = torch.cat([prompts[0], prompts[1][6:], prompts[2][10:]])
-    spans = [Span(0, PROMPT, 0, caches[0]), Span(PROMPT, 1, 6, caches[1]), Span(PROMPT + 1, 1, 10, caches[2])]
+    spans = [
+        Span(0, PROMPT, 0, caches[0]),
+        Span(PROMPT, 1, 6, caches[1]),
+        Span(PROMPT + 1, 1, 10, caches[2]),
+    ]
     out = stage.forward_batch(rows, spans)  # type: ignore[arg-type]
     torch.testing.assert_close(out[:PROMPT], alone[0], rtol=0, atol=1e-5)
     torch.testing.assert_close(out[PROMPT], alone[1][6], rtol=0, atol=1e-5)
@@ -93,7 +97,9 @@ def test_32_greedy_tokens_from_the_engine_equal_the_reference(checkpoint) -> Non
     is the argmax of its logits over the whole sequence so far, computed afresh (no cache)."""
     _, reference, stage = checkpoint
     ids = _ids(4)
-    mine = list(Engine(stage).generate(ids.tolist(), SamplingParams(max_tokens=32, temperature=0.0)))
+    mine = list(
+        Engine(stage).generate(ids.tolist(), SamplingParams(max_tokens=32, temperature=0.0))
+    )
     theirs, sequence = [], ids.tolist()
     for _ in range(32):
         theirs.append(int(reference_logits(reference, torch.tensor(sequence))[-1].argmax()))
@@ -108,18 +114,35 @@ def _rewritten(folder: Path, to: Path, change) -> Path:  # type: ignore[no-untyp
     return to
 
 
-def test_a_missing_indexer_tensor_or_a_hash_table_of_the_wrong_size_is_named(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_missing_indexer_tensor_or_a_hash_table_of_the_wrong_size_is_named(
+    checkpoint, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
     folder = checkpoint[0]
-    for name in ("model.layers.1.attn.indexer.wq_b.weight", "model.layers.2.attn.compressor.wgate.weight"):
-        without = _rewritten(folder, tmp_path / name, lambda state: {k: v for k, v in state.items() if k != name})
+    for name in (
+        "model.layers.1.attn.indexer.wq_b.weight",
+        "model.layers.2.attn.compressor.wgate.weight",
+    ):
+        without = _rewritten(
+            folder,
+            tmp_path / name,
+            lambda state: {k: v for k, v in state.items() if k != name},  # noqa: B023 (called at once)
+        )
         with pytest.raises(CheckpointError, match=f"missing tensor {name}".replace(".", r"\.")):
             load_stage(open_source(without))
     table = "model.layers.0.ffn.gate.tid2eid"
-    wrong = _rewritten(folder, tmp_path / "b", lambda state: {**state, table: torch.zeros(95, 2, dtype=torch.long)})
-    with pytest.raises(CheckpointError, match=r"tid2eid gives layers\.0\.ffn\.table shape \(95, 2\)"):
+    wrong = _rewritten(
+        folder, tmp_path / "b", lambda state: {**state, table: torch.zeros(95, 2, dtype=torch.long)}
+    )
+    with pytest.raises(
+        CheckpointError, match=r"tid2eid gives layers\.0\.ffn\.table shape \(95, 2\)"
+    ):
         load_stage(open_source(wrong))
-    floats = _rewritten(folder, tmp_path / "c", lambda state: {**state, table: state[table].float()})
-    with pytest.raises(CheckpointError, match=r"tid2eid has dtype torch.float32, expected integers"):
+    floats = _rewritten(
+        folder, tmp_path / "c", lambda state: {**state, table: state[table].float()}
+    )
+    with pytest.raises(
+        CheckpointError, match=r"tid2eid has dtype torch.float32, expected integers"
+    ):
         load_stage(open_source(floats))
 
 
@@ -134,7 +157,10 @@ def test_the_planner_and_the_scheduler_count_each_layer_kinds_cache(checkpoint) 
 
     folder, _, stage = checkpoint
     source, config, tokens = open_source(folder), stage.config, 64
-    shapes, types = {n: source.shape(n) for n in source.names()}, {n: source.stored_type(n) for n in source.names()}
+    shapes, types = (
+        {n: source.shape(n) for n in source.names()},
+        {n: source.stored_type(n) for n in source.names()},
+    )
     spec = ModelSpec.from_checkpoint_shapes(config, "v4", shapes, 4, types, context=tokens)
     kv = spec.layer_kv()
     assert kv[0] < kv[2] < kv[1]  # sliding < heavily compressed < compressed sparse
@@ -142,7 +168,10 @@ def test_the_planner_and_the_scheduler_count_each_layer_kinds_cache(checkpoint) 
     cache = stage.new_cache()
     stage(_ids(8, tokens), 0, cache)
     for layer in range(3):
-        held, bound = cache.layer(layer).nbytes(), v4_cache_bytes(config, range(layer, layer + 1), tokens, 4)
+        held, bound = (
+            cache.layer(layer).nbytes(),
+            v4_cache_bytes(config, range(layer, layer + 1), tokens, 4),
+        )
         assert held <= bound <= held * 1.25 + 256, (layer, held, bound)
         assert kv[layer] == -(-bound // tokens)
     scheduler = Scheduler(stage, 256, kv_budget_bytes=stage.cache_bytes(100) - 1)
@@ -150,7 +179,9 @@ def test_the_planner_and_the_scheduler_count_each_layer_kinds_cache(checkpoint) 
     with pytest.raises(RequestError, match=rf"may need {need} MiB of KV cache"):
         scheduler.add(_ids(9, 50).tolist(), SamplingParams(max_tokens=50))
     scheduler.add(_ids(9, 50).tolist(), SamplingParams(max_tokens=49))
-    assert not scheduler.forks and scheduler.prefix.capacity_bytes == 0  # V4's caches are not forked
+    assert (
+        not scheduler.forks and scheduler.prefix.capacity_bytes == 0
+    )  # V4's caches are not forked
 
 
 def _state(cache) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
@@ -164,7 +195,9 @@ def _state(cache) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("back", [1, 5, 9])
-def test_a_window_taken_back_leaves_the_cache_of_a_run_that_never_drafted(checkpoint, back: int) -> None:  # type: ignore[no-untyped-def]
+def test_a_window_taken_back_leaves_the_cache_of_a_run_that_never_drafted(
+    checkpoint, back: int
+) -> None:  # type: ignore[no-untyped-def]
     """A window of 9 rows (drafts) whose last ``back`` were rejected: the next step starts
     there. The caches (window keys, compressors' rows and entries, indexer's) and the logits
     after it equal a run that only ever took the accepted tokens; going back past what a cache
@@ -181,7 +214,9 @@ def test_a_window_taken_back_leaves_the_cache_of_a_run_that_never_drafted(checkp
     if accepted:
         stage(drafts[:accepted], 20, plain)
     after = _ids(6, 3)
-    torch.testing.assert_close(stage(after, 20 + accepted, drafted), stage(after, 20 + accepted, plain), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        stage(after, 20 + accepted, drafted), stage(after, 20 + accepted, plain), rtol=0, atol=1e-5
+    )
     for a, b in zip(_state(drafted), _state(plain), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
     far = 23 + accepted + V4_REWIND_REACH + 1

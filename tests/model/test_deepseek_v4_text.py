@@ -12,10 +12,12 @@ from seamline.params import SamplingParams
 from tests.support.v4_reference import save_random_v4, v4_config
 
 # DeepSeek's markers, with V4's non-thinking turn (the assistant's think block closed at once)
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
-            "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}{% else %}<｜Assistant｜></think>"
-            "{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
-            "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}")  # fmt: skip
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}{% else %}<｜Assistant｜></think>"
+    "{{ m['content'] }}<｜end▁of▁sentence｜>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜></think>{% endif %}"
+)
 
 
 def test_a_v4_folder_without_tokenizer_files_speaks_deepseeks_vocabulary(tmp_path: Path) -> None:
@@ -26,7 +28,10 @@ def test_a_v4_folder_without_tokenizer_files_speaks_deepseeks_vocabulary(tmp_pat
     assert not (folder / "tokenizer.json").exists()
     model = LocalModel.load(folder, context=256)
     ids = model.codec.encode_chat([{"role": "user", "content": "Hello"}])
-    assert ids[:2] == [0, 128803] and ids[-2:] == [128804, 128822]  # BOS <｜User｜> … <｜Assistant｜></think>
+    assert ids[:2] == [0, 128803] and ids[-2:] == [
+        128804,
+        128822,
+    ]  # BOS <｜User｜> … <｜Assistant｜></think>
     assert model.codec.decode(model.codec.encode("Paris is a city.")) == "Paris is a city."
     assert 1 in model.codec.stop_ids  # <｜end▁of▁sentence｜>
     tokens = list(model.engine.generate(ids, SamplingParams(max_tokens=8)))

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from seamline.app import default_model_path
-from seamline.model.devices import module_device, place_stage, resolve_device, to_host
 from seamline.errors import ConfigError
 from seamline.model.cache import Span
+from seamline.model.devices import module_device, place_stage, resolve_device, to_host
 from seamline.model.stage import Stage
 from seamline.ownership import Ownership
 from seamline.weights.loader import load_stage, open_source
@@ -90,7 +90,9 @@ def test_a_tied_head_stays_one_table_when_moved(tmp_path: Path) -> None:
 
 def test_devices_are_named_as_users_write_them() -> None:
     assert resolve_device("cpu") == torch.device("cpu")
-    assert resolve_device("auto") == (torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    assert resolve_device("auto") == (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    )
     assert resolve_device(None).type in ("cpu", "cuda")
     with pytest.raises(ConfigError, match="--device tpu"):
         resolve_device("tpu")
@@ -98,9 +100,13 @@ def test_devices_are_named_as_users_write_them() -> None:
         resolve_device("gpu-please")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the line a machine without CUDA gives")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the line a machine without CUDA gives"
+)
 def test_cuda_without_cuda_is_one_clear_line() -> None:
-    with pytest.raises(ConfigError, match=r"--device cuda:1: torch sees no CUDA device \(torch .*\)"):
+    with pytest.raises(
+        ConfigError, match=r"--device cuda:1: torch sees no CUDA device \(torch .*\)"
+    ):
         resolve_device("cuda:1")
 
 
@@ -109,12 +115,22 @@ def test_a_cpu_tensor_crosses_to_the_host_as_itself() -> None:
     assert to_host(t) is t
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the line a machine without CUDA gives")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the line a machine without CUDA gives"
+)
 def test_run_on_a_missing_gpu_says_so_in_one_line() -> None:
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "seamline.cli", "run", "--device", "cuda", "-p", "hi"],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "seamline.cli", "run", "--device", "cuda", "-p", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 1
-    assert done.stderr.strip().splitlines()[-1].startswith("seamline: error: --device cuda: torch sees no CUDA device")
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith("seamline: error: --device cuda: torch sees no CUDA device")
+    )

@@ -51,7 +51,9 @@ def test_a_rank_shard_keeps_its_step_on_its_device() -> None:
     source = open_source(default_model_path())
     config = ModelConfig.from_hf_dict(source.config_dict())
     comm = DeviceComm(2, META)
-    stage = load_stage(source, rank_ownership(config, 0, 2), torch.float32, config, comm=comm, device=META)
+    stage = load_stage(
+        source, rank_ownership(config, 0, 2), torch.float32, config, comm=comm, device=META
+    )
     assert all(p.device == META for p in stage.parameters())
     shard = stage.ownership.vocab_range(config)
     width = shard[1] - shard[0]
@@ -60,7 +62,9 @@ def test_a_rank_shard_keeps_its_step_on_its_device() -> None:
     assert comm.gates >= 2 * config.num_layers  # attention's and the feed-forward's gate per layer
     out = stage.forward(torch.tensor([3]), 12, first)
     assert out.device == META and tuple(out.shape) == (1, width)
-    out = stage.forward_batch(torch.arange(8), [Span(0, 1, 13, first), Span(1, 7, 0, second)], last_only=True)
+    out = stage.forward_batch(
+        torch.arange(8), [Span(0, 1, 13, first), Span(1, 7, 0, second)], last_only=True
+    )
     assert out.device == META and tuple(out.shape) == (2, width)
 
 

@@ -25,9 +25,22 @@ from seamline.runtime.speculation import OFF, Speculation
 from seamline.weights.loader import load_stage, open_source
 from tests.support.cli import assert_clean_error, seamline
 from tests.support.configs import checkpoint_folder
-from tests.support.speculation import GREEDY as GREEDY_64, LIST, SEEDED as SEEDED_64, assert_right_drafts_save_steps, generate
+from tests.support.speculation import (
+    GREEDY as GREEDY_64,
+)
+from tests.support.speculation import (
+    LIST,
+    assert_right_drafts_save_steps,
+    generate,
+)
+from tests.support.speculation import (
+    SEEDED as SEEDED_64,
+)
 
-GREEDY, SEEDED = replace(GREEDY_64, max_tokens=24), replace(SEEDED_64, max_tokens=24)  # the model drafts for itself: slow
+GREEDY, SEEDED = (
+    replace(GREEDY_64, max_tokens=24),
+    replace(SEEDED_64, max_tokens=24),
+)  # the model drafts for itself: slow
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +56,22 @@ def _drafting(model: LocalModel) -> Speculation:
 
 def test_a_model_drafting_for_itself_is_accepted_and_changes_no_token(target: LocalModel) -> None:
     prompt = target.codec.encode_chat([{"role": "user", "content": "Tell me about the sea."}])
-    assert_right_drafts_save_steps(target.engine.stage, prompt, _drafting(target), GREEDY, SEEDED, steps_share=1 / 3,
-                                   sampled_accepts=False)  # fmt: skip
+    assert_right_drafts_save_steps(
+        target.engine.stage,
+        prompt,
+        _drafting(target),
+        GREEDY,
+        SEEDED,
+        steps_share=1 / 3,
+        sampled_accepts=False,
+    )
 
 
 def test_sequences_drafted_for_in_turn_keep_their_own_caches(target: LocalModel) -> None:
-    prompts = [target.codec.encode_chat([{"role": "user", "content": text}]) for text in (LIST, "Name three rivers.")]
+    prompts = [
+        target.codec.encode_chat([{"role": "user", "content": text}])
+        for text in (LIST, "Name three rivers.")
+    ]
     alone = [generate(target.engine.stage, p, GREEDY, OFF)[0] for p in prompts]
     core = EngineCore.local(target.engine.stage, 4096, speculation=_drafting(target))
     sequences = [core.scheduler.add(p, GREEDY) for p in prompts]
@@ -65,12 +88,25 @@ def test_a_draft_model_of_another_vocabulary_is_refused(target: LocalModel, tmp_
     message = rf"--draft-model {folder}: its vocabulary has {vocab} tokens, the model's {target.engine.stage.config.vocab_size}"
     with pytest.raises(ConfigError, match=message):
         DraftModel.load(folder, target.engine.stage.config, target.engine.stage.compute_dtype)
-    assert_clean_error(seamline("run", "-p", "hi", "--max-tokens", "2", "--draft-model", str(folder)), "its vocabulary has")
-    as_vllm = json.dumps({"model": str(folder), "num_speculative_tokens": 4})  # vLLM's spelling of the same
-    assert_clean_error(seamline("run", "-p", "hi", "--max-tokens", "2", "--speculative-config", as_vllm), "its vocabulary has")
-    assert_clean_error(seamline("serve", "--draft-model", str(folder), "--port", "1"), "--draft-model drafts on one process")
-    assert_clean_error(seamline("run", "-p", "hi", "--draft-model", str(folder), "--speculative", "off"),
-                       "--draft-model drafts in place of n-grams: not with --speculative off")  # fmt: skip
+    assert_clean_error(
+        seamline("run", "-p", "hi", "--max-tokens", "2", "--draft-model", str(folder)),
+        "its vocabulary has",
+    )
+    as_vllm = json.dumps(
+        {"model": str(folder), "num_speculative_tokens": 4}
+    )  # vLLM's spelling of the same
+    assert_clean_error(
+        seamline("run", "-p", "hi", "--max-tokens", "2", "--speculative-config", as_vllm),
+        "its vocabulary has",
+    )
+    assert_clean_error(
+        seamline("serve", "--draft-model", str(folder), "--port", "1"),
+        "--draft-model drafts on one process",
+    )
+    assert_clean_error(
+        seamline("run", "-p", "hi", "--draft-model", str(folder), "--speculative", "off"),
+        "--draft-model drafts in place of n-grams: not with --speculative off",
+    )
 
 
 def test_the_drafting_caches_keep_within_their_share_of_the_kv_budget(target: LocalModel) -> None:
@@ -79,10 +115,15 @@ def test_the_drafting_caches_keep_within_their_share_of_the_kv_budget(target: Lo
     The share of a budget is the drafting model's bytes per token over both models'."""
     stage = target.engine.stage
     drafting = DraftModel.load(default_model_path(), stage.config, stage.compute_dtype)
-    prompts = [target.codec.encode_chat([{"role": "user", "content": text}]) for text in (LIST, "Name three rivers.", "Hi")]
+    prompts = [
+        target.codec.encode_chat([{"role": "user", "content": text}])
+        for text in (LIST, "Name three rivers.", "Hi")
+    ]
     drafting.budget_bytes = stage.cache_bytes(len(prompts[0]) + 40)
     alone = [generate(stage, p, GREEDY, OFF)[0] for p in prompts]
-    core = EngineCore.local(stage, 4096, speculation=Speculation("auto", draft_max=6, source=drafting.draft))
+    core = EngineCore.local(
+        stage, 4096, speculation=Speculation("auto", draft_max=6, source=drafting.draft)
+    )
     sequences = [core.scheduler.add(p, GREEDY) for p in prompts]
     most = 0
     while not all(s.finished for s in sequences):

@@ -24,8 +24,12 @@ def reference() -> Any:
     from transformers import AutoModelForCausalLM
 
     path = default_model_path()
-    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    ref.generation_config.eos_token_id = None  # run all TOKENS steps, as seamline does without stops
+    ref = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    )
+    ref.generation_config.eos_token_id = (
+        None  # run all TOKENS steps, as seamline does without stops
+    )
     return ref.eval()
 
 
@@ -34,9 +38,12 @@ def test_greedy_tokens_equal_transformers(prompt: str, model: LocalModel, refere
     ids = model.codec.encode_chat([{"role": "user", "content": prompt}])
     ours = list(model.engine.generate(ids, SamplingParams(max_tokens=TOKENS)))
     with torch.inference_mode():
-        prompt = torch.tensor([ids])  # an explicit mask: the prompt holds pad-id tokens (<|im_end|>)
-        out = reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=TOKENS,
-                                 do_sample=False)  # fmt: skip
+        prompt = torch.tensor(
+            [ids]
+        )  # an explicit mask: the prompt holds pad-id tokens (<|im_end|>)
+        out = reference.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=TOKENS, do_sample=False
+        )
     theirs = out[0, len(ids) :].tolist()
     assert len(ours) == TOKENS
     assert ours == theirs
@@ -52,7 +59,9 @@ def test_answers_paris(model: LocalModel) -> None:
 def test_stop_token_ends_generation(model: LocalModel) -> None:
     ids = model.codec.encode_chat([{"role": "user", "content": PROMPTS[0]}])
     free = list(model.engine.generate(ids, SamplingParams(max_tokens=12)))
-    stopped = list(model.engine.generate(ids, SamplingParams(max_tokens=12, stop_token_ids=(free[3],))))
+    stopped = list(
+        model.engine.generate(ids, SamplingParams(max_tokens=12, stop_token_ids=(free[3],)))
+    )
     assert stopped == free[: free.index(free[3])]
 
 
@@ -61,7 +70,9 @@ def test_seeded_sampling_is_reproducible(model: LocalModel) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.95, top_k=50, seed=123, max_tokens=24)
     first = list(model.engine.generate(ids, params))
     assert first == list(model.engine.generate(ids, params))
-    other = list(model.engine.generate(ids, SamplingParams(temperature=1.0, seed=124, max_tokens=24)))
+    other = list(
+        model.engine.generate(ids, SamplingParams(temperature=1.0, seed=124, max_tokens=24))
+    )
     assert other != first
 
 

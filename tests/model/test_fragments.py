@@ -63,10 +63,15 @@ def test_manifest_matches_files(which: str, request: pytest.FixtureRequest) -> N
     names = [f.name for f in manifest.fragments if f.kind != "tokenizer"]
     layers = [f"layer.{i}" for i in range(manifest.num_layers)]
     assert names == ["embed", *layers, "head"]
-    assert {f.name for f in manifest.fragments if f.kind == "tokenizer"} >= {"tokenizer.json", "tokenizer_config.json"}
+    assert {f.name for f in manifest.fragments if f.kind == "tokenizer"} >= {
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
 
 
-def test_fragment_source_names_equal_checkpoint(tiny: Path, tiny_package: tuple[Path, Manifest]) -> None:
+def test_fragment_source_names_equal_checkpoint(
+    tiny: Path, tiny_package: tuple[Path, Manifest]
+) -> None:
     folder, manifest = tiny_package
     source = FragmentSource(folder, manifest)
     assert source.names() == open_source(tiny).names()
@@ -114,8 +119,20 @@ def test_gguf_fragments_keep_the_quantized_blocks(gguf_package: tuple[Path, Mani
             assert isinstance(ours, QuantTensor) and ours.qtype == theirs.qtype
             assert ours.shape == theirs.shape == entry.shape
             assert torch.equal(ours.data, theirs.data), entry.name
-    names = {f"blk.3.{k}.weight" for k in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
-                                          "ffn_up", "ffn_down", "attn_norm", "ffn_norm")}  # fmt: skip
+    names = {
+        f"blk.3.{k}.weight"
+        for k in (
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+            "attn_norm",
+            "ffn_norm",
+        )
+    }
     held = sum(gguf.file.tensors[n].nbytes for n in names)
     assert held <= layer.bytes <= held + 4096  # the safetensors header: a few hundred bytes
     total = sum(info.nbytes for info in gguf.file.tensors.values())
@@ -132,8 +149,15 @@ def test_gguf_tied_head_needs_embed(gguf_package: tuple[Path, Manifest]) -> None
     assert manifest.tie_word_embeddings
     assert [t.name for t in manifest.fragment("head").tensors] == ["model.norm.weight"]
     last = {f.name for f in fragment_range(manifest, 28, 30)}
-    assert last == {"embed", "layer.28", "layer.29", "head", "tokenizer.json",
-                    "tokenizer_config.json", "generation_config.json"}  # fmt: skip
+    assert last == {
+        "embed",
+        "layer.28",
+        "layer.29",
+        "head",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    }
     assert {f.name for f in fragment_range(manifest, 10, 12)} == {"layer.10", "layer.11"}
 
 
@@ -169,7 +193,9 @@ def test_range_from_fragments_equals_checkpoint(
         if start == 0:
             inputs = random_ids(ours.config.vocab_size, 9)
         else:
-            inputs = torch.randn(9, ours.config.hidden_size, generator=torch.Generator().manual_seed(0))
+            inputs = torch.randn(
+                9, ours.config.hidden_size, generator=torch.Generator().manual_seed(0)
+            )
         assert torch.equal(_stage_outputs(ours, inputs), _stage_outputs(theirs, inputs))
 
 
@@ -177,7 +203,10 @@ def test_absent_fragment_is_named(tiny_package: tuple[Path, Manifest], tmp_path:
     folder, manifest = tiny_package
     node = subset(folder, manifest, fragment_range(manifest, 2, LAYERS), tmp_path / "node")
     load_stage(FragmentSource(node), Ownership(layers=(2, LAYERS)))  # its own range loads
-    with pytest.raises(CheckpointError, match=r"fragment embed \(holding model.embed_tokens.weight\) is not present on this node"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"fragment embed \(holding model.embed_tokens.weight\) is not present on this node",
+    ):
         load_stage(FragmentSource(node), Ownership(layers=(0, 2)))
     with pytest.raises(CheckpointError, match=r"fragment layer.1 .* is not present"):
         load_stage(FragmentSource(node), Ownership(layers=(1, LAYERS)))
@@ -208,19 +237,28 @@ def test_a_lockstep_rank_fetches_only_its_routed_experts(tmp_path: Path) -> None
     manifest = package(built, tmp_path / "pkg", progress=False)
     config = ModelConfig.from_hf_dict(manifest.config)
     chunks = [f for f in manifest.fragments if f.kind == "experts"]
-    assert {(f.layer, f.experts) for f in chunks} == {(i, (e, e + 1)) for i in config.moe_layers for e in range(8)}
-    assert all(".experts." not in t.name for i in config.moe_layers for t in manifest.fragment(f"layer.{i}").tensors)
+    assert {(f.layer, f.experts) for f in chunks} == {
+        (i, (e, e + 1)) for i in config.moe_layers for e in range(8)
+    }
+    assert all(
+        ".experts." not in t.name
+        for i in config.moe_layers
+        for t in manifest.fragment(f"layer.{i}").tensors
+    )
     assert Manifest.from_json(json.loads(json.dumps(manifest.to_json()))) == manifest
     everything = (0, config.num_layers)
     for world in (2, 4):
         for rank in range(world):
             own = rank_ownership(config, rank, world)
             entries = fragments_for(manifest, everything, True, True, own.experts)
-            assert {f.experts for f in entries if f.kind == "experts"} == {(e, e + 1) for e in range(*own.experts)}
+            assert {f.experts for f in entries if f.kind == "experts"} == {
+                (e, e + 1) for e in range(*own.experts)
+            }
             folder = subset(tmp_path / "pkg", manifest, entries, tmp_path / f"rank{rank}of{world}")
             from_fragments = load_stage(FragmentSource(folder), own).state_dict()
             from_checkpoint = load_stage(open_source(built), own).state_dict()
             assert from_fragments.keys() == from_checkpoint.keys()
             assert all(torch.equal(from_fragments[k], from_checkpoint[k]) for k in from_checkpoint)
-    assert len(fragments_for(manifest, everything, True, True)) == len(manifest.fragments)  # a whole stage: all
-
+    assert len(fragments_for(manifest, everything, True, True)) == len(
+        manifest.fragments
+    )  # a whole stage: all

@@ -153,9 +153,14 @@ def test_smollm_chat_template_and_special_ids() -> None:
 
 
 def write_gguf(
-    path: Path, tensors: dict[str, Any], arch: str = "llama", meta: dict[str, Any] | None = None,
-    hidden: int = 64, heads: int = 2, kv_heads: int = 1,
-) -> Path:  # fmt: skip
+    path: Path,
+    tensors: dict[str, Any],
+    arch: str = "llama",
+    meta: dict[str, Any] | None = None,
+    hidden: int = 64,
+    heads: int = 2,
+    kv_heads: int = 1,
+) -> Path:
     """A GGUF with minimal model metadata. A tensor is an array, or (uint8 bytes, quant type)."""
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(1)
@@ -206,14 +211,18 @@ REFERENCE = {
     Q.Q4_1: lambda b: _half(b, 0) * _nibbles(b[:, 4:20]) + _half(b, 2),
     Q.Q5_0: lambda b: _half(b, 0) * (_nibbles(b[:, 6:22]) + _fifth_bits(b[:, 2:6]) - 16),
     Q.Q5_1: lambda b: _half(b, 0) * (_nibbles(b[:, 8:24]) + _fifth_bits(b[:, 4:8])) + _half(b, 2),
-    Q.MXFP4: lambda b:  # gpt-oss: e2m1 codes (Q4_0's nibble order) times 2 ** (byte 0 - 127)
-        E2M1[_nibbles(b[:, 1:17]).astype(np.int64)] * np.exp2(b[:, :1].astype(np.float32) - 127),
+    Q.MXFP4: lambda b: (  # gpt-oss: e2m1 codes (Q4_0's nibble order) times 2 ** (byte 0 - 127)
+        E2M1[_nibbles(b[:, 1:17]).astype(np.int64)] * np.exp2(b[:, :1].astype(np.float32) - 127)
+    ),
 }
 
 
 def _read_back(tmp_path: Path, data: np.ndarray, qtype: Q | None) -> torch.Tensor:
     t = data if qtype is None else (data, qtype)
-    return dense(GGUFSource(write_gguf(tmp_path / "t.gguf", {"token_embd.weight": t})), "model.embed_tokens.weight")
+    return dense(
+        GGUFSource(write_gguf(tmp_path / "t.gguf", {"token_embd.weight": t})),
+        "model.embed_tokens.weight",
+    )
 
 
 def test_float_types(tmp_path: Path) -> None:
@@ -254,7 +263,9 @@ def test_block32_types(tmp_path: Path, qtype: Q) -> None:
     expected = REFERENCE[qtype](raw.reshape(-1, block_bytes)).reshape(8, 64)
     got = _read_back(tmp_path, raw, qtype)
     assert torch.equal(got, torch.from_numpy(expected.astype(np.float32)))
-    assert np.abs(expected - x).max() < (0.6 if qtype == Q.MXFP4 else 0.3)  # x, quantised (MXFP4: 3-bit steps)
+    assert np.abs(expected - x).max() < (
+        0.6 if qtype == Q.MXFP4 else 0.3
+    )  # x, quantised (MXFP4: 3-bit steps)
 
 
 def test_q4_k_hand_built_block(tmp_path: Path) -> None:
@@ -400,7 +411,9 @@ def test_qwen3_moe_names_norms_and_no_permute(tmp_path: Path) -> None:
     )
     assert "model.layers.0.self_attn.q_norm.weight" in src.names()
     up = t["blk.0.ffn_up_exps.weight"][1]
-    assert torch.equal(dense(src, "model.layers.0.mlp.experts.1.up_proj.weight"), torch.from_numpy(up))
+    assert torch.equal(
+        dense(src, "model.layers.0.mlp.experts.1.up_proj.weight"), torch.from_numpy(up)
+    )
     assert src.shape("model.layers.0.mlp.gate.weight") == (4, 64)
 
 
@@ -483,7 +496,11 @@ def test_unknown_tensor_and_architecture_are_refused(tmp_path: Path) -> None:
     ):
         GGUFSource(write_gguf(tmp_path / "x.gguf", t))
     with pytest.raises(CheckpointError, match="architecture 'gpt2'"):
-        GGUFSource(write_gguf(tmp_path / "y.gguf", {"token_embd.weight": t["token_embd.weight"]}, arch="gpt2"))
+        GGUFSource(
+            write_gguf(
+                tmp_path / "y.gguf", {"token_embd.weight": t["token_embd.weight"]}, arch="gpt2"
+            )
+        )
 
 
 def test_unsupported_tokenizers_are_refused(tmp_path: Path) -> None:
@@ -492,6 +509,10 @@ def test_unsupported_tokenizers_are_refused(tmp_path: Path) -> None:
         ("gpt2", "mystery", "pre-tokenizer 'mystery'"),
     ):
         meta = {"tokenizer.ggml.model": model, "tokenizer.ggml.pre": pre}
-        path = write_gguf(tmp_path / f"{model}.gguf", {"token_embd.weight": np.ones((4, 64), np.float32)}, meta=meta)
+        path = write_gguf(
+            tmp_path / f"{model}.gguf",
+            {"token_embd.weight": np.ones((4, 64), np.float32)},
+            meta=meta,
+        )
         with pytest.raises(CheckpointError, match=why):
             tokenizer_from_gguf(path)

@@ -40,7 +40,8 @@ GGUF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "v3_yarn": ("v3", {**CASES["v3_yarn"][1], "rope_parameters": EQUAL_YARN}),
     "v2_lite_greedy": CASES["v2_lite_greedy"],
     "v2_group_limited_yarn": (
-        "v2", {**CASES["v2_group_limited_yarn"][1], "rope_parameters": EQUAL_YARN}
+        "v2",
+        {**CASES["v2_group_limited_yarn"][1], "rope_parameters": EQUAL_YARN},
     ),
 }
 
@@ -49,8 +50,6 @@ GGUF_CASES: dict[str, tuple[str, dict[str, Any]]] = {
 def gguf_cases(monkeypatch: pytest.MonkeyPatch) -> None:
     for name, case in GGUF_CASES.items():
         monkeypatch.setitem(CASES, "gguf_" + name, case)
-
-
 
 
 @pytest.mark.parametrize("kv_b", ["split", "joined"])
@@ -62,7 +61,9 @@ def test_f32_file_matches_transformers(tmp_path: Path, case: str, kv_b: str) -> 
     split = {"blk.0.attn_k_b.weight", "blk.0.attn_v_b.weight"} <= names
     assert split == (kv_b == "split") != ("blk.0.attn_kv_b.weight" in names)
     ids = deepseek_tokens()
-    assert_close_logits(run_stages([load_stage(GGUFSource(path))], ids), transformers_logits(model, ids))
+    assert_close_logits(
+        run_stages([load_stage(GGUFSource(path))], ids), transformers_logits(model, ids)
+    )
 
 
 @pytest.mark.parametrize(
@@ -86,17 +87,39 @@ def test_config_round_trips(tmp_path: Path, case: str) -> None:
     got = ModelConfig.from_hf_dict(GGUFSource(path).config_dict())
     want = ModelConfig.from_hf_dict(HFFolderSource(folder).config_dict())
     fields = (
-        "family", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
-        "head_dim", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-        "v_head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-        "norm_topk_prob", "moe_layers", "n_shared_experts", "n_group", "topk_group",
-        "topk_method", "scoring_func", "routed_scaling_factor", "rope_interleave", "rope_theta",
-    )  # fmt: skip
+        "family",
+        "num_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "q_lora_rank",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "moe_layers",
+        "n_shared_experts",
+        "n_group",
+        "topk_group",
+        "topk_method",
+        "scoring_func",
+        "routed_scaling_factor",
+        "rope_interleave",
+        "rope_theta",
+    )
     for field in fields:
         assert getattr(got, field) == getattr(want, field), field
     g, w = got.rope_scaling, want.rope_scaling
     assert (g.rope_type, g.factor, g.original_max_position_embeddings) == (
-        w.rope_type, w.factor, w.original_max_position_embeddings
+        w.rope_type,
+        w.factor,
+        w.original_max_position_embeddings,
     )
     assert np.isclose(g.mscale_all_dim, w.mscale_all_dim) and np.isclose(g.mscale, w.mscale)
 

@@ -24,9 +24,15 @@ def test_glm4_moe_gguf_reads_back_as_the_folder(tmp_path: Path) -> None:
     path = write_gguf_from_folder(tmp_path / "hf", tmp_path / "glm.gguf", "F32")
     config = GGUFSource(path).config_dict()
     assert config["model_type"] == "glm4_moe" and config["partial_rotary_factor"] == 0.5
-    assert (config["first_k_dense_replace"], config["n_group"], config["use_qk_norm"]) == (1, 2, True)
+    assert (config["first_k_dense_replace"], config["n_group"], config["use_qk_norm"]) == (
+        1,
+        2,
+        True,
+    )
     want = assert_gguf_matches(model, path)
-    assert_gguf_follows(want, write_gguf_from_folder(tmp_path / "hf", tmp_path / "glm-q8.gguf", "Q8_0"))
+    assert_gguf_follows(
+        want, write_gguf_from_folder(tmp_path / "hf", tmp_path / "glm-q8.gguf", "Q8_0")
+    )
 
 
 def test_the_nextn_block_llama_cpp_keeps_is_left_out(tmp_path: Path) -> None:
@@ -38,7 +44,10 @@ def test_the_nextn_block_llama_cpp_keeps_is_left_out(tmp_path: Path) -> None:
     layers = int(reader.fields["glm4moe.block_count"].contents())
     w = gguf.GGUFWriter(str(tmp_path / "nextn.gguf"), "glm4moe")
     for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name in ("general.architecture", "glm4moe.block_count"):
+        if field.name.startswith("GGUF.") or field.name in (
+            "general.architecture",
+            "glm4moe.block_count",
+        ):
             continue
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub)

@@ -32,9 +32,12 @@ def _load_file_experts(model: torch.nn.Module, path: Path) -> None:
     """Set ``model``'s experts to what the file's blocks hold, as gguf-py decodes them."""
     tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
     for i, layer in enumerate(model.model.layers):
+
         def decoded(key: str) -> torch.Tensor:
-            t = tensors[f"blk.{i}.{key}.weight"]
-            return torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())  # [E, out, in]
+            t = tensors[f"blk.{i}.{key}.weight"]  # noqa: B023 (called at once)
+            return torch.from_numpy(
+                gguf.quants.dequantize(t.data, t.tensor_type).copy()
+            )  # [E, out, in]
 
         gate, up, down = decoded("ffn_gate_exps"), decoded("ffn_up_exps"), decoded("ffn_down_exps")
         with torch.no_grad():

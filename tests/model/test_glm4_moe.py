@@ -17,15 +17,22 @@ from typing import Any
 import pytest
 
 from seamline.weights.loader import load_stage, open_source
+from tests.support.family_checks import (
+    assert_batched_equal_alone,
+    assert_greedy_matches,
+    assert_group_matches,
+    assert_logits_match,
+    assert_split_matches,
+)
 from tests.support.glm import save_glm
-from tests.support.family_checks import assert_batched_equal_alone, assert_greedy_matches, assert_group_matches, \
-    assert_logits_match, assert_split_matches  # fmt: skip
 
 ATOL = 1e-4
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["qk-norm", "no-qk-norm"])
-def glm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
+def glm(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Any, Path]:
     folder = tmp_path_factory.mktemp("glm")
     return save_glm(folder, request.param), folder
 
@@ -33,9 +40,22 @@ def glm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 def test_the_config_reads_as_transformers_builds_it(glm: tuple[Any, Path]) -> None:
     model, folder = glm
     config = load_stage(open_source(folder)).config
-    assert (config.rotary_dim, config.attention_bias, config.qk_norm) == (8, True, model.config.use_qk_norm)
-    assert (config.topk_method, config.scoring_func, config.n_group, config.topk_group) == ("noaux_tc", "sigmoid", 2, 1)
-    assert config.moe_layers == (1, 2) and config.n_shared_experts == 1 and config.routed_scaling_factor == 2.5
+    assert (config.rotary_dim, config.attention_bias, config.qk_norm) == (
+        8,
+        True,
+        model.config.use_qk_norm,
+    )
+    assert (config.topk_method, config.scoring_func, config.n_group, config.topk_group) == (
+        "noaux_tc",
+        "sigmoid",
+        2,
+        1,
+    )
+    assert (
+        config.moe_layers == (1, 2)
+        and config.n_shared_experts == 1
+        and config.routed_scaling_factor == 2.5
+    )
 
 
 def test_logits_match_transformers_at_once_in_chunks_and_decoding(glm: tuple[Any, Path]) -> None:
@@ -48,6 +68,7 @@ def test_greedy_tokens_match_transformers(glm: tuple[Any, Path]) -> None:
 
 def test_a_stage_split_equals_transformers(glm: tuple[Any, Path]) -> None:
     assert_split_matches(*glm, cuts=(1, 2))  # after the dense layer; between the MoE layers
+
 
 def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
     """Experts, heads and the head's vocabulary rows split over 2 ranks."""

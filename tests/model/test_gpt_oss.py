@@ -20,8 +20,13 @@ import torch
 from seamline.quant.scaled import ScaledTensor
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
-from tests.support.family_checks import assert_batched_equal_alone, assert_greedy_matches, assert_group_matches, \
-    assert_logits_match, assert_split_matches  # fmt: skip
+from tests.support.family_checks import (
+    assert_batched_equal_alone,
+    assert_greedy_matches,
+    assert_group_matches,
+    assert_logits_match,
+    assert_split_matches,
+)
 from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
 from tests.support.mxfp4 import write_mxfp4_experts
 from tests.support.oss import OSS, save_oss
@@ -41,7 +46,11 @@ def test_the_config_reads_as_transformers_builds_it(oss: tuple[Any, Path]) -> No
     config = load_stage(open_source(folder)).config
     assert (config.sliding_window, set(config.sliding_layers)) == (8, {0, 2})
     assert (config.rope_scaling.rope_type, config.rope_scaling.truncate) == ("yarn", False)
-    assert config.attention_sinks and config.attention_out_bias and config.scoring_func == "topk_softmax"
+    assert (
+        config.attention_sinks
+        and config.attention_out_bias
+        and config.scoring_func == "topk_softmax"
+    )
     assert (config.swiglu_limit, config.swiglu_alpha) == (7.0, 1.702)
 
 
@@ -55,6 +64,7 @@ def test_greedy_tokens_match_transformers(oss: tuple[Any, Path]) -> None:
 
 def test_a_stage_split_equals_transformers(oss: tuple[Any, Path]) -> None:
     assert_split_matches(*oss, cuts=(1,))
+
 
 def test_a_lockstep_group_equals_one_process(tmp_path: Path) -> None:
     """Experts, heads (their sinks with them), the head's vocabulary over 2 ranks; the output

@@ -28,21 +28,51 @@ from seamline.weights.loader import load_stage, open_source  # noqa: E402
 
 ATOL = 1e-4
 PREFILL, DECODE = 16, 8
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-             tie_word_embeddings=False)  # fmt: skip
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
 DEEPSEEK = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-    num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
-    max_position_embeddings=128, tie_word_embeddings=False, n_group=4, topk_group=2,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    first_k_dense_replace=1,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+    n_group=4,
+    topk_group=2,
     routed_scaling_factor=2.5,
 )
 # Parameters every rank holds whole (by target-name suffix); all others are 1/N per rank.
 # Shared experts are whole on every rank, which computes the rows each token gives it (model/moe.py).
-REPLICATED = ("norm.weight", "embed", "ffn.router", "ffn.router_bias", "attn.kv_a", "attn.q_a",
-              "ffn.shared.gate_up", "ffn.shared.down")  # fmt: skip
+REPLICATED = (
+    "norm.weight",
+    "embed",
+    "ffn.router",
+    "ffn.router_bias",
+    "attn.kv_a",
+    "attn.q_a",
+    "ffn.shared.gate_up",
+    "ffn.shared.down",
+)
 
 
 class RecordingComm(ThreadComm):
@@ -76,8 +106,9 @@ def _configs() -> dict[str, Any]:
         "qwen3": transformers.Qwen3Config(**SMALL, head_dim=32),
         # 6 query heads, 3 KV heads: on 4 ranks the shares are 1, 2, 1, 2 heads, and KV heads
         # 0 and 2 are held by two ranks each (uneven split, explicit KV-head map)
-        "llama_uneven": transformers.LlamaConfig(**{**SMALL, "hidden_size": 96, "num_attention_heads": 6,
-                                                    "num_key_value_heads": 3}),
+        "llama_uneven": transformers.LlamaConfig(
+            **{**SMALL, "hidden_size": 96, "num_attention_heads": 6, "num_key_value_heads": 3}
+        ),
         "mixtral": transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
         "deepseek_v3": transformers.DeepseekV3Config(**DEEPSEEK),
     }
@@ -108,7 +139,9 @@ def _run_split(folder: Path, world: int, ids: torch.Tensor) -> tuple[list[Stage]
     group = ThreadGroup(world)
     comms = [RecordingComm(group, r) for r in range(world)]
     assert all(isinstance(c, Comm) for c in comms)  # the parallel package's protocol
-    stages = [load_stage(source, rank_ownership(config, r, world), comm=comms[r]) for r in range(world)]
+    stages = [
+        load_stage(source, rank_ownership(config, r, world), comm=comms[r]) for r in range(world)
+    ]
     results = run_ranks(group, [lambda stage=stage: _run(stage, ids) for stage in stages])
     return stages, [(logits, cache, comm) for (logits, cache), comm in zip(results, comms)]
 
@@ -140,8 +173,16 @@ def _check_cache(config: ModelConfig, cache: SequenceCache, world: int) -> None:
         assert kv.k.shape[1] >= seq
 
 
-CASES = [("llama", 2), ("llama", 4), ("qwen2", 2), ("qwen3", 2), ("mixtral", 2),
-         ("mixtral", 4), ("deepseek_v3", 2), ("deepseek_v3", 4)]  # fmt: skip
+CASES = [
+    ("llama", 2),
+    ("llama", 4),
+    ("qwen2", 2),
+    ("qwen3", 2),
+    ("mixtral", 2),
+    ("mixtral", 4),
+    ("deepseek_v3", 2),
+    ("deepseek_v3", 4),
+]
 
 
 @pytest.mark.parametrize(("name", "world"), CASES)

@@ -95,8 +95,9 @@ def test_embedded_model(embedded: Reference, world: int) -> None:
         check_group(group, embedded, ATOL_EMBEDDED)
 
 
-def test_upcycled_moe_answers_like_the_dense_model(tmp_path: Path, embedded: Reference,
-                                                   codec: TextCodec) -> None:
+def test_upcycled_moe_answers_like_the_dense_model(
+    tmp_path: Path, embedded: Reference, codec: TextCodec
+) -> None:
     folder = upcycle(default_model_path(), tmp_path / "upcycled", experts=4, top_k=2)
     try:
         _check_upcycled_config(folder)
@@ -110,8 +111,14 @@ def _check_upcycled_config(folder: Path) -> None:
     dense = ModelConfig.from_hf_dict(open_source(default_model_path()).config_dict())
     moe = ModelConfig.from_hf_dict(open_source(folder).config_dict())
     differ = {k for k in dense.__dataclass_fields__ if getattr(dense, k) != getattr(moe, k)}
-    moe_fields = {"family", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                  "norm_topk_prob", "moe_layers"}  # fmt: skip
+    moe_fields = {
+        "family",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+        "norm_topk_prob",
+        "moe_layers",
+    }
     assert differ == moe_fields, differ - moe_fields
     assert (moe.num_experts, moe.num_experts_per_tok, moe.norm_topk_prob) == (4, 2, True)
     assert moe.moe_layers == tuple(range(dense.num_layers))
@@ -126,19 +133,25 @@ def _check_upcycled_group(folder: Path, dense: Reference, codec: TextCodec) -> N
     with running_group(folder, 2) as group:
         _check_expert_share(group.leader.stage, folder)
         group.greedy_exchange = False  # whole logits, to compare them with the dense engine's
-        tokens, logits = generate_recording(group, dense.prompt, SamplingParams(max_tokens=ANSWER_TOKENS))
+        tokens, logits = generate_recording(
+            group, dense.prompt, SamplingParams(max_tokens=ANSWER_TOKENS)
+        )
     assert tokens == dense.tokens[:ANSWER_TOKENS]
     answer = codec.decode(tokens[: next(i for i, t in enumerate(tokens) if t in codec.stop_ids)])
     assert "Paris" in answer, answer
     err = (logits - dense.logits[: len(logits)]).abs().max().item()
-    print(f"max |upcycled lockstep - dense engine| = {err:.2e} over {len(logits)} forwards; {answer!r}")
+    print(
+        f"max |upcycled lockstep - dense engine| = {err:.2e} over {len(logits)} forwards; {answer!r}"
+    )
     assert err < ATOL_EMBEDDED
 
 
 def _check_expert_share(stage: torch.nn.Module, folder: Path) -> None:
     """The leader loaded experts [0, 2) of every layer: half the checkpoint's expert weights."""
     source = open_source(folder)
-    in_checkpoint = sum(torch.Size(source.shape(n)).numel() for n in source.names() if ".experts." in n)
+    in_checkpoint = sum(
+        torch.Size(source.shape(n)).numel() for n in source.names() if ".experts." in n
+    )
     loaded = 0
     for name, param in stage.named_parameters():
         if ".experts_" in name:
@@ -147,6 +160,8 @@ def _check_expert_share(stage: torch.nn.Module, folder: Path) -> None:
     assert loaded * 2 == in_checkpoint, (loaded, in_checkpoint)
     total = sum(torch.Size(source.shape(n)).numel() for n in source.names())
     mine = sum(p.numel() for p in stage.parameters())
-    print(f"leader holds {mine / 1e6:.0f}M of {total / 1e6:.0f}M parameters "
-          f"({loaded / 1e6:.0f}M of {in_checkpoint / 1e6:.0f}M expert parameters)")  # fmt: skip
+    print(
+        f"leader holds {mine / 1e6:.0f}M of {total / 1e6:.0f}M parameters "
+        f"({loaded / 1e6:.0f}M of {in_checkpoint / 1e6:.0f}M expert parameters)"
+    )
     assert mine < 0.6 * total

@@ -36,7 +36,9 @@ def test_a_copied_sequence_goes_on_as_the_original(tmp_path: Path) -> None:
             whole.fork(len(PROMPT) + 1)  # past what it holds
         with pytest.raises(RequestError, match="not one open"):
             group.fork(999, 1)  # no such sequence
-        again = stage.forward(ids[SPLIT:], SPLIT, whole.fork(SPLIT), last_only=True)  # still serving, in step
+        again = stage.forward(
+            ids[SPLIT:], SPLIT, whole.fork(SPLIT), last_only=True
+        )  # still serving, in step
         torch.testing.assert_close(again, expected, atol=ATOL, rtol=0)
 
 
@@ -44,7 +46,9 @@ def test_the_probe_steps_through_the_group_and_leaves_nothing(tmp_path: Path) ->
     with running_group(checkpoint_folder("dense", tmp_path), 2) as group:
         stage = LockstepStage(group)
         steps = probe_steps(stage, rows=(1, 4), repeats=1, depth=8)
-        prompts = probe_prompt(stage, rows=(8, 16), repeats=1, chunk=8)  # 16 rows: two sequences' chunks
+        prompts = probe_prompt(
+            stage, rows=(8, 16), repeats=1, chunk=8
+        )  # 16 rows: two sequences' chunks
         assert set(steps) == {1, 4} and all(s > 0 for s in steps.values())
         assert set(prompts) == {8, 16} and all(s > 0 for s in prompts.values())
         assert group.leader.seqs == {}  # every copy and prefilled sequence released on the ranks

@@ -17,9 +17,16 @@ import pytest
 
 from seamline.runtime.group_stage import LockstepStage
 from seamline.runtime.speculation import OFF, Speculation
-from tests.support.speculation import GREEDY, SEEDED, TOKENS, generate, partly_right, repetitive_prompt
 from tests.support.configs import checkpoint_folder
 from tests.support.lockstep_harness import running_group
+from tests.support.speculation import (
+    GREEDY,
+    SEEDED,
+    TOKENS,
+    generate,
+    partly_right,
+    repetitive_prompt,
+)
 
 
 @pytest.mark.parametrize("kind", ["dense", "mixtral", "deepseek_v3", "deepseek_v4"])

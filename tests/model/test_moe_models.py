@@ -33,10 +33,23 @@ LOGIT_ATOL, LAYER_ATOL = 1e-4, 1e-5
 def deepseek_config(version: int, **routing: Any) -> Any:
     cls = transformers.DeepseekV2Config if version == 2 else transformers.DeepseekV3Config
     return cls(
-        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-        n_shared_experts=2, num_experts_per_tok=3, first_k_dense_replace=1, kv_lora_rank=16,
-        q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8, **routing,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=2,
+        num_experts_per_tok=3,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        **routing,
     )
 
 
@@ -104,7 +117,11 @@ def fill_from_hf(moe: MoE, hf: nn.Module, own: Ownership, config: ModelConfig) -
     put(moe, "experts_down", hf.experts.down_proj.detach()[e0:e1].clone())
     if moe.shared is not None:  # whole on every rank; each computes its rows of it
         mlp = hf.shared_experts
-        put(moe.shared, "gate_up", torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().clone())
+        put(
+            moe.shared,
+            "gate_up",
+            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().clone(),
+        )
         put(moe.shared, "down", mlp.down_proj.weight.detach().clone())
 
 
@@ -174,8 +191,15 @@ def test_a_decode_step_splits_the_shared_expert_by_its_routing() -> None:
     hf_config = ROUTING_CASES["deepseek_v3"]()
     config = seamline_config(hf_config)
     hf = hf_layer(hf_config, config.moe_layers[-1])
-    halves = [build_moe(hf_config, hf, Ownership((0, config.num_layers), experts=e, shard=s)) for e, s in HALVES]
-    rows, inter, seen = config.n_shared_experts * config.moe_intermediate_size, config.moe_intermediate_size, set()
+    halves = [
+        build_moe(hf_config, hf, Ownership((0, config.num_layers), experts=e, shard=s))
+        for e, s in HALVES
+    ]
+    rows, inter, seen = (
+        config.n_shared_experts * config.moe_intermediate_size,
+        config.moe_intermediate_size,
+        set(),
+    )
     for seed in range(40):
         x = torch.randn(1, config.hidden_size, generator=torch.Generator().manual_seed(seed))
         _, ids = route(config, F.linear(x, halves[0].router), halves[0].router_bias)
@@ -184,7 +208,9 @@ def test_a_decode_step_splits_the_shared_expert_by_its_routing() -> None:
         expected = balance_rows([c * inter for c in counts], rows)
         assert [h._shared_rows(chosen) for h in halves] == expected
         seen.add(tuple(counts))
-        torch.testing.assert_close(halves[0](x) + halves[1](x), hf(x[None])[0], atol=LAYER_ATOL, rtol=0)
+        torch.testing.assert_close(
+            halves[0](x) + halves[1](x), hf(x[None])[0], atol=LAYER_ATOL, rtol=0
+        )
     assert len(seen) > 1, seen  # both balanced and unbalanced tokens were met
 
 

@@ -20,10 +20,23 @@ from seamline.errors import CheckpointError
 from seamline.params import SamplingParams
 from seamline.runtime.speculation import Speculation
 from seamline.weights.loader import load_stage, open_source
-from tests.support.speculation import COOL, GREEDY, SEEDED, assert_mtp_changes_no_token, assert_right_drafts_save_steps, \
-    mtp_draft_logits  # fmt: skip
 from tests.support.cli import assert_clean_error, seamline
-from tests.support.deepseek import MtpLayer, add_mtp_layer, build_deepseek, deepseek_tokens, mtp_reference_logits, silence_outputs
+from tests.support.deepseek import (
+    MtpLayer,
+    add_mtp_layer,
+    build_deepseek,
+    deepseek_tokens,
+    mtp_reference_logits,
+    silence_outputs,
+)
+from tests.support.speculation import (
+    COOL,
+    GREEDY,
+    SEEDED,
+    assert_mtp_changes_no_token,
+    assert_right_drafts_save_steps,
+    mtp_draft_logits,
+)
 
 ATOL = 1e-4
 
@@ -35,7 +48,9 @@ def v3_with_mtp(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Modu
     return model, layer, folder
 
 
-def test_mtp_draft_logits_follow_the_published_formula(v3_with_mtp: tuple[torch.nn.Module, MtpLayer, Path]) -> None:
+def test_mtp_draft_logits_follow_the_published_formula(
+    v3_with_mtp: tuple[torch.nn.Module, MtpLayer, Path],
+) -> None:
     model, layer, folder = v3_with_mtp
     ids = deepseek_tokens()
     ours = mtp_draft_logits(folder, ids)
@@ -45,14 +60,20 @@ def test_mtp_draft_logits_follow_the_published_formula(v3_with_mtp: tuple[torch.
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_mtp_drafts_change_no_token(v3_with_mtp: tuple[torch.nn.Module, MtpLayer, Path],
-                                    params: SamplingParams) -> None:  # fmt: skip
+def test_mtp_drafts_change_no_token(
+    v3_with_mtp: tuple[torch.nn.Module, MtpLayer, Path], params: SamplingParams
+) -> None:
     assert_mtp_changes_no_token(v3_with_mtp[2], deepseek_tokens().tolist()[:32], params)
 
 
 def test_mtp_asked_of_a_checkpoint_without_its_tensors_is_refused(tmp_path: Path) -> None:
-    _, folder = build_deepseek(tmp_path, "v3")  # its config declares one layer; the tensors are not there
-    with pytest.raises(CheckpointError, match="lacks tensor model.layers.3.enorm.weight of its multi-token-prediction"):
+    _, folder = build_deepseek(
+        tmp_path, "v3"
+    )  # its config declares one layer; the tensors are not there
+    with pytest.raises(
+        CheckpointError,
+        match="lacks tensor model.layers.3.enorm.weight of its multi-token-prediction",
+    ):
         load_stage(open_source(folder), mtp=True)
     load_stage(open_source(folder))  # without drafts it loads: the layer is not needed
 
@@ -61,9 +82,13 @@ def test_a_misshapen_mtp_tensor_is_named(tmp_path: Path) -> None:
     model, folder = build_deepseek(tmp_path, "v3")
     add_mtp_layer(model, folder)
     tensors = load_file(folder / "model-mtp.safetensors")
-    tensors["model.layers.3.eh_proj.weight"] = tensors["model.layers.3.eh_proj.weight"][:, :64].contiguous()
+    tensors["model.layers.3.eh_proj.weight"] = tensors["model.layers.3.eh_proj.weight"][
+        :, :64
+    ].contiguous()
     save_file(tensors, folder / "model-mtp.safetensors")
-    with pytest.raises(CheckpointError, match=r"model.layers.3.eh_proj.weight gives mtp.eh_proj shape \(64, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"model.layers.3.eh_proj.weight gives mtp.eh_proj shape \(64, 64\)"
+    ):
         load_stage(open_source(folder), mtp=True)
 
 
@@ -71,8 +96,12 @@ def test_the_command_line_refuses_mtp_for_a_model_without_it(tmp_path: Path) -> 
     proc = seamline("run", "-p", "hi", "--max-tokens", "2", "--speculative", "mtp")
     assert_clean_error(proc, "the llama checkpoint has no multi-token-prediction layer")
     _, folder = build_deepseek(tmp_path, "v3")  # declares the layer; its tensors are not there
-    proc = seamline("serve", "--model", str(folder), "--speculative", "mtp", "--port", "1")  # a mesh: before it packages
-    assert_clean_error(proc, "--speculative mtp: the checkpoint lacks tensor model.layers.3.enorm.weight")
+    proc = seamline(
+        "serve", "--model", str(folder), "--speculative", "mtp", "--port", "1"
+    )  # a mesh: before it packages
+    assert_clean_error(
+        proc, "--speculative mtp: the checkpoint lacks tensor model.layers.3.enorm.weight"
+    )
 
 
 def test_right_mtp_drafts_are_accepted_and_save_steps(tmp_path: Path) -> None:

@@ -24,13 +24,19 @@ from seamline.quant.native import kernels
 from seamline.quant.tensor import QuantTensor
 from tests.support.mesh import expected_text
 
-needs_kernels = pytest.mark.skipif(kernels() is None, reason="the int8-block kernels need x86-64 with AVX2 and a compiler")
+needs_kernels = pytest.mark.skipif(
+    kernels() is None, reason="the int8-block kernels need x86-64 with AVX2 and a compiler"
+)
 SEQUENCES = 16
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "seamline.cli", "run", "--max-tokens", "24", "--verbose", *args],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "seamline.cli", "run", "--max-tokens", "24", "--verbose", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @needs_kernels
@@ -38,13 +44,18 @@ def test_no_flags_run_the_int8_block_path_and_answer() -> None:
     question = "List three prime numbers."
     proc = _run("-p", question)
     assert proc.returncode == 0, proc.stderr
-    assert "precision: fast (bfloat16 activations, int8 blocks in the matmuls)" in proc.stderr, proc.stderr
+    assert "precision: fast (bfloat16 activations, int8 blocks in the matmuls)" in proc.stderr, (
+        proc.stderr
+    )
     # the fast path's greedy words as this machine computes them in one process: they hang on the
     # prefill's rounding ("2, 3, 5" from AMX tiles, "1. 1 2. 2 3. 3" from bfloat16 tiles)
     want = expected_text(LocalModel.load(precision="fast"), question, 24)
     assert proc.stdout.strip() == want.strip(), (proc.stdout, want)
-    assert re.search(r"prompt eval: \d+ tokens in [\d.]+ ms \([\d.]+ tokens/s\)\ntime to first token: [\d.]+ ms\n"
-                     r"decode: \d+ tokens in [\d.]+ ms \([\d.]+ tokens/s, [\d.]+ ms/token\)", proc.stderr), proc.stderr
+    assert re.search(
+        r"prompt eval: \d+ tokens in [\d.]+ ms \([\d.]+ tokens/s\)\ntime to first token: [\d.]+ ms\n"
+        r"decode: \d+ tokens in [\d.]+ ms \([\d.]+ tokens/s, [\d.]+ ms/token\)",
+        proc.stderr,
+    ), proc.stderr
 
 
 def test_the_exact_flag_answers_as_the_dequantised_float32_model() -> None:
@@ -66,9 +77,15 @@ def test_the_precision_follows_the_weights() -> None:
     assert weights_kind(["float8_e4m3", "bfloat16"]) == "quantized"
     assert weights_kind(["bfloat16", "bfloat16", "float32"]) == "bfloat16"
     assert weights_kind(["float16", "float32", "float16"]) == "float16"
-    for kind, fast_dtype in (("bfloat16", "bfloat16"), ("float32", "float32"), ("float16", "float16")):
+    for kind, fast_dtype in (
+        ("bfloat16", "bfloat16"),
+        ("float32", "float32"),
+        ("float16", "float16"),
+    ):
         fast = resolve("fast", kind)
-        assert (fast.dtype, fast.int8_activations) == (fast_dtype, False), kind  # int8 blocks are GGUF's alone
+        assert (fast.dtype, fast.int8_activations) == (fast_dtype, False), (
+            kind
+        )  # int8 blocks are GGUF's alone
         assert resolve("exact", kind).dtype == "float32"
     assert resolve("fast", "quantized").dtype == "bfloat16"
     assert resolve("fast", "quantized").int8_activations == (kernels() is not None)
@@ -107,12 +124,16 @@ def test_a_batched_exact_step_equals_its_rows_alone(whole_matrix_dequantised: li
     whole_matrix_dequantised.clear()
     spans = [Span(i, 1, len(p), c) for i, (p, c) in enumerate(zip(prompts, caches))]
     batched = stage.forward_batch(torch.tensor(nexts), spans).float()
-    alone = torch.cat([stage(torch.tensor([t]), len(p), c)[-1:] for t, p, c in zip(nexts, prompts, copies)]).float()
+    alone = torch.cat(
+        [stage(torch.tensor([t]), len(p), c)[-1:] for t, p, c in zip(nexts, prompts, copies)]
+    ).float()
     assert (batched - alone).abs().max().item() <= 1e-5
     assert whole_matrix_dequantised == []
 
 
-def test_without_kernels_a_weight_is_dequantised_a_tile_at_a_time(whole_matrix_dequantised: list) -> None:
+def test_without_kernels_a_weight_is_dequantised_a_tile_at_a_time(
+    whole_matrix_dequantised: list,
+) -> None:
     """The torch path (no kernels, other devices) multiplies row tiles of at most TILE_BYTES."""
     from seamline.quant.dequant import dequantize
     from seamline.weights.loader import open_source
@@ -124,7 +145,9 @@ def test_without_kernels_a_weight_is_dequantised_a_tile_at_a_time(whole_matrix_d
     pieces = list(whole_matrix_dequantised)
     expected = torch.nn.functional.linear(x, dequantize(head))
     assert (got - expected).abs().max().item() <= 1e-4
-    assert len(pieces) > 1 and all(rows * cols * 4 <= matmul.TILE_BYTES for rows, cols in pieces), pieces[:3]
+    assert len(pieces) > 1 and all(rows * cols * 4 <= matmul.TILE_BYTES for rows, cols in pieces), (
+        pieces[:3]
+    )
 
 
 def test_run_on_an_unrunnable_model_path_is_still_one_line(tmp_path: Path) -> None:

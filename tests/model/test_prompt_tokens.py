@@ -128,8 +128,12 @@ def _folder(tmp_path: Path, bos_first: bool) -> Path:
         )
     tokenizer.save(str(folder / "tokenizer.json"))
     template = "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
-    config = {"bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": template,
-              "tokenizer_class": "PreTrainedTokenizerFast"}  # fmt: skip
+    config = {
+        "bos_token": "<|im_start|>",
+        "eos_token": "<|im_end|>",
+        "chat_template": template,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     (folder / "config.json").write_text(json.dumps({"model_type": "llama"}))
     return folder

@@ -25,11 +25,20 @@ HF_TARGET = "model.layers.1.mlp.down_proj.weight"
 @pytest.fixture(scope="module")
 def q8_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("bad_q8")
-    config = transformers.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     save_random_model(config, folder / "hf")
     # the embedded model's tokenizer, so that the file packages like a real one
-    return write_gguf_from_folder(folder / "hf", folder / "m.gguf", "Q8_0", tokenizer_from=default_model_path())
+    return write_gguf_from_folder(
+        folder / "hf", folder / "m.gguf", "Q8_0", tokenizer_from=default_model_path()
+    )
 
 
 def _patched(path: Path, out: Path, at: int, value: bytes) -> Path:
@@ -44,7 +53,9 @@ def test_a_block_with_an_infinite_scale_is_named(q8_file: Path, tmp_path: Path) 
     block = 3  # Q8_0: 34-byte blocks, the float16 scale first
     inf = np.float16(np.inf).tobytes()
     bad = _patched(q8_file, tmp_path / "bad.gguf", info.offset + block * 34, inf)
-    with pytest.raises(CheckpointError, match=rf"{HF_TARGET} \(Q8_0\) is corrupt: block 3 .*infinite or NaN"):
+    with pytest.raises(
+        CheckpointError, match=rf"{HF_TARGET} \(Q8_0\) is corrupt: block 3 .*infinite or NaN"
+    ):
         load_stage(open_source(bad))
 
 
@@ -67,5 +78,7 @@ def test_fragment_bytes_that_do_not_match_type_and_shape(q8_file: Path, tmp_path
     entries = [FragmentEntry.from_json(f) for f in data["fragments"]]
     data["model_hash"] = model_hash(data["config"], entries)
     (folder / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match=rf"tensor {HF_TARGET} in fragment layer.1: Q8_0 blocks"):
+    with pytest.raises(
+        CheckpointError, match=rf"tensor {HF_TARGET} in fragment layer.1: Q8_0 blocks"
+    ):
         FragmentSource(folder).get(HF_TARGET)

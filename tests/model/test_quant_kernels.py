@@ -31,7 +31,11 @@ def _cols(qtype, blocks: int) -> int:
 def _reference(x: torch.Tensor, w: QuantTensor) -> torch.Tensor:
     """gguf-py's dequantised weight times x, in float64."""
     raw = w.data.contiguous().numpy()
-    dense = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, w.qtype))).reshape(w.shape).double()
+    dense = (
+        torch.from_numpy(np.ascontiguousarray(gguf_dequantize(raw, w.qtype)))
+        .reshape(w.shape)
+        .double()
+    )
     return x.double() @ dense.T
 
 
@@ -39,7 +43,9 @@ def _assert_close(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     err = (y.double() - ref).abs()
     rel_norm = (err.norm() / ref.norm()).item()
     rel_max = (err.max() / ref.abs().max()).item()
-    assert rel_norm <= REL_NORM and rel_max <= REL_MAX, f"{what}: rel norm {rel_norm:.4f}, rel max {rel_max:.4f}"
+    assert rel_norm <= REL_NORM and rel_max <= REL_MAX, (
+        f"{what}: rel norm {rel_norm:.4f}, rel max {rel_max:.4f}"
+    )
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -57,7 +63,9 @@ def test_dequantize_matches_gguf_exactly(qtype, use_kernels, request) -> None:
     flat = w.select(1)
     ids = torch.tensor([[4, 0], [2, 4]])
     assert torch.equal(dequantize_rows(flat, ids, use_kernels=use_kernels), ref[1][ids])
-    assert torch.equal(dequantize(w.select(2).row_slice(1, 4), use_kernels=use_kernels), ref[2, 1:4])
+    assert torch.equal(
+        dequantize(w.select(2).row_slice(1, 4), use_kernels=use_kernels), ref[2, 1:4]
+    )
 
 
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
@@ -100,7 +108,11 @@ def test_int8_kernel_matches_reference(ops, qtype, dtype) -> None:
         for decode_rows in (0, 16):  # bf16 tiles and GEMM / the fused int8 kernel
             y = ops.linear(x, w.data, w.qtype, w.shape[1], bias, decode_rows)
             assert y.dtype == dtype and y.shape == (rows, 40)
-            _assert_close(y, _reference(x, w) + bias.double(), f"{qtype.name} {dtype} {rows} rows, {decode_rows}")
+            _assert_close(
+                y,
+                _reference(x, w) + bias.double(),
+                f"{qtype.name} {dtype} {rows} rows, {decode_rows}",
+            )
         part = ops.linear(x, w.row_slice(3, 29).data, w.qtype, w.shape[1], None, 16)
         assert torch.equal(part, ops.linear(x, w.data, w.qtype, w.shape[1], None, 16)[:, 3:29])
 
@@ -151,12 +163,21 @@ def test_amx_tiles_match_the_vnni_kernel(ops, qtype) -> None:
             amx = ops.linear(x, w.data, w.qtype, w.shape[1], bias, 0, 1)
             assert amx.dtype == dtype and amx.shape == (rows, 45)
             if dtype == torch.float32:
-                assert torch.allclose(amx, vnni, rtol=1e-5, atol=1e-5 * vnni.abs().max().item()), (qtype.name, rows)
-            _assert_close(amx, _reference(x, w) + bias.double(), f"AMX {qtype.name} {dtype} {rows} rows")
-    odd = random_weight(qtype, (20, _cols(qtype, 19)), gen)  # a half pair: the AVX-512 kernel takes it
+                assert torch.allclose(amx, vnni, rtol=1e-5, atol=1e-5 * vnni.abs().max().item()), (
+                    qtype.name,
+                    rows,
+                )
+            _assert_close(
+                amx, _reference(x, w) + bias.double(), f"AMX {qtype.name} {dtype} {rows} rows"
+            )
+    odd = random_weight(
+        qtype, (20, _cols(qtype, 19)), gen
+    )  # a half pair: the AVX-512 kernel takes it
     x = torch.randn(40, odd.shape[1], generator=gen)
-    assert torch.equal(ops.linear(x, odd.data, odd.qtype, odd.shape[1], None, 0, 1),
-                       ops.linear(x, odd.data, odd.qtype, odd.shape[1], None, 0, 0))  # fmt: skip
+    assert torch.equal(
+        ops.linear(x, odd.data, odd.qtype, odd.shape[1], None, 0, 1),
+        ops.linear(x, odd.data, odd.qtype, odd.shape[1], None, 0, 0),
+    )
 
 
 def test_int8_mode_takes_bfloat16_tiles_for_a_long_chunk(ops, monkeypatch) -> None:
@@ -170,7 +191,9 @@ def test_int8_mode_takes_bfloat16_tiles_for_a_long_chunk(ops, monkeypatch) -> No
     for rows in (AMX_BELOW_ROWS - 1, AMX_BELOW_ROWS):
         x = torch.randn(rows, w.shape[1], generator=gen).to(torch.bfloat16)
         tiles = ops.linear(x, w.data, w.qtype, w.shape[1], None, DECODE_ROWS, 0)
-        amx = ops.linear(x, w.data, w.qtype, w.shape[1], None, DECODE_ROWS, matmul._AMX_FROM)  # 0: SEAMLINE_QUANT_AMX=0
+        amx = ops.linear(
+            x, w.data, w.qtype, w.shape[1], None, DECODE_ROWS, matmul._AMX_FROM
+        )  # 0: SEAMLINE_QUANT_AMX=0
         assert torch.equal(quant_linear(x, w), amx if rows < AMX_BELOW_ROWS else tiles), rows
         if ops.amx_supported() and matmul._AMX_FROM:  # else both are the tiles
             assert not torch.equal(amx, tiles)
@@ -178,7 +201,9 @@ def test_int8_mode_takes_bfloat16_tiles_for_a_long_chunk(ops, monkeypatch) -> No
 
 
 @pytest.mark.parametrize("qtype", sorted(K_TYPES), ids=lambda t: t.name)
-def test_int8_mode_keeps_k_quants_on_the_fused_kernel_for_more_rows(ops, qtype, monkeypatch) -> None:
+def test_int8_mode_keeps_k_quants_on_the_fused_kernel_for_more_rows(
+    ops, qtype, monkeypatch
+) -> None:
     """With int8 activations a K-quant matmul stays on the fused kernel up to its build's
     K_DECODE_ROWS rows (past DECODE_ROWS: its tiles cost more to dequantise than the 32-wide
     types'), and one row more takes the bfloat16 tiles."""
@@ -222,7 +247,9 @@ def test_torch_path_matches_kernel_path(ops, qtype) -> None:
             slow = quant_linear(x, w, bias, use_kernels=False)
             assert fast.dtype == slow.dtype == dtype
             _assert_close(fast, slow.double(), f"{qtype.name} {dtype} {rows} rows")
-            _assert_close(fast, _reference(x, w) + bias.double(), f"{qtype.name} {dtype} {rows} rows + bias")
+            _assert_close(
+                fast, _reference(x, w) + bias.double(), f"{qtype.name} {dtype} {rows} rows + bias"
+            )
 
 
 def test_switch_turns_kernels_off(monkeypatch) -> None:

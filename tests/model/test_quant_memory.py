@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from seamline.app import default_model_path
-from seamline_bench.resident import measure_in_subprocess
 from seamline.weights.packaging import package
+from seamline_bench.resident import measure_in_subprocess
 
 OVERHEAD = 64 << 20
 RATIO = 1.25
@@ -33,8 +33,12 @@ def _check(result: dict[str, int]) -> None:
     assert result["resident_weight_bytes"] - OVERHEAD <= RATIO * result["gguf_tensor_bytes"]
 
 
-@pytest.mark.parametrize("layers", [(0, 15), (15, 30)], ids=["first-half+embedding", "second-half+head"])
-def test_a_node_range_from_fragments_stays_quantized(embedded_package: Path, layers: tuple[int, int]) -> None:
+@pytest.mark.parametrize(
+    "layers", [(0, 15), (15, 30)], ids=["first-half+embedding", "second-half+head"]
+)
+def test_a_node_range_from_fragments_stays_quantized(
+    embedded_package: Path, layers: tuple[int, int]
+) -> None:
     _check(measure_in_subprocess(embedded_package, *layers))
 
 

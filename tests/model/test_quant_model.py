@@ -25,7 +25,11 @@ from seamline.params import SamplingParams
 from seamline.quant.tensor import QuantTensor
 from seamline.runtime.engine import Engine
 
-PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.")
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+)
 POSITIONS = 256
 
 
@@ -34,8 +38,14 @@ def _pair(dtype: str) -> tuple[LocalModel, Engine]:
     quantized = LocalModel.load(dtype=dtype)
     reference = LocalModel.load(dtype=dtype).engine
     dequantize_weights(reference.stage, reference.stage.compute_dtype)
-    assert any(isinstance(w, QuantTensor) for m in quantized.engine.stage.modules() for w in vars(m).values())
-    assert not any(isinstance(w, QuantTensor) for m in reference.stage.modules() for w in vars(m).values())
+    assert any(
+        isinstance(w, QuantTensor)
+        for m in quantized.engine.stage.modules()
+        for w in vars(m).values()
+    )
+    assert not any(
+        isinstance(w, QuantTensor) for m in reference.stage.modules() for w in vars(m).values()
+    )
     return quantized, reference
 
 
@@ -50,7 +60,9 @@ def test_float32_activations_give_the_dequantised_greedy_tokens() -> None:
 
 def _decode_logits(stage: Stage, tokens: list[int]) -> torch.Tensor:
     cache = stage.new_cache()
-    return torch.stack([stage(torch.tensor([t]), i, cache)[-1].float() for i, t in enumerate(tokens)])
+    return torch.stack(
+        [stage(torch.tensor([t]), i, cache)[-1].float() for i, t in enumerate(tokens)]
+    )
 
 
 def test_fast_path_follows_the_dequantised_reference() -> None:
@@ -63,13 +75,20 @@ def test_fast_path_follows_the_dequantised_reference() -> None:
     ids = model.codec.encode_chat([{"role": "user", "content": PROMPTS[0]}])
     text = list(model.engine.generate(ids, SamplingParams(max_tokens=POSITIONS)))
     tokens = (ids + text)[:POSITIONS]
-    ours, theirs = _decode_logits(model.engine.stage, tokens), _decode_logits(reference.stage, tokens)
+    ours, theirs = (
+        _decode_logits(model.engine.stage, tokens),
+        _decode_logits(reference.stage, tokens),
+    )
     noise = (theirs - _decode_logits(exact, tokens)).abs().max().item()
     ours_tied = ours == ours.max(-1, keepdim=True).values  # our top-1, or our tokens tied for it
-    picked = theirs.masked_fill(~ours_tied, float("-inf")).max(-1).values  # the reference's best of them
+    picked = (
+        theirs.masked_fill(~ours_tied, float("-inf")).max(-1).values
+    )  # the reference's best of them
     agree = (picked == theirs.max(-1).values).float().mean().item()
     err = (ours - theirs).abs().max().item()
-    print(f"top-1 agreement {agree:.4f}, max |quantized - dequantised| {err:.3f}, bfloat16 noise {noise:.3f} "
-          f"(logit scale {theirs.abs().max():.1f})")  # fmt: skip
+    print(
+        f"top-1 agreement {agree:.4f}, max |quantized - dequantised| {err:.3f}, bfloat16 noise {noise:.3f} "
+        f"(logit scale {theirs.abs().max():.1f})"
+    )
     assert agree >= 0.99
     assert err <= 2 * noise

@@ -35,17 +35,45 @@ from tests.support.mesh_harness import split_completion
 ATOL = 1e-4  # float32 logits of random weights; measured 1.1e-6 to 1.3e-6 (printed by check_group)
 CONTEXT = 256
 VOCAB = 49152  # the embedded model's tokenizer, copied into each file so the mesh can serve text
-COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=3, num_attention_heads=4,
-                              max_position_embeddings=CONTEXT, tie_word_embeddings=False)  # fmt: skip
+COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB,
+    hidden_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=CONTEXT,
+    tie_word_embeddings=False,
+)
 BUILDERS = {
-    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        **COMMON, intermediate_size=512, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
-    "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
-        **COMMON, num_key_value_heads=4, intermediate_size=512, moe_intermediate_size=256, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5,
-        q_lora_rank=256, kv_lora_rank=256, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=64,
-        first_k_dense_replace=1)),
-}  # fmt: skip  (4 heads x 64: a rank's o_proj columns, 2 x 64, cut the 256-wide K-quant blocks)
+    "mixtral": lambda: transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(
+            **COMMON,
+            intermediate_size=512,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        )
+    ),
+    "deepseek_v3": lambda: transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            **COMMON,
+            num_key_value_heads=4,
+            intermediate_size=512,
+            moe_intermediate_size=256,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            q_lora_rank=256,
+            kv_lora_rank=256,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=32,
+            v_head_dim=64,
+            first_k_dense_replace=1,
+        )
+    ),
+}  # 4 heads x 64: a rank's o_proj columns, 2 x 64, cut the 256-wide K-quant blocks
 
 
 def build_gguf(family: str, mix: str, folder: Path) -> Path:
@@ -54,11 +82,17 @@ def build_gguf(family: str, mix: str, folder: Path) -> Path:
     for p in model.parameters():  # smaller weights: 256-wide layers at the scale of 64-wide ones
         p.data.mul_(0.5 if p.dim() > 1 else 1.0)
     model.save_pretrained(folder / "hf")
-    return write_gguf_from_folder(folder / "hf", folder / f"{family}-{mix}.gguf", mix,
-                                  tokenizer_from=default_model_path())  # fmt: skip
+    return write_gguf_from_folder(
+        folder / "hf", folder / f"{family}-{mix}.gguf", mix, tokenizer_from=default_model_path()
+    )
 
 
-CASES = [("mixtral", "Q4_K_M"), ("deepseek_v3", "Q4_K_M"), ("mixtral", "Q8_0"), ("deepseek_v3", "Q8_0")]
+CASES = [
+    ("mixtral", "Q4_K_M"),
+    ("deepseek_v3", "Q4_K_M"),
+    ("mixtral", "Q8_0"),
+    ("deepseek_v3", "Q8_0"),
+]
 _built: dict[tuple[str, str], Path] = {}
 
 
@@ -75,7 +109,12 @@ def quantized(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 def _types(path: Path) -> set[str]:
     stage = load_stage(open_source(path))
-    return {w.qtype.name for m in stage.modules() for w in vars(m).values() if isinstance(w, QuantTensor)}
+    return {
+        w.qtype.name
+        for m in stage.modules()
+        for w in vars(m).values()
+        if isinstance(w, QuantTensor)
+    }
 
 
 def test_one_process_runs_on_the_blocks(quantized: Path) -> None:
@@ -92,11 +131,14 @@ def test_lockstep_group_equals_one_process(quantized: Path) -> None:
 
 
 @pytest.mark.parametrize("case", CASES[:2], ids=["-".join(c) for c in CASES[:2]])
-def test_two_stage_mesh_equals_one_process(case: tuple[str, str], tmp_path: Path,
-                                           tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_two_stage_mesh_equals_one_process(
+    case: tuple[str, str], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     """The Q4_K_M files (their mix holds both K types); a stage boundary is type-blind."""
     quantized = built(case, tmp_path_factory)
     local = LocalModel.load(quantized, context=CONTEXT)
     prompt = "The rivers of Europe include"
-    expected = local.codec.decode(list(local.engine.generate(local.codec.encode(prompt), SamplingParams(max_tokens=16))))
+    expected = local.codec.decode(
+        list(local.engine.generate(local.codec.encode(prompt), SamplingParams(max_tokens=16)))
+    )
     assert split_completion(tmp_path / "mesh", quantized, prompt, 16, CONTEXT) == expected

@@ -57,8 +57,12 @@ def test_a_stage_that_keeps_stepping_is_probed_once_it_stops(worker: StageWorker
     assert not worker.probe_quiet and worker.step_probe == LOADING_PROBE
     stop.set()
     assert wait_for(lambda: worker.probe_quiet)
-    assert set(worker.step_probe) == set(LOADING_PROBE) and all(0 < s < 9.0 for s in worker.step_probe.values())
-    assert set(worker.prompt_probe) == set(PROMPT_ROWS) and all(0 < s < 9.0 for s in worker.prompt_probe.values())
+    assert set(worker.step_probe) == set(LOADING_PROBE) and all(
+        0 < s < 9.0 for s in worker.step_probe.values()
+    )
+    assert set(worker.prompt_probe) == set(PROMPT_ROWS) and all(
+        0 < s < 9.0 for s in worker.prompt_probe.values()
+    )
 
 
 def test_a_worker_no_longer_serving_is_left_alone(worker: StageWorker) -> None:
@@ -69,5 +73,9 @@ def test_a_worker_no_longer_serving_is_left_alone(worker: StageWorker) -> None:
 
 
 def test_the_probes_kept_are_the_median_of_the_quiet_ones_taken() -> None:
-    taken = [({1: 3.0, 16: 9.0}, {32: 1.0}), ({1: 1.0, 16: 8.0}, {32: 5.0}), ({1: 2.0, 16: 30.0}, {32: 2.0})]
+    taken = [
+        ({1: 3.0, 16: 9.0}, {32: 1.0}),
+        ({1: 1.0, 16: 8.0}, {32: 5.0}),
+        ({1: 2.0, 16: 30.0}, {32: 2.0}),
+    ]
     assert reprobe._median(taken, 0) == {1: 2.0, 16: 9.0} and reprobe._median(taken, 1) == {32: 2.0}

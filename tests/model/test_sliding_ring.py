@@ -34,10 +34,19 @@ LONG = 5 * RING + 3  # wraps the ring five times
 
 def _config(window: int = WINDOW) -> Any:
     """Qwen2 with its last two layers sliding (``window`` 0: none)."""
-    return transformers.Qwen2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    max_position_embeddings=1024, use_sliding_window=bool(window),
-                                    sliding_window=window or None, max_window_layers=2)  # fmt: skip
+    return transformers.Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        use_sliding_window=bool(window),
+        sliding_window=window or None,
+        max_window_layers=2,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +56,9 @@ def qwen2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Path]:
 
 
 @pytest.mark.parametrize("chunk", [LONG, 2 * RING + 5, 24, 7])
-def test_a_sequence_wrapping_the_ring_gives_transformers_logits(qwen2: tuple[Any, Path], chunk: int) -> None:
+def test_a_sequence_wrapping_the_ring_gives_transformers_logits(
+    qwen2: tuple[Any, Path], chunk: int
+) -> None:
     """In chunks (one longer than the ring: it keeps its last positions), then decoding past them."""
     model, folder = qwen2
     ids = random_ids(256, LONG + 20, seed=3)
@@ -58,10 +69,14 @@ def test_a_sequence_wrapping_the_ring_gives_transformers_logits(qwen2: tuple[Any
     rows += [stage(ids[p : p + 1], p, cache) for p in range(LONG, ids.shape[0])]
     assert (torch.cat(rows) - want).abs().max().item() < ATOL
     held = {i: kv.k.shape[1] for i, kv in cache.layers.items() if kv.k is not None}
-    assert held[2] == held[3] == RING and held[0] >= LONG + 20  # the sliding layers kept their ring only
+    assert (
+        held[2] == held[3] == RING and held[0] >= LONG + 20
+    )  # the sliding layers kept their ring only
 
 
-def test_a_long_sequence_is_charged_its_window_not_the_context(qwen2: tuple[Any, Path], tmp_path: Path) -> None:
+def test_a_long_sequence_is_charged_its_window_not_the_context(
+    qwen2: tuple[Any, Path], tmp_path: Path
+) -> None:
     """The stage's bytes for 8k tokens, the scheduler's charge for a sequence that may reach them,
     and the planner's bytes per token: two full layers and two rings, against a model without a
     window (four full layers). Fails if a sliding layer is charged the full context."""
@@ -82,7 +97,9 @@ def test_a_long_sequence_is_charged_its_window_not_the_context(qwen2: tuple[Any,
     assert spec.layer_kv()[2] == -(-whole.layer_kv()[2] * RING // 8192)  # the ring's share of 8k
 
 
-def test_a_fork_is_taken_only_where_the_donor_still_holds_its_window(qwen2: tuple[Any, Path]) -> None:
+def test_a_fork_is_taken_only_where_the_donor_still_holds_its_window(
+    qwen2: tuple[Any, Path],
+) -> None:
     """A finished sequence of LONG positions in the prefix cache: a prompt sharing all but its last
     positions forks it; one sharing only its first 20 (long wrapped out of the ring) is prefilled
     afresh. Both give the tokens and logits of the prompt alone."""
@@ -100,11 +117,15 @@ def test_a_fork_is_taken_only_where_the_donor_still_holds_its_window(qwen2: tupl
         assert sequence.tokens == list(engine.generate(prompt, params))
 
 
-def _first_step_rows(core: EngineCore, stage: Any, prompt: list[int], params: SamplingParams) -> tuple[int, Any]:
+def _first_step_rows(
+    core: EngineCore, stage: Any, prompt: list[int], params: SamplingParams
+) -> tuple[int, Any]:
     """The rows of ``prompt``'s first step (fewer than its length: a fork gave the rest), and its sequence run to the end."""
     rows: list[int] = []
     forward = stage.forward_batch
-    stage.forward_batch = lambda inputs, spans, **kw: rows.append(len(inputs)) or forward(inputs, spans, **kw)
+    stage.forward_batch = lambda inputs, spans, **kw: (
+        rows.append(len(inputs)) or forward(inputs, spans, **kw)
+    )
     try:
         sequence = core.scheduler.add(prompt, params)
         _drain(core)
@@ -118,7 +139,9 @@ def _drain(core: EngineCore) -> None:
         core.step()
 
 
-def test_a_rewind_within_the_slack_recomputes_and_one_past_it_is_refused(qwen2: tuple[Any, Path]) -> None:
+def test_a_rewind_within_the_slack_recomputes_and_one_past_it_is_refused(
+    qwen2: tuple[Any, Path],
+) -> None:
     """A rejected speculative window goes back at most ``RING_SLACK`` positions: the rows written
     again equal the first ones; a step needing keys the ring dropped raises, naming both positions."""
     _, folder = qwen2
@@ -130,7 +153,7 @@ def test_a_rewind_within_the_slack_recomputes_and_one_past_it_is_refused(qwen2: 
     again = torch.cat([stage(ids[p : p + 1], p, cache) for p in range(back, ids.shape[0])])
     assert (again - first[back:]).abs().max().item() < ATOL
     with pytest.raises(CacheOverrun, match="needs keys from"):
-        stage(ids[: 1], back - 2, cache)
+        stage(ids[:1], back - 2, cache)
     ring = LayerKV(ring=RING)
     ring.window_update(torch.zeros(1, 3 * RING, 2), torch.zeros(1, 3 * RING, 2), 0, WINDOW)
     with pytest.raises(CacheOverrun, match=f"holds them from {2 * RING}"):

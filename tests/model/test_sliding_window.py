@@ -26,8 +26,12 @@ from seamline.runtime.engine import Engine
 from seamline.weights.gguf import GGUFSource
 from seamline.weights.gguf_write import write_gguf_from_folder
 from seamline.weights.loader import load_stage, open_source
-from tests.support.family_checks import assert_greedy_matches, assert_group_matches, assert_logits_match, \
-    assert_split_matches  # fmt: skip
+from tests.support.family_checks import (
+    assert_greedy_matches,
+    assert_group_matches,
+    assert_logits_match,
+    assert_split_matches,
+)
 from tests.support.reference import (
     random_ids,
     reference_logits,
@@ -38,9 +42,15 @@ from tests.support.reference import (
 ATOL = 1e-4
 WINDOW = 8  # shorter than PREFILL: the early tokens fall out of the window
 SMALL = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, head_dim=16,
-)  # fmt: skip
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    head_dim=16,
+)
 MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -51,25 +61,47 @@ def _config(kind: str, window: int | None = WINDOW) -> Any:
     if kind == "mixtral":
         return transformers.MixtralConfig(**SMALL, **MOE, sliding_window=window)
     if kind == "qwen2":  # the last two of four layers
-        return transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=window, max_window_layers=2)
+        return transformers.Qwen2Config(
+            **SMALL, use_sliding_window=True, sliding_window=window, max_window_layers=2
+        )
     if kind == "qwen3":
-        return transformers.Qwen3Config(**SMALL, use_sliding_window=True, sliding_window=window,
-                                        layer_types=[SLIDING, FULL, SLIDING, FULL])  # fmt: skip
-    return transformers.Qwen3MoeConfig(**SMALL, use_sliding_window=True, sliding_window=window, num_experts=4,
-                                       num_experts_per_tok=2, moe_intermediate_size=32)  # fmt: skip
+        return transformers.Qwen3Config(
+            **SMALL,
+            use_sliding_window=True,
+            sliding_window=window,
+            layer_types=[SLIDING, FULL, SLIDING, FULL],
+        )
+    return transformers.Qwen3MoeConfig(
+        **SMALL,
+        use_sliding_window=True,
+        sliding_window=window,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    )
 
 
 KINDS = ["mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe"]
-WINDOWED = {"mistral": {0, 1, 2, 3}, "mixtral": {0, 1, 2, 3}, "qwen2": {2, 3}, "qwen3": {0, 2}, "qwen3_moe": {0, 1, 2, 3}}
+WINDOWED = {
+    "mistral": {0, 1, 2, 3},
+    "mixtral": {0, 1, 2, 3},
+    "qwen2": {2, 3},
+    "qwen3": {0, 2},
+    "qwen3_moe": {0, 1, 2, 3},
+}
 
 
 @pytest.fixture(scope="module", params=KINDS)
-def windowed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Any, Path]:
+def windowed(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, Any, Path]:
     folder = tmp_path_factory.mktemp(request.param)
     return request.param, save_random_model(_config(request.param), folder), folder
 
 
-def test_the_window_applies_to_the_layers_transformers_gives_it(windowed: tuple[str, Any, Path]) -> None:
+def test_the_window_applies_to_the_layers_transformers_gives_it(
+    windowed: tuple[str, Any, Path],
+) -> None:
     kind, model, folder = windowed
     config = load_stage(open_source(folder)).config
     assert (config.sliding_window, set(config.sliding_layers)) == (WINDOW, WINDOWED[kind])
@@ -78,13 +110,17 @@ def test_the_window_applies_to_the_layers_transformers_gives_it(windowed: tuple[
         assert {i for i, t in enumerate(types) if t == SLIDING} == WINDOWED[kind]
 
 
-def test_logits_match_transformers_at_once_in_chunks_and_decoding(windowed: tuple[str, Any, Path]) -> None:
+def test_logits_match_transformers_at_once_in_chunks_and_decoding(
+    windowed: tuple[str, Any, Path],
+) -> None:
     kind, model, folder = windowed
     assert_logits_match(model, folder, chunk=5)
     # the window matters: the same weights with a window longer than the ids give other logits
     ids = random_ids(256)
     full = save_random_model(_config(kind, 64), folder.parent / f"{folder.name}-full")
-    assert (reference_logits(full, ids) - reference_logits(model, ids)).abs().max().item() > 100 * ATOL
+    assert (
+        reference_logits(full, ids) - reference_logits(model, ids)
+    ).abs().max().item() > 100 * ATOL
 
 
 def test_greedy_tokens_match_transformers(windowed: tuple[str, Any, Path]) -> None:
@@ -102,7 +138,9 @@ def test_a_lockstep_group_equals_one_process(kind: str, tmp_path: Path) -> None:
     assert_group_matches(tmp_path)
 
 
-def test_batched_sequences_and_a_forked_prefix_equal_each_alone(windowed: tuple[str, Any, Path]) -> None:
+def test_batched_sequences_and_a_forked_prefix_equal_each_alone(
+    windowed: tuple[str, Any, Path],
+) -> None:
     """Three prompts in one batch, then one that begins as the first (its 20 positions, longer
     than the window, are copied from the prefix cache): tokens and logits as each alone."""
     _, _, folder = windowed
@@ -116,7 +154,9 @@ def test_batched_sequences_and_a_forked_prefix_equal_each_alone(windowed: tuple[
     forked = core.scheduler.add(base + [3, 4, 5], params)
     rows: list[int] = []
     forward = stage.forward_batch
-    stage.forward_batch = lambda inputs, spans, **kw: rows.append(len(inputs)) or forward(inputs, spans, **kw)  # type: ignore[method-assign]
+    stage.forward_batch = lambda inputs, spans, **kw: (
+        rows.append(len(inputs)) or forward(inputs, spans, **kw)
+    )  # type: ignore[method-assign]
     try:
         logits = _run(core)
     finally:
@@ -158,9 +198,15 @@ def _qwen(cls: Any, **kw: Any) -> dict[str, Any]:
 Q2, Q3, Q3M = transformers.Qwen2Config, transformers.Qwen3Config, transformers.Qwen3MoeConfig
 # (config class, use_sliding_window, sliding_window, max_window_layers) over 4 layers
 QWEN_CASES = [
-    (Q2, False, 16, 0), (Q2, True, 16, 2), (Q2, True, 16, 4), (Q2, True, 128, 0),
-    (Q3, True, 16, 3), (Q3, False, 16, 0), (Q3M, True, 16, None), (Q3M, False, 16, None),
-]  # fmt: skip
+    (Q2, False, 16, 0),
+    (Q2, True, 16, 2),
+    (Q2, True, 16, 4),
+    (Q2, True, 128, 0),
+    (Q3, True, 16, 3),
+    (Q3, False, 16, 0),
+    (Q3M, True, 16, None),
+    (Q3M, False, 16, None),
+]
 
 
 @pytest.mark.parametrize("cls,use,window,first", QWEN_CASES)
@@ -189,7 +235,10 @@ def test_qwen_rules_agree_with_transformers(
 @pytest.mark.parametrize("model_type", ["llama", "deepseek_v3"])
 def test_families_without_a_window_ignore_the_field(model_type: str) -> None:
     assert not sliding_window_active(model_type, {"sliding_window": 4, "use_sliding_window": True})
-    assert sliding_layers(model_type, {"sliding_window": 4, "num_hidden_layers": 2}) == (0, frozenset())
+    assert sliding_layers(model_type, {"sliding_window": 4, "num_hidden_layers": 2}) == (
+        0,
+        frozenset(),
+    )
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "mistral"])

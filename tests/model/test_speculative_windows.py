@@ -24,13 +24,28 @@ from seamline.quant.matmul import set_int8_activations
 from seamline.runtime.speculation import OFF, DraftSource, Speculation, SpeculationStats
 from seamline.weights.loader import load_stage
 from tests.support.configs import checkpoint_source
-from tests.support.speculation import GREEDY, LIST, SEEDED, TOKENS, generate, partly_right, repetitive_prompt
+from tests.support.speculation import (
+    GREEDY,
+    LIST,
+    SEEDED,
+    TOKENS,
+    generate,
+    partly_right,
+    repetitive_prompt,
+)
 
-def _same_with_and_without(stage: Stage, prompt: list[int], params: SamplingParams,
-                           source: Callable[[list[int]], DraftSource] | None = None) -> SpeculationStats:  # fmt: skip
+
+def _same_with_and_without(
+    stage: Stage,
+    prompt: list[int],
+    params: SamplingParams,
+    source: Callable[[list[int]], DraftSource] | None = None,
+) -> SpeculationStats:
     """``source`` makes the drafts from the output without speculation (None: n-grams)."""
     plain, _, _ = generate(stage, prompt, params, OFF)
-    speculation = Speculation("ngram") if source is None else Speculation("ngram", source=source(plain))
+    speculation = (
+        Speculation("ngram") if source is None else Speculation("ngram", source=source(plain))
+    )
     drafted, _, stats = generate(stage, prompt, params, speculation)
     assert len(plain) == TOKENS
     assert drafted == plain
@@ -51,7 +66,9 @@ def test_ngram_drafts_change_no_token_of_the_embedded_model(tmp_path: Path) -> N
     model = LocalModel.load(default_model_path())  # float32: the exact path
     stage = model.engine.stage
     for params in (GREEDY, SEEDED):
-        stats = _same_with_and_without(stage, model.codec.encode_chat([{"role": "user", "content": LIST}]), params)
+        stats = _same_with_and_without(
+            stage, model.codec.encode_chat([{"role": "user", "content": LIST}]), params
+        )
         assert stats.accepted > 0
 
 
@@ -64,7 +81,9 @@ def fast_model() -> Iterator[LocalModel]:
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_drafts_change_no_token_at_the_default_precision(fast_model: LocalModel, params: SamplingParams) -> None:
+def test_drafts_change_no_token_at_the_default_precision(
+    fast_model: LocalModel, params: SamplingParams
+) -> None:
     prompt = fast_model.codec.encode_chat([{"role": "user", "content": LIST}])
     stats = _same_with_and_without(fast_model.engine.stage, prompt, params)
     assert stats.accepted > 0
@@ -86,12 +105,16 @@ def test_scripted_drafts_are_all_rejected_or_all_accepted(right: bool, tmp_path:
     prompt = repetitive_prompt(stage.config.vocab_size)
     expected, plain_steps, _ = generate(stage, prompt, SEEDED, OFF)
     source: Callable[[list[int], int], list[int]] = _scripted(expected, len(prompt), right)
-    drafted, steps, stats = generate(stage, prompt, SEEDED, Speculation("ngram", draft_max=4, source=source))
+    drafted, steps, stats = generate(
+        stage, prompt, SEEDED, Speculation("ngram", draft_max=4, source=source)
+    )
     assert drafted == expected
     assert stats.drafted > 0
     if right:
         assert stats.accepted == stats.drafted
-        assert steps <= plain_steps // 4  # a prefill, then windows of 4 drafts and the token after them
+        assert (
+            steps <= plain_steps // 4
+        )  # a prefill, then windows of 4 drafts and the token after them
     else:
         assert stats.accepted == 0
         assert steps == plain_steps

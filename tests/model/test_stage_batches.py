@@ -44,12 +44,22 @@ Frames = list[tuple[list[Row], torch.Tensor]]
 def _stages(folder: Path) -> tuple[Stage, Stage]:
     save_random_model(dense_configs()["llama"], folder)
     source = open_source(folder)
-    return load_stage(source, Ownership(layers=(0, 1))), load_stage(source, Ownership(layers=(1, 3)))
+    return load_stage(source, Ownership(layers=(0, 1))), load_stage(
+        source, Ownership(layers=(1, 3))
+    )
 
 
-def _open(worker: StageWorker, request: int, prompt: list[int], params: SamplingParams | None = None) -> None:
-    worker.open(Open(request=request, sampling=params or SamplingParams(max_tokens=8), prompt_len=len(prompt),
-                     context_length=1024))  # fmt: skip
+def _open(
+    worker: StageWorker, request: int, prompt: list[int], params: SamplingParams | None = None
+) -> None:
+    worker.open(
+        Open(
+            request=request,
+            sampling=params or SamplingParams(max_tokens=8),
+            prompt_len=len(prompt),
+            context_length=1024,
+        )
+    )
     worker.prompt(Prompt(request=request, tokens=tuple(prompt)))
 
 
@@ -89,7 +99,11 @@ def test_returned_tokens_run_as_micro_batches_of_one_over_s(tmp_path: Path) -> N
     returned = []
     for request, prompt in enumerate(prompts):
         before = prefix_hash(EMPTY_HASH, prompt)
-        returned.append(TokenRow(request, len(prompt), 40 + request, before, prefix_hash(before, [40 + request])))
+        returned.append(
+            TokenRow(
+                request, len(prompt), 40 + request, before, prefix_hash(before, [40 + request])
+            )
+        )
     worker.tokens(TokenFrame(tuple(returned)))
     _wait_for(frames, SEQUENCES + 3)
     time.sleep(0.2)
@@ -98,7 +112,9 @@ def test_returned_tokens_run_as_micro_batches_of_one_over_s(tmp_path: Path) -> N
     assert sorted(row.request for rows, _ in batches for row in rows) == list(range(SEQUENCES))
     for rows, hidden in batches:  # each batched row equals that sequence's step alone
         for i, row in enumerate(rows):
-            alone = stage(torch.tensor(prompts[row.request] + [40 + row.request]), 0, stage.new_cache())
+            alone = stage(
+                torch.tensor(prompts[row.request] + [40 + row.request]), 0, stage.new_cache()
+            )
             torch.testing.assert_close(hidden[i], alone[-1], atol=1e-5, rtol=0)
 
 
@@ -119,7 +135,9 @@ def test_rows_back_early_wait_to_join_a_frame_while_s_frames_are_in_flight(tmp_p
         rows = []
         for request in requests:
             before = prefix_hash(EMPTY_HASH, prompts[request])
-            rows.append(TokenRow(request, 3, 40 + request, before, prefix_hash(before, [40 + request])))
+            rows.append(
+                TokenRow(request, 3, 40 + request, before, prefix_hash(before, [40 + request]))
+            )
         worker.tokens(TokenFrame(tuple(rows)))
 
     back(0, 1)  # the frames of prompts 2 and 3 are still in flight: 0 and 1 wait
@@ -156,13 +174,16 @@ def test_prompts_that_arrive_together_share_forwards_in_chunks(tmp_path: Path) -
     assert all(row.flags == RowFlag.FIRST | RowFlag.SAMPLE for row in first[:-1])
     assert first[-1].flags == RowFlag.FIRST and first[-1].count == MAX_STEP_TOKENS - 3 * len(short)
     assert [(row.request, row.position, row.count, row.flags) for row in second] == [
-        (SEQUENCES, first[-1].count, 3 * len(short), RowFlag.SAMPLE)]
-    for (rows, hidden) in frames[1:3]:
+        (SEQUENCES, first[-1].count, 3 * len(short), RowFlag.SAMPLE)
+    ]
+    for rows, hidden in frames[1:3]:
         offset = 0
         for row in rows:
             alone = stage(torch.tensor(prompts[row.request]), 0, stage.new_cache())
             got = hidden[offset : offset + row.count]
-            torch.testing.assert_close(got, alone[row.position : row.position + row.count], atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                got, alone[row.position : row.position + row.count], atol=1e-5, rtol=0
+            )
             offset += row.count
 
 
@@ -184,15 +205,21 @@ def test_a_prompt_in_chunks_runs_as_the_whole_prompt(tmp_path: Path) -> None:
     failed: list[tuple[list[int], Exception]] = []
     worker.links.failed = lambda requests, exc: failed.append((requests, exc))
     prompt = [(5 * i) % 60 + 1 for i in range(40)]
-    worker.open(Open(request=1, sampling=SamplingParams(max_tokens=8), prompt_len=40, context_length=1024))
+    worker.open(
+        Open(request=1, sampling=SamplingParams(max_tokens=8), prompt_len=40, context_length=1024)
+    )
     for start, more in ((0, True), (15, True), (30, False)):
         worker.prompt(Prompt(request=1, tokens=tuple(prompt[start : start + 15]), more=more))
         time.sleep(0.05 if more else 0)
         assert not frames or not more  # nothing runs before the last chunk
     _wait_for(frames, 1)
     assert [(row.position, row.count) for row in frames[0][0]] == [(0, 40)]
-    torch.testing.assert_close(frames[0][1], stage(torch.tensor(prompt), 0, stage.new_cache()), atol=1e-5, rtol=0)
-    worker.open(Open(request=2, sampling=SamplingParams(max_tokens=8), prompt_len=2048, context_length=1024))
+    torch.testing.assert_close(
+        frames[0][1], stage(torch.tensor(prompt), 0, stage.new_cache()), atol=1e-5, rtol=0
+    )
+    worker.open(
+        Open(request=2, sampling=SamplingParams(max_tokens=8), prompt_len=2048, context_length=1024)
+    )
     for _ in range(2):
         worker.prompt(Prompt(request=2, tokens=(3,) * min(PROMPT_CHUNK_TOKENS, 1024), more=True))
     assert [requests for requests, _ in failed] == [[2]] and "context" in str(failed[0][1])
@@ -202,8 +229,9 @@ class TwoStages:
     """Stage 0 and a last stage wired in one process as a mesh wires them over sockets."""
 
     def __init__(self, first: Stage, second: Stage, kv_budget_bytes: int | None = None) -> None:
-        self.stage0 = StageWorker(first, is_first=True, is_last=False, context_length=512,
-                                  kv_budget_bytes=kv_budget_bytes)  # fmt: skip
+        self.stage0 = StageWorker(
+            first, is_first=True, is_last=False, context_length=512, kv_budget_bytes=kv_budget_bytes
+        )
         self.stage1 = StageWorker(second, is_first=False, is_last=True)
         self.results: dict[int, list[int]] = {}
         self.rows: list[Row] = []  # every row stage 1 ran
@@ -241,8 +269,9 @@ class TwoStages:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
-def test_a_full_kv_budget_preempts_across_stages_without_changing_any_token(temperature: float,
-                                                                            tmp_path: Path) -> None:  # fmt: skip
+def test_a_full_kv_budget_preempts_across_stages_without_changing_any_token(
+    temperature: float, tmp_path: Path
+) -> None:
     """Two stages wired in one process, stage 0 with a KV budget that holds every prompt's first
     buffer (256 positions) but not every cache grown past it: stage 0 preempts, the sequence
     starts over at position 0 on both stages, and every sequence's tokens equal its run on the
@@ -253,7 +282,10 @@ def test_a_full_kv_budget_preempts_across_stages_without_changing_any_token(temp
     per_token = kv_bytes_per_token(first.config, 4) * len(first.layers)  # float32, stage 0's layers
     budget = (4 * 256 + new_tokens) * per_token  # every first buffer, one cache grown
     mesh = TwoStages(first, second, budget)
-    params = [SamplingParams(temperature=temperature, seed=r, max_tokens=new_tokens) for r in range(len(prompts))]
+    params = [
+        SamplingParams(temperature=temperature, seed=r, max_tokens=new_tokens)
+        for r in range(len(prompts))
+    ]
     mesh.generate({r: (prompt, p) for r, (prompt, p) in enumerate(zip(prompts, params))})
     assert mesh.stage0.head is not None and mesh.stage0.head.scheduler.preemptions > 0
     assert mesh.stage1.refused == 0 and mesh.stage0.refused == 0
@@ -263,8 +295,9 @@ def test_a_full_kv_budget_preempts_across_stages_without_changing_any_token(temp
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
-def test_a_request_resumed_with_the_tokens_it_drew_goes_on_as_the_uninterrupted_run(temperature: float,
-                                                                                    tmp_path: Path) -> None:  # fmt: skip
+def test_a_request_resumed_with_the_tokens_it_drew_goes_on_as_the_uninterrupted_run(
+    temperature: float, tmp_path: Path
+) -> None:
     """How a mesh replays a request on a new route: its Open says the prompt's length and its
     chunks carry the tokens drawn before too. Stage 0 resumes it as it resumes a preempted
     sequence (those tokens recomputed, none drawn again, max_tokens counted from the prompt),
@@ -279,7 +312,9 @@ def test_a_request_resumed_with_the_tokens_it_drew_goes_on_as_the_uninterrupted_
     assert mesh.finished.acquire(timeout=60)
     assert mesh.results[1] == whole[5:] and len(whole) == 12
     drawn = [row.position for row in mesh.rows if row.flags & RowFlag.SAMPLE]
-    assert drawn[0] == len(prompt) + 4  # the first draw is the sixth token's: none of the five again
+    assert (
+        drawn[0] == len(prompt) + 4
+    )  # the first draw is the sixth token's: none of the five again
 
 
 def test_prompts_that_begin_alike_share_the_prefix_on_every_stage(tmp_path: Path) -> None:
@@ -303,7 +338,12 @@ def test_prompts_that_begin_alike_share_the_prefix_on_every_stage(tmp_path: Path
     mesh.generate({0: (prompts[0], params)})
     mesh.generate({r: (prompts[r], params) for r in (1, 2, 3)})
     starts = {r: min(row.position for row in mesh.rows if row.request == r) for r in prompts}
-    assert starts == {0: 0, 1: len(system), 2: len(system), 3: len(system)}  # the twin copied the other's prompt
+    assert starts == {
+        0: 0,
+        1: len(system),
+        2: len(system),
+        3: len(system),
+    }  # the twin copied the other's prompt
     assert mesh.stage0.refused == 0 and mesh.stage1.refused == 0
     engine = Engine(load_stage(open_source(tmp_path)), 512)
     for request, prompt in prompts.items():
@@ -315,7 +355,9 @@ def test_prompts_that_begin_alike_share_the_prefix_on_every_stage(tmp_path: Path
     assert set(mesh.stage1.sequences) == {request for _, request in head._held.values()}
 
 
-def test_a_private_last_stage_opened_before_stage_0_has_the_prompt_draws_as_the_whole_model(tmp_path: Path) -> None:
+def test_a_private_last_stage_opened_before_stage_0_has_the_prompt_draws_as_the_whole_model(
+    tmp_path: Path,
+) -> None:
     """A private mesh's ends (``pair``): stage 0 passes each Open on before its prompt has come,
     so the last stage opens the request before stage 0 knows how it draws (here every time: the
     Open reaches stage 1 at once). The first frame settles it, and the tokens are the whole
@@ -324,7 +366,10 @@ def test_a_private_last_stage_opened_before_stage_0_has_the_prompt_draws_as_the_
     mesh = TwoStages(first, second)
     pair(mesh.stage0, mesh.stage1)
     prompts = {r: [(7 * r + 5 * i) % 200 + 3 for i in range(5 + 3 * r)] for r in range(3)}
-    params = {r: SamplingParams(temperature=0.8 * r, seed=r, max_tokens=6, presence_penalty=0.5 * r) for r in prompts}
+    params = {
+        r: SamplingParams(temperature=0.8 * r, seed=r, max_tokens=6, presence_penalty=0.5 * r)
+        for r in prompts
+    }
     mesh.generate({r: (prompt, params[r]) for r, prompt in prompts.items()})
     assert mesh.stage0.refused == 0 and mesh.stage1.refused == 0
     engine = Engine(load_stage(open_source(tmp_path)), 512)
@@ -341,8 +386,10 @@ def test_staggered_sequences_on_two_stages_equal_each_alone(kind: str, tmp_path:
     source = checkpoint_source(kind, tmp_path)
     whole = load_stage(source)
     middle = whole.config.num_layers // 2
-    mesh = TwoStages(load_stage(source, Ownership(layers=(0, middle))),
-                     load_stage(source, Ownership(layers=(middle, whole.config.num_layers))))  # fmt: skip
+    mesh = TwoStages(
+        load_stage(source, Ownership(layers=(0, middle))),
+        load_stage(source, Ownership(layers=(middle, whole.config.num_layers))),
+    )
     drawn: dict[tuple[int, int], torch.Tensor] = {}  # (request, position) -> logits of that draw
     sample = mesh.stage1._sample
 
@@ -353,7 +400,9 @@ def test_staggered_sequences_on_two_stages_equal_each_alone(kind: str, tmp_path:
     mesh.stage1._sample = recorded  # type: ignore[method-assign]
     gen = torch.Generator().manual_seed(7)
     vocab = min(whole.config.vocab_size, 256)
-    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 40, 12, 33, 7, 21, 9, 28)]
+    prompts = [
+        torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 40, 12, 33, 7, 21, 9, 28)
+    ]
     arrivals = (0, 0, 3, 6, 9, 15, 24, 39)  # tokens returned in all before each joins
     params = SamplingParams(max_tokens=12)
     for request, (prompt, arrival) in enumerate(zip(prompts, arrivals)):

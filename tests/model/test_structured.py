@@ -25,13 +25,22 @@ from tests.support.api import NAME
 from tests.support.structured import ASK, PERSON, SCHEMA_FORMAT, greedy_under_schema
 
 
-def test_json_schema_answers_parse_validate_and_stop_at_temperature_1(client: openai.OpenAI) -> None:
+def test_json_schema_answers_parse_validate_and_stop_at_temperature_1(
+    client: openai.OpenAI,
+) -> None:
     """50 sampled answers (5 concurrent requests of n=10, batched together): every one is a
     valid person, ended by "stop"."""
 
     def ask(seed: int) -> list[Any]:
-        reply = client.chat.completions.create(model=NAME, messages=ASK, temperature=1.0, seed=seed, n=10,  # type: ignore[arg-type]
-                                               max_tokens=200, response_format=SCHEMA_FORMAT)  # type: ignore[arg-type]  # fmt: skip
+        reply = client.chat.completions.create(
+            model=NAME,
+            messages=ASK,
+            temperature=1.0,
+            seed=seed,
+            n=10,  # type: ignore[arg-type]
+            max_tokens=200,
+            response_format=SCHEMA_FORMAT,
+        )  # type: ignore[arg-type]
         return list(reply.choices)
 
     with ThreadPoolExecutor(5) as pool:
@@ -47,29 +56,51 @@ def test_json_schema_answers_parse_validate_and_stop_at_temperature_1(client: op
 
 
 def test_json_object_is_an_object_and_a_stream_carries_it(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model=NAME, messages=ASK, temperature=0, max_tokens=120,
-                                           response_format={"type": "json_object"})  # fmt: skip
+    reply = client.chat.completions.create(
+        model=NAME,
+        messages=ASK,
+        temperature=0,
+        max_tokens=120,
+        response_format={"type": "json_object"},
+    )
     choice = reply.choices[0]
     if choice.finish_reason == "stop":
         assert isinstance(json.loads(choice.message.content or ""), dict)
     else:  # an open object may run to max_tokens; what came is an object's start
         assert (choice.message.content or "").startswith("{")
-    stream = client.chat.completions.create(model=NAME, messages=ASK, temperature=0, max_tokens=200, stream=True,
-                                            response_format=SCHEMA_FORMAT)  # type: ignore[arg-type]  # fmt: skip
+    stream = client.chat.completions.create(
+        model=NAME,
+        messages=ASK,
+        temperature=0,
+        max_tokens=200,
+        stream=True,
+        response_format=SCHEMA_FORMAT,
+    )  # type: ignore[arg-type]
     text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
     jsonschema.validate(json.loads(text), PERSON)
 
 
-@pytest.mark.parametrize("schema, fragment", [
-    ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}, "regex"),
-    ({"type": "nonsense"}, "nonsense"),
-    ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "nowhere"),
-])  # fmt: skip
-def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(client: openai.OpenAI, schema: dict[str, Any],
-                                                                fragment: str) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "schema, fragment",
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}, "regex"),
+        ({"type": "nonsense"}, "nonsense"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "nowhere"),
+    ],
+)
+def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(
+    client: openai.OpenAI, schema: dict[str, Any], fragment: str
+) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4, response_format={  # type: ignore[arg-type]
-            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})  # fmt: skip
+        client.chat.completions.create(
+            model=NAME,
+            messages=ASK,
+            max_tokens=4,
+            response_format={  # type: ignore[arg-type]
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": schema},
+            },
+        )
     error = caught.value.body
     assert isinstance(error, dict) and error["param"] == "response_format.json_schema.schema", error
     assert fragment in error["message"], error
@@ -77,8 +108,12 @@ def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(client: openai.O
 
 def test_an_unknown_response_format_is_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=NAME, messages=ASK, max_tokens=4, response_format={"type": "yaml"})  # type: ignore[arg-type,typeddict-item]
-    assert isinstance(caught.value.body, dict) and caught.value.body["param"].startswith("response_format")
+        client.chat.completions.create(
+            model=NAME, messages=ASK, max_tokens=4, response_format={"type": "yaml"}
+        )  # type: ignore[arg-type,typeddict-item]
+    assert isinstance(caught.value.body, dict) and caught.value.body["param"].startswith(
+        "response_format"
+    )
 
 
 def test_a_matcher_follows_the_output_it_is_given_replays_included(model: LocalModel) -> None:
@@ -88,11 +123,20 @@ def test_a_matcher_follows_the_output_it_is_given_replays_included(model: LocalM
     output = model.codec.encode(expected)
     masks, vocab = TokenMasks(model.codec.tokenizer.to_str), model.config.vocab_size
     after_all = masks.allowed("seq", params, output, vocab)
-    assert after_all is not None and set(after_all.nonzero().flatten().tolist()) == set(params.stop_token_ids)
+    assert after_all is not None and set(after_all.nonzero().flatten().tolist()) == set(
+        params.stop_token_ids
+    )
     middle = masks.allowed("seq", params, output[:5], vocab)  # replayed from an earlier point
-    assert middle is not None and bool(middle[output[5]]) and not bool(middle[params.stop_token_ids[0]])
+    assert (
+        middle is not None
+        and bool(middle[output[5]])
+        and not bool(middle[params.stop_token_ids[0]])
+    )
     assert torch.equal(masks.allowed("seq", params, output, vocab), after_all)  # type: ignore[arg-type]
-    other = replace(params, grammar=GrammarCheck(model.codec).response_format(ResponseFormat(type="json_object")))
+    other = replace(
+        params,
+        grammar=GrammarCheck(model.codec).response_format(ResponseFormat(type="json_object")),
+    )
     switched = masks.allowed("seq", other, output[:1], vocab)  # a new grammar, a new matcher
     fresh = TokenMasks(model.codec.tokenizer.to_str).allowed("fresh", other, output[:1], vocab)
     assert switched is not None and torch.equal(switched, fresh)  # type: ignore[arg-type]

@@ -16,8 +16,13 @@ pytest.importorskip("triton", reason="triton is a test dependency (pip install -
 
 def test_every_triton_kernel_compiles_for_hopper() -> None:
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "tests.support.triton_compile"], env=env, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.triton_compile"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = [line for line in done.stdout.splitlines() if line.startswith("compiled ")]
     assert len(compiled) == 2 * 8 + 5, done.stdout

@@ -34,7 +34,9 @@ def gpu():
 def _weight(qtype, seed: int):
     cols = GGML_QUANT_SIZES[qtype][0] * (2 if qtype.name.endswith("K") else 5)
     w = random_weight(qtype, (ROWS, cols), torch.Generator().manual_seed(seed))
-    dense = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(w.data.numpy(), qtype))).reshape(ROWS, cols)
+    dense = torch.from_numpy(np.ascontiguousarray(gguf_dequantize(w.data.numpy(), qtype))).reshape(
+        ROWS, cols
+    )
     return w, dense
 
 
@@ -53,7 +55,11 @@ def test_triton_linear_equals_gguf_dequantize_then_matmul(gpu, qtype, rows: int)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(3))
     bias = torch.randn(ROWS, generator=torch.Generator().manual_seed(4))
     want = x.double() @ dense.double().T + bias.double()
-    got = gpu.gguf_linear(x.to(DEVICE), w.data.to(DEVICE), qtype, w.shape[1], bias.to(DEVICE)).cpu().double()
+    got = (
+        gpu.gguf_linear(x.to(DEVICE), w.data.to(DEVICE), qtype, w.shape[1], bias.to(DEVICE))
+        .cpu()
+        .double()
+    )
     assert got.shape == want.shape
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
 

@@ -18,7 +18,9 @@ from seamline.weights.loader import load_stage, open_source
 from tests.support.reference import save_random_model
 
 pytest.importorskip("triton", reason="triton is a test dependency (pip install -e '.[test]')")
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run; on CUDA test_cuda.py runs it")
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter's run; on CUDA test_cuda.py runs it"
+)
 TOLERANCE = 1e-4
 
 
@@ -29,10 +31,19 @@ def gguf_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from seamline.weights.gguf_write import write_gguf_from_folder
 
     folder = tmp_path_factory.mktemp("llama")
-    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     save_random_model(config, folder / "hf")  # small: the interpreter runs every program in numpy
-    return write_gguf_from_folder(folder / "hf", folder / "m.gguf", "Q5_1")  # 32-wide blocks: 64 columns
+    return write_gguf_from_folder(
+        folder / "hf", folder / "m.gguf", "Q5_1"
+    )  # 32-wide blocks: 64 columns
 
 
 @pytest.fixture
@@ -64,7 +75,9 @@ def _steps(stage, prompts: list[list[int]], decode: int) -> list[torch.Tensor]:
     return out
 
 
-def test_triton_kernels_run_a_quantized_model_as_the_cpu_does(gguf_model: Path, request: pytest.FixtureRequest) -> None:
+def test_triton_kernels_run_a_quantized_model_as_the_cpu_does(
+    gguf_model: Path, request: pytest.FixtureRequest
+) -> None:
     prompts = [list(range(3, 10)), list(range(40, 44))]
     want = _steps(load_stage(open_source(gguf_model), dtype=torch.float32), prompts, 2)
     request.getfixturevalue("gpu_routes")
@@ -73,7 +86,9 @@ def test_triton_kernels_run_a_quantized_model_as_the_cpu_does(gguf_model: Path, 
         assert (g - w).abs().max().item() <= TOLERANCE * w.abs().max().item()
 
 
-def test_triton_decode_step_from_graph_tables_equals_eager(gguf_model: Path, gpu_routes: None) -> None:
+def test_triton_decode_step_from_graph_tables_equals_eager(
+    gguf_model: Path, gpu_routes: None
+) -> None:
     """Two sequences and two padding rows (a bucket of 4), as a captured step runs them."""
     from seamline.model.gpu_static import static_tables
     from seamline.runtime.cuda_graphs import fill_tables
@@ -99,4 +114,6 @@ def test_triton_decode_step_from_graph_tables_equals_eager(gguf_model: Path, gpu
     assert (got[:2] - want).abs().max().item() <= TOLERANCE * want.abs().max().item()
     for layer, _ in attention:  # the step wrote each sequence's own cache at its position
         for p, c, t in zip(prompts, caches, twins):
-            torch.testing.assert_close(t.layer(layer).k[:, len(p)], c.layer(layer).k[:, len(p)], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                t.layer(layer).k[:, len(p)], c.layer(layer).k[:, len(p)], rtol=1e-5, atol=1e-5
+            )

@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton = pytest.importorskip("triton", reason="triton is a test dependency (pip install -e '.[test]')")
+triton = pytest.importorskip(
+    "triton", reason="triton is a test dependency (pip install -e '.[test]')"
+)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
@@ -33,7 +35,9 @@ def test_triton_rms_norm_equals_torch(kernels, dtype: torch.dtype) -> None:
     x = torch.randn(5, 96, device=DEVICE).to(dtype)
     w = torch.randn(96, device=DEVICE).to(dtype)
     want = F.rms_norm(x.float(), (96,), w.float(), 1e-6).to(dtype)
-    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-6), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+    torch.testing.assert_close(
+        kernels.rms_norm(x, w, 1e-6), want, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype]
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -29,6 +29,7 @@ from seamline.weights.gguf_unicode import RANGES, WHITESPACE
 from seamline_bench.conformance_vocab import VOCABS, vocab_failures, vocab_path
 from tests.support.llama_cpp import gemma3_270m, llama_cpp_source
 
+
 @cache
 def _source() -> Path:
     return llama_cpp_source()
@@ -83,8 +84,12 @@ def test_unicode_classes_are_llama_cpps() -> None:
 
 _COLLAPSE = {"N": "\xd1", "L": "\xd2", "P": "\xd3", "M": "\xd4", "S": "\xd5"}
 _ASCII_CLASS = {
-    "N": "0-9", "L": "A-Za-z", "P": r"!-#%-*,-/:-;?-@\[-\]_\{\}", "M": "", "S": r"\$\+<->\^`\|~",
-}  # fmt: skip
+    "N": "0-9",
+    "L": "A-Za-z",
+    "P": r"!-#%-*,-/:-;?-@\[-\]_\{\}",
+    "M": "",
+    "S": r"\$\+<->\^`\|~",
+}
 _LLAMA3_KEY = (
     r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -270,9 +275,25 @@ def _random_texts(count: int, seed: int) -> list[str]:
     return ["".join(rng.choices(_POOL, k=rng.randint(1, 14))) for _ in range(count)]
 
 
-@pytest.mark.parametrize("name", sorted({*PRE_TOKENIZERS} & {
-    "gpt-2", "starcoder", "llama-bpe", "dbrx", "qwen2", "qwen35", "deepseek-llm",
-    "deepseek-coder", "deepseek-v3", "falcon", "default"}))  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        {*PRE_TOKENIZERS}
+        & {
+            "gpt-2",
+            "starcoder",
+            "llama-bpe",
+            "dbrx",
+            "qwen2",
+            "qwen35",
+            "deepseek-llm",
+            "deepseek-coder",
+            "deepseek-v3",
+            "falcon",
+            "default",
+        }
+    ),
+)
 def test_pre_tokenizer_splits_as_llama_cpp(name: str) -> None:
     """Random text over the characters where the regexes' classes matter, split by ours and by
     the model of llama.cpp's splitting above, piece for piece."""
@@ -350,12 +371,14 @@ class _Spm:
         longest = sorted(range(len(tokens)), key=lambda i: -len(tokens[i]))
         name = str(f.get("general.name")).lower()
         return cls(
-            tokens, {t: i for i, t in enumerate(tokens)}, f.get("tokenizer.ggml.scores"),
+            tokens,
+            {t: i for i, t in enumerate(tokens)},
+            f.get("tokenizer.ggml.scores"),
             " " if f.get("tokenizer.ggml.add_space_prefix", True) else "",
             [i for i in longest if i in set(user)],
             [i for i in longest if types[i] in (2, 3, 4)],
             "phi3" in name or "phi-3" in name,
-        )  # fmt: skip
+        )
 
 
 def llama_spm(text: str, v: _Spm, parse_special: bool) -> list[int]:
@@ -448,11 +471,14 @@ def _write(path: Path, meta: dict[str, str]) -> Path:
     return path
 
 
-@pytest.mark.parametrize(("model", "pre", "key", "value"), [
-    *[(m, None, "tokenizer.ggml.model", m) for m in ("ugm", "rwkv", "bert", "t5")],
-    ("gpt2", "mystery", "tokenizer.ggml.pre", "mystery"),
-    ("gpt2", None, "tokenizer.ggml.pre", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("model", "pre", "key", "value"),
+    [
+        *[(m, None, "tokenizer.ggml.model", m) for m in ("ugm", "rwkv", "bert", "t5")],
+        ("gpt2", "mystery", "tokenizer.ggml.pre", "mystery"),
+        ("gpt2", None, "tokenizer.ggml.pre", None),
+    ],
+)
 def test_unsupported_tokenizers_are_refused(
     tmp_path: Path, model: str, pre: str | None, key: str, value: str | None
 ) -> None:

@@ -14,8 +14,15 @@ from tests.support.reference import random_ids, save_random_model, seamline_logi
 
 
 def test_bf16_matrices_stay_bf16(tmp_path: Path) -> None:
-    config = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     model = save_random_model(config, tmp_path / "fp32")
     model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     stage = load_stage(open_source(tmp_path / "bf16"), dtype=torch.float32)

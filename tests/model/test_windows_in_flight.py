@@ -29,7 +29,9 @@ from tests.support.configs import checkpoint_source
 from tests.support.pipeline import Pipeline
 from tests.support.speculation import TOKENS, repetitive_prompt
 
-ROUNDING = 1e-5  # a window's rows in float32 matmuls of several rows, against one row's: last bits (~1e-7)
+ROUNDING = (
+    1e-5  # a window's rows in float32 matmuls of several rows, against one row's: last bits (~1e-7)
+)
 WRONG_EVERY = 11  # the draft for every 11th generated token is wrong
 
 
@@ -37,13 +39,17 @@ def _scripted(expected: list[int], prompt_len: int) -> DraftSource:
     def source(history: list[int], limit: int) -> list[int]:
         done = len(history) - prompt_len
         upcoming = expected[done:][:limit]
-        return [(t + 1) % 256 if (done + i) % WRONG_EVERY == WRONG_EVERY - 1 else t for i, t in enumerate(upcoming)]
+        return [
+            (t + 1) % 256 if (done + i) % WRONG_EVERY == WRONG_EVERY - 1 else t
+            for i, t in enumerate(upcoming)
+        ]
 
     return source
 
 
-def _run(stages: list, prompt: list[int], params: SamplingParams,
-         speculation: Speculation) -> tuple[list[int], list[dict[int, torch.Tensor]], Pipeline]:  # fmt: skip
+def _run(
+    stages: list, prompt: list[int], params: SamplingParams, speculation: Speculation
+) -> tuple[list[int], list[dict[int, torch.Tensor]], Pipeline]:
     """The tokens, and each stage's cache keys per layer, as the request ends."""
     pipeline = Pipeline(stages, speculation)
     try:
@@ -51,9 +57,14 @@ def _run(stages: list, prompt: list[int], params: SamplingParams,
         assert head is not None
         kept: list[SequenceCache] = []
         freeing = head.scheduler.on_free
-        head.scheduler.on_free = lambda cache, for_good: (kept.append(cache), freeing(cache, for_good))  # type: ignore[func-returns-value]
+        head.scheduler.on_free = lambda cache, for_good: (
+            kept.append(cache),
+            freeing(cache, for_good),
+        )  # type: ignore[func-returns-value]
         tokens = pipeline.generate(1, prompt, params)
-        later = [worker.sequences[1].cache for worker in pipeline.workers[1:]]  # before stage 0 has them forgotten
+        later = [
+            worker.sequences[1].cache for worker in pipeline.workers[1:]
+        ]  # before stage 0 has them forgotten
         deadline = time.monotonic() + 30
         while not kept:  # stage 0 lets go of it once the last token is back there
             assert time.monotonic() < deadline, "stage 0 never freed the finished sequence's cache"
@@ -79,10 +90,14 @@ def test_stale_windows_leave_every_stage_as_a_run_that_never_drafted(tmp_path: P
     assert drafted == plain
     stats = pipeline.workers[0].speculated()
     assert stats["follows"] > 0 and 0 < stats["accepted"] < stats["drafted"], stats
-    assert any(r.flags & RowFlag.FOLLOW for r in pipeline.rows), "no window went on from one in flight"
+    assert any(r.flags & RowFlag.FOLLOW for r in pipeline.rows), (
+        "no window went on from one in flight"
+    )
     assert pipeline.workers[-1].stale_windows > 0, "no window was stale"
     for stage, (ours, theirs) in enumerate(zip(keys, plain_keys)):
         for layer in theirs:
             diff = (ours[layer] - theirs[layer]).abs().amax(dim=(0, 2))  # per position
             where = torch.nonzero(diff > ROUNDING).flatten().tolist()
-            assert not where, f"stage {stage} layer {layer}: positions {where} (prompt {len(prompt)}) {diff[where]}"
+            assert not where, (
+                f"stage {stage} layer {layer}: positions {where} (prompt {len(prompt)}) {diff[where]}"
+            )

@@ -75,15 +75,25 @@ def chat(client: openai.OpenAI, messages: Any = QUESTION, **fields: Any) -> Any:
     return client.chat.completions.create(**{"model": NAME, "messages": messages, **fields})
 
 
-def start_server(tmp: Path, *args: str, env_key: str | None = None, scheme: str = "http",
-           verify: ssl.SSLContext | bool = True) -> tuple[subprocess.Popen[str], str]:  # fmt: skip
+def start_server(
+    tmp: Path,
+    *args: str,
+    env_key: str | None = None,
+    scheme: str = "http",
+    verify: ssl.SSLContext | bool = True,
+) -> tuple[subprocess.Popen[str], str]:
     port = free_port()
     env = {**os.environ, "SEAMLINE_CACHE": str(tmp / "cache")}
     env.pop("SEAMLINE_API_KEY", None)
     if env_key:
         env["SEAMLINE_API_KEY"] = env_key
-    proc = subprocess.Popen(seamline_cmd("serve", "--single", "--port", str(port), "--precision", "exact", *args), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        seamline_cmd("serve", "--single", "--port", str(port), "--precision", "exact", *args),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"{scheme}://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while True:

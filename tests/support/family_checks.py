@@ -15,7 +15,13 @@ from seamline.runtime.core import EngineCore
 from seamline.runtime.engine import Engine
 from seamline.weights.loader import load_stage, open_source
 from tests.support.lockstep_harness import PROMPT, engine_reference, run_group
-from tests.support.reference import PREFILL, random_ids, reference_logits, seamline_logits, split_logits
+from tests.support.reference import (
+    PREFILL,
+    random_ids,
+    reference_logits,
+    seamline_logits,
+    split_logits,
+)
 
 ATOL = 1e-4
 
@@ -34,8 +40,14 @@ def assert_logits_match(model: Any, folder: Path, chunk: int) -> None:
 def assert_greedy_matches(model: Any, folder: Path) -> None:
     prompt = random_ids(256, PREFILL)
     with torch.no_grad():
-        theirs = model.generate(prompt.unsqueeze(0), max_new_tokens=32, do_sample=False, min_new_tokens=32)[0, PREFILL:]
-    ours = list(Engine(load_stage(open_source(folder))).generate(prompt.tolist(), SamplingParams(max_tokens=32)))
+        theirs = model.generate(
+            prompt.unsqueeze(0), max_new_tokens=32, do_sample=False, min_new_tokens=32
+        )[0, PREFILL:]
+    ours = list(
+        Engine(load_stage(open_source(folder))).generate(
+            prompt.tolist(), SamplingParams(max_tokens=32)
+        )
+    )
     assert ours == theirs.tolist()
 
 

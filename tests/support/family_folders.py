@@ -13,8 +13,15 @@ from tests.support.mxfp4 import write_mxfp4_experts
 from tests.support.reference import save_random_model
 
 CONTEXT = 256
-SHAPE = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-             max_position_embeddings=CONTEXT, sliding_window=8)  # fmt: skip
+SHAPE = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=CONTEXT,
+    sliding_window=8,
+)
 
 
 def with_embedded_tokenizer(folder: Path) -> Path:
@@ -31,8 +38,12 @@ def _vocab() -> int:
 def build_gemma3_folder(folder: Path) -> Path:
     from transformers import Gemma3TextConfig
 
-    save_random_model(Gemma3TextConfig(vocab_size=_vocab(), intermediate_size=96, query_pre_attn_scalar=24,
-                                       **SHAPE), folder)  # fmt: skip
+    save_random_model(
+        Gemma3TextConfig(
+            vocab_size=_vocab(), intermediate_size=96, query_pre_attn_scalar=24, **SHAPE
+        ),
+        folder,
+    )
     return with_embedded_tokenizer(folder)
 
 
@@ -40,8 +51,16 @@ def build_oss_folder(folder: Path) -> Path:
     """gpt-oss with its experts as MXFP4 blocks, as published."""
     from transformers import GptOssConfig
 
-    model: Any = save_random_model(GptOssConfig(vocab_size=_vocab(), intermediate_size=32, num_local_experts=4,
-                                                num_experts_per_tok=2, **SHAPE), folder)  # fmt: skip
+    model: Any = save_random_model(
+        GptOssConfig(
+            vocab_size=_vocab(),
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            **SHAPE,
+        ),
+        folder,
+    )
     write_mxfp4_experts(model, folder)
     return with_embedded_tokenizer(folder)
 
@@ -53,8 +72,15 @@ def build_glm4_moe_folder(folder: Path) -> Path:
     from tests.support.deepseek import randomize
     from tests.support.glm import GLM
 
-    shape = {**GLM, "vocab_size": _vocab(), "num_hidden_layers": 4, "max_position_embeddings": CONTEXT}
-    model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**shape, use_qk_norm=True)).eval()
+    shape = {
+        **GLM,
+        "vocab_size": _vocab(),
+        "num_hidden_layers": 4,
+        "max_position_embeddings": CONTEXT,
+    }
+    model = transformers.Glm4MoeForCausalLM(
+        transformers.Glm4MoeConfig(**shape, use_qk_norm=True)
+    ).eval()
     randomize(model, 0)
     model.save_pretrained(folder)
     return with_embedded_tokenizer(folder)

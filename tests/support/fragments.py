@@ -12,8 +12,15 @@ from tests.support.reference import save_random_model
 
 TOKEN = "s3cret"  # the fragment server's token in these tests
 LAYERS = 4
-SMALL: dict[str, Any] = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+SMALL: dict[str, Any] = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 
 def build_tiny(folder: Path) -> Path:
@@ -26,8 +33,11 @@ def build_tiny(folder: Path) -> Path:
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(folder / "tokenizer.json"))
-    config = {"chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
-              "bos_token": "w1", "eos_token": "w2"}  # fmt: skip
+    config = {
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+        "bos_token": "w1",
+        "eos_token": "w2",
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 

@@ -22,12 +22,18 @@ REQUESTS: list[dict[str, Any]] = [
 ]
 
 
-def stream_request(client: openai.OpenAI, request: dict[str, Any], started: threading.Event | None = None) -> tuple[str, str]:
+def stream_request(
+    client: openai.OpenAI, request: dict[str, Any], started: threading.Event | None = None
+) -> tuple[str, str]:
     """The streamed text and finish reason; ``started`` is set once three chunks have come."""
     sampling = {k: v for k, v in request.items() if k != "content"}
-    stream = client.chat.completions.create(model="default", max_tokens=TOKENS, stream=True,
-                                            messages=[{"role": "user", "content": request["content"]}],
-                                            **sampling)  # fmt: skip
+    stream = client.chat.completions.create(
+        model="default",
+        max_tokens=TOKENS,
+        stream=True,
+        messages=[{"role": "user", "content": request["content"]}],
+        **sampling,
+    )
     text, reason, chunks = "", "", 0
     for chunk in stream:
         choice = chunk.choices[0]
@@ -52,7 +58,9 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 120)
         time.sleep(0.25)
 
 
-def fail_mid_streams(mesh: MeshProcesses, fail: Callable[[], None], before: list[tuple[str, str]]) -> None:
+def fail_mid_streams(
+    mesh: MeshProcesses, fail: Callable[[], None], before: list[tuple[str, str]]
+) -> None:
     """Stream every request at once; ``fail()`` once each has its first tokens; every answer
     must equal ``before``."""
     client = mesh.client(timeout=300)

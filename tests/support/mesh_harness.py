@@ -29,8 +29,13 @@ def seamline_cmd(*args: str) -> list[str]:
 def join_once(token: str, cache: Path, node_id: str = "n1") -> subprocess.CompletedProcess[str]:
     """A `seamline join` run to its end (the invite in the environment), for joins that must fail."""
     env = {**os.environ, "SEAMLINE_INVITE": token, "SEAMLINE_CACHE": str(cache)}
-    return subprocess.run(seamline_cmd("join", "--node-id", node_id, "--quiet"), env=env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        seamline_cmd("join", "--node-id", node_id, "--quiet"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @dataclass
@@ -56,21 +61,44 @@ class MeshProcesses:
 
     def http(self) -> httpx.Client:
         """A client that sends the key and trusts the API's certificate."""
-        verify = ssl.create_default_context(cafile=self.tls_certificate) if self.tls_certificate else True
-        return httpx.Client(headers={"Authorization": f"Bearer {self.api_key}"}, verify=verify, timeout=120)
+        verify = (
+            ssl.create_default_context(cafile=self.tls_certificate)
+            if self.tls_certificate
+            else True
+        )
+        return httpx.Client(
+            headers={"Authorization": f"Bearer {self.api_key}"}, verify=verify, timeout=120
+        )
 
-    def start(self, join: bool = True, local_node: bool = False) -> "MeshProcesses":
+    def start(self, join: bool = True, local_node: bool = False) -> MeshProcesses:
         """``local_node``: `serve` runs its own node too (one of ``nodes``), as a user's does."""
-        args = ["serve", *(() if local_node else ("--no-local-node",)), "--nodes-expected", str(self.nodes), "--port", str(self.port),
-                "--control-port", str(self.control_port), "--fragments-port", str(self.fragments_port),
-                *self.serve_args]  # fmt: skip
-        if "--precision" not in self.serve_args:  # answers are compared with LocalModel.load()'s exact path
+        args = [
+            "serve",
+            *(() if local_node else ("--no-local-node",)),
+            "--nodes-expected",
+            str(self.nodes),
+            "--port",
+            str(self.port),
+            "--control-port",
+            str(self.control_port),
+            "--fragments-port",
+            str(self.fragments_port),
+            *self.serve_args,
+        ]
+        if (
+            "--precision" not in self.serve_args
+        ):  # answers are compared with LocalModel.load()'s exact path
             args += ["--precision", "exact"]
         if self.model:
             args += ["--model", self.model]
         env = {**os.environ, "SEAMLINE_CACHE": str(self.root / "coordinator")}
-        self.serve = subprocess.Popen(seamline_cmd(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True, env=env)  # fmt: skip
+        self.serve = subprocess.Popen(
+            seamline_cmd(*args),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         threading.Thread(target=self._collect, daemon=True).start()
         self.token = self._wait_token(timeout=180)
         if join:
@@ -78,15 +106,33 @@ class MeshProcesses:
                 self.join(f"node{i}")
         return self
 
-    def join(self, node_id: str, token: str | None = None, extra: tuple[str, ...] = (),
-             prefix: tuple[str, ...] = ()) -> subprocess.Popen[str]:  # fmt: skip
+    def join(
+        self,
+        node_id: str,
+        token: str | None = None,
+        extra: tuple[str, ...] = (),
+        prefix: tuple[str, ...] = (),
+    ) -> subprocess.Popen[str]:
         """A `seamline join` process; ``prefix`` runs it under another command (say, pinned to a core)."""
-        args = ["join", token or self.token, "--node-id", node_id, "--quiet", "--no-progress", *extra]
+        args = [
+            "join",
+            token or self.token,
+            "--node-id",
+            node_id,
+            "--quiet",
+            "--no-progress",
+            *extra,
+        ]
         if self.node_memory_gb is not None:
             args += ["--max-memory", str(self.node_memory_gb)]
         env = {**os.environ, "SEAMLINE_CACHE": str(self.root / node_id)}
-        proc = subprocess.Popen([*prefix, *seamline_cmd(*args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env)  # fmt: skip
+        proc = subprocess.Popen(
+            [*prefix, *seamline_cmd(*args)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.node_procs.append(proc)
         return proc
 
@@ -127,15 +173,21 @@ class MeshProcesses:
             return "".join(self.output)
 
     def client(self, timeout: float = 120) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=self.api_key, max_retries=0, timeout=timeout,
-                             http_client=self.http())  # fmt: skip
+        return openai.OpenAI(
+            base_url=f"{self.base_url}/v1",
+            api_key=self.api_key,
+            max_retries=0,
+            timeout=timeout,
+            http_client=self.http(),
+        )
 
     def kill_mid_stream(self, proc: subprocess.Popen[str], after_chunks: int = 5) -> str:
         """Stream a long answer, kill ``proc`` after a few chunks: the API error's text
         (AssertionError if the stream ended without one)."""
         messages = [{"role": "user", "content": "Tell me a very long story."}]
         stream = self.client(timeout=60).chat.completions.create(
-            model="default", max_tokens=400, temperature=0, stream=True, messages=messages)  # type: ignore[arg-type]
+            model="default", max_tokens=400, temperature=0, stream=True, messages=messages
+        )  # type: ignore[arg-type]
         chunks = 0
         try:
             for _ in stream:
@@ -158,13 +210,20 @@ class MeshProcesses:
                     proc.kill()
 
 
-def split_completion(root: Path, model: Path, prompt: str, max_tokens: int, context: int, stages: int = 2) -> str:
+def split_completion(
+    root: Path, model: Path, prompt: str, max_tokens: int, context: int, stages: int = 2
+) -> str:
     """Greedy /v1/completions text of ``model`` served by a mesh whose memory caps force
     ``stages`` stages (asserted), started under ``root`` and stopped after."""
     from seamline.server.demo import memory_cap_gb
 
-    mesh = MeshProcesses(root, nodes=stages, model=str(model), node_memory_gb=memory_cap_gb(str(model), stages, context),
-                         serve_args=("--context", str(context)))  # fmt: skip
+    mesh = MeshProcesses(
+        root,
+        nodes=stages,
+        model=str(model),
+        node_memory_gb=memory_cap_gb(str(model), stages, context),
+        serve_args=("--context", str(context)),
+    )
     try:
         mesh.start()
         assert len(mesh.wait_ready()["stages"]) == stages

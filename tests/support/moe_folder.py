@@ -24,10 +24,18 @@ def build_moe_folder(folder: Path, attention_scale: float = 1.0, hidden_size: in
     from transformers import MixtralConfig
 
     tokenizer = tokenizer_from_gguf(default_model_path())
-    config = MixtralConfig(vocab_size=tokenizer.get_vocab_size(), hidden_size=hidden_size, intermediate_size=96,
-                           num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                           num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=CONTEXT,
-                           tie_word_embeddings=False)  # fmt: skip
+    config = MixtralConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        hidden_size=hidden_size,
+        intermediate_size=96,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
+    )
     model = save_random_model(config, folder)
     if attention_scale != 1.0:
         with torch.no_grad():

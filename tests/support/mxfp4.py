@@ -34,10 +34,16 @@ def write_mxfp4_experts(model: torch.nn.Module, folder: Path) -> None:
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
         output_rows_first = tensors.pop(name).transpose(1, 2)  # [E, out, in]
         blocks, scales, held = to_mxfp4(output_rows_first)
-        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks.contiguous(), scales.contiguous()
+        tensors[name + "_blocks"], tensors[name + "_scales"] = (
+            blocks.contiguous(),
+            scales.contiguous(),
+        )
         with torch.no_grad():
             model.get_parameter(name).copy_(held.transpose(1, 2))
     save_file(tensors, path)
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["self_attn", "router", "embed", "lm_head"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["self_attn", "router", "embed", "lm_head"],
+    }
     (folder / "config.json").write_text(json.dumps(config))

@@ -12,12 +12,27 @@ import transformers
 from tests.support.reference import save_random_model
 
 OSS = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
     max_position_embeddings=256,
-    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                     "original_max_position_embeddings": 64, "rope_theta": 150000.0, "truncate": False},
-)  # fmt: skip
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 150000.0,
+        "truncate": False,
+    },
+)
 
 
 def oss_config(truncate: bool = False, **overrides: Any) -> Any:

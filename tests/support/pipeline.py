@@ -46,11 +46,17 @@ class Pipeline:
     """``stages`` in order (the first owns the embedding, the last the head); ``speculation``:
     stage 0's. ``caches`` keeps each request's caches as each stage lets go of them."""
 
-    def __init__(self, stages: list[Stage], speculation: Speculation | None, delay_s: float = 0.005) -> None:
+    def __init__(
+        self, stages: list[Stage], speculation: Speculation | None, delay_s: float = 0.005
+    ) -> None:
         last = len(stages) - 1
-        self.workers = [StageWorker(stage, is_first=i == 0, is_last=i == last, context_length=512)
-                        for i, stage in enumerate(stages)]  # fmt: skip
-        self.links = [DelayedLink(delay_s) for _ in range(len(stages))]  # downstream of each stage; the last: back
+        self.workers = [
+            StageWorker(stage, is_first=i == 0, is_last=i == last, context_length=512)
+            for i, stage in enumerate(stages)
+        ]
+        self.links = [
+            DelayedLink(delay_s) for _ in range(len(stages))
+        ]  # downstream of each stage; the last: back
         head = self.workers[0].head
         assert head is not None
         self.workers[0].micro_batches = len(stages)
@@ -60,12 +66,18 @@ class Pipeline:
         self.finished = threading.Semaphore(0)
         for worker, link, after in zip(self.workers, self.links, self.workers[1:]):
             worker.links.downstream = self._hidden_to(link, after)
-            worker.links.downstream_message = lambda msg, link=link, after=after: link.put(lambda: _message(after, msg))
+            worker.links.downstream_message = lambda msg, link=link, after=after: link.put(
+                lambda: _message(after, msg)
+            )
         tail = self.workers[-1]
-        tail.links.stage0 = lambda rows: self.links[-1].put(lambda: self.workers[0].tokens(TokenFrame(tuple(rows))))
+        tail.links.stage0 = lambda rows: self.links[-1].put(
+            lambda: self.workers[0].tokens(TokenFrame(tuple(rows)))
+        )
         tail.links.results = self._collect
 
-    def _hidden_to(self, link: DelayedLink, after: StageWorker) -> Callable[[list[Row], torch.Tensor, torch.Tensor], None]:
+    def _hidden_to(
+        self, link: DelayedLink, after: StageWorker
+    ) -> Callable[[list[Row], torch.Tensor, torch.Tensor], None]:
         def send(rows: list[Row], hidden: torch.Tensor, ids: torch.Tensor) -> None:
             frame = HiddenFrame(tuple(rows), hidden.clone(), None if ids is None else ids.clone())
             if after is self.workers[-1]:
@@ -79,7 +91,9 @@ class Pipeline:
 
     def generate(self, request: int, prompt: list[int], params: SamplingParams) -> list[int]:
         """One request's tokens; its caches stay on every stage until ``close``."""
-        self.workers[0].open(Open(request=request, sampling=params, prompt_len=len(prompt), context_length=512))
+        self.workers[0].open(
+            Open(request=request, sampling=params, prompt_len=len(prompt), context_length=512)
+        )
         self.workers[0].prompt(Prompt(request=request, tokens=tuple(prompt)))
         assert self.finished.acquire(timeout=120)
         return self.results[request]
@@ -89,7 +103,9 @@ class Pipeline:
             link.close()
 
 
-def collect(rows: list[TokenRow], results: dict[int, list[int]], finished: threading.Semaphore) -> None:
+def collect(
+    rows: list[TokenRow], results: dict[int, list[int]], finished: threading.Semaphore
+) -> None:
     """The coordinator's side of the last stage's tokens: each request's output, and a release
     of ``finished`` per request that ended."""
     for row in rows:

@@ -15,9 +15,13 @@ import pytest
 def small_file_system(folder: Path, size: str = "8m") -> Iterator[Path]:
     """``folder`` (created) with a tmpfs of ``size`` mounted on it, unmounted after."""
     folder.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
+    )
     if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small file system here: {mounted.stderr.decode(errors='replace').strip()}")
+        pytest.skip(
+            f"cannot mount a small file system here: {mounted.stderr.decode(errors='replace').strip()}"
+        )
     try:
         yield folder
     finally:

@@ -16,8 +16,12 @@ from seamline.runtime.speculation import DraftSource, Speculation, SpeculationSt
 TOKENS = 64
 GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=TOKENS, temperature=0.8, top_p=0.9, seed=11)
-COOL = SamplingParams(max_tokens=TOKENS, temperature=0.1, top_p=0.9, seed=11)  # draws that are often, not always, the argmax
-LIST = "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates, limes, lemons."
+COOL = SamplingParams(
+    max_tokens=TOKENS, temperature=0.1, top_p=0.9, seed=11
+)  # draws that are often, not always, the argmax
+LIST = (
+    "Repeat this list exactly, twice: apples, pears, plums, cherries, figs, dates, limes, lemons."
+)
 
 
 def repetitive_prompt(vocab: int, seed: int = 3) -> list[int]:
@@ -26,8 +30,12 @@ def repetitive_prompt(vocab: int, seed: int = 3) -> list[int]:
     return phrase * 4 + phrase[:5]
 
 
-def generate(stage: Stage | LockstepStage, prompt: list[int], params: SamplingParams,
-             speculation: Speculation) -> tuple[list[int], int, SpeculationStats]:  # fmt: skip
+def generate(
+    stage: Stage | LockstepStage,
+    prompt: list[int],
+    params: SamplingParams,
+    speculation: Speculation,
+) -> tuple[list[int], int, SpeculationStats]:
     """The tokens, the steps taken and what was speculated, on the scheduler's loop."""
     core = EngineCore.local(stage, 4096, speculation=speculation)
     sequence = core.scheduler.add(prompt, params)
@@ -75,16 +83,26 @@ def assert_mtp_changes_no_token(folder: Path, prompt: list[int], params: Samplin
     from seamline.weights.loader import load_stage, open_source
 
     plain, _, _ = generate(load_stage(open_source(folder)), prompt, params, OFF)
-    drafted, _, stats = generate(load_stage(open_source(folder), mtp=True), prompt, params,
-                                 Speculation("mtp").for_model(True))  # fmt: skip
+    drafted, _, stats = generate(
+        load_stage(open_source(folder), mtp=True),
+        prompt,
+        params,
+        Speculation("mtp").for_model(True),
+    )
     assert len(plain) == TOKENS
     assert drafted == plain
     assert stats.windows > 0 and stats.drafted > 0
 
 
-def assert_right_drafts_save_steps(stage: Stage | LockstepStage, prompt: list[int], speculation: Speculation,
-                                   greedy: SamplingParams, sampled: SamplingParams, steps_share: float,
-                                   sampled_accepts: bool = True) -> None:  # fmt: skip
+def assert_right_drafts_save_steps(
+    stage: Stage | LockstepStage,
+    prompt: list[int],
+    speculation: Speculation,
+    greedy: SamplingParams,
+    sampled: SamplingParams,
+    steps_share: float,
+    sampled_accepts: bool = True,
+) -> None:
     """Drafts that are the model's own greedy tokens: greedy, at least 90% are accepted, in under
     ``steps_share`` of the steps; ``sampled``, the draws agree with them only part of the time
     (some accepted, where ``sampled_accepts``). Either way the tokens are those without drafts."""

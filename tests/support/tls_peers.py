@@ -21,7 +21,9 @@ def member(root: Path, node_id: str, ttl_s: float = 600.0) -> Identity:
     return mesh_authority(root).identity(node_id, ttl_s)
 
 
-def tls_link(address: tuple[str, int], identity: Identity | None = None, trusting: bool = False) -> Link:
+def tls_link(
+    address: tuple[str, int], identity: Identity | None = None, trusting: bool = False
+) -> Link:
     """A TLS link to ``address``, presenting ``identity`` (None: no certificate, as a joining
     node); ``trusting``: the client accepts any server certificate, so the test sees how the
     server answers a certificate it should refuse."""

@@ -23,17 +23,34 @@ DENSE = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL = ("w1", "w3", "w2")  # Mixtral's names for gate, up, down
 # config.json keys that carry over unchanged from the dense model (Llama spelling); rope is
 # converted explicitly, the feed-forward becomes the experts' width.
-CARRIED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-           "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings",
-           "tie_word_embeddings", "bos_token_id", "eos_token_id")  # fmt: skip
+CARRIED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "bos_token_id",
+    "eos_token_id",
+)
 
 
 def mixtral_config(dense: dict[str, Any], experts: int, top_k: int) -> dict[str, Any]:
     """The Mixtral config.json dict of a dense Llama config upcycled to ``experts`` experts."""
     from transformers import MixtralConfig
 
-    if dense.get("model_type") != "llama" or dense.get("attention_bias") or dense.get("rope_scaling"):
-        raise ValueError(f"only plain Llama configs (no bias, no rope scaling) upcycle here: {dense}")
+    if (
+        dense.get("model_type") != "llama"
+        or dense.get("attention_bias")
+        or dense.get("rope_scaling")
+    ):
+        raise ValueError(
+            f"only plain Llama configs (no bias, no rope scaling) upcycle here: {dense}"
+        )
     theta = dense.get("rope_theta", (dense.get("rope_parameters") or {}).get("rope_theta"))
     config = MixtralConfig(
         **{k: dense[k] for k in CARRIED if k in dense},
@@ -49,7 +66,9 @@ def mixtral_config(dense: dict[str, Any], experts: int, top_k: int) -> dict[str,
     return out
 
 
-def upcycle(dense_path: Path, folder: Path, experts: int = 4, top_k: int = 2, seed: int = 0) -> Path:
+def upcycle(
+    dense_path: Path, folder: Path, experts: int = 4, top_k: int = 2, seed: int = 0
+) -> Path:
     """Write ``folder`` (config.json + model.safetensors, fp32) from the dense checkpoint at
     ``dense_path`` (a GGUF file or a Hugging Face folder, read through seamline's loader)."""
     source = open_source(dense_path)

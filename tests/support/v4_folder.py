@@ -25,8 +25,12 @@ def build_v4_folder(folder: Path, attention_scale: float = 1.0, echo_mtp: bool =
     from tests.support.v4_mtp import add_v4_mtp, silence_v4
 
     vocab = tokenizer_from_gguf(default_model_path()).get_vocab_size()
-    config = v4_config(vocab=vocab, layers=4, mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"],
-                       max_position_embeddings=CONTEXT)  # fmt: skip
+    config = v4_config(
+        vocab=vocab,
+        layers=4,
+        mlp_layer_types=["hash_moe", "moe", "hash_moe", "moe"],
+        max_position_embeddings=CONTEXT,
+    )
     model = random_v4(config)
     with torch.no_grad():
         for name, p in model.named_parameters():

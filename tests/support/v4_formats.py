@@ -16,7 +16,14 @@ from safetensors.torch import load_file, save_file
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 FP8_BLOCK = (8, 8)  # V4 uses 128 x 128; the small test model's matrices need smaller blocks
 FP4_BLOCK = 32
-FP8_TARGETS = (".attn.wq_a.", ".attn.wq_b.", ".attn.wkv.", ".attn.wo_a.", ".attn.wo_b.", ".shared_experts.")
+FP8_TARGETS = (
+    ".attn.wq_a.",
+    ".attn.wq_b.",
+    ".attn.wkv.",
+    ".attn.wo_a.",
+    ".attn.wo_b.",
+    ".shared_experts.",
+)
 
 
 def _power_of_two_scales(amax: torch.Tensor, top: float) -> torch.Tensor:
@@ -34,7 +41,9 @@ def to_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def to_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
-    scales = _power_of_two_scales(w.reshape(rows, cols // FP4_BLOCK, FP4_BLOCK).abs().amax(dim=-1), 6.0)
+    scales = _power_of_two_scales(
+        w.reshape(rows, cols // FP4_BLOCK, FP4_BLOCK).abs().amax(dim=-1), 6.0
+    )
     scaled = w / scales.float().repeat_interleave(FP4_BLOCK, 1)
     codes = (scaled.abs().unsqueeze(-1) - E2M1).abs().argmin(dim=-1) | ((scaled < 0).long() << 3)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
@@ -43,9 +52,13 @@ def to_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def original_name(name: str) -> str:
     """transformers' name -> the original V4 checkpoint's."""
-    fixed = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "norm.weight",
-             "model.hc_head.hc_fn": "hc_head_fn", "model.hc_head.hc_base": "hc_head_base",
-             "model.hc_head.hc_scale": "hc_head_scale"}  # fmt: skip
+    fixed = {
+        "model.embed_tokens.weight": "embed.weight",
+        "model.norm.weight": "norm.weight",
+        "model.hc_head.hc_fn": "hc_head_fn",
+        "model.hc_head.hc_base": "hc_head_base",
+        "model.hc_head.hc_scale": "hc_head_scale",
+    }
     return fixed.get(name, name.removeprefix("model."))
 
 
@@ -68,8 +81,14 @@ def quantize_folder(folder: Path, to: Path) -> dict[str, tuple[torch.Tensor, tor
     to.mkdir(parents=True)
     save_file(out, str(to / "model.safetensors"))
     config: dict[str, Any] = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(FP8_BLOCK),
-                                     "scale_fmt": "ue8m0", "expert_dtype": "fp4", "activation_scheme": "dynamic"}
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": list(FP8_BLOCK),
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+        "activation_scheme": "dynamic",
+    }
     (to / "config.json").write_text(json.dumps(config))
     for extra in ("tokenizer.json", "tokenizer_config.json"):
         if (folder / extra).is_file():
@@ -77,9 +96,13 @@ def quantize_folder(folder: Path, to: Path) -> dict[str, tuple[torch.Tensor, tor
     return quantized
 
 
-def dequantized_by_transformers(quantized: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+def dequantized_by_transformers(
+    quantized: dict[str, tuple[torch.Tensor, torch.Tensor]],
+) -> dict[str, torch.Tensor]:
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     op = Fp8Dequantize(None)
-    return {name: op._dequantize_one(values, scales, output_dtype=torch.float32)
-            for name, (values, scales) in quantized.items()}  # fmt: skip
+    return {
+        name: op._dequantize_one(values, scales, output_dtype=torch.float32)
+        for name, (values, scales) in quantized.items()
+    }

@@ -20,14 +20,28 @@ def v4_config(vocab: int = 96, layers: int = 3, **overrides: Any) -> Any:
     from transformers import DeepseekV4Config
 
     fields: dict[str, Any] = dict(
-        vocab_size=vocab, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, head_dim=16,
-        q_lora_rank=16, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, hc_mult=4,
-        sliding_window=4, partial_rotary_factor=0.5, o_groups=2, o_lora_rank=8, index_n_heads=4, index_head_dim=8,
-        index_topk=2, layer_types=[LAYER_TYPES[i % 3] for i in range(layers)],
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        head_dim=16,
+        q_lora_rank=16,
+        moe_intermediate_size=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        hc_mult=4,
+        sliding_window=4,
+        partial_rotary_factor=0.5,
+        o_groups=2,
+        o_lora_rank=8,
+        index_n_heads=4,
+        index_head_dim=8,
+        index_topk=2,
+        layer_types=[LAYER_TYPES[i % 3] for i in range(layers)],
         mlp_layer_types=["hash_moe" if i == 0 else "moe" for i in range(layers)],
         compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 3},
         max_position_embeddings=4096,
-    )  # fmt: skip
+    )
     fields.update(overrides)
     config = DeepseekV4Config(**fields)
     config._attn_implementation = "eager"
@@ -44,9 +58,14 @@ def random_v4(config: Any, seed: int = 0) -> Any:
     with torch.no_grad():
         for name, tensor in model.state_dict().items():
             if name.endswith("tid2eid"):
-                tensor.copy_(torch.randint(0, config.n_routed_experts, tensor.shape, generator=generator))
+                tensor.copy_(
+                    torch.randint(0, config.n_routed_experts, tensor.shape, generator=generator)
+                )
             elif tensor.is_floating_point():
-                tensor.copy_(torch.randn(tensor.shape, generator=generator) * (1.0 if tensor.dim() == 1 else 0.2))
+                tensor.copy_(
+                    torch.randn(tensor.shape, generator=generator)
+                    * (1.0 if tensor.dim() == 1 else 0.2)
+                )
     return model
 
 

@@ -13,8 +13,10 @@ MS = 1e-3
 
 
 def _plan(*under_load_s: float) -> Plan:
-    stages = tuple(StageAssignment(f"n{i}", i, i + 1, i == 0, i == len(under_load_s) - 1, 1, 0, t, load_s=t)
-                   for i, t in enumerate(under_load_s))  # fmt: skip
+    stages = tuple(
+        StageAssignment(f"n{i}", i, i + 1, i == 0, i == len(under_load_s) - 1, 1, 0, t, load_s=t)
+        for i, t in enumerate(under_load_s)
+    )
     return Plan("m", len(stages), stages, sum(under_load_s), 0.0, 64, 1, "throughput")
 
 
@@ -36,7 +38,9 @@ def test_stages_busy_as_predicted_are_not_parted() -> None:
 
 def test_a_stage_slowed_by_its_core_is_found_relative_to_the_others() -> None:
     plan = _plan(10 * MS, 10 * MS)
-    found = slowdowns(plan, START, _busy(1, 106.0, 5.9, 4.5))  # stage 0 shares its core with the API
+    found = slowdowns(
+        plan, START, _busy(1, 106.0, 5.9, 4.5)
+    )  # stage 0 shares its core with the API
     assert found is not None and found["n0"] / found["n1"] == pytest.approx(5.9 / 4.5)
     assert parted(found)
 
@@ -75,7 +79,9 @@ def test_others_cpu_seconds_counts_another_process_on_this_core() -> None:
     subprocess.run(["taskset", "-c", str(core), sys.executable, "-c", spin], check=True, timeout=60)
     time.sleep(0.05)
     spent = others_cpu_seconds() - before
-    assert spent >= 0.5 / len(os.sched_getaffinity(0)), spent  # the spinner's second, shared over our cores
+    assert spent >= 0.5 / len(os.sched_getaffinity(0)), (
+        spent
+    )  # the spinner's second, shared over our cores
 
 
 def test_an_idle_pipeline_or_a_new_plan_decides_nothing() -> None:
@@ -88,12 +94,18 @@ def test_corrected_rates_move_layers_off_the_slowed_node() -> None:
     """What ``Planning.rebalance`` plans: the slowed node's rate over its slowdown gives it fewer layers."""
     model = ModelSpec("m", 24, 64, (1000,) * 24, 500, 500, 10, 256)
     options = PlanOptions(context_tokens=64)
-    even = make_plan(model, [NodeInfo("a", 1 << 30, 1e6), NodeInfo("b", 1 << 30, 1e6)], None, options)
-    slowed = make_plan(model, [NodeInfo("a", 1 << 30, 1e6 / 1.3), NodeInfo("b", 1 << 30, 1e6)], None, options)
+    even = make_plan(
+        model, [NodeInfo("a", 1 << 30, 1e6), NodeInfo("b", 1 << 30, 1e6)], None, options
+    )
+    slowed = make_plan(
+        model, [NodeInfo("a", 1 << 30, 1e6 / 1.3), NodeInfo("b", 1 << 30, 1e6)], None, options
+    )
     layers = {s.node_id: s.end - s.start for s in slowed.stages}
     assert {s.node_id: s.end - s.start for s in even.stages} == {"a": 12, "b": 12}
     assert layers["a"] < layers["b"]
-    assert slowed.slowest_stage_s() < max(s.compute_s * 1.3 if s.node_id == "a" else s.compute_s for s in even.stages)
+    assert slowed.slowest_stage_s() < max(
+        s.compute_s * 1.3 if s.node_id == "a" else s.compute_s for s in even.stages
+    )
 
 
 def test_a_rebalance_moves_the_cuts_and_keeps_each_node_in_its_place() -> None:
@@ -110,10 +122,14 @@ def test_a_rebalance_moves_the_cuts_and_keeps_each_node_in_its_place() -> None:
     assert route[0][2] - route[0][1] < route[1][2] - route[1][1]
     pace = price_route(model, list(nodes.values()), None, options, route).slowest_stage_s()
     for cut in range(1, 24):  # no other cut of this order is faster
-        other = price_route(model, list(nodes.values()), None, options, [("b", 0, cut), ("a", cut, 24)])
+        other = price_route(
+            model, list(nodes.values()), None, options, [("b", 0, cut), ("a", cut, 24)]
+        )
         assert pace <= other.slowest_stage_s() + 1e-12
     tight = {"b": NodeInfo("b", 256 << 20, 1e6), "a": NodeInfo("a", 256 << 20, 1e6)}
-    assert least_bottleneck_cuts(model, tight, options, ["b", "a"]) is None  # neither holds anything
+    assert (
+        least_bottleneck_cuts(model, tight, options, ["b", "a"]) is None
+    )  # neither holds anything
 
 
 class _Coordinator:
@@ -136,8 +152,17 @@ class _Coordinator:
     def stage_stats(self) -> list[object]:
         from seamline.net.messages import Stats
 
-        return [Stats(node_id=f"n{i}", decode_steps=0, decode_seconds=0.0, refused_frames=0, busy_seconds=b,
-                      idle_seconds=i) for i, (b, i) in enumerate(zip(self.busy, self.idle))]
+        return [
+            Stats(
+                node_id=f"n{i}",
+                decode_steps=0,
+                decode_seconds=0.0,
+                refused_frames=0,
+                busy_seconds=b,
+                idle_seconds=i,
+            )
+            for i, (b, i) in enumerate(zip(self.busy, self.idle))
+        ]
 
     def _rebalance(self, plan: Plan, found: dict[str, float], needed: float) -> bool:
         self.asked.append(dict(self.balance.corrections))  # type: ignore[attr-defined]
@@ -146,8 +171,13 @@ class _Coordinator:
         return self.switches
 
 
-def _ticks(coordinator: _Coordinator, balance: object, windows: int,
-           busy: list[tuple[float, float]] | None = None, idle: list[tuple[float, float]] | None = None) -> None:
+def _ticks(
+    coordinator: _Coordinator,
+    balance: object,
+    windows: int,
+    busy: list[tuple[float, float]] | None = None,
+    idle: list[tuple[float, float]] | None = None,
+) -> None:
     """``windows`` windows of 6 s, each adding ``busy`` seconds to the stages in turn (by default
     stage 0 busy 1.5x stage 1, under a plan that predicts them equal) and ``idle`` seconds (by
     default the rest of the window), the balance ticking at each."""
@@ -186,10 +216,14 @@ def test_windows_parted_in_opposite_ways_never_rebalance() -> None:
     _ticks(coordinator, balance, 30, busy=[(4.5, 3.0), (3.0, 4.5)])
     assert coordinator.asked == []
     coordinator, balance = _watched()
-    _ticks(coordinator, balance, LOADED_WINDOWS, busy=[(4.5, 3.0)])  # one window short (the first tick starts one)
+    _ticks(
+        coordinator, balance, LOADED_WINDOWS, busy=[(4.5, 3.0)]
+    )  # one window short (the first tick starts one)
     assert coordinator.asked == []
     coordinator, balance = _watched()
-    _ticks(coordinator, balance, LOADED_WINDOWS + 1, busy=[(4.5, 3.0)])  # the same way in every window: re-planned
+    _ticks(
+        coordinator, balance, LOADED_WINDOWS + 1, busy=[(4.5, 3.0)]
+    )  # the same way in every window: re-planned
     assert len(coordinator.asked) == 1
 
 
@@ -201,17 +235,35 @@ def test_a_window_over_a_lull_between_bursts_does_not_rebalance_a_good_cut() -> 
     had read 1.23x and switched the cut); their occupied seconds read 1.02x for the first four,
     1.06x for all eight. At 14 layers, stage 1 the busier by a fifth, the first four part at once."""
     coordinator, balance = _watched()
-    busy = [(6.15, 6.64), (4.12, 4.85), (3.66, 2.73), (5.73, 5.58), (3.16, 3.63), (4.89, 3.95), (5.45, 5.73),
-            (5.95, 4.5)]  # fmt: skip
-    idle = [(0.42, 0.01), (1.53, 1.0), (2.06, 3.09), (0.5, 0.71), (2.53, 2.25), (0.89, 1.94), (0.71, 0.54),
-            (0.0, 1.45)]  # fmt: skip
+    busy = [
+        (6.15, 6.64),
+        (4.12, 4.85),
+        (3.66, 2.73),
+        (5.73, 5.58),
+        (3.16, 3.63),
+        (4.89, 3.95),
+        (5.45, 5.73),
+        (5.95, 4.5),
+    ]
+    idle = [
+        (0.42, 0.01),
+        (1.53, 1.0),
+        (2.06, 3.09),
+        (0.5, 0.71),
+        (2.53, 2.25),
+        (0.89, 1.94),
+        (0.71, 0.54),
+        (0.0, 1.45),
+    ]
     _ticks(coordinator, balance, len(busy) + 1, busy, idle)
     assert coordinator.asked == []
     coordinator, balance = _watched()
     busy = [(4.29, 6.29), (3.49, 4.63), (3.89, 3.32), (4.14, 6.27)]
     idle = [(1.66, 0.03), (2.15, 1.27), (1.86, 2.35), (1.83, 0.02)]
     _ticks(coordinator, balance, len(busy) + 1, busy, idle)
-    assert len(coordinator.asked) == 1 and coordinator.asked[0]["n0"] > 1 > coordinator.asked[0]["n1"]
+    assert (
+        len(coordinator.asked) == 1 and coordinator.asked[0]["n0"] > 1 > coordinator.asked[0]["n1"]
+    )
 
 
 def test_a_plan_that_read_even_is_not_switched_by_four_windows_at_the_ends_of_bursts() -> None:
@@ -221,16 +273,44 @@ def test_a_plan_that_read_even_is_not_switched_by_four_windows_at_the_ends_of_bu
     waiting 2.3-2.9 s of two of them): 0.79x alone, which switched the cut when four windows
     decided alone. Taken with the plan's eight before them: 0.94x, kept."""
     plan = _plan(1.746 * MS, 1.828 * MS)
-    busy = [(5.42, 6.34), (5.86, 6.11), (3.53, 4.24), (4.45, 3.74), (5.37, 6.13), (6.06, 5.31), (5.08, 5.73),
-            (5.41, 6.29), (3.89, 4.68), (3.6, 3.2), (4.31, 6.37), (2.93, 5.85)]  # fmt: skip
-    idle = [(0.65, 0.0), (0.45, 0.15), (2.11, 1.65), (1.19, 1.99), (0.75, 0.09), (0.0, 0.76), (0.86, 0.46),
-            (0.57, 0.0), (1.71, 1.19), (1.97, 2.55), (2.29, 0.0), (2.9, 0.07)]  # fmt: skip
+    busy = [
+        (5.42, 6.34),
+        (5.86, 6.11),
+        (3.53, 4.24),
+        (4.45, 3.74),
+        (5.37, 6.13),
+        (6.06, 5.31),
+        (5.08, 5.73),
+        (5.41, 6.29),
+        (3.89, 4.68),
+        (3.6, 3.2),
+        (4.31, 6.37),
+        (2.93, 5.85),
+    ]
+    idle = [
+        (0.65, 0.0),
+        (0.45, 0.15),
+        (2.11, 1.65),
+        (1.19, 1.99),
+        (0.75, 0.09),
+        (0.0, 0.76),
+        (0.86, 0.46),
+        (0.57, 0.0),
+        (1.71, 1.19),
+        (1.97, 2.55),
+        (2.29, 0.0),
+        (2.9, 0.07),
+    ]
     coordinator, balance = _watched(plan=plan)
     _ticks(coordinator, balance, len(busy) + 1, busy, idle)
     assert coordinator.asked == []
     coordinator, balance = _watched(plan=plan)
-    _ticks(coordinator, balance, 5, busy[-4:], idle[-4:])  # the four alone, on a plan that read nothing before
-    assert len(coordinator.asked) == 1 and coordinator.asked[0]["n1"] < 1 < coordinator.asked[0]["n0"]
+    _ticks(
+        coordinator, balance, 5, busy[-4:], idle[-4:]
+    )  # the four alone, on a plan that read nothing before
+    assert (
+        len(coordinator.asked) == 1 and coordinator.asked[0]["n1"] < 1 < coordinator.asked[0]["n0"]
+    )
 
 
 def test_a_decision_takes_the_latest_loaded_windows_and_follows_a_load_that_changes() -> None:
@@ -259,7 +339,9 @@ def test_a_rebalance_weighs_the_loaded_windows_together() -> None:
     assert coordinator.asked[0]["n1"] == pytest.approx(1 / (6.0 / mean) ** DAMPING)
 
 
-def test_a_set_of_members_is_rebalanced_a_few_times_at_most_and_a_kept_plan_does_not_compound() -> None:
+def test_a_set_of_members_is_rebalanced_a_few_times_at_most_and_a_kept_plan_does_not_compound() -> (
+    None
+):
     from seamline.mesh.control.balance import DAMPING, MAX_SWITCHES, Balance
 
     switching = _Coordinator(_plan(10 * MS, 10 * MS), switches=True)
@@ -271,7 +353,9 @@ def test_a_set_of_members_is_rebalanced_a_few_times_at_most_and_a_kept_plan_does
     balance = Balance(kept)  # type: ignore[arg-type]
     kept.balance = balance
     _ticks(kept, balance, 30)
-    assert len(kept.asked) > MAX_SWITCHES  # a plan kept is looked at again, but its corrections are the same
+    assert (
+        len(kept.asked) > MAX_SWITCHES
+    )  # a plan kept is looked at again, but its corrections are the same
     mean = (1.5 + 1.0) / 2
     expected = 1 / (1.5 / mean) ** DAMPING
     assert all(asked["n0"] == pytest.approx(expected) for asked in kept.asked)
@@ -286,15 +370,25 @@ def test_a_correction_back_the_way_the_last_switch_went_goes_part_of_the_way() -
 
     coordinator, balance = _watched()
     windows = LOADED_WINDOWS + 1  # a plan's first tick reads nothing: its windows start there
-    _ticks(coordinator, balance, 3 * windows, busy=[(4.5, 3.0)] * windows + [(3.0, 4.5)] * 2 * windows)
+    _ticks(
+        coordinator, balance, 3 * windows, busy=[(4.5, 3.0)] * windows + [(3.0, 4.5)] * 2 * windows
+    )
     assert len(coordinator.asked) == 3
     first, second, third = coordinator.asked
     slow, fast = 4.5 / 3.75, 3.0 / 3.75  # each stage's busy seconds over their mean
     assert first == pytest.approx({"n0": slow**-DAMPING, "n1": fast**-DAMPING})
-    assert second == pytest.approx({"n0": first["n0"] * fast ** (-DAMPING * REVERSAL),
-                                    "n1": first["n1"] * slow ** (-DAMPING * REVERSAL)})  # fmt: skip
-    assert first["n0"] < second["n0"] < 1.0 < second["n1"] < first["n1"]  # back toward even, not past it
-    assert third == pytest.approx({"n0": second["n0"] * fast**-DAMPING, "n1": second["n1"] * slow**-DAMPING})
+    assert second == pytest.approx(
+        {
+            "n0": first["n0"] * fast ** (-DAMPING * REVERSAL),
+            "n1": first["n1"] * slow ** (-DAMPING * REVERSAL),
+        }
+    )
+    assert (
+        first["n0"] < second["n0"] < 1.0 < second["n1"] < first["n1"]
+    )  # back toward even, not past it
+    assert third == pytest.approx(
+        {"n0": second["n0"] * fast**-DAMPING, "n1": second["n1"] * slow**-DAMPING}
+    )
 
 
 def test_a_held_plan_is_not_rebalanced_until_released() -> None:

@@ -8,9 +8,17 @@ from pathlib import Path
 from seamline_bench.chaos import ClientAnswer, Clients, _recoveries, _result
 
 
-def _answer(client: int, began: float, times: list[float], text: str = "a", error: str = "") -> ClientAnswer:
-    return ClientAnswer(client, began, ended=(times[-1] if times else began) + 0.01, text=text, error=error,
-                  token_times=times)  # fmt: skip
+def _answer(
+    client: int, began: float, times: list[float], text: str = "a", error: str = ""
+) -> ClientAnswer:
+    return ClientAnswer(
+        client,
+        began,
+        ended=(times[-1] if times else began) + 0.01,
+        text=text,
+        error=error,
+        token_times=times,
+    )
 
 
 def test_recovery_is_measured_per_stream_in_flight_at_the_failure() -> None:
@@ -27,12 +35,17 @@ def test_lost_and_changed_answers_are_counted_against_the_calm_phase() -> None:
     load = Clients.__new__(Clients)
     load.count, load.tokens = 2, 4
     load.answers = [
-        _answer(0, 1.0, [1.1, 1.2], "calm0"), _answer(1, 1.0, [1.1, 1.2], "calm1"),  # calm: 0..10
+        _answer(0, 1.0, [1.1, 1.2], "calm0"),
+        _answer(1, 1.0, [1.1, 1.2], "calm1"),  # calm: 0..10
         _answer(0, 11.0, [11.5, 12.0], "calm0"),  # chaos, unchanged
         _answer(1, 11.0, [11.5, 12.0], "other"),  # chaos, changed
         _answer(0, 13.0, [], "", error="the mesh could not serve again"),  # chaos, lost
     ]
-    result = _result(load, 0.0, 10.0, 20.0, [{"node": "n", "how": "SIGKILL", "at": 11.2}], 1, Path("."))
+    result = _result(
+        load, 0.0, 10.0, 20.0, [{"node": "n", "how": "SIGKILL", "at": 11.2}], 1, Path(".")
+    )
     assert (result["requests"], result["lost"], result["outputs_changed"]) == (3, 1, 1)
-    assert result["near_tie_flips"] == 0  # "other" is no near-tie of "calm1" (the reference model examined it)
+    assert (
+        result["near_tie_flips"] == 0
+    )  # "other" is no near-tie of "calm1" (the reference model examined it)
     assert result["recovery_s_p50"] == 0.3 and result["streams_recovered"] == 2

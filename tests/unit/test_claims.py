@@ -82,5 +82,9 @@ def test_the_coordinator_checks_block_by_block_what_the_node_computes_whole() ->
     expected = expected_sums(7, vectors)
     matrix = probe_matrix(7)
     for i in range(3):
-        assert torch.allclose(torch.tensor(block_sums(matrix, vectors[:, i])), expected[i], rtol=1e-4, atol=1e-3)
-    assert not torch.allclose(expected, expected_sums(8, vectors), rtol=1e-2, atol=1)  # the seed matters
+        assert torch.allclose(
+            torch.tensor(block_sums(matrix, vectors[:, i])), expected[i], rtol=1e-4, atol=1e-3
+        )
+    assert not torch.allclose(
+        expected, expected_sums(8, vectors), rtol=1e-2, atol=1
+    )  # the seed matters

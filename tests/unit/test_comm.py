@@ -29,7 +29,9 @@ from seamline.parallel.tcp_comm import (
 # Fresh processes forked from a server that has imported torch once (saves ~3 s per rank
 # over "spawn"); no parent state or threads are inherited.
 CTX = mp.get_context("forkserver")
-CTX.set_forkserver_preload(["torch", "seamline.parallel.tcp_comm", "seamline.parallel.torch_comm", __name__])
+CTX.set_forkserver_preload(
+    ["torch", "seamline.parallel.tcp_comm", "seamline.parallel.torch_comm", __name__]
+)
 LAYERS = 3
 BIG = 1 << 18  # 1 MB of float32: above INLINE_SEND_MAX, the threaded-send path
 
@@ -46,9 +48,15 @@ def scenario_sum(rank: int, world: int, addresses: list, transport: str) -> dict
         for gate in range(2):
             summed = comm.all_reduce(partial(rank, layer, gate), GateTag(layer, gate, 7))
             out[f"{layer}.{gate}"] = summed.numpy().tobytes()
-    out["bf16"] = comm.all_reduce(torch.full((8,), float(rank + 1), dtype=torch.bfloat16), GateTag(9, 0, 1)).float().tolist()
+    out["bf16"] = (
+        comm.all_reduce(torch.full((8,), float(rank + 1), dtype=torch.bfloat16), GateTag(9, 0, 1))
+        .float()
+        .tolist()
+    )
     out["big"] = comm.all_reduce(partial(rank, 99, 0, BIG), GateTag(99, 0, 1)).numpy().tobytes()
-    rows = torch.full((2, rank + 1), float(rank))  # uneven vocabulary slices: [tokens, rows of rank]
+    rows = torch.full(
+        (2, rank + 1), float(rank)
+    )  # uneven vocabulary slices: [tokens, rows of rank]
     out["gather"] = comm.all_gather(rows, dim=1).tolist()
     comm.close()
     return out
@@ -73,7 +81,9 @@ def scenario_fingerprint(rank: int, world: int, addresses: list, transport: str)
     return {}
 
 
-def scenario_dead_peer(rank: int, world: int, addresses: list, mode: str, events: Any) -> dict[str, Any]:
+def scenario_dead_peer(
+    rank: int, world: int, addresses: list, mode: str, events: Any
+) -> dict[str, Any]:
     comm = TcpComm.connect(rank, world, addresses, 3.0, "fp")
     comm.all_reduce(torch.ones(16), GateTag(0, 0, 1))
     if rank == 1:
@@ -88,15 +98,24 @@ def scenario_dead_peer(rank: int, world: int, addresses: list, mode: str, events
     return {"error": None}
 
 
-def _rank_main(scenario: str, rank: int, world: int, addresses: list, kwargs: dict, results: Any) -> None:
+def _rank_main(
+    scenario: str, rank: int, world: int, addresses: list, kwargs: dict, results: Any
+) -> None:
     try:
         results.put((rank, "ok", globals()[scenario](rank, world, addresses, **kwargs)))
     except BaseException as exc:  # report every failure to the test, with its class
         results.put((rank, type(exc).__name__, str(exc)))
 
 
-def run_group(scenario: str, world: int, kwargs: dict | None = None, order: list[int] | None = None,
-              delay: float = 0.0, deadline_s: float = 20.0, on_event=None) -> dict[int, tuple]:
+def run_group(
+    scenario: str,
+    world: int,
+    kwargs: dict | None = None,
+    order: list[int] | None = None,
+    delay: float = 0.0,
+    deadline_s: float = 20.0,
+    on_event=None,
+) -> dict[int, tuple]:
     """Run ``scenario`` on ``world`` spawned ranks; rank -> (rank, status, payload)."""
     addresses = [("127.0.0.1", free_port()) for _ in range(world)]
     results, procs = CTX.Queue(), {}
@@ -104,7 +123,9 @@ def run_group(scenario: str, world: int, kwargs: dict | None = None, order: list
         for i, rank in enumerate(order or range(world)):
             if i and delay:
                 time.sleep(delay)
-            procs[rank] = CTX.Process(target=_rank_main, args=(scenario, rank, world, addresses, kwargs or {}, results))
+            procs[rank] = CTX.Process(
+                target=_rank_main, args=(scenario, rank, world, addresses, kwargs or {}, results)
+            )
             procs[rank].start()
         if on_event:
             on_event(procs)
@@ -114,7 +135,9 @@ def run_group(scenario: str, world: int, kwargs: dict | None = None, order: list
             try:
                 item = results.get(timeout=max(0.1, end - time.monotonic()))
             except queue_mod.Empty:
-                raise AssertionError(f"{scenario}: ranks {sorted(set(procs) - set(got))} hung") from None
+                raise AssertionError(
+                    f"{scenario}: ranks {sorted(set(procs) - set(got))} hung"
+                ) from None
             got[item[0]] = item
         return got
     finally:
@@ -138,11 +161,15 @@ def expected_sums() -> dict[str, bytes]:
 def test_tcp_all_reduce_and_gather(world: int) -> None:
     got = run_group("scenario_sum", world, {"transport": "tcp"})
     total = expected_sums()
-    outs = [got[r][2] if got[r][1] == "ok" else pytest.fail(f"rank {r}: {got[r]}") for r in range(world)]
+    outs = [
+        got[r][2] if got[r][1] == "ok" else pytest.fail(f"rank {r}: {got[r]}") for r in range(world)
+    ]
     for layer in range(LAYERS):
         for gate in range(2):
             want = total(world, layer, gate).numpy().tobytes()
-            assert all(out[f"{layer}.{gate}"] == want for out in outs), f"gate {layer}.{gate} not bit-identical"
+            assert all(out[f"{layer}.{gate}"] == want for out in outs), (
+                f"gate {layer}.{gate} not bit-identical"
+            )
     assert all(out["big"] == total(world, 99, 0, BIG).numpy().tobytes() for out in outs)
     assert all(out["bf16"] == [float(world * (world + 1) // 2)] * 8 for out in outs)
     want_gather = [[float(r) for r in range(world) for _ in range(r + 1)]] * 2
@@ -157,7 +184,9 @@ def test_torch_gloo_all_reduce_and_gather() -> None:
         out = got[rank][2]
         for layer in range(LAYERS):
             for gate in range(2):
-                summed = torch.frombuffer(bytearray(out[f"{layer}.{gate}"]), dtype=torch.float32).view(4, -1)
+                summed = torch.frombuffer(
+                    bytearray(out[f"{layer}.{gate}"]), dtype=torch.float32
+                ).view(4, -1)
                 torch.testing.assert_close(summed, total(2, layer, gate), rtol=1e-6, atol=1e-6)
         assert out["gather"] == [[0.0, 1.0, 1.0]] * 2
         assert out["bf16"] == [3.0] * 8
@@ -168,8 +197,12 @@ def test_torch_gloo_all_reduce_and_gather() -> None:
 def test_tag_mismatch_raises_desync_on_both_ranks(transport: str) -> None:
     got = run_group("scenario_desync", 2, {"transport": transport}, deadline_s=15)
     assert got[1][1] == "DesyncError", got[1]
-    assert "rank 1 expected reduce gate (3,1,#17), got reduce gate (3,0,#17) from rank 0" in got[1][2]
-    assert got[0][1] in ("DesyncError", "CommError"), got[0]  # either its own check or the closed link
+    assert (
+        "rank 1 expected reduce gate (3,1,#17), got reduce gate (3,0,#17) from rank 0" in got[1][2]
+    )
+    assert got[0][1] in ("DesyncError", "CommError"), got[
+        0
+    ]  # either its own check or the closed link
 
 
 def test_fingerprint_mismatch_is_refused() -> None:
@@ -177,7 +210,10 @@ def test_fingerprint_mismatch_is_refused() -> None:
     for rank in range(2):
         assert got[rank][1] == "CommError", got[rank]
         mine, theirs = f"model-{rank}", f"model-{1 - rank}"
-        assert f"group mismatch: rank {rank} has {mine} here, {theirs} on rank {1 - rank}" in got[rank][2], got[rank]
+        assert (
+            f"group mismatch: rank {rank} has {mine} here, {theirs} on rank {1 - rank}"
+            in got[rank][2]
+        ), got[rank]
 
 
 def test_killed_peer_raises_comm_error_within_timeout() -> None:
@@ -187,7 +223,9 @@ def test_killed_peer_raises_comm_error_within_timeout() -> None:
         assert events.get(timeout=15) == "ready"
         os.kill(procs[1].pid, 9)
 
-    got = run_group("scenario_dead_peer", 2, {"mode": "kill", "events": events}, on_event=kill_when_ready)
+    got = run_group(
+        "scenario_dead_peer", 2, {"mode": "kill", "events": events}, on_event=kill_when_ready
+    )
     assert got[0][1] == "ok", got[0]
     assert got[0][2]["error"] == "rank 1 closed the link" or "closed the link" in got[0][2]["error"]
     assert got[0][2]["elapsed"] < 3.0
@@ -195,8 +233,12 @@ def test_killed_peer_raises_comm_error_within_timeout() -> None:
 
 def test_silent_peer_raises_comm_error_at_timeout() -> None:
     events = CTX.Queue()
-    got = run_group("scenario_dead_peer", 2, {"mode": "silent", "events": events},
-                    on_event=lambda procs: events.get(timeout=15))
+    got = run_group(
+        "scenario_dead_peer",
+        2,
+        {"mode": "silent", "events": events},
+        on_event=lambda procs: events.get(timeout=15),
+    )
     assert got[0][1] == "ok", got[0]
     assert got[0][2]["error"] == "rank 1 sent nothing for gate (0,1,#1) within 3.0 s"
     assert 2.5 < got[0][2]["elapsed"] < 5.0
@@ -206,7 +248,9 @@ def test_silent_peer_raises_comm_error_at_timeout() -> None:
 def test_ranks_connect_in_any_start_order(order: list[int]) -> None:
     got = run_group("scenario_light", len(order), order=order, delay=0.7)
     assert all(got[r][1] == "ok" for r in order), got
-    assert {got[r][2]["0.1"] for r in order} == {expected_sums()(len(order), 0, 1).numpy().tobytes()}
+    assert {got[r][2]["0.1"] for r in order} == {
+        expected_sums()(len(order), 0, 1).numpy().tobytes()
+    }
 
 
 def test_single_comm_returns_its_input() -> None:
@@ -254,7 +298,14 @@ def test_another_protocol_version_is_refused_at_hello() -> None:
     peer.start()
     refusal = f"protocol version mismatch: rank 0 speaks {VERSION}, rank 1 speaks {VERSION - 1}"
     with pytest.raises(CommError, match=refusal):
-        TcpComm.connect(0, 2, [("127.0.0.1", free_port()), ("127.0.0.1", port)], 2.0, "fp", connect_timeout_s=5.0)
+        TcpComm.connect(
+            0,
+            2,
+            [("127.0.0.1", free_port()), ("127.0.0.1", port)],
+            2.0,
+            "fp",
+            connect_timeout_s=5.0,
+        )
     peer.join(5)
     server.close()
 
@@ -281,7 +332,9 @@ def test_strangers_at_a_comm_port_are_dropped_and_the_group_still_forms() -> Non
     thread.join(20)
     assert isinstance(formed[1], TcpComm), formed
     results: dict[int, torch.Tensor] = {}
-    reducer = threading.Thread(target=lambda: results.update({1: formed[1].all_reduce(torch.ones(4), GateTag(0, 0, 1))}))
+    reducer = threading.Thread(
+        target=lambda: results.update({1: formed[1].all_reduce(torch.ones(4), GateTag(0, 0, 1))})
+    )
     reducer.start()
     results[0] = comm0.all_reduce(torch.full((4,), 2.0), GateTag(0, 0, 1))
     reducer.join(10)
@@ -318,10 +371,17 @@ def test_a_reserved_port_is_free_to_no_other_process_and_listened_on_again_and_a
     with reserve_port() as reserved:
         port = reserved.getsockname()[1]
         draw = f"from seamline.net.link import free_port; free_port(low={port}, high={port + 1})"
-        other = subprocess.run([sys.executable, "-c", draw], capture_output=True, text=True, timeout=60)
-        assert other.returncode != 0 and f"no free port in {port}-{port + 1}" in other.stderr, other.stderr
+        other = subprocess.run(
+            [sys.executable, "-c", draw], capture_output=True, text=True, timeout=60
+        )
+        assert other.returncode != 0 and f"no free port in {port}-{port + 1}" in other.stderr, (
+            other.stderr
+        )
         for _ in range(2):  # a group formed, and formed again
-            with listen("127.0.0.1", port) as server, socket.create_connection(("127.0.0.1", port)) as dialed:
+            with (
+                listen("127.0.0.1", port) as server,
+                socket.create_connection(("127.0.0.1", port)) as dialed,
+            ):
                 accepted, _ = server.accept()
                 dialed.sendall(b"hello")
                 assert accepted.recv(5) == b"hello"
@@ -335,9 +395,15 @@ def test_a_port_announced_before_it_is_served_is_listened_on_from_the_start() ->
         port = listener.getsockname()[1]
         assert 20000 <= port < 30000  # free_port's range: outside the ephemeral ports
         draw = f"from seamline.net.link import free_port; free_port(low={port}, high={port + 1})"
-        other = subprocess.run([sys.executable, "-c", draw], capture_output=True, text=True, timeout=60)
-        assert other.returncode != 0 and f"no free port in {port}-{port + 1}" in other.stderr, other.stderr
-        with socket.create_connection(("127.0.0.1", port)) as dialed:  # queued until the server accepts
+        other = subprocess.run(
+            [sys.executable, "-c", draw], capture_output=True, text=True, timeout=60
+        )
+        assert other.returncode != 0 and f"no free port in {port}-{port + 1}" in other.stderr, (
+            other.stderr
+        )
+        with socket.create_connection(
+            ("127.0.0.1", port)
+        ) as dialed:  # queued until the server accepts
             accepted, _ = listener.accept()
             dialed.sendall(b"fetch")
             assert accepted.recv(5) == b"fetch"

@@ -40,9 +40,13 @@ def test_a_parting_at_a_near_tie_is_told_from_a_real_one() -> None:
     assert not real.equal and not real.near_tie and real.max_logit_diff == 0.0
     figures = summarise([tie, real])
     assert figures == {
-        "prompts": 2, "greedy_equal": 0, "near_ties": 1, "unexplained_partings": 1,
-        "top5_equal": 2, "max_logit_diff": 0.05,
-    }  # fmt: skip
+        "prompts": 2,
+        "greedy_equal": 0,
+        "near_ties": 1,
+        "unexplained_partings": 1,
+        "top5_equal": 2,
+        "max_logit_diff": 0.05,
+    }
 
 
 def test_a_file_wide_difference_explains_a_parting_at_the_first_token() -> None:

@@ -15,7 +15,10 @@ def _shares(*placements: tuple[str, str, set[int], str]) -> dict[str, float]:
 
 def test_nodes_pinned_to_one_core_halve_it_and_a_node_on_another_core_has_it_whole() -> None:
     assert _shares(("a", HOST, {0}, "cpu"), ("b", HOST, {0}, "cpu"), ("c", HOST, {1}, "cpu")) == {
-        "a": 0.5, "b": 0.5, "c": 1.0}
+        "a": 0.5,
+        "b": 0.5,
+        "c": 1.0,
+    }
 
 
 def test_three_unpinned_nodes_on_two_cores_have_a_third_each() -> None:
@@ -28,6 +31,11 @@ def test_a_partly_shared_set_counts_each_cpu_apart() -> None:
 
 
 def test_other_machines_accelerators_and_unknown_placements_share_nothing() -> None:
-    shares = _shares(("a", HOST, {0}, "cpu"), ("b", "boot-2", {0}, "cpu"), ("g", HOST, {0}, "cuda"),
-                     ("u", "", {0}, "cpu"), ("v", HOST, set(), "cpu"))  # fmt: skip
+    shares = _shares(
+        ("a", HOST, {0}, "cpu"),
+        ("b", "boot-2", {0}, "cpu"),
+        ("g", HOST, {0}, "cuda"),
+        ("u", "", {0}, "cpu"),
+        ("v", HOST, set(), "cpu"),
+    )
     assert shares == {"a": 1.0, "b": 1.0, "g": 1.0, "u": 1.0, "v": 1.0}

@@ -37,7 +37,9 @@ def tiles(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, ...]]]:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q4_K], ids=lambda t: t.name)
-def test_torch_path_tiles_are_bounded_in_float32_bytes(tiles: list, dtype: torch.dtype, qtype: T) -> None:
+def test_torch_path_tiles_are_bounded_in_float32_bytes(
+    tiles: list, dtype: torch.dtype, qtype: T
+) -> None:
     cols = 512
     rows = 3 * matmul.TILE_BYTES // (cols * 4) + 5  # three whole tiles and a part
     w = random_weight(qtype, (rows, cols), torch.Generator().manual_seed(1))

@@ -39,33 +39,47 @@ def _stand_in(folder: Path, text: str, code: int = 0) -> None:
     script.chmod(0o755)
 
 
-def _run(tmp_path: Path, folder: Path, args: list[str],
-         env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path, folder: Path, args: list[str], env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
     """Runs a copy of install.sh in tmp_path with only `folder` on PATH."""
     script = tmp_path / "install.sh"
     shutil.copy(INSTALL, script)
-    return subprocess.run([str(folder / "bash"), str(script), *args], check=False, cwd=tmp_path,
-                          env={"PATH": str(folder), "HOME": str(tmp_path), **env},
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(folder / "bash"), str(script), *args],
+        check=False,
+        cwd=tmp_path,
+        env={"PATH": str(folder), "HOME": str(tmp_path), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def _dry_run(tmp_path: Path, folder: Path, **env: str) -> str:
     """install.sh's dry run (the flag, or the variable when given); asserts it made no .venv."""
-    done = _run(tmp_path, folder, [] if "SEAMLINE_INSTALL_DRY_RUN" in env else ["--torch-choice"], env)
+    done = _run(
+        tmp_path, folder, [] if "SEAMLINE_INSTALL_DRY_RUN" in env else ["--torch-choice"], env
+    )
     assert done.returncode == 0, done.stderr
     assert not (tmp_path / ".venv").exists(), "the dry run must not create .venv"
     return done.stdout
 
 
-@pytest.mark.parametrize(("cuda", "build"), [("13.0", "cu130"), ("13.1", "cu130"),
-                                             ("12.9", "cu128"), ("12.8", "cu128"),
-                                             ("12.6", "cu126")])
-def test_a_driver_takes_the_newest_cuda_build_it_supports(tmp_path: Path, cuda: str, build: str) -> None:
+@pytest.mark.parametrize(
+    ("cuda", "build"),
+    [("13.0", "cu130"), ("13.1", "cu130"), ("12.9", "cu128"), ("12.8", "cu128"), ("12.6", "cu126")],
+)
+def test_a_driver_takes_the_newest_cuda_build_it_supports(
+    tmp_path: Path, cuda: str, build: str
+) -> None:
     folder = _bin(tmp_path)
     _stand_in(folder, HEADER.format(driver="580.95.05", cuda=cuda))
     out = _dry_run(tmp_path, folder)
     version = f"{build[2:-1]}.{build[-1]}"
-    assert f"NVIDIA driver 580.95.05 (CUDA {cuda}) found: installing the CUDA {version} build" in out
+    assert (
+        f"NVIDIA driver 580.95.05 (CUDA {cuda}) found: installing the CUDA {version} build" in out
+    )
     assert f"torch==2.13.0 --index-url {WHEELS}/{build}\n" in out
 
 
@@ -78,8 +92,11 @@ def _assert_cpu(out: str, why: str) -> None:
 def test_a_driver_older_than_cuda_12_6_takes_the_cpu_build(tmp_path: Path) -> None:
     folder = _bin(tmp_path)
     _stand_in(folder, HEADER.format(driver="550.54.14", cuda="12.4"))
-    _assert_cpu(_dry_run(tmp_path, folder), "NVIDIA driver 550.54.14 (CUDA 12.4) found, too old "
-                "for torch's CUDA builds (they need CUDA 12.6 or newer)")
+    _assert_cpu(
+        _dry_run(tmp_path, folder),
+        "NVIDIA driver 550.54.14 (CUDA 12.4) found, too old "
+        "for torch's CUDA builds (they need CUDA 12.6 or newer)",
+    )
 
 
 def test_a_failing_nvidia_smi_takes_the_cpu_build(tmp_path: Path) -> None:

@@ -24,7 +24,11 @@ def _package(module: str) -> str:
     """``seamline.mesh.node.process`` -> ``mesh.node``; ``seamline.runtime.engine`` -> ``runtime``;
     ``seamline.text`` -> ``text``. The mesh's subpackages count apart: each has its own job."""
     parts = module.split(".")[1:]
-    return f"mesh.{parts[1]}" if parts[0] == "mesh" and len(parts) > 1 and parts[1] != "__init__" else parts[0]
+    return (
+        f"mesh.{parts[1]}"
+        if parts[0] == "mesh" and len(parts) > 1 and parts[1] != "__init__"
+        else parts[0]
+    )
 
 
 def _imports() -> dict[str, set[str]]:
@@ -38,7 +42,9 @@ def _imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
-            for target in {_package(name) for name in names if name.startswith("seamline.")} - {source}:
+            for target in {_package(name) for name in names if name.startswith("seamline.")} - {
+                source
+            }:
                 graph[source].add(target)
     return graph
 
@@ -64,7 +70,11 @@ def test_the_package_never_imports_the_benchmarks() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
-            importers += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "seamline_bench"]
+            importers += [
+                f"{path.relative_to(ROOT)}: {n}"
+                for n in names
+                if n.split(".")[0] == "seamline_bench"
+            ]
     assert not importers
 
 
@@ -77,7 +87,9 @@ def test_only_entry_points_import_the_server_and_parallel_holds_collectives() ->
 
 def test_node_and_coordinator_share_only_the_protocol_package() -> None:
     graph = _imports()
-    assert "mesh.protocol" in graph["mesh.node"] and "mesh.protocol" in graph["mesh.control"]  # the walk sees them
+    assert (
+        "mesh.protocol" in graph["mesh.node"] and "mesh.protocol" in graph["mesh.control"]
+    )  # the walk sees them
     assert "mesh.control" not in graph["mesh.node"]
     assert not graph["mesh.protocol"] & {"mesh.control", "mesh.node"}
 
@@ -85,12 +97,18 @@ def test_node_and_coordinator_share_only_the_protocol_package() -> None:
 @pytest.mark.parametrize("package", ["mesh.plan", "sim"])
 def test_the_planner_and_simulator_are_arithmetic_without_torch_or_the_model(package: str) -> None:
     graph = _imports()
-    assert "mesh.plan" in graph["sim"] and "ownership" in graph["mesh.plan"]  # the walk sees their imports
+    assert (
+        "mesh.plan" in graph["sim"] and "ownership" in graph["mesh.plan"]
+    )  # the walk sees their imports
     assert "model" not in graph[package]
-    code = (f"import importlib, pkgutil, sys, seamline.{package} as p\n"
-            f"for m in pkgutil.iter_modules(p.__path__): importlib.import_module('seamline.{package}.' + m.name)\n"
-            "print(sorted(k for k in sys.modules if k in ('torch', 'transformers') or k.startswith('seamline.model')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    code = (
+        f"import importlib, pkgutil, sys, seamline.{package} as p\n"
+        f"for m in pkgutil.iter_modules(p.__path__): importlib.import_module('seamline.{package}.' + m.name)\n"
+        "print(sorted(k for k in sys.modules if k in ('torch', 'transformers') or k.startswith('seamline.model')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
     assert out.stdout.strip() == "[]", f"importing seamline.{package} loads {out.stdout.strip()}"
 
 
@@ -106,11 +124,22 @@ def test_only_the_runtime_drives_the_scheduler() -> None:
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module == "seamline.runtime":
                 names += [f"seamline.runtime.{alias.name}" for alias in node.names]
-            importers += [f"{path.relative_to(ROOT)} imports {n}" for n in names if n == "seamline.runtime.scheduler"]
+            importers += [
+                f"{path.relative_to(ROOT)} imports {n}"
+                for n in names
+                if n == "seamline.runtime.scheduler"
+            ]
     assert not importers, importers
 
 
-MESH_STATE = {"nodes", "plan", "plan_id", "state", "ready", "closing"}  # the coordinator's, in ``MeshState``
+MESH_STATE = {
+    "nodes",
+    "plan",
+    "plan_id",
+    "state",
+    "ready",
+    "closing",
+}  # the coordinator's, in ``MeshState``
 COORDINATOR_PARTS = {"Coordinator", "Joining", "Planning", "StartUp"}
 
 
@@ -123,12 +152,22 @@ def test_the_coordinator_state_changes_only_through_its_events() -> None:
         if path.name in ("mesh_state.py", "state_keeper.py"):
             continue
         tree = ast.parse(path.read_text())
-        others = {id(n) for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and c.name not in COORDINATOR_PARTS
-                  for n in ast.walk(c)}  # fmt: skip  (their ``self`` is not the coordinator)
+        others = {
+            id(n)
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef) and c.name not in COORDINATOR_PARTS
+            for n in ast.walk(c)
+        }  # their ``self`` is not the coordinator
         for node in ast.walk(tree):
-            writes += [f"{path.name}:{node.lineno}" for t in _written(node) if isinstance(t, ast.Attribute)
-                       and t.attr in MESH_STATE and isinstance(t.value, ast.Name)
-                       and t.value.id in ("c", "coordinator", *(("self",) if id(node) not in others else ()))]  # fmt: skip
+            writes += [
+                f"{path.name}:{node.lineno}"
+                for t in _written(node)
+                if isinstance(t, ast.Attribute)
+                and t.attr in MESH_STATE
+                and isinstance(t.value, ast.Name)
+                and t.value.id
+                in ("c", "coordinator", *(("self",) if id(node) not in others else ()))
+            ]
     assert not writes, writes
 
 
@@ -136,9 +175,17 @@ def _written(node: ast.AST) -> list[ast.expr]:
     """What ``node`` assigns (a subscript's container included), or sets or clears."""
     targets = list(node.targets) if isinstance(node, ast.Assign) else []
     targets += [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
-    targets = [t for target in targets for t in (target.elts if isinstance(target, ast.Tuple) else [target])]
+    targets = [
+        t
+        for target in targets
+        for t in (target.elts if isinstance(target, ast.Tuple) else [target])
+    ]
     targets = [t.value if isinstance(t, ast.Subscript) else t for t in targets]
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("set", "clear"):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("set", "clear")
+    ):
         targets.append(node.func.value)
     return targets
 
@@ -151,7 +198,9 @@ def test_no_test_imports_another_test_file() -> None:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
             names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
-            reaching += [f"{path.name} imports {n}" for n in names if n.split(".")[-1].startswith("test_")]
+            reaching += [
+                f"{path.name} imports {n}" for n in names if n.split(".")[-1].startswith("test_")
+            ]
     assert (tests / "support").is_dir() and not reaching, reaching
 
 
@@ -160,7 +209,9 @@ TIERS = ("unit", "model", "api", "mesh")  # the README says what each holds and 
 
 def test_every_test_lives_in_a_tier_and_shared_code_in_support() -> None:
     tests = Path(__file__).parents[1]
-    loose = sorted(p.name for p in tests.glob("*.py") if p.name not in ("__init__.py", "conftest.py"))
+    loose = sorted(
+        p.name for p in tests.glob("*.py") if p.name not in ("__init__.py", "conftest.py")
+    )
     tiers = {p.parent.name for p in tests.rglob("test_*.py")}
     assert not loose, f"{loose} belong in a tier or in tests/support"
     assert tiers == set(TIERS), tiers
@@ -175,16 +226,30 @@ def _readme_table() -> dict[str, set[str] | None]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         allowed = cells[1].split("(")[0].strip()
         for package in (p.strip().strip("`") for p in cells[0].split(",")):
-            table[package] = None if allowed == "anything" else (
-                set() if allowed == "nothing of seamline" else {a.strip() for a in allowed.split(",")})
+            table[package] = (
+                None
+                if allowed == "anything"
+                else (
+                    set()
+                    if allowed == "nothing of seamline"
+                    else {a.strip() for a in allowed.split(",")}
+                )
+            )
     return table
 
 
 def test_the_readme_says_what_each_package_may_import() -> None:
     graph, table = _imports(), _readme_table()
-    packages = {_package(".".join(("seamline", *p.relative_to(ROOT).with_suffix("").parts)))
-                for p in ROOT.rglob("*.py") if p.name != "__init__.py"}  # fmt: skip
-    assert packages == set(table), f"the README's table lacks {packages - set(table)}, has gone {set(table) - packages}"
+    packages = {
+        _package(".".join(("seamline", *p.relative_to(ROOT).with_suffix("").parts)))
+        for p in ROOT.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    assert packages == set(table), (
+        f"the README's table lacks {packages - set(table)}, has gone {set(table) - packages}"
+    )
     for package, allowed in table.items():
         if allowed is not None:
-            assert graph[package] <= allowed, f"{package} imports {sorted(graph[package] - allowed)} beyond the README"
+            assert graph[package] <= allowed, (
+                f"{package} imports {sorted(graph[package] - allowed)} beyond the README"
+            )

@@ -17,7 +17,9 @@ def test_the_coordinator_plans_a_pair_as_its_nodes_measured_it() -> None:
     reaches = [Reach("a", True, near), Reach("b", True, near), Reach("c", False, near)]
     table = link_table(reaches, {("b", "a"): LinkCost(0.2, 1e6)})
     assert table.between("a", "b") == LinkCost(0.2, 1e6)
-    assert table.between("a", "c") == LinkCost(0.0002, 1e9)  # relayed, not measured: through the coordinator
+    assert table.between("a", "c") == LinkCost(
+        0.0002, 1e9
+    )  # relayed, not measured: through the coordinator
     model = spec(20)
     nodes = [node("a", 12 * 100 * MIB), node("b", 12 * 100 * MIB), node("c", 12 * 100 * MIB)]
     assert set(plan(model, nodes, table, EXACT).node_ids()) != {"a", "b"}

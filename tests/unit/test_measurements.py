@@ -82,7 +82,9 @@ def test_a_forged_peer_report_is_refused_and_plans_are_still_made() -> None:
 
     peers = PeerLinks()
     peers.ask("a", "b")
-    assert peers.report("a", PeerLink(peer_node="b", latency_s=-0.057e-3, bandwidth_bytes_per_s=262e9))
+    assert peers.report(
+        "a", PeerLink(peer_node="b", latency_s=-0.057e-3, bandwidth_bytes_per_s=262e9)
+    )
     assert peers.wait("a", "b", relayed=False, timeout_s=1.0) is None
     assert peers.measured() == {}
     access = LinkCost(2e-4, 1e8)

@@ -37,7 +37,9 @@ TIMEOUT_S = 1.5  # the heartbeat timeout: a beat every 0.5 s
 def _coordinator() -> Coordinator:
     where = Invite(("127.0.0.1",), 1, 2, "secret", time.time() + 600)
     spec = ModelSpec("m", 2, 8, (1, 1), 1, 1, 1, 8)
-    return Coordinator(InviteBook(where), spec, "hash", CoordinatorOptions(heartbeat_timeout_s=TIMEOUT_S))
+    return Coordinator(
+        InviteBook(where), spec, "hash", CoordinatorOptions(heartbeat_timeout_s=TIMEOUT_S)
+    )
 
 
 def _member(coordinator: Coordinator, node_id: str, buffer: int = 0) -> socket.socket:
@@ -52,8 +54,14 @@ def _member(coordinator: Coordinator, node_id: str, buffer: int = 0) -> socket.s
     server.close()
     if buffer:
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffer)
-    join = Join(node_id=node_id, proof="", protocol_version=PROTOCOL_VERSION, data_host="127.0.0.1", data_port=1,
-                resources=Resources(free_memory_bytes=1 << 30, bytes_per_second=1e9))  # fmt: skip
+    join = Join(
+        node_id=node_id,
+        proof="",
+        protocol_version=PROTOCOL_VERSION,
+        data_host="127.0.0.1",
+        data_port=1,
+        resources=Resources(free_memory_bytes=1 << 30, bytes_per_second=1e9),
+    )
     handle = NodeHandle(join, Link(tune(ours), name=f"node {node_id}"))
     coordinator.apply(NodeAdmitted(handle))
     threading.Thread(target=coordinator.read_node, args=(handle,), daemon=True).start()
@@ -61,7 +69,7 @@ def _member(coordinator: Coordinator, node_id: str, buffer: int = 0) -> socket.s
 
 
 def test_a_member_that_stops_reading_is_lost_and_the_others_keep_their_beats() -> None:
-    """"stuck" sends a heartbeat every 0.3 s but reads nothing, while a coordinator thread sends
+    """ "stuck" sends a heartbeat every 0.3 s but reads nothing, while a coordinator thread sends
     it large messages until one blocks; "honest" answers every beat (a ping with a fresh nonce).
     "stuck" answers none and is taken for lost about the heartbeat timeout after its first
     beat, which frees the blocked sender; "honest" gets a beat every 0.5 s throughout and stays."""
@@ -73,7 +81,9 @@ def test_a_member_that_stops_reading_is_lost_and_the_others_keep_their_beats() -
     def answer() -> None:
         try:
             while True:
-                if isinstance(beat := honest.recv(), Ping):  # a heartbeat is a ping with a fresh nonce
+                if isinstance(
+                    beat := honest.recv(), Ping
+                ):  # a heartbeat is a ping with a fresh nonce
                     beats.append(time.monotonic())
                     honest.send_message(Pong(nonce=beat.nonce))
         except LinkClosed:
@@ -93,14 +103,18 @@ def test_a_member_that_stops_reading_is_lost_and_the_others_keep_their_beats() -
     def flood() -> None:
         try:
             for nonce in range(1000):
-                coordinator.nodes["stuck"].link.send_message(Ping(nonce=nonce, pad="x" * (256 << 10)))
+                coordinator.nodes["stuck"].link.send_message(
+                    Ping(nonce=nonce, pad="x" * (256 << 10))
+                )
         except LinkClosed:
             freed.append(time.monotonic())
 
     for target in (answer, talk_without_reading):
         threading.Thread(target=target, daemon=True).start()
     began = time.monotonic()
-    threading.Thread(target=flood, daemon=True).start()  # blocks once the stuck member's buffers fill
+    threading.Thread(
+        target=flood, daemon=True
+    ).start()  # blocks once the stuck member's buffers fill
     heartbeats.watch(coordinator, TIMEOUT_S)
     while "stuck" in coordinator.nodes and time.monotonic() - began < 20:
         time.sleep(0.05)
@@ -109,22 +123,38 @@ def test_a_member_that_stops_reading_is_lost_and_the_others_keep_their_beats() -
     assert lost_after < TIMEOUT_S + 2.0, lost_after
     assert freed and freed[0] - began < TIMEOUT_S + 2.0, freed
     assert "honest" in coordinator.nodes
-    heard = [t for t in beats if t > began - 1.0] + [time.monotonic()]  # the silence since the last beat counts too
+    heard = [t for t in beats if t > began - 1.0] + [
+        time.monotonic()
+    ]  # the silence since the last beat counts too
     gaps = [b - a for a, b in zip(heard, heard[1:])]
     assert len(gaps) >= 5 and max(gaps) < 1.2, gaps
     honest.close()
     stuck.close()
 
 
-def test_a_node_skips_an_assignment_a_newer_one_replaced(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_node_skips_an_assignment_a_newer_one_replaced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Two assignments queue up while the node is busy (neither fits its memory, so each that is
     taken fails at once): only the newer is taken; the older is skipped with one line."""
     invite = Invite(("127.0.0.1",), 1, 2, "secret", time.time() + 600)
-    node = Node(invite, NodeOptions(max_memory_bytes=1 << 20, node_id="n", cache_dir=tmp_path, progress=False))
+    node = Node(
+        invite,
+        NodeOptions(max_memory_bytes=1 << 20, node_id="n", cache_dir=tmp_path, progress=False),
+    )
 
     def assign(plan_id: int) -> Assign:
-        return Assign(plan_id=plan_id, model_hash="h", fragments_url="", layers=(0, 1), owns_embedding=True,
-                      owns_head=True, dtype="float32", context_length=64, memory_bytes=1 << 40)  # fmt: skip
+        return Assign(
+            plan_id=plan_id,
+            model_hash="h",
+            fragments_url="",
+            layers=(0, 1),
+            owns_embedding=True,
+            owns_head=True,
+            dtype="float32",
+            context_length=64,
+            memory_bytes=1 << 40,
+        )
 
     node._inbox.put(assign(1))
     node._inbox.put(assign(2))
@@ -138,4 +168,6 @@ def test_a_node_skips_an_assignment_a_newer_one_replaced(tmp_path: Path, caplog:
     assert node.assignment is not None and node.assignment.plan_id == 2
     failures = [r for r in caplog.records if "failed to handle Assign" in r.getMessage()]
     assert len(failures) == 1, caplog.text
-    assert any("skipped the assignment of plan 1" in r.getMessage() for r in caplog.records), caplog.text
+    assert any("skipped the assignment of plan 1" in r.getMessage() for r in caplog.records), (
+        caplog.text
+    )

@@ -24,7 +24,7 @@ from seamline.mesh.control.mesh_state import (
     StartupFailed,
     StartupStep,
     apply,
-)  # fmt: skip
+)
 from seamline.mesh.control.state_keeper import StateKeeper
 from seamline.mesh.plan.types import Plan, StageAssignment
 
@@ -47,14 +47,23 @@ def test_apply_is_pure_and_members_come_and_go() -> None:
     one = apply(empty, NodeAdmitted(_handle("a")))  # type: ignore[arg-type]
     two = apply(one, NodeAdmitted(_handle("b")))  # type: ignore[arg-type]
     assert dict(empty.nodes) == {} and list(one.nodes) == ["a"] and list(two.nodes) == ["a", "b"]
-    assert list(apply(two, NodeLost("a", "its link closed")).nodes) == ["b"] and list(two.nodes) == ["a", "b"]
+    assert list(apply(two, NodeLost("a", "its link closed")).nodes) == ["b"] and list(
+        two.nodes
+    ) == ["a", "b"]
 
 
 def test_a_plan_serves_only_once_its_own_route_is_published() -> None:
     started = _run([PlanChosen(PLAN), StartupStep(1, "linking a")])
     assert (started.plan_id, started.ready, started.phase) == (1, False, "linking a")
-    stale = _run([PlanChosen(PLAN), StartupStep(2, "loading"), RoutePublished(1), StartupStep(1, "late")], started)
-    assert (stale.plan_id, stale.ready, stale.phase) == (2, False, "loading")  # plan 1's events change nothing now
+    stale = _run(
+        [PlanChosen(PLAN), StartupStep(2, "loading"), RoutePublished(1), StartupStep(1, "late")],
+        started,
+    )
+    assert (stale.plan_id, stale.ready, stale.phase) == (
+        2,
+        False,
+        "loading",
+    )  # plan 1's events change nothing now
     serving = apply(stale, RoutePublished(2))
     assert (serving.ready, serving.phase, serving.plan) == (True, "ready", PLAN)
 
@@ -63,7 +72,9 @@ def test_failed_start_ups_back_off_and_a_published_route_resets_the_count() -> N
     state = MeshState()
     pauses = []
     for _ in range(7):
-        state = apply(apply(state, PlanChosen(PLAN)), StartupFailed(state.plan_id + 1, "node a left"))
+        state = apply(
+            apply(state, PlanChosen(PLAN)), StartupFailed(state.plan_id + 1, "node a left")
+        )
         pauses.append(state.retry_pause_s())
     assert pauses == [1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0] and state.plan is None
     assert state.phase == "start-up failed: node a left; planning again in 30 s"
@@ -76,17 +87,28 @@ def test_a_replan_that_finds_no_plan_says_why_it_began() -> None:
     replanning = apply(serving, Replanning("node a left the mesh"))
     assert (replanning.ready, replanning.phase) == (False, "node a left the mesh; re-planning")
     stuck = apply(replanning, NoPlan("cannot plan: too little memory"))
-    assert stuck.plan is None and stuck.phase == "node a left the mesh; cannot plan: too little memory"
-    assert apply(stuck, NoMembers()).phase == "waiting for nodes"  # a later one: the cause was said once
+    assert (
+        stuck.plan is None and stuck.phase == "node a left the mesh; cannot plan: too little memory"
+    )
+    assert (
+        apply(stuck, NoMembers()).phase == "waiting for nodes"
+    )  # a later one: the cause was said once
 
 
 def test_the_keeper_applies_every_event_on_its_own_thread_in_one_order() -> None:
     keeper = StateKeeper()
     heard: list[tuple[str, str, int]] = []
     feed = EventFeed()
-    keeper.listen(lambda event, state: heard.append((threading.current_thread().name, event.kind, len(state.nodes))))
+    keeper.listen(
+        lambda event, state: heard.append(
+            (threading.current_thread().name, event.kind, len(state.nodes))
+        )
+    )
     keeper.listen(feed)
-    threads = [threading.Thread(target=keeper.apply, args=(NodeAdmitted(_handle(f"n{i}")),)) for i in range(8)]  # type: ignore[arg-type]
+    threads = [
+        threading.Thread(target=keeper.apply, args=(NodeAdmitted(_handle(f"n{i}")),))
+        for i in range(8)
+    ]  # type: ignore[arg-type]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -97,8 +119,14 @@ def test_the_keeper_applies_every_event_on_its_own_thread_in_one_order() -> None
     assert not keeper.ready.is_set()
     state = keeper.apply(RoutePublished(1))
     assert state.ready and keeper.ready.is_set() and keeper.current is state
-    assert [e["kind"] for e in feed.recent()] == ["plan_chosen", "route_published"]  # admissions are DEBUG
-    assert feed.recent()[-1]["message"] == "route published: a[0,4)" and feed.recent()[-1]["level"] == "info"
+    assert [e["kind"] for e in feed.recent()] == [
+        "plan_chosen",
+        "route_published",
+    ]  # admissions are DEBUG
+    assert (
+        feed.recent()[-1]["message"] == "route published: a[0,4)"
+        and feed.recent()[-1]["level"] == "info"
+    )
 
 
 def test_nodes_that_leave_a_mesh_shutting_down_are_news_not_warnings() -> None:
@@ -142,7 +170,9 @@ def test_a_lost_node_still_in_the_serving_plan_reads_not_ready_not_a_key_error()
     serving = _run([NodeAdmitted(_handle("a")), PlanChosen(PLAN), RoutePublished(1)])  # type: ignore[arg-type]
     ready = threading.Event()
     ready.set()
-    coordinator = SimpleNamespace(lock=threading.Lock(), ready=ready, keeper=SimpleNamespace(current=serving))
+    coordinator = SimpleNamespace(
+        lock=threading.Lock(), ready=ready, keeper=SimpleNamespace(current=serving)
+    )
     assert [h.node_id for h in Coordinator.pipeline(coordinator)] == ["a"]  # type: ignore[arg-type]
     coordinator.keeper.current = apply(serving, NodeLost("a", "its link closed"))
     with pytest.raises(StartupError, match="node a left"):

@@ -14,9 +14,15 @@ from pathlib import Path
 import pytest
 
 from seamline import cpu_flags
-from seamline.runtime import openmp
 from seamline.cpu_flags import ENV_SWITCH, KERNEL_FLAGS, kernel_cpu, takes_torch_path
-from seamline.runtime.openmp import NODE_SPIN_COUNT, SPIN_VARIABLE, TORCH_PATH_SPIN_COUNT, node_spin, node_spin_count
+from seamline.runtime import openmp
+from seamline.runtime.openmp import (
+    NODE_SPIN_COUNT,
+    SPIN_VARIABLE,
+    TORCH_PATH_SPIN_COUNT,
+    node_spin,
+    node_spin_count,
+)
 
 BASE_FLAGS = ("fpu", "sse", "sse2", "avx")  # no AVX2: the kernels need KERNEL_FLAGS beside
 
@@ -68,9 +74,13 @@ def test_the_torch_path_gets_the_long_spin(tmp_path: Path, monkeypatch: pytest.M
     kernel_info = _cpuinfo(tmp_path, [*BASE_FLAGS, *sorted(KERNEL_FLAGS)])
     older = tmp_path / "older"
     older.mkdir()
-    assert node_spin_count(_cpuinfo(older, list(BASE_FLAGS[:3]))) == TORCH_PATH_SPIN_COUNT  # the CPU
+    assert (
+        node_spin_count(_cpuinfo(older, list(BASE_FLAGS[:3]))) == TORCH_PATH_SPIN_COUNT
+    )  # the CPU
     monkeypatch.setenv(ENV_SWITCH, "0")
-    assert takes_torch_path(kernel_info) and node_spin_count(kernel_info) == TORCH_PATH_SPIN_COUNT  # the switch
+    assert (
+        takes_torch_path(kernel_info) and node_spin_count(kernel_info) == TORCH_PATH_SPIN_COUNT
+    )  # the switch
     monkeypatch.delenv(ENV_SWITCH)
     monkeypatch.setattr(cpu_flags.platform, "machine", lambda: "aarch64")
     assert node_spin_count(kernel_info) == TORCH_PATH_SPIN_COUNT  # the machine

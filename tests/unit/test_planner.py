@@ -39,7 +39,9 @@ def need(model: ModelSpec, options: PlanOptions, s: int, e: int) -> int:
     weights += model.head_bytes if e == L else 0
     if s == 0 and e == L and model.tied_embeddings:
         weights -= model.embed_bytes
-    return weights + model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch * (e - s)
+    return weights + model.kv_bytes_per_token_per_layer * options.context_tokens * options.batch * (
+        e - s
+    )
 
 
 def assert_valid(p: Plan, model: ModelSpec, nodes: list[NodeInfo], options: PlanOptions) -> None:
@@ -50,7 +52,9 @@ def assert_valid(p: Plan, model: ModelSpec, nodes: list[NodeInfo], options: Plan
     assert all(s.start < s.end for s in p.stages)
     assert len(set(p.node_ids())) == len(p.stages)
     assert p.stages[0].owns_embedding and p.stages[-1].owns_head
-    assert not any(s.owns_embedding for s in p.stages[1:]) and not any(s.owns_head for s in p.stages[:-1])
+    assert not any(s.owns_embedding for s in p.stages[1:]) and not any(
+        s.owns_head for s in p.stages[:-1]
+    )
     for s in p.stages:
         assert s.predicted_bytes == need(model, options, s.start, s.end)
         assert s.predicted_bytes <= options.capacity(by_id[s.node_id].free_memory_bytes)
@@ -96,8 +100,11 @@ def test_heterogeneous_memory_small_node_gets_few_layers() -> None:
 
 def test_fast_node_with_little_memory_is_filled() -> None:
     model = spec(20)
-    nodes = [node("fast", 5 * 100 * MIB, 1e11), node("slow1", 30 * 100 * MIB, 1e10),
-             node("slow2", 30 * 100 * MIB, 1e10)]  # fmt: skip
+    nodes = [
+        node("fast", 5 * 100 * MIB, 1e11),
+        node("slow1", 30 * 100 * MIB, 1e10),
+        node("slow2", 30 * 100 * MIB, 1e10),
+    ]
     p = plan(model, nodes, None, EXACT)
     sizes = {s.node_id: s.end - s.start for s in p.stages}
     assert sizes["fast"] == 5 and len(p.stages) == 2
@@ -106,13 +113,19 @@ def test_fast_node_with_little_memory_is_filled() -> None:
 
 def test_slow_link_is_avoided_while_others_suffice() -> None:
     model = spec(20)
-    nodes = [node("a", 12 * 100 * MIB), node("b", 12 * 100 * MIB), node("far", 12 * 100 * MIB, 1.2e10)]
+    nodes = [
+        node("a", 12 * 100 * MIB),
+        node("b", 12 * 100 * MIB),
+        node("far", 12 * 100 * MIB, 1.2e10),
+    ]
     slow = LinkTable(access={"far": LinkCost(0.5, 1e6)})  # half a second away
     p = plan(model, nodes, slow, EXACT)
     assert set(p.node_ids()) == {"a", "b"}
     p = plan(model, nodes[:1] + nodes[2:], slow, EXACT)  # without b, far is needed
     assert set(p.node_ids()) == {"a", "far"}
-    assert p.network_s_per_token == pytest.approx(0.5 + 4096 / 1e6 + 0.5 + 8 / 1e6)  # frame, token id
+    assert p.network_s_per_token == pytest.approx(
+        0.5 + 4096 / 1e6 + 0.5 + 8 / 1e6
+    )  # frame, token id
     pairs = {("a", "b"): LinkCost(0.5, 1e6)}  # a dict of pairs works as the links argument
     p = plan(model, nodes, pairs, EXACT)
     assert "far" in p.node_ids()
@@ -149,23 +162,48 @@ Case = tuple[ModelSpec, list[NodeInfo], LinkTable, PlanOptions]
 def random_case(rng: random.Random, n: int, layers: int, objective: str = "latency") -> Case:
     layer_bytes = tuple(rng.choice((60, 100, 100, 150)) * MIB for _ in range(layers))
     embed, head = rng.choice((0, 50, 200)) * MIB, rng.choice((10, 80, 200)) * MIB
-    model = ModelSpec("r", layers, 1024, layer_bytes, embed, head, rng.choice((0, 256)), 4096, rng.random() < 0.3,
-                      head_load_bytes=rng.choice((None, head // 5)))  # fmt: skip
+    model = ModelSpec(
+        "r",
+        layers,
+        1024,
+        layer_bytes,
+        embed,
+        head,
+        rng.choice((0, 256)),
+        4096,
+        rng.random() < 0.3,
+        head_load_bytes=rng.choice((None, head // 5)),
+    )
     total = sum(layer_bytes)
-    nodes = [node(f"n{i:03d}", int(total * rng.uniform(0.3, 2.5) / max(1, n // 3)), rng.uniform(1e9, 1e11))
-             for i in range(n)]  # fmt: skip
+    nodes = [
+        node(
+            f"n{i:03d}", int(total * rng.uniform(0.3, 2.5) / max(1, n // 3)), rng.uniform(1e9, 1e11)
+        )
+        for i in range(n)
+    ]
     kind = rng.randrange(3)
     if kind == 0:
         links = LinkTable(default=LinkCost(rng.choice((1e-4, 1e-3, 2e-2)), 1.25e8))
     elif kind == 1:
-        access = {x.node_id: LinkCost(rng.uniform(1e-4, 5e-2), rng.uniform(1e6, 1e9)) for x in nodes}
+        access = {
+            x.node_id: LinkCost(rng.uniform(1e-4, 5e-2), rng.uniform(1e6, 1e9)) for x in nodes
+        }
         links = LinkTable(access=access)
     else:
         few = rng.sample(nodes, min(n, 6))
-        links = LinkTable(pairs={(a.node_id, b.node_id): LinkCost(rng.uniform(1e-4, 0.1), 1e7)
-                                 for a, b in itertools.combinations(few, 2)})  # fmt: skip
-    options = PlanOptions(context_tokens=rng.choice((128, 4096)), batch=rng.choice((1, 4)),
-                          headroom_fraction=0.05, headroom_bytes=8 * MIB, objective=objective)  # fmt: skip
+        links = LinkTable(
+            pairs={
+                (a.node_id, b.node_id): LinkCost(rng.uniform(1e-4, 0.1), 1e7)
+                for a, b in itertools.combinations(few, 2)
+            }
+        )
+    options = PlanOptions(
+        context_tokens=rng.choice((128, 4096)),
+        batch=rng.choice((1, 4)),
+        headroom_fraction=0.05,
+        headroom_bytes=8 * MIB,
+        objective=objective,
+    )
     return model, nodes, links, options
 
 
@@ -181,7 +219,9 @@ def test_random_pools_give_valid_plans_from_1_to_500_nodes() -> None:
                 assert "cannot hold" in str(exc)
                 continue
             assert_valid(p, model, nodes, options)
-            again = price_route(model, nodes, links, options, [(s.node_id, s.start, s.end) for s in p.stages])
+            again = price_route(
+                model, nodes, links, options, [(s.node_id, s.start, s.end) for s in p.stages]
+            )
             assert again == p  # the reported costs are the route's own, recomputed from scratch
             planned += 1
     assert planned >= 50
@@ -192,23 +232,36 @@ def test_a_hidden_feasible_plan_is_always_found() -> None:
     rng = random.Random(7)
     for _ in range(150):
         layers = rng.randint(2, 90)
-        model = spec(layers, embed=rng.choice((0, 300)) * MIB, head=rng.choice((0, 300)) * MIB, kv=512)
+        model = spec(
+            layers, embed=rng.choice((0, 300)) * MIB, head=rng.choice((0, 300)) * MIB, kv=512
+        )
         k = rng.randint(1, min(layers, 12))
         cuts = [0, *sorted(rng.sample(range(1, layers), k - 1)), layers]
-        hidden = [node(f"h{i}", need(model, EXACT, cuts[i], cuts[i + 1]), rng.uniform(1e9, 1e11))
-                  for i in range(k)]  # fmt: skip
-        noise = [node(f"x{i}", rng.randint(1, 250) * MIB, rng.uniform(1e9, 1e11))
-                 for i in range(rng.randint(0, 60))]  # fmt: skip
+        hidden = [
+            node(f"h{i}", need(model, EXACT, cuts[i], cuts[i + 1]), rng.uniform(1e9, 1e11))
+            for i in range(k)
+        ]
+        noise = [
+            node(f"x{i}", rng.randint(1, 250) * MIB, rng.uniform(1e9, 1e11))
+            for i in range(rng.randint(0, 60))
+        ]
         nodes = hidden + noise
         rng.shuffle(nodes)
         assert_valid(plan(model, nodes, None, EXACT), model, nodes, EXACT)
 
 
-def brute_force(model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, options: PlanOptions) -> float:
-    return min((p.predicted_s_per_token for p in every_plan(model, nodes, links, options)), default=math.inf)
+def brute_force(
+    model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, options: PlanOptions
+) -> float:
+    return min(
+        (p.predicted_s_per_token for p in every_plan(model, nodes, links, options)),
+        default=math.inf,
+    )
 
 
-def every_plan(model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, options: PlanOptions) -> list[Plan]:
+def every_plan(
+    model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, options: PlanOptions
+) -> list[Plan]:
     """Every route whose stages fit, priced."""
     plans = []
     L = model.num_layers
@@ -217,8 +270,10 @@ def every_plan(model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, option
             for inner in itertools.combinations(range(1, L), k - 1):
                 cuts = (0, *inner, L)
                 route = [(x.node_id, cuts[i], cuts[i + 1]) for i, x in enumerate(chosen)]
-                if all(need(model, options, s, e) <= options.capacity(x.free_memory_bytes)
-                       for x, (_, s, e) in zip(chosen, route)):  # fmt: skip
+                if all(
+                    need(model, options, s, e) <= options.capacity(x.free_memory_bytes)
+                    for x, (_, s, e) in zip(chosen, route)
+                ):
                     plans.append(price_route(model, nodes, links, options, route))
     return plans
 
@@ -233,7 +288,9 @@ def test_small_pools_match_exhaustive_search() -> None:
             with pytest.raises(PlanError):
                 plan(model, nodes, links, options)
             continue
-        assert plan(model, nodes, links, options).predicted_s_per_token == pytest.approx(best, rel=1e-5)
+        assert plan(model, nodes, links, options).predicted_s_per_token == pytest.approx(
+            best, rel=1e-5
+        )
 
 
 def test_throughput_objective_matches_exhaustive_search() -> None:
@@ -241,14 +298,18 @@ def test_throughput_objective_matches_exhaustive_search() -> None:
     rng = random.Random(12)
     compared = 0
     for _ in range(40):
-        model, nodes, links, options = random_case(rng, rng.randint(1, 4), rng.randint(1, 4), "throughput")
+        model, nodes, links, options = random_case(
+            rng, rng.randint(1, 4), rng.randint(1, 4), "throughput"
+        )
         plans = every_plan(model, nodes, links, options)
         if not plans:
             with pytest.raises(PlanError):
                 plan(model, nodes, links, options)
             continue
         slowest = min(p.slowest_stage_s() for p in plans)
-        fastest = min(p.predicted_s_per_token for p in plans if p.slowest_stage_s() <= slowest * (1 + 1e-9))
+        fastest = min(
+            p.predicted_s_per_token for p in plans if p.slowest_stage_s() <= slowest * (1 + 1e-9)
+        )
         chosen = plan(model, nodes, links, options)
         assert chosen.objective == "throughput"
         assert chosen.slowest_stage_s() == pytest.approx(slowest, rel=1e-6)
@@ -306,7 +367,12 @@ def test_check_plan_refuses_a_stale_lock() -> None:
     with pytest.raises(PlanError, match="no longer fits"):
         check_plan(p, model, [node("a", 2 * 100 * MIB), nodes[1]], EXACT)
     with pytest.raises(PlanError, match="no longer fits"):  # a longer context needs more KV cache
-        check_plan(p, model, nodes, PlanOptions(context_tokens=10**6, headroom_fraction=0, headroom_bytes=0))
+        check_plan(
+            p,
+            model,
+            nodes,
+            PlanOptions(context_tokens=10**6, headroom_fraction=0, headroom_bytes=0),
+        )
     with pytest.raises(PlanError, match="locked plan is for model"):
         check_plan(p, spec(21, kv=1024), nodes, EXACT)
     gap = Plan.from_json(p.to_json().replace(f'"start": {p.stages[1].start}', '"start": 1'))
@@ -316,12 +382,24 @@ def test_check_plan_refuses_a_stale_lock() -> None:
 
 def big_pool(links_kind: str) -> tuple[ModelSpec, list[NodeInfo], LinkTable | None]:
     rng = random.Random(500)
-    model = ModelSpec("deep", 128, 7168, (1400 * MIB,) * 128, 1800 * MIB, 1800 * MIB, 1152, 7168 * 4)
-    nodes = [node(f"n{i:03d}", rng.randint(4, 96) * GIB, rng.uniform(2e10, 3e11)) for i in range(500)]
+    model = ModelSpec(
+        "deep", 128, 7168, (1400 * MIB,) * 128, 1800 * MIB, 1800 * MIB, 1152, 7168 * 4
+    )
+    nodes = [
+        node(f"n{i:03d}", rng.randint(4, 96) * GIB, rng.uniform(2e10, 3e11)) for i in range(500)
+    ]
     if links_kind == "uniform":
         return model, nodes, None
-    return model, nodes, LinkTable(access={x.node_id: LinkCost(rng.uniform(1e-4, 5e-3), rng.uniform(1e8, 1.25e9))
-                                           for x in nodes})  # fmt: skip
+    return (
+        model,
+        nodes,
+        LinkTable(
+            access={
+                x.node_id: LinkCost(rng.uniform(1e-4, 5e-3), rng.uniform(1e8, 1.25e9))
+                for x in nodes
+            }
+        ),
+    )
 
 
 @pytest.mark.parametrize("links_kind", ["uniform", "per-node"])
@@ -336,7 +414,9 @@ def test_500_nodes_128_layers_in_under_a_second(links_kind: str) -> None:
         start = time.thread_time()
         p = plan(model, nodes, links, options)
         elapsed.append(time.thread_time() - start)
-    assert min(elapsed) < 1.0, f"planning 500 nodes took {min(elapsed):.3f} s of CPU at best ({elapsed})"
+    assert min(elapsed) < 1.0, (
+        f"planning 500 nodes took {min(elapsed):.3f} s of CPU at best ({elapsed})"
+    )
     assert_valid(p, model, nodes, options)
 
 
@@ -368,7 +448,9 @@ def _embedded_spec() -> ModelSpec:
     source = open_source(default_model_path())
     config = ModelConfig.from_hf_dict(source.config_dict())
     shapes = {n: tuple(source.shape(n)) for n in source.names()}
-    return ModelSpec.from_checkpoint_shapes(config, "smollm2", shapes, 2, {n: source.stored_type(n) for n in shapes})
+    return ModelSpec.from_checkpoint_shapes(
+        config, "smollm2", shapes, 2, {n: source.stored_type(n) for n in shapes}
+    )
 
 
 def test_under_load_the_head_counts_its_parameters_for_the_rows_that_reach_it() -> None:
@@ -383,11 +465,18 @@ def test_under_load_the_head_counts_its_parameters_for_the_rows_that_reach_it() 
     config = ModelConfig.from_hf_dict(source.config_dict())
     shapes = {n: tuple(source.shape(n)) for n in source.names()}
     model = _embedded_spec()
-    layer_params = sum(math.prod(shape) for n, shape in shapes.items() if n.startswith("model.layers.0."))
-    head_params = config.vocab_size * config.hidden_size + config.hidden_size  # the tied head and the final norm
+    layer_params = sum(
+        math.prod(shape) for n, shape in shapes.items() if n.startswith("model.layers.0.")
+    )
+    head_params = (
+        config.vocab_size * config.hidden_size + config.hidden_size
+    )  # the tied head and the final norm
     expected = head_params * model.layer_bytes[0] / layer_params * HEAD_ROW_SHARE
     assert model.head_load() == pytest.approx(expected, rel=1e-3)
-    assert model.head_bytes > 12 * model.layer_bytes[0] and 3.5 < model.head_load() / model.layer_bytes[0] < 4.5
+    assert (
+        model.head_bytes > 12 * model.layer_bytes[0]
+        and 3.5 < model.head_load() / model.layer_bytes[0] < 4.5
+    )
     nodes = [node("a", 1 << 32, 5e9), node("b", 1 << 32, 5e9)]
     p = plan(model, nodes, None, PlanOptions(context_tokens=2048))
     assert [s.end - s.start for s in p.stages] == [17, 13]
@@ -397,11 +486,27 @@ def test_under_load_the_head_counts_its_parameters_for_the_rows_that_reach_it() 
 
 
 def test_model_spec_counts_mla_kv_and_active_experts() -> None:
-    config = ModelConfig.from_hf_dict(dict(
-        model_type="deepseek_v3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
-        qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-        n_shared_experts=1, first_k_dense_replace=1))  # fmt: skip
+    config = ModelConfig.from_hf_dict(
+        dict(
+            model_type="deepseek_v3",
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+        )
+    )
     names = {n for p in stage_plans(config, Ownership.full(config)) for n in p.sources()}
     shapes = {n: (4, 8) for n in names}
     model = ModelSpec.from_checkpoint_shapes(config, "tiny-v3", shapes, 2)
@@ -413,9 +518,19 @@ def test_model_spec_counts_mla_kv_and_active_experts() -> None:
         ModelSpec.from_checkpoint_shapes(config, "tiny-v3", shapes, 2)
 
 
-def test_plan_command_writes_then_checks_a_lock(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    pool = [{"node_id": x, "free_memory_gb": 0.36, "bytes_per_second": 2e10, "latency_ms": 0.25,
-             "bandwidth_mbps": 1000} for x in "ab"]  # fmt: skip
+def test_plan_command_writes_then_checks_a_lock(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pool = [
+        {
+            "node_id": x,
+            "free_memory_gb": 0.36,
+            "bytes_per_second": 2e10,
+            "latency_ms": 0.25,
+            "bandwidth_mbps": 1000,
+        }
+        for x in "ab"
+    ]
     nodes_file, lock = tmp_path / "nodes.json", tmp_path / "plan.lock.json"
     nodes_file.write_text(json.dumps(pool))
     assert run_plan_command(str(nodes_file), None, str(lock), 2048, 1) == 0
@@ -435,10 +550,12 @@ def test_plan_command_writes_then_checks_a_lock(tmp_path: Path, capsys: pytest.C
 
 
 def test_nodes_file_is_checked_strictly() -> None:
-    nodes, links = parse_pool({
-        "nodes": [{"node_id": "a", "free_memory_bytes": 10, "bytes_per_second": 1.0}],
-        "links": [{"a": "a", "b": "z", "latency_ms": 2, "bandwidth_mbps": 8}],
-    })
+    nodes, links = parse_pool(
+        {
+            "nodes": [{"node_id": "a", "free_memory_bytes": 10, "bytes_per_second": 1.0}],
+            "links": [{"a": "a", "b": "z", "latency_ms": 2, "bandwidth_mbps": 8}],
+        }
+    )
     assert nodes[0].free_memory_bytes == 10 and links.between("z", "a") == LinkCost(0.002, 1e6)
     with pytest.raises(PlanError, match="unknown field 'ram'"):
         parse_pool([{"node_id": "a", "ram": 1, "bytes_per_second": 1.0}])
@@ -460,14 +577,18 @@ def test_a_quantized_model_plans_at_its_quantized_size() -> None:
     source = GGUFSource(default_model_path())
     quantized, config = model_spec(str(default_model_path()), 4)
     gguf_bytes = sum(info.nbytes for info in source.file.tensors.values())
-    assert quantized.weight_bytes() <= gguf_bytes  # blocks as stored (norms at 4 bytes, as in the file)
+    assert (
+        quantized.weight_bytes() <= gguf_bytes
+    )  # blocks as stored (norms at 4 bytes, as in the file)
     assert quantized.weight_bytes() >= 0.98 * gguf_bytes
     shapes = {n: source.shape(n) for n in source.names()}
     as_float32 = ModelSpec.from_checkpoint_shapes(config, "f32", shapes, 4)
     assert as_float32.weight_bytes() > 5 * quantized.weight_bytes()
     options = PlanOptions(context_tokens=256, headroom_fraction=0.0, headroom_bytes=0)
     free = as_float32.weight_bytes() // 4
-    assert plan(quantized, [node("a", free)], LinkTable(), options).stages[0].end == config.num_layers
+    assert (
+        plan(quantized, [node("a", free)], LinkTable(), options).stages[0].end == config.num_layers
+    )
     with pytest.raises(PlanError):
         plan(as_float32, [node("a", free)], LinkTable(), options)
 
@@ -477,7 +598,11 @@ def test_like_nodes_measured_within_noise_plan_alike() -> None:
     embedded model on two like nodes measured up to 13% apart splits as on two equal nodes."""
     from seamline.mesh.plan.measured import steady_rates
 
-    nodes = [NodeInfo("a", 1 << 30, 20e9), NodeInfo("b", 1 << 30, 22.6e9), NodeInfo("c", 1 << 30, 40e9)]
+    nodes = [
+        NodeInfo("a", 1 << 30, 20e9),
+        NodeInfo("b", 1 << 30, 22.6e9),
+        NodeInfo("c", 1 << 30, 40e9),
+    ]
     steadied = {n.node_id: n.bytes_per_second for n in steady_rates(nodes)}
     assert steadied == {"a": 21.3e9, "b": 21.3e9, "c": 40e9}
     assert [n.bytes_per_second for n in steady_rates(nodes[:1])] == [20e9]

@@ -19,7 +19,16 @@ from seamline.mesh.node import membership
 from seamline.mesh.plan.planner import _model_tables, plan, price_route
 from seamline.mesh.plan.pricing import range_bytes
 from seamline.mesh.plan.split import capacities, split_band, split_stage
-from seamline.mesh.plan.types import DeviceInfo, LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.mesh.plan.types import (
+    DeviceInfo,
+    LinkCost,
+    LinkTable,
+    ModelSpec,
+    NodeInfo,
+    Plan,
+    PlanError,
+    PlanOptions,
+)
 from seamline.net.messages import Assign, Resources
 from tests.support.planner import EXACT, MIB, node, spec
 
@@ -36,14 +45,29 @@ def assert_fits(p: Plan, model: ModelSpec, nodes: list[NodeInfo], options: PlanO
     for s in p.stages:
         cpu, gpu = capacities(by_id[s.node_id], options)
         assert s.gpu_bytes <= gpu and s.predicted_bytes - s.gpu_bytes <= cpu, s
-        assert split_stage(model, options, by_id[s.node_id], s.start, s.end,
-                           range_bytes(model, options, s.start, s.end)).fits  # fmt: skip
-    assert price_route(model, nodes, None, options, [(s.node_id, s.start, s.end) for s in p.stages]).stages == p.stages
+        assert split_stage(
+            model,
+            options,
+            by_id[s.node_id],
+            s.start,
+            s.end,
+            range_bytes(model, options, s.start, s.end),
+        ).fits
+    assert (
+        price_route(
+            model, nodes, None, options, [(s.node_id, s.start, s.end) for s in p.stages]
+        ).stages
+        == p.stages
+    )
 
 
 def test_a_fast_gpu_node_gets_more_layers_than_cpu_nodes() -> None:
     model = spec(24, embed=50 * MIB, head=50 * MIB, kv=256)
-    nodes = [node("c1", 4 * GIB, 1e10), node("c2", 4 * GIB, 1e10), gpu_node("g", GIB, 1e10, 2 * GIB, 1e11)]
+    nodes = [
+        node("c1", 4 * GIB, 1e10),
+        node("c2", 4 * GIB, 1e10),
+        gpu_node("g", GIB, 1e10, 2 * GIB, 1e11),
+    ]
     for objective in ("throughput", "latency"):
         options = replace(EXACT, objective=objective)
         p = plan(model, nodes, None, options)
@@ -52,12 +76,16 @@ def test_a_fast_gpu_node_gets_more_layers_than_cpu_nodes() -> None:
         g = next(s for s in p.stages if s.node_id == "g")
         count = g.end - g.start
         on_gpu = count if g.gpu_layers is None else g.gpu_layers
-        assert g.gpu_device == "cuda:0" and on_gpu >= count - 2  # (a layer or two on its CPU evens the stages)
+        assert (
+            g.gpu_device == "cuda:0" and on_gpu >= count - 2
+        )  # (a layer or two on its CPU evens the stages)
         head = 50 * MIB if g.owns_head and g.gpu_layers is not None else 0  # on the CPU in a split
         on_cpu = (count - on_gpu) * 100 * MIB + head
         gpu_head = 50 * MIB if g.owns_head and g.gpu_layers is None else 0
         assert g.compute_s == pytest.approx((on_gpu * 100 * MIB + gpu_head) / 1e11 + on_cpu / 1e10)
-        assert all(s.gpu_device == "" and s.gpu_layers is None for s in p.stages if s.node_id != "g")
+        assert all(
+            s.gpu_device == "" and s.gpu_layers is None for s in p.stages if s.node_id != "g"
+        )
         assert_fits(p, model, nodes, options)
 
 
@@ -70,7 +98,9 @@ def test_a_node_spans_its_gpu_and_its_cpu_when_its_gpu_is_too_small() -> None:
     fitting = (GIB - 50 * MIB) // per_layer  # with the embedding
     assert s.gpu_device == "cuda:0" and s.gpu_layers == fitting < 30
     assert s.gpu_bytes == 50 * MIB + fitting * per_layer
-    assert s.predicted_bytes - s.gpu_bytes <= EXACT.capacity(spark.free_memory_bytes)  # the rest in system memory
+    assert s.predicted_bytes - s.gpu_bytes <= EXACT.capacity(
+        spark.free_memory_bytes
+    )  # the rest in system memory
     on_cpu = (30 - fitting) * 100 * MIB + 80 * MIB  # and the head, read on the CPU
     assert s.compute_s == pytest.approx(fitting * 100 * MIB / 1e12 + on_cpu / 2e10)
     assert s.device_ranges() == (("cuda:0", 0, fitting), ("cpu", fitting, 30))
@@ -105,37 +135,73 @@ def test_a_pool_without_devices_plans_as_before() -> None:
     rng = random.Random(3)
     for _ in range(30):
         layers = rng.randint(1, 40)
-        model = spec(layers, embed=rng.choice((0, 80)) * MIB, head=rng.choice((0, 120)) * MIB, kv=512)
-        nodes = [node(f"n{i}", rng.randint(2, 30) * 100 * MIB, rng.uniform(1e9, 1e11)) for i in range(rng.randint(1, 9))]
+        model = spec(
+            layers, embed=rng.choice((0, 80)) * MIB, head=rng.choice((0, 120)) * MIB, kv=512
+        )
+        nodes = [
+            node(f"n{i}", rng.randint(2, 30) * 100 * MIB, rng.uniform(1e9, 1e11))
+            for i in range(rng.randint(1, 9))
+        ]
         try:
             p = plan(model, nodes, None, EXACT)
         except PlanError:
             continue
-        assert all(s.gpu_layers is None and s.gpu_device == "" and s.gpu_bytes == 0 for s in p.stages)
+        assert all(
+            s.gpu_layers is None and s.gpu_device == "" and s.gpu_bytes == 0 for s in p.stages
+        )
         assert not p.notes and "devices" not in format_plan(p, nodes)
         # a device list the node does not use changes nothing but the plan's record of where it ran
-        read = [range_bytes(model, EXACT, s.start, s.end)[2] / {n.node_id: n for n in nodes}[s.node_id].bytes_per_second
-                for s in p.stages]  # fmt: skip
+        read = [
+            range_bytes(model, EXACT, s.start, s.end)[2]
+            / {n.node_id: n for n in nodes}[s.node_id].bytes_per_second
+            for s in p.stages
+        ]
         assert [s.compute_s for s in p.stages] == read
 
 
-def random_device_case(rng: random.Random, n: int, layers: int, objective: str) -> tuple[ModelSpec, list[NodeInfo], PlanOptions]:
+def random_device_case(
+    rng: random.Random, n: int, layers: int, objective: str
+) -> tuple[ModelSpec, list[NodeInfo], PlanOptions]:
     layer_bytes = tuple(rng.choice((60, 100, 150)) * MIB for _ in range(layers))
-    model = ModelSpec("r", layers, 1024, layer_bytes, rng.choice((0, 50, 200)) * MIB, rng.choice((10, 200)) * MIB,
-                      rng.choice((0, 256)), 4096, rng.random() < 0.3, head_load_bytes=rng.choice((None, 20 * MIB)))  # fmt: skip
+    model = ModelSpec(
+        "r",
+        layers,
+        1024,
+        layer_bytes,
+        rng.choice((0, 50, 200)) * MIB,
+        rng.choice((10, 200)) * MIB,
+        rng.choice((0, 256)),
+        4096,
+        rng.random() < 0.3,
+        head_load_bytes=rng.choice((None, 20 * MIB)),
+    )
     total = sum(layer_bytes)
     nodes = []
     for i in range(n):
         cpu = node(f"n{i:03d}", int(total * rng.uniform(0.1, 1.5)), rng.uniform(1e9, 5e10))
         if rng.random() < 0.5:
-            cpu = replace(cpu, devices=(DeviceInfo(f"cuda:{i % 2}", int(total * rng.uniform(0.0, 1.2)), rng.uniform(1e10, 1e12)),))
+            cpu = replace(
+                cpu,
+                devices=(
+                    DeviceInfo(
+                        f"cuda:{i % 2}", int(total * rng.uniform(0.0, 1.2)), rng.uniform(1e10, 1e12)
+                    ),
+                ),
+            )
         nodes.append(cpu)
-    options = PlanOptions(context_tokens=rng.choice((128, 4096)), batch=rng.choice((1, 4)), headroom_fraction=0.05,
-                          headroom_bytes=8 * MIB, objective=objective)  # fmt: skip
+    options = PlanOptions(
+        context_tokens=rng.choice((128, 4096)),
+        batch=rng.choice((1, 4)),
+        headroom_fraction=0.05,
+        headroom_bytes=8 * MIB,
+        objective=objective,
+    )
     return model, nodes, options
 
 
-def every_plan(model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, options: PlanOptions) -> list[Plan]:
+def every_plan(
+    model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, options: PlanOptions
+) -> list[Plan]:
     """Every route whose stages fit on their nodes' devices, priced."""
     L, plans = model.num_layers, []
     for k in range(1, min(len(nodes), L) + 1):
@@ -143,8 +209,10 @@ def every_plan(model: ModelSpec, nodes: list[NodeInfo], links: LinkTable, option
             for inner in itertools.combinations(range(1, L), k - 1):
                 cuts = (0, *inner, L)
                 route = [(x.node_id, cuts[i], cuts[i + 1]) for i, x in enumerate(chosen)]
-                if all(split_stage(model, options, x, s, e, range_bytes(model, options, s, e)).fits
-                       for x, (_, s, e) in zip(chosen, route)):  # fmt: skip
+                if all(
+                    split_stage(model, options, x, s, e, range_bytes(model, options, s, e)).fits
+                    for x, (_, s, e) in zip(chosen, route)
+                ):
                     plans.append(price_route(model, nodes, links, options, route))
     return plans
 
@@ -154,7 +222,9 @@ def test_small_mixed_pools_match_exhaustive_search(objective: str) -> None:
     rng = random.Random(17 if objective == "latency" else 18)
     compared = spanned = 0
     for _ in range(80):
-        model, nodes, options = random_device_case(rng, rng.randint(1, 4), rng.randint(1, 5), objective)
+        model, nodes, options = random_device_case(
+            rng, rng.randint(1, 4), rng.randint(1, 5), objective
+        )
         links = LinkTable(default=LinkCost(rng.choice((1e-4, 2e-2)), 1.25e8))
         plans = every_plan(model, nodes, links, options)
         if not plans:
@@ -166,7 +236,9 @@ def test_small_mixed_pools_match_exhaustive_search(objective: str) -> None:
             slowest = min(p.slowest_stage_s() for p in plans)
             assert chosen.slowest_stage_s() == pytest.approx(slowest, rel=1e-6)
             plans = [p for p in plans if p.slowest_stage_s() <= slowest * (1 + 1e-9)]
-        assert chosen.predicted_s_per_token == pytest.approx(min(p.predicted_s_per_token for p in plans), rel=1e-5)
+        assert chosen.predicted_s_per_token == pytest.approx(
+            min(p.predicted_s_per_token for p in plans), rel=1e-5
+        )
         compared += 1
         spanned += any(s.gpu_layers for s in chosen.stages)
     assert compared >= 30 and spanned >= 5
@@ -193,77 +265,152 @@ def test_the_planner_band_agrees_with_one_stage_priced_alone() -> None:
     rng = random.Random(9)
     for _ in range(40):
         model, nodes, options = random_device_case(rng, 1, rng.randint(1, 20), "latency")
-        x = replace(nodes[0], devices=(DeviceInfo("cuda:0", rng.randint(0, 3000) * MIB, rng.uniform(1e10, 1e12)),))
+        x = replace(
+            nodes[0],
+            devices=(DeviceInfo("cuda:0", rng.randint(0, 3000) * MIB, rng.uniform(1e10, 1e12)),),
+        )
         costs = _model_tables(model, options)
         cpu, gpu = capacities(x, options)
         L = model.num_layers
-        fits, t, t_load = split_band(costs.held, costs.active, costs.embed, (costs.mem, costs.read, costs.load),
-                                     (cpu, x.bytes_per_second), (gpu, x.devices[0].bytes_per_second))  # fmt: skip
+        fits, t, t_load = split_band(
+            costs.held,
+            costs.active,
+            costs.embed,
+            (costs.mem, costs.read, costs.load),
+            (cpu, x.bytes_per_second),
+            (gpu, x.devices[0].bytes_per_second),
+        )
         for s, e in itertools.combinations(range(L + 1), 2):
             alone = split_stage(model, options, x, s, e, range_bytes(model, options, s, e))
             d = e - 1 - s
-            assert (bool(fits[d, e]), float(t[d, e]), float(t_load[d, e])) == (alone.fits, alone.read_s, alone.load_s)
-        assert not fits[np.arange(L)[:, None] >= np.arange(L + 1)[None, :]].any()  # ranges starting before 0
+            assert (bool(fits[d, e]), float(t[d, e]), float(t_load[d, e])) == (
+                alone.fits,
+                alone.read_s,
+                alone.load_s,
+            )
+        assert not fits[
+            np.arange(L)[:, None] >= np.arange(L + 1)[None, :]
+        ].any()  # ranges starting before 0
 
 
 def test_the_pool_file_takes_devices_and_checks_them() -> None:
-    nodes, _ = parse_pool([{"node_id": "spark", "free_memory_bytes": 100e9, "bytes_per_second": 2e11,
-                            "devices": [{"device": "cuda:0", "free_memory_bytes": 30e9, "bytes_per_second": 1.5e12}]},
-                           {"node_id": "old", "free_memory_gb": 8, "bytes_per_second": 2e10}])  # fmt: skip
-    assert nodes[0].devices == (DeviceInfo("cuda:0", 30_000_000_000, 1.5e12),) and nodes[1].devices == ()
+    nodes, _ = parse_pool(
+        [
+            {
+                "node_id": "spark",
+                "free_memory_bytes": 100e9,
+                "bytes_per_second": 2e11,
+                "devices": [
+                    {"device": "cuda:0", "free_memory_bytes": 30e9, "bytes_per_second": 1.5e12}
+                ],
+            },
+            {"node_id": "old", "free_memory_gb": 8, "bytes_per_second": 2e10},
+        ]
+    )
+    assert (
+        nodes[0].devices == (DeviceInfo("cuda:0", 30_000_000_000, 1.5e12),)
+        and nodes[1].devices == ()
+    )
     bad = [
-        ([{"device": "cpu", "free_memory_gb": 1, "bytes_per_second": 1.0}], "device 0 needs a name"),
+        (
+            [{"device": "cpu", "free_memory_gb": 1, "bytes_per_second": 1.0}],
+            "device 0 needs a name",
+        ),
         ([{"device": "cuda:0", "free_memory_gb": 1}], "bytes_per_second"),
-        ([{"device": "cuda:0", "free_memory_gb": 1, "bytes_per_second": 1.0, "speed": 2}], "unknown field 'speed'"),
+        (
+            [{"device": "cuda:0", "free_memory_gb": 1, "bytes_per_second": 1.0, "speed": 2}],
+            "unknown field 'speed'",
+        ),
         ([{"device": "cuda:0", "free_memory_gb": 1, "bytes_per_second": 1.0}] * 2, "listed once"),
         ({"device": "cuda:0"}, "must be a list"),
     ]
     for devices, message in bad:
         with pytest.raises(PlanError, match=message):
-            parse_pool([{"node_id": "a", "free_memory_gb": 1, "bytes_per_second": 1.0, "devices": devices}])
+            parse_pool(
+                [{"node_id": "a", "free_memory_gb": 1, "bytes_per_second": 1.0, "devices": devices}]
+            )
 
 
-def test_seamline_plan_prints_each_stage_device_split(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_seamline_plan_prints_each_stage_device_split(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The embedded model (30 layers) over a CPU node and a node whose small GPU holds part of its stage."""
-    pool = [{"node_id": "cpu-box", "free_memory_gb": 0.36, "bytes_per_second": 2e10},
-            {"node_id": "spark", "free_memory_gb": 0.32, "bytes_per_second": 1e10,
-             "devices": [{"device": "cuda:0", "free_memory_gb": 0.3, "bytes_per_second": 1e11}]}]  # fmt: skip
+    pool = [
+        {"node_id": "cpu-box", "free_memory_gb": 0.36, "bytes_per_second": 2e10},
+        {
+            "node_id": "spark",
+            "free_memory_gb": 0.32,
+            "bytes_per_second": 1e10,
+            "devices": [{"device": "cuda:0", "free_memory_gb": 0.3, "bytes_per_second": 1e11}],
+        },
+    ]
     nodes_file, lock = tmp_path / "nodes.json", tmp_path / "plan.lock.json"
     nodes_file.write_text(json.dumps(pool))
     assert run_plan_command(str(nodes_file), None, str(lock), 2048, 1) == 0
     out = capsys.readouterr().out
     pinned = Plan.from_json(lock.read_text())
-    cpu_box, spark = (next(s for s in pinned.stages if s.node_id == x) for x in ("cpu-box", "spark"))
+    cpu_box, spark = (
+        next(s for s in pinned.stages if s.node_id == x) for x in ("cpu-box", "spark")
+    )
     assert spark.gpu_device == "cuda:0" and 0 < spark.gpu_layers < spark.end - spark.start  # type: ignore[operator]
     cut = spark.start + spark.gpu_layers  # type: ignore[operator]
     split = f"cuda:0 [{spark.start},{cut}) + cpu [{cut},{spark.end})"
-    rows = {line.split()[1]: line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])}
+    rows = {
+        line.split()[1]: line for line in out.splitlines() if line.split()[:1] in (["0"], ["1"])
+    }
     assert "devices" in out and rows["spark"].endswith(split), out
     assert rows["cpu-box"].endswith(f"cpu [{cpu_box.start},{cpu_box.end})"), out
-    assert run_plan_command(str(nodes_file), None, str(lock), 2048, 1) == 0  # the lock, checked on both memories
+    assert (
+        run_plan_command(str(nodes_file), None, str(lock), 2048, 1) == 0
+    )  # the lock, checked on both memories
     assert split in capsys.readouterr().out
 
 
 def test_messages_carry_devices_and_the_gpu_share_old_and_new() -> None:
-    old = Resources.model_validate({"free_memory_bytes": 1 << 30, "bytes_per_second": 1e10, "device": "cpu"})
+    old = Resources.model_validate(
+        {"free_memory_bytes": 1 << 30, "bytes_per_second": 1e10, "device": "cpu"}
+    )
     assert old.devices == []
-    new = Resources.model_validate({"free_memory_bytes": 1 << 30, "bytes_per_second": 1e10, "device": "cuda",
-                                    "devices": [{"device": "cuda:0", "free_memory_bytes": 1 << 34,
-                                                 "bytes_per_second": 3e12}]})  # fmt: skip
+    new = Resources.model_validate(
+        {
+            "free_memory_bytes": 1 << 30,
+            "bytes_per_second": 1e10,
+            "device": "cuda",
+            "devices": [
+                {"device": "cuda:0", "free_memory_bytes": 1 << 34, "bytes_per_second": 3e12}
+            ],
+        }
+    )
     assert new.devices[0].device == "cuda:0"
-    for wrong in ({"device": "cuda:0\n", "free_memory_bytes": 1, "bytes_per_second": 1.0},
-                  {"device": "cuda:0", "free_memory_bytes": -1, "bytes_per_second": 1.0},
-                  {"device": "cuda:0", "free_memory_bytes": 1, "bytes_per_second": float("inf")}):  # fmt: skip
+    for wrong in (
+        {"device": "cuda:0\n", "free_memory_bytes": 1, "bytes_per_second": 1.0},
+        {"device": "cuda:0", "free_memory_bytes": -1, "bytes_per_second": 1.0},
+        {"device": "cuda:0", "free_memory_bytes": 1, "bytes_per_second": float("inf")},
+    ):
         with pytest.raises(ValueError):
-            Resources.model_validate({"free_memory_bytes": 1, "bytes_per_second": 1.0, "devices": [wrong]})
-    fields = {"plan_id": 1, "model_hash": "h", "fragments_url": "u", "layers": (0, 4), "owns_embedding": True,
-              "owns_head": False, "dtype": "float32", "context_length": 64}  # fmt: skip
+            Resources.model_validate(
+                {"free_memory_bytes": 1, "bytes_per_second": 1.0, "devices": [wrong]}
+            )
+    fields = {
+        "plan_id": 1,
+        "model_hash": "h",
+        "fragments_url": "u",
+        "layers": (0, 4),
+        "owns_embedding": True,
+        "owns_head": False,
+        "dtype": "float32",
+        "context_length": 64,
+    }
     assert Assign(**fields).gpu_layers is None
-    assert Assign.model_validate_json(Assign(**fields, gpu_layers=3).model_dump_json()).gpu_layers == 3
+    assert (
+        Assign.model_validate_json(Assign(**fields, gpu_layers=3).model_dump_json()).gpu_layers == 3
+    )
     assert math.isfinite(new.devices[0].bytes_per_second)
 
 
-def test_a_node_reports_its_cuda_devices_the_one_it_computes_on_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_node_reports_its_cuda_devices_the_one_it_computes_on_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     class Options:
         device = "auto"
         max_memory_bytes: int | None = None
@@ -278,7 +425,10 @@ def test_a_node_reports_its_cuda_devices_the_one_it_computes_on_first(monkeypatc
     Options.device = "cuda:1"
     got = membership.local_devices(Options())  # type: ignore[arg-type]
     assert [(d.device, d.free_memory_bytes, d.bytes_per_second) for d in got] == [
-        ("cuda:1", 2 << 30, 1e12 + 1), ("cuda:0", 1 << 30, 1e12), ("cuda:2", 3 << 30, 1e12 + 2)]
+        ("cuda:1", 2 << 30, 1e12 + 1),
+        ("cuda:0", 1 << 30, 1e12),
+        ("cuda:2", 3 << 30, 1e12 + 2),
+    ]
     Options.max_memory_bytes = 3 << 29  # --max-memory 1.5: caps what it offers on each GPU too
     got = membership.local_devices(Options())  # type: ignore[arg-type]
     assert [d.free_memory_bytes for d in got] == [3 << 29, 1 << 30, 3 << 29]
@@ -290,8 +440,16 @@ def test_a_stage_held_with_another_gpu_split_is_not_kept() -> None:
     """A rejoining node's loaded stage is kept only for the same split over its GPU and CPU."""
     from seamline.net.messages import Holding
 
-    base = dict(plan_id=1, model_hash="h", fragments_url="http://x", layers=(0, 4), owns_embedding=True,
-                owns_head=False, dtype="bfloat16", context_length=512)  # fmt: skip
+    base = dict(
+        plan_id=1,
+        model_hash="h",
+        fragments_url="http://x",
+        layers=(0, 4),
+        owns_embedding=True,
+        owns_head=False,
+        dtype="bfloat16",
+        context_length=512,
+    )
     held = Holding.of(Assign(**base, gpu_layers=3))
     assert held == Holding.of(Assign(**base, gpu_layers=3))
     assert held != Holding.of(Assign(**base, gpu_layers=2))

@@ -22,17 +22,30 @@ from seamline.ownership import Ownership
 from seamline.weights.names import stage_plans
 
 MIB = 1 << 20
-EXACT = PlanOptions(context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0, objective="latency")
+EXACT = PlanOptions(
+    context_tokens=1024, batch=1, headroom_fraction=0.0, headroom_bytes=0, objective="latency"
+)
 # 4 layers of 400 MiB: the model holds 1600 MiB of layers + 100 MiB embedding + 100 MiB head.
 SPEC = ModelSpec("m", 4, 1024, (400 * MIB,) * 4, 100 * MIB, 100 * MIB, 0, 4096)
 
 
 def _config(experts: int = 8, heads: int = 8, kv_heads: int = 4) -> ModelConfig:
-    return ModelConfig.from_hf_dict({
-        "model_type": "mixtral", "vocab_size": 1000, "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 4, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "num_local_experts": experts, "num_experts_per_tok": 2, "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-5, "rope_theta": 1e6})  # fmt: skip
+    return ModelConfig.from_hf_dict(
+        {
+            "model_type": "mixtral",
+            "vocab_size": 1000,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 4,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "num_local_experts": experts,
+            "num_experts_per_tok": 2,
+            "max_position_embeddings": 1024,
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 1e6,
+        }
+    )
 
 
 def _nodes(count: int, free_mib: int) -> list[NodeInfo]:
@@ -86,19 +99,39 @@ def test_plan_command_prints_groups(tmp_path: Path, capsys: pytest.CaptureFixtur
     pool = [{"node_id": name, "free_memory_gb": 4, "bytes_per_second": 1e10} for name in "abcd"]
     (tmp_path / "pool.json").write_text(json.dumps(pool))
     lock = tmp_path / "lock.json"
-    assert run_plan_command(str(tmp_path / "pool.json"), None, str(lock), 1024, 1, tensor_parallel=2) == 0
+    assert (
+        run_plan_command(str(tmp_path / "pool.json"), None, str(lock), 1024, 1, tensor_parallel=2)
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "a+b" in printed and "lockstep group" in printed, printed
     assert "optimised for throughput" in printed, printed
     # either group could hold the model: for throughput both take a share, as two stages
-    assert [list(s["ranks"]) for s in json.loads(lock.read_text())["stages"]] == [["a", "b"], ["c", "d"]]
-    assert run_plan_command(str(tmp_path / "pool.json"), None, str(lock), 1024, 1) == 0  # the lock, checked
+    assert [list(s["ranks"]) for s in json.loads(lock.read_text())["stages"]] == [
+        ["a", "b"],
+        ["c", "d"],
+    ]
+    assert (
+        run_plan_command(str(tmp_path / "pool.json"), None, str(lock), 1024, 1) == 0
+    )  # the lock, checked
     assert "a+b" in capsys.readouterr().out
     fresh = tmp_path / "latency.json"
-    assert run_plan_command(str(tmp_path / "pool.json"), None, str(fresh), 1024, 1, tensor_parallel=2,
-                            objective="latency") == 0  # fmt: skip
+    assert (
+        run_plan_command(
+            str(tmp_path / "pool.json"),
+            None,
+            str(fresh),
+            1024,
+            1,
+            tensor_parallel=2,
+            objective="latency",
+        )
+        == 0
+    )
     assert "optimised for per-token latency" in capsys.readouterr().out
-    assert [list(s["ranks"]) for s in json.loads(fresh.read_text())["stages"]] == [["a", "b"]]  # no hop
+    assert [list(s["ranks"]) for s in json.loads(fresh.read_text())["stages"]] == [
+        ["a", "b"]
+    ]  # no hop
 
 
 def test_a_ranks_planned_bytes_are_what_it_loads(tmp_path: Path) -> None:
@@ -113,32 +146,65 @@ def test_a_ranks_planned_bytes_are_what_it_loads(tmp_path: Path) -> None:
     _, built = build_deepseek(tmp_path / "m", "v3")
     source = open_source(built)
     config = ModelConfig.from_hf_dict(source.config_dict())
-    spec = ModelSpec.from_checkpoint_shapes(config, "v3", {n: source.shape(n) for n in source.names()}, 4)
+    spec = ModelSpec.from_checkpoint_shapes(
+        config, "v3", {n: source.shape(n) for n in source.names()}, 4
+    )
     assert any(spec.layer_replicated_bytes)
     for world in (2, 4):
         planned = group_spec(spec, world, kv_split=False).layer_bytes
         for rank in range(world):
             stage = load_stage(source, rank_ownership(config, rank, world))
-            held = [sum(p.numel() * 4 for name, p in stage.named_parameters() if name.startswith(f"layers.{i}."))
-                    for i in range(config.num_layers)]  # fmt: skip
+            held = [
+                sum(
+                    p.numel() * 4
+                    for name, p in stage.named_parameters()
+                    if name.startswith(f"layers.{i}.")
+                )
+                for i in range(config.num_layers)
+            ]
             assert held == list(planned), (world, rank)
 
 
 def test_a_group_rank_counts_the_quant_blocks_around_its_cut_columns() -> None:
     """An attention output split by heads across 256-wide Q4_K blocks: each rank may keep up to
     two blocks a row beyond its share (ColumnWindow); the per-rank bytes include them."""
-    config = ModelConfig.from_hf_dict(dict(model_type="llama", vocab_size=256, hidden_size=256,
-                                           intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                                           num_key_value_heads=4, max_position_embeddings=64))  # fmt: skip
+    config = ModelConfig.from_hf_dict(
+        dict(
+            model_type="llama",
+            vocab_size=256,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+        )
+    )
     names = {n for p in stage_plans(config, Ownership.full(config)) for n in p.sources()}
-    shapes = {n: ((256, 256) if "o_proj" in n or "q_proj" in n or "k_proj" in n or "v_proj" in n
-                  else (512, 256) if "gate" in n or "up_proj" in n else (256, 512) if "down" in n
-                  else (256, 256) if "embed" in n else (256,)) for n in names}  # fmt: skip
+    shapes = {
+        n: (
+            (256, 256)
+            if "o_proj" in n or "q_proj" in n or "k_proj" in n or "v_proj" in n
+            else (512, 256)
+            if "gate" in n or "up_proj" in n
+            else (256, 512)
+            if "down" in n
+            else (256, 256)
+            if "embed" in n
+            else (256,)
+        )
+        for n in names
+    }
     quantized = {n: "Q4_K" for n in names if len(shapes[n]) == 2}
     spec = ModelSpec.from_checkpoint_shapes(config, "q", shapes, 4, quantized)
     plain = ModelSpec.from_checkpoint_shapes(config, "f", shapes, 4)
-    assert spec.layer_window_bytes[0] == 2 * 256 * 144 * 2  # o_proj and down_proj: 256 rows, 2 blocks each
+    assert (
+        spec.layer_window_bytes[0] == 2 * 256 * 144 * 2
+    )  # o_proj and down_proj: 256 rows, 2 blocks each
     assert plain.layer_window_bytes[0] == 0  # float weights are cut anywhere
     per_rank = group_spec(spec, 2, True)
-    assert per_rank.layer_bytes[0] - group_spec(replace(spec, layer_window_bytes=()), 2, True).layer_bytes[0] \
+    assert (
+        per_rank.layer_bytes[0]
+        - group_spec(replace(spec, layer_window_bytes=()), 2, True).layer_bytes[0]
         == spec.layer_window_bytes[0]
+    )

@@ -27,8 +27,13 @@ def test_an_oversized_frame_is_skipped_and_the_link_stays_in_step() -> None:
     a, b = socket.socketpair()
     sender, receiver = Link(a, "coordinator"), Link(b, "node")
     size = LIMITS[FrameType.CONTROL] + 12345
-    threading.Thread(target=lambda: (sender.send_raw(header(FrameType.CONTROL, size) + b"x" * size),
-                                     sender.send_message(Heartbeat())), daemon=True).start()  # fmt: skip
+    threading.Thread(
+        target=lambda: (
+            sender.send_raw(header(FrameType.CONTROL, size) + b"x" * size),
+            sender.send_message(Heartbeat()),
+        ),
+        daemon=True,
+    ).start()
     with pytest.raises(Oversized) as refused:
         receiver.recv()
     receiver.discard(refused.value.length)
@@ -54,8 +59,15 @@ class _Mesh(SimpleNamespace):
     def __init__(self) -> None:
         ready = threading.Event()
         ready.set()
-        super().__init__(on_tokens=None, on_failure=None, ready=ready, state="ready", plan_id=1, opened=[],
-                         keeper=StateKeeper())  # its events: the requests replayed
+        super().__init__(
+            on_tokens=None,
+            on_failure=None,
+            ready=ready,
+            state="ready",
+            plan_id=1,
+            opened=[],
+            keeper=StateKeeper(),
+        )  # its events: the requests replayed
         self.open_request = lambda request, tokens: self.opened.append(request.request)
         self.close_request = lambda request: None
 
@@ -84,7 +96,9 @@ def test_a_request_that_fails_the_nodes_it_starts_on_twice_is_ended() -> None:
     ended = asyncio.run(scenario())
     assert isinstance(ended, RequestFailed) and "failed as it started, 2 times" in str(ended)
     assert len(mesh.opened) == 2  # replayed once, then ended
-    mesh.keeper.apply(NoMembers())  # events apply in order: the replay posted before this one has been heard
+    mesh.keeper.apply(
+        NoMembers()
+    )  # events apply in order: the replay posted before this one has been heard
     assert backend.report.events["request_replayed"] == 1
 
 
@@ -112,7 +126,9 @@ def test_a_replan_or_a_loss_after_the_first_token_still_replays() -> None:
         backend._fail(None, "node n0 left the mesh mid-request", "lost")
         while len(mesh.opened) < 5:
             await asyncio.sleep(0.01)
-        backend._fail(None, "node n1 left the mesh mid-request", "lost")  # as it starts: once is no verdict
+        backend._fail(
+            None, "node n1 left the mesh mid-request", "lost"
+        )  # as it starts: once is no verdict
         while len(mesh.opened) < 6:
             await asyncio.sleep(0.01)
         backend._deliver([TokenRow(mesh.opened[-1], 4, 43, 0, 0, int(RowFlag.DONE))])

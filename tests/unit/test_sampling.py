@@ -81,7 +81,8 @@ def test_temperature_sharpens() -> None:
 
 
 @pytest.mark.parametrize(
-    "bad", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(min_p=1.5), dict(max_tokens=0)]
+    "bad",
+    [dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-2), dict(min_p=1.5), dict(max_tokens=0)],
 )
 def test_invalid_params_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(RequestError):

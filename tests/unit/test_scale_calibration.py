@@ -9,6 +9,7 @@ import sys
 import psutil
 import pytest
 
+from seamline.sim.costs import FrontCost
 from seamline_bench.scale_calibration import (
     Calibration,
     StageProbe,
@@ -18,13 +19,18 @@ from seamline_bench.scale_calibration import (
     predict,
 )
 from seamline_bench.servers import Server
-from seamline.sim.costs import FrontCost
 
 pytest.importorskip("simpy")
 
 HIDDEN = 576
-ONE_NODE = {"node_id": "a", "layers": [0, 30], "weight_bytes": 60_000_000, "ranks": ["a"],
-            "step_probe_ms": {"1": 20.0, "16": 100.0, "64": 300.0}, "prompt_probe_ms": {"256": 800.0}}
+ONE_NODE = {
+    "node_id": "a",
+    "layers": [0, 30],
+    "weight_bytes": 60_000_000,
+    "ranks": ["a"],
+    "step_probe_ms": {"1": 20.0, "16": 100.0, "64": 300.0},
+    "prompt_probe_ms": {"256": 800.0},
+}
 
 
 def status(stages: list[dict], links: list[dict] | None = None) -> dict:
@@ -32,7 +38,9 @@ def status(stages: list[dict], links: list[dict] | None = None) -> dict:
     return {"stages": stages, "links": links or [], "nodes": nodes}
 
 
-def test_a_lockstep_group_takes_a_probed_nodes_rate_over_each_ranks_bytes_and_two_gates_a_layer() -> None:
+def test_a_lockstep_group_takes_a_probed_nodes_rate_over_each_ranks_bytes_and_two_gates_a_layer() -> (
+    None
+):
     probe = _stage_probe(ONE_NODE, status([ONE_NODE]), None)
     group = {"node_id": "a", "layers": [0, 30], "weight_bytes": 30_000_000, "ranks": ["a", "b"]}
     link = {"nodes": ["a", "b"], "rtt_ms": 0.1, "bandwidth_mb_s": 1000.0}
@@ -53,15 +61,31 @@ def test_a_group_without_a_probed_node_is_refused_and_a_single_stage_has_no_gate
     group = {"node_id": "a", "layers": [0, 30], "weight_bytes": 30_000_000, "ranks": ["a", "b"]}
     with pytest.raises(ValueError, match="probed node"):
         _stage_probe(group, status([group]), None)
-    stage = Calibration((_stage_probe(ONE_NODE, status([ONE_NODE]), None),), (), FrontCost(), HIDDEN).route().stages[0]
-    assert stage.gates == 0 and stage.step_s(1) == pytest.approx(20e-3) and stage.step_s(64) == pytest.approx(0.3)
+    stage = (
+        Calibration((_stage_probe(ONE_NODE, status([ONE_NODE]), None),), (), FrontCost(), HIDDEN)
+        .route()
+        .stages[0]
+    )
+    assert (
+        stage.gates == 0
+        and stage.step_s(1) == pytest.approx(20e-3)
+        and stage.step_s(64) == pytest.approx(0.3)
+    )
 
 
-def test_a_group_that_probed_itself_steps_as_probed_and_every_step_carries_its_measured_overhead() -> None:
+def test_a_group_that_probed_itself_steps_as_probed_and_every_step_carries_its_measured_overhead() -> (
+    None
+):
     """A group's leader probes steps run through the whole group: its gates are in them."""
-    group = {"node_id": "a", "layers": [0, 30], "weight_bytes": 30_000_000, "ranks": ["a", "b"],
-             "step_probe_ms": {"1": 12.0, "16": 60.0, "64": 200.0}, "prompt_probe_ms": {"256": 500.0},
-             "step_overhead_ms": {"1": 0.5, "16": 2.0}}  # fmt: skip
+    group = {
+        "node_id": "a",
+        "layers": [0, 30],
+        "weight_bytes": 30_000_000,
+        "ranks": ["a", "b"],
+        "step_probe_ms": {"1": 12.0, "16": 60.0, "64": 200.0},
+        "prompt_probe_ms": {"256": 500.0},
+        "step_overhead_ms": {"1": 0.5, "16": 2.0},
+    }
     link = {"nodes": ["a", "b"], "rtt_ms": 0.1, "bandwidth_mb_s": 1000.0}
     found = _stage_probe(group, status([group], [link]), None)
     assert found.node_id == "a+b" and found.ranks == 2 and found.gate_link_ms_mb_s is None
@@ -77,15 +101,22 @@ def test_the_gain_two_stages_can_reach_is_one_nodes_step_of_64_rows_over_its_ste
 
     node = ONE_NODE | {"step_probe_ms": {"1": 20.0, "16": 100.0, "32": 200.0, "64": 300.0}}
     calibration = Calibration((_stage_probe(node, status([node]), None),), (), FrontCost(), HIDDEN)
-    assert _gain_bound(calibration) == 1.5  # 64 rows in 300 ms on one node; 2 x 32 rows in 2 x 100 ms on two
+    assert (
+        _gain_bound(calibration) == 1.5
+    )  # 64 rows in 300 ms on one node; 2 x 32 rows in 2 x 100 ms on two
     assert _gain_bound(None) is None
 
 
 def test_one_streams_hops_replace_the_pings_round_trip_where_the_data_path_is_slower() -> None:
     from seamline_bench.scale_calibration import data_path_hop_ms
 
-    first, last = dict(ONE_NODE, node_id="a", ring_ms=9.0), dict(ONE_NODE, node_id="b", cycle_ms=7.0)
-    assert data_path_hop_ms(status([first, last])) == pytest.approx(1.0)  # (9 - 7) ms over the ring's two hops
+    first, last = (
+        dict(ONE_NODE, node_id="a", ring_ms=9.0),
+        dict(ONE_NODE, node_id="b", cycle_ms=7.0),
+    )
+    assert data_path_hop_ms(status([first, last])) == pytest.approx(
+        1.0
+    )  # (9 - 7) ms over the ring's two hops
     assert data_path_hop_ms(status([dict(first, ring_ms=5.0), last])) == 0.0
     assert data_path_hop_ms(status([ONE_NODE, last])) is None  # no stream ran alone
     assert data_path_hop_ms(status([first])) is None
@@ -96,14 +127,20 @@ def test_the_front_goes_to_the_stage_whose_node_shares_the_load_generators_core(
     """Real processes, each with a node's --node-id and pinned to one core, as a bench mesh runs
     them: the stage on the clients' core takes the front, whatever its place in the plan."""
     sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-    procs = [subprocess.Popen(sleeper)] + [subprocess.Popen([*sleeper, "--node-id", f"m{i}"]) for i in range(2)]
+    procs = [subprocess.Popen(sleeper)] + [
+        subprocess.Popen([*sleeper, "--node-id", f"m{i}"]) for i in range(2)
+    ]
     try:
         for core, proc in enumerate(procs[1:]):
             psutil.Process(proc.pid).cpu_affinity([core])
-            _wait_for_args(proc.pid, f"m{core}")  # a process just started can read its parent's args
+            _wait_for_args(
+                proc.pid, f"m{core}"
+            )  # a process just started can read its parent's args
         server = Server("m", "http://127.0.0.1:1/v1", "default", [], procs, client_cores="0")
         assert node_beside_front(server, ["m1", "m0"]) == "m0"
-        assert node_beside_front(server, ["m0+m1"]) == "m0+m1"  # a lockstep group: its leader's core
+        assert (
+            node_beside_front(server, ["m0+m1"]) == "m0+m1"
+        )  # a lockstep group: its leader's core
         server.client_cores = "1"
         assert node_beside_front(server, ["m0", "m1"]) == "m1"
         assert node_beside_front(server, ["elsewhere"]) is None
@@ -122,7 +159,9 @@ def test_a_calibration_prices_the_front_on_its_stage() -> None:
     links = ((0.2, 900.0), (0.2, 900.0))
     front = FrontCost(s_per_token=0.004)
     on_first = predict(Calibration((first, last), links, front, HIDDEN), 1, 16, (32,))
-    on_last = predict(Calibration((first, last), links, front, HIDDEN, front_node="b"), 1, 16, (32,))
+    on_last = predict(
+        Calibration((first, last), links, front, HIDDEN, front_node="b"), 1, 16, (32,)
+    )
     assert on_last["itl_ms"] < on_first["itl_ms"]
     assert on_last["busy"][1] > on_first["busy"][1] and on_last["busy"][0] < on_first["busy"][0]
 

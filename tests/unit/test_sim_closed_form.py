@@ -21,9 +21,13 @@ def close(actual: float, expected: float) -> bool:
     return math.isclose(actual, expected, rel_tol=1e-9, abs_tol=0.0)
 
 
-def stages(count: int, speed: DeviceSpeed = BATCHED, read_bytes: float = 1e8) -> tuple[StageCost, ...]:
-    return tuple(StageCost(f"s{i}", speed, read_bytes, frame_bytes_per_row=8192 if i < count - 1 else 0)
-                 for i in range(count))  # fmt: skip
+def stages(
+    count: int, speed: DeviceSpeed = BATCHED, read_bytes: float = 1e8
+) -> tuple[StageCost, ...]:
+    return tuple(
+        StageCost(f"s{i}", speed, read_bytes, frame_bytes_per_row=8192 if i < count - 1 else 0)
+        for i in range(count)
+    )
 
 
 def test_one_stage_steps_every_client_each_step() -> None:
@@ -34,7 +38,9 @@ def test_one_stage_steps_every_client_each_step() -> None:
     assert close(result.wall_s, outputs * a)  # the 1-token prompts' step draws the first token
     assert close(result.tok_s, clients / a)
     assert result.steps == outputs
-    assert all(close(gap, a) for gap in result.itl_s) and len(result.itl_s) == clients * (outputs - 1)
+    assert all(close(gap, a) for gap in result.itl_s) and len(result.itl_s) == clients * (
+        outputs - 1
+    )
     assert all(close(t, a) for t in result.ttft_s)
     assert close(pipeline_bound_tok_s(Pipeline((stage,), ()), clients), clients / a)
 
@@ -54,7 +60,9 @@ def test_equal_stages_with_free_links_fill_then_cycle_micro_batches() -> None:
     assert close(result.tok_s, clients * outputs / wall)
     assert result.steps == 1 + (outputs - 1) * count
     assert close(result.p50_ms_between_tokens(), count * b * 1000)
-    assert close(pipeline_bound_tok_s(route, k), k / b)  # S micro-batches of k rows per S steps of k rows
+    assert close(
+        pipeline_bound_tok_s(route, k), k / b
+    )  # S micro-batches of k rows per S steps of k rows
     assert all(close(share, (a + (outputs - 1) * count * b) / wall) for share in result.busy)
 
 
@@ -81,9 +89,18 @@ def test_a_failed_stage_replays_every_unfinished_request() -> None:
     route = Pipeline(stages(3), (FREE_LINK,) * 3)
     whole = simulate(route, load)
     at = whole.wall_s / 2
-    dying = (route.stages[0], StageCost("s1", BATCHED, 1e8, frame_bytes_per_row=8192, fails_at_s=at), route.stages[2])
-    after = Pipeline((StageCost("s0", BATCHED, 1.5e8, frame_bytes_per_row=8192), StageCost("s2", BATCHED, 1.5e8)),
-                  (FREE_LINK, FREE_LINK))  # fmt: skip
+    dying = (
+        route.stages[0],
+        StageCost("s1", BATCHED, 1e8, frame_bytes_per_row=8192, fails_at_s=at),
+        route.stages[2],
+    )
+    after = Pipeline(
+        (
+            StageCost("s0", BATCHED, 1.5e8, frame_bytes_per_row=8192),
+            StageCost("s2", BATCHED, 1.5e8),
+        ),
+        (FREE_LINK, FREE_LINK),
+    )
     result = simulate(Pipeline(dying, route.links), load, after_failure=after, replan_s=0.5)
     assert result.replayed == clients
     assert len(result.ttft_s) == clients and len(result.itl_s) == clients * (outputs - 1)
@@ -173,7 +190,9 @@ def test_front_work_moves_to_stage_zero_when_its_stage_fails() -> None:
     named = simulate(dying, load, front=front, front_device="s1", after_failure=after)
     first = simulate(dying, load, front=front, after_failure=after)
     assert close(named.tok_s * named.wall_s, 4 * 30)
-    assert named.wall_s > simulate(dying, load, after_failure=after).wall_s  # the front's work counted
+    assert (
+        named.wall_s > simulate(dying, load, after_failure=after).wall_s
+    )  # the front's work counted
     assert named.itl_s == first.itl_s and close(named.wall_s, first.wall_s)
 
 
@@ -188,8 +207,13 @@ def test_a_slower_last_stage_keeps_the_decode_rows_in_m_frames(clients: int) -> 
     load = Load(clients, round(sum(lengths) / clients), outputs)
     counted = []
     for last_bytes in (1e8, 1.3e8, 1.6e8):
-        route = Pipeline((StageCost("s0", BATCHED, 1e8, frame_bytes_per_row=8192), StageCost("s1", BATCHED, last_bytes)),
-                      (FREE_LINK, FREE_LINK))  # fmt: skip
+        route = Pipeline(
+            (
+                StageCost("s0", BATCHED, 1e8, frame_bytes_per_row=8192),
+                StageCost("s1", BATCHED, last_bytes),
+            ),
+            (FREE_LINK, FREE_LINK),
+        )
         counted.append(simulate(route, load, prompt_lengths=lengths, prefill_chunk=128).steps)
     decode_steps = math.ceil(clients * (outputs - 1) / math.ceil(clients / 2))
     prompt_steps = math.ceil(sum(lengths) / 512)

@@ -9,7 +9,9 @@ from seamline.sim.costs import DeviceSpeed
 
 READ = 1e8  # weight bytes a row reads
 # as a probe gives them: a step of 1, 16 and 64 decode rows; prompt chunks of 32 and 256 rows
-SPEED = DeviceSpeed(bytes_per_second=1e10, batched={16: 8e10, 64: 2e11}, prompt={32: 1.6e11, 256: 4e11})
+SPEED = DeviceSpeed(
+    bytes_per_second=1e10, batched={16: 8e10, 64: 2e11}, prompt={32: 1.6e11, 256: 4e11}
+)
 
 
 def seconds(rows: int, rate: float) -> float:
@@ -27,7 +29,9 @@ def test_a_short_chunk_is_dearer_per_row_than_a_long_one_and_one_row_is_a_decode
     assert per_row == sorted(per_row, reverse=True) and per_row[2] > 2 * per_row[-1]
     # between the probed lengths, linear in log2(rows): 64 rows is a third of the way from 32 to 256
     assert math.isclose(SPEED.prompt_rate(64), 1.6e11 + (4e11 - 1.6e11) / 3)
-    assert math.isclose(SPEED.step_s(READ, 512, 512), seconds(512, 4e11))  # past the longest: its rate
+    assert math.isclose(
+        SPEED.step_s(READ, 512, 512), seconds(512, 4e11)
+    )  # past the longest: its rate
 
 
 def test_a_mixed_step_shares_its_matmuls() -> None:
@@ -36,7 +40,9 @@ def test_a_mixed_step_shares_its_matmuls() -> None:
     decode_extra = seconds(16, 8e10) - seconds(16, SPEED.prompt_rate(16))
     mixed = SPEED.step_s(READ, 128, 112)
     assert math.isclose(mixed, seconds(128, SPEED.prompt_rate(128)) + decode_extra)
-    assert SPEED.step_s(READ, 112, 112) < mixed < SPEED.step_s(READ, 16) + SPEED.step_s(READ, 112, 112)
+    assert (
+        SPEED.step_s(READ, 112, 112) < mixed < SPEED.step_s(READ, 16) + SPEED.step_s(READ, 112, 112)
+    )
 
 
 def test_no_prompt_probe_prices_prompt_rows_as_decode_rows() -> None:

@@ -61,11 +61,15 @@ def test_routed_experts_make_a_batched_step_read_more() -> None:
     model = curve.load_model(V4)
     pool = model.pool_of(4)
     links = LinkTable(default=ref.LINK_1GBE)
-    plan = plan_auto(model.spec, pool, links, curve.plan_options(curve.CLIENTS, LOAD), model.checkpoint.config)
+    plan = plan_auto(
+        model.spec, pool, links, curve.plan_options(curve.CLIENTS, LOAD), model.checkpoint.config
+    )
     plain = route_of(plan, model.spec, pool, links)
     routed = curve.with_routed_experts(plain, plan, model.spec, model.checkpoint.config)
     for before, after in zip(plain.stages, routed.stages):
-        assert after.step_s(1) == pytest.approx(before.step_s(1))  # one row reads its own experts either way
+        assert after.step_s(1) == pytest.approx(
+            before.step_s(1)
+        )  # one row reads its own experts either way
         assert after.step_s(16) > before.step_s(16)
 
 

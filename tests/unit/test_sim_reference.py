@@ -33,7 +33,9 @@ def seed() -> dict[str, Any]:
     return ref.seed_check()
 
 
-def _same_on_keys(literal: dict[str, Any], published: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+def _same_on_keys(
+    literal: dict[str, Any], published: dict[str, Any], skip: tuple[str, ...] = ()
+) -> None:
     for key, value in literal.items():
         if key not in skip:
             assert key in published, key
@@ -48,7 +50,9 @@ def test_v4_flash_config_is_transformers_defaults_with_the_released_layer_types(
     released = transformers.DeepseekV4Config(compress_ratios=list(ref.V4_FLASH_COMPRESS_RATIOS))
     assert released.layer_types == ref.V4_FLASH_CONFIG["layer_types"]
     kinds = ref.V4_FLASH_CONFIG["layer_types"]
-    assert kinds[:2] == [ref.SLIDING] * 2 and kinds.count(ref.CSA) == 21 and kinds.count(ref.HCA) == 20
+    assert (
+        kinds[:2] == [ref.SLIDING] * 2 and kinds.count(ref.CSA) == 21 and kinds.count(ref.HCA) == 20
+    )
 
 
 def test_v3_config_is_transformers_defaults() -> None:
@@ -60,7 +64,9 @@ def test_reference_imports_neither_torch_nor_transformers() -> None:
     code = "import sys, seamline.sim.published; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -96,7 +102,9 @@ def test_v3_shapes_are_the_models(v3: ref.Checkpoint) -> None:
 def test_v4_stored_types(v4: ref.Checkpoint) -> None:
     assert v4.types["model.layers.5.ffn.experts.17.w2.weight"] == "float4_e2m1"
     assert v4.types["model.layers.5.attn.wo_a.weight"] == "float8_e4m3"
-    assert v4.types["model.layers.4.attn.indexer.wq_b.weight"] == "float8_e4m3"  # a CSA layer's indexer
+    assert (
+        v4.types["model.layers.4.attn.indexer.wq_b.weight"] == "float8_e4m3"
+    )  # a CSA layer's indexer
     assert v4.types["model.layers.4.attn.indexer.weights_proj.weight"] == "bfloat16"
     assert v4.types["head.weight"] == v4.types["model.embed_tokens.weight"] == "bfloat16"
     assert v4.types["model.layers.0.hc_attn_fn"] == "float32"
@@ -112,12 +120,16 @@ def test_v4_flash_totals(v4: ref.Checkpoint, seed: dict[str, Any]) -> None:
     assert abs(without_mtp / ref.GiB - 146) <= 0.05 * 146
     spec = v4.spec()
     # seamline holds the scales as float32: more than the file, by the experts' 3/32 bytes a weight
-    experts = sum(math.prod(s) for n, s in v4.shapes.items() if ".experts." in n and n.startswith("model."))
+    experts = sum(
+        math.prod(s) for n, s in v4.shapes.items() if ".experts." in n and n.startswith("model.")
+    )
     assert spec.weight_bytes() - without_mtp == pytest.approx(experts * (4 - 1) / 32, rel=0.01)
     # 284B parameters published (the model's, without its multi-token-prediction layer)
     main = set(v4.shapes) - v4.mtp_names()
     assert sum(math.prod(v4.shapes[n]) for n in main) == pytest.approx(284e9, rel=0.01)
-    assert seed["model"]["file_bytes"] > 1.5 * seed["model"]["seed_file_bytes"]  # the seed's 91 GB is no fp4 file
+    assert (
+        seed["model"]["file_bytes"] > 1.5 * seed["model"]["seed_file_bytes"]
+    )  # the seed's 91 GB is no fp4 file
 
 
 def test_v3_q4_k_m_total(v3: ref.Checkpoint) -> None:
@@ -125,11 +137,18 @@ def test_v3_q4_k_m_total(v3: ref.Checkpoint) -> None:
     (a split attn_kv_b changes ~1% of the bytes), while all-Q4_K would be ~7% less."""
     total = v3.spec().weight_bytes()
     assert abs(total / GB - 404) <= 0.03 * 404
-    all_q4 = sum(ref._file_bytes(s, "Q4_K") if t in ("Q4_K", "Q6_K") else ref._file_bytes(s, t)
-                 for s, t in zip(v3.shapes.values(), v3.types.values()))  # fmt: skip
+    all_q4 = sum(
+        ref._file_bytes(s, "Q4_K") if t in ("Q4_K", "Q6_K") else ref._file_bytes(s, t)
+        for s, t in zip(v3.shapes.values(), v3.types.values())
+    )
     assert all_q4 < 0.95 * total
-    assert v3.types["lm_head.weight"] == "Q6_K" and v3.types["model.layers.0.self_attn.kv_b_proj.weight"] == "Q6_K"
-    assert v3.types["model.layers.8.mlp.experts.0.down_proj.weight"] == "Q4_K"  # not a use-more-bits layer
+    assert (
+        v3.types["lm_head.weight"] == "Q6_K"
+        and v3.types["model.layers.0.self_attn.kv_b_proj.weight"] == "Q6_K"
+    )
+    assert (
+        v3.types["model.layers.8.mlp.experts.0.down_proj.weight"] == "Q4_K"
+    )  # not a use-more-bits layer
     assert v3.types["model.layers.60.mlp.experts.0.down_proj.weight"] == "Q6_K"
 
 
@@ -144,17 +163,36 @@ def test_device_speed_roofline() -> None:
 
 
 def test_seed_check_fields_and_prediction(seed: dict[str, Any]) -> None:
-    assert {"model", "stages", "single", "assumptions", "predicted", "seed", "within_tolerance"} <= set(seed)
+    assert {
+        "model",
+        "stages",
+        "single",
+        "assumptions",
+        "predicted",
+        "seed",
+        "within_tolerance",
+    } <= set(seed)
     model = seed["model"]
-    assert (model["layers"], model["hidden"], model["frame_row_bytes"]) == (43, 4096, 4 * 4096 * 4 + 4)
+    assert (model["layers"], model["hidden"], model["frame_row_bytes"]) == (
+        43,
+        4096,
+        4 * 4096 * 4 + 4,
+    )
     assert all(isinstance(a, str) and a for a in seed["assumptions"])
     for prices in (seed["predicted"], seed["predicted_2bit_experts"]):
         for key in ("split_tok_s_4ms", "split_tok_s_20ms", "single_tok_s"):
             assert math.isfinite(prices[key]) and prices[key] > 0, key
         assert prices["split_tok_s_4ms"] > prices["split_tok_s_20ms"]
     spark, rtx = seed["stages"]
-    assert (spark["layers"], rtx["layers"]) == ([0, 18], [19, 42]) and spark["embedding"] and rtx["head"]
-    assert spark["read_bytes_per_token"] + rtx["read_bytes_per_token"] == seed["single"]["read_bytes_per_token"]
+    assert (
+        (spark["layers"], rtx["layers"]) == ([0, 18], [19, 42])
+        and spark["embedding"]
+        and rtx["head"]
+    )
+    assert (
+        spark["read_bytes_per_token"] + rtx["read_bytes_per_token"]
+        == seed["single"]["read_bytes_per_token"]
+    )
     assert set(seed["within_tolerance"]) == {"split_tok_s_4ms", "split_tok_s_20ms", "single_tok_s"}
 
 
@@ -171,4 +209,6 @@ def test_rtx_5090_stage_fit(seed: dict[str, Any]) -> None:
     held, kv, _ = ref.range_bytes(spec, PlanOptions(), start, 43)
     more, more_kv, _ = ref.range_bytes(spec, PlanOptions(), start - 1, 43)
     assert held + kv <= capacity < more + more_kv
-    assert 0 < seed["rtx_5090_fits_from_layer_2bit_experts"] < start  # smaller experts: more layers fit
+    assert (
+        0 < seed["rtx_5090_fits_from_layer_2bit_experts"] < start
+    )  # smaller experts: more layers fit

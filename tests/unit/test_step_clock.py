@@ -35,7 +35,9 @@ def test_the_median_cpu_outside_the_forward_at_one_row_and_at_many() -> None:
     for outside in (0.002, 0.004, 0.006, 0.05):  # the first falls out of the latest three
         cycle(clock, outside, [(0.01, 1)])
     one = clock.overhead_s()
-    assert set(one) == {1} and 0.006 <= one[1] < 0.03  # the middle one: not the 0.05, nor the sleeps
+    assert (
+        set(one) == {1} and 0.006 <= one[1] < 0.03
+    )  # the middle one: not the 0.05, nor the sleeps
     for rows, outside in ((8, 0.01), (16, 0.02), (32, 0.03)):
         cycle(clock, outside, [(0.01, rows)])
     many = clock.overhead_s()

@@ -36,10 +36,14 @@ def test_stream_reassembles_text(codec: TextCodec) -> None:
 def test_a_cut_inside_a_multibyte_character_drops_the_partial_character(codec: TextCodec) -> None:
     """Generation ending (max_tokens) after some of a character's bytes: the text ends before it."""
     ids = codec.encode("emoji 🦩")  # the flamingo is three tokens of its four bytes
-    cut = next(n for n in range(len(ids), 0, -1) if codec.decode_partial(ids[:n]).endswith("\ufffd"))
+    cut = next(
+        n for n in range(len(ids), 0, -1) if codec.decode_partial(ids[:n]).endswith("\ufffd")
+    )
     decoder = StreamDecoder(codec, ())
     pieces = [decoder.push(token) for token in ids[:cut]] + [decoder.flush()]
-    assert "".join(pieces) == "emoji " == codec.decode(ids[:cut]) and "\ufffd" not in "".join(pieces)
+    assert "".join(pieces) == "emoji " == codec.decode(ids[:cut]) and "\ufffd" not in "".join(
+        pieces
+    )
 
 
 def test_stop_string_cuts_output(codec: TextCodec) -> None:
@@ -65,8 +69,10 @@ def test_streamed_pieces_join_to_the_whole_decode_for_any_ids(codec: TextCodec) 
     rng = random.Random(7)
     vocabulary = codec.tokenizer.get_vocab_size()
     for trial in range(300):
-        ids = [rng.randrange(vocabulary) if rng.random() < 0.7 else rng.randrange(300)  # byte tokens
-               for _ in range(rng.randint(1, 60))]  # fmt: skip
+        ids = [
+            rng.randrange(vocabulary) if rng.random() < 0.7 else rng.randrange(300)  # byte tokens
+            for _ in range(rng.randint(1, 60))
+        ]
         decoder = StreamDecoder(codec, ())
         decoder.special = trial % 2 == 1
         pieces = [decoder.push(token) for token in ids] + [decoder.flush()]

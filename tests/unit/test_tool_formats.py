@@ -110,8 +110,12 @@ def test_the_grammar_of_a_required_call_takes_the_familys_call_and_nothing_else(
     )  # read back as the call
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Rome"})]
     assert reasoning == content == ""
-    for wrong in ("Rome is sunny.", fam.required.replace("get_weather", "get_wether"), fam.required[:-1] + "?",
-                  "Sure. " + fam.required):  # fmt: skip
+    for wrong in (
+        "Rome is sunny.",
+        fam.required.replace("get_weather", "get_wether"),
+        fam.required[:-1] + "?",
+        "Sure. " + fam.required,
+    ):
         assert not _accepts(named, wrong), wrong
     assert _accepts(named, fam.required.replace("Rome", "Rome and Milan"))
     if FORMATS[fam.fmt].shape.param is not None:  # XML-style: a string value is text up to a tag
@@ -162,23 +166,58 @@ WEATHER_CALL = '{"city": "Paris", "days": 2}'
 VARIANTS = [
     # harmony: the recipient before the channel, a preamble on commentary, the call's end marker
     # taken as the stop token (not in the text)
-    ("gpt-oss", f" to=functions.get_weather<|channel|>commentary json<|message|>{WEATHER_CALL}<|call|>", "", ONE),
-    ("gpt-oss", "<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
-                f"to=functions.get_weather <|constrain|>json<|message|>{WEATHER_CALL}", "Let me look.", ONE),
-    ("Mistral-Small-3.2", f"[TOOL_CALLS]get_weather[CALL_ID]{CALL_ID}[ARGS]{WEATHER_CALL}", "", ONE),
+    (
+        "gpt-oss",
+        f" to=functions.get_weather<|channel|>commentary json<|message|>{WEATHER_CALL}<|call|>",
+        "",
+        ONE,
+    ),
+    (
+        "gpt-oss",
+        "<|channel|>commentary<|message|>Let me look.<|end|><|start|>assistant<|channel|>commentary "
+        f"to=functions.get_weather <|constrain|>json<|message|>{WEATHER_CALL}",
+        "Let me look.",
+        ONE,
+    ),
+    (
+        "Mistral-Small-3.2",
+        f"[TOOL_CALLS]get_weather[CALL_ID]{CALL_ID}[ARGS]{WEATHER_CALL}",
+        "",
+        ONE,
+    ),
     ("Llama-3.1", f'Sure. {{"name": "get_weather", "arguments": {WEATHER_CALL}}}', "Sure.", ONE),
-    ("Qwen3-0.6B", f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER_CALL}}}', "", ONE),  # cut short
-    ("Qwen3-Coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\n21\n</parameter>\n<parameter=days>\n"
-                    "2\n</parameter>\n</function>", "", [("get_weather", {"city": "21", "days": 2})]),
-    ("GLM-4.6", "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>21</arg_value>\n</tool_call>", "",
-     [("get_weather", {"city": "21"})]),  # a string by the schema, though it reads as JSON
-    ("Kimi-K2", "No call here: <|tool_calls_section_begin|> broken", "No call here: <|tool_calls_section_begin|> broken", []),
-]  # fmt: skip
+    (
+        "Qwen3-0.6B",
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {WEATHER_CALL}}}',
+        "",
+        ONE,
+    ),  # cut short
+    (
+        "Qwen3-Coder",
+        "<tool_call>\n<function=get_weather>\n<parameter=city>\n21\n</parameter>\n<parameter=days>\n"
+        "2\n</parameter>\n</function>",
+        "",
+        [("get_weather", {"city": "21", "days": 2})],
+    ),
+    (
+        "GLM-4.6",
+        "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>21</arg_value>\n</tool_call>",
+        "",
+        [("get_weather", {"city": "21"})],
+    ),  # a string by the schema, though it reads as JSON
+    (
+        "Kimi-K2",
+        "No call here: <|tool_calls_section_begin|> broken",
+        "No call here: <|tool_calls_section_begin|> broken",
+        [],
+    ),
+]
 
 
 @pytest.mark.parametrize("family, answer, content, calls", VARIANTS)
-def test_the_other_ways_a_family_writes_its_calls(family: str, answer: str, content: str,
-                                                  calls: list[tuple[str, dict[str, Any]]]) -> None:  # fmt: skip
+def test_the_other_ways_a_family_writes_its_calls(
+    family: str, answer: str, content: str, calls: list[tuple[str, dict[str, Any]]]
+) -> None:
     fam = FAMILIES[family]
     prompt = (
         render(family, HISTORY[:2]) if fam.fmt != "glm" else ""

@@ -58,12 +58,19 @@ def admin_key(state_dir: Path) -> str:
 def admin_routes(app: FastAPI, coordinator: Coordinator, book: InviteBook, key: str) -> None:
     def authorise(authorization: str | None) -> None:
         scheme, _, given = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-            raise HTTPException(401, "the administrator's key is required (admin.key in the mesh's state directory)",
-                                headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            given.strip().encode(), key.encode()
+        ):
+            raise HTTPException(
+                401,
+                "the administrator's key is required (admin.key in the mesh's state directory)",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
 
     @app.post(ADMIN_PREFIX + "invites")
-    def create_invite(request: InviteRequest, authorization: Annotated[str | None, Header()] = None) -> dict:
+    def create_invite(
+        request: InviteRequest, authorization: Annotated[str | None, Header()] = None
+    ) -> dict:
         authorise(authorization)
         record, token = book.create(request.expires_s, request.uses)
         return {**record.public(), "token": token}
@@ -74,7 +81,9 @@ def admin_routes(app: FastAPI, coordinator: Coordinator, book: InviteBook, key: 
         return {"invites": book.listing()}
 
     @app.delete(ADMIN_PREFIX + "invites/{invite_id}")
-    def revoke_invite(invite_id: str, authorization: Annotated[str | None, Header()] = None) -> dict:
+    def revoke_invite(
+        invite_id: str, authorization: Annotated[str | None, Header()] = None
+    ) -> dict:
         authorise(authorization)
         if not book.revoke(invite_id):
             raise HTTPException(404, f"no invite {invite_id}")
@@ -84,11 +93,15 @@ def admin_routes(app: FastAPI, coordinator: Coordinator, book: InviteBook, key: 
     def remove_node(node_id: str, authorization: Annotated[str | None, Header()] = None) -> dict:
         authorise(authorization)
         if not coordinator.remove_node(node_id):
-            raise HTTPException(404, f"no member {node_id} (it is barred from rejoining all the same)")
+            raise HTTPException(
+                404, f"no member {node_id} (it is barred from rejoining all the same)"
+            )
         return {"node_id": node_id, "removed": True}
 
     @app.put(ADMIN_PREFIX + "balance")
-    def hold_plan(request: BalanceRequest, authorization: Annotated[str | None, Header()] = None) -> dict:
+    def hold_plan(
+        request: BalanceRequest, authorization: Annotated[str | None, Header()] = None
+    ) -> dict:
         authorise(authorization)
         coordinator.balance.held = request.hold
         return {"hold": request.hold, "plan_id": coordinator.plan_id}

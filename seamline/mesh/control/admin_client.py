@@ -40,22 +40,32 @@ class AdminClient:
     def __init__(self, state_dir: Path, url: str | None = None) -> None:
         key_file, endpoint_file = state_dir / ADMIN_KEY_FILE, state_dir / ENDPOINT_FILE
         if not key_file.is_file() or not endpoint_file.is_file():
-            raise SeamlineError(f"no running mesh's state in {state_dir} (start `seamline serve`, or pass --state-dir)")
+            raise SeamlineError(
+                f"no running mesh's state in {state_dir} (start `seamline serve`, or pass --state-dir)"
+            )
         endpoint = json.loads(endpoint_file.read_text())
         verify: ssl.SSLContext | bool = True
         if endpoint.get("certificate"):
             verify = ssl.create_default_context(cadata=endpoint["certificate"])
             verify.check_hostname = False
-        self.http = httpx.Client(base_url=url or endpoint["url"], verify=verify, timeout=30,
-                                 headers={"Authorization": f"Bearer {key_file.read_text().strip()}"})  # fmt: skip
+        self.http = httpx.Client(
+            base_url=url or endpoint["url"],
+            verify=verify,
+            timeout=30,
+            headers={"Authorization": f"Bearer {key_file.read_text().strip()}"},
+        )
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         try:
             reply = self.http.request(method, ADMIN_PREFIX + path, json=body)
         except httpx.HTTPError as exc:
-            raise SeamlineError(f"cannot reach the coordinator at {self.http.base_url}: {exc}") from None
+            raise SeamlineError(
+                f"cannot reach the coordinator at {self.http.base_url}: {exc}"
+            ) from None
         if reply.status_code != 200:
-            raise SeamlineError(f"the coordinator refused: {reply.status_code} {reply.json().get('detail', reply.text)}")
+            raise SeamlineError(
+                f"the coordinator refused: {reply.status_code} {reply.json().get('detail', reply.text)}"
+            )
         return dict(reply.json())
 
 
@@ -64,5 +74,7 @@ def format_invites(invites: list[dict[str, Any]]) -> str:
     for invite in invites:
         expires = time.strftime("%Y-%m-%d %H:%M", time.gmtime(float(invite["expires"])))
         uses = "any" if invite["uses"] is None else str(invite["uses"])
-        lines.append(f"{invite['id']:<14}{invite['state']:<10}{invite['used']:>6} {uses:<6}{expires}")
+        lines.append(
+            f"{invite['id']:<14}{invite['state']:<10}{invite['used']:>6} {uses:<6}{expires}"
+        )
     return "\n".join(lines)

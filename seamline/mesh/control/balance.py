@@ -55,7 +55,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("seamline.coordinator")
 WINDOW_S = 6.0
-MIN_BUSY = 0.5  # of the window, on the busiest stage: below, the pipeline is not loaded enough to tell
+MIN_BUSY = (
+    0.5  # of the window, on the busiest stage: below, the pipeline is not loaded enough to tell
+)
 LOADED_WINDOWS = 4  # a decision every so many loaded windows
 KEPT_WINDOWS = 16  # a plan's latest loaded windows, taken together, decide
 TOLERANCE = 0.15
@@ -63,7 +65,10 @@ GAIN = 1.05  # a re-balanced plan is switched to when predicted this much faster
 DAMPING = 0.75  # of a measured slowdown, in logarithms, taken into a node's planned rate
 MAX_SWITCHES = 3  # re-balances per set of members
 REVERSAL = 0.5  # of a correction that undoes the last switch's, in logarithms
-CORRECTION_BOUNDS = (0.25, 4.0)  # a node is never planned at less than a quarter, or more than 4x, its probed rate
+CORRECTION_BOUNDS = (
+    0.25,
+    4.0,
+)  # a node is never planned at less than a quarter, or more than 4x, its probed rate
 
 
 @dataclass(frozen=True)
@@ -81,11 +86,19 @@ def slowdowns(plan: Plan, before: BusyWindow, after: BusyWindow) -> dict[str, fl
     if before.plan_id != after.plan_id or len(before.busy) != len(plan.stages) or wall <= 0:
         return None
     spent = [b1 - b0 for b0, b1 in zip(before.busy, after.busy)]
-    if max(spent) < MIN_BUSY * wall or min(spent) <= 0 or any(s.under_load_s <= 0 for s in plan.stages):
+    if (
+        max(spent) < MIN_BUSY * wall
+        or min(spent) <= 0
+        or any(s.under_load_s <= 0 for s in plan.stages)
+    ):
         return None
     idle = [i1 - i0 for i0, i1 in zip(before.idle, after.idle)]
-    occupied = [max(busy, wall - waited) for busy, waited in zip(spent, idle)]  # at least its forwards
-    ratios = {stage.node_id: seconds / stage.under_load_s for stage, seconds in zip(plan.stages, occupied)}
+    occupied = [
+        max(busy, wall - waited) for busy, waited in zip(spent, idle)
+    ]  # at least its forwards
+    ratios = {
+        stage.node_id: seconds / stage.under_load_s for stage, seconds in zip(plan.stages, occupied)
+    }
     mean = sum(ratios.values()) / len(ratios)
     return {node: ratio / mean for node, ratio in ratios.items()}
 
@@ -105,9 +118,13 @@ class Balance:
         self._plan_id = -1
         self._members: frozenset[str] = frozenset()
         self._switches = 0  # re-balances of these members
-        self._moved: dict[str, float] = {}  # the last switch's change to each node's correction (logarithm)
+        self._moved: dict[
+            str, float
+        ] = {}  # the last switch's change to each node's correction (logarithm)
         self._last: BusyWindow | None = None
-        self._loaded: list[tuple[BusyWindow, BusyWindow]] = []  # the serving plan's latest loaded windows
+        self._loaded: list[
+            tuple[BusyWindow, BusyWindow]
+        ] = []  # the serving plan's latest loaded windows
         self._fresh = 0  # of them, loaded since the last decision
         self._kept = -1  # the last plan a decision kept
         self._stopped = threading.Event()
@@ -134,7 +151,12 @@ class Balance:
             self._last = None
             return
         if plan_id != self._plan_id:  # a new plan: priced with the corrections as they are now
-            self._plan_id, self._basis, self._loaded, self._fresh = plan_id, dict(self.corrections), [], 0
+            self._plan_id, self._basis, self._loaded, self._fresh = (
+                plan_id,
+                dict(self.corrections),
+                [],
+                0,
+            )
             members = frozenset(s.node_id for s in plan.stages)
             if members != self._members:
                 self._members, self._switches, self._moved = members, 0, {}
@@ -145,7 +167,10 @@ class Balance:
         before, self._last = self._last, window
         if before is None or slowdowns(plan, before, window) is None:
             return  # not loaded: skipped
-        self._loaded, self._fresh = [*self._loaded[1 - KEPT_WINDOWS :], (before, window)], self._fresh + 1
+        self._loaded, self._fresh = (
+            [*self._loaded[1 - KEPT_WINDOWS :], (before, window)],
+            self._fresh + 1,
+        )
         if self._fresh < LOADED_WINDOWS:
             return
         self._fresh = 0
@@ -162,7 +187,9 @@ class Balance:
             if move * self._moved.get(node, 0.0) < 0:  # back the way the last switch went
                 move *= REVERSAL
             moves[node] = move
-            self.corrections[node] = min(high, max(low, self._basis.get(node, 1.0) * math.exp(move)))
+            self.corrections[node] = min(
+                high, max(low, self._basis.get(node, 1.0) * math.exp(move))
+            )
         if not self.coordinator.planning.rebalance(plan, found, GAIN):
             return False
         self._switches += 1
@@ -193,5 +220,9 @@ def _joined(windows: list[tuple[BusyWindow, BusyWindow]]) -> tuple[BusyWindow, B
 
 
 def _window(plan_id: int, stats: list[Stats]) -> BusyWindow:
-    return BusyWindow(plan_id, time.monotonic(), tuple(s.busy_seconds for s in stats),
-                  tuple(s.idle_seconds for s in stats))
+    return BusyWindow(
+        plan_id,
+        time.monotonic(),
+        tuple(s.busy_seconds for s in stats),
+        tuple(s.idle_seconds for s in stats),
+    )

@@ -21,6 +21,7 @@ from typing import Any
 
 from seamline.config import ModelConfig
 from seamline.errors import RequestError
+from seamline.mesh.control.balance import Balance
 from seamline.mesh.control.enrollment import Enrollment
 from seamline.mesh.control.events import EventFeed
 from seamline.mesh.control.invites import InviteBook
@@ -37,7 +38,6 @@ from seamline.mesh.control.mesh_state import (
 from seamline.mesh.control.mesh_status import describe
 from seamline.mesh.control.node_handle import NodeHandle
 from seamline.mesh.control.peer_links import PeerLinks
-from seamline.mesh.control.balance import Balance
 from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.reference import Reference
 from seamline.mesh.control.relay import Relay
@@ -74,7 +74,7 @@ from seamline.net.messages import (
     Stats,
     StatsRequest,
     encode_message,
-)  # fmt: skip
+)
 from seamline.runtime.grammar import TokenMasks
 
 log = logging.getLogger("seamline.coordinator")
@@ -84,8 +84,12 @@ log = logging.getLogger("seamline.coordinator")
 class CoordinatorOptions:
     nodes_expected: int = 1
     dtype: str = "float32"
-    int8_activations: bool = False  # every stage's quantized matmuls on int8 blocks (``seamline.precision``)
-    precision: str = "exact"  # the name of the precision ``dtype`` and ``int8_activations`` come from
+    int8_activations: bool = (
+        False  # every stage's quantized matmuls on int8 blocks (``seamline.precision``)
+    )
+    precision: str = (
+        "exact"  # the name of the precision ``dtype`` and ``int8_activations`` come from
+    )
     context_length: int = 4096
     fragments_url: str = ""
     fragments_certificate: str = ""  # PEM, when the API (and so the fragments) is served over HTTPS
@@ -95,17 +99,27 @@ class CoordinatorOptions:
     transport: str = "tcp"  # lockstep groups' Comm: auto | tcp | torch
     gate_timeout_s: float = 30.0
     insecure_comm: bool = False  # torch.distributed may run between hosts (it encrypts nothing)
-    micro_batches: int = 0  # in flight in the pipeline (0: one per stage; fewer than the stages are not taken)
-    live_growth: bool = True  # a node joining a serving mesh is planned in when it raises throughput enough
-    rebalance: bool = True  # stages that measure apart from the plan under load are re-planned (``balance``)
+    micro_batches: int = (
+        0  # in flight in the pipeline (0: one per stage; fewer than the stages are not taken)
+    )
+    live_growth: bool = (
+        True  # a node joining a serving mesh is planned in when it raises throughput enough
+    )
+    rebalance: bool = (
+        True  # stages that measure apart from the plan under load are re-planned (``balance``)
+    )
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
     heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
     state_dir: Path | None = None  # removed members are kept here
-    package_dir: Path | None = None  # the packaged model: stages are checked against it (None: unchecked)
+    package_dir: Path | None = (
+        None  # the packaged model: stages are checked against it (None: unchecked)
+    )
     verify_fraction: float = 0.0  # of requests followed through the coordinator's copy (``verify``)
     private: bool = False  # the route's ends on the coordinator's own node: members see no token (``plan.private``)
     own_invite: str = ""  # the invite made for the coordinator's own node alone
-    speculation: str = "auto"  # stage 0 drafts windows (``runtime/speculation.py``) where the route allows
+    speculation: str = (
+        "auto"  # stage 0 drafts windows (``runtime/speculation.py``) where the route allows
+    )
     draft_max: int = 8
 
 
@@ -118,14 +132,22 @@ class Coordinator:
     joining (``joining.Joining``), its planning (``planning.Planning``) and the start-up of each
     plan (``startup.StartUp``)."""
 
-    def __init__(self, invites: InviteBook, model: ModelSpec, model_hash: str, options: CoordinatorOptions,
-                 authority: MeshAuthority | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        invites: InviteBook,
+        model: ModelSpec,
+        model_hash: str,
+        options: CoordinatorOptions,
+        authority: MeshAuthority | None = None,
+    ) -> None:
         """``invites``: who may join; ``authority``: the mesh CA, whose certificates every link
         presents (None: plaintext links, for measuring what TLS costs)."""
         self.invites = invites
         self.invite = invites.where
         removed = options.state_dir / "removed.json" if options.state_dir else None
-        self.enrollment = Enrollment(authority, removed_file=removed) if authority is not None else None
+        self.enrollment = (
+            Enrollment(authority, removed_file=removed) if authority is not None else None
+        )
         self.model = model
         self.model_hash = model_hash
         self.options = options
@@ -135,7 +157,9 @@ class Coordinator:
         self.lock = threading.RLock()  # held while a decision is taken on the state it reads
         self.on_tokens: TokenSink = lambda rows: None
         self.on_failure: FailureSink = lambda request, reason, blame: None
-        self.in_flight: Callable[[int], bool] = lambda request: False  # the backend's: a client waits on it
+        self.in_flight: Callable[[int], bool] = lambda request: (
+            False
+        )  # the backend's: a client waits on it
         self.refusals = Refusals()  # what members sent that was not theirs to say
         self.fragment_gate: PeerGate | None = None  # the fragment port's, over TLS (``serve.Mesh``)
         reference = Reference(options.package_dir, options.dtype) if options.package_dir else None
@@ -145,8 +169,13 @@ class Coordinator:
         self.planning = Planning(self)
         self.balance = Balance(self)
         self.startup = StartUp(self)
-        self.verifier = Verifier(reference, options.verify_fraction, lambda rows: self.on_tokens(rows),
-                                 self.startup.expel, masks=_masks(options.package_dir))  # fmt: skip
+        self.verifier = Verifier(
+            reference,
+            options.verify_fraction,
+            lambda rows: self.on_tokens(rows),
+            self.startup.expel,
+            masks=_masks(options.package_dir),
+        )
 
     # -- the state: read here, changed only by ``apply`` ---------------------------------
     def apply(self, event: Event) -> MeshState:
@@ -201,10 +230,17 @@ class Coordinator:
             if isinstance(message, TokenFrame):
                 self._take_tokens(handle, message)
             elif isinstance(message, (Ready, Linked)):
-                plan_id = message.descriptor.plan_id if isinstance(message, Ready) else message.plan_id
+                plan_id = (
+                    message.descriptor.plan_id if isinstance(message, Ready) else message.plan_id
+                )
                 if plan_id != self.plan_id:  # a start-up a newer plan replaced
-                    log.info("ignored node %s's %s for plan %d: plan %d is current", handle.node_id,
-                             message.kind, plan_id, self.plan_id)  # fmt: skip
+                    log.info(
+                        "ignored node %s's %s for plan %d: plan %d is current",
+                        handle.node_id,
+                        message.kind,
+                        plan_id,
+                        self.plan_id,
+                    )
                     continue
                 with handle.changed:
                     if isinstance(message, Ready):
@@ -222,11 +258,24 @@ class Coordinator:
                 self._reported(handle, message)
             elif isinstance(message, Renew):
                 self.joining.renew(handle, message)
-            elif isinstance(message, Pong) and not handle.beats.answered(message.nonce) \
-                    and not handle.pongs.arrived(message.nonce):  # fmt: skip
-                log.warning("refused node %s's pong %d: no such ping is waiting", handle.node_id, message.nonce)
-            elif isinstance(message, PeerLink) and not self.peer_links.report(handle.node_id, message):
-                log.warning("ignored node %s's link report on %s: it was not asked", handle.node_id, message.peer_node)
+            elif (
+                isinstance(message, Pong)
+                and not handle.beats.answered(message.nonce)
+                and not handle.pongs.arrived(message.nonce)
+            ):
+                log.warning(
+                    "refused node %s's pong %d: no such ping is waiting",
+                    handle.node_id,
+                    message.nonce,
+                )
+            elif isinstance(message, PeerLink) and not self.peer_links.report(
+                handle.node_id, message
+            ):
+                log.warning(
+                    "ignored node %s's link report on %s: it was not asked",
+                    handle.node_id,
+                    message.peer_node,
+                )
             elif isinstance(message, (SpeedReady, SpeedSums)) and handle.speed_check is not None:
                 handle.speed_check.answer(message)
             elif isinstance(message, Digests):
@@ -241,13 +290,20 @@ class Coordinator:
         and only for requests in flight (a member's control link could name any request)."""
         plan = self.plan  # read once, without the lock a re-plan holds while it plans
         if handle.node_id != drawer(plan) or self.nodes.get(handle.node_id) is not handle:
-            self.refusals.refuse(handle.node_id, "TOKEN frame: it does not draw the current plan's tokens",
-                                 len(frame.rows))  # fmt: skip
+            self.refusals.refuse(
+                handle.node_id,
+                "TOKEN frame: it does not draw the current plan's tokens",
+                len(frame.rows),
+            )
             return
         rows = [row for row in frame.rows if self.in_flight(row.request)]
         if len(rows) < len(frame.rows):  # a client that went away leaves a few of these
-            self.refusals.refuse(handle.node_id, "tokens for requests not in flight", len(frame.rows) - len(rows),
-                                 logging.INFO)  # fmt: skip
+            self.refusals.refuse(
+                handle.node_id,
+                "tokens for requests not in flight",
+                len(frame.rows) - len(rows),
+                logging.INFO,
+            )
         if rows:
             self.verifier.tokens(rows)  # held until checked, for a request the coordinator follows
 
@@ -265,8 +321,12 @@ class Coordinator:
             return
         if message.request is None:
             with handle.changed:
-                if message.room_bytes is not None:  # it claimed more room than it has: planned with what it has
-                    handle.memory_cap = min(message.room_bytes, handle.memory_cap or message.room_bytes)
+                if (
+                    message.room_bytes is not None
+                ):  # it claimed more room than it has: planned with what it has
+                    handle.memory_cap = min(
+                        message.room_bytes, handle.memory_cap or message.room_bytes
+                    )
                 handle.failure = message.reason
                 handle.changed.notify_all()
             return
@@ -276,12 +336,20 @@ class Coordinator:
             return
         ends = may_end(plan, handle.node_id)
         if message.blame != "node" and not (ends and self.in_flight(message.request)):
-            self.refusals.refuse(handle.node_id, f"a report ending a request ({message.blame}): it is not stage 0 "
-                                                 "or the drawing stage, or the request is not in flight")  # fmt: skip
+            self.refusals.refuse(
+                handle.node_id,
+                f"a report ending a request ({message.blame}): it is not stage 0 "
+                "or the drawing stage, or the request is not in flight",
+            )
             return
         if message.blame == "node":
-            if not self.ready.is_set():  # the route is being replaced: links break as stages go; nothing to replay
-                log.info("ignored node %s's report that its stage failed: the mesh is re-planning", handle.node_id)
+            if (
+                not self.ready.is_set()
+            ):  # the route is being replaced: links break as stages go; nothing to replay
+                log.info(
+                    "ignored node %s's report that its stage failed: the mesh is re-planning",
+                    handle.node_id,
+                )
                 return
             self.lose(handle, f"it reports its stage failed: {message.reason}", observed=False)
             return
@@ -293,12 +361,25 @@ class Coordinator:
         Either way its requests replay. A report on an older plan, or naming a node outside
         the reporter's group, changes nothing."""
         with self.lock:
-            current = self.plan is not None and message.plan_id == self.plan_id and self.nodes.get(handle.node_id) is handle
-            group = next((s.members() for s in self.plan.stages if handle.node_id in s.members()), ()) if current else ()
+            current = (
+                self.plan is not None
+                and message.plan_id == self.plan_id
+                and self.nodes.get(handle.node_id) is handle
+            )
+            group = (
+                next((s.members() for s in self.plan.stages if handle.node_id in s.members()), ())
+                if current
+                else ()
+            )
             suspect = self.nodes.get(message.suspect) if message.suspect in group else None
         if not group or (message.suspect is not None and message.suspect not in group):
-            log.warning("ignored node %s's report on plan %s's group (plan %d is current; it blames %s)",
-                        handle.node_id, message.plan_id, self.plan_id, message.suspect)  # fmt: skip
+            log.warning(
+                "ignored node %s's report on plan %s's group (plan %d is current; it blames %s)",
+                handle.node_id,
+                message.plan_id,
+                self.plan_id,
+                message.suspect,
+            )
         elif message.suspect is None or message.suspect == handle.node_id:
             with self.lock:
                 if message.plan_id != self.plan_id:
@@ -338,18 +419,24 @@ class Coordinator:
     def _replan(self, event: str, detail: str, observed: bool = True) -> None:
         """The plan serves no more (``event``): plan again; requests in flight replay on the next."""
         self.apply(Replanning(event))
-        self.on_failure(None, f"{event} mid-request ({detail})", "lost" if observed else "replanned")
+        self.on_failure(
+            None, f"{event} mid-request ({detail})", "lost" if observed else "replanned"
+        )
         self.planning.maybe_plan(force=True)
 
     def own_node(self) -> str:
         """The coordinator's own node: the one that joined with the invite made for it alone
         ("" until it has); a private mesh's ends are its."""
-        own = [h.node_id for h in self.nodes.values() if self.options.own_invite
-               and h.join.invite_id == self.options.own_invite]  # fmt: skip
+        own = [
+            h.node_id
+            for h in self.nodes.values()
+            if self.options.own_invite and h.join.invite_id == self.options.own_invite
+        ]
         return own[0] if own else ""
 
-    def reach(self, target: NodeHandle | None, dialler: NodeHandle,
-              probe: bool = False) -> tuple[tuple[str, int] | None, str]:  # fmt: skip
+    def reach(
+        self, target: NodeHandle | None, dialler: NodeHandle, probe: bool = False
+    ) -> tuple[tuple[str, int] | None, str]:
         """Where ``dialler`` dials ``target``'s data port, and the relay ticket when it must go
         through the relay (``target`` takes no inbound connection and is told to dial out too).
         ``probe``: the link only measures the pair (``peer_links``)."""
@@ -361,7 +448,9 @@ class Coordinator:
         target.link.send_message(RelayAccept(ticket=ticket, peer_node=dialler.node_id, probe=probe))
         return (self.invite.hosts[0], self.invite.control_port), ticket
 
-    def wait_for(self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float) -> Any:
+    def wait_for(
+        self, handle: NodeHandle, value: Callable[[], object], what: str, timeout_s: float
+    ) -> Any:
         """``value()`` once it is not None: what ``handle``'s reader set; StartupError when the
         node reports a failure, leaves, or sends nothing within ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
@@ -372,13 +461,17 @@ class Coordinator:
                 if handle.node_id not in self.nodes:
                     raise StartupError(f"node {handle.node_id} left before {what}")
                 if not handle.changed.wait(timeout=max(0.0, deadline - time.monotonic())):
-                    raise StartupError(f"node {handle.node_id} sent no {what} within {timeout_s:.0f} s")
+                    raise StartupError(
+                        f"node {handle.node_id} sent no {what} within {timeout_s:.0f} s"
+                    )
         return got
 
     # -- requests -----------------------------------------------------------------------
     def pipeline(self) -> list[NodeHandle]:
         with self.lock:
-            state = self.keeper.current  # one snapshot: a node lost leaves its plan until the re-plan
+            state = (
+                self.keeper.current
+            )  # one snapshot: a node lost leaves its plan until the re-plan
             if state.plan is None or not self.ready.is_set():
                 raise StartupError(f"the mesh is not ready: {state.phase}")
             gone = [s.node_id for s in state.plan.stages if s.node_id not in state.nodes]
@@ -391,8 +484,10 @@ class Coordinator:
         prompt follows in chunks. An Open larger than a node takes is the request's fault."""
         size = len(encode_message(open_msg))
         if size > LIMITS[FrameType.CONTROL]:
-            raise RequestError(f"the request's sampling parameters take {size} bytes, more than the "
-                               f"{LIMITS[FrameType.CONTROL]} a node takes in one message")  # fmt: skip
+            raise RequestError(
+                f"the request's sampling parameters take {size} bytes, more than the "
+                f"{LIMITS[FrameType.CONTROL]} a node takes in one message"
+            )
         stage0 = self.pipeline()[0]
         self.verifier.opened(open_msg, tokens)
         stage0.link.send_message(open_msg)
@@ -425,10 +520,21 @@ class Coordinator:
         return describe(self)
 
 
-__all__ = ["Coordinator", "CoordinatorOptions", "StartupError", "Superseded", "choose_transport", "Message"]
+__all__ = [
+    "Coordinator",
+    "CoordinatorOptions",
+    "StartupError",
+    "Superseded",
+    "choose_transport",
+    "Message",
+]
 
 
 def _masks(package_dir: Path | None) -> TokenMasks | None:
     """The grammars of followed requests, matched with the packaged tokenizer."""
     tokenizer = package_dir / "tokenizer.json" if package_dir else None
-    return TokenMasks(lambda: tokenizer.read_text()) if tokenizer is not None and tokenizer.is_file() else None  # type: ignore[union-attr]
+    return (
+        TokenMasks(lambda: tokenizer.read_text())
+        if tokenizer is not None and tokenizer.is_file()
+        else None
+    )  # type: ignore[union-attr]

@@ -24,14 +24,22 @@ from seamline.net.messages import Challenge, Join
 
 
 class Enrollment:
-    def __init__(self, authority: MeshAuthority, cert_ttl_s: float = CERT_TTL_S,
-                 removed_file: Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        authority: MeshAuthority,
+        cert_ttl_s: float = CERT_TTL_S,
+        removed_file: Path | None = None,
+    ) -> None:
         self.authority = authority
         self.cert_ttl_s = cert_ttl_s
         self.identity = authority.identity(COORDINATOR_ID, ttl_s=max(cert_ttl_s, 24 * 3600))
         self.control_context: ssl.SSLContext = self.identity.server_context(require_peer=False)
         self._removed_file = removed_file
-        self.removed: set[str] = set(json.loads(removed_file.read_text())) if removed_file and removed_file.is_file() else set()
+        self.removed: set[str] = (
+            set(json.loads(removed_file.read_text()))
+            if removed_file and removed_file.is_file()
+            else set()
+        )
         self._lock = threading.Lock()
 
     def challenge(self, nonce: str) -> Challenge:

@@ -28,8 +28,15 @@ class EventFeed:
             return
         with self._guard:
             self._count += 1
-            self._events.append({"seq": self._count, "time": time.time(), "kind": event.kind,
-                                 "level": logging.getLevelName(level).lower(), "message": event.describe(state)})  # fmt: skip
+            self._events.append(
+                {
+                    "seq": self._count,
+                    "time": time.time(),
+                    "kind": event.kind,
+                    "level": logging.getLevelName(level).lower(),
+                    "message": event.describe(state),
+                }
+            )
 
     def recent(self) -> list[dict[str, object]]:
         with self._guard:

@@ -32,8 +32,12 @@ log = logging.getLogger("seamline.coordinator")
 def watch(coordinator: Coordinator, timeout_s: float) -> threading.Thread:
     """Start the heartbeat thread: a beat a third of ``timeout_s`` apart (at most a second)."""
     every_s = min(1.0, timeout_s / 3)
-    thread = threading.Thread(target=_beat_forever, args=(coordinator, every_s, timeout_s), daemon=True,
-                              name="seamline-heartbeats")  # fmt: skip
+    thread = threading.Thread(
+        target=_beat_forever,
+        args=(coordinator, every_s, timeout_s),
+        daemon=True,
+        name="seamline-heartbeats",
+    )
     thread.start()
     return thread
 
@@ -49,12 +53,16 @@ def _beat_forever(coordinator: Coordinator, every_s: float, timeout_s: float) ->
             if reason is not None:
                 log.warning("node %s %s: taken for lost", handle.node_id, reason)
                 handle.link.close()  # wakes a sender stuck on it
-                threading.Thread(target=coordinator.lose, args=(handle, reason), daemon=True).start()
+                threading.Thread(
+                    target=coordinator.lose, args=(handle, reason), daemon=True
+                ).start()
         for gone in full_since.keys() - {h.node_id for h in handles}:
             del full_since[gone]
 
 
-def _beat(handle: NodeHandle, every_s: float, timeout_s: float, full_since: dict[str, float]) -> str | None:
+def _beat(
+    handle: NodeHandle, every_s: float, timeout_s: float, full_since: dict[str, float]
+) -> str | None:
     """Send ``handle`` a heartbeat if that cannot wait; why it is lost, or None."""
     if handle.link.closed:
         return None  # its reader finds the link closed and reports the loss
@@ -80,4 +88,8 @@ def _beat(handle: NodeHandle, every_s: float, timeout_s: float, full_since: dict
         full_since.pop(handle.node_id, None)
         return None
     full = now - full_since.setdefault(handle.node_id, now)
-    return f"read nothing for {full:.1f} s (its link had no room for a heartbeat)" if full > timeout_s else None
+    return (
+        f"read nothing for {full:.1f} s (its link had no room for a heartbeat)"
+        if full > timeout_s
+        else None
+    )

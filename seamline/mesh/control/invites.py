@@ -68,16 +68,28 @@ class InviteBook:
             raise ValueError("an invite needs at least one use")
         if ttl_s <= 0:
             raise ValueError("an invite must expire in the future")
-        record = InviteRecord(secrets.token_hex(6), secrets.token_hex(16), time.time() + ttl_s, uses,
-                              created=time.time())  # fmt: skip
+        record = InviteRecord(
+            secrets.token_hex(6),
+            secrets.token_hex(16),
+            time.time() + ttl_s,
+            uses,
+            created=time.time(),
+        )
         with self._lock:
             self._records[record.id] = record
             self._save()
         return record, self.token(record)
 
     def token(self, record: InviteRecord) -> str:
-        return Invite(self.where.hosts, self.where.control_port, self.where.http_port, record.secret, record.expires,
-                      self.where.ca_fingerprint, record.id).encode()  # fmt: skip
+        return Invite(
+            self.where.hosts,
+            self.where.control_port,
+            self.where.http_port,
+            record.secret,
+            record.expires,
+            self.where.ca_fingerprint,
+            record.id,
+        ).encode()
 
     def listing(self) -> list[dict[str, object]]:
         with self._lock:
@@ -102,7 +114,12 @@ class InviteBook:
                 return "wrong invite token (unknown, forged or altered)", ""
             refusal = record.refusal(time.time())
             if refusal:
-                return f"the invite token was {refusal}" if refusal != "expired" else "the invite token has expired", ""
+                return (
+                    f"the invite token was {refusal}"
+                    if refusal != "expired"
+                    else "the invite token has expired",
+                    "",
+                )
             record.used += 1
             if node_id:
                 record.nodes.append(node_id)

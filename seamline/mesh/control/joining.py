@@ -50,13 +50,17 @@ from seamline.net.messages import (
     Revoked,
     Welcome,
     node_id_refusal,
-)  # fmt: skip
+)
 from seamline.weights.fragments import FragmentEntry
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
 
-PRIVATE_KINDS = ("embed", "head", "tokenizer")  # a private mesh's ends hold these; no member is sent them
+PRIVATE_KINDS = (
+    "embed",
+    "head",
+    "tokenizer",
+)  # a private mesh's ends hold these; no member is sent them
 log = logging.getLogger("seamline.coordinator")
 ATTACH_WITHIN_S = 60.0  # an enrolled node opens its control link within this
 # A member's control link takes what members send: its messages, whose every field is bounded
@@ -75,15 +79,24 @@ class Joining:
         self.enrollment = coordinator.enrollment
         self.options = coordinator.options
         self._server: socket.socket | None = None
-        self._fragment_tokens: dict[str, str] = {}  # node id -> its bearer token for fragment downloads
-        self._enrolled: dict[str, tuple[Join, float]] = {}  # certified, not yet attached: (join, deadline)
+        self._fragment_tokens: dict[
+            str, str
+        ] = {}  # node id -> its bearer token for fragment downloads
+        self._enrolled: dict[
+            str, tuple[Join, float]
+        ] = {}  # certified, not yet attached: (join, deadline)
         self._lock = threading.Lock()  # over the two above
 
     def start(self, host: str) -> int:
         c = self.coordinator
         self._server = server = listen(host, c.invite.control_port)
-        accept_links(server, "control", self._handshake, tls=self._control_context,
-                     plain={RELAY_MAGIC: c.relay.serve})  # fmt: skip
+        accept_links(
+            server,
+            "control",
+            self._handshake,
+            tls=self._control_context,
+            plain={RELAY_MAGIC: c.relay.serve},
+        )
         heartbeats.watch(c, self.options.heartbeat_timeout_s)
         return int(server.getsockname()[1])
 
@@ -95,9 +108,13 @@ class Joining:
         link.limits = HANDSHAKE_LIMITS  # nothing large from a peer that has not proved itself
         try:
             nonce = secrets.token_hex(16)
-            link.send_message(self.enrollment.challenge(nonce) if self.enrollment else Challenge(nonce=nonce))
+            link.send_message(
+                self.enrollment.challenge(nonce) if self.enrollment else Challenge(nonce=nonce)
+            )
             first = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
-            claimed = first.join.node_id if isinstance(first, Rejoin) else getattr(first, "node_id", None)
+            claimed = (
+                first.join.node_id if isinstance(first, Rejoin) else getattr(first, "node_id", None)
+            )
             if isinstance(claimed, str) and (bad := node_id_refusal(claimed)):
                 self._refuse(link, peer, bad, final=True)
             elif isinstance(first, Attach):
@@ -123,13 +140,20 @@ class Joining:
             return
         assert isinstance(join, Join)
         if self.enrollment is None:  # plaintext: this connection is the control link
-            link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(secret, join.nonce)))
+            link.send_message(
+                Welcome(node_id=join.node_id, proof=coordinator_proof(secret, join.nonce))
+            )
             self._enter(join, link, peer)
             return
         with self._lock:
             self._enrolled[join.node_id] = (join, time.monotonic() + ATTACH_WITHIN_S)
-        link.send_message(Welcome(node_id=join.node_id, proof=coordinator_proof(secret, join.nonce),
-                                  certificate=certificate))  # fmt: skip
+        link.send_message(
+            Welcome(
+                node_id=join.node_id,
+                proof=coordinator_proof(secret, join.nonce),
+                certificate=certificate,
+            )
+        )
         try:
             link.recv(deadline_s=HANDSHAKE_DEADLINE_S)  # the node hangs up and attaches anew
         except (LinkClosed, FrameError):
@@ -140,10 +164,16 @@ class Joining:
         """An enrolled node's control link: its certificate must name the node it says it is."""
         certified = link.peer_id()
         with self._lock:
-            pending = self._enrolled.pop(attach.node_id, None) if certified == attach.node_id else None
+            pending = (
+                self._enrolled.pop(attach.node_id, None) if certified == attach.node_id else None
+            )
         if pending is None or pending[1] < time.monotonic():
-            self._refuse(link, peer, f"a certificate for {certified or 'no one'!r} attached as node "
-                                     f"{attach.node_id}, which has not just enrolled")  # fmt: skip
+            self._refuse(
+                link,
+                peer,
+                f"a certificate for {certified or 'no one'!r} attached as node "
+                f"{attach.node_id}, which has not just enrolled",
+            )
             return
         link.send_message(Attached(node_id=attach.node_id))
         self._enter(pending[0], link, peer)
@@ -161,7 +191,9 @@ class Joining:
             reason = f"node {join.node_id} was removed from this mesh"
         elif join.protocol_version != PROTOCOL_VERSION:
             reason = f"protocol version {join.protocol_version} is not {PROTOCOL_VERSION}"
-        elif join.node_id in self.coordinator.nodes or join.node_id in self._enrolled:  # its old link not found lost
+        elif (
+            join.node_id in self.coordinator.nodes or join.node_id in self._enrolled
+        ):  # its old link not found lost
             reason, final = f"a node named {join.node_id} has already joined", False
         if reason:
             self._refuse(link, peer, reason, final)
@@ -203,8 +235,11 @@ class Joining:
                     address, ticket = c.reach(target, prober, probe=True)
                     assert address is not None
                     c.peer_links.ask(prober.node_id, target.node_id)
-                    prober.link.send_message(MeasurePeer(peer_node=target.node_id, host=address[0], port=address[1],
-                                                         relay=ticket))  # fmt: skip
+                    prober.link.send_message(
+                        MeasurePeer(
+                            peer_node=target.node_id, host=address[0], port=address[1], relay=ticket
+                        )
+                    )
                 except LinkClosed:
                     continue
                 c.peer_links.wait(prober.node_id, target.node_id, relayed=bool(ticket))
@@ -232,7 +267,11 @@ class Joining:
             return f"a node named {join.node_id} has already joined", ""
         reason = self.enrollment.refusal(join) if self.enrollment is not None else ""
         invites = self.coordinator.invites
-        return (reason, "") if reason else invites.claim(join.invite_id, nonce, join.proof, join.node_id)
+        return (
+            (reason, "")
+            if reason
+            else invites.claim(join.invite_id, nonce, join.proof, join.node_id)
+        )
 
     def _certify(self, join: object) -> str | None:
         """The joining node's certificate ("" on a plaintext mesh; None if its request is bad)."""
@@ -249,7 +288,9 @@ class Joining:
         if self.enrollment is None:
             return
         try:
-            handle.link.send_message(Certificate(certificate=self.enrollment.certify(handle.node_id, renew.csr)))
+            handle.link.send_message(
+                Certificate(certificate=self.enrollment.certify(handle.node_id, renew.csr))
+            )
             log.info("renewed node %s's certificate", handle.node_id)
         except IdentityError as exc:
             log.warning("no renewal for node %s: %s", handle.node_id, exc)
@@ -282,7 +323,9 @@ class Joining:
     def _tell_revoked(self, members: list[NodeHandle], node_id: str) -> None:
         """Every removed node, to ``members``, each followed by a ping: a member applies the list
         before it answers, so once this returns every member that answered refuses them."""
-        removed = Revoked(node_ids=self.enrollment.removed_ids() if self.enrollment is not None else [node_id])
+        removed = Revoked(
+            node_ids=self.enrollment.removed_ids() if self.enrollment is not None else [node_id]
+        )
         asked = []
         for member in members:
             nonce = secrets.randbits(62)
@@ -294,10 +337,18 @@ class Joining:
             except LinkClosed:
                 pass  # its reader finds the link closed; it is told again when it rejoins
         deadline = time.monotonic() + REVOKED_ANSWER_S
-        silent = [m.node_id for m, nonce in asked if m.pongs.wait(nonce, max(0.0, deadline - time.monotonic())) is None]
+        silent = [
+            m.node_id
+            for m, nonce in asked
+            if m.pongs.wait(nonce, max(0.0, deadline - time.monotonic())) is None
+        ]
         if silent:
-            log.warning("members %s did not confirm within %.0f s that they refuse node %s", ", ".join(silent),
-                        REVOKED_ANSWER_S, node_id)  # fmt: skip
+            log.warning(
+                "members %s did not confirm within %.0f s that they refuse node %s",
+                ", ".join(silent),
+                REVOKED_ANSWER_S,
+                node_id,
+            )
 
     def fragment_token(self, node_id: str) -> str:
         return self._fragment_tokens.get(node_id, "")

@@ -26,7 +26,9 @@ def drawer(plan: Plan | None) -> str:
 
 def may_end(plan: Plan | None, node_id: str) -> bool:
     """Whether ``node_id`` may end a request on ``plan``: stage 0 admits it, the drawing stage draws it."""
-    return plan is not None and bool(plan.stages) and node_id in (plan.stages[0].node_id, drawer(plan))
+    return (
+        plan is not None and bool(plan.stages) and node_id in (plan.stages[0].node_id, drawer(plan))
+    )
 
 
 def serves(plan: Plan | None, node_id: str) -> bool:
@@ -42,7 +44,9 @@ class Refusals:
         self._logged: dict[tuple[str, str], float] = {}  # reasons are fixed texts: this stays small
         self._lock = threading.Lock()
 
-    def refuse(self, node_id: str, reason: str, count: int = 1, level: int = logging.WARNING) -> None:
+    def refuse(
+        self, node_id: str, reason: str, count: int = 1, level: int = logging.WARNING
+    ) -> None:
         now = time.monotonic()
         with self._lock:
             total = self.counts[node_id] = self.counts.get(node_id, 0) + count
@@ -50,4 +54,6 @@ class Refusals:
             if last is not None and now - last < REFUSAL_LOG_S:
                 return
             self._logged[(node_id, reason)] = now
-        log.log(level, "refused from node %s: %s (%d refused from it so far)", node_id, reason, total)
+        log.log(
+            level, "refused from node %s: %s (%d refused from it so far)", node_id, reason, total
+        )

@@ -48,16 +48,27 @@ class Implicated(RouteLost):
 
 
 MAX_REQUESTS = 320  # in flight at once (the single-process server: 64 running + 256 waiting)
-REPLAY_DEADLINE_S = 120.0  # a request whose route was lost waits this long for the mesh to serve again
+REPLAY_DEADLINE_S = (
+    120.0  # a request whose route was lost waits this long for the mesh to serve again
+)
 READY_POLL_S = 0.05
 MAX_REPLAYS = 8  # routes a request may lose before it fails
-SUSPECT_WINDOW_S = 2.0  # a node lost this soon after a request opened on it, before its first token...
+SUSPECT_WINDOW_S = (
+    2.0  # a node lost this soon after a request opened on it, before its first token...
+)
 MAX_IMPLICATED = 2  # ...this many times: the request is ended, not replayed again
 
 
 class MeshBackend:
-    def __init__(self, coordinator: Coordinator, codec: TextCodec, model_name: str, context_length: int,
-                 max_requests: int = MAX_REQUESTS, replay_deadline_s: float = REPLAY_DEADLINE_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        codec: TextCodec,
+        model_name: str,
+        context_length: int,
+        max_requests: int = MAX_REQUESTS,
+        replay_deadline_s: float = REPLAY_DEADLINE_S,
+    ) -> None:
         self.coordinator = coordinator
         self.max_requests = max_requests
         self.replay_deadline_s = replay_deadline_s
@@ -68,28 +79,38 @@ class MeshBackend:
         self._lock = threading.Lock()
         coordinator.on_tokens = self._deliver
         coordinator.on_failure = self._fail
-        coordinator.in_flight = self._waiting.__contains__  # whose tokens and failures a member may report
+        coordinator.in_flight = (
+            self._waiting.__contains__
+        )  # whose tokens and failures a member may report
         self.report = MeshReporter(coordinator)  # its nodes, links and events, for /metrics
 
     def readiness(self) -> Readiness:
         """Ready while a route serves. Once the mesh has served, a new request is taken while it
         heals too (it waits for the route, as a replayed one does, up to the replay deadline)."""
         ready = self.coordinator.ready.is_set()
-        return Readiness(ready, "" if ready else self.coordinator.state, waits=self.coordinator.plan_id > 0)
+        return Readiness(
+            ready, "" if ready else self.coordinator.state, waits=self.coordinator.plan_id > 0
+        )
 
-    async def generate(self, prompt: list[int], params: SamplingParams) -> AsyncIterator[TokenEvent]:
+    async def generate(
+        self, prompt: list[int], params: SamplingParams
+    ) -> AsyncIterator[TokenEvent]:
         """The request's tokens. When a node is lost mid-answer the mesh re-plans, and the request
         is replayed on the new route: prompt and tokens so far prefilled, then decoding from the
         next position. Sampling draws from (seed, position), so the tokens go on as they would have.
         The prompt and parameters are the API's, validated there (and by stage 0 as it reads them)."""
-        spec = dataclasses.replace(params, seed=request_seed(params.seed), stop_strings=())  # stop strings stay here
+        spec = dataclasses.replace(
+            params, seed=request_seed(params.seed), stop_strings=()
+        )  # stop strings stay here
         generated: list[int] = []
         lost_at: float | None = None
         replays = implicated = 0
         while True:
             if not self.coordinator.ready.is_set():  # healing: wait for the route, as a replay does
                 lost_at = lost_at or time.monotonic()
-                await self._until_ready(lost_at, RouteLost(f"the mesh is not serving: {self.coordinator.state}"))
+                await self._until_ready(
+                    lost_at, RouteLost(f"the mesh is not serving: {self.coordinator.state}")
+                )
             try:
                 async for event in self._attempt(prompt, spec, generated, replaying=replays > 0):
                     if event.shown:
@@ -100,37 +121,56 @@ class MeshBackend:
                 replays += 1
                 implicated += isinstance(exc, Implicated)
                 if implicated >= MAX_IMPLICATED:
-                    raise RequestFailed(f"{exc}; the nodes this request ran on failed as it started, "
-                                        f"{implicated} times: ended rather than replayed again") from None  # fmt: skip
+                    raise RequestFailed(
+                        f"{exc}; the nodes this request ran on failed as it started, "
+                        f"{implicated} times: ended rather than replayed again"
+                    ) from None
                 if replays > MAX_REPLAYS:
-                    raise RequestFailed(f"{exc}; the request lost its route {MAX_REPLAYS} times, given up") from None
+                    raise RequestFailed(
+                        f"{exc}; the request lost its route {MAX_REPLAYS} times, given up"
+                    ) from None
                 lost_at = lost_at or time.monotonic()
                 self.coordinator.keeper.post(RequestReplayed(len(generated), str(exc)))
                 await self._until_ready(lost_at, exc)
 
-    async def _attempt(self, prompt: list[int], spec: SamplingParams, generated: list[int],
-                       replaying: bool) -> AsyncIterator[TokenEvent]:  # fmt: skip
+    async def _attempt(
+        self, prompt: list[int], spec: SamplingParams, generated: list[int], replaying: bool
+    ) -> AsyncIterator[TokenEvent]:
         """One run of the request on the current route: stage 0 takes ``prompt`` and the tokens
         ``generated`` so far, and resumes after them as it resumes a preempted sequence."""
         queue: asyncio.Queue[object] = asyncio.Queue()
         with self._lock:
             if len(self._waiting) >= self.max_requests and not replaying:
-                raise OverloadedError(f"{len(self._waiting)} requests are already in flight; try again later")
+                raise OverloadedError(
+                    f"{len(self._waiting)} requests are already in flight; try again later"
+                )
             request = _new_id(self._waiting)
             self._waiting[request] = (asyncio.get_running_loop(), queue)
         try:
             try:
                 self.coordinator.open_request(
-                    Open(request=request, sampling=spec, prompt_len=len(prompt), context_length=self.context_length),
+                    Open(
+                        request=request,
+                        sampling=spec,
+                        prompt_len=len(prompt),
+                        context_length=self.context_length,
+                    ),
                     prompt + generated,
                 )
-            except (StartupError, LinkClosed) as exc:  # the route went between the check and the open
+            except (
+                StartupError,
+                LinkClosed,
+            ) as exc:  # the route went between the check and the open
                 raise RouteLost(f"the mesh is not ready: {exc}") from None
             opened, drew = time.monotonic(), False
             while True:
                 item = await queue.get()
-                if isinstance(item, RouteLost) and item.node_lost and not drew \
-                        and time.monotonic() - opened < SUSPECT_WINDOW_S:  # fmt: skip
+                if (
+                    isinstance(item, RouteLost)
+                    and item.node_lost
+                    and not drew
+                    and time.monotonic() - opened < SUSPECT_WINDOW_S
+                ):
                     raise Implicated(str(item))
                 if isinstance(item, Exception):
                     raise item
@@ -149,8 +189,10 @@ class MeshBackend:
         """Wait for the mesh to serve again; RequestFailed once ``replay_deadline_s`` has passed."""
         while not self.coordinator.ready.is_set():
             if time.monotonic() - lost_at > self.replay_deadline_s:
-                raise RequestFailed(f"{cause}; the mesh could not serve again within {self.replay_deadline_s:.0f} s "
-                                    f"({self.coordinator.state})") from None  # fmt: skip
+                raise RequestFailed(
+                    f"{cause}; the mesh could not serve again within {self.replay_deadline_s:.0f} s "
+                    f"({self.coordinator.state})"
+                ) from None
             await asyncio.sleep(READY_POLL_S)
 
     def _deliver(self, rows: list[TokenRow]) -> None:

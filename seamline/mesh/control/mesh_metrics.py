@@ -47,19 +47,28 @@ class MeshReporter:
     def __call__(self) -> MeshReport:
         c = self.coordinator
         state = c.keeper.current
-        serving = {n for s in state.plan.stages for n in s.members()} if state.plan and state.ready else set()
+        serving = (
+            {n for s in state.plan.stages for n in s.members()}
+            if state.plan and state.ready
+            else set()
+        )
         members = dict(state.nodes)
         with self._lock:
             seen, events = list(self.seen), dict(self.events)
         stats = {s.node_id: s for s in self._stats()}
         nodes = [_node(n, n in serving and n in members, stats.get(n)) for n in seen]
-        links = [LinkReport(n, COORDINATOR, rtt_seconds=h.measured.latency_s * 2) for n, h in members.items()
-                 if h.measured is not None]  # fmt: skip
+        links = [
+            LinkReport(n, COORDINATOR, rtt_seconds=h.measured.latency_s * 2)
+            for n, h in members.items()
+            if h.measured is not None
+        ]
         for pair in c.peer_links.describe():
             src, dst = pair["nodes"]  # type: ignore[misc]
             links.append(LinkReport(str(src), str(dst), rtt_seconds=float(pair["rtt_ms"]) / 1e3))  # type: ignore[arg-type]
         for node, stat in stats.items():
-            links += [LinkReport(node, peer, bytes_total=sent) for peer, sent in stat.link_bytes.items()]
+            links += [
+                LinkReport(node, peer, bytes_total=sent) for peer, sent in stat.link_bytes.items()
+            ]
         return MeshReport(nodes, links, events, speculation=speculated(stats.values()))
 
     def _stats(self) -> list[Stats]:

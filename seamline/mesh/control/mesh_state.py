@@ -94,7 +94,9 @@ class NodeLost(Event):
         return f"node {self.node_id} left: {self.reason}{shutting}"
 
     def level_in(self, state: MeshState) -> int:
-        return logging.INFO if state.closing else self.level  # nodes leave a mesh stopped on purpose
+        return (
+            logging.INFO if state.closing else self.level
+        )  # nodes leave a mesh stopped on purpose
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,11 @@ class NodeRemoved(Event):
 
     def describe(self, state: MeshState) -> str:
         invites = ", ".join(self.revoked_invites)
-        said = f"revoked the invite it joined with: {invites}" if invites else "no invite of this mesh's is on record"
+        said = (
+            f"revoked the invite it joined with: {invites}"
+            if invites
+            else "no invite of this mesh's is on record"
+        )
         return f"removing node {self.node_id}; {said}{'' if invites else ' for it'}"
 
 
@@ -159,8 +165,10 @@ class Rebalancing(Event):
     kind: ClassVar[str] = "rebalancing"
 
     def describe(self, state: MeshState) -> str:
-        return (f"the stages measured apart ({self.slowdowns}): re-planning, predicted {self.gain:.2f}x the "
-                "throughput; requests in flight replay")
+        return (
+            f"the stages measured apart ({self.slowdowns}): re-planning, predicted {self.gain:.2f}x the "
+            "throughput; requests in flight replay"
+        )
 
 
 @dataclass(frozen=True)
@@ -241,8 +249,10 @@ class RequestReplayed(Event):
     level: ClassVar[int] = logging.WARNING
 
     def describe(self, state: MeshState) -> str:
-        return (f"a request lost its route after {self.tokens} tokens ({self.reason}); "
-                "replaying it when the mesh is ready")
+        return (
+            f"a request lost its route after {self.tokens} tokens ({self.reason}); "
+            "replaying it when the mesh is ready"
+        )
 
 
 @dataclass(frozen=True)
@@ -257,20 +267,29 @@ def apply(state: MeshState, event: Event) -> MeshState:
     """The state after ``event``. Events about a plan that is no longer current change nothing."""
     change = dataclasses.replace
     if isinstance(event, NodeAdmitted):
-        return change(state, nodes=MappingProxyType({**state.nodes, event.handle.node_id: event.handle}))
+        return change(
+            state, nodes=MappingProxyType({**state.nodes, event.handle.node_id: event.handle})
+        )
     if isinstance(event, NodeLost):
-        return change(state, nodes=MappingProxyType({k: v for k, v in state.nodes.items() if k != event.node_id}))
+        return change(
+            state,
+            nodes=MappingProxyType({k: v for k, v in state.nodes.items() if k != event.node_id}),
+        )
     if isinstance(event, Replanning):
         return change(state, ready=False, cause=event.cause, phase=f"{event.cause}; re-planning")
     if isinstance(event, Growing):
         return change(state, ready=False, phase=f"taking {', '.join(event.newcomers)} in")
     if isinstance(event, Rebalancing):
-        return change(state, ready=False, phase="re-balancing the stages from their measured step times")
+        return change(
+            state, ready=False, phase="re-balancing the stages from their measured step times"
+        )
     if isinstance(event, PlanChosen):
         return change(state, plan=event.plan, plan_id=state.plan_id + 1, ready=False, cause="")
     if isinstance(event, NoPlan):
         phase = f"{state.cause}; {event.reason}" if state.cause else event.reason
-        return change(state, plan=None, ready=False, phase=phase, cause="")  # the cause is said once
+        return change(
+            state, plan=None, ready=False, phase=phase, cause=""
+        )  # the cause is said once
     if isinstance(event, NoMembers):
         return apply(state, NoPlan("waiting for nodes"))
     if isinstance(event, StartupStep) and event.plan_id == state.plan_id:
@@ -278,8 +297,14 @@ def apply(state: MeshState, event: Event) -> MeshState:
     if isinstance(event, StartupFailed) and event.plan_id == state.plan_id:
         failed = change(state, plan=None, ready=False, failed_starts=state.failed_starts + 1)
         pause = failed.retry_pause_s()
-        return change(failed, phase=f"start-up failed: {event.failure}; planning again in {pause:.0f} s")
-    if isinstance(event, RoutePublished) and event.plan_id == state.plan_id and state.plan is not None:
+        return change(
+            failed, phase=f"start-up failed: {event.failure}; planning again in {pause:.0f} s"
+        )
+    if (
+        isinstance(event, RoutePublished)
+        and event.plan_id == state.plan_id
+        and state.plan is not None
+    ):
         return change(state, ready=True, phase="ready", cause="", failed_starts=0)
     if isinstance(event, ShuttingDown):
         return change(state, closing=True)

@@ -55,17 +55,27 @@ class NodeHandle:
     linked: bool = False
     stats: Stats | None = None
     failure: str | None = None  # a failure the node reported outside any request
-    changed: threading.Condition = field(default_factory=threading.Condition)  # notified on each update
+    changed: threading.Condition = field(
+        default_factory=threading.Condition
+    )  # notified on each update
     inbound: bool = True  # takes connections (else its data links come through the relay)
     measured: LinkCost | None = None  # its link to the coordinator
     pongs: Pongs = field(default_factory=Pongs)
     speed_check: SpeedCheck | None = None
-    believed_rate: float | None = None  # its claimed speed, or what the probe measured when far below it
+    believed_rate: float | None = (
+        None  # its claimed speed, or what the probe measured when far below it
+    )
     checked: bool = False  # its link measured and its speed checked: it may be planned
-    last_heard: float = field(default_factory=time.monotonic)  # when it last sent anything (heartbeats)
-    beats: Beats = field(default_factory=lambda: Beats())  # heartbeat pings sent it and not yet answered
+    last_heard: float = field(
+        default_factory=time.monotonic
+    )  # when it last sent anything (heartbeats)
+    beats: Beats = field(
+        default_factory=lambda: Beats()
+    )  # heartbeat pings sent it and not yet answered
     probe_result: ProbeResult | None = None  # its answer to the start-up check's probe
-    memory_cap: int | None = None  # the room it said it has when it could not load a stage: planned with no more
+    memory_cap: int | None = (
+        None  # the room it said it has when it could not load a stage: planned with no more
+    )
 
     @property
     def node_id(self) -> str:
@@ -76,10 +86,22 @@ class NodeHandle:
         (``plan.cores``), which scales its measured rate (its CPU's; its GPUs' are their own)."""
         r = self.join.resources
         rate = (self.believed_rate or r.bytes_per_second) * core_share
-        memory = min(r.free_memory_bytes, self.memory_cap) if self.memory_cap is not None else r.free_memory_bytes
-        devices = tuple(DeviceInfo(d.device, d.free_memory_bytes, d.bytes_per_second) for d in r.devices)
-        return NodeInfo(self.node_id, memory, rate, f"{self.join.data_host}:{self.join.data_port}",
-                        r.device, devices)  # fmt: skip
+        memory = (
+            min(r.free_memory_bytes, self.memory_cap)
+            if self.memory_cap is not None
+            else r.free_memory_bytes
+        )
+        devices = tuple(
+            DeviceInfo(d.device, d.free_memory_bytes, d.bytes_per_second) for d in r.devices
+        )
+        return NodeInfo(
+            self.node_id,
+            memory,
+            rate,
+            f"{self.join.data_host}:{self.join.data_port}",
+            r.device,
+            devices,
+        )
 
     def placement(self) -> Placement:
         r = self.join.resources

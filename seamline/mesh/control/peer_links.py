@@ -25,9 +25,13 @@ class PeerLinks:
     def __init__(self) -> None:
         self._measured: dict[tuple[str, str], LinkCost] = {}
         self._relayed: set[tuple[str, str]] = set()
-        self._asked: dict[tuple[str, str], PeerLink | None] = {}  # (prober, peer) -> its report, once come
+        self._asked: dict[
+            tuple[str, str], PeerLink | None
+        ] = {}  # (prober, peer) -> its report, once come
         self._cond = threading.Condition()
-        self.lock = threading.Lock()  # joins measure in turn: each sees every member checked before it
+        self.lock = (
+            threading.Lock()
+        )  # joins measure in turn: each sees every member checked before it
 
     def ask(self, prober: str, peer: str) -> None:
         with self._cond:
@@ -43,7 +47,9 @@ class PeerLinks:
             self._cond.notify_all()
         return True
 
-    def wait(self, prober: str, peer: str, relayed: bool, timeout_s: float = PEER_TIMEOUT_S) -> LinkCost | None:
+    def wait(
+        self, prober: str, peer: str, relayed: bool, timeout_s: float = PEER_TIMEOUT_S
+    ) -> LinkCost | None:
         """The pair's link once ``prober`` reports it; None when it failed or did not come."""
         key = (prober, peer)
         with self._cond:
@@ -51,15 +57,25 @@ class PeerLinks:
             report = self._asked.pop(key, None)
         link, why = _taken(report)
         if link is None:
-            log.warning("the link between %s and %s was not measured (%s): planned from their access links",
-                        prober, peer, why)  # fmt: skip
+            log.warning(
+                "the link between %s and %s was not measured (%s): planned from their access links",
+                prober,
+                peer,
+                why,
+            )
             return None
         with self._cond:
             self._measured[key] = link
             if relayed:
                 self._relayed.add(key)
-        log.info("link %s - %s%s: %.3f ms round trip, %.0f MB/s", prober, peer, " (relayed)" if relayed else "",
-                 link.latency_s * 2e3, link.bandwidth_bytes_per_s / 1e6)  # fmt: skip
+        log.info(
+            "link %s - %s%s: %.3f ms round trip, %.0f MB/s",
+            prober,
+            peer,
+            " (relayed)" if relayed else "",
+            link.latency_s * 2e3,
+            link.bandwidth_bytes_per_s / 1e6,
+        )
         return link
 
     def measured(self) -> dict[tuple[str, str], LinkCost]:
@@ -69,9 +85,15 @@ class PeerLinks:
     def describe(self) -> list[dict[str, object]]:
         """For /api/status: each measured pair."""
         with self._cond:
-            return [{"nodes": list(key), "relayed": key in self._relayed, "rtt_ms": round(link.latency_s * 2e3, 3),
-                     "bandwidth_mb_s": round(link.bandwidth_bytes_per_s / 1e6, 1)}
-                    for key, link in self._measured.items()]  # fmt: skip
+            return [
+                {
+                    "nodes": list(key),
+                    "relayed": key in self._relayed,
+                    "rtt_ms": round(link.latency_s * 2e3, 3),
+                    "bandwidth_mb_s": round(link.bandwidth_bytes_per_s / 1e6, 1),
+                }
+                for key, link in self._measured.items()
+            ]
 
     def forget(self, node_id: str) -> None:
         """A member left: its pairs are measured again if it comes back."""

@@ -17,10 +17,13 @@ def client_counts(text: str) -> tuple[int, ...]:
     try:
         counts = tuple(int(part) for part in text.split(",") if part.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--clients takes counts separated by commas, such as 1,16,64, "
-                                         f"not {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--clients takes counts separated by commas, such as 1,16,64, not {text!r}"
+        ) from None
     if not counts or not all(1 <= c <= MAX_CLIENTS for c in counts):
-        raise argparse.ArgumentTypeError(f"--clients takes counts from 1 to {MAX_CLIENTS}, not {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"--clients takes counts from 1 to {MAX_CLIENTS}, not {text!r}"
+        )
     return counts
 
 
@@ -42,20 +45,42 @@ def add_plan_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--lock", default=None, help="write (or check) the plan in this file")
     plan.add_argument("--context", type=int, default=4096)
     plan.add_argument("--batch", type=int, default=1)
-    plan.add_argument("--objective", choices=("throughput", "latency"), default="throughput",
-                      help="throughput under load (the slowest stage; the default) or per-token latency")
-    plan.add_argument("--clients", type=client_counts, default=(1, 16, 64), metavar="N,N,...",
-                      help="client counts the simulator predicts for (default 1,16,64)")
-    plan.add_argument("--prompt-tokens", type=_positive, default=128, help="each client's prompt (default 128)")
-    plan.add_argument("--output-tokens", type=_positive, default=128, help="tokens each client gets (default 128)")
-    plan.add_argument("--simulate", action="store_true",
-                      help="simulate the pool's first n nodes for n = 1..N at each client count: a table and a plot")
-    plan.add_argument("--plot", default="seamline-simulate.png", metavar="PATH",
-                      help="where --simulate writes its plot (default seamline-simulate.png)")
+    plan.add_argument(
+        "--objective",
+        choices=("throughput", "latency"),
+        default="throughput",
+        help="throughput under load (the slowest stage; the default) or per-token latency",
+    )
+    plan.add_argument(
+        "--clients",
+        type=client_counts,
+        default=(1, 16, 64),
+        metavar="N,N,...",
+        help="client counts the simulator predicts for (default 1,16,64)",
+    )
+    plan.add_argument(
+        "--prompt-tokens", type=_positive, default=128, help="each client's prompt (default 128)"
+    )
+    plan.add_argument(
+        "--output-tokens", type=_positive, default=128, help="tokens each client gets (default 128)"
+    )
+    plan.add_argument(
+        "--simulate",
+        action="store_true",
+        help="simulate the pool's first n nodes for n = 1..N at each client count: a table and a plot",
+    )
+    plan.add_argument(
+        "--plot",
+        default="seamline-simulate.png",
+        metavar="PATH",
+        help="where --simulate writes its plot (default seamline-simulate.png)",
+    )
 
 
 def plan_sim_options(args: argparse.Namespace) -> SimOptions:
     """The simulator's ``SimOptions`` from the parsed arguments."""
     from seamline.sim.report import SimOptions
 
-    return SimOptions(tuple(args.clients), args.prompt_tokens, args.output_tokens, args.simulate, args.plot)
+    return SimOptions(
+        tuple(args.clients), args.prompt_tokens, args.output_tokens, args.simulate, args.plot
+    )

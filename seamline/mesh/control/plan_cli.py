@@ -61,9 +61,13 @@ def run_plan_command(
     elif live_url is not None:
         nodes, links = live_pool(live_url)
     else:
-        raise PlanError("seamline plan needs a pool: --nodes FILE (JSON list of nodes) or --live URL")
+        raise PlanError(
+            "seamline plan needs a pool: --nodes FILE (JSON list of nodes) or --live URL"
+        )
     spec, config = model_spec(model_path, dtype_bytes(dtype), context or None)
-    options = PlanOptions(context_tokens=context or config.max_position_embeddings, batch=batch, objective=objective)
+    options = PlanOptions(
+        context_tokens=context or config.max_position_embeddings, batch=batch, objective=objective
+    )
     scenario = Scenario(spec, config, tuple(nodes), links, options, tensor_parallel)
     lock = Path(lock_path) if lock_path else None
     if lock is not None and lock.exists():
@@ -89,7 +93,11 @@ def run_plan_command(
 
 
 def _print_predictions(scenario: Scenario, plan: Plan, sim: SimOptions) -> None:
-    print(run_sweep(scenario, sim) if sim.simulate else "\n".join(prediction_lines(scenario, plan, sim)))
+    print(
+        run_sweep(scenario, sim)
+        if sim.simulate
+        else "\n".join(prediction_lines(scenario, plan, sim))
+    )
 
 
 def _live_status(coordinator_url: str) -> dict[str, Any]:
@@ -109,15 +117,24 @@ def live_pool(coordinator_url: str) -> tuple[list[NodeInfo], LinkTable]:
     from seamline.mesh.plan.measured import steady_rates
 
     status = _live_status(coordinator_url)
-    nodes = steady_rates([NodeInfo(str(n["node_id"]), int(n["free_memory_bytes"]),
-                                   float(n.get("planned_bytes_per_second") or n["bytes_per_second"]),
-                                   str(n.get("address", "")),
-                                   devices=parse_devices(n.get("devices") or [], f"node {n['node_id']}"))
-                          for n in status.get("nodes", [])])  # fmt: skip
+    nodes = steady_rates(
+        [
+            NodeInfo(
+                str(n["node_id"]),
+                int(n["free_memory_bytes"]),
+                float(n.get("planned_bytes_per_second") or n["bytes_per_second"]),
+                str(n.get("address", "")),
+                devices=parse_devices(n.get("devices") or [], f"node {n['node_id']}"),
+            )
+            for n in status.get("nodes", [])
+        ]
+    )
     if not nodes:
         raise PlanError(f"the mesh at {coordinator_url} has no nodes yet")
     access = {str(n["node_id"]): _status_link(n) for n in status["nodes"] if n.get("rtt_ms")}
-    pairs = {(str(p["nodes"][0]), str(p["nodes"][1])): _status_link(p) for p in status.get("links", [])}
+    pairs = {
+        (str(p["nodes"][0]), str(p["nodes"][1])): _status_link(p) for p in status.get("links", [])
+    }
     return nodes, LinkTable(access=access, pairs=pairs)
 
 
@@ -135,8 +152,10 @@ def _current_plan(coordinator_url: str, proposed: Plan) -> str:
     line = f"current plan: {route}"
     if pace_ms:
         gain = float(pace_ms) / (pace(proposed) * 1e3)
-        line += (f"; the proposed plan is predicted {gain:.2f}x its throughput"
-                 f" ({'the mesh switches' if gain >= GROWTH_GAIN else 'below'} {GROWTH_GAIN:.2f}x)")  # fmt: skip
+        line += (
+            f"; the proposed plan is predicted {gain:.2f}x its throughput"
+            f" ({'the mesh switches' if gain >= GROWTH_GAIN else 'below'} {GROWTH_GAIN:.2f}x)"
+        )
     return line
 
 
@@ -145,7 +164,9 @@ def _status_link(entry: dict[str, Any]) -> LinkCost:
     return LinkCost(latency_s=float(entry["rtt_ms"]) / 2e3, bandwidth_bytes_per_s=bandwidth)
 
 
-def model_spec(model_path: str | None, dtype_bytes: int, context: int | None = None) -> tuple[ModelSpec, ModelConfig]:
+def model_spec(
+    model_path: str | None, dtype_bytes: int, context: int | None = None
+) -> tuple[ModelSpec, ModelConfig]:
     """The planner's view of a checkpoint (exact bytes from its shapes; its multi-token-prediction
     layer on the last stage, which drafts with it as ``serve`` does by default) and its config
     (``context``: the tokens a V4 model's caches are counted for; None: its own context)."""
@@ -175,10 +196,13 @@ def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
         f"plan for {p.model_name} ({p.num_layers} layers), context {p.context_tokens} x {p.batch} "
         f"sequence{'s' if p.batch > 1 else ''}",
         f"{'stage':>5}  {'node':<{width}}  {'layers':<11} {'owns':<11} {'weights':>10} "
-        f"{'KV cache':>10} {'free':>10} {'compute':>11} {'under load':>11}" + ("  devices" if split else ""),
+        f"{'KV cache':>10} {'free':>10} {'compute':>11} {'under load':>11}"
+        + ("  devices" if split else ""),
     ]
     for i, (s, name) in enumerate(zip(p.stages, names)):
-        owns = "+".join(x for x, o in (("embed", s.owns_embedding), ("head", s.owns_head)) if o) or "-"
+        owns = (
+            "+".join(x for x, o in (("embed", s.owns_embedding), ("head", s.owns_head)) if o) or "-"
+        )
         least = min(free.get(m, 0) for m in s.members())
         rows.append(
             f"{i:>5}  {name:<{width}}  {f'[{s.start},{s.end})':<11} {owns:<11} "
@@ -188,7 +212,9 @@ def format_plan(p: Plan, nodes: list[NodeInfo]) -> str:
         )
     rows.extend(p.notes)
     if any(s.ranks for s in p.stages):
-        rows.append("a stage of several nodes is a lockstep group: weights, KV cache and free are per rank")
+        rows.append(
+            "a stage of several nodes is a lockstep group: weights, KV cache and free are per rank"
+        )
     rows.append(
         f"predicted {p.predicted_s_per_token * 1e3:.3f} ms/token "
         f"(network {p.network_s_per_token * 1e3:.3f} ms over {len(p.stages) - 1} hop"
@@ -209,8 +235,10 @@ def device_split(s: StageAssignment, own_device: str = "cpu") -> str:
 def _objective_line(p: Plan) -> str:
     if p.objective == "throughput":
         slowest = p.slowest_stage_s()
-        return (f"optimised for throughput under load: with micro-batches in flight a step takes the slowest "
-                f"stage's {slowest * 1e3:.3f} ms, not the sum (per-token latency breaks ties)")  # fmt: skip
+        return (
+            f"optimised for throughput under load: with micro-batches in flight a step takes the slowest "
+            f"stage's {slowest * 1e3:.3f} ms, not the sum (per-token latency breaks ties)"
+        )
     return "optimised for per-token latency (one sequence at a time)"
 
 

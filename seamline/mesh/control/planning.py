@@ -44,7 +44,9 @@ if TYPE_CHECKING:
     from seamline.mesh.control.node_handle import NodeHandle
 
 log = logging.getLogger("seamline.coordinator")
-GROWTH_GAIN = 1.10  # a joining node is planned in when the plan with it is predicted this much faster
+GROWTH_GAIN = (
+    1.10  # a joining node is planned in when the plan with it is predicted this much faster
+)
 
 
 class Planning:
@@ -83,10 +85,14 @@ class Planning:
         nodes, links = self._pool(joined)
         fresh = self._choose_plan(nodes, links)
         held = self._held_plan(joined, nodes, links) if self.coordinator.plan_id == 0 else None
-        if held is None or (members(fresh) - members(held) and pace(held) > pace(fresh) * GROWTH_GAIN):
+        if held is None or (
+            members(fresh) - members(held) and pace(held) > pace(fresh) * GROWTH_GAIN
+        ):
             return fresh
-        log.info("the rejoined nodes keep the stages they hold (a fresh plan would be %.2fx as fast)",
-                 pace(held) / pace(fresh))  # fmt: skip
+        log.info(
+            "the rejoined nodes keep the stages they hold (a fresh plan would be %.2fx as fast)",
+            pace(held) / pace(fresh),
+        )
         return held
 
     def _pool(self, joined: list[NodeHandle]) -> tuple[list[NodeInfo], LinkTable]:
@@ -94,11 +100,15 @@ class Planning:
         rates evened out, then scaled by what their stages measured under load (``balance``)."""
         shares = core_shares(h.placement() for h in joined)
         nodes = sorted((h.info(shares[h.node_id]) for h in joined), key=lambda n: n.node_id)
-        links = link_table((Reach(h.node_id, h.inbound, h.measured) for h in joined),
-                           self.coordinator.peer_links.measured())  # fmt: skip
+        links = link_table(
+            (Reach(h.node_id, h.inbound, h.measured) for h in joined),
+            self.coordinator.peer_links.measured(),
+        )
         corrections = self.coordinator.balance.corrections
-        nodes = [replace(n, bytes_per_second=n.bytes_per_second * corrections.get(n.node_id, 1.0))
-                 for n in steady_rates(nodes)]  # like nodes measured apart plan alike  # fmt: skip
+        nodes = [
+            replace(n, bytes_per_second=n.bytes_per_second * corrections.get(n.node_id, 1.0))
+            for n in steady_rates(nodes)
+        ]  # like nodes measured apart plan alike
         return nodes, links
 
     def rebalance(self, current: Plan, found: dict[str, float], needed: float) -> bool:
@@ -113,18 +123,28 @@ class Planning:
             try:
                 nodes, links = self._pool(joined)
                 order = [s.node_id for s in current.stages]
-                moved = least_bottleneck_cuts(c.model, {n.node_id: n for n in nodes}, self._plan_options(), order)
+                moved = least_bottleneck_cuts(
+                    c.model, {n.node_id: n for n in nodes}, self._plan_options(), order
+                )
                 if moved is None:
                     return False
-                proposed = price_route(c.model, nodes, links, current_options(current, self._plan_options()), moved)
+                proposed = price_route(
+                    c.model, nodes, links, current_options(current, self._plan_options()), moved
+                )
                 route = [(s.node_id, s.start, s.end) for s in current.stages]
-                repriced = price_route(c.model, nodes, links, current_options(current, self._plan_options()), route)
+                repriced = price_route(
+                    c.model, nodes, links, current_options(current, self._plan_options()), route
+                )
             except (PlanError, KeyError):
                 return False
             gain = pace(repriced) / pace(proposed)
             slowdowns = ", ".join(f"{node} {value:.2f}x" for node, value in sorted(found.items()))
             if gain < needed or proposed.stages == repriced.stages:
-                log.info("the stages measured apart (%s); a re-balanced plan would be %.2fx as fast: kept", slowdowns, gain)
+                log.info(
+                    "the stages measured apart (%s); a re-balanced plan would be %.2fx as fast: kept",
+                    slowdowns,
+                    gain,
+                )
                 return False
             c.apply(Rebalancing(slowdowns, gain))
             c.on_failure(None, "the mesh re-balanced its stages", "replanned")
@@ -137,23 +157,40 @@ class Planning:
             return joined
         unable = [h for h in joined if not h.join.resources.int8_kernels]
         for handle in unable:
-            once(f"int8-{handle.node_id}", f"node {handle.node_id} cannot run the int8-block matmuls of precision "
-                                           f"{self.options.precision} (no AVX-512 VNNI): it is not planned")  # fmt: skip
+            once(
+                f"int8-{handle.node_id}",
+                f"node {handle.node_id} cannot run the int8-block matmuls of precision "
+                f"{self.options.precision} (no AVX-512 VNNI): it is not planned",
+            )
         if len(unable) == len(joined):
-            raise PlanError(f"no member can run precision {self.options.precision}: serve --precision exact")
+            raise PlanError(
+                f"no member can run precision {self.options.precision}: serve --precision exact"
+            )
         return [h for h in joined if h.join.resources.int8_kernels]
 
-    def _held_plan(self, joined: list[NodeHandle], nodes: list[NodeInfo], links: LinkTable) -> Plan | None:
+    def _held_plan(
+        self, joined: list[NodeHandle], nodes: list[NodeInfo], links: LinkTable
+    ) -> Plan | None:
         """The plan of the stages rejoined nodes still hold, when they are this model's, cover it
         and fit (a restarted coordinator takes its mesh back without loading anything again)."""
         if self.options.locked_plan is not None:
             return None
         c = self.coordinator
-        same = (c.model_hash, self.options.dtype, self.options.context_length, self.options.int8_activations)
+        same = (
+            c.model_hash,
+            self.options.dtype,
+            self.options.context_length,
+            self.options.int8_activations,
+        )
         held = [(h.node_id, h.join.holding) for h in joined if h.join.holding is not None]
-        route = sorted(((node, *x.layers) for node, x in held
-                        if (x.model_hash, x.dtype, x.context_length, x.int8_activations) == same),
-                       key=lambda r: r[1])  # fmt: skip
+        route = sorted(
+            (
+                (node, *x.layers)
+                for node, x in held
+                if (x.model_hash, x.dtype, x.context_length, x.int8_activations) == same
+            ),
+            key=lambda r: r[1],
+        )
         flags = {node: (x.owns_embedding, x.owns_head) for node, x in held}
         if not route or any(flags[n] != (s == 0, e == c.model.num_layers) for n, s, e in route):
             return None
@@ -188,7 +225,9 @@ class Planning:
     def _switch_to(self, chosen: Plan) -> None:
         """Make ``chosen`` the plan and start it up (under the coordinator's lock)."""
         plan_id = self.coordinator.apply(PlanChosen(chosen)).plan_id
-        threading.Thread(target=self.coordinator.startup.run, args=(chosen, plan_id), daemon=True).start()
+        threading.Thread(
+            target=self.coordinator.startup.run, args=(chosen, plan_id), daemon=True
+        ).start()
 
     def retry_later(self, plan_id: int, failure: str) -> None:
         """Start-up of ``plan_id`` failed: plan again after a pause that doubles while it keeps failing."""
@@ -202,11 +241,19 @@ class Planning:
         timer.start()
 
     def _choose_plan(self, nodes: list[NodeInfo], links: LinkTable) -> Plan:
-        locked, config, model = self.options.locked_plan, self.options.model_config, self.coordinator.model
+        locked, config, model = (
+            self.options.locked_plan,
+            self.options.model_config,
+            self.coordinator.model,
+        )
         if self.options.private:
-            return plan_private(model, nodes, links, self._plan_options(), self.coordinator.own_node())
+            return plan_private(
+                model, nodes, links, self._plan_options(), self.coordinator.own_node()
+            )
         if locked is None and config is not None:
-            return plan_auto(model, nodes, links, self._plan_options(), config, self.options.tensor_parallel)
+            return plan_auto(
+                model, nodes, links, self._plan_options(), config, self.options.tensor_parallel
+            )
         if locked is None:
             return make_plan(model, nodes, links, self._plan_options())
         check_plan(locked, model, nodes, self._plan_options())  # a stale lock is refused, not bent

@@ -31,12 +31,30 @@ import math
 from pathlib import Path
 from typing import Any
 
-from seamline.mesh.plan.types import DEFAULT_LINK, DeviceInfo, LinkCost, LinkTable, NodeInfo, PlanError
+from seamline.mesh.plan.types import (
+    DEFAULT_LINK,
+    DeviceInfo,
+    LinkCost,
+    LinkTable,
+    NodeInfo,
+    PlanError,
+)
 
 GIB = 1 << 30
 BATCHED = "batched_bytes_per_second"
-NODE_KEYS = {"node_id", "free_memory_gb", "free_memory_bytes", "bytes_per_second", "latency_ms",
-             "bandwidth_mbps", "address", "device", "devices", BATCHED, "fails_at_s"}  # fmt: skip
+NODE_KEYS = {
+    "node_id",
+    "free_memory_gb",
+    "free_memory_bytes",
+    "bytes_per_second",
+    "latency_ms",
+    "bandwidth_mbps",
+    "address",
+    "device",
+    "devices",
+    BATCHED,
+    "fails_at_s",
+}
 DEVICE_KEYS = {"device", "free_memory_gb", "free_memory_bytes", "bytes_per_second", BATCHED}
 MAX_DEVICES = 16
 MAX_BATCHED_POINTS = 16
@@ -52,8 +70,9 @@ def read_pool(path: str) -> tuple[list[NodeInfo], LinkTable]:
     return parse_pool(data, path, strict_links=True)
 
 
-def parse_pool(data: Any, where: str = "the nodes file",
-               strict_links: bool = False) -> tuple[list[NodeInfo], LinkTable]:
+def parse_pool(
+    data: Any, where: str = "the nodes file", strict_links: bool = False
+) -> tuple[list[NodeInfo], LinkTable]:
     """Nodes and links from the JSON described in the module docstring, strictly checked.
     ``strict_links``: refuse a link naming a node the pool does not declare (a file's pool);
     else such a link is kept for a node that may join later."""
@@ -65,7 +84,9 @@ def parse_pool(data: Any, where: str = "the nodes file",
         raise PlanError(f"{where} must be a non-empty JSON list of nodes, or an object with one")
     nodes, access = [], {}
     for i, item in enumerate(items):
-        node, link = _parse_node(_object(item, NODE_KEYS, f"{where}: node {i}"), f"{where}: node {i}")
+        node, link = _parse_node(
+            _object(item, NODE_KEYS, f"{where}: node {i}"), f"{where}: node {i}"
+        )
         nodes.append(node)
         if link is not None:
             access[node.node_id] = link
@@ -77,8 +98,10 @@ def parse_pool(data: Any, where: str = "the nodes file",
             raise PlanError(f"{where}: link {i} needs node ids a and b")
         unknown = [obj[k] for k in ("a", "b") if obj[k] not in declared]
         if strict_links and unknown:
-            raise PlanError(f"{where}: link {i} names node {unknown[0]!r}, which the pool does not declare "
-                            f"({', '.join(declared)})")  # fmt: skip
+            raise PlanError(
+                f"{where}: link {i} names node {unknown[0]!r}, which the pool does not declare "
+                f"({', '.join(declared)})"
+            )
         links[(str(obj["a"]), str(obj["b"]))] = _link(obj, f"{where}: link {i}", DEFAULT_LINK)
     return nodes, LinkTable(access=access, pairs=links)
 
@@ -88,7 +111,9 @@ def _object(item: Any, allowed: set[str], where: str) -> dict[str, Any]:
         raise PlanError(f"{where} must be a JSON object")
     unknown = sorted(set(item) - allowed)
     if unknown:
-        raise PlanError(f"{where} has unknown field {unknown[0]!r} (known: {', '.join(sorted(allowed))})")
+        raise PlanError(
+            f"{where} has unknown field {unknown[0]!r} (known: {', '.join(sorted(allowed))})"
+        )
     return item
 
 
@@ -102,7 +127,9 @@ def _parse_node(obj: dict[str, Any], where: str) -> tuple[NodeInfo, LinkCost | N
     address, device = str(obj.get("address", "")), str(obj.get("device", "cpu"))
     devices = parse_devices(obj.get("devices", []), where)
     fails = _number(obj, "fails_at_s", where) if "fails_at_s" in obj else None
-    node = NodeInfo(obj["node_id"], int(free), rate, address, device, devices, batched_rates(obj, where), fails)
+    node = NodeInfo(
+        obj["node_id"], int(free), rate, address, device, devices, batched_rates(obj, where), fails
+    )
     return node, link
 
 
@@ -124,13 +151,17 @@ def batched_rates(obj: dict[str, Any], where: str) -> tuple[tuple[int, float], .
     integer written as a string (JSON keys are strings), each rate > 0; () when absent."""
     table = obj.get(BATCHED, {})
     if not isinstance(table, dict) or len(table) > MAX_BATCHED_POINTS:
-        raise PlanError(f"{where} needs {BATCHED} as an object of at most {MAX_BATCHED_POINTS} "
-                        f'row counts, e.g. {{"16": 3e11, "64": 9e11}}')  # fmt: skip
+        raise PlanError(
+            f"{where} needs {BATCHED} as an object of at most {MAX_BATCHED_POINTS} "
+            f'row counts, e.g. {{"16": 3e11, "64": 9e11}}'
+        )
     points = []
     for key in table:
         if not (isinstance(key, str) and key.isascii() and key.isdigit() and int(key) > 0):
-            raise PlanError(f"{where} needs each {BATCHED} key to be a row count (a positive integer "
-                            f"such as \"16\"), not {key!r}")  # fmt: skip
+            raise PlanError(
+                f"{where} needs each {BATCHED} key to be a row count (a positive integer "
+                f'such as "16"), not {key!r}'
+            )
         value = _number(table, key, f"{where}: {BATCHED}")
         if value <= 0:
             raise PlanError(f"{where}: {BATCHED} needs {key} > 0, not {value!r}")
@@ -148,9 +179,13 @@ def parse_devices(items: Any, where: str) -> tuple[DeviceInfo, ...]:
         obj = _object(item, DEVICE_KEYS, f"{where}: device {i}")
         name = obj.get("device")
         if not isinstance(name, str) or not name or name.strip().lower() == "cpu":
-            raise PlanError(f"{where}: device {i} needs a name such as cuda:0 (the CPU is the node's own fields)")
+            raise PlanError(
+                f"{where}: device {i} needs a name such as cuda:0 (the CPU is the node's own fields)"
+            )
         free, rate = _memory_and_rate(obj, f"{where}: device {name}")
-        devices.append(DeviceInfo(name, int(free), rate, batched_rates(obj, f"{where}: device {name}")))
+        devices.append(
+            DeviceInfo(name, int(free), rate, batched_rates(obj, f"{where}: device {name}"))
+        )
     names = [d.device for d in devices]
     if len(set(names)) != len(names):
         raise PlanError(f"{where}: each device is listed once, not {names}")

@@ -56,8 +56,11 @@ class Reference:
             if key not in self._stages:
                 source = self._source()
                 config = ModelConfig.from_hf_dict(source.manifest.config)
-                self._stages[key] = (load_stage(source, Ownership(layers=layers), self.dtype, config) if world == 1
-                                     else load_group_stage(source, layers, world, self.dtype, config))  # fmt: skip
+                self._stages[key] = (
+                    load_stage(source, Ownership(layers=layers), self.dtype, config)
+                    if world == 1
+                    else load_group_stage(source, layers, world, self.dtype, config)
+                )
             return self._stages[key]
 
     def keep_only(self, stages: Sequence[tuple[Range, int]]) -> None:
@@ -66,7 +69,9 @@ class Reference:
             for key in [k for k in self._stages if k not in stages]:
                 del self._stages[key]
 
-    def probe_inputs(self, layers: tuple[int, int], generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def probe_inputs(
+        self, layers: tuple[int, int], generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A random probe for a stage of ``layers``: token ids, and the boundary tensor it takes
         when it has no embedding (a residual stream's scale), in its dtype."""
         ids = torch.randint(0, self.config.vocab_size, (PROBE_TOKENS,), generator=generator)
@@ -76,8 +81,14 @@ class Reference:
             shape, dtype = first.boundary_shape, first.compute_dtype
         return ids, torch.randn(PROBE_TOKENS, *shape, generator=generator).to(dtype)
 
-    def probe(self, layers: Range, ids: torch.Tensor, hidden: torch.Tensor | None, seed: int,
-              world: int = 1) -> tuple[torch.Tensor, float]:  # fmt: skip
+    def probe(
+        self,
+        layers: Range,
+        ids: torch.Tensor,
+        hidden: torch.Tensor | None,
+        seed: int,
+        world: int = 1,
+    ) -> tuple[torch.Tensor, float]:
         """What a stage holding ``layers`` (a group of ``world`` ranks) answers to a probe
         (``digest.probe_output``), and its scale: computed a layer at a time, each loaded and let
         go (the coordinator holds no more than a layer of the model for a start-up check)."""
@@ -85,7 +96,9 @@ class Reference:
         for layer in range(*layers):
             with self.lock, self._one_layer(layer, world) as stage:
                 x = self.run(stage, x, 0, stage.new_cache(), stage.head is not None, ids)
-        start = ids.shape[0] - 1 if layers[1] == self.config.num_layers else 0  # the head's row: the last
+        start = (
+            ids.shape[0] - 1 if layers[1] == self.config.num_layers else 0
+        )  # the head's row: the last
         return digest.digest(x, start, seed), digest.scale(x, start, seed)
 
     @contextlib.contextmanager
@@ -98,8 +111,15 @@ class Reference:
             if not kept:
                 self._stages.pop(one, None)
 
-    def run(self, stage: AnyStage, inputs: torch.Tensor, start: int, cache: object, last_only: bool,
-            ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def run(
+        self,
+        stage: AnyStage,
+        inputs: torch.Tensor,
+        start: int,
+        cache: object,
+        last_only: bool,
+        ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One row of one sequence through ``stage`` on ``cache``, as a member runs it."""
         spans = [Span(0, inputs.shape[0], start, cache)]  # type: ignore[arg-type]
         with self.lock:

@@ -43,16 +43,29 @@ class GroupStage:
         """Garbage, as a Stage's."""
 
     @torch.inference_mode()
-    def forward_batch(self, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool = False,
-                      ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def forward_batch(
+        self,
+        inputs: torch.Tensor,
+        spans: Sequence[Span],
+        last_only: bool = False,
+        ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Every rank's forward of the rows, each on its own caches; the leader's output, or
         with the head the ranks' logits side by side (ascending vocabulary, as gathered)."""
-        work = [self._rank_work(rank, inputs, spans, last_only, ids) for rank in range(len(self.shards))]
+        work = [
+            self._rank_work(rank, inputs, spans, last_only, ids) for rank in range(len(self.shards))
+        ]
         outs = run_ranks(self.group, work)
         return torch.cat([out.float() for out in outs], -1) if self.head is not None else outs[0]
 
-    def _rank_work(self, rank: int, inputs: torch.Tensor, spans: Sequence[Span], last_only: bool,
-                   ids: torch.Tensor | None) -> Callable[[], torch.Tensor]:  # fmt: skip
+    def _rank_work(
+        self,
+        rank: int,
+        inputs: torch.Tensor,
+        spans: Sequence[Span],
+        last_only: bool,
+        ids: torch.Tensor | None,
+    ) -> Callable[[], torch.Tensor]:
         shard = self.shards[rank]
         mine = [dataclasses.replace(span, cache=span.cache[rank]) for span in spans]  # type: ignore[index]
         if self.passes_ids and ids is not None:
@@ -60,10 +73,17 @@ class GroupStage:
         return lambda: shard.forward_batch(inputs, mine, last_only=last_only)
 
 
-def load_group_stage(source: TensorSource, layers: tuple[int, int], world: int, dtype: torch.dtype,
-                     config: ModelConfig) -> GroupStage:  # fmt: skip
+def load_group_stage(
+    source: TensorSource,
+    layers: tuple[int, int],
+    world: int,
+    dtype: torch.dtype,
+    config: ModelConfig,
+) -> GroupStage:
     """Every rank's shard of ``layers`` for a group of ``world``, joined by thread comms."""
     group = ThreadGroup(world)
-    shards = [load_stage(source, rank_ownership(config, rank, world, layers), dtype, config, comm=comm)
-              for rank, comm in enumerate(group.comms())]  # fmt: skip
+    shards = [
+        load_stage(source, rank_ownership(config, rank, world, layers), dtype, config, comm=comm)
+        for rank, comm in enumerate(group.comms())
+    ]
     return GroupStage(shards, group)

@@ -50,7 +50,9 @@ def read_exactly(sock: socket.socket, size: int, deadline_s: float) -> bytes:
 
 class Relay:
     def __init__(self) -> None:
-        self._tickets: dict[str, tuple[float, bool]] = {}  # ticket -> when it lapses, whether for a probe
+        self._tickets: dict[
+            str, tuple[float, bool]
+        ] = {}  # ticket -> when it lapses, whether for a probe
         self._waiting: dict[str, socket.socket] = {}
         self._lock = threading.Lock()
         self.pairs = 0  # data links carried so far
@@ -69,7 +71,9 @@ class Relay:
         try:
             ticket = read_exactly(sock, TICKET_CHARS, PAIR_WAIT_S).decode("ascii", "replace")
         except OSError as exc:
-            log.warning("relay connection from %s:%s gave no ticket: %s", address[0], address[1], exc)
+            log.warning(
+                "relay connection from %s:%s gave no ticket: %s", address[0], address[1], exc
+            )
             sock.close()
             return
         with self._lock:
@@ -83,7 +87,11 @@ class Relay:
                 self.probes += probe
                 self.pairs += not probe
         if not live:
-            log.warning("refused relay connection from %s:%s: unknown or lapsed ticket", address[0], address[1])
+            log.warning(
+                "refused relay connection from %s:%s: unknown or lapsed ticket",
+                address[0],
+                address[1],
+            )
             sock.close()
         elif partner is not None:
             self._pipe(partner, sock)
@@ -100,7 +108,9 @@ class Relay:
 
     def _pipe(self, a: socket.socket, b: socket.socket) -> None:
         for source, sink in ((a, b), (b, a)):
-            threading.Thread(target=_copy, args=(source, sink), daemon=True, name="seamline-relay").start()
+            threading.Thread(
+                target=_copy, args=(source, sink), daemon=True, name="seamline-relay"
+            ).start()
 
 
 def _copy(source: socket.socket, sink: socket.socket) -> None:

@@ -34,11 +34,11 @@ from seamline.mesh.protocol.fragment_server import (
 )
 from seamline.mesh.protocol.invite import Invite
 from seamline.precision import apply, resolve, weights_kind
+from seamline.runtime.speculation import Speculation
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest
 from seamline.weights.loader import dtype_bytes, mtp_missing, open_source
 from seamline.weights.packaging import package_cached
-from seamline.runtime.speculation import Speculation
 
 log = logging.getLogger("seamline.serve")
 
@@ -61,19 +61,29 @@ class ServeOptions:
     tensor_parallel: int = 0  # ranks per stage (0: groups only where a stage needs one)
     transport: str = "auto"
     gate_timeout_s: float = 30.0
-    replay_deadline_s: float = 120.0  # a request whose route was lost waits this long for the mesh to serve again
+    replay_deadline_s: float = (
+        120.0  # a request whose route was lost waits this long for the mesh to serve again
+    )
     heartbeat_timeout_s: float = 3.0  # a member silent this long is lost
-    verify_fraction: float = 0.0  # of requests the coordinator follows through its own copy (``verify``)
+    verify_fraction: float = (
+        0.0  # of requests the coordinator follows through its own copy (``verify``)
+    )
     private: bool = False  # the route's ends on this machine's own node: members see no token (``plan.private``)
     insecure_comm: bool = False  # --transport torch may run between hosts
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
     kv_cache_bytes: int = 0  # stage 0's KV budget (0: most of its free memory)
-    speculation: Speculation = field(default_factory=Speculation)  # stage 0 drafts, where the route allows
+    speculation: Speculation = field(
+        default_factory=Speculation
+    )  # stage 0 drafts, where the route allows
     tls_certificate: str = ""  # PEM: the API is served over HTTPS with it
     fragments_port: int = 0  # a mesh over TLS serves fragments here, to members only (0: port + 2)
     plaintext_links: bool = False  # no mesh CA, links unencrypted: only to measure what TLS costs
     state_dir: Path | None = None  # the mesh CA is kept here (default: <cache_dir>/mesh)
-    cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
+    cache_dir: Path = field(
+        default_factory=lambda: Path(
+            os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")
+        ).expanduser()
+    )
 
 
 @dataclass
@@ -90,7 +100,9 @@ class Mesh:
     package_dir: Path
     state_dir: Path
     fragments_port: int = 0  # over mutual TLS (0: the API serves the fragments: a plaintext mesh)
-    own_token: str = ""  # the invite of this machine's own node (`serve`'s local node), for it alone
+    own_token: str = (
+        ""  # the invite of this machine's own node (`serve`'s local node), for it alone
+    )
 
     def start(self, host: str) -> None:
         """Open the control port, and the fragment port of a mesh over TLS."""
@@ -98,12 +110,20 @@ class Mesh:
         enrollment = self.coordinator.enrollment
         if self.fragments_port and enrollment is not None:
             self.coordinator.fragment_gate = PeerGate(enrollment.is_removed)
-            serve_fragments(self.package_dir, self.coordinator.joining.fragment_token_ok, host, self.fragments_port,
-                            enrollment.identity.server_context(), self.coordinator.fragment_gate,
-                            self.coordinator.joining.fragment_allowed)  # fmt: skip
+            serve_fragments(
+                self.package_dir,
+                self.coordinator.joining.fragment_token_ok,
+                host,
+                self.fragments_port,
+                enrollment.identity.server_context(),
+                self.coordinator.fragment_gate,
+                self.coordinator.joining.fragment_allowed,
+            )
 
 
-ENDPOINT_FILE = "endpoint.json"  # where `seamline invite` and `seamline node` find the running coordinator
+ENDPOINT_FILE = (
+    "endpoint.json"  # where `seamline invite` and `seamline node` find the running coordinator
+)
 
 
 def _write_endpoint(state_dir: Path, url: str, certificate_pem: str) -> None:
@@ -114,8 +134,10 @@ def _write_endpoint(state_dir: Path, url: str, certificate_pem: str) -> None:
 def _refuse_early(options: ServeOptions, path: Path) -> None:
     """What the options cannot do with this model, said before packaging (which may take minutes)."""
     if options.private and (not options.local_node or options.tensor_parallel):
-        raise ConfigError("--private keeps the route's ends on this machine's own node: it needs that node "
-                          "(no --no-local-node) and stages of one node each (no --tensor-parallel)")  # fmt: skip
+        raise ConfigError(
+            "--private keeps the route's ends on this machine's own node: it needs that node "
+            "(no --no-local-node) and stages of one node each (no --tensor-parallel)"
+        )
     if not options.tensor_parallel and options.speculation.mode != "mtp":
         return
     source = open_source(path)
@@ -141,52 +163,112 @@ def build_mesh(options: ServeOptions) -> Mesh:
     codec = early or TextCodec.from_model(path, config.eos_token_ids)
     codec.check_fits(config.vocab_size)  # before any node loads a layer
     # auto drafts with the model's multi-token-prediction layer (on the last stage) where it came packaged
-    speculation = options.speculation.for_model(any(f.layer == manifest.num_layers for f in manifest.fragments))
+    speculation = options.speculation.for_model(
+        any(f.layer == manifest.num_layers for f in manifest.fragments)
+    )
     context = options.context or config.max_position_embeddings
     shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
     types = {t.name: t.dtype for f in manifest.fragments for t in f.tensors}
     precision = resolve(options.precision, weights_kind(types.values()), options.dtype)
-    apply(precision)  # the coordinator's own copy (start-up checks, ``--verify-fraction``) computes alike
+    apply(
+        precision
+    )  # the coordinator's own copy (start-up checks, ``--verify-fraction``) computes alike
     log.info("every stage computes in precision %s", precision.describe())
-    mtp = route_speculation(speculation.mode, options.private, options.verify_fraction) == "mtp"  # the last stage holds it
-    spec = ModelSpec.from_checkpoint_shapes(config, manifest.model, shapes, dtype_bytes(precision.dtype), types, context, mtp)
+    mtp = (
+        route_speculation(speculation.mode, options.private, options.verify_fraction) == "mtp"
+    )  # the last stage holds it
+    spec = ModelSpec.from_checkpoint_shapes(
+        config, manifest.model, shapes, dtype_bytes(precision.dtype), types, context, mtp
+    )
     hosts = options.advertise or (_reachable(options.host),)
     scheme = "https" if options.tls_certificate else "http"
     state_dir = options.state_dir or options.cache_dir / "mesh"
     authority = None if options.plaintext_links else MeshAuthority.load_or_create(state_dir)
-    where = Invite(hosts, options.control_port or options.port + 1, options.port, "", 0.0,
-                   authority.fingerprint if authority else "")  # fmt: skip
+    where = Invite(
+        hosts,
+        options.control_port or options.port + 1,
+        options.port,
+        "",
+        0.0,
+        authority.fingerprint if authority else "",
+    )
     book = InviteBook(where, state_dir / "invites.json")
     _, token = book.create(options.invite_ttl_s)  # the one `serve` prints: any number of nodes
-    own, own_token = book.create(options.invite_ttl_s, uses=1)  # this machine's own node's, and no other's
+    own, own_token = book.create(
+        options.invite_ttl_s, uses=1
+    )  # this machine's own node's, and no other's
     fragments_port = (options.fragments_port or options.port + 2) if authority else 0
-    fragments_url = (f"https://{url_host(hosts[0])}:{fragments_port}" if fragments_port
-                     else f"{scheme}://{url_host(hosts[0])}:{options.port}")  # fmt: skip
-    coordinator = Coordinator(book, spec, manifest.model_hash, CoordinatorOptions(
-        nodes_expected=max(options.nodes_expected, options.tensor_parallel, 2 if options.private else 1),
-        dtype=precision.dtype, int8_activations=precision.int8_activations, precision=precision.name,
-        private=options.private, own_invite=own.id if options.local_node else "",
-        context_length=context, fragments_url=fragments_url,
-        fragments_certificate=options.tls_certificate,
-        locked_plan=_locked(options.lock_path), model_config=config, tensor_parallel=options.tensor_parallel,
-        transport=options.transport, gate_timeout_s=options.gate_timeout_s, insecure_comm=options.insecure_comm,
-        micro_batches=options.micro_batches, kv_cache_bytes=options.kv_cache_bytes,
-        heartbeat_timeout_s=options.heartbeat_timeout_s, state_dir=state_dir, package_dir=package_dir,
-        verify_fraction=options.verify_fraction, speculation=speculation.mode,
-        draft_max=speculation.draft_max), authority)  # fmt: skip
-    backend = MeshBackend(coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s)
+    fragments_url = (
+        f"https://{url_host(hosts[0])}:{fragments_port}"
+        if fragments_port
+        else f"{scheme}://{url_host(hosts[0])}:{options.port}"
+    )
+    coordinator = Coordinator(
+        book,
+        spec,
+        manifest.model_hash,
+        CoordinatorOptions(
+            nodes_expected=max(
+                options.nodes_expected, options.tensor_parallel, 2 if options.private else 1
+            ),
+            dtype=precision.dtype,
+            int8_activations=precision.int8_activations,
+            precision=precision.name,
+            private=options.private,
+            own_invite=own.id if options.local_node else "",
+            context_length=context,
+            fragments_url=fragments_url,
+            fragments_certificate=options.tls_certificate,
+            locked_plan=_locked(options.lock_path),
+            model_config=config,
+            tensor_parallel=options.tensor_parallel,
+            transport=options.transport,
+            gate_timeout_s=options.gate_timeout_s,
+            insecure_comm=options.insecure_comm,
+            micro_batches=options.micro_batches,
+            kv_cache_bytes=options.kv_cache_bytes,
+            heartbeat_timeout_s=options.heartbeat_timeout_s,
+            state_dir=state_dir,
+            package_dir=package_dir,
+            verify_fraction=options.verify_fraction,
+            speculation=speculation.mode,
+            draft_max=speculation.draft_max,
+        ),
+        authority,
+    )
+    backend = MeshBackend(
+        coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s
+    )
 
     key = admin_key(state_dir)
-    _write_endpoint(state_dir, f"{scheme}://{url_host(hosts[0])}:{options.port}", options.tls_certificate)
+    _write_endpoint(
+        state_dir, f"{scheme}://{url_host(hosts[0])}:{options.port}", options.tls_certificate
+    )
 
     def routes(app: FastAPI) -> None:
-        if not fragments_port:  # a plaintext mesh: the API serves the fragments, to members' tokens only
-            fragment_routes(app, package_dir, coordinator.joining.fragment_token_ok, coordinator.joining.fragment_allowed)
+        if (
+            not fragments_port
+        ):  # a plaintext mesh: the API serves the fragments, to members' tokens only
+            fragment_routes(
+                app,
+                package_dir,
+                coordinator.joining.fragment_token_ok,
+                coordinator.joining.fragment_allowed,
+            )
         app.get("/api/status")(coordinator.status)
         admin_routes(app, coordinator, book, key)
 
-    return Mesh(routes, coordinator, backend, Invite.decode(token), token, package_dir, state_dir, fragments_port,
-                own_token)  # fmt: skip
+    return Mesh(
+        routes,
+        coordinator,
+        backend,
+        Invite.decode(token),
+        token,
+        package_dir,
+        state_dir,
+        fragments_port,
+        own_token,
+    )
 
 
 def _reachable(host: str) -> str:
@@ -203,17 +285,33 @@ def _locked(path: str | None) -> Plan | None:
     return Plan.from_json(json.loads(Path(path).read_text()))
 
 
-def spawn_node(token: str, node_id: str, cache_dir: Path | None = None, extra: list[str] | None = None,
-               threads: int = 0) -> subprocess.Popen[bytes]:
+def spawn_node(
+    token: str,
+    node_id: str,
+    cache_dir: Path | None = None,
+    extra: list[str] | None = None,
+    threads: int = 0,
+) -> subprocess.Popen[bytes]:
     """A `seamline join` process; it is stopped when this process exits. ``threads``: its
     compute threads (0: all cores) — nodes sharing one machine should split its cores."""
-    args = [sys.executable, "-m", "seamline.cli", "join", "--node-id", node_id, "--quiet", *(extra or [])]
+    args = [
+        sys.executable,
+        "-m",
+        "seamline.cli",
+        "join",
+        "--node-id",
+        node_id,
+        "--quiet",
+        *(extra or []),
+    ]
     env = {**os.environ, "SEAMLINE_INVITE": token}  # not argv, which `ps` shows
     if cache_dir is not None:
         env["SEAMLINE_CACHE"] = str(cache_dir)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    proc = subprocess.Popen(args, env=env, preexec_fn=_ends_with_parent if sys.platform == "linux" else None)
+    proc = subprocess.Popen(
+        args, env=env, preexec_fn=_ends_with_parent if sys.platform == "linux" else None
+    )
     atexit.register(_stop, proc)
     return proc
 

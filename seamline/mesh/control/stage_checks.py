@@ -35,10 +35,14 @@ class StageFailedCheck(Exception):
         self.nodes = nodes
 
 
-Ask = Callable[["NodeHandle", Probe], ProbeResult]  # send a probe to a stage's leader, wait for its answer
+Ask = Callable[
+    ["NodeHandle", Probe], ProbeResult
+]  # send a probe to a stage's leader, wait for its answer
 
 
-def check_stages(reference: Reference, plan: Plan, plan_id: int, leaders: list[NodeHandle], ask: Ask) -> None:
+def check_stages(
+    reference: Reference, plan: Plan, plan_id: int, leaders: list[NodeHandle], ask: Ask
+) -> None:
     """Probe every stage of ``plan``; StageFailedCheck names the first that answers wrongly."""
     generator = torch.Generator().manual_seed(secrets.randbits(62))
     seed = secrets.randbits(62)
@@ -46,13 +50,28 @@ def check_stages(reference: Reference, plan: Plan, plan_id: int, leaders: list[N
         layers = (stage.start, stage.end)
         ids, hidden = reference.probe_inputs(layers, generator)
         expected, scale = reference.probe(layers, ids, hidden, seed, world=len(stage.members()))
-        raw = base64.b64encode(hidden.contiguous().view(torch.uint8).numpy().tobytes()).decode() if hidden is not None else ""
-        result = ask(leader, Probe(plan_id=plan_id, probe=secrets.randbits(31), seed=seed, ids=ids.tolist(), hidden=raw,
-                                   layers=layers))  # fmt: skip
+        raw = (
+            base64.b64encode(hidden.contiguous().view(torch.uint8).numpy().tobytes()).decode()
+            if hidden is not None
+            else ""
+        )
+        result = ask(
+            leader,
+            Probe(
+                plan_id=plan_id,
+                probe=secrets.randbits(31),
+                seed=seed,
+                ids=ids.tolist(),
+                hidden=raw,
+                layers=layers,
+            ),
+        )
         reason = _judge(result, expected, scale, reference.dtype)
         if reason:
             raise StageFailedCheck(stage.members(), f"layers [{stage.start},{stage.end}): {reason}")
-        log.info("stage %s [%d,%d) computed its probe as the coordinator does", leader.node_id, *layers)
+        log.info(
+            "stage %s [%d,%d) computed its probe as the coordinator does", leader.node_id, *layers
+        )
 
 
 def _judge(result: ProbeResult, expected: torch.Tensor, scale: float, dtype: torch.dtype) -> str:

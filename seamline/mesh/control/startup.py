@@ -54,7 +54,9 @@ class StartUp:
                 tail = plan.stages[-1] if plan.private and index == 0 else None
                 self._assign_stage(stage, plan_id, link_key, _senders(plan, index), tail)
             self._check_stages(plan, plan_id, handles)
-            forks = all(len(s.members()) == 1 for s in plan.stages)  # a lockstep group's caches are not copied
+            forks = all(
+                len(s.members()) == 1 for s in plan.stages
+            )  # a lockstep group's caches are not copied
             for index in reversed(range(len(plan.loaded_stages()))):
                 self._current(plan_id)
                 c.apply(StartupStep(plan_id, f"linking {handles[index].node_id}"))
@@ -64,7 +66,9 @@ class StartUp:
         except (StartupError, KeyError, LinkClosed) as exc:
             c.planning.retry_later(plan_id, str(exc))
             return
-        except Exception as exc:  # a fault of ours: said and retried, never a start-up stuck half way
+        except (
+            Exception
+        ) as exc:  # a fault of ours: said and retried, never a start-up stuck half way
             log.exception("start-up of plan %d failed", plan_id)
             c.planning.retry_later(plan_id, f"{type(exc).__name__}: {exc}")
             return
@@ -93,7 +97,11 @@ class StartUp:
         with handle.changed:
             handle.probe_result = None
         handle.link.send_message(probe)
-        answered = lambda: handle.probe_result if handle.probe_result and handle.probe_result.probe == probe.probe else None  # noqa: E731
+        answered = lambda: (
+            handle.probe_result
+            if handle.probe_result and handle.probe_result.probe == probe.probe
+            else None
+        )  # noqa: E731
         return self.coordinator.wait_for(handle, answered, "PROBE RESULT", PROBE_TIMEOUT_S)  # type: ignore[no-any-return]
 
     def expel(self, nodes: list[str], reason: str) -> None:
@@ -110,9 +118,18 @@ class StartUp:
         if c.enrollment is None:
             return []
         own = c.own_node() if self.options.private else ""  # a private mesh's ends serve no member
-        others = [h.join for h in c.nodes.values() if h is not handle and h.checked and h.inbound
-                  and h.join.fragments_port and h.node_id != own]  # fmt: skip
-        return [f"https://{_host(j.data_host)}:{j.fragments_port}" for j in others[:MAX_FRAGMENT_PEERS]]
+        others = [
+            h.join
+            for h in c.nodes.values()
+            if h is not handle
+            and h.checked
+            and h.inbound
+            and h.join.fragments_port
+            and h.node_id != own
+        ]
+        return [
+            f"https://{_host(j.data_host)}:{j.fragments_port}" for j in others[:MAX_FRAGMENT_PEERS]
+        ]
 
     def _current(self, plan_id: int) -> None:
         """Superseded when a newer plan has been made since ``plan_id``'s start-up began."""
@@ -120,8 +137,14 @@ class StartUp:
         if plan_id != current:
             raise Superseded(f"plan {plan_id} was replaced by plan {current}")
 
-    def _assign_stage(self, s: StageAssignment, plan_id: int, link_key: str, senders: tuple[str, str],
-                      tail: StageAssignment | None = None) -> None:  # fmt: skip
+    def _assign_stage(
+        self,
+        s: StageAssignment,
+        plan_id: int,
+        link_key: str,
+        senders: tuple[str, str],
+        tail: StageAssignment | None = None,
+    ) -> None:
         """Assign every rank of the stage, then wait for all: a group's ranks load and meet
         together. ``tail``: a private plan's last stage, which the first stage's node holds too."""
         c = self.coordinator
@@ -130,61 +153,113 @@ class StartUp:
         for rank, handle in enumerate(members):
             with handle.changed:
                 handle.ready, handle.linked, handle.failure = None, False, None
-            handle.link.send_message(Assign(plan_id=plan_id, model_hash=c.model_hash,
-                                            fragments_url=self.options.fragments_url,
-                                            fragments_certificate=self.options.fragments_certificate,
-                                            fragments_token=c.joining.fragment_token(handle.node_id),
-                                            fragment_peers=self._fragment_peers(handle),
-                                            layers=(s.start, s.end),
-                                            owns_embedding=s.owns_embedding, owns_head=s.owns_head,
-                                            dtype=self.options.dtype, context_length=self.options.context_length,
-                                            int8_activations=self.options.int8_activations,
-                                            mtp=s.owns_head and self.speculation == "mtp",
-                                            # what its system memory holds: not its GPU's share (``plan.split``)
-                                            memory_bytes=s.predicted_bytes - s.gpu_bytes + (tail.predicted_bytes if tail else 0),
-                                            gpu_layers=s.gpu_layers,
-                                            shard=(rank, len(members)), group=group,
-                                            group_nodes=[h.node_id for h in members] if group else [],
-                                            transport=self._transport(members),
-                                            gate_timeout_s=self.options.gate_timeout_s,
-                                            kv_cache_bytes=self.options.kv_cache_bytes, link_key=link_key,
-                                            upstream_node=senders[0], last_node=senders[1],
-                                            digest_seed=c.verifier.seed,
-                                            tail=(tail.start, tail.end) if tail else None))  # fmt: skip
+            handle.link.send_message(
+                Assign(
+                    plan_id=plan_id,
+                    model_hash=c.model_hash,
+                    fragments_url=self.options.fragments_url,
+                    fragments_certificate=self.options.fragments_certificate,
+                    fragments_token=c.joining.fragment_token(handle.node_id),
+                    fragment_peers=self._fragment_peers(handle),
+                    layers=(s.start, s.end),
+                    owns_embedding=s.owns_embedding,
+                    owns_head=s.owns_head,
+                    dtype=self.options.dtype,
+                    context_length=self.options.context_length,
+                    int8_activations=self.options.int8_activations,
+                    mtp=s.owns_head and self.speculation == "mtp",
+                    # what its system memory holds: not its GPU's share (``plan.split``)
+                    memory_bytes=s.predicted_bytes
+                    - s.gpu_bytes
+                    + (tail.predicted_bytes if tail else 0),
+                    gpu_layers=s.gpu_layers,
+                    shard=(rank, len(members)),
+                    group=group,
+                    group_nodes=[h.node_id for h in members] if group else [],
+                    transport=self._transport(members),
+                    gate_timeout_s=self.options.gate_timeout_s,
+                    kv_cache_bytes=self.options.kv_cache_bytes,
+                    link_key=link_key,
+                    upstream_node=senders[0],
+                    last_node=senders[1],
+                    digest_seed=c.verifier.seed,
+                    tail=(tail.start, tail.end) if tail else None,
+                )
+            )
         for rank, handle in enumerate(members):
             ready = c.wait_for(handle, lambda h=handle: h.ready, "READY", STEP_TIMEOUT_S)  # type: ignore[misc]
             d = ready.descriptor
-            expected = (plan_id, c.model_hash, (s.start, s.end), self.options.dtype, self.options.int8_activations,
-                        PROTOCOL_VERSION, (rank, len(members)), (tail.start, tail.end) if tail else None)  # fmt: skip
-            got = (d.plan_id, d.model_hash, tuple(d.layers), d.dtype, d.int8_activations, d.protocol_version,
-                   tuple(d.shard), tuple(d.tail) if d.tail else None)  # fmt: skip
+            expected = (
+                plan_id,
+                c.model_hash,
+                (s.start, s.end),
+                self.options.dtype,
+                self.options.int8_activations,
+                PROTOCOL_VERSION,
+                (rank, len(members)),
+                (tail.start, tail.end) if tail else None,
+            )
+            got = (
+                d.plan_id,
+                d.model_hash,
+                tuple(d.layers),
+                d.dtype,
+                d.int8_activations,
+                d.protocol_version,
+                tuple(d.shard),
+                tuple(d.tail) if d.tail else None,
+            )
             if got != expected:
-                raise StartupError(f"node {handle.node_id} reported {d} which does not match the plan {expected}")
+                raise StartupError(
+                    f"node {handle.node_id} reported {d} which does not match the plan {expected}"
+                )
             share = s.weight_bytes // len(members)
             if ready.resident_bytes < MIN_RESIDENT_SHARE * share:
-                raise StartupError(f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
-                                   f"{share >> 20} MiB of weights: it does not hold what it was given")  # fmt: skip
+                raise StartupError(
+                    f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
+                    f"{share >> 20} MiB of weights: it does not hold what it was given"
+                )
 
     def _speculation(self, plan: Plan) -> str:
         o = self.options
-        return route_speculation(o.speculation, o.private, o.verify_fraction, len(plan.stages[-1].members()))
+        return route_speculation(
+            o.speculation, o.private, o.verify_fraction, len(plan.stages[-1].members())
+        )
 
     def _transport(self, members: list[NodeHandle]) -> str:
         placed = [(h.join.data_host, h.join.resources.device) for h in members]
-        return choose_transport(self.options.transport, gpus_apart(placed), {host for host, _ in placed},
-                                self.options.insecure_comm)
+        return choose_transport(
+            self.options.transport,
+            gpus_apart(placed),
+            {host for host, _ in placed},
+            self.options.insecure_comm,
+        )
 
     def _link(self, handles: list[NodeHandle], index: int, plan_id: int, forks: bool) -> None:
         handle = handles[index]
         last = index == len(handles) - 1
-        downstream, down_ticket = self.coordinator.reach(None if last else handles[index + 1], handle)
-        stage0, stage0_ticket = self.coordinator.reach(handles[0] if last and index > 0 else None, handle)
-        handle.link.send_message(Route(plan_id=plan_id, downstream=downstream, stage0=stage0, stages=len(handles),
-                                       downstream_node=handles[index + 1].node_id if downstream else "",
-                                       stage0_node=handles[0].node_id if stage0 else "",
-                                       downstream_relay=down_ticket, stage0_relay=stage0_ticket,
-                                       micro_batches=self.options.micro_batches, forks=forks,
-                                       speculation=self.speculation, draft_max=self.options.draft_max))  # fmt: skip
+        downstream, down_ticket = self.coordinator.reach(
+            None if last else handles[index + 1], handle
+        )
+        stage0, stage0_ticket = self.coordinator.reach(
+            handles[0] if last and index > 0 else None, handle
+        )
+        handle.link.send_message(
+            Route(
+                plan_id=plan_id,
+                downstream=downstream,
+                stage0=stage0,
+                stages=len(handles),
+                downstream_node=handles[index + 1].node_id if downstream else "",
+                stage0_node=handles[0].node_id if stage0 else "",
+                downstream_relay=down_ticket,
+                stage0_relay=stage0_ticket,
+                micro_batches=self.options.micro_batches,
+                forks=forks,
+                speculation=self.speculation,
+                draft_max=self.options.draft_max,
+            )
+        )
         self.coordinator.wait_for(handle, lambda: handle.linked or None, "LINKED", STEP_TIMEOUT_S)
 
 
@@ -220,7 +295,9 @@ def _senders(plan: Plan, index: int) -> tuple[str, str]:
 def gpus_apart(placed: list[tuple[str, str]]) -> bool:
     """Whether every rank (host, device) computes on a GPU of its own: NCCL takes one rank per
     GPU, so ranks that share one (or any on a CPU) keep to the TCP mesh."""
-    return all(device.startswith("cuda") for _, device in placed) and len(set(placed)) == len(placed)
+    return all(device.startswith("cuda") for _, device in placed) and len(set(placed)) == len(
+        placed
+    )
 
 
 def choose_transport(requested: str, cuda: bool, hosts: set[str], insecure_comm: bool) -> str:
@@ -232,9 +309,11 @@ def choose_transport(requested: str, cuda: bool, hosts: set[str], insecure_comm:
     if requested == "auto":
         return "torch" if cuda and not across else "tcp"
     if requested == "torch" and across:
-        raise StartupError(f"--transport torch between hosts ({', '.join(sorted(hosts))}) would send every "
-                           "activation unencrypted (gloo and NCCL have no TLS): use --transport tcp, or pass "
-                           "--insecure-comm on a network you trust")  # fmt: skip
+        raise StartupError(
+            f"--transport torch between hosts ({', '.join(sorted(hosts))}) would send every "
+            "activation unencrypted (gloo and NCCL have no TLS): use --transport tcp, or pass "
+            "--insecure-comm on a network you trust"
+        )
     return requested
 
 

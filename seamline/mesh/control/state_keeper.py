@@ -50,7 +50,9 @@ class StateKeeper:
             event, done = self._queue.get()
             try:
                 state = self._apply(event)
-            except Exception as exc:  # a malformed event: the caller hears of it, the keeper goes on
+            except (
+                Exception
+            ) as exc:  # a malformed event: the caller hears of it, the keeper goes on
                 if done is not None:
                     done.set_exception(exc)
                 continue

@@ -39,8 +39,14 @@ from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.sampling import adjusted, draw
 
 log = logging.getLogger("seamline.coordinator")
-WAIT_S = 20.0  # a checked row whose stages have not all reported by then: the silent ones are at fault
-NEAR_TIE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 2e-2}  # logit gap a rounding may flip
+WAIT_S = (
+    20.0  # a checked row whose stages have not all reported by then: the silent ones are at fault
+)
+NEAR_TIE = {
+    torch.float32: 1e-3,
+    torch.bfloat16: 5e-2,
+    torch.float16: 2e-2,
+}  # logit gap a rounding may flip
 
 Release = Callable[[list[TokenRow]], None]
 Blame = Callable[[list[str], str], None]  # the nodes at fault, why
@@ -61,14 +67,24 @@ class Shadow:
     caches: list[object]
     began: float = field(default_factory=time.monotonic)
     next_position: int = 0  # the reference has run the positions before this
-    rows: dict[tuple[int, int], dict[int, torch.Tensor]] = field(default_factory=dict)  # (position, count) -> stage -> [2, W]
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # position drawn for -> the reference's logits
+    rows: dict[tuple[int, int], dict[int, torch.Tensor]] = field(
+        default_factory=dict
+    )  # (position, count) -> stage -> [2, W]
+    logits: dict[int, torch.Tensor] = field(
+        default_factory=dict
+    )  # position drawn for -> the reference's logits
     held: list[TokenRow] = field(default_factory=list)
 
 
 class Verifier:
-    def __init__(self, reference: Reference | None, fraction: float, release: Release, blame: Blame,
-                 masks: TokenMasks | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        reference: Reference | None,
+        fraction: float,
+        release: Release,
+        blame: Blame,
+        masks: TokenMasks | None = None,
+    ) -> None:
         """``reference``: the coordinator's copy (None: nothing is checked)."""
         self.reference = reference
         self.fraction = fraction if reference is not None else 0.0
@@ -79,14 +95,21 @@ class Verifier:
         self._shadows: dict[int, Shadow] = {}
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
         self.checked_tokens = self.violations = self.followed = 0
-        self.expelled: list[str] = []  # nodes found computing something else (here or at start-up), in order
+        self.expelled: list[
+            str
+        ] = []  # nodes found computing something else (here or at start-up), in order
         if self.fraction > 0:
             threading.Thread(target=self._run, name="seamline-verify", daemon=True).start()
 
     def describe(self) -> dict[str, object]:
         """For /api/status: how much is checked and what was found."""
-        return {"fraction": self.fraction, "followed": self.followed, "checked_tokens": self.checked_tokens,
-                "violations": self.violations, "expelled": list(self.expelled)}  # fmt: skip
+        return {
+            "fraction": self.fraction,
+            "followed": self.followed,
+            "checked_tokens": self.checked_tokens,
+            "violations": self.violations,
+            "expelled": list(self.expelled),
+        }
 
     # -- from the coordinator's threads ---------------------------------------------------
     def plan(self, stages: list[CheckedStage]) -> None:
@@ -143,7 +166,14 @@ class Verifier:
             self.followed += 1
 
     def _record(self, node_id: str, report: Digests) -> None:
-        index = next((i for i, s in enumerate(self.stages) if s.nodes[0] == node_id and s.layers == report.layers), None)
+        index = next(
+            (
+                i
+                for i, s in enumerate(self.stages)
+                if s.nodes[0] == node_id and s.layers == report.layers
+            ),
+            None,
+        )
         if index is None:
             return
         try:
@@ -173,8 +203,11 @@ class Verifier:
         """Check every row of ``shadow`` whose stages have all reported, in order; release the
         tokens they drew once checked."""
         while True:
-            ready = [key for key, got in shadow.rows.items() if len(got) == len(self.stages)
-                     and key[0] + key[1] <= len(shadow.tokens)]  # fmt: skip
+            ready = [
+                key
+                for key, got in shadow.rows.items()
+                if len(got) == len(self.stages) and key[0] + key[1] <= len(shadow.tokens)
+            ]
             if not ready:
                 break
             position, count = min(ready)
@@ -199,25 +232,45 @@ class Verifier:
             self.checked_tokens += len(out)
             self.release(out)
 
-    def _check_row(self, shadow: Shadow, position: int, count: int, got: dict[int, torch.Tensor]) -> bool:
+    def _check_row(
+        self, shadow: Shadow, position: int, count: int, got: dict[int, torch.Tensor]
+    ) -> bool:
         """Run the row through the reference, stage by stage, against what each stage reported."""
         self._catch_up(shadow, position)
         ids = torch.tensor(shadow.tokens[position : position + count], dtype=torch.long)
         x: torch.Tensor = ids
         for index, checked in enumerate(self.stages):
             stage = self._ref.stage(checked.layers, len(checked.nodes))
-            if index > 0 and digest.differs(got[index][0], digest.digest(x, position, self.seed),
-                                            digest.scale(x, position, self.seed), stage.compute_dtype) > 1:  # fmt: skip
-                return self._fault([index - 1, index], f"the two disagree on what crossed between them for "
-                                   f"positions [{position}, {position + count})")  # fmt: skip
+            if (
+                index > 0
+                and digest.differs(
+                    got[index][0],
+                    digest.digest(x, position, self.seed),
+                    digest.scale(x, position, self.seed),
+                    stage.compute_dtype,
+                )
+                > 1
+            ):
+                return self._fault(
+                    [index - 1, index],
+                    f"the two disagree on what crossed between them for "
+                    f"positions [{position}, {position + count})",
+                )
             last = index == len(self.stages) - 1
             x = self._ref.run(stage, x, position, shadow.caches[index], last, ids)
             start = position + count - 1 if last else position
-            gap = digest.differs(got[index][1], digest.digest(x, start, self.seed), digest.scale(x, start, self.seed),
-                                 stage.compute_dtype)  # fmt: skip
+            gap = digest.differs(
+                got[index][1],
+                digest.digest(x, start, self.seed),
+                digest.scale(x, start, self.seed),
+                stage.compute_dtype,
+            )
             if gap > 1:
-                return self._fault([index], f"its output for positions [{position}, {position + count}) is "
-                                   f"{gap:.0f}x the tolerance from the coordinator's")  # fmt: skip
+                return self._fault(
+                    [index],
+                    f"its output for positions [{position}, {position + count}) is "
+                    f"{gap:.0f}x the tolerance from the coordinator's",
+                )
         shadow.next_position = position + count
         shadow.logits[position + count] = x[-1]
         return True
@@ -226,28 +279,44 @@ class Verifier:
         """The mesh started the sequence over (preempted), or from a copy of a prefix the
         reference never ran: compute the positions before ``position`` unchecked."""
         if position < shadow.next_position:
-            shadow.caches = [self._ref.stage(s.layers, len(s.nodes)).new_cache() for s in self.stages]
+            shadow.caches = [
+                self._ref.stage(s.layers, len(s.nodes)).new_cache() for s in self.stages
+            ]
             shadow.next_position = 0
         if position > shadow.next_position:
             ids = torch.tensor(shadow.tokens[shadow.next_position : position], dtype=torch.long)
             x: torch.Tensor = ids
             for index, checked in enumerate(self.stages):
-                x = self._ref.run(self._ref.stage(checked.layers, len(checked.nodes)), x, shadow.next_position,
-                                       shadow.caches[index], index == len(self.stages) - 1, ids)  # fmt: skip
+                x = self._ref.run(
+                    self._ref.stage(checked.layers, len(checked.nodes)),
+                    x,
+                    shadow.next_position,
+                    shadow.caches[index],
+                    index == len(self.stages) - 1,
+                    ids,
+                )
             shadow.next_position = position
 
     def _check_token(self, shadow: Shadow, row: TokenRow, logits: torch.Tensor) -> bool:
         opening = shadow.opening
         params = opening.sampling
         output = shadow.tokens[opening.prompt_len : row.position]
-        allowed = grammar_mask(self.masks, row.request, params, output, logits.shape[-1]) if self.masks else None
+        allowed = (
+            grammar_mask(self.masks, row.request, params, output, logits.shape[-1])
+            if self.masks
+            else None
+        )
         expected = draw(logits, params, params.seed or 0, row.position, output, allowed).token
         stopped = bool(row.flags & RowFlag.STOPPED)
-        if row.token == expected or (not stopped and _near_tie(logits, params, output, row.token, expected,
-                                                                    self._ref.dtype)):  # fmt: skip
+        if row.token == expected or (
+            not stopped and _near_tie(logits, params, output, row.token, expected, self._ref.dtype)
+        ):
             return True
-        return self._fault([len(self.stages) - 1], f"it drew token {row.token} at position {row.position} where the "
-                           f"coordinator draws {int(expected)}")  # fmt: skip
+        return self._fault(
+            [len(self.stages) - 1],
+            f"it drew token {row.token} at position {row.position} where the "
+            f"coordinator draws {int(expected)}",
+        )
 
     def _overdue(self) -> None:
         """Rows held past WAIT_S: the stages that never reported them are at fault."""
@@ -268,8 +337,14 @@ class Verifier:
         return False
 
 
-def _near_tie(logits: torch.Tensor, params: object, output: list[int], token: int, expected: int,
-              dtype: torch.dtype) -> bool:  # fmt: skip
+def _near_tie(
+    logits: torch.Tensor,
+    params: object,
+    output: list[int],
+    token: int,
+    expected: int,
+    dtype: torch.dtype,
+) -> bool:
     """Whether float rounding could have made a stage draw ``token`` where the reference drew
     ``expected``: their adjusted logits within the path's rounding of each other."""
     choices = adjusted(logits, params, output).float()  # type: ignore[arg-type]

@@ -24,22 +24,37 @@ def probe_result(worker: StageWorker, probe: Probe) -> ProbeResult:
         shape = (len(probe.ids), *stage.boundary_shape)
         width = torch.empty(0, dtype=stage.compute_dtype).element_size()
         if len(raw) != width * len(probe.ids) * _numel(shape[1:]):
-            return ProbeResult(probe=probe.probe, digest="", error=f"a probe of {len(raw)} bytes does not fit {shape}")
+            return ProbeResult(
+                probe=probe.probe,
+                digest="",
+                error=f"a probe of {len(raw)} bytes does not fit {shape}",
+            )
         hidden = torch.frombuffer(raw, dtype=stage.compute_dtype).view(shape)
     with worker.lock:
         output, start = digest.probe_output(stage, ids, hidden)
-    return ProbeResult(probe=probe.probe, digest=digest.pack(digest.digest(output, start, probe.seed).view(1, 1, -1)))
+    return ProbeResult(
+        probe=probe.probe,
+        digest=digest.pack(digest.digest(output, start, probe.seed).view(1, 1, -1)),
+    )
 
 
-def digest_reporter(plan_id: int, send: Callable[[Message], None],
-                    layers: tuple[int, int]) -> Callable[[list[tuple[int, int, int]], torch.Tensor], None]:  # fmt: skip
+def digest_reporter(
+    plan_id: int, send: Callable[[Message], None], layers: tuple[int, int]
+) -> Callable[[list[tuple[int, int, int]], torch.Tensor], None]:
     """What the stage of ``layers`` calls with each step's rows and digests: Digests messages,
     a bounded number of rows each."""
 
     def report(rows: list[tuple[int, int, int]], digests: torch.Tensor) -> None:
         for at in range(0, len(rows), MAX_DIGEST_ROWS):
             part = slice(at, at + MAX_DIGEST_ROWS)
-            send(Digests(plan_id=plan_id, layers=layers, rows=rows[part], digests=digest.pack(digests[part])))
+            send(
+                Digests(
+                    plan_id=plan_id,
+                    layers=layers,
+                    rows=rows[part],
+                    digests=digest.pack(digests[part]),
+                )
+            )
 
     return report
 

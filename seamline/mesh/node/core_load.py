@@ -26,4 +26,6 @@ def others_cpu_seconds() -> float:
 
 def _busy_s(times: object) -> float:
     """A CPU's seconds spent on user, nice, system and interrupt work (not idle, iowait or steal)."""
-    return sum(float(getattr(times, field, 0.0)) for field in ("user", "nice", "system", "irq", "softirq"))
+    return sum(
+        float(getattr(times, field, 0.0)) for field in ("user", "nice", "system", "irq", "softirq")
+    )

@@ -21,7 +21,9 @@ class Credentials:
         self.ca_pem = ca_pem
         self._key = new_key()
         self.identity: Identity | None = None
-        self.server: ssl.SSLContext | None = None  # the data and comm ports: peers must present a certificate
+        self.server: ssl.SSLContext | None = (
+            None  # the data and comm ports: peers must present a certificate
+        )
         self.client: ssl.SSLContext | None = None  # dialling peers
         self._renewed = threading.Event()
 
@@ -34,7 +36,9 @@ class Credentials:
         try:
             server, client = identity.server_context(), identity.client_context()
         except ssl.SSLError as exc:  # not for our key, or not from the CA
-            raise IdentityError(f"the coordinator sent a certificate that does not fit this node: {exc}") from None
+            raise IdentityError(
+                f"the coordinator sent a certificate that does not fit this node: {exc}"
+            ) from None
         self.identity, self.server, self.client = identity, server, client
         self._renewed.set()
 
@@ -47,7 +51,9 @@ class Credentials:
                 self._renewed.clear()
                 try:
                     ask(self.signing_request())
-                except Exception as exc:  # the coordinator is away: asked again, until the certificate expires
+                except (
+                    Exception
+                ) as exc:  # the coordinator is away: asked again, until the certificate expires
                     log.warning("cannot renew this node's certificate now: %s", exc)
                     continue
                 if not self._renewed.wait(timeout=max(1.0, left / 4)):

@@ -20,9 +20,24 @@ from collections.abc import Collection
 
 from seamline.errors import SeamlineError
 from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
-from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, LIMITS, HiddenFrame, TokenFrame
+from seamline.net.frames import (
+    HANDSHAKE_DEADLINE_S,
+    HANDSHAKE_LIMITS,
+    LIMITS,
+    HiddenFrame,
+    TokenFrame,
+)
 from seamline.net.link import Link
-from seamline.net.messages import Assign, Challenge, Close, DataHello, Forget, Fork, Open, ProbeHello
+from seamline.net.messages import (
+    Assign,
+    Challenge,
+    Close,
+    DataHello,
+    Forget,
+    Fork,
+    Open,
+    ProbeHello,
+)
 
 UPSTREAM, LAST, PROBE = "upstream", "last", "probe"
 FROM_UPSTREAM = (HiddenFrame, Open, Fork, Forget, Close)
@@ -33,20 +48,35 @@ class LinkRefused(SeamlineError):
 
 
 def data_proof(key: str, nonce: str, node_id: str, plan_id: int) -> str:
-    return hmac.new(key.encode(), f"data:{nonce}:{node_id}:{plan_id}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(
+        key.encode(), f"data:{nonce}:{node_id}:{plan_id}".encode(), hashlib.sha256
+    ).hexdigest()
 
 
-def dial(address: tuple[str, int], peer_node: str, node_id: str, assign: Assign,
-         tls: ssl.SSLContext | None = None, relay_ticket: str = "") -> Link:  # fmt: skip
+def dial(
+    address: tuple[str, int],
+    peer_node: str,
+    node_id: str,
+    assign: Assign,
+    tls: ssl.SSLContext | None = None,
+    relay_ticket: str = "",
+) -> Link:
     """A link to the next stage (or, from the last stage, to stage 0), ``peer_node``, proved as
     ``node_id``; over TLS when ``tls`` is given, refused unless the peer's certificate names
     ``peer_node``. With ``relay_ticket``, ``address`` is the coordinator's relay."""
     preamble = RELAY_MAGIC + relay_ticket.encode() if relay_ticket else b""
-    link = Link.connect(*address, name=f"{address[0]}:{address[1]}", tls=tls, preamble=preamble,
-                        timeout=PAIR_WAIT_S if relay_ticket else 10.0)  # fmt: skip
+    link = Link.connect(
+        *address,
+        name=f"{address[0]}:{address[1]}",
+        tls=tls,
+        preamble=preamble,
+        timeout=PAIR_WAIT_S if relay_ticket else 10.0,
+    )
     if tls is not None and link.peer_id() != peer_node:
         link.close()
-        raise LinkRefused(f"{link.name} presented a certificate for {link.peer_id()!r}, not the planned {peer_node!r}")
+        raise LinkRefused(
+            f"{link.name} presented a certificate for {link.peer_id()!r}, not the planned {peer_node!r}"
+        )
     link.limits = HANDSHAKE_LIMITS
     challenge = link.recv(deadline_s=HANDSHAKE_DEADLINE_S)
     if not isinstance(challenge, Challenge):
@@ -58,7 +88,9 @@ def dial(address: tuple[str, int], peer_node: str, node_id: str, assign: Assign,
     return link
 
 
-def admit(link: Link, assign: Assign | None, certified: bool = False, revoked: Collection[str] = ()) -> str:
+def admit(
+    link: Link, assign: Assign | None, certified: bool = False, revoked: Collection[str] = ()
+) -> str:
     """Challenge a link to this node's data port; its role (``UPSTREAM``, ``LAST``, or ``PROBE``:
     a member measuring the link, see ``peer_probe``), or LinkRefused. ``certified``: the link is TLS
     and its certificate must name the node the hello names; ``revoked``: removed nodes."""
@@ -71,20 +103,28 @@ def admit(link: Link, assign: Assign | None, certified: bool = False, revoked: C
         raise LinkRefused(f"node {link.peer_id() or named} was removed from the mesh")
     if isinstance(hello, ProbeHello):
         if certified and link.peer_id() != hello.node_id:
-            raise LinkRefused(f"a certificate for {link.peer_id()!r} probed as node {hello.node_id}")
+            raise LinkRefused(
+                f"a certificate for {link.peer_id()!r} probed as node {hello.node_id}"
+            )
         link.name = f"probe from {hello.node_id}"
         return PROBE
     if not isinstance(hello, DataHello):
         raise LinkRefused(f"expected a data hello, got {type(hello).__name__}")
     if assign is None or not assign.link_key or hello.plan_id != assign.plan_id:
-        raise LinkRefused(f"node {hello.node_id} dialled for plan {hello.plan_id}, which this node does not serve")
+        raise LinkRefused(
+            f"node {hello.node_id} dialled for plan {hello.plan_id}, which this node does not serve"
+        )
     roles = {assign.upstream_node: UPSTREAM, assign.last_node: LAST}
     role = roles.get(hello.node_id) if hello.node_id else None
     if role is None:
         raise LinkRefused(f"node {hello.node_id} is not a planned sender to this stage")
     if certified and link.peer_id() != hello.node_id:
-        raise LinkRefused(f"a certificate for {link.peer_id()!r} claimed to be node {hello.node_id}")
-    if not hmac.compare_digest(hello.proof, data_proof(assign.link_key, nonce, hello.node_id, hello.plan_id)):
+        raise LinkRefused(
+            f"a certificate for {link.peer_id()!r} claimed to be node {hello.node_id}"
+        )
+    if not hmac.compare_digest(
+        hello.proof, data_proof(assign.link_key, nonce, hello.node_id, hello.plan_id)
+    ):
         raise LinkRefused(f"node {hello.node_id} did not prove the plan's link key")
     link.limits = LIMITS
     link.name = f"{role} {hello.node_id}"

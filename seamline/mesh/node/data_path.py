@@ -8,9 +8,9 @@ import logging
 import socket
 from typing import TYPE_CHECKING
 
-from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.mesh.node.data_links import PROBE, UPSTREAM, LinkRefused, admit, dial, expected_from
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
+from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, tune
 from seamline.net.messages import Close, Forget, Fork, Linked, Open, RelayAccept, Route
@@ -33,20 +33,39 @@ class DataPath:
         self.worker.micro_batches = max(1, route.stages, route.micro_batches)
         if self.worker.head is not None:
             self.worker.head.share_prefixes(route.forks)
-            speculation = Speculation(route.speculation, route.draft_max)  # mtp: the last stage's layer drafts
-            self.worker.head.speculate(speculation.for_model(True) if speculation.mode == "mtp" else speculation)
+            speculation = Speculation(
+                route.speculation, route.draft_max
+            )  # mtp: the last stage's layer drafts
+            self.worker.head.speculate(
+                speculation.for_model(True) if speculation.mode == "mtp" else speculation
+            )
         assert self.assignment is not None
         tls = self.credentials.client if self.credentials else None
         if route.downstream is not None:
-            link = dial(route.downstream, route.downstream_node, self.options.node_id, self.assignment, tls,
-                        route.downstream_relay)  # fmt: skip
+            link = dial(
+                route.downstream,
+                route.downstream_node,
+                self.options.node_id,
+                self.assignment,
+                tls,
+                route.downstream_relay,
+            )
             self._keep(link)
             self._data_links[route.downstream_node or "downstream"] = link
-            sender = SendBehind(link, self._send_failed)  # a prompt's chunk leaves while the next is computed
+            sender = SendBehind(
+                link, self._send_failed
+            )  # a prompt's chunk leaves while the next is computed
             self.worker.links.downstream = sender.send_hidden
             self.worker.links.downstream_message = sender.send_message
         if route.stage0 is not None:
-            link = dial(route.stage0, route.stage0_node, self.options.node_id, self.assignment, tls, route.stage0_relay)
+            link = dial(
+                route.stage0,
+                route.stage0_node,
+                self.options.node_id,
+                self.assignment,
+                tls,
+                route.stage0_relay,
+            )
             self._keep(link)
             self._data_links[route.stage0_node or "stage0"] = link
             self.worker.links.stage0 = link.send_tokens
@@ -58,10 +77,16 @@ class DataPath:
         assert self.control is not None
         host = self.control.sock.getpeername()[0]
         try:
-            sock = tune(socket.create_connection((host, self.invite.control_port), timeout=PAIR_WAIT_S))
+            sock = tune(
+                socket.create_connection((host, self.invite.control_port), timeout=PAIR_WAIT_S)
+            )
             sock.sendall(RELAY_MAGIC + accept.ticket.encode())
             context = self._server_context()
-            channel = TlsSocket.handshake(sock, context, True, PAIR_WAIT_S) if context is not None else sock
+            channel = (
+                TlsSocket.handshake(sock, context, True, PAIR_WAIT_S)
+                if context is not None
+                else sock
+            )
         except (OSError, TlsRefused) as exc:
             log.error("relayed link from %s failed: %s", accept.peer_node, exc)
             if not accept.probe:  # a probe that fails only leaves the pair unmeasured
@@ -73,7 +98,9 @@ class DataPath:
         peer = link.peer()
         assignment = self.assignment
         try:
-            role = admit(link, assignment, certified=self.credentials is not None, revoked=self.revoked)
+            role = admit(
+                link, assignment, certified=self.credentials is not None, revoked=self.revoked
+            )
             if role == PROBE:
                 answer_probe(link)
                 return
@@ -98,7 +125,9 @@ class DataPath:
         """The link's frames, each run on this thread (the stage's compute thread), in order; the
         next ones are read meanwhile while it runs a large one (``ReadAhead``)."""
         frames = ReadAhead(link)
-        fed = self.tail or self.worker  # the stage this link's frames feed: it idles while it waits for them
+        fed = (
+            self.tail or self.worker
+        )  # the stage this link's frames feed: it idles while it waits for them
         idle = fed.idle if role == UPSTREAM and fed is not None else None
         while True:
             try:
@@ -113,14 +142,20 @@ class DataPath:
                 log.warning("closing data link from %s: %s", peer, exc)
                 return
             if self.assignment is not assignment:  # a newer plan: this link's route is gone
-                log.warning("closing data link from %s: its plan was replaced; its frames refused", peer)
+                log.warning(
+                    "closing data link from %s: its plan was replaced; its frames refused", peer
+                )
                 return
             try:
                 self._on_frame(frame, peer, role)
             except Exception as exc:  # one bad frame never stops the node; its requests fail
                 log.exception("frame from %s failed", peer)
                 for request in {row.request for row in getattr(frame, "rows", ())}:
-                    self._report(request, f"layers [{self._layers()}) failed: {self._explain(exc)}", cause=exc)
+                    self._report(
+                        request,
+                        f"layers [{self._layers()}) failed: {self._explain(exc)}",
+                        cause=exc,
+                    )
 
     def _keep(self: Node, link: Link) -> None:
         with self._peers_lock:
@@ -145,7 +180,12 @@ class DataPath:
             return
         if not expected_from(frame, role):
             worker.refused += 1
-            log.warning("refused %s from %s: its %s link does not carry it", type(frame).__name__, peer, role)
+            log.warning(
+                "refused %s from %s: its %s link does not carry it",
+                type(frame).__name__,
+                peer,
+                role,
+            )
             return
         if isinstance(frame, Open) and not worker.is_first:
             worker.open(frame)
@@ -159,4 +199,6 @@ class DataPath:
             worker.tokens(frame)
         else:
             worker.refused += 1
-            log.warning("refused %s from %s: not expected by this stage", type(frame).__name__, peer)
+            log.warning(
+                "refused %s from %s: not expected by this stage", type(frame).__name__, peer
+            )

@@ -15,21 +15,29 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
+import ssl
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
-import ssl
 from tqdm import tqdm
 
 from seamline.errors import CheckpointError, SeamlineError
-from seamline.weights.fragments import MANIFEST_NAME, STAMP_SUFFIX, FragmentEntry, Manifest, file_sha256
+from seamline.weights.fragments import (
+    MANIFEST_NAME,
+    STAMP_SUFFIX,
+    FragmentEntry,
+    Manifest,
+    file_sha256,
+)
 
 log = logging.getLogger(__name__)
-PEER_CONNECT_TIMEOUT_S = 3.0  # a member's fragment port that does not answer by then is not asked again
+PEER_CONNECT_TIMEOUT_S = (
+    3.0  # a member's fragment port that does not answer by then is not asked again
+)
 DISK_MARGIN_BYTES = 64 << 20  # left free beyond the fragments
 HASH_THREADS = 4
 
@@ -58,12 +66,18 @@ def trusting(certificate_pem: str) -> ssl.SSLContext | bool:
         return True
     context = ssl.create_default_context(cadata=certificate_pem)
     context.check_hostname = False  # nodes reach the coordinator by whatever address the invite has
-    context.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the certificate itself is the trust anchor
+    context.verify_flags |= (
+        ssl.VERIFY_X509_PARTIAL_CHAIN
+    )  # the certificate itself is the trust anchor
     return context
 
 
-def fetch_manifest(base_url: str, token: str | None = None, timeout: float = 30.0,
-                   verify: ssl.SSLContext | bool = True) -> Manifest:  # fmt: skip
+def fetch_manifest(
+    base_url: str,
+    token: str | None = None,
+    timeout: float = 30.0,
+    verify: ssl.SSLContext | bool = True,
+) -> Manifest:
     """The manifest served at ``<base_url>/fragments/manifest.json``."""
     url = f"{base_url.rstrip('/')}/fragments/{MANIFEST_NAME}"
     with httpx.Client(headers=_auth(token), timeout=timeout, verify=verify) as client:
@@ -96,24 +110,41 @@ def fetch_fragments(
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
     unique = list({e.sha256: e for e in entries}.values())
-    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:  # hashlib lets go of the GIL: files hash in parallel
+    with ThreadPoolExecutor(
+        max_workers=HASH_THREADS
+    ) as pool:  # hashlib lets go of the GIL: files hash in parallel
         intact = list(pool.map(lambda e: _cached(e, cache, rehash), unique))
     todo = [e for e, ok in zip(unique, intact) if not ok]
     _make_room(cache, todo)
     report = FetchReport(fragments_from_cache=len(unique) - len(todo))
     total = sum(e.bytes for e in todo)
-    bar = _Progress(tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="fragments",
-                         disable=not progress or not todo), total, on_progress)  # fmt: skip
+    bar = _Progress(
+        tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="fragments",
+            disable=not progress or not todo,
+        ),
+        total,
+        on_progress,
+    )
     peer_timeout = httpx.Timeout(timeout, connect=PEER_CONNECT_TIMEOUT_S)
     live_peers = list(peers)  # a peer that cannot be reached is not asked again
-    with bar, httpx.Client(headers=_auth(token), timeout=timeout, verify=verify) as client, \
-            httpx.Client(timeout=peer_timeout, verify=verify) as peer_client:  # fmt: skip
+    with (
+        bar,
+        httpx.Client(headers=_auth(token), timeout=timeout, verify=verify) as client,
+        httpx.Client(timeout=peer_timeout, verify=verify) as peer_client,
+    ):
         for entry in todo:
             received = _from_peers(peer_client, live_peers, entry, cache, bar)
             if received is not None:
                 report.bytes_from_peers += received
             else:
-                received = _download(client, f"{base_url.rstrip('/')}/fragments/{entry.sha256}", entry, cache, bar)
+                received = _download(
+                    client, f"{base_url.rstrip('/')}/fragments/{entry.sha256}", entry, cache, bar
+                )
             report.bytes_downloaded += received
             report.fragments_downloaded += 1
     return report
@@ -139,13 +170,17 @@ class _Progress:
         self.bar.__exit__(*exc)
 
 
-def _from_peers(client: httpx.Client, peers: list[str], entry: FragmentEntry, cache: Path, bar: Any) -> int | None:
+def _from_peers(
+    client: httpx.Client, peers: list[str], entry: FragmentEntry, cache: Path, bar: Any
+) -> int | None:
     """Bytes received for ``entry`` from the first peer that serves it whole and hashing right;
     None when none does. A peer's partial bytes are dropped, never resumed from elsewhere; a
     peer that cannot be reached is dropped from ``peers``."""
     for peer in list(peers):
         try:
-            return _download(client, f"{peer.rstrip('/')}/fragments/{entry.sha256}", entry, cache, bar)
+            return _download(
+                client, f"{peer.rstrip('/')}/fragments/{entry.sha256}", entry, cache, bar
+            )
         except Unreachable as exc:
             peers.remove(peer)
             log.info("peer %s cannot be reached (%s): fragments come from elsewhere", peer, exc)
@@ -170,8 +205,11 @@ def _cached(entry: FragmentEntry, cache: Path, rehash: bool) -> bool:
         if file_sha256(path) == entry.sha256:
             _stamp(path)
             return True
-    log.warning("cached fragment %s at %s is damaged (it no longer hashes to its name); downloading it again",
-                entry.name, path)  # fmt: skip
+    log.warning(
+        "cached fragment %s at %s is damaged (it no longer hashes to its name); downloading it again",
+        entry.name,
+        path,
+    )
     path.unlink()
     _stamp_path(path).unlink(missing_ok=True)
     return False
@@ -216,8 +254,10 @@ def _make_room(cache: Path, todo: list[FragmentEntry]) -> None:
             stale.unlink(missing_ok=True)
     free = shutil.disk_usage(cache).free
     if free < need():
-        raise FetchError(f"the fragment cache {cache} has {free / 2**30:.2f} GiB free, but this node's layers need "
-                         f"{need() / 2**30:.2f} GiB more: free some space, or point SEAMLINE_CACHE at a larger disk")
+        raise FetchError(
+            f"the fragment cache {cache} has {free / 2**30:.2f} GiB free, but this node's layers need "
+            f"{need() / 2**30:.2f} GiB more: free some space, or point SEAMLINE_CACHE at a larger disk"
+        )
 
 
 def _size(path: Path) -> int:
@@ -246,8 +286,10 @@ def _download(client: httpx.Client, url: str, entry: FragmentEntry, cache: Path,
             ) from None
         except OSError as exc:  # the disk: full, gone read-only
             part.unlink(missing_ok=True)
-            raise FetchError(f"could not write fragment {entry.name} into {cache}: {exc}; "
-                             "the partial file was deleted") from None  # fmt: skip
+            raise FetchError(
+                f"could not write fragment {entry.name} into {cache}: {exc}; "
+                "the partial file was deleted"
+            ) from None
     else:
         part.touch()  # a complete part (or an empty fragment): verify it as it is
         bar.update(have)
@@ -257,7 +299,9 @@ def _download(client: httpx.Client, url: str, entry: FragmentEntry, cache: Path,
     return received
 
 
-def _stream(client: httpx.Client, url: str, entry: FragmentEntry, part: Path, have: int, bar: Any) -> int:
+def _stream(
+    client: httpx.Client, url: str, entry: FragmentEntry, part: Path, have: int, bar: Any
+) -> int:
     """GET the bytes after ``have`` into ``part``; a 200 answer to a Range restarts from 0."""
     headers = {"Range": f"bytes={have}-"} if have else {}
     with client.stream("GET", url, headers=headers) as response:
@@ -274,7 +318,9 @@ def _stream(client: httpx.Client, url: str, entry: FragmentEntry, part: Path, ha
         with open(part, "ab" if have else "wb") as f:
             for chunk in response.iter_bytes():  # as received: a broken link loses nothing
                 if have + received + len(chunk) > entry.bytes:
-                    _refuse(part, entry, f"the server sent more than the manifest's {entry.bytes} bytes")
+                    _refuse(
+                        part, entry, f"the server sent more than the manifest's {entry.bytes} bytes"
+                    )
                 f.write(chunk)
                 received += len(chunk)
                 bar.update(len(chunk))
@@ -324,7 +370,10 @@ def _refuse(part: Path, entry: FragmentEntry, why: str) -> None:
 
 
 def materialise(
-    manifest: Manifest, entries: Iterable[FragmentEntry], cache_dir: str | Path, dest_dir: str | Path
+    manifest: Manifest,
+    entries: Iterable[FragmentEntry],
+    cache_dir: str | Path,
+    dest_dir: str | Path,
 ) -> Path:
     """Lay out ``entries`` (hard links to the cache, else symlinks, else copies) with the manifest.
 
@@ -366,4 +415,3 @@ def _link(src: Path, dst: Path) -> None:
         except OSError:
             shutil.copyfile(src, tmp)
     os.replace(tmp, dst)
-

@@ -24,17 +24,28 @@ from typing import TYPE_CHECKING
 import psutil
 import torch
 
-from seamline.model.devices import concrete_device, resolve_device
-from seamline.mesh.protocol.fragment_server import PeerGate, serve_fragments
-from seamline.mesh.protocol.invite import Invite, InviteError, coordinator_proof, proof
 from seamline.mesh.identity import COORDINATOR_ID, check_coordinator, enrolling_context
 from seamline.mesh.node.credentials import Credentials
+from seamline.mesh.protocol.fragment_server import PeerGate, serve_fragments
+from seamline.mesh.protocol.invite import Invite, InviteError, coordinator_proof, proof
+from seamline.model.devices import concrete_device, resolve_device
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, FrameError
 from seamline.net.link import Link, LinkClosed, listen, listen_on_free_port, reserve_port
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Attach, Attached, Challenge, DeviceResources, Holding, Join, Refuse, Rejoin, Renew, Resources,
-    Welcome, node_id_refusal,
-)  # fmt: skip
+    PROTOCOL_VERSION,
+    Attach,
+    Attached,
+    Challenge,
+    DeviceResources,
+    Holding,
+    Join,
+    Refuse,
+    Rejoin,
+    Renew,
+    Resources,
+    Welcome,
+    node_id_refusal,
+)
 from seamline.net.tls import TlsRefused
 from seamline.precision import int8_kernels_here
 from seamline.runtime.openmp import on_passing_thread
@@ -50,10 +61,14 @@ class JoinRefused(InviteError):
 
 
 REJOIN_FIRST_S, REJOIN_MAX_S = 1.0, 15.0  # pauses between tries to reach a lost coordinator
-DEVICE_PROBE_BYTES = 256 << 20  # a GPU's rate probe: a matrix this large, read a few dozen times (milliseconds)
+DEVICE_PROBE_BYTES = (
+    256 << 20
+)  # a GPU's rate probe: a matrix this large, read a few dozen times (milliseconds)
 
 
-def measure_rate(megabytes: int = 32, repeats: int = 7, pause_s: float = 0.02, retries: int = 6) -> float:
+def measure_rate(
+    megabytes: int = 32, repeats: int = 7, pause_s: float = 0.02, retries: int = 6
+) -> float:
     """Weight-streaming rate (bytes/s) of a matrix-vector product: decode is bound by it.
 
     The fastest of a few products spread over ~0.2 s, on all threads. Threads that share their
@@ -129,12 +144,16 @@ def local_devices(options: NodeOptions) -> list[DeviceResources]:
         try:
             free = int(torch.cuda.mem_get_info(device)[0])  # before the probe takes any
             rate = measure_device_rate(device, free)
-        except RuntimeError as exc:  # torch.OutOfMemoryError too: the device is busy; plan without it
+        except (
+            RuntimeError
+        ) as exc:  # torch.OutOfMemoryError too: the device is busy; plan without it
             log.warning("%s not reported: its rate probe failed (%s)", device, exc)
             continue
         if options.max_memory_bytes is not None:  # --max-memory caps what it may use there too
             free = min(free, options.max_memory_bytes)
-        devices.append(DeviceResources(device=str(device), free_memory_bytes=free, bytes_per_second=rate))
+        devices.append(
+            DeviceResources(device=str(device), free_memory_bytes=free, bytes_per_second=rate)
+        )
     return devices
 
 
@@ -142,11 +161,20 @@ def local_resources(options: NodeOptions) -> Resources:
     free = psutil.virtual_memory().available
     if options.max_memory_bytes is not None:
         free = min(free, options.max_memory_bytes)
-    device = str(concrete_device(resolve_device(options.device)))  # picks a lockstep group's transport
+    device = str(
+        concrete_device(resolve_device(options.device))
+    )  # picks a lockstep group's transport
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return Resources(free_memory_bytes=int(free), bytes_per_second=on_passing_thread(measure_rate, "seamline-measure"),
-                     device=device, cores=os.cpu_count() or 1, host=_boot_id(), cpus=cpus,
-                     int8_kernels=int8_kernels_here(), devices=local_devices(options))  # fmt: skip
+    return Resources(
+        free_memory_bytes=int(free),
+        bytes_per_second=on_passing_thread(measure_rate, "seamline-measure"),
+        device=device,
+        cores=os.cpu_count() or 1,
+        host=_boot_id(),
+        cpus=cpus,
+        int8_kernels=int8_kernels_here(),
+        devices=local_devices(options),
+    )
 
 
 def _boot_id() -> str:
@@ -182,20 +210,27 @@ class Membership:
         self.control = control = connect_to_coordinator(self.invite)
         try:
             self._join(control)
-            if self.credentials is not None:  # enrolled: the control link proper, under our certificate
+            if (
+                self.credentials is not None
+            ):  # enrolled: the control link proper, under our certificate
                 control.close()
                 self.control = self._attach()
                 self.credentials.keep_renewed(lambda csr: self._send_control(Renew(csr=csr)))
         except (LinkClosed, FrameError) as exc:
             control.close()
-            raise InviteError(f"the coordinator ended the join: {exc} (is the token this mesh's, in full?)") from None
+            raise InviteError(
+                f"the coordinator ended the join: {exc} (is the token this mesh's, in full?)"
+            ) from None
 
     def _attach(self: Node, rejoin: Join | None = None) -> Link:
         """The control link proper, under this node's certificate: attached right after
         enrolling, or ``rejoin``-ing a coordinator that lost this node."""
         assert self.credentials is not None and self.credentials.client is not None
         link = connect_to_coordinator(self.invite, self.credentials.client)
-        if not isinstance(link.recv(deadline_s=HANDSHAKE_DEADLINE_S), Challenge) or link.peer_id() != COORDINATOR_ID:
+        if (
+            not isinstance(link.recv(deadline_s=HANDSHAKE_DEADLINE_S), Challenge)
+            or link.peer_id() != COORDINATOR_ID
+        ):
             link.close()
             raise InviteError(f"{link.name} is not the coordinator that enrolled this node")
         link.send_message(Rejoin(join=rejoin) if rejoin else Attach(node_id=self.options.node_id))
@@ -203,7 +238,9 @@ class Membership:
         if not isinstance(answer, Attached):
             link.close()
             error = JoinRefused if isinstance(answer, Refuse) and answer.final else InviteError
-            raise error(f"the coordinator did not take this node's control link: {getattr(answer, 'reason', answer)}")
+            raise error(
+                f"the coordinator did not take this node's control link: {getattr(answer, 'reason', answer)}"
+            )
         return link
 
     def _join(self: Node, control: Link) -> None:
@@ -211,8 +248,11 @@ class Membership:
         if not isinstance(challenge, Challenge):
             raise InviteError(f"coordinator sent {type(challenge).__name__} instead of a challenge")
         if self.invite.ca_fingerprint:
-            check_coordinator(control.sock.peer_certificate_der(), challenge.ca_certificate,  # type: ignore[union-attr]
-                              self.invite.ca_fingerprint)  # fmt: skip
+            check_coordinator(
+                control.sock.peer_certificate_der(),
+                challenge.ca_certificate,  # type: ignore[union-attr]
+                self.invite.ca_fingerprint,
+            )
             self.credentials = Credentials(self.options.node_id, challenge.ca_certificate)
         data_host = control.sock.getsockname()[0]
         self.data_server = listen(data_host, self.options.data_port)
@@ -225,12 +265,20 @@ class Membership:
         fragments = listen_on_free_port(data_host) if self.credentials else None
         fragments_port = fragments.getsockname()[1] if fragments is not None else 0
         nonce = secrets.token_hex(16)
-        join = Join(node_id=self.options.node_id, proof=proof(self.invite.secret, challenge.nonce), nonce=nonce,
-                    invite_id=self.invite.id,
-                    protocol_version=PROTOCOL_VERSION, resources=local_resources(self.options),
-                    data_host=data_host, data_port=self.data_server.getsockname()[1],
-                    max_memory_bytes=self.options.max_memory_bytes, comm_port=self.comm_port,
-                    fragments_port=fragments_port, csr=self.credentials.signing_request() if self.credentials else "")  # fmt: skip
+        join = Join(
+            node_id=self.options.node_id,
+            proof=proof(self.invite.secret, challenge.nonce),
+            nonce=nonce,
+            invite_id=self.invite.id,
+            protocol_version=PROTOCOL_VERSION,
+            resources=local_resources(self.options),
+            data_host=data_host,
+            data_port=self.data_server.getsockname()[1],
+            max_memory_bytes=self.options.max_memory_bytes,
+            comm_port=self.comm_port,
+            fragments_port=fragments_port,
+            csr=self.credentials.signing_request() if self.credentials else "",
+        )
         try:
             control.send_message(join)
             self.joined_as = join
@@ -252,7 +300,9 @@ class Membership:
         if not isinstance(answer, Welcome):
             raise InviteError(f"coordinator sent {type(answer).__name__} instead of a welcome")
         if not hmac.compare_digest(answer.proof, coordinator_proof(self.invite.secret, nonce)):
-            raise InviteError("the coordinator did not prove it holds this invite: not the mesh the token names")
+            raise InviteError(
+                "the coordinator did not prove it holds this invite: not the mesh the token names"
+            )
         if self.credentials is not None:
             self.credentials.accept(answer.certificate)
 
@@ -266,14 +316,28 @@ class Membership:
         # a private mesh's ends serve no member: their folders hold the embedding and the head
         self.fragment_gate = PeerGate(lambda peer: peer in self.revoked or self.tail is not None)
         host, port = listener.getsockname()[:2]
-        serve_fragments(folder, lambda _token: True, host, port, self.credentials.identity.server_context(),
-                        self.fragment_gate, held=self.options.cache_dir / "fragments", listener=listener)  # fmt: skip
+        serve_fragments(
+            folder,
+            lambda _token: True,
+            host,
+            port,
+            self.credentials.identity.server_context(),
+            self.fragment_gate,
+            held=self.options.cache_dir / "fragments",
+            listener=listener,
+        )
 
     def _holding(self: Node) -> Holding | None:
         """The stage this node has loaded, which a restarted coordinator may keep (a lockstep
         rank's share is re-formed with its group instead)."""
         held = self.assignment
-        if held is None or self.worker is None or self.group_stage is not None or held.shard != (0, 1) or held.tail:
+        if (
+            held is None
+            or self.worker is None
+            or self.group_stage is not None
+            or held.shard != (0, 1)
+            or held.tail
+        ):
             return None
         return Holding.of(held)
 
@@ -286,7 +350,9 @@ class Membership:
         pause = REJOIN_FIRST_S
         while self.credentials.identity.expires() > time.time():
             try:
-                self.control = self._attach(rejoin=self.joined_as.model_copy(update={"holding": self._holding()}))
+                self.control = self._attach(
+                    rejoin=self.joined_as.model_copy(update={"holding": self._holding()})
+                )
                 log.info("the coordinator took this node back")
                 return True
             except JoinRefused as exc:
@@ -296,5 +362,7 @@ class Membership:
                 log.info("the coordinator is not back (%s); trying again in %.0f s", exc, pause)
             time.sleep(pause)
             pause = min(REJOIN_MAX_S, pause * 2)
-        log.error("this node's certificate expired before the coordinator came back: join again with an invite")
+        log.error(
+            "this node's certificate expired before the coordinator came back: join again with an invite"
+        )
         return False

@@ -14,8 +14,10 @@ def take_precision(assign: Assign) -> None:
     from seamline.quant.matmul import set_int8_activations
 
     if assign.int8_activations and not int8_kernels_here():
-        raise ConfigError("this node cannot run the coordinator's precision: int8-block matmuls need x86-64 "
-                          "with AVX-512 VNNI and a C++ compiler")  # fmt: skip
+        raise ConfigError(
+            "this node cannot run the coordinator's precision: int8-block matmuls need x86-64 "
+            "with AVX-512 VNNI and a C++ compiler"
+        )
     set_int8_activations(assign.int8_activations)
 
 

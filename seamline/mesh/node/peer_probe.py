@@ -13,7 +13,7 @@ from __future__ import annotations
 import ssl
 import time
 
-from seamline.mesh.protocol.link_probe import PADDED_PINGS, PAD_BYTES, PINGS, measure_link
+from seamline.mesh.protocol.link_probe import PAD_BYTES, PADDED_PINGS, PINGS, measure_link
 from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.net.frames import HANDSHAKE_DEADLINE_S, HANDSHAKE_LIMITS, FrameError, FrameType
 from seamline.net.link import Link, LinkClosed
@@ -21,7 +21,10 @@ from seamline.net.messages import Challenge, MeasurePeer, PeerLink, Ping, Pong, 
 from seamline.net.tls import TlsRefused
 
 PROBE_PINGS = PINGS + PADDED_PINGS  # a probe link answers this many pings, then closes
-PROBE_LIMITS = {**HANDSHAKE_LIMITS, FrameType.CONTROL: PAD_BYTES + (4 << 10)}  # a padded ping and its envelope
+PROBE_LIMITS = {
+    **HANDSHAKE_LIMITS,
+    FrameType.CONTROL: PAD_BYTES + (4 << 10),
+}  # a padded ping and its envelope
 
 
 class ProbeRefused(Exception):
@@ -32,8 +35,14 @@ def probe_peer(ask: MeasurePeer, node_id: str, tls: ssl.SSLContext | None) -> Pe
     """Measure the link to ``ask.peer_node`` as ``node_id``; a PeerLink with ``error`` if it failed."""
     preamble = RELAY_MAGIC + ask.relay.encode() if ask.relay else b""
     try:
-        with Link.connect(ask.host, ask.port, name=f"probe to {ask.peer_node}", tls=tls, preamble=preamble,
-                          timeout=PAIR_WAIT_S if ask.relay else HANDSHAKE_DEADLINE_S) as link:  # fmt: skip
+        with Link.connect(
+            ask.host,
+            ask.port,
+            name=f"probe to {ask.peer_node}",
+            tls=tls,
+            preamble=preamble,
+            timeout=PAIR_WAIT_S if ask.relay else HANDSHAKE_DEADLINE_S,
+        ) as link:
             if tls is not None and link.peer_id() != ask.peer_node:
                 raise ProbeRefused(f"the peer presented a certificate for {link.peer_id()!r}")
             link.limits = HANDSHAKE_LIMITS
@@ -43,8 +52,11 @@ def probe_peer(ask: MeasurePeer, node_id: str, tls: ssl.SSLContext | None) -> Pe
             measured = measure_link(lambda nonce, pad: _round_trip(link, nonce, pad))
     except (OSError, LinkClosed, FrameError, TlsRefused, ProbeRefused) as exc:
         return PeerLink(peer_node=ask.peer_node, error=str(exc) or type(exc).__name__)
-    return PeerLink(peer_node=ask.peer_node, latency_s=measured.latency_s,
-                    bandwidth_bytes_per_s=measured.bandwidth_bytes_per_s)  # fmt: skip
+    return PeerLink(
+        peer_node=ask.peer_node,
+        latency_s=measured.latency_s,
+        bandwidth_bytes_per_s=measured.bandwidth_bytes_per_s,
+    )
 
 
 def _round_trip(link: Link, nonce: int, pad: str) -> float:

@@ -29,14 +29,23 @@ TAIL_SUFFIX = ".tail"  # the last stage's folder beside stage 0's (a node id may
 def tail_assignment(assign: Assign) -> Assign:
     """The last stage's share of a private mesh's first assignment."""
     assert assign.tail is not None
-    return assign.model_copy(update={"layers": assign.tail, "owns_embedding": False, "owns_head": True, "tail": None})
+    return assign.model_copy(
+        update={"layers": assign.tail, "owns_embedding": False, "owns_head": True, "tail": None}
+    )
 
 
-def load_tail(invite: Invite, assign: Assign, options: NodeOptions, tls: ssl.SSLContext | None,
-              on_progress: Callable[[int, int], None]) -> tuple[StageWorker, FetchReport]:  # fmt: skip
+def load_tail(
+    invite: Invite,
+    assign: Assign,
+    options: NodeOptions,
+    tls: ssl.SSLContext | None,
+    on_progress: Callable[[int, int], None],
+) -> tuple[StageWorker, FetchReport]:
     """The last stage's worker, its fragments in a folder of its own."""
     tail_options = dataclasses.replace(options, node_id=options.node_id + TAIL_SUFFIX)
-    stage, fetched = load_assignment(invite, tail_assignment(assign), tail_options, tls, on_progress)
+    stage, fetched = load_assignment(
+        invite, tail_assignment(assign), tail_options, tls, on_progress
+    )
     tail = StageWorker(stage, False, True, assign.context_length)
     folder = tail_options.cache_dir / "stages" / tail_options.node_id
     tail.masks = TokenMasks(lambda: (folder / "tokenizer.json").read_text())
@@ -52,4 +61,3 @@ def pair(first: StageWorker, tail: StageWorker) -> None:
     first.private, first.hash_key, first.head.hash_key = True, key, key
     tail.source, tail.hash_key = first.head, key
     tail.links.stage0 = lambda rows: first.tokens(TokenFrame(tuple(rows)))
-

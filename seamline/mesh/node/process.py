@@ -27,54 +27,85 @@ from typing import Literal
 import psutil
 import torch
 
-from seamline.errors import OverloadedError, RequestError
 from seamline.allocator import allocator_in_use
+from seamline.errors import OverloadedError, RequestError
 from seamline.mesh.arenas import tame_malloc, trim_now
-from seamline.mesh.protocol.claims import block_sums, probe_matrix
-from seamline.mesh.protocol.fragment_server import PeerGate
-from seamline.mesh.protocol.invite import Invite
-from seamline.mesh.protocol.relay_wire import PROBE_MAGIC
 from seamline.mesh.node.checks import digest_reporter, probe_result
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_path import DataPath
-from seamline.mesh.node.private_tail import load_tail, pair
-from seamline.mesh.node.reprobe import reprobe_when_quiet
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.membership import Membership
 from seamline.mesh.node.node_precision import stage_precision, take_precision
 from seamline.mesh.node.peer_probe import probe_peer
+from seamline.mesh.node.private_tail import load_tail, pair
+from seamline.mesh.node.reprobe import reprobe_when_quiet
+from seamline.mesh.protocol.claims import block_sums, probe_matrix
+from seamline.mesh.protocol.fragment_server import PeerGate
+from seamline.mesh.protocol.invite import Invite
+from seamline.mesh.protocol.relay_wire import PROBE_MAGIC
+from seamline.model.stage import Stage
 from seamline.net.frames import Desync, FrameError, Oversized
 from seamline.net.link import Link, LinkClosed, accept_links
 from seamline.net.messages import (
-    PROTOCOL_VERSION, Assign, Certificate, Close, Descriptor, Failure, Heartbeat, Holding, Join, Loading,
-    MeasurePeer, Message, Open, Ping, Pong, Probe, Prompt, Ready, RelayAccept, Revoked, Route, SpeedProbe, SpeedReady,
-    SpeedSums, Stats, StatsRequest,
-)  # fmt: skip
+    PROTOCOL_VERSION,
+    Assign,
+    Certificate,
+    Close,
+    Descriptor,
+    Failure,
+    Heartbeat,
+    Holding,
+    Join,
+    Loading,
+    MeasurePeer,
+    Message,
+    Open,
+    Ping,
+    Pong,
+    Probe,
+    Prompt,
+    Ready,
+    RelayAccept,
+    Revoked,
+    Route,
+    SpeedProbe,
+    SpeedReady,
+    SpeedSums,
+    Stats,
+    StatsRequest,
+)
 from seamline.net.tls import GroupTls
 from seamline.parallel.comm import CommError
 from seamline.quant import matmul
-from seamline.model.stage import Stage
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.group_stage import LockstepStage
-from seamline.runtime.openmp import on_passing_thread
-from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
 from seamline.runtime.kv_budget import kv_budget_bytes
+from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
+from seamline.runtime.openmp import on_passing_thread
 from seamline.runtime.stage_worker import StageWorker
 
 log = logging.getLogger("seamline.node")
 LOADING_REPORT_S = 1.0  # a download's progress goes to the coordinator this often
-COORDINATOR_SILENT_S = 10.0  # the coordinator sends a heartbeat every second; silent this long, it is lost
+COORDINATOR_SILENT_S = (
+    10.0  # the coordinator sends a heartbeat every second; silent this long, it is lost
+)
 
 
 @dataclass
 class NodeOptions:
     max_memory_bytes: int | None = None
     node_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:6]}")
-    cache_dir: Path = field(default_factory=lambda: Path(os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")).expanduser())
+    cache_dir: Path = field(
+        default_factory=lambda: Path(
+            os.environ.get("SEAMLINE_CACHE", "~/.cache/seamline")
+        ).expanduser()
+    )
     data_port: int = 0
     progress: bool = True
     device: str = "auto"  # where this node's stage computes (``seamline.model.devices``)
-    reprobe_when_idle: bool = False  # probe the stage again once idle on quiet cores (``mesh.node.reprobe``)
+    reprobe_when_idle: bool = (
+        False  # probe the stage again once idle on quiet cores (``mesh.node.reprobe``)
+    )
 
 
 class Node(Membership, DataPath):
@@ -83,18 +114,26 @@ class Node(Membership, DataPath):
         self.options = options
         self.control: Link | None = None
         self.worker: StageWorker | None = None
-        self.tail: StageWorker | None = None  # a private mesh's last stage, beside stage 0 (``private_tail``)
-        self._data_links: dict[str, Link] = {}  # the links this stage sends frames on, by the peer's node id
+        self.tail: StageWorker | None = (
+            None  # a private mesh's last stage, beside stage 0 (``private_tail``)
+        )
+        self._data_links: dict[
+            str, Link
+        ] = {}  # the links this stage sends frames on, by the peer's node id
         self.assignment: Assign | None = None
         self.data_server: socket.socket | None = None
         self.peers: list[Link] = []  # this plan's data links, dialled and accepted
-        self._inbox: queue.Queue[Message] = _Inbox(self._revoke)  # from the coordinator, for ``_handle_control``
+        self._inbox: queue.Queue[Message] = _Inbox(
+            self._revoke
+        )  # from the coordinator, for ``_handle_control``
         self.revoked: frozenset[str] = frozenset()  # nodes removed from the mesh: refused here too
         self.fragment_gate: PeerGate | None = None  # the fragment server's check of its clients
         self._peers_lock = threading.Lock()
         self.bytes_downloaded = 0
         self.comm_port = 0  # lockstep peers reach this node here
-        self.comm_reservation: socket.socket | None = None  # holds comm_port (net.link.reserve_port)
+        self.comm_reservation: socket.socket | None = (
+            None  # holds comm_port (net.link.reserve_port)
+        )
         self.group_stage: LockstepStage | None = None  # this node leads a lockstep group
         self.credentials: Credentials | None = None  # None: a plaintext mesh
         self.joined_as: Join | None = None  # the join this node made (it rejoins with it)
@@ -115,15 +154,22 @@ class Node(Membership, DataPath):
     def serve(self) -> None:
         """Handle coordinator messages until the coordinator goes away."""
         assert self.control is not None and self.data_server is not None
-        accept_links(self.data_server, "data", self._read_data, tls=self._server_context,
-                     plain={PROBE_MAGIC: lambda sock, _: sock.close()})  # the coordinator asking if we take connections
+        accept_links(
+            self.data_server,
+            "data",
+            self._read_data,
+            tls=self._server_context,
+            plain={PROBE_MAGIC: lambda sock, _: sock.close()},
+        )  # the coordinator asking if we take connections
         threading.Thread(target=self._handle_control, daemon=True, name="seamline-control").start()
         while True:
             try:
                 message = self.control.recv(deadline_s=COORDINATOR_SILENT_S)
             except LinkClosed as exc:
                 self.control.close()
-                log.warning("coordinator link lost (%s); this node keeps its stage and rejoins", exc)
+                log.warning(
+                    "coordinator link lost (%s); this node keeps its stage and rejoins", exc
+                )
                 if self.rejoin():
                     continue
                 log.warning("node stops")
@@ -137,8 +183,12 @@ class Node(Membership, DataPath):
                     continue
                 log.warning("node stops")
                 return
-            if isinstance(message, Heartbeat):  # answered here, never behind a busy stage or a send under way
-                with contextlib.suppress(LinkClosed):  # (which the coordinator hears as well: it counts as heard)
+            if isinstance(
+                message, Heartbeat
+            ):  # answered here, never behind a busy stage or a send under way
+                with contextlib.suppress(
+                    LinkClosed
+                ):  # (which the coordinator hears as well: it counts as heard)
                     self.control.try_send_message(Heartbeat(), COORDINATOR_SILENT_S)
             elif isinstance(message, Ping):  # likewise, so a measured round trip is the link's
                 self._report_quietly(Pong(nonce=message.nonce))
@@ -184,24 +234,44 @@ class Node(Membership, DataPath):
             elif isinstance(message, Close) and self.worker:
                 self.worker.close(message)
             elif isinstance(message, Probe) and self.worker and self.control:
-                tail = self.tail if self.assignment and message.layers == self.assignment.tail else None
-                self.control.send_message(on_passing_thread(functools.partial(probe_result, tail or self.worker, message)))
+                tail = (
+                    self.tail
+                    if self.assignment and message.layers == self.assignment.tail
+                    else None
+                )
+                self.control.send_message(
+                    on_passing_thread(functools.partial(probe_result, tail or self.worker, message))
+                )
             elif isinstance(message, StatsRequest) and self.worker and self.control:
                 w = self.worker
                 sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
-                self.control.send_message(Stats(node_id=self.options.node_id, decode_steps=w.decode_steps,
-                                                decode_seconds=w.decode_seconds, refused_frames=w.refused,
-                                                link_bytes=sent, precision=stage_precision(self.assignment),
-                                                step_probe_s=w.step_probe, prompt_probe_s=w.prompt_probe,
-                                                step_overhead_s=w.clock.overhead_s(), probe_quiet=w.probe_quiet,
-                                                cycle_wall_s=w.clock.cycle_wall_s(),
-                                                ring_s=w.head.ring.ring_s() if w.head else 0.0,
-                                                busy_seconds=w.busy_seconds, idle_seconds=w.idle.seconds(),
-                                                **w.holdings(), **w.speculated()))  # fmt: skip
+                self.control.send_message(
+                    Stats(
+                        node_id=self.options.node_id,
+                        decode_steps=w.decode_steps,
+                        decode_seconds=w.decode_seconds,
+                        refused_frames=w.refused,
+                        link_bytes=sent,
+                        precision=stage_precision(self.assignment),
+                        step_probe_s=w.step_probe,
+                        prompt_probe_s=w.prompt_probe,
+                        step_overhead_s=w.clock.overhead_s(),
+                        probe_quiet=w.probe_quiet,
+                        cycle_wall_s=w.clock.cycle_wall_s(),
+                        ring_s=w.head.ring.ring_s() if w.head else 0.0,
+                        busy_seconds=w.busy_seconds,
+                        idle_seconds=w.idle.seconds(),
+                        **w.holdings(),
+                        **w.speculated(),
+                    )
+                )
         except Exception as exc:  # a failed step is reported, never fatal to the node
             log.exception("failed to handle %s", type(message).__name__)
-            self._report(getattr(message, "request", None), f"{type(message).__name__} failed: {self._explain(exc)}",
-                         room=exc.room if isinstance(exc, NoRoom) else None)  # fmt: skip
+            self._report(
+                getattr(message, "request", None),
+                f"{type(message).__name__} failed: {self._explain(exc)}",
+                room=exc.room if isinstance(exc, NoRoom) else None,
+            )
 
     def _handle_control(self) -> None:
         """The coordinator's messages, in the order they came, apart from the control link's
@@ -214,8 +284,11 @@ class Node(Membership, DataPath):
                 with self._inbox.mutex:  # a peek at what is queued; the order of the rest is kept
                     newer = [m.plan_id for m in self._inbox.queue if isinstance(m, Assign)]
                 if newer and max(newer) > message.plan_id:
-                    log.info("skipped the assignment of plan %d: plan %d's is queued behind it",
-                             message.plan_id, max(newer))  # fmt: skip
+                    log.info(
+                        "skipped the assignment of plan %d: plan %d's is queued behind it",
+                        message.plan_id,
+                        max(newer),
+                    )
                     continue
             self._on_control(message)
 
@@ -236,19 +309,38 @@ class Node(Membership, DataPath):
             return f"{exc} (rank {exc.peer} is node {nodes[exc.peer]})"
         return str(exc)
 
-    def _report(self, request: int | None, reason: str, blame: Literal["node", "request", "load"] = "node",
-                cause: Exception | None = None, assign: Assign | None = None, room: int | None = None) -> None:  # fmt: skip
+    def _report(
+        self,
+        request: int | None,
+        reason: str,
+        blame: Literal["node", "request", "load"] = "node",
+        cause: Exception | None = None,
+        assign: Assign | None = None,
+        room: int | None = None,
+    ) -> None:
         """Tell the coordinator; a ``cause`` that broke the lockstep group of ``assign`` (the
         current one by default) says so, naming the rank's node at fault when it is known."""
         assign = assign or self.assignment
         plan_id = suspect = None
         if isinstance(cause, CommError) and assign is not None and assign.shard[1] > 1:
             plan_id, nodes = assign.plan_id, assign.group_nodes
-            suspect = nodes[cause.peer] if cause.peer is not None and 0 <= cause.peer < len(nodes) else None
+            suspect = (
+                nodes[cause.peer]
+                if cause.peer is not None and 0 <= cause.peer < len(nodes)
+                else None
+            )
         if self.control is not None:
             try:
-                self.control.send_message(Failure(request=request, reason=reason, blame=blame, plan_id=plan_id,
-                                                  suspect=suspect, room_bytes=room))  # fmt: skip
+                self.control.send_message(
+                    Failure(
+                        request=request,
+                        reason=reason,
+                        blame=blame,
+                        plan_id=plan_id,
+                        suspect=suspect,
+                        room_bytes=room,
+                    )
+                )
             except LinkClosed:
                 pass
 
@@ -267,7 +359,9 @@ class Node(Membership, DataPath):
         self._probe_matrix = None  # the speed probe is over
         if self.worker is not None:
             self.worker.stop()
-        self.worker = self.tail = None  # a new assignment replaces the old stage (freed before the new one loads)
+        self.worker = self.tail = (
+            None  # a new assignment replaces the old stage (freed before the new one loads)
+        )
         gc.collect()
         if self.group_stage is not None:
             self.group_stage.close()
@@ -275,52 +369,96 @@ class Node(Membership, DataPath):
         self._check_room(assign)
         if assign.shard[1] == 1:
             client = self.credentials.client if self.credentials else None
-            stage, fetched = (kept, FetchReport()) if kept is not None else load_assignment(
-                self.invite, assign, self.options, client, self._loading_reporter(assign))  # fmt: skip
-            self.worker = StageWorker(stage, assign.owns_embedding, assign.owns_head, assign.context_length,
-                                      _kv_budget(assign, stage.input_device))  # fmt: skip
+            stage, fetched = (
+                (kept, FetchReport())
+                if kept is not None
+                else load_assignment(
+                    self.invite, assign, self.options, client, self._loading_reporter(assign)
+                )
+            )
+            self.worker = StageWorker(
+                stage,
+                assign.owns_embedding,
+                assign.owns_head,
+                assign.context_length,
+                _kv_budget(assign, stage.input_device),
+            )
             self.worker.step_probe, self.worker.prompt_probe = _probed(stage)
             self._reprobe(self.worker, stage)
         else:
-            member, fetched = load_rank(self.invite, assign, self.options, self._group_tls(assign),
-                                        self.credentials.client if self.credentials else None,
-                                        self._loading_reporter(assign))  # fmt: skip
+            member, fetched = load_rank(
+                self.invite,
+                assign,
+                self.options,
+                self._group_tls(assign),
+                self.credentials.client if self.credentials else None,
+                self._loading_reporter(assign),
+            )
             if member.rank == 0:  # the leader: its StageWorker drives the whole group
                 self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
-                self.worker = StageWorker(self.group_stage, assign.owns_embedding, assign.owns_head,
-                                          assign.context_length, _kv_budget(assign))  # fmt: skip
+                self.worker = StageWorker(
+                    self.group_stage,
+                    assign.owns_embedding,
+                    assign.owns_head,
+                    assign.context_length,
+                    _kv_budget(assign),
+                )
                 # the group's steps, its every rank and gate, as it will serve them
                 # (not again when idle: quiet cores here say nothing of the other ranks')
                 self.worker.step_probe, self.worker.prompt_probe = _probed(self.group_stage)
             else:
-                threading.Thread(target=self._serve_rank, args=(member, assign), daemon=True).start()
+                threading.Thread(
+                    target=self._serve_rank, args=(member, assign), daemon=True
+                ).start()
         if assign.tail is not None and self.worker is not None:
-            self.tail, tail_fetched = load_tail(self.invite, assign, self.options, self._fetch_tls(),
-                                                self._loading_reporter(assign))  # fmt: skip
+            self.tail, tail_fetched = load_tail(
+                self.invite, assign, self.options, self._fetch_tls(), self._loading_reporter(assign)
+            )
             pair(self.worker, self.tail)
-            fetched = FetchReport(fetched.bytes_downloaded + tail_fetched.bytes_downloaded,
-                                  bytes_from_peers=fetched.bytes_from_peers + tail_fetched.bytes_from_peers)  # fmt: skip
+            fetched = FetchReport(
+                fetched.bytes_downloaded + tail_fetched.bytes_downloaded,
+                bytes_from_peers=fetched.bytes_from_peers + tail_fetched.bytes_from_peers,
+            )
         self.bytes_downloaded += fetched.bytes_downloaded
         assert self.control is not None
         for worker, layers in ((self.worker, assign.layers), (self.tail, assign.tail)):
             self._wire(worker, assign, layers)  # type: ignore[arg-type]
-        descriptor = Descriptor(node_id=self.options.node_id, plan_id=assign.plan_id, model_hash=assign.model_hash,
-                                layers=assign.layers, dtype=assign.dtype, protocol_version=PROTOCOL_VERSION,
-                                int8_activations=matmul.INT8_ACTIVATIONS, shard=assign.shard,
-                                tail=assign.tail)  # fmt: skip
-        resident = psutil.Process().memory_info().rss  # and what its GPU holds, where it computes on one
+        descriptor = Descriptor(
+            node_id=self.options.node_id,
+            plan_id=assign.plan_id,
+            model_hash=assign.model_hash,
+            layers=assign.layers,
+            dtype=assign.dtype,
+            protocol_version=PROTOCOL_VERSION,
+            int8_activations=matmul.INT8_ACTIVATIONS,
+            shard=assign.shard,
+            tail=assign.tail,
+        )
+        resident = (
+            psutil.Process().memory_info().rss
+        )  # and what its GPU holds, where it computes on one
         resident += torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
-        self.control.send_message(Ready(descriptor=descriptor, bytes_downloaded=fetched.bytes_downloaded,
-                                        bytes_from_peers=fetched.bytes_from_peers, resident_bytes=resident))  # fmt: skip
+        self.control.send_message(
+            Ready(
+                descriptor=descriptor,
+                bytes_downloaded=fetched.bytes_downloaded,
+                bytes_from_peers=fetched.bytes_from_peers,
+                resident_bytes=resident,
+            )
+        )
 
     def _fetch_tls(self) -> ssl.SSLContext | None:
         return self.credentials.client if self.credentials else None
 
-    def _wire(self, worker: StageWorker | None, assign: Assign, layers: tuple[int, int] | None) -> None:
+    def _wire(
+        self, worker: StageWorker | None, assign: Assign, layers: tuple[int, int] | None
+    ) -> None:
         """A loaded stage's reports to the coordinator: its tokens, failures and digests."""
         if worker is None or layers is None:
             return
-        if worker.is_last and worker.masks is None:  # the last stage draws: a grammar needs the tokenizer
+        if (
+            worker.is_last and worker.masks is None
+        ):  # the last stage draws: a grammar needs the tokenizer
             folder = self.options.cache_dir / "stages" / self.options.node_id
             worker.masks = TokenMasks(lambda: (folder / "tokenizer.json").read_text())
         worker.links.results = lambda rows: self.control.send_tokens(rows)  # type: ignore[union-attr]  # the link of now
@@ -337,7 +475,9 @@ class Node(Membership, DataPath):
             now = time.monotonic()
             if now - last[0] >= LOADING_REPORT_S or done >= total:
                 last[0] = now
-                self._report_quietly(Loading(plan_id=assign.plan_id, bytes_done=done, bytes_total=total))
+                self._report_quietly(
+                    Loading(plan_id=assign.plan_id, bytes_done=done, bytes_total=total)
+                )
 
         return report
 
@@ -353,12 +493,21 @@ class Node(Membership, DataPath):
 
     def _group_tls(self, assign: Assign) -> GroupTls | None:
         creds = self.credentials
-        if creds is None or creds.server is None or creds.client is None or assign.transport != "tcp":
+        if (
+            creds is None
+            or creds.server is None
+            or creds.client is None
+            or assign.transport != "tcp"
+        ):
             return None
         return GroupTls(creds.server, creds.client, tuple(assign.group_nodes))
 
     def _layers(self) -> str:
-        return "?,?" if self.assignment is None else f"{self.assignment.layers[0]},{self.assignment.layers[1]}"
+        return (
+            "?,?"
+            if self.assignment is None
+            else f"{self.assignment.layers[0]},{self.assignment.layers[1]}"
+        )
 
     def _reprobe(self, worker: StageWorker, stage: Stage) -> None:
         """With ``--reprobe-when-idle``: probe the stage again once it is idle and its cores quiet
@@ -374,7 +523,12 @@ class Node(Membership, DataPath):
             member.serve()
         except Exception as exc:
             log.error("lockstep rank %d stopped: %s", member.rank, exc)
-            self._report(None, f"lockstep rank {member.rank} stopped: {self._explain(exc)}", cause=exc, assign=assign)
+            self._report(
+                None,
+                f"lockstep rank {member.rank} stopped: {self._explain(exc)}",
+                cause=exc,
+                assign=assign,
+            )
         finally:
             member.close()
 
@@ -384,21 +538,30 @@ class Node(Membership, DataPath):
         if self.options.max_memory_bytes is not None:
             room = min(room, self.options.max_memory_bytes)
         if assign.memory_bytes > room:
-            raise NoRoom(f"cannot hold layers [{assign.layers[0]},{assign.layers[1]}): they need "
-                         f"{assign.memory_bytes / 2**30:.2f} GiB, this node has {room / 2**30:.2f} GiB", room)  # fmt: skip
+            raise NoRoom(
+                f"cannot hold layers [{assign.layers[0]},{assign.layers[1]}): they need "
+                f"{assign.memory_bytes / 2**30:.2f} GiB, this node has {room / 2**30:.2f} GiB",
+                room,
+            )
 
     def _speed_probe(self, probe: SpeedProbe) -> None:
         """The coordinator checks the speed this node claimed: make the matrix, then multiply."""
         assert self.control is not None
         if not probe.vector:
-            self._probe_matrix = on_passing_thread(functools.partial(probe_matrix, probe.seed, probe.rows, probe.cols))
+            self._probe_matrix = on_passing_thread(
+                functools.partial(probe_matrix, probe.seed, probe.rows, probe.cols)
+            )
             self.control.send_message(SpeedReady())
         elif self._probe_matrix is not None and len(probe.vector) == self._probe_matrix.shape[1]:
-            sums = on_passing_thread(functools.partial(block_sums, self._probe_matrix, torch.tensor(probe.vector)))
+            sums = on_passing_thread(
+                functools.partial(block_sums, self._probe_matrix, torch.tensor(probe.vector))
+            )
             self.control.send_message(SpeedSums(sums=sums))
 
     def _measure_peer(self, ask: MeasurePeer) -> None:
-        report = probe_peer(ask, self.options.node_id, self.credentials.client if self.credentials else None)
+        report = probe_peer(
+            ask, self.options.node_id, self.credentials.client if self.credentials else None
+        )
         if report.error:
             log.warning("could not measure the link to %s: %s", ask.peer_node, report.error)
         self._report_quietly(report)
@@ -414,6 +577,7 @@ class Node(Membership, DataPath):
         for link in gone:
             log.warning("closing %s: node %s was removed from the mesh", link.name, link.peer_id())
             link.close()
+
 
 class _Inbox(queue.Queue[Message]):
     """The coordinator's messages for ``_handle_control``, in order, except a Revoked: applied as
@@ -449,7 +613,9 @@ def run_node(token: str, options: NodeOptions) -> int:
     invite = Invite.decode(token)
     node = Node(invite, options)
     node.join()
-    log.info("memory allocator: %s", allocator_in_use())  # once joined: a failed join's error stays its one line
+    log.info(
+        "memory allocator: %s", allocator_in_use()
+    )  # once joined: a failed join's error stays its one line
     node.serve()
     return 0
 

@@ -41,7 +41,9 @@ SPACING_S = 5.0
 def reprobe_when_quiet(worker: StageWorker, stage: Stage, serving: Callable[[], bool]) -> None:
     """Start a thread that probes ``stage`` again when ``worker`` is idle and its cores are quiet,
     while ``serving()`` (the worker still serves this stage); it ends when it has, or gives up."""
-    threading.Thread(target=_reprobe, args=(worker, stage, serving), name="seamline-reprobe", daemon=True).start()
+    threading.Thread(
+        target=_reprobe, args=(worker, stage, serving), name="seamline-reprobe", daemon=True
+    ).start()
 
 
 def _reprobe(worker: StageWorker, stage: Stage, serving: Callable[[], bool]) -> None:
@@ -60,8 +62,10 @@ def _reprobe(worker: StageWorker, stage: Stage, serving: Callable[[], bool]) -> 
                 if len(taken) == QUIET_PROBES:
                     worker.step_probe, worker.prompt_probe = _median(taken, 0), _median(taken, 1)
                     worker.probe_quiet = True
-                    log.info("speed probe taken again on quiet cores: %s ms",
-                             {rows: round(s * 1e3, 2) for rows, s in worker.step_probe.items()})  # fmt: skip
+                    log.info(
+                        "speed probe taken again on quiet cores: %s ms",
+                        {rows: round(s * 1e3, 2) for rows, s in worker.step_probe.items()},
+                    )
                     return
                 time.sleep(SPACING_S)
         time.sleep(random.uniform(0.0, IDLE_S))  # nodes sharing a core do not all try at once
@@ -69,7 +73,9 @@ def _reprobe(worker: StageWorker, stage: Stage, serving: Callable[[], bool]) -> 
 
 def _median(taken: list[tuple[dict[int, float], dict[int, float]]], kind: int) -> dict[int, float]:
     """Per row count, the median of the probes ``taken`` (``kind`` 0: steps, 1: prompts)."""
-    return {rows: statistics.median(probe[kind][rows] for probe in taken) for rows in taken[0][kind]}
+    return {
+        rows: statistics.median(probe[kind][rows] for probe in taken) for rows in taken[0][kind]
+    }
 
 
 def _quiet_for(worker: StageWorker, seconds: float) -> bool:
@@ -78,13 +84,18 @@ def _quiet_for(worker: StageWorker, seconds: float) -> bool:
     return worker.busy_seconds == busy and others_cpu_seconds() - others < QUIET_SHARE * seconds
 
 
-def _probe_if_quiet(worker: StageWorker, stage: Stage) -> tuple[dict[int, float], dict[int, float]] | None:
+def _probe_if_quiet(
+    worker: StageWorker, stage: Stage
+) -> tuple[dict[int, float], dict[int, float]] | None:
     """The probe, if nothing else ran on the stage or took its cores while it ran."""
     from seamline.runtime.step_probe import probe_prompt, probe_steps
 
     busy, others, started = worker.busy_seconds, others_cpu_seconds(), time.monotonic()
     try:
-        probed = probe_steps(stage, lock=worker.forward_lock), probe_prompt(stage, lock=worker.forward_lock)
+        probed = (
+            probe_steps(stage, lock=worker.forward_lock),
+            probe_prompt(stage, lock=worker.forward_lock),
+        )
     finally:
         trim_now()  # its copied caches, freed
     quiet = others_cpu_seconds() - others < QUIET_SHARE * (time.monotonic() - started)

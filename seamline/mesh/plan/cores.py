@@ -28,8 +28,12 @@ def core_shares(placements: Iterable[Placement]) -> dict[str, float]:
     the same CPUs, and so on (an accelerator node, or one whose machine is unknown, 1)."""
     placed = list(placements)
     users = Counter((p.host, cpu) for p in placed if _shares(p) for cpu in p.cpus)
-    return {p.node_id: sum(1 / users[(p.host, cpu)] for cpu in p.cpus) / len(p.cpus) if _shares(p) else 1.0
-            for p in placed}  # fmt: skip
+    return {
+        p.node_id: sum(1 / users[(p.host, cpu)] for cpu in p.cpus) / len(p.cpus)
+        if _shares(p)
+        else 1.0
+        for p in placed
+    }
 
 
 def _shares(placement: Placement) -> bool:

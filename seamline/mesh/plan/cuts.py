@@ -17,8 +17,9 @@ from seamline.mesh.plan.types import ModelSpec, NodeInfo, PlanOptions
 MAX_STAGES = 16  # a longer route is not re-balanced: the search is S x L^2 stage prices
 
 
-def least_bottleneck_cuts(model: ModelSpec, nodes: Mapping[str, NodeInfo], options: PlanOptions,
-                          order: Sequence[str]) -> Route | None:  # fmt: skip
+def least_bottleneck_cuts(
+    model: ModelSpec, nodes: Mapping[str, NodeInfo], options: PlanOptions, order: Sequence[str]
+) -> Route | None:
     """The contiguous ranges over ``order`` whose slowest stage under load (``Split.load_s``) is
     least, every stage fitting its node and owning a layer at least; None when none fits."""
     L, S = model.num_layers, len(order)

@@ -18,7 +18,15 @@ from dataclasses import replace
 from seamline.config import ModelConfig
 from seamline.errors import ConfigError
 from seamline.mesh.plan.planner import plan
-from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.mesh.plan.types import (
+    LinkCost,
+    LinkTable,
+    ModelSpec,
+    NodeInfo,
+    Plan,
+    PlanError,
+    PlanOptions,
+)
 from seamline.ownership import Ownership, rank_ownership, v4_head_groups
 
 Links = LinkTable | Mapping[tuple[str, str], LinkCost] | None
@@ -65,12 +73,20 @@ def group_spec(model: ModelSpec, world: int, kv_split: bool) -> ModelSpec:
     whole = model.layer_replicated_bytes or (0,) * model.num_layers
     window = model.layer_window_bytes or (0,) * model.num_layers  # blocks kept around cut shares
     held = tuple(-(-(b - r) // world) + r + w for b, r, w in zip(model.layer_bytes, whole, window))
-    return replace(model, layer_bytes=held, layer_active_bytes=share(model.active_bytes()),
-                   head_bytes=-(-model.head_bytes // world), tied_embeddings=False,
-                   head_load_bytes=-(-model.head_load() // world), mtp_bytes=0, mtp_embed_bytes=0,
-                   kv_bytes_per_token_per_layer=-(-kv // world) if kv_split else kv,
-                   layer_kv_bytes_per_token=share(model.layer_kv_bytes_per_token) if kv_split else
-                   model.layer_kv_bytes_per_token)  # fmt: skip
+    return replace(
+        model,
+        layer_bytes=held,
+        layer_active_bytes=share(model.active_bytes()),
+        head_bytes=-(-model.head_bytes // world),
+        tied_embeddings=False,
+        head_load_bytes=-(-model.head_load() // world),
+        mtp_bytes=0,
+        mtp_embed_bytes=0,
+        kv_bytes_per_token_per_layer=-(-kv // world) if kv_split else kv,
+        layer_kv_bytes_per_token=share(model.layer_kv_bytes_per_token)
+        if kv_split
+        else model.layer_kv_bytes_per_token,
+    )
 
 
 def form_groups(nodes: Sequence[NodeInfo], world: int) -> list[tuple[NodeInfo, ...]]:
@@ -79,27 +95,50 @@ def form_groups(nodes: Sequence[NodeInfo], world: int) -> list[tuple[NodeInfo, .
     return [tuple(ordered[i : i + world]) for i in range(0, len(ordered) - world + 1, world)]
 
 
-def plan_groups(model: ModelSpec, nodes: Sequence[NodeInfo], links: Links, options: PlanOptions,
-                world: int, kv_split: bool) -> Plan:
+def plan_groups(
+    model: ModelSpec,
+    nodes: Sequence[NodeInfo],
+    links: Links,
+    options: PlanOptions,
+    world: int,
+    kv_split: bool,
+) -> Plan:
     """The best pipeline whose every stage is a lockstep group of ``world`` nodes."""
     if world == 1:
         return plan(model, nodes, links, options)
     groups = form_groups(nodes, world)
     if not groups:
-        raise PlanError(f"lockstep groups of {world} need at least {world} nodes; the pool has {len(nodes)}")
+        raise PlanError(
+            f"lockstep groups of {world} need at least {world} nodes; the pool has {len(nodes)}"
+        )
     # a rank's share is planned in system memory at its node's rate: never split over a GPU (``plan.split``)
-    virtual = [replace(g[0], free_memory_bytes=min(n.free_memory_bytes for n in g),
-                       bytes_per_second=min(n.bytes_per_second for n in g), devices=()) for g in groups]  # fmt: skip
+    virtual = [
+        replace(
+            g[0],
+            free_memory_bytes=min(n.free_memory_bytes for n in g),
+            bytes_per_second=min(n.bytes_per_second for n in g),
+            devices=(),
+        )
+        for g in groups
+    ]
     members = {g[0].node_id: tuple(n.node_id for n in g) for g in groups}
     try:
         found = plan(group_spec(model, world, kv_split), virtual, links, options)
     except PlanError as exc:  # its bytes and "nodes" are per rank and per group: say so
-        raise PlanError(f"as {len(groups)} lockstep groups of {world} nodes (bytes per rank): {exc}") from None
+        raise PlanError(
+            f"as {len(groups)} lockstep groups of {world} nodes (bytes per rank): {exc}"
+        ) from None
     return replace(found, stages=tuple(replace(s, ranks=members[s.node_id]) for s in found.stages))
 
 
-def plan_auto(model: ModelSpec, nodes: Sequence[NodeInfo], links: Links, options: PlanOptions,
-              config: ModelConfig, world: int = 0) -> Plan:
+def plan_auto(
+    model: ModelSpec,
+    nodes: Sequence[NodeInfo],
+    links: Links,
+    options: PlanOptions,
+    config: ModelConfig,
+    world: int = 0,
+) -> Plan:
     """``world`` ranks per stage; 0: one node per stage when that fits, else the smallest
     group size (that the model divides into) that does."""
     if world:

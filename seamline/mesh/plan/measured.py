@@ -7,7 +7,9 @@ from dataclasses import replace
 
 from seamline.mesh.plan.types import NodeInfo
 
-RATE_NOISE = 0.15  # like machines measured this far apart on a busy host (a neighbour starting, say)
+RATE_NOISE = (
+    0.15  # like machines measured this far apart on a busy host (a neighbour starting, say)
+)
 
 
 def steady_rates(nodes: list[NodeInfo], noise: float = RATE_NOISE) -> list[NodeInfo]:
@@ -20,5 +22,9 @@ def steady_rates(nodes: list[NodeInfo], noise: float = RATE_NOISE) -> list[NodeI
             groups[-1].append(node)
         else:
             groups.append([node])
-    rate = {n.node_id: sum(m.bytes_per_second for m in group) / len(group) for group in groups for n in group}
+    rate = {
+        n.node_id: sum(m.bytes_per_second for m in group) / len(group)
+        for group in groups
+        for n in group
+    }
     return [replace(n, bytes_per_second=rate[n.node_id]) for n in nodes]

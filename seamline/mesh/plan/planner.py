@@ -59,14 +59,24 @@ import numpy as np
 
 from seamline.mesh.plan.pricing import TOKEN_ID_BYTES, check_plan, price_route
 from seamline.mesh.plan.split import capacities, planning_rate, shortfall_note, split_band
-from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions
+from seamline.mesh.plan.types import (
+    LinkCost,
+    LinkTable,
+    ModelSpec,
+    NodeInfo,
+    Plan,
+    PlanError,
+    PlanOptions,
+)
 
 __all__ = ["PlanError", "check_plan", "plan", "price_route"]
 
 BALANCE_WEIGHT = 1e-6  # κ × (fastest single-node time): ties go to the most even plan
 EXHAUSTIVE_NODES = 5
 OBJECTIVES = ("throughput", "latency")
-BOTTLENECK_TOLERANCE = 0.01  # pools beyond EXHAUSTIVE_NODES: the slowest stage within 1% of the least
+BOTTLENECK_TOLERANCE = (
+    0.01  # pools beyond EXHAUSTIVE_NODES: the slowest stage within 1% of the least
+)
 INF = float("inf")
 
 
@@ -79,7 +89,9 @@ class _RangeCosts:
     read: np.ndarray  # [L, L+1] bytes read per token, head included when e == L
     load: np.ndarray  # [L, L+1] work per step under load (ModelSpec.head_load for the head)
     span_need: np.ndarray  # [L] the least any range of d+1 layers needs (nondecreasing)
-    held: np.ndarray  # [L+1] bytes (weights + KV) of the layers before each: a GPU's share (``split``)
+    held: (
+        np.ndarray
+    )  # [L+1] bytes (weights + KV) of the layers before each: a GPU's share (``split``)
     active: np.ndarray  # [L+1] bytes read per token of the layers before each
     layer_need: float  # a layer's mean need (weights + KV)
     embed: float  # bytes
@@ -96,7 +108,9 @@ class _Pool:
     hop: np.ndarray  # [p, j] seconds for a frame p -> j
     ret: np.ndarray  # [p, j] seconds for the token ids p -> j
     ret_floor: np.ndarray  # [j] the cheapest return hop into j: charged when j starts a pipeline
-    stage: tuple[np.ndarray, ...]  # [i][d, e]: node i owning [e-1-d, e): t + κt², inf if it does not fit
+    stage: tuple[
+        np.ndarray, ...
+    ]  # [i][d, e]: node i owning [e-1-d, e): t + κt², inf if it does not fit
     single: np.ndarray  # [i] node i owning the whole model alone, inf if it does not fit
     load: tuple[np.ndarray, ...]  # as ``stage``: seconds of work per step under load
     single_load: np.ndarray
@@ -136,7 +150,9 @@ def _search(pool: _Pool) -> _Found | None:
     best = _Found(float(pool.single[alone]), ((alone, 0, L),)) if pool.single[alone] < INF else None
     orders, fixed_first, last_try = _orders(pool)
     found = _best(pool, orders, fixed_first, best)
-    if found is None and last_try:  # a last try to fit: the nodes that lose least to embedding and head
+    if (
+        found is None and last_try
+    ):  # a last try to fit: the nodes that lose least to embedding and head
         found = _best(pool, last_try, False, None)
     return found
 
@@ -161,8 +177,13 @@ def _least_bottleneck(pool: _Pool) -> float:
     capped at b finds one; links do not matter to that, so the probes search without them.
     Small pools: bisection over every stage cost (exact). Larger ones: geometric bisection to
     within ``BOTTLENECK_TOLERANCE`` (their stage costs number millions)."""
-    probe = replace(pool, hop=np.zeros_like(pool.hop), ret=np.zeros_like(pool.ret),
-                    ret_floor=np.zeros_like(pool.ret_floor), flat_hop=0.0)  # fmt: skip
+    probe = replace(
+        pool,
+        hop=np.zeros_like(pool.hop),
+        ret=np.zeros_like(pool.ret),
+        ret_floor=np.zeros_like(pool.ret_floor),
+        flat_hop=0.0,
+    )
 
     def feasible(limit: float) -> bool:
         return _fits(_capped(probe, limit))
@@ -191,7 +212,8 @@ def _fits(pool: _Pool) -> bool:
         return True
     orders, fixed_first, last_try = _orders(pool)
     return any(_solve(pool, order, fixed_first) is not None for order in orders) or any(
-        _solve(pool, order, False) is not None for order in last_try)
+        _solve(pool, order, False) is not None for order in last_try
+    )
 
 
 def _capped(pool: _Pool, limit: float) -> _Pool:
@@ -207,7 +229,10 @@ def _fit_orders(pool: _Pool, by_mem: np.ndarray) -> list[np.ndarray]:
     last the one losing fewest to the head. With equal layers, if these do not fit none does."""
     per, cap = pool.model.layer_need, pool.cap
     plain = np.floor(cap / per)
-    with_embed, with_head = np.floor((cap - pool.model.embed) / per), np.floor((cap - pool.model.head) / per)
+    with_embed, with_head = (
+        np.floor((cap - pool.model.embed) / per),
+        np.floor((cap - pool.model.head) / per),
+    )
     lose_embed = np.where(with_embed >= 1, plain - with_embed, INF)  # an end stage owns a layer too
     lose_head = np.where(with_head >= 1, plain - with_head, INF)
 
@@ -220,8 +245,10 @@ def _fit_orders(pool: _Pool, by_mem: np.ndarray) -> list[np.ndarray]:
     first, last = least(lose_embed, by_mem), least(lose_head, by_mem)
     if first != last:
         return [order(first, last)]
-    return [order(first, least(lose_head, by_mem[by_mem != first])),
-            order(least(lose_embed, by_mem[by_mem != last]), last)]  # fmt: skip
+    return [
+        order(first, least(lose_head, by_mem[by_mem != first])),
+        order(least(lose_embed, by_mem[by_mem != last]), last),
+    ]
 
 
 def _ends_first(ranked: np.ndarray) -> np.ndarray:
@@ -340,7 +367,9 @@ def _model_tables(model: ModelSpec, options: PlanOptions) -> _RangeCosts:
     s = np.maximum(s, 0)
     head = np.where(e == L, float(model.head_bytes), 0.0)
     mem = held[e] - held[s] + head + np.where(s == 0, float(model.embed_bytes), 0.0)
-    mem += np.where(e == L, model.mtp_bytes + np.where(s > 0, float(model.mtp_embed_bytes), 0.0), 0.0)  # drafts
+    mem += np.where(
+        e == L, model.mtp_bytes + np.where(s > 0, float(model.mtp_embed_bytes), 0.0), 0.0
+    )  # drafts
     if model.tied_embeddings:
         mem[L - 1, L] -= model.embed_bytes  # one node owns both: the shared matrix once
     mem = np.where(valid, mem, INF)
@@ -348,22 +377,41 @@ def _model_tables(model: ModelSpec, options: PlanOptions) -> _RangeCosts:
     load = read - head + np.where(e == L, float(model.head_load()), 0.0)
     span_need = np.maximum.accumulate(mem.min(axis=1))
     layer_need = float(np.mean(model.layer_bytes)) + float(kv.mean())
-    return _RangeCosts(L, mem, read, load, span_need, held, active, layer_need, float(model.embed_bytes),
-                  float(model.head_bytes + model.mtp_held(1)))  # fmt: skip
+    return _RangeCosts(
+        L,
+        mem,
+        read,
+        load,
+        span_need,
+        held,
+        active,
+        layer_need,
+        float(model.embed_bytes),
+        float(model.head_bytes + model.mtp_held(1)),
+    )
 
 
 def _pool(
-    model: ModelSpec, nodes: Sequence[NodeInfo], table: LinkTable, options: PlanOptions,
+    model: ModelSpec,
+    nodes: Sequence[NodeInfo],
+    table: LinkTable,
+    options: PlanOptions,
     costs: _RangeCosts,
-) -> _Pool:  # fmt: skip
+) -> _Pool:
     """The nodes worth planning over (indexed by node_id) and every cost the DP reads. A node
     with a GPU counts both memories (``cap``) and is ranked by ``split.planning_rate``."""
-    cpu_cap, gpu_cap = np.array([capacities(n, options) for n in nodes], dtype=np.float64).reshape(-1, 2).T
+    cpu_cap, gpu_cap = (
+        np.array([capacities(n, options) for n in nodes], dtype=np.float64).reshape(-1, 2).T
+    )
     cpu_rate = np.array([n.bytes_per_second for n in nodes], dtype=np.float64)
-    gpu_rate = np.array([a.bytes_per_second if (a := n.accelerator()) else 0.0 for n in nodes], dtype=np.float64)
+    gpu_rate = np.array(
+        [a.bytes_per_second if (a := n.accelerator()) else 0.0 for n in nodes], dtype=np.float64
+    )
     cap = cpu_cap + gpu_cap
     whole = float(costs.mem[costs.L - 1, costs.L])
-    rate = np.array([planning_rate(n, options, whole) if n.devices else n.bytes_per_second for n in nodes])
+    rate = np.array(
+        [planning_rate(n, options, whole) if n.devices else n.bytes_per_second for n in nodes]
+    )
     access = [table.access.get(n.node_id, table.default) for n in nodes]
     lat = np.array([a.latency_s for a in access], dtype=np.float64)
     bw = np.array([a.bandwidth_bytes_per_s for a in access], dtype=np.float64)
@@ -381,12 +429,16 @@ def _pool(
                 lat_m[x, y], bw_m[x, y] = link.latency_s, link.bandwidth_bytes_per_s
     hop = lat_m + float(model.bytes_per_boundary_per_token * options.batch) / bw_m
     ret = lat_m + float(TOKEN_ID_BYTES * options.batch) / bw_m
-    stage, single, load, single_load = _stage_costs(costs, cap[idx], rate[idx], tuple(d[idx] for d in devices))
+    stage, single, load, single_load = _stage_costs(
+        costs, cap[idx], rate[idx], tuple(d[idx] for d in devices)
+    )
     off = hop[~np.eye(len(idx), dtype=bool)]
     flat = float(off[0]) if len(off) and (off == off[0]).all() else None
     others = np.where(np.eye(len(idx), dtype=bool), INF, ret)
     floor = others.min(axis=0) if len(idx) > 1 else np.zeros(len(idx))
-    return _Pool(ids, cap[idx], rate[idx], hop, ret, floor, stage, single, load, single_load, flat, costs)
+    return _Pool(
+        ids, cap[idx], rate[idx], hop, ret, floor, stage, single, load, single_load, flat, costs
+    )
 
 
 def _stage_costs(
@@ -406,10 +458,20 @@ def _stage_costs(
         D = int(spans[i])
         if gpu_rate[i] > 0:  # a node with a GPU: its first layers there
             tables = (costs.mem[:D], costs.read[:D], costs.load[:D])
-            fits, t, t_load = split_band(costs.held, costs.active, costs.embed, tables,
-                                         (cpu_cap[i], cpu_rate[i]), (gpu_cap[i], gpu_rate[i]))  # fmt: skip
+            fits, t, t_load = split_band(
+                costs.held,
+                costs.active,
+                costs.embed,
+                tables,
+                (cpu_cap[i], cpu_rate[i]),
+                (gpu_cap[i], gpu_rate[i]),
+            )
         else:
-            fits, t, t_load = costs.mem[:D] <= cap[i], costs.read[:D] / rate[i], costs.load[:D] / rate[i]
+            fits, t, t_load = (
+                costs.mem[:D] <= cap[i],
+                costs.read[:D] / rate[i],
+                costs.load[:D] / rate[i],
+            )
         band, load = np.where(fits, t + kappa * t * t, INF), np.where(fits, t_load, INF)
         if D == L and band[L - 1, L] < INF:
             single[i], single_load[i] = band[L - 1, L], load[L - 1, L]
@@ -420,8 +482,12 @@ def _stage_costs(
 
 
 def _dominated(
-    devices: tuple[np.ndarray, ...], lat: np.ndarray, bw: np.ndarray, explicit: np.ndarray, max_stages: int,
-) -> np.ndarray:  # fmt: skip
+    devices: tuple[np.ndarray, ...],
+    lat: np.ndarray,
+    bw: np.ndarray,
+    explicit: np.ndarray,
+    max_stages: int,
+) -> np.ndarray:
     """Nodes with at least ``max_stages`` others no worse in every respect (ties: node_id).
     ``devices`` as ``_stage_costs``: y is no worse than x on its GPU too when its GPU is at
     least as large as x's and as fast as x's GPU and x's CPU (it may hold x's CPU layers)."""
@@ -443,11 +509,15 @@ def _dominated(
 def _refusal(model: ModelSpec, nodes: Sequence[NodeInfo], options: PlanOptions) -> str:
     kv_layers = [kv * options.context_tokens * options.batch for kv in model.layer_kv()]
     need = model.weight_bytes() + sum(kv_layers)
-    offers = [max(0, cpu) + gpu for cpu, gpu in (capacities(n, options) for n in nodes)]  # a GPU's too
+    offers = [
+        max(0, cpu) + gpu for cpu, gpu in (capacities(n, options) for n in nodes)
+    ]  # a GPU's too
     have, biggest = sum(offers), max(offers)
     layer = max(range(model.num_layers), key=lambda i: model.layer_bytes[i])
     layer_need = model.layer_bytes[layer] + kv_layers[layer]
-    why = "" if need > have else ", yet the planner found no contiguous split of the layers that fits"
+    why = (
+        "" if need > have else ", yet the planner found no contiguous split of the layers that fits"
+    )
     return (
         f"the pool cannot hold model {model.name!r}: it needs {need} bytes (weights "
         f"{model.weight_bytes()} + KV cache {sum(kv_layers)} for "
@@ -462,11 +532,17 @@ def _check_inputs(
 ) -> None:
     L = model.num_layers
     if options.objective not in OBJECTIVES:
-        raise PlanError(f"a plan's objective is one of {', '.join(OBJECTIVES)}, not {options.objective!r}")
+        raise PlanError(
+            f"a plan's objective is one of {', '.join(OBJECTIVES)}, not {options.objective!r}"
+        )
     if L < 1 or len(model.layer_bytes) != L or min(model.layer_bytes) < 0:
-        raise PlanError(f"a model spec needs one byte count >= 0 per layer: {len(model.layer_bytes)} for {L}")
+        raise PlanError(
+            f"a model spec needs one byte count >= 0 per layer: {len(model.layer_bytes)} for {L}"
+        )
     if model.layer_active_bytes and len(model.layer_active_bytes) != L:
-        raise PlanError(f"layer_active_bytes needs {L} entries, not {len(model.layer_active_bytes)}")
+        raise PlanError(
+            f"layer_active_bytes needs {L} entries, not {len(model.layer_active_bytes)}"
+        )
     if not nodes:
         raise PlanError("the pool cannot hold any model: it has no nodes")
     repeated = sorted(i for i, k in Counter(n.node_id for n in nodes).items() if k > 1)
@@ -477,9 +553,13 @@ def _check_inputs(
             raise PlanError(f"node {n.node_id!r} needs a positive finite rate and free memory >= 0")
         for d in n.devices:
             if not (0 < d.bytes_per_second < INF) or d.free_memory_bytes < 0 or not d.device:
-                raise PlanError(f"node {n.node_id!r}: a device needs a name, a positive finite rate and free memory >= 0")
+                raise PlanError(
+                    f"node {n.node_id!r}: a device needs a name, a positive finite rate and free memory >= 0"
+                )
     for link in (table.default, *table.access.values(), *table.pairs.values()):
         if not (link.latency_s >= 0 and 0 < link.bandwidth_bytes_per_s):
             raise PlanError(f"a link needs latency >= 0 and bandwidth > 0, not {link}")
     if options.context_tokens < 1 or options.batch < 1 or not 0 <= options.headroom_fraction < 1:
-        raise PlanError("plan options need context_tokens >= 1, batch >= 1, 0 <= headroom_fraction < 1")
+        raise PlanError(
+            "plan options need context_tokens >= 1, batch >= 1, 0 <= headroom_fraction < 1"
+        )

@@ -8,16 +8,28 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 from seamline.mesh.plan.split import capacities, gpu_note, split_stage
-from seamline.mesh.plan.types import LinkCost, LinkTable, ModelSpec, NodeInfo, Plan, PlanError, PlanOptions, StageAssignment
+from seamline.mesh.plan.types import (
+    LinkCost,
+    LinkTable,
+    ModelSpec,
+    NodeInfo,
+    Plan,
+    PlanError,
+    PlanOptions,
+    StageAssignment,
+)
 
 TOKEN_ID_BYTES = 8  # per sequence, on the return hop
 Route = Sequence[tuple[str, int, int]]  # (node_id, start, end) in pipeline order
 
 
 def price_route(
-    model: ModelSpec, nodes: Sequence[NodeInfo], links: LinkTable | Mapping[tuple[str, str], LinkCost] | None,
-    options: PlanOptions, route: Route,
-) -> Plan:  # fmt: skip
+    model: ModelSpec,
+    nodes: Sequence[NodeInfo],
+    links: LinkTable | Mapping[tuple[str, str], LinkCost] | None,
+    options: PlanOptions,
+    route: Route,
+) -> Plan:
     """The Plan for an explicit route, every cost computed from scratch (no DP state)."""
     check_route(model, route)
     table = LinkTable.of(links)
@@ -29,9 +41,22 @@ def price_route(
             raise PlanError(f"a route may name only nodes of the pool; {node_id!r} is not one")
         sizes = range_bytes(model, options, s, e)
         split = split_stage(model, options, by_id[node_id], s, e, sizes)
-        stages.append(StageAssignment(node_id, s, e, s == 0, e == L, sizes[0], sizes[1], split.read_s,
-                                      load_s=split.load_s, gpu_layers=split.gpu_layers, gpu_device=split.device,
-                                      gpu_bytes=split.gpu_bytes))  # fmt: skip
+        stages.append(
+            StageAssignment(
+                node_id,
+                s,
+                e,
+                s == 0,
+                e == L,
+                sizes[0],
+                sizes[1],
+                split.read_s,
+                load_s=split.load_s,
+                gpu_layers=split.gpu_layers,
+                gpu_device=split.device,
+                gpu_bytes=split.gpu_bytes,
+            )
+        )
         if split.gpu_layers == 0:
             notes.append(gpu_note(model, options, by_id[node_id], s, e))
     frame = model.bytes_per_boundary_per_token * options.batch
@@ -40,8 +65,17 @@ def price_route(
     if len(ids) > 1:
         network += table.between(ids[-1], ids[0]).seconds(TOKEN_ID_BYTES * options.batch)
     total = sum(st.compute_s for st in stages) + network
-    return Plan(model.name, L, tuple(stages), total, network, options.context_tokens, options.batch,
-                options.objective, notes=tuple(notes))  # fmt: skip
+    return Plan(
+        model.name,
+        L,
+        tuple(stages),
+        total,
+        network,
+        options.context_tokens,
+        options.batch,
+        options.objective,
+        notes=tuple(notes),
+    )
 
 
 def range_bytes(model: ModelSpec, options: PlanOptions, s: int, e: int) -> tuple[int, int, int]:
@@ -106,7 +140,11 @@ def check_plan(
                     f"({', '.join(sorted(by_id)) or 'empty'})"
                 )
             # a group's bytes are per rank, as planned (in system memory); a single node's are recomputed
-            sizes = range_bytes(model, options, st.start, st.end) if not st.ranks else (st.weight_bytes, st.kv_bytes, 0)
+            sizes = (
+                range_bytes(model, options, st.start, st.end)
+                if not st.ranks
+                else (st.weight_bytes, st.kv_bytes, 0)
+            )
             plain = replace(node, devices=()) if st.ranks else node
             if not split_stage(model, options, plain, st.start, st.end, sizes).fits:
                 cpu, gpu = capacities(plain, options)

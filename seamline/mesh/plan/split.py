@@ -60,8 +60,14 @@ def planning_rate(node: NodeInfo, options: PlanOptions, model_bytes: float) -> f
     return held / (on_gpu / acc.bytes_per_second + (held - on_gpu) / node.bytes_per_second)
 
 
-def split_stage(model: ModelSpec, options: PlanOptions, node: NodeInfo, s: int, e: int,
-                sizes: tuple[int, int, int]) -> Split:  # fmt: skip
+def split_stage(
+    model: ModelSpec,
+    options: PlanOptions,
+    node: NodeInfo,
+    s: int,
+    e: int,
+    sizes: tuple[int, int, int],
+) -> Split:
     """Where ``node`` runs the layers ``[s, e)`` (module doc), and its time per token;
     ``sizes``: the range's (weights, KV, bytes read per token), as ``pricing.range_bytes``."""
     weights, kv, read = sizes
@@ -78,8 +84,15 @@ def split_stage(model: ModelSpec, options: PlanOptions, node: NodeInfo, s: int, 
     k, gpu_bytes = _gpu_share(model, options, s, e, gpu_cap)
     on_gpu = sum(model.active_bytes()[s : s + k])
     g, c = acc.bytes_per_second, node.bytes_per_second
-    return Split(k, acc.device, gpu_bytes, need - gpu_bytes, on_gpu / g + (read - on_gpu) / c,
-                 on_gpu / g + (load - on_gpu) / c, need - gpu_bytes <= cpu_cap)  # fmt: skip
+    return Split(
+        k,
+        acc.device,
+        gpu_bytes,
+        need - gpu_bytes,
+        on_gpu / g + (read - on_gpu) / c,
+        on_gpu / g + (load - on_gpu) / c,
+        need - gpu_bytes <= cpu_cap,
+    )
 
 
 def _gpu_share(model: ModelSpec, options: PlanOptions, s: int, e: int, cap: int) -> tuple[int, int]:
@@ -96,9 +109,13 @@ def _gpu_share(model: ModelSpec, options: PlanOptions, s: int, e: int, cap: int)
 
 
 def split_band(
-    held: np.ndarray, active: np.ndarray, embed: float, tables: tuple[np.ndarray, np.ndarray, np.ndarray],
-    cpu: tuple[float, float], gpu: tuple[float, float],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    held: np.ndarray,
+    active: np.ndarray,
+    embed: float,
+    tables: tuple[np.ndarray, np.ndarray, np.ndarray],
+    cpu: tuple[float, float],
+    gpu: tuple[float, float],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``split_stage`` for every range of a band table at once: (fits, seconds per token,
     seconds under load), each [D, L+1] as ``tables`` = (mem, read, load) ([d, e]: the range
     ``[e-1-d, e)``). ``held``/``active``: cumulative bytes held (weights + KV) and read per
@@ -110,8 +127,12 @@ def split_band(
     s = np.maximum(e - 1 - np.arange(D)[:, None], 0)  # invalid ranges are inf in ``mem`` already
     starts = np.arange(width)
     room = held + gpu_cap - np.where(starts == 0, embed, 0.0)
-    most = np.maximum(np.searchsorted(held, room, side="right") - 1 - starts, 0)  # layers from each start
-    k = np.maximum(np.minimum(most[s], e - s - 1), 0)  # a split keeps one layer (and the head) off it
+    most = np.maximum(
+        np.searchsorted(held, room, side="right") - 1 - starts, 0
+    )  # layers from each start
+    k = np.maximum(
+        np.minimum(most[s], e - s - 1), 0
+    )  # a split keeps one layer (and the head) off it
     on_gpu_mem = held[s + k] - held[s] + np.where((s == 0) & (k > 0), embed, 0.0)
     on_gpu = active[s + k] - active[s]
     whole = mem <= gpu_cap
@@ -126,11 +147,17 @@ def gpu_note(model: ModelSpec, options: PlanOptions, node: NodeInfo, s: int, e: 
     acc = node.accelerator()
     assert acc is not None
     per_token = options.context_tokens * options.batch
-    first = model.layer_bytes[s] + model.layer_kv()[s] * per_token + (model.embed_bytes if s == 0 else 0)
+    first = (
+        model.layer_bytes[s]
+        + model.layer_kv()[s] * per_token
+        + (model.embed_bytes if s == 0 else 0)
+    )
     with_embed = " and the embedding" if s == 0 else ""
-    return (f"node {node.node_id}: {acc.device} has {_gib(acc.free_memory_bytes)} free "
-            f"({_gib(capacities(node, options)[1])} after headroom), less than layer {s} needs there "
-            f"({_gib(first)} with its KV cache{with_embed}): layers [{s},{e}) run on its CPU")  # fmt: skip
+    return (
+        f"node {node.node_id}: {acc.device} has {_gib(acc.free_memory_bytes)} free "
+        f"({_gib(capacities(node, options)[1])} after headroom), less than layer {s} needs there "
+        f"({_gib(first)} with its KV cache{with_embed}): layers [{s},{e}) run on its CPU"
+    )
 
 
 def shortfall_note(need: int, offers: Sequence[int], nodes: Sequence[NodeInfo]) -> str:
@@ -139,15 +166,27 @@ def shortfall_note(need: int, offers: Sequence[int], nodes: Sequence[NodeInfo]) 
     short = need - sum(offers)
     if short <= 0:
         return ""
-    said = (f"; the pool holds {sum(offers) / GIB:.1f} GiB after headroom and the model needs "
-            f"{need / GIB:.1f} GiB: {short / GIB:.1f} GiB short")  # fmt: skip
+    said = (
+        f"; the pool holds {sum(offers) / GIB:.1f} GiB after headroom and the model needs "
+        f"{need / GIB:.1f} GiB: {short / GIB:.1f} GiB short"
+    )
     covers = [i for i in range(len(nodes)) if offers[i] >= short]
-    i = min(covers, key=lambda j: offers[j]) if covers else max(range(len(nodes)), key=lambda j: offers[j])
+    i = (
+        min(covers, key=lambda j: offers[j])
+        if covers
+        else max(range(len(nodes)), key=lambda j: offers[j])
+    )
     if offers[i] <= 0:  # no node offers anything after headroom: none is worth copying
         return said
     count = -(-short // offers[i])
-    free = (nodes[i].free_memory_bytes + sum(d.free_memory_bytes for d in nodes[i].devices[:1])) / GIB
-    like = f"one more node like {nodes[i].node_id!r}" if count == 1 else f"{count} more nodes like {nodes[i].node_id!r}"
+    free = (
+        nodes[i].free_memory_bytes + sum(d.free_memory_bytes for d in nodes[i].devices[:1])
+    ) / GIB
+    like = (
+        f"one more node like {nodes[i].node_id!r}"
+        if count == 1
+        else f"{count} more nodes like {nodes[i].node_id!r}"
+    )
     return f"{said}; {like} ({free:.1f} GiB free{' each' if count > 1 else ''}) would cover it"
 
 

@@ -16,7 +16,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from seamline.config import V4_PLANNING_TOKENS, ModelConfig, kv_bytes_per_token, sliding_layer_kv, v4_cache_bytes
+from seamline.config import (
+    V4_PLANNING_TOKENS,
+    ModelConfig,
+    kv_bytes_per_token,
+    sliding_layer_kv,
+    v4_cache_bytes,
+)
 from seamline.errors import CheckpointError, SeamlineError
 from seamline.ownership import Ownership
 from seamline.quant.sizes import block_bytes, resident_bytes
@@ -29,11 +35,23 @@ FRAME_DTYPE_BYTES = 4  # hidden-state frames travel as float32
 HEAD_ROW_SHARE = 0.5
 _EXPERT_TARGETS = (".experts_gate_up", ".experts_down")  # routed experts: only top-k are read
 # Held whole by every rank of a lockstep group (model/moe.py, model/mla.py): the rest is divided.
-_REPLICATED_TARGETS = (".ffn.router", ".ffn.router_bias", ".ffn.shared.gate_up", ".ffn.shared.down",
-                       ".attn.q_a", ".attn.kv_a", "norm.weight",
-                       # DeepSeek-V4 (model/v4_stage.py): the shared key/value head, its compressors, indexer
-                       ".attn.kv", ".attn.compressor.kv", ".attn.compressor.gate", ".attn.indexer.q_b",
-                       ".attn.indexer.compressor.kv", ".attn.indexer.compressor.gate", ".ffn.table")  # fmt: skip
+_REPLICATED_TARGETS = (
+    ".ffn.router",
+    ".ffn.router_bias",
+    ".ffn.shared.gate_up",
+    ".ffn.shared.down",
+    ".attn.q_a",
+    ".attn.kv_a",
+    "norm.weight",
+    # DeepSeek-V4 (model/v4_stage.py): the shared key/value head, its compressors, indexer
+    ".attn.kv",
+    ".attn.compressor.kv",
+    ".attn.compressor.gate",
+    ".attn.indexer.q_b",
+    ".attn.indexer.compressor.kv",
+    ".attn.indexer.compressor.gate",
+    ".ffn.table",
+)
 # Split across their input columns in a lockstep group: a quantized share may cut blocks and
 # then keeps the blocks around it (model/linear.py ColumnWindow), up to two more a row.
 _COLUMN_SPLIT_TARGETS = (".attn.o", ".ffn.down")
@@ -56,8 +74,12 @@ class ModelSpec:
     tied_embeddings: bool = False  # one node owning both stores the shared matrix once
     layer_active_bytes: tuple[int, ...] = ()  # weight bytes read per token; () = layer_bytes
     layer_replicated_bytes: tuple[int, ...] = ()  # of layer_bytes, held whole by each group rank
-    layer_window_bytes: tuple[int, ...] = ()  # the most a group rank holds beyond its share (cut blocks)
-    head_load_bytes: int | None = None  # the head's work under load in the layers' byte scale; None: head_bytes
+    layer_window_bytes: tuple[
+        int, ...
+    ] = ()  # the most a group rank holds beyond its share (cut blocks)
+    head_load_bytes: int | None = (
+        None  # the head's work under load in the layers' byte scale; None: head_bytes
+    )
     # KV bytes per token of each layer where layers differ (DeepSeek-V4's kinds; averaged over
     # the planned context); () = kv_bytes_per_token_per_layer for every layer
     layer_kv_bytes_per_token: tuple[int, ...] = ()
@@ -72,7 +94,9 @@ class ModelSpec:
 
     def layer_kv(self) -> tuple[int, ...]:
         """KV bytes per token of each layer."""
-        return self.layer_kv_bytes_per_token or (self.kv_bytes_per_token_per_layer,) * self.num_layers
+        return (
+            self.layer_kv_bytes_per_token or (self.kv_bytes_per_token_per_layer,) * self.num_layers
+        )
 
     def active_bytes(self) -> tuple[int, ...]:
         return self.layer_active_bytes or self.layer_bytes
@@ -87,7 +111,9 @@ class ModelSpec:
     def weight_bytes(self) -> int:
         """Every weight once (the single-node footprint without KV cache)."""
         shared = self.embed_bytes if self.tied_embeddings else 0
-        return sum(self.layer_bytes) + self.embed_bytes + self.head_bytes - shared + self.mtp_held(0)
+        return (
+            sum(self.layer_bytes) + self.embed_bytes + self.head_bytes - shared + self.mtp_held(0)
+        )
 
     @classmethod
     def from_config(
@@ -103,10 +129,14 @@ class ModelSpec:
         layer_window_bytes: tuple[int, ...] = (),
         head_load_bytes: int | None = None,
         context: int | None = None,
-    ) -> "ModelSpec":
+    ) -> ModelSpec:
         """A spec whose KV and frame sizes come from the config (KV in ``dtype_bytes``; a V4
         model's, or a sliding layer's, per layer, averaged over ``context`` tokens)."""
-        per_layer = _v4_layer_kv(config, dtype_bytes, context) if config.is_v4 else sliding_layer_kv(config, dtype_bytes, context)
+        per_layer = (
+            _v4_layer_kv(config, dtype_bytes, context)
+            if config.is_v4
+            else sliding_layer_kv(config, dtype_bytes, context)
+        )
         return cls(
             name=name,
             num_layers=config.num_layers,
@@ -114,7 +144,9 @@ class ModelSpec:
             layer_bytes=tuple(layer_bytes),
             embed_bytes=embed_bytes,
             head_bytes=head_bytes,
-            kv_bytes_per_token_per_layer=max(per_layer) if per_layer else kv_bytes_per_token(config, dtype_bytes),
+            kv_bytes_per_token_per_layer=max(per_layer)
+            if per_layer
+            else kv_bytes_per_token(config, dtype_bytes),
             bytes_per_boundary_per_token=boundary_row_bytes(config),
             layer_kv_bytes_per_token=per_layer,
             tied_embeddings=config.tie_word_embeddings,
@@ -134,7 +166,7 @@ class ModelSpec:
         types: Mapping[str, str] | None = None,
         context: int | None = None,
         mtp: bool = False,
-    ) -> "ModelSpec":
+    ) -> ModelSpec:
         """Exact bytes per layer: the tensors ``stage_plans`` names for each one-layer stage,
         at the size they are kept in memory (``types``: each tensor's stored type, as
         ``TensorSource.stored_type`` gives it; quantized ones count their GGUF blocks).
@@ -145,7 +177,9 @@ class ModelSpec:
         replicated = [0] * config.num_layers
         window = [0] * config.num_layers
         embed = head = head_params = active_params = 0
-        expert_share = config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
+        expert_share = (
+            config.num_experts_per_tok / config.num_experts if config.num_experts else 1.0
+        )
         for i in range(config.num_layers):
             for p in stage_plans(config, Ownership(layers=(i, i + 1))):
                 nbytes = sum(_bytes(shapes, types, src, dtype_bytes) for src in p.sources())
@@ -161,12 +195,26 @@ class ModelSpec:
                     active_params += round(sum(_params(shapes, src) for src in p.sources()) * share)
                     replicated[i] += nbytes if p.target.endswith(_REPLICATED_TARGETS) else 0
                     if p.target.endswith(_COLUMN_SPLIT_TARGETS):
-                        window[i] += sum(2 * shapes[src][0] * block_bytes(types.get(src, "")) for src in p.sources())
-        per_param = sum(active) / active_params if active_params else 0.0  # the layers' bytes per parameter
+                        window[i] += sum(
+                            2 * shapes[src][0] * block_bytes(types.get(src, ""))
+                            for src in p.sources()
+                        )
+        per_param = (
+            sum(active) / active_params if active_params else 0.0
+        )  # the layers' bytes per parameter
         head_load = round(head_params * per_param * HEAD_ROW_SHARE) if per_param else None
         spec = cls.from_config(
-            config, name, tuple(held), embed, head, dtype_bytes, tuple(active), tuple(replicated), tuple(window),
-            head_load, context,
+            config,
+            name,
+            tuple(held),
+            embed,
+            head,
+            dtype_bytes,
+            tuple(active),
+            tuple(replicated),
+            tuple(window),
+            head_load,
+            context,
         )
         return replace(spec, **_mtp_bytes(config, shapes, types, dtype_bytes)) if mtp else spec
 
@@ -180,19 +228,29 @@ def boundary_row_bytes(config: ModelConfig) -> int:
 
 def _v4_layer_kv(config: ModelConfig, dtype_bytes: int, context: int | None) -> tuple[int, ...]:
     tokens = context or V4_PLANNING_TOKENS
-    return tuple(-(-v4_cache_bytes(config, range(i, i + 1), tokens, dtype_bytes) // tokens)
-                 for i in range(config.num_layers))  # fmt: skip
+    return tuple(
+        -(-v4_cache_bytes(config, range(i, i + 1), tokens, dtype_bytes) // tokens)
+        for i in range(config.num_layers)
+    )
 
 
-def _mtp_bytes(config: ModelConfig, shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str],
-               dtype_bytes: int) -> dict[str, int]:  # fmt: skip
+def _mtp_bytes(
+    config: ModelConfig,
+    shapes: Mapping[str, tuple[int, ...]],
+    types: Mapping[str, str],
+    dtype_bytes: int,
+) -> dict[str, int]:
     """The multi-token-prediction layer's bytes (the tensors of layer ``num_layers``), and those
     of the embedding it reads on a stage that does not own the model's (DeepSeek-V3's own copy,
     V4's the model's)."""
     full = Ownership.full(config)
 
     def held(embed: bool) -> int:
-        return sum(_bytes(shapes, types, src, dtype_bytes) for p in mtp_plans(config, full, embed) for src in p.sources())
+        return sum(
+            _bytes(shapes, types, src, dtype_bytes)
+            for p in mtp_plans(config, full, embed)
+            for src in p.sources()
+        )
 
     layer = held(False)
     return {"mtp_bytes": layer, "mtp_embed_bytes": held(True) - layer}
@@ -202,7 +260,9 @@ def _params(shapes: Mapping[str, tuple[int, ...]], name: str) -> int:
     return math.prod(shapes[name])  # _bytes has checked the name
 
 
-def _bytes(shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str], name: str, dtype_bytes: int) -> int:
+def _bytes(
+    shapes: Mapping[str, tuple[int, ...]], types: Mapping[str, str], name: str, dtype_bytes: int
+) -> int:
     if name not in shapes:
         raise CheckpointError(f"checkpoint has no tensor {name}, which the model's layers need")
     return resident_bytes(shapes[name], types.get(name, ""), dtype_bytes)
@@ -262,7 +322,7 @@ class LinkTable:
     pairs: Mapping[tuple[str, str], LinkCost] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, links: "LinkTable | Mapping[tuple[str, str], LinkCost] | None") -> "LinkTable":
+    def of(cls, links: LinkTable | Mapping[tuple[str, str], LinkCost] | None) -> LinkTable:
         """A LinkTable as given, or one from a dict keyed by (node_a, node_b)."""
         if isinstance(links, LinkTable):
             return links
@@ -307,7 +367,9 @@ class StageAssignment:
     # A lockstep group: every rank's node, the leader (``node_id``) first; () is one node.
     # ``weight_bytes`` and ``kv_bytes`` are then per rank.
     ranks: tuple[str, ...] = ()
-    load_s: float = 0.0  # its work per step under a batched load / rate (ModelSpec.head_load); 0: unknown
+    load_s: float = (
+        0.0  # its work per step under a batched load / rate (ModelSpec.head_load); 0: unknown
+    )
     # Where its layers run (``plan.split``): None, all on the node's device (``gpu_device`` names it
     # when the planner placed them there); N, its first N layers on ``gpu_device``, the rest on its CPU.
     gpu_layers: int | None = None
@@ -332,7 +394,9 @@ class StageAssignment:
         if self.gpu_layers is None:
             return ((self.gpu_device, self.start, self.end),)
         cut = self.start + self.gpu_layers
-        return tuple(p for p in ((self.gpu_device, self.start, cut), ("cpu", cut, self.end)) if p[1] < p[2])
+        return tuple(
+            p for p in ((self.gpu_device, self.start, cut), ("cpu", cut, self.end)) if p[1] < p[2]
+        )
 
 
 @dataclass(frozen=True)
@@ -345,8 +409,12 @@ class Plan:
     context_tokens: int
     batch: int
     objective: str = "latency"  # what the planner optimised ("throughput" or "latency")
-    private: bool = False  # the first and the last stage are one node's, the coordinator's (``plan.private``)
-    notes: tuple[str, ...] = ()  # one line each: what the plan could not do as a node offered (a GPU too small)
+    private: bool = (
+        False  # the first and the last stage are one node's, the coordinator's (``plan.private``)
+    )
+    notes: tuple[
+        str, ...
+    ] = ()  # one line each: what the plan could not do as a node offered (a GPU too small)
 
     def slowest_stage_s(self) -> float:
         """The slowest stage's work per step under load: the pipeline's pace when it is full."""
@@ -368,15 +436,16 @@ class Plan:
         return json.dumps(data, indent=2, sort_keys=True) + "\n"
 
     @classmethod
-    def from_json(cls, text: str | Mapping[str, Any]) -> "Plan":
+    def from_json(cls, text: str | Mapping[str, Any]) -> Plan:
         """A plan from ``to_json()`` text or the dict it decodes to."""
         try:
             data = dict(json.loads(text) if isinstance(text, str) else text)
             if data.pop("version", None) != PLAN_VERSION:
                 raise PlanError(f"a plan file must have version {PLAN_VERSION}")
-            stages = tuple(StageAssignment(**{**s, "ranks": tuple(s.get("ranks", ()))})
-                           for s in data.pop("stages"))
+            stages = tuple(
+                StageAssignment(**{**s, "ranks": tuple(s.get("ranks", ()))})
+                for s in data.pop("stages")
+            )
             return cls(stages=stages, **{**data, "notes": tuple(data.get("notes", ()))})
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise PlanError(f"a plan file must be a JSON plan ({exc})") from None
-

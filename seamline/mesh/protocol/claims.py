@@ -27,18 +27,24 @@ ROWS, COLS, BLOCKS = 8192, 1024, 64  # a 32 MiB float32 matrix: about what a nod
 SLACK = 5.0  # a node is believed unless it is this much slower than it claimed (a busy host skews a timing)
 ROUNDS = 5  # products timed, a little apart; the fastest counts
 PAUSE_S = 0.02
-_ONE_AT_A_TIME = threading.Lock()  # nodes joining together are probed in turn: no probe slows another
+_ONE_AT_A_TIME = (
+    threading.Lock()
+)  # nodes joining together are probed in turn: no probe slows another
 ANSWER_TIMEOUT_S = 30.0
 
 
-def probe_block(seed: int, block: int, rows: int = ROWS, cols: int = COLS, blocks: int = BLOCKS) -> torch.Tensor:
+def probe_block(
+    seed: int, block: int, rows: int = ROWS, cols: int = COLS, blocks: int = BLOCKS
+) -> torch.Tensor:
     """One row block of the probe matrix, seeded on its own: the coordinator checks an answer a
     block at a time and never holds the whole matrix (a join must not cost it 32 MiB)."""
     generator = torch.Generator().manual_seed(seed * blocks + block)
     return torch.randn(rows // blocks, cols, generator=generator)
 
 
-def probe_matrix(seed: int, rows: int = ROWS, cols: int = COLS, blocks: int = BLOCKS) -> torch.Tensor:
+def probe_matrix(
+    seed: int, rows: int = ROWS, cols: int = COLS, blocks: int = BLOCKS
+) -> torch.Tensor:
     return torch.cat([probe_block(seed, b, rows, cols, blocks) for b in range(blocks)])
 
 
@@ -86,16 +92,24 @@ class SpeedCheck:
             expected = expected_sums(seed, vectors)
             if self._wait("speed_ready") is None:
                 return None
-            took = min(self._round(seed, vectors[:, i], expected[i]) for i in range(ROUNDS))  # each round pauses first
+            took = min(
+                self._round(seed, vectors[:, i], expected[i]) for i in range(ROUNDS)
+            )  # each round pauses first
         except LinkClosed:
             return None
         except ValueError as exc:
             log.warning("%s: %s: not believed", self.link.name, exc)
             return None
-        measured = ROWS * COLS * 4 / max(took - self.rtt_s, 1e-6)  # the float32 matrix streamed once
+        measured = (
+            ROWS * COLS * 4 / max(took - self.rtt_s, 1e-6)
+        )  # the float32 matrix streamed once
         if measured * SLACK < self.claimed:
-            log.warning("%s claimed %.1f GB/s but computed at %.1f GB/s: planned at the measured rate",
-                        self.link.name, self.claimed / 1e9, measured / 1e9)  # fmt: skip
+            log.warning(
+                "%s claimed %.1f GB/s but computed at %.1f GB/s: planned at the measured rate",
+                self.link.name,
+                self.claimed / 1e9,
+                measured / 1e9,
+            )
             return measured
         return self.claimed
 
@@ -106,7 +120,9 @@ class SpeedCheck:
         self.link.send_message(SpeedProbe(seed=seed, rows=ROWS, cols=COLS, vector=vector.tolist()))
         sums = self._wait("speed_sums")
         took = time.perf_counter() - began
-        if not isinstance(sums, SpeedSums) or not torch.allclose(torch.tensor(sums.sums), expected, rtol=1e-3, atol=1e-2):
+        if not isinstance(sums, SpeedSums) or not torch.allclose(
+            torch.tensor(sums.sums), expected, rtol=1e-3, atol=1e-2
+        ):
             raise ValueError("it answered the speed probe wrongly")
         return took
 

@@ -79,7 +79,10 @@ class PeerGate:
             if self.refused(peer):
                 if peer not in self._logged:
                     self._logged.add(peer)
-                    log.warning("closed fragment connections from node %s: it was removed from the mesh", peer)
+                    log.warning(
+                        "closed fragment connections from node %s: it was removed from the mesh",
+                        peer,
+                    )
                 del self._open[transport]
                 transport.close()
 
@@ -121,7 +124,9 @@ class _PackageIndex:
         if self.held is None or not _SHA256.fullmatch(sha256):
             return None
         file = self.held / sha256
-        return file if file.is_file() and (self.held / f"{sha256}{STAMP_SUFFIX}").is_file() else None
+        return (
+            file if file.is_file() and (self.held / f"{sha256}{STAMP_SUFFIX}").is_file() else None
+        )
 
     def _listed(self, sha256: str) -> tuple[FragmentEntry, Path]:
         path = self.manifest_path()
@@ -137,8 +142,13 @@ class _PackageIndex:
         return entry, file
 
 
-def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_token: TokenCheck,
-                    may_fetch: FragmentCheck | None = None, held: Path | None = None) -> None:  # fmt: skip
+def fragment_routes(
+    app: FastAPI | APIRouter,
+    package_dir: str | Path,
+    check_token: TokenCheck,
+    may_fetch: FragmentCheck | None = None,
+    held: Path | None = None,
+) -> None:
     """Add the two fragment routes for ``package_dir`` to ``app``; ``may_fetch(token, fragment)``:
     whether that token's holder may have that fragment (a private mesh keeps its ends' own);
     ``held``: a fragment cache whose verified fragments are served too (never with ``may_fetch``)."""
@@ -158,18 +168,33 @@ def fragment_routes(app: FastAPI | APIRouter, package_dir: str | Path, check_tok
         return FileResponse(index.manifest_path(), media_type="application/json")
 
     @app.get("/fragments/{sha256}")
-    def fragment_file(sha256: str, authorization: Annotated[str | None, Header()] = None) -> FileResponse:
+    def fragment_file(
+        sha256: str, authorization: Annotated[str | None, Header()] = None
+    ) -> FileResponse:
         authorise(authorization)
         entry, path = index.lookup_entry(sha256.lower())
-        if may_fetch is not None and entry is not None and not may_fetch(_bearer(authorization), entry):
-            raise HTTPException(403, f"fragment {entry.name} is not served to this member: a private mesh keeps it")
+        if (
+            may_fetch is not None
+            and entry is not None
+            and not may_fetch(_bearer(authorization), entry)
+        ):
+            raise HTTPException(
+                403, f"fragment {entry.name} is not served to this member: a private mesh keeps it"
+            )
         return FileResponse(path, media_type="application/octet-stream")
 
 
-def serve_fragments(package_dir: Path, check_token: TokenCheck, host: str, port: int,
-                    context: ssl.SSLContext, gate: PeerGate | None = None,
-                    may_fetch: FragmentCheck | None = None, held: Path | None = None,
-                    listener: socket.socket | None = None) -> uvicorn.Server:  # fmt: skip
+def serve_fragments(
+    package_dir: Path,
+    check_token: TokenCheck,
+    host: str,
+    port: int,
+    context: ssl.SSLContext,
+    gate: PeerGate | None = None,
+    may_fetch: FragmentCheck | None = None,
+    held: Path | None = None,
+    listener: socket.socket | None = None,
+) -> uvicorn.Server:
     """The fragment routes on their own HTTPS port, under ``context``: a mesh's, which takes only
     clients presenting a member's certificate from the mesh CA (mutual TLS 1.3), and of those
     only the members ``gate`` takes. ``listener``: a socket already listening on ``host:port``,
@@ -177,11 +202,19 @@ def serve_fragments(package_dir: Path, check_token: TokenCheck, host: str, port:
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     fragment_routes(app, package_dir, check_token, may_fetch, held)
     gate = gate or PeerGate(lambda _node: False)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", **bounded(gate.protocol()),
-                            ssl_context_factory=lambda _config, _default: context)  # fmt: skip
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        **bounded(gate.protocol()),
+        ssl_context_factory=lambda _config, _default: context,
+    )
     server = uvicorn.Server(config)
     sockets = {"sockets": [listener]} if listener is not None else {}
-    threading.Thread(target=server.run, kwargs=sockets, name="seamline-fragments", daemon=True).start()
+    threading.Thread(
+        target=server.run, kwargs=sockets, name="seamline-fragments", daemon=True
+    ).start()
     return server
 
 

@@ -33,24 +33,40 @@ class Invite:
     http_port: int
     secret: str
     expires: float  # unix time
-    ca_fingerprint: str = ""  # sha256 of the mesh CA's certificate; "" for a plaintext mesh (benchmarks)
+    ca_fingerprint: str = (
+        ""  # sha256 of the mesh CA's certificate; "" for a plaintext mesh (benchmarks)
+    )
     id: str = ""  # the coordinator's record of this invite (``invites.InviteBook``)
 
     def encode(self) -> str:
-        body = dict(h=list(self.hosts), c=self.control_port, p=self.http_port, s=self.secret, e=int(self.expires),
-                    f=self.ca_fingerprint, i=self.id)  # fmt: skip
+        body = dict(
+            h=list(self.hosts),
+            c=self.control_port,
+            p=self.http_port,
+            s=self.secret,
+            e=int(self.expires),
+            f=self.ca_fingerprint,
+            i=self.id,
+        )
         return PREFIX + base64.urlsafe_b64encode(json.dumps(body).encode()).decode().rstrip("=")
 
     @classmethod
-    def decode(cls, token: str) -> "Invite":
+    def decode(cls, token: str) -> Invite:
         token = token.strip()
         if not token.startswith(PREFIX):
             raise InviteError("not a seamline invite token (it should start with 'seamline-')")
         try:
             raw = token[len(PREFIX) :]
             body = json.loads(base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)))
-            invite = cls(tuple(body["h"]), int(body["c"]), int(body["p"]), str(body["s"]), float(body["e"]),
-                         str(body.get("f", "")), str(body.get("i", "")))  # fmt: skip
+            invite = cls(
+                tuple(body["h"]),
+                int(body["c"]),
+                int(body["p"]),
+                str(body["s"]),
+                float(body["e"]),
+                str(body.get("f", "")),
+                str(body.get("i", "")),
+            )
         except (ValueError, KeyError, TypeError):
             raise InviteError("invite token is corrupt (copy it again in full)") from None
         return invite
@@ -59,12 +75,21 @@ class Invite:
         now = time.time() if now is None else now
         if now > self.expires:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(self.expires))
-            raise InviteError(f"invite token expired at {when} UTC; ask the coordinator for a new one")
+            raise InviteError(
+                f"invite token expired at {when} UTC; ask the coordinator for a new one"
+            )
 
 
-def new_invite(hosts: tuple[str, ...], control_port: int, http_port: int, ttl_s: float,
-               ca_fingerprint: str = "") -> Invite:  # fmt: skip
-    return Invite(hosts, control_port, http_port, secrets.token_hex(16), time.time() + ttl_s, ca_fingerprint)
+def new_invite(
+    hosts: tuple[str, ...],
+    control_port: int,
+    http_port: int,
+    ttl_s: float,
+    ca_fingerprint: str = "",
+) -> Invite:
+    return Invite(
+        hosts, control_port, http_port, secrets.token_hex(16), time.time() + ttl_s, ca_fingerprint
+    )
 
 
 def proof(secret: str, nonce: str) -> str:

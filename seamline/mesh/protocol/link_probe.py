@@ -16,8 +16,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from seamline.mesh.plan.types import LinkCost
-from seamline.mesh.plan.types import LinkTable
+from seamline.mesh.plan.types import LinkCost, LinkTable
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import Ping
 
@@ -74,7 +73,11 @@ def measure(link: Link, pongs: Pongs) -> LinkCost | None:
         return None
     refusal = unphysical(measured)
     if refusal:
-        log.warning("refused the measurement of the link to %s: %s; planned as a default link", link.name, refusal)
+        log.warning(
+            "refused the measurement of the link to %s: %s; planned as a default link",
+            link.name,
+            refusal,
+        )
         return None
     return measured
 
@@ -117,17 +120,23 @@ def _round_trip(link: Link, pongs: Pongs, nonce: int, pad: str) -> float:
     return arrived - began
 
 
-def link_table(reaches: Iterable[Reach], measured: Mapping[tuple[str, str], LinkCost] | None = None) -> LinkTable:
+def link_table(
+    reaches: Iterable[Reach], measured: Mapping[tuple[str, str], LinkCost] | None = None
+) -> LinkTable:
     """Access links as measured; each pair as its nodes measured it, else (not measured) as the
     slower access link, or their sum when one end takes no inbound connection (relayed)."""
     known = [r for r in reaches if r.link is not None]
     access = {r.node_id: r.link for r in known if r.link is not None}
     pairs = {}
     for a, b in itertools.combinations(known, 2):
-        pair = (measured or {}).get((a.node_id, b.node_id)) or (measured or {}).get((b.node_id, a.node_id))
+        pair = (measured or {}).get((a.node_id, b.node_id)) or (measured or {}).get(
+            (b.node_id, a.node_id)
+        )
         if pair is not None:
             pairs[(a.node_id, b.node_id)] = pair
         elif not (a.inbound and b.inbound) and a.link is not None and b.link is not None:
-            pairs[(a.node_id, b.node_id)] = LinkCost(a.link.latency_s + b.link.latency_s,
-                                                     min(a.link.bandwidth_bytes_per_s, b.link.bandwidth_bytes_per_s))  # fmt: skip
+            pairs[(a.node_id, b.node_id)] = LinkCost(
+                a.link.latency_s + b.link.latency_s,
+                min(a.link.bandwidth_bytes_per_s, b.link.bandwidth_bytes_per_s),
+            )
     return LinkTable(access=access, pairs=pairs)

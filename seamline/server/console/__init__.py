@@ -17,4 +17,6 @@ def _read(name: str) -> str:
 def console_routes(app: FastAPI) -> None:
     page, script = _read("index.html"), _read("console.js")
     app.get("/", include_in_schema=False)(lambda: HTMLResponse(page))
-    app.get("/console.js", include_in_schema=False)(lambda: Response(script, media_type="text/javascript"))
+    app.get("/console.js", include_in_schema=False)(
+        lambda: Response(script, media_type="text/javascript")
+    )
