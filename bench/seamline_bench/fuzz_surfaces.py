@@ -68,7 +68,7 @@ from seamline.net.messages import (
     Welcome,
 )
 from seamline.net.tls import TlsRefused, TlsSocket, group_tls_from_folder
-from seamline.parallel.tcp_comm import GATE, GATE_MAGIC, VERSION, _hello_bytes
+from seamline.parallel.tcp_comm import GATE, GATE_MAGIC, VERSION, hello_bytes
 from seamline.params import SamplingParams
 from seamline_bench.fuzz_inputs import Inputs
 
@@ -397,7 +397,7 @@ def comm_surface(target: Target, inputs: Inputs, count: int) -> int:
         try:
             if sent % 3 == 0:  # before TLS: bytes, or a HELLO in the clear
                 sock.sendall(
-                    inputs.rng.choice([inputs.garbage(), inputs.broken(_hello_bytes(0, 2, "fuzz"))])
+                    inputs.rng.choice([inputs.garbage(), inputs.broken(hello_bytes(0, 2, "fuzz"))])
                 )
                 sent += 1
                 continue
@@ -412,7 +412,7 @@ def comm_surface(target: Target, inputs: Inputs, count: int) -> int:
 
 def _comm_inputs(channel: TlsSocket, inputs: Inputs) -> int:
     """A HELLO (mutated one time in four), then valid gates and one mutated gate header."""
-    hello = _hello_bytes(0, 2, "fuzz")
+    hello = hello_bytes(0, 2, "fuzz")
     if inputs.rng.random() < 0.25:
         channel.sendall(inputs.broken(hello))
         return 1

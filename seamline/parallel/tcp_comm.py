@@ -147,7 +147,7 @@ class TcpComm:
                 f"need 0 <= rank < world and one address per rank: rank {rank}, "
                 f"world {world}, {len(addresses)} addresses"
             )
-        hello = _hello_bytes(rank, world, fingerprint)
+        hello = hello_bytes(rank, world, fingerprint)
         deadline = time.monotonic() + connect_timeout_s
         server = listen(bind_host or addresses[rank][0], addresses[rank][1])
         socks: dict[int, socket.socket] = {}
@@ -330,7 +330,7 @@ def _shut(sock: socket.socket) -> None:
     sock.close()
 
 
-def _hello_bytes(rank: int, world: int, fingerprint: str) -> bytes:
+def hello_bytes(rank: int, world: int, fingerprint: str) -> bytes:
     fp = fingerprint.encode()
     if len(fp) > MAX_FINGERPRINT:
         raise CommError(f"group fingerprint of {len(fp)} bytes exceeds the {MAX_FINGERPRINT} cap")
@@ -523,7 +523,7 @@ class _Lobby:
         sock = raw
         try:
             sock = _secure(raw, self.tls, None, left(deadline))
-            hello = _hello_bytes(self.rank, self.world, self.fingerprint)
+            hello = hello_bytes(self.rank, self.world, self.fingerprint)
             met = _handshake(
                 sock, hello, self.rank, self.world, self.fingerprint, None, self.timeout_s, deadline
             )
