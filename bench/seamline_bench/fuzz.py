@@ -29,6 +29,7 @@ import resource
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -247,80 +248,118 @@ def _run(
     work: Path,
 ) -> dict[str, Any]:
     """Warm up, take RSS, fuzz each surface with answer checks, hold the slow connections."""
-    processes = {
-        "coordinator": psutil.Process(driver.proc.pid),
-        "comm_target": psutil.Process(comm.proc.pid),
-    }
-    for child in processes["coordinator"].children():
-        processes[f"node{len(processes) - 2}"] = child
-    expected, _ = _answer(target.api)
+    processes = _processes(driver, comm)
+    tally = _Tally(_answer(target.api)[0])
     inputs = Inputs(seed)
     warm_requests, kept = _fill_prefix_cache(target.api)
     for surface in surfaces:  # warm-up: every code path once, before RSS is taken
         _send(target, surface, inputs, max(50, count // 100))
     before, fds_before = _rss_mb(processes), _fds(processes)
-    sent: dict[str, int] = {}
-    seconds: dict[str, float] = {}
-    growth: dict[str, dict[str, float]] = {}  # RSS growth so far, after each surface
-    fd_growth: dict[str, dict[str, int]] = {}  # open descriptors gained so far, after each surface
-    hangs, wrong, slowest = 0, 0, 0.0
     started = time.monotonic()
-    for surface in surfaces:
-        sent[surface], began = 0, time.monotonic()
-        for _ in range(CHECKS_PER_SURFACE):
-            sent[surface] += _send(target, surface, inputs, count // CHECKS_PER_SURFACE)
-            text, took = _answer(target.api)
-            hangs += text is None
-            wrong += text is not None and text != expected
-            slowest = max(slowest, took)
-        seconds[surface] = round(time.monotonic() - began, 1)
-        growth[surface] = {k: round(v - before[k], 1) for k, v in _rss_mb(processes).items()}
-        fd_growth[surface] = {k: v - fds_before[k] for k, v in _fds(processes).items()}
+    fuzzed = _fuzz_surfaces(target, surfaces, inputs, count, processes, before, fds_before, tally)
     held = _hold_slow(target, slow)
-    text, took = _answer(target.api)
-    hangs, wrong, slowest = (
-        hangs + (text is None),
-        wrong + (text is not None and text != expected),
-        max(slowest, took),
-    )
+    tally.check(target.api)
     for sock in held:
         sock.close()
     time.sleep(1.0)
     text, _ = _answer(target.api)
     after = _rss_mb(processes)
     stages = httpx.get(f"{target.api}/api/status", timeout=HANG_S).json()["stages"]
-    dead = [
-        name
-        for name, p in processes.items()
-        if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
-    ]
-    uncaught = sum(
-        path.read_text(errors="replace").count("Exception in thread") for path in work.glob("*.log")
-    )
+    dead, uncaught = _dead(processes), _uncaught(work)
     return {
         "bench": "fuzz",
-        "inputs_per_surface": sent,
+        "inputs_per_surface": fuzzed["sent"],
         "crashes": len(dead) + uncaught,
         "crashed_processes": dead,
         "uncaught_exceptions": uncaught,
-        "hangs": hangs,
-        "wrong_answers": wrong,
-        "slowest_answer_s": round(slowest, 2),
+        "hangs": tally.hangs,
+        "wrong_answers": tally.wrong,
+        "slowest_answer_s": round(tally.slowest, 2),
         "rss_growth_mb": {name: round(after[name] - before[name], 1) for name in processes},
         "rss_mb_after": {name: round(v, 1) for name, v in after.items()},
-        "rss_growth_mb_after_each_surface": growth,
-        "fd_growth_after_each_surface": fd_growth,
+        "rss_growth_mb_after_each_surface": fuzzed["growth"],
+        "fd_growth_after_each_surface": fuzzed["fd_growth"],
         "stages_after": [
             {k: s.get(k) for k in ("node_id", "sequences", "kv_bytes", "kept_kv_bytes")}
             for s in stages
         ],
-        "answers_correct_after": text == expected and expected is not None,
+        "answers_correct_after": text == tally.expected and tally.expected is not None,
         "warm_up": f"{warm_requests} distinct requests (stage 0's kept prefix KV near its "
         f"{PREFIX_CACHE_BYTES >> 20} MiB bound, every later stage's settled), then 1% of each surface's inputs",
         "kept_kv_mb_after_warm_up": [round(k / 2**20, 1) for k in kept],
         "slow_connections_held": len(held),
         "seconds": round(time.monotonic() - started, 1),
-        "seconds_per_surface": seconds,
+        "seconds_per_surface": fuzzed["seconds"],
         "seed": seed,
         "logs": str(work),
     }
+
+
+@dataclass
+class _Tally:
+    """The answer checks so far: hangs (no answer within HANG_S), wrong answers, the slowest."""
+
+    expected: str | None
+    hangs: int = 0
+    wrong: int = 0
+    slowest: float = 0.0
+
+    def check(self, api: str) -> None:
+        text, took = _answer(api)
+        self.hangs += text is None
+        self.wrong += text is not None and text != self.expected
+        self.slowest = max(self.slowest, took)
+
+
+def _processes(driver: Driver, comm: Driver) -> dict[str, psutil.Process]:
+    """The coordinator, the comm target and the coordinator's children (its stage nodes)."""
+    processes = {
+        "coordinator": psutil.Process(driver.proc.pid),
+        "comm_target": psutil.Process(comm.proc.pid),
+    }
+    for child in processes["coordinator"].children():
+        processes[f"node{len(processes) - 2}"] = child
+    return processes
+
+
+def _fuzz_surfaces(
+    target: Target,
+    surfaces: tuple[str, ...],
+    inputs: Inputs,
+    count: int,
+    processes: dict[str, psutil.Process],
+    before: dict[str, float],
+    fds_before: dict[str, int],
+    tally: _Tally,
+) -> dict[str, dict[str, Any]]:
+    """Each surface's inputs in CHECKS_PER_SURFACE parts, the answer checked after each; per
+    surface: inputs sent, seconds, and RSS and open descriptors gained so far."""
+    sent: dict[str, int] = {}
+    seconds: dict[str, float] = {}
+    growth: dict[str, dict[str, float]] = {}  # RSS growth so far, after each surface
+    fd_growth: dict[str, dict[str, int]] = {}  # open descriptors gained so far, after each surface
+    for surface in surfaces:
+        sent[surface], began = 0, time.monotonic()
+        for _ in range(CHECKS_PER_SURFACE):
+            sent[surface] += _send(target, surface, inputs, count // CHECKS_PER_SURFACE)
+            tally.check(target.api)
+        seconds[surface] = round(time.monotonic() - began, 1)
+        growth[surface] = {k: round(v - before[k], 1) for k, v in _rss_mb(processes).items()}
+        fd_growth[surface] = {k: v - fds_before[k] for k, v in _fds(processes).items()}
+    return {"sent": sent, "seconds": seconds, "growth": growth, "fd_growth": fd_growth}
+
+
+def _dead(processes: dict[str, psutil.Process]) -> list[str]:
+    """The processes that are gone or zombies."""
+    return [
+        name
+        for name, p in processes.items()
+        if not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    ]
+
+
+def _uncaught(work: Path) -> int:
+    """Exceptions no handler caught, as the logs under ``work`` tell them."""
+    return sum(
+        path.read_text(errors="replace").count("Exception in thread") for path in work.glob("*.log")
+    )

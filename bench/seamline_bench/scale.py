@@ -39,7 +39,7 @@ over probes taken before the load (``calibration`` in the JSON):
 node's at 64 clients, and ``pipeline_gain_bound_64`` what the batched kernels allow them: one
 node's step of 64 rows over its step of 32 (two stages step micro-batches of 32 rows);
 ``ratio_min``/``ratio_max`` span predicted / measured over every configuration and client count;
-``seed_check_tok_s`` is the seed's own setup priced by the same model (``seamline.sim.published``).
+``seed_check_tok_s`` is the seed's own setup priced by the same model (``seamline.sim.seed_setup``).
 Beside each ``predicted_busy``, ``measured_busy``: each stage's forwards over the wave's wall time
 (the front's core also runs its stage, whose forwards' share is then less than its core's; a
 predicted share counts the front's work on that core).
@@ -300,7 +300,7 @@ def _result(
     lan_reason: str,
     logs: Path,
 ) -> dict[str, Any]:
-    from seamline.sim.published import seed_check
+    from seamline.sim.seed_setup import seed_check
 
     configs: dict[str, Any] = {}
     ratios = []

@@ -1,6 +1,6 @@
 """Published models and hardware for the simulator (``sim/published.py``): the literal configs
 are transformers' (the released ones), the shapes are the model's, the totals are the published
-files', and the seed's setup is priced."""
+files', and the seed's setup is priced (``sim/seed_setup.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from typing import Any
 
 import pytest
 
+from seamline.mesh.plan.pricing import range_bytes
 from seamline.mesh.plan.types import PlanOptions
 from seamline.ownership import Ownership
 from seamline.sim import published as ref
+from seamline.sim.seed_setup import seed_check
 from seamline.weights.names import stage_plans
 
 GB = 1e9
@@ -30,7 +32,7 @@ def v3() -> ref.Checkpoint:
 
 @pytest.fixture(scope="module")
 def seed() -> dict[str, Any]:
-    return ref.seed_check()
+    return seed_check()
 
 
 def _same_on_keys(
@@ -61,7 +63,7 @@ def test_v3_config_is_transformers_defaults() -> None:
 
 
 def test_reference_imports_neither_torch_nor_transformers() -> None:
-    code = "import sys, seamline.sim.published; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, seamline.sim.seed_setup; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     import subprocess
 
     out = subprocess.run(
@@ -206,8 +208,8 @@ def test_rtx_5090_stage_fit(seed: dict[str, Any]) -> None:
     assert not rtx["fits"] and not rtx["fits_2bit_experts"]
     assert seed["single"]["fits"] is False  # nor does the release fit one DGX Spark
     spec, start = ref.v4_flash_checkpoint().spec(), seed["rtx_5090_fits_from_layer"]
-    held, kv, _ = ref.range_bytes(spec, PlanOptions(), start, 43)
-    more, more_kv, _ = ref.range_bytes(spec, PlanOptions(), start - 1, 43)
+    held, kv, _ = range_bytes(spec, PlanOptions(), start, 43)
+    more, more_kv, _ = range_bytes(spec, PlanOptions(), start - 1, 43)
     assert held + kv <= capacity < more + more_kv
     assert (
         0 < seed["rtx_5090_fits_from_layer_2bit_experts"] < start
