@@ -8,13 +8,27 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from seamline.cli_args import model_args, sampling_args
+from seamline.cli_mesh_args import (
+    admin_args,
+    demo_args,
+    join_args,
+    plan_args,
+    serve_compute_args,
+    serve_host_args,
+    serve_mesh_args,
+    serve_pipeline_args,
+    serve_request_args,
+)
+from seamline.cli_mesh_commands import cmd_admin, cmd_join, cmd_package, cmd_plan
 from seamline.errors import ConfigError, SeamlineError
-from seamline.mesh.control.plan_args import add_plan_arguments
 from seamline.server.api_options import add_api_arguments, api_options
 
-INVITE_ENV = "SEAMLINE_INVITE"  # where `join` may read its invite (argv shows in `ps`)
+if TYPE_CHECKING:
+    from seamline.mesh.control.serve import ServeOptions
+    from seamline.runtime.speculation import Speculation
 
 BENCH_GROUP = "seamline.bench"  # the entry points of the benchmarks' own package (bench/)
 BENCH_INSTALL = "./install.sh --bench (or pip install -e ./bench)"
@@ -25,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="generate on this machine (chat when no prompt is given)")
     run.add_argument("-p", "--prompt", help="one question; omit for an interactive chat")
-    _add_model_args(run)
-    _add_sampling_args(run)
+    model_args(run)
+    sampling_args(run)
     run.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
     run.add_argument(
         "--verbose",
@@ -34,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="after each answer: prompt and decode rates, time to first token, precision",
     )
     run.set_defaults(handler=cmd_run)
+    _add_bench_command(sub)
+    _add_mesh_commands(sub)
+    return parser
+
+
+def _add_bench_command(sub: Any) -> None:
     bench = sub.add_parser("bench", help="run a benchmark and write its JSON")
     names = _bench_entry("names")
     bench.add_argument(
@@ -57,171 +77,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="fuzz: only the generated inputs per surface, or only the known attacks on a live mesh",
     )
     bench.set_defaults(handler=cmd_bench)
-    _add_mesh_commands(sub)
-    return parser
-
-
-def _tensor_parallel_arg(parser: argparse.ArgumentParser, help_text: str) -> None:
-    """``--tensor-parallel N``, spelt as vLLM spells it too (``--tensor-parallel-size``, ``-tp``)."""
-    parser.add_argument(
-        "--tensor-parallel",
-        "--tensor-parallel-size",
-        "-tp",
-        dest="tensor_parallel",
-        type=int,
-        default=0,
-        metavar="N",
-        help=help_text,
-    )
 
 
 def _add_serve_command(sub: Any) -> None:
+    """``serve``'s arguments, group by group (``cli_mesh_args``), the API's among them."""
     serve = sub.add_parser("serve", help="start a coordinator + OpenAI API (and a local node)")
-    serve.add_argument(
-        "--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)"
-    )
-    serve.add_argument(
-        "--log-format",
-        choices=["text", "json"],
-        default="text",
-        help="json: one JSON object a line",
-    )
-    _device_arg(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument(
-        "--control-port", type=int, default=0, help="node control port (default: port+1)"
-    )
-    serve.add_argument(
-        "--fragments-port",
-        type=int,
-        default=0,
-        help="fragment downloads, to members over mutual TLS (default: port+2)",
-    )
-    serve.add_argument(
-        "--advertise", action="append", default=[], help="address nodes use to reach this host"
-    )
-    serve.add_argument(
-        "--nodes-expected", type=int, default=1, help="wait for this many nodes before planning"
-    )
-    serve.add_argument(
-        "--no-local-node", action="store_true", help="contribute no layers from this host"
-    )
-    serve.add_argument(
-        "--single",
-        action="store_true",
-        help="no mesh: this process holds the whole model and batches concurrent requests",
-    )
-    _precision_args(serve)
-    _speculation_args(serve)
-    serve.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
-    serve.add_argument("--invite-hours", type=float, default=24.0)
-    serve.add_argument(
-        "--state-dir",
-        default=None,
-        help="the mesh CA, invites and admin key (default: <cache>/mesh; `seamline invite` reads it)",
-    )
-    serve.add_argument(
-        "--lock", help="pin the plan in this JSON file (from `seamline plan --lock`)"
-    )
-    _tensor_parallel_arg(
-        serve, "N nodes compute each stage in lockstep (0: only where one node cannot hold a stage)"
-    )
-    serve.add_argument(
-        "--transport",
-        choices=("auto", "tcp", "torch"),
-        default="auto",
-        help="lockstep collectives: our TCP mesh, or torch.distributed (auto: NCCL with CUDA, else tcp)",
-    )
-    serve.add_argument(
-        "--insecure-comm",
-        action="store_true",
-        help="allow --transport torch between hosts: gloo and NCCL encrypt nothing",
-    )
-    serve.add_argument(
-        "--gate-timeout", type=float, default=30.0, help="seconds a lockstep rank waits at a gate"
-    )
-    serve.add_argument(
-        "--replay-deadline",
-        type=float,
-        default=120.0,
-        help="seconds a request whose node was lost waits for the mesh to serve again, then fails",
-    )
-    serve.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=3.0,
-        help="seconds a node may stay silent before it is taken for lost (its requests replay)",
-    )
-    serve.add_argument(
-        "--private",
-        action="store_true",
-        help="keep the embedding, the head and sampling on this machine's own node (the route's two "
-        "ends): members hold only layers between and see no token id, prompt or answer",
-    )
-    serve.add_argument(
-        "--verify-fraction",
-        type=_fraction,
-        default=0.0,
-        help="follow this fraction of requests through the coordinator's own copy of the model, "
-        "holding their tokens until they check out (0: only the start-up check)",
-    )
-    serve.add_argument(
-        "--kv-cache-memory",
-        type=float,
-        default=0.0,
-        help="GiB of KV cache the first stage (or --single) admits requests into "
-        "(0: 80%% of the memory free at start); a request that cannot fit is refused",
-    )
+    serve_host_args(serve)
+    serve_compute_args(serve)
+    serve_mesh_args(serve)
+    serve_request_args(serve)
     add_api_arguments(serve)
-    serve.add_argument(
-        "--micro-batches",
-        type=_at_least_zero,
-        default=0,
-        help="micro-batches in flight in the pipeline (default and least: one per stage)",
-    )
+    serve_pipeline_args(serve)
     serve.set_defaults(handler=cmd_serve)
 
 
 def _add_mesh_commands(sub: Any) -> None:
     _add_serve_command(sub)
     join = sub.add_parser("join", help="join a mesh as a node")
-    join.add_argument(
-        "token",
-        nargs="?",
-        default=None,
-        help=f"the invite (better: --token-file, or ${INVITE_ENV}: argv shows in `ps`)",
-    )
-    join.add_argument("--token-file", default=None, help="read the invite from this file")
-    join.add_argument("--max-memory", type=float, default=None, help="GB this node may use")
-    join.add_argument("--node-id", default=None)
-    join.add_argument("--data-port", type=int, default=0)
-    join.add_argument("--quiet", action="store_true", help="log warnings only")
-    join.add_argument(
-        "--log-format",
-        choices=["text", "json"],
-        default="text",
-        help="json: one JSON object a line",
-    )
-    join.add_argument("--no-progress", action="store_true", help="no download progress bar")
-    join.add_argument(
-        "--reprobe-when-idle",
-        action="store_true",
-        help="take the stage's speed probe again once it is idle and its cores quiet (for predictions)",
-    )
-    _device_arg(join)
+    join_args(join)
     join.set_defaults(handler=cmd_join)
     demo = sub.add_parser(
         "demo", help="a coordinator and N nodes on this machine answer one question"
     )
-    demo.add_argument("--nodes", type=int, default=2)
-    demo.add_argument("--model", default=None)
-    # a question the embedded model answers on a wide margin at every precision (its first token
-    # for the capital of France is a near tie that int8 activations flip: README, Precision)
-    demo.add_argument("-p", "--prompt", default="What is the capital of Japan?")
-    demo.add_argument("--max-tokens", type=int, default=64)
-    _precision_args(demo)
-    _tensor_parallel_arg(demo, "N nodes per stage, in lockstep")
+    demo_args(demo)
     demo.set_defaults(handler=cmd_demo)
     package = sub.add_parser("package", help="split a checkpoint into per-layer fragments")
     package.add_argument("model")
@@ -230,10 +108,7 @@ def _add_mesh_commands(sub: Any) -> None:
     plan = sub.add_parser(
         "plan", help="print the layer plan for a pool of nodes, and its predictions under load"
     )
-    add_plan_arguments(plan)
-    _tensor_parallel_arg(
-        plan, "N nodes per stage in lockstep (0: groups only where no node holds a stage)"
-    )
+    plan_args(plan)
     plan.set_defaults(handler=cmd_plan)
     _add_admin_commands(sub)
 
@@ -246,123 +121,19 @@ def _add_admin_commands(sub: Any) -> None:
     )
     status.set_defaults(handler=cmd_status)
     invite = sub.add_parser("invite", help="create, list or revoke invites to a running mesh")
-    actions = invite.add_subparsers(dest="action", required=True)
-    create = actions.add_parser("create", help="a new invite token")
-    create.add_argument(
-        "--uses", type=int, default=None, help="nodes it may admit (default: any number)"
-    )
-    create.add_argument("--expires", default="24h", help="lifetime: 90s, 30m, 1h, 7d (default 24h)")
-    actions.add_parser("list", help="every invite, its uses and state")
-    revoke = actions.add_parser("revoke", help="no node joins with it from now on")
-    revoke.add_argument("id")
     node = sub.add_parser("node", help="manage a running mesh's members")
-    node_actions = node.add_subparsers(dest="action", required=True)
-    remove = node_actions.add_parser(
-        "remove", help="eject a member: its certificate revoked, its links dropped"
-    )
-    remove.add_argument("id")
-    for parser in (create, actions.choices["list"], revoke, remove):
-        parser.add_argument(
-            "--state-dir", default=None, help="the coordinator's state (default: <cache>/mesh)"
-        )
-        parser.add_argument(
-            "--url", default=None, help="the coordinator's API (default: from the state directory)"
-        )
+    admin_args(invite, node)
     invite.set_defaults(handler=cmd_admin, handler_name="invite")
     node.set_defaults(handler=cmd_admin, handler_name="node")
 
 
-def _at_least_zero(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value}")
-    return value
-
-
-def _precision_args(p: argparse.ArgumentParser) -> None:
-    from seamline.precision import FLOAT_NAMES, PRECISIONS
-
-    p.add_argument(
-        "--precision",
-        choices=PRECISIONS,
-        default="fast",
-        help="fast: quantized weights with bfloat16 activations and int8 blocks in the matmuls, as "
-        "llama.cpp; exact: float32, the dequantised model's answers (default: fast)",
-    )
-    p.add_argument(
-        "--dtype",
-        choices=FLOAT_NAMES,
-        default=None,
-        help="activation dtype, overriding the precision's (fast: bfloat16 for quantized weights, "
-        "else the weights' own; exact: float32)",
-    )
-
-
-def _speculation_args(p: argparse.ArgumentParser) -> None:
-    from seamline.runtime.speculation import DRAFT_MAX, MODES
-
-    p.add_argument(
-        "--speculative",
-        choices=MODES,
-        default="auto",
-        help="draft tokens and verify them in the decode step: the output is the same, sooner when "
-        "drafts are right (auto: what the model offers: DeepSeek-V3's multi-token-prediction layer where "
-        "the checkpoint has it and one process serves, else n-grams of the prompt and answer)",
-    )
-    p.add_argument(
-        "--draft-max", type=int, default=DRAFT_MAX, help="the most tokens one window drafts"
-    )
-    p.add_argument(
-        "--draft-model",
-        metavar="PATH",
-        default=None,
-        help="a smaller model with the same vocabulary drafts (one process: run, serve --single)",
-    )
-    p.add_argument(
-        "--speculative-config",
-        metavar="JSON",
-        default=None,
-        help='as vLLM takes it: {"method": "ngram"|"mtp"|"deepseek_mtp", "num_speculative_tokens": N} '
-        'or {"model": PATH, ...}, in place of --speculative, --draft-max and --draft-model',
-    )
-
-
-def _speculation(args: argparse.Namespace) -> Any:
-    from dataclasses import replace
-
+def _speculation(args: argparse.Namespace) -> Speculation:
     from seamline.runtime.speculation import Speculation, from_config
 
     if args.speculative_config is not None:
         chosen = from_config(args.speculative_config)
         return chosen if args.draft_model is None else replace(chosen, draft_model=args.draft_model)
     return Speculation(args.speculative, args.draft_max, draft_model=args.draft_model)
-
-
-def _device_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device",
-        default="auto",
-        help="where the model computes: auto (CUDA when torch sees it, else the CPU), cpu, cuda, cuda:N, mps",
-    )
-
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face folder or .gguf file (default: embedded SmolLM2)")
-    _precision_args(p)
-    _device_arg(p)
-    _speculation_args(p)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
-    p.add_argument("--context", type=int, default=0, help="context length (0: the model's own)")
-
-
-def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
 
 def set_threads(threads: int) -> None:
@@ -504,7 +275,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from seamline.mesh.control.serve import ServeOptions
     from seamline.net.http_guard import raise_descriptor_limit
     from seamline.server.mesh_app import run_serve
 
@@ -526,6 +296,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             device=args.device,
         )
         return 0
+    options = _mesh_options(args, _mesh_speculation(args))
+    api = api_options(args)
+    return run_serve(replace(options, tls_certificate=api.certificate_pem()), api)
+
+
+def _mesh_speculation(args: argparse.Namespace) -> Speculation:
+    """The speculation asked for, refused where a mesh cannot draft that way."""
     speculation = _speculation(args)
     if speculation.draft_model is not None:
         raise ConfigError(
@@ -537,7 +314,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             f"--speculative {speculation.mode}: a mesh speculates only where every row is not checked and members "
             "see the tokens (not with --private or --verify-fraction)"
         )
-    options = ServeOptions(
+    return speculation
+
+
+def _mesh_options(args: argparse.Namespace, speculation: Speculation) -> ServeOptions:
+    from seamline.mesh.control.serve import ServeOptions
+
+    return ServeOptions(
         model=args.model,
         host=args.host,
         port=args.port,
@@ -565,107 +348,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         speculation=speculation,
         device=args.device,
     )
-    api = api_options(args)
-    return run_serve(replace(options, tls_certificate=api.certificate_pem()), api)
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"a fraction is in [0, 1], not {text}")
-    return value
 
 
 def _gib(value: float) -> int:
     return int(value * (1 << 30))
-
-
-def cmd_join(args: argparse.Namespace) -> int:
-    from seamline.runtime.openmp import node_spin
-
-    node_spin()  # before torch loads: the next import brings it
-    from seamline.mesh.node.process import NodeOptions, run_node
-    from seamline.model.devices import resolve_device
-    from seamline.net.http_guard import raise_descriptor_limit
-
-    _logging(quiet=args.quiet, fmt=args.log_format)
-    raise_descriptor_limit()
-    resolve_device(args.device)  # a device this machine lacks: one line now, not after the download
-    options = NodeOptions(
-        data_port=args.data_port,
-        progress=not args.no_progress,
-        device=args.device,
-        reprobe_when_idle=args.reprobe_when_idle,
-    )
-    if args.max_memory is not None:
-        options.max_memory_bytes = int(args.max_memory * (1 << 30))
-    if args.node_id:
-        options.node_id = args.node_id
-    return run_node(_invite_token(args), options)
-
-
-def _invite_token(args: argparse.Namespace) -> str:
-    """The invite from argv, a file, or the environment (exactly one of them)."""
-    import os
-
-    given = [
-        (what, value)
-        for what, value in (
-            ("the command line", args.token),
-            ("--token-file", args.token_file),
-            (f"${INVITE_ENV}", os.environ.get(INVITE_ENV)),
-        )
-        if value
-    ]
-    if len(given) != 1:
-        where = " and ".join(what for what, _ in given) or "nowhere"
-        raise SeamlineError(
-            f"give the invite token once (argv, --token-file or ${INVITE_ENV}); got it from {where}"
-        )
-    what, value = given[0]
-    if what == "--token-file":
-        try:
-            value = Path(value).read_text()
-        except OSError as exc:
-            raise SeamlineError(f"cannot read the invite token file: {exc}") from None
-    return value.strip()
-
-
-def cmd_admin(args: argparse.Namespace) -> int:
-    """`seamline invite create|list|revoke` and `seamline node remove`."""
-    from seamline.mesh.control.admin_client import (
-        AdminClient,
-        default_state_dir,
-        format_invites,
-        parse_duration,
-    )
-
-    client = AdminClient(Path(args.state_dir) if args.state_dir else default_state_dir(), args.url)
-    if args.handler_name == "node":
-        client.call("DELETE", f"nodes/{args.id}")
-        print(f"removed node {args.id}")
-        for invite in client.call("GET", "invites")[
-            "invites"
-        ]:  # removal revokes the invite it joined with
-            if args.id in invite.get("nodes", ()) and invite["state"] == "revoked":
-                print(
-                    f"revoked invite {invite['id']}, which it joined with: new nodes need a new invite "
-                    "(seamline invite create)"
-                )
-    elif args.action == "create":
-        made = client.call(
-            "POST", "invites", {"uses": args.uses, "expires_s": parse_duration(args.expires)}
-        )
-        print(
-            f"invite {made['id']} ({'any number of' if args.uses is None else args.uses} uses, "
-            f"expires in {args.expires}):\n{made['token']}"
-        )
-    elif args.action == "list":
-        print(format_invites(client.call("GET", "invites")["invites"]))
-    else:
-        client.call("DELETE", f"invites/{args.id}")
-        print(f"revoked invite {args.id}")
-    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -683,17 +369,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
-def cmd_package(args: argparse.Namespace) -> int:
-    from seamline.weights.packaging import package
-
-    manifest = package(args.model, args.out)
-    total = sum(f.bytes for f in manifest.fragments)
-    print(
-        f"{len(manifest.fragments)} fragments, {total / 1e6:.1f} MB, model hash {manifest.model_hash[:16]} in {args.out}"
-    )
-    return 0
-
-
 def cmd_status(args: argparse.Namespace) -> int:
     import os
 
@@ -701,23 +376,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     print(fetch_summary(args.url, args.api_key or os.environ.get("SEAMLINE_API_KEY")))
     return 0
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    from seamline.mesh.control.plan_args import plan_sim_options
-    from seamline.mesh.control.plan_cli import run_plan_command
-
-    return run_plan_command(
-        args.nodes_json,
-        args.model,
-        args.lock,
-        args.context,
-        args.batch,
-        live_url=args.live,
-        tensor_parallel=args.tensor_parallel,
-        objective=args.objective,
-        sim=plan_sim_options(args),
-    )
 
 
 def _logging(quiet: bool, fmt: str = "text") -> None:
