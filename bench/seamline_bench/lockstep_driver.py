@@ -156,7 +156,8 @@ def _start_group(args: argparse.Namespace) -> tuple[Any, subprocess.Popen[bytes]
     """Rank 1 as a subprocess on the peer core, the leader here; the leader's comm timed."""
     from seamline.net.link import free_port
     from seamline.net.tls import group_tls_from_folder
-    from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
+    from seamline.runtime.lockstep_group import LockstepRank
+    from seamline.runtime.lockstep_leader import LockstepGroup
 
     ports = [free_port(), free_port()]
     addresses = ",".join(f"127.0.0.1:{p}" for p in ports)

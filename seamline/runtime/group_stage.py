@@ -15,7 +15,8 @@ from typing import cast
 import torch
 
 from seamline.model.cache import Span
-from seamline.runtime.lockstep_group import WINDOW, HiddenWithIds, LockstepGroup
+from seamline.runtime.lockstep_group import WINDOW, HiddenWithIds
+from seamline.runtime.lockstep_leader import LockstepGroup
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,18 +36,17 @@ from seamline.net.frames import (
     RowFlag,
     TokenFrame,
     TokenRow,
-    prefix_hash,
 )
 from seamline.net.messages import Close, Forget, Fork, Message, Open, Prompt
 from seamline.params import SamplingParams
 from seamline.runtime import digest
-from seamline.runtime.grammar import TokenMasks, grammar_mask
+from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.idle_clock import IdleClock
 from seamline.runtime.mtp_drafts import pipeline_drafts
 from seamline.runtime.pipeline_head import PipelineHead
-from seamline.runtime.sampling import TokenEvent, draw_next, request_seed
-from seamline.runtime.speculation import draws_while_accepted
-from seamline.runtime.stage_rows import Drawing, OutOfStep, Work, token_flags
+from seamline.runtime.sampling import request_seed
+from seamline.runtime.stage_rows import Drawing, OutOfStep, Work
+from seamline.runtime.stage_sequence import StageSequence, draw_row
 from seamline.runtime.step_clock import StepClock
 
 if TYPE_CHECKING:
@@ -61,41 +60,6 @@ SendTokens = Callable[[list[TokenRow]], None]
 SendMessage = Callable[[Message], None]
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
 MAX_SEQUENCES = 4096  # a later stage holds at most this many (open, or kept for prefixes): stage 0 never asks more
-WINDOWS_KEPT = 8  # windows a later stage remembers per sequence: a pipeline keeps up to one per stage in flight
-
-
-@dataclass
-class StageSequence:
-    """A later stage's record of a sequence: its cache and how far it has run."""
-
-    cache: Any
-    drawing: (
-        Drawing | None
-    )  # None: a private mesh's last stage learns it from stage 0 with the first frame
-    next_position: int = 0
-    hash: int = EMPTY_HASH
-    done: bool = False
-    closed: bool = False  # the request is over; its cache stays until stage 0 forgets it
-    output: list[int] = field(
-        default_factory=list
-    )  # tokens generated so far, read from the frames' ids
-    # the windows since its last plain row, newest last: (position, prefix hash before, ids)
-    windows: list[tuple[int, int, list[int]]] = field(default_factory=list)
-    drew: tuple[int, int] | None = None  # (position, token) of the last stage's latest draw for it
-
-    def saw(self, position: int, ids: torch.Tensor | None) -> None:
-        """A row's ids at ``position``: those past the output's start are generated tokens."""
-        skip = self.drawing.prompt_len - position if self.drawing is not None else 0
-        if ids is not None and skip < len(ids):
-            self.output.extend(ids[max(skip, 0) :].tolist())
-
-    def rewind(self, position: int, hash_before: int) -> None:
-        """Go back to ``position`` inside one of its windows (the drafts from there on were
-        rejected: the windows that went on after it are dropped)."""
-        self.next_position, self.hash = position, hash_before
-        self.windows = [w for w in self.windows if w[0] <= position]
-        if self.drawing is not None:
-            del self.output[max(0, position - self.drawing.prompt_len) :]
 
 
 @dataclass
@@ -329,16 +293,7 @@ class StageWorker:
                     else:
                         self.refuse(row.request, "frame", exc)
                     continue
-                seq.saw(row.position, ids)
-                seq.next_position += row.count
-                seq.hash = row.hash_after
-                if row.flags & RowFlag.WINDOW and ids is not None:
-                    seq.windows = [
-                        *seq.windows[-WINDOWS_KEPT + 1 :],
-                        (row.position, row.hash_before, ids.tolist()),
-                    ]
-                else:
-                    seq.windows = []
+                seq.ran(row, ids)
                 assert seq.drawing is not None  # _check_row resolved it
                 work.append(Work(row, seq.cache, x, seq.drawing, ids))
             self.run_batch(work)
@@ -468,7 +423,7 @@ class StageWorker:
             and seq.next_position
         ):
             self._start_over(seq)  # stage 0 preempted it and computes it again
-        if row.position < seq.next_position and self._resumes_window(seq, row):
+        if row.position < seq.next_position and seq.resumes_window(row, self.hash_key):
             seq.rewind(row.position, row.hash_before)  # the drafts after it were rejected
         if row.position != seq.next_position or row.hash_before != seq.hash:
             raise OutOfStep(
@@ -478,16 +433,6 @@ class StageWorker:
         if seq.done:
             raise OutOfStep(f"request {row.request} has already finished")
         return seq
-
-    def _resumes_window(self, seq: StageSequence, row: Row) -> bool:
-        """Whether ``row`` goes on inside one of the windows since the last plain row: after the
-        tokens accepted there, with the prefix hash of those positions."""
-        return any(
-            start <= row.position < start + len(ids)
-            and row.hash_before
-            == prefix_hash(hash_before, ids[: row.position - start], self.hash_key)
-            for start, hash_before, ids in seq.windows
-        )
 
     def _ended_before(self, row: Row) -> bool:
         """A window sent on after one that ended its sequence (a stale window): expected, so
@@ -501,67 +446,24 @@ class StageWorker:
         seq.next_position, seq.hash, seq.done, seq.output = 0, EMPTY_HASH, False, []
 
     def _sample(self, w: Work, logits: torch.Tensor) -> list[TokenRow]:
-        """The row's draw (logits [vocab]), or a window's (logits [rows, vocab]: a draw after each
-        row while accepted, ``draws_while_accepted``). [] when a grammar failed (the request alone
-        ends, reported)."""
-        row, drawing = w.row, w.drawing
-        seq = self.sequences.get(row.request)
-        windowed = bool(row.flags & RowFlag.WINDOW)
-        drafts = w.token_ids()[1:] if windowed else []
-        needs_output = drawing.params.penalised or bool(drawing.params.grammar)
-        output = self._output(row.request, seq, drawing) if needs_output else []
+        """The row's draws (``draw_row``), with what its request generated so far where its
+        sampling reads it."""
+        seq = self.sequences.get(w.row.request)
+        params = w.drawing.params
+        needs_output = params.penalised or bool(params.grammar)
+        output = self._output(w.row.request, seq, w.drawing) if needs_output else []
         if needs_output and seq is not None and self.head is None and self.source is None:
-            output = output[
-                : len(output) - len(drafts)
-            ]  # a later stage read the drafts as output too
-        first = row.position + (1 if windowed else row.count)  # the first draw's position
-        hashes = [
-            prefix_hash(row.hash_before, w.token_ids()[:1], self.hash_key)
-            if windowed
-            else row.hash_after
-        ]
-        rows: list[TokenRow] = []
-
-        def draw(these: torch.Tensor, generated: list[int]) -> TokenEvent | None:
-            position = first + len(rows)
-            try:
-                allowed = grammar_mask(
-                    self.masks, row.request, drawing.params, generated, these.shape[-1]
-                )
-            except RequestError as exc:
-                self._failed(seq, row.request, exc)
-                rows.clear()
-                return None
-            event = draw_next(
-                these,
-                drawing.params,
-                drawing.seed,
-                position,
-                generated,
-                allowed,
-                drawing.prompt_len,
-                drawing.context_length,
-            )
-            hashes.append(prefix_hash(hashes[-1], [event.token], self.hash_key))
-            rows.append(
-                TokenRow(
-                    row.request,
-                    position,
-                    event.token,
-                    hashes[-2],
-                    hashes[-1],
-                    int(token_flags(event)),
-                    event.logprob,
-                    event.top,
-                )
-            )
-            if seq is not None:
-                seq.drew = (position, event.token)
-                seq.done = seq.done or event.finish_reason is not None
-            return event
-
-        draws_while_accepted(logits, drafts, output, draw)
-        return rows
+            drafts = len(w.token_ids()[1:]) if w.row.flags & RowFlag.WINDOW else 0
+            output = output[: len(output) - drafts]  # a later stage read the drafts as output too
+        return draw_row(
+            w,
+            logits,
+            seq,
+            output,
+            self.masks,
+            self.hash_key,
+            lambda exc: self._failed(seq, w.row.request, exc),
+        )
 
     def _stale(self, w: Work) -> bool:
         """Whether ``w`` is a window that went on from one not accepted whole (or from another

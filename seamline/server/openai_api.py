@@ -15,34 +15,43 @@ Decisions (see also openai_schema.py for field policy):
   answer), so a request no one waits for is never prefilled, nor replayed by a healing mesh.
 - Bodies are parsed by the routes (server/bodies.py): a large one, and its prompt, off the
   event loop, one at a time; a prompt surely too long is refused before it is tokenised whole.
+- A request's choices are started, streamed and collected, and a failure made the client's
+  error, in choice_streams.py.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
 
 from seamline.chat_template import TemplateError
-from seamline.errors import OverloadedError, RequestError, SeamlineError
+from seamline.errors import RequestError
 from seamline.params import SamplingParams
 from seamline.runtime.backend import Backend
-from seamline.runtime.sampling import TokenEvent
 from seamline.server.api_options import ApiLimits
 from seamline.server.bodies import LargeBodies, encode_within
+from seamline.server.choice_streams import (
+    SSE_HEADERS,
+    EventStream,
+    backend_error,
+    choice_params,
+    close_all,
+    collect_choices,
+    sse_events,
+    start_all,
+    usage_of,
+)
 from seamline.server.console import console_routes
-from seamline.server.generation import Generation, Piece
+from seamline.server.generation import Generation
 from seamline.server.grammars import GrammarCheck
 from seamline.server.guard import Guard
 from seamline.server.harmony import HarmonySplitter, uses_harmony
@@ -58,13 +67,12 @@ from seamline.server.openai_schema import (
 )
 from seamline.server.reasoning import Splitter, ThinkSplitter, uses_think_blocks
 from seamline.server.replies import Choice, Reply
-from seamline.server.tools import ToolCall, ToolPlan, ToolStream, plan_tools
+from seamline.server.tools import ToolPlan, ToolStream, plan_tools
 
 log = logging.getLogger("seamline.server")
 
 MODEL_ALIAS = "default"  # accepted in place of the served model's name
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default; 0 is greedy
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def create_app(
@@ -130,181 +138,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 def _code_for(status: int) -> str:
     return {404: "not_found", 405: "method_not_allowed"}.get(status, f"http_{status}")
-
-
-def backend_error(exc: BaseException) -> OpenAIError:
-    """An exception raised while serving a request, as the OpenAI error a client should see."""
-    if isinstance(exc, OpenAIError):
-        return exc
-    if isinstance(exc, RequestError):
-        return bad_request(str(exc), None, "invalid_request")
-    if isinstance(exc, OverloadedError):
-        return OpenAIError(429, str(exc), "rate_limit_error", None, "queue_full")
-    if isinstance(exc, SeamlineError):
-        log.warning("generation failed: %s", exc)
-        return OpenAIError(
-            503, f"generation failed: {exc}", "service_unavailable", None, "backend_error"
-        )
-    log.error("request crashed", exc_info=exc)
-    message = f"internal error: {type(exc).__name__}: {exc}"
-    return OpenAIError(500, message, "server_error", None, "internal_error")
-
-
-def sse(obj: Any) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
-
-
-class EventStream(StreamingResponse):
-    """Server-sent events whose source is always closed, however the response ends."""
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
-
-
-async def _events(
-    reply: Reply, gens: list[Generation], include_usage: bool, echo: str
-) -> AsyncIterator[str]:
-    """The SSE body: per choice a first chunk, a chunk per text piece and a finish chunk (the
-    choices interleaved as they come), then usage and [DONE]."""
-    try:
-        for index in range(len(gens)):
-            if reply.chat:
-                yield sse(reply.chunk("", role=True, usage=include_usage, index=index))
-            elif echo:
-                yield sse(reply.chunk(echo, usage=include_usage, index=index))
-        async for index, item in _pieces(gens):
-            if item is None:
-                finish = gens[index].finish_reason
-                yield sse(
-                    reply.chunk(
-                        None if reply.chat else "", finish, usage=include_usage, index=index
-                    )
-                )
-                continue
-            token = item.token
-            lps = (
-                gens[index].logprobs_of([token], reply.chat)
-                if gens[index].logprobs and token is not None
-                else None
-            )
-            if item.text or item.reasoning or lps or item.calls:
-                text = item.text if item.text or not (item.reasoning or item.calls) else None
-                yield sse(
-                    reply.chunk(
-                        text,
-                        usage=include_usage,
-                        index=index,
-                        logprobs=lps,
-                        reasoning=item.reasoning or None,
-                        calls=item.calls,
-                    )
-                )
-        if include_usage:
-            yield sse(reply.usage_chunk(_usage(gens)))
-    except Exception as exc:  # noqa: BLE001 - every failure becomes an error event
-        yield sse(backend_error(exc).body())
-        return
-    finally:
-        await _close_all(gens)
-    yield "data: [DONE]\n\n"
-
-
-async def _pieces(gens: list[Generation]) -> AsyncIterator[tuple[int, Piece | None]]:
-    """(choice, (text piece, token)) as each choice makes them, then (choice, None) when it ends."""
-    if len(gens) == 1:
-        async for piece in gens[0].pieces():
-            yield 0, piece
-        yield 0, None
-        return
-    queue: asyncio.Queue[tuple[int, Piece | None | BaseException]] = asyncio.Queue()
-
-    async def pump(index: int, gen: Generation) -> None:
-        try:
-            async for piece in gen.pieces():
-                queue.put_nowait((index, piece))
-            queue.put_nowait((index, None))
-        except Exception as exc:  # noqa: BLE001 - handed to the reader
-            queue.put_nowait((index, exc))
-
-    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
-    try:
-        for _ in range(len(gens)):
-            while True:
-                index, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield index, item
-                if item is None:
-                    break
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def _collect(gens: list[Generation], chat: bool, echo: str) -> list[Choice]:
-    """Every choice whole."""
-    texts, reasoning = [[echo] for _ in gens], [[] for _ in gens]  # type: list[list[str]], list[list[str]]
-    drawn: list[list[TokenEvent]] = [[] for _ in gens]
-    calls: list[list[ToolCall]] = [[] for _ in gens]
-    async for index, item in _pieces(gens):
-        if item is not None:
-            texts[index].append(item.text)
-            reasoning[index].append(item.reasoning)
-            calls[index] += item.calls
-            if item.token is not None:
-                drawn[index].append(item.token)
-    return [
-        Choice(
-            "".join(t),
-            g.finish_reason,
-            g.logprobs_of(d, chat) if g.logprobs else None,
-            "".join(r) if g.thinker is not None else None,
-            c,
-        )
-        for g, t, r, d, c in zip(gens, texts, reasoning, drawn, calls)
-    ]
-
-
-def _usage(gens: list[Generation]) -> dict[str, int]:
-    """The prompt counted once, every choice's tokens."""
-    prompt, completion = gens[0].prompt_tokens, sum(g.completion_tokens for g in gens)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
-
-
-async def _close_all(gens: list[Generation]) -> None:
-    for gen in gens:
-        await gen.close()
-
-
-async def _start_all(gens: list[Generation]) -> None:
-    """Every choice's first token; when one fails, the others are stopped (then closed)."""
-    starts = [asyncio.ensure_future(gen.start()) for gen in gens]
-    try:
-        await asyncio.gather(*starts)
-    finally:
-        for task in starts:
-            task.cancel()
-        await asyncio.gather(*starts, return_exceptions=True)
-
-
-def _choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """Per choice: a seed of its own (seed + i when seeded: choice 0 is the n=1 answer)."""
-    if n == 1:
-        return [params]
-    return [
-        replace(params, seed=None if params.seed is None else params.seed + i) for i in range(n)
-    ]
 
 
 @dataclass(frozen=True)
@@ -424,7 +257,7 @@ class _Routes:
         self.telemetry.prompt_tokens.inc(len(prompt))
         gens = [
             Generation(self.backend, prompt, p, RequestMeter(self.telemetry))
-            for p in _choice_params(params, n)
+            for p in choice_params(params, n)
         ]
         for gen in gens:
             gen.text_offset = len(echo)
@@ -433,29 +266,29 @@ class _Routes:
             if tools is not None and tools.fmt is not None:
                 gen.parse_tools(ToolStream(tools.fmt, tools.schemas), tools.named)
         try:
-            started, _ = await unless_gone(request, _start_all(gens))
+            started, _ = await unless_gone(request, start_all(gens))
         except Exception as exc:
             for gen in gens:
                 gen.meter.end("error")
-            await _close_all(gens)
+            await close_all(gens)
             raise backend_error(exc) from exc
         if (
             started and stream
         ):  # from here the stream notices the client leaving (Starlette listens)
-            events = _events(reply, gens, include_usage, echo)
+            events = sse_events(reply, gens, include_usage, echo)
             return EventStream(events, media_type="text/event-stream", headers=SSE_HEADERS)
         choices: list[Choice] | None = None
         try:
             if started:
-                _, choices = await unless_gone(request, _collect(gens, reply.chat, echo))
+                _, choices = await unless_gone(request, collect_choices(gens, reply.chat, echo))
         except Exception as exc:
             raise backend_error(exc) from exc
         finally:
-            await _close_all(gens)
+            await close_all(gens)
         if choices is None:
             log.info("client went away; request %s cancelled", reply.id)
             return Response(status_code=499)
-        return JSONResponse(reply.full(choices, _usage(gens)))
+        return JSONResponse(reply.full(choices, usage_of(gens)))
 
     def _model_card(self) -> dict[str, Any]:
         name = self.backend.model_name

@@ -12,7 +12,8 @@ from seamline.config import ModelConfig
 from seamline.model.cache import Span
 from seamline.ownership import rank_ownership
 from seamline.parallel.comm import GATHER_TAG, GateTag
-from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
+from seamline.runtime.lockstep_group import LockstepRank
+from seamline.runtime.lockstep_leader import LockstepGroup
 from seamline.weights.loader import load_stage, open_source
 
 META = torch.device("meta")

@@ -24,7 +24,8 @@ from seamline.parallel.comm import Transport
 from seamline.params import SamplingParams
 from seamline.runtime.engine import PREFILL_CHUNK, Engine
 from seamline.runtime.group_stage import LockstepStage
-from seamline.runtime.lockstep_group import DECODE, PREFILL, LockstepGroup, LockstepRank
+from seamline.runtime.lockstep_group import DECODE, PREFILL, LockstepRank
+from seamline.runtime.lockstep_leader import LockstepGroup
 from seamline.weights.loader import DTYPES
 
 STEPS = 64

@@ -80,7 +80,8 @@ from seamline.quant import matmul
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.group_stage import LockstepStage
 from seamline.runtime.kv_budget import kv_budget_bytes
-from seamline.runtime.lockstep_group import LockstepGroup, LockstepRank
+from seamline.runtime.lockstep_group import LockstepRank
+from seamline.runtime.lockstep_leader import LockstepGroup
 from seamline.runtime.openmp import on_passing_thread
 from seamline.runtime.stage_worker import StageWorker
 
