@@ -33,7 +33,7 @@ from seamline.mesh.protocol.fragment_server import (
     serve_fragments,
 )
 from seamline.mesh.protocol.invite import Invite
-from seamline.precision import apply, resolve, weights_kind
+from seamline.precision import Precision, apply, resolve, weights_kind
 from seamline.runtime.speculation import Speculation
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest
@@ -149,10 +149,71 @@ def _refuse_early(options: ServeOptions, path: Path) -> None:
         raise ConfigError(f"--speculative mtp: {why}")
 
 
+@dataclass(frozen=True)
+class _Model:
+    """What `serve` serves, decided once before the coordinator starts (``_prepare_model``)."""
+
+    package_dir: Path
+    manifest: Manifest
+    config: ModelConfig
+    codec: TextCodec
+    context: int
+    speculation: Speculation
+    precision: Precision
+    spec: ModelSpec
+
+
 def build_mesh(options: ServeOptions) -> Mesh:
+    """The model packaged, the coordinator and its invites made, the API's backend and routes."""
+    tame_malloc()  # the coordinator runs a thread per connection: see arenas.py
+    model = _prepare_model(options)
+    hosts = options.advertise or (_reachable(options.host),)
+    scheme = "https" if options.tls_certificate else "http"
+    state_dir = options.state_dir or options.cache_dir / "mesh"
+    authority = None if options.plaintext_links else MeshAuthority.load_or_create(state_dir)
+    book, token, own_id, own_token = _invites(options, hosts, state_dir, authority)
+    fragments_port = (options.fragments_port or options.port + 2) if authority else 0
+    fragments_url = (
+        f"https://{url_host(hosts[0])}:{fragments_port}"
+        if fragments_port
+        else f"{scheme}://{url_host(hosts[0])}:{options.port}"
+    )
+    coordinator = Coordinator(
+        book,
+        model.spec,
+        model.manifest.model_hash,
+        _coordinator_options(options, model, own_id, fragments_url, state_dir),
+        authority,
+    )
+    backend = MeshBackend(
+        coordinator,
+        model.codec,
+        model.manifest.model,
+        model.context,
+        replay_deadline_s=options.replay_deadline_s,
+    )
+    key = admin_key(state_dir)
+    _write_endpoint(
+        state_dir, f"{scheme}://{url_host(hosts[0])}:{options.port}", options.tls_certificate
+    )
+    return Mesh(
+        _routes(coordinator, book, key, model.package_dir, fragments_port),
+        coordinator,
+        backend,
+        Invite.decode(token),
+        token,
+        model.package_dir,
+        state_dir,
+        fragments_port,
+        own_token,
+    )
+
+
+def _prepare_model(options: ServeOptions) -> _Model:
+    """The model packaged into fragments (cached), its text codec checked, its precision applied
+    here, and its shapes as the planner sees them."""
     from seamline.app import default_model_path
 
-    tame_malloc()  # the coordinator runs a thread per connection: see arenas.py
     path = Path(options.model) if options.model else default_model_path()
     _refuse_early(options, path)
     # a GGUF file's tokenizer and its BOS/EOS keys are checked before packaging reads its weights
@@ -180,10 +241,14 @@ def build_mesh(options: ServeOptions) -> Mesh:
     spec = ModelSpec.from_checkpoint_shapes(
         config, manifest.model, shapes, dtype_bytes(precision.dtype), types, context, mtp
     )
-    hosts = options.advertise or (_reachable(options.host),)
-    scheme = "https" if options.tls_certificate else "http"
-    state_dir = options.state_dir or options.cache_dir / "mesh"
-    authority = None if options.plaintext_links else MeshAuthority.load_or_create(state_dir)
+    return _Model(package_dir, manifest, config, codec, context, speculation, precision, spec)
+
+
+def _invites(
+    options: ServeOptions, hosts: tuple[str, ...], state_dir: Path, authority: MeshAuthority | None
+) -> tuple[InviteBook, str, str, str]:
+    """The invite book; the token `serve` prints (any number of nodes may join with it); the id
+    and token of this machine's own node's invite (for it alone)."""
     where = Invite(
         hosts,
         options.control_port or options.port + 1,
@@ -197,53 +262,48 @@ def build_mesh(options: ServeOptions) -> Mesh:
     own, own_token = book.create(
         options.invite_ttl_s, uses=1
     )  # this machine's own node's, and no other's
-    fragments_port = (options.fragments_port or options.port + 2) if authority else 0
-    fragments_url = (
-        f"https://{url_host(hosts[0])}:{fragments_port}"
-        if fragments_port
-        else f"{scheme}://{url_host(hosts[0])}:{options.port}"
-    )
-    coordinator = Coordinator(
-        book,
-        spec,
-        manifest.model_hash,
-        CoordinatorOptions(
-            nodes_expected=max(
-                options.nodes_expected, options.tensor_parallel, 2 if options.private else 1
-            ),
-            dtype=precision.dtype,
-            int8_activations=precision.int8_activations,
-            precision=precision.name,
-            private=options.private,
-            own_invite=own.id if options.local_node else "",
-            context_length=context,
-            fragments_url=fragments_url,
-            fragments_certificate=options.tls_certificate,
-            locked_plan=_locked(options.lock_path),
-            model_config=config,
-            tensor_parallel=options.tensor_parallel,
-            transport=options.transport,
-            gate_timeout_s=options.gate_timeout_s,
-            insecure_comm=options.insecure_comm,
-            micro_batches=options.micro_batches,
-            kv_cache_bytes=options.kv_cache_bytes,
-            heartbeat_timeout_s=options.heartbeat_timeout_s,
-            state_dir=state_dir,
-            package_dir=package_dir,
-            verify_fraction=options.verify_fraction,
-            speculation=speculation.mode,
-            draft_max=speculation.draft_max,
+    return book, token, own.id, own_token
+
+
+def _coordinator_options(
+    options: ServeOptions, model: _Model, own_id: str, fragments_url: str, state_dir: Path
+) -> CoordinatorOptions:
+    """The coordinator's settings: the options' with what the model decided."""
+    precision, speculation = model.precision, model.speculation
+    return CoordinatorOptions(
+        nodes_expected=max(
+            options.nodes_expected, options.tensor_parallel, 2 if options.private else 1
         ),
-        authority,
-    )
-    backend = MeshBackend(
-        coordinator, codec, manifest.model, context, replay_deadline_s=options.replay_deadline_s
+        dtype=precision.dtype,
+        int8_activations=precision.int8_activations,
+        precision=precision.name,
+        private=options.private,
+        own_invite=own_id if options.local_node else "",
+        context_length=model.context,
+        fragments_url=fragments_url,
+        fragments_certificate=options.tls_certificate,
+        locked_plan=_locked(options.lock_path),
+        model_config=model.config,
+        tensor_parallel=options.tensor_parallel,
+        transport=options.transport,
+        gate_timeout_s=options.gate_timeout_s,
+        insecure_comm=options.insecure_comm,
+        micro_batches=options.micro_batches,
+        kv_cache_bytes=options.kv_cache_bytes,
+        heartbeat_timeout_s=options.heartbeat_timeout_s,
+        state_dir=state_dir,
+        package_dir=model.package_dir,
+        verify_fraction=options.verify_fraction,
+        speculation=speculation.mode,
+        draft_max=speculation.draft_max,
     )
 
-    key = admin_key(state_dir)
-    _write_endpoint(
-        state_dir, f"{scheme}://{url_host(hosts[0])}:{options.port}", options.tls_certificate
-    )
+
+def _routes(
+    coordinator: Coordinator, book: InviteBook, key: str, package_dir: Path, fragments_port: int
+) -> Callable[[FastAPI], None]:
+    """What the coordinator adds to the API: the fragments (a plaintext mesh's), /api/status and
+    the admin routes."""
 
     def routes(app: FastAPI) -> None:
         if (
@@ -258,17 +318,7 @@ def build_mesh(options: ServeOptions) -> Mesh:
         app.get("/api/status")(coordinator.status)
         admin_routes(app, coordinator, book, key)
 
-    return Mesh(
-        routes,
-        coordinator,
-        backend,
-        Invite.decode(token),
-        token,
-        package_dir,
-        state_dir,
-        fragments_port,
-        own_token,
-    )
+    return routes
 
 
 def _reachable(host: str) -> str:

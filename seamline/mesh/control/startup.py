@@ -19,7 +19,7 @@ from seamline.mesh.control.stage_checks import (
 from seamline.mesh.control.verify import CheckedStage
 from seamline.mesh.plan.types import Plan, StageAssignment
 from seamline.net.link import LinkClosed
-from seamline.net.messages import PROTOCOL_VERSION, Assign, Probe, ProbeResult, Route
+from seamline.net.messages import PROTOCOL_VERSION, Assign, Probe, ProbeResult, Ready, Route
 
 if TYPE_CHECKING:
     from seamline.mesh.control.coordinator import Coordinator
@@ -149,76 +149,101 @@ class StartUp:
         together. ``tail``: a private plan's last stage, which the first stage's node holds too."""
         c = self.coordinator
         members = [c.nodes[m] for m in s.members()]
-        group = [(h.join.data_host, h.join.comm_port) for h in members] if len(members) > 1 else []
         for rank, handle in enumerate(members):
             with handle.changed:
                 handle.ready, handle.linked, handle.failure = None, False, None
             handle.link.send_message(
-                Assign(
-                    plan_id=plan_id,
-                    model_hash=c.model_hash,
-                    fragments_url=self.options.fragments_url,
-                    fragments_certificate=self.options.fragments_certificate,
-                    fragments_token=c.joining.fragment_token(handle.node_id),
-                    fragment_peers=self._fragment_peers(handle),
-                    layers=(s.start, s.end),
-                    owns_embedding=s.owns_embedding,
-                    owns_head=s.owns_head,
-                    dtype=self.options.dtype,
-                    context_length=self.options.context_length,
-                    int8_activations=self.options.int8_activations,
-                    mtp=s.owns_head and self.speculation == "mtp",
-                    # what its system memory holds: not its GPU's share (``plan.split``)
-                    memory_bytes=s.predicted_bytes
-                    - s.gpu_bytes
-                    + (tail.predicted_bytes if tail else 0),
-                    gpu_layers=s.gpu_layers,
-                    shard=(rank, len(members)),
-                    group=group,
-                    group_nodes=[h.node_id for h in members] if group else [],
-                    transport=self._transport(members),
-                    gate_timeout_s=self.options.gate_timeout_s,
-                    kv_cache_bytes=self.options.kv_cache_bytes,
-                    link_key=link_key,
-                    upstream_node=senders[0],
-                    last_node=senders[1],
-                    digest_seed=c.verifier.seed,
-                    tail=(tail.start, tail.end) if tail else None,
-                )
+                self._assignment(s, plan_id, link_key, senders, tail, members, rank)
             )
         for rank, handle in enumerate(members):
             ready = c.wait_for(handle, lambda h=handle: h.ready, "READY", STEP_TIMEOUT_S)  # type: ignore[misc]
-            d = ready.descriptor
-            expected = (
-                plan_id,
-                c.model_hash,
-                (s.start, s.end),
-                self.options.dtype,
-                self.options.int8_activations,
-                PROTOCOL_VERSION,
-                (rank, len(members)),
-                (tail.start, tail.end) if tail else None,
+            self._check_ready(s, plan_id, handle, ready, (rank, len(members)), tail)
+
+    def _assignment(
+        self,
+        s: StageAssignment,
+        plan_id: int,
+        link_key: str,
+        senders: tuple[str, str],
+        tail: StageAssignment | None,
+        members: list[NodeHandle],
+        rank: int,
+    ) -> Assign:
+        """The Assign of rank ``rank`` of the stage ``s``, whose ranks are ``members``."""
+        c = self.coordinator
+        handle = members[rank]
+        group = [(h.join.data_host, h.join.comm_port) for h in members] if len(members) > 1 else []
+        return Assign(
+            plan_id=plan_id,
+            model_hash=c.model_hash,
+            fragments_url=self.options.fragments_url,
+            fragments_certificate=self.options.fragments_certificate,
+            fragments_token=c.joining.fragment_token(handle.node_id),
+            fragment_peers=self._fragment_peers(handle),
+            layers=(s.start, s.end),
+            owns_embedding=s.owns_embedding,
+            owns_head=s.owns_head,
+            dtype=self.options.dtype,
+            context_length=self.options.context_length,
+            int8_activations=self.options.int8_activations,
+            mtp=s.owns_head and self.speculation == "mtp",
+            # what its system memory holds: not its GPU's share (``plan.split``)
+            memory_bytes=s.predicted_bytes - s.gpu_bytes + (tail.predicted_bytes if tail else 0),
+            gpu_layers=s.gpu_layers,
+            shard=(rank, len(members)),
+            group=group,
+            group_nodes=[h.node_id for h in members] if group else [],
+            transport=self._transport(members),
+            gate_timeout_s=self.options.gate_timeout_s,
+            kv_cache_bytes=self.options.kv_cache_bytes,
+            link_key=link_key,
+            upstream_node=senders[0],
+            last_node=senders[1],
+            digest_seed=c.verifier.seed,
+            tail=(tail.start, tail.end) if tail else None,
+        )
+
+    def _check_ready(
+        self,
+        s: StageAssignment,
+        plan_id: int,
+        handle: NodeHandle,
+        ready: Ready,
+        shard: tuple[int, int],
+        tail: StageAssignment | None,
+    ) -> None:
+        """A rank's READY must describe what the plan gave it, and its memory hold its share."""
+        d = ready.descriptor
+        expected = (
+            plan_id,
+            self.coordinator.model_hash,
+            (s.start, s.end),
+            self.options.dtype,
+            self.options.int8_activations,
+            PROTOCOL_VERSION,
+            shard,
+            (tail.start, tail.end) if tail else None,
+        )
+        got = (
+            d.plan_id,
+            d.model_hash,
+            tuple(d.layers),
+            d.dtype,
+            d.int8_activations,
+            d.protocol_version,
+            tuple(d.shard),
+            tuple(d.tail) if d.tail else None,
+        )
+        if got != expected:
+            raise StartupError(
+                f"node {handle.node_id} reported {d} which does not match the plan {expected}"
             )
-            got = (
-                d.plan_id,
-                d.model_hash,
-                tuple(d.layers),
-                d.dtype,
-                d.int8_activations,
-                d.protocol_version,
-                tuple(d.shard),
-                tuple(d.tail) if d.tail else None,
+        share = s.weight_bytes // shard[1]
+        if ready.resident_bytes < MIN_RESIDENT_SHARE * share:
+            raise StartupError(
+                f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
+                f"{share >> 20} MiB of weights: it does not hold what it was given"
             )
-            if got != expected:
-                raise StartupError(
-                    f"node {handle.node_id} reported {d} which does not match the plan {expected}"
-                )
-            share = s.weight_bytes // len(members)
-            if ready.resident_bytes < MIN_RESIDENT_SHARE * share:
-                raise StartupError(
-                    f"node {handle.node_id} holds {ready.resident_bytes >> 20} MiB after loading "
-                    f"{share >> 20} MiB of weights: it does not hold what it was given"
-                )
 
     def _speculation(self, plan: Plan) -> str:
         o = self.options

@@ -17,19 +17,17 @@ import queue
 import socket
 import ssl
 import threading
-import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import psutil
 import torch
 
 from seamline.allocator import allocator_in_use
 from seamline.errors import OverloadedError, RequestError
-from seamline.mesh.arenas import tame_malloc, trim_now
+from seamline.mesh.arenas import tame_malloc
 from seamline.mesh.node.checks import digest_reporter, probe_result
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_path import DataPath
@@ -39,6 +37,15 @@ from seamline.mesh.node.node_precision import stage_precision, take_precision
 from seamline.mesh.node.peer_probe import probe_peer
 from seamline.mesh.node.private_tail import load_tail, pair
 from seamline.mesh.node.reprobe import reprobe_when_quiet
+from seamline.mesh.node.stage_setup import (
+    NoRoom,
+    check_room,
+    group_tls,
+    loading_reporter,
+    probed,
+    ready_report,
+    stage_worker,
+)
 from seamline.mesh.protocol.claims import block_sums, probe_matrix
 from seamline.mesh.protocol.fragment_server import PeerGate
 from seamline.mesh.protocol.invite import Invite
@@ -47,16 +54,13 @@ from seamline.model.stage import Stage
 from seamline.net.frames import Desync, FrameError, Oversized
 from seamline.net.link import Link, LinkClosed, accept_links
 from seamline.net.messages import (
-    PROTOCOL_VERSION,
     Assign,
     Certificate,
     Close,
-    Descriptor,
     Failure,
     Heartbeat,
     Holding,
     Join,
-    Loading,
     MeasurePeer,
     Message,
     Open,
@@ -64,7 +68,6 @@ from seamline.net.messages import (
     Pong,
     Probe,
     Prompt,
-    Ready,
     RelayAccept,
     Revoked,
     Route,
@@ -74,19 +77,15 @@ from seamline.net.messages import (
     Stats,
     StatsRequest,
 )
-from seamline.net.tls import GroupTls
 from seamline.parallel.comm import CommError
-from seamline.quant import matmul
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.group_stage import LockstepStage
-from seamline.runtime.kv_budget import kv_budget_bytes
 from seamline.runtime.lockstep_group import LockstepRank
 from seamline.runtime.lockstep_leader import LockstepGroup
 from seamline.runtime.openmp import on_passing_thread
 from seamline.runtime.stage_worker import StageWorker
 
 log = logging.getLogger("seamline.node")
-LOADING_REPORT_S = 1.0  # a download's progress goes to the coordinator this often
 COORDINATOR_SILENT_S = (
     10.0  # the coordinator sends a heartbeat every second; silent this long, it is lost
 )
@@ -351,101 +350,85 @@ class Node(Membership, DataPath):
         on_passing_thread(lambda: self._load_here(assign))
 
     def _load_here(self, assign: Assign) -> None:
-        from seamline.mesh.node.loading import load_assignment, load_rank
-
+        """Load ``assign``'s stage in place of the one held, wire it, and report READY."""
         self._drop_data_links()  # the old route's: no frame of it may reach the new stage
         take_precision(assign)
         kept = self._kept_stage(assign)
         self.assignment = assign
         self._probe_matrix = None  # the speed probe is over
-        if self.worker is not None:
-            self.worker.stop()
-        self.worker = self.tail = (
-            None  # a new assignment replaces the old stage (freed before the new one loads)
-        )
-        gc.collect()
-        if self.group_stage is not None:
-            self.group_stage.close()
-            self.group_stage = None
+        self._drop_stage()
         self._check_room(assign)
         if assign.shard[1] == 1:
-            client = self.credentials.client if self.credentials else None
-            stage, fetched = (
-                (kept, FetchReport())
-                if kept is not None
-                else load_assignment(
-                    self.invite, assign, self.options, client, self._loading_reporter(assign)
-                )
-            )
-            self.worker = StageWorker(
-                stage,
-                assign.owns_embedding,
-                assign.owns_head,
-                assign.context_length,
-                _kv_budget(assign, stage.input_device),
-            )
-            self.worker.step_probe, self.worker.prompt_probe = _probed(stage)
-            self._reprobe(self.worker, stage)
+            fetched = self._load_single(assign, kept)
         else:
-            member, fetched = load_rank(
-                self.invite,
-                assign,
-                self.options,
-                self._group_tls(assign),
-                self.credentials.client if self.credentials else None,
-                self._loading_reporter(assign),
-            )
-            if member.rank == 0:  # the leader: its StageWorker drives the whole group
-                self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
-                self.worker = StageWorker(
-                    self.group_stage,
-                    assign.owns_embedding,
-                    assign.owns_head,
-                    assign.context_length,
-                    _kv_budget(assign),
-                )
-                # the group's steps, its every rank and gate, as it will serve them
-                # (not again when idle: quiet cores here say nothing of the other ranks')
-                self.worker.step_probe, self.worker.prompt_probe = _probed(self.group_stage)
-            else:
-                threading.Thread(
-                    target=self._serve_rank, args=(member, assign), daemon=True
-                ).start()
+            fetched = self._load_group(assign)
         if assign.tail is not None and self.worker is not None:
-            self.tail, tail_fetched = load_tail(
-                self.invite, assign, self.options, self._fetch_tls(), self._loading_reporter(assign)
-            )
-            pair(self.worker, self.tail)
-            fetched = FetchReport(
-                fetched.bytes_downloaded + tail_fetched.bytes_downloaded,
-                bytes_from_peers=fetched.bytes_from_peers + tail_fetched.bytes_from_peers,
-            )
+            fetched = self._load_tail(assign, fetched)
         self.bytes_downloaded += fetched.bytes_downloaded
         assert self.control is not None
         for worker, layers in ((self.worker, assign.layers), (self.tail, assign.tail)):
             self._wire(worker, assign, layers)  # type: ignore[arg-type]
-        descriptor = Descriptor(
-            node_id=self.options.node_id,
-            plan_id=assign.plan_id,
-            model_hash=assign.model_hash,
-            layers=assign.layers,
-            dtype=assign.dtype,
-            protocol_version=PROTOCOL_VERSION,
-            int8_activations=matmul.INT8_ACTIVATIONS,
-            shard=assign.shard,
-            tail=assign.tail,
-        )
-        resident = (
-            psutil.Process().memory_info().rss
-        )  # and what its GPU holds, where it computes on one
-        resident += torch.cuda.memory_allocated() if torch.cuda.is_initialized() else 0
-        self.control.send_message(
-            Ready(
-                descriptor=descriptor,
-                bytes_downloaded=fetched.bytes_downloaded,
-                bytes_from_peers=fetched.bytes_from_peers,
-                resident_bytes=resident,
+        self.control.send_message(ready_report(assign, self.options.node_id, fetched))
+
+    def _drop_stage(self) -> None:
+        """A new assignment replaces the old stage (freed before the new one loads)."""
+        if self.worker is not None:
+            self.worker.stop()
+        self.worker = self.tail = None
+        gc.collect()
+        if self.group_stage is not None:
+            self.group_stage.close()
+            self.group_stage = None
+
+    def _load_single(self, assign: Assign, kept: Stage | None) -> FetchReport:
+        """A stage of one node: ``kept`` where it holds it already, else fetched and loaded."""
+        from seamline.mesh.node.loading import load_assignment
+
+        stage, fetched = (
+            (kept, FetchReport())
+            if kept is not None
+            else load_assignment(
+                self.invite, assign, self.options, self._fetch_tls(), self._loading_reporter(assign)
             )
+        )
+        self.worker = stage_worker(stage, assign, stage.input_device)
+        self.worker.step_probe, self.worker.prompt_probe = probed(stage)
+        self._reprobe(self.worker, stage)
+        return fetched
+
+    def _load_group(self, assign: Assign) -> FetchReport:
+        """This node's rank of a lockstep group: the leader serves the group as a stage, another
+        rank follows it on a thread of its own."""
+        from seamline.mesh.node.loading import load_rank
+
+        member, fetched = load_rank(
+            self.invite,
+            assign,
+            self.options,
+            group_tls(self.credentials, assign),
+            self._fetch_tls(),
+            self._loading_reporter(assign),
+        )
+        if member.rank == 0:  # the leader: its StageWorker drives the whole group
+            self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
+            self.worker = stage_worker(self.group_stage, assign)
+            # the group's steps, its every rank and gate, as it will serve them
+            # (not again when idle: quiet cores here say nothing of the other ranks')
+            self.worker.step_probe, self.worker.prompt_probe = probed(self.group_stage)
+        else:
+            threading.Thread(target=self._serve_rank, args=(member, assign), daemon=True).start()
+        return fetched
+
+    def _load_tail(self, assign: Assign, fetched: FetchReport) -> FetchReport:
+        """A private mesh's last stage, beside stage 0: what both fetched."""
+        assert self.worker is not None
+        self.tail, tail_fetched = load_tail(
+            self.invite, assign, self.options, self._fetch_tls(), self._loading_reporter(assign)
+        )
+        pair(self.worker, self.tail)
+        return FetchReport(
+            fetched.bytes_downloaded + tail_fetched.bytes_downloaded,
+            bytes_from_peers=fetched.bytes_from_peers + tail_fetched.bytes_from_peers,
         )
 
     def _fetch_tls(self) -> ssl.SSLContext | None:
@@ -469,18 +452,8 @@ class Node(Membership, DataPath):
             worker.links.digests = digest_reporter(assign.plan_id, self._report_quietly, layers)
 
     def _loading_reporter(self, assign: Assign) -> Callable[[int, int], None]:
-        """Tells the coordinator how far the download has come, a second apart at most (the console shows it)."""
-        last = [0.0]
-
-        def report(done: int, total: int) -> None:
-            now = time.monotonic()
-            if now - last[0] >= LOADING_REPORT_S or done >= total:
-                last[0] = now
-                self._report_quietly(
-                    Loading(plan_id=assign.plan_id, bytes_done=done, bytes_total=total)
-                )
-
-        return report
+        """The download's progress, to the coordinator (``stage_setup.loading_reporter``)."""
+        return loading_reporter(assign, self._report_quietly)
 
     def _kept_stage(self, assign: Assign) -> Stage | None:
         """The loaded stage, when ``assign`` asks this node for the very part it holds (a plan
@@ -491,17 +464,6 @@ class Node(Membership, DataPath):
         assert self.worker is not None  # a single node's stage (``_holding``), not a group's
         log.info("layers [%d,%d) stay loaded for plan %d", *assign.layers, assign.plan_id)
         return self.worker.stage  # type: ignore[return-value]
-
-    def _group_tls(self, assign: Assign) -> GroupTls | None:
-        creds = self.credentials
-        if (
-            creds is None
-            or creds.server is None
-            or creds.client is None
-            or assign.transport != "tcp"
-        ):
-            return None
-        return GroupTls(creds.server, creds.client, tuple(assign.group_nodes))
 
     def _layers(self) -> str:
         return (
@@ -535,15 +497,7 @@ class Node(Membership, DataPath):
 
     def _check_room(self, assign: Assign) -> None:
         """Refuse an assignment this node cannot hold, before downloading anything."""
-        room = psutil.virtual_memory().available + psutil.Process().memory_info().rss
-        if self.options.max_memory_bytes is not None:
-            room = min(room, self.options.max_memory_bytes)
-        if assign.memory_bytes > room:
-            raise NoRoom(
-                f"cannot hold layers [{assign.layers[0]},{assign.layers[1]}): they need "
-                f"{assign.memory_bytes / 2**30:.2f} GiB, this node has {room / 2**30:.2f} GiB",
-                room,
-            )
+        check_room(assign, self.options.max_memory_bytes)
 
     def _speed_probe(self, probe: SpeedProbe) -> None:
         """The coordinator checks the speed this node claimed: make the matrix, then multiply."""
@@ -595,20 +549,6 @@ class _Inbox(queue.Queue[Message]):
             super().put(item, block, timeout)
 
 
-class NoRoom(MemoryError):
-    """An assignment larger than this node's memory: ``room`` is what it has."""
-
-    def __init__(self, message: str, room: int) -> None:
-        super().__init__(message)
-        self.room = room
-
-
-def _kv_budget(assign: Assign, device: torch.device | None = None) -> int | None:
-    """Stage 0 admits requests into a KV budget (on its GPU, where it computes on one); later
-    stages follow what it admits."""
-    return kv_budget_bytes(assign.kv_cache_bytes, device) if assign.owns_embedding else None
-
-
 def run_node(token: str, options: NodeOptions) -> int:
     tame_malloc()
     invite = Invite.decode(token)
@@ -619,20 +559,3 @@ def run_node(token: str, options: NodeOptions) -> int:
     )  # once joined: a failed join's error stays its one line
     node.serve()
     return 0
-
-
-def _probed(stage: Stage | LockstepStage) -> tuple[dict[int, float], dict[int, float]]:
-    """The loaded stage's step seconds at the probe's row counts, and its prompt chunks'; none
-    where it cannot take them (the cost model then has the node's weight-streaming rate alone)."""
-    from seamline.runtime.step_probe import NotProbed, probe_prompt, probe_steps
-
-    try:
-        return probe_steps(stage), probe_prompt(stage)
-    except NotProbed as exc:
-        log.info("no speed probe: %s", exc)
-        return {}, {}
-    except Exception as exc:  # a probe never stops a stage from serving
-        log.warning("the stage's speed probe failed: %s", exc)
-        return {}, {}
-    finally:
-        trim_now()  # its copied caches, freed: the stage's memory is its share again
