@@ -23,12 +23,22 @@ from seamline.params import SamplingParams
 MAX_MATCHERS = 4096  # sequences that never said goodbye are forgotten beyond this many
 
 
+NO_ANSWER = "no text matches it (its $refs go round in a cycle, or it allows nothing)"
+
+
 def compile_check(grammar: str, tokenizer: LLTokenizer | None = None) -> str:
-    """ "" when llguidance compiles ``grammar``, else its error."""
+    """ "" when llguidance compiles ``grammar`` and, given the tokenizer, some text can match
+    it; else why not. A grammar that matches nothing (a schema whose $refs only point at each
+    other) would otherwise answer "" with finish_reason "stop"."""
     try:
-        return LLMatcher.validate_grammar(grammar, tokenizer)
+        error = LLMatcher.validate_grammar(grammar, tokenizer)
     except (ValueError, RuntimeError) as exc:
         return str(exc)
+    if error or tokenizer is None:
+        return error
+    start = LLMatcher(tokenizer, grammar, log_level=0)
+    start.compute_bitmask()  # what the first draw may take: an empty language shows only here
+    return NO_ANSWER if start.is_error() and not start.is_accepting() else ""
 
 
 def grammar_mask(

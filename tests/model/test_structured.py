@@ -86,6 +86,16 @@ def test_json_object_is_an_object_and_a_stream_carries_it(client: openai.OpenAI)
         ({"type": "object", "properties": {"a": {"type": "string", "pattern": "(("}}}, "regex"),
         ({"type": "nonsense"}, "nonsense"),
         ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "nowhere"),
+        # $refs that only point at each other: no answer can match (it answered "" and "stop")
+        ({"$ref": "#"}, "cycle"),
+        (
+            {
+                "$ref": "#/$defs/a",
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+            },
+            "cycle",
+        ),
+        ({"anyOf": [{"$ref": "#"}]}, "cycle"),
     ],
 )
 def test_a_schema_that_cannot_compile_is_a_400_naming_the_field(
