@@ -11,6 +11,12 @@ handshake (TLS and the first messages): a watchdog cuts it then, however slowly 
 drips bytes. Cutting shuts the socket, which wakes whatever read or send its handler waits
 in. An authenticated connection counts no more. Cuts are logged at most once per
 ``REFUSAL_LOG_S`` per port, naming the peer and the reason.
+
+Every port of a process draws on one pool too (``descriptor_shares``): the descriptor limit
+less a reserve (a quarter: /health, proved control and data links, files) less the API's own
+share (its HTTP guard counts apart). A port is held to a third of what is left; when the pool is
+full, a new connection anywhere cuts the oldest pending one of the port holding the most, so a
+flood at one port cannot take the descriptors another needs.
 """
 
 from __future__ import annotations
@@ -18,15 +24,61 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import resource
 import socket
 import threading
 import time
+import weakref
+from dataclasses import dataclass
 
 log = logging.getLogger("seamline.link")
 
 MAX_PENDING_PER_HOST = 64  # unproved connections one address may hold open on one port
 MAX_PENDING = 128  # unproved connections on one port, from all addresses together
 REFUSAL_LOG_S = 10.0  # at most one line per port this often about connections refused or cut
+RESERVE_SHARE = 4  # 1/4 of the descriptors never goes to unproved connections
+UNLIMITED = 1 << 20  # the descriptors taken to be had under an unlimited RLIMIT_NOFILE
+
+
+@dataclass(frozen=True)
+class Shares:
+    """How a process's descriptor limit is shared among its ports' unproved connections."""
+
+    limit: int  # the soft RLIMIT_NOFILE
+    unproved: int  # every port's unproved connections together: the limit less the reserve
+    per_port: int  # one port's (the API's guard, or an Admission's) at most
+
+    @property
+    def pool(self) -> int:
+        """The Admission ports' unproved connections together (the API's guard counts apart)."""
+        return max(self.per_port, self.unproved - self.per_port)
+
+
+def descriptor_shares() -> Shares:
+    """The shares under the soft descriptor limit now: a listener sizes its bounds as it opens."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    soft = UNLIMITED if soft == resource.RLIM_INFINITY else soft
+    unproved = soft - soft // RESERVE_SHARE
+    return Shares(soft, unproved, max(16, unproved // 3))
+
+
+class _DescriptorPool:
+    """Every Admission port of the process, under one lock and one bound on their pending
+    connections together."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.ports: weakref.WeakSet[Admission] = weakref.WeakSet()
+        self.bound = descriptor_shares().pool
+
+    def pending(self) -> int:
+        return sum(len(port._all) for port in self.ports)
+
+    def fullest(self) -> Admission:
+        return max(self.ports, key=lambda port: len(port._all))
+
+
+_POOL = _DescriptorPool()
 
 
 class Pending:
@@ -54,16 +106,27 @@ class Admission:
         per_host: int = MAX_PENDING_PER_HOST,
         total: int = MAX_PENDING,
     ) -> None:
-        self.name, self.deadline_s, self.per_host, self.total = name, deadline_s, per_host, total
+        shares = descriptor_shares()
+        total = max(1, min(total, shares.per_port))
+        self.name, self.deadline_s, self.per_host, self.total = (
+            name,
+            deadline_s,
+            min(per_host, total),
+            total,
+        )
         self._all: dict[Pending, None] = {}  # oldest first
         self._by_host: dict[str, dict[Pending, None]] = {}  # oldest first
         self._deadlines: list[
             tuple[float, int, Pending]
         ] = []  # a heap; entries no longer counted are skipped
         self._order = itertools.count()
-        self._lock = threading.Condition()
+        self._lock = threading.Condition(_POOL.lock)  # one lock for the process's ports
         self._watchdog: threading.Thread | None = None
         self._refused, self._logged = 0, -REFUSAL_LOG_S
+        self._closed = False
+        with self._lock:
+            _POOL.bound = shares.pool
+            _POOL.ports.add(self)
 
     def admit(self, sock: socket.socket, host: str) -> Pending:
         """Count a new connection from ``host``, cutting the oldest pending one over a bound."""
@@ -79,8 +142,13 @@ class Admission:
                     next(iter(self._all)),
                     f"{self.total} unproved connections were open here",
                 )
+            elif _POOL.pending() >= _POOL.bound:
+                victim, reason = (
+                    next(iter(_POOL.fullest()._all)),
+                    f"{_POOL.bound} unproved connections were open in this process",
+                )
             if victim is not None:
-                self._cut(victim)
+                victim.port._cut(victim)
             pending = Pending(self, host, sock, time.monotonic() + self.deadline_s)
             self._by_host.setdefault(host, {})[pending] = self._all[pending] = None
             heapq.heappush(self._deadlines, (pending.deadline, next(self._order), pending))
@@ -91,8 +159,17 @@ class Admission:
                 )
                 self._watchdog.start()
         if victim is not None:
-            self.refused(victim.host, f"{reason}: its oldest was cut for a new one")
+            victim.port.refused(victim.host, f"{reason}: the oldest was cut for a new one")
         return pending
+
+    def close(self) -> None:
+        """The port is closed: cut what is still pending, end the watchdog, leave the pool."""
+        with self._lock:
+            for pending in list(self._all):
+                self._cut(pending)
+            self._closed = True
+            self._lock.notify()
+            _POOL.ports.discard(self)
 
     def release(self, pending: Pending) -> None:
         """The peer proved itself, or its connection is gone: it counts no more (idempotent)."""
@@ -138,10 +215,14 @@ class Admission:
         """Cut every connection still unproved at its deadline."""
         while True:
             with self._lock:
-                while not self._deadlines or self._deadlines[0][0] > time.monotonic():
+                while not self._closed and (
+                    not self._deadlines or self._deadlines[0][0] > time.monotonic()
+                ):
                     self._lock.wait(
                         self._deadlines[0][0] - time.monotonic() if self._deadlines else None
                     )
+                if self._closed:
+                    return
                 _, _, pending = heapq.heappop(self._deadlines)
                 late = self._cut(pending)
             if late:

@@ -24,10 +24,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from seamline.net.admission import descriptor_shares
+
 log = logging.getLogger("seamline.http")
 HEAD_DEADLINE_S = 10.0
 MAX_WAITING_PER_ADDRESS = 64  # connections with no request begun, from one address
-MAX_WAITING = 512  # and from all, at most a quarter of the process's descriptors
+MAX_WAITING = 512  # and from all, at most a port's share of the descriptors (``admission``)
 LOG_EVERY_S = 10.0
 MAX_BACKLOG = 2048  # uvicorn's own
 
@@ -68,9 +70,7 @@ def guarded(base: type[asyncio.Protocol] | None = None) -> type[asyncio.Protocol
         from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
         base = AutoHTTPProtocol
-    waiting = _Waiting(
-        max(16, min(MAX_WAITING, resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4))
-    )
+    waiting = _Waiting(min(MAX_WAITING, descriptor_shares().per_port))
 
     class Guarded(base):  # type: ignore[valid-type,misc]
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]

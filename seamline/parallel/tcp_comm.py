@@ -21,7 +21,9 @@ Rank i first accepts ranks < i, then dials ranks > i; dials retry until the conn
 With ``GroupTls`` every socket is TLS 1.3 first, both ends verified against the mesh CA, and a
 peer whose certificate does not name the node planned at its rank is refused. Each accepted
 connection's TLS handshake and HELLO run on a thread of their own (``_Lobby``), within one
-deadline in all, so a stranger dripping bytes at the port holds up no rank but itself.
+deadline in all, so a stranger dripping bytes at the port holds up no rank but itself; the
+connections in their handshake are bounded per address and in all from the accept on
+(``net.admission``), the oldest cut for a new one, so a stranger's flood keeps no rank waiting.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from seamline.net.admission import Admission, Pending
 from seamline.net.deadlines import left
 from seamline.net.link import listen, tune
 from seamline.net.tls import GroupTls, TlsRefused, TlsSocket, recv_within
@@ -71,9 +74,8 @@ log = logging.getLogger("seamline.comm")
 # peer, so ranks that all send before receiving cannot deadlock. Larger ones go from a thread.
 INLINE_SEND_MAX = 32 << 10
 GREET_S = 10.0  # an accepted connection's TLS handshake and HELLO end within this in all (or the comm's timeout)
-MAX_GREETING = (
-    16  # accepted connections in their handshake at once (a thread each); more wait in the backlog
-)
+MAX_GREETING = 16  # one address's connections in their handshake at once (a thread each)
+MAX_GREETING_ALL = 64  # every address's together; over either bound the oldest is cut
 
 
 def _recv_exact(
@@ -448,8 +450,9 @@ def _handshake(
 
 class _Lobby:
     """Where a rank takes its lower ranks' connections: each one's TLS handshake and HELLO run
-    on a thread of their own (at most ``MAX_GREETING`` at once) within ``GREET_S`` in all, so
-    the peers get in while a stranger drips bytes, and the stranger is cut off at its deadline."""
+    on a thread of their own within ``GREET_S`` in all (at most ``MAX_GREETING`` from one
+    address and ``MAX_GREETING_ALL`` in all, the oldest cut for a new one), so the peers get in
+    while a stranger drips bytes or floods the port, and the stranger is cut off."""
 
     def __init__(
         self,
@@ -463,7 +466,7 @@ class _Lobby:
         self.server, self.rank, self.world, self.fingerprint = server, rank, world, fingerprint
         self.tls, self.timeout_s = tls, timeout_s
         self._met: queue.Queue[tuple[socket.socket, int | BaseException]] = queue.Queue()
-        self._slots = threading.Semaphore(MAX_GREETING)
+        self._admission: Admission | None = None  # opened with the lobby, closed at its end
         self._greeting: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._over = False
@@ -473,6 +476,12 @@ class _Lobby:
         socks: dict[int, socket.socket] = {}
         if self.rank == 0:
             return socks
+        self._admission = Admission(
+            f"comm rank {self.rank}",
+            min(self.timeout_s, GREET_S),
+            MAX_GREETING,
+            MAX_GREETING_ALL,
+        )
         acceptor = threading.Thread(
             target=self._accept, daemon=True, name=f"seamline-comm-lobby-{self.rank}"
         )
@@ -486,9 +495,6 @@ class _Lobby:
                     raise CommError(
                         f"rank {self.rank} waited {budget} s for ranks {missing} to connect"
                     ) from None
-                if isinstance(met, NotAPeer):  # a stranger at the port: the group forms without it
-                    log.warning("rank %d dropped a connection to its comm port: %s", self.rank, met)
-                    continue
                 if isinstance(met, BaseException):
                     raise met
                 if met in socks:
@@ -504,19 +510,31 @@ class _Lobby:
         return socks
 
     def _accept(self) -> None:
+        assert self._admission is not None
         self.server.settimeout(0.2)  # to see the lobby end
         while not self._over:
-            if not self._slots.acquire(timeout=0.2):
-                continue
             try:
-                sock, _ = self.server.accept()
-                threading.Thread(target=self._greet, args=(tune(sock),), daemon=True).start()
-            except (OSError, RuntimeError):  # none came (or no descriptor, no thread): try again
-                self._slots.release()
+                sock, address = self.server.accept()
+            except TimeoutError:  # none came
+                continue
+            except OSError:  # no descriptor to be had: a moment, then again
+                time.sleep(0.05)
+                continue
+            pending = self._admission.admit(sock, str(address[0]))
+            try:
+                threading.Thread(
+                    target=self._greet, args=(tune(sock), address, pending), daemon=True
+                ).start()
+            except RuntimeError:  # no thread to be had
+                self._admission.release(pending)
+                sock.close()
+                time.sleep(0.05)
 
-    def _greet(self, raw: socket.socket) -> None:
-        """One connection's TLS handshake and HELLO, by its deadline; the rank it proved, or why not."""
-        deadline = time.monotonic() + min(self.timeout_s, GREET_S)
+    def _greet(self, raw: socket.socket, address: tuple, pending: Pending) -> None:
+        """One connection's TLS handshake and HELLO, by its deadline; the rank it proved, or why
+        not. A stranger (``NotAPeer``) is dropped here, logged as the port's refusals are."""
+        assert self._admission is not None
+        deadline = pending.deadline
         with self._lock:
             self._greeting.add(raw)
         met: int | BaseException
@@ -532,7 +550,14 @@ class _Lobby:
             met = exc
             sock.close()
         finally:
-            self._slots.release()
+            cut = not pending.counted  # cut at a bound or its deadline, and logged so
+            self._admission.release(pending)
+        if isinstance(met, NotAPeer):  # a stranger at the port: the group forms without it
+            if not cut:
+                self._admission.refused(f"{address[0]}:{address[1]}", str(met))
+            with self._lock:
+                self._greeting.discard(raw)
+            return
         with self._lock:
             self._greeting.discard(raw)
             if not self._over:
@@ -545,6 +570,8 @@ class _Lobby:
         with self._lock:
             self._over = True
             greeting, self._greeting = self._greeting, set()
+        if self._admission is not None:
+            self._admission.close()
         for sock in greeting:
             _shut(sock)
         while True:

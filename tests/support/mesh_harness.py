@@ -54,6 +54,7 @@ class MeshProcesses:
     node_procs: list[subprocess.Popen[str]] = field(default_factory=list)
     output: list[str] = field(default_factory=list)
     token: str = ""
+    prefix: tuple[str, ...] = ()  # `serve` runs under this command (say, prlimit)
 
     @property
     def base_url(self) -> str:
@@ -93,7 +94,7 @@ class MeshProcesses:
             args += ["--model", self.model]
         env = {**os.environ, "SEAMLINE_CACHE": str(self.root / "coordinator")}
         self.serve = subprocess.Popen(
-            seamline_cmd(*args),
+            [*self.prefix, *seamline_cmd(*args)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

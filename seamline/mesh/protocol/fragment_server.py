@@ -9,7 +9,9 @@ its file changes, so a peer whose folder is re-materialised serves its new fragm
 
 On their own HTTPS port (``serve_fragments``) a ``PeerGate`` also checks the node id the
 client's certificate names: a removed member's certificate is valid until it expires, so the
-TLS handshake alone still takes it.
+TLS handshake alone still takes it. The port counts each connection from its accept on, before
+TLS (``net.tls_gate``): a stranger's connections that never handshake are bounded as the control
+port's are.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from fastapi.responses import FileResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from seamline.net.http_guard import bounded
+from seamline.net.link import listen
 from seamline.net.tls import certificate_name
+from seamline.net.tls_gate import GatedServer
 from seamline.weights.fragments import MANIFEST_NAME, STAMP_SUFFIX, FragmentEntry, Manifest
 
 TokenCheck = Callable[[str | None], bool]
@@ -202,19 +206,14 @@ def serve_fragments(
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     fragment_routes(app, package_dir, check_token, may_fetch, held)
     gate = gate or PeerGate(lambda _node: False)
+    limits = bounded(gate.protocol())
+    listener = listener or listen(host, port)
+    listener.listen(limits["backlog"])
     config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        **bounded(gate.protocol()),
-        ssl_context_factory=lambda _config, _default: context,
+        app, host=host, port=port, log_level="warning", http=limits["http"], loop="asyncio"
     )
-    server = uvicorn.Server(config)
-    sockets = {"sockets": [listener]} if listener is not None else {}
-    threading.Thread(
-        target=server.run, kwargs=sockets, name="seamline-fragments", daemon=True
-    ).start()
+    server = GatedServer(config, listener, context, "fragments")
+    threading.Thread(target=server.run, name="seamline-fragments", daemon=True).start()
     return server
 
 
