@@ -433,8 +433,8 @@ class Failure(Message):
     kind: Literal["failure"] = "failure"
     request: int | None = None
     reason: Reason
-    blame: Literal["node", "request", "load"] = (
-        "node"  # a stage failed / the request is invalid / too busy
+    blame: Literal["node", "request", "load", "frame"] = (
+        "node"  # a stage failed / the request is invalid / too busy / it refused the request's frame
     )
     plan_id: int | None = None
     suspect: NodeName | None = None

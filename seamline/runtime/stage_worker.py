@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,9 @@ class StageLinks:
     )
     stage0: SendTokens | None = None  # last stage -> stage 0 (tokens)
     results: SendTokens | None = None  # last stage -> coordinator (tokens)
+    refused: Callable[[int, str], None] | None = (
+        None  # a row refused here: its request and why (the request fails at once, and replays)
+    )
     failed: Callable[[list[int], Exception], None] | None = (
         None  # stage 0 could not run these requests
     )
@@ -268,12 +271,14 @@ class StageWorker:
                 ", ".join(map(str, boundary)),
                 self.dtype,
             )
+            self._tell_refused(frame.rows, "its tensor is not of this stage's shape and dtype")
             return
         if frame.ids is None and (self.stage.passes_ids or (self.is_last and self.source is None)):
             self.refused += 1
             log.warning(
                 "refused frame: no token ids beside the hidden state, which this stage needs"
             )
+            self._tell_refused(frame.rows, "it carries no token ids, which this stage needs")
             return
         self.clock.begin()
         with self.lock:
@@ -304,6 +309,15 @@ class StageWorker:
             return  # in flight when the request was closed: expected, not an error
         self.refused += 1
         log.warning("refused %s: %s", what, exc)
+        self._tell_refused([request], f"refused {what}: {exc}")
+
+    def _tell_refused(self, rows: Sequence[Row | int], why: str) -> None:
+        """The coordinator hears of each request whose row was refused here: left waiting, it
+        would hang until its client gave up."""
+        if self.links.refused is None:
+            return
+        for request in dict.fromkeys(r if isinstance(r, int) else r.request for r in rows):
+            self.links.refused(request, why)
 
     def run_batch(self, work: list[Work]) -> list[TokenRow]:
         """Run our layers on every row at once; pass the rows on as one frame, or sample them.

@@ -21,12 +21,13 @@ from typing import Any
 
 from seamline.config import ModelConfig
 from seamline.errors import RequestError
+from seamline.mesh.control.back_off import BackOff
 from seamline.mesh.control.balance import Balance
 from seamline.mesh.control.enrollment import Enrollment
 from seamline.mesh.control.events import EventFeed
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.joining import Joining
-from seamline.mesh.control.member_gate import Refusals, drawer, may_end, serves
+from seamline.mesh.control.member_gate import Opened, Refusals, drawer, may_end, serves
 from seamline.mesh.control.mesh_state import (
     Event,
     MeshState,
@@ -161,10 +162,12 @@ class Coordinator:
             False
         )  # the backend's: a client waits on it
         self.refusals = Refusals()  # what members sent that was not theirs to say
+        self.opened = Opened()  # what a stage may call invalid in the requests in flight
         self.fragment_gate: PeerGate | None = None  # the fragment port's, over TLS (``serve.Mesh``)
         reference = Reference(options.package_dir, options.dtype) if options.package_dir else None
         self.relay = Relay()
         self.peer_links = PeerLinks()
+        self.back_off = BackOff(self._back_off_over)  # members that failed wait to be planned
         self.joining = Joining(self)
         self.planning = Planning(self)
         self.balance = Balance(self)
@@ -305,6 +308,7 @@ class Coordinator:
                 logging.INFO,
             )
         if rows:
+            self.opened.drew([row.request for row in rows])
             self.verifier.tokens(rows)  # held until checked, for a request the coordinator follows
 
     def _reported(self, handle: NodeHandle, message: Failure) -> None:
@@ -334,6 +338,11 @@ class Coordinator:
         if not serves(plan, handle.node_id):
             log.warning("ignored node %s's report on a request: it serves no stage", handle.node_id)
             return
+        if message.blame == "frame":  # it refused the request's frame: the attempt is over now
+            if self.in_flight(message.request):
+                reason = f"node {handle.node_id} refused its frame: {message.reason}"
+                self.on_failure(message.request, reason, "replanned")  # it replays at once
+            return
         ends = may_end(plan, handle.node_id)
         if message.blame != "node" and not (ends and self.in_flight(message.request)):
             self.refusals.refuse(
@@ -342,7 +351,10 @@ class Coordinator:
                 "or the drawing stage, or the request is not in flight",
             )
             return
-        if message.blame == "node":
+        validated = message.blame == "request" and not self.opened.may_be_invalid(
+            plan, handle.node_id, message.request
+        )
+        if message.blame == "node" or validated:  # a validated request: the stage failed, not it
             if (
                 not self.ready.is_set()
             ):  # the route is being replaced: links break as stages go; nothing to replay
@@ -351,7 +363,10 @@ class Coordinator:
                     handle.node_id,
                 )
                 return
-            self.lose(handle, f"it reports its stage failed: {message.reason}", observed=False)
+            said = (
+                "a request it was sent, validated, is invalid" if validated else "its stage failed"
+            )
+            self.lose(handle, f"it reports {said}: {message.reason}", observed=False)
             return
         self.on_failure(message.request, message.reason, message.blame)
 
@@ -412,8 +427,14 @@ class Coordinator:
         if state.closing:
             return
         if plan is not None and any(handle.node_id in s.members() for s in plan.stages):
+            self.back_off.strike(handle.node_id, reason)
             self._replan(f"node {handle.node_id} left the mesh", reason, observed)
         elif plan is None:  # no plan could be made: perhaps one can without this node
+            self.planning.maybe_plan()
+
+    def _back_off_over(self) -> None:
+        """A member's back-off ended: plan it in, when the mesh is worth changing for it."""
+        if not self.keeper.current.closing:
             self.planning.maybe_plan()
 
     def _replan(self, event: str, detail: str, observed: bool = True) -> None:
@@ -490,6 +511,7 @@ class Coordinator:
             )
         stage0 = self.pipeline()[0]
         self.verifier.opened(open_msg, tokens)
+        self.opened.opened(open_msg.request, bool(open_msg.sampling.grammar))
         stage0.link.send_message(open_msg)
         for chunk in Prompt.chunks(open_msg.request, tokens):
             stage0.link.send_message(chunk)
@@ -497,6 +519,7 @@ class Coordinator:
     def close_request(self, request: int) -> None:
         """Stage 0 frees the request and tells the later stages, in order with its frames."""
         self.verifier.closed(request)
+        self.opened.closed(request)
         try:
             stage0 = self.pipeline()[0]
         except StartupError:

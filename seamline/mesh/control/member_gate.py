@@ -57,3 +57,36 @@ class Refusals:
         log.log(
             level, "refused from node %s: %s (%d refused from it so far)", node_id, reason, total
         )
+
+
+class Opened:
+    """What a stage's word that a request is invalid is judged by. The API validated every
+    request (its sampling, its prompt against the context); what it could not judge is stage 0's
+    room for it (said as stage 0 admits it, before its first token) and a grammar (the drawing
+    stage's, or stage 0's). A report that the request is at fault on anything else is the
+    reporting stage's failure."""
+
+    def __init__(self) -> None:
+        self._requests: dict[int, tuple[bool, bool]] = {}  # in flight: (has a grammar, drew)
+        self._lock = threading.Lock()
+
+    def opened(self, request: int, grammar: bool) -> None:
+        with self._lock:
+            self._requests[request] = (grammar, False)
+
+    def drew(self, requests: list[int]) -> None:
+        with self._lock:
+            for request in requests:
+                if request in self._requests:
+                    self._requests[request] = (self._requests[request][0], True)
+
+    def closed(self, request: int) -> None:
+        with self._lock:
+            self._requests.pop(request, None)
+
+    def may_be_invalid(self, plan: Plan | None, node_id: str, request: int) -> bool:
+        """Whether ``node_id`` (stage 0 or the drawing stage) may find ``request`` at fault."""
+        with self._lock:
+            grammar, drew = self._requests.get(request, (False, False))
+        stage0 = plan is not None and bool(plan.stages) and plan.stages[0].node_id == node_id
+        return grammar or (stage0 and not drew)

@@ -52,6 +52,7 @@ def describe(coordinator: Coordinator) -> dict[str, object]:
         "nodes": nodes,
         "relayed_links": coordinator.relay.pairs,
         "links": coordinator.peer_links.describe(),
+        "backing_off": coordinator.back_off.waiting(),  # members that failed: seconds until planned
         "refused_from_members": dict(
             coordinator.refusals.counts
         ),  # tokens and reports not theirs to send

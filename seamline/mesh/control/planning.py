@@ -73,7 +73,7 @@ class Planning:
                 c.apply(NoMembers())
                 return
             try:
-                chosen = self.candidate(joined)
+                chosen = self._after_back_off(joined)
             except PlanError as exc:
                 c.apply(NoPlan(f"cannot plan: {exc}; waiting for a node to join"))
                 return
@@ -94,6 +94,17 @@ class Planning:
             pace(held) / pace(fresh),
         )
         return held
+
+    def _after_back_off(self, joined: list[NodeHandle]) -> Plan:
+        """The plan over the members not waiting out a back-off (``back_off``); over them all
+        when the others alone cannot hold the model."""
+        ready = self.coordinator.back_off.ready(joined)
+        if ready and len(ready) < len(joined):
+            try:
+                return self.candidate(ready)
+            except PlanError as exc:
+                log.warning("planned members still backing off: the others cannot serve (%s)", exc)
+        return self.candidate(joined)
 
     def _pool(self, joined: list[NodeHandle]) -> tuple[list[NodeInfo], LinkTable]:
         """The members as the planner sees them: probed rates times their core shares, like
@@ -207,6 +218,7 @@ class Planning:
         current = c.plan
         if not self.options.live_growth or current is None or not c.ready.is_set():
             return
+        joined = c.back_off.ready(joined)  # a member that failed waits before it is taken in
         if {h.node_id for h in joined} <= members(current):
             return
         try:

@@ -6,6 +6,10 @@ coordinator's control port and open with ``RELAY_MAGIC`` and the same one-time t
 the coordinator gave each over its control link; the coordinator pairs the two connections and
 copies bytes between them. The ends then run their usual mutual TLS through the pipe, so the
 relay carries ciphertext only and can pose as neither end.
+
+A first end waiting for its partner is one of the relay's unproved connections
+(``net.admission``): bounded per address and in all, the oldest cut for a new one, and cut when
+its ticket lapses; refusals are logged once per while, naming the peer and the reason.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import threading
 import time
 
 from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, PROBE_MAGIC, TICKET_CHARS
+from seamline.net.admission import Admission, Pending
 from seamline.net.deadlines import send_by
 
 log = logging.getLogger("seamline.relay")
@@ -53,8 +58,9 @@ class Relay:
         self._tickets: dict[
             str, tuple[float, bool]
         ] = {}  # ticket -> when it lapses, whether for a probe
-        self._waiting: dict[str, socket.socket] = {}
+        self._waiting: dict[str, tuple[socket.socket, Pending]] = {}
         self._lock = threading.Lock()
+        self._admission: Admission | None = None  # the first ends waiting; opened at first use
         self.pairs = 0  # data links carried so far
         self.probes = 0  # probe links (a pair of members measuring their relayed link)
 
@@ -68,12 +74,12 @@ class Relay:
 
     def serve(self, sock: socket.socket, address: tuple) -> None:
         """A connection that opened with RELAY_MAGIC (read already): its ticket, then the pipe."""
+        admission = self._waiters()
+        peer = f"{address[0]}:{address[1]}"
         try:
             ticket = read_exactly(sock, TICKET_CHARS, PAIR_WAIT_S).decode("ascii", "replace")
         except OSError as exc:
-            log.warning(
-                "relay connection from %s:%s gave no ticket: %s", address[0], address[1], exc
-            )
+            admission.refused(peer, f"it gave no relay ticket: {exc}")
             sock.close()
             return
         with self._lock:
@@ -81,30 +87,34 @@ class Relay:
             live = lapses > time.monotonic()
             partner = self._waiting.pop(ticket, None) if live else None
             if live and partner is None:
-                self._waiting[ticket] = sock
+                self._waiting[ticket] = (sock, admission.admit(sock, str(address[0])))
             elif live:
                 del self._tickets[ticket]  # one link per ticket
                 self.probes += probe
                 self.pairs += not probe
         if not live:
-            log.warning(
-                "refused relay connection from %s:%s: unknown or lapsed ticket",
-                address[0],
-                address[1],
-            )
+            admission.refused(peer, "unknown or lapsed relay ticket")
             sock.close()
         elif partner is not None:
-            self._pipe(partner, sock)
+            admission.release(partner[1])
+            self._pipe(partner[0], sock)
         else:
             threading.Timer(PAIR_WAIT_S, self._lapse, args=(ticket,)).start()
 
+    def _waiters(self) -> Admission:
+        with self._lock:
+            if self._admission is None:
+                self._admission = Admission("relay", PAIR_WAIT_S)
+            return self._admission
+
     def _lapse(self, ticket: str) -> None:
         with self._lock:
-            sock = self._waiting.pop(ticket, None)
+            waiting = self._waiting.pop(ticket, None)
             self._tickets.pop(ticket, None)
-        if sock is not None:
+        if waiting is not None:
+            self._waiters().release(waiting[1])
             log.warning("relay ticket lapsed: the link's other end never came")
-            sock.close()
+            waiting[0].close()
 
     def _pipe(self, a: socket.socket, b: socket.socket) -> None:
         for source, sink in ((a, b), (b, a)):

@@ -13,7 +13,7 @@ from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
 from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, tune
-from seamline.net.messages import Close, Forget, Fork, Linked, Open, RelayAccept, Route
+from seamline.net.messages import Close, Failure, Forget, Fork, Linked, Open, RelayAccept, Route
 from seamline.net.overlap import ReadAhead, SendBehind
 from seamline.net.tls import TlsRefused, TlsSocket
 from seamline.runtime.speculation import Speculation
@@ -30,6 +30,9 @@ class DataPath:
     def _route(self: Node, route: Route) -> None:
         assert self.worker is not None and self.control is not None
         self.worker.stages = max(1, route.stages)
+        for stage in (self.worker, self.tail):
+            if stage is not None:
+                stage.links.refused = self._frame_refused
         self.worker.micro_batches = max(1, route.stages, route.micro_batches)
         if self.worker.head is not None:
             self.worker.head.share_prefixes(route.forks)
@@ -120,6 +123,17 @@ class DataPath:
         for request in requests:
             reason = f"layers [{self._layers()}) could not send downstream: {self._explain(exc)}"
             self._report(request, reason, cause=exc)
+
+    def _frame_refused(self: Node, request: int, why: str) -> None:
+        """A row of ``request`` was refused here: the coordinator fails the request's attempt at
+        once and replays it, rather than leave it waiting for a token that will not come."""
+        if self.control is None:
+            return
+        try:
+            reason = f"layers [{self._layers()}) {why}"
+            self.control.send_message(Failure(request=request, reason=reason, blame="frame"))
+        except LinkClosed:
+            pass
 
     def _read_frames(self: Node, link: Link, peer: str, role: str, assignment: object) -> None:
         """The link's frames, each run on this thread (the stage's compute thread), in order; the
