@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from seamline_bench import attack_http, attack_member, attack_net
+from seamline_bench import attack_floods, attack_http, attack_member, attack_net
 from seamline_bench.attack_member import emit
 
 ATTACKS: dict[str, Callable[[dict[str, Any], float], dict[str, Any]]] = {
@@ -26,6 +26,8 @@ ATTACKS: dict[str, Callable[[dict[str, Any], float], dict[str, Any]]] = {
     "admin_body": attack_http.admin_body,
     "fd_exhaustion": attack_net.fd_exhaustion,
     "dripped_handshake": attack_net.dripped_handshake,
+    "fragments_fd_exhaustion": attack_floods.fragments_fd_exhaustion,
+    "comm_fd_exhaustion": attack_floods.comm_fd_exhaustion,
     "forged_pongs": attack_member.forged_pongs,
     "oversize_member_frames": attack_member.oversize_member_frames,
     "removed_member": attack_member.removed_member,

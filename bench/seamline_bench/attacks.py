@@ -50,6 +50,8 @@ SHARED = (
     "admin_body",
     "fd_exhaustion",
     "dripped_handshake",
+    "fragments_fd_exhaustion",
+    "comm_fd_exhaustion",
     "forged_pongs",
     "oversize_member_frames",
     "removed_member",
@@ -183,13 +185,13 @@ def _plain(mesh: LiveMesh, name: str, duration_s: float) -> tuple[float, float, 
 
 
 def _look_on(mesh: LiveMesh, name: str, seen: dict[str, Any]) -> None:
-    if name != "dripped_handshake" or mesh.comm_tls is None:
+    if name not in ("dripped_handshake", "comm_fd_exhaustion") or mesh.comm_tls is None:
         return
     from seamline.net.tls import group_tls_from_folder
     from seamline.parallel.comm import CommError, GateTag
     from seamline.parallel.tcp_comm import TcpComm
 
-    time.sleep(1.0)  # the drips have begun
+    time.sleep(1.0)  # the drips (or the flood) have begun
     began = time.monotonic()
     addresses = [("127.0.0.1", 9), ("127.0.0.1", mesh.comm_port)]
     try:
