@@ -1,13 +1,61 @@
 """A member that failed waits before it is planned again, longer with each failure in a row, and
 starts over once it has gone a while without failing; a stage that refused a request's frame
-ends that request's attempt at once (it replays), whichever stage it is."""
+ends that request's attempt at once (it replays), whichever stage it is; a stage that calls a
+request the API validated invalid is taken as failed itself. Real links over socket pairs; the
+plan (stage 0 "a" and "b" in lockstep, the drawing stage "c" and "d") is set by hand."""
 
 from __future__ import annotations
 
+import socket
+from collections.abc import Iterator
+
+import pytest
+
 from seamline.mesh.control import back_off
 from seamline.mesh.control.back_off import BackOff
-from seamline.net.messages import Failure
-from tests.unit.test_group_reports import coordinator  # noqa: F401  (the fixture)
+from seamline.mesh.control.coordinator import Coordinator, CoordinatorOptions
+from seamline.mesh.control.invites import InviteBook
+from seamline.mesh.control.mesh_state import NodeAdmitted, PlanChosen, RoutePublished
+from seamline.mesh.control.node_handle import NodeHandle
+from seamline.mesh.plan.types import ModelSpec, Plan, StageAssignment
+from seamline.mesh.protocol.invite import Invite
+from seamline.net.link import Link
+from seamline.net.messages import PROTOCOL_VERSION, Failure, Join, Resources
+
+GROUPS = (("a", "b"), ("c", "d"))
+
+
+@pytest.fixture()
+def coordinator() -> Iterator[tuple[Coordinator, list[tuple[int | None, str, str]]]]:
+    spec = ModelSpec("m", 4, 64, (1 << 20,) * 4, 0, 0, 0, 1024)
+    made = Coordinator(
+        InviteBook(Invite(("127.0.0.1",), 1, 2, "s", 0.0)), spec, "hash", CoordinatorOptions()
+    )
+    failures: list[tuple[int | None, str, str]] = []
+    made.on_failure = lambda request, reason, blame: failures.append((request, reason, blame))
+    ends = []
+    for ranks in GROUPS:
+        for node_id in ranks:
+            ours, theirs = socket.socketpair()
+            ends.append(theirs)
+            join = Join(
+                node_id=node_id,
+                proof="p",
+                protocol_version=PROTOCOL_VERSION,
+                resources=Resources(free_memory_bytes=1 << 30, bytes_per_second=1e9),
+                data_host="h",
+                data_port=1,
+            )
+            made.apply(NodeAdmitted(NodeHandle(join, Link(ours, node_id))))
+    stages = tuple(
+        StageAssignment(r[0], 2 * i, 2 * i + 2, i == 0, i == 1, 1, 1, 0.1, ranks=r)
+        for i, r in enumerate(GROUPS)
+    )
+    made.apply(PlanChosen(Plan("m", 4, stages, 0.2, 0.0, 1024, 1)))
+    made.apply(RoutePublished(made.plan_id))
+    yield made, failures
+    for end in ends:
+        end.close()
 
 
 class Clock:
@@ -43,7 +91,7 @@ def test_each_failure_in_a_row_doubles_the_wait_and_a_while_served_well_starts_o
 
 
 def test_a_refused_frame_ends_the_attempt_of_a_request_in_flight_from_any_stage(
-    coordinator: tuple,  # noqa: F811
+    coordinator: tuple,
 ) -> None:
     """Any planned stage may say it refused a request's frame: the request's attempt ends as
     "replanned" (it replays at once, counting against no node). Of a request not in flight, or
@@ -60,7 +108,7 @@ def test_a_refused_frame_ends_the_attempt_of_a_request_in_flight_from_any_stage(
 
 
 def test_a_planned_member_that_says_its_stage_failed_is_backed_off(
-    coordinator: tuple,  # noqa: F811
+    coordinator: tuple,
 ) -> None:
     made, failures = coordinator
     made.in_flight = lambda request: True
@@ -70,7 +118,7 @@ def test_a_planned_member_that_says_its_stage_failed_is_backed_off(
 
 
 def test_a_stage_that_calls_a_validated_request_invalid_has_failed_itself(
-    coordinator: tuple,  # noqa: F811
+    coordinator: tuple,
 ) -> None:
     """Stage 0 may find a request at fault as it admits it (its room), before its first token;
     a request with a grammar may be found at fault by the drawing stage. Anything else the API
