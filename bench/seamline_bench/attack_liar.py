@@ -192,6 +192,24 @@ def _claims_a_machine_of_its_own() -> None:
     membership.local_resources = lambda options: honest(options).model_copy(
         update={"host": "attacker-host"}
     )
+    _dials_from_another_address()
+
+
+def _dials_from_another_address(address: str = "127.0.0.2") -> None:
+    """Its links come from another loopback address (all of 127/8 is this machine's), as a node
+    on another host's do: the coordinator takes nodes at one address to share a machine."""
+    import socket
+
+    real = socket.create_connection
+
+    def dial(target: Any, timeout: Any = None, source_address: Any = None, **rest: Any) -> Any:
+        if source_address is None and target[0] in ("127.0.0.1", "localhost"):
+            source_address = (address, 0)
+        if timeout is None:
+            return real(target, source_address=source_address, **rest)
+        return real(target, timeout, source_address, **rest)
+
+    socket.create_connection = dial  # type: ignore[assignment]
 
 
 def _loads_nothing() -> None:

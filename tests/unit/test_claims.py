@@ -1,6 +1,6 @@
 """The coordinator checks the speed a joining node claims: over a real link, a node that computes
-the probe rightly at its claimed speed is believed, one far slower than it claims is planned at
-no more than five times what it measured, and one that answers without computing is not believed at all."""
+the probe rightly at its claimed speed is believed, one slower than it claims is planned at no
+more than 1.2 times what it proved, and one that answers without computing is not believed at all."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import socket
 import threading
 import time
 
+import pytest
 import torch
 
+from seamline.mesh.plan.measured import planned_rate
 from seamline.mesh.protocol.claims import (
     SpeedCheck,
     block_sums,
@@ -70,10 +72,24 @@ def _check(claimed: float, **node: object) -> float | None:
 
 
 def test_an_honest_claim_is_believed_a_false_one_is_measured_a_lie_is_refused() -> None:
-    assert _check(1e9) == 1e9  # 32 MiB at 1 GB/s is 34 ms: any machine computes it faster
+    proven = _check(1e9)  # 32 MiB at 1 GB/s is 34 ms: any machine computes it faster
+    assert proven is not None and planned_rate(1e9, proven) == 1e9
     slow = _check(1e12, delay_s=0.3)  # claims 1 TB/s, answers each product after 0.3 s
     assert slow is not None and slow < 34 * 2**20 / 0.3 * 1.01, slow
+    assert planned_rate(1e12, slow) == pytest.approx(1.2 * slow)
     assert _check(1e9, honest=False) is None
+
+
+def test_a_node_claiming_ten_times_what_it_proves_is_planned_at_its_proven_rate() -> None:
+    """Today's claim within five times of the proof is no longer believed: a tenth is planned at
+    1.2 times the proof; a claim below the proof stands."""
+    proven = 7.1e9
+    assert planned_rate(10 * proven, proven) == pytest.approx(1.2 * proven)
+    assert planned_rate(2.2 * proven, proven) == pytest.approx(1.2 * proven)
+    assert planned_rate(1.1 * proven, proven) == pytest.approx(1.1 * proven)
+    assert planned_rate(0.5 * proven, proven) == 0.5 * proven
+    assert planned_rate(10 * proven, proven, served=proven / 2) == proven / 2  # served slower
+    assert planned_rate(3e9, None) == 3e9  # not probed yet: planned at nothing but its claim
 
 
 def test_the_coordinator_checks_block_by_block_what_the_node_computes_whole() -> None:

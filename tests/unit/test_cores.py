@@ -39,3 +39,19 @@ def test_other_machines_accelerators_and_unknown_placements_share_nothing() -> N
         ("v", HOST, set(), "cpu"),
     )
     assert shares == {"a": 1.0, "b": 1.0, "g": 1.0, "u": 1.0, "v": 1.0}
+
+
+def test_an_address_takes_a_machine_of_its_own_away_and_never_grants_one() -> None:
+    """A node that names a machine of its own, its link coming from the honest nodes' address,
+    shares their CPUs; nodes naming one machine from two addresses (two containers) still share."""
+
+    def shares(*placed: tuple[str, str, str]) -> dict[str, float]:
+        return core_shares(Placement(n, h, frozenset({0, 1}), "cpu", a) for n, h, a in placed)
+
+    honest = (("a", HOST, "127.0.0.1"), ("b", HOST, "127.0.0.1"))
+    assert shares(*honest, ("liar", "its-own", "127.0.0.1")) == pytest.approx(
+        {"a": 1 / 3, "b": 1 / 3, "liar": 1 / 3}
+    )
+    assert shares(*honest, ("liar", "", "127.0.0.1"))["liar"] == pytest.approx(1 / 3)
+    assert shares(("a", HOST, "10.0.0.1"), ("b", HOST, "10.0.0.2")) == {"a": 0.5, "b": 0.5}
+    assert shares(*honest, ("far", "boot-2", "10.0.0.9"))["far"] == 1.0

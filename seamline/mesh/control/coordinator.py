@@ -42,6 +42,7 @@ from seamline.mesh.control.peer_links import PeerLinks
 from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.reference import Reference
 from seamline.mesh.control.relay import Relay
+from seamline.mesh.control.serving_pace import ServingPace
 from seamline.mesh.control.startup import (
     StartUp,
     StartupError,
@@ -172,6 +173,7 @@ class Coordinator:
         self.planning = Planning(self)
         self.balance = Balance(self)
         self.startup = StartUp(self)
+        self.serving_pace = ServingPace(self)
         self.verifier = Verifier(
             reference,
             options.verify_fraction,
@@ -217,6 +219,7 @@ class Coordinator:
             self.balance.start()
         return self.joining.start(host)
 
+            self.serving_pace.start()
     def remove_node(self, node_id: str) -> bool:
         return self.joining.remove_node(node_id)
 
@@ -422,6 +425,7 @@ class Coordinator:
             self.peer_links.forget(handle.node_id)
             plan = self.plan
             state = self.apply(NodeLost(handle.node_id, reason))
+        self.serving_pace.stop()
         with handle.changed:
             handle.changed.notify_all()
         if state.closing:

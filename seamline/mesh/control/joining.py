@@ -70,6 +70,15 @@ MEMBER_LIMITS = {FrameType.CONTROL: 64 << 10, FrameType.HIDDEN: 0, FrameType.TOK
 REVOKED_ANSWER_S = 2.0  # a removal waits this long for the members to confirm they refuse the node
 
 
+def _peer_host(link: Link) -> str:
+    """The address a link comes from ("" when it cannot say): nodes behind one NAT, or on one
+    machine's loopback, share it."""
+    try:
+        return str(link.sock.getpeername()[0])
+    except OSError:
+        return ""
+
+
 class Joining:
     """Joining, certificates and removal; members enter and leave the coordinator's state
     through its events."""
@@ -209,7 +218,9 @@ class Joining:
         if removed:  # so it refuses their certificates too
             link.send_message(Revoked(node_ids=removed))
         c = self.coordinator
-        handle = NodeHandle(join, link, inbound=reachable(join.data_host, join.data_port))
+        handle = NodeHandle(
+            join, link, inbound=reachable(join.data_host, join.data_port), address=_peer_host(link)
+        )
         link.name = f"node {join.node_id}"
         with self._lock:
             self._fragment_tokens[join.node_id] = secrets.token_hex(16)
@@ -250,8 +261,8 @@ class Joining:
         answer it rightly is dropped."""
         rtt = handle.measured.latency_s * 2 if handle.measured else 0.0
         handle.speed_check = SpeedCheck(handle.link, handle.join.resources.bytes_per_second, rtt)
-        handle.believed_rate = handle.speed_check.run()
-        if handle.believed_rate is not None:
+        handle.proven_rate = handle.speed_check.run()
+        if handle.proven_rate is not None:
             return True
         log.warning("dropped node %s: it did not answer the speed probe rightly", handle.node_id)
         handle.link.close()

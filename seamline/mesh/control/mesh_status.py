@@ -87,7 +87,9 @@ def _node(h: NodeHandle, core_share: float) -> dict[str, object]:
         "rtt_ms": round(measured.latency_s * 2e3, 3) if measured else None,
         "bandwidth_mb_s": round(measured.bandwidth_bytes_per_s / 1e6, 1) if measured else None,
         "free_memory_bytes": h.join.resources.free_memory_bytes,
-        "bytes_per_second": h.join.resources.bytes_per_second,
+        "bytes_per_second": h.join.resources.bytes_per_second,  # as it claimed
+        "proven_bytes_per_second": h.proven_rate,  # on the coordinator's timed product
+        "served_bytes_per_second": h.served_rate,  # when its stage served clearly slower than planned
         "core_share": round(core_share, 4),
         "planned_bytes_per_second": h.info(core_share).bytes_per_second,
         "bytes_downloaded": h.ready.bytes_downloaded if h.ready else None,

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from seamline.mesh.plan.cores import Placement
+from seamline.mesh.plan.measured import planned_rate
 from seamline.mesh.plan.types import DeviceInfo, LinkCost, NodeInfo
 from seamline.mesh.protocol.claims import SpeedCheck
 from seamline.mesh.protocol.link_probe import Pongs
@@ -62,9 +63,9 @@ class NodeHandle:
     measured: LinkCost | None = None  # its link to the coordinator
     pongs: Pongs = field(default_factory=Pongs)
     speed_check: SpeedCheck | None = None
-    believed_rate: float | None = (
-        None  # its claimed speed, or what the probe measured when far below it
-    )
+    proven_rate: float | None = None  # the rate it proved on the coordinator's timed product
+    served_rate: float | None = None  # the rate its stage served at, when clearly below its plan
+    address: str = ""  # the address its control link comes from (``plan.cores``)
     checked: bool = False  # its link measured and its speed checked: it may be planned
     last_heard: float = field(
         default_factory=time.monotonic
@@ -83,9 +84,9 @@ class NodeHandle:
 
     def info(self, core_share: float = 1.0) -> NodeInfo:
         """What the planner knows of it; ``core_share``: the share of its CPUs' time it has
-        (``plan.cores``), which scales its measured rate (its CPU's; its GPUs' are their own)."""
+        (``plan.cores``), which scales its planned rate (its CPU's; its GPUs' are their own)."""
         r = self.join.resources
-        rate = (self.believed_rate or r.bytes_per_second) * core_share
+        rate = planned_rate(r.bytes_per_second, self.proven_rate, self.served_rate) * core_share
         memory = (
             min(r.free_memory_bytes, self.memory_cap)
             if self.memory_cap is not None
@@ -105,4 +106,4 @@ class NodeHandle:
 
     def placement(self) -> Placement:
         r = self.join.resources
-        return Placement(self.node_id, r.host, frozenset(r.cpus), r.device)
+        return Placement(self.node_id, r.host, frozenset(r.cpus), r.device, self.address)

@@ -162,6 +162,26 @@ class Planning:
             self._switch_to(proposed)
             return True
 
+    def replan_slow(self, current: Plan, slow: dict[str, float]) -> bool:
+        """Nodes served clearly slower than planned (``serving_pace``, which lowered their rates):
+        switch to the plan over the members at their rates now when it gives a slow node fewer
+        layers; whether it switched."""
+        c = self.coordinator
+        with c.lock:
+            if c.plan is not current or not c.ready.is_set():
+                return False
+            try:
+                proposed = self.candidate([h for h in c.keeper.current.nodes.values() if h.checked])
+            except PlanError:
+                return False
+            if not any(layers_of(proposed, n) < layers_of(current, n) for n in slow):
+                return False
+            slowdowns = ", ".join(f"{node} {value:.2f}x" for node, value in sorted(slow.items()))
+            c.apply(Rebalancing(slowdowns, pace(current) / pace(proposed)))
+            c.on_failure(None, "the mesh re-planned around a node slower than planned", "replanned")
+            self._switch_to(proposed)
+            return True
+
     def _able(self, joined: list[NodeHandle]) -> list[NodeHandle]:
         """The members that can compute in the mesh's precision; each one that cannot is said once."""
         if not self.options.int8_activations:
@@ -289,3 +309,8 @@ def current_options(plan: Plan, options: PlanOptions) -> PlanOptions:
 def members(plan: Plan) -> set[str]:
     """Every node the plan uses, lockstep ranks included."""
     return {node for stage in plan.stages for node in stage.members()}
+
+
+def layers_of(plan: Plan, node: str) -> int:
+    """How many layers ``node`` holds in ``plan`` (a lockstep rank counts its group's)."""
+    return sum(s.end - s.start for s in plan.stages if node in s.members())

@@ -1,5 +1,6 @@
-"""Measured node speeds, steadied before planning: nodes that measure within noise of each
-other plan as equals."""
+"""Measured node speeds: the rate a node is planned at (what it claimed, no more than it proved
+or its stage served), steadied before planning: nodes that measure within noise of each other
+plan as equals."""
 
 from __future__ import annotations
 
@@ -7,9 +8,19 @@ from dataclasses import replace
 
 from seamline.mesh.plan.types import NodeInfo
 
+PROVEN_ALLOWANCE = 1.2  # a claim is believed up to this much above the rate the node proved
 RATE_NOISE = (
     0.15  # like machines measured this far apart on a busy host (a neighbour starting, say)
 )
+
+
+def planned_rate(claimed: float, proven: float | None, served: float | None = None) -> float:
+    """The rate a node is planned at: its claim, at most ``PROVEN_ALLOWANCE`` times what it proved
+    on the coordinator's timed product (a busy moment may slow an honest node's proof, never
+    speed a liar's), and at most what its stage served at when it served clearly slower
+    (``serving_pace``). ``None``: not measured yet."""
+    rate = claimed if proven is None else min(claimed, PROVEN_ALLOWANCE * proven)
+    return rate if served is None else min(rate, served)
 
 
 def steady_rates(nodes: list[NodeInfo], noise: float = RATE_NOISE) -> list[NodeInfo]:

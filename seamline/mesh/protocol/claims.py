@@ -1,13 +1,15 @@
 """Checking what a joining node claims about itself: its speed, by a product the coordinator
-times and checks, and (after it loads) its memory, by the resident bytes its share must take.
+times and checks, and (after it loads) its memory, by the probe its whole stage must answer.
 
 Speed: the coordinator sends a seed; the node makes the seeded matrix (not timed) and says so;
 then the coordinator sends a fresh random vector and times the answer, the sums of the
 matrix-vector product's row blocks, which it checks against its own product (so the node
-cannot answer without computing, nor compute ahead); the fastest of a few counts. A node
-measured below a fifth of the rate it claimed is planned at the measured rate. Memory cannot be proved from afar; a stage whose
-resident bytes after loading fall short of half its weights is refused, and a claim is never
-worth more than the share it earns (a node claiming 1 TB must still load and hold it).
+cannot answer without computing, nor compute ahead); the fastest of a few counts. That is the
+rate the node proved: it is planned at no more than 1.2 times it, whatever it claimed
+(``plan.measured.planned_rate``). Memory cannot be proved from afar: a node is given layers by
+the room it claims, and before a route is published each stage must compute a probe over its
+whole range as the coordinator does (``control.stage_checks``), so a node claiming 1 TB must
+still load and hold what it was given, or it is removed.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import time
 
 import torch
 
+from seamline.mesh.plan.measured import PROVEN_ALLOWANCE
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import SpeedProbe, SpeedReady, SpeedSums
 
 log = logging.getLogger("seamline.coordinator")
 ROWS, COLS, BLOCKS = 8192, 1024, 64  # a 32 MiB float32 matrix: about what a node measured itself on
-SLACK = 5.0  # a node is believed unless it is this much slower than it claimed (a busy host skews a timing)
 ROUNDS = 5  # products timed, a little apart; the fastest counts
 PAUSE_S = 0.02
 _ONE_AT_A_TIME = (
@@ -53,12 +55,16 @@ def expected_sums(seed: int, vectors: torch.Tensor) -> torch.Tensor:
     return torch.stack([(probe_block(seed, b) @ vectors).sum(dim=0) for b in range(BLOCKS)], dim=1)
 
 
-def block_sums(matrix: torch.Tensor, vector: torch.Tensor, blocks: int = BLOCKS) -> list[float]:
-    """The sums of ``matrix @ vector`` over ``blocks`` equal row blocks: the probe's answer. On
-    one thread: threads that share cores with a busy neighbour wait for each other and run many
-    times slower than one thread (a node claims at least its one-thread rate)."""
+def block_sums(
+    matrix: torch.Tensor, vector: torch.Tensor, blocks: int = BLOCKS, one_thread: bool = True
+) -> list[float]:
+    """The sums of ``matrix @ vector`` over ``blocks`` equal row blocks: the probe's answer. A
+    node answers some rounds on one thread and some on all (the fastest counts): threads that
+    share cores with a busy neighbour wait for each other and run many times slower than one
+    thread, while a machine with many cores to itself streams faster on all of them."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if one_thread:
+        torch.set_num_threads(1)
     try:
         return torch.mv(matrix, vector).view(blocks, -1).sum(dim=1).tolist()
     finally:
@@ -79,8 +85,8 @@ class SpeedCheck:
             self._arrived.notify_all()
 
     def run(self) -> float | None:
-        """The rate to plan this node at: its claim, or five times what it measured when that is
-        less; None when it gave no right answer (it is not believed at all)."""
+        """The rate this node proved (bytes/s of its fastest right answer); None when it gave no
+        right answer (it is not believed at all)."""
         with _ONE_AT_A_TIME:
             return self._run()
 
@@ -100,18 +106,16 @@ class SpeedCheck:
         except ValueError as exc:
             log.warning("%s: %s: not believed", self.link.name, exc)
             return None
-        measured = (
-            ROWS * COLS * 4 / max(took - self.rtt_s, 1e-6)
-        )  # the float32 matrix streamed once
-        if measured * SLACK < self.claimed:
+        proven = ROWS * COLS * 4 / max(took - self.rtt_s, 1e-6)  # the float32 matrix streamed once
+        if proven * PROVEN_ALLOWANCE < self.claimed:
             log.warning(
-                "%s claimed %.1f GB/s but computed at %.1f GB/s: planned at the measured rate",
+                "%s claimed %.1f GB/s but proved %.1f GB/s: planned at %.1f GB/s at most",
                 self.link.name,
                 self.claimed / 1e9,
-                measured / 1e9,
+                proven / 1e9,
+                proven * PROVEN_ALLOWANCE / 1e9,
             )
-            return measured
-        return self.claimed
+        return proven
 
     def _round(self, seed: int, vector: torch.Tensor, expected: torch.Tensor) -> float:
         """One timed product on a fresh vector; ValueError if the answer is wrong or missing."""
