@@ -509,8 +509,8 @@ class Node(Membership, DataPath):
             )
             self.control.send_message(SpeedReady())
         elif self._probe_matrix is not None and len(probe.vector) == self._probe_matrix.shape[1]:
-            sums = on_passing_thread(
             self._probe_answers += 1  # alternately on all threads and on one: the fastest counts
+            sums = on_passing_thread(
                 functools.partial(
                     block_sums,
                     self._probe_matrix,
