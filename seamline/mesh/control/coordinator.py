@@ -172,8 +172,8 @@ class Coordinator:
         self.joining = Joining(self)
         self.planning = Planning(self)
         self.balance = Balance(self)
-        self.startup = StartUp(self)
         self.serving_pace = ServingPace(self)
+        self.startup = StartUp(self)
         self.verifier = Verifier(
             reference,
             options.verify_fraction,
@@ -217,9 +217,9 @@ class Coordinator:
         """Listen for nodes on the control port (``joining``); the port."""
         if self.options.rebalance and self.options.locked_plan is None:  # a locked plan is pinned
             self.balance.start()
+            self.serving_pace.start()
         return self.joining.start(host)
 
-            self.serving_pace.start()
     def remove_node(self, node_id: str) -> bool:
         return self.joining.remove_node(node_id)
 
@@ -416,6 +416,7 @@ class Coordinator:
     def shut_down(self) -> None:
         """The mesh is being stopped on purpose: nodes that leave now are not planned around."""
         self.balance.stop()
+        self.serving_pace.stop()
         self.apply(ShuttingDown())
 
     def _lost(self, handle: NodeHandle, reason: str, observed: bool = True) -> None:
@@ -425,7 +426,6 @@ class Coordinator:
             self.peer_links.forget(handle.node_id)
             plan = self.plan
             state = self.apply(NodeLost(handle.node_id, reason))
-        self.serving_pace.stop()
         with handle.changed:
             handle.changed.notify_all()
         if state.closing:
