@@ -119,7 +119,14 @@ def serve_once_listening(
     sock = settings.bind_socket()
     sock.listen(settings.backlog)
     announce()
-    uvicorn.Server(settings).run(sockets=[sock])
+    if not settings.is_ssl:
+        uvicorn.Server(settings).run(sockets=[sock])
+        return
+    from seamline.net.tls_gate import GatedServer  # asyncio shows a TLS connection only once
+
+    settings.loop = "asyncio"  # it has shaken hands: it is admitted at the accept (``tls_gate``)
+    settings.load()
+    GatedServer(settings, sock, settings.ssl, "API").run()
 
 
 def raise_descriptor_limit() -> int:

@@ -9,9 +9,12 @@ from __future__ import annotations
 import resource
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import psutil
@@ -25,6 +28,20 @@ from seamline.parallel import GateTag
 from seamline.parallel.tcp_comm import TcpComm
 from seamline.server.demo import memory_cap_gb
 from tests.support.mesh_harness import MeshProcesses
+
+HTTPS_API = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, (512, 512))
+from fastapi import FastAPI
+from seamline.net.http_guard import serve_once_listening
+app = FastAPI()
+app.get("/health")(lambda: {"ok": True})
+port, cert, key = sys.argv[1:]
+ready = lambda: print("listening", flush=True)
+serve_once_listening(
+    app, ready, "127.0.0.1", int(port), log_level="warning", ssl_certfile=cert, ssl_keyfile=key
+)
+"""
 
 NOFILE = 512  # each honest process's descriptors, hard limit too
 FLOOD = 1500  # connections the stranger opens: three times as many
@@ -102,7 +119,7 @@ class Flood:
         return len(self.held)
 
 
-def _watch(mesh: MeshProcesses, process: psutil.Process, seconds: float) -> dict[str, object]:
+def _watch(url: str, process: psutil.Process, seconds: float) -> dict[str, object]:
     """/health asked on a new connection twice a second for ``seconds``; the answers that did
     not come within 5 s and the most descriptors ``process`` held."""
     missed: list[str] = []
@@ -111,8 +128,8 @@ def _watch(mesh: MeshProcesses, process: psutil.Process, seconds: float) -> dict
     while time.monotonic() < until:
         most = max(most, process.num_fds())
         try:
-            with httpx.Client(timeout=5) as client:
-                assert client.get(f"{mesh.base_url}/health").status_code in (200, 503)
+            with httpx.Client(timeout=5, verify=False) as client:
+                assert client.get(f"{url}/health").status_code in (200, 503)
         except httpx.HTTPError as exc:
             missed.append(type(exc).__name__)
         time.sleep(0.5)
@@ -138,7 +155,7 @@ def test_a_flood_at_the_coordinators_fragment_port_leaves_health_answered(
     processes, _ = mesh
     coordinator = psutil.Process(processes.serve.pid)  # type: ignore[union-attr]
     flood = Flood(processes.fragments_port)
-    seen = _watch(processes, coordinator, 12)
+    seen = _watch(processes.base_url, coordinator, 12)
     took = _handshakes(processes.fragments_port)
     opened = flood.close()
     assert opened > NOFILE, opened
@@ -152,7 +169,7 @@ def test_a_flood_at_a_nodes_fragment_port_leaves_it_serving(
     processes, node = mesh
     port = _fragment_port(processes, node)
     flood = Flood(port)
-    seen = _watch(processes, node, 12)
+    seen = _watch(processes.base_url, node, 12)
     took = _handshakes(port)
     opened = flood.close()
     assert opened > NOFILE, opened
@@ -205,3 +222,42 @@ def test_a_flood_at_a_comm_port_does_not_hold_up_the_group() -> None:
     assert torch.equal(summed[0], torch.full((4,), 3.0)) and torch.equal(summed[1], summed[0])
     for comm in comms:
         comm.close()  # type: ignore[union-attr]
+
+
+def test_a_flood_at_an_https_api_leaves_health_answered(tmp_path: Path) -> None:
+    """The API served over HTTPS takes TLS after the accept too: the same flood, /health asked
+    over HTTPS throughout."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+        + [
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-c", HTTPS_API, str(port), str(cert), str(key)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None and server.stdout.readline().strip() == "listening"
+        flood = Flood(port)
+        seen = _watch(f"https://127.0.0.1:{port}", psutil.Process(server.pid), 12)
+        opened = flood.close()
+        assert opened > NOFILE, opened
+        assert not seen["missed"], seen
+        assert int(seen["most_fds"]) < NOFILE * 3 // 4, seen
+    finally:
+        server.kill()
+        server.wait(10)
