@@ -90,8 +90,8 @@ def bench_scale(
         wait_quiet_probes(
             servers
         )  # the plans are made from probes taken beside the others' loading
-        # a group keeps the probe it takes as it loads (its leader cannot see its ranks' cores
-        # quiet): it loads once the others are idle
+        # a group keeps the first probe it takes, once idle after it is linked (its leader cannot
+        # see its ranks' cores quiet): it loads once the others are idle
         servers["lockstep_2"] = _start("lockstep_2", logs)
         servers["lockstep_2"].wait_healthy()
         settled = {name: settle(server, logs) for name, server in servers.items()}
@@ -101,7 +101,7 @@ def bench_scale(
         ) in servers.items():  # a switch inside a measured round would replay its requests
             hold_plan(server, logs / f"state-{name}")
         quiet = wait_quiet_probes(servers)  # a re-balance reloaded stages: their probes again
-        del quiet["lockstep_2"]  # a group's: taken as it loaded, the other meshes idle
+        del quiet["lockstep_2"]  # a group's: its first probe, the other meshes idle
         calibrations = {"one_node": calibrate(servers["one_node"], logs)}
         rank_probe = calibrations["one_node"].stages[
             0
@@ -139,7 +139,7 @@ def wait_quiet_probes(
     servers: dict[str, Server], timeout_s: float = PROBE_WAIT_S
 ) -> dict[str, bool]:
     """Leave every mesh idle until each of its stages has taken its probe again on quiet cores
-    (``mesh.node.reprobe``; a lockstep group's keeps its loading probe); per mesh, whether all
+    (``mesh.node.reprobe``; a lockstep group's keeps its first probe); per mesh, whether all
     did within ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     pending = set(servers)
@@ -153,7 +153,11 @@ def wait_quiet_probes(
 
 def _probed_quiet(server: Server) -> bool:
     stages = status_of(server)["stages"]
-    return all(stage.get("probe_quiet") or len(stage.get("ranks") or ()) > 1 for stage in stages)
+    return all(
+        stage.get("probe_quiet")
+        or (len(stage.get("ranks") or ()) > 1 and stage.get("step_probe_ms"))
+        for stage in stages
+    )  # a group's: its first probe, taken once idle after it was linked
 
 
 def settle(server: Server, logs: Path) -> dict[str, Any]:

@@ -43,3 +43,8 @@ class IdleClock:
             return self._total + (
                 time.monotonic() - self._since if self._since is not None else 0.0
             )
+
+    def waiting_for(self) -> float:
+        """Seconds the wait in progress has lasted (0.0 while there is work)."""
+        with self._lock:
+            return time.monotonic() - self._since if self._since is not None else 0.0

@@ -386,13 +386,25 @@ def test_a_client_that_goes_away_is_freed_on_every_stage_within_a_second(
     assert all(s["kept_kv_bytes"] > 0 for s in stages), (
         stages
     )  # kept for prompts that begin alike, on both
-    # each stage probed its steps before serving, and timed them outside their forwards while it served
+    # each stage probed its steps once idle after it was linked (``mesh.node.idle_probe``), and
+    # timed them outside their forwards while it served
+    stages = _once_probed(mesh2)
     assert all(
         set(s["step_probe_ms"]) == PROBED and s["step_overhead_ms"]["1"] > 0 for s in stages
     ), stages
     assert all(
         set(s["prompt_probe_ms"]) == PROMPTS_PROBED and s["busy_seconds"] > 0 for s in stages
     ), stages
+
+
+def _once_probed(mesh: MeshProcesses, timeout_s: float = 60.0) -> list[dict]:
+    """The stages' status once each has taken its speed probe (or ``timeout_s`` has passed)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stages: list[dict] = mesh.status()["stages"]
+        if all(s.get("step_probe_ms") for s in stages) or time.monotonic() > deadline:
+            return stages
+        time.sleep(0.5)
 
 
 def test_a_request_beyond_the_kv_budget_is_refused_and_the_mesh_keeps_serving(

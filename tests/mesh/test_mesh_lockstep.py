@@ -147,9 +147,15 @@ def _check_speculation(mesh: MeshProcesses, folder: Path) -> None:
 
 
 def _check_probes(mesh: MeshProcesses) -> None:
-    """Each group's leader probed steps through its whole group before serving, and measured
-    its steps outside their forwards while it served."""
-    for stage in httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()["stages"]:
+    """Each group's leader probed steps through its whole group once idle after it was linked
+    (``mesh.node.idle_probe``), and measured its steps outside their forwards while it served."""
+    deadline = time.monotonic() + 60
+    while True:
+        stages = httpx.get(f"{mesh.base_url}/api/status", timeout=30).json()["stages"]
+        if all(s.get("step_probe_ms") for s in stages) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    for stage in stages:
         probed = stage["step_probe_ms"]
         assert set(probed) == PROBED and all(ms > 0 for ms in probed.values()), stage
         prompts = stage["prompt_probe_ms"]

@@ -32,6 +32,7 @@ from seamline.mesh.node.checks import digest_reporter, probe_result
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_path import DataPath
 from seamline.mesh.node.fetch import FetchReport
+from seamline.mesh.node.idle_probe import probe_when_idle
 from seamline.mesh.node.membership import Membership
 from seamline.mesh.node.node_precision import stage_precision, take_precision
 from seamline.mesh.node.peer_probe import probe_peer
@@ -42,7 +43,6 @@ from seamline.mesh.node.stage_setup import (
     check_room,
     group_tls,
     loading_reporter,
-    probed,
     ready_report,
     stage_worker,
 )
@@ -228,6 +228,7 @@ class Node(Membership, DataPath):
                 self._load(message)
             elif isinstance(message, Route):
                 self._route(message)
+                self._probe_when_idle()  # linked: the start-up and its check are over
             elif isinstance(message, Open) and self.worker:
                 self.worker.open(message)
             elif isinstance(message, Prompt) and self.worker:
@@ -393,8 +394,6 @@ class Node(Membership, DataPath):
             )
         )
         self.worker = stage_worker(stage, assign, stage.input_device)
-        self.worker.step_probe, self.worker.prompt_probe = probed(stage)
-        self._reprobe(self.worker, stage)
         return fetched
 
     def _load_group(self, assign: Assign) -> FetchReport:
@@ -413,9 +412,6 @@ class Node(Membership, DataPath):
         if member.rank == 0:  # the leader: its StageWorker drives the whole group
             self.group_stage = LockstepStage(LockstepGroup(member, assign.context_length))
             self.worker = stage_worker(self.group_stage, assign)
-            # the group's steps, its every rank and gate, as it will serve them
-            # (not again when idle: quiet cores here say nothing of the other ranks')
-            self.worker.step_probe, self.worker.prompt_probe = probed(self.group_stage)
         else:
             threading.Thread(target=self._serve_rank, args=(member, assign), daemon=True).start()
         return fetched
@@ -472,6 +468,20 @@ class Node(Membership, DataPath):
             if self.assignment is None
             else f"{self.assignment.layers[0]},{self.assignment.layers[1]}"
         )
+
+    def _probe_when_idle(self) -> None:
+        """The stage's speed probe, once it is linked and idle (``idle_probe``): a group's through
+        its every rank and gate, as it serves; then a single node's stage again on quiet cores
+        (``_reprobe``), not a group's: quiet cores here say nothing of the other ranks'."""
+        worker = self.worker
+        if worker is None:  # a lockstep rank other than the leader: the leader probes the group
+            return
+
+        def then() -> None:
+            if isinstance(worker.stage, Stage):
+                self._reprobe(worker, worker.stage)
+
+        probe_when_idle(worker, worker.stage, lambda: self.worker is worker, then)
 
     def _reprobe(self, worker: StageWorker, stage: Stage) -> None:
         """With ``--reprobe-when-idle``: probe the stage again once it is idle and its cores quiet

@@ -1,6 +1,7 @@
 """A node's stage made ready to serve: the room check before anything is fetched, the download's
-progress reports, the worker around a loaded stage (its KV budget, its speed probe) and the
-READY that tells the coordinator what this node now holds (``Node._load_here``)."""
+progress reports, the worker around a loaded stage (its KV budget) and the READY that tells the
+coordinator what this node now holds (``Node._load_here``); the stage's speed probe waits until
+it is idle after READY (``idle_probe``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from collections.abc import Callable
 import psutil
 import torch
 
-from seamline.mesh.arenas import trim_now
 from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.fetch import FetchReport
 from seamline.model.stage import Stage
@@ -86,23 +86,6 @@ def _kv_budget(assign: Assign, device: torch.device | None = None) -> int | None
     """Stage 0 admits requests into a KV budget (on its GPU, where it computes on one); later
     stages follow what it admits."""
     return kv_budget_bytes(assign.kv_cache_bytes, device) if assign.owns_embedding else None
-
-
-def probed(stage: Stage | LockstepStage) -> tuple[dict[int, float], dict[int, float]]:
-    """The loaded stage's step seconds at the probe's row counts, and its prompt chunks'; none
-    where it cannot take them (the cost model then has the node's weight-streaming rate alone)."""
-    from seamline.runtime.step_probe import NotProbed, probe_prompt, probe_steps
-
-    try:
-        return probe_steps(stage), probe_prompt(stage)
-    except NotProbed as exc:
-        log.info("no speed probe: %s", exc)
-        return {}, {}
-    except Exception as exc:  # a probe never stops a stage from serving
-        log.warning("the stage's speed probe failed: %s", exc)
-        return {}, {}
-    finally:
-        trim_now()  # its copied caches, freed: the stage's memory is its share again
 
 
 def ready_report(assign: Assign, node_id: str, fetched: FetchReport) -> Ready:
