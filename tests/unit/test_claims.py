@@ -17,6 +17,7 @@ from seamline.mesh.protocol.claims import (
     block_sums,
     expected_sums,
     probe_matrix,
+    rate_of,
 )
 from seamline.net.link import Link, LinkClosed
 from seamline.net.messages import SpeedProbe, SpeedReady, SpeedSums
@@ -104,3 +105,10 @@ def test_the_coordinator_checks_block_by_block_what_the_node_computes_whole() ->
     assert not torch.allclose(
         expected, expected_sums(8, vectors), rtol=1e-2, atol=1
     )  # the seed matters
+
+
+def test_a_long_round_trip_a_node_made_cannot_make_its_answer_fast() -> None:
+    """The link's round trip is taken off the answer's time, never more than half of it."""
+    took = 0.01
+    assert rate_of(took, 0.002) == pytest.approx(32 * 2**20 / 0.008)
+    assert rate_of(took, 0.5) == pytest.approx(2 * 32 * 2**20 / took)  # pongs held back: 2x at most
