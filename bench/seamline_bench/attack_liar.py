@@ -13,6 +13,8 @@ It serves honestly until the bench writes ``arm`` on its stdin; then, by ``mode`
   (a planned member's report replays the request) and that the request is at fault (what only
   stage 0 and the drawing stage may say);
 - ``stalled_reader``: it stops reading its control link, and goes on sending heartbeats.
+- ``claimed_resources``: it claims ten times its speed, 1 TB of memory and a machine of its own,
+  and serves honestly (``attack_claims``).
 
 Lines to the bench: ``{"joined": t}``, ``{"armed": t}``, and on ``quit`` ``{"result": ...}``.
 """
@@ -34,6 +36,7 @@ from seamline.mesh.protocol.invite import Invite
 from seamline.net.frames import EMPTY_HASH, RowFlag, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import Failure, Heartbeat, Open
+from seamline_bench.attack_claims import claims_more_than_it_has
 from seamline_bench.attack_member import AttackRefused, _address, emit, member
 
 
@@ -60,6 +63,8 @@ class Liar:
             self.armed.set()
         elif self.mode == "perturbed_hidden":
             _perturbs_live_frames(self.node, self.armed)
+        elif self.mode == "claimed_resources":
+            claims_more_than_it_has()
         self._watch_opens()
         self.node.join()
         threading.Thread(target=self._serve, daemon=True).start()

@@ -25,6 +25,7 @@ import httpx
 import torch
 
 from seamline.errors import SeamlineError
+from seamline_bench.attack_claims import claimed_resources, liar_target
 from seamline_bench.attack_mesh import (
     HONEST_NOFILE,
     LiveMesh,
@@ -55,6 +56,7 @@ SHARED = (
     "forged_pongs",
     "oversize_member_frames",
     "removed_member",
+    "claimed_resources",
     "fake_ready",
 )
 OWN_MESH = ("stalled_reader", "forged_tokens", "forged_reports", "perturbed_hidden")
@@ -108,6 +110,7 @@ def _targets_met(figures: dict[str, Any]) -> bool:
         and figures["wrong_answers"] == 0
         and figures["mesh_down_s"] <= 10
         and found
+        and figures.get("attack", {}).get("share_within_proven", True)
     )
 
 
@@ -146,6 +149,8 @@ def _on_shared_mesh(
                     _expelled(mesh, "shared-liar"),
                     True,
                 )
+            elif name == "claimed_resources":
+                session.attack(name, lambda: _claimed_resources(mesh, work, duration_s))
             elif name == "removed_member":
                 session.attack(name, lambda: _removed_member(mesh, duration_s))
             else:
@@ -232,6 +237,13 @@ def _pongs_refused(mesh: LiveMesh, node_id: str) -> dict[str, Any]:
         "forged_links_taken": len(taken),
         "refused": pongs > 0 and reports > 0 and not taken,
     }
+
+
+def _claimed_resources(
+    mesh: LiveMesh, work: Path, duration_s: float
+) -> tuple[float, float, dict[str, Any]]:
+    target = liar_target(mesh, wait_until(lambda: _invite(mesh), 30), work)
+    return claimed_resources(mesh, target, duration_s)
 
 
 def _removed_member(mesh: LiveMesh, duration_s: float) -> tuple[float, float, dict[str, Any]]:
