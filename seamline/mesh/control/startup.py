@@ -1,5 +1,6 @@
-"""Start-up of a plan: its stages assigned and loaded downstream first, checked against the
-coordinator's copy (``stage_checks``), then linked downstream first; only then is the route
+"""Start-up of a plan: its stages assigned and loaded all at once (the route waits for the
+slowest, not for each in turn), checked against the coordinator's copy (``stage_checks``, its
+answers computed while they load), then linked downstream first; only then is the route
 published (``Coordinator.startup``); a newer plan supersedes one being started.
 A private plan's last stage is the first stage's node: it is assigned and linked with it."""
 
@@ -13,6 +14,7 @@ from seamline.errors import SeamlineError
 from seamline.mesh.control.mesh_state import RoutePublished, StartupStep
 from seamline.mesh.control.stage_checks import (
     PROBE_TIMEOUT_S,
+    Expectations,
     StageFailedCheck,
     check_stages,
 )
@@ -46,14 +48,22 @@ class StartUp:
             handles = [c.nodes[s.node_id] for s in plan.stages]  # the stages' leaders
             self.link_key = link_key = secrets.token_hex(16)
             self.speculation = self._speculation(plan)
-            for index in reversed(range(len(plan.loaded_stages()))):
+            reference = c.verifier.reference
+            expected = Expectations(reference, plan) if reference is not None else None
+            loaded = list(reversed(range(len(plan.loaded_stages()))))
+            tails = [plan.stages[-1] if plan.private and i == 0 else None for i in loaded]
+            for index, tail in zip(loaded, tails):
+                self._current(plan_id)
+                self._assign_stage(
+                    plan.stages[index], plan_id, link_key, _senders(plan, index), tail
+                )
+            for index, tail in zip(loaded, tails):
                 self._current(plan_id)
                 stage = plan.stages[index]
                 on = ", ".join(stage.members())
                 c.apply(StartupStep(plan_id, f"loading layers [{stage.start},{stage.end}) on {on}"))
-                tail = plan.stages[-1] if plan.private and index == 0 else None
-                self._assign_stage(stage, plan_id, link_key, _senders(plan, index), tail)
-            self._check_stages(plan, plan_id, handles)
+                self._await_stage(stage, plan_id, tail)
+            self._check_stages(plan, plan_id, handles, expected)
             forks = all(
                 len(s.members()) == 1 for s in plan.stages
             )  # a lockstep group's caches are not copied
@@ -78,15 +88,21 @@ class StartUp:
             c.verifier.plan([CheckedStage((s.start, s.end), s.members()) for s in plan.stages])
             c.apply(RoutePublished(plan_id))
 
-    def _check_stages(self, plan: Plan, plan_id: int, leaders: list[NodeHandle]) -> None:
+    def _check_stages(
+        self,
+        plan: Plan,
+        plan_id: int,
+        leaders: list[NodeHandle],
+        expected: Expectations | None,
+    ) -> None:
         """READY means loaded: every stage computes a probe as the coordinator's copy does
         (``stage_checks``); a stage that does not is removed from the mesh."""
         reference = self.coordinator.verifier.reference
-        if reference is None:
+        if reference is None or expected is None:  # no copy to check against
             return
         self.coordinator.apply(StartupStep(plan_id, "checking what every stage computes"))
         try:
-            check_stages(reference, plan, plan_id, leaders, self._ask_probe)
+            check_stages(expected, plan, plan_id, leaders, self._ask_probe)
         except StageFailedCheck as exc:
             self.expel(list(exc.nodes), f"it failed the start-up check: {exc}")
             raise StartupError(f"{', '.join(exc.nodes)} failed the start-up check: {exc}") from None
@@ -145,8 +161,8 @@ class StartUp:
         senders: tuple[str, str],
         tail: StageAssignment | None = None,
     ) -> None:
-        """Assign every rank of the stage, then wait for all: a group's ranks load and meet
-        together. ``tail``: a private plan's last stage, which the first stage's node holds too."""
+        """Assign every rank of the stage (a group's ranks load and meet together); ``tail``: a
+        private plan's last stage, which the first stage's node holds too."""
         c = self.coordinator
         members = [c.nodes[m] for m in s.members()]
         for rank, handle in enumerate(members):
@@ -155,6 +171,11 @@ class StartUp:
             handle.link.send_message(
                 self._assignment(s, plan_id, link_key, senders, tail, members, rank)
             )
+
+    def _await_stage(self, s: StageAssignment, plan_id: int, tail: StageAssignment | None) -> None:
+        """Wait for every rank of the stage ``s`` to be READY as the plan gave it."""
+        c = self.coordinator
+        members = [c.nodes[m] for m in s.members()]
         for rank, handle in enumerate(members):
             ready = c.wait_for(handle, lambda h=handle: h.ready, "READY", STEP_TIMEOUT_S)  # type: ignore[misc]
             self._check_ready(s, plan_id, handle, ready, (rank, len(members)), tail)
