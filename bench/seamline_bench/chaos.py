@@ -1,14 +1,16 @@
 """`seamline bench chaos`: a mesh serving steadily while its nodes die and come back.
 
-Three nodes (``--precision exact``, float32: answers are compared; memory caps under which any
-two, and no one, hold the model) serve 8
+Once at each precision of ``PRECISIONS``, a mesh of its own: the default a user gets with no
+flag, and ``--precision exact`` (float32), whose answers must not change. Three nodes (memory
+caps under which any two, and no one, hold the model) serve 8
 clients that stream the same 8 requests over and over (greedy and seeded sampling, alternately).
 A calm phase gives each request's answer without failures and the steady rate. Then, for each
 round, a random node of the route is killed (SIGKILL; every fourth round SIGSTOP, which only
 missed heartbeats reveal) and started again 5 s later; the next round waits until it has
 joined again. Every answer during the chaos is compared with the calm one.
 
-Fields: ``requests`` (answers completed or failed during the chaos), ``lost`` (failed),
+The JSON has a block per precision (``precisions``: the coordinator's ``precision`` and these
+fields): ``requests`` (answers completed or failed during the chaos), ``lost`` (failed),
 ``outputs_changed`` (differing from the calm answer, other than at a near-tie: those, where
 the reference model's logits of the two tokens chosen are within 1e-3 where the answers first
 differ, are counted apart as ``near_tie_flips``; ``bench.near_tie``), recovery per
@@ -41,6 +43,8 @@ CONTEXT = 2048
 NODES = 3
 RESTART_AFTER_S = 5.0
 CALM_S = 30.0
+# name in the JSON -> (`--precision`, None for no flag; bytes per KV value, for the memory caps)
+PRECISIONS: dict[str, tuple[str | None, int]] = {"default": (None, 2), "exact": ("exact", 4)}
 PROMPTS = [
     "Name three rivers in Europe and one fact about each.",
     "Write a haiku about the sea.",
@@ -126,9 +130,22 @@ def _described(exc: openai.APIError, tokens: int) -> str:
 
 
 def bench_chaos(rounds: int = 20, clients: int = 8, tokens: int = 48) -> dict[str, Any]:
+    """A block per precision of ``PRECISIONS``, each from a mesh of its own."""
+    return {
+        "bench": "chaos",
+        "precisions": {
+            name: _chaos_at(flag, kv_bytes, rounds, clients, tokens)
+            for name, (flag, kv_bytes) in PRECISIONS.items()
+        },
+    }
+
+
+def _chaos_at(
+    precision: str | None, kv_bytes: int, rounds: int, clients: int, tokens: int
+) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="seamline-chaos-"))
     env = dict(os.environ)
-    cap = memory_cap_gb(None, 2, CONTEXT)
+    cap = memory_cap_gb(None, 2, CONTEXT, dtype_bytes=kv_bytes)
     server = start_mesh(
         "chaos",
         [NodeSpec("0,1", 1) for _ in range(NODES)],
@@ -137,10 +154,11 @@ def bench_chaos(rounds: int = 20, clients: int = 8, tokens: int = 48) -> dict[st
         env,
         logs,
         cap,
-        precision="exact",
-    )  # answers are compared
+        precision=precision,
+    )
     try:
         server.wait_healthy()
+        described = mesh_status(server).get("precision")
         load = Clients(server.url, clients, tokens)
         load.start()
         time.sleep(3.0)  # warm-up, not counted
@@ -150,7 +168,8 @@ def bench_chaos(rounds: int = 20, clients: int = 8, tokens: int = 48) -> dict[st
         failures = [_round(server, env, logs, r) for r in range(rounds)]
         chaos_to = time.monotonic()
         load.stop()
-        return _result(load, calm_from, calm_to, chaos_to, failures, rounds, logs)
+        result = _result(load, calm_from, calm_to, chaos_to, failures, rounds, logs)
+        return {"precision": described, **result}
     finally:
         server.close()
 
@@ -253,7 +272,7 @@ def _result(
     recoveries = _recoveries(load.answers, failures)
     return {
         "bench": "chaos",
-        "model": "SmolLM2-135M-Instruct.Q4_1 (float32), 3 nodes, any 2 hold it",
+        "model": "SmolLM2-135M-Instruct.Q4_1, 3 nodes, any 2 hold it",
         "rounds": rounds,
         "clients": load.count,
         "tokens_per_request": load.tokens,
