@@ -2,7 +2,7 @@
 
 Nodes join over the control port (``joining.Joining``: an invite proved, a certificate
 issued, the node's link and speed measured). Once ``nodes_expected`` have joined, the planner
-(``planning.Planning``) assigns layer ranges; stages are assigned and loaded downstream first
+(``planning.Planning``) assigns layer ranges; stages are assigned and loaded all at once
 (``startup.StartUp``), each reports READY with a descriptor checked against the plan, then the
 links are made downstream first and stage 0's route is published last. Only then is the mesh
 ready. A node that leaves fails the requests in flight and triggers a re-plan over the nodes
