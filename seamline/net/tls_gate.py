@@ -73,8 +73,13 @@ class GatedServer(uvicorn.Server):
     async def _handshake(self, sock: socket.socket, address: tuple, pending: Pending) -> None:
         """TLS on an admitted socket; a failed handshake is logged (once per while) as refused."""
         assert self.admission is not None
+        loop = asyncio.get_running_loop()
         try:
-            await asyncio.get_running_loop().connect_accepted_socket(
+            await _readable(loop, sock)
+            if not pending.counted:  # cut while it sent nothing: no TLS state is made for it
+                sock.close()
+                return
+            await loop.connect_accepted_socket(
                 self._protocol, sock, ssl=self.context, ssl_handshake_timeout=LOOP_HANDSHAKE_S
             )
         except (OSError, asyncio.TimeoutError) as exc:  # ssl.SSLError is an OSError
@@ -89,3 +94,15 @@ class GatedServer(uvicorn.Server):
         return self.config.http_protocol_class(  # type: ignore[call-arg]
             config=self.config, server_state=self.server_state, app_state=self.lifespan.state
         )
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Until the peer has sent something (its ClientHello) or the socket is cut: asyncio's TLS
+    takes a 256 KiB buffer per connection, which a connection that sends nothing never costs."""
+    sock.setblocking(False)
+    ready = loop.create_future()
+    loop.add_reader(sock.fileno(), lambda: ready.done() or ready.set_result(None))
+    try:
+        await asyncio.wait_for(ready, LOOP_HANDSHAKE_S)
+    finally:
+        loop.remove_reader(sock.fileno())
