@@ -73,7 +73,7 @@ class _Coordinator:
     def __init__(self, step_s: dict[str, float]) -> None:
         from seamline.net.messages import Stats
 
-        self.plan, self.plan_id = _plan(), 1
+        self.plan, self.plan_id = replace(_plan(), private=True), 1  # ``balance`` watches the rest
         self.ready = threading.Event()
         self.ready.set()
         self.planning = _Planning()

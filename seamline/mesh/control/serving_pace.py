@@ -3,9 +3,10 @@
 
 A node is planned at no more than the rate it proved when it joined (``plan.measured``); under
 load it may still serve slower (a machine busy with something else, or one that proved fast and
-then computes slowly). Every ``WINDOW_S`` while a plan of single-node stages serves, private
-ones included, the coordinator reads each stage's decode counters (steps run, their seconds).
-Over ``SUSTAINED_S`` in which every stage ran ``MIN_STEPS`` steps, a node's seconds per step over
+then computes slowly). A plan of single-node stages is re-balanced from its stages' measured
+step times (``balance``), all but a private mesh's, whose ends are the coordinator's own node:
+every ``WINDOW_S`` while a private plan serves, the coordinator reads each stage's decode
+counters (steps run, their seconds). Over ``SUSTAINED_S`` in which every stage ran ``MIN_STEPS`` steps, a node's seconds per step over
 the plan's prediction for it is its slowdown, taken relative to the least slowed node: the rows
 of a step and the load on the machines slow every stage alike, so only a node slower than its
 fellows is slower than its plan. A node slowed ``CLEAR`` times or more is planned from then on at
@@ -101,7 +102,7 @@ class ServingPace:
         if plan is None or not c.ready.is_set() or len(plan.stages) < 2:
             self._start = None
             return
-        if any(s.ranks for s in plan.stages):
+        if not plan.private or any(s.ranks for s in plan.stages):  # ``balance`` watches the rest
             self._start = None
             return
         members = frozenset(s.node_id for s in plan.stages)
