@@ -3,10 +3,14 @@
 joins the serving mesh; it serves honestly. The coordinator is to plan it at no more than it
 proves on its timed product, and to take the machine its address shares.
 
-Figures: what it claimed, proved and was planned at, and its shares: ``planned_share`` (the
-layers it holds in the plan the mesh serves, the largest seen while it was a member) against
-``proven_share`` (its proven rate, times its core share, over the same sum for every checked
-member: its share of the pool's proven speed). Target: the planned share no larger.
+Figures: what it claimed, proved and was planned at, and its shares of the route the mesh
+serves (the largest seen while it was a member; 0 while it is not in the route):
+``planned_share``, its planned rate over the route's planned rates (what the planner was told),
+against ``proven_share``, its proven rate over theirs (each times its core share). Target: the
+planned share no larger. They are equal when every node is planned at its proof, as the liar
+is; an honest node that claimed less than 1.2x its proof is planned at its claim, which lifts
+the liar's planned share a little: its claim, not the liar's. ``layer_share``: its layers over
+the model's.
 """
 
 from __future__ import annotations
@@ -68,28 +72,36 @@ def shares(status: dict[str, Any]) -> dict[str, Any]:
     liar = nodes.get(LIAR)
     if liar is None or not liar.get("proven_bytes_per_second"):
         return {}
+    layers = {s["node_id"]: s["layers"][1] - s["layers"][0] for s in status.get("stages", [])}
+    route = [node for node in layers if node in nodes]
+    planned = {node: float(nodes[node]["planned_bytes_per_second"]) for node in route}
     proven = {
-        node: (n.get("proven_bytes_per_second") or 0.0) * n["core_share"]
-        for node, n in nodes.items()
+        node: float(nodes[node].get("proven_bytes_per_second") or 0.0) * nodes[node]["core_share"]
+        for node in route
     }
-    layers = {
-        s["node_id"]: s["layers"][1] - s["layers"][0] for s in status.get("stages", [])
-    }  # a private mesh's own node holds two stages: not the liar, whose share this is
-    total_layers = sum(layers.values()) or 1
-    planned_share = layers.get(LIAR, 0) / total_layers
-    proven_share = proven[LIAR] / (sum(proven.values()) or 1.0)
+    planned_share = planned.get(LIAR, 0.0) / (sum(planned.values()) or 1.0)
+    proven_share = proven.get(LIAR, 0.0) / (sum(proven.values()) or 1.0)
     return {
         "claimed_bytes_per_second": liar["bytes_per_second"],
         "claimed_memory_bytes": liar["free_memory_bytes"],
         "proven_bytes_per_second": liar["proven_bytes_per_second"],
         "planned_bytes_per_second": liar["planned_bytes_per_second"],
         "core_share": liar["core_share"],
-        "honest_core_shares": {n: v["core_share"] for n, v in nodes.items() if n != LIAR},
-        "layers": layers.get(LIAR, 0),
+        "honest": {
+            n: {
+                "claimed": v["bytes_per_second"],
+                "proven": v.get("proven_bytes_per_second"),
+                "planned": v["planned_bytes_per_second"],
+                "core_share": v["core_share"],
+            }
+            for n, v in nodes.items()
+            if n != LIAR
+        },
         "stages": {n: layers[n] for n in sorted(layers)},
+        "layer_share": round(layers.get(LIAR, 0) / (sum(layers.values()) or 1), 4),
         "planned_share": round(planned_share, 4),
         "proven_share": round(proven_share, 4),
-        "share_within_proven": planned_share <= proven_share,
+        "share_within_proven": planned_share <= proven_share * (1 + 1e-9),
     }
 
 
