@@ -40,9 +40,10 @@ def main(argv: list[str]) -> int:
     )
     name, target = argv[0], json.loads(argv[1])
     if name == "liar":
+        from seamline_bench.attack_flap import MODES, FailingMember
         from seamline_bench.attack_liar import Liar
 
-        Liar(target, target["mode"]).run()
+        (FailingMember if target["mode"] in MODES else Liar)(target, target["mode"]).run()
         return 0
     emit({"started": time.monotonic()})
     try:

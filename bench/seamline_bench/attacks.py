@@ -10,7 +10,9 @@ liar joins the serving mesh and is planned in). A liar in the route gets a fresh
 honest nodes and itself, any two of which hold the model, started again until the planner
 puts the liar where its attack needs it (``PLACES``): ``stalled_reader`` (stage 0 stops
 reading its control link), ``forged_tokens``, ``forged_reports`` (a middle stage says it failed
-on every request as it opens) and ``perturbed_hidden`` (with ``--verify-fraction 1``).
+on every request as it opens) and ``perturbed_hidden`` (with ``--verify-fraction 1``); so does a
+failing member (``attack_flap``): ``flapping_member`` (the mesh's re-plans over a minute) and
+``refused_frame`` (the seconds from a row sent out of step to its request's replay).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import httpx
 import torch
 
 from seamline.errors import SeamlineError
+from seamline_bench import attack_flap
 from seamline_bench.attack_claims import claimed_resources, liar_target
+from seamline_bench.attack_flap import MODES as FAILING
 from seamline_bench.attack_mesh import (
     HONEST_NOFILE,
     LiveMesh,
@@ -59,7 +63,7 @@ SHARED = (
     "claimed_resources",
     "fake_ready",
 )
-OWN_MESH = ("stalled_reader", "forged_tokens", "forged_reports", "perturbed_hidden")
+OWN_MESH = ("stalled_reader", "forged_tokens", "forged_reports", "perturbed_hidden", *FAILING)
 PLACES = {  # where a liar's attack needs it: (its stage, of how many)
     "stalled_reader": lambda at, n: (
         at == 0
@@ -67,6 +71,8 @@ PLACES = {  # where a liar's attack needs it: (its stage, of how many)
     "forged_tokens": lambda at, n: at < n - 1,  # not the stage that draws the tokens
     "forged_reports": lambda at, n: 0 < at < n - 1,  # not one that may end a request
     "perturbed_hidden": lambda at, n: True,
+    "flapping_member": lambda at, n: True,  # in the route: its failures re-plan the mesh
+    "refused_frame": lambda at, n: n > 1,  # it sends rows to another stage
 }
 ATTACKS = SHARED + OWN_MESH
 DURATION_S, AFTER_S = 15.0, 30.0  # each attack's, and how long the mesh is watched after it
@@ -316,9 +322,12 @@ def _on_own_mesh(
             "stalled_reader": _lost,
             "forged_reports": _refused_or_lost,
         }.get(name, _refused)(mesh, liar)
-        session.attack(
-            name, lambda: _armed(driver, mesh, liar, name, duration_s), watcher, lying=True
-        )
+        if name in FAILING:  # a failing member, not a liar to find: it is watched as it fails
+            run = lambda: attack_flap.armed(driver, mesh, name, duration_s)  # noqa: E731
+            session.attack(name, run)
+        else:
+            run = lambda: _armed(driver, mesh, liar, name, duration_s)  # noqa: E731
+            session.attack(name, run, watcher, lying=True)
         quit_line = driver.ask("quit")
         figures, changed = session.finish()
         figures[name]["attack"].update(
@@ -326,6 +335,13 @@ def _on_own_mesh(
             liar_stage=stages.index(liar) if liar in stages else None,
             stages=stages,
             liar_saw=quit_line.get("result", {}),
+        )
+        figures[name]["attack"].update(
+            attack_flap.after_quit(
+                name,
+                quit_line.get("result", {}),
+                mesh.logs / f"{mesh.name}.log",
+            )
         )
         return figures, changed
     finally:

@@ -80,6 +80,7 @@ from seamline.net.messages import (
 from seamline.runtime.grammar import TokenMasks
 
 log = logging.getLogger("seamline.coordinator")
+BACK_OFF_LOOK_AGAIN_S = 5.0  # a back-off that ended while a plan started up: looked at again
 
 
 @dataclass
@@ -437,8 +438,14 @@ class Coordinator:
             self.planning.maybe_plan()
 
     def _back_off_over(self) -> None:
-        """A member's back-off ended: plan it in, when the mesh is worth changing for it."""
-        if not self.keeper.current.closing:
+        """A member's back-off ended: plan it in, when the mesh is worth changing for it (while a
+        plan starts up, once it serves)."""
+        state = self.keeper.current
+        if state.plan is not None and not state.ready and not state.closing:
+            timer = threading.Timer(BACK_OFF_LOOK_AGAIN_S, self._back_off_over)
+            timer.daemon = True
+            timer.start()
+        elif not state.closing:
             self.planning.maybe_plan()
 
     def _replan(self, event: str, detail: str, observed: bool = True) -> None:
