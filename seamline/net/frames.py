@@ -11,7 +11,9 @@ Payloads:
   u16 rows, u8 dtype, u8 ndim, u32 × ndim shape, rows × ROW, then the raw tensor bytes.
   ``shape[0]`` is the total token count; a row's ``count`` tokens are consecutive. With
   ``IDS_FLAG`` set in the dtype byte, the tokens' ids follow (i32 × tokens): a stage whose
-  layers route by token id (DeepSeek-V4's hash-routed experts) needs them.
+  layers route by token id (DeepSeek-V4's hash-routed experts) needs them. With
+  ``SIGNED_FLAG``, the sender's statement follows last (``mesh.protocol.frame_signing``): u8
+  signature length, the signature, then rows × DIGEST_WIDTH f32 digests.
 - TOKEN: sampled token ids travelling from the last stage back to stage 0:
   u16 rows, then rows × TOKEN_ROW, then for each row flagged ``LOGPROBS`` (in row order) its
   log-probability (f32), a count k (u8) and k × (token i32, log-probability f32), then for
@@ -91,6 +93,8 @@ HANDSHAKE_DEADLINE_S = 10.0  # and a whole handshake message within this
 
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 IDS_FLAG = 0x80  # in the dtype byte: the tokens' ids follow the tensor
+SIGNED_FLAG = 0x40  # in the dtype byte: the sender's signed statement follows
+STATEMENT_ROW = 16 * 4  # a row's digest in a statement: DIGEST_WIDTH float32
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 
@@ -136,6 +140,7 @@ class HiddenFrame:
     rows: tuple[Row, ...]
     tensor: torch.Tensor  # [tokens, ...]
     ids: torch.Tensor | None = None  # [tokens] int64, when the sender passes them
+    signed: tuple[bytes, bytes] | None = None  # the sender's statement: (digests, signature)
 
 
 @dataclass(frozen=True)
@@ -187,7 +192,10 @@ def header(frame_type: FrameType, length: int) -> bytes:
 
 
 def encode_hidden(
-    rows: list[Row] | tuple[Row, ...], tensor: torch.Tensor, ids: torch.Tensor | None = None
+    rows: list[Row] | tuple[Row, ...],
+    tensor: torch.Tensor,
+    ids: torch.Tensor | None = None,
+    signed: tuple[bytes, bytes] | None = None,
 ) -> list[bytes | memoryview]:
     """Buffers of one HIDDEN frame (header included), ready for ``socket.sendmsg``."""
     tensor = tensor.contiguous()
@@ -197,7 +205,15 @@ def encode_hidden(
         )
     if ids is not None and tuple(ids.shape) != (tensor.shape[0],):
         raise FrameError(f"{tuple(ids.shape)} ids for a tensor of {tensor.shape[0]} tokens")
-    code = DTYPE_CODES[tensor.dtype] | (IDS_FLAG if ids is not None else 0)
+    if signed is not None and (
+        len(signed[0]) != len(rows) * STATEMENT_ROW or not 0 < len(signed[1]) < 256
+    ):
+        raise FrameError(f"a statement of {len(signed[0])} bytes of digests for {len(rows)} rows")
+    code = (
+        DTYPE_CODES[tensor.dtype]
+        | (IDS_FLAG if ids is not None else 0)
+        | (SIGNED_FLAG if signed is not None else 0)
+    )
     meta = struct.pack(f"<HBB{tensor.dim()}I", len(rows), code, tensor.dim(), *tensor.shape)
     meta += b"".join(
         ROW.pack(r.request, r.position, r.count, r.hash_before, r.hash_after, r.flags) for r in rows
@@ -209,6 +225,8 @@ def encode_hidden(
     )
     body = raw.numpy().data.cast("B")
     tail = [] if ids is None else [ids.to(torch.int32).numpy().tobytes()]
+    if signed is not None:
+        tail.append(bytes([len(signed[1])]) + signed[1] + signed[0])
     size = len(meta) + body.nbytes + sum(len(t) for t in tail)
     return [header(FrameType.HIDDEN, size) + meta, body, *tail]
 
@@ -218,7 +236,8 @@ def decode_hidden(payload: bytes | bytearray | memoryview) -> HiddenFrame:
     if len(view) < 4:
         raise FrameError("HIDDEN frame too short for its row count")
     n_rows, code, ndim = struct.unpack_from("<HBB", view, 0)
-    with_ids, code = bool(code & IDS_FLAG), code & ~IDS_FLAG
+    with_ids, with_statement = bool(code & IDS_FLAG), bool(code & SIGNED_FLAG)
+    code &= ~(IDS_FLAG | SIGNED_FLAG)
     if n_rows == 0 or n_rows > MAX_ROWS:
         raise FrameError(f"HIDDEN frame has {n_rows} rows (1..{MAX_ROWS} allowed)")
     if code not in CODE_DTYPES:
@@ -234,6 +253,9 @@ def decode_hidden(payload: bytes | bytearray | memoryview) -> HiddenFrame:
     dtype = CODE_DTYPES[code]
     expected = _numel(shape) * torch.empty(0, dtype=dtype).element_size()
     id_bytes = 4 * shape[0] if with_ids else 0
+    signed = None
+    if with_statement:
+        view, signed = _statement(view, rows_end + expected + id_bytes, n_rows)
     if len(view) - rows_end != expected + id_bytes:
         raise FrameError(
             f"HIDDEN frame carries {len(view) - rows_end} bytes after its rows, shape {shape} "
@@ -252,10 +274,23 @@ def decode_hidden(payload: bytes | bytearray | memoryview) -> HiddenFrame:
             else torch.empty(0, dtype=torch.long)
         )
     if not expected:
-        return HiddenFrame(rows, torch.empty(shape, dtype=dtype), ids)
+        return HiddenFrame(rows, torch.empty(shape, dtype=dtype), ids, signed)
     body = view[rows_end : rows_end + expected]
     body = body if not view.readonly else memoryview(bytearray(body))
-    return HiddenFrame(rows, torch.frombuffer(body, dtype=dtype).view(shape), ids)
+    return HiddenFrame(rows, torch.frombuffer(body, dtype=dtype).view(shape), ids, signed)
+
+
+def _statement(view: memoryview, at: int, rows: int) -> tuple[memoryview, tuple[bytes, bytes]]:
+    """A HIDDEN payload's signed statement, from ``at`` on; (the payload before it, the
+    statement)."""
+    if len(view) <= at:
+        raise FrameError("HIDDEN frame is flagged signed but carries no statement")
+    length = view[at]
+    end = at + 1 + length + rows * STATEMENT_ROW
+    if length == 0 or len(view) != end:
+        raise FrameError(f"HIDDEN frame's statement is {len(view) - at} bytes, not {end - at}")
+    signature = bytes(view[at + 1 : at + 1 + length])
+    return view[:at], (bytes(view[at + 1 + length : end]), signature)
 
 
 def encode_tokens(rows: list[TokenRow] | tuple[TokenRow, ...]) -> bytes:

@@ -145,9 +145,13 @@ class Link:
         self._send([encode_message(message)])
 
     def send_hidden(
-        self, rows: list[Row], tensor: torch.Tensor, ids: torch.Tensor | None = None
+        self,
+        rows: list[Row],
+        tensor: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        signed: tuple[bytes, bytes] | None = None,
     ) -> None:
-        self._send(encode_hidden(rows, tensor, ids))
+        self._send(encode_hidden(rows, tensor, ids, signed))
 
     def send_tokens(self, rows: list[TokenRow]) -> None:
         self._send([encode_tokens(rows)])

@@ -53,9 +53,8 @@ class Challenge(Message):
     kind: Literal["challenge"] = "challenge"
     nonce: str
     protocol_version: int = PROTOCOL_VERSION
-    ca_certificate: str = (
-        ""  # the coordinator's: the mesh CA (PEM), which the invite pins by fingerprint
-    )
+    # the coordinator's: the mesh CA (PEM), which the invite pins by fingerprint
+    ca_certificate: str = ""
 
 
 class DeviceResources(Message):
@@ -74,12 +73,9 @@ class Resources(Message):
     devices: list[DeviceResources] = Field(default=[], max_length=16)
     cores: int = 1
     host: str = ""  # this machine's boot id: nodes that report the same one share its CPUs
-    cpus: list[int] = Field(
-        default=[], max_length=4096
-    )  # the CPUs this node may run on (its affinity)
-    int8_kernels: bool = (
-        False  # runs the int8-block matmuls (``--precision fast`` on quantized weights)
-    )
+    cpus: list[int] = Field(default=[], max_length=4096)  # the CPUs it may run on (affinity)
+    # runs the int8-block matmuls (``--precision fast`` on quantized weights)
+    int8_kernels: bool = False
 
 
 class Holding(Message):
@@ -92,9 +88,7 @@ class Holding(Message):
     dtype: str
     context_length: int
     int8_activations: bool = False
-    gpu_layers: int | None = (
-        None  # how it is split over the node's GPU and CPU (``Assign.gpu_layers``)
-    )
+    gpu_layers: int | None = None  # split over its GPU and CPU (``Assign.gpu_layers``)
 
     @classmethod
     def of(cls, assign: Assign) -> Holding:
@@ -471,9 +465,8 @@ class Stats(Message):
     drafted: int = 0
     accepted: int = 0
     follows: int = 0  # stage 0: windows sent on while one of the sequence's was in flight
-    stale_windows: int = (
-        0  # the last stage: windows sent on after one not accepted whole, not drawn from
-    )
+    # the last stage: windows sent on after one not accepted whole, not drawn from
+    stale_windows: int = 0
     # Its speed probe after loading (``runtime.step_probe``): rows -> seconds of one step of that many decode rows
     step_probe_s: dict[int, float] = Field(default={}, max_length=8)
     prompt_probe_s: dict[int, float] = Field(
@@ -481,15 +474,9 @@ class Stats(Message):
     )  # and of a step of that many prompt rows
     # rows -> a decode step's median seconds outside its forward (``runtime.step_clock``)
     step_overhead_s: dict[int, float] = Field(default={}, max_length=8)
-    probe_quiet: bool = (
-        False  # the probe was taken again once the stage was idle and its cores quiet
-    )
-    cycle_wall_s: float = (
-        0.0  # a stage after the first: one row's wall seconds from taken to handed on
-    )
-    ring_s: float = (
-        0.0  # stage 0: one stream's row from leaving it to its token coming back, wall seconds
-    )
+    probe_quiet: bool = False  # the probe was taken again on an idle stage and quiet cores
+    cycle_wall_s: float = 0.0  # a stage after the first: one row's wall s, taken to handed on
+    ring_s: float = 0.0  # stage 0: one stream's row from leaving it to its token back, wall s
     busy_seconds: float = 0.0  # every forward's seconds so far, prompt chunks' too
     idle_seconds: float = 0.0  # waiting with nothing to run so far (``runtime.idle_clock``)
 
@@ -541,6 +528,16 @@ class Digests(Message):
     layers: tuple[int, int] = (0, 0)  # the stage that computed them (a private mesh's node has two)
     rows: list[tuple[int, int, int]] = Field(max_length=MAX_DIGEST_ROWS)
     digests: str = Field(max_length=MAX_DIGEST_ROWS * 2 * 16 * 4 * 4 // 3 + 8)
+    receipt: Receipt | None = None  # the signed statement of the frame the rows came in
+
+
+class Receipt(BaseModel):
+    """A frame's rows and its sender's signed statement (``mesh.protocol.frame_signing``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rows: list[tuple[int, int, int]] = Field(max_length=4096)  # frames.MAX_ROWS
+    digests: str = Field(max_length=4096 * 16 * 4 * 4 // 3 + 8)
+    signature: str = Field(max_length=128)
 
 
 AnyMessage = Annotated[

@@ -50,9 +50,13 @@ class SendBehind:
         self._error: Exception | None = None
 
     def send_hidden(
-        self, rows: list[Row], tensor: torch.Tensor, ids: torch.Tensor | None = None
+        self,
+        rows: list[Row],
+        tensor: torch.Tensor,
+        ids: torch.Tensor | None = None,
+        signed: tuple[bytes, bytes] | None = None,
     ) -> None:
-        self._put(encode_hidden(rows, tensor, ids), [row.request for row in rows])
+        self._put(encode_hidden(rows, tensor, ids, signed), [row.request for row in rows])
 
     def send_message(self, message: Message) -> None:
         self._put([encode_message(message)], [])

@@ -54,8 +54,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("seamline.stage")
 SendHidden = Callable[
-    [list[Row], torch.Tensor, torch.Tensor | None], None
-]  # rows, hidden states, their token ids
+    [list[Row], torch.Tensor, torch.Tensor | None, tuple[bytes, bytes] | None], None
+]  # rows, hidden states, their token ids, the signed statement of their digests
+RowKeys = list[tuple[int, int, int]]  # (request, position, count) per row
+Receipt = tuple[RowKeys, tuple[bytes, bytes]]  # a frame's rows and its sender's statement
 SendTokens = Callable[[list[TokenRow]], None]
 SendMessage = Callable[[Message], None]
 RECENTLY_CLOSED = 1024  # late frames of these requests are dropped quietly
@@ -78,8 +80,11 @@ class StageLinks:
     failed: Callable[[list[int], Exception], None] | None = (
         None  # stage 0 could not run these requests
     )
-    digests: Callable[[list[tuple[int, int, int]], torch.Tensor], None] | None = (
-        None  # rows, their digests
+    digests: Callable[[RowKeys, torch.Tensor, Receipt | None], None] | None = (
+        None  # rows, their digests, the statement of the frame they came in
+    )
+    sign: Callable[[RowKeys, torch.Tensor], tuple[bytes, bytes]] | None = (
+        None  # the statement of what goes downstream, from the rows' output digests
     )
 
 
@@ -131,6 +136,7 @@ class StageWorker:
         self.digest_seed = (
             0  # report every row's digests under this seed (0: none): the coordinator checks them
         )
+        self.receipt: Receipt | None = None  # the statement of the frame being run (under ``lock``)
         # A private mesh (``--private``): stage 0 sends on no token id and no sampling parameter (``private``),
         # and the last stage, in the same process, draws with stage 0's records (``source``); both key the
         # rows' prefix hashes (``hash_key``), so a member between them reads no token from a frame.
@@ -301,7 +307,12 @@ class StageWorker:
                 seq.ran(row, ids)
                 assert seq.drawing is not None  # _check_row resolved it
                 work.append(Work(row, seq.cache, x, seq.drawing, ids))
-            self.run_batch(work)
+            keys = [(r.request, r.position, r.count) for r in frame.rows]
+            self.receipt = (keys, frame.signed) if frame.signed is not None else None
+            try:
+                self.run_batch(work)
+            finally:
+                self.receipt = None
         self.clock.end()
 
     def refuse(self, request: int, what: str, exc: Exception) -> None:
@@ -361,14 +372,15 @@ class StageWorker:
         if decode_only:
             self.decode_steps += 1
             self.decode_seconds += spent
-        if self.digest_seed and self.links.digests is not None:
-            self.links.digests(
-                [(w.row.request, w.row.position, w.row.count) for w in work],
-                self._digests(work, inputs, out),
-            )
+        keys = [(w.row.request, w.row.position, w.row.count) for w in work]
+        digests = self._digests(work, inputs, out) if self.digest_seed else None
+        if digests is not None and self.links.digests is not None:
+            self.links.digests(keys, digests, self.receipt)
         if not self.is_last:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
-            self.links.downstream([w.row for w in work], out, ids)
+            sign = self.links.sign
+            signed = sign(keys, digests[:, 1]) if sign is not None and digests is not None else None
+            self.links.downstream([w.row for w in work], out, ids, signed)
             return []
         draws = [
             self._sample(w, logits) if w.row.flags & RowFlag.SAMPLE else []

@@ -23,6 +23,7 @@ from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.process import Node, NodeOptions
 from seamline.mesh.protocol.invite import Invite
 from seamline.params import SamplingParams
+from seamline.runtime import digest
 from seamline.server.demo import memory_cap_gb
 from tests.support.mesh_harness import MeshProcesses
 
@@ -67,7 +68,10 @@ def _mesh_with_liar(root: Path, tamper: Callable[[Node], None]) -> tuple[MeshPro
         serve_args=("--context", str(CONTEXT), "--verify-fraction", "1"),
     ).start(join=False)
     options = NodeOptions(
-        max_memory_bytes=int(cap * (1 << 30)), node_id=LIAR, cache_dir=root / LIAR, progress=False
+        max_memory_bytes=int(cap * (1 << 30)),
+        node_id=LIAR,
+        cache_dir=root / LIAR,
+        progress=False,
     )
     liar = Node(Invite.decode(mesh.token), options)
     tamper(liar)
@@ -125,11 +129,11 @@ def _loads_nothing(node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loading, "load_assignment", fake_load)
 
 
-def _removed(mesh: MeshProcesses, timeout_s: float = 90) -> dict:
+def _removed(mesh: MeshProcesses, liar: str = LIAR, timeout_s: float = 90) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         status = mesh.status()
-        if LIAR in status["verification"]["expelled"] and status["ready"]:
+        if liar in status["verification"]["expelled"] and status["ready"]:
             return dict(status)
         time.sleep(0.5)
     raise AssertionError(f"the liar was not removed: {mesh.status_or_output()}")
@@ -174,5 +178,86 @@ def test_a_member_that_perturbs_live_frames_is_found_and_no_client_sees_its_toke
             n["node_id"] for n in status["nodes"]
         }
         assert _ask(mesh, QUESTIONS[0]) == _expected(model, QUESTIONS[0])
+    finally:
+        mesh.stop()
+
+
+def _sends_other_than_it_computes(node: Node, armed: threading.Event, unprovable: int) -> None:
+    """Once armed, its stage computes and reports honestly, and every frame it sends downstream
+    carries its rows scaled by 1.05. Its first ``unprovable`` such frames are signed with the
+    honest digests (the receiver can show nothing: it refuses them), the rest with the digests
+    of what they carry (a lie its own signature shows)."""
+    route = node._route
+    sent = [0]
+
+    def tampered_route(message: object) -> None:
+        route(message)  # type: ignore[arg-type]
+        worker = node.worker
+        assert worker is not None
+        downstream, seed = worker.links.downstream, worker.digest_seed
+
+        def send(rows: list, out: torch.Tensor, ids: object, signed: object) -> None:
+            assert downstream is not None
+            if not armed.is_set():
+                return downstream(rows, out, ids, signed)  # type: ignore[arg-type]
+            bad = out * 1.05
+            sent[0] += 1
+            if sent[0] > unprovable and worker.links.sign is not None:
+                starts = [sum(r.count for r in rows[:i]) for i in range(len(rows))]
+                digests = [
+                    digest.digest(bad[at : at + r.count], r.position, seed)
+                    for at, r in zip(starts, rows)
+                ]
+                keys = [(r.request, r.position, r.count) for r in rows]
+                signed = worker.links.sign(keys, torch.stack(digests))
+            downstream(rows, bad, ids, signed)  # type: ignore[arg-type]
+
+        if downstream is not None:
+            worker.links.downstream = send
+
+    node._route = tampered_route  # type: ignore[method-assign]
+
+
+def test_a_member_that_sends_other_than_it_computes_is_removed_and_its_neighbour_kept(
+    tmp_path: Path, model: LocalModel
+) -> None:
+    """Two members in this process, one `seamline` process, all joined with one invite: the
+    first in-process member planned before the last stage turns liar. Its neighbour reports what
+    it took with the liar's signature, which blames the liar alone; removing it removes no one
+    else."""
+    cap = memory_cap_gb(None, 2, CONTEXT)
+    mesh = MeshProcesses(
+        tmp_path,
+        nodes=3,
+        node_memory_gb=cap,
+        serve_args=("--context", str(CONTEXT), "--verify-fraction", "1"),
+    ).start(join=False)
+    armed = {name: threading.Event() for name in ("node_a", "node_b")}
+    for name, event in armed.items():
+        options = NodeOptions(
+            max_memory_bytes=int(cap * (1 << 30)),
+            node_id=name,
+            cache_dir=tmp_path / name,
+            progress=False,
+        )
+        node = Node(Invite.decode(mesh.token), options)
+        _sends_other_than_it_computes(node, event, unprovable=2)
+        node.join()
+        threading.Thread(target=node.serve, daemon=True).start()
+    mesh.join("node1")
+    try:
+        order = [s["ranks"][0] for s in mesh.wait_ready()["stages"]]
+        liar = next(name for name in order[:-1] if name in armed)
+        armed[liar].set()
+        for question in QUESTIONS:
+            assert _ask(mesh, question) == _expected(model, question)
+        status = _removed(mesh, liar)
+        log = "".join(mesh.output)
+        assert "signed and sent a frame other than what its layers compute" in log, log
+        assert "refused a frame" in log  # its honestly signed, altered frames
+        assert status["verification"]["expelled"] == [liar]
+        members = {n["node_id"] for n in status["nodes"]}
+        assert members == {"node_a", "node_b", "node1"} - {liar}
+        assert _ask(mesh, QUESTIONS[1]) == _expected(model, QUESTIONS[1])
     finally:
         mesh.stop()

@@ -54,6 +54,7 @@ from seamline.mesh.control.verify import Verifier
 from seamline.mesh.identity import MeshAuthority
 from seamline.mesh.plan.types import ModelSpec, Plan
 from seamline.mesh.protocol.fragment_server import PeerGate
+from seamline.mesh.protocol.frame_signing import public_key_of
 from seamline.net.frames import LIMITS, FrameError, FrameType, TokenFrame, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import (
@@ -181,6 +182,7 @@ class Coordinator:
             lambda rows: self.on_tokens(rows),
             self.startup.expel,
             masks=_masks(options.package_dir),
+            public_key=self.public_key,
         )
 
     # -- the state: read here, changed only by ``apply`` ---------------------------------
@@ -220,6 +222,13 @@ class Coordinator:
             self.balance.start()
             self.serving_pace.start()
         return self.joining.start(host)
+
+    def public_key(self, node_id: str) -> object:
+        """A member's certificate key, from its control link (None: not joined, or plaintext):
+        the key that signs its frames (``frame_signing``)."""
+        handle = self.nodes.get(node_id)
+        read = getattr(handle.link.sock, "peer_certificate_der", None) if handle else None
+        return public_key_of(read()) if read is not None else None
 
     def remove_node(self, node_id: str) -> bool:
         return self.joining.remove_node(node_id)

@@ -111,11 +111,12 @@ class NodeRemoved(Event):
     def describe(self, state: MeshState) -> str:
         invites = ", ".join(self.revoked_invites)
         said = (
-            f"revoked the invite it joined with: {invites}"
+            f"the invite it joined with ({invites}) admits no new node from now on, and the "
+            "members that joined with it stay: issue a new invite for new nodes"
             if invites
-            else "no invite of this mesh's is on record"
+            else "no invite of this mesh's is on record for it"
         )
-        return f"removing node {self.node_id}; {said}{'' if invites else ' for it'}"
+        return f"removing node {self.node_id}; its certificate is revoked; {said}"
 
 
 @dataclass(frozen=True)

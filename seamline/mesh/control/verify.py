@@ -9,7 +9,8 @@ the order the mesh ran them, and compares, row by row and stage by stage:
 
 - a stage's output digest against its own (the stage computed something else: it is at fault);
 - a stage's input digest against what the stage before should have sent (they disagree on
-  what crossed the link between them: both are at fault, since either may be lying);
+  what crossed the link between them): the sender's signed statement of that frame, which the
+  receiver reports, says which of the two lied (``link_blame``); only that one is at fault;
 - the drawn token against its own draw from the same logits, seed and position (the last
   stage drew something else; a near tie, where float rounding could flip the draw, passes).
 
@@ -31,7 +32,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from seamline.mesh.control.link_blame import Crossing, Statement, liars
 from seamline.mesh.control.reference import Reference
+from seamline.mesh.protocol.frame_signing import from_receipt
 from seamline.net.frames import RowFlag, TokenRow
 from seamline.net.messages import Digests, Open
 from seamline.runtime import digest
@@ -50,6 +53,7 @@ NEAR_TIE = {
 
 Release = Callable[[list[TokenRow]], None]
 Blame = Callable[[list[str], str], None]  # the nodes at fault, why
+PublicKeyOf = Callable[[str], object]  # a node's certificate key (None: not known)
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,9 @@ class Shadow:
         default_factory=dict
     )  # position drawn for -> the reference's logits
     held: list[TokenRow] = field(default_factory=list)
+    statements: dict[tuple[int, int], dict[int, Statement]] = field(
+        default_factory=dict
+    )  # (position, count) -> receiving stage -> the statement of the frame it came in
 
 
 class Verifier:
@@ -84,9 +91,12 @@ class Verifier:
         release: Release,
         blame: Blame,
         masks: TokenMasks | None = None,
+        public_key: PublicKeyOf = lambda node: None,
     ) -> None:
-        """``reference``: the coordinator's copy (None: nothing is checked)."""
+        """``reference``: the coordinator's copy (None: nothing is checked); ``public_key``:
+        a member's certificate key, which signs its frames (None: not known)."""
         self.reference = reference
+        self.public_key = public_key
         self.fraction = fraction if reference is not None else 0.0
         self.release, self.blame = release, blame
         self.masks = masks
@@ -181,11 +191,24 @@ class Verifier:
         except ValueError as exc:
             self._fault([index], f"its digests are malformed: {exc}")
             return
+        statement = self._statement(index, report)
         for (request, position, count), pair in zip(report.rows, values):
             shadow = self._shadows.get(request)
             if shadow is not None:
+                if statement is not None and (request, position, count) in statement[0]:
+                    shadow.statements.setdefault((position, count), {})[index] = statement
                 shadow.rows.setdefault((position, count), {})[index] = pair
                 self._advance(request, shadow)
+
+    def _statement(self, index: int, report: Digests) -> Statement | None:
+        """The statement a stage reports for the frame its rows came in (None: none, or
+        malformed: either leaves it unable to show what it was sent)."""
+        if report.receipt is None or index == 0:
+            return None
+        try:
+            return from_receipt(report.receipt)
+        except ValueError:
+            return None
 
     def _tokens(self, rows: list[TokenRow]) -> None:
         passed = []
@@ -250,12 +273,9 @@ class Verifier:
                     stage.compute_dtype,
                 )
                 > 1
+                and not self._link_holds(shadow, index, position, count, got[index][0], x)
             ):
-                return self._fault(
-                    [index - 1, index],
-                    f"the two disagree on what crossed between them for "
-                    f"positions [{position}, {position + count})",
-                )
+                return False
             last = index == len(self.stages) - 1
             x = self._ref.run(stage, x, position, shadow.caches[index], last, ids)
             start = position + count - 1 if last else position
@@ -328,6 +348,38 @@ class Verifier:
                 silent = [i for i in range(len(self.stages)) if i not in got]
                 self._shadows.pop(request, None)
                 self._fault(silent, f"it reported nothing of what it computed for {WAIT_S:.0f} s")
+
+    def _link_holds(
+        self,
+        shadow: Shadow,
+        index: int,
+        position: int,
+        count: int,
+        reported: torch.Tensor,
+        x: torch.Tensor,
+    ) -> bool:
+        """Stage ``index`` took something else than stage ``index - 1``'s layers make of the
+        row: the one of the two that lied is at fault (``link_blame``). True when the signed
+        statement shows they agree after all."""
+        sender = self.stages[index - 1].nodes[0]
+        row = (shadow.opening.request, position, count)
+        crossing = Crossing(
+            row,
+            reported,
+            digest.digest(x, position, self.seed),
+            digest.scale(x, position, self.seed),
+            self._ref.stage(self.stages[index].layers, len(self.stages[index].nodes)).compute_dtype,
+        )
+        statement = shadow.statements.get((position, count), {}).get(index)
+        who, why = liars(crossing, sender, self.public_key(sender), self.seed, statement)
+        if not who:
+            return True
+        places = {"sender": index - 1, "receiver": index}
+        return self._fault(
+            [places[w] for w in who],
+            f"what crossed to layers {self.stages[index].layers} for positions "
+            f"[{position}, {position + count}) is not what crossed from the stage before: {why}",
+        )
 
     def _fault(self, indexes: list[int], reason: str) -> bool:
         self.violations += 1

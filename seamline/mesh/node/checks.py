@@ -9,9 +9,10 @@ from collections.abc import Callable
 
 import torch
 
+from seamline.net import messages
 from seamline.net.messages import MAX_DIGEST_ROWS, Digests, Message, Probe, ProbeResult
 from seamline.runtime import digest
-from seamline.runtime.stage_worker import StageWorker
+from seamline.runtime.stage_worker import Receipt, RowKeys, StageWorker
 
 
 def probe_result(worker: StageWorker, probe: Probe) -> ProbeResult:
@@ -40,11 +41,12 @@ def probe_result(worker: StageWorker, probe: Probe) -> ProbeResult:
 
 def digest_reporter(
     plan_id: int, send: Callable[[Message], None], layers: tuple[int, int]
-) -> Callable[[list[tuple[int, int, int]], torch.Tensor], None]:
-    """What the stage of ``layers`` calls with each step's rows and digests: Digests messages,
-    a bounded number of rows each."""
+) -> Callable[[RowKeys, torch.Tensor, Receipt | None], None]:
+    """What the stage of ``layers`` calls with each step's rows, digests and the statement of
+    the frame they came in: Digests messages, a bounded number of rows each (the first carries
+    the statement)."""
 
-    def report(rows: list[tuple[int, int, int]], digests: torch.Tensor) -> None:
+    def report(rows: RowKeys, digests: torch.Tensor, receipt: Receipt | None) -> None:
         for at in range(0, len(rows), MAX_DIGEST_ROWS):
             part = slice(at, at + MAX_DIGEST_ROWS)
             send(
@@ -53,10 +55,20 @@ def digest_reporter(
                     layers=layers,
                     rows=rows[part],
                     digests=digest.pack(digests[part]),
+                    receipt=_receipt(receipt) if receipt is not None and at == 0 else None,
                 )
             )
 
     return report
+
+
+def _receipt(receipt: Receipt) -> messages.Receipt:
+    rows, (digests, signature) = receipt
+    return messages.Receipt(
+        rows=rows,
+        digests=base64.b64encode(digests).decode(),
+        signature=base64.b64encode(signature).decode(),
+    )
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -10,6 +10,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from cryptography.hazmat.primitives.asymmetric import ec
+
 from seamline.mesh.identity import Identity, IdentityError, key_pem, new_key, signing_request
 
 log = logging.getLogger("seamline.node")
@@ -26,6 +28,10 @@ class Credentials:
         )
         self.client: ssl.SSLContext | None = None  # dialling peers
         self._renewed = threading.Event()
+
+    def signing_key(self) -> ec.EllipticCurvePrivateKey:
+        """This node's key, its certificate's: it signs the node's frames too (``frame_signing``)."""
+        return self._key
 
     def signing_request(self) -> str:
         return signing_request(self._key, self.node_id)

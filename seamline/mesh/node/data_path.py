@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import torch
 
 from seamline.mesh.node.data_links import PROBE, UPSTREAM, LinkRefused, admit, dial, expected_from
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
+from seamline.mesh.protocol import frame_signing
+from seamline.mesh.protocol.frame_signing import Signed
 from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, tune
@@ -17,6 +22,7 @@ from seamline.net.messages import Close, Failure, Forget, Fork, Linked, Open, Re
 from seamline.net.overlap import ReadAhead, SendBehind
 from seamline.net.tls import TlsRefused, TlsSocket
 from seamline.runtime.speculation import Speculation
+from seamline.runtime.stage_worker import RowKeys
 
 if TYPE_CHECKING:
     from seamline.mesh.node.process import Node
@@ -143,6 +149,7 @@ class DataPath:
             self.tail or self.worker
         )  # the stage this link's frames feed: it idles while it waits for them
         idle = fed.idle if role == UPSTREAM and fed is not None else None
+        signed = SignedFrames(link)
         while True:
             try:
                 if idle is not None:
@@ -160,6 +167,11 @@ class DataPath:
                     "closing data link from %s: its plan was replaced; its frames refused", peer
                 )
                 return
+            if isinstance(frame, HiddenFrame) and self._checks_signatures(fed):
+                refusal = signed.refusal(frame, fed.digest_seed)
+                if refusal:
+                    self._refuse_unsigned(frame, peer, refusal)
+                    continue
             try:
                 self._on_frame(frame, peer, role)
             except Exception as exc:  # one bad frame never stops the node; its requests fail
@@ -170,6 +182,24 @@ class DataPath:
                         f"layers [{self._layers()}) failed: {self._explain(exc)}",
                         cause=exc,
                     )
+
+    def _checks_signatures(self: Node, fed: object) -> bool:
+        """Whether frames to ``fed`` must be signed: the plan checks its stages, over TLS."""
+        return self.credentials is not None and bool(getattr(fed, "digest_seed", 0))
+
+    def _refuse_unsigned(self: Node, frame: HiddenFrame, peer: str, refusal: str) -> None:
+        """A frame whose signature does not hold: nothing is computed from it; its requests
+        fail here at once, and replay."""
+        log.warning("refused a frame from %s: %s", peer, refusal)
+        for request in {row.request for row in frame.rows}:
+            self._frame_refused(request, f"refused a frame from {peer}: {refusal}")
+
+    def _signer(self: Node, seed: int) -> Callable[[RowKeys, torch.Tensor], Signed] | None:
+        """What signs this node's frames under the plan's ``seed`` (None without a certificate)."""
+        if self.credentials is None:
+            return None
+        key, sender = self.credentials.signing_key(), self.options.node_id
+        return lambda rows, digests: frame_signing.sign(key, seed, sender, rows, digests)
 
     def _keep(self: Node, link: Link) -> None:
         with self._peers_lock:
@@ -216,3 +246,18 @@ class DataPath:
             log.warning(
                 "refused %s from %s: not expected by this stage", type(frame).__name__, peer
             )
+
+
+class SignedFrames:
+    """The signature checks of one data link's frames: its peer's certificate, read once."""
+
+    def __init__(self, link: Link) -> None:
+        self.sender = link.peer_id()
+        certificate = getattr(link.sock, "peer_certificate_der", lambda: None)()
+        self.key = frame_signing.public_key_of(certificate)
+
+    def refusal(self, frame: HiddenFrame, seed: int) -> str:
+        """Why ``frame`` is refused ("" when its sender signed what it holds)."""
+        rows = [(r.request, r.position, r.count) for r in frame.rows]
+        signed = frame_signing.Signed(*frame.signed) if frame.signed is not None else None
+        return frame_signing.frame_refusal(self.key, seed, self.sender, rows, frame.tensor, signed)

@@ -447,6 +447,7 @@ class Node(Membership, DataPath):
         if assign.digest_seed:  # the coordinator checks what this stage computes
             worker.digest_seed = assign.digest_seed
             worker.links.digests = digest_reporter(assign.plan_id, self._report_quietly, layers)
+            worker.links.sign = self._signer(assign.digest_seed)
 
     def _loading_reporter(self, assign: Assign) -> Callable[[int, int], None]:
         """The download's progress, to the coordinator (``stage_setup.loading_reporter``)."""
