@@ -17,7 +17,7 @@ import socket
 import time
 from typing import Any
 
-from seamline_bench.attack_net import PER_PORT, Address, _closed_count, _flood
+from seamline_bench.attack_net import PER_PORT, STRANGER, Address, _closed_count
 
 
 def fragments_fd_exhaustion(target: dict[str, Any], duration_s: float) -> dict[str, Any]:
@@ -57,3 +57,18 @@ def _hold(named: dict[str, Address], duration_s: float) -> dict[str, Any]:
         "seconds_to_open": round(filled_s, 1),
         "nofile_limit": hard,
     }
+
+
+def _flood(address: Address, held: list[socket.socket], most: int, until: float) -> int:
+    """Up to ``most`` connections until ``until``, dialling on while the port is closed a moment
+    (a comm port listens only while its rank forms a group)."""
+    count = 0
+    while count < most and time.monotonic() < until:
+        try:
+            held.append(
+                socket.create_connection(address, timeout=0.2, source_address=(STRANGER, 0))
+            )
+            count += 1
+        except OSError:
+            time.sleep(0.05)
+    return count
