@@ -10,7 +10,7 @@ against ``proven_share``, its proven rate over theirs (each times its core share
 planned share no larger. They are equal when every node is planned at its proof, as the liar
 is; an honest node that claimed less than 1.2x its proof is planned at its claim, which lifts
 the liar's planned share a little: its claim, not the liar's. ``layer_share``: its layers over
-the model's.
+the model's; ``pool_proven_share``: its share of every checked member's proven speed.
 """
 
 from __future__ import annotations
@@ -79,6 +79,10 @@ def shares(status: dict[str, Any]) -> dict[str, Any]:
         node: float(nodes[node].get("proven_bytes_per_second") or 0.0) * nodes[node]["core_share"]
         for node in route
     }
+    pooled = {
+        n: float(v.get("proven_bytes_per_second") or 0.0) * v["core_share"]
+        for n, v in nodes.items()
+    }
     planned_share = planned.get(LIAR, 0.0) / (sum(planned.values()) or 1.0)
     proven_share = proven.get(LIAR, 0.0) / (sum(proven.values()) or 1.0)
     return {
@@ -101,6 +105,7 @@ def shares(status: dict[str, Any]) -> dict[str, Any]:
         "layer_share": round(layers.get(LIAR, 0) / (sum(layers.values()) or 1), 4),
         "planned_share": round(planned_share, 4),
         "proven_share": round(proven_share, 4),
+        "pool_proven_share": round(pooled[LIAR] / (sum(pooled.values()) or 1.0), 4),
         "share_within_proven": planned_share <= proven_share * (1 + 1e-9),
     }
 
