@@ -76,6 +76,11 @@ def _add_bench_command(sub: Any) -> None:
         default=None,
         help="fuzz: only the generated inputs per surface, or only the known attacks on a live mesh",
     )
+    bench.add_argument(
+        "--attacks",
+        default=None,
+        help="fuzz: of the known attacks only these, comma-separated (say, with --only attacks)",
+    )
     bench.set_defaults(handler=cmd_bench)
 
 
@@ -268,6 +273,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "tokens": args.tokens,
         "inputs_per_surface": args.inputs,
         "only": args.only,
+        "attacks": tuple(args.attacks.split(",")) if args.attacks else None,
         "rounds": args.rounds,
     }  # each benchmark takes its own
     run_bench(args.name, args.json_path, **options)

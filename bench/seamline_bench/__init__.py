@@ -16,7 +16,7 @@ BENCHES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "lockstep": ("lockstep", "bench_lockstep", ("repeats", "tokens")),
     "quant": ("quant", "bench_quant", ("repeats", "tokens")),
     "throughput": ("throughput", "bench_throughput", ("repeats", "tokens")),
-    "fuzz": ("fuzz", "bench_fuzz", ("inputs_per_surface", "only")),
+    "fuzz": ("fuzz", "bench_fuzz", ("inputs_per_surface", "only", "attacks")),
     "chaos": ("chaos", "bench_chaos", ("rounds",)),
     "growth": ("growth", "bench_growth", ()),
     "spec": ("spec", "bench_spec", ("repeats",)),

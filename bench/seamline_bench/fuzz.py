@@ -180,15 +180,17 @@ def bench_fuzz(
     seed: int = 0,
     surfaces: tuple[str, ...] = SURFACES,
     only: str | None = None,
+    attacks: tuple[str, ...] | None = None,
 ) -> dict[str, Any]:
-    """The surfaces' figures and ``attacks`` (``bench.attacks``); ``only``: "surfaces" or "attacks"."""
+    """The surfaces' figures and ``attacks`` (``bench.attacks``); ``only``: "surfaces" or "attacks";
+    ``attacks``: those of the known attacks to run (all by default)."""
     result: dict[str, Any] = {"bench": "fuzz"}
     if only != "attacks":
         result.update(_surfaces(inputs_per_surface, slow, seed, surfaces))
     if only != "surfaces":
         from seamline_bench.attacks import bench_attacks, setup
 
-        result["attacks"] = bench_attacks()
+        result["attacks"] = bench_attacks(attacks=attacks) if attacks else bench_attacks()
         result["attacks_setup"] = setup()
     return result
 
