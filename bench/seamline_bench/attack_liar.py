@@ -36,6 +36,7 @@ from seamline.mesh.protocol.invite import Invite
 from seamline.net.frames import EMPTY_HASH, RowFlag, TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import Failure, Heartbeat, Open
+from seamline_bench import attack_blame
 from seamline_bench.attack_claims import claims_more_than_it_has
 from seamline_bench.attack_member import AttackRefused, _address, emit, member
 
@@ -63,6 +64,8 @@ class Liar:
             self.armed.set()
         elif self.mode == "perturbed_hidden":
             _perturbs_live_frames(self.node, self.armed)
+        elif self.mode == attack_blame.MODE:
+            attack_blame.alters_sent_frames(self.node, self.armed, self.counts)
         elif self.mode == "claimed_resources":
             claims_more_than_it_has()
         self._watch_opens()

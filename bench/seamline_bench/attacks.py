@@ -27,7 +27,7 @@ import httpx
 import torch
 
 from seamline.errors import SeamlineError
-from seamline_bench import attack_flap
+from seamline_bench import attack_blame, attack_flap
 from seamline_bench.attack_claims import claimed_resources, liar_target
 from seamline_bench.attack_flap import MODES as FAILING
 from seamline_bench.attack_mesh import (
@@ -63,7 +63,15 @@ SHARED = (
     "claimed_resources",
     "fake_ready",
 )
-OWN_MESH = ("stalled_reader", "forged_tokens", "forged_reports", "perturbed_hidden", *FAILING)
+OWN_MESH = (
+    "stalled_reader",
+    "forged_tokens",
+    "forged_reports",
+    "perturbed_hidden",
+    attack_blame.MODE,
+    *FAILING,
+)
+CHECKED = ("perturbed_hidden", attack_blame.MODE)  # meshes that check every request
 PLACES = {  # where a liar's attack needs it: (its stage, of how many)
     "stalled_reader": lambda at, n: (
         at == 0
@@ -71,6 +79,7 @@ PLACES = {  # where a liar's attack needs it: (its stage, of how many)
     "forged_tokens": lambda at, n: at < n - 1,  # not the stage that draws the tokens
     "forged_reports": lambda at, n: 0 < at < n - 1,  # not one that may end a request
     "perturbed_hidden": lambda at, n: True,
+    attack_blame.MODE: lambda at, n: at < n - 1,  # it sends frames downstream
     "flapping_member": lambda at, n: True,  # in the route: its failures re-plan the mesh
     "refused_frame": lambda at, n: n > 1,  # it sends rows to another stage
 }
@@ -117,6 +126,7 @@ def _targets_met(figures: dict[str, Any]) -> bool:
         and figures["mesh_down_s"] <= 10
         and found
         and figures.get("attack", {}).get("share_within_proven", True)
+        and not figures.get("attack", {}).get("honest_removed")
     )
 
 
@@ -276,6 +286,7 @@ def _liar_target(mesh: LiveMesh, work: Path, mode: str, node_id: str) -> dict[st
         "max_memory_bytes": node_cap_bytes(),
         "cache_dir": str(work / f"cache-{node_id}"),
         "outsider_invite": wait_until(lambda: _invite(mesh), 30),
+        **({"invite": mesh.server.token} if mode == attack_blame.MODE else {}),  # the members'
     }
 
 
@@ -319,6 +330,7 @@ def _on_own_mesh(
         session.start()
         watcher = {
             "perturbed_hidden": _expelled,
+            attack_blame.MODE: _expelled,
             "stalled_reader": _lost,
             "forged_reports": _refused_or_lost,
         }.get(name, _refused)(mesh, liar)
@@ -336,6 +348,9 @@ def _on_own_mesh(
             stages=stages,
             liar_saw=quit_line.get("result", {}),
         )
+        if name == attack_blame.MODE:
+            honest = [n for n in stages if n != liar]
+            figures[name]["attack"].update(attack_blame.outcome(mesh.status(), honest))
         figures[name]["attack"].update(
             attack_flap.after_quit(
                 name,
@@ -365,7 +380,7 @@ def _mesh_with_liar(
             work / f"{name}-{attempt}",
             honest_nodes=2,
             nodes_expected=3,
-            verify_fraction=1.0 if name == "perturbed_hidden" else 0.0,
+            verify_fraction=1.0 if name in CHECKED else 0.0,
         )
         driver = attacker("liar", _liar_target(mesh, work, name, liar), mesh.logs)
         driver.wait_ready()
@@ -410,7 +425,7 @@ def _armed(
     """Arm the liar; the attack lasts ``duration_s`` (a liar that must be removed lies until it
     is, or ``LIAR_WITHIN_S`` at most)."""
     started = float(driver.ask("arm")["armed"])
-    if name == "perturbed_hidden":
+    if name in CHECKED:
         wait_until(
             lambda: liar in mesh.status().get("verification", {}).get("expelled", []),
             max(duration_s, LIAR_WITHIN_S),

@@ -78,22 +78,24 @@ def test_blame_falls_on_the_one_whose_signature_or_report_shows_the_lie() -> Non
     perturbed = torch.stack([honest[0] * 1.05, honest[1]])
     # the sender signed and sent other rows than its layers make: the sender
     statement = (ROWS, frame_signing.sign(key, SEED, "node_a", ROWS, perturbed))
-    who, why = liars(_crossing(perturbed[0], honest[0]), "node_a", public, SEED, statement)
+    who, why = liars(_crossing(perturbed[0], honest[0]), "node_a", [public], SEED, statement)
     assert who == ("sender",) and "signed and sent" in why
     # an honest statement, and a receiver that says it took something else: the receiver
     statement = (ROWS, frame_signing.sign(key, SEED, "node_a", ROWS, honest))
-    who, _ = liars(_crossing(perturbed[0], honest[0]), "node_a", public, SEED, statement)
+    who, _ = liars(_crossing(perturbed[0], honest[0]), "node_a", [public], SEED, statement)
     assert who == ("receiver",)
     # a statement the sender never signed (forged by the receiver): the receiver
     forged = (ROWS, frame_signing.sign(new_key(), SEED, "node_a", ROWS, perturbed))
-    who, _ = liars(_crossing(perturbed[0], honest[0]), "node_a", public, SEED, forged)
+    who, _ = liars(_crossing(perturbed[0], honest[0]), "node_a", [public], SEED, forged)
     assert who == ("receiver",)
     # no statement at all: the receiver computed on an unsigned frame
-    who, _ = liars(_crossing(perturbed[0], honest[0]), "node_a", public, SEED, None)
+    who, _ = liars(_crossing(perturbed[0], honest[0]), "node_a", [public], SEED, None)
     assert who == ("receiver",)
     # a statement for other rows than the one in question: the receiver
-    who, _ = liars(_crossing(perturbed[0], honest[0], (8, 0, 3)), "node_a", public, SEED, statement)
+    who, _ = liars(
+        _crossing(perturbed[0], honest[0], (8, 0, 3)), "node_a", [public], SEED, statement
+    )
     assert who == ("receiver",)
     # nothing signed (a plaintext mesh): both, as before
-    who, _ = liars(_crossing(perturbed[0], honest[0]), "node_a", None, SEED, None)
+    who, _ = liars(_crossing(perturbed[0], honest[0]), "node_a", [], SEED, None)
     assert who == ("sender", "receiver")

@@ -182,7 +182,7 @@ class Coordinator:
             lambda rows: self.on_tokens(rows),
             self.startup.expel,
             masks=_masks(options.package_dir),
-            public_key=self.public_key,
+            public_keys=self.public_keys,
         )
 
     # -- the state: read here, changed only by ``apply`` ---------------------------------
@@ -223,12 +223,15 @@ class Coordinator:
             self.serving_pace.start()
         return self.joining.start(host)
 
-    def public_key(self, node_id: str) -> object:
-        """A member's certificate key, from its control link (None: not joined, or plaintext):
-        the key that signs its frames (``frame_signing``)."""
+    def public_keys(self, node_id: str) -> list[Any]:
+        """The keys of a member's certificates, which sign its frames (``frame_signing``): those
+        certified here, and its control link's (one certified before a restart); none in a
+        plaintext mesh."""
+        keys = self.enrollment.keys_of(node_id) if self.enrollment is not None else []
         handle = self.nodes.get(node_id)
         read = getattr(handle.link.sock, "peer_certificate_der", None) if handle else None
-        return public_key_of(read()) if read is not None else None
+        live = public_key_of(read()) if read is not None else None
+        return keys + [live] if live is not None and live not in keys else keys
 
     def remove_node(self, node_id: str) -> bool:
         return self.joining.remove_node(node_id)

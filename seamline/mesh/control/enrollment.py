@@ -14,6 +14,9 @@ import ssl
 import threading
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+
 from seamline.mesh.identity import (
     CERT_TTL_S,
     COORDINATOR_ID,
@@ -40,6 +43,7 @@ class Enrollment:
             if removed_file and removed_file.is_file()
             else set()
         )
+        self._keys: dict[str, list[ec.EllipticCurvePublicKey]] = {}  # every key certified, by node
         self._lock = threading.Lock()
 
     def challenge(self, nonce: str) -> Challenge:
@@ -61,7 +65,20 @@ class Enrollment:
         with self._lock:
             if node_id in self.removed:
                 raise IdentityError(f"node {node_id} was removed from this mesh")
-        return self.authority.issue(csr, node_id, self.cert_ttl_s)
+        certificate = self.authority.issue(csr, node_id, self.cert_ttl_s)
+        key = x509.load_pem_x509_certificate(certificate.encode()).public_key()
+        if isinstance(key, ec.EllipticCurvePublicKey):
+            with self._lock:
+                held = self._keys.setdefault(node_id, [])
+                if key not in held:
+                    held.append(key)
+        return certificate
+
+    def keys_of(self, node_id: str) -> list[ec.EllipticCurvePublicKey]:
+        """Every key certified for ``node_id`` (a restarted node has a new one): what signs its
+        frames (``frame_signing``), kept after it left, since a check may come after."""
+        with self._lock:
+            return list(self._keys.get(node_id, ()))
 
     def remove(self, node_id: str) -> None:
         with self._lock:

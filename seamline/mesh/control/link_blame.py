@@ -44,18 +44,19 @@ class Crossing:
 def liars(
     crossing: Crossing,
     sender: str,
-    key: ec.EllipticCurvePublicKey | None,
+    keys: list[ec.EllipticCurvePublicKey],
     seed: int,
     statement: Statement | None,
 ) -> tuple[tuple[str, ...], str]:
     """Which of ("sender", "receiver") lied about ``crossing``, and why; () when the signed
-    statement shows they agree after all (a digest at the edge of its tolerance)."""
-    if key is None:
+    statement shows they agree after all (a digest at the edge of its tolerance). ``keys``:
+    the sender's certificate keys (none: a plaintext mesh)."""
+    if not keys:
         return ("sender", "receiver"), "nothing is signed here to tell which one"
     if statement is None:
         return ("receiver",), f"it computed on a frame it shows no signature of {sender}'s for"
     rows, signed = statement
-    if crossing.row not in rows or not signed_by(key, seed, sender, rows, signed):
+    if crossing.row not in rows or not any(signed_by(k, seed, sender, rows, signed) for k in keys):
         return ("receiver",), f"it shows a statement {sender} did not sign for that row"
     said = signed.digest_rows(len(rows))[rows.index(crossing.row)]
     if digest.differs(said, crossing.expected, crossing.scale, crossing.dtype) > 1:

@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ NEAR_TIE = {
 
 Release = Callable[[list[TokenRow]], None]
 Blame = Callable[[list[str], str], None]  # the nodes at fault, why
-PublicKeyOf = Callable[[str], object]  # a node's certificate key (None: not known)
+PublicKeysOf = Callable[[str], list[Any]]  # a node's certificate keys
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,12 @@ class Verifier:
         release: Release,
         blame: Blame,
         masks: TokenMasks | None = None,
-        public_key: PublicKeyOf = lambda node: None,
+        public_keys: PublicKeysOf = lambda node: [],
     ) -> None:
-        """``reference``: the coordinator's copy (None: nothing is checked); ``public_key``:
-        a member's certificate key, which signs its frames (None: not known)."""
+        """``reference``: the coordinator's copy (None: nothing is checked); ``public_keys``:
+        a member's certificate keys, which sign its frames (none known: a plaintext mesh)."""
         self.reference = reference
-        self.public_key = public_key
+        self.public_keys = public_keys
         self.fraction = fraction if reference is not None else 0.0
         self.release, self.blame = release, blame
         self.masks = masks
@@ -371,7 +372,7 @@ class Verifier:
             self._ref.stage(self.stages[index].layers, len(self.stages[index].nodes)).compute_dtype,
         )
         statement = shadow.statements.get((position, count), {}).get(index)
-        who, why = liars(crossing, sender, self.public_key(sender), self.seed, statement)
+        who, why = liars(crossing, sender, self.public_keys(sender), self.seed, statement)
         if not who:
             return True
         places = {"sender": index - 1, "receiver": index}
@@ -382,10 +383,13 @@ class Verifier:
         )
 
     def _fault(self, indexes: list[int], reason: str) -> bool:
+        """The stages at ``indexes`` are at fault (the row's check ends here): their nodes are
+        blamed, once (rows of the old plan still checked after a node's removal say no more)."""
         self.violations += 1
-        nodes = [node for i in indexes for node in self.stages[i].nodes]
-        log.error("verification: %s: %s", ", ".join(nodes), reason)
-        self.blame(nodes, reason)
+        nodes = [n for i in indexes for n in self.stages[i].nodes if n not in self.expelled]
+        if nodes:
+            log.error("verification: %s: %s", ", ".join(nodes), reason)
+            self.blame(nodes, reason)
         return False
 
 
