@@ -263,8 +263,8 @@ class PipelineHead:
         with self._cond:
             self._opened.pop(request, None)
         sequence = self._sequences.get(request)
-        if sequence is not None:
-            self._drop(sequence)
+        if sequence is not None:  # a row still in flight may have been refused downstream
+            self._drop(sequence, reached_downstream=not sequence.in_flight)
         self._send(Close(request=request))
         if all(held != request for _, held in self._held.values()):
             self._send(Forget(request=request))  # opened downstream, and no cache of it kept here

@@ -200,6 +200,15 @@ class StageWorker:
                 log.warning(
                     "refused fork of request %d from %d: not both open here", msg.request, msg.donor
                 )
+            elif msg.positions > donor.next_position:  # a row of it was refused here
+                self.refused += 1
+                log.warning(
+                    "refused fork of request %d from %d: %d positions, this stage holds %d",
+                    msg.request,
+                    msg.donor,
+                    msg.positions,
+                    donor.next_position,
+                )
             else:
                 self.stage.release_cache(seq.cache)
                 seq.cache, seq.done, seq.output = donor.cache.fork(msg.positions), False, []
