@@ -76,7 +76,9 @@ def _stage0_held_by_its_first_frame(stage: Stage) -> tuple[StageWorker, Frames, 
     frames: Frames = []
     release = threading.Event()
 
-    def send(rows: list[Row], hidden: torch.Tensor, ids: torch.Tensor) -> None:
+    def send(
+        rows: list[Row], hidden: torch.Tensor, ids: torch.Tensor, signed: object = None
+    ) -> None:
         frames.append((list(rows), hidden.clone()))
         if len(frames) == 1:
             assert release.wait(30)
@@ -90,7 +92,9 @@ def test_returned_tokens_run_as_micro_batches_of_one_over_s(tmp_path: Path) -> N
     worker = StageWorker(stage, is_first=True, is_last=False)
     worker.micro_batches = 3  # a 3-stage pipeline
     frames: Frames = []
-    worker.links.downstream = lambda rows, hidden, ids: frames.append((list(rows), hidden.clone()))
+    worker.links.downstream = lambda rows, hidden, ids, signed=None: frames.append(
+        (list(rows), hidden.clone())
+    )
     prompts = [[5 + r, 9, 11 + 2 * r] for r in range(SEQUENCES)]
     for request, prompt in enumerate(prompts):
         _open(worker, request, prompt)
@@ -125,7 +129,9 @@ def test_rows_back_early_wait_to_join_a_frame_while_s_frames_are_in_flight(tmp_p
     worker = StageWorker(stage, is_first=True, is_last=False)
     worker.micro_batches = 2
     frames: Frames = []
-    worker.links.downstream = lambda rows, hidden, ids: frames.append((list(rows), hidden.clone()))
+    worker.links.downstream = lambda rows, hidden, ids, signed=None: frames.append(
+        (list(rows), hidden.clone())
+    )
     prompts = [[5 + r, 9, 11 + 2 * r] for r in range(4)]
     for request, prompt in enumerate(prompts):
         _open(worker, request, prompt)
@@ -201,7 +207,9 @@ def test_a_prompt_in_chunks_runs_as_the_whole_prompt(tmp_path: Path) -> None:
     stage = _stages(tmp_path)[0]
     worker = StageWorker(stage, is_first=True, is_last=False, context_length=1024)
     frames: Frames = []
-    worker.links.downstream = lambda rows, hidden, ids: frames.append((list(rows), hidden.clone()))
+    worker.links.downstream = lambda rows, hidden, ids, signed=None: frames.append(
+        (list(rows), hidden.clone())
+    )
     failed: list[tuple[list[int], Exception]] = []
     worker.links.failed = lambda requests, exc: failed.append((requests, exc))
     prompt = [(5 * i) % 60 + 1 for i in range(40)]
@@ -242,7 +250,9 @@ class TwoStages:
         self.stage1.links.stage0 = lambda rows: self.stage0.tokens(TokenFrame(tuple(rows)))
         self.stage1.links.results = self._collect
 
-    def _hidden(self, rows: list[Row], hidden: torch.Tensor, ids: torch.Tensor) -> None:
+    def _hidden(
+        self, rows: list[Row], hidden: torch.Tensor, ids: torch.Tensor, signed: object = None
+    ) -> None:
         self.rows += rows
         self.frames.append(list(rows))
         self.stage1.hidden(HiddenFrame(tuple(rows), hidden, ids))

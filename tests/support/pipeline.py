@@ -75,10 +75,10 @@ class Pipeline:
         )
         tail.links.results = self._collect
 
-    def _hidden_to(
-        self, link: DelayedLink, after: StageWorker
-    ) -> Callable[[list[Row], torch.Tensor, torch.Tensor], None]:
-        def send(rows: list[Row], hidden: torch.Tensor, ids: torch.Tensor) -> None:
+    def _hidden_to(self, link: DelayedLink, after: StageWorker) -> Callable[..., None]:
+        def send(
+            rows: list[Row], hidden: torch.Tensor, ids: torch.Tensor, signed: object = None
+        ) -> None:
             frame = HiddenFrame(tuple(rows), hidden.clone(), None if ids is None else ids.clone())
             if after is self.workers[-1]:
                 self.rows += rows
