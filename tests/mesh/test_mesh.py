@@ -96,6 +96,7 @@ def _rss_kinds(pid: int) -> str:
 
 
 def test_node_memory_is_its_share(mesh2: MeshProcesses) -> None:
+    _once_probed(mesh2)  # a stage's speed probe, taken once it is idle, copies its caches a while
     idle = subprocess.run(
         [
             sys.executable,
