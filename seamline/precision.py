@@ -8,7 +8,8 @@
   the dequantised float32 model, which tests against ``transformers`` compare with.
 
 ``--dtype`` overrides the activation dtype either way. The choice is made once per process
-(``apply``), and in a mesh once by the coordinator for every stage and rank.
+(``apply``), and in a mesh once by the coordinator for every stage and rank. A mesh that checks
+its members (``--verify-fraction``) computes every row as it would alone (``rows_alone``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from seamline.errors import ConfigError
 
@@ -31,9 +32,14 @@ class Precision:
     name: str  # "fast" | "exact"
     dtype: str  # activations: a --dtype name
     int8_activations: bool  # GGUF matmuls on int8 activation blocks
+    # every int8 row on the fused kernel, whatever rows a step holds (``quant.matmul``): a row's
+    # answer is its own, so a checked mesh's digests match its reference to the bit
+    rows_alone: bool = False
 
     def describe(self) -> str:
-        return f"{self.name} ({self.dtype} activations{', int8 blocks in the matmuls' if self.int8_activations else ''})"
+        int8 = ", int8 blocks in the matmuls" if self.int8_activations else ""
+        alone = ", every row computed as alone" if self.rows_alone else ""
+        return f"{self.name} ({self.dtype} activations{int8}{alone})"
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -74,6 +80,12 @@ def resolve(name: str, kind: str, dtype: str | None = None, accelerator: bool = 
     return Precision(name, chosen, quantized and not accelerator and int8_kernels_here())
 
 
+def checked(precision: Precision) -> Precision:
+    """``precision`` for a mesh whose members are checked against the coordinator's copy: int8
+    rows computed alone (the fused kernel at any step size), where it has int8 blocks."""
+    return replace(precision, rows_alone=precision.int8_activations)
+
+
 def int8_kernels_here() -> bool:
     """Whether this machine runs the int8-block kernels (x86-64 with AVX-512 VNNI and a compiler);
     says once when it does not."""
@@ -91,9 +103,10 @@ def int8_kernels_here() -> bool:
 
 def apply(precision: Precision) -> None:
     """Make this process's quantized matmuls follow ``precision``."""
-    from seamline.quant.matmul import set_int8_activations
+    from seamline.quant.matmul import set_int8_activations, set_rows_alone
 
     set_int8_activations(precision.int8_activations)
+    set_rows_alone(precision.rows_alone)
 
 
 def once(key: str, message: str) -> None:

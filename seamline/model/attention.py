@@ -26,6 +26,7 @@ from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
 from seamline.model.rope import RotaryTable, apply_rotary
 from seamline.ownership import Ownership
+from seamline.quant import matmul
 
 
 def causal_mask(
@@ -140,7 +141,7 @@ class GQAttention(nn.Module):
             out = attend_with_table(
                 qkv, cos, sin, table, self.heads, self.kv_heads, self.head_dim, self.window
             )
-        elif len(spans) == 1 and not spans[0].rowwise:
+        elif len(spans) == 1 and not spans[0].rowwise and not matmul.ROWS_ALONE:
             out = self._attend(qkv, spans[0].start, spans[0].cache.layer(layer))
         else:
             out = self._attend_spans(qkv, spans, layer)
@@ -149,9 +150,12 @@ class GQAttention(nn.Module):
     def _attend_spans(self, qkv: torch.Tensor, spans: Sequence[Span], layer: int) -> torch.Tensor:
         """Several sequences' rows: the one-token rows and speculative windows at the head of the
         step (where the scheduler puts decode rows) in one fused call, row by row; every other
-        span on its own."""
+        span on its own. Rows computed alone (``matmul.ROWS_ALONE``, a checked mesh): every row
+        as a decode row, so a prompt's rows are the same in whatever chunks it came."""
         ones = 0
-        while ones < len(spans) and (spans[ones].count == 1 or spans[ones].rowwise):
+        while ones < len(spans) and (
+            spans[ones].count == 1 or spans[ones].rowwise or matmul.ROWS_ALONE
+        ):
             ones += 1
         head = [
             (s, s.start + j) for s in spans[:ones] for j in range(s.count)
@@ -183,7 +187,7 @@ class GQAttention(nn.Module):
 
     def _attend_span(self, qkv: torch.Tensor, span: Span, layer: int) -> torch.Tensor:
         kv = span.cache.layer(layer)
-        if not span.rowwise:
+        if not span.rowwise and not matmul.ROWS_ALONE:
             return self._attend(qkv[span.offset : span.end], span.start, kv)
         return torch.cat(
             [

@@ -211,6 +211,7 @@ class Assign(Message):
     int8_activations: bool = (
         False  # the coordinator's precision: int8 blocks in the quantized matmuls
     )
+    rows_alone: bool = False  # and every int8 row computed as alone (``Precision.rows_alone``)
     mtp: bool = False  # the last stage: with the model's multi-token-prediction layer, which drafts
     memory_bytes: int = 0  # weights + KV cache the plan expects this node to hold in system memory
     # Where the stage's layers run (``StageAssignment.gpu_layers``): None, all on the node's own device;

@@ -11,6 +11,8 @@ On CPU with the C++ kernels (``native.kernels()``), by the process's precision
   otherwise, and from ``AMX_BELOW_ROWS`` rows on (a long prompt's chunks), above ``DECODE_ROWS``
   (``K_DECODE_ROWS`` for K-quants)
   rows on dequantised bfloat16 tiles with torch's bf16 GEMM (oneDNN; AMX-BF16 where it runs).
+  Rows computed alone (``set_rows_alone``, a mesh that checks its members): every row on the
+  fused kernel whatever the step's rows, so a row's sums are the ones it gets alone.
 * exact (``--precision exact``): up to ``EXACT_BLOCK_ROWS`` rows (a decode or batched step),
   every weight is decoded in registers as gguf-py decodes it and multiplied in float32
   (``linear_exact``): the answers of the dequantised weights, and a row's sums are the same
@@ -27,6 +29,7 @@ Elsewhere (no kernels, ``use_kernels=False``): row tiles dequantised, then F.lin
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from types import ModuleType
 
@@ -70,6 +73,9 @@ _EXACT: list[
 ] = []  # the exact (float32) ops: on the blocks, on tiles
 _K_ROWS: list[int] = []  # K_DECODE_ROWS of this CPU's build, resolved on first use
 INT8_ACTIVATIONS = False  # set by ``set_int8_activations`` (seamline.precision.apply)
+# set by ``set_rows_alone``: int8 rows on the fused kernel at any step size (and, in
+# ``model.attention``, each row attending as a decode row)
+ROWS_ALONE = False
 _AMX_FROM = 0 if os.environ.get(AMX_ENV) == "0" else AMX_FROM_ROWS  # the op checks the CPU itself
 
 
@@ -79,9 +85,18 @@ def set_int8_activations(on: bool) -> None:
     INT8_ACTIVATIONS = on
 
 
+def set_rows_alone(on: bool) -> None:
+    """Compute every row of an int8 matmul as it would alone (the fused kernel, no tiles),
+    whatever rows its step holds: a checked mesh's stages and its reference agree to the bit."""
+    global ROWS_ALONE
+    ROWS_ALONE = on
+
+
 def same_arithmetic_rows() -> int:
     """The most rows a step may hold while each row's products are the ones it gets alone: past
     it the kernels change method (AMX tiles or bfloat16 tiles; float32 tiles when exact)."""
+    if INT8_ACTIVATIONS and ROWS_ALONE:
+        return sys.maxsize
     if INT8_ACTIVATIONS:
         return _AMX_FROM - 1 if _AMX_FROM else DECODE_ROWS
     return EXACT_BLOCK_ROWS
@@ -134,6 +149,8 @@ def quant_linear(
         if INT8_ACTIVATIONS:
             op = _kernel_op()
             if op is not None:  # the op checks shapes, device and type itself (ValueError)
+                if ROWS_ALONE:
+                    return op(x, w.data, w.qtype, w.shape[-1], bias, sys.maxsize, 0)
                 amx = _AMX_FROM if x.numel() < AMX_BELOW_ROWS * x.shape[-1] else 0
                 return op(x, w.data, w.qtype, w.shape[-1], bias, _decode_rows(w.qtype), amx)
         elif (x.dtype == torch.float32 or x.numel() <= EXACT_BLOCK_ROWS * x.shape[-1]) and (

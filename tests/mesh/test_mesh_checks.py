@@ -1,6 +1,8 @@
 """Trust, checked: a member that sends READY without loading its layers fails the start-up probe,
 and one that returns perturbed hidden states on live frames is found by `--verify-fraction 1`;
 each is removed, the mesh serves on without it, and every client's answer is the reference's.
+An honest mesh at the default precision (int8 blocks, every row computed as alone) passes its
+checks under load.
 
 The mesh runs over loopback: the coordinator and two honest nodes are `seamline` processes;
 the liar is a real ``Node`` run in this process (its links are real), changed as an attacker
@@ -23,6 +25,7 @@ from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.process import Node, NodeOptions
 from seamline.mesh.protocol.invite import Invite
 from seamline.params import SamplingParams
+from seamline.precision import int8_kernels_here
 from seamline.runtime import digest
 from seamline.server.demo import memory_cap_gb
 from tests.support.mesh_harness import MeshProcesses
@@ -259,5 +262,33 @@ def test_a_member_that_sends_other_than_it_computes_is_removed_and_its_neighbour
         members = {n["node_id"] for n in status["nodes"]}
         assert members == {"node_a", "node_b", "node1"} - {liar}
         assert _ask(mesh, QUESTIONS[1]) == _expected(model, QUESTIONS[1])
+    finally:
+        mesh.stop()
+
+
+@pytest.mark.skipif(not int8_kernels_here(), reason="int8-block kernels need AVX-512 VNNI")
+def test_an_honest_mesh_at_the_default_precision_passes_its_checks_under_load(
+    tmp_path: Path,
+) -> None:
+    """int8 blocks, every request checked: many prompts at once, sharing the chat template's
+    prefix (forks of one another's caches) and batched past the int8 kernels' rows, are the
+    reference's, so no honest member is removed at the tight tolerance."""
+    mesh = MeshProcesses(
+        tmp_path,
+        nodes=2,
+        node_memory_gb=memory_cap_gb(None, 2, CONTEXT, dtype_bytes=2),
+        serve_args=("--context", str(CONTEXT), "--verify-fraction", "1", "--precision", "fast"),
+    ).start()
+    try:
+        assert mesh.wait_ready()["precision"]["int8_activations"]
+        questions = [f"Tell me a story about the number {i} and why it matters." for i in range(12)]
+        threads = [threading.Thread(target=_ask, args=(mesh, q)) for q in questions]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=300)
+        checks = mesh.status()["verification"]
+        assert checks["checked_tokens"] > 0, checks
+        assert (checks["violations"], checks["expelled"]) == (0, []), mesh.status_or_output()
     finally:
         mesh.stop()

@@ -94,6 +94,7 @@ class CoordinatorOptions:
     precision: str = (
         "exact"  # the name of the precision ``dtype`` and ``int8_activations`` come from
     )
+    rows_alone: bool = False  # every stage's int8 rows computed as alone (``Precision.rows_alone``)
     context_length: int = 4096
     fragments_url: str = ""
     fragments_certificate: str = ""  # PEM, when the API (and so the fragments) is served over HTTPS
@@ -167,7 +168,11 @@ class Coordinator:
         self.refusals = Refusals()  # what members sent that was not theirs to say
         self.opened = Opened()  # what a stage may call invalid in the requests in flight
         self.fragment_gate: PeerGate | None = None  # the fragment port's, over TLS (``serve.Mesh``)
-        reference = Reference(options.package_dir, options.dtype) if options.package_dir else None
+        reference = (
+            Reference(options.package_dir, options.dtype, options.rows_alone)
+            if options.package_dir
+            else None
+        )
         self.relay = Relay()
         self.peer_links = PeerLinks()
         self.back_off = BackOff(self._back_off_over)  # members that failed wait to be planned

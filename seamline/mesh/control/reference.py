@@ -32,9 +32,12 @@ AnyStage = Stage | GroupStage
 
 
 class Reference:
-    def __init__(self, package_dir: Path, dtype: str) -> None:
+    def __init__(self, package_dir: Path, dtype: str, rows_alone: bool = False) -> None:
         self.package_dir = package_dir
         self.dtype = DTYPES[dtype]
+        # this process and every stage compute int8 rows as alone (``Precision.rows_alone``):
+        # their digests agree to the bit, and are held to ``digest.ALONE_TOLERANCE``
+        self.rows_alone = rows_alone
         self._manifest: Manifest | None = None
         self._stages: dict[tuple[Range, int], AnyStage] = {}  # by (layers, the group's ranks)
         self.lock = threading.RLock()

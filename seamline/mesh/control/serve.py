@@ -33,7 +33,7 @@ from seamline.mesh.protocol.fragment_server import (
     serve_fragments,
 )
 from seamline.mesh.protocol.invite import Invite
-from seamline.precision import Precision, apply, resolve, weights_kind
+from seamline.precision import Precision, apply, checked, resolve, weights_kind
 from seamline.runtime.speculation import Speculation
 from seamline.text import TextCodec
 from seamline.weights.fragments import Manifest
@@ -231,6 +231,8 @@ def _prepare_model(options: ServeOptions) -> _Model:
     shapes = {t.name: t.shape for f in manifest.fragments for t in f.tensors}
     types = {t.name: t.dtype for f in manifest.fragments for t in f.tensors}
     precision = resolve(options.precision, weights_kind(types.values()), options.dtype)
+    if options.verify_fraction > 0:  # stages and the reference: every row as it would alone
+        precision = checked(precision)
     apply(
         precision
     )  # the coordinator's own copy (start-up checks, ``--verify-fraction``) computes alike
@@ -276,6 +278,7 @@ def _coordinator_options(
         ),
         dtype=precision.dtype,
         int8_activations=precision.int8_activations,
+        rows_alone=precision.rows_alone,
         precision=precision.name,
         private=options.private,
         own_invite=own_id if options.local_node else "",

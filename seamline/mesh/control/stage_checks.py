@@ -59,6 +59,7 @@ class Expectations:
     def __init__(self, reference: Reference, plan: Plan) -> None:
         self.seed = secrets.randbits(62)
         self.dtype = reference.dtype
+        self.rows_alone = reference.rows_alone
         self._reference, self._plan = reference, plan
         self._answers: list[Expected] = []
         self._error: BaseException | None = None
@@ -111,7 +112,9 @@ def check_stages(
                 layers=layers,
             ),
         )
-        reason = _judge(result, expected.answer, expected.scale, expectations.dtype)
+        reason = _judge(
+            result, expected.answer, expected.scale, expectations.dtype, expectations.rows_alone
+        )
         if reason:
             raise StageFailedCheck(stage.members(), f"layers [{stage.start},{stage.end}): {reason}")
         log.info(
@@ -119,7 +122,13 @@ def check_stages(
         )
 
 
-def _judge(result: ProbeResult, expected: torch.Tensor, scale: float, dtype: torch.dtype) -> str:
+def _judge(
+    result: ProbeResult,
+    expected: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype,
+    rows_alone: bool,
+) -> str:
     """Why ``result`` is not the stage's answer ("" when it is)."""
     if result.error:
         return f"it could not run the probe: {result.error}"
@@ -127,5 +136,5 @@ def _judge(result: ProbeResult, expected: torch.Tensor, scale: float, dtype: tor
         got = digest.unpack(result.digest, 1, 1)[0, 0]
     except ValueError as exc:
         return f"its answer is malformed: {exc}"
-    gap = digest.differs(got, expected, scale, dtype)
+    gap = digest.differs(got, expected, scale, dtype, rows_alone)
     return f"its answer is {gap:.0f}x the tolerance from the coordinator's" if gap > 1 else ""

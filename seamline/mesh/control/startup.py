@@ -207,6 +207,7 @@ class StartUp:
             dtype=self.options.dtype,
             context_length=self.options.context_length,
             int8_activations=self.options.int8_activations,
+            rows_alone=self.options.rows_alone,
             mtp=s.owns_head and self.speculation == "mtp",
             # what its system memory holds: not its GPU's share (``plan.split``)
             memory_bytes=s.predicted_bytes - s.gpu_bytes + (tail.predicted_bytes if tail else 0),

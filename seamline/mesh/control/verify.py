@@ -272,6 +272,7 @@ class Verifier:
                     digest.digest(x, position, self.seed),
                     digest.scale(x, position, self.seed),
                     stage.compute_dtype,
+                    self._ref.rows_alone,
                 )
                 > 1
                 and not self._link_holds(shadow, index, position, count, got[index][0], x)
@@ -285,6 +286,7 @@ class Verifier:
                 digest.digest(x, start, self.seed),
                 digest.scale(x, start, self.seed),
                 stage.compute_dtype,
+                self._ref.rows_alone,
             )
             if gap > 1:
                 return self._fault(
@@ -370,6 +372,7 @@ class Verifier:
             digest.digest(x, position, self.seed),
             digest.scale(x, position, self.seed),
             self._ref.stage(self.stages[index].layers, len(self.stages[index].nodes)).compute_dtype,
+            self._ref.rows_alone,
         )
         statement = shadow.statements.get((position, count), {}).get(index)
         who, why = liars(crossing, sender, self.public_keys(sender), self.seed, statement)

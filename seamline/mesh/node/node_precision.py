@@ -1,5 +1,6 @@
-"""A node computes in the precision its coordinator chose (``Assign.int8_activations`` and
-``dtype``), never its own: an answer must not depend on which node holds which layers."""
+"""A node computes in the precision its coordinator chose (``Assign.int8_activations``,
+``rows_alone`` and ``dtype``), never its own: an answer must not depend on which node holds
+which layers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from seamline.precision import int8_kernels_here, label
 def take_precision(assign: Assign) -> None:
     """Make this process's quantized matmuls follow ``assign``; a ConfigError (reported to the
     coordinator as this node's failure) when this machine cannot."""
-    from seamline.quant.matmul import set_int8_activations
+    from seamline.quant.matmul import set_int8_activations, set_rows_alone
 
     if assign.int8_activations and not int8_kernels_here():
         raise ConfigError(
@@ -19,6 +20,7 @@ def take_precision(assign: Assign) -> None:
             "with AVX-512 VNNI and a C++ compiler"
         )
     set_int8_activations(assign.int8_activations)
+    set_rows_alone(assign.rows_alone)
 
 
 def stage_precision(assign: Assign | None) -> str:
