@@ -381,14 +381,9 @@ class StageWorker:
         if decode_only:
             self.decode_steps += 1
             self.decode_seconds += spent
-        keys = [(w.row.request, w.row.position, w.row.count) for w in work]
-        digests = self._digests(work, inputs, out) if self.digest_seed else None
-        if digests is not None and self.links.digests is not None:
-            self.links.digests(keys, digests, self.receipt)
+        signed = self._report_digests(work, inputs, out) if self.digest_seed else None
         if not self.is_last:
             assert self.links.downstream is not None, "a middle stage needs a downstream link"
-            sign = self.links.sign
-            signed = sign(keys, digests[:, 1]) if sign is not None and digests is not None else None
             self.links.downstream([w.row for w in work], out, ids, signed)
             return []
         draws = [
@@ -407,6 +402,18 @@ class StageWorker:
         return sampled if self.is_first else []
 
     # -- internals ----------------------------------------------------------------------
+    def _report_digests(
+        self, work: list[Work], inputs: torch.Tensor, out: torch.Tensor
+    ) -> tuple[bytes, bytes] | None:
+        """A checked mesh's stage: report the rows' digests (with the statement of the frame
+        they came in); the signed statement of what goes downstream (None: nothing signs)."""
+        keys = [(w.row.request, w.row.position, w.row.count) for w in work]
+        digests = self._digests(work, inputs, out)
+        if self.links.digests is not None:
+            self.links.digests(keys, digests, self.receipt)
+        sign = self.links.sign
+        return sign(keys, digests[:, 1]) if sign is not None and not self.is_last else None
+
     def _digests(self, work: list[Work], inputs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """[rows, 2, DIGEST_WIDTH]: each row's input (none at stage 0: token ids) and output (the
         last stage: its last position's logits) as the coordinator's check computes them."""
