@@ -63,26 +63,40 @@ def _mesh_with_liar(root: Path, tamper: Callable[[Node], None]) -> tuple[MeshPro
     """A mesh planned over the liar and two honest nodes, any two of which hold the model. (All
     join before the first plan: a member removed by a check takes its invite with it, and the
     honest ones joined with the same invite.)"""
-    cap = memory_cap_gb(None, 2, CONTEXT)
-    mesh = MeshProcesses(
-        root,
-        nodes=3,
-        node_memory_gb=cap,
-        serve_args=("--context", str(CONTEXT), "--verify-fraction", "1"),
-    ).start(join=False)
-    options = NodeOptions(
-        max_memory_bytes=int(cap * (1 << 30)),
-        node_id=LIAR,
-        cache_dir=root / LIAR,
-        progress=False,
-    )
-    liar = Node(Invite.decode(mesh.token), options)
-    tamper(liar)
-    liar.join()
-    threading.Thread(target=liar.serve, daemon=True).start()
+    mesh = _checked_mesh(root)
+    liar = _node_in_this_process(mesh, root, LIAR, tamper)
     mesh.join("node1")
     mesh.join("node2")
     return mesh, liar
+
+
+def _checked_mesh(root: Path) -> MeshProcesses:
+    """A coordinator that checks every request, its nodes on caps under which any two hold the
+    model; none joined yet."""
+    return MeshProcesses(
+        root,
+        nodes=3,
+        node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
+        serve_args=("--context", str(CONTEXT), "--verify-fraction", "1"),
+    ).start(join=False)
+
+
+def _node_in_this_process(
+    mesh: MeshProcesses, root: Path, name: str, tamper: Callable[[Node], None]
+) -> Node:
+    """A real node run in this process, changed by ``tamper`` before it joins with the mesh's
+    own invite (its links are real)."""
+    options = NodeOptions(
+        max_memory_bytes=int(memory_cap_gb(None, 2, CONTEXT) * (1 << 30)),
+        node_id=name,
+        cache_dir=root / name,
+        progress=False,
+    )
+    node = Node(Invite.decode(mesh.token), options)
+    tamper(node)
+    node.join()
+    threading.Thread(target=node.serve, daemon=True).start()
+    return node
 
 
 def _perturbs_live_frames(node: Node) -> None:
@@ -228,25 +242,12 @@ def test_a_member_that_sends_other_than_it_computes_is_removed_and_its_neighbour
     first in-process member planned before the last stage turns liar. Its neighbour reports what
     it took with the liar's signature, which blames the liar alone; removing it removes no one
     else."""
-    cap = memory_cap_gb(None, 2, CONTEXT)
-    mesh = MeshProcesses(
-        tmp_path,
-        nodes=3,
-        node_memory_gb=cap,
-        serve_args=("--context", str(CONTEXT), "--verify-fraction", "1"),
-    ).start(join=False)
+    mesh = _checked_mesh(tmp_path)
     armed = {name: threading.Event() for name in ("node_a", "node_b")}
     for name, event in armed.items():
-        options = NodeOptions(
-            max_memory_bytes=int(cap * (1 << 30)),
-            node_id=name,
-            cache_dir=tmp_path / name,
-            progress=False,
+        _node_in_this_process(
+            mesh, tmp_path, name, lambda node, e=event: _sends_other_than_it_computes(node, e, 2)
         )
-        node = Node(Invite.decode(mesh.token), options)
-        _sends_other_than_it_computes(node, event, unprovable=2)
-        node.join()
-        threading.Thread(target=node.serve, daemon=True).start()
     mesh.join("node1")
     try:
         order = [s["ranks"][0] for s in mesh.wait_ready()["stages"]]
