@@ -96,11 +96,17 @@ class PeerLinks:
             ]
 
     def forget(self, node_id: str) -> None:
-        """A member left: its pairs are measured again if it comes back."""
+        """A member left: its pairs are measured again if it comes back, and a measurement of a
+        pair of it that is awaited ends now (a join waits for no report from a node gone)."""
         with self._cond:
             for key in [k for k in self._measured if node_id in k]:
                 del self._measured[key]
                 self._relayed.discard(key)
+            for prober, peer in [k for k, got in self._asked.items() if node_id in k and not got]:
+                self._asked[(prober, peer)] = PeerLink(
+                    peer_node=peer, error=f"node {node_id} left the mesh"
+                )
+            self._cond.notify_all()
 
 
 def _taken(report: PeerLink | None) -> tuple[LinkCost | None, str]:
