@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from seamline.errors import OverloadedError, RequestError, SeamlineError
 from seamline.mesh.control.coordinator import Coordinator, StartupError
 from seamline.mesh.control.mesh_metrics import MeshReporter
-from seamline.mesh.control.mesh_state import RequestReplayed
+from seamline.mesh.control.mesh_state import RequestReplayed, RequestResumed
 from seamline.net.frames import TokenRow
 from seamline.net.link import LinkClosed
 from seamline.net.messages import Open
@@ -103,16 +103,19 @@ class MeshBackend:
             params, seed=request_seed(params.seed), stop_strings=()
         )  # stop strings stay here
         generated: list[int] = []
-        lost_at: float | None = None
+        lost: _Loss | None = None
         replays = implicated = 0
         while True:
             if not self.coordinator.ready.is_set():  # healing: wait for the route, as a replay does
-                lost_at = lost_at or time.monotonic()
+                lost = lost or _Loss(time.monotonic())
                 await self._until_ready(
-                    lost_at, RouteLost(f"the mesh is not serving: {self.coordinator.state}")
+                    lost, RouteLost(f"the mesh is not serving: {self.coordinator.state}")
                 )
             try:
                 async for event in self._attempt(prompt, spec, generated, replaying=replays > 0):
+                    if lost is not None and replays:
+                        self._resumed(lost, len(generated))
+                    lost = None
                     if event.shown:
                         generated.append(event.token)
                     yield event
@@ -120,18 +123,10 @@ class MeshBackend:
             except RouteLost as exc:
                 replays += 1
                 implicated += isinstance(exc, Implicated)
-                if implicated >= MAX_IMPLICATED:
-                    raise RequestFailed(
-                        f"{exc}; the nodes this request ran on failed as it started, "
-                        f"{implicated} times: ended rather than replayed again"
-                    ) from None
-                if replays > MAX_REPLAYS:
-                    raise RequestFailed(
-                        f"{exc}; the request lost its route {MAX_REPLAYS} times, given up"
-                    ) from None
-                lost_at = lost_at or time.monotonic()
+                _give_up_after(exc, replays, implicated)
+                lost = lost or _Loss(time.monotonic())
                 self.coordinator.keeper.post(RequestReplayed(len(generated), str(exc)))
-                await self._until_ready(lost_at, exc)
+                await self._until_ready(lost, exc)
 
     async def _attempt(
         self, prompt: list[int], spec: SamplingParams, generated: list[int], replaying: bool
@@ -185,15 +180,24 @@ class MeshBackend:
                 self._waiting.pop(request, None)
             self.coordinator.close_request(request)
 
-    async def _until_ready(self, lost_at: float, cause: Exception) -> None:
-        """Wait for the mesh to serve again; RequestFailed once ``replay_deadline_s`` has passed."""
+    async def _until_ready(self, lost: _Loss, cause: Exception) -> None:
+        """Wait for the mesh to serve again; RequestFailed once ``replay_deadline_s`` has passed
+        since the route was lost."""
         while not self.coordinator.ready.is_set():
-            if time.monotonic() - lost_at > self.replay_deadline_s:
+            if time.monotonic() - lost.at > self.replay_deadline_s:
                 raise RequestFailed(
                     f"{cause}; the mesh could not serve again within {self.replay_deadline_s:.0f} s "
                     f"({self.coordinator.state})"
                 ) from None
             await asyncio.sleep(READY_POLL_S)
+        lost.served_again = lost.served_again or time.monotonic()
+
+    def _resumed(self, lost: _Loss, tokens: int) -> None:
+        """A replay drew its first token: how long the route took to serve again, and the
+        replay to draw after it."""
+        now = time.monotonic()
+        served = lost.served_again or now
+        self.coordinator.keeper.post(RequestResumed(tokens, served - lost.at, now - served))
 
     def _deliver(self, rows: list[TokenRow]) -> None:
         for row in rows:
@@ -211,6 +215,28 @@ class MeshBackend:
         if waiting is not None:
             loop, queue = waiting
             loop.call_soon_threadsafe(queue.put_nowait, item)
+
+
+@dataclasses.dataclass
+class _Loss:
+    """When a request lost its route, and when the mesh served again after (0: not yet)."""
+
+    at: float
+    served_again: float = 0.0
+
+
+def _give_up_after(exc: RouteLost, replays: int, implicated: int) -> None:
+    """RequestFailed when the request is not replayed again: its route was lost as it started
+    ``implicated`` times, or lost ``replays`` times in all."""
+    if implicated >= MAX_IMPLICATED:
+        raise RequestFailed(
+            f"{exc}; the nodes this request ran on failed as it started, "
+            f"{implicated} times: ended rather than replayed again"
+        ) from None
+    if replays > MAX_REPLAYS:
+        raise RequestFailed(
+            f"{exc}; the request lost its route {MAX_REPLAYS} times, given up"
+        ) from None
 
 
 def _failure(reason: str, blame: str) -> Exception:

@@ -257,6 +257,24 @@ class RequestReplayed(Event):
 
 
 @dataclass(frozen=True)
+class RequestResumed(Event):
+    """A replayed request drew its next token: ``route_s`` after it lost its route the mesh served
+    again, ``token_s`` after that its replay (the tokens so far prefilled anew) drew the token."""
+
+    tokens: int
+    route_s: float
+    token_s: float
+    kind: ClassVar[str] = "request_resumed"
+
+    def describe(self, state: MeshState) -> str:
+        return (
+            f"a replayed request resumed after {self.tokens} tokens: the mesh served again "
+            f"{self.route_s:.2f} s after its route was lost, its next token {self.token_s:.2f} s "
+            "later"
+        )
+
+
+@dataclass(frozen=True)
 class ShuttingDown(Event):
     kind: ClassVar[str] = "shutting_down"
 
