@@ -197,12 +197,16 @@ def _round(server: Server, env: dict[str, str], logs: Path, index: int) -> dict[
         text=True,
     )
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        status = mesh_status(server)
-        if status.get("ready") and len(status.get("nodes", [])) == NODES:
-            break
+    while time.monotonic() < deadline and not _whole(mesh_status(server)):
         time.sleep(0.5)
     return {"node": victim, "how": how, "at": failed_at}
+
+
+def _whole(status: dict[str, Any]) -> bool:
+    """Whether the mesh serves with all NODES joined: each measured and checked, not only
+    admitted (a node being measured is listed, but cannot be planned yet)."""
+    nodes = status.get("nodes", [])
+    return bool(status.get("ready")) and len(nodes) == NODES and all(n["checked"] for n in nodes)
 
 
 def mesh_status(server: Server) -> dict[str, Any]:
@@ -214,15 +218,30 @@ def mesh_status(server: Server) -> dict[str, Any]:
 
 def _recoveries(answers: list[ClientAnswer], failures: list[dict[str, Any]]) -> list[float]:
     """Per stream in flight at a failure: seconds from the failure to its next token."""
-    out = []
-    for failure in failures:
-        at = failure["at"]
-        for answer in answers:
-            if answer.began < at and (
-                answer.ended > at and answer.token_times and answer.token_times[-1] > at
-            ):
-                out.append(next(t for t in answer.token_times if t > at) - at)
-    return out
+    return [gap for failure in failures for gap in _gaps(answers, failure["at"])]
+
+
+def _gaps(answers: list[ClientAnswer], at: float) -> list[float]:
+    """Per stream in flight at ``at``: seconds from ``at`` to its next token."""
+    return [
+        next(t for t in answer.token_times if t > at) - at
+        for answer in answers
+        if answer.began < at < answer.ended and answer.token_times and answer.token_times[-1] > at
+    ]
+
+
+def _slowest_per_failure(
+    answers: list[ClientAnswer], failures: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Each failure, in order: its node, how, and its slowest stream's recovery (s)."""
+    return [
+        {
+            "node": f["node"],
+            "how": f["how"],
+            "slowest_recovery_s": _pct(_gaps(answers, f["at"]), 1.0),
+        }
+        for f in failures
+    ]
 
 
 def stream_rate(answers: list[ClientAnswer], since: float, until: float) -> float:
@@ -288,7 +307,7 @@ def _result(
         "tok_s_during_chaos": round(stream_rate(load.answers, calm_to, chaos_to), 2),
         "calm_requests": len(calm),
         "calm_answers_unstable": unstable,  # a request whose calm answers differ among themselves
-        "failures": [{"node": f["node"], "how": f["how"]} for f in failures],
+        "failures": _slowest_per_failure(load.answers, failures),
         "lost_errors": sorted({a.error[:200] for a in lost})[:5],
         "changed_examples": [
             {"client": a.client, "got": a.text[:120], "calm": reference[a.client][:120]}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from seamline_bench.chaos import ClientAnswer, Clients, _recoveries, _result
+from seamline_bench.chaos import ClientAnswer, Clients, _recoveries, _result, _whole
 
 
 def _answer(
@@ -49,3 +49,12 @@ def test_lost_and_changed_answers_are_counted_against_the_calm_phase() -> None:
         result["near_tie_flips"] == 0
     )  # "other" is no near-tie of "calm1" (the reference model examined it)
     assert result["recovery_s_p50"] == 0.3 and result["streams_recovered"] == 2
+
+
+def test_the_next_round_waits_for_every_node_to_be_checked_not_only_admitted() -> None:
+    checked = [{"node_id": f"chaos{i}", "checked": True} for i in range(3)]
+    joining = [*checked[:2], {"node_id": "chaos2", "checked": False}]  # admitted, being measured
+    assert _whole({"ready": True, "nodes": checked})
+    assert not _whole({"ready": True, "nodes": joining})
+    assert not _whole({"ready": False, "nodes": checked})
+    assert not _whole({})
