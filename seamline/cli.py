@@ -348,6 +348,7 @@ def _mesh_options(args: argparse.Namespace, speculation: Speculation) -> ServeOp
         heartbeat_timeout_s=args.heartbeat_timeout,
         insecure_comm=args.insecure_comm,
         verify_fraction=args.verify_fraction,
+        verify_node=args.verify_node,
         private=args.private,
         state_dir=Path(args.state_dir) if args.state_dir else None,
         kv_cache_bytes=_gib(args.kv_cache_memory),

@@ -135,6 +135,9 @@ def serve_request_args(serve: argparse.ArgumentParser) -> None:
         "holding their tokens until they check out (0: only the start-up check)",
     )
     serve.add_argument(
+        "--verify-node", default=None, help=argparse.SUPPRESS
+    )  # tests: a followed request checks the stage this node serves in (by default one at random)
+    serve.add_argument(
         "--kv-cache-memory",
         type=float,
         default=0.0,

@@ -541,6 +541,38 @@ class Receipt(BaseModel):
     signature: str = Field(max_length=128)
 
 
+MAX_KEPT_BYTES = 32 << 10  # rows' bytes a KeptRows carries: base64, under a member's control cap
+
+
+class KeptRowsAsk(Message):
+    """Coordinator -> a checked stage's leader, after the stage reported the digests of these
+    rows: the input rows it computed on for ``request``'s positions [start, end)
+    (``verify``; a stage of a checked mesh keeps them while it keeps the request's cache)."""
+
+    kind: Literal["kept_rows_ask"] = "kept_rows_ask"
+    plan_id: int
+    layers: tuple[int, int]
+    request: int
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+
+
+class KeptRows(Message):
+    """A part of a stage's kept input rows for positions [start, start + count): their bytes in
+    the stage's compute dtype from ``offset``, at most ``MAX_KEPT_BYTES`` of them, base64 (the
+    answer to one ask comes in parts, in order; ``gone``: the stage holds no such rows)."""
+
+    kind: Literal["kept_rows"] = "kept_rows"
+    plan_id: int
+    layers: tuple[int, int]
+    request: int
+    start: int = Field(ge=0)
+    count: int = Field(ge=0)
+    offset: int = Field(default=0, ge=0)
+    data: str = Field(max_length=MAX_KEPT_BYTES * 4 // 3 + 8)
+    gone: bool = False
+
+
 AnyMessage = Annotated[
     Challenge
     | Join
@@ -578,6 +610,8 @@ AnyMessage = Annotated[
     | Revoked
     | Probe
     | ProbeResult
+    | KeptRowsAsk
+    | KeptRows
     | Digests,
     Field(discriminator="kind"),
 ]

@@ -42,6 +42,7 @@ from seamline.params import SamplingParams
 from seamline.runtime import digest
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.idle_clock import IdleClock
+from seamline.runtime.kept_inputs import KeptInputs
 from seamline.runtime.mtp_drafts import pipeline_drafts
 from seamline.runtime.pipeline_head import PipelineHead
 from seamline.runtime.sampling import request_seed
@@ -137,6 +138,7 @@ class StageWorker:
             0  # report every row's digests under this seed (0: none): the coordinator checks them
         )
         self.receipt: Receipt | None = None  # the statement of the frame being run (under ``lock``)
+        self.kept: KeptInputs | None = None  # a checked mesh's later stage: the rows it took
         # A private mesh (``--private``): stage 0 sends on no token id and no sampling parameter (``private``),
         # and the last stage, in the same process, draws with stage 0's records (``source``); both key the
         # rows' prefix hashes (``hash_key``), so a member between them reads no token from a frame.
@@ -193,6 +195,8 @@ class StageWorker:
             if isinstance(msg, Forget):
                 self.sequences.pop(msg.request, None)
                 self._closed(msg.request)
+                if self.kept is not None:
+                    self.kept.forget(msg.request)
                 if seq is not None:
                     self.stage.release_cache(seq.cache)
             elif seq is None or (donor := self.sequences.get(msg.donor)) is None:
@@ -213,6 +217,8 @@ class StageWorker:
                 self.stage.release_cache(seq.cache)
                 seq.cache, seq.done, seq.output = donor.cache.fork(msg.positions), False, []
                 seq.next_position, seq.hash = msg.positions, msg.hash
+                if self.kept is not None:
+                    self.kept.fork(msg.request, msg.donor, msg.positions)
         self._pass_on(msg)
 
     def _pass_on(self, msg: Message) -> None:
@@ -314,6 +320,8 @@ class StageWorker:
                         self.refuse(row.request, "frame", exc)
                     continue
                 seq.ran(row, ids)
+                if self.kept is not None:
+                    self.kept.keep(row.request, row.position, x)
                 assert seq.drawing is not None  # _check_row resolved it
                 work.append(Work(row, seq.cache, x, seq.drawing, ids))
             keys = [(r.request, r.position, r.count) for r in frame.rows]

@@ -1,6 +1,7 @@
 """Trust, checked: a member that sends READY without loading its layers fails the start-up probe,
-and one that returns perturbed hidden states on live frames is found by `--verify-fraction 1`;
-each is removed, the mesh serves on without it, and every client's answer is the reference's.
+and one that returns perturbed hidden states on live frames is found by `--verify-fraction 1`
+when its stage is the one checked (``--verify-node``, the tests' seam: each followed request
+checks one stage); each is removed, the mesh serves on without it, and every client's answer is the reference's.
 An honest mesh at the default precision (int8 blocks, every row computed as alone) passes its
 checks under load.
 
@@ -63,21 +64,21 @@ def _mesh_with_liar(root: Path, tamper: Callable[[Node], None]) -> tuple[MeshPro
     """A mesh planned over the liar and two honest nodes, any two of which hold the model. (All
     join before the first plan: a member removed by a check takes its invite with it, and the
     honest ones joined with the same invite.)"""
-    mesh = _checked_mesh(root)
+    mesh = _checked_mesh(root, "--verify-node", LIAR)  # its stage is the one checked
     liar = _node_in_this_process(mesh, root, LIAR, tamper)
     mesh.join("node1")
     mesh.join("node2")
     return mesh, liar
 
 
-def _checked_mesh(root: Path) -> MeshProcesses:
-    """A coordinator that checks every request, its nodes on caps under which any two hold the
-    model; none joined yet."""
+def _checked_mesh(root: Path, *serve_args: str) -> MeshProcesses:
+    """A coordinator that checks every request (one stage of each, on its own copy of that
+    stage's layers), its nodes on caps under which any two hold the model; none joined yet."""
     return MeshProcesses(
         root,
         nodes=3,
         node_memory_gb=memory_cap_gb(None, 2, CONTEXT),
-        serve_args=("--context", str(CONTEXT), "--verify-fraction", "1"),
+        serve_args=("--context", str(CONTEXT), "--verify-fraction", "1", *serve_args),
     ).start(join=False)
 
 
@@ -195,8 +196,17 @@ def test_a_member_that_perturbs_live_frames_is_found_and_no_client_sees_its_toke
             n["node_id"] for n in status["nodes"]
         }
         assert _ask(mesh, QUESTIONS[0]) == _expected(model, QUESTIONS[0])
+        _lets_go_of_checked_layers(mesh)
     finally:
         mesh.stop()
+
+
+def _lets_go_of_checked_layers(mesh: MeshProcesses, timeout_s: float = 30) -> None:
+    """With no request in flight, the coordinator holds none of the model's layers."""
+    deadline = time.monotonic() + timeout_s
+    while mesh.status()["verification"]["checking"]:
+        assert time.monotonic() < deadline, mesh.status()["verification"]
+        time.sleep(0.5)
 
 
 def _sends_other_than_it_computes(node: Node, armed: threading.Event, unprovable: int) -> None:

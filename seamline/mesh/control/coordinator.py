@@ -11,6 +11,7 @@ that remain. Every change of the mesh's state is an event applied by ``mesh_stat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -61,6 +62,7 @@ from seamline.net.messages import (
     Close,
     Digests,
     Failure,
+    KeptRows,
     Linked,
     Loading,
     Message,
@@ -120,6 +122,7 @@ class CoordinatorOptions:
         None  # the packaged model: stages are checked against it (None: unchecked)
     )
     verify_fraction: float = 0.0  # of requests followed through the coordinator's copy (``verify``)
+    verify_node: str | None = None  # tests: followed requests check its stage (``verify``)
     private: bool = False  # the route's ends on the coordinator's own node: members see no token (``plan.private``)
     own_invite: str = ""  # the invite made for the coordinator's own node alone
     speculation: str = (
@@ -188,6 +191,8 @@ class Coordinator:
             self.startup.expel,
             masks=_masks(options.package_dir),
             public_keys=self.public_keys,
+            ask=self._tell,
+            choice=options.verify_node,
         )
 
     # -- the state: read here, changed only by ``apply`` ---------------------------------
@@ -227,6 +232,13 @@ class Coordinator:
             self.balance.start()
             self.serving_pace.start()
         return self.joining.start(host)
+
+    def _tell(self, node_id: str, message: Message) -> None:
+        """A message to a member, if it is still here (one lost meanwhile is news elsewhere)."""
+        handle = self.nodes.get(node_id)
+        if handle is not None:
+            with contextlib.suppress(LinkClosed):
+                handle.link.send_message(message)
 
     def public_keys(self, node_id: str) -> list[Any]:
         """The keys of a member's certificates, which sign its frames (``frame_signing``): those
@@ -304,6 +316,8 @@ class Coordinator:
                 handle.speed_check.answer(message)
             elif isinstance(message, Digests):
                 self.verifier.digests(handle.node_id, message)
+            elif isinstance(message, KeptRows):
+                self.verifier.kept_rows(handle.node_id, message)
             elif isinstance(message, ProbeResult):
                 with handle.changed:
                     handle.probe_result = message

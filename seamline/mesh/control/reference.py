@@ -66,6 +66,11 @@ class Reference:
                 )
             return self._stages[key]
 
+    def loaded(self) -> list[tuple[Range, int]]:
+        """The (layers, ranks) held now (read without the lock, which a check holds while it
+        runs: one copy of the keys, atomic under the GIL)."""
+        return list(self._stages)
+
     def keep_only(self, stages: Sequence[tuple[Range, int]]) -> None:
         """Let go of what no stage of the current plan has: ``stages`` are (layers, ranks)."""
         with self.lock:

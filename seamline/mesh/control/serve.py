@@ -68,6 +68,7 @@ class ServeOptions:
     verify_fraction: float = (
         0.0  # of requests the coordinator follows through its own copy (``verify``)
     )
+    verify_node: str | None = None  # tests: followed requests check the stage it serves in
     private: bool = False  # the route's ends on this machine's own node: members see no token (``plan.private``)
     insecure_comm: bool = False  # --transport torch may run between hosts
     micro_batches: int = 0  # in flight in the pipeline (0: one per stage)
@@ -297,6 +298,7 @@ def _coordinator_options(
         state_dir=state_dir,
         package_dir=model.package_dir,
         verify_fraction=options.verify_fraction,
+        verify_node=options.verify_node,
         speculation=speculation.mode,
         draft_max=speculation.draft_max,
     )

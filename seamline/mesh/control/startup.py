@@ -85,7 +85,8 @@ class StartUp:
         with c.lock:
             if plan_id != c.plan_id:
                 return
-            c.verifier.plan([CheckedStage((s.start, s.end), s.members()) for s in plan.stages])
+            stages = [CheckedStage((s.start, s.end), s.members()) for s in plan.stages]
+            c.verifier.plan(stages, plan_id)
             c.apply(RoutePublished(plan_id))
 
     def _check_stages(

@@ -1,23 +1,51 @@
 """Checking live frames: with ``--verify-fraction F`` the coordinator follows a random fraction F
-of requests through its own copy of the model and holds their tokens until they check out.
+of requests and holds their tokens until they check out, and for each one checks ONE stage,
+chosen at random, on its own copy of that stage's layers only: it never holds the whole model.
 
 Every stage of such a mesh reports a digest (``runtime.digest``) of every row it receives and
 every row it computes, for every request: a commitment made before it can know which requests
-are checked, since the coordinator chooses them and tells no stage. For a checked request the
-coordinator runs the same rows through its own copy of each stage's layers (``reference``), in
-the order the mesh ran them, and compares, row by row and stage by stage:
+are checked, or which stage of them, since the coordinator chooses both and tells no stage
+beforehand. A stage of a checked mesh keeps the input rows of each request it holds
+(``runtime.kept_inputs``); once a followed request's stages have all reported a row, the
+coordinator asks the chosen stage for the rows it took (``KeptRowsAsk``; the answer comes in
+bounded parts, ``KeptRows``), so the choice is known to that stage only after it committed.
+Stage 0's inputs are the request's tokens, which the coordinator has. Row by row it checks:
 
-- a stage's output digest against its own (the stage computed something else: it is at fault);
-- a stage's input digest against what the stage before should have sent (they disagree on
-  what crossed the link between them): the sender's signed statement of that frame, which the
-  receiver reports, says which of the two lied (``link_blame``); only that one is at fault;
-- the drawn token against its own draw from the same logits, seed and position (the last
-  stage drew something else; a near tie, where float rounding could flip the draw, passes).
+- every link, for every stage (no computing): a stage's input digest against the output
+  digest the stage before reports; where they differ, the sender's signed statement of that
+  frame, which the receiver reports, says which of the two lied (``link_blame``);
+- the rows the chosen stage shows: they must be what it reported taking (its input digest) and
+  what its sender signed (the statement, ``frame_signing.signed_by``, and the rows' digest
+  against the signed one): a stage cannot invent the inputs it is checked on;
+- its output digest against the coordinator's run of its layers on those rows, on the
+  coordinator's cache of that stage (it is at fault when they differ);
+- when the chosen stage is the last, the drawn token against the coordinator's own draw from
+  the same logits, seed and position (a near tie, where float rounding could flip it, passes).
+  Other stages' tokens are the mesh's: the stage checked computed on them.
+
+A lockstep group is one stage (its leader reports, keeps and shows its rows; the coordinator
+runs the group's shards as the group does, ``reference_group``) and its every rank is blamed.
+
+What the issue left open, decided here:
+- The choice is drawn when a request is followed, with ``secrets``; a re-plan replays the
+  request as a new one, with a new choice. ``--verify-node NODE`` (tests) checks the stage NODE serves in.
+- The coordinator loads a stage's layers when a followed request chooses it and lets them go
+  when no followed request checks that stage any more (``Reference.keep_only``).
+- A stage asked for rows it no longer shows (``gone``), or that does not answer, is asked
+  again as its next digests come (a sequence started over meanwhile); after ``WAIT_S``
+  without the rows it is at fault, as a stage that never reports its digests is.
+- Positions the reference runs to catch up (a fork of a prefix it never ran, or a sequence
+  started over) are run on the rows the stage shows, unchecked: the prefix's own requests were
+  checked, or not, when they ran. A forked request's kept rows begin with its donor's.
+- In a plaintext mesh (nothing signed) the rows shown are held to the sender's reported output
+  digest instead; a disagreement there blames both, as a link's does.
 
 Until its row has checked out a checked request's token is held back, so a client of a checked
-request never sees a token a lying member made; the member is removed and the request replays.
-Unchecked requests stream at once: with F below 1 a liar is found on the first checked request
-it touches, and the tokens it changed in unchecked requests before that reach their clients.
+request never sees a token a member was caught lying about; the member is removed and the
+request replays. A liar is caught on a followed request whose chosen stage is its own (or on
+any followed request where it and a neighbour disagree on a link): with S stages and a
+fraction F, each request it serves catches it with a chance of about F/S. Tokens it changed in
+requests not caught reach their clients.
 """
 
 from __future__ import annotations
@@ -28,24 +56,23 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from seamline.mesh.control.link_blame import Crossing, Statement, liars
-from seamline.mesh.control.reference import Reference
+from seamline.mesh.control.link_blame import Statement
+from seamline.mesh.control.reference import AnyStage, Reference
+from seamline.mesh.control.verify_links import CheckedStage, CrossingChecks
+from seamline.mesh.control.verify_shadow import Shadow, shown_part
 from seamline.mesh.protocol.frame_signing import from_receipt
 from seamline.net.frames import RowFlag, TokenRow
-from seamline.net.messages import Digests, Open
+from seamline.net.messages import Digests, KeptRows, KeptRowsAsk, Message, Open
 from seamline.runtime import digest
 from seamline.runtime.grammar import TokenMasks, grammar_mask
 from seamline.runtime.sampling import adjusted, draw
 
 log = logging.getLogger("seamline.coordinator")
-WAIT_S = (
-    20.0  # a checked row whose stages have not all reported by then: the silent ones are at fault
-)
+WAIT_S = 20.0  # a checked row's reports or shown rows missing by then: the silent stage is at fault
 NEAR_TIE = {
     torch.float32: 1e-3,
     torch.bfloat16: 5e-2,
@@ -55,36 +82,10 @@ NEAR_TIE = {
 Release = Callable[[list[TokenRow]], None]
 Blame = Callable[[list[str], str], None]  # the nodes at fault, why
 PublicKeysOf = Callable[[str], list[Any]]  # a node's certificate keys
+Ask = Callable[[str, Message], None]  # a message to a member
 
 
-@dataclass(frozen=True)
-class CheckedStage:
-    layers: tuple[int, int]
-    nodes: tuple[str, ...]  # its leader first (who reports), then a group's other ranks
-
-
-@dataclass
-class Shadow:
-    """A checked request as the coordinator computes it."""
-
-    opening: Open
-    tokens: list[int]  # prompt, then the tokens drawn so far (the mesh's)
-    caches: list[object]
-    began: float = field(default_factory=time.monotonic)
-    next_position: int = 0  # the reference has run the positions before this
-    rows: dict[tuple[int, int], dict[int, torch.Tensor]] = field(
-        default_factory=dict
-    )  # (position, count) -> stage -> [2, W]
-    logits: dict[int, torch.Tensor] = field(
-        default_factory=dict
-    )  # position drawn for -> the reference's logits
-    held: list[TokenRow] = field(default_factory=list)
-    statements: dict[tuple[int, int], dict[int, Statement]] = field(
-        default_factory=dict
-    )  # (position, count) -> receiving stage -> the statement of the frame it came in
-
-
-class Verifier:
+class Verifier(CrossingChecks):
     def __init__(
         self,
         reference: Reference | None,
@@ -93,16 +94,22 @@ class Verifier:
         blame: Blame,
         masks: TokenMasks | None = None,
         public_keys: PublicKeysOf = lambda node: [],
+        ask: Ask = lambda node, message: None,
+        choice: str | None = None,
     ) -> None:
         """``reference``: the coordinator's copy (None: nothing is checked); ``public_keys``:
-        a member's certificate keys, which sign its frames (none known: a plaintext mesh)."""
+        a member's certificate keys, which sign its frames (none known: a plaintext mesh);
+        ``ask``: sends a member a message; ``choice``: a node whose stage every followed request
+        checks while it serves in one (tests; None: one at random)."""
         self.reference = reference
         self.public_keys = public_keys
         self.fraction = fraction if reference is not None else 0.0
-        self.release, self.blame = release, blame
+        self.release, self.blame, self.ask = release, blame, ask
         self.masks = masks
+        self.choice = choice
         self.seed = secrets.randbits(62) if self.fraction > 0 else 0
         self.stages: list[CheckedStage] = []
+        self.plan_id = 0
         self._shadows: dict[int, Shadow] = {}
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
         self.checked_tokens = self.violations = self.followed = 0
@@ -120,13 +127,16 @@ class Verifier:
             "checked_tokens": self.checked_tokens,
             "violations": self.violations,
             "expelled": list(self.expelled),
+            "checking": [list(layers) for layers, _ in self._ref.loaded()]
+            if self.reference
+            else [],
         }
 
     # -- from the coordinator's threads ---------------------------------------------------
-    def plan(self, stages: list[CheckedStage]) -> None:
+    def plan(self, stages: list[CheckedStage], plan_id: int = 0) -> None:
         """A new route: requests in flight replay on it, as new requests."""
         if self.fraction > 0:
-            self._events.put(lambda: self._replan(stages))
+            self._events.put(lambda: self._replan(stages, plan_id))
 
     def opened(self, opening: Open, tokens: list[int]) -> None:
         if self.fraction > 0 and secrets.randbelow(1 << 30) < self.fraction * (1 << 30):
@@ -134,11 +144,16 @@ class Verifier:
 
     def closed(self, request: int) -> None:
         if self.fraction > 0:
-            self._events.put(lambda: self._shadows.pop(request, None))
+            self._events.put(lambda: self._drop(request))
 
     def digests(self, node_id: str, report: Digests) -> None:
         if self.fraction > 0:
             self._events.put(lambda: self._record(node_id, report))
+
+    def kept_rows(self, node_id: str, part: KeptRows) -> None:
+        """A part of the rows a chosen stage shows (``KeptRowsAsk``)."""
+        if self.fraction > 0:
+            self._events.put(lambda: self._shown(node_id, part))
 
     def tokens(self, rows: list[TokenRow]) -> None:
         """Tokens from the drawing stage: held for checked requests, passed on for the rest."""
@@ -165,16 +180,33 @@ class Verifier:
             except Exception:  # a check that cannot run fails no request; it is logged
                 log.exception("verification failed to run")
 
-    def _replan(self, stages: list[CheckedStage]) -> None:
-        self.stages = stages
+    def _stage(self, index: int) -> AnyStage:
+        """The coordinator's copy of stage ``index``'s layers (loaded when first checked)."""
+        checked = self.stages[index]
+        return self._ref.stage(checked.layers, len(checked.nodes))
+
+    def _replan(self, stages: list[CheckedStage], plan_id: int) -> None:
+        self.stages, self.plan_id = stages, plan_id
         self._shadows.clear()
-        self._ref.keep_only([(s.layers, len(s.nodes)) for s in stages])
+        self._ref.keep_only([])
 
     def _follow(self, opening: Open, tokens: list[int]) -> None:
-        if self.stages:
-            caches = [self._ref.stage(s.layers, len(s.nodes)).new_cache() for s in self.stages]
-            self._shadows[opening.request] = Shadow(opening, list(tokens), caches)
-            self.followed += 1
+        if not self.stages:
+            return
+        chosen = next(
+            (i for i, s in enumerate(self.stages) if self.choice in s.nodes),
+            secrets.randbelow(len(self.stages)),
+        )
+        cache = self._stage(chosen).new_cache()
+        self._shadows[opening.request] = Shadow(opening, list(tokens), chosen, cache)
+        self.followed += 1
+
+    def _drop(self, request: int) -> None:
+        """``request`` is no longer followed: the layers no other followed request checks go."""
+        if self._shadows.pop(request, None) is None:
+            return
+        checked = {self.stages[s.chosen] for s in self._shadows.values()}
+        self._ref.keep_only([(s.layers, len(s.nodes)) for s in checked])
 
     def _record(self, node_id: str, report: Digests) -> None:
         index = next(
@@ -211,6 +243,29 @@ class Verifier:
         except ValueError:
             return None
 
+    def _shown(self, node_id: str, part: KeptRows) -> None:
+        """Rows the chosen stage shows: kept until its rows are checked."""
+        shadow = self._shadows.get(part.request)
+        if shadow is None or shadow.asked is None or part.plan_id != self.plan_id:
+            return
+        checked = self.stages[shadow.chosen]
+        if node_id != checked.nodes[0] or part.layers != checked.layers:
+            return
+        if part.gone:  # asked again with its next digests (it may have started over)
+            shadow.asked, shadow.arriving = None, bytearray()
+            return
+        stage = self._stage(shadow.chosen)
+        try:
+            rows = shown_part(shadow, part, stage.compute_dtype, tuple(stage.boundary_shape))
+        except ValueError as exc:
+            self._drop(part.request)
+            self._fault([shadow.chosen], f"the rows it shows are malformed: {exc}")
+            return
+        if rows is not None:
+            shadow.shown.keep(part.request, part.start, rows)
+            shadow.asked, shadow.waiting_since = None, None
+            self._advance(part.request, shadow)
+
     def _tokens(self, rows: list[TokenRow]) -> None:
         passed = []
         for row in rows:
@@ -224,8 +279,17 @@ class Verifier:
             self.release(passed)
 
     def _advance(self, request: int, shadow: Shadow) -> None:
-        """Check every row of ``shadow`` whose stages have all reported, in order; release the
-        tokens they drew once checked."""
+        """Check every row of ``shadow`` whose stages have all reported (and whose inputs the
+        chosen stage has shown), in order; release the tokens they drew once checked (which
+        may make the next row checkable)."""
+        while self._check_ready(shadow):
+            known = len(shadow.tokens)
+            self._release(shadow)
+            if len(shadow.tokens) == known or request not in self._shadows:
+                return
+
+    def _check_ready(self, shadow: Shadow) -> bool:
+        """Check the rows that can be; False when one failed (the request is dropped)."""
         while True:
             ready = [
                 key
@@ -233,22 +297,51 @@ class Verifier:
                 if len(got) == len(self.stages) and key[0] + key[1] <= len(shadow.tokens)
             ]
             if not ready:
-                break
+                return True
             position, count = min(ready)
+            if not self._inputs_shown(shadow, position, count, max(p + c for p, c in ready)):
+                return True  # asked: the answer resumes this
             if not self._check_row(shadow, position, count, shadow.rows.pop((position, count))):
-                self._shadows.pop(request, None)
-                return
-        self._release(shadow)
+                self._drop(shadow.request)
+                return False
+
+    def _inputs_shown(self, shadow: Shadow, position: int, count: int, reported: int) -> bool:
+        """Whether the chosen stage's inputs for the row at ``position`` (and those the
+        reference runs before it) are here; if not, ask the stage for them, up to ``reported``
+        (the end of the rows it reported), once."""
+        if shadow.chosen == 0:  # its inputs are the tokens
+            return True
+        start = shadow.run_from(position)
+        if shadow.shown_rows(start, position + count) is not None:
+            return True
+        if shadow.asked is None:
+            shadow.asked = (start, reported)
+            if shadow.waiting_since is None:
+                shadow.waiting_since = time.monotonic()
+            checked = self.stages[shadow.chosen]
+            ask = KeptRowsAsk(
+                plan_id=self.plan_id,
+                layers=checked.layers,
+                request=shadow.request,
+                start=start,
+                end=reported,
+            )
+            self.ask(checked.nodes[0], ask)
+        return False
 
     def _release(self, shadow: Shadow) -> None:
+        """Pass on the held tokens whose rows checked out (and, where the chosen stage is the
+        last, whose draw is the coordinator's)."""
+        last = shadow.chosen == len(self.stages) - 1
         out = []
         for row in list(shadow.held):
-            logits = shadow.logits.get(row.position)
-            if logits is None:
+            logits = shadow.logits.get(row.position)  # the chosen stage is the last: its draw
+            checked = logits is not None if last else row.position <= shadow.checked_to
+            if not checked:
                 continue
             shadow.held.remove(row)
-            if not self._check_token(shadow, row, logits):
-                self._shadows.pop(row.request, None)
+            if logits is not None and not self._check_token(shadow, row, logits):
+                self._drop(row.request)
                 return
             out.append(row)
             shadow.tokens[row.position : row.position + 1] = [row.token]
@@ -259,65 +352,53 @@ class Verifier:
     def _check_row(
         self, shadow: Shadow, position: int, count: int, got: dict[int, torch.Tensor]
     ) -> bool:
-        """Run the row through the reference, stage by stage, against what each stage reported."""
-        self._catch_up(shadow, position)
-        ids = torch.tensor(shadow.tokens[position : position + count], dtype=torch.long)
-        x: torch.Tensor = ids
-        for index, checked in enumerate(self.stages):
-            stage = self._ref.stage(checked.layers, len(checked.nodes))
-            if (
-                index > 0
-                and digest.differs(
-                    got[index][0],
-                    digest.digest(x, position, self.seed),
-                    digest.scale(x, position, self.seed),
-                    stage.compute_dtype,
-                    self._ref.rows_alone,
-                )
-                > 1
-                and not self._link_holds(shadow, index, position, count, got[index][0], x)
-            ):
+        """Every link's digests, then the chosen stage's run of the row on the coordinator's
+        copy of its layers, against what each stage reported."""
+        for index in range(1, len(self.stages)):
+            if not self._link_holds(shadow, index, position, count, got):
                 return False
-            last = index == len(self.stages) - 1
-            x = self._ref.run(stage, x, position, shadow.caches[index], last, ids)
-            start = position + count - 1 if last else position
-            gap = digest.differs(
-                got[index][1],
-                digest.digest(x, start, self.seed),
-                digest.scale(x, start, self.seed),
-                stage.compute_dtype,
-                self._ref.rows_alone,
+        self._catch_up(shadow, position)
+        chosen, stage = shadow.chosen, self._stage(shadow.chosen)
+        ids = torch.tensor(shadow.tokens[position : position + count], dtype=torch.long)
+        x = ids if chosen == 0 else shadow.shown_rows(position, position + count)
+        assert x is not None, "_inputs_shown let the row through"
+        if chosen > 0 and not self._shown_holds(shadow, position, count, got, x):
+            return False
+        last = chosen == len(self.stages) - 1
+        out = self._ref.run(stage, x, position, shadow.cache, last, ids)
+        start = position + count - 1 if last else position
+        gap = digest.differs(
+            got[chosen][1],
+            digest.digest(out, start, self.seed),
+            digest.scale(out, start, self.seed),
+            stage.compute_dtype,
+            self._ref.rows_alone,
+        )
+        if gap > 1:
+            return self._fault(
+                [chosen],
+                f"its output for positions [{position}, {position + count}) is "
+                f"{gap:.0f}x the tolerance from the coordinator's",
             )
-            if gap > 1:
-                return self._fault(
-                    [index],
-                    f"its output for positions [{position}, {position + count}) is "
-                    f"{gap:.0f}x the tolerance from the coordinator's",
-                )
-        shadow.next_position = position + count
-        shadow.logits[position + count] = x[-1]
+        shadow.next_position = shadow.checked_to = position + count
+        if last:
+            shadow.logits[position + count] = out[-1]
         return True
 
     def _catch_up(self, shadow: Shadow, position: int) -> None:
         """The mesh started the sequence over (preempted), or from a copy of a prefix the
-        reference never ran: compute the positions before ``position`` unchecked."""
-        if position < shadow.next_position:
-            shadow.caches = [
-                self._ref.stage(s.layers, len(s.nodes)).new_cache() for s in self.stages
-            ]
-            shadow.next_position = 0
-        if position > shadow.next_position:
-            ids = torch.tensor(shadow.tokens[shadow.next_position : position], dtype=torch.long)
-            x: torch.Tensor = ids
-            for index, checked in enumerate(self.stages):
-                x = self._ref.run(
-                    self._ref.stage(checked.layers, len(checked.nodes)),
-                    x,
-                    shadow.next_position,
-                    shadow.caches[index],
-                    index == len(self.stages) - 1,
-                    ids,
-                )
+        reference never ran: run the chosen stage on the positions before ``position``,
+        unchecked (on the tokens, or on the rows the stage shows)."""
+        start = shadow.run_from(position)
+        if start < shadow.next_position:
+            shadow.cache = self._stage(shadow.chosen).new_cache()
+        shadow.next_position = start
+        if position > start:
+            ids = torch.tensor(shadow.tokens[start:position], dtype=torch.long)
+            x = ids if shadow.chosen == 0 else shadow.shown_rows(start, position)
+            assert x is not None, "_inputs_shown let the row through"
+            last = shadow.chosen == len(self.stages) - 1
+            self._ref.run(self._stage(shadow.chosen), x, start, shadow.cache, last, ids)
             shadow.next_position = position
 
     def _check_token(self, shadow: Shadow, row: TokenRow, logits: torch.Tensor) -> bool:
@@ -342,48 +423,22 @@ class Verifier:
         )
 
     def _overdue(self) -> None:
-        """Rows held past WAIT_S: the stages that never reported them are at fault."""
+        """Rows held past WAIT_S: the stages that never reported them, or the chosen stage
+        that never showed the rows it computed on, are at fault."""
         now = time.monotonic()
         for request, shadow in list(self._shadows.items()):
             late = [key for key, got in shadow.rows.items() if len(got) < len(self.stages)]
             if late and now - shadow.began > WAIT_S and shadow.held:
                 got = shadow.rows[min(late)]
                 silent = [i for i in range(len(self.stages)) if i not in got]
-                self._shadows.pop(request, None)
+                self._drop(request)
                 self._fault(silent, f"it reported nothing of what it computed for {WAIT_S:.0f} s")
-
-    def _link_holds(
-        self,
-        shadow: Shadow,
-        index: int,
-        position: int,
-        count: int,
-        reported: torch.Tensor,
-        x: torch.Tensor,
-    ) -> bool:
-        """Stage ``index`` took something else than stage ``index - 1``'s layers make of the
-        row: the one of the two that lied is at fault (``link_blame``). True when the signed
-        statement shows they agree after all."""
-        sender = self.stages[index - 1].nodes[0]
-        row = (shadow.opening.request, position, count)
-        crossing = Crossing(
-            row,
-            reported,
-            digest.digest(x, position, self.seed),
-            digest.scale(x, position, self.seed),
-            self._ref.stage(self.stages[index].layers, len(self.stages[index].nodes)).compute_dtype,
-            self._ref.rows_alone,
-        )
-        statement = shadow.statements.get((position, count), {}).get(index)
-        who, why = liars(crossing, sender, self.public_keys(sender), self.seed, statement)
-        if not who:
-            return True
-        places = {"sender": index - 1, "receiver": index}
-        return self._fault(
-            [places[w] for w in who],
-            f"what crossed to layers {self.stages[index].layers} for positions "
-            f"[{position}, {position + count}) is not what crossed from the stage before: {why}",
-        )
+            elif shadow.waiting_since is not None and now - shadow.waiting_since > WAIT_S:
+                self._drop(request)
+                self._fault(
+                    [shadow.chosen],
+                    f"it showed none of the rows it computed on for {WAIT_S:.0f} s",
+                )
 
     def _fault(self, indexes: list[int], reason: str) -> bool:
         """The stages at ``indexes`` are at fault (the row's check ends here): their nodes are

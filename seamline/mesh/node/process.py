@@ -33,6 +33,7 @@ from seamline.mesh.node.credentials import Credentials
 from seamline.mesh.node.data_path import DataPath
 from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.idle_probe import probe_when_idle
+from seamline.mesh.node.kept_rows import kept_rows
 from seamline.mesh.node.membership import Membership
 from seamline.mesh.node.node_precision import stage_precision, take_precision
 from seamline.mesh.node.peer_probe import probe_peer
@@ -61,6 +62,7 @@ from seamline.net.messages import (
     Heartbeat,
     Holding,
     Join,
+    KeptRowsAsk,
     MeasurePeer,
     Message,
     Open,
@@ -80,6 +82,7 @@ from seamline.net.messages import (
 from seamline.parallel.comm import CommError
 from seamline.runtime.grammar import TokenMasks
 from seamline.runtime.group_stage import LockstepStage
+from seamline.runtime.kept_inputs import KeptInputs
 from seamline.runtime.lockstep_group import LockstepRank
 from seamline.runtime.lockstep_leader import LockstepGroup
 from seamline.runtime.openmp import on_passing_thread
@@ -244,6 +247,8 @@ class Node(Membership, DataPath):
                 self.control.send_message(
                     on_passing_thread(functools.partial(probe_result, tail or self.worker, message))
                 )
+            elif isinstance(message, KeptRowsAsk) and self.control:
+                self._send_kept_rows(message)
             elif isinstance(message, StatsRequest) and self.worker and self.control:
                 w = self.worker
                 sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
@@ -274,6 +279,15 @@ class Node(Membership, DataPath):
                 f"{type(message).__name__} failed: {self._explain(exc)}",
                 room=exc.room if isinstance(exc, NoRoom) else None,
             )
+
+    def _send_kept_rows(self, ask: KeptRowsAsk) -> None:
+        """The coordinator checks this stage on the rows it took (``kept_rows``)."""
+        assert self.control is not None
+        tail = self.tail if self.assignment and ask.layers == self.assignment.tail else None
+        worker = tail or self.worker
+        if worker is not None and self.assignment is not None:
+            for part in kept_rows(worker, ask, self.assignment.plan_id):
+                self.control.send_message(part)
 
     def _handle_control(self) -> None:
         """The coordinator's messages, in the order they came, apart from the control link's
@@ -448,6 +462,7 @@ class Node(Membership, DataPath):
             worker.digest_seed = assign.digest_seed
             worker.links.digests = digest_reporter(assign.plan_id, self._report_quietly, layers)
             worker.links.sign = self._signer(assign.digest_seed)
+            worker.kept = KeptInputs() if not worker.is_first else None
 
     def _loading_reporter(self, assign: Assign) -> Callable[[int, int], None]:
         """The download's progress, to the coordinator (``stage_setup.loading_reporter``)."""
