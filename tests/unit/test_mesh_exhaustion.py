@@ -31,7 +31,8 @@ from seamline.net.messages import (
     Resources,
 )
 
-TIMEOUT_S = 1.5  # the heartbeat timeout: a beat every 0.5 s
+TIMEOUT_S = 1.5  # the heartbeat timeout: a beat every 0.125 s
+ANSWER_LAG_S = 0.2  # a loaded member's answer to a beat
 
 
 def _coordinator() -> Coordinator:
@@ -171,3 +172,32 @@ def test_a_node_skips_an_assignment_a_newer_one_replaced(
     assert any("skipped the assignment of plan 1" in r.getMessage() for r in caplog.records), (
         caplog.text
     )
+
+
+def test_a_member_that_falls_silent_is_lost_a_beat_after_the_timeout() -> None:
+    """ "quiet" answers every beat ANSWER_LAG_S late (a loaded node), then stops as a SIGSTOP
+    stops it (its link open, nothing read or sent). It is taken for lost once it has been silent
+    the heartbeat timeout, give or take one beat's spacing: silence is judged only at a beat, so
+    with beats a second apart a node stopped in a 3 s timeout was found 3.0-3.8 s after its last
+    word (here: beats 0.5 s apart found it 1.8 s after, in a 1.5 s timeout)."""
+    coordinator = _coordinator()
+    quiet = Link(_member(coordinator, "quiet"), "quiet")
+    stop = threading.Event()
+    last_answer: list[float] = []
+
+    def answer(nonce: int) -> None:
+        quiet.send_message(Pong(nonce=nonce))
+        last_answer.append(time.monotonic())
+
+    def answer_late_until_stopped() -> None:
+        while isinstance(beat := quiet.recv(), Ping) and not stop.is_set():
+            threading.Timer(ANSWER_LAG_S, answer, args=(beat.nonce,)).start()
+
+    threading.Thread(target=answer_late_until_stopped, daemon=True).start()
+    heartbeats.watch(coordinator, TIMEOUT_S)
+    time.sleep(1.0)
+    stop.set()  # from its next beat on, nothing is answered
+    while "quiet" in coordinator.nodes and time.monotonic() - last_answer[-1] < 10:
+        time.sleep(0.01)
+    lost_after = time.monotonic() - last_answer[-1]
+    assert TIMEOUT_S - ANSWER_LAG_S <= lost_after < TIMEOUT_S + 0.22, lost_after

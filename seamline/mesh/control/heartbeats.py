@@ -29,9 +29,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("seamline.coordinator")
 
 
+BEATS_PER_TIMEOUT = 12  # a member is taken for lost at most 1/12 of the timeout after it
+MAX_BEAT_S = 0.25  # ...and at most this long (a second apart, a SIGSTOP took 3.0-3.8 s to see)
+
+
 def watch(coordinator: Coordinator, timeout_s: float) -> threading.Thread:
-    """Start the heartbeat thread: a beat a third of ``timeout_s`` apart (at most a second)."""
-    every_s = min(1.0, timeout_s / 3)
+    """Start the heartbeat thread: a beat ``timeout_s / BEATS_PER_TIMEOUT`` apart (at most
+    ``MAX_BEAT_S``). Silence is judged at each beat, so the beat's spacing is how late past
+    ``timeout_s`` a stopped member is found lost, and how long its requests wait more."""
+    every_s = min(MAX_BEAT_S, timeout_s / BEATS_PER_TIMEOUT)
     thread = threading.Thread(
         target=_beat_forever,
         args=(coordinator, every_s, timeout_s),
