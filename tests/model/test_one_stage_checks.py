@@ -87,10 +87,12 @@ def _until(done: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
 
 
 def _serve_one_request(
-    package: Path, chosen: str, scale: int | None = None
+    package: Path, chosen: str, scale: int | None = None, group: bool = False
 ) -> tuple[Verifier, list[TokenRow], list[int], list[str]]:
-    """One followed request of the prompt and ``DECODED`` tokens through the mesh; the
-    verifier, the tokens it released, the most ranges it held at once, and the nodes blamed."""
+    """One followed request of the prompt and ``DECODED`` tokens through the mesh (``group``:
+    its middle stage is a lockstep group of "b" and "b2"); the verifier, the tokens it
+    released, the most ranges it held at once, and the nodes blamed."""
+    ranks = [(n, "b2") if group and n == "b" else (n,) for n in NODES]
     reference = Reference(package, "float32")
     released: list[TokenRow] = []
     blamed: list[str] = []
@@ -106,7 +108,8 @@ def _serve_one_request(
     mesh: list[HonestMesh] = []
 
     def ask(node: str, message: Message) -> None:
-        assert isinstance(message, KeptRowsAsk) and node == chosen
+        leader = next(r[0] for r in ranks if chosen in r)  # a group's leader shows its rows
+        assert isinstance(message, KeptRowsAsk) and node == leader
         for part in mesh[0].show(message):
             box[0].kept_rows(node, part)
 
@@ -120,7 +123,7 @@ def _serve_one_request(
     )
     box.append(verifier)
     mesh.append(HonestMesh(package, verifier.seed, scale))
-    verifier.plan([CheckedStage(r, (n,)) for r, n in zip(RANGES, NODES)], plan_id=1)
+    verifier.plan([CheckedStage(r, n) for r, n in zip(RANGES, ranks)], plan_id=1)
     params = SamplingParams(temperature=0.0, max_tokens=DECODED)
     verifier.opened(
         Open(request=7, sampling=params, prompt_len=len(PROMPT), context_length=64), PROMPT
@@ -175,3 +178,14 @@ def test_a_stage_not_chosen_is_not_computed(package: Path) -> None:
     assert verifier.reference is not None
     assert [layers for layers, _ in verifier.reference.loaded()] == [RANGES[2]]
     del released
+
+
+def test_a_lockstep_group_is_checked_as_one_stage(package: Path) -> None:
+    """Chosen through either rank, a group's range is computed as the group does (its shards on
+    threads), and only it is held; a group whose leader scales its output has both ranks
+    blamed."""
+    verifier, released, held, blamed = _serve_one_request(package, "b2", group=True)
+    assert blamed == [] and len(released) == DECODED and max(held) == 1
+    assert verifier.reference is not None and verifier.reference.loaded() == [(RANGES[1], 2)]
+    _, _, _, blamed = _serve_one_request(package, "b2", scale=1, group=True)
+    assert blamed == ["b", "b2", "after 0 tokens"]
