@@ -1,10 +1,15 @@
 """A checked stage's kept input rows (``runtime.kept_inputs``): one row per position, replaced
-from where a sequence starts over or goes back, a fork's beginning with its donor's."""
+from where a sequence starts over or goes back, a fork's beginning with its donor's;
+a forgotten request's kept a while."""
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
+from seamline.runtime import kept_inputs
 from seamline.runtime.kept_inputs import KeptInputs
 
 
@@ -30,7 +35,7 @@ def test_a_sequence_that_starts_over_replaces_what_came_before() -> None:
     assert kept.rows(1, 0, 3) is None
 
 
-def test_a_fork_begins_with_its_donors_rows_and_forgetting_frees_them() -> None:
+def test_a_fork_begins_with_its_donors_rows() -> None:
     kept = KeptInputs()
     kept.keep(1, 0, _rows(0, 6))
     kept.fork(2, 1, 4)
@@ -38,7 +43,25 @@ def test_a_fork_begins_with_its_donors_rows_and_forgetting_frees_them() -> None:
     assert torch.equal(kept.rows(2, 0, 5), torch.cat([_rows(0, 4), _rows(40, 1)]))  # type: ignore[arg-type]
     kept.forget(1)
     kept.forget(2)
-    assert kept.requests() == 0
+    assert torch.equal(kept.rows(2, 0, 4), _rows(0, 4))  # type: ignore[arg-type]
+
+
+def test_a_forgotten_requests_rows_stay_a_while_within_a_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stage 0 may evict a finished request's cache before the coordinator asks for its rows."""
+    kept = KeptInputs()
+    kept.keep(1, 0, _rows(0, 4))
+    kept.forget(1)
+    assert torch.equal(kept.rows(1, 0, 4), _rows(0, 4))  # type: ignore[arg-type]
+    monkeypatch.setattr(kept_inputs, "AFTER_FORGET_BYTES", 2 * _rows(0, 4).nbytes)
+    for request in (2, 3):
+        kept.keep(request, 0, _rows(0, 4))
+        kept.forget(request)
+    assert kept.rows(1, 0, 4) is None and kept.rows(3, 0, 4) is not None  # the oldest went
+    monkeypatch.setattr(kept_inputs, "AFTER_FORGET_S", 0.0)
+    time.sleep(0.01)
+    assert kept.rows(3, 0, 4) is None and kept.requests() == 0
 
 
 def test_kept_rows_are_copies_not_views_of_the_frame() -> None:

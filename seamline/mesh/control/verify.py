@@ -28,12 +28,15 @@ runs the group's shards as the group does, ``reference_group``) and its every ra
 
 What the issue left open, decided here:
 - The choice is drawn when a request is followed, with ``secrets``; a re-plan replays the
-  request as a new one, with a new choice. ``--verify-node NODE`` (tests) checks the stage NODE serves in.
+  request as a new one, with a new choice. ``--verify-node NODE`` (tests) checks the stage
+  NODE serves in.
 - The coordinator loads a stage's layers when a followed request chooses it and lets them go
   when no followed request checks that stage any more (``Reference.keep_only``).
 - A stage asked for rows it no longer shows (``gone``), or that does not answer, is asked
   again as its next digests come (a sequence started over meanwhile); after ``WAIT_S``
-  without the rows it is at fault, as a stage that never reports its digests is.
+  without the rows it is at fault, as a stage that never reports its digests is. A stage
+  keeps a request's rows a minute after stage 0 forgets its cache (``kept_inputs``), for the
+  checks that run behind the mesh; past that or its cap, an honest stage could be blamed.
 - Positions the reference runs to catch up (a fork of a prefix it never ran, or a sequence
   started over) are run on the rows the stage shows, unchecked: the prefix's own requests were
   checked, or not, when they ran. A forked request's kept rows begin with its donor's.
@@ -111,6 +114,7 @@ class Verifier(CrossingChecks):
         self.stages: list[CheckedStage] = []
         self.plan_id = 0
         self._shadows: dict[int, Shadow] = {}
+        self._statements: dict[int, Statement | None] = {}  # each stage's latest frame's
         self._events: queue.Queue[Callable[[], None]] = queue.Queue()
         self.checked_tokens = self.violations = self.followed = 0
         self.expelled: list[
@@ -188,6 +192,7 @@ class Verifier(CrossingChecks):
     def _replan(self, stages: list[CheckedStage], plan_id: int) -> None:
         self.stages, self.plan_id = stages, plan_id
         self._shadows.clear()
+        self._statements.clear()
         self._ref.keep_only([])
 
     def _follow(self, opening: Open, tokens: list[int]) -> None:
@@ -225,6 +230,9 @@ class Verifier(CrossingChecks):
             self._fault([index], f"its digests are malformed: {exc}")
             return
         statement = self._statement(index, report)
+        if report.receipt is None:  # a frame's rows past the first report's come without it
+            statement = self._statements.get(index)
+        self._statements[index] = statement
         for (request, position, count), pair in zip(report.rows, values):
             shadow = self._shadows.get(request)
             if shadow is not None:
