@@ -137,8 +137,9 @@ class Verifier(CrossingChecks):
         }
 
     # -- from the coordinator's threads ---------------------------------------------------
-    def plan(self, stages: list[CheckedStage], plan_id: int = 0) -> None:
-        """A new route: requests in flight replay on it, as new requests."""
+    def plan(self, stages: list[CheckedStage], plan_id: int) -> None:
+        """A new route (``plan_id``'s, whose stages show their rows under it): requests in
+        flight replay on it, as new requests."""
         if self.fraction > 0:
             self._events.put(lambda: self._replan(stages, plan_id))
 
