@@ -23,6 +23,7 @@ class IdleClock:
         self._lock = threading.Lock()
         self._total = 0.0
         self._since: float | None = time.monotonic()
+        self._worked = False
 
     def wait(self) -> None:
         """Nothing to run from now on (no-op while already waiting)."""
@@ -33,9 +34,15 @@ class IdleClock:
     def work(self) -> None:
         """Work came (no-op while not waiting)."""
         with self._lock:
+            self._worked = True
             if self._since is not None:
                 self._total += time.monotonic() - self._since
                 self._since = None
+
+    def has_worked(self) -> bool:
+        """Whether any work has come since the clock was made (with its stage)."""
+        with self._lock:
+            return self._worked
 
     def seconds(self) -> float:
         """Idle seconds so far, the wait in progress included."""

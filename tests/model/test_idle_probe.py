@@ -9,10 +9,12 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from seamline.mesh.node import idle_probe
+from seamline.runtime import step_probe
 from seamline.runtime.stage_worker import StageWorker
 from seamline.runtime.step_probe import PROBE_ROWS, PROMPT_ROWS
 from seamline.weights.loader import load_stage, open_source
@@ -48,6 +50,27 @@ def test_a_stage_with_work_is_probed_once_it_waits(worker: StageWorker) -> None:
         s > 0 for s in worker.step_probe.values()
     )
     assert set(worker.prompt_probe) == set(PROMPT_ROWS)
+
+
+def test_a_stage_that_has_run_nothing_waits_for_its_first_rows(
+    worker: StageWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A later stage of a new route idles while stage 0 computes the replayed requests' first
+    chunks: it does not take that for a lull (a probe forward begun then held the replays)."""
+    monkeypatch.setattr(idle_probe, "FIRST_WORK_S", 2.5)
+    began: list[float] = []
+    probe = step_probe.probe_steps
+
+    def noted(*args: Any, **kwargs: Any) -> dict[int, float]:
+        began.append(time.monotonic())
+        return probe(*args, **kwargs)
+
+    monkeypatch.setattr(step_probe, "probe_steps", noted)
+    done = threading.Event()
+    linked = time.monotonic()
+    idle_probe.probe_when_idle(worker, worker.stage, lambda: True, done.set)
+    assert _eventually(done.is_set)  # no rows came at all: an idle mesh's stage is probed
+    assert began[0] - linked >= 2.5, began[0] - linked
 
 
 def test_a_probe_forward_gives_way_to_work_that_came(worker: StageWorker) -> None:

@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("seamline.node")
 IDLE_S = 1.0  # nothing run on the stage for this long before it probes
+# ...and a stage that has run nothing yet waits this long for its first rows: a later stage gets
+# a new route's replayed requests only once stage 0 has computed their first chunks (a second or
+# more under load), and a probe's forward begun just before they come holds them one forward
+FIRST_WORK_S = 10.0
 POLL_S = 0.25  # how often an idle stage is looked at while it serves
 
 
@@ -82,9 +86,10 @@ def _probe_when_idle(
     from seamline.runtime.step_probe import NotProbed, probe_prompt, probe_steps
 
     lock = _UnlessWorkCame(worker)
+    linked = time.monotonic()
     time.sleep(IDLE_S)  # the replayed requests of a new route come at once
     while serving():
-        if worker.idle.waiting_for() < IDLE_S:
+        if _too_soon(worker, linked):
             time.sleep(POLL_S)
             continue
         try:
@@ -103,3 +108,11 @@ def _probe_when_idle(
             worker.step_probe, worker.prompt_probe = probed
             then()
         return
+
+
+def _too_soon(worker: StageWorker, linked: float) -> bool:
+    """Whether the stage must wait before it probes: it ran something less than IDLE_S ago, or
+    it has run nothing yet and its route was linked less than FIRST_WORK_S ago."""
+    if worker.idle.waiting_for() < IDLE_S:
+        return True
+    return not worker.idle.has_worked() and time.monotonic() - linked < FIRST_WORK_S
