@@ -13,7 +13,8 @@ Payloads:
   ``IDS_FLAG`` set in the dtype byte, the tokens' ids follow (i32 × tokens): a stage whose
   layers route by token id (DeepSeek-V4's hash-routed experts) needs them. With
   ``SIGNED_FLAG``, the sender's statement follows last (``mesh.protocol.frame_signing``): u8
-  signature length, the signature, then rows × DIGEST_WIDTH f32 digests.
+  signature length, the signature, then rows × DIGEST_WIDTH f32 digests, then rows × 32-byte
+  SHA-256s of the rows' bytes.
 - TOKEN: sampled token ids travelling from the last stage back to stage 0:
   u16 rows, then rows × TOKEN_ROW, then for each row flagged ``LOGPROBS`` (in row order) its
   log-probability (f32), a count k (u8) and k × (token i32, log-probability f32), then for
@@ -94,7 +95,7 @@ HANDSHAKE_DEADLINE_S = 10.0  # and a whole handshake message within this
 DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 IDS_FLAG = 0x80  # in the dtype byte: the tokens' ids follow the tensor
 SIGNED_FLAG = 0x40  # in the dtype byte: the sender's signed statement follows
-STATEMENT_ROW = 16 * 4  # a row's digest in a statement: DIGEST_WIDTH float32
+STATEMENT_ROW = 16 * 4 + 32  # a row in a statement: its DIGEST_WIDTH float32 digest, its SHA-256
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
 
 

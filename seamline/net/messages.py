@@ -7,46 +7,32 @@ mistyped fields, extra fields are all refused), so a malformed control message i
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 
+from seamline.net.check_messages import MAX_DIGEST_ROWS as MAX_DIGEST_ROWS
+from seamline.net.check_messages import MAX_KEPT_BYTES as MAX_KEPT_BYTES
+from seamline.net.check_messages import MAX_PROOF_BYTES as MAX_PROOF_BYTES
+from seamline.net.check_messages import PROOF_PART_BYTES as PROOF_PART_BYTES
+from seamline.net.check_messages import Digests as Digests
+from seamline.net.check_messages import FrameProof as FrameProof
+from seamline.net.check_messages import FrameProofPart as FrameProofPart
+from seamline.net.check_messages import KeptRows as KeptRows
+from seamline.net.check_messages import KeptRowsAsk as KeptRowsAsk
+from seamline.net.check_messages import Probe as Probe
+from seamline.net.check_messages import ProbeResult as ProbeResult
+from seamline.net.check_messages import Receipt as Receipt
 from seamline.net.frames import FrameError, FrameType, header
+from seamline.net.message_base import MAX_REASON as MAX_REASON
+from seamline.net.message_base import NODE_ID as NODE_ID
+from seamline.net.message_base import Message as Message
+from seamline.net.message_base import NodeName as NodeName
+from seamline.net.message_base import Reason as Reason
+from seamline.net.message_base import node_id_refusal as node_id_refusal
 from seamline.params import SamplingParams
 
-PROTOCOL_VERSION = 6  # 6: a node's GPUs (``Resources.devices``), a stage's GPU share (``Assign.gpu_layers``); 5: the last stage's MTP drafts (``RowFlag.DRAFTS``, ``Assign.mtp``); 4: windows in flight (``RowFlag.FOLLOW``); 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
-NODE_ID = re.compile(
-    r"[A-Za-z0-9._-]{1,64}"
-)  # what a node id may be: no log line or console event can be forged by one
-MAX_REASON = 2048  # a failure's or error's text, in characters: a longer one is cut, never refused
-_LINE_BREAKING = re.compile(
-    r"[\x00-\x1f\x7f-\x9f\u2028\u2029]"
-)  # control characters, line separators
-
-
-def node_id_refusal(node_id: str) -> str:
-    """Why ``node_id`` cannot name a node ("" if it can); repr() keeps control characters out of logs."""
-    if NODE_ID.fullmatch(node_id):
-        return ""
-    return f"node id {node_id[:80]!r} is not 1 to 64 of the characters A-Z a-z 0-9 . _ -"
-
-
-def _clip(text: object) -> object:
-    """A member's free text, cut to ``MAX_REASON`` and made one line: it is logged as it is."""
-    return _LINE_BREAKING.sub(" ", text[:MAX_REASON]) if isinstance(text, str) else text
-
-
-# Fields of what members send the coordinator are bounded, so the largest member message fits
-# its control link's small cap (``joining.MEMBER_LIMITS``).
-NodeName = Annotated[
-    str, Field(pattern=rf"^{NODE_ID.pattern}$")
-]  # a member's id, checked when it joined
-Reason = Annotated[str, BeforeValidator(_clip), Field(max_length=MAX_REASON)]
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+PROTOCOL_VERSION = 7  # 7: a signed statement carries its rows' SHA-256s, a receiver shows a lie (``FrameProof``); 6: a node's GPUs (``Resources.devices``), a stage's GPU share (``Assign.gpu_layers``); 5: the last stage's MTP drafts (``RowFlag.DRAFTS``, ``Assign.mtp``); 4: windows in flight (``RowFlag.FOLLOW``); 3: speculative windows (``RowFlag.WINDOW``, ``Route.speculation``); 2: a replay is a resume
 
 
 class Challenge(Message):
@@ -495,84 +481,6 @@ class Revoked(Message):
     node_ids: list[str]
 
 
-class Probe(Message):
-    """Coordinator -> a loaded stage, before its route is published: run these rows at positions
-    0.. on a fresh cache and answer their digest (``runtime.digest``, under ``seed``). ``hidden``:
-    the boundary tensor's bytes in the stage's dtype, base64 (empty for a stage that embeds)."""
-
-    kind: Literal["probe"] = "probe"
-    plan_id: int
-    probe: int
-    seed: int
-    layers: tuple[int, int] | None = None  # which of the node's stages (a private mesh's holds two)
-    ids: list[int] = Field(max_length=64)
-    hidden: str = ""
-
-
-class ProbeResult(Message):
-    kind: Literal["probe_result"] = "probe_result"
-    probe: int
-    digest: str = Field(max_length=4096)  # ``digest.pack`` of [1, 1, DIGEST_WIDTH]
-    error: Reason = ""
-
-
-MAX_DIGEST_ROWS = 128  # rows a Digests message carries: well within a member's control cap
-
-
-class Digests(Message):
-    """A stage's digests of the rows of one step (``Assign.digest_seed``): for each row
-    (request, position, count), what came in and what it computed (``digest.pack`` of
-    [rows, 2, DIGEST_WIDTH]; zeros for stage 0's input, which is token ids)."""
-
-    kind: Literal["digests"] = "digests"
-    plan_id: int
-    layers: tuple[int, int] = (0, 0)  # the stage that computed them (a private mesh's node has two)
-    rows: list[tuple[int, int, int]] = Field(max_length=MAX_DIGEST_ROWS)
-    digests: str = Field(max_length=MAX_DIGEST_ROWS * 2 * 16 * 4 * 4 // 3 + 8)
-    receipt: Receipt | None = None  # the signed statement of the frame the rows came in
-
-
-class Receipt(BaseModel):
-    """A frame's rows and its sender's signed statement (``mesh.protocol.frame_signing``)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    rows: list[tuple[int, int, int]] = Field(max_length=4096)  # frames.MAX_ROWS
-    digests: str = Field(max_length=4096 * 16 * 4 * 4 // 3 + 8)
-    signature: str = Field(max_length=128)
-
-
-MAX_KEPT_BYTES = 32 << 10  # rows' bytes a KeptRows carries: base64, under a member's control cap
-
-
-class KeptRowsAsk(Message):
-    """Coordinator -> a checked stage's leader, after the stage reported the digests of these
-    rows: the input rows it computed on for ``request``'s positions [start, end)
-    (``verify``; a stage of a checked mesh keeps them while it keeps the request's cache)."""
-
-    kind: Literal["kept_rows_ask"] = "kept_rows_ask"
-    plan_id: int
-    layers: tuple[int, int]
-    request: int
-    start: int = Field(ge=0)
-    end: int = Field(ge=0)
-
-
-class KeptRows(Message):
-    """A part of a stage's kept input rows for positions [start, start + count): their bytes in
-    the stage's compute dtype from ``offset``, at most ``MAX_KEPT_BYTES`` of them, base64 (the
-    answer to one ask comes in parts, in order; ``gone``: the stage holds no such rows)."""
-
-    kind: Literal["kept_rows"] = "kept_rows"
-    plan_id: int
-    layers: tuple[int, int]
-    request: int
-    start: int = Field(ge=0)
-    count: int = Field(ge=0)
-    offset: int = Field(default=0, ge=0)
-    data: str = Field(max_length=MAX_KEPT_BYTES * 4 // 3 + 8)
-    gone: bool = False
-
-
 AnyMessage = Annotated[
     Challenge
     | Join
@@ -612,7 +520,9 @@ AnyMessage = Annotated[
     | ProbeResult
     | KeptRowsAsk
     | KeptRows
-    | Digests,
+    | Digests
+    | FrameProof
+    | FrameProofPart,
     Field(discriminator="kind"),
 ]
 _ADAPTER: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)

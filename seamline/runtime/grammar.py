@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -135,3 +136,11 @@ class TokenMasks:
                 ) from None
             self._tokenizers[vocab] = LLTokenizer(text, n_vocab=vocab)
         return self._tokenizers[vocab]
+
+
+def package_masks(package_dir: Path | None) -> TokenMasks | None:
+    """The matchers over a packaged model's tokenizer (None: no package, or no tokenizer in it)."""
+    tokenizer = package_dir / "tokenizer.json" if package_dir else None
+    if tokenizer is None or not tokenizer.is_file():
+        return None
+    return TokenMasks(tokenizer.read_text)

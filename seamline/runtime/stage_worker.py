@@ -84,8 +84,8 @@ class StageLinks:
     digests: Callable[[RowKeys, torch.Tensor, Receipt | None], None] | None = (
         None  # rows, their digests, the statement of the frame they came in
     )
-    sign: Callable[[RowKeys, torch.Tensor], tuple[bytes, bytes]] | None = (
-        None  # the statement of what goes downstream, from the rows' output digests
+    sign: Callable[[RowKeys, torch.Tensor, torch.Tensor], tuple[bytes, bytes]] | None = (
+        None  # the statement of what goes downstream: the rows' output digests and bytes
     )
 
 
@@ -420,7 +420,7 @@ class StageWorker:
         if self.links.digests is not None:
             self.links.digests(keys, digests, self.receipt)
         sign = self.links.sign
-        return sign(keys, digests[:, 1]) if sign is not None and not self.is_last else None
+        return sign(keys, digests[:, 1], out) if sign is not None and not self.is_last else None
 
     def _digests(self, work: list[Work], inputs: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """[rows, 2, DIGEST_WIDTH]: each row's input (none at stage 0: token ids) and output (the

@@ -209,11 +209,13 @@ def _lets_go_of_checked_layers(mesh: MeshProcesses, timeout_s: float = 30) -> No
         time.sleep(0.5)
 
 
-def _sends_other_than_it_computes(node: Node, armed: threading.Event, unprovable: int) -> None:
+def _sends_other_than_it_computes(node: Node, armed: threading.Event, signs: list[str]) -> None:
     """Once armed, its stage computes and reports honestly, and every frame it sends downstream
-    carries its rows scaled by 1.05. Its first ``unprovable`` such frames are signed with the
-    honest digests (the receiver can show nothing: it refuses them), the rest with the digests
-    of what they carry (a lie its own signature shows)."""
+    carries its rows scaled by 1.05. ``signs[i]`` says how its i-th such frame is signed (the
+    last one for the rest): "honest", as the honest frame (its bytes do not hash as signed: the
+    receiver refuses it and can show nothing); "digests", the altered bytes with the honest
+    digests (the receiver shows the coordinator a lie signed by the liar); "altered", the
+    altered bytes with their digests (a lie the coordinator's check of its layers shows)."""
     route = node._route
     sent = [0]
 
@@ -228,15 +230,17 @@ def _sends_other_than_it_computes(node: Node, armed: threading.Event, unprovable
             if not armed.is_set():
                 return downstream(rows, out, ids, signed)  # type: ignore[arg-type]
             bad = out * 1.05
+            how = signs[min(sent[0], len(signs) - 1)]
             sent[0] += 1
-            if sent[0] > unprovable and worker.links.sign is not None:
+            if how != "honest" and worker.links.sign is not None:
+                said = bad if how == "altered" else out
                 starts = [sum(r.count for r in rows[:i]) for i in range(len(rows))]
                 digests = [
-                    digest.digest(bad[at : at + r.count], r.position, seed)
+                    digest.digest(said[at : at + r.count], r.position, seed)
                     for at, r in zip(starts, rows)
                 ]
                 keys = [(r.request, r.position, r.count) for r in rows]
-                signed = worker.links.sign(keys, torch.stack(digests))
+                signed = worker.links.sign(keys, torch.stack(digests), bad)
             downstream(rows, bad, ids, signed)  # type: ignore[arg-type]
 
         if downstream is not None:
@@ -245,34 +249,70 @@ def _sends_other_than_it_computes(node: Node, armed: threading.Event, unprovable
     node._route = tampered_route  # type: ignore[method-assign]
 
 
-def test_a_member_that_sends_other_than_it_computes_is_removed_and_its_neighbour_kept(
-    tmp_path: Path, model: LocalModel
-) -> None:
-    """Two members in this process, one `seamline` process, all joined with one invite: the
-    first in-process member planned before the last stage turns liar. Its neighbour reports what
-    it took with the liar's signature, which blames the liar alone; removing it removes no one
-    else."""
-    mesh = _checked_mesh(tmp_path)
+def _mesh_with_two_would_be_liars(
+    root: Path, signs: list[str]
+) -> tuple[MeshProcesses, dict[str, threading.Event]]:
+    """Two members in this process, each of which lies when armed, and one `seamline` process,
+    all joined with one invite."""
+    mesh = _checked_mesh(root)
     armed = {name: threading.Event() for name in ("node_a", "node_b")}
     for name, event in armed.items():
         _node_in_this_process(
-            mesh, tmp_path, name, lambda node, e=event: _sends_other_than_it_computes(node, e, 2)
+            mesh, root, name, lambda node, e=event: _sends_other_than_it_computes(node, e, signs)
         )
     mesh.join("node1")
+    return mesh, armed
+
+
+def _arm_one_before_the_last_stage(mesh: MeshProcesses, armed: dict[str, threading.Event]) -> str:
+    order = [s["ranks"][0] for s in mesh.wait_ready()["stages"]]
+    liar = next(name for name in order[:-1] if name in armed)
+    armed[liar].set()
+    return liar
+
+
+def _only_the_liar_removed(mesh: MeshProcesses, liar: str, model: LocalModel) -> str:
+    """Asserts the liar alone was removed, and the mesh answers right after; the log."""
+    status = _removed(mesh, liar)
+    assert status["verification"]["expelled"] == [liar]
+    members = {n["node_id"] for n in status["nodes"]}
+    assert members == {"node_a", "node_b", "node1"} - {liar}
+    assert _ask(mesh, QUESTIONS[1]) == _expected(model, QUESTIONS[1])
+    return "".join(mesh.output)
+
+
+def test_a_member_that_sends_other_than_it_computes_is_removed_and_its_neighbour_kept(
+    tmp_path: Path, model: LocalModel
+) -> None:
+    """The first in-process member planned before the last stage turns liar. Its neighbour
+    reports what it took with the liar's signature, which blames the liar alone; removing it
+    removes no one else."""
+    mesh, armed = _mesh_with_two_would_be_liars(tmp_path, ["honest", "honest", "altered"])
     try:
-        order = [s["ranks"][0] for s in mesh.wait_ready()["stages"]]
-        liar = next(name for name in order[:-1] if name in armed)
-        armed[liar].set()
+        liar = _arm_one_before_the_last_stage(mesh, armed)
         for question in QUESTIONS:
             assert _ask(mesh, question) == _expected(model, question)
-        status = _removed(mesh, liar)
-        log = "".join(mesh.output)
+        log = _only_the_liar_removed(mesh, liar, model)
         assert "signed and sent a frame other than what its layers compute" in log, log
         assert "refused a frame" in log  # its honestly signed, altered frames
-        assert status["verification"]["expelled"] == [liar]
-        members = {n["node_id"] for n in status["nodes"]}
-        assert members == {"node_a", "node_b", "node1"} - {liar}
-        assert _ask(mesh, QUESTIONS[1]) == _expected(model, QUESTIONS[1])
+    finally:
+        mesh.stop()
+
+
+def test_a_member_that_signs_honest_digests_for_altered_bytes_is_shown_and_removed(
+    tmp_path: Path, model: LocalModel
+) -> None:
+    """The liar signs the hashes of the bytes it sends with the digests of the honest rows: its
+    neighbour refuses the frame and shows the coordinator the row with the liar's signature,
+    which proves the lie without the neighbour's word; the liar alone is removed."""
+    mesh, armed = _mesh_with_two_would_be_liars(tmp_path, ["digests"])
+    try:
+        liar = _arm_one_before_the_last_stage(mesh, armed)
+        for question in QUESTIONS:
+            assert _ask(mesh, question) == _expected(model, question)
+        log = _only_the_liar_removed(mesh, liar, model)
+        assert "signed a digest its rows' bytes do not make" in log, log  # the refusal
+        assert f"verification: {liar}: it signed a digest other than the bytes" in log, log
     finally:
         mesh.stop()
 

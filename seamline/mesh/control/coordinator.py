@@ -26,6 +26,7 @@ from seamline.mesh.control.back_off import BackOff
 from seamline.mesh.control.balance import Balance
 from seamline.mesh.control.enrollment import Enrollment
 from seamline.mesh.control.events import EventFeed
+from seamline.mesh.control.frame_proofs import ProofDesk
 from seamline.mesh.control.invites import InviteBook
 from seamline.mesh.control.joining import Joining
 from seamline.mesh.control.member_gate import Opened, Refusals, drawer, may_end, serves
@@ -44,12 +45,7 @@ from seamline.mesh.control.planning import Planning
 from seamline.mesh.control.reference import Reference
 from seamline.mesh.control.relay import Relay
 from seamline.mesh.control.serving_pace import ServingPace
-from seamline.mesh.control.startup import (
-    StartUp,
-    StartupError,
-    Superseded,
-    choose_transport,
-)
+from seamline.mesh.control.startup import StartUp, StartupError, Superseded, choose_transport
 from seamline.mesh.control.state_keeper import StateKeeper
 from seamline.mesh.control.verify import Verifier
 from seamline.mesh.identity import MeshAuthority
@@ -62,6 +58,8 @@ from seamline.net.messages import (
     Close,
     Digests,
     Failure,
+    FrameProof,
+    FrameProofPart,
     KeptRows,
     Linked,
     Loading,
@@ -80,7 +78,7 @@ from seamline.net.messages import (
     StatsRequest,
     encode_message,
 )
-from seamline.runtime.grammar import TokenMasks
+from seamline.runtime.grammar import package_masks
 
 log = logging.getLogger("seamline.coordinator")
 BACK_OFF_LOOK_AGAIN_S = 5.0  # a back-off that ended while a plan started up: looked at again
@@ -189,10 +187,13 @@ class Coordinator:
             options.verify_fraction,
             lambda rows: self.on_tokens(rows),
             self.startup.expel,
-            masks=_masks(options.package_dir),
+            masks=package_masks(options.package_dir),
             public_keys=self.public_keys,
             ask=self._tell,
             choice=options.verify_node,
+        )
+        self.proofs = ProofDesk(  # members' proofs that a sender lied
+            self.verifier, self.public_keys, self.refusals.refuse, self.startup.expel
         )
 
     # -- the state: read here, changed only by ``apply`` ---------------------------------
@@ -318,6 +319,8 @@ class Coordinator:
                 self.verifier.digests(handle.node_id, message)
             elif isinstance(message, KeptRows):
                 self.verifier.kept_rows(handle.node_id, message)
+            elif isinstance(message, (FrameProof, FrameProofPart)):
+                self.proofs.take(handle.node_id, message)
             elif isinstance(message, ProbeResult):
                 with handle.changed:
                     handle.probe_result = message
@@ -593,13 +596,3 @@ __all__ = [
     "choose_transport",
     "Message",
 ]
-
-
-def _masks(package_dir: Path | None) -> TokenMasks | None:
-    """The grammars of followed requests, matched with the packaged tokenizer."""
-    tokenizer = package_dir / "tokenizer.json" if package_dir else None
-    return (
-        TokenMasks(lambda: tokenizer.read_text())
-        if tokenizer is not None and tokenizer.is_file()
-        else None
-    )  # type: ignore[union-attr]

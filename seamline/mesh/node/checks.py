@@ -10,9 +10,12 @@ from collections.abc import Callable
 import torch
 
 from seamline.net import messages
+from seamline.net.frames import HiddenFrame
 from seamline.net.messages import MAX_DIGEST_ROWS, Digests, Message, Probe, ProbeResult
 from seamline.runtime import digest
 from seamline.runtime.stage_worker import Receipt, RowKeys, StageWorker
+
+RECEIPT_PART_ROWS = 32  # rows of the Digests message that carries a statement
 
 
 def probe_result(worker: StageWorker, probe: Probe) -> ProbeResult:
@@ -47,19 +50,54 @@ def digest_reporter(
     the statement)."""
 
     def report(rows: RowKeys, digests: torch.Tensor, receipt: Receipt | None) -> None:
-        for at in range(0, len(rows), MAX_DIGEST_ROWS):
-            part = slice(at, at + MAX_DIGEST_ROWS)
+        if not rows:
+            return
+        # the statement's part carries fewer rows: with a statement of MAX_SIGNED_ROWS it fits
+        # a member's control link (``joining.MEMBER_LIMITS``)
+        first = RECEIPT_PART_ROWS if receipt is not None else MAX_DIGEST_ROWS
+        starts = [0, *range(first, len(rows), MAX_DIGEST_ROWS)]
+        for at, end in zip(starts, [*starts[1:], len(rows)]):
             send(
                 Digests(
                     plan_id=plan_id,
                     layers=layers,
-                    rows=rows[part],
-                    digests=digest.pack(digests[part]),
+                    rows=rows[at:end],
+                    digests=digest.pack(digests[at:end]),
                     receipt=_receipt(receipt) if receipt is not None and at == 0 else None,
                 )
             )
 
     return report
+
+
+def frame_proof(
+    plan_id: int, sender: str, frame: HiddenFrame, index: int
+) -> list[messages.Message]:
+    """The proof that ``sender`` signed a digest other than row ``index`` of ``frame`` makes
+    (``frame_signing.proves_lie``): a FrameProof and the parts of the row's bytes; none when the
+    row is larger than a proof shows."""
+    assert frame.signed is not None, "only a signed frame shows its sender's lie"
+    rows = [(r.request, r.position, r.count) for r in frame.rows]
+    start = sum(count for _, _, count in rows[:index])
+    row = frame.tensor[start : start + rows[index][2]].contiguous()
+    raw = (row.view(torch.uint8) if row.dtype != torch.float32 else row).numpy().tobytes()
+    if not raw or len(raw) > messages.MAX_PROOF_BYTES:
+        return []
+    step = messages.PROOF_PART_BYTES
+    parts = [
+        messages.FrameProofPart(part=i, tensor=base64.b64encode(raw[at : at + step]).decode())
+        for i, at in enumerate(range(0, len(raw), step))
+    ]
+    proof = messages.FrameProof(
+        plan_id=plan_id,
+        sender=sender,
+        receipt=_receipt((rows, frame.signed)),
+        row=index,
+        dtype=str(row.dtype).removeprefix("torch."),
+        width=list(row.shape[1:]),
+        parts=len(parts),
+    )
+    return [proof, *parts]
 
 
 def _receipt(receipt: Receipt) -> messages.Receipt:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from seamline.mesh.node.checks import frame_proof
 from seamline.mesh.node.data_links import PROBE, UPSTREAM, LinkRefused, admit, dial, expected_from
 from seamline.mesh.node.peer_probe import ProbeRefused, answer_probe
 from seamline.mesh.protocol import frame_signing
@@ -169,8 +170,10 @@ class DataPath:
                 return
             if isinstance(frame, HiddenFrame) and self._checks_signatures(fed):
                 refusal = signed.refusal(frame, fed.digest_seed)
-                if refusal:
-                    self._refuse_unsigned(frame, peer, refusal)
+                if refusal.why:
+                    self._refuse_unsigned(frame, peer, refusal.why)
+                    if refusal.shown_row is not None:
+                        self._show_lie(frame, signed.sender, refusal.shown_row)
                     continue
             try:
                 self._on_frame(frame, peer, role)
@@ -194,12 +197,29 @@ class DataPath:
         for request in {row.request for row in frame.rows}:
             self._frame_refused(request, f"refused a frame from {peer}: {refusal}")
 
-    def _signer(self: Node, seed: int) -> Callable[[RowKeys, torch.Tensor], Signed] | None:
+    def _show_lie(self: Node, frame: HiddenFrame, sender: str, index: int) -> None:
+        """Show the coordinator the row whose bytes ``sender`` signed with another digest."""
+        assignment = self.assignment
+        proof = frame_proof(assignment.plan_id, sender, frame, index) if assignment else []
+        if not proof:
+            log.warning("the refused row from %s is too large to show the coordinator", sender)
+        try:
+            for message in proof:
+                if self.control is not None:
+                    self.control.send_message(message)
+        except LinkClosed:
+            pass
+
+    def _signer(
+        self: Node, seed: int
+    ) -> Callable[[RowKeys, torch.Tensor, torch.Tensor], Signed] | None:
         """What signs this node's frames under the plan's ``seed`` (None without a certificate)."""
         if self.credentials is None:
             return None
         key, sender = self.credentials.signing_key(), self.options.node_id
-        return lambda rows, digests: frame_signing.sign(key, seed, sender, rows, digests)
+        return lambda rows, digests, tensor: frame_signing.sign(
+            key, seed, sender, rows, digests, tensor
+        )
 
     def _keep(self: Node, link: Link) -> None:
         with self._peers_lock:
@@ -256,7 +276,7 @@ class SignedFrames:
         certificate = getattr(link.sock, "peer_certificate_der", lambda: None)()
         self.key = frame_signing.public_key_of(certificate)
 
-    def refusal(self, frame: HiddenFrame, seed: int) -> str:
+    def refusal(self, frame: HiddenFrame, seed: int) -> frame_signing.Refusal:
         """Why ``frame`` is refused ("" when its sender signed what it holds)."""
         rows = [(r.request, r.position, r.count) for r in frame.rows]
         signed = frame_signing.Signed(*frame.signed) if frame.signed is not None else None
