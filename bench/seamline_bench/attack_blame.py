@@ -3,12 +3,15 @@
 The liar joined with the honest members' own invite (removing a member closes the invite it
 came with, so a liar sharing one could once take the honest members out with it). Once armed,
 its stage computes and reports honestly, and one frame in ``EVERY`` it sends downstream carries
-its rows scaled by 1.05. It takes turns at the two ways to sign such a frame:
+its rows scaled by 1.05. It takes turns at the three ways to sign such a frame:
 
-- with the honest digests (what it reported): the receiver finds the rows are not what was
+- as the honest frame (its digests and bytes): the receiver finds the bytes are not what was
   signed and refuses the frame; the request replays, and no one can show who altered it;
-- with the digests of what it sent: the receiver computes on it and reports the signed
-  statement, which shows the liar sent other than its layers compute.
+- the hashes of the bytes it sent with the honest digests: the receiver refuses the frame and
+  shows the coordinator the row, whose hash the liar signed and whose digest it did not;
+- the digests and hashes of what it sent: the receiver computes on it and reports the signed
+  statement, which shows the liar sent other than its layers compute when its stage or link is
+  checked.
 
 The bench reports ``honest_removed`` (honest members of the route the mesh removed or lost by
 the end) beside ``detected_s`` (seconds from armed to the liar's removal).
@@ -45,9 +48,11 @@ def alters_sent_frames(node: Node, armed: threading.Event, counts: Any) -> None:
             if not armed.is_set() or sent[0] % EVERY:
                 return downstream(rows, out, ids, signed)
             bad = out * 1.05
-            if counts["frames_altered"] % 2 and worker.links.sign is not None:
-                signed = worker.links.sign(_keys(rows), _digests(rows, bad, worker.digest_seed))
-                counts["altered_and_signed"] += 1
+            how = counts["frames_altered"] % 3  # 0: honest statement, 1: honest digests, 2: bad
+            if how and worker.links.sign is not None:
+                said = _digests(rows, bad if how == 2 else out, worker.digest_seed)
+                signed = worker.links.sign(_keys(rows), said, bad)
+                counts["altered_signed_as_sent" if how == 2 else "altered_with_honest_digests"] += 1
             counts["frames_altered"] += 1
             downstream(rows, bad, ids, signed)
 
