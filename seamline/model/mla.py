@@ -33,6 +33,7 @@ from seamline.model.layers import RMSNorm, empty_param
 from seamline.model.linear import linear
 from seamline.model.rope import RotaryTable, apply_rotary, yarn_mscale
 from seamline.ownership import Ownership
+from seamline.quant import matmul
 
 # DeepSeek's latent norms use the default epsilon, not config.rms_norm_eps (reference code
 # and transformers both build them as RMSNorm(rank)).
@@ -98,15 +99,16 @@ class MLAttention(nn.Module):
         q = self._query(x).view(x.shape[0], self.heads, self.nope + self.rope_dim)
         latent, k_pe = linear(x, self.kv_a).split((self.rank, self.rope_dim), dim=-1)
         latent = self.kv_a_norm(latent)  # [N, C]
-        if len(spans) == 1 and not spans[0].rowwise:
+        if len(spans) == 1 and not spans[0].rowwise and not matmul.ROWS_ALONE:
             out = self._attend(q, latent, k_pe, spans[0].start, spans[0].cache.layer(layer))
-        else:  # a speculative window's rows one at a time, as one-row steps compute them
+        else:  # a speculative window's rows (every row, computed alone: ``matmul.ROWS_ALONE``)
+            # one at a time, as one-row steps compute them
             pieces = [
                 (s, a, b)
                 for s in spans
                 for a, b in (
                     [(r, r + 1) for r in range(s.offset, s.end)]
-                    if s.rowwise
+                    if s.rowwise or matmul.ROWS_ALONE
                     else [(s.offset, s.end)]
                 )
             ]

@@ -25,18 +25,23 @@ rows are exact's, to the bit.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from seamline.app import default_model_path
 from seamline.mesh.control.reference import Reference
+from seamline.model.attention import GQAttention
 from seamline.model.cache import Span
+from seamline.model.mla import MLAttention
 from seamline.model.stage import Stage
 from seamline.precision import Precision, apply, checked, int8_kernels_here, resolve
 from seamline.quant import matmul
 from seamline.runtime import digest
+from seamline.weights.loader import load_stage
 from seamline.weights.packaging import package_cached
+from tests.support.configs import checkpoint_source
 
 SPLIT = ((0, 15), (15, 30))
 SEQUENCES = 16  # decode rows in one step: past DECODE_ROWS, as a busy stage batches them
@@ -241,3 +246,32 @@ def test_a_stage_answers_its_start_up_probe_as_the_reference_to_the_bit(
             expected, scale = coordinator.probe(layers, ids, hidden, seed)
             got = digest.digest(output, start, seed)
             assert digest.differs(got, expected, scale, torch.bfloat16) == 0.0, (layers, seed)
+
+
+@pytest.mark.parametrize("kind", ["dense", "deepseek_v3"])
+def test_rows_computed_alone_attend_as_decode_rows_in_every_attention(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grouped-query and DeepSeek's latent attention alike: a prompt chunk's rows attend one at a
+    time when rows are computed alone (a checked mesh), so the chunk a row came in changes
+    nothing; otherwise the chunk attends at once. Both give the same rows within rounding."""
+    stage = load_stage(checkpoint_source(kind, tmp_path))
+    module = MLAttention if kind == "deepseek_v3" else GQAttention
+    calls: list[int] = []
+    attend = module._attend
+
+    def counted(self: object, rows: torch.Tensor, *rest: object) -> torch.Tensor:
+        calls.append(rows.shape[0])
+        return attend(self, rows, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(module, "_attend", counted)
+    ids = torch.arange(5, 25)
+    outputs, counts = [], []
+    for alone in (False, True):
+        monkeypatch.setattr(matmul, "ROWS_ALONE", alone)
+        calls.clear()
+        outputs.append(stage.forward_batch(ids, [Span(0, len(ids), 0, stage.new_cache())]))
+        counts.append(set(calls))
+    # alone, no call attends more than one row (grouped-query rows go to the fused decode op)
+    assert counts[0] == {len(ids)} and counts[1] <= {1}, counts
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-4)
