@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from seamline.app import default_model_path
+from seamline.mesh.control import verify
 from seamline.mesh.control.reference import Reference
 from seamline.mesh.control.verify import CheckedStage, Verifier
 from seamline.mesh.node import kept_rows as kept_rows_module
 from seamline.mesh.node.kept_rows import kept_rows
-from seamline.net.frames import EMPTY_HASH, TokenRow
+from seamline.net.frames import EMPTY_HASH, RowFlag, TokenRow
 from seamline.net.messages import Digests, KeptRows, KeptRowsAsk, Message, Open
 from seamline.params import SamplingParams
 from seamline.runtime import digest
@@ -87,10 +88,15 @@ def _until(done: Callable[[], bool], what: str, timeout_s: float = 60) -> None:
 
 
 def _serve_one_request(
-    package: Path, chosen: str, scale: int | None = None, group: bool = False
+    package: Path,
+    chosen: str,
+    scale: int | None = None,
+    group: bool = False,
+    shows: bool = True,
 ) -> tuple[Verifier, list[TokenRow], list[int], list[str]]:
     """One followed request of the prompt and ``DECODED`` tokens through the mesh (``group``:
-    its middle stage is a lockstep group of "b" and "b2"); the verifier, the tokens it
+    its middle stage is a lockstep group of "b" and "b2"; ``shows``: whether the stage asked
+    answers); the verifier, the tokens it
     released, the most ranges it held at once, and the nodes blamed."""
     ranks = [(n, "b2") if group and n == "b" else (n,) for n in NODES]
     reference = Reference(package, "float32")
@@ -105,12 +111,15 @@ def _serve_one_request(
 
     reference.run = counting_run  # type: ignore[method-assign]
     box: list[Verifier] = []
+    asked_after: list[int] = []  # tokens drawn when the chosen stage was asked for its rows
     mesh: list[HonestMesh] = []
 
     def ask(node: str, message: Message) -> None:
         leader = next(r[0] for r in ranks if chosen in r)  # a group's leader shows its rows
+        assert asked_after == [], "a stage is asked once, when the request has ended"
+        asked_after.append(len(tokens))
         assert isinstance(message, KeptRowsAsk) and node == leader
-        for part in mesh[0].show(message):
+        for part in mesh[0].show(message) if shows else []:
             box[0].kept_rows(node, part)
 
     verifier = Verifier(
@@ -129,17 +138,17 @@ def _serve_one_request(
         Open(request=7, sampling=params, prompt_len=len(PROMPT), context_length=64), PROMPT
     )
     tokens, position = list(PROMPT), 0
-    for _ in range(DECODED):
+    for drawn in range(1, DECODED + 1):
         reports, logits = mesh[0].step(tokens, position)
         for node, report in zip(NODES, reports):
             verifier.digests(node, report)
         token = int(draw(logits, params, 0, len(tokens), tokens[len(PROMPT) :], None).token)
-        row = TokenRow(7, len(tokens), token, EMPTY_HASH, EMPTY_HASH)
+        done = RowFlag.DONE if drawn == DECODED else RowFlag.NONE  # the request's last token
+        row = TokenRow(7, len(tokens), token, EMPTY_HASH, EMPTY_HASH, flags=int(done))
         verifier.tokens([row])
         position = len(tokens)
         tokens.append(token)
-    _until(lambda: verifier._events.empty(), "the verifier did not catch up")
-    time.sleep(0.2)  # its last event ran
+    _until(lambda: len(released) == DECODED or bool(blamed), "the request was not checked")
     return verifier, released, held, blamed
 
 
@@ -189,3 +198,12 @@ def test_a_lockstep_group_is_checked_as_one_stage(package: Path) -> None:
     assert verifier.reference is not None and verifier.reference.loaded() == [(RANGES[1], 2)]
     _, _, _, blamed = _serve_one_request(package, "b2", scale=1, group=True)
     assert blamed == ["b", "b2", "after 0 tokens"]
+
+
+def test_a_chosen_stage_that_shows_no_rows_is_at_fault(
+    package: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(verify, "WAIT_S", 0.5)
+    verifier, released, _, blamed = _serve_one_request(package, "c", shows=False)
+    _until(lambda: bool(blamed), "the silent stage was not blamed")
+    assert blamed == ["c", "after 0 tokens"] and released == []

@@ -6,10 +6,11 @@ Every stage of such a mesh reports a digest (``runtime.digest``) of every row it
 every row it computes, for every request: a commitment made before it can know which requests
 are checked, or which stage of them, since the coordinator chooses both and tells no stage
 beforehand. A stage of a checked mesh keeps the input rows of each request it holds
-(``runtime.kept_inputs``); once a followed request's stages have all reported a row, the
-coordinator asks the chosen stage for the rows it took (``KeptRowsAsk``; the answer comes in
-bounded parts, ``KeptRows``), so the choice is known to that stage only after it committed.
-Stage 0's inputs are the request's tokens, which the coordinator has. Row by row it checks:
+(``runtime.kept_inputs``); once a followed request has ended (its last token came) and its
+stages have all reported its rows, the coordinator asks the chosen stage for the rows it took
+(``KeptRowsAsk``; the answer comes in bounded parts, ``KeptRows``), so the choice is known to
+that stage only after it committed to all of them. Stage 0's inputs are the request's tokens,
+which the coordinator has, and no stage is asked. Row by row it checks:
 
 - every link, for every stage (no computing): a stage's input digest against the output
   digest the stage before reports; where they differ, the sender's signed statement of that
@@ -27,6 +28,11 @@ A lockstep group is one stage (its leader reports, keeps and shows its rows; the
 runs the group's shards as the group does, ``reference_group``) and its every rank is blamed.
 
 What the issue left open, decided here:
+- The chosen stage is asked for its rows only once the request has ended. Asked while it
+  runs, the chosen stage would learn it is checked on the rest of the request, and every
+  other stage, not asked, that it is not: it could lie on the rest unseen. The cost: a
+  followed request whose chosen stage is not stage 0 passes its tokens to its client only
+  once it has ended and checked out (stage 0's checks run, and release, as its rows come).
 - The choice is drawn when a request is followed, with ``secrets``; a re-plan replays the
   request as a new one, with a new choice. ``--verify-node NODE`` (tests) checks the stage
   NODE serves in.
@@ -240,6 +246,7 @@ class Verifier(CrossingChecks):
                 if statement is not None and (request, position, count) in statement[0]:
                     shadow.statements.setdefault((position, count), {})[index] = statement
                 shadow.rows.setdefault((position, count), {})[index] = pair
+                shadow.seen.setdefault((position, count), time.monotonic())
                 self._advance(request, shadow)
 
     def _statement(self, index: int, report: Digests) -> Statement | None:
@@ -283,6 +290,7 @@ class Verifier(CrossingChecks):
                 passed.append(row)
                 continue
             shadow.held.append(row)
+            shadow.ended = shadow.ended or bool(row.flags & RowFlag.DONE)
             self._advance(row.request, shadow)
         if passed:
             self.release(passed)
@@ -308,22 +316,27 @@ class Verifier(CrossingChecks):
             if not ready:
                 return True
             position, count = min(ready)
-            if not self._inputs_shown(shadow, position, count, max(p + c for p, c in ready)):
-                return True  # asked: the answer resumes this
+            if not self._inputs_shown(shadow, position, count):
+                return True  # the answer to an ask resumes this
+            shadow.seen.pop((position, count), None)
             if not self._check_row(shadow, position, count, shadow.rows.pop((position, count))):
                 self._drop(shadow.request)
                 return False
 
-    def _inputs_shown(self, shadow: Shadow, position: int, count: int, reported: int) -> bool:
+    def _inputs_shown(self, shadow: Shadow, position: int, count: int) -> bool:
         """Whether the chosen stage's inputs for the row at ``position`` (and those the
-        reference runs before it) are here; if not, ask the stage for them, up to ``reported``
-        (the end of the rows it reported), once."""
+        reference runs before it) are here; if not, and the request has ended, ask the stage
+        for them, up to the end of the rows every stage reported, once. (Never before it ended:
+        a stage not asked while a request runs would know it is not checked on its rest.)"""
         if shadow.chosen == 0:  # its inputs are the tokens
             return True
         start = shadow.run_from(position)
         if shadow.shown_rows(start, position + count) is not None:
             return True
-        if shadow.asked is None:
+        if shadow.asked is None and shadow.ended:
+            reported = max(
+                p + c for (p, c), got in shadow.rows.items() if len(got) == len(self.stages)
+            )
             shadow.asked = (start, reported)
             if shadow.waiting_since is None:
                 shadow.waiting_since = time.monotonic()
@@ -436,8 +449,12 @@ class Verifier(CrossingChecks):
         that never showed the rows it computed on, are at fault."""
         now = time.monotonic()
         for request, shadow in list(self._shadows.items()):
-            late = [key for key, got in shadow.rows.items() if len(got) < len(self.stages)]
-            if late and now - shadow.began > WAIT_S and shadow.held:
+            late = [
+                key
+                for key, got in shadow.rows.items()
+                if len(got) < len(self.stages) and now - shadow.seen[key] > WAIT_S
+            ]
+            if late and shadow.held:
                 got = shadow.rows[min(late)]
                 silent = [i for i in range(len(self.stages)) if i not in got]
                 self._drop(request)

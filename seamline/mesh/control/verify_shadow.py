@@ -4,7 +4,6 @@ stage's cache in the coordinator's copy, and the input rows the stage showed for
 from __future__ import annotations
 
 import base64
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -23,12 +22,14 @@ class Shadow:
     tokens: list[int]  # prompt, then the tokens drawn so far (the mesh's)
     chosen: int  # the stage checked: drawn once the request is followed, told to no stage
     cache: object  # the chosen stage's cache in the reference
-    began: float = field(default_factory=time.monotonic)
     next_position: int = 0  # the reference has run the positions before this
     checked_to: int = 0  # the rows before this position checked out
     rows: dict[tuple[int, int], dict[int, torch.Tensor]] = field(
         default_factory=dict
     )  # (position, count) -> stage -> [2, W]
+    seen: dict[tuple[int, int], float] = field(
+        default_factory=dict
+    )  # (position, count) -> when a stage first reported it
     logits: dict[int, torch.Tensor] = field(
         default_factory=dict
     )  # position drawn for -> the reference's logits (the chosen stage is the last)
@@ -37,6 +38,7 @@ class Shadow:
         default_factory=dict
     )  # (position, count) -> receiving stage -> the statement of the frame it came in
     shown: KeptInputs = field(default_factory=KeptInputs)  # the rows the chosen stage showed
+    ended: bool = False  # its last token came: the chosen stage may be asked for its rows
     asked: tuple[int, int] | None = None  # positions asked of the chosen stage, not yet shown
     arriving: bytearray = field(default_factory=bytearray)  # the asked rows' bytes so far
     waiting_since: float | None = None  # since when rows asked of it are missing

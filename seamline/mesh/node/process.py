@@ -248,7 +248,8 @@ class Node(Membership, DataPath):
                     on_passing_thread(functools.partial(probe_result, tail or self.worker, message))
                 )
             elif isinstance(message, KeptRowsAsk) and self.control:
-                self._send_kept_rows(message)
+                # its parts may be many: sent apart from the coordinator's other messages
+                threading.Thread(target=self._send_kept_rows, args=(message,), daemon=True).start()
             elif isinstance(message, StatsRequest) and self.worker and self.control:
                 w = self.worker
                 sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
@@ -286,8 +287,9 @@ class Node(Membership, DataPath):
         tail = self.tail if self.assignment and ask.layers == self.assignment.tail else None
         worker = tail or self.worker
         if worker is not None and self.assignment is not None:
-            for part in kept_rows(worker, ask, self.assignment.plan_id):
-                self.control.send_message(part)
+            with contextlib.suppress(LinkClosed):  # a broken link is its reader's news
+                for part in kept_rows(worker, ask, self.assignment.plan_id):
+                    self.control.send_message(part)
 
     def _handle_control(self) -> None:
         """The coordinator's messages, in the order they came, apart from the control link's
