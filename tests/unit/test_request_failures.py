@@ -138,3 +138,38 @@ def test_a_replan_or_a_loss_after_the_first_token_still_replays() -> None:
     events = asyncio.run(scenario())
     assert [e.token for e in events] == [42, 43]  # type: ignore[attr-defined]
     assert [e.finish_reason for e in events] == [None, "length"]  # type: ignore[attr-defined]
+
+
+def test_a_request_opened_as_its_route_goes_waits_without_spending_its_replays() -> None:
+    """Between a node's loss and the re-plan the mesh still reads ready, but its route names a
+    node gone and an open fails at once: the request waits and opens again, however many times,
+    and counts no replay (it looped through its 8 replays in 0.1 s, `bench chaos` lost 39 so)."""
+    from seamline.mesh.control.coordinator import StartupError
+    from seamline.net.frames import RowFlag, TokenRow
+
+    mesh = _Mesh()
+    tries: list[int] = []
+
+    def open_request(request: Open, tokens: list[int]) -> None:
+        tries.append(request.request)
+        if len(tries) <= 12:
+            raise StartupError("the mesh is not ready: node n1 left")
+        mesh.opened.append(request.request)
+
+    mesh.open_request = open_request
+    backend = MeshBackend(mesh, None, "m", 64)  # type: ignore[arg-type]
+
+    async def scenario() -> object:
+        stream = backend.generate([1, 2, 3], SamplingParams(max_tokens=1))
+        first = asyncio.ensure_future(_next_or_error(stream))
+        while not mesh.opened and not first.done():
+            await asyncio.sleep(0.01)
+        if first.done():
+            return first.result()  # given up
+        backend._deliver([TokenRow(mesh.opened[-1], 3, 42, 0, 0, int(RowFlag.DONE))])
+        return await first
+
+    event = asyncio.run(scenario())
+    assert getattr(event, "token", None) == 42, event
+    mesh.keeper.apply(NoMembers())
+    assert backend.report.events.get("request_replayed", 0) == 0
