@@ -104,7 +104,7 @@ def test_a_stopped_node_is_lost_within_the_heartbeat_timeout_and_a_standby_takes
 
 def _events_tell_it(mesh: MeshProcesses, victim: str) -> None:
     """The console's feed and /metrics read the coordinator's events: the loss, the re-plan, the
-    replays and the new route, in the order they were applied."""
+    replays, the new route and the replays resumed on it, in the order they were applied."""
     feed = mesh.status()["events"]
     lost = next(
         i
@@ -112,9 +112,16 @@ def _events_tell_it(mesh: MeshProcesses, victim: str) -> None:
         if e["kind"] == "node_lost" and e["message"].startswith(f"node {victim} left")
     )
     after = [e["kind"] for e in feed[lost:]]
+    settled = [kind for kind in after if kind != "request_resumed"]
     assert (
-        after[1] == "replanning" and after[-1] == "route_published" and "request_replayed" in after
+        after[1] == "replanning"
+        and settled[-1] == "route_published"
+        and "request_replayed" in after
+        and "request_resumed" in after
     ), feed
+    # a replay resumes on the new route: after it is published
+    published = after.index("route_published")
+    assert all(i > published for i, kind in enumerate(after) if kind == "request_resumed"), feed
     assert feed[lost]["level"] == "warning" and [e["seq"] for e in feed] == sorted(
         e["seq"] for e in feed
     )
