@@ -134,4 +134,6 @@ class ProofDesk:
             self.refuse(node_id, f"frame proof against {proof.sender}: {why}")
             return
         log.error("verification: %s: %s (shown by %s)", proof.sender, why, node_id)
-        self.expel([proof.sender], why)
+        # not on the showing member's reader: a removal waits for every member's confirmation,
+        # this one's too, which that reader brings in
+        threading.Thread(target=self.expel, args=([proof.sender], why), daemon=True).start()
