@@ -98,12 +98,20 @@ def draw(
     if params.logprobs is None:
         return TokenEvent(token)
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    values, ids = (
-        torch.topk(logprobs, params.logprobs)
-        if params.logprobs
-        else (torch.empty(0), torch.empty(0))
-    )
-    return TokenEvent(token, float(logprobs[token]), tuple(zip(ids.tolist(), values.tolist())))
+    top = most_likely(logprobs, params.logprobs) if params.logprobs else ()
+    return TokenEvent(token, float(logprobs[token]), top)
+
+
+def most_likely(logprobs: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The ``k`` most likely (token, log-probability) pairs, ties in token order: as a greedy
+    draw takes the first of tied tokens, so the drawn one comes first at an exact tie (torch's
+    topk orders ties as it likes)."""
+    values = logprobs.numpy()
+    k = min(k, values.shape[0])
+    kth = np.partition(values, values.shape[0] - k)[values.shape[0] - k]
+    tied = np.flatnonzero(values >= kth)  # every token as likely as the k-th: ascending ids
+    order = tied[np.argsort(-values[tied], kind="stable")][:k]
+    return tuple(zip(order.tolist(), values[order].tolist()))
 
 
 def draw_next(

@@ -7,7 +7,14 @@ import torch
 
 from seamline.errors import RequestError
 from seamline.params import SamplingParams
-from seamline.runtime.sampling import draw_seed, filtered_probs, request_seed, sample
+from seamline.runtime.sampling import (
+    draw,
+    draw_seed,
+    filtered_probs,
+    most_likely,
+    request_seed,
+    sample,
+)
 
 LOGITS = torch.tensor([4.0, 3.0, 2.0, 1.0, 0.0])
 
@@ -87,3 +94,23 @@ def test_temperature_sharpens() -> None:
 def test_invalid_params_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(RequestError):
         SamplingParams(**bad).validate()  # type: ignore[arg-type]
+
+
+def test_the_drawn_token_comes_first_in_top_logprobs_at_an_exact_tie() -> None:
+    logits = torch.zeros(50)
+    logits[[7, 2]] = 3.0  # tied: a greedy draw takes the first
+    logits[5] = 2.0
+    event = draw(logits, SamplingParams(temperature=0.0, logprobs=3), seed=1, position=0)
+    assert event.token == 2
+    assert [token for token, _ in event.top] == [2, 7, 5]
+    # ties past the k-th: the first tokens of them, in order
+    flat = draw(torch.zeros(50), SamplingParams(temperature=0.0, logprobs=4), seed=1, position=0)
+    assert flat.token == 0 and [t for t, _ in flat.top] == [0, 1, 2, 3]
+
+
+def test_top_logprobs_are_the_most_likely_tokens_in_order() -> None:
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    values, ids = torch.topk(logprobs, 20)
+    assert most_likely(logprobs, 20) == tuple(zip(ids.tolist(), values.tolist()))
+    assert len(most_likely(logprobs[:5], 20)) == 5  # no more than the vocabulary
