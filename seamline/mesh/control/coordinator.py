@@ -264,67 +264,62 @@ class Coordinator:
                 handle.link.close()  # a frame it may not send (or a broken one): nothing more is read from it
                 return
             handle.last_heard = time.monotonic()
-            if isinstance(message, TokenFrame):
-                self._take_tokens(handle, message)
-            elif isinstance(message, (Ready, Linked)):
-                plan_id = (
-                    message.descriptor.plan_id if isinstance(message, Ready) else message.plan_id
-                )
-                if plan_id != self.plan_id:  # a start-up a newer plan replaced
-                    log.info(
-                        "ignored node %s's %s for plan %d: plan %d is current",
-                        handle.node_id,
-                        message.kind,
-                        plan_id,
-                        self.plan_id,
-                    )
-                    continue
-                with handle.changed:
-                    if isinstance(message, Ready):
-                        handle.ready, handle.loading = message, None
-                    else:
-                        handle.linked = True
-                    handle.changed.notify_all()
-            elif isinstance(message, Loading):
-                handle.loading = message if message.plan_id == self.plan_id else None
-            elif isinstance(message, Stats):
-                with handle.changed:
-                    handle.stats = message
-                    handle.changed.notify_all()
-            elif isinstance(message, Failure):
-                self._reported(handle, message)
-            elif isinstance(message, Renew):
-                self.joining.renew(handle, message)
-            elif (
-                isinstance(message, Pong)
-                and not handle.beats.answered(message.nonce)
-                and not handle.pongs.arrived(message.nonce)
-            ):
-                log.warning(
-                    "refused node %s's pong %d: no such ping is waiting",
-                    handle.node_id,
-                    message.nonce,
-                )
-            elif isinstance(message, PeerLink) and not self.peer_links.report(
-                handle.node_id, message
-            ):
-                log.warning(
-                    "ignored node %s's link report on %s: it was not asked",
-                    handle.node_id,
-                    message.peer_node,
-                )
-            elif isinstance(message, (SpeedReady, SpeedSums)) and handle.speed_check is not None:
-                handle.speed_check.answer(message)
-            elif isinstance(message, Digests):
-                self.verifier.digests(handle.node_id, message)
-            elif isinstance(message, KeptRows):
-                self.verifier.kept_rows(handle.node_id, message)
-            elif isinstance(message, (FrameProof, FrameProofPart)):
-                self.proofs.take(handle.node_id, message)
-            elif isinstance(message, ProbeResult):
-                with handle.changed:
-                    handle.probe_result = message
-                    handle.changed.notify_all()
+            self._on_message(handle, message)
+
+    def _on_message(self, handle: NodeHandle, message: object) -> None:
+        """One message a member sent on its control link."""
+        if isinstance(message, TokenFrame):
+            self._take_tokens(handle, message)
+        elif isinstance(message, (Ready, Linked)):
+            self._started(handle, message)
+        elif isinstance(message, Loading):
+            handle.loading = message if message.plan_id == self.plan_id else None
+        elif isinstance(message, Stats):
+            handle.update(stats=message)
+        elif isinstance(message, ProbeResult):
+            handle.update(probe_result=message)
+        elif isinstance(message, Failure):
+            self._reported(handle, message)
+        elif isinstance(message, Renew):
+            self.joining.renew(handle, message)
+        elif (
+            isinstance(message, Pong)
+            and not handle.beats.answered(message.nonce)
+            and not handle.pongs.arrived(message.nonce)
+        ):
+            log.warning(
+                "refused node %s's pong %d: no such ping is waiting", handle.node_id, message.nonce
+            )
+        elif isinstance(message, PeerLink) and not self.peer_links.report(handle.node_id, message):
+            log.warning(
+                "ignored node %s's link report on %s: it was not asked",
+                handle.node_id,
+                message.peer_node,
+            )
+        elif isinstance(message, (SpeedReady, SpeedSums)) and handle.speed_check is not None:
+            handle.speed_check.answer(message)
+        elif isinstance(message, Digests):
+            self.verifier.digests(handle.node_id, message)
+        elif isinstance(message, KeptRows):
+            self.verifier.kept_rows(handle.node_id, message)
+        elif isinstance(message, (FrameProof, FrameProofPart)):
+            self.proofs.take(handle.node_id, message)
+
+    def _started(self, handle: NodeHandle, message: Ready | Linked) -> None:
+        """A stage's start-up went on: loaded (Ready) or linked downstream (Linked)."""
+        plan_id = message.descriptor.plan_id if isinstance(message, Ready) else message.plan_id
+        if plan_id != self.plan_id:  # a start-up a newer plan replaced
+            log.info(
+                "ignored node %s's %s for plan %d: plan %d is current",
+                handle.node_id,
+                message.kind,
+                plan_id,
+                self.plan_id,
+            )
+        elif isinstance(message, Ready):
+            handle.update(ready=message, loading=None)
+        else:
+            handle.update(linked=True)
 
     def _take_tokens(self, handle: NodeHandle, frame: TokenFrame) -> None:
         """Tokens go to their clients only from the node that draws them on the current plan,
@@ -461,8 +456,7 @@ class Coordinator:
             self.peer_links.forget(handle.node_id)
             plan = self.plan
             state = self.apply(NodeLost(handle.node_id, reason))
-        with handle.changed:
-            handle.changed.notify_all()
+        handle.update()
         if state.closing:
             return
         if plan is not None and any(handle.node_id in s.members() for s in plan.stages):
@@ -578,8 +572,7 @@ class Coordinator:
         """Fresh counters from every stage of the pipeline, in pipeline order."""
         handles = self.pipeline()
         for handle in handles:
-            with handle.changed:
-                handle.stats = None
+            handle.update(stats=None)
             handle.link.send_message(StatsRequest())
         return [self.wait_for(h, lambda h=h: h.stats, "STATS", timeout_s) for h in handles]  # type: ignore[misc]
 

@@ -82,6 +82,13 @@ class NodeHandle:
     def node_id(self) -> str:
         return self.join.node_id
 
+    def update(self, **fields: object) -> None:
+        """Set ``fields`` and wake whoever waits for a change of this member."""
+        with self.changed:
+            for name, value in fields.items():
+                setattr(self, name, value)
+            self.changed.notify_all()
+
     def info(self, core_share: float = 1.0) -> NodeInfo:
         """What the planner knows of it; ``core_share``: the share of its CPUs' time it has
         (``plan.cores``), which scales its planned rate (its CPU's; its GPUs' are their own)."""
