@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from seamline.net.byte_parts import PART_CHARS
 from seamline.net.message_base import Message, NodeName, Reason
 
 
@@ -56,14 +57,13 @@ class Receipt(BaseModel):
     signature: str = Field(max_length=128)
 
 
-PROOF_PART_BYTES = 30 << 10  # a shown row's bytes a FrameProofPart carries (40 KiB in base64)
 MAX_PROOF_BYTES = 32 << 20  # the largest row a proof shows
 
 
 class FrameProof(Message):
     """A receiver shows the coordinator one row of a frame it refused, with the frame's signed
-    statement: the row's bytes (the ``parts`` FrameProofPart messages that follow) hash as the
-    sender signed, and digest otherwise (``frame_signing.proves_lie``)."""
+    statement: the row's bytes (in the FrameProofPart messages that follow) hash as the sender
+    signed, and digest otherwise (``frame_signing.proves_lie``)."""
 
     kind: Literal["frame_proof"] = "frame_proof"
     plan_id: int
@@ -72,18 +72,14 @@ class FrameProof(Message):
     row: int = Field(ge=0, lt=4096)  # the row's index in ``receipt.rows``
     dtype: Literal["float32", "bfloat16", "float16"]
     width: list[int] = Field(max_length=4)  # the row's shape after its token count
-    parts: int = Field(ge=1, le=MAX_PROOF_BYTES // PROOF_PART_BYTES)
 
 
 class FrameProofPart(Message):
-    """The next ``PROOF_PART_BYTES`` of the row a FrameProof shows."""
+    """A part of the row a FrameProof shows: its bytes from ``offset`` (``net.byte_parts``)."""
 
     kind: Literal["frame_proof_part"] = "frame_proof_part"
-    part: int = Field(ge=0)
-    tensor: str = Field(max_length=PROOF_PART_BYTES * 4 // 3 + 4)  # base64
-
-
-MAX_KEPT_BYTES = 32 << 10  # rows' bytes a KeptRows carries: base64, under a member's control cap
+    offset: int = Field(ge=0)
+    data: str = Field(max_length=PART_CHARS)  # base64
 
 
 class KeptRowsAsk(Message):
@@ -101,8 +97,8 @@ class KeptRowsAsk(Message):
 
 class KeptRows(Message):
     """A part of a stage's kept input rows for positions [start, start + count): their bytes in
-    the stage's compute dtype from ``offset``, at most ``MAX_KEPT_BYTES`` of them, base64 (the
-    answer to one ask comes in parts, in order; ``gone``: the stage holds no such rows)."""
+    the stage's compute dtype from ``offset``, base64 (``net.byte_parts``: the answer to one ask
+    comes in parts, in order; ``gone``: the stage holds no such rows)."""
 
     kind: Literal["kept_rows"] = "kept_rows"
     plan_id: int
@@ -111,5 +107,5 @@ class KeptRows(Message):
     start: int = Field(ge=0)
     count: int = Field(ge=0)
     offset: int = Field(default=0, ge=0)
-    data: str = Field(max_length=MAX_KEPT_BYTES * 4 // 3 + 8)
+    data: str = Field(max_length=PART_CHARS)
     gone: bool = False

@@ -12,9 +12,7 @@ from typing import Annotated, Literal
 from pydantic import Field, TypeAdapter, ValidationError
 
 from seamline.net.check_messages import MAX_DIGEST_ROWS as MAX_DIGEST_ROWS
-from seamline.net.check_messages import MAX_KEPT_BYTES as MAX_KEPT_BYTES
 from seamline.net.check_messages import MAX_PROOF_BYTES as MAX_PROOF_BYTES
-from seamline.net.check_messages import PROOF_PART_BYTES as PROOF_PART_BYTES
 from seamline.net.check_messages import Digests as Digests
 from seamline.net.check_messages import FrameProof as FrameProof
 from seamline.net.check_messages import FrameProofPart as FrameProofPart

@@ -161,7 +161,7 @@ def package(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_the_coordinator_holds_only_the_chosen_stage_while_it_checks(
     package: Path, chosen: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(kept_rows_module, "MAX_KEPT_BYTES", 5000)  # the rows come in parts
+    monkeypatch.setattr(kept_rows_module, "PART_BYTES", 5000)  # the rows come in parts
     verifier, released, held, blamed = _serve_one_request(package, chosen)
     assert blamed == [] and verifier.violations == 0
     assert [r.position for r in released] == [len(PROMPT) + i for i in range(DECODED)]

@@ -193,13 +193,17 @@ def test_a_proof_is_put_together_in_turn_and_no_larger_than_its_row() -> None:
     assert len(parts) == 4 and all(len(encode_message(m)) < 64 << 10 for m in (head, *parts))
     gathering = ProofParts()
     assert gathering.begin("node_b", head) == ""
-    assert gathering.add("node_b", parts[1])[2] == "proof part 1 out of turn"
-    assert gathering.add("node_b", parts[0])[2] == "proof part 0 out of turn"  # dropped
+    out_of_turn = gathering.add("node_b", parts[1])[2]
+    assert (
+        out_of_turn
+        == f"a proof part refused: a part from byte {parts[1].offset}, where 0 came so far"
+    )
+    assert gathering.add("node_b", parts[0])[2] == "a proof part with no proof begun"  # dropped
     gathering.begin("node_b", head)
     for part in parts[:-1]:
         gathering.add("node_b", part)
-    too_long = FrameProofPart(part=3, tensor=parts[0].tensor)
-    assert gathering.add("node_b", too_long)[2] == "a proof longer than the row it names"
+    too_long = FrameProofPart(offset=parts[3].offset, data=parts[0].data)
+    assert gathering.add("node_b", too_long)[2].endswith(f"where {40 * 600 * 4} are expected")
     huge = head.model_copy(update={"width": [1 << 20]})
     assert "row" in gathering.begin("node_b", huge)
 

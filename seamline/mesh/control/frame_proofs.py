@@ -3,12 +3,11 @@
 its own signature, never on the receiver's word.
 
 A proof is a FrameProof (the frame's statement and which row) and the row's bytes in
-FrameProofPart messages, each small enough for a member's control link. A member has at most
+FrameProofPart messages (``net.byte_parts``), each small enough for a member's control link. A member has at most
 one proof being put together, no larger than the row its statement names."""
 
 from __future__ import annotations
 
-import base64
 import logging
 import math
 import threading
@@ -20,6 +19,7 @@ import torch
 
 from seamline.mesh.control.verify import Verifier
 from seamline.mesh.protocol.frame_signing import from_receipt, proves_lie, shown_row
+from seamline.net.byte_parts import gather
 from seamline.net.messages import MAX_PROOF_BYTES, FrameProof, FrameProofPart
 
 log = logging.getLogger("seamline.coordinator")
@@ -29,8 +29,7 @@ log = logging.getLogger("seamline.coordinator")
 class _Gathering:
     proof: FrameProof
     size: int  # the bytes of the row the proof names
-    raw: bytearray = field(default_factory=bytearray)
-    parts: int = 0
+    arriving: bytearray = field(default_factory=bytearray)
 
 
 class ProofParts:
@@ -60,22 +59,17 @@ class ProofParts:
         refused, "" when taken)."""
         with self._lock:
             gathering = self._gathering.get(node_id)
-            if gathering is None or part.part != gathering.parts:
-                self._gathering.pop(node_id, None)
-                return None, b"", f"proof part {part.part} out of turn"
+            if gathering is None:
+                return None, b"", "a proof part with no proof begun"
             try:
-                gathering.raw += base64.b64decode(part.tensor, validate=True)
-            except ValueError:
-                self._gathering.pop(node_id)
-                return None, b"", "a proof part that is not base64"
-            gathering.parts += 1
-            if len(gathering.raw) > gathering.size:
-                self._gathering.pop(node_id)
-                return None, b"", "a proof longer than the row it names"
-            if gathering.parts < gathering.proof.parts:
+                raw = gather(gathering.arriving, part.offset, part.data, gathering.size)
+            except ValueError as exc:
+                del self._gathering[node_id]
+                return None, b"", f"a proof part refused: {exc}"
+            if raw is None:
                 return None, b"", ""
             del self._gathering[node_id]
-            return gathering.proof, bytes(gathering.raw), ""
+            return gathering.proof, raw, ""
 
 
 def _row_bytes(proof: FrameProof) -> int:

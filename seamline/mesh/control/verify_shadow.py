@@ -3,12 +3,12 @@ stage's cache in the coordinator's copy, and the input rows the stage showed for
 
 from __future__ import annotations
 
-import base64
 from dataclasses import dataclass, field
 
 import torch
 
 from seamline.mesh.control.link_blame import Statement
+from seamline.net.byte_parts import gather
 from seamline.net.frames import TokenRow
 from seamline.net.messages import KeptRows, Open
 from seamline.runtime.kept_inputs import KeptInputs
@@ -68,12 +68,9 @@ def shown_part(
     for dim in shape:
         numel *= dim
     size = (end - start) * numel * torch.empty(0, dtype=dtype).element_size()
-    if (part.start, part.count, part.offset) != (start, end - start, len(shadow.arriving)):
-        raise ValueError(f"rows [{part.start}, +{part.count}) from byte {part.offset}, not asked")
-    shadow.arriving += base64.b64decode(part.data.encode(), validate=True)
-    if len(shadow.arriving) < size:
+    if (part.start, part.count) != (start, end - start):
+        raise ValueError(f"rows [{part.start}, +{part.count}), not asked")
+    raw = gather(shadow.arriving, part.offset, part.data, size)
+    if raw is None:
         return None
-    if len(shadow.arriving) > size:
-        raise ValueError(f"{len(shadow.arriving)} bytes for {end - start} rows of {list(shape)}")
-    raw, shadow.arriving = shadow.arriving, bytearray()
-    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(end - start, *shape)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(end - start, *shape)

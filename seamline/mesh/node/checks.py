@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from seamline.net import messages
+from seamline.net.byte_parts import split
 from seamline.net.frames import HiddenFrame
 from seamline.net.messages import MAX_DIGEST_ROWS, Digests, Message, Probe, ProbeResult
 from seamline.runtime import digest
@@ -83,11 +84,7 @@ def frame_proof(
     raw = (row.view(torch.uint8) if row.dtype != torch.float32 else row).numpy().tobytes()
     if not raw or len(raw) > messages.MAX_PROOF_BYTES:
         return []
-    step = messages.PROOF_PART_BYTES
-    parts = [
-        messages.FrameProofPart(part=i, tensor=base64.b64encode(raw[at : at + step]).decode())
-        for i, at in enumerate(range(0, len(raw), step))
-    ]
+    parts = [messages.FrameProofPart(offset=at, data=data) for at, data in split(raw)]
     proof = messages.FrameProof(
         plan_id=plan_id,
         sender=sender,
@@ -95,7 +92,6 @@ def frame_proof(
         row=index,
         dtype=str(row.dtype).removeprefix("torch."),
         width=list(row.shape[1:]),
-        parts=len(parts),
     )
     return [proof, *parts]
 

@@ -3,16 +3,15 @@ asks the one stage it checks of a followed request, after the stage reported the
 
 from __future__ import annotations
 
-import base64
-
 import torch
 
-from seamline.net.messages import MAX_KEPT_BYTES, KeptRows, KeptRowsAsk
+from seamline.net.byte_parts import PART_BYTES, split
+from seamline.net.messages import KeptRows, KeptRowsAsk
 from seamline.runtime.stage_worker import StageWorker
 
 
 def kept_rows(worker: StageWorker, ask: KeptRowsAsk, plan_id: int) -> list[KeptRows]:
-    """The answer to ``ask``: the rows' bytes in parts of at most ``MAX_KEPT_BYTES`` (one part
+    """The answer to ``ask``: the rows' bytes in parts of at most ``PART_BYTES`` (one part
     that says ``gone`` when they are not all kept)."""
     rows = worker.kept.rows(ask.request, ask.start, ask.end) if worker.kept is not None else None
     base = {"plan_id": plan_id, "layers": ask.layers, "request": ask.request, "start": ask.start}
@@ -20,11 +19,6 @@ def kept_rows(worker: StageWorker, ask: KeptRowsAsk, plan_id: int) -> list[KeptR
         return [KeptRows(**base, count=0, data="", gone=True)]
     raw = rows.contiguous().view(torch.uint8).numpy().tobytes()
     return [
-        KeptRows(
-            **base,
-            count=rows.shape[0],
-            offset=at,
-            data=base64.b64encode(raw[at : at + MAX_KEPT_BYTES]).decode(),
-        )
-        for at in range(0, len(raw), MAX_KEPT_BYTES)
+        KeptRows(**base, count=rows.shape[0], offset=at, data=data)
+        for at, data in split(raw, PART_BYTES)
     ]
