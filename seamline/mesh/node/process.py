@@ -35,7 +35,8 @@ from seamline.mesh.node.fetch import FetchReport
 from seamline.mesh.node.idle_probe import probe_when_idle
 from seamline.mesh.node.kept_rows import kept_rows
 from seamline.mesh.node.membership import Membership
-from seamline.mesh.node.node_precision import stage_precision, take_precision
+from seamline.mesh.node.node_precision import take_precision
+from seamline.mesh.node.node_stats import stage_stats
 from seamline.mesh.node.peer_probe import probe_peer
 from seamline.mesh.node.private_tail import load_tail, pair
 from seamline.mesh.node.reprobe import reprobe_when_quiet
@@ -76,7 +77,6 @@ from seamline.net.messages import (
     SpeedProbe,
     SpeedReady,
     SpeedSums,
-    Stats,
     StatsRequest,
 )
 from seamline.parallel.comm import CommError
@@ -251,26 +251,9 @@ class Node(Membership, DataPath):
                 # its parts may be many: sent apart from the coordinator's other messages
                 threading.Thread(target=self._send_kept_rows, args=(message,), daemon=True).start()
             elif isinstance(message, StatsRequest) and self.worker and self.control:
-                w = self.worker
-                sent = {peer: link.bytes_sent for peer, link in self._data_links.items()}
                 self.control.send_message(
-                    Stats(
-                        node_id=self.options.node_id,
-                        decode_steps=w.decode_steps,
-                        decode_seconds=w.decode_seconds,
-                        refused_frames=w.refused,
-                        link_bytes=sent,
-                        precision=stage_precision(self.assignment),
-                        step_probe_s=w.step_probe,
-                        prompt_probe_s=w.prompt_probe,
-                        step_overhead_s=w.clock.overhead_s(),
-                        probe_quiet=w.probe_quiet,
-                        cycle_wall_s=w.clock.cycle_wall_s(),
-                        ring_s=w.head.ring.ring_s() if w.head else 0.0,
-                        busy_seconds=w.busy_seconds,
-                        idle_seconds=w.idle.seconds(),
-                        **w.holdings(),
-                        **w.speculated(),
+                    stage_stats(
+                        self.options.node_id, self.worker, self._data_links, self.assignment
                     )
                 )
         except Exception as exc:  # a failed step is reported, never fatal to the node
