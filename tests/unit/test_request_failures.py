@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -173,3 +174,23 @@ def test_a_request_opened_as_its_route_goes_waits_without_spending_its_replays()
     assert getattr(event, "token", None) == 42, event
     mesh.keeper.apply(NoMembers())
     assert backend.report.events.get("request_replayed", 0) == 0
+
+
+def test_a_request_whose_opens_keep_failing_while_the_mesh_reads_ready_ends_at_the_deadline() -> (
+    None
+):
+    """An open that fails each time while the mesh reads ready is waited on no longer than a
+    lost route: the request ends with the reason once the replay deadline has passed."""
+    from seamline.mesh.control.coordinator import StartupError
+
+    mesh = _Mesh()
+
+    def open_request(request: Open, tokens: list[int]) -> None:
+        raise StartupError("the mesh is not ready: node n1 left")
+
+    mesh.open_request = open_request
+    backend = MeshBackend(mesh, None, "m", 64, replay_deadline_s=0.5)  # type: ignore[arg-type]
+    began = time.monotonic()
+    got = asyncio.run(_next_or_error(backend.generate([1, 2, 3], SamplingParams(max_tokens=1))))
+    assert isinstance(got, RequestFailed) and "node n1 left" in str(got), got
+    assert "could not serve again within" in str(got) and time.monotonic() - began < 5

@@ -192,12 +192,14 @@ class MeshBackend:
     async def _until_ready(self, lost: _Loss, cause: Exception) -> None:
         """Wait for the mesh to serve again; RequestFailed once ``replay_deadline_s`` has passed
         since the route was lost."""
-        while not self.coordinator.ready.is_set():
+        while True:  # the deadline holds where the mesh reads ready and opens still fail
             if time.monotonic() - lost.at > self.replay_deadline_s:
                 raise RequestFailed(
                     f"{cause}; the mesh could not serve again within {self.replay_deadline_s:.0f} s "
                     f"({self.coordinator.state})"
                 ) from None
+            if self.coordinator.ready.is_set():
+                break
             await asyncio.sleep(READY_POLL_S)
         lost.served_again = lost.served_again or time.monotonic()
 
