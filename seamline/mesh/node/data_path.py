@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,17 @@ from seamline.mesh.protocol.frame_signing import Signed
 from seamline.mesh.protocol.relay_wire import PAIR_WAIT_S, RELAY_MAGIC
 from seamline.net.frames import FrameError, HiddenFrame, TokenFrame
 from seamline.net.link import Link, LinkClosed, tune
-from seamline.net.messages import Close, Failure, Forget, Fork, Linked, Open, RelayAccept, Route
+from seamline.net.messages import (
+    Close,
+    Failure,
+    Forget,
+    Fork,
+    Linked,
+    Message,
+    Open,
+    RelayAccept,
+    Route,
+)
 from seamline.net.overlap import ReadAhead, SendBehind
 from seamline.net.tls import TlsRefused, TlsSocket
 from seamline.runtime.speculation import Speculation
@@ -198,17 +209,25 @@ class DataPath:
             self._frame_refused(request, f"refused a frame from {peer}: {refusal}")
 
     def _show_lie(self: Node, frame: HiddenFrame, sender: str, index: int) -> None:
-        """Show the coordinator the row whose bytes ``sender`` signed with another digest."""
+        """Show the coordinator the row whose bytes ``sender`` signed with another digest: on a
+        thread of its own (its parts may be many), one proof at a time (the first removes it)."""
         assignment = self.assignment
-        proof = frame_proof(assignment.plan_id, sender, frame, index) if assignment else []
+        if assignment is None or not self._showing.acquire(blocking=False):
+            return
+        proof = frame_proof(assignment.plan_id, sender, frame, index)
         if not proof:
             log.warning("the refused row from %s is too large to show the coordinator", sender)
+        threading.Thread(target=self._send_proof, args=(proof,), daemon=True).start()
+
+    def _send_proof(self: Node, proof: list[Message]) -> None:
         try:
             for message in proof:
                 if self.control is not None:
                     self.control.send_message(message)
         except LinkClosed:
             pass
+        finally:
+            self._showing.release()
 
     def _signer(
         self: Node, seed: int

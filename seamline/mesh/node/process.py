@@ -132,6 +132,7 @@ class Node(Membership, DataPath):
         self.revoked: frozenset[str] = frozenset()  # nodes removed from the mesh: refused here too
         self.fragment_gate: PeerGate | None = None  # the fragment server's check of its clients
         self._peers_lock = threading.Lock()
+        self._showing = threading.Lock()  # held while a proof of a sender's lie is being sent
         self.bytes_downloaded = 0
         self.comm_port = 0  # lockstep peers reach this node here
         self.comm_reservation: socket.socket | None = (
